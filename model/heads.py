@@ -1,0 +1,62 @@
+"""Scores that name what an attention head does, read from ``attn.hook_pattern``.
+
+* previous-token score: mean weight a query at position i puts on key i−1;
+* induction score: on a random token sequence repeated twice, mean weight a
+  query in the second copy puts on the token right after the earlier
+  occurrence of its own token (key i − R + 1 for a repeat of length R).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.gpt import GPT
+
+
+@torch.no_grad()
+def attention_patterns(model: GPT, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """One forward of ``tokens`` ``[B, n]``; returns the pattern ``[B, H, n, n]`` of every layer."""
+    patterns: list[torch.Tensor] = []
+    handles = [
+        block.attn.hook_pattern.register_forward_hook(lambda _m, _i, out: patterns.append(out.detach()))
+        for block in model.blocks
+    ]
+    try:
+        model(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return patterns
+
+
+def previous_token_scores(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    """``[n_layer, n_head]``: mean attention weight on position i−1, over queries i ≥ 1."""
+    scores = []
+    for pattern in attention_patterns(model, tokens):
+        sub_diagonal = pattern.diagonal(offset=-1, dim1=-2, dim2=-1)  # [B, H, n−1]
+        scores.append(sub_diagonal.mean(dim=(0, 2)))
+    return torch.stack(scores)
+
+
+def repeated_random_tokens(
+    vocab_size: int, length: int, batch: int, seed: int, first_id: int = 1, prefix: int | None = None
+) -> torch.Tensor:
+    """``[batch, (prefix?) + 2·length]``: random ids in ``[first_id, vocab_size)`` repeated twice."""
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randint(first_id, vocab_size, (batch, length), generator=g)
+    parts = [half, half]
+    if prefix is not None:
+        parts.insert(0, torch.full((batch, 1), prefix, dtype=torch.long))
+    return torch.cat(parts, dim=1)
+
+
+def induction_scores(model: GPT, tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """``[n_layer, n_head]`` for ``tokens`` whose last ``2·length`` positions are a repeat."""
+    n = tokens.size(1)
+    start = n - length  # first query of the second copy
+    queries = torch.arange(start, n)
+    targets = queries - length + 1  # the position after the earlier occurrence
+    scores = []
+    for pattern in attention_patterns(model, tokens):
+        scores.append(pattern[:, :, queries, targets].mean(dim=(0, 2)))
+    return torch.stack(scores)

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download at test time
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    from model import load_bundled
+
+    return load_bundled()
+
+
+@pytest.fixture(scope="session")
+def hf_pair():
+    """A random small Hugging Face GPT-2 and our GPT loaded from its save_pretrained directory."""
+    import tempfile
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from model import load_hf_gpt2
+
+    torch.manual_seed(1234)
+    cfg = GPT2Config(
+        n_layer=3, n_head=4, n_embd=64, vocab_size=211, n_positions=48, bos_token_id=0, eos_token_id=0,
+        attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
+    )
+    hf = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # non-trivial biases and LayerNorm parameters, so every term is exercised
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    directory = Path(tempfile.mkdtemp(prefix="hf-gpt2-"))
+    hf.save_pretrained(directory)
+    ours, tok = load_hf_gpt2(directory)
+    return hf, ours, directory

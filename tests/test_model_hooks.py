@@ -1,0 +1,147 @@
+"""Every hook point exists, is documented, and has the documented shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, HookPoint
+from model.hook_table import HOOKS, dims_of, markdown_table, resolve, spec_for
+
+CONFIG = GPTConfig(vocab_size=97, n_ctx=32, d_model=48, n_layer=2, n_head=3)
+
+
+def capture_shapes(model, tokens, cache=None, padding_mask=None) -> dict[str, tuple]:
+    shapes: dict[str, tuple] = {}
+    handles = [
+        module.register_forward_hook(lambda m, i, o, name=name: shapes.__setitem__(name, tuple(o.shape)))
+        for name, module in model.named_modules()
+        if isinstance(module, HookPoint)
+    ]
+    try:
+        with torch.no_grad():
+            model(tokens, cache, padding_mask=padding_mask)
+    finally:
+        for h in handles:
+            h.remove()
+    return shapes
+
+
+def expected_shape(name: str, batch: int, new: int, keys: int, mask_batch: int) -> tuple:
+    spec = spec_for(name)
+    assert spec is not None, f"{name} is not in the hook table"
+    dims = dims_of(CONFIG, batch, new, keys)
+    dims["B|1"] = mask_batch
+    return tuple(resolve(s, dims) for s in spec.shape)
+
+
+def test_every_hook_point_is_in_the_table_and_every_row_exists():
+    model = GPT(CONFIG)
+    names = {n for n, m in model.named_modules() if isinstance(m, HookPoint)}
+    generic = {spec_for(n).name for n in names if spec_for(n)}
+    assert {n for n in names if spec_for(n) is None} == set()
+    assert generic == {s.name for s in HOOKS}
+    assert len(names) == 4 + 22 * CONFIG.n_layer  # 4 outside the blocks, 22 per block
+
+
+def test_readme_shows_the_table_from_the_code():
+    readme = (Path(__file__).resolve().parent.parent / "model" / "README.md").read_text(encoding="utf-8")
+    assert markdown_table() in readme
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prefill_and_decode_shapes_match_the_table(batch):
+    model = GPT(CONFIG).eval()
+    n0 = 5
+    tokens = torch.randint(0, 97, (batch, n0 + 3))
+    cache = model.new_cache(batch)
+    shapes = capture_shapes(model, tokens[:, :n0], cache)
+    assert len(shapes) == 4 + 22 * CONFIG.n_layer
+    for name, shape in shapes.items():
+        assert shape == expected_shape(name, batch, n0, n0, 1), name
+    for step in range(1, 4):  # decode: n = 1, t = n0 + step
+        shapes = capture_shapes(model, tokens[:, n0 + step - 1 : n0 + step], cache)
+        for name, shape in shapes.items():
+            assert shape == expected_shape(name, batch, 1, n0 + step, 1), (step, name)
+        assert shapes["blocks.1.attn.hook_pattern"] == (batch, 3, 1, n0 + step)
+        assert shapes["blocks.0.attn.hook_k_all"] == (batch, 3, n0 + step, 16)
+
+
+def test_padding_makes_the_mask_per_row():
+    model = GPT(CONFIG).eval()
+    tokens = torch.randint(0, 97, (2, 6))
+    mask = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+    shapes = capture_shapes(model, tokens, padding_mask=mask)
+    assert shapes["blocks.0.attn.hook_mask"] == (2, 1, 6, 6)
+    assert shapes["blocks.0.attn.hook_pattern"] == (2, 3, 6, 6)
+
+
+def test_the_mask_offsets_query_rows_by_the_cache_length():
+    model = GPT(CONFIG).eval()
+    masks = []
+    h = model.blocks[0].attn.hook_mask.register_forward_hook(lambda m, i, o: masks.append(o.clone()))
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 4)), cache)
+        model(torch.randint(0, 97, (1, 3)), cache)  # three new queries at positions 4, 5, 6
+    h.remove()
+    prefill, chunk = masks[0][0, 0], masks[1][0, 0]
+    assert torch.equal(torch.isinf(prefill), torch.ones(4, 4).triu(1).bool())
+    assert chunk.shape == (3, 7)
+    for i in range(3):
+        allowed = ~torch.isinf(chunk[i])
+        assert allowed.tolist() == [j <= 4 + i for j in range(7)]
+
+
+def test_exceeding_n_ctx_is_a_clear_value_error():
+    model = GPT(CONFIG).eval()
+    with pytest.raises(ValueError, match="n_ctx is 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    cache = model.new_cache(1)
+    model(torch.zeros(1, 32, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match=r"32 cached \+ 1 new = 33"):
+        model(torch.zeros(1, 1, dtype=torch.long), cache)
+    assert cache.length == 32  # the refused step changed nothing
+
+
+def test_a_failing_forward_leaves_the_cache_unchanged():
+    model = GPT(CONFIG).eval()
+    cache = model.new_cache(1)
+    model(torch.randint(0, 97, (1, 4)), cache)
+    before = [k.clone() for k in cache.keys]
+
+    def explode(module, args, output):
+        raise RuntimeError("boom")
+
+    h = model.blocks[1].mlp.register_forward_hook(explode)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randint(0, 97, (1, 1)), cache)
+    h.remove()
+    assert cache.length == 4
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.keys))
+    model(torch.randint(0, 97, (1, 1)), cache)
+    assert cache.length == 5 and cache.keys[1].shape[2] == 5
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (torch.zeros(4, dtype=torch.long), r"\[B, n\]"),
+        (torch.zeros(1, 3), "integer"),
+        (torch.full((1, 3), 97), r"\[0, 97\)"),
+        (torch.zeros(1, 0, dtype=torch.long), "n = 0"),
+    ],
+)
+def test_bad_token_tensors_are_refused_clearly(tokens, message):
+    with pytest.raises(ValueError, match=message):
+        GPT(CONFIG)(tokens)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(d_model=50, n_head=3)
+    with pytest.raises(ValueError, match="n_layer"):
+        GPTConfig(n_layer=0)
+    assert GPTConfig().d_head == 64 and GPTConfig().d_ff == 3072

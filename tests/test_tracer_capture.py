@@ -1,0 +1,245 @@
+"""Module-level and op-level capture on our GPT and on models we did not write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from model import GPT, GPTConfig, HookPoint
+from model.hook_table import dims_of, resolve, spec_for
+from tracer import Tracer, hooks_installed
+
+CONFIG = GPTConfig(vocab_size=64, n_ctx=24, d_model=32, n_layer=2, n_head=4)
+
+
+@pytest.fixture()
+def gpt():
+    torch.manual_seed(0)
+    return GPT(CONFIG).eval()
+
+
+def no_hooks_left(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_every_hook_point_is_a_record_with_its_documented_name_and_shape(gpt):
+    tokens = torch.randint(0, 64, (2, 7))
+    with torch.no_grad(), Tracer(gpt, capture="shapes") as tr:
+        gpt(tokens)
+    frame = tr.trace.to_frame()
+    hooks = frame[frame.kind == "hook"]
+    names = {n for n, m in gpt.named_modules() if isinstance(m, HookPoint)}
+    assert set(hooks.name) == names
+    dims = dims_of(CONFIG, 2, 7, 7)
+    dims["B|1"] = 1
+    for row in hooks.itertuples():
+        assert row.shape == tuple(resolve(s, dims) for s in spec_for(row.name).shape), row.name
+    assert (frame.step == 0).all()
+    assert no_hooks_left(gpt) and hooks_installed(gpt) == 0
+
+
+def test_records_carry_module_type_params_dtype_and_bytes(gpt):
+    with torch.no_grad(), Tracer(gpt, capture="shapes") as tr:
+        gpt(torch.randint(0, 64, (1, 5)))
+    rec = tr.trace.record("blocks.0.attn.c_attn:out")
+    assert rec.module_type == "Projection"
+    assert rec.module_params == 32 * 96 + 96
+    assert rec.shape == (1, 5, 96) and rec.dtype == "float32" and rec.device == "cpu"
+    assert rec.numel == 480 and rec.nbytes == 480 * 4
+    assert rec.layer == 0 and rec.kind == "output"
+    tokens_in = tr.trace.record("model:in[0]")
+    assert tokens_in.shape == (1, 5) and tokens_in.dtype == "int64" and tokens_in.kind == "input"
+    assert tr.trace.record("model:out").module_params == gpt.num_parameters
+
+
+def test_values_equal_what_a_plain_forward_hook_sees(gpt):
+    seen = {}
+    h = gpt.blocks[1].attn.hook_pattern.register_forward_hook(lambda m, i, o: seen.setdefault("p", o.clone()))
+    tokens = torch.randint(0, 64, (1, 6))
+    with torch.no_grad(), Tracer(gpt, capture="values") as tr:
+        logits = gpt(tokens)
+    h.remove()
+    assert torch.equal(tr.trace.get("blocks.1.attn.hook_pattern"), seen["p"])
+    assert torch.equal(tr.trace.get("hook_logits", step=0), logits)
+    assert tr.trace.get("model:in[0]").tolist() == tokens.tolist()
+
+
+def test_nested_inputs_and_outputs_get_readable_slots():
+    class Fancy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 2)
+
+        def forward(self, pair, extra=None):
+            a, b = pair
+            return {"sum": self.inner(a + b), "parts": (a, [b * 2])}
+
+    model = Fancy()
+    with torch.no_grad(), Tracer(model, capture="values") as tr:
+        model((torch.ones(4, 3), torch.zeros(4, 3)), extra=torch.arange(5))
+    names = tr.trace.names()
+    for expected in ("model:in[0][0]", "model:in[0][1]", "model:in.extra", "model:out.sum",
+                     "model:out.parts[0]", "model:out.parts[1][0]", "inner:in[0]", "inner:out"):
+        assert expected in names
+    assert tr.trace.get("model:out.parts[1][0]").shape == (4, 3)
+    assert tr.trace.record("model:in.extra").dtype == "int64"
+
+
+def test_a_plain_conv_model_with_in_place_relu_keeps_the_pre_relu_values():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)
+    ).eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        expected_conv = model[0](x)
+        with Tracer(model, capture="values") as tr:
+            out = model(x)
+    t = tr.trace
+    conv_out = t.get("0:out")
+    assert conv_out.shape == (2, 4, 8, 8)
+    assert (conv_out < 0).any(), "the conv output must not have been overwritten by the in-place ReLU"
+    assert torch.equal(conv_out, expected_conv)
+    assert torch.equal(t.get("1:out"), expected_conv.clamp(min=0))
+    assert t.record("4:out").shape == (2, 3) and torch.equal(t.get("model:out"), out)
+    assert t.record("2:out").shape == (2, 4, 4, 4)
+    assert [r.module_type for r in t.filter(kind="output")] == [
+        "Conv2d", "ReLU", "MaxPool2d", "Flatten", "Linear", "Sequential"
+    ]
+
+
+def test_mutation_outside_known_in_place_modules_is_detected_not_shown_wrong():
+    class SneakyAdd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            y = self.lin(x)
+            y += 100  # functional in-place: changes the tensor the Linear's output record points at
+            return y
+
+    model = SneakyAdd()
+    with torch.no_grad(), Tracer(model, capture="values") as tr:
+        model(torch.ones(1, 2))
+    rec = tr.trace.record("lin:out")
+    assert tr.trace.get("lin:out") is None and "changed in place" in rec.value_note
+    with torch.no_grad(), Tracer(model, capture="values", copy="all") as tr2:
+        y = model(torch.ones(1, 2))
+    assert torch.allclose(tr2.trace.get("lin:out") + 100, y)
+    with torch.no_grad(), Tracer(model, capture="ops") as tr3:  # op level sees `+=` coming and copies first
+        y = model(torch.ones(1, 2))
+    assert torch.allclose(tr3.trace.get("lin:out") + 100, y)
+
+
+def test_hugging_face_gpt2_is_traced_like_any_module(hf_pair):
+    hf, ours, _ = hf_pair
+    tokens = torch.randint(0, 211, (1, 9))
+    with torch.no_grad(), Tracer(hf, capture="values") as tr:
+        out = hf(tokens)
+    t = tr.trace
+    assert torch.equal(t.get("model:out.logits"), out.logits)
+    assert t.record("transformer.h.0.attn.c_attn:out").shape == (1, 9, 192)
+    assert t.record("transformer.h.2.mlp.c_fc:out").shape == (1, 9, 256)
+    assert t.record("lm_head:out").shape == (1, 9, 211)
+    assert {r.layer for r in t.filter(module="transformer.h")} == {0, 1, 2}
+    assert no_hooks_left(hf)
+
+
+def test_op_level_shows_view_transpose_matmul_in_the_attention(gpt):
+    tokens = torch.randint(0, 64, (1, 5))
+    with torch.no_grad(), Tracer(gpt, capture="ops") as tr:
+        gpt(tokens)
+    ops = tr.trace.ops_frame(module="blocks.0.attn")
+    sequence = list(ops.op)
+    i_split = sequence.index("Tensor.split")
+    assert sequence[i_split + 1 : i_split + 3] == ["Tensor.view", "Tensor.transpose"]
+    qk = ops[(ops.op == "Tensor.matmul")].iloc[0]
+    assert qk.input_shapes == ((1, 4, 5, 8), (1, 4, 8, 5)) and qk.output_shapes == ((1, 4, 5, 5),)
+    assert qk.module == "blocks.0.attn"
+    softmax = ops[ops.op == "torch.softmax"].iloc[0]
+    assert softmax.output_shapes == ((1, 4, 5, 5),)
+    assert "torch.addmm" in set(tr.trace.ops_frame(module="blocks.0.attn.c_attn").op)
+    assert "F.layer_norm" in set(tr.trace.ops_frame(module="blocks.0.ln1").op)
+    assert "F.gelu" in set(tr.trace.ops_frame(module="blocks.0.mlp").op)
+    order = list(tr.trace.ops_frame().index)
+    assert order == sorted(order)
+
+
+class MissingTranspose(nn.Module):
+    """A user's edit of our attention that forgot to transpose K."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x, mask, cache):
+        B, n, d = x.shape
+        a = self.attn
+        q, k, v = a.c_attn(x).split(d, dim=2)
+        q = q.view(B, n, a.n_head, a.d_head).transpose(1, 2)
+        k = k.view(B, n, a.n_head, a.d_head).transpose(1, 2)
+        scores = q @ k  # should be q @ k.transpose(-2, -1)
+        return scores
+
+
+@pytest.mark.parametrize("capture", ["shapes", "values", "ops"])
+def test_a_broken_model_keeps_its_trace_and_names_the_failure(gpt, capture):
+    gpt.blocks[1].attn = MissingTranspose(gpt.blocks[1].attn)
+    tokens = torch.randint(0, 64, (1, 5))
+    with pytest.raises(RuntimeError) as info, torch.no_grad(), Tracer(gpt, capture=capture) as tr:
+        gpt(tokens)
+    t = tr.trace
+    err = t.error
+    assert err is not None and t.exception is info.value
+    assert err.module == "blocks.1.attn" and err.module_type == "MissingTranspose"
+    assert ("[0]", (1, 5, 32)) in err.input_shapes
+    assert "scores = q @ k" in err.source
+    assert err.module_stack == ["model", "blocks.1", "blocks.1.attn"]
+    assert any("[tracer]" in note and "blocks.1.attn" in note for note in info.value.__notes__)
+    # everything up to the failure is still there
+    assert t.record("blocks.0.hook_resid_post").shape == (1, 5, 32)
+    assert t.record("blocks.1.ln1.hook_normalized").shape == (1, 5, 32)
+    if capture == "ops":
+        assert err.op == "Tensor.matmul" and err.op_input_shapes == [(1, 4, 5, 8), (1, 4, 5, 8)]
+        failed = t.ops_frame()
+        assert failed.iloc[-1].error.startswith("RuntimeError")
+    if capture != "shapes":
+        assert t.get("blocks.0.hook_resid_post") is not None
+    assert no_hooks_left(gpt) and hooks_installed(gpt) == 0
+
+
+def test_tracer_removes_its_hooks_when_the_forward_raises(gpt):
+    with pytest.raises(ValueError), Tracer(gpt):
+        gpt(torch.zeros(1, 99, dtype=torch.long))  # longer than n_ctx
+    assert no_hooks_left(gpt)
+
+
+def test_each_top_level_call_is_a_step(gpt):
+    with torch.no_grad(), Tracer(gpt, capture="shapes") as tr:
+        gpt(torch.randint(0, 64, (1, 3)))
+        gpt(torch.randint(0, 64, (1, 4)))
+    t = tr.trace
+    assert t.n_steps == 2
+    assert t.record("hook_embed", step=0).shape == (1, 3, 32)
+    assert t.record("hook_embed", step=1).shape == (1, 4, 32)
+    assert set(t.to_frame().step) == {0, 1}
+
+
+def test_filters_by_layer_module_kind_and_name(gpt):
+    with torch.no_grad(), Tracer(gpt, capture="shapes") as tr:
+        gpt(torch.randint(0, 64, (1, 4)))
+    t = tr.trace
+    layer1 = t.to_frame(layer=1)
+    assert set(layer1.layer) == {1} and len(layer1) > 20
+    attn = t.to_frame(module="blocks.0.attn", kind="hook")
+    assert all(n.startswith("blocks.0.attn.hook_") for n in attn.name) and len(attn) == 13
+    assert list(t.to_frame(name="*hook_pattern").name) == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
+    with pytest.raises(KeyError, match="did you mean"):
+        t.get("blocks.0.attn.hook_patern")
+
+
+def test_unknown_capture_level_is_refused(gpt):
+    with pytest.raises(ValueError, match="capture must be one of"):
+        Tracer(gpt, capture="everything")

@@ -1,0 +1,204 @@
+"""TracedGeneration: steps, cache, batches with padding, budget, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, SamplingConfig, generate
+from tracer import Tracer
+from tracer.generation import MAX_RUN_STEPS, ContextFullError, PromptError, TracedGeneration
+
+
+def test_step_zero_is_the_prefill_and_later_steps_feed_one_token(bundled):
+    model, tok = bundled
+    prompt = "Once upon a time, there was a little girl named Lily."
+    n0 = len(tok.encode(prompt))
+    gen = TracedGeneration(model, tok, prompt, temperature=0)
+    for s in range(4):
+        info = gen.step()
+        assert info.step == s
+        assert (info.n, info.t) == ((n0, n0) if s == 0 else (1, n0 + s))
+        assert gen.cache_length == n0 + s == info.cache_length_after
+        t = gen.trace
+        assert t.record("blocks.0.attn.hook_q", s).shape == (1, 4, info.n, 32)
+        assert t.record("blocks.3.attn.hook_k_all", s).shape == (1, 4, n0 + s, 32)
+        assert t.record("blocks.2.attn.hook_pattern", s).shape == (1, 4, info.n, n0 + s)
+        assert t.record("hook_logits", s).shape == (1, info.n, model.config.vocab_size)
+        assert len(info.candidates[0]) == 20 and info.sampled[0] in info.candidates[0]
+    assert gen.generated() == generate(model, tok.encode(prompt), 4, SamplingConfig(temperature=0))
+    assert gen.text().startswith(prompt)
+
+
+def test_without_the_cache_every_step_recomputes_everything_and_agrees(bundled):
+    model, tok = bundled
+    prompt = "Tom had a big red kite."
+    n0 = len(tok.encode(prompt))
+    cached = TracedGeneration(model, tok, prompt, use_cache=True, temperature=0.9, top_k=50, seed=11)
+    full = TracedGeneration(model, tok, prompt, use_cache=False, temperature=0.9, top_k=50, seed=11)
+    cached.run(5)
+    full.run(5)
+    assert cached.generated() == full.generated()
+    for s in range(5):
+        assert full.trace.steps[s].n == n0 + s and full.trace.steps[s].t == n0 + s
+        assert full.trace.record("blocks.0.attn.hook_q", s).shape[2] == n0 + s
+        # the cached step's single row equals the last row of the full recompute
+        last_full = full.trace.get("hook_logits", s)[:, -1]
+        last_cached = cached.trace.get("hook_logits", s)[:, -1]
+        assert (last_full - last_cached).abs().max() < 1e-4
+    delta, seconds = cached.compare_with_recompute()
+    assert delta < 1e-4 and seconds > 0
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_batch_generates_what_each_prompt_generates_alone(bundled, side):
+    model, tok = bundled
+    prompts = ["Mia had a small blue boat. One day,", "Ben said,"]
+    gen = TracedGeneration(model, tok, prompts, temperature=0, padding_side=side)
+    gen.run(6)
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, tok.encode(prompt), 6, SamplingConfig(temperature=0))
+        assert gen.generated(row) == alone, (side, row)
+    width = max(len(tok.encode(p)) for p in prompts)
+    mask = gen.trace.get("blocks.0.attn.hook_mask", 0)
+    assert mask.shape == (2, 1, width, width)
+    short = len(tok.encode(prompts[1]))
+    pad_cols = list(range(width - short)) if side == "left" else list(range(short, width))
+    real_rows = [r for r in range(width) if r not in pad_cols]
+    for q in real_rows:  # no real query ever sees a padding key
+        assert torch.isinf(mask[1, 0, q, pad_cols]).all()
+    decode_mask = gen.trace.get("blocks.0.attn.hook_mask", 3)
+    assert decode_mask.shape == (2, 1, 1, width + 3)
+    assert torch.isinf(decode_mask[1, 0, 0, pad_cols]).all() and not torch.isinf(decode_mask[0]).any()
+    labels = gen.column_labels(1)
+    assert [labels[c] for c in pad_cols] == ["⟨pad⟩"] * len(pad_cols)
+
+
+def test_bad_prompts_are_refused_clearly(bundled):
+    model, tok = bundled
+    with pytest.raises(PromptError, match="empty"):
+        TracedGeneration(model, tok, "")
+    with pytest.raises(PromptError, match="whitespace"):
+        TracedGeneration(model, tok, "   \n ")
+    with pytest.raises(PromptError, match="prompt 2 is empty"):
+        TracedGeneration(model, tok, ["fine", ""])
+    with pytest.raises(ValueError, match="run\\(n\\)"):
+        TracedGeneration(model, tok, "hi").run(MAX_RUN_STEPS + 1)
+
+
+def test_reaching_n_ctx_stops_with_a_message_and_keeps_every_step():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=1024, n_ctx=12, d_model=16, n_layer=1, n_head=2)).eval()
+    from model import load_bundled
+
+    _, tok = load_bundled()
+    gen = TracedGeneration(model, tok, "Lily had a ball.", temperature=0)
+    n0 = len(tok.encode("Lily had a ball."))
+    done = gen.run(20)
+    assert done == 12 - n0 + 1 - 1 or gen.sequence_length == 12
+    assert gen.sequence_length == 12 and gen.stopped and "n_ctx = 12" in gen.stopped
+    with pytest.raises(ContextFullError, match="n_ctx = 12"):
+        gen.step()
+    assert gen.n_steps == done and gen.trace.get("hook_logits", done - 1) is not None
+
+
+def test_long_prompts_are_cut_from_the_left_with_a_warning(bundled):
+    model, tok = bundled
+    text = "Lily and Tom played with the red ball all day. " * 40
+    gen = TracedGeneration(model, tok, text, temperature=0)
+    assert gen.prompt_lengths == [model.config.n_ctx - 1]
+    assert gen.warnings and "kept its last 255 tokens" in gen.warnings[0]
+    assert gen.rows[0] == tok.encode(text)[-255:]
+    gen.step()
+    with pytest.raises(PromptError, match="at most 255"):
+        TracedGeneration(model, tok, text, truncate="error")
+
+
+def test_the_byte_budget_is_never_exceeded_and_old_steps_keep_their_stats(bundled):
+    model, tok = bundled
+    budget = 3 * 2**20
+    gen = TracedGeneration(model, tok, "Once upon a time, there was a boy named Sam.", budget_bytes=budget,
+                           temperature=0)
+    for _ in range(30):
+        gen.step()
+        assert gen.trace.bytes_kept <= budget
+    t = gen.trace
+    assert t.values.peak_nbytes <= budget
+    assert t.values.evicted_count > 0
+    assert t.get("hook_logits", 0) is None  # the oldest steps were dropped…
+    rec = t.record("hook_logits", 0)
+    assert rec.stats is not None and "evicted" in rec.value_note  # …but keep shape and stats
+    assert rec.shape == (1, len(tok.encode("Once upon a time, there was a boy named Sam.")), 1024)
+    assert t.get("hook_logits", 29) is not None  # the newest step is whole
+    assert t.values.steps_held()[-1] == 29
+
+
+def test_shapes_only_keeps_no_values(bundled):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, "Hello", capture="shapes", temperature=0)
+    gen.run(3)
+    assert gen.trace.bytes_kept == 0 and gen.trace.get("hook_logits") is None
+    assert gen.trace.record("hook_logits").shape == (1, 1, 1024)
+
+
+def test_two_threads_tracing_one_model_see_only_their_own_tensors(bundled):
+    model, tok = bundled
+    prompts = {"a": "Once upon a time, there was a little girl named Lily.", "b": ["Tom said,", "Mia had a cat."]}
+    expected = {}
+    for key, prompt in prompts.items():  # sequential reference runs
+        gen = TracedGeneration(model, tok, prompt, temperature=0)
+        gen.run(6)
+        expected[key] = gen
+    results, errors = {}, []
+    barrier = threading.Barrier(2)
+
+    def work(key):
+        try:
+            gen = TracedGeneration(model, tok, prompts[key], temperature=0)
+            barrier.wait()
+            for _ in range(6):
+                gen.step()
+            results[key] = gen
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in prompts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for key in prompts:
+        got, ref = results[key].trace, expected[key].trace
+        assert len(got.records) == len(ref.records)
+        assert [r.shape for r in got.records] == [r.shape for r in ref.records]
+        for s in range(6):
+            assert torch.equal(got.get("blocks.3.attn.hook_pattern", s), ref.get("blocks.3.attn.hook_pattern", s))
+            assert torch.equal(got.get("hook_logits", s), ref.get("hook_logits", s))
+    assert results["a"].trace.record("hook_embed", 0).shape[0] == 1
+    assert results["b"].trace.record("hook_embed", 0).shape[0] == 2
+
+
+def test_an_untraced_forward_on_another_thread_is_not_recorded(bundled):
+    model, tok = bundled
+    tokens = torch.tensor([tok.encode("Ben had a dog.")])
+    started, release = threading.Event(), threading.Event()
+
+    def other():
+        started.set()
+        release.wait()
+        with torch.no_grad():
+            for _ in range(3):
+                model(tokens)
+
+    th = threading.Thread(target=other)
+    th.start()
+    with torch.no_grad(), Tracer(model, capture="shapes") as tr:
+        started.wait()
+        release.set()
+        model(tokens[:, :2])
+        th.join()
+    assert tr.trace.n_steps == 1
+    assert {r.shape for r in tr.trace.filter(name="hook_embed")} == {(1, 2, 128)}

@@ -1,0 +1,164 @@
+"""Saving and loading traces, and refusing malformed ones; the command line."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from tracer import Trace
+from tracer.generation import TracedGeneration
+from tracer.io import TraceFileError, load_trace, trace_archive_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def generation(bundled):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, ["Lily had a red kite.", "Tom said,"], capture="ops", temperature=0)
+    gen.run(3)
+    return gen
+
+
+@pytest.mark.parametrize("suffix", [".zip", ""])
+def test_round_trip_keeps_records_values_ops_steps_and_meta(generation, tmp_path, suffix):
+    t = generation.trace
+    path = tmp_path / f"trace{suffix}"
+    t.save(path)
+    back = Trace.load(path)
+    a, b = t.to_frame(), back.to_frame()
+    pd.testing.assert_frame_equal(a.drop(columns=["shape"]), b.drop(columns=["shape"]))
+    assert list(a["shape"]) == list(b["shape"])
+    for name in ("blocks.2.attn.hook_pattern", "hook_logits", "blocks.0.attn.hook_mask", "model:in[0]"):
+        for step in range(3):
+            assert torch.equal(t.get(name, step), back.get(name, step)), (name, step)
+    assert len(back.ops) == len(t.ops) and back.ops[5] == t.ops[5]
+    assert [s.sampled for s in back.steps] == [s.sampled for s in t.steps]
+    assert back.meta["labels"] == t.meta["labels"] and back.capture == "ops"
+
+
+def test_the_table_opens_with_plain_pandas(generation, tmp_path):
+    generation.trace.save(tmp_path / "t")
+    frame = pd.read_parquet(tmp_path / "t" / "records.parquet")
+    assert {"step", "name", "shape", "dtype", "numel", "nbytes"} <= set(frame.columns)
+    width = max(generation.prompt_lengths)
+    assert list(frame[frame["name"] == "hook_logits"]["shape"].iloc[0]) == [2, width, 1024]
+
+
+def test_a_failed_forward_round_trips_its_error(tmp_path, bundled):
+    from tests.test_tracer_capture import MissingTranspose
+    from tracer import Tracer
+
+    model, _ = bundled
+    from model import load_bundled
+
+    broken, _ = load_bundled()
+    broken.blocks[0].attn = MissingTranspose(broken.blocks[0].attn)
+    with pytest.raises(RuntimeError), torch.no_grad(), Tracer(broken, capture="ops") as tr:
+        broken(torch.tensor([[1, 2, 3]]))
+    tr.trace.save(tmp_path / "err.zip")
+    back = load_trace(tmp_path / "err.zip")
+    assert back.error.module == "blocks.0.attn" and back.error.op == "Tensor.matmul"
+    assert back.error.describe() == tr.trace.error.describe()
+
+
+def rewrite(archive: bytes, name: str, data: bytes) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, data if info.filename == name else src.read(info.filename))
+    return out.getvalue()
+
+
+def member(archive: bytes, name: str) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(archive)) as zf:
+        return zf.read(name)
+
+
+@pytest.fixture(scope="module")
+def archive(generation) -> bytes:
+    return trace_archive_bytes(generation.trace)
+
+
+def test_truncated_archive_is_refused(archive):
+    with pytest.raises(TraceFileError, match="trace archive"):
+        load_trace(archive[: len(archive) // 2])
+
+
+def test_wrong_version_is_refused(archive):
+    manifest = json.loads(member(archive, "manifest.json"))
+    manifest["version"] = 99
+    with pytest.raises(TraceFileError, match="version 99"):
+        load_trace(rewrite(archive, "manifest.json", json.dumps(manifest).encode()))
+
+
+def test_not_a_trace_manifest_is_refused(archive):
+    with pytest.raises(TraceFileError, match="not a gpt-shape-trace manifest"):
+        load_trace(rewrite(archive, "manifest.json", b'{"format": "something else"}'))
+
+
+def test_table_shapes_that_disagree_with_the_values_are_refused(archive):
+    frame = pd.read_parquet(io.BytesIO(member(archive, "records.parquet")))
+    row = frame.index[frame.name == "blocks.0.attn.hook_pattern"][0]
+    frame.at[row, "shape"] = [2, 4, 7, 8]
+    buf = io.BytesIO()
+    frame.to_parquet(buf, index=False)
+    with pytest.raises(TraceFileError, match=r"the table says shape \[2, 4, 7, 8\]"):
+        load_trace(rewrite(archive, "records.parquet", buf.getvalue()))
+
+
+def test_a_huge_declared_value_size_is_refused_before_allocating(archive):
+    header = json.dumps({"r0": {"dtype": "F32", "shape": [2**20, 2**20], "data_offsets": [0, 2**42]}}).encode()
+    bogus = struct.pack("<Q", len(header)) + header + b"\0" * 64
+    with pytest.raises(TraceFileError, match="declares shape"):
+        load_trace(rewrite(archive, "values.safetensors", bogus))
+    with pytest.raises(TraceFileError, match="more than 1000 bytes"):
+        load_trace(archive, max_value_bytes=1000)
+
+
+def test_a_huge_declared_header_is_refused(archive):
+    bogus = struct.pack("<Q", 2**40) + b"{}"
+    with pytest.raises(TraceFileError, match="header"):
+        load_trace(rewrite(archive, "values.safetensors", bogus))
+
+
+def test_unexpected_archive_members_and_missing_paths_are_refused(archive, tmp_path):
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        zf.writestr("../evil.py", b"print('no')")
+    with pytest.raises(TraceFileError, match="unexpected member"):
+        load_trace(out.getvalue())
+    with pytest.raises(TraceFileError, match="no such trace"):
+        load_trace(tmp_path / "missing.zip")
+    with pytest.raises(TraceFileError, match="Parquet"):
+        load_trace(rewrite(archive, "records.parquet", b"PAR1 this is not parquet"))
+
+
+def test_command_line_writes_a_trace_and_prints_the_shape_table(tmp_path):
+    out = tmp_path / "cli.zip"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracer", "--prompt", "Once upon a time", "--steps", "3", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "step 2: n = 1, t = 6" in proc.stdout
+    assert "blocks.0.attn.hook_pattern" in proc.stdout and "[1, 4, 1, 6]" in proc.stdout
+    back = load_trace(out)
+    assert back.n_steps == 3 and back.record("blocks.3.attn.hook_k_all", 2).shape == (1, 4, 6, 32)
+
+
+def test_command_line_reports_bad_input_without_a_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracer", "--prompt", "hi", "--model-dir", str(tmp_path / "nope"),
+         "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
