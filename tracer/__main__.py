@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(shown.to_string(index=False))
     for row in range(gen.batch_size):
         print(f"text[{row}]: {gen.text(row)!r}")
-    print(f"wrote {args.out}: {gen.n_steps} steps, {len(gen.trace.records)} records, {gen.trace.bytes_kept} bytes of values")
+    print(f"wrote {args.out}: {gen.n_steps} steps, {len(gen.trace.records)} records, "
+          f"{gen.trace.bytes_kept} bytes of values")
     return 0
 
 

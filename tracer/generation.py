@@ -196,6 +196,7 @@ class TracedGeneration:
         info.sampled = res.token.tolist()
         info.sampled_prob = [round(float(p), 6) for p in res.token_prob]
         info.candidates = res.candidates.tolist()
+        info.candidate_labels = [[self.tokenizer.token_label(i) for i in row] for row in info.candidates]
         info.stage_probs = [[[round(float(p), 6) for p in stage] for stage in row] for row in res.stage_probs]
         info.kept = res.kept.tolist()
         self._last_feed = (tokens, mask, last, before)
@@ -269,7 +270,9 @@ class TracedGeneration:
             "padding_side": self.padding_side,
             "sampling": {"temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
                          "top_p": self.sampling.top_p, "seed": self.sampling.seed},
-            "model_config": {k: getattr(cfg, k) for k in ("vocab_size", "n_ctx", "d_model", "n_layer", "n_head")},
+            "model_config": {
+                k: getattr(cfg, k) for k in ("vocab_size", "n_ctx", "d_model", "n_layer", "n_head", "d_ff")
+            },
             "warnings": list(self.warnings),
         })
 

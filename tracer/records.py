@@ -78,6 +78,7 @@ class StepInfo:
     sampled: list[int] = field(default_factory=list)  # [B]
     sampled_prob: list[float] = field(default_factory=list)  # [B], under the final distribution
     candidates: list[list[int]] = field(default_factory=list)  # [B][K] token ids
+    candidate_labels: list[list[str]] = field(default_factory=list)  # [B][K] their display text
     stage_probs: list[list[list[float]]] = field(default_factory=list)  # [B][stage][K]
     kept: list[list[int]] = field(default_factory=list)  # [B][stage] tokens left after each filter
     first_record: int = 0  # index range of this step's tensor records

@@ -1,0 +1,212 @@
+"""Attention views: the four stages of the seed's formula, all heads, the built-up history."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from figures.common import (
+    HEATMAP_SCALE,
+    finite_or_none,
+    hover_values,
+    key_labels,
+    query_labels,
+    safe_text,
+    shape_text,
+    step_info,
+    tick_step,
+)
+from tracer import Trace
+
+STAGES = ("hook_qk", "hook_attn_scores", "hook_masked_scores", "hook_pattern")
+ALL_HEADS_MAX_CELLS = 400_000  # above this the all-heads grid shows the newest query rows only
+
+
+@dataclass
+class Stage:
+    hook: str
+    title: str  # the formula of this stage
+    shapes: str  # the real shapes: operands → result
+    matrix: torch.Tensor | None  # [n, t] for the chosen batch row and head; None if not kept
+
+
+def _attn(layer: int, hook: str) -> str:
+    return f"blocks.{layer}.attn.{hook}"
+
+
+def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> list[Stage]:
+    """QKᵀ, ÷√d_k, + M and softmax for one head, with the formula and the real shapes of each."""
+    q = trace.record(_attn(layer, "hook_q"), step).shape
+    k = trace.record(_attn(layer, "hook_k_all"), step).shape
+    qk = trace.record(_attn(layer, "hook_qk"), step).shape
+    mask = trace.record(_attn(layer, "hook_mask"), step).shape
+    d_k = q[-1]
+    kt = (*k[:-2], k[-1], k[-2])
+    stages = [
+        Stage("hook_qk", "QKᵀ", f"{shape_text(q)} @ {shape_text(kt)} → {shape_text(qk)}", None),
+        Stage("hook_attn_scores", f"QKᵀ / √d_k   (√{d_k} = {math.sqrt(d_k):.3f})",
+              f"{shape_text(qk)} / {math.sqrt(d_k):.3f} → {shape_text(qk)}", None),
+        Stage("hook_masked_scores", "QKᵀ/√d_k + M",
+              f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None),
+        Stage("hook_pattern", "A = softmax(QKᵀ/√d_k + M)", f"row-wise over t = {qk[-1]} keys → {shape_text(qk)}", None),
+    ]
+    for stage in stages:
+        value = trace.get(_attn(layer, stage.hook), step)
+        if value is not None:
+            stage.matrix = value[batch, head]
+    return stages
+
+
+def _heatmap(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], zmin=None, zmax=None,
+             coloraxis: str | None = None, showscale: bool = True) -> go.Heatmap:
+    n, t = matrix.shape
+    return go.Heatmap(
+        z=finite_or_none(matrix),
+        x=list(range(t)),
+        y=list(range(n)),
+        customdata=hover_values(matrix),
+        text=[[f"q {safe_text(y_labels[i])}<br>k {safe_text(x_labels[j])}" for j in range(t)] for i in range(n)],
+        hovertemplate="%{text}<br>%{customdata}<extra></extra>",
+        colorscale=HEATMAP_SCALE,
+        zmin=zmin,
+        zmax=zmax,
+        coloraxis=coloraxis,
+        showscale=showscale,
+    )
+
+
+def _axes(fig: go.Figure, x_labels: list[str], y_labels: list[str], row=None, col=None) -> None:
+    sx, sy = tick_step(len(x_labels)), tick_step(len(y_labels))
+    fig.update_xaxes(tickvals=list(range(0, len(x_labels), sx)),
+                     ticktext=[safe_text(x_labels[i]) for i in range(0, len(x_labels), sx)],
+                     tickangle=-60, row=row, col=col, title_text="key position (t)")
+    fig.update_yaxes(tickvals=list(range(0, len(y_labels), sy)),
+                     ticktext=[safe_text(y_labels[i]) for i in range(0, len(y_labels), sy)],
+                     autorange="reversed", row=row, col=col)
+
+
+def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure:
+    """Four heatmaps side by side (query rows × key columns) with formula and shapes above each."""
+    stages = attention_stages(trace, step, layer, head, batch)
+    xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    titles = [f"<b>{s.title}</b><br><span style='font-size:11px'>{s.shapes}</span>" for s in stages]
+    fig = make_subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.06)
+    for i, stage in enumerate(stages, start=1):
+        if stage.matrix is None:
+            fig.add_annotation(text="values not kept", showarrow=False, row=1, col=i, x=0.5, y=0.5)
+            continue
+        zmin, zmax = (0.0, 1.0) if stage.hook == "hook_pattern" else (None, None)
+        trace_ = _heatmap(stage.matrix, xs, ys, zmin=zmin, zmax=zmax, showscale=i == 4)
+        if i == 4:
+            trace_.colorbar = {"title": "weight", "len": 0.9}
+        fig.add_trace(trace_, row=1, col=i)
+        _axes(fig, xs, ys, row=1, col=i)
+    height = max(320, min(900, 140 + 18 * len(ys)))
+    fig.update_layout(height=height, margin={"t": 90, "l": 10, "r": 10, "b": 10},
+                      title_text=f"layer {layer}, head {head}, step {step}")
+    fig.update_annotations(font_size=12)
+    return fig
+
+
+def pattern_figure(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], title: str) -> go.Figure:
+    fig = go.Figure(_heatmap(matrix, x_labels, y_labels, zmin=0.0, zmax=1.0))
+    _axes(fig, x_labels, y_labels)
+    fig.update_layout(title_text=title, height=max(300, min(900, 120 + 18 * len(y_labels))),
+                      margin={"t": 50, "l": 10, "r": 10, "b": 10})
+    return fig
+
+
+def all_heads_figure(trace: Trace, step: int, batch: int = 0) -> tuple[go.Figure, str]:
+    """Every layer × head attention pattern at ``step``; returns (figure, note)."""
+    cfg = trace.meta.get("model_config", {})
+    n_layer, n_head = cfg.get("n_layer"), cfg.get("n_head")
+    if not n_layer:
+        n_layer = len(trace.filter(step=step, name="*attn.hook_pattern"))
+        n_head = trace.record(_attn(0, "hook_pattern"), step).shape[1]
+    info = step_info(trace, step)
+    rows_shown = info.n
+    note = ""
+    if n_layer * n_head * info.n * info.t > ALL_HEADS_MAX_CELLS:
+        rows_shown = max(1, ALL_HEADS_MAX_CELLS // (n_layer * n_head * info.t))
+        note = f"showing the newest {rows_shown} of {info.n} query rows per head to keep the page light"
+    fig = make_subplots(rows=n_layer, cols=n_head, horizontal_spacing=0.01, vertical_spacing=0.02,
+                        row_titles=[f"L{i}" for i in range(n_layer)], column_titles=[f"H{h}" for h in range(n_head)])
+    missing = 0
+    for layer in range(n_layer):
+        pattern = trace.get(_attn(layer, "hook_pattern"), step)
+        if pattern is None:
+            missing += 1
+            continue
+        for head in range(n_head):
+            m = pattern[batch, head, -rows_shown:]
+            fig.add_trace(go.Heatmap(z=m.round(decimals=3).tolist(), coloraxis="coloraxis",
+                                     hovertemplate=f"L{layer} H{head}<br>q %{{y}} k %{{x}}: %{{z}}<extra></extra>"),
+                          row=layer + 1, col=head + 1)
+    fig.update_xaxes(showticklabels=False)
+    fig.update_yaxes(showticklabels=False, autorange="reversed")
+    cell = 70 if info.n == 1 else 90
+    fig.update_layout(coloraxis={"colorscale": HEATMAP_SCALE, "cmin": 0, "cmax": 1}, height=60 + cell * n_layer,
+                      margin={"t": 40, "l": 10, "r": 40, "b": 10})
+    if missing:
+        note = (note + "; " if note else "") + f"{missing} layer(s) have no kept values at this step"
+    return fig, note
+
+
+def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch: int = 0
+                      ) -> tuple[torch.Tensor, list[str], list[str], list[int]]:
+    """The attention rows of steps 0…upto_step stacked into one [rows × keys] matrix.
+
+    With the cache, step 0 gives the prefill's n₀ rows and every later step one
+    more row, so the lower-triangular picture builds up token by token. Cells a
+    row could not see are NaN. Returns (matrix, row labels, key labels, step of each row)."""
+    keys = key_labels(trace, upto_step, batch)
+    t = len(keys)
+    rows: list[torch.Tensor] = []
+    row_steps: list[int] = []
+    row_labels: list[str] = []
+    for s in range(upto_step + 1):
+        info = step_info(trace, s)
+        pattern = trace.get(_attn(layer, "hook_pattern"), s)
+        new = query_labels(trace, s, batch)
+        if s > 0 and not info.use_cache:
+            new = new[-1:]  # without the cache a step recomputes all rows; only its newest row is new
+        for i, label in enumerate(new):
+            row = torch.full((t,), float("nan"))
+            if pattern is not None:
+                values = pattern[batch, head, len(query_labels(trace, s, batch)) - len(new) + i]
+                row[: values.numel()] = values
+            rows.append(row)
+            row_steps.append(s)
+            row_labels.append(f"s{s} · {label}")
+    return torch.stack(rows), row_labels, keys, row_steps
+
+
+def attention_history_figure(trace: Trace, layer: int, head: int, upto_step: int, batch: int = 0) -> go.Figure:
+    matrix, ys, xs, row_steps = attention_history(trace, layer, head, upto_step, batch)
+    fig = pattern_figure(matrix, xs, ys, f"rows of layer {layer} head {head} over steps 0…{upto_step}")
+    first_new = row_steps.index(upto_step)
+    fig.add_shape(type="rect", x0=-0.5, x1=matrix.shape[1] - 0.5, y0=first_new - 0.5, y1=matrix.shape[0] - 0.5,
+                  line={"color": "#ff4b4b", "width": 2})
+    return fig
+
+
+def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: int, batch: int = 0) -> str:
+    """The key tokens coloured by how much query row ``query`` attends to them (escaped text)."""
+    pattern = trace.get(_attn(layer, "hook_pattern"), step)
+    if pattern is None:
+        return "<i>values not kept for this step</i>"
+    weights = pattern[batch, head, query]
+    keys = key_labels(trace, step, batch)
+    spans = []
+    for j, w in enumerate(weights.tolist()):
+        text = keys[j].split(" · ", 1)[-1]
+        alpha = min(1.0, max(0.0, w))
+        spans.append(
+            f"<span title='{w:.3f}' style='background: rgba(255, 75, 75, {alpha:.3f}); padding: 1px 2px; "
+            f"border-radius: 3px; white-space: pre'>{safe_text(text)}</span>"
+        )
+    return "<div style='line-height: 2; font-family: monospace'>" + "".join(spans) + "</div>"

@@ -1,0 +1,127 @@
+"""KV cache views: per-layer K/V shapes, growth over steps, one head's keys, cache on vs off."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from figures.common import HEATMAP_SCALE, finite_or_none, key_labels, safe_text, shape_text, step_info, tick_step
+from tracer import Trace
+
+
+def _n_layer(trace: Trace) -> int:
+    cfg = trace.meta.get("model_config")
+    if cfg:
+        return int(cfg["n_layer"])
+    return len({r.layer for r in trace.filter(name="*attn.hook_k_all")})
+
+
+def cache_table(trace: Trace, step: int) -> pd.DataFrame:
+    """One row per layer: K and V [B, H, t, d_head] at ``step``, rows new this step, bytes."""
+    info = step_info(trace, step)
+    rows = []
+    for layer in range(_n_layer(trace)):
+        k = trace.record(f"blocks.{layer}.attn.hook_k_all", step)
+        v = trace.record(f"blocks.{layer}.attn.hook_v_all", step)
+        k_new = trace.record(f"blocks.{layer}.attn.hook_k", step)
+        rows.append({
+            "layer": layer,
+            "K": shape_text(k.shape),
+            "V": shape_text(v.shape),
+            "rows from the cache": k.shape[2] - k_new.shape[2] if info.use_cache else 0,
+            "rows computed this step": k_new.shape[2],
+            "bytes (K+V)": k.nbytes + v.nbytes,
+        })
+    return pd.DataFrame(rows)
+
+
+def cache_growth(trace: Trace) -> pd.DataFrame:
+    """Per step: cache length after the step and bytes of K+V held over all layers."""
+    rows = []
+    n_layer = _n_layer(trace)
+    for info in trace.steps:
+        total = 0
+        for layer in range(n_layer):
+            total += trace.record(f"blocks.{layer}.attn.hook_k_all", info.step).nbytes
+            total += trace.record(f"blocks.{layer}.attn.hook_v_all", info.step).nbytes
+        rows.append({"step": info.step, "cache length": info.cache_length_after if info.use_cache else 0,
+                     "t (keys attended)": info.t, "K+V bytes (all layers)": total if info.use_cache else 0,
+                     "K+V bytes computed": total})
+    return pd.DataFrame(rows)
+
+
+def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Figure:
+    growth = cache_growth(trace)
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Bar(x=growth["step"], y=growth["cache length"], name="cache length (positions)",
+                         marker_color="#9ecae1"), secondary_y=False)
+    fig.add_trace(go.Scatter(x=growth["step"], y=growth["K+V bytes (all layers)"], mode="lines+markers",
+                             name="bytes held (K+V, all layers)", line={"dash": "dot"}), secondary_y=True)
+    if selected_step is not None:
+        fig.add_vline(x=selected_step, line={"color": "#ff4b4b", "width": 1})
+    fig.update_xaxes(title_text="step", dtick=1 if len(growth) <= 30 else None)
+    fig.update_yaxes(title_text="positions cached", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title_text="bytes", rangemode="tozero", secondary_y=True)
+    fig.update_layout(height=320, margin={"t": 30, "l": 10, "r": 10, "b": 10}, legend={"orientation": "h", "y": 1.15})
+    return fig
+
+
+def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0, which: str = "K") -> go.Figure:
+    """One head's cached keys (or values): positions × d_head, the rows added at ``step`` outlined."""
+    hook = "hook_k_all" if which == "K" else "hook_v_all"
+    value = trace.get(f"blocks.{layer}.attn.{hook}", step)
+    fig = go.Figure()
+    if value is None:
+        fig.add_annotation(text=f"{which} values not kept for this step", showarrow=False)
+        return fig
+    m = value[batch, head]  # [t, d_head]
+    t, d_head = m.shape
+    info = step_info(trace, step)
+    labels = key_labels(trace, step, batch)
+    fig.add_trace(go.Heatmap(z=finite_or_none(m), colorscale=HEATMAP_SCALE, colorbar={"title": which},
+                             hovertemplate="position %{y}, dim %{x}: %{z:.4f}<extra></extra>"))
+    s = tick_step(t)
+    fig.update_yaxes(tickvals=list(range(0, t, s)), ticktext=[safe_text(labels[i]) for i in range(0, t, s)],
+                     autorange="reversed", title_text="position")
+    fig.update_xaxes(title_text="d_head")
+    new = info.n if info.use_cache else t
+    fig.add_shape(type="rect", x0=-0.5, x1=d_head - 0.5, y0=t - new - 0.5, y1=t - 0.5,
+                  line={"color": "#ff4b4b", "width": 3})
+    fig.add_annotation(x=d_head - 0.5, y=t - new - 0.5, xanchor="right", yanchor="bottom", showarrow=False,
+                       text=f"added at step {step} ({new} row{'s' if new != 1 else ''})", font={"color": "#ff4b4b"})
+    fig.update_layout(title_text=f"{which} of layer {layer}, head {head}: {shape_text(tuple(m.shape))} = [t, d_head]",
+                      height=max(300, min(900, 110 + 16 * t)), margin={"t": 50, "l": 10, "r": 10, "b": 10})
+    return fig
+
+
+def rows_computed(trace: Trace) -> pd.DataFrame:
+    """Query rows of attention computed per step with the cache (n) and without it (all t)."""
+    rows = []
+    first = trace.steps[0] if trace.steps else None
+    for info in trace.steps:
+        n0 = first.n if first is not None else info.n
+        full = n0 + info.step
+        rows.append({"step": info.step, "with cache": 1 if info.step > 0 else n0, "without cache": full,
+                     "this run": info.n, "seconds": info.seconds})
+    return pd.DataFrame(rows)
+
+
+def cache_on_off_figure(trace: Trace, recompute_seconds: dict[int, float] | None = None) -> go.Figure:
+    """Rows computed per step (cache on vs off) and, where measured, seconds per step."""
+    table = rows_computed(trace)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("query rows computed per step", "seconds per step"))
+    fig.add_trace(go.Bar(x=table["step"], y=table["with cache"], name="with cache"), row=1, col=1)
+    fig.add_trace(go.Bar(x=table["step"], y=table["without cache"], name="without cache"), row=1, col=1)
+    use_cache = bool(trace.steps and trace.steps[-1].use_cache)
+    fig.add_trace(go.Scatter(x=table["step"], y=table["seconds"], mode="lines+markers",
+                             name=f"this run ({'cache on' if use_cache else 'cache off'})"), row=1, col=2)
+    if recompute_seconds:
+        steps = sorted(recompute_seconds)
+        fig.add_trace(go.Scatter(x=steps, y=[recompute_seconds[s] for s in steps], mode="markers",
+                                 name="full recompute of the same step", marker={"symbol": "x", "size": 9}),
+                      row=1, col=2)
+    fig.update_layout(barmode="group", height=320, margin={"t": 40, "l": 10, "r": 10, "b": 10},
+                      legend={"orientation": "h", "y": -0.2})
+    fig.update_xaxes(title_text="step")
+    return fig

@@ -1,0 +1,128 @@
+"""Drive the real app in headless Chromium: a `streamlit run app.py` server on a free port, Playwright.
+
+Used by the end-to-end test and by ``bench/screenshots.py``. Chromium is
+Debian's (``/usr/bin/chromium``); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def streamlit_server(env: dict | None = None, timeout: float = 90.0):
+    """Start ``streamlit run app.py`` on a free localhost port; yield its URL; stop it."""
+    port = free_port()
+    log = open(ROOT / f".streamlit-test-{port}.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"streamlit exited early: {(ROOT / log.name).read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(url + "/_stcore/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError("streamlit did not start")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        Path(log.name).unlink(missing_ok=True)
+
+
+@contextmanager
+def chromium_page(width: int = 1500, height: int = 1100):
+    if not os.path.exists(CHROMIUM):
+        raise RuntimeError(f"{CHROMIUM} is missing: install Debian's chromium package (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            yield page
+        finally:
+            browser.close()
+
+
+def wait_idle(page, timeout: float = 90.0) -> None:
+    """Wait until the app's rerun has finished and every plotly chart has drawn."""
+    state = "() => document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state')"
+    with contextlib.suppress(Exception):  # the rerun may take a moment to start, or be over already
+        page.wait_for_function(f"() => ({state})() === 'running'", timeout=1500)
+    page.wait_for_function(f"() => ({state})() === 'notRunning'", timeout=timeout * 1000)
+    page.wait_for_function(
+        "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"]').length"
+        " <= document.querySelectorAll('.js-plotly-plot').length",
+        timeout=timeout * 1000,
+    )
+    page.wait_for_timeout(200)
+
+
+def open_app(page, url: str) -> None:
+    page.goto(url, wait_until="domcontentloaded")
+    page.get_by_role("button", name="Step").wait_for(timeout=90_000)
+    wait_idle(page)
+
+
+def set_prompt(page, text: str) -> None:
+    box = page.get_by_label("Prompt (one line per sequence: several lines make a batch)")
+    box.fill(text)
+    box.press("Control+Enter")  # commit the text area
+    wait_idle(page)
+
+
+def click(page, name: str) -> None:
+    page.get_by_role("button", name=name, exact=True).click()
+    wait_idle(page)
+
+
+def open_tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name, exact=True).click()
+    wait_idle(page)
+
+
+def plotly_data(page) -> list:
+    """The data arrays of every plotly chart on the page, as the browser holds them."""
+    return page.evaluate(
+        "() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => (d.data || []).map(t => ({"
+        "type: t.type, rows: Array.isArray(t.z) ? t.z.length : null,"
+        "cols: Array.isArray(t.z) && Array.isArray(t.z[0]) ? t.z[0].length : null})))"
+    )
