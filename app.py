@@ -117,9 +117,14 @@ def sidebar() -> None:
     reset = cols[2].button("Reset", key="reset_button", use_container_width=True)
     sb.number_input(f"N (1…{MAX_RUN_STEPS})", value=8, step=1, key="run_n")
     if reset:
-        close_generation()
-        st.session_state.pop("loaded_trace", None)
-        st.session_state["notices"] = [("info", "Reset: the next Step starts from the prompt with these settings.")]
+        try:
+            current_settings()
+        except SettingsError as e:  # refuse before throwing anything away
+            st.session_state["notices"] = [("error", f"Reset refused, nothing was discarded: {e}")]
+        else:
+            close_generation()
+            st.session_state.pop("loaded_trace", None)
+            st.session_state["notices"] = [("info", "Reset: the next Step starts from the prompt with these settings.")]
     if step or run:
         advance(1 if step else st.session_state.get("run_n", 8))
 
@@ -428,13 +433,16 @@ def main() -> None:
     for level, message in st.session_state.pop("notices", []):
         getattr(st, level)(message)
     gen = st.session_state.get("gen")
+    try:
+        settings = current_settings()
+    except SettingsError as e:
+        settings = None
+        st.warning(f"These settings cannot be used: {e}"
+                   + (" — Step keeps continuing the current generation with its own settings." if gen else ""))
     if gen is not None and "loaded_trace" not in st.session_state:
-        try:
-            if current_settings().signature() != st.session_state.get("gen_signature"):
-                st.info("The settings changed since this generation started: Step continues it as it was; "
-                        "Reset applies the new settings.")
-        except SettingsError:
-            pass
+        if settings is not None and settings.signature() != st.session_state.get("gen_signature"):
+            st.info("The settings changed since this generation started: Step continues it as it was; "
+                    "Reset applies the new settings.")
         if gen.trace.error is not None:
             st.error(gen.trace.error.describe())
     if "loaded_trace" in st.session_state:

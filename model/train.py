@@ -64,9 +64,12 @@ def windows(
 
     The stories alone teach the model to copy their made-up words by lining up
     the two quotations, not by a general induction circuit: a model trained on
-    them alone scored 0.02 on the random-token induction test. The drills make
+    them alone scored 0.02 on the random-token induction test. Drills make
     "find the earlier occurrence of this token, predict what came after it" the
-    only way to predict the second copy."""
+    only way to predict the second copy. Half the drills use an alphabet of only
+    3–6 tokens: there each token recurs many times, so only the exact previous
+    token tells the occurrences apart, which rewards a sharp previous-token head
+    over a smeared view of the last few tokens."""
     starts = torch.randint(0, stream.numel() - length - 1, (batch,), generator=g)
     rows = torch.stack([stream[s : s + length + 1] for s in starts.tolist()])
     for row in range(batch):
@@ -74,7 +77,11 @@ def windows(
             continue
         half = int(torch.randint(4, 48, (), generator=g))
         at = int(torch.randint(0, length + 1 - 2 * half, (), generator=g))
-        segment = torch.randint(1, vocab, (half,), generator=g)
+        if torch.rand((), generator=g).item() < 0.5:
+            segment = torch.randint(1, vocab, (half,), generator=g)
+        else:
+            alphabet = torch.randint(1, vocab, (int(torch.randint(3, 7, (), generator=g)),), generator=g)
+            segment = alphabet[torch.randint(0, alphabet.numel(), (half,), generator=g)]
         rows[row, at : at + half] = segment
         rows[row, at + half : at + 2 * half] = segment
     return rows
@@ -101,6 +108,24 @@ def unigram_loss(train: torch.Tensor, heldout: torch.Tensor, vocab: int) -> floa
     return float(-logp[heldout].mean())
 
 
+def sinusoid_init_(weight: torch.Tensor, scale: float, base: float = 100.0) -> None:
+    """Initialise a learned positional table with sin/cos waves (still trained afterwards).
+
+    With a random start, nearby positions look alike and layer-0 heads stay
+    diffuse; sinusoids make "the position just before me" a linear function of
+    "my position", so a previous-token head is easy to learn. The base is 100,
+    not the usual 10000: over 256 positions that keeps every position distinct
+    while most dimensions still change from one position to the next."""
+    n_pos, d = weight.shape
+    position = torch.arange(n_pos, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(base) / d))
+    table = torch.zeros(n_pos, d)
+    table[:, 0::2] = torch.sin(position * freq)
+    table[:, 1::2] = torch.cos(position * freq)
+    with torch.no_grad():
+        weight.copy_(table * scale)
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -116,9 +141,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stories", type=int, default=40000)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drill-rate", type=float, default=0.2, help="share of windows holding a copy drill")
+    ap.add_argument("--pos-init", choices=("sinusoid", "normal"), default="sinusoid")
+    ap.add_argument("--pos-scale", type=float, default=0.1, help="scale of the sinusoidal start")
+    ap.add_argument("--pos-base", type=float, default=100.0, help="wavelength base of the sinusoidal start")
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -134,10 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = GPTConfig(vocab_size=tokenizer.vocab_size, n_ctx=256, d_model=128, n_layer=4, n_head=4)
     model = GPT(config)
+    if args.pos_init == "sinusoid":
+        sinusoid_init_(model.pos_embed.weight, args.pos_scale, args.pos_base)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95),
     )
     g = torch.Generator().manual_seed(args.seed)
@@ -170,8 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
         "parameters": model.num_parameters,
         "train": {
             "stories": args.stories, "tokens": train_ids.numel(), "steps": args.steps, "batch": args.batch,
-            "window": length, "lr": args.lr, "seed": args.seed, "corpus_seed": TRAIN_SEED,
-            "drill_rate": args.drill_rate,
+            "window": length, "lr": args.lr, "weight_decay": args.weight_decay, "seed": args.seed,
+            "corpus_seed": TRAIN_SEED,
+            "drill_rate": args.drill_rate, "pos_init": args.pos_init, "pos_scale": args.pos_scale,
+            "pos_base": args.pos_base,
             "seconds": round(time.time() - started, 1), "threads": args.threads,
             "torch": torch.__version__, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         },

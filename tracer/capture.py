@@ -85,6 +85,9 @@ class _InstalledHooks:
             is_hook = isinstance(module, HookPoint)
             params = sum(p.numel() for p in module.parameters())
             self.modules.append(ModuleInfo(path, type(module).__name__, params, is_hook))
+            if is_hook:  # identity: nothing runs inside it, so its output is all there is to record
+                self.handles.append(module.register_forward_hook(self._hook_point(index)))
+                continue
             self.handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(index), with_kwargs=True))
 
@@ -111,6 +114,18 @@ class _InstalledHooks:
                     tracer._exit(index, module, output)
 
         return post_hook
+
+    def _hook_point(self, index: int):
+        model_id = self.model_id
+
+        def hook_point_hook(module, args, output):
+            active = getattr(_thread, "active", None)
+            if active:
+                tracer = active.get(model_id)
+                if tracer is not None:
+                    tracer._hook_point(index, output)
+
+        return hook_point_hook
 
     def remove(self) -> None:
         for h in self.handles:
@@ -308,14 +323,13 @@ class Tracer:
     def _enter(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._in_hook = True
         try:
+            if index == 0 and self._stack:
+                self._abort_step()  # the model is called again: an earlier forward raised and was caught
             if not self._stack:
                 self._begin_step()
             call = self._calls.get(index, 0)
             self._calls[index] = call + 1
             self._stack.append((index, call, args, kwargs))
-            info = self.trace._modules[index]
-            if info.is_hook:
-                return
             if self._keep_values and getattr(module, "inplace", False) is True:
                 for a in args:
                     if isinstance(a, torch.Tensor):
@@ -330,18 +344,32 @@ class Tracer:
         finally:
             self._in_hook = False
 
+    def _hook_point(self, index: int, output: Any) -> None:
+        if not self._stack:
+            return  # a hook point called on its own, outside any forward of the model
+        self._in_hook = True
+        try:
+            call = self._calls.get(index, 0)
+            self._calls[index] = call + 1
+            if type(output) is torch.Tensor:
+                self._add(index, "hook", "", call, output)
+            else:
+                for slot, t in flatten_tensors(output):
+                    self._add(index, "hook", slot, call, t)
+        finally:
+            self._in_hook = False
+
     def _exit(self, index: int, module: nn.Module, output: Any) -> None:
         self._in_hook = True
         try:
             if not self._stack or self._stack[-1][0] != index:
                 return  # a module that started before this tracer became active
             _, call, _, _ = self._stack.pop()
-            kind = "hook" if self.trace._modules[index].is_hook else "output"
             if type(output) is torch.Tensor:
-                self._add(index, kind, "", call, output)
+                self._add(index, "output", "", call, output)
             else:
                 for slot, t in flatten_tensors(output):
-                    self._add(index, kind, slot, call, t)
+                    self._add(index, "output", slot, call, t)
             if not self._stack:
                 self._end_step()
         finally:
@@ -395,6 +423,15 @@ class Tracer:
         self._check_versions()
         self._step_in_progress = False
         self.trace._end_step(seconds)
+
+    def _abort_step(self) -> None:
+        """Close a step whose forward raised inside the traced block and was caught there."""
+        if self._ops is not None:
+            self._stop_ops()
+        self._check_versions()
+        self._stack.clear()
+        self._step_in_progress = False
+        self.trace._end_step(time.perf_counter() - self._step_started, failed=True)
 
     def _check_versions(self) -> None:
         store = self.trace.values

@@ -1,0 +1,146 @@
+"""Tracer overhead, side by side with the untraced model in one run: ``python bench/bench_tracer.py``.
+
+GPT-2-small-shaped random weights (124M), CPU: a prefill of 128 tokens and 32
+cached decode steps, timed untraced and traced at each capture level
+(shapes / values / ops), interleaved. Reports traced / untraced per phase and
+the bytes of values kept per decode step. Targets: shapes ≤ 1.05×, values ≤
+1.15×, ops ≤ 2.0×. If TransformerLens or TorchLens can be imported, their
+capture is timed against their own plain forward at n = 128 in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+from common import gpt2_small_dir, machine, median, save
+
+from model import load_hf_gpt2
+from tracer import Tracer
+
+MODES = (None, "shapes", "values", "ops")
+
+
+def run_once(model, prompt, feed, capture):
+    tracer = Tracer(model, capture=capture, budget_bytes=8 * 2**30).install() if capture else None
+    active = tracer.active if tracer else contextlib.nullcontext
+    cache = model.new_cache(1)
+    started = time.perf_counter()
+    with active():
+        model(prompt, cache)
+    prefill = time.perf_counter() - started
+    decode, kept = 0.0, []
+    for i in range(feed.size(1)):
+        started = time.perf_counter()
+        with active():
+            model(feed[:, i : i + 1], cache)
+        decode += time.perf_counter() - started
+        if tracer:
+            kept.append(tracer.trace.bytes_kept)
+    stats_seconds = 0.0
+    if tracer and capture != "shapes":
+        started = time.perf_counter()
+        tracer.trace.to_frame(stats=True)  # statistics are computed lazily, here, not during the forward
+        stats_seconds = time.perf_counter() - started
+    if tracer:
+        tracer.close()
+    return prefill, decode / feed.size(1), kept, stats_seconds
+
+
+def third_party(tokens: torch.Tensor, repeats: int) -> dict:
+    out = {}
+    try:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+    except ImportError as e:
+        out["transformer_lens"] = f"not importable ({e.__class__.__name__})"
+    else:
+        cfg = HookedTransformerConfig(n_layers=12, d_model=768, n_ctx=1024, d_head=64, n_heads=12, d_vocab=50257,
+                                      act_fn="gelu_new", normalization_type="LN", device="cpu")
+        tl = HookedTransformer(cfg).eval()
+        plain, cached = [], []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            tl(tokens)
+            plain.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            tl.run_with_cache(tokens)
+            cached.append(time.perf_counter() - started)
+        out["transformer_lens_run_with_cache_ratio"] = round(median(cached[1:]) / median(plain[1:]), 3)
+    try:
+        import torchlens
+    except ImportError as e:
+        out["torchlens"] = f"not importable ({e.__class__.__name__})"
+    else:
+        model, _ = load_hf_gpt2(gpt2_small_dir())
+        plain, logged = [], []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            model(tokens)
+            plain.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            torchlens.log_forward_pass(model, tokens, layers_to_save="all")
+            logged.append(time.perf_counter() - started)
+        out["torchlens_full_capture_ratio"] = round(median(logged[1:]) / median(plain[1:]), 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-third-party", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model, _ = load_hf_gpt2(gpt2_small_dir())
+    tokens = torch.randint(0, 50257, (1, args.prompt + args.steps))
+    prompt, feed = tokens[:, : args.prompt], tokens[:, args.prompt :]
+    times = {m: {"prefill": [], "decode": []} for m in MODES}
+    kept_per_step: dict[str, list[int]] = {}
+    stats_seconds: dict[str, float] = {}
+    with torch.no_grad():
+        run_once(model, prompt, feed, None)  # warm-up
+        for r in range(args.repeats):
+            order = MODES if r % 2 == 0 else tuple(reversed(MODES))
+            for mode in order:
+                prefill, decode, kept, stats = run_once(model, prompt, feed, mode)
+                times[mode]["prefill"].append(prefill)
+                times[mode]["decode"].append(decode)
+                if mode:
+                    kept_per_step[mode] = [b - a for a, b in zip(kept, kept[1:])]
+                    stats_seconds[mode] = stats
+        others = {} if args.skip_third_party else third_party(prompt, args.repeats)
+
+    base = {phase: median(times[None][phase]) for phase in ("prefill", "decode")}
+    result = {
+        "machine": machine(),
+        "setup": {"weights": "GPT-2 small shape, random, 124M (ours)", "prompt_tokens": args.prompt,
+                  "decode_steps": args.steps, "repeats": args.repeats},
+        "untraced_ms": {"prefill": round(base["prefill"] * 1000, 2),
+                        "decode_per_step": round(base["decode"] * 1000, 2)},
+        "ratio": {
+            mode: {phase: round(median(times[mode][phase]) / base[phase], 3) for phase in ("prefill", "decode")}
+            for mode in MODES[1:]
+        },
+        "bytes_kept_per_decode_step": {m: int(median(v)) if v else 0 for m, v in kept_per_step.items()},
+        "lazy_stats_seconds_for_whole_trace": {m: round(s, 3) for m, s in stats_seconds.items()},
+        "third_party": others,
+    }
+    path = save("tracer", result)
+    m = result["machine"]
+    print(f"machine: {m['cpu']} ({m['cores']} cores, torch {m['torch']}, {m['torch_threads']} threads)")
+    print(f"untraced: prefill {result['untraced_ms']['prefill']} ms, decode {result['untraced_ms']['decode_per_step']} "
+          "ms/step")
+    targets = {"shapes": 1.05, "values": 1.15, "ops": 2.0}
+    for mode, ratios in result["ratio"].items():
+        print(f"{mode:>7}: prefill ×{ratios['prefill']:.3f}  decode ×{ratios['decode']:.3f}  (target ≤ {targets[mode]})"
+              f"  bytes/decode step {result['bytes_kept_per_decode_step'].get(mode, 0):,}")
+    print(f"lazy statistics for the whole trace: {result['lazy_stats_seconds_for_whole_trace']}")
+    print(f"third party: {others}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Everything a person can type, pick or upload gets a clear message, and nothing computed is lost."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import threading
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tests.test_app import APP, charts, heatmaps, metric, new_app, press, run, show_tab
+from tracer.io import trace_archive_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def messages(at: AppTest) -> str:
+    return " | ".join(e.value for e in [*at.error, *at.warning, *at.info])
+
+
+@pytest.fixture()
+def stepped():
+    at = new_app()
+    press(at, "step_button")
+    press(at, "step_button")
+    return at
+
+
+def assert_kept(at: AppTest, steps: int) -> None:
+    gen = at.session_state["gen"]
+    assert gen.n_steps == steps
+    show_tab(at, "Attention")
+    assert len(heatmaps(charts(at)[0])) == 4
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [("", "the prompt is empty"), ("   \n  ", "only whitespace"), ("Lily\n\nTom", "line 2 of the batch is empty")],
+)
+def test_empty_prompts_are_refused_and_the_generation_survives(stepped, prompt, expected):
+    at = stepped
+    at.sidebar.text_area(key="prompt").set_value(prompt)
+    run(at)
+    assert expected in messages(at)  # shown as soon as it is typed
+    press(at, "reset_button")
+    assert "Reset refused, nothing was discarded" in messages(at) and expected in messages(at)
+    press(at, "step_button")  # Step continues the existing generation
+    assert_kept(at, 3)
+
+
+def test_a_fresh_session_with_an_empty_prompt_gets_a_message_not_a_traceback():
+    at = new_app()
+    at.sidebar.text_area(key="prompt").set_value("")
+    press(at, "step_button")
+    assert "the prompt is empty" in messages(at) and "gen" not in at.session_state
+
+
+@pytest.mark.parametrize("text", ["🙂🚀 and Ελληνικά 中文", "NUL \x00 and \x1b[31m control", "<b>bold?</b> & <i>"])
+def test_prompts_with_unseen_characters_work(text):
+    at = new_app()
+    at.sidebar.text_area(key="prompt").set_value(text)
+    press(at, "step_button")
+    press(at, "step_button")
+    assert at.session_state["gen"].text().startswith(text)
+    assert metric(at, "new positions n") == "1"
+
+
+def test_a_prompt_longer_than_n_ctx_is_cut_with_a_visible_warning():
+    at = new_app()
+    at.sidebar.text_area(key="prompt").set_value("Lily and Tom played with the red ball all day. " * 40)
+    press(at, "step_button")
+    assert "kept its last 255 tokens" in messages(at)
+    assert metric(at, "key positions t") == "255"
+
+
+def test_reaching_n_ctx_stops_with_a_message():
+    at = new_app()
+    at.sidebar.text_area(key="prompt").set_value("Lily and Tom played with the red ball all day. " * 40)
+    at.sidebar.number_input(key="run_n").set_value(10)
+    press(at, "run_button")
+    assert "Stopped:" in messages(at) and "n_ctx = 256" in messages(at)
+    assert at.session_state["gen"].sequence_length == 256
+    assert_kept(at, 1)
+
+
+@pytest.mark.parametrize(
+    "widget, value, expected",
+    [
+        ("temperature", -1.0, "temperature must be ≥ 0"),
+        ("temperature", 1e9, "above the maximum"),
+        ("temperature", 0.0, "temperature 0 is greedy decoding"),
+        ("top_k", -5, "top_k must be a non-negative integer"),
+        ("top_p", 0.0, "top_p must lie in (0, 1]"),
+        ("top_p", 1.5, "top_p must lie in (0, 1]"),
+        ("seed", "abc", "the seed must be a whole number"),
+    ],
+)
+def test_bad_sampling_settings_get_a_clear_message(stepped, widget, value, expected):
+    at = stepped
+    at.sidebar.radio(key="decoding").set_value("sample")
+    run(at)
+    if widget == "seed":
+        at.sidebar.text_input(key="seed").set_value(value)
+    else:
+        at.sidebar.number_input(key=widget).set_value(value)
+    run(at)
+    assert expected in messages(at)
+    press(at, "reset_button")
+    assert "Reset refused" in messages(at)
+    assert_kept(at, 2)
+
+
+def test_top_k_zero_and_above_the_vocabulary_are_accepted(stepped):
+    at = stepped
+    at.sidebar.radio(key="decoding").set_value("sample")
+    at.sidebar.number_input(key="top_k").set_value(100_000)
+    press(at, "reset_button")
+    press(at, "step_button")
+    assert at.session_state["gen"].sampling.top_k == 100_000 and not at.error
+
+
+@pytest.mark.parametrize("n, expected", [(10**6, "1 to 256 steps"), (0, "1 to 256 steps")])
+def test_run_n_is_bounded(stepped, n, expected):
+    at = stepped
+    at.sidebar.number_input(key="run_n").set_value(n)
+    press(at, "run_button")
+    assert expected in messages(at)
+    assert_kept(at, 2)
+
+
+def test_prompts_of_very_different_lengths_are_padded_and_the_mask_shows_it():
+    at = new_app()
+    at.sidebar.text_area(key="prompt").set_value(
+        "Hi\nOnce upon a time, there was a little girl named Lily. She had a red ball and a blue kite."
+    )
+    press(at, "step_button")
+    show_tab(at, "Causal mask")
+    at.selectbox(key="mask_batch").set_value(0)
+    run(at)
+    assert "padding" in " ".join(m.value for m in at.markdown)
+    mask = heatmaps(charts(at)[0])[0]["z"]
+    gen = at.session_state["gen"]
+    pad = gen.sequence_length - gen.prompt_lengths[0] - 1  # columns of padding in row 0
+    assert pad > 10 and all(row[:pad] == [1] * pad for row in mask[pad:])  # real queries never see padding
+
+
+def _load_dir(at: AppTest, path: str) -> AppTest:
+    at.sidebar.radio(key="source").set_value("Local GPT-2 directory")
+    run(at)
+    at.sidebar.text_input(key="model_dir").set_value(path)
+    run(at)
+    at.sidebar.button(key="load_model").click()
+    return run(at)
+
+
+@pytest.fixture()
+def bad_dirs(tmp_path, hf_pair):
+    _, _, good = hf_pair
+    dirs = {"missing": tmp_path / "missing", "file": tmp_path / "file.txt"}
+    dirs["file"].write_text("hello")
+    dirs["not_gpt2"] = tmp_path / "llama"
+    dirs["not_gpt2"].mkdir()
+    (dirs["not_gpt2"] / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for name in ("mismatch", "truncated", "pickle"):
+        shutil.copytree(good, tmp_path / name)
+        dirs[name] = tmp_path / name
+    cfg = json.loads((dirs["mismatch"] / "config.json").read_text())
+    cfg["n_embd"] = 128
+    (dirs["mismatch"] / "config.json").write_text(json.dumps(cfg))
+    data = (dirs["truncated"] / "model.safetensors").read_bytes()
+    (dirs["truncated"] / "model.safetensors").write_bytes(data[:1000])
+    (dirs["pickle"] / "model.safetensors").unlink()
+    (dirs["pickle"] / "pytorch_model.bin").write_bytes(
+        b"\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06system\x94\x93\x94\x8c\x05touch\x94\x85"
+        b"\x94R\x94."
+    )
+    dirs["loop"] = tmp_path / "loop"
+    os.symlink(dirs["loop"], dirs["loop"])
+    return dirs
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "no such directory"),
+        ("file", "is a file, not a directory"),
+        ("not_gpt2", "model_type is 'llama'"),
+        ("mismatch", "config.json implies"),
+        ("truncated", "not a readable safetensors file"),
+        ("pickle", "refused"),
+        ("loop", "cannot resolve"),
+    ],
+)
+def test_bad_model_directories_leave_the_loaded_model_working(stepped, bad_dirs, case, expected):
+    at = _load_dir(stepped, str(bad_dirs[case]))
+    assert "Could not load that model, the previous one stays loaded" in messages(at) and expected in messages(at)
+    assert at.session_state.get("model_key", "bundled") == "bundled"
+    press(at, "step_button")
+    assert_kept(at, 3)
+
+
+def test_a_real_local_directory_loads_and_steps(hf_pair, bundled, tmp_path):
+    _, _, good = hf_pair
+    target = tmp_path / "with-tokenizer"
+    shutil.copytree(good, target)
+    # a tokenizer whose ids fit the 211-token test model: the bundled one is larger, so train a tiny one
+    from model.train import train_tokenizer
+
+    train_tokenizer(["Lily had a red ball.", "Tom had a kite."] * 50, 211).save(target / "tokenizer.json")
+    at = _load_dir(new_app(), str(target))
+    assert "Loaded" in " ".join(s.value for s in at.success)
+    press(at, "step_button")
+    press(at, "step_button")
+    assert at.session_state["gen"].model.config.vocab_size == 211
+    assert metric(at, "new positions n") == "1"
+
+
+def _rewrite(archive: bytes, name: str, data: bytes) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, data if info.filename == name else src.read(info.filename))
+    return out.getvalue()
+
+
+def test_bad_trace_files_are_refused_in_the_app(stepped):
+    at = stepped
+    good = trace_archive_bytes(at.session_state["gen"].trace)
+    manifest = json.loads(zipfile.ZipFile(io.BytesIO(good)).read("manifest.json"))
+    manifest["version"] = 7
+    cases = {
+        "truncated.zip": (good[: len(good) // 3], "not a readable trace archive"),
+        "version.zip": (_rewrite(good, "manifest.json", json.dumps(manifest).encode()), "version 7"),
+        "huge.zip": (_rewrite(good, "values.safetensors", (2**40).to_bytes(8, "little") + b"{}"), "header"),
+    }
+    show_tab(at, "Export")
+    for name, (data, expected) in cases.items():
+        at.file_uploader(key="upload_trace").set_value((name, data, "application/zip"))
+        run(at)
+        assert f"Could not load {name}" in messages(at) and expected in messages(at)
+    assert "loaded_trace" not in at.session_state
+    assert_kept(at, 2)
+
+
+def test_nan_is_flagged_at_the_first_record_where_it_appears(stepped):
+    at = stepped
+    model = at.session_state["gen"].model  # the shared, cached model of this process
+
+    def poison(module, args, output):
+        out = output.clone()
+        out[..., 0] = float("nan")
+        return out
+
+    handle = model.blocks[1].attn.hook_z.register_forward_hook(poison)
+    try:
+        press(at, "step_button")
+    finally:
+        handle.remove()
+    show_tab(at, "Inspector")
+    assert any("NaN/Inf first appears in **blocks.1.attn.hook_z**" in e.value for e in at.error)
+
+
+def test_two_sessions_stepping_at_the_same_time_see_only_their_own_state():
+    a, b = new_app(), new_app()
+    a.sidebar.text_area(key="prompt").set_value("Tom had a big red kite.")
+    b.sidebar.text_area(key="prompt").set_value("Mia said,\nBen had a small dog. One day,")
+    run(a)
+    run(b)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def work(at):
+        try:
+            barrier.wait()
+            for _ in range(4):
+                at.sidebar.button(key="step_button").click()
+                at.run()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in (a, b)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and not a.exception and not b.exception
+    ga, gb = a.session_state["gen"], b.session_state["gen"]
+    assert ga is not gb and ga.trace is not gb.trace and ga.cache is not gb.cache
+    assert ga.prompts == ["Tom had a big red kite."] and gb.batch_size == 2
+    assert ga.n_steps == gb.n_steps == 4
+    assert ga.trace.record("hook_embed", 0).shape[0] == 1 and gb.trace.record("hook_embed", 0).shape[0] == 2
+    assert ga.cache.keys[0].shape[0] == 1 and gb.cache.keys[0].shape[0] == 2
+    assert all(r.shape[0] == 1 for r in ga.trace.filter(kind="hook") if r.name != "blocks.0.attn.hook_mask")
+
+
+def test_server_config_is_local_with_xsrf_protection():
+    config = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())
+    assert config["server"]["address"] == "127.0.0.1"
+    assert config["server"]["enableXsrfProtection"] is True
+    assert config["browser"]["gatherUsageStats"] is False
+
+
+def test_app_source_never_renders_unescaped_user_text():
+    source = Path(APP).read_text()
+    # every unsafe_allow_html call renders a string built by figures/, which escapes token text
+    for line in source.splitlines():
+        if "unsafe_allow_html=True" in line:
+            assert "token_views." in line or "attn_views." in line or "prefix +" in line, line

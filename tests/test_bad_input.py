@@ -1,0 +1,154 @@
+"""Hardening at the library level: odd text, fuzzed settings and configs, NaN/Inf, long runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from model import GPT, GPTConfig, SamplingConfig, SamplingError, sample
+from model.hook_table import dims_of, resolve, spec_for
+from tracer import Tracer
+from tracer.generation import TracedGeneration
+
+ODD_TEXTS = [
+    "🙂🚀 emoji only",
+    "Ελληνικά, 中文, العربية, हिन्दी",
+    "control \x01\x02\x1b[31m and tab\tand\r\nnewline",
+    "NUL \x00 inside",
+    "\u200b\u200d zero-width \ufeff BOM",
+    "combining e\u0301 and surrogate-free 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+]
+
+
+@pytest.mark.parametrize("text", ODD_TEXTS)
+def test_text_the_tokenizer_never_saw_encodes_generates_and_round_trips(bundled, text):
+    model, tok = bundled
+    ids = tok.encode(text)
+    assert ids and all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+    gen = TracedGeneration(model, tok, text, temperature=0)
+    gen.run(2)
+    assert gen.text().startswith(text)
+    labels = gen.column_labels(0)
+    assert all(isinstance(label, str) and label for label in labels)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(min_size=0, max_size=60))
+def test_any_text_round_trips_through_the_tokenizer(bundled, text):
+    _, tok = bundled
+    assert tok.decode(tok.encode(text)) == text
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    temperature=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 500)),
+    top_k=st.one_of(st.none(), st.integers(-3, 2000)),
+    top_p=st.one_of(st.none(), st.floats(-1, 2, allow_nan=True)),
+    seed=st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=3)),
+)
+def test_sampling_parameters_work_or_raise_the_documented_error(temperature, top_k, top_p, seed):
+    try:
+        cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except SamplingError:
+        return
+    assert math.isfinite(cfg.temperature) and 0 <= cfg.temperature <= 100
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    res = sample(logits, cfg, cfg.generator())
+    assert res.token.shape == (2,) and ((res.token >= 0) & (res.token < 50)).all()
+    assert torch.allclose(res.probs.sum(-1), torch.ones(2), atol=1e-5)
+    assert (res.token_prob > 0).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_layer=st.integers(1, 3), n_head=st.sampled_from([1, 2, 4]), head_width=st.sampled_from([4, 8]),
+    n_ctx=st.integers(6, 24), batch=st.integers(1, 3), prompt=st.integers(1, 5), steps=st.integers(1, 4),
+    use_cache=st.booleans(), capture=st.sampled_from(["shapes", "values"]),
+)
+def test_the_frame_and_the_tensor_shapes_agree_for_random_configs(
+    n_layer, n_head, head_width, n_ctx, batch, prompt, steps, use_cache, capture
+):
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=37, n_ctx=n_ctx, d_model=n_head * head_width, n_layer=n_layer, n_head=n_head)
+    model = GPT(config).eval()
+    tokens = torch.randint(0, 37, (batch, prompt + steps))
+    cache = model.new_cache(batch) if use_cache else None
+    with torch.no_grad(), Tracer(model, capture=capture) as tr:
+        for s in range(steps + 1):
+            if prompt + s > n_ctx:
+                with pytest.raises(ValueError, match="n_ctx"):
+                    model(tokens[:, : prompt + s] if not use_cache else tokens[:, prompt + s - 1 : prompt + s], cache)
+                break
+            if use_cache:
+                feed = tokens[:, :prompt] if s == 0 else tokens[:, prompt + s - 1 : prompt + s]
+            else:
+                feed = tokens[:, : prompt + s]
+            model(feed, cache)
+    frame = tr.trace.to_frame(stats=False)
+    for step_info in tr.trace.steps:
+        s = step_info.step
+        n = (prompt if s == 0 else 1) if use_cache else prompt + s
+        t = prompt + s
+        dims = dims_of(config, batch, n, t)
+        dims["B|1"] = 1
+        rows = frame[(frame.step == s) & (frame.kind == "hook")]
+        assert len(rows) == 4 + 22 * n_layer
+        for row in rows.itertuples():
+            assert row.shape == tuple(resolve(x, dims) for x in spec_for(row.name).shape), (row.name, s)
+            assert row.numel == math.prod(row.shape) and row.nbytes == row.numel * 4
+            if capture == "values":
+                assert tuple(tr.trace.get(row.name, s).shape) == row.shape
+
+
+def test_nan_and_inf_are_recorded_and_the_first_one_is_named(bundled):
+    model, tok = bundled
+
+    def poison(module, args, output):
+        out = output.clone()
+        out[0, -1, 3] = float("nan")
+        out[0, -1, 4] = float("inf")
+        return out
+
+    handle = model.blocks[2].mlp.hook_post.register_forward_hook(poison)
+    try:
+        gen = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)
+        gen.step()
+    finally:
+        handle.remove()
+    t = gen.trace
+    first = t.first_anomaly(0)
+    assert first is not None and first.name == "blocks.2.mlp.hook_post"
+    assert first.stats.nan == 1 and first.stats.pos_inf == 1
+    assert "NaN!×1" in t.summary(first.name, 0) and "+∞!×1" in t.summary(first.name, 0)
+    downstream = t.record("blocks.2.hook_mlp_out", 0)
+    assert downstream.stats.nan > 0  # it spreads, and the table shows where it went
+    assert t.record("blocks.0.attn.hook_masked_scores", 0).stats.neg_inf > 0  # the mask's −∞ is not an alarm
+    assert t.first_anomaly(0).index < downstream.index
+
+
+def test_a_long_gpt2_small_run_stays_under_a_small_budget():
+    """300 decode steps of a GPT-2-small-shaped model (124M) with values captured, 24 MiB budget."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig()).eval()
+    budget = 24 * 2**20
+    tracer = Tracer(model, capture="values", budget_bytes=budget).install()
+    cache = model.new_cache(1)
+    tokens = torch.randint(0, 50257, (1, 310))
+    with torch.no_grad():
+        with tracer.active():
+            model(tokens[:, :10], cache)
+        for i in range(300):
+            with tracer.active():
+                model(tokens[:, 10 + i : 11 + i], cache)
+            assert tracer.trace.bytes_kept <= budget
+    tracer.close()
+    t = tracer.trace
+    assert t.n_steps == 301 and t.values.peak_nbytes <= budget
+    assert t.values.evicted_count > 0 and t.get("hook_logits", 0) is None
+    assert t.record("hook_logits", 0).stats is not None  # evicted records keep their statistics
+    assert t.get("hook_logits", 300) is not None and t.record("blocks.11.attn.hook_k_all", 300).shape[2] == 310
