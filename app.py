@@ -206,6 +206,8 @@ def viewed_trace() -> Trace | None:
 
 def header(trace: Trace) -> int:
     n_steps = trace.n_steps
+    if "pending_step_view" in st.session_state:
+        st.session_state["step_view"] = st.session_state.pop("pending_step_view")
     if n_steps > 1:
         st.session_state["step_view"] = min(st.session_state.get("step_view", n_steps - 1), n_steps - 1)
         step = st.slider("Step (time travel: every view shows this step)", 0, n_steps - 1, key="step_view")
@@ -415,7 +417,7 @@ def export_tab(trace: Trace | None) -> None:
             st.error(f"{upload.name} is a valid trace but not of a generation this app can show.")
             return
         st.session_state["loaded_trace"] = loaded
-        st.session_state["step_view"] = loaded.n_steps - 1
+        st.session_state["pending_step_view"] = loaded.n_steps - 1  # the slider exists already: apply next run
         st.rerun()
 
 

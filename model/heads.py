@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from model.gpt import GPT
@@ -60,3 +63,29 @@ def induction_scores(model: GPT, tokens: torch.Tensor, length: int) -> torch.Ten
     for pattern in attention_patterns(model, tokens):
         scores.append(pattern[:, :, queries, targets].mean(dim=(0, 2)))
     return torch.stack(scores)
+
+
+@contextmanager
+def ablated(model: GPT, layer: int, head: int) -> Iterator[None]:
+    """Zero one head's output ``z`` while the block runs (to see what depends on it)."""
+
+    def zero_head(module, args, output):
+        out = output.clone()
+        out[:, head] = 0
+        return out
+
+    handle = model.blocks[layer].attn.hook_z.register_forward_hook(zero_head)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def repeat_loss(model: GPT, tokens: torch.Tensor, length: int) -> float:
+    """Mean next-token loss over the second copy of a repeated sequence (what induction predicts)."""
+    logits = model(tokens)
+    n = tokens.size(1)
+    pred = logits[:, n - length : n - 1]
+    target = tokens[:, n - length + 1 : n]
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1), target.flatten()).item()

@@ -47,3 +47,18 @@ def hf_pair():
     hf.save_pretrained(directory)
     ours, tok = load_hf_gpt2(directory)
     return hf, ours, directory
+
+
+@pytest.fixture(scope="session")
+def hf_dir_with_tokenizer(bundled):
+    """A small random Hugging Face GPT-2 whose vocabulary fits the bundled tokenizer, saved with it."""
+    import tempfile
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(99)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=1024, n_positions=64, bos_token_id=0, eos_token_id=0)
+    directory = Path(tempfile.mkdtemp(prefix="hf-gpt2-tok-"))
+    GPT2LMHeadModel(cfg).eval().save_pretrained(directory)
+    bundled[1].save(directory / "tokenizer.json")
+    return directory

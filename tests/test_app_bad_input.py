@@ -119,6 +119,7 @@ def test_bad_sampling_settings_get_a_clear_message(stepped, widget, value, expec
 def test_top_k_zero_and_above_the_vocabulary_are_accepted(stepped):
     at = stepped
     at.sidebar.radio(key="decoding").set_value("sample")
+    run(at)
     at.sidebar.number_input(key="top_k").set_value(100_000)
     press(at, "reset_button")
     press(at, "step_button")
@@ -205,19 +206,13 @@ def test_bad_model_directories_leave_the_loaded_model_working(stepped, bad_dirs,
     assert_kept(at, 3)
 
 
-def test_a_real_local_directory_loads_and_steps(hf_pair, bundled, tmp_path):
-    _, _, good = hf_pair
-    target = tmp_path / "with-tokenizer"
-    shutil.copytree(good, target)
-    # a tokenizer whose ids fit the 211-token test model: the bundled one is larger, so train a tiny one
-    from model.train import train_tokenizer
-
-    train_tokenizer(["Lily had a red ball.", "Tom had a kite."] * 50, 211).save(target / "tokenizer.json")
-    at = _load_dir(new_app(), str(target))
+def test_a_real_local_directory_loads_and_steps(hf_dir_with_tokenizer):
+    at = _load_dir(new_app(), str(hf_dir_with_tokenizer))
     assert "Loaded" in " ".join(s.value for s in at.success)
     press(at, "step_button")
     press(at, "step_button")
-    assert at.session_state["gen"].model.config.vocab_size == 211
+    gen = at.session_state["gen"]
+    assert gen.model.config.n_layer == 2 and gen.model.config.d_model == 32
     assert metric(at, "new positions n") == "1"
 
 
@@ -257,7 +252,8 @@ def test_nan_is_flagged_at_the_first_record_where_it_appears(stepped):
         out[..., 0] = float("nan")
         return out
 
-    handle = model.blocks[1].attn.hook_z.register_forward_hook(poison)
+    # prepend: run before the tracer's own hook, as if the model itself produced the NaN here
+    handle = model.blocks[1].attn.hook_z.register_forward_hook(poison, prepend=True)
     try:
         press(at, "step_button")
     finally:

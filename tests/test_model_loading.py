@@ -38,9 +38,10 @@ def test_loads_pytorch_model_bin_with_weights_only(checkpoint, hf_pair):
     assert torch.allclose(model(tokens), ours(tokens), atol=1e-6)
 
 
-def test_loads_tokenizer_json_and_vocab_merges(checkpoint, bundled):
+def test_loads_tokenizer_json_and_vocab_merges(hf_dir_with_tokenizer, bundled, tmp_path):
     _, tok = bundled
-    tok.save(checkpoint / "tokenizer.json")
+    checkpoint = tmp_path / "with-tokenizer"
+    shutil.copytree(hf_dir_with_tokenizer, checkpoint)
     _, loaded = load_hf_gpt2(checkpoint)
     assert loaded is not None and loaded.encode("Lily had a ball.") == tok.encode("Lily had a ball.")
     # GPT-2's original two files: vocab.json + merges.txt

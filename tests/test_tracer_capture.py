@@ -243,3 +243,55 @@ def test_filters_by_layer_module_kind_and_name(gpt):
 def test_unknown_capture_level_is_refused(gpt):
     with pytest.raises(ValueError, match="capture must be one of"):
         Tracer(gpt, capture="everything")
+
+
+def test_a_value_changed_in_place_by_a_later_step_is_not_shown_wrong():
+    class StaticCacheLike(nn.Module):
+        """Writes each call's input into a preallocated buffer in place, like a static KV cache."""
+
+        def __init__(self):
+            super().__init__()
+            self.buffer = torch.zeros(4, 2)
+            self.slot = 0
+
+        def forward(self, x):
+            self.buffer[self.slot] = x  # in place, into the tensor an earlier step returned
+            self.slot += 1
+            return self.buffer
+
+    model = StaticCacheLike()
+    with torch.no_grad(), Tracer(model, capture="values") as tr:
+        model(torch.ones(2))
+        model(torch.full((2,), 2.0))
+    t = tr.trace
+    assert t.get("model:out", step=1) is not None and t.get("model:out", step=1)[1].tolist() == [2.0, 2.0]
+    assert t.get("model:out", step=0) is None  # step 0's buffer now holds step 1's row too
+    assert "changed in place" in t.record("model:out", step=0).value_note
+    with torch.no_grad(), Tracer(StaticCacheLike(), capture="values", copy="all") as tr2:
+        tr2.model(torch.ones(2))
+        tr2.model(torch.full((2,), 2.0))
+    assert tr2.trace.get("model:out", step=0)[1].tolist() == [0.0, 0.0]
+
+
+def test_a_tracer_collected_while_another_installs_does_not_deadlock(gpt):
+    """Garbage collection can run a dropped tracer's finalizer in the middle of installing hooks."""
+    import gc
+
+    import tracer.capture as capture
+
+    other = GPT(CONFIG).eval()
+    first, second = Tracer(other).install(), Tracer(other).install()
+    assert hooks_installed(other) == 2
+    gc.disable()
+    try:
+        with capture._installed_lock:  # a finalizer running while this thread holds the lock
+            capture._release(id(other))  # must not wait for the lock (that was a deadlock)
+        assert hooks_installed(other) == 1  # the deferred release was applied by the next lock holder
+        first._finalizer.detach()  # its claim was just released above
+        second.close()
+        assert hooks_installed(other) == 0 and no_hooks_left(other)
+    finally:
+        gc.enable()
+    with Tracer(gpt, capture="shapes") as tr:
+        gpt(torch.randint(0, 64, (1, 3)))
+    assert tr.trace.n_steps == 1 and no_hooks_left(gpt)

@@ -13,9 +13,10 @@ Design choices (and why):
 * **Values are references, copied only when needed.** A kept value is the
   detached tensor itself. Before a module flagged ``inplace=True`` (ReLU,
   Dropout, …) or an in-place op seen at op level overwrites it, the kept value
-  is swapped for a copy; anything else that mutates a kept tensor is caught by
-  its version counter at the end of the step, and that value is dropped with a
-  note rather than shown wrong. ``copy="all"`` copies everything instead.
+  is swapped for a copy; anything else that mutates a kept tensor — in this
+  step or any later one — is caught by its version counter when the value is
+  read, and that value is dropped with a note rather than shown wrong.
+  ``copy="all"`` copies everything instead.
 * **Op level uses PyTorch's own interception** (``TorchFunctionMode``), which is
   thread-local, active only while the traced forward runs.
 * **A step is one top-level module call**: it starts when a module is entered
@@ -135,31 +136,54 @@ class _InstalledHooks:
 
 _installed: dict[int, _InstalledHooks] = {}
 _installed_lock = threading.Lock()
+_pending_releases: list[int] = []  # releases that could not take the lock (list.append is atomic)
+
+
+def _drain_pending() -> None:
+    """Apply deferred releases; the caller holds ``_installed_lock``."""
+    while _pending_releases:
+        _release_locked(_pending_releases.pop())
 
 
 def _acquire(model: nn.Module) -> _InstalledHooks:
     with _installed_lock:
+        _drain_pending()
         hooks = _installed.get(id(model))
         if hooks is None:
             hooks = _installed[id(model)] = _InstalledHooks(model)
         hooks.users += 1
+        _drain_pending()  # building the hooks may have run the garbage collector, and with it finalizers
         return hooks
 
 
+def _release_locked(model_id: int) -> None:
+    hooks = _installed.get(model_id)
+    if hooks is None:
+        return
+    hooks.users -= 1
+    if hooks.users <= 0:
+        hooks.remove()
+        del _installed[model_id]
+
+
 def _release(model_id: int) -> None:
-    with _installed_lock:
-        hooks = _installed.get(model_id)
-        if hooks is None:
-            return
-        hooks.users -= 1
-        if hooks.users <= 0:
-            hooks.remove()
-            del _installed[model_id]
+    """Called by ``Tracer.close`` or by a garbage-collected tracer's finalizer — which can run at
+    any allocation, even inside ``_acquire`` on this very thread. So never wait for the lock:
+    when it is taken, leave the release for whoever holds it."""
+    if _installed_lock.acquire(blocking=False):
+        try:
+            _release_locked(model_id)
+            _drain_pending()
+        finally:
+            _installed_lock.release()
+    else:
+        _pending_releases.append(model_id)
 
 
 def hooks_installed(model: nn.Module) -> int:
     """How many tracers currently hold hooks on ``model`` (0: the model is untouched)."""
     with _installed_lock:
+        _drain_pending()
         hooks = _installed.get(id(model))
         return hooks.users if hooks else 0
 
@@ -263,7 +287,6 @@ class Tracer:
         self._calls: dict[int, int] = {}
         self._step_first_record = 0
         self._step_started = 0.0
-        self._versions: list[tuple[int, torch.Tensor, int]] = []
         self._in_hook = False
         self._ops: _OpRecorder | None = None
         self._failed_op: tuple[str, tuple, str, int] | None = None
@@ -390,24 +413,20 @@ class Tracer:
             reason = trace.values.put(index, trace._step, value)
             if reason:
                 trace._notes[index] = reason
-            elif not value.is_inference():
-                self._versions.append((index, value, value._version))
 
     def _protect(self, t: torch.Tensor) -> None:
         """``t`` is about to be changed in place: kept values that share its storage get a private copy."""
         store = self.trace.values
         indices = store.sharing_storage(t)
         for index in indices:
-            store.replace(index, store.get(index).clone())
-        if indices:
-            replaced = set(indices)
-            self._versions = [(i, v, ver) for i, v, ver in self._versions if i not in replaced]
+            value = store.get(index)
+            if value is not None:
+                store.replace(index, value.clone())
 
     # -- steps ---------------------------------------------------------------------
     def _begin_step(self) -> None:
         trace = self.trace
         self._calls = {}
-        self._versions = []
         self._failed_op = None
         self._step_first_record = trace._next_index()
         self._step_in_progress = True
@@ -420,7 +439,6 @@ class Tracer:
         seconds = time.perf_counter() - self._step_started
         if self._ops is not None:
             self._stop_ops()
-        self._check_versions()
         self._step_in_progress = False
         self.trace._end_step(seconds)
 
@@ -428,20 +446,9 @@ class Tracer:
         """Close a step whose forward raised inside the traced block and was caught there."""
         if self._ops is not None:
             self._stop_ops()
-        self._check_versions()
         self._stack.clear()
         self._step_in_progress = False
         self.trace._end_step(time.perf_counter() - self._step_started, failed=True)
-
-    def _check_versions(self) -> None:
-        store = self.trace.values
-        for index, value, version in self._versions:
-            if index in store and value._version != version:
-                store.drop(index, note=None)
-                self.trace._notes[index] = (
-                    "dropped: changed in place after it was recorded (trace with copy='all' to keep it)"
-                )
-        self._versions = []
 
     def _start_ops(self) -> None:
         self._ops = _OpRecorder(self)
@@ -497,7 +504,6 @@ class Tracer:
         if self._failed_op is not None and self._failed_op[3] == id(exc):
             error.op, error.op_input_shapes = self._failed_op[0], list(self._failed_op[1])
         if self._step_in_progress:
-            self._check_versions()
             self._step_in_progress = False
             trace._end_step(time.perf_counter() - self._step_started, failed=True)
         self._stack.clear()

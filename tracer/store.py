@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 DEFAULT_BUDGET_BYTES = 512 * 2**20  # 512 MiB
+MUTATED = "dropped: changed in place after it was recorded (trace with copy='all' to keep it)"
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -34,23 +35,36 @@ class ValueStore:
         self._values: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._step: dict[int, int] = {}
         self._key: dict[int, tuple[int, int]] = {}
+        self._version: dict[int, int] = {}  # the tensor's version counter when it was kept (-1: untracked)
         self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
         self.nbytes = 0
         self.peak_nbytes = 0
         self.evicted_count = 0
-        self.on_evict: Callable[[int, torch.Tensor, str], None] | None = None
+        self.on_evict: Callable[[int, torch.Tensor, str, bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self._values)
 
     def __contains__(self, index: int) -> bool:
-        return index in self._values
+        return self._verified(index)
 
     def get(self, index: int) -> torch.Tensor | None:
-        return self._values.get(index)
+        return self._values[index] if self._verified(index) else None
 
     def items(self):
-        return self._values.items()
+        for index in [i for i in self._values if self._verified(i)]:
+            yield index, self._values[index]
+
+    def _verified(self, index: int) -> bool:
+        """Kept, and not changed in place since (checked by the version counter when read)."""
+        value = self._values.get(index)
+        if value is None:
+            return False
+        version = self._version[index]
+        if version >= 0 and value._version != version:
+            self.drop(index, note=MUTATED, stats=False)
+            return False
+        return True
 
     def put(self, index: int, step: int, tensor: torch.Tensor) -> str:
         """Keep ``tensor`` for record ``index``; returns "" if kept, else why not."""
@@ -69,6 +83,7 @@ class ValueStore:
         self._values[index] = tensor
         self._step[index] = step
         self._key[index] = key
+        self._version[index] = -1 if tensor.is_inference() else tensor._version
         return ""
 
     def replace(self, index: int, tensor: torch.Tensor) -> None:
@@ -79,20 +94,24 @@ class ValueStore:
         self.drop(index, note=None)
         reason = self.put(index, step, tensor)
         if reason and self.on_evict is not None:
-            self.on_evict(index, tensor, reason)
+            self.on_evict(index, tensor, reason, True)
 
-    def drop(self, index: int, note: str | None = "dropped") -> None:
+    def drop(self, index: int, note: str | None = "dropped", stats: bool = True) -> None:
+        """Forget a value; ``note`` (if any) tells the trace why, and whether its stats can still be taken."""
         tensor = self._values.pop(index, None)
         if tensor is None:
             return
         self._step.pop(index)
+        version = self._version.pop(index)
+        if stats and version >= 0 and tensor._version != version:
+            note, stats = MUTATED, False  # its statistics would describe the wrong values
         key = self._key.pop(index)
         self._storages[key].discard(index)
         if not self._storages[key]:
             del self._storages[key]
             self.nbytes -= key[1]
         if note is not None and self.on_evict is not None:
-            self.on_evict(index, tensor, note)
+            self.on_evict(index, tensor, note, stats)
 
     def _evict_oldest_step(self) -> None:
         oldest_index = next(iter(self._values))

@@ -129,8 +129,8 @@ class Trace:
         self.steps = [s for s in self.steps if s.step < step]
         self._next_step = min(self._next_step, step)
 
-    def _on_evict(self, index: int, tensor: torch.Tensor, note: str) -> None:
-        if index not in self._stats:
+    def _on_evict(self, index: int, tensor: torch.Tensor, note: str, stats: bool) -> None:
+        if stats and index not in self._stats:
             self._stats[index] = tensor_stats(tensor)
         self._notes[index] = note
 
