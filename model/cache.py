@@ -5,14 +5,46 @@ its own token, so earlier rows never change. A decode step computes K, V (and
 Q) for the one new position, appends the new rows here, and attends with the
 full K, V: ``[B,H,1,d_head] @ [B,H,d_head,t] -> [B,H,1,t]``.
 
-Updates are transactional: layers stage their new rows during a forward, and
-the model commits them only when the whole forward succeeded, so a forward
-that raises leaves the cache exactly as it was.
+Storage is append-only: each layer has a buffer ``[B, H, capacity, d_head]``
+that doubles when full, new rows are written after the old ones, and the
+model attends over the view ``buffer[:, :, :t]``. No step copies the whole
+cache (``torch.cat`` would, every step), and a view handed out at step s stays
+valid forever, because later steps only write rows ≥ t. The writes go through
+an alias of the buffer with its own version counter, so that those earlier
+views — whose elements really did not change — are not reported as modified
+in place (a tracer keeping them checks that counter).
+
+Updates are transactional: a forward stages its new length and the model
+commits it only when the whole forward succeeded, so a forward that raises
+leaves the cache's visible contents exactly as they were.
 """
 
 from __future__ import annotations
 
 import torch
+
+MIN_CAPACITY = 32
+
+
+class _LayerBuffer:
+    __slots__ = ("keys", "values", "_k_write", "_v_write")
+
+    def __init__(self, like: torch.Tensor, capacity: int) -> None:
+        B, H, _, d_head = like.shape
+        self.keys = torch.empty(B, H, capacity, d_head, dtype=like.dtype, device=like.device)
+        self.values = torch.empty_like(self.keys)
+        # .data: the same storage, a separate version counter (see the module docstring)
+        self._k_write = self.keys.data
+        self._v_write = self.values.data
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = start + k.shape[2]
+        self._k_write[:, :, start:end] = k
+        self._v_write[:, :, start:end] = v
 
 
 class KVCache:
@@ -23,55 +55,72 @@ class KVCache:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.n_layer = n_layer
         self.batch_size = batch_size
-        self.keys: list[torch.Tensor | None] = [None] * n_layer
-        self.values: list[torch.Tensor | None] = [None] * n_layer
+        self._buffers: list[_LayerBuffer | None] = [None] * n_layer
         self.key_is_token: torch.Tensor | None = None  # [B, t] bool, None while nothing is padding
         self.last_positions: torch.Tensor | None = None  # positions of the newest forward, [B|1, n]
         self._length = 0
-        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._staged: set[int] = set()
 
     @property
     def length(self) -> int:
         """t of the next forward before its new positions: how many positions are cached."""
         return self._length
 
+    @property
+    def keys(self) -> list[torch.Tensor | None]:
+        """Per layer, the cached keys ``[B, H, t, d_head]`` (views of the buffers)."""
+        return [b.keys[:, :, : self._length] if b is not None else None for b in self._buffers]
+
+    @property
+    def values(self) -> list[torch.Tensor | None]:
+        """Per layer, the cached values ``[B, H, t, d_head]`` (views of the buffers)."""
+        return [b.values[:, :, : self._length] if b is not None else None for b in self._buffers]
+
     def check_batch(self, batch: int) -> None:
         if batch != self.batch_size:
             raise ValueError(f"this cache holds {self.batch_size} sequence(s) but the tokens have batch size {batch}")
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage the new rows ``[B,H,n,d_head]`` of ``layer``; return the full ``[B,H,t,d_head]``."""
-        old_k, old_v = self.keys[layer], self.values[layer]
-        if old_k is None or old_v is None:
-            full_k, full_v = k, v
-        else:
-            full_k = torch.cat([old_k, k], dim=2)  # [B,H,t−n,d_head] ++ [B,H,n,d_head] -> [B,H,t,d_head]
-            full_v = torch.cat([old_v, v], dim=2)
-        self._staged[layer] = (full_k, full_v)
-        return full_k, full_v
+        """Write the new rows ``[B,H,n,d_head]`` of ``layer`` after the cached ones; return the
+        full ``[B,H,t,d_head]`` (views). The new length counts only once ``commit`` runs."""
+        start = self._length
+        end = start + k.shape[2]
+        buf = self._buffers[layer]
+        if buf is None or end > buf.capacity:
+            grown = _LayerBuffer(k, max(MIN_CAPACITY, end, 2 * (buf.capacity if buf else 0)))
+            if buf is not None and start:
+                grown.write(0, buf.keys[:, :, :start], buf.values[:, :, :start])
+            self._buffers[layer] = buf = grown
+        buf.write(start, k, v)
+        self._staged.add(layer)
+        return buf.keys[:, :, :end], buf.values[:, :, :end]
 
     def commit(self, n: int, key_is_token: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Make the staged rows of a successful forward of ``n`` new positions permanent."""
+        """Make the rows a successful forward of ``n`` new positions wrote part of the cache."""
         if len(self._staged) != self.n_layer:
-            missing = sorted(set(range(self.n_layer)) - set(self._staged))
+            missing = sorted(set(range(self.n_layer)) - self._staged)
             self._staged.clear()
             raise RuntimeError(f"KV cache commit with layers {missing} not updated in this forward")
-        for layer, (k, v) in self._staged.items():
-            self.keys[layer], self.values[layer] = k, v
         self._staged.clear()
         self._length += n
         self.key_is_token = key_is_token
         self.last_positions = positions
 
     def rollback(self) -> None:
-        """Forget whatever a failed forward staged."""
+        """Forget a failed forward: rows it wrote past ``length`` are overwritten next time."""
         self._staged.clear()
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by keys and values over all layers."""
+        """Bytes of the cached keys and values (the t rows in use, all layers)."""
         return sum(int(t.numel() * t.element_size()) for t in (*self.keys, *self.values) if t is not None)
 
+    @property
+    def capacity_nbytes(self) -> int:
+        """Bytes allocated for the buffers, including room not yet used."""
+        return sum(2 * b.keys.numel() * b.keys.element_size() for b in self._buffers if b is not None)
+
     def __repr__(self) -> str:
-        shape = list(self.keys[0].shape) if self.keys[0] is not None else None
+        keys = self.keys[0]
+        shape = list(keys.shape) if keys is not None else None
         return f"KVCache(n_layer={self.n_layer}, length={self.length}, keys per layer {shape})"

@@ -136,7 +136,10 @@ def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Genera
         tempered = filtered_k = final = base
         token = base.argmax(dim=-1)
     else:
-        tempered = torch.softmax(z / config.temperature, dim=-1)
+        # shift, then divide in float64: z/τ overflows to inf for a tiny τ (and τ itself rounds to 0 in
+        # float32), while (z − max z)/τ in float64 only reaches −inf, and the top logit stays at 0
+        shifted = (z - z.max(dim=-1, keepdim=True).values).double()
+        tempered = torch.softmax(shifted / config.temperature, dim=-1).float()
         filtered_k = _top_k(tempered, config.top_k)
         final = _top_p(filtered_k, config.top_p)
         token = torch.multinomial(final, 1, generator=generator)[:, 0]

@@ -252,8 +252,8 @@ def test_nan_is_flagged_at_the_first_record_where_it_appears(stepped):
         out[..., 0] = float("nan")
         return out
 
-    # prepend: run before the tracer's own hook, as if the model itself produced the NaN here
-    handle = model.blocks[1].attn.hook_z.register_forward_hook(poison, prepend=True)
+    # the tracer records a hook point's value after user hooks ran: as if the model produced the NaN here
+    handle = model.blocks[1].attn.hook_z.register_forward_hook(poison)
     try:
         press(at, "step_button")
     finally:

@@ -20,7 +20,8 @@ def gpt():
 
 
 def no_hooks_left(model: nn.Module) -> bool:
-    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    return all(not m._forward_hooks and not m._forward_pre_hooks and getattr(m, "_tap", None) is None
+               for m in model.modules())
 
 
 def test_every_hook_point_is_a_record_with_its_documented_name_and_shape(gpt):
@@ -63,6 +64,25 @@ def test_values_equal_what_a_plain_forward_hook_sees(gpt):
     assert torch.equal(tr.trace.get("blocks.1.attn.hook_pattern"), seen["p"])
     assert torch.equal(tr.trace.get("hook_logits", step=0), logits)
     assert tr.trace.get("model:in[0]").tolist() == tokens.tolist()
+
+
+def test_a_user_hook_that_patches_a_hook_point_is_traced_as_patched(gpt):
+    # an ablation made by a forward hook is what the model uses downstream, so it is what the trace shows
+    def zero_head_2(module, args, z):
+        z = z.clone()
+        z[:, 2] = 0.0
+        return z
+
+    h = gpt.blocks[0].attn.hook_z.register_forward_hook(zero_head_2)
+    try:
+        with torch.no_grad(), Tracer(gpt, capture="values") as tr:
+            gpt(torch.randint(0, 64, (1, 6)))
+    finally:
+        h.remove()
+    z = tr.trace.get("blocks.0.attn.hook_z")
+    assert torch.count_nonzero(z[:, 2]) == 0 and torch.count_nonzero(z[:, 1]) > 0
+    merged = tr.trace.get("blocks.0.attn.hook_merged")  # [B,n,d]: head 2 owns columns 16..23
+    assert torch.equal(merged[..., 16:24], torch.zeros_like(merged[..., 16:24]))
 
 
 def test_nested_inputs_and_outputs_get_readable_slots():
@@ -295,3 +315,35 @@ def test_a_tracer_collected_while_another_installs_does_not_deadlock(gpt):
     with Tracer(gpt, capture="shapes") as tr:
         gpt(torch.randint(0, 64, (1, 3)))
     assert tr.trace.n_steps == 1 and no_hooks_left(gpt)
+
+
+def test_the_in_place_guard_knows_which_writes_touch_a_kept_view():
+    from tracer.store import overlaps
+
+    buf = torch.zeros(2, 4, 16, 8)  # a KV-cache-like buffer: rows appended along dim 2
+    kept = buf[:, :, :10]
+    assert not overlaps(buf[:, :, 10:11], kept)  # the next row: the kept view is untouched
+    assert overlaps(buf[:, :, 9:11], kept) and overlaps(buf, kept)
+    assert overlaps(buf[1], kept) and not overlaps(buf[:, :, 12:], kept)
+    flat = torch.zeros(10)
+    assert not overlaps(flat[2:4], flat[4:6]) and overlaps(flat[2:5], flat[4:6])
+
+
+def test_op_level_capture_does_not_copy_the_cache_on_every_append(gpt):
+    cache = gpt.new_cache(1)
+    tokens = torch.randint(0, 64, (1, 12))
+    tr = Tracer(gpt, capture="ops").install()
+    with torch.no_grad():
+        with tr.active():
+            gpt(tokens[:, :4], cache)
+        kept_after_prefill = tr.trace.bytes_kept
+        for i in range(4, 12):
+            with tr.active():
+                gpt(tokens[:, i : i + 1], cache)
+    k_views = [tr.trace.get("blocks.0.attn.hook_k_all", s) for s in range(9)]
+    tr.close()
+    assert all(v is not None for v in k_views)  # earlier views of the cache stay valid…
+    assert torch.equal(k_views[3], k_views[8][:, :, :7])
+    storages = {v.untyped_storage().data_ptr() for v in k_views}
+    assert len(storages) == 1  # …and all still view the cache's one buffer: nothing was copied
+    assert tr.trace.bytes_kept > kept_after_prefill

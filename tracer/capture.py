@@ -2,6 +2,12 @@
 
 Design choices (and why):
 
+* **Forward hooks on every module; a tap on our own hook points.** Any
+  ``nn.Module`` gets a forward pre-hook and a forward hook per submodule. Our
+  GPT's ``HookPoint`` modules (268 in GPT-2 small) are read through their
+  ``_tap`` instead: PyTorch's hook dispatch alone cost 7% of a GPT-2-small
+  decode step when every module had a hook. A tap runs after any user forward
+  hook on that hook point, so it records the value the model goes on to use.
 * **Hooks are per model, routing is per thread.** A model shared between
   browser sessions gets one pre-hook and one forward hook per module, installed
   once and reference-counted. Each hook looks up the tracer active *on the
@@ -40,7 +46,15 @@ from torch.overrides import TorchFunctionMode
 
 from tracer.records import TraceErrorInfo
 from tracer.store import DEFAULT_BUDGET_BYTES
-from tracer.trace import ModuleInfo, RawRecord, Trace
+from tracer.trace import ModuleInfo, Trace
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    # records hold only ints and strings, which the garbage collector stops tracking
+    name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 CAPTURE_LEVELS = ("shapes", "values", "ops")
 COPY_POLICIES = ("auto", "all")
@@ -81,13 +95,15 @@ class _InstalledHooks:
         self.model_id = id(model)
         self.modules: list[ModuleInfo] = []
         self.handles: list[Any] = []
+        self.taps: list[nn.Module] = []
         self.users = 0
         for index, (path, module) in enumerate(model.named_modules()):
             is_hook = isinstance(module, HookPoint)
             params = sum(p.numel() for p in module.parameters())
             self.modules.append(ModuleInfo(path, type(module).__name__, params, is_hook))
-            if is_hook:  # identity: nothing runs inside it, so its output is all there is to record
-                self.handles.append(module.register_forward_hook(self._hook_point(index)))
+            if is_hook:  # identity: nothing runs inside it, so its value is all there is to record
+                module._tap = self._hook_point(index)
+                self.taps.append(module)
                 continue
             self.handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(index), with_kwargs=True))
@@ -119,19 +135,22 @@ class _InstalledHooks:
     def _hook_point(self, index: int):
         model_id = self.model_id
 
-        def hook_point_hook(module, args, output):
+        def hook_point_tap(value):
             active = getattr(_thread, "active", None)
             if active:
                 tracer = active.get(model_id)
                 if tracer is not None:
-                    tracer._hook_point(index, output)
+                    tracer._hook_point(index, value)
 
-        return hook_point_hook
+        return hook_point_tap
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for module in self.taps:
+            module._tap = None
+        self.taps.clear()
 
 
 _installed: dict[int, _InstalledHooks] = {}
@@ -228,7 +247,13 @@ class _OpRecorder(TorchFunctionMode):
         if name is None:
             name = self._names[func] = op_name(func)
         if tracer._keep_values and args and _is_inplace(name) and isinstance(args[0], torch.Tensor):
-            tracer._protect(args[0])
+            target = args[0]
+            if name.endswith("__setitem__") and len(args) > 1:
+                try:
+                    target = target[args[1]]  # only the indexed region is written
+                except Exception:  # noqa: BLE001 - an index only the real op understands: assume all
+                    target = args[0]
+            tracer._protect(target)
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -291,6 +316,13 @@ class Tracer:
         self._ops: _OpRecorder | None = None
         self._failed_op: tuple[str, tuple, str, int] | None = None
         self._step_in_progress = False
+        self._raw = self.trace._raw
+        self._put = self.trace.values.put
+        self._step_number = -1
+        if capture == "ops":
+            self._enter = self._with_flag(self._enter)
+            self._exit = self._with_flag(self._exit)
+            self._hook_point = self._with_flag(self._hook_point)
 
     # -- lifetime ----------------------------------------------------------------
     def install(self) -> Tracer:
@@ -343,81 +375,88 @@ class Tracer:
         return False
 
     # -- hot path ----------------------------------------------------------------
+    # Hooks call self._enter / self._exit / self._hook_point. Outside "ops" capture these are the
+    # plain methods below; at op level __init__ wraps them so that the op recorder ignores the
+    # tracer's own tensor calls (detach, data_ptr, …) while a hook runs.
     def _enter(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._in_hook = True
-        try:
-            if index == 0 and self._stack:
-                self._abort_step()  # the model is called again: an earlier forward raised and was caught
-            if not self._stack:
-                self._begin_step()
-            call = self._calls.get(index, 0)
-            self._calls[index] = call + 1
-            self._stack.append((index, call, args, kwargs))
-            if self._keep_values and getattr(module, "inplace", False) is True:
-                for a in args:
-                    if isinstance(a, torch.Tensor):
-                        self._protect(a)
-            if len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
-                self._add(index, "input", "[0]", call, args[0])
-            else:
-                for slot, t in flatten_tensors(args):
-                    self._add(index, "input", slot, call, t)
-                for slot, t in flatten_tensors(kwargs):
-                    self._add(index, "input", slot, call, t)
-        finally:
-            self._in_hook = False
+        stack = self._stack
+        if index == 0 and stack:
+            self._abort_step()  # the model is called again: an earlier forward raised and was caught
+        if not stack:
+            self._begin_step()
+        calls = self._calls
+        call = calls.get(index, 0)
+        calls[index] = call + 1
+        stack.append((index, call, args, kwargs))
+        if self._keep_values and getattr(module, "inplace", False) is True:
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    self._protect(a)
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+            self._add(index, "input", "[0]", call, args[0])
+            return
+        for slot, t in flatten_tensors(args):
+            self._add(index, "input", slot, call, t)
+        if kwargs:
+            for slot, t in flatten_tensors(kwargs):
+                self._add(index, "input", slot, call, t)
 
     def _hook_point(self, index: int, output: Any) -> None:
         if not self._stack:
             return  # a hook point called on its own, outside any forward of the model
-        self._in_hook = True
-        try:
-            call = self._calls.get(index, 0)
-            self._calls[index] = call + 1
-            if type(output) is torch.Tensor:
-                self._add(index, "hook", "", call, output)
-            else:
-                for slot, t in flatten_tensors(output):
-                    self._add(index, "hook", slot, call, t)
-        finally:
-            self._in_hook = False
+        calls = self._calls
+        call = calls.get(index, 0)
+        calls[index] = call + 1
+        if type(output) is torch.Tensor:
+            self._add(index, "hook", "", call, output)
+        else:
+            for slot, t in flatten_tensors(output):
+                self._add(index, "hook", slot, call, t)
 
     def _exit(self, index: int, module: nn.Module, output: Any) -> None:
-        self._in_hook = True
-        try:
-            if not self._stack or self._stack[-1][0] != index:
-                return  # a module that started before this tracer became active
-            _, call, _, _ = self._stack.pop()
-            if type(output) is torch.Tensor:
-                self._add(index, "output", "", call, output)
-            else:
-                for slot, t in flatten_tensors(output):
-                    self._add(index, "output", slot, call, t)
-            if not self._stack:
-                self._end_step()
-        finally:
-            self._in_hook = False
+        stack = self._stack
+        if not stack or stack[-1][0] != index:
+            return  # a module that started before this tracer became active
+        call = stack.pop()[1]
+        if type(output) is torch.Tensor:
+            self._add(index, "output", "", call, output)
+        else:
+            for slot, t in flatten_tensors(output):
+                self._add(index, "output", slot, call, t)
+        if not stack:
+            self._end_step()
 
     def _add(self, module_index: int, kind: str, slot: str, call: int, t: torch.Tensor) -> None:
-        trace = self.trace
-        index = trace._next_index()
-        trace._raw.append(
-            RawRecord(index, trace._step, module_index, kind, slot, call, t.shape, t.dtype, t.device, t.data_ptr())
-        )
+        raw = self._raw
+        index = len(raw)
+        step = self._step_number
+        dtype = t.dtype
+        raw.append((index, step, module_index, kind, slot, call, tuple(t.shape),  # RawRecord's fields
+                    _DTYPE_NAMES.get(dtype) or _dtype_name(dtype), t.device.type, t.data_ptr()))
         if self._keep_values:
-            value = t.detach()
+            value = t.detach() if t.requires_grad else t  # without autograd history there is nothing to cut
             if value.device.type != "cpu":
                 value = value.to("cpu")
             elif self._copy_all:
                 value = value.clone()
-            reason = trace.values.put(index, trace._step, value)
+            reason = self._put(index, step, value)
             if reason:
-                trace._notes[index] = reason
+                self.trace._notes[index] = reason
+
+    def _with_flag(self, method):
+        def flagged(*args):
+            self._in_hook = True
+            try:
+                return method(*args)
+            finally:
+                self._in_hook = False
+
+        return flagged
 
     def _protect(self, t: torch.Tensor) -> None:
-        """``t`` is about to be changed in place: kept values that share its storage get a private copy."""
+        """``t`` is about to be changed in place: kept values with elements in it get a private copy."""
         store = self.trace.values
-        indices = store.sharing_storage(t)
+        indices = store.overlapping(t)
         for index in indices:
             value = store.get(index)
             if value is not None:
@@ -428,9 +467,10 @@ class Tracer:
         trace = self.trace
         self._calls = {}
         self._failed_op = None
-        self._step_first_record = trace._next_index()
+        self._step_first_record = len(trace._raw)
         self._step_in_progress = True
         trace._begin_step()
+        self._step_number = trace._step
         if self.capture == "ops":
             self._start_ops()
         self._step_started = time.perf_counter()

@@ -32,7 +32,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from tracer.records import StepInfo, TensorStats, TraceErrorInfo
-from tracer.trace import ModuleInfo, RawRecord, Trace
+from tracer.trace import DATA_PTR, MODULE, ModuleInfo, Trace, raw_record
 
 FORMAT = "gpt-shape-trace"
 VERSION = 1
@@ -78,8 +78,8 @@ def _values_for_file(trace: Trace) -> tuple[dict[str, torch.Tensor], dict[str, i
 def _records_table(trace: Trace) -> pd.DataFrame:
     frame = trace.to_frame(stats=True)
     raws = trace._raw
-    frame["module_index"] = [raws[i].module for i in frame["index"]]
-    frame["data_ptr"] = [int(raws[i].data_ptr) for i in frame["index"]]
+    frame["module_index"] = [raws[i][MODULE] for i in frame["index"]]
+    frame["data_ptr"] = [int(raws[i][DATA_PTR]) for i in frame["index"]]
     frame["zeros"] = [trace._stats[i].zeros if i in trace._stats else 0 for i in frame["index"]]
     frame["has_stats"] = [i in trace._stats for i in frame["index"]]
     frame["shape"] = [list(s) for s in frame["shape"]]
@@ -290,8 +290,8 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, valu
             raise TraceFileError(f"{RECORDS}: record {row.index} has a negative dimension {list(shape)}")
         if not hasattr(torch, str(row.dtype)) or not isinstance(getattr(torch, str(row.dtype)), torch.dtype):
             raise TraceFileError(f"{RECORDS}: record {row.index} has unknown dtype {row.dtype!r}")
-        trace._raw.append(RawRecord(int(row.index), int(row.step), module, str(row.kind), str(row.slot),
-                                    int(row.call), shape, str(row.dtype), str(row.device), int(row.data_ptr)))
+        trace._raw.append((int(row.index), int(row.step), module, str(row.kind), str(row.slot),
+                           int(row.call), shape, str(row.dtype), str(row.device), int(row.data_ptr)))
         if bool(row.has_stats):
             trace._stats[int(row.index)] = TensorStats(
                 float(row.min), float(row.max), float(row.mean), float(row.std), int(row.nan), int(row.pos_inf),
@@ -331,7 +331,7 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, valu
 
 
 def _put_checked(trace: Trace, index: int, tensor: torch.Tensor) -> None:
-    raw = trace._raw[index]
+    raw = raw_record(trace, index)
     if tuple(tensor.shape) != tuple(raw.shape):
         raise TraceFileError(
             f"record {index}: the table says shape {list(raw.shape)} but {VALUES} holds {list(tensor.shape)}"

@@ -29,7 +29,12 @@ class ModuleInfo:
 
 
 class RawRecord(NamedTuple):
-    """What the hot path stores: enough to build a TensorRecord later."""
+    """What the hot path stores: enough to build a TensorRecord later.
+
+    ``Trace._raw`` holds these as plain tuples of ints and strings (field order
+    as here): the garbage collector stops tracking such tuples, while it keeps
+    scanning every instance of a tuple subclass — on a long trace that made
+    full collections take 100+ ms."""
 
     index: int
     step: int
@@ -41,6 +46,13 @@ class RawRecord(NamedTuple):
     dtype: Any  # torch.dtype (or its name, after loading)
     device: Any
     data_ptr: int  # where the first element lives: records with equal data_ptr, shape and stride alias
+
+
+STEP, MODULE, DATA_PTR = (RawRecord._fields.index(f) for f in ("step", "module", "data_ptr"))
+
+
+def raw_record(trace: Trace, index: int) -> RawRecord:
+    return RawRecord._make(trace._raw[index])
 
 
 def layer_of(path: str) -> int | None:
@@ -79,7 +91,7 @@ class Trace:
         self.error: TraceErrorInfo | None = None
         self.exception: BaseException | None = None
         self._modules: list[ModuleInfo] = []
-        self._raw: list[RawRecord] = []
+        self._raw: list[tuple] = []  # RawRecord fields, as plain tuples
         self._raw_ops: list[tuple] = []
         self._records: list[TensorRecord] = []
         self._by_name: dict[tuple[int, str], int] = {}
@@ -99,7 +111,7 @@ class Trace:
         return len(self._raw)
 
     def _begin_step(self) -> None:
-        if self._raw and self._raw[-1].step >= self._next_step:
+        if self._raw and self._raw[-1][STEP] >= self._next_step:
             self.discard_from(self._next_step)  # leftovers of a failed attempt at this step
         self._step = self._next_step
         self.error = None
@@ -108,7 +120,7 @@ class Trace:
     def _end_step(self, seconds: float, failed: bool = False) -> None:
         if failed:
             return
-        first = next((i for i in range(len(self._raw) - 1, -1, -1) if self._raw[i].step != self._step), -1) + 1
+        first = next((i for i in range(len(self._raw) - 1, -1, -1) if self._raw[i][STEP] != self._step), -1) + 1
         info = StepInfo(step=self._step, n=-1, t=-1, cache_length_before=-1, cache_length_after=-1,
                         use_cache=False, seconds=seconds, first_record=first, end_record=len(self._raw))
         self.steps.append(info)
@@ -116,7 +128,7 @@ class Trace:
 
     def discard_from(self, step: int) -> None:
         """Forget every record, op and value of ``step`` and later."""
-        cut = next((i for i, r in enumerate(self._raw) if r.step >= step), len(self._raw))
+        cut = next((i for i, r in enumerate(self._raw) if r[STEP] >= step), len(self._raw))
         for index in range(cut, len(self._raw)):
             self.values.drop(index, note=None)
             self._notes.pop(index, None)
@@ -141,7 +153,8 @@ class Trace:
 
     def _materialize(self) -> None:
         modules = self._modules
-        for raw in self._raw[len(self._records) :]:
+        for row in self._raw[len(self._records) :]:
+            raw = RawRecord._make(row)
             info = modules[raw.module]
             shape = tuple(raw.shape)
             numel = math.prod(shape)
@@ -215,13 +228,13 @@ class Trace:
     def _neg_inf_ok(self, rec: TensorRecord) -> bool:
         if rec.name.rsplit(".", 1)[-1].split("#")[0] in NEG_INF_EXPECTED:
             return True
-        ptr = self._raw[rec.index].data_ptr
+        ptr = self._raw[rec.index][DATA_PTR]
         if not ptr:
             return False
         cached = self._mask_ptr_cache.get(rec.step)
         if cached is None or cached[0] != len(self._records):
             ptrs = {
-                self._raw[i].data_ptr
+                self._raw[i][DATA_PTR]
                 for (s, n), i in self._by_name.items()
                 if s == rec.step and n.rsplit(".", 1)[-1] in NEG_INF_EXPECTED
             }
@@ -349,7 +362,7 @@ class Trace:
             if key in seen:
                 continue
             seen.add(key)
-            step = self._raw[index].step
+            step = self._raw[index][STEP]
             out[step] = out.get(step, 0) + storage.nbytes()
         return out
 
