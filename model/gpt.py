@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from model.cache import KVCache
 
@@ -63,6 +64,14 @@ class GPTConfig:
         return self.d_mlp if self.d_mlp is not None else 4 * self.d_model
 
 
+def _global_module_hooks() -> bool:
+    """Whether hooks registered for every module (``register_module_forward_hook``) exist; a hook
+    point with no hooks of any kind skips ``nn.Module.__call__`` (about 0.8 µs a call, 268 calls in a
+    GPT-2 small forward). Private names: if a torch release moves them, every call takes the full path."""
+    return bool(getattr(_torch_module, "_global_forward_hooks", True)
+                or getattr(_torch_module, "_global_forward_pre_hooks", True))
+
+
 class HookPoint(nn.Module):
     """Identity module. It exists so that a plain forward hook on it sees the
     tensor under a stable name: the module path, e.g. ``blocks.0.attn.hook_q``.
@@ -79,7 +88,8 @@ class HookPoint(nn.Module):
         return x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = super().__call__(x)  # identity, then any forward hooks, which may replace x
+        if self._forward_hooks or self._forward_pre_hooks or _global_module_hooks():
+            x = super().__call__(x)  # identity, then the forward hooks, which may replace x
         tap = self._tap
         if tap is not None:
             tap(x)

@@ -432,10 +432,11 @@ class Tracer:
         step = self._step_number
         dtype = t.dtype
         raw.append((index, step, module_index, kind, slot, call, tuple(t.shape),  # RawRecord's fields
-                    _DTYPE_NAMES.get(dtype) or _dtype_name(dtype), t.device.type, t.data_ptr()))
+                    _DTYPE_NAMES.get(dtype) or _dtype_name(dtype), "cpu" if t.is_cpu else t.device.type,
+                    t.data_ptr()))
         if self._keep_values:
             value = t.detach() if t.requires_grad else t  # without autograd history there is nothing to cut
-            if value.device.type != "cpu":
+            if not value.is_cpu:
                 value = value.to("cpu")
             elif self._copy_all:
                 value = value.clone()
