@@ -112,34 +112,42 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     """Boxes and arrows: each box the stage, its live shape, and that shape in symbols."""
     nodes, edges = flow_nodes(trace, step, layer)
     w, h = 1.05, 0.74
-    fig = go.Figure()
+    # shapes and annotations go in as one list each: plotly's add_annotation re-validates every earlier
+    # one, which made this figure cost 0.4 s
+    shapes: list[dict] = []
+    notes: list[dict] = []
     for src, dst in edges:
         a, b = nodes[src], nodes[dst]
         if b.x - a.x > 2:  # from the bottom of the attention lane to the top of the MLP lane: route around
             gutter = (a.x + b.x) / 2 + 0.3
             path = (f"M {a.x + w / 2} {a.y} L {gutter} {a.y} L {gutter} {b.y} L {b.x - w / 2 - 0.05} {b.y}")
-            fig.add_shape(type="path", path=path, line={"color": "#888", "width": 1.2})
-            fig.add_annotation(x=b.x - w / 2, y=b.y, ax=b.x - w / 2 - 0.25, ay=b.y, xref="x", yref="y",
-                               axref="x", ayref="y", showarrow=True, arrowhead=2, arrowwidth=1.2, arrowcolor="#888",
-                               text="")
+            shapes.append({"type": "path", "path": path, "line": {"color": "#888", "width": 1.2}})
+            notes.append({"x": b.x - w / 2, "y": b.y, "ax": b.x - w / 2 - 0.25, "ay": b.y, "xref": "x", "yref": "y",
+                          "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2, "arrowwidth": 1.2,
+                          "arrowcolor": "#888", "text": ""})
             continue
-        fig.add_annotation(x=b.x, y=b.y - h / 2, ax=a.x, ay=a.y + h / 2, xref="x", yref="y", axref="x", ayref="y",
-                           showarrow=True, arrowhead=2, arrowsize=1, arrowwidth=1.2, arrowcolor="#888", text="")
+        notes.append({"x": b.x, "y": b.y - h / 2, "ax": a.x, "ay": a.y + h / 2, "xref": "x", "yref": "y",
+                      "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2, "arrowsize": 1,
+                      "arrowwidth": 1.2, "arrowcolor": "#888", "text": ""})
     for node in nodes:
-        fig.add_shape(type="rect", x0=node.x - w / 2, x1=node.x + w / 2, y0=node.y - h / 2, y1=node.y + h / 2,
-                      line={"color": "#777", "width": 1}, fillcolor=GROUP_COLORS[node.group], layer="below")
+        shapes.append({"type": "rect", "x0": node.x - w / 2, "x1": node.x + w / 2, "y0": node.y - h / 2,
+                       "y1": node.y + h / 2, "line": {"color": "#777", "width": 1},
+                       "fillcolor": GROUP_COLORS[node.group], "layer": "below"})
         shape = shape_text(node.shape) if node.shape is not None else "(not recorded)"
         sym = "[" + ", ".join(node.symbolic) + "]" if node.symbolic else ""
         text = f"<b>{node.label}</b><br>{shape}" + (f"<br><i>{sym}</i>" if sym else "")
-        fig.add_annotation(x=node.x, y=node.y, text=text, showarrow=False, font={"size": 11, "color": "#1a1a1a"})
+        notes.append({"x": node.x, "y": node.y, "text": text, "showarrow": False,
+                      "font": {"size": 11, "color": "#1a1a1a"}})
+    notes.append({"x": 4.4, "y": 6, "showarrow": False, "font": {"size": 10, "color": "#666"},
+                  "text": f"blocks {layer + 1} … {trace.meta.get('model_config', {}).get('n_layer', '?')}"
+                          " repeat the same shapes"})
     # invisible points carry the hover: record name and one-line summary
-    fig.add_trace(go.Scatter(
+    fig = go.Figure(go.Scatter(
         x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers", marker={"size": 40, "opacity": 0},
         customdata=[[n.name, safe_text(n.summary or shape_text(n.shape or ()))] for n in nodes],
         hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra></extra>", showlegend=False,
     ))
-    fig.add_annotation(x=4.4, y=6, text=f"blocks {layer + 1} … {trace.meta.get('model_config', {}).get('n_layer', '?')}"
-                       " repeat the same shapes", showarrow=False, font={"size": 10, "color": "#666"})
+    fig.update_layout(shapes=shapes, annotations=notes)
     fig.update_xaxes(visible=False, range=[-1.5, 5.3])
     fig.update_yaxes(visible=False, range=[13.6, -0.6])
     fig.update_layout(height=980, margin={"t": 10, "l": 0, "r": 0, "b": 0}, plot_bgcolor="white",

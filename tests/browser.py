@@ -82,8 +82,8 @@ def chromium_page(width: int = 1500, height: int = 1100):
             browser.close()
 
 
-def wait_idle(page, timeout: float = 90.0) -> None:
-    """Wait until the app's rerun has finished and every plotly chart has drawn."""
+def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200) -> None:
+    """Wait until the app's rerun has finished and every plotly chart has drawn (then ``settle_ms`` more)."""
     state = "() => document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state')"
     with contextlib.suppress(Exception):  # the rerun may take a moment to start, or be over already
         page.wait_for_function(f"() => ({state})() === 'running'", timeout=1500)
@@ -93,7 +93,8 @@ def wait_idle(page, timeout: float = 90.0) -> None:
         " <= document.querySelectorAll('.js-plotly-plot').length",
         timeout=timeout * 1000,
     )
-    page.wait_for_timeout(200)
+    if settle_ms:
+        page.wait_for_timeout(settle_ms)
 
 
 def open_app(page, url: str) -> None:
@@ -109,9 +110,9 @@ def set_prompt(page, text: str) -> None:
     wait_idle(page)
 
 
-def click(page, name: str) -> None:
+def click(page, name: str, settle_ms: int = 200) -> None:
     page.get_by_role("button", name=name, exact=True).click()
-    wait_idle(page)
+    wait_idle(page, settle_ms=settle_ms)
 
 
 def open_tab(page, name: str) -> None:

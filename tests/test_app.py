@@ -100,8 +100,10 @@ def test_every_tab_renders_at_every_step(stepped):
                 stages = heatmaps(charts(at)[0])
                 assert len(stages) == 4
                 assert all(len(h["z"]) == n and len(h["z"][0]) == t for h in stages)
-                grid = charts(at)[-1]
-                assert len(heatmaps(grid)) == 16
+                grid = heatmaps(charts(at)[-1])
+                assert len(grid) == 1  # every head tiled into one heatmap: layers × heads
+                assert len(grid[0]["z"]) == 4 * (n + 1) - 1
+                assert len(grid[0]["z"][0]) == 4 * (t + max(1, t // 16)) - max(1, t // 16)
             if tab == "Causal mask":
                 mask = heatmaps(charts(at)[0])[0]
                 assert len(mask["z"]) == n and len(mask["z"][0]) == t

@@ -59,17 +59,42 @@ def test_attention_stages_figure_shows_the_four_traced_stages(gen, step):
     assert any("√32 = 5.657" in text for text in titles)
 
 
-def test_all_heads_figure_has_every_layer_and_head(gen):
+def test_all_heads_figure_tiles_every_layer_and_head(gen):
     fig, note = attention.all_heads_figure(gen.trace, 0)
-    assert len(fig.data) == 4 * 4 and note == ""
-    pattern = gen.trace.get("blocks.3.attn.hook_pattern", 0)
-    assert torch.allclose(torch.tensor(fig.data[-1].z), pattern[0, 3], atol=5e-4)
+    assert len(fig.data) == 1 and note == ""
+    z = z_tensor(fig.data[0].z)
+    n = t = gen.prompt_lengths[0]
+    gap_cols = max(1, t // 16)
+    assert z.shape == (4 * (n + 1) - 1, 4 * (t + gap_cols) - gap_cols)
+    for layer in range(4):
+        pattern = gen.trace.get(f"blocks.{layer}.attn.hook_pattern", 0)
+        for head in range(4):
+            r0, c0 = layer * (n + 1), head * (t + gap_cols)
+            assert torch.allclose(z[r0:r0 + n, c0:c0 + t], pattern[0, head].double(), atol=5e-4), (layer, head)
+        if layer < 3:
+            assert torch.isnan(z[r0 + n]).all()  # the gap between layers
+    assert list(fig.layout.yaxis.ticktext) == ["L0", "L1", "L2", "L3"]
+    assert list(fig.layout.xaxis.ticktext) == ["H0", "H1", "H2", "H3"]
+    assert fig.data[0].y[n + 1] == "L1 q0" and fig.data[0].x[t + gap_cols + 2] == "H1 k2"
+
+
+def test_all_heads_grid_of_a_decode_step_has_one_row_per_head(gen):
+    fig, _ = attention.all_heads_figure(gen.trace, 2)
+    z = z_tensor(fig.data[0].z)
+    t = gen.prompt_lengths[0] + 2
+    assert z.shape[0] == 4 * 2 - 1
+    pattern = gen.trace.get("blocks.2.attn.hook_pattern", 2)
+    gap_cols = max(1, t // 16)
+    assert torch.allclose(z[4, 3 * (t + gap_cols):3 * (t + gap_cols) + t], pattern[0, 3, 0].double(), atol=5e-4)
+    assert fig.data[0].y[4] == f"L2 q{t - 1}"
 
 
 def test_all_heads_grid_is_trimmed_when_too_big(gen, monkeypatch):
     monkeypatch.setattr(attention, "ALL_HEADS_MAX_CELLS", 16 * 14 * 5)
     fig, note = attention.all_heads_figure(gen.trace, 0)
-    assert "newest" in note and len(fig.data[0].z) < gen.prompt_lengths[0]
+    assert "newest" in note
+    shown = int(note.split("newest ")[1].split(" ")[0])
+    assert shown < gen.prompt_lengths[0] and len(fig.data[0].z) == 4 * (shown + 1) - 1
 
 
 def test_history_builds_the_lower_triangle_from_one_row_per_step(gen):
