@@ -115,6 +115,8 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
 def pattern_figure(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], title: str) -> go.Figure:
     fig = go.Figure(_heatmap(matrix, x_labels, y_labels, zmin=0.0, zmax=1.0))
     _axes(fig, x_labels, y_labels)
+    fig.update_xaxes(showgrid=False)
+    fig.update_yaxes(showgrid=False)  # blank cells (keys a row could not see) stay blank
     fig.update_layout(title_text=title, height=max(300, min(900, 120 + 18 * len(y_labels))),
                       margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
@@ -189,11 +191,13 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
         new = query_labels(trace, s, batch)
         if s > 0 and not info.use_cache:
             new = new[-1:]  # without the cache a step recomputes all rows; only its newest row is new
+        n_rows = len(query_labels(trace, s, batch))
         for i, label in enumerate(new):
             row = torch.full((t,), float("nan"))
             if pattern is not None:
-                values = pattern[batch, head, len(query_labels(trace, s, batch)) - len(new) + i]
-                row[: values.numel()] = values
+                values = pattern[batch, head, n_rows - len(new) + i]
+                position = values.numel() - len(new) + i  # this query's own key column
+                row[: position + 1] = values[: position + 1]  # later keys: masked, or not there yet
             rows.append(row)
             row_steps.append(s)
             row_labels.append(f"s{s} · {label}")

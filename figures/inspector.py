@@ -40,7 +40,9 @@ def tensor_heatmap_figure(matrix: torch.Tensor, title: str) -> go.Figure:
         m = m.double()
     fig = go.Figure(go.Heatmap(z=finite_or_none(m), customdata=hover_values(m), colorscale=HEATMAP_SCALE,
                                hovertemplate="[%{y}, %{x}] = %{customdata}<extra></extra>"))
-    fig.update_yaxes(autorange="reversed")
+    # integer ticks only: a 1-row slice would otherwise get ticks at −0.4 … 0.4
+    fig.update_yaxes(autorange="reversed", tickformat="d", dtick=max(1, m.shape[0] // 10))
+    fig.update_xaxes(tickformat="d", dtick=max(1, m.shape[-1] // 16))
     fig.update_layout(title_text=f"{title} — slice {shape_text(tuple(m.shape))}",
                       height=max(260, min(800, 100 + 14 * m.shape[0])), margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
