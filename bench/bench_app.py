@@ -76,13 +76,14 @@ def browser_timings(steps: int) -> dict:
     with streamlit_server() as url, chromium_page() as page:
         open_app(page, url)
         click(page, "Step")
-        open_tab(page, "Attention")
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            click(page, "Step", settle_ms=0)  # from the click to the last chart drawn, no padding
-            times.append(time.perf_counter() - started)
-        out["browser_bundled_step_attention_s"] = statistics.median(times)
+        for tab in ("Shapes", "Attention"):
+            open_tab(page, tab)
+            times = []
+            for _ in range(steps):
+                started = time.perf_counter()
+                click(page, "Step", settle_ms=0)  # from the click to the last chart drawn, no padding
+                times.append(time.perf_counter() - started)
+            out[f"browser_bundled_step_{tab.lower()}_s"] = statistics.median(times)
         page.get_by_label("Weights").get_by_text("Local GPT-2 directory").click()
         page.get_by_label("Directory", exact=True).fill(str(gpt2_small_dir()))
         page.get_by_label("Directory", exact=True).press("Enter")
