@@ -120,7 +120,8 @@ def _top_p(probs: torch.Tensor, p: float | None) -> torch.Tensor:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ahead of each
-    keep_sorted = before < p  # the first token is always kept
+    keep_sorted = before < p
+    keep_sorted[..., 0] = True  # the most probable token always stays (p below float32's smallest is 0 there)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = torch.where(keep, probs, torch.zeros_like(probs))
     return kept / kept.sum(dim=-1, keepdim=True)
