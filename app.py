@@ -37,6 +37,7 @@ from tracer.store import DEFAULT_BUDGET_BYTES
 
 TABS = ["Shapes", "Attention", "Causal mask", "KV cache", "Next token", "Inspector", "Export"]
 AUTO_RECOMPUTE_PARAMS = 20_000_000  # below this, every step is checked against a full recompute
+RECOMPUTE_REPEATS = 3  # timings of the cache comparison: the fastest of this many runs
 LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_model · H heads · d_head = d/H · V vocab"
 
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")
@@ -188,7 +189,7 @@ def advance(n_raw) -> None:
             notices.append(("error", f"The forward pass failed at step {gen.n_steps}: {type(e).__name__}: {e}"))
             break
         if gen.model.num_parameters < AUTO_RECOMPUTE_PARAMS:
-            st.session_state["recompute"][gen.n_steps - 1] = gen.compare_with_recompute()
+            st.session_state["recompute"][gen.n_steps - 1] = gen.compare_with_recompute(repeats=RECOMPUTE_REPEATS)
     st.session_state["last_action_seconds"] = time.perf_counter() - started
     if gen.n_steps:
         st.session_state["step_view"] = gen.n_steps - 1
@@ -276,8 +277,11 @@ def attention_tab(trace: Trace, step: int) -> None:
     st.latex(r"A = \operatorname{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}} + M\right), \qquad z = A\,V")
     st.plotly_chart(attn_views.attention_stages_figure(trace, step, layer, head, batch), key="stages_chart")
     queries = query_labels(trace, step, batch)
+    # keyed by step and sequence: the query rows differ between steps (n0 at the prefill, 1 after), and a
+    # widget kept across them would show one step's label over another step's row
     pick = st.selectbox("query token: which keys does it attend to?", list(range(len(queries))),
-                        index=len(queries) - 1, format_func=lambda i: queries[i], key="attn_query")
+                        index=len(queries) - 1, format_func=lambda i: queries[i],
+                        key=f"attn_query_s{step}_b{batch}")
     st.markdown(attn_views.query_attention_html(trace, step, layer, head, pick, batch), unsafe_allow_html=True)
     info = step_info(trace, step)
     if info.use_cache and step > 0:
@@ -315,23 +319,32 @@ def cache_tab(trace: Trace, step: int) -> None:
     which = cols[1].radio("tensor", ["K", "V"], horizontal=True, key="kv_which")
     st.plotly_chart(cache_views.key_heatmap_figure(trace, step, layer, head, batch, which), key="kv_chart")
     st.subheader("Cache on vs off")
-    recompute = st.session_state.get("recompute", {}) if "loaded_trace" not in st.session_state else {}
+    comparisons = st.session_state.get("recompute", {}) if "loaded_trace" not in st.session_state else {}
     gen = st.session_state.get("gen")
     if gen is not None and "loaded_trace" not in st.session_state and st.button(
-            "Measure a full recompute of the latest step", key="measure_recompute"):
-        recompute[gen.n_steps - 1] = gen.compare_with_recompute()
-        st.session_state["recompute"] = recompute
-    st.plotly_chart(cache_views.cache_on_off_figure(trace, {s: v[1] for s, v in recompute.items()}),
-                    key="on_off_chart")
-    if step in recompute:
-        delta, seconds = recompute[step]
-        verdict = "equal up to float32 rounding, as the seed's argument says" if delta < 1e-4 else \
-            "NOT equal: the cached path disagrees with a full recompute"
-        st.metric("max |Δ logits|, cached vs full recompute", f"{delta:.2e}", help="of the rows sampled from")
-        st.caption(f"{verdict} ({seconds * 1000:.1f} ms for the recompute of {info.t} positions vs "
-                   f"{info.seconds * 1000:.1f} ms for this step's {info.n}).")
+            "Measure the latest step both ways", key="measure_recompute",
+            help="Redo the latest step untraced with the cache and as a full recompute; time both, compare logits"):
+        comparisons[gen.n_steps - 1] = gen.compare_with_recompute(repeats=RECOMPUTE_REPEATS)
+        st.session_state["recompute"] = comparisons
+    st.plotly_chart(cache_views.cache_on_off_figure(trace, comparisons), key="on_off_chart")
+    if step in comparisons:
+        c = comparisons[step]
+        equal = c.max_abs_delta < 1e-4
+        verdict = ("equal up to float32 rounding, as the seed's argument says" if equal else
+                   "NOT equal: the cached path disagrees with a full recompute")
+        cols = st.columns(3)
+        cols[0].metric("max |Δ logits|, cached vs full recompute", f"{c.max_abs_delta:.2e}",
+                       help="over the logits rows sampled from")
+        cols[1].metric(f"cached path ({c.cached_rows} query row{'s' if c.cached_rows != 1 else ''})",
+                       f"{c.cached_seconds * 1000:.1f} ms", help="untraced, fastest of the repeats")
+        cols[2].metric(f"full recompute ({c.full_rows} rows)", f"{c.full_seconds * 1000:.1f} ms",
+                       help="untraced, fastest of the repeats")
+        own = ("this run's own cached logits" if c.run_used_cache else
+               "an untraced cached re-run (this run has the cache off: it is itself the full recompute)")
+        st.caption(f"{verdict}. The cached side is {own}. Both timings leave the tracer out; the traced step "
+                   f"took {info.seconds * 1000:.1f} ms including recording every tensor.")
     elif gen is not None:
-        st.caption("Press the button to compare this generation's latest step with a full recompute.")
+        st.caption("Press the button to redo this generation's latest step both ways and compare.")
 
 
 @st.fragment
@@ -343,7 +356,11 @@ def next_token_tab(trace: Trace, step: int) -> None:
                                f"τ = {sampling.get('temperature')}, top-k = {sampling.get('top_k') or 'off'}, "
                                f"top-p = {sampling.get('top_p') or 'off'}, seed {sampling.get('seed')}"))
     st.plotly_chart(token_views.next_token_figure(trace, step, row), key="next_chart")
-    st.plotly_chart(token_views.distribution_stages_figure(trace, step, row), key="stages_dist_chart")
+    if sampling.get("temperature") == 0:
+        st.info("Greedy decoding takes the argmax of the logits: temperature, top-k and top-p play no part, so "
+                "there is no reshaping to show. Choose **sample** in the sidebar (and Reset) to see it.")
+    else:
+        st.plotly_chart(token_views.distribution_stages_figure(trace, step, row), key="stages_dist_chart")
 
 
 @st.fragment
@@ -376,11 +393,13 @@ def inspector_tab(trace: Trace, step: int) -> None:
 
 def show_tensor(value: torch.Tensor, name: str) -> None:
     if value.dim() >= 2:
+        # the pickers are keyed by record: another record has other dims and sizes, and starts from its own
+        # default (its last two dims) instead of inheriting indices that may not fit it
         dims = list(range(value.dim()))
         cols = st.columns(2)
-        rows_dim = cols[0].selectbox("rows", dims, index=value.dim() - 2, key="insp_rows",
+        rows_dim = cols[0].selectbox("rows", dims, index=value.dim() - 2, key=f"insp_rows_{name}",
                                      format_func=lambda d: f"dim {d} (size {value.shape[d]})")
-        cols_dim = cols[1].selectbox("columns", dims, index=value.dim() - 1, key="insp_cols",
+        cols_dim = cols[1].selectbox("columns", dims, index=value.dim() - 1, key=f"insp_cols_{name}",
                                      format_func=lambda d: f"dim {d} (size {value.shape[d]})")
         if rows_dim == cols_dim:
             st.warning("Pick two different dimensions for rows and columns.")
@@ -391,7 +410,7 @@ def show_tensor(value: torch.Tensor, name: str) -> None:
             sel = st.columns(len(others))
             for col, d in zip(sel, others):
                 fixed[d] = col.number_input(f"index in dim {d}", min_value=0, max_value=value.shape[d] - 1,
-                                            value=0, key=f"insp_fix_{d}")
+                                            value=0, key=f"insp_fix_{name}_{d}_{value.shape[d]}")
         matrix = inspect_views.slice_2d(value, rows_dim, cols_dim, fixed)
         st.plotly_chart(inspect_views.tensor_heatmap_figure(matrix, name), key="insp_heatmap")
     st.plotly_chart(inspect_views.histogram_figure(value, f"values of {name}"), key="insp_hist")
@@ -457,7 +476,12 @@ def main() -> None:
             export_tab(None)
         return
     step = header(trace)
+    # no tabs are drawn while there is nothing to view (after Reset), and Streamlit forgets the state of a
+    # widget that was not drawn: a plain key keeps the open tab, so Reset → Step returns to the same view
+    if "view" not in st.session_state and st.session_state.get("open_tab") in TABS:
+        st.session_state["view"] = st.session_state["open_tab"]
     tabs = st.tabs(TABS, key="view", on_change="rerun")
+    st.session_state["open_tab"] = st.session_state.get("view")
     panels = [shapes_tab, attention_tab, mask_tab, cache_tab, next_token_tab, inspector_tab]
     for tab, panel in zip(tabs, panels):
         with tab:

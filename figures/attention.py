@@ -94,15 +94,17 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     stages = attention_stages(trace, step, layer, head, batch)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     titles = [f"<b>{s.title}</b><br><span style='font-size:11px'>{s.shapes}</span>" for s in stages]
-    fig = make_subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.06)
+    fig = make_subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.075)
     for i, stage in enumerate(stages, start=1):
         if stage.matrix is None:
             fig.add_annotation(text="values not kept", showarrow=False, row=1, col=i, x=0.5, y=0.5)
             continue
         zmin, zmax = (0.0, 1.0) if stage.hook == "hook_pattern" else (None, None)
-        trace_ = _heatmap(stage.matrix, xs, ys, zmin=zmin, zmax=zmax, showscale=i == 4)
-        if i == 4:
-            trace_.colorbar = {"title": "weight", "len": 0.9}
+        trace_ = _heatmap(stage.matrix, xs, ys, zmin=zmin, zmax=zmax)
+        # each stage its own scale: raw scores, scaled scores and weights live on different ranges
+        right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain[1]
+        trace_.colorbar = {"title": {"text": "weight" if i == 4 else "score", "side": "top"}, "len": 0.75,
+                           "thickness": 8, "x": right + 0.004, "xpad": 0, "tickfont": {"size": 9}}
         fig.add_trace(trace_, row=1, col=i)
         _axes(fig, xs, ys, row=1, col=i)
     height = max(320, min(900, 140 + 18 * len(ys)))
@@ -182,6 +184,7 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
     row could not see are NaN. Returns (matrix, row labels, key labels, step of each row)."""
     keys = key_labels(trace, upto_step, batch)
     t = len(keys)
+    is_token = trace.meta.get("is_token", [[True] * t])[batch]
     rows: list[torch.Tensor] = []
     row_steps: list[int] = []
     row_labels: list[str] = []
@@ -194,13 +197,16 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
         n_rows = len(query_labels(trace, s, batch))
         for i, label in enumerate(new):
             row = torch.full((t,), float("nan"))
+            padding = False
             if pattern is not None:
                 values = pattern[batch, head, n_rows - len(new) + i]
                 position = values.numel() - len(new) + i  # this query's own key column
-                row[: position + 1] = values[: position + 1]  # later keys: masked, or not there yet
+                padding = position < len(is_token) and not is_token[position]
+                if not padding:  # a padding position is no real query: its row stays blank
+                    row[: position + 1] = values[: position + 1]  # later keys: masked, or not there yet
             rows.append(row)
             row_steps.append(s)
-            row_labels.append(f"s{s} · {label}")
+            row_labels.append(f"s{s} · {label}" + (" (padding: no query)" if padding else ""))
     return torch.stack(rows), row_labels, keys, row_steps
 
 

@@ -108,6 +108,19 @@ def flow_table(trace: Trace, step: int, layer: int = 0) -> pd.DataFrame:
     } for n in nodes])
 
 
+def repeat_note(layer: int, n_layer: int | None) -> str:
+    """Which blocks the drawn one stands for (blocks are numbered from 0, as in the hook names)."""
+    if n_layer is None:
+        return f"block {layer} shown; every block has the same shapes"
+    if n_layer == 1:
+        return "block 0 is the only block"
+    others = [b for b in range(n_layer) if b != layer]
+    span = f"block {others[0]}" if len(others) == 1 else (
+        f"blocks {others[0]} … {others[-1]}" if others == list(range(others[0], others[-1] + 1))
+        else f"blocks 0 … {n_layer - 1} except {layer}")
+    return f"block {layer} shown; {span} repeat{'s' if len(others) == 1 else ''} the same shapes"
+
+
 def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     """Boxes and arrows: each box the stage, its live shape, and that shape in symbols."""
     nodes, edges = flow_nodes(trace, step, layer)
@@ -139,8 +152,7 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
         notes.append({"x": node.x, "y": node.y, "text": text, "showarrow": False,
                       "font": {"size": 11, "color": "#1a1a1a"}})
     notes.append({"x": 4.4, "y": 6, "showarrow": False, "font": {"size": 10, "color": "#666"},
-                  "text": f"blocks {layer + 1} … {trace.meta.get('model_config', {}).get('n_layer', '?')}"
-                          " repeat the same shapes"})
+                  "text": repeat_note(layer, trace.meta.get("model_config", {}).get("n_layer"))})
     # invisible points carry the hover: record name and one-line summary
     fig = go.Figure(go.Scatter(
         x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers", marker={"size": 40, "opacity": 0},

@@ -23,11 +23,13 @@ class MaskFacts:
     padding_columns: list[int]  # key columns masked for every real query (padding)
     use_cache: bool
     decode: bool  # a cached step with one new position
+    batch: int = 0  # the sequence the counts are for (M has one block per sequence when padding needs it)
 
     def explanation(self) -> str:
+        whose = f"in sequence {self.batch}'s n × t block, " if self.shape[0] > 1 else ""
         lines = [
             f"M has shape {shape_text(self.shape)}: n = {self.n} query row(s) × t = {self.t} key column(s); "
-            f"{self.masked} entries are −∞ and {self.allowed} are 0.",
+            f"{whose}{self.masked} entries are −∞ and {self.allowed} are 0.",
         ]
         if self.decode:
             lines.append(
@@ -68,6 +70,7 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     return MaskFacts(
         shape=rec.shape, n=n, t=t, masked=masked, allowed=n * t - masked if masked >= 0 else -1,
         padding_columns=pad_cols, use_cache=info.use_cache, decode=info.use_cache and info.step > 0 and n == 1,
+        batch=batch,
     )
 
 

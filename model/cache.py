@@ -106,6 +106,23 @@ class KVCache:
         self.key_is_token = key_is_token
         self.last_positions = positions
 
+    def copy(self, length: int | None = None) -> KVCache:
+        """A separate cache holding the first ``length`` cached positions (all by default), so a
+        step can be replayed from an earlier point without touching this cache."""
+        length = self._length if length is None else length
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
+            raise ValueError(f"a copy can hold 0 … {self._length} positions, got {length!r}")
+        twin = KVCache(self.n_layer, self.batch_size)
+        if length:
+            for layer, buf in enumerate(self._buffers):
+                assert buf is not None  # every layer has rows once length > 0
+                own = _LayerBuffer(buf.keys, buf.capacity)
+                own.write(0, buf.keys[:, :, :length], buf.values[:, :, :length])
+                twin._buffers[layer] = own
+        twin._length = length
+        twin.key_is_token = self.key_is_token[:, :length].clone() if self.key_is_token is not None else None
+        return twin
+
     def rollback(self) -> None:
         """Forget a failed forward: rows it wrote past ``length`` are overwritten next time."""
         self._staged.clear()

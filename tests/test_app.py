@@ -115,6 +115,25 @@ def test_every_tab_renders_at_every_step(stepped):
                 assert charts(at)[0]["data"][0]["type"] == "bar"
 
 
+def test_next_token_shows_the_sampling_stages_only_when_sampling(stepped):
+    at = show_tab(stepped, "Next token")
+    assert any("Greedy decoding takes the argmax" in i.value for i in at.info)
+    assert len(charts(at)) == 1  # greedy: the final distribution only, no reshaping to draw
+    at.sidebar.radio(key="decoding").set_value("sample")
+    run(at)
+    at.sidebar.number_input(key="temperature").set_value(0.7)
+    at.sidebar.number_input(key="top_k").set_value(5)
+    press(at, "reset_button")
+    press(at, "step_button")
+    press(at, "step_button")
+    assert at.session_state["view"] == "Next token"  # Reset → Step keeps the tab the person was on
+    info = at.session_state["gen"].trace.steps[1]
+    stages = charts(at)[1]["data"]
+    assert [len(d["y"]) for d in stages] == [len(info.candidates[0])] * 4
+    assert "5 token(s) left" in stages[2]["name"]  # top-k kept five
+    assert sorted(stages[0]["y"], reverse=True) == sorted(info.stage_probs[0][0], reverse=True)
+
+
 def test_attention_selectors_redraw_without_stepping(stepped):
     at = show_tab(stepped, "Attention")
     before = at.session_state["gen"].n_steps
@@ -127,9 +146,39 @@ def test_attention_selectors_redraw_without_stepping(stepped):
     pattern = at.session_state["gen"].trace.get("blocks.3.attn.hook_pattern", 2)[0, 2]
     assert [round(v, 5) for v in after[0]] == [round(v, 5) for v in pattern[0].tolist()]
     assert at.session_state["gen"].n_steps == before  # switching a selector never runs the model
-    at.selectbox(key="attn_query").set_value(0)
+    at.selectbox(key="attn_query_s2_b0").set_value(0)
     run(at)
     assert any("rgba(255, 75, 75" in m.value for m in at.markdown)
+
+
+def query_pick_shown(at: AppTest) -> tuple[str, list[float]]:
+    """The query selector's label as displayed, and the weights the coloured text under it shows."""
+    import re
+
+    box = next(b for b in at.selectbox if b.label.startswith("query token"))
+    html = next(m.value for m in at.markdown if "rgba(255, 75, 75" in m.value)
+    return box.format_func(box.value), [float(w) for w in re.findall(r"title='([0-9.]+)'", html)]
+
+
+def test_the_query_picker_follows_the_step_slider(stepped):
+    """Time travel must not leave one step's query label over another step's row."""
+    at = show_tab(stepped, "Attention")
+    gen = at.session_state["gen"]
+    n0 = prompt_tokens(at)
+    for step, n in ((2, 1), (0, n0), (1, 1), (0, n0)):
+        at.slider(key="step_view").set_value(step)
+        run(at)
+        label, weights = query_pick_shown(at)
+        pattern = gen.trace.get("blocks.0.attn.hook_pattern", step)[0, 0]
+        assert len(next(b for b in at.selectbox if b.label.startswith("query token")).options) == n
+        # by default the newest query row, labelled with its own position, and the text shows that row
+        assert label.startswith(f"{n0 + step - 1} · ")
+        assert weights == [round(w, 3) for w in pattern[-1].tolist()]
+        if step == 0:
+            at.selectbox(key="attn_query_s0_b0").set_value(2)
+            run(at)
+            label, weights = query_pick_shown(at)
+            assert label.startswith("2 · ") and weights == [round(w, 3) for w in pattern[2].tolist()]
 
 
 def test_history_builds_up_the_triangle(stepped):
@@ -144,6 +193,14 @@ def test_kv_cache_tab_reports_the_recompute_check(stepped):
     value = float(metric(at, "max |Δ logits|, cached vs full recompute"))
     assert value < 1e-4
     assert any("equal up to float32 rounding" in c.value for c in at.caption)
+    n0 = prompt_tokens(at)
+    # both timings are of the untraced model, labelled with the query rows each path computes
+    cached_ms = float(metric(at, "cached path (1 query row)").removesuffix(" ms"))
+    full_ms = float(metric(at, f"full recompute ({n0 + 2} rows)").removesuffix(" ms"))
+    assert cached_ms > 0 and full_ms > 0
+    seconds = [d for d in charts(at)[2]["data"] if d["type"] == "scatter"]
+    assert [d["name"] for d in seconds][:2] == ["cached path", "full recompute"]
+    assert len(seconds[0]["y"]) == 3  # every step of the small model was measured
     at.radio(key="kv_which").set_value("V")
     at.selectbox(key="kv_layer").set_value(1)
     run(at)
@@ -156,10 +213,37 @@ def test_inspector_opens_a_record_and_its_slices(stepped):
     at.selectbox(key="inspect_select").set_value("blocks.1.attn.hook_qk")
     run(at)
     assert at.code[0].value.startswith("tensor[1, 4, 1, ")
-    at.selectbox(key="insp_rows").set_value(1)
+    at.selectbox(key="insp_rows_blocks.1.attn.hook_qk").set_value(1)
     run(at)
     spec = charts(at)[0]
     assert spec["data"][0]["type"] == "heatmap" and len(spec["data"][0]["z"]) == 4  # H rows now
+
+
+def test_inspector_slicing_survives_switching_records_and_steps(stepped):
+    """Dim pickers set for a 4-D record must not leave a 3-D record (or another step) showing nothing."""
+    at = show_tab(stepped, "Inspector")
+    gen = at.session_state["gen"]
+    at.selectbox(key="inspect_select").set_value("blocks.0.attn.hook_pattern")
+    run(at)
+    at.selectbox(key="insp_rows_blocks.0.attn.hook_pattern").set_value(3)  # rows t
+    at.selectbox(key="insp_cols_blocks.0.attn.hook_pattern").set_value(1)  # columns H
+    run(at)
+    at.number_input(key="insp_fix_blocks.0.attn.hook_pattern_2_1").set_value(0)
+    run(at)
+    at.selectbox(key="inspect_select").set_value("blocks.0.hook_resid_post")  # [B, n, d]
+    run(at)
+    assert not at.warning
+    resid = gen.trace.get("blocks.0.hook_resid_post", 2)[0]
+    z = heatmaps(charts(at)[0])[0]["z"]
+    assert (len(z), len(z[0])) == tuple(resid.shape)  # its own default: the last two dims, n × d
+    # to the prefill, where n is the prompt length: the pattern's index pickers fit the new sizes
+    at.slider(key="step_view").set_value(0)
+    run(at)
+    at.selectbox(key="inspect_select").set_value("blocks.0.attn.hook_pattern")
+    run(at)
+    n0 = prompt_tokens(at)
+    z = heatmaps(charts(at)[0])[0]["z"]
+    assert not at.warning and (len(z), len(z[0])) == (n0, n0)
 
 
 def test_run_n_and_time_travel(stepped):
@@ -191,6 +275,11 @@ def test_cache_off_recomputes_everything():
     n0 = prompt_tokens(at)
     assert metric(at, "new positions n") == str(n0 + 1)
     assert metric(at, "cache length after step") == "0"
+    show_tab(at, "KV cache")
+    # with the cache off the run is itself the full recompute: the cached side is a re-run, and it says so
+    assert float(metric(at, "max |Δ logits|, cached vs full recompute")) < 1e-4
+    assert metric(at, "cached path (1 query row)").endswith(" ms")
+    assert any("untraced cached re-run" in c.value for c in at.caption)
 
 
 def test_a_batch_of_two_prompts_with_padding():

@@ -114,6 +114,17 @@ def test_history_builds_the_lower_triangle_from_one_row_per_step(gen):
     assert rows[-1].startswith("s3 · ")
 
 
+def test_history_leaves_padding_queries_blank(batch_gen):
+    lengths = batch_gen.prompt_lengths
+    row = lengths.index(min(lengths))
+    pad = max(lengths) - lengths[row]  # left padding: the first columns of the short row
+    matrix, rows, _, _ = attention.attention_history(batch_gen.trace, 0, 0, 2, batch=row)
+    assert torch.isnan(matrix[:pad]).all() and all("padding: no query" in r for r in rows[:pad])
+    real = batch_gen.trace.get("blocks.0.attn.hook_pattern", 0)[row, 0, pad]
+    assert torch.allclose(matrix[pad, : pad + 1], real[: pad + 1])
+    assert not any("padding" in r for r in rows[pad:])
+
+
 def test_mask_views_count_and_draw_the_mask(gen):
     t = gen.trace
     n0 = gen.prompt_lengths[0]
@@ -137,6 +148,10 @@ def test_mask_facts_name_the_padding_columns(batch_gen):
     assert width > short
     assert facts.padding_columns == list(range(width - short))
     assert "padding" in facts.explanation()
+    # M holds one block per sequence here: the counts say whose block they are
+    m = batch_gen.trace.get("blocks.0.attn.hook_mask", 0)
+    assert m.shape[0] == len(lengths)
+    assert f"in sequence {row}'s n × t block, {int(torch.isinf(m[row, 0]).sum())} entries are −∞" in facts.explanation()
 
 
 def test_cache_views_show_the_traced_keys(gen):
@@ -156,7 +171,14 @@ def test_cache_views_show_the_traced_keys(gen):
     assert same(v.data[0].z, t.get("blocks.0.attn.hook_v_all", 2)[0, 0])
     rows = cache.rows_computed(t)
     assert list(rows["with cache"]) == [n0, 1, 1, 1] and list(rows["without cache"]) == [n0, n0 + 1, n0 + 2, n0 + 3]
-    assert len(cache.cache_on_off_figure(t, {3: 0.01}).data) == 4
+    measured = {3: gen.compare_with_recompute()}
+    fig = cache.cache_on_off_figure(t, measured)
+    by_name = {d.name: d for d in fig.data}
+    assert list(by_name["with cache"].y) == [n0, 1, 1, 1]
+    assert list(by_name["cached path"].x) == [3] and list(by_name["cached path"].y) == [measured[3].cached_seconds]
+    assert list(by_name["full recompute"].y) == [measured[3].full_seconds]
+    traced = next(d for d in fig.data if d.name.startswith("this run, traced"))
+    assert list(traced.y) == [info.seconds for info in t.steps]
 
 
 def test_next_token_figures_plot_the_sampled_distribution(gen):
@@ -203,6 +225,18 @@ def test_flow_nodes_show_the_recorded_shapes_and_symbols(gen):
     texts = " ".join(a.text for a in fig.layout.annotations)
     assert f"[1, 4, {n0 + 3}, 32]" in texts and "[1, 1, 1024]" in texts
     assert "[1, 4, 1, 32]" in texts
+    assert "block 1 shown; blocks 0 … 3 except 1 repeat the same shapes" in texts
+
+
+@pytest.mark.parametrize(("layer", "n_layer", "expected"), [
+    (0, 4, "block 0 shown; blocks 1 … 3 repeat the same shapes"),
+    (3, 4, "block 3 shown; blocks 0 … 2 repeat the same shapes"),
+    (1, 4, "block 1 shown; blocks 0 … 3 except 1 repeat the same shapes"),
+    (0, 2, "block 0 shown; block 1 repeats the same shapes"),
+    (0, 1, "block 0 is the only block"),
+])
+def test_the_flow_names_the_other_blocks_by_their_hook_numbers(layer, n_layer, expected):
+    assert flow.repeat_note(layer, n_layer) == expected
 
 
 def test_labels_for_queries_and_keys(gen):

@@ -125,6 +125,29 @@ def test_a_failing_forward_leaves_the_cache_unchanged():
     assert cache.length == 5 and cache.keys[1].shape[2] == 5
 
 
+def test_a_cache_copy_replays_a_step_from_an_earlier_point_without_touching_the_original():
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    tokens = torch.randint(0, 97, (2, 7))
+    padding = torch.tensor([[False, False, True, True, True, True, True], [True] * 7])
+    cache = model.new_cache(2)
+    with torch.no_grad():
+        model(tokens[:, :6], cache, padding_mask=padding[:, :6])
+        last = model(tokens[:, 6:], cache)[:, -1]
+        keys = [k.clone() for k in cache.keys]
+        replay = cache.copy(6)
+        assert replay.length == 6 and torch.equal(replay.key_is_token, padding[:, :6])
+        again = model(tokens[:, 6:], replay)[:, -1]
+    assert torch.allclose(again, last, atol=1e-6)
+    assert replay.length == 7 and cache.length == 7
+    assert all(torch.equal(a, b) for a, b in zip(keys, cache.keys))  # the original's rows are untouched
+    replay.keys[0].data.zero_()
+    assert torch.equal(cache.keys[0], keys[0])  # separate storage
+    assert cache.copy(0).length == 0 and cache.copy().length == 7
+    with pytest.raises(ValueError, match="0 … 7 positions"):
+        cache.copy(8)
+
+
 @pytest.mark.parametrize(
     "tokens, message",
     [

@@ -48,8 +48,28 @@ def test_without_the_cache_every_step_recomputes_everything_and_agrees(bundled):
         last_full = full.trace.get("hook_logits", s)[:, -1]
         last_cached = cached.trace.get("hook_logits", s)[:, -1]
         assert (last_full - last_cached).abs().max() < 1e-4
-    delta, seconds = cached.compare_with_recompute()
-    assert delta < 1e-4 and seconds > 0
+    on = cached.compare_with_recompute()
+    off = full.compare_with_recompute(repeats=2)
+    # both ways the latest step is a decode over n0 + 4 columns: one row cached, all rows recomputed
+    for c in (on, off):
+        assert c.max_abs_delta < 1e-4
+        assert (c.cached_rows, c.full_rows) == (1, n0 + 4)
+        assert c.cached_seconds > 0 and c.full_seconds > 0
+    assert on.run_used_cache and not off.run_used_cache
+    with pytest.raises(ValueError, match="repeats"):
+        cached.compare_with_recompute(repeats=0)
+
+
+def test_the_recompute_comparison_catches_a_cache_that_lies(bundled):
+    """The check must be able to fail: corrupt the cached keys and it reports the disagreement."""
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, "Tom had a big red kite.", temperature=0)
+    gen.run(2)
+    assert gen.compare_with_recompute().max_abs_delta < 1e-4
+    for keys in gen.cache.keys:
+        keys.data.mul_(-1.0)  # what a cache bug that stored wrong keys would do to the next step
+    gen.step()
+    assert gen.compare_with_recompute().max_abs_delta > 1e-2
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

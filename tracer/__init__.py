@@ -5,6 +5,7 @@ the command line (``python -m tracer``) is another.
 """
 
 from tracer.capture import CAPTURE_LEVELS, Tracer, hooks_installed
+from tracer.generation import ContextFullError, PromptError, RecomputeComparison, TracedGeneration
 from tracer.records import OpRecord, StepInfo, TensorRecord, TensorStats, TraceErrorInfo
 from tracer.stats import summarize, tensor_stats
 from tracer.store import DEFAULT_BUDGET_BYTES
@@ -13,12 +14,16 @@ from tracer.trace import Trace
 __all__ = [
     "CAPTURE_LEVELS",
     "DEFAULT_BUDGET_BYTES",
+    "ContextFullError",
     "OpRecord",
+    "PromptError",
+    "RecomputeComparison",
     "StepInfo",
     "TensorRecord",
     "TensorStats",
     "Trace",
     "TraceErrorInfo",
+    "TracedGeneration",
     "Tracer",
     "hooks_installed",
     "summarize",

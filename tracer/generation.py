@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,6 +37,18 @@ class PromptError(ValueError):
 
 class ContextFullError(ValueError):
     """The sequence has reached the model's n_ctx: no position is left for another token."""
+
+
+@dataclass(frozen=True)
+class RecomputeComparison:
+    """The latest step redone with and without the KV cache (see ``compare_with_recompute``)."""
+
+    max_abs_delta: float  # max |Δ logits|, cached path vs full recompute, rows sampled from
+    cached_seconds: float  # untraced: the new position(s) over the cached ones
+    full_seconds: float  # untraced: all t positions, no cache
+    cached_rows: int  # query rows the cached path computes (n)
+    full_rows: int  # query rows the full recompute computes (t)
+    run_used_cache: bool  # whether this generation itself ran with the cache
 
 
 class TracedGeneration:
@@ -223,25 +236,55 @@ class TracedGeneration:
         return done
 
     @torch.no_grad()
-    def compare_with_recompute(self) -> tuple[float, float]:
-        """Re-run the latest step's tokens without any cache, untraced, and compare.
+    def compare_with_recompute(self, repeats: int = 1) -> RecomputeComparison:
+        """Redo the latest step both ways, untraced, and compare: the cached path
+        (the new position(s) over a cache of the earlier ones) and a full recompute
+        of all t positions without a cache.
 
-        Returns (max |Δ logits| over the rows sampled from, seconds of the full recompute).
-        With the cache on this checks the seed's claim that only the new row is needed."""
+        ``max_abs_delta`` is over the logits rows sampled from. With the cache on,
+        the cached side is this run's own logits (the seed's claim that only the new
+        row is needed, checked on the real run); with it off, the run *is* the full
+        recompute, so the cached side is an untraced cached re-run. Both timings
+        are untraced, so neither includes the tracer's recording; each is the
+        fastest of ``repeats`` runs."""
         if self._last_feed is None or self._last_logits is None:
             raise ValueError("no step has run yet")
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an integer ≥ 1, got {repeats!r}")
         width = self.sequence_length - 1  # the columns that existed when the latest step ran
         cols = torch.tensor([c[:width] for c in self._columns])
         mask = torch.tensor([m[:width] for m in self._is_token]) if self.padded else None
-        started = time.perf_counter()
-        logits = self.model(cols, padding_mask=mask)
-        seconds = time.perf_counter() - started
-        _, _, last, _ = self._last_feed
-        if last is None:
-            ref = logits[:, -1, :]
-        else:
-            ref = logits[torch.arange(logits.size(0)), last]
-        return float((ref - self._last_logits).abs().max()), seconds
+        tokens, _, last, _ = self._last_feed
+        pick = (lambda lg: lg[:, -1, :]) if last is None else (lambda lg: lg[torch.arange(lg.size(0)), last])
+
+        full_seconds = cached_seconds = float("inf")
+        new = tokens.size(1) if self.use_cache else (width if self.n_steps == 1 else 1)
+        past = width - new
+        if self.use_cache:
+            base = self.cache  # this run's own cache: its first `past` rows are what the step started from
+        else:  # no cache kept: fill one with the earlier positions (untimed)
+            base = self.model.new_cache(cols.size(0))
+            if past:
+                self.model(cols[:, :past], cache=base, padding_mask=mask[:, :past] if mask is not None else None)
+        for _ in range(repeats):  # the fastest of the repeats: the least disturbed by a busy machine
+            started = time.perf_counter()
+            full = pick(self.model(cols, padding_mask=mask))
+            full_seconds = min(full_seconds, time.perf_counter() - started)
+
+            cache = base.copy(past)  # the cached path: the earlier positions' K, V, then this step's new ones
+            started = time.perf_counter()
+            cached = self.model(cols[:, past:], cache=cache, padding_mask=None if past else mask)
+            cached_seconds = min(cached_seconds, time.perf_counter() - started)
+        cached = pick(cached)
+        run_cached = self._last_logits if self.use_cache else cached
+        return RecomputeComparison(
+            max_abs_delta=float((full - run_cached).abs().max()),
+            cached_seconds=cached_seconds,
+            full_seconds=full_seconds,
+            cached_rows=new,
+            full_rows=width,
+            run_used_cache=self.use_cache,
+        )
 
     # -- views of the state --------------------------------------------------------
     def text(self, row: int = 0) -> str:
