@@ -79,14 +79,18 @@ def _heatmap(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], zmi
     )
 
 
-def _axes(fig: go.Figure, x_labels: list[str], y_labels: list[str], row=None, col=None) -> None:
-    sx, sy = tick_step(len(x_labels)), tick_step(len(y_labels))
+def _axes(fig: go.Figure, x_labels: list[str], y_labels: list[str], row=None, col=None,
+          max_x_ticks: int | None = None, y_ticks: bool = True) -> None:
+    """Token tick labels (thinned to fit); ``max_x_ticks`` for narrow panels, ``y_ticks=False`` beside a panel
+    that already names the rows."""
+    sx = tick_step(len(x_labels)) if max_x_ticks is None else max(1, math.ceil(len(x_labels) / max_x_ticks))
+    sy = tick_step(len(y_labels))
     fig.update_xaxes(tickvals=list(range(0, len(x_labels), sx)),
                      ticktext=[safe_text(x_labels[i]) for i in range(0, len(x_labels), sx)],
                      tickangle=-60, row=row, col=col, title_text="key position (t)")
     fig.update_yaxes(tickvals=list(range(0, len(y_labels), sy)),
                      ticktext=[safe_text(y_labels[i]) for i in range(0, len(y_labels), sy)],
-                     autorange="reversed", row=row, col=col)
+                     showticklabels=y_ticks, autorange="reversed", row=row, col=col)
 
 
 def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure:
@@ -106,8 +110,11 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         trace_.colorbar = {"title": {"text": "weight" if i == 4 else "score", "side": "top"}, "len": 0.75,
                            "thickness": 8, "x": right + 0.004, "xpad": 0, "tickfont": {"size": 9}}
         fig.add_trace(trace_, row=1, col=i)
-        _axes(fig, xs, ys, row=1, col=i)
+        # four narrow panels with the same rows: row names once, at most ~12 key names per panel
+        _axes(fig, xs, ys, row=1, col=i, max_x_ticks=12, y_ticks=i == 1)
     height = max(320, min(900, 140 + 18 * len(ys)))
+    fig.update_xaxes(showgrid=False)
+    fig.update_yaxes(showgrid=False)  # masked cells are blank: no gridlines drawn through them
     fig.update_layout(height=height, margin={"t": 90, "l": 10, "r": 10, "b": 10},
                       title_text=f"layer {layer}, head {head}, step {step}")
     fig.update_annotations(font_size=12)

@@ -88,9 +88,9 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
     new = info.n if info.use_cache else t
     fig.add_shape(type="rect", x0=-0.5, x1=d_head - 0.5, y0=t - new - 0.5, y1=t - 0.5,
                   line={"color": "#ff4b4b", "width": 3})
-    fig.add_annotation(x=d_head - 0.5, y=t - new - 0.5, xanchor="right", yanchor="bottom", showarrow=False,
-                       text=f"added at step {step} ({new} row{'s' if new != 1 else ''})", font={"color": "#ff4b4b"})
-    fig.update_layout(title_text=f"{which} of layer {layer}, head {head}: {shape_text(tuple(m.shape))} = [t, d_head]",
+    added = f"row {t - 1}" if new == 1 else f"rows {t - new}…{t - 1}"
+    fig.update_layout(title_text=f"{which} of layer {layer}, head {head}: {shape_text(tuple(m.shape))} = [t, d_head]"
+                                 f" — <span style='color:#ff4b4b'>{added} added at step {step} (outlined)</span>",
                       height=max(300, min(900, 110 + 16 * t)), margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
 
@@ -125,12 +125,14 @@ def cache_on_off_figure(trace: Trace, comparisons: dict[int, RecomputeComparison
                                  name="full recompute", marker={"symbol": "x", "size": 9, "color": "#ff7f0e"}),
                       row=1, col=2)
     use_cache = bool(trace.steps and trace.steps[-1].use_cache)
-    fig.add_trace(go.Scatter(x=table["step"], y=table["seconds"], mode="lines", opacity=0.35,
+    # hidden until clicked in the legend: it includes recording every tensor (and the first step's warm-up),
+    # which would flatten the two lines that compare the paths themselves
+    fig.add_trace(go.Scatter(x=table["step"], y=table["seconds"], mode="lines", visible="legendonly",
                              line={"dash": "dot", "color": "#7f7f7f"},
                              name=f"this run, traced ({'cache on' if use_cache else 'cache off'}; incl. recording)"),
                   row=1, col=2)
     fig.update_layout(barmode="group", height=340, margin={"t": 40, "l": 10, "r": 10, "b": 10},
                       legend={"orientation": "h", "y": -0.25})
-    fig.update_xaxes(title_text="step")
+    fig.update_xaxes(title_text="step", dtick=1 if len(table) <= 30 else None)
     fig.update_yaxes(rangemode="tozero", row=1, col=2)
     return fig

@@ -139,6 +139,12 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
                           "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2, "arrowwidth": 1.2,
                           "arrowcolor": "#888", "text": ""})
             continue
+        if a.y == b.y:  # side by side (the mask into "+ M"): edge to edge, not through either box
+            side = 1 if b.x > a.x else -1
+            notes.append({"x": b.x - side * w / 2, "y": b.y, "ax": a.x + side * w / 2, "ay": a.y, "xref": "x",
+                          "yref": "y", "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2,
+                          "arrowwidth": 1.2, "arrowcolor": "#888", "text": ""})
+            continue
         notes.append({"x": b.x, "y": b.y - h / 2, "ax": a.x, "ay": a.y + h / 2, "xref": "x", "yref": "y",
                       "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2, "arrowsize": 1,
                       "arrowwidth": 1.2, "arrowcolor": "#888", "text": ""})

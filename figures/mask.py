@@ -114,7 +114,7 @@ def scores_before_after_figure(trace: Trace, step: int, layer: int, head: int, b
     lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (None, None)
     fig.add_trace(_heatmap(b, xs, ys, zmin=lo, zmax=hi, showscale=False), row=1, col=1)
     fig.add_trace(_heatmap(a, xs, ys, zmin=lo, zmax=hi), row=1, col=2)
-    _axes(fig, xs, ys, row=1, col=1)
-    _axes(fig, xs, ys, row=1, col=2)
+    _axes(fig, xs, ys, row=1, col=1, max_x_ticks=24)
+    _axes(fig, xs, ys, row=1, col=2, max_x_ticks=24, y_ticks=False)
     fig.update_layout(height=max(280, min(800, 130 + 18 * len(ys))), margin={"t": 60, "l": 10, "r": 10, "b": 10})
     return fig

@@ -58,8 +58,9 @@ def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
                            hovertemplate="%{x}: p = %{y:.4f}<extra></extra>"))
     chosen = next(k for k, i in enumerate(order) if ids[i] == sampled)
     fig.add_annotation(x=xs[chosen], y=final[order[chosen]], text="sampled", showarrow=True, arrowhead=2,
-                       font={"color": "#ff4b4b"})
-    fig.update_yaxes(range=[0, min(1.0, 1.15 * max(final)) if max(final) > 0 else 1.0])
+                       ax=30, ay=-22, font={"color": "#ff4b4b"})
+    # headroom for the "sampled" arrow; with p ≤ 1 the axis never gets a tick above 1
+    fig.update_yaxes(range=[0, 1.18 * max(final) if max(final) > 0 else 1.0])
     fig.update_layout(title_text=f"step {step}: next-token probabilities (final distribution)", height=360,
                       yaxis_title="probability", xaxis_tickangle=-45, margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
