@@ -63,14 +63,17 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
 
 def _heatmap(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], zmin=None, zmax=None,
              coloraxis: str | None = None, showscale: bool = True) -> go.Heatmap:
-    n, t = matrix.shape
+    """Query rows × key columns on category axes named by the (escaped, position-prefixed, so unique)
+    token labels: the hover reads them from the axes instead of an n × t array of label strings, which
+    made a long prompt's figures megabytes. Per-cell value strings only where ±∞ needs naming (NaN cells
+    are the history's blanks: nothing to hover)."""
+    finite = not bool(torch.isinf(matrix).any())
     return go.Heatmap(
         z=finite_or_none(matrix),
-        x=list(range(t)),
-        y=list(range(n)),
-        customdata=hover_values(matrix),
-        text=[[f"q {safe_text(y_labels[i])}<br>k {safe_text(x_labels[j])}" for j in range(t)] for i in range(n)],
-        hovertemplate="%{text}<br>%{customdata}<extra></extra>",
+        x=[safe_text(label) for label in x_labels],
+        y=[safe_text(label) for label in y_labels],
+        customdata=None if finite else hover_values(matrix),
+        hovertemplate="q %{y}<br>k %{x}<br>" + ("%{z:.4f}" if finite else "%{customdata}") + "<extra></extra>",
         colorscale=HEATMAP_SCALE,
         zmin=zmin,
         zmax=zmax,
@@ -81,16 +84,16 @@ def _heatmap(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], zmi
 
 def _axes(fig: go.Figure, x_labels: list[str], y_labels: list[str], row=None, col=None,
           max_x_ticks: int | None = None, y_ticks: bool = True) -> None:
-    """Token tick labels (thinned to fit); ``max_x_ticks`` for narrow panels, ``y_ticks=False`` beside a panel
-    that already names the rows."""
+    """Token tick labels (thinned to fit) on the category axes of ``_heatmap``; ``max_x_ticks`` for narrow
+    panels, ``y_ticks=False`` beside a panel that already names the rows."""
     sx = tick_step(len(x_labels)) if max_x_ticks is None else max(1, math.ceil(len(x_labels) / max_x_ticks))
     sy = tick_step(len(y_labels))
-    fig.update_xaxes(tickvals=list(range(0, len(x_labels), sx)),
-                     ticktext=[safe_text(x_labels[i]) for i in range(0, len(x_labels), sx)],
-                     tickangle=-60, row=row, col=col, title_text="key position (t)")
-    fig.update_yaxes(tickvals=list(range(0, len(y_labels), sy)),
-                     ticktext=[safe_text(y_labels[i]) for i in range(0, len(y_labels), sy)],
-                     showticklabels=y_ticks, autorange="reversed", row=row, col=col)
+    xs = [safe_text(label) for label in x_labels[::sx]]
+    ys = [safe_text(label) for label in y_labels[::sy]]
+    fig.update_xaxes(type="category", tickvals=xs, ticktext=xs, tickangle=-60, row=row, col=col,
+                     title_text="key position (t)")
+    fig.update_yaxes(type="category", tickvals=ys, ticktext=ys, showticklabels=y_ticks, autorange="reversed",
+                     row=row, col=col)
 
 
 def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure:

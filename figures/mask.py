@@ -87,12 +87,11 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
     n, t = block.shape
     show_text = n * t <= 900
     fig.add_trace(go.Heatmap(
-        z=is_masked.tolist(), x=list(range(t)), y=list(range(n)), zmin=0, zmax=1,
-        colorscale=[[0, "#e8f4ea"], [1, "#3b3b3b"]], showscale=False,
+        z=is_masked.tolist(), x=[safe_text(label) for label in xs], y=[safe_text(label) for label in ys],
+        zmin=0, zmax=1, colorscale=[[0, "#e8f4ea"], [1, "#3b3b3b"]], showscale=False,
         text=[["−∞" if v else "0" for v in row] for row in is_masked.tolist()],
         texttemplate="%{text}" if show_text else None,
-        customdata=[[f"q {safe_text(ys[i])}<br>k {safe_text(xs[j])}" for j in range(t)] for i in range(n)],
-        hovertemplate="%{customdata}<br>M = %{text}<extra></extra>",
+        hovertemplate="q %{y}<br>k %{x}<br>M = %{text}<extra></extra>",
     ))
     _axes(fig, xs, ys)
     fig.update_layout(title_text=f"M at step {step}: {shape_text(tuple(mask.shape))} (0 = may attend, −∞ = masked)",
