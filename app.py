@@ -19,7 +19,7 @@ from figures import flow as flow_views
 from figures import inspector as inspect_views
 from figures import mask as mask_views
 from figures import tokens as token_views
-from figures.common import dims_for, query_labels, shape_with_symbols, step_info
+from figures.common import dims_for, query_labels, shape_with_symbols, step_info, symbols
 from model import ModelLoadError, load_bundled, load_hf_gpt2
 from model.loading import BUNDLED_DIR
 from session import (
@@ -37,7 +37,7 @@ from tracer.store import DEFAULT_BUDGET_BYTES
 
 TABS = ["Shapes", "Attention", "Causal mask", "KV cache", "Next token", "Inspector", "Export"]
 AUTO_RECOMPUTE_PARAMS = 20_000_000  # below this, every step is checked against a full recompute
-RECOMPUTE_REPEATS = 3  # timings of the cache comparison: the fastest of this many runs
+RECOMPUTE_REPEATS = 5  # timings of the cache comparison: the fastest of this many runs
 LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_model · H heads · d_head = d/H · V vocab"
 
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")
@@ -74,6 +74,7 @@ def close_generation() -> None:
     if gen is not None:
         gen.close()
     st.session_state["recompute"] = {}
+    st.session_state["query_picks"] = {}
 
 
 # -- sidebar: model, prompt, sampling, actions -------------------------------------
@@ -173,6 +174,7 @@ def advance(n_raw) -> None:
             st.session_state["gen"] = gen
             st.session_state["gen_signature"] = settings.signature()
             st.session_state["recompute"] = {}
+            st.session_state["query_picks"] = {}
             notices += [("warning", w) for w in gen.warnings]
     except SettingsError as e:
         st.session_state["notices"] = [("error", str(e))]
@@ -220,6 +222,8 @@ def header(trace: Trace) -> int:
     for row in range(batch):
         prefix = f"**Sequence {row}** " if batch > 1 else ""
         st.markdown(prefix + token_views.generated_text_html(trace, row, upto_step=step), unsafe_allow_html=True)
+    st.caption("Prompt in grey; each generated token shaded by the probability it was chosen with, "
+               "red (unlikely) → green (likely); hover a token for its step and p.")
     cols = st.columns(5)
     cols[0].metric("new positions n", info.n)
     cols[1].metric("key positions t", info.t)
@@ -271,17 +275,38 @@ def shapes_tab(trace: Trace, step: int) -> None:
     st.caption(f"{len(frame)} record(s). Select a row to open it in the Inspector.")
 
 
+def values_kept(trace: Trace, step: int, name: str, what: str) -> bool:
+    """Whether ``name``'s values exist at ``step``; if not, say why instead of drawing empty charts."""
+    if trace.get(name, step) is not None:
+        return True
+    if trace.capture == "shapes":
+        st.info(f"Capture is **shapes**: only shapes, dtypes and sizes were recorded, so there are no {what} to "
+                "draw. Choose **values** (or ops) under Tracing in the sidebar and Reset.")
+    else:
+        st.info(f"The values of step {step} were evicted by the memory budget (the oldest steps go first); "
+                f"its shapes and statistics are kept, its {what} are not. Raise the budget, or view a later step.")
+    return False
+
+
 @st.fragment
 def attention_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "attn")
     st.latex(r"A = \operatorname{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}} + M\right), \qquad z = A\,V")
+    if not values_kept(trace, step, f"blocks.{layer}.attn.hook_pattern", "attention heatmaps"):
+        stages = attn_views.attention_stages(trace, step, layer, head, batch)
+        st.markdown("\n".join(f"- **{s.title}**: `{s.shapes}`" for s in stages))
+        return
     st.plotly_chart(attn_views.attention_stages_figure(trace, step, layer, head, batch), key="stages_chart")
     queries = query_labels(trace, step, batch)
     # keyed by step and sequence: the query rows differ between steps (n0 at the prefill, 1 after), and a
-    # widget kept across them would show one step's label over another step's row
+    # widget kept across them would show one step's label over another step's row. Streamlit forgets a
+    # widget that was not drawn, so the pick per step is remembered in a plain key.
+    picks = st.session_state.setdefault("query_picks", {})
+    remembered = picks.get((step, batch), len(queries) - 1)
     pick = st.selectbox("query token: which keys does it attend to?", list(range(len(queries))),
-                        index=len(queries) - 1, format_func=lambda i: queries[i],
-                        key=f"attn_query_s{step}_b{batch}")
+                        index=remembered if remembered < len(queries) else len(queries) - 1,
+                        format_func=lambda i: queries[i], key=f"attn_query_s{step}_b{batch}")
+    picks[(step, batch)] = pick
     st.markdown(attn_views.query_attention_html(trace, step, layer, head, pick, batch), unsafe_allow_html=True)
     info = step_info(trace, step)
     if info.use_cache and step > 0:
@@ -301,6 +326,8 @@ def mask_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "mask")
     facts = mask_views.mask_facts(trace, step, layer, batch)
     st.markdown(facts.explanation())
+    if not values_kept(trace, step, f"blocks.{layer}.attn.hook_mask", "mask and score heatmaps"):
+        return
     st.plotly_chart(mask_views.mask_figure(trace, step, layer, batch), key="mask_chart")
     st.plotly_chart(mask_views.scores_before_after_figure(trace, step, layer, head, batch), key="before_after_chart")
 
@@ -317,7 +344,9 @@ def cache_tab(trace: Trace, step: int) -> None:
     with cols[0]:
         layer, head, batch = layer_head_batch(trace, "kv")
     which = cols[1].radio("tensor", ["K", "V"], horizontal=True, key="kv_which")
-    st.plotly_chart(cache_views.key_heatmap_figure(trace, step, layer, head, batch, which), key="kv_chart")
+    hook = "hook_k_all" if which == "K" else "hook_v_all"
+    if values_kept(trace, step, f"blocks.{layer}.attn.{hook}", f"{which} values"):
+        st.plotly_chart(cache_views.key_heatmap_figure(trace, step, layer, head, batch, which), key="kv_chart")
     st.subheader("Cache on vs off")
     comparisons = st.session_state.get("recompute", {}) if "loaded_trace" not in st.session_state else {}
     gen = st.session_state.get("gen")
@@ -330,7 +359,8 @@ def cache_tab(trace: Trace, step: int) -> None:
     if step in comparisons:
         c = comparisons[step]
         equal = c.max_abs_delta < 1e-4
-        verdict = ("equal up to float32 rounding, as the seed's argument says" if equal else
+        verdict = ("equal up to float32 rounding: only the new row was needed, as the KV-caching notes "
+                   "(seed document 001) argue" if equal else
                    "NOT equal: the cached path disagrees with a full recompute")
         cols = st.columns(3)
         cols[0].metric("max |Δ logits|, cached vs full recompute", f"{c.max_abs_delta:.2e}",
@@ -341,8 +371,10 @@ def cache_tab(trace: Trace, step: int) -> None:
                        help="untraced, fastest of the repeats")
         own = ("this run's own cached logits" if c.run_used_cache else
                "an untraced cached re-run (this run has the cache off: it is itself the full recompute)")
-        st.caption(f"{verdict}. The cached side is {own}. Both timings leave the tracer out; the traced step "
-                   f"took {info.seconds * 1000:.1f} ms including recording every tensor.")
+        st.caption(f"{verdict}. The cached side is {own}. Both timings leave the tracer out (the traced step "
+                   f"took {info.seconds * 1000:.1f} ms); each is the fastest of {RECOMPUTE_REPEATS} runs, yet on a "
+                   "busy machine a few ms can swing either way — the rows computed per step are the exact "
+                   "comparison, the seconds an estimate.")
     elif gen is not None:
         st.caption("Press the button to redo this generation's latest step both ways and compare.")
 
@@ -380,9 +412,9 @@ def inspector_tab(trace: Trace, step: int) -> None:
                + (f" · {rec.value_note}" if rec.value_note else ""))
     value = trace.get(name, step)
     if value is None:
-        st.info("Only the shape and statistics of this record were kept (shapes capture, or evicted by the budget).")
+        values_kept(trace, step, name, "values (heatmap, histogram, raw numbers)")
     else:
-        show_tensor(value, name)
+        show_tensor(value, name, symbols(name, rec.shape, dims_for(trace, step)))
     if trace.capture == "ops":
         # a hook point computes nothing itself: show the module that produced its tensor
         module = rec.module.rsplit(".", 1)[0] if rec.kind == "hook" and "." in rec.module else rec.module
@@ -391,16 +423,16 @@ def inspector_tab(trace: Trace, step: int) -> None:
         st.dataframe(inspect_views.module_ops(trace, step, module or None), hide_index=True, key="ops_table")
 
 
-def show_tensor(value: torch.Tensor, name: str) -> None:
+def show_tensor(value: torch.Tensor, name: str, dim_symbols: list[str] | None = None) -> None:
     if value.dim() >= 2:
-        # the pickers are keyed by record: another record has other dims and sizes, and starts from its own
-        # default (its last two dims) instead of inheriting indices that may not fit it
+        # keyed by record: another record has other dims and starts from its own default (its last two
+        # dims). Options are named by symbol, not size: a widget's labels would not follow t as it grows.
         dims = list(range(value.dim()))
         cols = st.columns(2)
-        rows_dim = cols[0].selectbox("rows", dims, index=value.dim() - 2, key=f"insp_rows_{name}",
-                                     format_func=lambda d: f"dim {d} (size {value.shape[d]})")
+        label = (lambda d: f"dim {d} ({dim_symbols[d]})") if dim_symbols else (lambda d: f"dim {d}")
+        rows_dim = cols[0].selectbox("rows", dims, index=value.dim() - 2, key=f"insp_rows_{name}", format_func=label)
         cols_dim = cols[1].selectbox("columns", dims, index=value.dim() - 1, key=f"insp_cols_{name}",
-                                     format_func=lambda d: f"dim {d} (size {value.shape[d]})")
+                                     format_func=label)
         if rows_dim == cols_dim:
             st.warning("Pick two different dimensions for rows and columns.")
             return
@@ -409,7 +441,8 @@ def show_tensor(value: torch.Tensor, name: str) -> None:
         if others:
             sel = st.columns(len(others))
             for col, d in zip(sel, others):
-                fixed[d] = col.number_input(f"index in dim {d}", min_value=0, max_value=value.shape[d] - 1,
+                fixed[d] = col.number_input(f"index in {label(d)}, 0 … {value.shape[d] - 1}", min_value=0,
+                                            max_value=value.shape[d] - 1,
                                             value=0, key=f"insp_fix_{name}_{d}_{value.shape[d]}")
         matrix = inspect_views.slice_2d(value, rows_dim, cols_dim, fixed)
         st.plotly_chart(inspect_views.tensor_heatmap_figure(matrix, name), key="insp_heatmap")
@@ -470,8 +503,8 @@ def main() -> None:
         st.info("Viewing a loaded trace file. Step, Run N or Reset return to live generation.")
     trace = viewed_trace()
     if trace is None:
-        st.info("Type a prompt in the sidebar and press **Step**: step 0 runs the whole prompt (the prefill), "
-                "every further step one new token.")
+        st.info("Press **Step** to run the prompt in the sidebar (edit it first if you like): step 0 runs the "
+                "whole prompt (the prefill), every further step one new token.")
         with st.tabs(["Export"])[0]:
             export_tab(None)
         return

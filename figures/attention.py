@@ -1,4 +1,4 @@
-"""Attention views: the four stages of the seed's formula, all heads, the built-up history."""
+"""Attention views: the four stages of the formula (seed document 002), all heads, the built-up history."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         trace_ = _heatmap(stage.matrix, xs, ys, zmin=zmin, zmax=zmax)
         # each stage its own scale: raw scores, scaled scores and weights live on different ranges
         right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain[1]
-        trace_.colorbar = {"title": {"text": "weight" if i == 4 else "score", "side": "top"}, "len": 0.75,
+        trace_.colorbar = {"title": {"text": "A" if i == 4 else "score", "side": "top"}, "len": 0.75,
                            "thickness": 8, "x": right + 0.004, "xpad": 0, "tickfont": {"size": 9}}
         fig.add_trace(trace_, row=1, col=i)
         # four narrow panels with the same rows: row names once, at most ~12 key names per panel

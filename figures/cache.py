@@ -52,17 +52,27 @@ def cache_growth(trace: Trace) -> pd.DataFrame:
 
 
 def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Figure:
+    """Cache length and bytes held per step; with the cache off, what each step recomputed instead."""
     growth = cache_growth(trace)
+    use_cache = bool(trace.steps and trace.steps[-1].use_cache)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(go.Bar(x=growth["step"], y=growth["cache length"], name="cache length (positions)",
-                         marker_color="#9ecae1"), secondary_y=False)
-    fig.add_trace(go.Scatter(x=growth["step"], y=growth["K+V bytes (all layers)"], mode="lines+markers",
-                             name="bytes held (K+V, all layers)", line={"dash": "dot"}), secondary_y=True)
+    if use_cache:
+        bars = ("cache length", "cache length (positions)")
+        line = ("K+V bytes (all layers)", "bytes held (K+V, all layers)")
+    else:  # nothing is held between steps: show the work that replaces the cache
+        bars = ("t (keys attended)", "K, V rows recomputed (t), none cached")
+        line = ("K+V bytes computed", "K+V bytes computed this step (all layers)")
+        fig.update_layout(title_text="KV cache off: nothing is kept between steps; every step recomputes all t rows")
+    fig.add_trace(go.Bar(x=growth["step"], y=growth[bars[0]], name=bars[1], marker_color="#9ecae1"),
+                  secondary_y=False)
+    fig.add_trace(go.Scatter(x=growth["step"], y=growth[line[0]], mode="lines+markers", name=line[1],
+                             line={"dash": "dot", "color": "#d62728"}, marker={"color": "#d62728"}), secondary_y=True)
     if selected_step is not None:
         fig.add_vline(x=selected_step, line={"color": "#ff4b4b", "width": 1})
     fig.update_xaxes(title_text="step", dtick=1 if len(growth) <= 30 else None)
-    fig.update_yaxes(title_text="positions cached", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title_text="bytes", rangemode="tozero", secondary_y=True)
+    fig.update_yaxes(title_text="positions cached" if use_cache else "positions recomputed", rangemode="tozero",
+                     secondary_y=False)
+    fig.update_yaxes(title_text="bytes", rangemode="tozero", tickformat=".3s", showgrid=False, secondary_y=True)
     fig.update_layout(height=320, margin={"t": 30, "l": 10, "r": 10, "b": 10}, legend={"orientation": "h", "y": 1.15})
     return fig
 
@@ -88,9 +98,10 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
     new = info.n if info.use_cache else t
     fig.add_shape(type="rect", x0=-0.5, x1=d_head - 0.5, y0=t - new - 0.5, y1=t - 0.5,
                   line={"color": "#ff4b4b", "width": 3})
-    added = f"row {t - 1}" if new == 1 else f"rows {t - new}…{t - 1}"
+    rows = f"row {t - 1}" if new == 1 else f"rows {t - new}…{t - 1}"
+    what = f"{rows} added at step {step}" if info.use_cache else f"all {t} rows recomputed at step {step}, no cache"
     fig.update_layout(title_text=f"{which} of layer {layer}, head {head}: {shape_text(tuple(m.shape))} = [t, d_head]"
-                                 f" — <span style='color:#ff4b4b'>{added} added at step {step} (outlined)</span>",
+                                 f" — <span style='color:#ff4b4b'>{what} (outlined)</span>",
                       height=max(300, min(900, 110 + 16 * t)), margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
 

@@ -16,8 +16,11 @@ MAX_TICKS = 48  # beyond this many positions, axes show every k-th label
 
 
 def safe_text(label: str) -> str:
-    """User-controlled text (token strings) made inert for HTML and for plotly's pseudo-HTML."""
-    return html.escape(label, quote=True)
+    """User-controlled text (token strings) made inert for HTML and for plotly's pseudo-HTML.
+
+    Only <, > and & are escaped: with no tag able to open, quotes are harmless in element text, and
+    plotly shows ``&quot;`` literally. Never put the result inside an attribute value."""
+    return html.escape(label, quote=False)
 
 
 def step_info(trace: Trace, step: int) -> StepInfo:

@@ -27,14 +27,19 @@ class MaskFacts:
 
     def explanation(self) -> str:
         whose = f"in sequence {self.batch}'s n × t block, " if self.shape[0] > 1 else ""
+        counts = (f"{whose}{self.masked} entries are −∞ and {self.allowed} are 0." if self.masked >= 0 else
+                  "its values were not kept (capture “shapes”, or evicted by the budget), so its entries "
+                  "are not counted here.")
         lines = [
             f"M has shape {shape_text(self.shape)}: n = {self.n} query row(s) × t = {self.t} key column(s); "
-            f"{whose}{self.masked} entries are −∞ and {self.allowed} are 0.",
+            + counts,
         ]
         if self.decode:
             lines.append(
                 "This is a decode step with the KV cache: the only query is the newest position, t − 1. Every key "
-                f"0 … {self.t - 1} is at or before it, so causality masks nothing — the seed: “since we’re now only "
+                f"0 … {self.t - 1} is at or before it, so causality masks nothing"
+                + (" (only the padding columns below are −∞)" if self.padding_columns else "")
+                + " — as the KV-caching notes this app follows (seed document 001) put it: “since we’re now only "
                 "computing the last row of attention, we don’t need to account for causal attention.” "
                 f"Q is [.., 1, d_head], Kᵀ is [.., d_head, {self.t}], and QKᵀ is one row of {self.t} scores."
             )

@@ -57,7 +57,9 @@ def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     fig = go.Figure(go.Bar(x=xs, y=[final[i] for i in order], marker_color=colors,
                            hovertemplate="%{x}: p = %{y:.4f}<extra></extra>"))
     chosen = next(k for k, i in enumerate(order) if ids[i] == sampled)
-    fig.add_annotation(x=xs[chosen], y=final[order[chosen]], text="sampled", showarrow=True, arrowhead=2,
+    greedy = trace.meta.get("sampling", {}).get("temperature") == 0
+    fig.add_annotation(x=xs[chosen], y=final[order[chosen]], text="chosen (argmax)" if greedy else "sampled",
+                       showarrow=True, arrowhead=2,
                        ax=30, ay=-22, font={"color": "#ff4b4b"})
     # headroom for the "sampled" arrow; with p ≤ 1 the axis never gets a tick above 1
     fig.update_yaxes(range=[0, 1.18 * max(final) if max(final) > 0 else 1.0])
@@ -74,10 +76,13 @@ def distribution_stages_figure(trace: Trace, step: int, row: int = 0) -> go.Figu
     base = info.stage_probs[row][0]
     order = sorted(range(len(ids)), key=lambda i: -base[i])
     xs = [f"{safe_text(labels[i])} ({ids[i]})" for i in order]
+    sampling = trace.meta.get("sampling", {})
+    off = {2: not sampling.get("top_k"), 3: sampling.get("top_p") in (None, 1.0)}  # stages that changed nothing
     fig = go.Figure()
     for s, stage in enumerate(STAGES):
         kept = info.kept[row][s] if info.kept else None
-        name = f"{stage} — {kept} token(s) left" if kept is not None else stage
+        label = f"{stage} (off)" if off.get(s) else stage
+        name = f"{label} — {kept} token(s) left" if kept is not None else label
         fig.add_trace(go.Bar(x=xs, y=[info.stage_probs[row][s][i] for i in order], name=name))
     fig.update_layout(barmode="group", height=380, yaxis_title="probability", xaxis_tickangle=-45,
                       title_text="how temperature, top-k and top-p reshaped the distribution",

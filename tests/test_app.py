@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -68,7 +70,7 @@ def prompt_tokens(at: AppTest) -> int:
 
 def test_first_page_invites_a_step():
     at = new_app()
-    assert any("press **Step**" in i.value for i in at.info)
+    assert any("Press **Step**" in i.value for i in at.info)
     assert at.title[0].value == "GPT shape tracer"
 
 
@@ -161,16 +163,19 @@ def query_pick_shown(at: AppTest) -> tuple[str, list[float]]:
 
 
 def test_the_query_picker_follows_the_step_slider(stepped):
-    """Time travel must not leave one step's query label over another step's row."""
+    """Time travel must not leave one step's query label over another step's row; a pick is remembered."""
     at = show_tab(stepped, "Attention")
     gen = at.session_state["gen"]
     n0 = prompt_tokens(at)
-    for step, n in ((2, 1), (0, n0), (1, 1), (0, n0)):
+    for visit, (step, n) in enumerate(((2, 1), (0, n0), (1, 1), (0, n0))):
         at.slider(key="step_view").set_value(step)
         run(at)
         label, weights = query_pick_shown(at)
         pattern = gen.trace.get("blocks.0.attn.hook_pattern", step)[0, 0]
         assert len(next(b for b in at.selectbox if b.label.startswith("query token")).options) == n
+        if visit == 3:  # back at step 0: the row picked on the first visit, its label and its weights
+            assert label.startswith("2 · ") and weights == [round(w, 3) for w in pattern[2].tolist()]
+            continue
         # by default the newest query row, labelled with its own position, and the text shows that row
         assert label.startswith(f"{n0 + step - 1} · ")
         assert weights == [round(w, 3) for w in pattern[-1].tolist()]
@@ -225,6 +230,9 @@ def test_inspector_slicing_survives_switching_records_and_steps(stepped):
     gen = at.session_state["gen"]
     at.selectbox(key="inspect_select").set_value("blocks.0.attn.hook_pattern")
     run(at)
+    # named by symbol, not by size: labels a widget keeps across steps must not go stale as t grows
+    assert at.selectbox(key="insp_cols_blocks.0.attn.hook_pattern").options == [
+        "dim 0 (B)", "dim 1 (H)", "dim 2 (n)", "dim 3 (t)"]
     at.selectbox(key="insp_rows_blocks.0.attn.hook_pattern").set_value(3)  # rows t
     at.selectbox(key="insp_cols_blocks.0.attn.hook_pattern").set_value(1)  # columns H
     run(at)
@@ -267,6 +275,26 @@ def test_ops_capture_lists_the_ops_of_a_module():
     assert "Tensor.transpose" in set(ops["op"]) and "torch.softmax" in set(ops["op"])
 
 
+def test_shapes_capture_says_what_is_missing_instead_of_drawing_empty_charts():
+    at = new_app()
+    at.sidebar.selectbox(key="capture").set_value("shapes")
+    for _ in range(2):
+        press(at, "step_button")
+    n0 = prompt_tokens(at)
+    show_tab(at, "Attention")
+    assert any("Capture is **shapes**" in i.value for i in at.info) and not charts(at)
+    stage_list = " ".join(m.value for m in at.markdown)
+    assert f"[1, 4, 1, 32] @ [1, 4, 32, {n0 + 1}] → [1, 4, 1, {n0 + 1}]" in stage_list  # the shapes still
+    show_tab(at, "Causal mask")
+    text = " ".join(m.value for m in at.markdown)
+    assert "-1" not in text and "not counted" in text and not charts(at)
+    show_tab(at, "KV cache")
+    assert any("no K values" in i.value for i in at.info)
+    assert list(at.dataframe[0].value["K"]) == [f"[1, 4, {n0 + 1}, 32]"] * 4  # shapes are all there
+    show_tab(at, "Inspector")
+    assert any("Capture is **shapes**" in i.value for i in at.info)
+
+
 def test_cache_off_recomputes_everything():
     at = new_app()
     at.sidebar.toggle(key="use_cache").set_value(False)
@@ -280,6 +308,10 @@ def test_cache_off_recomputes_everything():
     assert float(metric(at, "max |Δ logits|, cached vs full recompute")) < 1e-4
     assert metric(at, "cached path (1 query row)").endswith(" ms")
     assert any("untraced cached re-run" in c.value for c in at.caption)
+    growth = charts(at)[0]
+    assert growth["layout"]["title"]["text"].startswith("KV cache off: nothing is kept")
+    bars = growth["data"][0]["y"]  # plotly ships a pandas column as a typed array
+    assert np.frombuffer(base64.b64decode(bars["bdata"]), dtype=bars["dtype"]).tolist() == [n0, n0 + 1]
 
 
 def test_a_batch_of_two_prompts_with_padding():

@@ -152,6 +152,8 @@ def test_mask_facts_name_the_padding_columns(batch_gen):
     m = batch_gen.trace.get("blocks.0.attn.hook_mask", 0)
     assert m.shape[0] == len(lengths)
     assert f"in sequence {row}'s n × t block, {int(torch.isinf(m[row, 0]).sum())} entries are −∞" in facts.explanation()
+    decode = mask.mask_facts(batch_gen.trace, 2, batch=row).explanation()
+    assert "causality masks nothing (only the padding columns below are −∞)" in decode
 
 
 def test_cache_views_show_the_traced_keys(gen):
@@ -203,6 +205,20 @@ def test_generated_text_is_escaped_and_time_travels(batch_gen):
     assert visible.startswith("Tom said, <script>alert(1)</script>")
     assert html.count("title='step") == 3
     assert tokens.generated_text_html(t, 1, upto_step=0).count("title='step") == 1
+
+
+def test_token_text_is_escaped_for_markup_but_quotes_stay_readable():
+    # plotly shows &quot; literally, and with < escaped no tag (so no attribute) can open
+    assert safe_text('say "hi" & <b>') == 'say "hi" &amp; &lt;b&gt;'
+
+
+def test_next_token_labels_say_what_chose_the_token(gen, batch_gen):
+    greedy = tokens.next_token_figure(batch_gen.trace, 1)
+    assert greedy.layout.annotations[0].text == "chosen (argmax)"
+    sampled = tokens.next_token_figure(gen.trace, 1)
+    assert sampled.layout.annotations[0].text == "sampled"
+    names = [d.name for d in tokens.distribution_stages_figure(gen.trace, 1).data]
+    assert names[3].startswith("top-p (off) — ") and not names[2].startswith("top-k (off)")
 
 
 def test_query_attention_html_is_escaped(batch_gen):
