@@ -58,21 +58,21 @@ def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Fi
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     if use_cache:
         bars = ("cache length", "cache length (positions)")
-        line = ("K+V bytes (all layers)", "bytes held (K+V, all layers)")
+        line = ("K+V bytes (all layers)", "KiB held (K+V, all layers)")
     else:  # nothing is held between steps: show the work that replaces the cache
         bars = ("t (keys attended)", "K, V rows recomputed (t), none cached")
-        line = ("K+V bytes computed", "K+V bytes computed this step (all layers)")
+        line = ("K+V bytes computed", "K+V KiB computed this step (all layers)")
         fig.update_layout(title_text="KV cache off: nothing is kept between steps; every step recomputes all t rows")
     fig.add_trace(go.Bar(x=growth["step"], y=growth[bars[0]], name=bars[1], marker_color="#9ecae1"),
                   secondary_y=False)
-    fig.add_trace(go.Scatter(x=growth["step"], y=growth[line[0]], mode="lines+markers", name=line[1],
+    fig.add_trace(go.Scatter(x=growth["step"], y=growth[line[0]] / 1024, mode="lines+markers", name=line[1],
                              line={"dash": "dot", "color": "#d62728"}, marker={"color": "#d62728"}), secondary_y=True)
     if selected_step is not None:
         fig.add_vline(x=selected_step, line={"color": "#ff4b4b", "width": 1})
     fig.update_xaxes(title_text="step", dtick=1 if len(growth) <= 30 else None)
     fig.update_yaxes(title_text="positions cached" if use_cache else "positions recomputed", rangemode="tozero",
                      secondary_y=False)
-    fig.update_yaxes(title_text="bytes", rangemode="tozero", tickformat=".3s", showgrid=False, secondary_y=True)
+    fig.update_yaxes(title_text="KiB", rangemode="tozero", showgrid=False, secondary_y=True)
     fig.update_layout(height=320, margin={"t": 30, "l": 10, "r": 10, "b": 10}, legend={"orientation": "h", "y": 1.15})
     return fig
 
