@@ -19,7 +19,7 @@ from figures import flow as flow_views
 from figures import inspector as inspect_views
 from figures import mask as mask_views
 from figures import tokens as token_views
-from figures.common import dims_for, query_labels, shape_with_symbols, step_info, symbols
+from figures.common import dims_for, is_greedy, query_labels, shape_with_symbols, step_info, symbols
 from model import ModelLoadError, load_bundled, load_hf_gpt2
 from model.loading import BUNDLED_DIR
 from session import (
@@ -279,13 +279,17 @@ def values_kept(trace: Trace, step: int, name: str, what: str) -> bool:
     """Whether ``name``'s values exist at ``step``; if not, say why instead of drawing empty charts."""
     if trace.get(name, step) is not None:
         return True
+    explain_missing_values(trace, step, what)
+    return False
+
+
+def explain_missing_values(trace: Trace, step: int, what: str) -> None:
     if trace.capture == "shapes":
         st.info(f"Capture is **shapes**: only shapes, dtypes and sizes were recorded, so there are no {what} to "
                 "draw. Choose **values** (or ops) under Tracing in the sidebar and Reset.")
     else:
         st.info(f"The values of step {step} were evicted by the memory budget (the oldest steps go first); "
                 f"its shapes and statistics are kept, its {what} are not. Raise the budget, or view a later step.")
-    return False
 
 
 @st.fragment
@@ -384,11 +388,11 @@ def next_token_tab(trace: Trace, step: int) -> None:
     batch_size = len(trace.meta.get("columns", [[0]]))
     row = st.selectbox("sequence", list(range(batch_size)), key="next_row") if batch_size > 1 else 0
     sampling = trace.meta.get("sampling", {})
-    st.caption("Sampling: " + ("greedy (argmax)" if sampling.get("temperature") == 0 else
+    st.caption("Sampling: " + ("greedy (argmax)" if is_greedy(trace) else
                                f"τ = {sampling.get('temperature')}, top-k = {sampling.get('top_k') or 'off'}, "
                                f"top-p = {sampling.get('top_p') or 'off'}, seed {sampling.get('seed')}"))
     st.plotly_chart(token_views.next_token_figure(trace, step, row), key="next_chart")
-    if sampling.get("temperature") == 0:
+    if is_greedy(trace):
         st.info("Greedy decoding takes the argmax of the logits: temperature, top-k and top-p play no part, so "
                 "there is no reshaping to show. Choose **sample** in the sidebar (and Reset) to see it.")
     else:
@@ -412,7 +416,7 @@ def inspector_tab(trace: Trace, step: int) -> None:
                + (f" · {rec.value_note}" if rec.value_note else ""))
     value = trace.get(name, step)
     if value is None:
-        values_kept(trace, step, name, "values (heatmap, histogram, raw numbers)")
+        explain_missing_values(trace, step, "values (heatmap, histogram, raw numbers)")
     else:
         show_tensor(value, name, symbols(name, rec.shape, dims_for(trace, step)))
     if trace.capture == "ops":

@@ -10,6 +10,10 @@ from figures.common import HEATMAP_SCALE, finite_or_none, key_labels, safe_text,
 from tracer import RecomputeComparison, Trace
 
 
+def _ran_with_cache(trace: Trace) -> bool:
+    return bool(trace.steps and trace.steps[-1].use_cache)
+
+
 def _n_layer(trace: Trace) -> int:
     cfg = trace.meta.get("model_config")
     if cfg:
@@ -54,7 +58,7 @@ def cache_growth(trace: Trace) -> pd.DataFrame:
 def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Figure:
     """Cache length and bytes held per step; with the cache off, what each step recomputed instead."""
     growth = cache_growth(trace)
-    use_cache = bool(trace.steps and trace.steps[-1].use_cache)
+    use_cache = _ran_with_cache(trace)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     if use_cache:
         bars = ("cache length", "cache length (positions)")
@@ -135,7 +139,7 @@ def cache_on_off_figure(trace: Trace, comparisons: dict[int, RecomputeComparison
         fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].full_seconds for s in steps], mode="lines+markers",
                                  name="full recompute", marker={"symbol": "x", "size": 9, "color": "#ff7f0e"}),
                       row=1, col=2)
-    use_cache = bool(trace.steps and trace.steps[-1].use_cache)
+    use_cache = _ran_with_cache(trace)
     # hidden until clicked in the legend: it includes recording every tensor (and the first step's warm-up),
     # which would flatten the two lines that compare the paths themselves
     fig.add_trace(go.Scatter(x=table["step"], y=table["seconds"], mode="lines", visible="legendonly",

@@ -23,6 +23,11 @@ def safe_text(label: str) -> str:
     return html.escape(label, quote=False)
 
 
+def is_greedy(trace: Trace) -> bool:
+    """Whether the trace's tokens were chosen by argmax (τ = 0) rather than sampled."""
+    return trace.meta.get("sampling", {}).get("temperature") == 0
+
+
 def step_info(trace: Trace, step: int) -> StepInfo:
     for info in trace.steps:
         if info.step == step:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from figures.common import column_labels, safe_text, step_info
+from figures.common import column_labels, is_greedy, safe_text, step_info
 from model.sampling import STAGES
 from tracer import Trace
 
@@ -57,8 +57,7 @@ def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     fig = go.Figure(go.Bar(x=xs, y=[final[i] for i in order], marker_color=colors,
                            hovertemplate="%{x}: p = %{y:.4f}<extra></extra>"))
     chosen = next(k for k, i in enumerate(order) if ids[i] == sampled)
-    greedy = trace.meta.get("sampling", {}).get("temperature") == 0
-    fig.add_annotation(x=xs[chosen], y=final[order[chosen]], text="chosen (argmax)" if greedy else "sampled",
+    fig.add_annotation(x=xs[chosen], y=final[order[chosen]], text="chosen (argmax)" if is_greedy(trace) else "sampled",
                        showarrow=True, arrowhead=2,
                        ax=30, ay=-22, font={"color": "#ff4b4b"})
     # headroom for the "sampled" arrow; with p ≤ 1 the axis never gets a tick above 1
