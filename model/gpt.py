@@ -65,24 +65,50 @@ class GPTConfig:
 
 
 def _global_module_hooks() -> bool:
-    """Whether hooks registered for every module (``register_module_forward_hook``) exist; a hook
-    point with no hooks of any kind skips ``nn.Module.__call__`` (about 0.8 µs a call, 268 calls in a
-    GPT-2 small forward). Private names: if a torch release moves them, every call takes the full path."""
+    """Whether hooks registered for every module (the public ``register_module_forward_hook``) exist.
+
+    torch keeps them in private module globals; reading those lets a hook point with no hooks of any
+    kind skip ``nn.Module.__call__`` (``bench/bench_model.py`` prints what that saves per forward).
+    If a torch release renames them, ``getattr`` answers True and every call takes the full, correct
+    path; ``tests/test_model_hooks.py`` pins that a global hook still sees every hook point."""
     return bool(getattr(_torch_module, "_global_forward_hooks", True)
                 or getattr(_torch_module, "_global_forward_pre_hooks", True))
+
+
+class TapHandle:
+    """Returned by ``HookPoint.add_tap``; ``remove()`` takes the tap off again (idempotent)."""
+
+    __slots__ = ("_point", "_tap")
+
+    def __init__(self, point: HookPoint, tap) -> None:
+        self._point, self._tap = point, tap
+
+    def remove(self) -> None:
+        self._point.remove_tap(self._tap)
 
 
 class HookPoint(nn.Module):
     """Identity module. It exists so that a plain forward hook on it sees the
     tensor under a stable name: the module path, e.g. ``blocks.0.attn.hook_q``.
 
-    ``_tap`` is for a tracer: a callable given the tensor, cheaper than a forward
-    hook (PyTorch's hook dispatch costs about a microsecond per module call, and
-    a GPT-2 small forward passes 268 hook points). It is called after every
-    forward hook on this module has run, so it sees the value the model goes on
-    to use — an ablation or a patch made by a hook included."""
+    A *tap* (``add_tap(fn)``) is a read-only listener: ``fn(tensor)`` is called
+    with the value the model goes on to use, after every forward hook on this
+    module has run — an ablation or a patch made by a hook included. It cannot
+    change the value, and it is cheaper than a forward hook (PyTorch's hook
+    dispatch costs about a microsecond per module call, and a GPT-2 small
+    forward passes 268 hook points); a tracer reads the model through taps."""
 
-    _tap = None
+    def __init__(self) -> None:
+        super().__init__()
+        self._taps: tuple = ()
+
+    def add_tap(self, tap) -> TapHandle:
+        """Call ``tap(tensor)`` on every value passing this point, until the handle is removed."""
+        self._taps = (*self._taps, tap)
+        return TapHandle(self, tap)
+
+    def remove_tap(self, tap) -> None:
+        self._taps = tuple(t for t in self._taps if t is not tap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -90,8 +116,7 @@ class HookPoint(nn.Module):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._forward_hooks or self._forward_pre_hooks or _global_module_hooks():
             x = super().__call__(x)  # identity, then the forward hooks, which may replace x
-        tap = self._tap
-        if tap is not None:
+        for tap in self._taps:
             tap(x)
         return x
 

@@ -60,9 +60,42 @@ def spec_for(name: str) -> HookSpec | None:
     return None
 
 
-def layer_of(name: str) -> int | None:
-    m = _BLOCK.match(name)
-    return int(m.group(1)) if m else None
+# Short names for ``act_name``, in the spirit of TransformerLens's ``get_act_name``: the hook's own
+# last word, with the layer norms and the MLP named by where they sit (their last words repeat).
+_SHORT: dict[str, str] = {}
+for _spec in HOOKS:
+    _last = _spec.name.rsplit(".", 1)[-1].removeprefix("hook_")
+    if _last == "normalized":
+        _last = _spec.name.split(".")[-2] if _spec.name.startswith("blocks.") else "ln_final"
+    elif ".mlp." in _spec.name:
+        _last = "mlp_" + _last
+    _SHORT[_last] = _spec.name
+_SHORT["scores"] = _SHORT["attn_scores"]
+
+
+def act_name(kind: str, layer: int | None = None) -> str:
+    """The full hook name: ``act_name("pattern", 0)`` → ``"blocks.0.attn.hook_pattern"``,
+    ``act_name("logits")`` → ``"hook_logits"``. ``kind`` is a short name (``q``, ``k_all``,
+    ``pattern``, ``ln1``, ``mlp_post``, ``resid_pre``, …) or a hook's own name (``hook_q``)."""
+    template = _SHORT.get(kind.removeprefix("hook_"))
+    if template is None:
+        import difflib
+
+        close = difflib.get_close_matches(kind, sorted(_SHORT), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise KeyError(f"no hook point is called {kind!r}{hint}")
+    if "{L}" in template:
+        if layer is None or isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"{kind!r} lives in every block: give its layer, a whole number ≥ 0 (got {layer!r})")
+        return template.replace("{L}", str(layer))
+    if layer is not None:
+        raise ValueError(f"{kind!r} is not inside a block: it takes no layer (got {layer!r})")
+    return template
+
+
+def short_names() -> list[str]:
+    """Every name ``act_name`` accepts."""
+    return sorted(_SHORT)
 
 
 def resolve(symbol: str, dims: dict[str, int]) -> int:

@@ -168,3 +168,37 @@ def test_config_is_validated():
     with pytest.raises(ValueError, match="n_layer"):
         GPTConfig(n_layer=0)
     assert GPTConfig().d_head == 64 and GPTConfig().d_ff == 3072
+
+
+def test_a_global_module_hook_sees_every_hook_point():
+    """Hook points skip nn.Module.__call__ when nothing hooks them, reading torch's private record of
+    global hooks; a hook registered through the public API must still see every one of them."""
+    model = GPT(CONFIG).eval()
+    seen: list[str] = []
+    names = {id(m): n for n, m in model.named_modules()}
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: seen.append(names.get(id(m), "?")) if isinstance(m, HookPoint) else None)
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, 97, (1, 4)))
+    finally:
+        handle.remove()
+    every = {n for n, m in model.named_modules() if isinstance(m, HookPoint)}
+    assert set(seen) == every
+
+
+def test_taps_see_the_value_after_forward_hooks_and_can_be_removed():
+    model = GPT(CONFIG).eval()
+    point = model.get_submodule("blocks.0.attn.hook_pattern")
+    seen: list[torch.Tensor] = []
+    hook = point.register_forward_hook(lambda m, i, o: torch.zeros_like(o))  # an ablation
+    tap = point.add_tap(seen.append)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 4)))
+    assert len(seen) == 1 and not seen[0].any()  # the tap saw what the model went on to use
+    tap.remove()
+    tap.remove()  # removing twice is harmless
+    hook.remove()
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 4)))
+    assert len(seen) == 1

@@ -95,15 +95,14 @@ class _InstalledHooks:
         self.model_id = id(model)
         self.modules: list[ModuleInfo] = []
         self.handles: list[Any] = []
-        self.taps: list[nn.Module] = []
+        self.taps: list[Any] = []
         self.users = 0
         for index, (path, module) in enumerate(model.named_modules()):
             is_hook = isinstance(module, HookPoint)
             params = sum(p.numel() for p in module.parameters())
             self.modules.append(ModuleInfo(path, type(module).__name__, params, is_hook))
             if is_hook:  # identity: nothing runs inside it, so its value is all there is to record
-                module._tap = self._hook_point(index)
-                self.taps.append(module)
+                self.taps.append(module.add_tap(self._hook_point(index)))
                 continue
             self.handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(index), with_kwargs=True))
@@ -148,8 +147,8 @@ class _InstalledHooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        for module in self.taps:
-            module._tap = None
+        for handle in self.taps:
+            handle.remove()
         self.taps.clear()
 
 
