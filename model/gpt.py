@@ -1,26 +1,34 @@
-"""A GPT-2 whose every intermediate passes through a named hook point.
+"""One readable GPT, several families: GPT-2 and Llama-style (Llama, Mistral, Qwen2) decoders.
 
-Read bottom-up, as in nanoGPT: config → hook point → projection → layer norm →
-``attention`` (the seeds' formula, also used on its own by tests and the app) →
-multi-head attention → MLP → block → GPT.
+Every intermediate passes through a named hook point. Read bottom-up, as in nanoGPT:
+config → hook point → projections → LayerNorm / RMSNorm → rotary position
+embedding → ``attention`` (the seeds' formula, also used on its own by tests and
+the app; grouped-query aware) → multi-head attention → GELU MLP / SwiGLU MLP →
+block → GPT. The config says which pieces a model uses (``norm``, ``positions``,
+``mlp``, ``n_kv_head``, biases, tying); there is one ``GPT`` class for all.
 
 Shape legend, used in every comment below and everywhere in the project:
 
-    B  batch size                     H       attention heads
-    n  new positions in this forward  d_head  width of one head, d // H
-    t  key positions incl. the cache  V       vocabulary size
-    d  d_model, width of the residual stream
+    B  batch size                     H       query heads (attention heads)
+    n  new positions in this forward  G       key/value heads; G = H for GPT-2 (MHA), 1 is MQA
+    t  key positions incl. the cache  d_head  width of one head (d // H unless the config sets head_dim)
+    d  d_model, width of the residual V       vocabulary size
+       stream                         d_ff    MLP hidden width (4d for GPT-2: "4d" in its hook table)
 
 The math follows the seed documents (../shared/seeds): row vectors, matrices
-multiply on the right (``X·W``), the combined ``W_QKV`` is ``[d, 3d]``, and heads
-are laid out ``[B, H, n, d_head]`` (TransformerLens uses ``[B, n, H, d_head]``;
-see model/README.md for the full hook table and that difference).
+multiply on the right (``X·W``), the combined ``W_QKV`` is ``[d, (H+2G)·d_head]``
+(``[d, 3d]`` for GPT-2), and heads are laid out ``[B, H, n, d_head]``
+(TransformerLens uses ``[B, n, H, d_head]``; see model/README.md for the hook
+table and that difference). Each family's weights are stored in the layout of
+its own checkpoints — GPT-2's ``Conv1D`` keeps ``W`` as ``[d_in, d_out]``, the
+Llama family's ``nn.Linear`` as ``[d_out, d_in]`` (so ``x·W`` is ``x·weightᵀ``) —
+so loading needs no transposes and the same BLAS call runs as in Hugging Face.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,40 +36,161 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from model.cache import KVCache
+from model.identity import ModelIdentity, parameters_digest
+
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+MLPS = ("gelu", "swiglu")
+ROPE_TYPES = ("linear", "llama3")  # the variants that only change inv_freq; "default" is rope_scaling=None
+MAX_VOCAB = 2**24  # 16.7M ids: far above any real tokenizer, far below a size that cannot be allocated
+MAX_POSITIONS = 2**24  # n_ctx, sliding_window
+MAX_WIDTH = 2**18  # d_model, d_mlp, head_dim
+MAX_LAYERS = 2**16  # large enough that an absurd n_layer is caught against the weights, with what they hold
+MAX_HEADS = 2**14
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE variant that rescales the inverse frequencies (Hugging Face ``rope_parameters``).
+
+    ``linear``: every inv_freq divided by ``factor``. ``llama3``: wavelengths longer
+    than ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, shorter than ``… / high_freq_factor`` kept, and the band between
+    interpolated smoothly (``model.gpt.rope_inv_freq``)."""
+
+    rope_type: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only: the context the frequencies were trained for
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not implemented (only {', '.join(ROPE_TYPES)})")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _check_positive_float(f"rope_scaling.{name}", getattr(self, name))
+        _check_positive_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings,
+                            MAX_POSITIONS)
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("rope_scaling: llama3 needs high_freq_factor > low_freq_factor "
+                             f"(got {self.high_freq_factor} and {self.low_freq_factor})")
+
+
+def _check_positive_int(name: str, value: object, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"GPTConfig.{name} = {value} is absurdly large (the limit is {maximum:,})")
+
+
+def _check_positive_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"GPTConfig.{name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Hyper-parameters of a GPT-2-architecture model (defaults: GPT-2 small, 124M)."""
+    """Hyper-parameters of one model (defaults: GPT-2 small, 124M).
 
-    vocab_size: int = 50257  # V: how many token ids the embedding (and tied unembedding) knows
-    n_ctx: int = 1024  # longest sequence, cache included: rows of the positional-embedding table
+    The architecture fields (``norm``, ``positions``, ``mlp``, biases, tying)
+    choose the pieces; ``GPTConfig.for_family("llama", …)`` fills them in for a
+    Llama-style family. ``family`` names the checkpoint family (and so the weight
+    layout and the Hugging Face names it saves to)."""
+
+    vocab_size: int = 50257  # V: how many token ids the embedding (and unembedding) knows
+    n_ctx: int = 1024  # longest sequence, cache included (GPT-2: rows of the positional table)
     d_model: int = 768  # d: width of the residual stream and of every embedding
     n_layer: int = 12  # number of transformer blocks
-    n_head: int = 12  # H: attention heads per block; each head has d_head = d_model // n_head
-    d_mlp: int | None = None  # MLP hidden width; None means the usual 4·d_model
-    layer_norm_eps: float = 1e-5  # ε in LayerNorm's √(σ² + ε), GPT-2's value
+    n_head: int = 12  # H: query heads per block
+    d_mlp: int | None = None  # d_ff, the MLP hidden width; None means the usual 4·d_model
+    layer_norm_eps: float = 1e-5  # ε in the norm's √(· + ε): LayerNorm for GPT-2 (1e-5), RMSNorm's rms_norm_eps
+    family: str = "gpt2"  # "gpt2" | "llama" | "mistral" | "qwen2": the checkpoint family and weight layout
+    n_kv_head: int | None = None  # G: key/value heads; None means G = H (MHA); 1 is MQA; must divide H
+    head_dim: int | None = None  # d_head when a checkpoint sets it; None means d_model // n_head
+    norm: str = "layernorm"  # "layernorm" (γ⊙(x−μ)/√(σ²+ε)+β) | "rmsnorm" (γ⊙x/√(mean(x²)+ε))
+    positions: str = "learned"  # "learned" (a W_pos table added to the residual) | "rope" (q, k rotated)
+    mlp: str = "gelu"  # "gelu": GELU(x·W_1+b_1)·W_2+b_2 | "swiglu": (SiLU(x·W_gate) ⊙ x·W_up)·W_down
+    rope_theta: float = 10000.0  # RoPE base θ: pair i turns by position·θ^(−2i/d_head)
+    rope_scaling: RopeScaling | None = None  # None is plain RoPE ("default"); else linear / llama3
+    tie_embeddings: bool = True  # logits = x·W_Eᵀ (True) or x·W_U with its own W_U (Hugging Face's lm_head)
+    qkv_bias: bool = True  # b_Q, b_K, b_V (GPT-2, Qwen2) or none (Llama, Mistral)
+    attn_out_bias: bool = True  # b_O (GPT-2) or none
+    mlp_bias: bool = True  # biases in the MLP (GPT-2) or none
+    sliding_window: int | None = None  # a query sees at most this many key slots, itself included (Mistral)
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "n_ctx", "d_model", "n_layer", "n_head"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{field} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_head:
+        if isinstance(self.rope_scaling, dict):  # from ModelIdentity.config / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        _check_positive_int("vocab_size", self.vocab_size, MAX_VOCAB)
+        _check_positive_int("n_ctx", self.n_ctx, MAX_POSITIONS)
+        _check_positive_int("d_model", self.d_model, MAX_WIDTH)
+        _check_positive_int("n_layer", self.n_layer, MAX_LAYERS)
+        _check_positive_int("n_head", self.n_head, MAX_HEADS)
+        if self.n_kv_head is not None:
+            _check_positive_int("n_kv_head", self.n_kv_head, MAX_HEADS)
+            if self.n_head % self.n_kv_head:
+                raise ValueError(
+                    f"head counts that do not divide: n_head = {self.n_head} query heads cannot share "
+                    f"n_kv_head = {self.n_kv_head} key/value heads evenly (n_head must be a multiple of n_kv_head)"
+                )
+        if self.head_dim is not None:
+            _check_positive_int("head_dim", self.head_dim, MAX_WIDTH)
+        elif self.d_model % self.n_head:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}) "
                 "so that every head gets d_head = d_model // n_head dimensions"
             )
-        if self.d_mlp is not None and (not isinstance(self.d_mlp, int) or self.d_mlp < 1):
-            raise ValueError(f"GPTConfig.d_mlp must be a positive integer or None, got {self.d_mlp!r}")
+        if self.d_mlp is not None:
+            _check_positive_int("d_mlp", self.d_mlp, MAX_WIDTH)
+        _check_positive_float("layer_norm_eps", self.layer_norm_eps)
+        _check_positive_float("rope_theta", self.rope_theta)
+        for name, allowed in (("family", FAMILIES), ("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        for name in ("tie_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"GPTConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window, MAX_POSITIONS)
+        if self.positions == "rope" and self.d_head % 2:
+            raise ValueError(f"RoPE rotates pairs of dimensions: d_head = {self.d_head} must be even")
+
+    @classmethod
+    def for_family(cls, family: str, **fields) -> GPTConfig:
+        """A config with ``family``'s architecture: ``for_family("llama", n_kv_head=2, …)``.
+
+        Llama, Mistral and Qwen2 are RMSNorm + RoPE + SwiGLU without biases and
+        with their own W_U; Qwen2 adds b_Q, b_K, b_V. Any field can be overridden."""
+        arch: dict = {}
+        if family != "gpt2":
+            arch = dict(norm="rmsnorm", positions="rope", mlp="swiglu", tie_embeddings=False,
+                        qkv_bias=family == "qwen2", attn_out_bias=False, mlp_bias=False, layer_norm_eps=1e-6)
+        return cls(family=family, **{**arch, **fields})
+
+    @property
+    def n_kv_heads(self) -> int:
+        """G, the number of key/value heads (= n_head unless the config shares them)."""
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.n_head
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
 
     @property
     def d_ff(self) -> int:
         return self.d_mlp if self.d_mlp is not None else 4 * self.d_model
+
+    @property
+    def d_qkv(self) -> int:
+        """Width of the combined projection X·W_QKV: (H + 2G)·d_head (3d for GPT-2)."""
+        return (self.n_head + 2 * self.n_kv_heads) * self.d_head
+
+    def to_dict(self) -> dict:
+        """Plain JSON values (``GPTConfig(**config.to_dict())`` gives the config back)."""
+        return asdict(self)
 
 
 def _global_module_hooks() -> bool:
@@ -122,26 +251,53 @@ class HookPoint(nn.Module):
 
 
 class Projection(nn.Module):
-    """``y = x·W + b`` with ``W`` stored ``[d_in, d_out]``.
+    """``y = x·W + b`` with ``W`` stored ``[d_in, d_out]`` (GPT-2).
 
     That is the seeds' row-vector convention and the layout of Hugging Face
     GPT-2's ``Conv1D``, so checkpoints load without transposes and the same
     ``addmm`` runs in both models."""
 
-    def __init__(self, d_in: int, d_out: int) -> None:
+    def __init__(self, d_in: int, d_out: int, bias: bool = True) -> None:
         super().__init__()
         self.d_in, self.d_out = d_in, d_out
         self.weight = nn.Parameter(torch.empty(d_in, d_out))
-        self.bias = nn.Parameter(torch.zeros(d_out))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_shape = x.shape[:-1] + (self.d_out,)
         flat = x.reshape(-1, self.d_in)  # [..., d_in] -> [B·n, d_in]
+        if self.bias is None:
+            return torch.mm(flat, self.weight).view(out_shape)
         return torch.addmm(self.bias, flat, self.weight).view(out_shape)  # -> [..., d_out]
 
     def extra_repr(self) -> str:
         return f"W: [{self.d_in}, {self.d_out}]"
+
+
+class Linear(nn.Module):
+    """``y = x·W + b`` with ``W`` stored transposed, ``weight = Wᵀ`` ``[d_out, d_in]`` (Llama family).
+
+    The layout of Hugging Face's ``nn.Linear`` checkpoints: ``F.linear`` runs the
+    same BLAS call as theirs, and loading is a concatenation, never a transpose."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool) -> None:
+        super().__init__()
+        self.d_in, self.d_out = d_in, d_out
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [..., d_in] @ [d_in, d_out] -> [..., d_out]
+
+    def extra_repr(self) -> str:
+        return f"W: [{self.d_in}, {self.d_out}] (stored transposed)"
+
+
+def projection(config: GPTConfig, d_in: int, d_out: int, bias: bool) -> nn.Module:
+    """The projection in the layout of ``config.family``'s checkpoints."""
+    return Projection(d_in, d_out, bias) if config.family == "gpt2" else Linear(d_in, d_out, bias)
 
 
 class LayerNorm(nn.Module):
@@ -158,6 +314,94 @@ class LayerNorm(nn.Module):
         return self.hook_normalized(F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps))
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm(x) = γ ⊙ x / √(mean(x²) + ε) (seed 002 §3.4): LayerNorm without the mean and β.
+
+    The order of operations is Hugging Face's ``LlamaRMSNorm``, so a bf16 model
+    rounds where theirs does: upcast to float32, mean of squares, rsqrt(var + ε),
+    multiply, cast back to the input dtype, and only then multiply by γ."""
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))  # γ
+        self.hook_normalized = HookPoint()  # [B, n, d]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)  # [B,n,1]: mean(x²)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.hook_normalized(self.weight * h.to(dtype))
+
+
+def norm(config: GPTConfig) -> nn.Module:
+    return (RMSNorm if config.norm == "rmsnorm" else LayerNorm)(config.d_model, config.layer_norm_eps)
+
+
+# ---- rotary position embedding (seed 002 §6.2, eqs. 30–31) ----------------------------------------------------
+
+
+def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
+    """``[d_head/2]`` float32: θ^(−2i/d_head) for i = 0 … d_head/2 − 1, rescaled by ``config.rope_scaling``.
+
+    Computed exactly as Hugging Face's ``modeling_rope_utils`` does (same dtype,
+    same order), so our angles are bit-for-bit theirs."""
+    dim = config.d_head
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    # llama3: long wavelengths (beyond the original context / low_freq_factor) are slowed down by `factor`,
+    # short ones (below … / high_freq_factor) kept, and the band in between interpolated
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(config: GPTConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's angles, each ``[B|1, n, d_head]`` float32, for ``positions`` ``[B|1, n]``.
+
+    Angle i of position p is p·inv_freq[i]; the halves convention (below) uses
+    angle i for dimensions i and i + d_head/2, so the d_head/2 angles are written twice."""
+    inv_freq = rope_inv_freq(config).to(positions.device)
+    angles = positions[..., None].to(torch.float32) * inv_freq  # [B|1,n,1] * [d_head/2] -> [B|1,n,d_head/2]
+    doubled = torch.cat((angles, angles), dim=-1)  # [B|1,n,d_head]
+    return doubled.cos(), doubled.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x₁, x₂) → (−x₂, x₁) for the two halves of the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, heads, n, d_head]`` by its positions' angles (``cos``, ``sin`` from ``rope_cos_sin``).
+
+    The seed (eq. 30) rotates *consecutive* pairs (x₀, x₁), (x₂, x₃), …; the
+    Llama/Mistral/Qwen2 checkpoints instead pair dimension i with i + d_head/2
+    (Hugging Face's ``rotate_half``): ``x·cos + rotate_half(x)·sin`` turns each
+    pair (x_i, x_{i+d_head/2}) by angle p·θ^(−2i/d_head). The two conventions are
+    the same rotation up to a fixed permutation of the dimensions, which the
+    weights of W_Q and W_K absorb — so a checkpoint only works with the
+    convention it was trained with, and these checkpoints use the halves."""
+    cos = cos.unsqueeze(1).to(x.dtype)  # [B|1,n,d_head] -> [B|1,1,n,d_head], broadcast over heads
+    sin = sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# ---- attention -------------------------------------------------------------------------------------------------
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -167,13 +411,19 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, ``softmax(QKᵀ/√d_k + M)·V``, step by step.
 
-    ``q``: ``[..., n, d_k]``, ``k``: ``[..., t, d_k]``, ``v``: ``[..., t, d_v]``;
-    ``mask`` is additive (0 where allowed, −∞ where not) and broadcasts to
-    ``[..., n, t]``. Returns ``(output [..., n, d_v], weights [..., n, t])``.
+    ``q``: ``[..., H, n, d_k]``, ``k``: ``[..., G, t, d_k]``, ``v``: ``[..., G, t, d_v]``
+    with G dividing H (seed 002 §10.3: G = H is multi-head attention, 1 is
+    multi-query, in between grouped-query): each of the G key/value heads serves
+    H/G query heads, query head h reading key/value head h // (H/G) — Hugging
+    Face's ``repeat_kv`` order — without copying K or V: the queries are viewed
+    as ``[..., G, (H/G)·n, d_k]`` and multiplied with each group's Kᵀ. ``mask``
+    is additive (0 where allowed, −∞ where not) and broadcasts to ``[..., H, n, t]``.
+    Returns ``(output [..., H, n, d_v], weights [..., H, n, t])``.
 
     The seed writes the causal form as ``softmax((QKᵀ + M)/√d_k)``; with
     M ∈ {0, −∞} that is the same matrix, and scaling first keeps the stages
-    the app shows (QKᵀ, ÷√d_k, + M, softmax) each a real tensor.
+    the app shows (QKᵀ, ÷√d_k, + M, softmax) each a real tensor. In bf16/fp16
+    the softmax runs in float32 and is cast back, as Hugging Face's eager path does.
 
     ``hooks``, when given, is a module with the hook points ``hook_qk``,
     ``hook_attn_scores``, ``hook_mask``, ``hook_masked_scores`` and
@@ -181,7 +431,16 @@ def attention(
     one function is what both the model and the tests run.
     """
     d_k = q.size(-1)
-    qk = q @ k.transpose(-2, -1)  # [B,H,n,d_head] @ [B,H,d_head,t] -> [B,H,n,t]
+    grouped = q.dim() >= 3 and k.dim() >= 3 and k.size(-3) != q.size(-3)
+    if grouped:
+        H, G, n, t = q.size(-3), k.size(-3), q.size(-2), k.size(-2)
+        if H % G:
+            raise ValueError(f"{H} query heads cannot share {G} key/value heads: G must divide H")
+        lead = q.shape[:-3]
+        q_grouped = q.reshape(*lead, G, (H // G) * n, d_k)  # [B,H,n,d_head] -> [B,G,(H/G)·n,d_head]
+        qk = (q_grouped @ k.transpose(-2, -1)).view(*lead, H, n, t)  # @ [B,G,d_head,t] -> [B,G,(H/G)·n,t] -> [B,H,n,t]
+    else:
+        qk = q @ k.transpose(-2, -1)  # [B,H,n,d_head] @ [B,H,d_head,t] -> [B,H,n,t]
     if hooks is not None:
         qk = hooks.hook_qk(qk)
     scores = qk / math.sqrt(d_k)  # [B,H,n,t]
@@ -193,53 +452,79 @@ def attention(
         scores = scores + mask  # [B,H,n,t] + [B|1,1,n,t] -> [B,H,n,t]
         if hooks is not None:
             scores = hooks.hook_masked_scores(scores)
-    weights = torch.softmax(scores, dim=-1)  # rows sum to 1 over the t keys
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    else:
+        weights = torch.softmax(scores, dim=-1)  # rows sum to 1 over the t keys
     if hooks is not None:
         weights = hooks.hook_pattern(weights)
+    if grouped:
+        w_grouped = weights.reshape(*lead, G, (H // G) * n, t)  # [B,H,n,t] -> [B,G,(H/G)·n,t] (a view)
+        out = w_grouped @ v  # [B,G,(H/G)·n,t] @ [B,G,t,d_head] -> [B,G,(H/G)·n,d_head]
+        out = out.view(*lead, H, n, v.size(-1))  # -> [B,H,n,d_head]
+        return out, weights
     return weights @ v, weights  # [B,H,n,t] @ [B,H,t,d_head] -> [B,H,n,d_head]
 
 
 class MultiHeadAttention(nn.Module):
-    """X·W_QKV → split → view [B,n,H,d_head] → transpose [B,H,n,d_head] →
-    attention → merge heads [B,n,d] → ·W_O."""
+    """X·W_QKV → split → view [B,n,H|G,d_head] → transpose [B,H|G,n,d_head] → (RoPE) →
+    attention → merge heads [B,n,H·d_head] → ·W_O.
+
+    ``c_attn`` is W_QKV ``[d, (H+2G)·d_head]``: W_Q, W_K, W_V side by side (for a
+    Llama checkpoint, q_proj, k_proj and v_proj concatenated at load), so one
+    matmul makes all three. ``c_proj`` is W_O ``[H·d_head, d]``."""
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.n_head, self.d_head, self.d_model = config.n_head, config.d_head, config.d_model
-        self.c_attn = Projection(config.d_model, 3 * config.d_model)  # W_QKV: [d, 3d]
-        self.c_proj = Projection(config.d_model, config.d_model)  # W_O: [d, d]
-        self.hook_qkv = HookPoint()  # [B, n, 3d]
+        self.n_head, self.n_kv_head, self.d_head = config.n_head, config.n_kv_heads, config.d_head
+        H, G, dh = self.n_head, self.n_kv_head, self.d_head
+        self.c_attn = projection(config, config.d_model, (H + 2 * G) * dh, config.qkv_bias)  # W_QKV
+        self.c_proj = projection(config, H * dh, config.d_model, config.attn_out_bias)  # W_O: [H·d_head, d]
+        self.hook_qkv = HookPoint()  # [B, n, (H+2G)·d_head]
         self.hook_q = HookPoint()  # [B, H, n, d_head]
-        self.hook_k = HookPoint()  # [B, H, n, d_head], new positions only
-        self.hook_v = HookPoint()  # [B, H, n, d_head], new positions only
-        self.hook_k_all = HookPoint()  # [B, H, t, d_head], cache + new
-        self.hook_v_all = HookPoint()  # [B, H, t, d_head], cache + new
+        self.hook_k = HookPoint()  # [B, G, n, d_head], new positions only
+        self.hook_v = HookPoint()  # [B, G, n, d_head], new positions only
+        if config.positions == "rope":
+            self.hook_rot_q = HookPoint()  # [B, H, n, d_head], Q after the rotation
+            self.hook_rot_k = HookPoint()  # [B, G, n, d_head], K after the rotation (what the cache keeps)
+        self.hook_k_all = HookPoint()  # [B, G, t, d_head], cache + new
+        self.hook_v_all = HookPoint()  # [B, G, t, d_head], cache + new
         self.hook_qk = HookPoint()  # [B, H, n, t], QKᵀ
         self.hook_attn_scores = HookPoint()  # [B, H, n, t], QKᵀ/√d_k
         self.hook_mask = HookPoint()  # [B|1, 1, n, t], additive 0 / −∞
         self.hook_masked_scores = HookPoint()  # [B, H, n, t], QKᵀ/√d_k + M
         self.hook_pattern = HookPoint()  # [B, H, n, t], softmax: the attention weights A
         self.hook_z = HookPoint()  # [B, H, n, d_head], A·V per head
-        self.hook_merged = HookPoint()  # [B, n, d], heads concatenated, before W_O
+        self.hook_merged = HookPoint()  # [B, n, H·d_head], heads concatenated, before W_O
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        B, n, d = x.shape
-        H, d_head = self.n_head, self.d_head
-        qkv = self.hook_qkv(self.c_attn(x))  # [B,n,d] @ [d,3d] -> [B,n,3d]
-        q, k, v = qkv.split(d, dim=2)  # 3 × [B,n,d]
-        q = self.hook_q(q.view(B, n, H, d_head).transpose(1, 2))  # [B,n,d] -> [B,n,H,d_head] -> [B,H,n,d_head]
-        k = self.hook_k(k.view(B, n, H, d_head).transpose(1, 2))  # [B,H,n,d_head]
-        v = self.hook_v(v.view(B, n, H, d_head).transpose(1, 2))  # [B,H,n,d_head]
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        B, n, _ = x.shape
+        H, G, dh = self.n_head, self.n_kv_head, self.d_head
+        qkv = self.hook_qkv(self.c_attn(x))  # [B,n,d] @ [d,(H+2G)·d_head] -> [B,n,(H+2G)·d_head]
+        q, k, v = qkv.split((H * dh, G * dh, G * dh), dim=2)  # [B,n,H·d_head], 2 × [B,n,G·d_head]
+        q = self.hook_q(q.view(B, n, H, dh).transpose(1, 2))  # -> [B,n,H,d_head] -> [B,H,n,d_head]
+        k = self.hook_k(k.view(B, n, G, dh).transpose(1, 2))  # -> [B,n,G,d_head] -> [B,G,n,d_head]
+        v = self.hook_v(v.view(B, n, G, dh).transpose(1, 2))  # [B,G,n,d_head]
+        if rope is not None:
+            cos, sin = rope
+            q = self.hook_rot_q(apply_rope(q, cos, sin))  # [B,H,n,d_head]
+            k = self.hook_rot_k(apply_rope(k, cos, sin))  # [B,G,n,d_head]: cached rotated, as Hugging Face does
         if cache is not None:
-            k, v = cache.append(self.layer, k, v)  # [B,H,t−n,d_head] ++ [B,H,n,d_head] -> [B,H,t,d_head]
+            k, v = cache.append(self.layer, k, v)  # [B,G,t−n,d_head] ++ [B,G,n,d_head] -> [B,G,t,d_head]
         k = self.hook_k_all(k)
         v = self.hook_v_all(v)
         z, _ = attention(q, k, v, mask, hooks=self)  # [B,H,n,d_head]
         z = self.hook_z(z)
         z = z.transpose(1, 2).contiguous()  # [B,H,n,d_head] -> [B,n,H,d_head]
-        merged = self.hook_merged(z.view(B, n, d))  # [B,n,H,d_head] -> [B,n,d]: heads side by side
-        return self.c_proj(merged)  # [B,n,d] @ [d,d] -> [B,n,d]
+        merged = self.hook_merged(z.view(B, n, H * dh))  # [B,n,H,d_head] -> [B,n,H·d_head]: heads side by side
+        return self.c_proj(merged)  # [B,n,H·d_head] @ [H·d_head,d] -> [B,n,d]
 
 
 class MLP(nn.Module):
@@ -247,9 +532,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = Projection(config.d_model, config.d_ff)  # W_1: [d, 4d]
+        self.c_fc = projection(config, config.d_model, config.d_ff, config.mlp_bias)  # W_1: [d, 4d]
         self.act = nn.GELU(approximate="tanh")
-        self.c_proj = Projection(config.d_ff, config.d_model)  # W_2: [4d, d]
+        self.c_proj = projection(config, config.d_ff, config.d_model, config.mlp_bias)  # W_2: [4d, d]
         self.hook_pre = HookPoint()  # [B, n, 4d], before GELU
         self.hook_post = HookPoint()  # [B, n, 4d], after GELU
 
@@ -259,31 +544,65 @@ class MLP(nn.Module):
         return self.c_proj(post)  # [B,n,4d] -> [B,n,d]
 
 
+class GatedMLP(nn.Module):
+    """SwiGLU: FFN(x) = (SiLU(x·W_gate) ⊙ (x·W_up))·W_down (Llama, Mistral, Qwen2).
+
+    ``c_fc`` holds W_gate and W_up side by side, ``[d, 2·d_ff]`` (gate_proj and
+    up_proj concatenated at load), so one matmul makes both; ``c_proj`` is W_down."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.d_ff = config.d_ff
+        self.c_fc = projection(config, config.d_model, 2 * config.d_ff, config.mlp_bias)  # [W_gate | W_up]
+        self.c_proj = projection(config, config.d_ff, config.d_model, config.mlp_bias)  # W_down: [d_ff, d]
+        self.hook_pre = HookPoint()  # [B, n, d_ff], x·W_gate (TransformerLens's name)
+        self.hook_pre_linear = HookPoint()  # [B, n, d_ff], x·W_up
+        self.hook_post = HookPoint()  # [B, n, d_ff], SiLU(x·W_gate) ⊙ x·W_up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.c_fc(x).split(self.d_ff, dim=-1)  # [B,n,d] -> [B,n,2·d_ff] -> 2 × [B,n,d_ff]
+        gate = self.hook_pre(gate)
+        up = self.hook_pre_linear(up)
+        post = self.hook_post(F.silu(gate) * up)  # [B,n,d_ff]
+        return self.c_proj(post)  # [B,n,d_ff] -> [B,n,d]
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm block (seed eqs. 32–35): x + Attn(LN(x)), then + FFN(LN(·))."""
+    """Pre-norm block (seed eqs. 32–35): x + Attn(norm(x)), then + FFN(norm(·))."""
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.ln1 = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.ln1 = norm(config)
         self.attn = MultiHeadAttention(config, layer)
-        self.ln2 = LayerNorm(config.d_model, config.layer_norm_eps)
-        self.mlp = MLP(config)
+        self.ln2 = norm(config)
+        self.mlp = GatedMLP(config) if config.mlp == "swiglu" else MLP(config)
         self.hook_resid_pre = HookPoint()  # [B, n, d]
         self.hook_attn_out = HookPoint()  # [B, n, d]
         self.hook_resid_mid = HookPoint()  # [B, n, d]
         self.hook_mlp_out = HookPoint()  # [B, n, d]
         self.hook_resid_post = HookPoint()  # [B, n, d]
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(x), mask, cache))
+        attn_out = self.hook_attn_out(self.attn(self.ln1(x), mask, cache, rope))
         x = self.hook_resid_mid(x + attn_out)
         mlp_out = self.hook_mlp_out(self.mlp(self.ln2(x)))
         return self.hook_resid_post(x + mlp_out)
 
 
 def additive_mask(
-    n: int, past: int, key_is_token: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+    n: int,
+    past: int,
+    key_is_token: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The additive mask M for queries at positions past … past+n−1 over t = past+n keys.
 
@@ -291,11 +610,19 @@ def additive_mask(
     −∞ otherwise. Without padding it is ``[1, 1, n, t]``; with ``key_is_token``
     ``[B, t]`` (False = padding) it is ``[B, 1, n, t]``. A padding query row
     would see nothing at all, so it is allowed to see itself: its output is
-    never used, and the softmax stays finite."""
+    never used, and the softmax stays finite.
+
+    ``window`` (Mistral's ``sliding_window``) also hides keys more than
+    ``window − 1`` slots back: query slot q sees key slots q − window + 1 … q,
+    at most ``window`` keys including itself — Hugging Face's
+    ``kv_idx > q_idx − sliding_window``. Slots, like Hugging Face's cache
+    positions, count padding too."""
     t = past + n
     query_pos = torch.arange(past, t, device=device)[:, None]  # [n, 1]
     key_pos = torch.arange(t, device=device)[None, :]  # [1, t]
     allowed = key_pos <= query_pos  # [n, t], lower-triangular when past = 0
+    if window is not None:
+        allowed = allowed & (key_pos > query_pos - window)  # a band of width `window` below the diagonal
     if key_is_token is not None:
         allowed = allowed[None] & key_is_token[:, None, :]  # [B, n, t]
         is_diagonal = (key_pos == query_pos)[None]  # [1, n, t]
@@ -307,20 +634,41 @@ def additive_mask(
 
 
 class GPT(nn.Module):
-    """GPT-2: learned token and position embeddings, pre-LN blocks, tied unembedding."""
+    """A decoder-only transformer: token embeddings (+ learned positions, or RoPE inside attention),
+    pre-norm blocks, a final norm and the unembedding (tied to W_E, or its own W_U).
+
+    ``GPT(GPTConfig())`` is GPT-2; ``GPT(GPTConfig.for_family("llama", …))`` a Llama-style model."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)  # W_E: [V, d]
-        self.pos_embed = nn.Embedding(config.n_ctx, config.d_model)  # W_pos: [n_ctx, d]
         nn.init.normal_(self.embed.weight, std=0.02)
-        nn.init.normal_(self.pos_embed.weight, std=0.01)
+        if config.positions == "learned":
+            self.pos_embed = nn.Embedding(config.n_ctx, config.d_model)  # W_pos: [n_ctx, d]
+            nn.init.normal_(self.pos_embed.weight, std=0.01)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
-        self.ln_final = LayerNorm(config.d_model, config.layer_norm_eps)
+        self.ln_final = norm(config)
+        if not config.tie_embeddings:
+            self.unembed = Linear(config.d_model, config.vocab_size, bias=False)  # W_U (Hugging Face's lm_head)
         self.hook_embed = HookPoint()  # [B, n, d], token embeddings W_E[tokens]
-        self.hook_pos_embed = HookPoint()  # [B, n, d], position embeddings W_pos[positions]
+        if config.positions == "learned":
+            self.hook_pos_embed = HookPoint()  # [B, n, d], position embeddings W_pos[positions]
         self.hook_logits = HookPoint()  # [B, n, V]
+        self._identity: ModelIdentity | None = None
+
+    @property
+    def identity(self) -> ModelIdentity:
+        """Name, source and weights digest: set by the loaders; for a model built in code, "unnamed",
+        "built in code" and a digest of the parameters as they are now."""
+        if self._identity is not None:
+            return self._identity
+        return ModelIdentity(name="unnamed", source="built in code", family=self.config.family,
+                             config=self.config.to_dict(), weights_digest=parameters_digest(self))
+
+    @identity.setter
+    def identity(self, value: ModelIdentity) -> None:
+        self._identity = value
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         """An empty KV cache for ``batch_size`` sequences, to pass to ``forward``."""
@@ -339,7 +687,7 @@ class GPT(nn.Module):
         positions continue from the cache. ``padding_mask`` ``[B, n]`` (True =
         real token, False = padding) marks padding among the new tokens; the
         cache remembers it, and positions count real tokens only, as Hugging
-        Face's GPT-2 does with ``position_ids = attention_mask.cumsum(-1) − 1``.
+        Face does with ``position_ids = attention_mask.cumsum(-1) − 1``.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, n] token ids, got shape {list(tokens.shape)}")
@@ -354,9 +702,11 @@ class GPT(nn.Module):
             past = cache.length
         t = past + n
         if t > self.config.n_ctx:
+            table = f"its positional table has no row {t - 1}" if self.config.positions == "learned" else (
+                "max_position_embeddings")
             raise ValueError(
                 f"sequence too long: {past} cached + {n} new = {t} positions, but this model's "
-                f"n_ctx is {self.config.n_ctx} (its positional table has no row {t - 1})"
+                f"n_ctx is {self.config.n_ctx} ({table})"
             )
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
             raise ValueError(
@@ -372,15 +722,19 @@ class GPT(nn.Module):
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
 
         positions, key_is_token = self._positions(B, n, past, padding_mask, cache, tokens.device)
-        tok = self.hook_embed(self.embed(tokens))  # [B,n] -> [B,n,d]
-        pos = self.hook_pos_embed(self.pos_embed(positions).expand(B, n, -1))  # [B|1,n] -> [B,n,d]
-        x = tok + pos
-        mask = additive_mask(n, past, key_is_token, tokens.device, x.dtype)  # [B|1,1,n,t]
+        x = self.hook_embed(self.embed(tokens))  # [B,n] -> [B,n,d]
+        rope = None
+        if self.config.positions == "learned":
+            x = x + self.hook_pos_embed(self.pos_embed(positions).expand(B, n, -1))  # [B|1,n] -> [B,n,d]
+        else:
+            rope = rope_cos_sin(self.config, positions)  # 2 × [B|1,n,d_head], shared by every layer
+        mask = additive_mask(n, past, key_is_token, tokens.device, x.dtype, self.config.sliding_window)  # [B|1,1,n,t]
         try:
             for block in self.blocks:
-                x = block(x, mask, cache)
+                x = block(x, mask, cache, rope)
             x = self.ln_final(x)
-            logits = self.hook_logits(F.linear(x, self.embed.weight))  # [B,n,d] @ W_Eᵀ [d,V] -> [B,n,V]
+            w_u = self.embed.weight if self.config.tie_embeddings else self.unembed.weight  # [V, d] = W_Uᵀ
+            logits = self.hook_logits(F.linear(x, w_u))  # [B,n,d] @ W_U [d,V] -> [B,n,V]
         except BaseException:
             if cache is not None:
                 cache.rollback()

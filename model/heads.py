@@ -89,3 +89,16 @@ def repeat_loss(model: GPT, tokens: torch.Tensor, length: int) -> float:
     pred = logits[:, n - length : n - 1]
     target = tokens[:, n - length + 1 : n]
     return torch.nn.functional.cross_entropy(pred.flatten(0, 1), target.flatten()).item()
+
+
+@torch.no_grad()
+def ablation_effects(model: GPT, tokens: torch.Tensor, length: int) -> tuple[float, torch.Tensor]:
+    """The loss on the repeated half of ``tokens`` intact, and ``[n_layer, n_head]``: how much zeroing
+    each head alone raises it (nats; negative when the loss falls)."""
+    intact = repeat_loss(model, tokens, length)
+    effects = torch.zeros(model.config.n_layer, model.config.n_head)
+    for layer in range(model.config.n_layer):
+        for head in range(model.config.n_head):
+            with ablated(model, layer, head):
+                effects[layer, head] = repeat_loss(model, tokens, length) - intact
+    return intact, effects

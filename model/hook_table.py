@@ -1,62 +1,155 @@
-"""The one table of hook points: name, symbolic shape, meaning.
+"""The one table of hook points: name, symbolic shape, meaning, and which models have it.
 
 model/README.md shows this table (a test checks the two agree, and another
-that every hook point in ``GPT`` is here with exactly this shape). ``{L}`` is
-the block index. Symbols follow the legend in ``model/gpt.py``.
+that every hook point of a GPT-2 and of a grouped-query Llama config is here
+with exactly this shape, at prefill and decode). ``{L}`` is the block index.
+Symbols follow the legend in ``model/gpt.py``; the table writes the general
+form, and ``spec_for(name, config)`` / ``hooks_for(config)`` write it for one
+model: for GPT-2 (G = H) the key/value heads read ``H``, the QKV width ``3d``,
+the merged heads ``d`` and the MLP width ``4d``, exactly as before the Llama
+family arrived.
+
+A hook name can have two rows when two architectures compute a different thing
+under TransformerLens's one name (``ln1.hook_normalized`` is LayerNorm or
+RMSNorm, ``mlp.hook_pre`` is x·W_1 + b_1 or x·W_gate); ``needs`` says which.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+GQA_NOTE = "each of the G key heads serves H/G query heads: query head h reads key head h // (H/G)"
+NEEDS = {
+    "": "all",
+    "learned_positions": "GPT-2 (learned positions)",
+    "rope": "Llama-style (RoPE)",
+    "layernorm": "GPT-2 (LayerNorm)",
+    "rmsnorm": "Llama-style (RMSNorm)",
+    "gelu": "GPT-2 (GELU MLP)",
+    "swiglu": "Llama-style (SwiGLU MLP)",
+}
 
 
 @dataclass(frozen=True)
 class HookSpec:
     name: str  # with {L} for the block index
-    shape: tuple[str, ...]  # symbols: B n t d H d_head V, multiples like 3d, 4d, and literals
+    shape: tuple[str, ...]  # symbols: B n t d H G d_head V d_ff d_qkv H·d_head, multiples like 4d, and literals
     meaning: str
     transformer_lens: str  # the TransformerLens name and layout, or "—"
+    needs: str = ""  # "" (every model) or the architecture feature it belongs to: a key of NEEDS
+    note: str = ""  # what else a reader must know (the grouped-query broadcast)
 
 
 HOOKS: tuple[HookSpec, ...] = (
     HookSpec("hook_embed", ("B", "n", "d"), "token embeddings W_E[tokens]", "hook_embed [batch, pos, d_model]"),
-    HookSpec("hook_pos_embed", ("B", "n", "d"), "position embeddings W_pos[positions]", "hook_pos_embed, same"),
+    HookSpec("hook_pos_embed", ("B", "n", "d"), "position embeddings W_pos[positions]", "hook_pos_embed, same",
+             needs="learned_positions"),
     HookSpec("blocks.{L}.hook_resid_pre", ("B", "n", "d"), "residual stream entering block L", "same"),
-    HookSpec("blocks.{L}.ln1.hook_normalized", ("B", "n", "d"), "LN(x) = γ⊙(x−μ)/√(σ²+ε)+β", "same"),
-    HookSpec("blocks.{L}.attn.hook_qkv", ("B", "n", "3d"), "X·W_QKV + b, the combined projection", "—"),
+    HookSpec("blocks.{L}.ln1.hook_normalized", ("B", "n", "d"), "LN(x) = γ⊙(x−μ)/√(σ²+ε)+β", "same",
+             needs="layernorm"),
+    HookSpec("blocks.{L}.ln1.hook_normalized", ("B", "n", "d"), "RMSNorm(x) = γ⊙x/√(mean(x²)+ε)", "same",
+             needs="rmsnorm"),
+    HookSpec("blocks.{L}.attn.hook_qkv", ("B", "n", "d_qkv"),
+             "X·W_QKV (+ b), the combined projection: d_qkv = (H+2G)·d_head", "—"),
     HookSpec("blocks.{L}.attn.hook_q", ("B", "H", "n", "d_head"), "queries Q", "hook_q [batch, pos, head, d_head]"),
-    HookSpec("blocks.{L}.attn.hook_k", ("B", "H", "n", "d_head"), "keys of the new positions", "hook_k [batch, pos, head, d_head]"),
-    HookSpec("blocks.{L}.attn.hook_v", ("B", "H", "n", "d_head"), "values of the new positions", "hook_v [batch, pos, head, d_head]"),
-    HookSpec("blocks.{L}.attn.hook_k_all", ("B", "H", "t", "d_head"), "all keys K: cache ++ new", "—"),
-    HookSpec("blocks.{L}.attn.hook_v_all", ("B", "H", "t", "d_head"), "all values V: cache ++ new", "—"),
-    HookSpec("blocks.{L}.attn.hook_qk", ("B", "H", "n", "t"), "QKᵀ", "—"),
-    HookSpec("blocks.{L}.attn.hook_attn_scores", ("B", "H", "n", "t"), "QKᵀ/√d_k", "hook_attn_scores is scaled *and* masked"),
-    HookSpec("blocks.{L}.attn.hook_mask", ("B|1", "1", "n", "t"), "additive mask M: 0 or −∞ (B rows only with padding)", "—"),
+    HookSpec("blocks.{L}.attn.hook_k", ("B", "G", "n", "d_head"), "keys of the new positions",
+             "hook_k [batch, pos, head, d_head]"),
+    HookSpec("blocks.{L}.attn.hook_v", ("B", "G", "n", "d_head"), "values of the new positions",
+             "hook_v [batch, pos, head, d_head]"),
+    HookSpec("blocks.{L}.attn.hook_rot_q", ("B", "H", "n", "d_head"), "Q rotated by its positions (RoPE)",
+             "hook_rot_q [batch, pos, head, d_head]", needs="rope"),
+    HookSpec("blocks.{L}.attn.hook_rot_k", ("B", "G", "n", "d_head"), "K rotated by its positions (what the cache keeps)",
+             "hook_rot_k [batch, pos, head, d_head]", needs="rope"),
+    HookSpec("blocks.{L}.attn.hook_k_all", ("B", "G", "t", "d_head"), "all keys K: cache ++ new", "—", note=GQA_NOTE),
+    HookSpec("blocks.{L}.attn.hook_v_all", ("B", "G", "t", "d_head"), "all values V: cache ++ new", "—",
+             note=GQA_NOTE),
+    HookSpec("blocks.{L}.attn.hook_qk", ("B", "H", "n", "t"), "QKᵀ", "—", note=GQA_NOTE),
+    HookSpec("blocks.{L}.attn.hook_attn_scores", ("B", "H", "n", "t"), "QKᵀ/√d_k",
+             "hook_attn_scores is scaled *and* masked"),
+    HookSpec("blocks.{L}.attn.hook_mask", ("B|1", "1", "n", "t"),
+             "additive mask M: 0 or −∞ (B rows only with padding; a sliding window hides keys ≥ window back)", "—"),
     HookSpec("blocks.{L}.attn.hook_masked_scores", ("B", "H", "n", "t"), "QKᵀ/√d_k + M", "≈ hook_attn_scores"),
-    HookSpec("blocks.{L}.attn.hook_pattern", ("B", "H", "n", "t"), "A = softmax(QKᵀ/√d_k + M)", "hook_pattern, same layout"),
+    HookSpec("blocks.{L}.attn.hook_pattern", ("B", "H", "n", "t"), "A = softmax(QKᵀ/√d_k + M)",
+             "hook_pattern, same layout"),
     HookSpec("blocks.{L}.attn.hook_z", ("B", "H", "n", "d_head"), "A·V per head", "hook_z [batch, pos, head, d_head]"),
-    HookSpec("blocks.{L}.attn.hook_merged", ("B", "n", "d"), "heads concatenated, before W_O", "—"),
-    HookSpec("blocks.{L}.hook_attn_out", ("B", "n", "d"), "attention output ·W_O + b", "same"),
+    HookSpec("blocks.{L}.attn.hook_merged", ("B", "n", "H·d_head"), "heads concatenated, before W_O", "—"),
+    HookSpec("blocks.{L}.hook_attn_out", ("B", "n", "d"), "attention output ·W_O (+ b)", "same"),
     HookSpec("blocks.{L}.hook_resid_mid", ("B", "n", "d"), "x + attention output", "same"),
-    HookSpec("blocks.{L}.ln2.hook_normalized", ("B", "n", "d"), "LN of the mid residual", "same"),
-    HookSpec("blocks.{L}.mlp.hook_pre", ("B", "n", "4d"), "x·W_1 + b_1, before GELU", "hook_pre [batch, pos, d_mlp]"),
-    HookSpec("blocks.{L}.mlp.hook_post", ("B", "n", "4d"), "GELU(x·W_1 + b_1)", "hook_post [batch, pos, d_mlp]"),
-    HookSpec("blocks.{L}.hook_mlp_out", ("B", "n", "d"), "MLP output ·W_2 + b_2", "same"),
+    HookSpec("blocks.{L}.ln2.hook_normalized", ("B", "n", "d"), "LN of the mid residual", "same", needs="layernorm"),
+    HookSpec("blocks.{L}.ln2.hook_normalized", ("B", "n", "d"), "RMSNorm of the mid residual", "same",
+             needs="rmsnorm"),
+    HookSpec("blocks.{L}.mlp.hook_pre", ("B", "n", "d_ff"), "x·W_1 + b_1, before GELU", "hook_pre [batch, pos, d_mlp]",
+             needs="gelu"),
+    HookSpec("blocks.{L}.mlp.hook_pre", ("B", "n", "d_ff"), "x·W_gate, the gate before SiLU",
+             "hook_pre [batch, pos, d_mlp]", needs="swiglu"),
+    HookSpec("blocks.{L}.mlp.hook_pre_linear", ("B", "n", "d_ff"), "x·W_up, the linear half",
+             "hook_pre_linear [batch, pos, d_mlp]", needs="swiglu"),
+    HookSpec("blocks.{L}.mlp.hook_post", ("B", "n", "d_ff"), "GELU(x·W_1 + b_1)", "hook_post [batch, pos, d_mlp]",
+             needs="gelu"),
+    HookSpec("blocks.{L}.mlp.hook_post", ("B", "n", "d_ff"), "SiLU(x·W_gate) ⊙ x·W_up",
+             "hook_post [batch, pos, d_mlp]", needs="swiglu"),
+    HookSpec("blocks.{L}.hook_mlp_out", ("B", "n", "d"), "MLP output ·W_2 (+ b_2); W_down for SwiGLU", "same"),
     HookSpec("blocks.{L}.hook_resid_post", ("B", "n", "d"), "residual stream leaving block L", "same"),
-    HookSpec("ln_final.hook_normalized", ("B", "n", "d"), "final LayerNorm", "same"),
-    HookSpec("hook_logits", ("B", "n", "V"), "logits x·W_Eᵀ (tied unembedding)", "— (TL returns logits)"),
+    HookSpec("ln_final.hook_normalized", ("B", "n", "d"), "final LayerNorm", "same", needs="layernorm"),
+    HookSpec("ln_final.hook_normalized", ("B", "n", "d"), "final RMSNorm", "same", needs="rmsnorm"),
+    HookSpec("hook_logits", ("B", "n", "V"),
+             "logits x·W_U: W_U = W_Eᵀ when tied (GPT-2), its own matrix (lm_head) when not", "— (TL returns logits)"),
 )
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
-def spec_for(name: str) -> HookSpec | None:
-    """The table row of a concrete hook name such as ``blocks.3.attn.hook_q``."""
+def _default_config():
+    from model.gpt import GPTConfig  # here, not at import: model.gpt does not need this module
+
+    return GPTConfig()
+
+
+def _has(spec: HookSpec, config) -> bool:
+    """Whether a model with ``config`` has this row (a config without the new fields is GPT-2)."""
+    needs = spec.needs
+    if not needs:
+        return True
+    if needs in ("learned_positions", "rope"):
+        return getattr(config, "positions", "learned") == ("rope" if needs == "rope" else "learned")
+    if needs in ("layernorm", "rmsnorm"):
+        return getattr(config, "norm", "layernorm") == needs
+    return getattr(config, "mlp", "gelu") == needs
+
+
+def _specialise(spec: HookSpec, config) -> HookSpec:
+    """The row written for one model: G → H when every head has its own keys, and GPT-2's names for the widths."""
+    H = config.n_head
+    G = getattr(config, "n_kv_heads", H)
+    d, dh = config.d_model, config.d_head
+    names = {}
+    if G == H:
+        names["G"] = "H"
+        if H * dh == d:
+            names["d_qkv"] = "3d"
+    if H * dh == d:
+        names["H·d_head"] = "d"
+    if getattr(config, "mlp", "gelu") == "gelu":
+        names["d_ff"] = "4d"  # GPT-2's name for its MLP width (n_inner when a checkpoint sets it)
+    shape = tuple(names.get(s, s) for s in spec.shape)
+    return spec if shape == spec.shape else replace(spec, shape=shape)
+
+
+def hooks_for(config) -> tuple[HookSpec, ...]:
+    """The rows a model with ``config`` has, each written for it (``[B, G, t, d_head]`` for a grouped-query
+    model, ``[B, H, t, d_head]`` for GPT-2)."""
+    return tuple(_specialise(spec, config) for spec in HOOKS if _has(spec, config))
+
+
+def spec_for(name: str, config=None) -> HookSpec | None:
+    """The table row of a concrete hook name such as ``blocks.3.attn.hook_q``, written for ``config``
+    (default: GPT-2 small). None when the name is not a hook point of such a model."""
+    config = config if config is not None else _default_config()
     generic = _BLOCK.sub("blocks.{L}.", name)
     for spec in HOOKS:
-        if spec.name == generic:
-            return spec
+        if spec.name == generic and _has(spec, config):
+            return _specialise(spec, config)
     return None
 
 
@@ -76,7 +169,8 @@ _SHORT["scores"] = _SHORT["attn_scores"]
 def act_name(kind: str, layer: int | None = None) -> str:
     """The full hook name: ``act_name("pattern", 0)`` → ``"blocks.0.attn.hook_pattern"``,
     ``act_name("logits")`` → ``"hook_logits"``. ``kind`` is a short name (``q``, ``k_all``,
-    ``pattern``, ``ln1``, ``mlp_post``, ``resid_pre``, …) or a hook's own name (``hook_q``)."""
+    ``pattern``, ``ln1``, ``mlp_post``, ``rot_q``, ``mlp_pre_linear``, ``resid_pre``, …) or a hook's
+    own name (``hook_q``)."""
     template = _SHORT.get(kind.removeprefix("hook_"))
     if template is None:
         import difflib
@@ -99,10 +193,11 @@ def short_names() -> list[str]:
 
 
 def resolve(symbol: str, dims: dict[str, int]) -> int:
-    """Evaluate a symbol like ``d``, ``3d``, ``d_head``, ``1`` with ``dims``.
+    """Evaluate a symbol like ``d``, ``3d``, ``d_head``, ``G``, ``1`` with ``dims``.
 
-    ``dims`` may name a multiple outright: ``"4d"`` is the MLP width, which
-    equals 4·d unless a checkpoint sets ``n_inner``."""
+    ``dims`` may name a symbol outright: ``"4d"`` is the MLP width, which
+    equals 4·d unless a checkpoint sets ``n_inner``; ``d_qkv`` and ``H·d_head``
+    are named widths (``dims_of`` gives them)."""
     if symbol in dims:
         return dims[symbol]
     if symbol.isdigit():
@@ -115,18 +210,27 @@ def resolve(symbol: str, dims: dict[str, int]) -> int:
 
 
 def dims_of(config, batch: int, new: int, keys: int) -> dict[str, int]:
-    """The value of every symbol for a model config and one forward."""
+    """The value of every symbol for a model config and one forward.
+
+    ``config`` needs ``d_model``, ``n_head``, ``d_head``, ``vocab_size``, ``d_ff``; ``n_kv_heads``
+    defaults to ``n_head`` (GPT-2), so a config object from before grouped-query attention still works."""
+    H, dh = config.n_head, config.d_head
+    G = getattr(config, "n_kv_heads", H)
     return {
-        "B": batch, "n": new, "t": keys, "d": config.d_model, "H": config.n_head,
-        "d_head": config.d_head, "V": config.vocab_size, "4d": config.d_ff,
+        "B": batch, "n": new, "t": keys, "d": config.d_model, "H": H, "G": G,
+        "d_head": dh, "V": config.vocab_size, "4d": config.d_ff, "d_ff": config.d_ff,
+        "d_qkv": (H + 2 * G) * dh, "H·d_head": H * dh,
     }
 
 
 def markdown_table() -> str:
+    """The README's table: every row of every family, with the models that have it."""
     lines = [
-        "| hook name | shape | what it holds | TransformerLens |",
-        "|---|---|---|---|",
+        "| hook name | shape | what it holds | models | TransformerLens |",
+        "|---|---|---|---|---|",
     ]
     for spec in HOOKS:
-        lines.append(f"| `{spec.name}` | [{', '.join(spec.shape)}] | {spec.meaning} | {spec.transformer_lens} |")
+        meaning = spec.meaning + (f" — *{spec.note}*" if spec.note else "")
+        lines.append(f"| `{spec.name}` | [{', '.join(spec.shape)}] | {meaning} | {NEEDS[spec.needs]} | "
+                     f"{spec.transformer_lens} |")
     return "\n".join(lines)

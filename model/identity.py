@@ -2,6 +2,9 @@
 
 A trace saved to a file carries this, so a view of a loaded trace is labelled
 with the model that made it, never with whatever model happens to be selected.
+Two checkpoints with one config but different weights (a re-trained model, a
+bf16 copy) differ in ``weights_digest``: the loaders hash the weight files'
+bytes while they read them (``model/loading.py``), so the files are read once.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ class ModelIdentity:
     weights_digest: str  # "sha256:<hex>" of the weight files as read (or of the parameters)
 
     def describe(self) -> str:
+        """One line for the UI, ending with the first 12 hex digits of the digest."""
         c = self.config
         heads = f"{c.get('n_head')} heads"
         kv = c.get("n_kv_head")
         if kv and kv != c.get("n_head"):
             heads += f" sharing {kv} key/value heads"
         return (f"{self.name} ({self.family}) — {c.get('n_layer')} layers × {heads}, d = {c.get('d_model')}, "
-                f"V = {c.get('vocab_size')}, n_ctx = {c.get('n_ctx')}")
+                f"V = {c.get('vocab_size')}, n_ctx = {c.get('n_ctx')} · {self.weights_digest[:19]}")
 
 
 def parameters_digest(model: nn.Module) -> str:

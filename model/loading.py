@@ -1,11 +1,21 @@
-"""Loading and saving GPT-2 checkpoints in Hugging Face's ``save_pretrained`` layout.
+"""Loading and saving checkpoints in Hugging Face's ``save_pretrained`` layout: GPT-2, Llama, Mistral, Qwen2.
 
 A directory holds ``config.json``, the weights (``model.safetensors``, sharded
 safetensors with ``model.safetensors.index.json``, or ``pytorch_model.bin``) and
 optionally the tokenizer (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``).
-The bundled model in ``assets/`` is written in this same layout, so one loader
-serves both, and Hugging Face's own ``GPT2LMHeadModel.from_pretrained`` can read
-it too.
+A Hugging Face cache snapshot (``…/models--org--name/snapshots/<hash>``, whose
+files are symlinks into ``../../blobs/``) is such a directory too. The bundled
+models in ``assets/`` are written in this same layout, so one loader serves all,
+and Hugging Face's own ``from_pretrained`` can read them.
+
+Order of work, so that a hostile or mistaken directory costs milliseconds:
+read config.json → validate its numbers (``GPTConfig``) → read the safetensors
+*headers* (names, dtypes, shapes; no data) → compare them with the shapes the
+config implies → only then read the data, straight into the tensors, hashing
+the bytes as they stream past (``ModelIdentity.weights_digest``) → build the
+model on the ``meta`` device and ``load_state_dict(assign=True)``. A config
+that claims 20 000 layers over weights for 4 is refused before anything is
+allocated, with a message saying what the weights hold.
 
 Nothing here touches the network, and ``.bin`` files are read only with
 ``torch.load(weights_only=True)``: a pickle that holds anything but tensors is
@@ -14,65 +24,109 @@ refused, never executed.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import math
 import os
 import pickle
+import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model.gpt import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig, RopeScaling
+from model.identity import ModelIdentity
 from model.tokenizer import TextTokenizer
 
-BUNDLED_DIR = Path(__file__).resolve().parent.parent / "assets" / "story-gpt"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+BUNDLED_DIR = ASSETS / "story-gpt"
+BUNDLED_MODELS: dict[str, str] = {
+    "story-gpt": "GPT-2 architecture, 4 layers × 4 heads, d=128, learned positions, LayerNorm, GELU (0.96M)",
+    "story-llama": "Llama architecture, 4 layers × 4 query heads sharing 2 key/value heads, d=128, RoPE, RMSNorm, "
+                   "SwiGLU, untied W_U",
+}
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
 SUPPORTED_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 MAX_CONFIG_BYTES = 1 << 20
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header is JSON names and shapes: 100 MB is far beyond any real one
+READ_CHUNK = 16 << 20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+# Tolerance on |Δ logits| between two computations of the same model in a dtype (ours vs Hugging Face,
+# cached vs recompute). float32: 1e-4, the project's parity bar (measured ≈1e-6 on small models). bf16 keeps 8
+# significant bits (a relative step of 2^-8 ≈ 0.4%) and float16 11 bits, and a different but equally valid
+# order of operations (a fused QKV matmul, a cached decode) rounds differently at every layer: the values
+# below are what tests/test_model_families.py measures with margin on small random models.
+LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
 
 
 class ModelLoadError(ValueError):
-    """A checkpoint directory or file that cannot be loaded; the message names the file."""
+    """A checkpoint directory or file that cannot be loaded; the message names the file and the problem."""
 
 
-def _hf_to_ours(name: str) -> str | None:
-    """Hugging Face GPT-2 parameter name → ours; None for buffers we rebuild."""
-    if name.startswith("transformer."):
-        name = name[len("transformer.") :]
-    if name == "lm_head.weight":
-        return None
-    if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
-        return None  # old checkpoints stored the causal mask as a buffer
-    parts = name.split(".")
-    if parts[0] == "wte":
-        return "embed." + parts[1]
-    if parts[0] == "wpe":
-        return "pos_embed." + parts[1]
-    if parts[0] == "ln_f":
-        return "ln_final." + parts[1]
-    if parts[0] == "h" and len(parts) >= 4:
-        sub = {"ln_1": "ln1", "ln_2": "ln2"}.get(parts[2], parts[2])
-        return ".".join(["blocks", parts[1], sub, *parts[3:]])
-    return name
+def logit_tolerance(dtype: torch.dtype | str) -> float:
+    """How far two logits of the same model in ``dtype`` may differ and still count as equal."""
+    return LOGIT_TOLERANCE[_dtype(dtype)]
 
 
-def _ours_to_hf(name: str) -> str:
-    parts = name.split(".")
-    if parts[0] == "embed":
-        return "transformer.wte." + parts[1]
-    if parts[0] == "pos_embed":
-        return "transformer.wpe." + parts[1]
-    if parts[0] == "ln_final":
-        return "transformer.ln_f." + parts[1]
-    sub = {"ln1": "ln_1", "ln2": "ln_2"}.get(parts[2], parts[2])
-    return ".".join(["transformer.h", parts[1], sub, *parts[3:]])
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in DTYPES:
+            raise ModelLoadError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
+        return DTYPES[dtype.removeprefix("torch.")]
+    if dtype not in LOGIT_TOLERANCE:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported: use torch.float32, torch.bfloat16 or torch.float16")
+    return dtype
+
+
+def _device(device: torch.device | str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ModelLoadError(f"device {device!r} is not a device name ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {str(device)!r} was asked for, but torch.cuda.is_available() is False here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {str(device)!r} is not supported: use 'cpu' or 'cuda'")
+    return dev
+
+
+# ---- config.json ----------------------------------------------------------------------------------------------
+
+
+def _get(raw: dict, key: str, default=None):
+    value = raw.get(key, default)
+    return default if value is None else value
 
 
 def config_from_hf(raw: dict, source: Path) -> GPTConfig:
-    """A ``GPTConfig`` from a Hugging Face GPT-2 ``config.json`` dictionary."""
+    """A ``GPTConfig`` from a Hugging Face ``config.json`` dictionary (any supported ``model_type``)."""
     model_type = raw.get("model_type")
-    if model_type != "gpt2":
-        raise ModelLoadError(f"{source}: model_type is {model_type!r}, but only 'gpt2' checkpoints are supported")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{source}: model_type is {model_type!r}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        if model_type == "gpt2":
+            return _gpt2_config(raw, source)
+        return _llama_config(raw, source, model_type)
+    except KeyError as e:
+        raise ModelLoadError(f"{source}: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{source}: {e}") from None
+
+
+def _gpt2_config(raw: dict, source: Path) -> GPTConfig:
     act = raw.get("activation_function", "gelu_new")
     if act not in SUPPORTED_ACTIVATIONS:
         raise ModelLoadError(f"{source}: activation_function {act!r} is not GPT-2's tanh GELU")
@@ -80,47 +134,367 @@ def config_from_hf(raw: dict, source: Path) -> GPTConfig:
         if raw.get(flag):
             raise ModelLoadError(f"{source}: {flag} = true is a GPT-2 variant this model does not implement")
     if raw.get("tie_word_embeddings") is False:
-        raise ModelLoadError(f"{source}: tie_word_embeddings = false; this model ties the unembedding to W_E")
-    try:
-        return GPTConfig(
-            vocab_size=raw["vocab_size"],
-            n_ctx=raw.get("n_positions", raw.get("n_ctx")),
-            d_model=raw["n_embd"],
-            n_layer=raw["n_layer"],
-            n_head=raw["n_head"],
-            d_mlp=raw.get("n_inner"),
-            layer_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        raise ModelLoadError(f"{source}: tie_word_embeddings = false; GPT-2 checkpoints tie the unembedding to W_E")
+    return GPTConfig(
+        vocab_size=raw["vocab_size"],
+        n_ctx=raw.get("n_positions", raw.get("n_ctx")),
+        d_model=raw["n_embd"],
+        n_layer=raw["n_layer"],
+        n_head=raw["n_head"],
+        d_mlp=raw.get("n_inner"),
+        layer_norm_eps=_get(raw, "layer_norm_epsilon", 1e-5),
+    )
+
+
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+
+
+def _llama_config(raw: dict, source: Path, family: str) -> GPTConfig:
+    act = _get(raw, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{source}: hidden_act {act!r} is not SiLU, the gate of a SwiGLU MLP")
+    n_layer = raw["num_hidden_layers"]
+    n_ctx = _get(raw, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[family])
+    rope_theta, rope_scaling = _rope_from_hf(raw, source, n_ctx)
+    if family == "llama":
+        attention_bias = bool(_get(raw, "attention_bias", False))
+        qkv_bias = attn_out_bias = attention_bias
+        mlp_bias = bool(_get(raw, "mlp_bias", False))
+    elif family == "mistral":
+        qkv_bias = attn_out_bias = mlp_bias = False
+    else:  # qwen2: b_Q, b_K, b_V but no b_O and no MLP biases (Qwen2Attention, Qwen2MLP)
+        qkv_bias, attn_out_bias, mlp_bias = True, False, False
+    if family == "mistral":
+        window = raw.get("sliding_window")
+    elif family == "qwen2":
+        window = _qwen2_window(raw, source, n_layer)
+    else:
+        window = None
+    return GPTConfig.for_family(
+        family,
+        vocab_size=raw["vocab_size"],
+        n_ctx=n_ctx,
+        d_model=raw["hidden_size"],
+        n_layer=n_layer,
+        n_head=raw["num_attention_heads"],
+        n_kv_head=raw.get("num_key_value_heads"),
+        head_dim=raw.get("head_dim"),
+        d_mlp=raw["intermediate_size"],
+        layer_norm_eps=_get(raw, "rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_embeddings=bool(_get(raw, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        attn_out_bias=attn_out_bias,
+        mlp_bias=mlp_bias,
+        sliding_window=window,
+    )
+
+
+def _rope_from_hf(raw: dict, source: Path, n_ctx: int) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the scaling variant, from transformers-5 ``rope_parameters`` or the older
+    ``rope_scaling`` + top-level ``rope_theta`` (``rope_scaling`` wins when both are set, as in transformers)."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{source}: rope_parameters / rope_scaling must be an object, got {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ModelLoadError(f"{source}: per-layer-type rope_parameters ({', '.join(params)}) are not implemented")
+    theta = params.get("rope_theta", _get(raw, "rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(
+            f"{source}: partial_rotary_factor = {partial!r} (RoPE on part of a head) is not implemented")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", factor=params["factor"])
+    if rope_type == "llama3":
+        original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", n_ctx))
+        return theta, RopeScaling("llama3", factor=params["factor"], low_freq_factor=params["low_freq_factor"],
+                                  high_freq_factor=params["high_freq_factor"],
+                                  original_max_position_embeddings=original)
+    raise ModelLoadError(
+        f"{source}: rope_type {rope_type!r} is not implemented — only 'default', 'linear' and 'llama3', which "
+        "change the inverse frequencies and nothing else, are ('dynamic', 'yarn', 'longrope' also rescale with "
+        "the sequence length or scale the attention)"
+    )
+
+
+def _qwen2_window(raw: dict, source: Path, n_layer: object) -> int | None:
+    """Qwen2 slides the window only on layers ≥ max_window_layers, and only with use_sliding_window."""
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        if window is None:
+            return None
+        first = _get(raw, "max_window_layers", 28)
+        if not isinstance(first, int) or not isinstance(n_layer, int):
+            raise ModelLoadError(f"{source}: max_window_layers and num_hidden_layers must be integers")
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+    if not isinstance(layer_types, list) or not all(isinstance(k, str) for k in layer_types):
+        raise ModelLoadError(f"{source}: layer_types must be a list of strings, got {layer_types!r}")
+    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention" and window is not None]
+    if not sliding:
+        return None
+    if len(sliding) != len(layer_types):
+        raise ModelLoadError(
+            f"{source}: a sliding window on some layers only ({len(sliding)} of {len(layer_types)}, from "
+            f"max_window_layers / layer_types) is not implemented; every layer slides or none does"
         )
-    except KeyError as e:
-        raise ModelLoadError(f"{source}: missing key {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ModelLoadError(f"{source}: {e}") from None
+    return window
 
 
 def config_to_hf(config: GPTConfig) -> dict:
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
+    """The ``config.json`` Hugging Face's classes read for ``config``."""
+    if config.family == "gpt2":
+        if not (config.norm, config.positions, config.mlp, config.tie_embeddings) == (
+                "layernorm", "learned", "gelu", True) or config.n_kv_heads != config.n_head or (
+                config.head_dim not in (None, config.d_model // config.n_head)) or not (
+                config.qkv_bias and config.attn_out_bias and config.mlp_bias) or config.sliding_window:
+            raise ValueError("this config is not a GPT-2 architecture: it cannot be saved as a gpt2 checkpoint")
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": config.vocab_size,
+            "n_positions": config.n_ctx,
+            "n_embd": config.d_model,
+            "n_layer": config.n_layer,
+            "n_head": config.n_head,
+            "n_inner": config.d_mlp,
+            "layer_norm_epsilon": config.layer_norm_eps,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": True,
+            "bos_token_id": None,
+            "eos_token_id": None,
+        }
+    if (config.norm, config.positions, config.mlp) != ("rmsnorm", "rope", "swiglu"):
+        raise ValueError(f"a {config.family} checkpoint is RMSNorm + RoPE + SwiGLU; this config is not")
+    expected_bias = {"llama": (config.qkv_bias, config.qkv_bias), "mistral": (False, False),
+                     "qwen2": (True, False)}[config.family]
+    if (config.qkv_bias, config.attn_out_bias) != expected_bias or (config.mlp_bias and config.family != "llama"):
+        raise ValueError(f"these biases cannot be written as a {config.family} checkpoint")
+    if config.sliding_window is not None and config.family == "llama":
+        raise ValueError("a llama checkpoint has no sliding window")
+    rope: dict = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        rope.update({k: v for k, v in vars(config.rope_scaling).items() if v is not None})
+        if config.rope_scaling.rope_type == "linear":
+            for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                rope.pop(k)
+    out = {
+        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                           "qwen2": "Qwen2ForCausalLM"}[config.family]],
+        "model_type": config.family,
         "vocab_size": config.vocab_size,
-        "n_positions": config.n_ctx,
-        "n_embd": config.d_model,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_inner": config.d_mlp,
-        "layer_norm_epsilon": config.layer_norm_eps,
-        "activation_function": "gelu_new",
-        "tie_word_embeddings": True,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.d_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.n_ctx,
+        "rms_norm_eps": config.layer_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": rope,
+        "tie_word_embeddings": config.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
     }
+    if config.family == "llama":
+        out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
+    elif config.family == "mistral":
+        out["sliding_window"] = config.sliding_window
+    else:
+        out.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window,
+                   max_window_layers=0, layer_types=["sliding_attention" if config.sliding_window else
+                                                     "full_attention"] * config.n_layer)
+    return out
+
+
+# ---- what the weights must hold --------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"^(?:transformer\.)?(?:h|model\.layers)\.(\d+)\.")
+_GPT2_IGNORED = re.compile(r"^(?:transformer\.)?h\.\d+\.attn\.(?:bias|masked_bias)$|^lm_head\.weight$")
+_LLAMA_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``config`` holds, by its Hugging Face name, with its shape."""
+    d, V, d_ff = config.d_model, config.vocab_size, config.d_ff
+    shapes: dict[str, tuple[int, ...]] = {}
+    if config.family == "gpt2":
+        shapes["transformer.wte.weight"] = (V, d)
+        shapes["transformer.wpe.weight"] = (config.n_ctx, d)
+        for i in range(config.n_layer):
+            p = f"transformer.h.{i}."
+            for ln in ("ln_1", "ln_2"):
+                shapes[p + ln + ".weight"] = shapes[p + ln + ".bias"] = (d,)
+            shapes[p + "attn.c_attn.weight"], shapes[p + "attn.c_attn.bias"] = (d, config.d_qkv), (config.d_qkv,)
+            shapes[p + "attn.c_proj.weight"], shapes[p + "attn.c_proj.bias"] = (d, d), (d,)
+            shapes[p + "mlp.c_fc.weight"], shapes[p + "mlp.c_fc.bias"] = (d, d_ff), (d_ff,)
+            shapes[p + "mlp.c_proj.weight"], shapes[p + "mlp.c_proj.bias"] = (d_ff, d), (d,)
+        shapes["transformer.ln_f.weight"] = shapes["transformer.ln_f.bias"] = (d,)
+        return shapes
+    q_width, kv_width = config.n_head * config.d_head, config.n_kv_heads * config.d_head
+    shapes["model.embed_tokens.weight"] = (V, d)
+    for i in range(config.n_layer):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (d,)
+        for name, width in (("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)):
+            shapes[p + f"self_attn.{name}.weight"] = (width, d)
+            if config.qkv_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (width,)
+        shapes[p + "self_attn.o_proj.weight"] = (d, q_width)
+        if config.attn_out_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (d,)
+        for name, shape in (("gate_proj", (d_ff, d)), ("up_proj", (d_ff, d)), ("down_proj", (d, d_ff))):
+            shapes[p + f"mlp.{name}.weight"] = shape
+            if config.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = (shape[0],)
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_embeddings:
+        shapes["lm_head.weight"] = (V, d)
+    return shapes
+
+
+def _canonical(name: str, family: str) -> str:
+    """GPT-2 checkpoints exist with and without the ``transformer.`` prefix; compare names with it."""
+    if family == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
+        return "transformer." + name
+    return name
+
+
+def _ignored(name: str, config: GPTConfig) -> bool:
+    if config.family == "gpt2":
+        return bool(_GPT2_IGNORED.match(name))
+    # a tied checkpoint may still carry lm_head (Hugging Face ties it to the embedding and ignores it)
+    return bool(_LLAMA_IGNORED.match(name)) or (config.tie_embeddings and name == "lm_head.weight")
+
+
+def check_weights(held: dict[str, tuple[tuple[int, ...], Path]], config: GPTConfig, cfg_path: Path) -> None:
+    """Compare what the files declare (name → (shape, file)) with what ``config`` implies; raise on any mismatch.
+
+    Runs on the headers alone, before any tensor is allocated."""
+    layers = sorted({int(m.group(1)) for name in held if (m := _LAYER.match(name))})
+    if layers != list(range(config.n_layer)):
+        what = (f"{len(layers)} layers (blocks {layers[0]}–{layers[-1]})" if layers and layers == list(
+            range(layers[0], layers[-1] + 1)) else f"layers {_ranges(layers)}" if layers else "no layers")
+        raise ModelLoadError(
+            f"{cfg_path}: says n_layer = {config.n_layer}, but the weights hold {what}"
+        )
+    expected = hf_shapes(config)
+    for name, (shape, file) in held.items():
+        if name in expected:
+            if tuple(shape) != expected[name]:
+                raise ModelLoadError(
+                    f"{file}: tensor {name!r} has shape {list(shape)}, but config.json implies {list(expected[name])}"
+                )
+        elif not _ignored(name, config):
+            raise ModelLoadError(f"{file}: unexpected tensor {name!r}, not part of a {config.family} model")
+    missing = [name for name in expected if name not in held]
+    if missing:
+        raise ModelLoadError(
+            f"{cfg_path.parent}: the weights lack {len(missing)} tensor(s) config.json implies: "
+            + ", ".join(missing[:4]) + (" …" if len(missing) > 4 else "")
+        )
+
+
+def _ranges(xs: list[int]) -> str:
+    shown = ", ".join(str(x) for x in xs[:8])
+    return shown + (f" … ({len(xs)} in all)" if len(xs) > 8 else "")
+
+
+def hf_to_state(tensors: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors (canonical names, checked) → our state dict (q/k/v and gate/up concatenated)."""
+    state: dict[str, torch.Tensor] = {}
+    if config.family == "gpt2":
+        for name, t in tensors.items():
+            parts = name.removeprefix("transformer.").split(".")
+            if parts[0] == "wte":
+                state["embed." + parts[1]] = t
+            elif parts[0] == "wpe":
+                state["pos_embed." + parts[1]] = t
+            elif parts[0] == "ln_f":
+                state["ln_final." + parts[1]] = t
+            elif parts[0] == "h":
+                sub = {"ln_1": "ln1", "ln_2": "ln2"}.get(parts[2], parts[2])
+                state[".".join(["blocks", parts[1], sub, *parts[3:]])] = t
+        return state
+    state["embed.weight"] = tensors["model.embed_tokens.weight"]
+    state["ln_final.weight"] = tensors["model.norm.weight"]
+    if not config.tie_embeddings:
+        state["unembed.weight"] = tensors["lm_head.weight"]
+    for i in range(config.n_layer):
+        p, o = f"model.layers.{i}.", f"blocks.{i}."
+        state[o + "ln1.weight"] = tensors[p + "input_layernorm.weight"]
+        state[o + "ln2.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        for kind in (("weight", "bias") if config.qkv_bias else ("weight",)):
+            state[o + f"attn.c_attn.{kind}"] = torch.cat([tensors[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"])
+        state[o + "attn.c_proj.weight"] = tensors[p + "self_attn.o_proj.weight"]
+        if config.attn_out_bias:
+            state[o + "attn.c_proj.bias"] = tensors[p + "self_attn.o_proj.bias"]
+        for kind in (("weight", "bias") if config.mlp_bias else ("weight",)):
+            state[o + f"mlp.c_fc.{kind}"] = torch.cat([tensors[p + f"mlp.{x}_proj.{kind}"] for x in ("gate", "up")])
+            state[o + f"mlp.c_proj.{kind}"] = tensors[p + f"mlp.down_proj.{kind}"]
+    return state
+
+
+def state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights under Hugging Face's names and in their layout (the inverse of ``hf_to_state``)."""
+    config = model.config
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    if config.family == "gpt2":
+        for name, t in state.items():
+            parts = name.split(".")
+            if parts[0] in ("embed", "pos_embed", "ln_final"):
+                out[{"embed": "transformer.wte.", "pos_embed": "transformer.wpe.",
+                     "ln_final": "transformer.ln_f."}[parts[0]] + parts[1]] = t
+            else:
+                sub = {"ln1": "ln_1", "ln2": "ln_2"}.get(parts[2], parts[2])
+                out[".".join(["transformer.h", parts[1], sub, *parts[3:]])] = t
+        return {k: v.contiguous() for k, v in out.items()}
+    q_width, kv_width = config.n_head * config.d_head, config.n_kv_heads * config.d_head
+    out["model.embed_tokens.weight"] = state["embed.weight"]
+    out["model.norm.weight"] = state["ln_final.weight"]
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = state["unembed.weight"]
+    for i in range(config.n_layer):
+        p, o = f"model.layers.{i}.", f"blocks.{i}."
+        out[p + "input_layernorm.weight"] = state[o + "ln1.weight"]
+        out[p + "post_attention_layernorm.weight"] = state[o + "ln2.weight"]
+        for kind in (("weight", "bias") if config.qkv_bias else ("weight",)):
+            q, k, v = state[o + f"attn.c_attn.{kind}"].split((q_width, kv_width, kv_width))
+            for x, t in zip("qkv", (q, k, v)):
+                out[p + f"self_attn.{x}_proj.{kind}"] = t
+        out[p + "self_attn.o_proj.weight"] = state[o + "attn.c_proj.weight"]
+        if config.attn_out_bias:
+            out[p + "self_attn.o_proj.bias"] = state[o + "attn.c_proj.bias"]
+        for kind in (("weight", "bias") if config.mlp_bias else ("weight",)):
+            gate, up = state[o + f"mlp.c_fc.{kind}"].split(config.d_ff)
+            out[p + f"mlp.gate_proj.{kind}"], out[p + f"mlp.up_proj.{kind}"] = gate, up
+            out[p + f"mlp.down_proj.{kind}"] = state[o + f"mlp.c_proj.{kind}"]
+    return {k: v.clone().contiguous() for k, v in out.items()}  # clone: safetensors refuses shared storage
+
+
+# ---- reading files ---------------------------------------------------------------------------------------------
 
 
 def _check_dir(path: str | os.PathLike) -> Path:
-    p = Path(path).expanduser()
+    if not isinstance(path, (str, os.PathLike)):
+        raise ModelLoadError(f"{path!r}: a checkpoint path must be a string or a path, not {type(path).__name__}")
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError as e:  # "~nosuchuser/x": no such user, so no home directory to expand
+        raise ModelLoadError(f"{os.fspath(path)!r}: cannot expand the home directory ({e})") from None
     try:
         resolved = p.resolve(strict=True)
     except FileNotFoundError:
         raise ModelLoadError(f"{p}: no such directory") from None
+    except ValueError as e:  # an embedded NUL byte
+        raise ModelLoadError(f"{os.fspath(path)!r}: not a usable path ({e})") from None
     except (RuntimeError, OSError) as e:  # a symlink loop lands here
         raise ModelLoadError(f"{p}: cannot resolve the path ({e})") from None
     if not resolved.is_dir():
@@ -128,69 +502,161 @@ def _check_dir(path: str | os.PathLike) -> Path:
     return resolved
 
 
-def _read_config(directory: Path) -> GPTConfig:
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ModelLoadError(f"{path}: {size} bytes is far too large for {what}")
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot be read ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_config(directory: Path) -> GPTConfig:
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
-        raise ModelLoadError(f"{cfg_path}: missing; a GPT-2 checkpoint directory needs config.json")
-    if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ModelLoadError(f"{cfg_path}: {cfg_path.stat().st_size} bytes is far too large for a config")
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
-    return config_from_hf(raw, cfg_path)
+        raise ModelLoadError(f"{cfg_path}: missing; a checkpoint directory needs config.json")
+    return config_from_hf(_read_json(cfg_path, "a config"), cfg_path)
 
 
-def _safetensors_files(directory: Path) -> list[Path]:
+def _inside(directory: Path, name: str) -> bool:
+    """Whether ``name`` names a path inside ``directory`` *as written*: no absolute path, no ``..``.
+
+    The link path is what counts, not where a symlink points: in a Hugging Face cache snapshot every
+    file is a symlink into ``../../blobs/``, and that is fine; an index naming ``../../etc/passwd`` is not."""
+    if not name or "\x00" in name or os.path.isabs(name):
+        return False
+    normal = os.path.normpath(name)
+    return not (normal == ".." or normal.startswith(".." + os.sep) or normal == ".")
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of ``directory``: the index's shards (sorted) or ``model.safetensors``."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        raw = _read_json(index, "a safetensors index")
+        weight_map = raw.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: not a valid safetensors index (no \"weight_map\" object)")
+        bad = [v for v in weight_map.values() if not isinstance(v, str)]
+        if bad:
+            raise ModelLoadError(
+                f"{index}: not a valid safetensors index (shard names must be strings, got {bad[0]!r})")
         files = []
-        for name in names:
-            shard = (directory / name).resolve()
-            if shard.parent != directory:
+        for name in sorted(set(weight_map.values())):
+            if not _inside(directory, name):
                 raise ModelLoadError(f"{index}: shard {name!r} lies outside the checkpoint directory")
-            files.append(shard)
+            files.append(directory / name)
         return files
     single = directory / "model.safetensors"
-    return [single] if single.exists() else []
+    return [single] if single.exists() or single.is_symlink() else []
 
 
-def _read_safetensors(files: list[Path], expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise ModelLoadError(f"{file}: missing (listed by the index)")
+class SafetensorsFile:
+    """One safetensors file, read by hand: the header first (names, dtypes, shapes — checkable before any
+    allocation), then the data straight into the tensors, every byte passing through ``hasher`` once.
+
+    Format: 8 bytes little-endian header length N, N bytes of JSON ``{name: {dtype, shape,
+    data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data (offsets relative to its start)."""
+
+    def __init__(self, path: Path, hasher) -> None:
+        self.path = path
+        self.hasher = hasher
         try:
-            with safe_open(str(file), framework="pt") as f:
-                names = list(f.keys())
-                # check every declared shape before reading any data
-                for name in names:
-                    ours = _hf_to_ours(name)
-                    if ours is None:
-                        continue
-                    shape = f.get_slice(name).get_shape()
-                    _check_shape(file, name, ours, tuple(shape), expected)
-                for name in names:
-                    ours = _hf_to_ours(name)
-                    if ours is not None:
-                        tensors[ours] = f.get_tensor(name)
-        except SafetensorError as e:
-            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
+            self._f = open(path, "rb")  # noqa: SIM115 — closed by read_all / close
+            size = os.fstat(self._f.fileno()).st_size
+            first = self._f.read(8)
         except OSError as e:
-            raise ModelLoadError(f"{file}: cannot be read ({e})") from None
-    return tensors
+            raise ModelLoadError(f"{path}: cannot be read ({e})") from None
+        if len(first) < 8:
+            self._fail("shorter than the 8-byte header length")
+        n = int.from_bytes(first, "little")
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            self._fail(f"the header claims {n:,} bytes but the file has {size:,}")
+        header_bytes = self._f.read(n)
+        hasher.update(first)
+        hasher.update(header_bytes)
+        try:
+            header = json.loads(header_bytes)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self._fail(f"the header is not JSON ({e})")
+        if not isinstance(header, dict):
+            self._fail("the header is not a JSON object")
+        self.data_size = size - 8 - n
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = SAFETENSORS_DTYPES[info["dtype"]]
+                shape = tuple(info["shape"])
+                begin, end = info["data_offsets"]
+                if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (*shape, begin, end)):
+                    raise ValueError("negative or non-integer numbers")
+            except (KeyError, TypeError, ValueError) as e:
+                self._fail(f"tensor {name!r} has a malformed entry ({type(e).__name__}: {e})")
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if not begin <= end <= self.data_size or end - begin != nbytes:
+                self._fail(f"tensor {name!r} declares bytes {begin}–{end} for {nbytes:,} bytes of data, "
+                           f"in {self.data_size:,} bytes")
+            self.entries[name] = (dtype, shape, begin, end)
+
+    def _fail(self, problem: str):
+        self.close()
+        raise ModelLoadError(f"{self.path}: not a readable safetensors file ({problem})")
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Every tensor, reading the data region once, in file order, hashing as it goes."""
+        tensors: dict[str, torch.Tensor] = {}
+        pos = 0
+        try:
+            for name, (dtype, shape, begin, end) in sorted(self.entries.items(), key=lambda kv: kv[1][2]):
+                if begin < pos:
+                    self._fail(f"tensor {name!r} overlaps the one before it")
+                self._skip(begin - pos)
+                buf = torch.empty(end - begin, dtype=torch.uint8)
+                view = memoryview(buf.numpy())
+                got = self._f.readinto(view) if end > begin else 0
+                if got != end - begin:
+                    self._fail(f"tensor {name!r} is cut short")
+                self.hasher.update(view)
+                tensors[name] = buf.view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
+                pos = end
+            self._skip(self.data_size - pos)
+        except OSError as e:
+            raise ModelLoadError(f"{self.path}: cannot be read ({e})") from None
+        finally:
+            self.close()
+        return tensors
+
+    def _skip(self, count: int) -> None:
+        """Read (and hash) bytes that belong to no tensor, so the digest covers the whole file."""
+        while count > 0:
+            chunk = self._f.read(min(count, READ_CHUNK))
+            if not chunk:
+                self._fail("the data ends early")
+            self.hasher.update(chunk)
+            count -= len(chunk)
+
+    def close(self) -> None:
+        self._f.close()
 
 
-def _read_bin(file: Path, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def _read_bin(file: Path, hasher) -> dict[str, torch.Tensor]:
+    """``pytorch_model.bin``: read (and hashed) once into memory, unpickled with ``weights_only=True``."""
     try:
-        state = torch.load(str(file), map_location="cpu", weights_only=True)
+        data = io.BytesIO()
+        with open(file, "rb") as f:
+            while chunk := f.read(READ_CHUNK):
+                hasher.update(chunk)
+                data.write(chunk)
+        data.seek(0)
+        state = torch.load(data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(
@@ -199,25 +665,10 @@ def _read_bin(file: Path, expected: dict[str, torch.Size]) -> dict[str, torch.Te
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise ModelLoadError(f"{file}: not a readable PyTorch weights file ({e})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
         raise ModelLoadError(f"{file}: expected a dictionary of tensors")
-    tensors = {}
-    for name, tensor in state.items():
-        ours = _hf_to_ours(name)
-        if ours is None:
-            continue
-        _check_shape(file, name, ours, tuple(tensor.shape), expected)
-        tensors[ours] = tensor
-    return tensors
-
-
-def _check_shape(file: Path, name: str, ours: str, shape: tuple, expected: dict[str, torch.Size]) -> None:
-    if ours not in expected:
-        raise ModelLoadError(f"{file}: unexpected tensor {name!r}, not part of a GPT-2 model")
-    if tuple(expected[ours]) != shape:
-        raise ModelLoadError(
-            f"{file}: tensor {name!r} has shape {list(shape)}, but config.json implies {list(expected[ours])}"
-        )
+    return state
 
 
 def _load_tokenizer(directory: Path, vocab_size: int) -> TextTokenizer | None:
@@ -240,52 +691,105 @@ def _load_tokenizer(directory: Path, vocab_size: int) -> TextTokenizer | None:
     return tok
 
 
-def load_hf_gpt2(path: str | os.PathLike) -> tuple[GPT, TextTokenizer | None]:
-    """Load a GPT-2 written by Hugging Face ``save_pretrained`` from a local directory.
+def _display_name(directory: Path) -> str:
+    """``org/name`` for a Hugging Face cache snapshot (``models--org--name/snapshots/<hash>``), else the folder."""
+    if directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--"):
+        return directory.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return directory.name
 
-    Returns the model (eval mode, CPU, float32) and its tokenizer, or None when
-    the directory has no tokenizer files. Raises ``ModelLoadError`` naming the
-    file and the problem for anything missing, corrupt or mis-shaped."""
+
+# ---- the public loaders ----------------------------------------------------------------------------------------
+
+
+def load_hf(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    name: str | None = None,
+) -> tuple[GPT, TextTokenizer | None]:
+    """Load a local ``save_pretrained`` directory of a GPT-2, Llama, Mistral or Qwen2 model.
+
+    Returns the model (eval mode, no gradients, ``dtype`` — float32 unless asked for
+    bfloat16/float16 —, on ``device``) carrying ``model.identity``, and its tokenizer,
+    or None when the directory has none. Raises ``ModelLoadError`` naming the file
+    and the problem for anything missing, corrupt, mis-shaped or unsupported."""
+    target_dtype = _dtype(dtype)
+    target_device = _device(device)
     directory = _check_dir(path)
-    config = _read_config(directory)
-    with torch.device("meta"):
-        model = GPT(config)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
-    st_files = _safetensors_files(directory)
+    config = read_config(directory)
+    cfg_path = directory / "config.json"
+    hasher = hashlib.sha256()
+    files = safetensors_files(directory)
     bin_file = directory / "pytorch_model.bin"
-    if st_files:
-        tensors = _read_safetensors(st_files, expected)
+    if files:
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"{file}: missing (listed by the index)")
+        opened = [SafetensorsFile(file, hasher) for file in files]  # headers only
+        held: dict[str, tuple[tuple[int, ...], Path]] = {}
+        for st in opened:
+            for tensor_name, (_, shape, _, _) in st.entries.items():
+                held[_canonical(tensor_name, config.family)] = (shape, st.path)
+        try:
+            check_weights(held, config, cfg_path)
+        except ModelLoadError:
+            for st in opened:
+                st.close()
+            raise
+        raw: dict[str, torch.Tensor] = {}
+        for st in opened:
+            raw.update({_canonical(k, config.family): v for k, v in st.read_all().items()})
     elif bin_file.exists():
-        tensors = _read_bin(bin_file, expected)
+        raw = {_canonical(k, config.family): v for k, v in _read_bin(bin_file, hasher).items()}
+        check_weights({k: (tuple(v.shape), bin_file) for k, v in raw.items()}, config, cfg_path)
     else:
         raise ModelLoadError(
             f"{directory}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
             "pytorch_model.bin)"
         )
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        shown = ", ".join(_ours_to_hf(m) for m in missing[:4])
-        raise ModelLoadError(f"{directory}: the weights lack {len(missing)} tensor(s): {shown}")
-    state = {}
-    for name, tensor in tensors.items():
+    expected = hf_shapes(config)
+    tensors = {}
+    for tensor_name, tensor in raw.items():
+        if tensor_name not in expected:
+            continue  # ignorable (checked): attention-mask buffers, a tied lm_head, old inv_freq buffers
         if not tensor.is_floating_point():
-            raise ModelLoadError(f"{directory}: tensor {_ours_to_hf(name)!r} is {tensor.dtype}, not floating point")
-        state[name] = tensor.to(torch.float32).contiguous()
+            raise ModelLoadError(f"{directory}: tensor {tensor_name!r} is {tensor.dtype}, not floating point")
+        tensors[tensor_name] = tensor.to(device=target_device, dtype=target_dtype)
+    del raw
+    state = {k: v.contiguous() for k, v in hf_to_state(tensors, config).items()}
+    with torch.device("meta"):
+        model = GPT(config)
     model.load_state_dict(state, assign=True)
     model.eval().requires_grad_(False)
+    model.identity = ModelIdentity(
+        name=name or _display_name(directory), source=str(directory), family=config.family,
+        config=config.to_dict(), weights_digest="sha256:" + hasher.hexdigest(),
+    )
     tokenizer = _load_tokenizer(directory, config.vocab_size)
     return model, tokenizer
 
 
-def save_hf_gpt2(
-    model: GPT, path: str | os.PathLike, tokenizer: TextTokenizer | None = None, extra: dict | None = None
-) -> Path:
-    """Write ``model`` as a Hugging Face GPT-2 directory (config.json + model.safetensors [+ tokenizer.json])."""
+def load_hf_gpt2(path: str | os.PathLike) -> tuple[GPT, TextTokenizer | None]:
+    """Load a GPT-2 written by Hugging Face ``save_pretrained`` from a local directory (float32, CPU).
+
+    ``load_hf`` loads every supported family; this one refuses anything but ``gpt2``."""
+    directory = _check_dir(path)
+    raw = _read_json(directory / "config.json", "a config") if (directory / "config.json").is_file() else {}
+    if raw and raw.get("model_type") != "gpt2":
+        raise ModelLoadError(f"{directory / 'config.json'}: model_type is {raw.get('model_type')!r}, but "
+                             "load_hf_gpt2 loads only 'gpt2' checkpoints (load_hf loads every supported family)")
+    return load_hf(directory)
+
+
+def save_hf(model: GPT, path: str | os.PathLike, tokenizer: TextTokenizer | None = None,
+            extra: dict | None = None) -> Path:
+    """Write ``model`` as a Hugging Face directory of its family (config.json + model.safetensors [+ tokenizer.json]);
+    ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / … ``.from_pretrained`` read it back."""
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {_ours_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = config_to_hf(model.config)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state_to_hf(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
     if extra:
         config.update(extra)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -294,9 +798,21 @@ def save_hf_gpt2(
     return directory
 
 
-def load_bundled() -> tuple[GPT, TextTokenizer]:
-    """The small story model shipped in ``assets/`` (no network, ever)."""
-    model, tokenizer = load_hf_gpt2(BUNDLED_DIR)
+def save_hf_gpt2(
+    model: GPT, path: str | os.PathLike, tokenizer: TextTokenizer | None = None, extra: dict | None = None
+) -> Path:
+    """Write a GPT-2 as a Hugging Face GPT-2 directory (config.json + model.safetensors [+ tokenizer.json])."""
+    if model.config.family != "gpt2":
+        raise ValueError(f"save_hf_gpt2 writes GPT-2 checkpoints; this model is {model.config.family}: use save_hf")
+    return save_hf(model, path, tokenizer, extra)
+
+
+def load_bundled(name: str = "story-gpt") -> tuple[GPT, TextTokenizer]:
+    """A small story model shipped in ``assets/<name>/`` (no network, ever); ``BUNDLED_MODELS`` lists them."""
+    if name not in BUNDLED_MODELS:
+        raise ModelLoadError(f"no bundled model is called {name!r}; bundled: {', '.join(BUNDLED_MODELS)}")
+    directory = ASSETS / name
+    model, tokenizer = load_hf(directory, name=name)
     if tokenizer is None:
-        raise ModelLoadError(f"{BUNDLED_DIR}: the bundled model has no tokenizer.json")
+        raise ModelLoadError(f"{directory}: the bundled model has no tokenizer.json")
     return model, tokenizer

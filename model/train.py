@@ -1,14 +1,19 @@
-"""Train the bundled story model: ``python -m model.train`` (seeded; ~15 min on 2 CPU cores).
+"""Train a bundled story model: ``python -m model.train [--family llama]`` (seeded; ~15 min on 2 CPU cores).
 
 1. draw stories from ``model.corpus`` (train and held-out sets from different seeds);
-2. train a byte-level BPE tokenizer on the training stories with ``tokenizers``;
-3. train a 4-layer GPT-2 on random 256-token windows of the tokenised stream,
+2. train a byte-level BPE tokenizer on the training stories with ``tokenizers``
+   (``--family llama`` loads ``assets/story-gpt/tokenizer.json`` instead, so both
+   bundled models share token ids);
+3. train a 4-layer model on random 256-token windows of the tokenised stream,
    some of them holding a copy drill (a random token sequence, repeated) or a
-   chain drill (each token a fixed function of the one two places back);
-4. measure held-out loss against a unigram baseline and find the clearest
-   previous-token and induction heads;
-5. write ``assets/story-gpt/`` (config.json, model.safetensors, tokenizer.json,
-   training.json) in Hugging Face's GPT-2 layout.
+   chain drill (each token a fixed function of the one two places back):
+   GPT-2 (``assets/story-gpt``) or Llama-style — RoPE, RMSNorm, SwiGLU, 4 query
+   heads sharing 2 key/value heads, untied W_U (``assets/story-llama``);
+4. measure held-out loss against a unigram baseline, find the clearest
+   previous-token and induction heads, and what zeroing each head does to the
+   loss on a repeated random sequence;
+5. write ``--out`` (config.json, model.safetensors, tokenizer.json,
+   training.json) in Hugging Face's layout for the family.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model.corpus import stories
-from model.gpt import GPT, GPTConfig
-from model.heads import induction_scores, previous_token_scores, repeated_random_tokens
-from model.loading import BUNDLED_DIR, save_hf_gpt2
+from model.gpt import GPT, GPTConfig, rope_inv_freq
+from model.heads import ablation_effects, induction_scores, previous_token_scores, repeated_random_tokens
+from model.loading import ASSETS, BUNDLED_DIR, save_hf
 from model.tokenizer import END_OF_TEXT, TextTokenizer
 
 TRAIN_SEED, HELDOUT_SEED = 1, 2
@@ -187,6 +192,50 @@ def seed_previous_token_head_(model: GPT, layer: int, head: int, pairs: int = 16
     return weight
 
 
+@torch.no_grad()
+def seed_rope_previous_token_head_(model: GPT, layer: int, head: int, pairs: int = 4, level: float = 0.1,
+                                   target: float = 0.9) -> float:
+    """The RoPE version of ``seed_previous_token_head_``: start one head attending to position i − 1.
+
+    With RoPE no position reaches the residual stream, so there is nothing to
+    rotate "my position" from; but RoPE itself rotates q and k by their
+    positions, so a head only needs the *same* q at every position and a k
+    turned one step ahead: with q = s·e and k = R(ω)·q on a rotation pair of
+    frequency ω, q_iᵀk_j = s²·cos((j − i + 1)·ω), largest at j = i − 1. The
+    constant comes from one residual dimension (0) that every token embedding
+    starts at ``level``; W_Q reads it into the first ``pairs`` rotation pairs
+    (the highest frequencies, 1, 0.56, 0.32, 0.18 rad per position for
+    θ = 10⁴, d_head = 32: several, so that their sum peaks once, not every 2π/ω)
+    and W_K writes the same turned by ω. The strength s is raised until the
+    head puts ``target`` of its weight on i − 1. Returns that weight at start."""
+    cfg = model.config
+    attn = model.blocks[layer].attn
+    H, G, dh = cfg.n_head, cfg.n_kv_heads, cfg.d_head
+    half = dh // 2
+    kv_head = head // (H // G)  # the key/value head this query head reads (Hugging Face's repeat_kv order)
+    omega = rope_inv_freq(cfg)[:pairs]
+    model.embed.weight[:, 0] = level
+    w = attn.c_attn.weight  # [(H+2G)·d_head, d]: W_QKV stored transposed (Hugging Face's nn.Linear layout)
+    q_rows = [head * dh + m for m in range(pairs)] + [head * dh + half + m for m in range(pairs)]
+    k_base = H * dh + kv_head * dh
+    k_rows = [k_base + m for m in range(pairs)] + [k_base + half + m for m in range(pairs)]
+    from model.heads import previous_token_scores
+
+    probe = torch.randint(1, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    strength, weight = 0.5, 0.0
+    while strength < 64:
+        w[q_rows + k_rows] = 0.0
+        for m in range(pairs):
+            w[head * dh + m, 0] = strength  # q: (s, 0) on pair m, at every position
+            w[k_base + m, 0] = strength * math.cos(omega[m].item())  # k = R(ω_m)·q
+            w[k_base + half + m, 0] = strength * math.sin(omega[m].item())
+        weight = previous_token_scores(model, probe)[layer, head].item()
+        if weight >= target:
+            break
+        strength *= 1.25
+    return weight
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -196,7 +245,10 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=BUNDLED_DIR)
+    ap.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
+    ap.add_argument("--out", type=Path, default=None, help="default: assets/story-gpt or assets/story-llama")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="reuse this tokenizer.json instead of training one (default for llama: story-gpt's)")
     ap.add_argument("--steps", type=int, default=2800)
     ap.add_argument("--batch", type=int, default=24)
     ap.add_argument("--stories", type=int, default=40000)
@@ -207,31 +259,43 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drill-rate", type=float, default=0.2, help="share of windows holding a copy drill")
     ap.add_argument("--chain-rate", type=float, default=0.2, help="share of windows holding a chain drill")
-    ap.add_argument("--pos-init", choices=("fourier", "normal"), default="fourier")
+    ap.add_argument("--pos-init", choices=("fourier", "normal"), default="fourier", help="gpt2 only")
     ap.add_argument("--pos-scale", type=float, default=0.3, help="amplitude of the Fourier start")
     ap.add_argument("--seed-head", type=int, nargs=2, default=[0, 0], metavar=("LAYER", "HEAD"),
-                    help="start this head as a previous-token head (needs --pos-init fourier)")
+                    help="start this head as a previous-token head (gpt2: needs --pos-init fourier)")
     ap.add_argument("--no-seed-head", dest="seed_head", action="store_const", const=None)
     args = ap.parse_args(argv)
+    llama = args.family == "llama"
+    out_dir = args.out or (ASSETS / "story-llama" if llama else BUNDLED_DIR)
+    tokenizer_file = args.tokenizer or (BUNDLED_DIR / "tokenizer.json" if llama else None)
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     started = time.time()
     train_texts = stories(TRAIN_SEED, args.stories)
     heldout_texts = stories(HELDOUT_SEED, 400)
-    tokenizer = train_tokenizer(train_texts, args.vocab)
+    if tokenizer_file is not None:
+        tokenizer = TextTokenizer.from_file(tokenizer_file)
+    else:
+        tokenizer = train_tokenizer(train_texts, args.vocab)
     train_ids = token_stream(tokenizer, train_texts)
     heldout_ids = token_stream(tokenizer, heldout_texts)
     print(f"tokenizer: {tokenizer.vocab_size} tokens; train {train_ids.numel():,} tokens, "
           f"held-out {heldout_ids.numel():,}", flush=True)
 
-    config = GPTConfig(vocab_size=tokenizer.vocab_size, n_ctx=256, d_model=128, n_layer=4, n_head=4)
+    if llama:
+        # SwiGLU has three d × d_ff matrices to GELU's two: d_ff = 344 ≈ 8d/3 keeps the MLP at GPT-2's 8d² weights
+        config = GPTConfig.for_family("llama", vocab_size=tokenizer.vocab_size, n_ctx=256, d_model=128, n_layer=4,
+                                      n_head=4, n_kv_head=2, d_mlp=344, layer_norm_eps=1e-5)
+    else:
+        config = GPTConfig(vocab_size=tokenizer.vocab_size, n_ctx=256, d_model=128, n_layer=4, n_head=4)
     model = GPT(config)
-    if args.pos_init == "fourier":
+    if args.pos_init == "fourier" and not llama:
         fourier_init_(model.pos_embed.weight, args.pos_scale)
     seeded = None
     if args.seed_head is not None:
-        seeded = seed_previous_token_head_(model, *args.seed_head)
+        seed = seed_rope_previous_token_head_ if llama else seed_previous_token_head_
+        seeded = seed(model, *args.seed_head)
         print(f"seeded layer {args.seed_head[0]} head {args.seed_head[1]}: weight on i−1 at start {seeded:.3f}")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -265,14 +329,18 @@ def main(argv: list[str] | None = None) -> dict:
     ind = induction_scores(model, rep, 50)
     best_prev = divmod(int(prev.argmax()), config.n_head)
     best_ind = divmod(int(ind.argmax()), config.n_head)
+    rep_ablate = repeated_random_tokens(config.vocab_size, 50, 16, seed=321, prefix=tokenizer.eos_id)
+    intact, effects = ablation_effects(model, rep_ablate, 50)
     report = {
-        "config": {k: getattr(config, k) for k in ("vocab_size", "n_ctx", "d_model", "n_layer", "n_head")},
+        "family": config.family,
+        "config": config.to_dict(),
         "parameters": model.num_parameters,
         "train": {
             "stories": args.stories, "tokens": train_ids.numel(), "steps": args.steps, "batch": args.batch,
             "window": length, "lr": args.lr, "weight_decay": args.weight_decay, "seed": args.seed,
             "corpus_seed": TRAIN_SEED,
-            "drill_rate": args.drill_rate, "chain_rate": args.chain_rate, "pos_init": args.pos_init,
+            "drill_rate": args.drill_rate, "chain_rate": args.chain_rate,
+            "pos_init": "rope" if llama else args.pos_init, "tokenizer": str(tokenizer_file or "trained"),
             "pos_scale": args.pos_scale, "seeded_head": args.seed_head, "seeded_weight_at_start": seeded,
             "seconds": round(time.time() - started, 1), "threads": args.threads,
             "torch": torch.__version__, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -284,8 +352,10 @@ def main(argv: list[str] | None = None) -> dict:
         "induction_head": {"layer": best_ind[0], "head": best_ind[1], "score": round(float(ind.max()), 4)},
         "previous_token_scores": [[round(float(v), 3) for v in row] for row in prev],
         "induction_scores": [[round(float(v), 3) for v in row] for row in ind],
+        "repeat_loss": round(intact, 3),
+        "ablation_delta_repeat_loss": [[round(float(v), 3) for v in row] for row in effects],
     }
-    out = save_hf_gpt2(model, args.out, tokenizer)
+    out = save_hf(model, out_dir, tokenizer)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(json.dumps({k: report[k] for k in ("heldout_loss", "unigram_loss", "previous_token_head",
                                              "induction_head")}, indent=2))

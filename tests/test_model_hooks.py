@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, HookPoint
-from model.hook_table import HOOKS, dims_of, markdown_table, resolve, spec_for
+from model.hook_table import HOOKS, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
 
 CONFIG = GPTConfig(vocab_size=97, n_ctx=32, d_model=48, n_layer=2, n_head=3)
+# grouped-query Llama: 6 query heads share 2 key/value heads, head_dim ≠ d/H, a sliding window, untied W_U
+LLAMA = GPTConfig.for_family("llama", vocab_size=97, n_ctx=32, d_model=48, n_layer=2, n_head=6, n_kv_head=2,
+                             head_dim=10, d_mlp=40, sliding_window=4)
+CONFIGS = {"gpt2": CONFIG, "llama-gqa": LLAMA}
+PER_BLOCK = {"gpt2": 22, "llama-gqa": 25}  # Llama: + rot_q, rot_k, mlp.hook_pre_linear
+OUTSIDE = {"gpt2": 4, "llama-gqa": 3}  # embed, (pos_embed), ln_final, logits
 
 
 def capture_shapes(model, tokens, cache=None, padding_mask=None) -> dict[str, tuple]:
@@ -29,44 +35,93 @@ def capture_shapes(model, tokens, cache=None, padding_mask=None) -> dict[str, tu
     return shapes
 
 
-def expected_shape(name: str, batch: int, new: int, keys: int, mask_batch: int) -> tuple:
-    spec = spec_for(name)
+def expected_shape(name: str, batch: int, new: int, keys: int, mask_batch: int, config: GPTConfig = CONFIG) -> tuple:
+    spec = spec_for(name, config)
     assert spec is not None, f"{name} is not in the hook table"
-    dims = dims_of(CONFIG, batch, new, keys)
+    dims = dims_of(config, batch, new, keys)
     dims["B|1"] = mask_batch
     return tuple(resolve(s, dims) for s in spec.shape)
 
 
-def test_every_hook_point_is_in_the_table_and_every_row_exists():
-    model = GPT(CONFIG)
+@pytest.mark.parametrize("which", CONFIGS)
+def test_every_hook_point_is_in_the_table_and_every_row_exists(which):
+    config = CONFIGS[which]
+    model = GPT(config)
     names = {n for n, m in model.named_modules() if isinstance(m, HookPoint)}
-    generic = {spec_for(n).name for n in names if spec_for(n)}
-    assert {n for n in names if spec_for(n) is None} == set()
-    assert generic == {s.name for s in HOOKS}
-    assert len(names) == 4 + 22 * CONFIG.n_layer  # 4 outside the blocks, 22 per block
+    assert {n for n in names if spec_for(n, config) is None} == set()
+    generic = {spec_for(n, config).name for n in names}
+    assert generic == {s.name for s in hooks_for(config)}
+    assert len(names) == OUTSIDE[which] + PER_BLOCK[which] * config.n_layer
+    assert len(hooks_for(config)) == OUTSIDE[which] + PER_BLOCK[which]
+
+
+def test_every_row_belongs_to_gpt2_or_llama_and_together_they_cover_the_table():
+    rows = {(s.name, s.needs) for s in HOOKS}
+    covered = {(s.name, s.needs) for config in CONFIGS.values() for s in HOOKS if s in _rows_of(config)}
+    assert covered == rows
+    # only the RoPE family has the rotated q/k and the linear half of SwiGLU; only GPT-2 the position table
+    assert spec_for("blocks.0.attn.hook_rot_q", LLAMA) is not None and spec_for("blocks.0.attn.hook_rot_q") is None
+    assert spec_for("hook_pos_embed", LLAMA) is None and spec_for("hook_pos_embed") is not None
+    assert spec_for("blocks.1.mlp.hook_pre_linear", LLAMA).shape == ("B", "n", "d_ff")
+    assert "x·W_gate" in spec_for("blocks.0.mlp.hook_pre", LLAMA).meaning
+    assert "GELU" in spec_for("blocks.0.mlp.hook_pre").meaning
+
+
+def _rows_of(config):
+    from model.hook_table import _has
+
+    return [s for s in HOOKS if _has(s, config)]
+
+
+def test_gpt2_rows_keep_their_names_and_grouped_rows_say_how_heads_are_shared():
+    # GPT-2 (G = H) is written as before: [B, H, t, d_head], [B, n, 3d], [B, n, 4d], [B, n, d]
+    assert spec_for("blocks.1.attn.hook_k_all").shape == ("B", "H", "t", "d_head")
+    assert spec_for("blocks.1.attn.hook_qkv").shape == ("B", "n", "3d")
+    assert spec_for("blocks.1.mlp.hook_pre").shape == ("B", "n", "4d")
+    assert spec_for("blocks.1.attn.hook_merged").shape == ("B", "n", "d")
+    k_all = spec_for("blocks.1.attn.hook_k_all", LLAMA)
+    assert k_all.shape == ("B", "G", "t", "d_head") and "h // (H/G)" in k_all.note
+    assert spec_for("blocks.1.attn.hook_qkv", LLAMA).shape == ("B", "n", "d_qkv")
+    assert spec_for("blocks.1.attn.hook_merged", LLAMA).shape == ("B", "n", "H·d_head")  # 6·10 ≠ d = 48
+    dims = dims_of(LLAMA, 2, 5, 9)
+    assert (dims["G"], dims["d_qkv"], dims["H·d_head"], dims["d_ff"]) == (2, 100, 60, 40)
+
+
+def test_act_name_knows_the_new_short_names():
+    assert act_name("rot_q", 3) == "blocks.3.attn.hook_rot_q"
+    assert act_name("rot_k", 0) == "blocks.0.attn.hook_rot_k"
+    assert act_name("mlp_pre_linear", 1) == "blocks.1.mlp.hook_pre_linear"
+    assert act_name("ln1", 2) == "blocks.2.ln1.hook_normalized" and act_name("ln_final") == "ln_final.hook_normalized"
+    model = GPT(LLAMA)
+    for kind in ("rot_q", "rot_k", "mlp_pre_linear", "k_all", "pattern"):
+        assert isinstance(model.get_submodule(act_name(kind, 1)), HookPoint)
 
 
 def test_readme_shows_the_table_from_the_code():
     readme = (Path(__file__).resolve().parent.parent / "model" / "README.md").read_text(encoding="utf-8")
     assert markdown_table() in readme
+    assert "Llama-style (RoPE)" in markdown_table() and "GPT-2 (learned positions)" in markdown_table()
 
 
+@pytest.mark.parametrize("which", CONFIGS)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_prefill_and_decode_shapes_match_the_table(batch):
-    model = GPT(CONFIG).eval()
+def test_prefill_and_decode_shapes_match_the_table(batch, which):
+    config = CONFIGS[which]
+    model = GPT(config).eval()
     n0 = 5
     tokens = torch.randint(0, 97, (batch, n0 + 3))
     cache = model.new_cache(batch)
     shapes = capture_shapes(model, tokens[:, :n0], cache)
-    assert len(shapes) == 4 + 22 * CONFIG.n_layer
+    assert len(shapes) == OUTSIDE[which] + PER_BLOCK[which] * config.n_layer
     for name, shape in shapes.items():
-        assert shape == expected_shape(name, batch, n0, n0, 1), name
+        assert shape == expected_shape(name, batch, n0, n0, 1, config), name
     for step in range(1, 4):  # decode: n = 1, t = n0 + step
         shapes = capture_shapes(model, tokens[:, n0 + step - 1 : n0 + step], cache)
         for name, shape in shapes.items():
-            assert shape == expected_shape(name, batch, 1, n0 + step, 1), (step, name)
-        assert shapes["blocks.1.attn.hook_pattern"] == (batch, 3, 1, n0 + step)
-        assert shapes["blocks.0.attn.hook_k_all"] == (batch, 3, n0 + step, 16)
+            assert shape == expected_shape(name, batch, 1, n0 + step, 1, config), (step, name)
+        assert shapes["blocks.1.attn.hook_pattern"] == (batch, config.n_head, 1, n0 + step)
+        assert shapes["blocks.0.attn.hook_k_all"] == (batch, config.n_kv_heads, n0 + step, config.d_head)
+        assert tuple(cache.keys[0].shape) == (batch, config.n_kv_heads, n0 + step, config.d_head)
 
 
 def test_padding_makes_the_mask_per_row():
@@ -168,6 +223,35 @@ def test_config_is_validated():
     with pytest.raises(ValueError, match="n_layer"):
         GPTConfig(n_layer=0)
     assert GPTConfig().d_head == 64 and GPTConfig().d_ff == 3072
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"n_head": 6, "n_kv_head": 4}, "head counts that do not divide"),
+    ({"layer_norm_eps": float("nan")}, "layer_norm_eps must be a finite number > 0"),
+    ({"layer_norm_eps": -1e-5}, "layer_norm_eps must be a finite number > 0"),
+    ({"layer_norm_eps": 0.0}, "layer_norm_eps must be a finite number > 0"),
+    ({"vocab_size": 2**64}, "vocab_size = 18446744073709551616 is absurdly large"),
+    ({"vocab_size": "1024"}, "vocab_size must be a positive integer"),
+    ({"n_kv_head": 0}, "n_kv_head must be a positive integer"),
+    ({"rope_theta": float("inf")}, "rope_theta must be a finite number"),
+    ({"norm": "batchnorm"}, "norm must be one of layernorm, rmsnorm"),
+    ({"family": "bert"}, "family must be one of"),
+    ({"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ({"head_dim": 7, "positions": "rope"}, "d_head = 7 must be even"),
+    ({"qkv_bias": 1}, "qkv_bias must be True or False"),
+])
+def test_bad_configs_name_the_problem(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**{"d_model": 48, "n_head": 6, **fields})
+
+
+def test_config_properties_and_round_trip():
+    c = GPTConfig.for_family("qwen2", d_model=64, n_head=8, n_kv_head=2, head_dim=16, d_mlp=96,
+                             rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert (c.n_kv_heads, c.d_head, c.d_ff, c.d_qkv) == (2, 16, 96, (8 + 4) * 16)
+    assert c.qkv_bias and not c.attn_out_bias and not c.mlp_bias and not c.tie_embeddings
+    assert GPTConfig(**c.to_dict()) == c
+    assert GPTConfig().n_kv_heads == 12
 
 
 def test_a_global_module_hook_sees_every_hook_point():
