@@ -121,7 +121,10 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from ModelIdentity.config / JSON
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            try:
+                object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            except TypeError as e:
+                raise ValueError(f"GPTConfig.rope_scaling: {e}") from None
         _check_positive_int("vocab_size", self.vocab_size, MAX_VOCAB)
         _check_positive_int("n_ctx", self.n_ctx, MAX_POSITIONS)
         _check_positive_int("d_model", self.d_model, MAX_WIDTH)

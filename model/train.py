@@ -236,6 +236,16 @@ def seed_rope_previous_token_head_(model: GPT, layer: int, head: int, pairs: int
     return weight
 
 
+@torch.no_grad()
+def snapshot(model: GPT, step: int, loss: float, probe_prev: torch.Tensor, probe_rep: torch.Tensor) -> dict:
+    """The best previous-token and induction scores now (on small fixed probes), for the training history."""
+    model.eval()
+    prev = previous_token_scores(model, probe_prev)
+    ind = induction_scores(model, probe_rep, 50)
+    return {"step": step, "train_loss": round(loss, 3), "best_previous_token": round(float(prev.max()), 3),
+            "best_induction": round(float(ind.max()), 3)}
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -264,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed-head", type=int, nargs=2, default=[0, 0], metavar=("LAYER", "HEAD"),
                     help="start this head as a previous-token head (gpt2: needs --pos-init fourier)")
     ap.add_argument("--no-seed-head", dest="seed_head", action="store_const", const=None)
+    ap.add_argument("--history-every", type=int, default=150,
+                    help="every this many steps, record the best previous-token and induction scores (0: never)")
     args = ap.parse_args(argv)
     llama = args.family == "llama"
     out_dir = args.out or (ASSETS / "story-llama" if llama else BUNDLED_DIR)
@@ -306,6 +318,10 @@ def main(argv: list[str] | None = None) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     chain = chain_permutation(config.vocab_size, 128, g)
     length = config.n_ctx
+    # small fixed probes for the training history: how the two kinds of head grow, step by step
+    probe_prev = heldout_ids[: 8 * 128].view(8, 128)
+    probe_rep = repeated_random_tokens(config.vocab_size, 50, 8, seed=11, prefix=tokenizer.eos_id)
+    history: list[dict] = []
     model.train()
     for step in range(args.steps):
         for group in opt.param_groups:
@@ -319,6 +335,10 @@ def main(argv: list[str] | None = None) -> dict:
         opt.step()
         if step % 250 == 0 or step == args.steps - 1:
             print(f"step {step:5d}  loss {loss.item():.3f}  {time.time() - started:6.0f}s", flush=True)
+        if args.history_every and ((step + 1) % args.history_every == 0 or step == args.steps - 1):
+            history.append(snapshot(model, step + 1, loss.item(), probe_prev, probe_rep))
+            print(f"  history {history[-1]}", flush=True)
+            model.train()
     model.eval()
 
     loss = heldout_loss(model, heldout_ids, length)
@@ -353,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
         "previous_token_scores": [[round(float(v), 3) for v in row] for row in prev],
         "induction_scores": [[round(float(v), 3) for v in row] for row in ind],
         "repeat_loss": round(intact, 3),
+        "history": history,
         "ablation_delta_repeat_loss": [[round(float(v), 3) for v in row] for row in effects],
     }
     out = save_hf(model, out_dir, tokenizer)
