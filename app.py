@@ -7,7 +7,6 @@ figures and tables from ``figures`` (pure functions), settings checks from
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import streamlit as st
@@ -19,25 +18,28 @@ from figures import flow as flow_views
 from figures import inspector as inspect_views
 from figures import mask as mask_views
 from figures import tokens as token_views
-from figures.common import dims_for, is_greedy, query_labels, shape_with_symbols, step_info, symbols
+from figures.common import facts_of, is_greedy, query_labels, shape_with_axes
 from model import ModelLoadError, load_bundled, load_hf_gpt2
-from model.loading import BUNDLED_DIR
+from model.hook_table import act_name
+from model.identity import identity_of
 from session import (
     DEFAULT_PROMPT,
     MAX_BUDGET_MB,
+    AppState,
+    LoadedTrace,
     SettingsError,
-    new_generation,
     parse_run_steps,
     parse_settings,
 )
-from tracer import Trace
-from tracer.generation import MAX_RUN_STEPS, ContextFullError
-from tracer.io import TraceFileError, load_trace, trace_archive_bytes
+from tracer import Trace, TraceFileError, load_trace
+from tracer.generation import MAX_RUN_STEPS, ContextFullError, GenerationStopped
+from tracer.io import archive_bytes
+from tracer.records import TENSOR_KINDS
 from tracer.store import DEFAULT_BUDGET_BYTES
 
 TABS = ["Shapes", "Attention", "Causal mask", "KV cache", "Next token", "Inspector", "Export"]
 AUTO_RECOMPUTE_PARAMS = 20_000_000  # below this, every step is checked against a full recompute
-RECOMPUTE_REPEATS = 5  # timings of the cache comparison: the fastest of this many runs
+RECOMPUTE_REPEATS = 5  # timings of the cache comparison on demand: the fastest of this many runs
 LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_model · H heads · d_head = d/H · V vocab"
 
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")
@@ -54,27 +56,23 @@ def directory_model(path: str):
     return load_hf_gpt2(path)
 
 
+def state() -> AppState:
+    """This session's state: one typed object, not loose keys."""
+    return st.session_state.setdefault("app", AppState())
+
+
 def current_model():
-    key = st.session_state.get("model_key", "bundled")
+    key = state().model_key
     if key == "bundled":
         model, tok = bundled_model()
-        return model, tok, f"bundled story model ({BUNDLED_DIR.name})"
-    model, tok = directory_model(key)
-    return model, tok, key
+        return model, tok
+    return directory_model(key)
 
 
 def describe_model(model) -> str:
     c = model.config
     return (f"{c.n_layer} layers × {c.n_head} heads, d = {c.d_model}, d_head = {c.d_head}, V = {c.vocab_size}, "
             f"n_ctx = {c.n_ctx} — {model.num_parameters / 1e6:.1f}M parameters")
-
-
-def close_generation() -> None:
-    gen = st.session_state.pop("gen", None)
-    if gen is not None:
-        gen.close()
-    st.session_state["recompute"] = {}
-    st.session_state["query_picks"] = {}
 
 
 # -- sidebar: model, prompt, sampling, actions -------------------------------------
@@ -87,9 +85,9 @@ def sidebar() -> None:
         path = sb.text_input("Directory", key="model_dir", placeholder="/path/to/gpt2")
         if sb.button("Load", key="load_model"):
             load_directory(path)
-    elif st.session_state.get("model_key", "bundled") != "bundled":
-        st.session_state["model_key"] = "bundled"
-        close_generation()
+    elif state().model_key != "bundled":
+        state().model_key = "bundled"
+        state().reset()
 
     sb.header("Prompt")
     sb.text_area("Prompt (one line per sequence: several lines make a batch)", value=DEFAULT_PROMPT,
@@ -122,33 +120,32 @@ def sidebar() -> None:
         try:
             current_settings()
         except SettingsError as e:  # refuse before throwing anything away
-            st.session_state["notices"] = [("error", f"Reset refused, nothing was discarded: {e}")]
+            state().notices = [("error", f"Reset refused, nothing was discarded: {e}")]
         else:
-            close_generation()
-            st.session_state.pop("loaded_trace", None)
-            st.session_state["notices"] = [("info", "Reset: the next Step starts from the prompt with these settings.")]
+            state().reset()
+            state().notices = [("info", "Reset: the next Step starts from the prompt with these settings.")]
     if step or run:
         advance(1 if step else st.session_state.get("run_n", 8))
 
 
 def load_directory(path: str) -> None:
+    app = state()
     if not path or not path.strip():
-        st.session_state["notices"] = [("error", "Type the directory of a GPT-2 checkpoint first.")]
+        app.notices = [("error", "Type the directory of a GPT-2 checkpoint first.")]
         return
     resolved = str(Path(path.strip()).expanduser())
     try:
-        directory_model(resolved)
+        model, tok = directory_model(resolved)
     except ModelLoadError as e:
-        st.session_state["notices"] = [("error", f"Could not load that model, the previous one stays loaded: {e}")]
+        app.notices = [("error", f"Could not load that model, the previous one stays loaded: {e}")]
         return
-    model, tok = directory_model(resolved)
     if tok is None:
-        st.session_state["notices"] = [("error", f"{resolved} has no tokenizer (tokenizer.json, or vocab.json + "
-                                                 "merges.txt); the previous model stays loaded.")]
+        app.notices = [("error", f"{resolved} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); the "
+                                 "previous model stays loaded.")]
         return
-    close_generation()
-    st.session_state["model_key"] = resolved
-    st.session_state["notices"] = [("success", f"Loaded {resolved}: {describe_model(model)}")]
+    app.reset()
+    app.model_key = resolved
+    app.notices = [("success", f"Loaded {resolved}: {describe_model(model)}")]
 
 
 def current_settings():
@@ -163,50 +160,40 @@ def current_settings():
 
 def advance(n_raw) -> None:
     """Step or Run N: one forward pass and one token per step, on this session's generation."""
+    app = state()
     notices = []
     try:
         n = parse_run_steps(n_raw)
-        gen = st.session_state.get("gen")
+        gen = app.generation
         if gen is None:
             settings = current_settings()
-            model, tok, _ = current_model()
-            gen = new_generation(model, tok, settings)
-            st.session_state["gen"] = gen
-            st.session_state["gen_signature"] = settings.signature()
-            st.session_state["recompute"] = {}
-            st.session_state["query_picks"] = {}
+            model, tok = current_model()
+            gen = app.start(model, tok, settings)
             notices += [("warning", w) for w in gen.warnings]
     except SettingsError as e:
-        st.session_state["notices"] = [("error", str(e))]
+        app.notices = [("error", str(e))]
         return
-    st.session_state.pop("loaded_trace", None)
-    started = time.perf_counter()
+    app.close_file()
     for _ in range(n):
         try:
             gen.step()
-        except ContextFullError as e:
+        except (ContextFullError, GenerationStopped) as e:
             notices.append(("warning", f"Stopped: {e}"))
             break
         except Exception as e:  # a failing forward: the trace keeps everything up to it
             notices.append(("error", f"The forward pass failed at step {gen.n_steps}: {type(e).__name__}: {e}"))
             break
         if gen.model.num_parameters < AUTO_RECOMPUTE_PARAMS:
-            st.session_state["recompute"][gen.n_steps - 1] = gen.compare_with_recompute(repeats=RECOMPUTE_REPEATS)
-    st.session_state["last_action_seconds"] = time.perf_counter() - started
+            gen.compare_with_recompute()
+        if gen.stopped:
+            notices.append(("warning", f"Stopped: {gen.stopped}"))
+            break
     if gen.n_steps:
         st.session_state["step_view"] = gen.n_steps - 1
-    st.session_state["notices"] = notices
+    app.notices = notices
 
 
 # -- header: text, step slider, step facts -------------------------------------------
-def viewed_trace() -> Trace | None:
-    loaded = st.session_state.get("loaded_trace")
-    if loaded is not None:
-        return loaded
-    gen = st.session_state.get("gen")
-    return gen.trace if gen is not None and gen.n_steps else None
-
-
 def header(trace: Trace) -> int:
     n_steps = trace.n_steps
     if "pending_step_view" in st.session_state:
@@ -217,60 +204,65 @@ def header(trace: Trace) -> int:
     else:
         step = 0
         st.caption("Step 0 (the prefill). Step again to generate more tokens.")
-    info = step_info(trace, step)
-    batch = len(trace.meta.get("columns", [[0]]))
+    facts = facts_of(trace)
+    forward = facts.step(step).forward
+    batch = facts.batch_size
     for row in range(batch):
         prefix = f"**Sequence {row}** " if batch > 1 else ""
         st.markdown(prefix + token_views.generated_text_html(trace, row, upto_step=step), unsafe_allow_html=True)
     st.caption("Prompt in grey; each generated token shaded by the probability it was chosen with, "
                "red (unlikely) → green (likely); hover a token for its step and p.")
     cols = st.columns(5)
-    cols[0].metric("new positions n", info.n)
-    cols[1].metric("key positions t", info.t)
-    cols[2].metric("cache length after step", info.cache_length_after if info.use_cache else 0,
+    cols[0].metric("new positions n", forward.n)
+    cols[1].metric("key positions t", forward.t)
+    cols[2].metric("cache length after step", forward.cache_after if facts.info.use_cache else 0,
                    help="0 when the KV cache is off")
-    cols[3].metric("forward time", f"{info.seconds * 1000:.1f} ms")
-    cols[4].metric("rows computed", f"{info.n} of {info.t}")
+    cols[3].metric("forward time", f"{trace.steps[step].seconds * 1000:.1f} ms")
+    cols[4].metric("rows computed", f"{forward.n} of {forward.t}")
     return step
 
 
 # -- tabs ------------------------------------------------------------------------------
+def n_layer_head(trace: Trace) -> tuple[int, int]:
+    config = trace.config
+    return (config.n_layer, config.n_head) if config is not None else (1, 1)
+
+
 def layer_head_batch(trace: Trace, prefix: str, heads: bool = True) -> tuple[int, int, int]:
-    cfg = trace.meta.get("model_config", {})
+    n_layer, n_head = n_layer_head(trace)
     cols = st.columns(3)
-    layer = cols[0].selectbox("layer", list(range(cfg.get("n_layer", 1))), key=f"{prefix}_layer")
-    head = cols[1].selectbox("head", list(range(cfg.get("n_head", 1))), key=f"{prefix}_head") if heads else 0
-    batch_size = len(trace.meta.get("columns", [[0]]))
+    layer = cols[0].selectbox("layer", list(range(n_layer)), key=f"{prefix}_layer")
+    head = cols[1].selectbox("head", list(range(n_head)), key=f"{prefix}_head") if heads else 0
+    batch_size = facts_of(trace).batch_size
     batch = cols[2].selectbox("sequence", list(range(batch_size)), key=f"{prefix}_batch") if batch_size > 1 else 0
     return layer, head, batch
 
 
 @st.fragment
 def shapes_tab(trace: Trace, step: int) -> None:
-    cfg = trace.meta.get("model_config", {})
-    layer = st.selectbox("block shown in the flow", list(range(cfg.get("n_layer", 1))), key="flow_layer")
+    n_layer, _ = n_layer_head(trace)
+    layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer")
     st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}.")
     st.plotly_chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
     st.subheader("Every record of this step")
     cols = st.columns([1, 2, 1, 2])
-    layers = ["all"] + list(range(cfg.get("n_layer", 0)))
+    layers = ["all"] + list(range(n_layer))
     layer_filter = cols[0].selectbox("layer", layers, key="table_layer")
     module_filter = cols[1].text_input("module (path prefix)", key="table_module", placeholder="blocks.0.attn")
-    kind_filter = cols[2].selectbox("kind", ["all", "hook", "input", "output"], key="table_kind")
+    kind_filter = cols[2].selectbox("kind", ["all", *TENSOR_KINDS], key="table_kind")
     name_filter = cols[3].text_input("name contains (or glob)", key="table_name")
     frame = trace.to_frame(
         step=step, layer=None if layer_filter == "all" else int(layer_filter),
         module=module_filter.strip() or None, kind=None if kind_filter == "all" else kind_filter,
         name=name_filter.strip() or None,
     )
-    dims = dims_for(trace, step)
-    frame["shape"] = [shape_with_symbols(n, s, dims) for n, s in zip(frame["name"], frame["shape"])]
+    frame["shape"] = [f"{list(s)} = {a}" if a else str(list(s)) for s, a in zip(frame["shape"], frame["axes"])]
     shown = frame[["index", "name", "kind", "module_type", "shape", "dtype", "numel", "nbytes", "summary"]]
     event = st.dataframe(shown, key="records_table", hide_index=True, on_select="rerun",
                          selection_mode="single-row", height=420)
     rows = event.selection.rows if event is not None and hasattr(event, "selection") else []
     if rows:
-        st.session_state["inspect_name"] = shown.iloc[rows[0]]["name"]
+        state().inspect_name = shown.iloc[rows[0]]["name"]
         st.info(f"Opened **{shown.iloc[rows[0]]['name']}** in the Inspector tab.")
     st.caption(f"{len(frame)} record(s). Select a row to open it in the Inspector.")
 
@@ -296,7 +288,7 @@ def explain_missing_values(trace: Trace, step: int, what: str) -> None:
 def attention_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "attn")
     st.latex(r"A = \operatorname{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}} + M\right), \qquad z = A\,V")
-    if not values_kept(trace, step, f"blocks.{layer}.attn.hook_pattern", "attention heatmaps"):
+    if not values_kept(trace, step, act_name("pattern", layer), "attention heatmaps"):
         stages = attn_views.attention_stages(trace, step, layer, head, batch)
         st.markdown("\n".join(f"- **{s.title}**: `{s.shapes}`" for s in stages))
         return
@@ -305,15 +297,14 @@ def attention_tab(trace: Trace, step: int) -> None:
     # keyed by step and sequence: the query rows differ between steps (n0 at the prefill, 1 after), and a
     # widget kept across them would show one step's label over another step's row. Streamlit forgets a
     # widget that was not drawn, so the pick per step is remembered in a plain key.
-    picks = st.session_state.setdefault("query_picks", {})
+    picks = state().query_picks
     remembered = picks.get((step, batch), len(queries) - 1)
     pick = st.selectbox("query token: which keys does it attend to?", list(range(len(queries))),
                         index=remembered if remembered < len(queries) else len(queries) - 1,
                         format_func=lambda i: queries[i], key=f"attn_query_s{step}_b{batch}")
     picks[(step, batch)] = pick
     st.markdown(attn_views.query_attention_html(trace, step, layer, head, pick, batch), unsafe_allow_html=True)
-    info = step_info(trace, step)
-    if info.use_cache and step > 0:
+    if facts_of(trace).info.use_cache and step > 0:
         st.subheader("Rows accumulated over the steps")
         st.caption("With the cache a decode step computes one query row; stacking the rows of steps 0…s "
                    "rebuilds the lower-triangular pattern token by token (this step's row outlined).")
@@ -330,7 +321,7 @@ def mask_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "mask")
     facts = mask_views.mask_facts(trace, step, layer, batch)
     st.markdown(facts.explanation())
-    if not values_kept(trace, step, f"blocks.{layer}.attn.hook_mask", "mask and score heatmaps"):
+    if not values_kept(trace, step, act_name("mask", layer), "mask and score heatmaps"):
         return
     st.plotly_chart(mask_views.mask_figure(trace, step, layer, batch), key="mask_chart")
     st.plotly_chart(mask_views.scores_before_after_figure(trace, step, layer, head, batch), key="before_after_chart")
@@ -338,8 +329,9 @@ def mask_tab(trace: Trace, step: int) -> None:
 
 @st.fragment
 def cache_tab(trace: Trace, step: int) -> None:
-    info = step_info(trace, step)
-    if not info.use_cache:
+    app = state()
+    facts = facts_of(trace)
+    if not facts.info.use_cache:
         st.warning("The KV cache is off for this generation: every step recomputes K and V for all positions. "
                    "The table shows what each step computed.")
     st.dataframe(cache_views.cache_table(trace, step), hide_index=True, key="cache_table")
@@ -348,49 +340,46 @@ def cache_tab(trace: Trace, step: int) -> None:
     with cols[0]:
         layer, head, batch = layer_head_batch(trace, "kv")
     which = cols[1].radio("tensor", ["K", "V"], horizontal=True, key="kv_which")
-    hook = "hook_k_all" if which == "K" else "hook_v_all"
-    if values_kept(trace, step, f"blocks.{layer}.attn.{hook}", f"{which} values"):
+    if values_kept(trace, step, act_name("k_all" if which == "K" else "v_all", layer), f"{which} values"):
         st.plotly_chart(cache_views.key_heatmap_figure(trace, step, layer, head, batch, which), key="kv_chart")
     st.subheader("Cache on vs off")
-    comparisons = st.session_state.get("recompute", {}) if "loaded_trace" not in st.session_state else {}
-    gen = st.session_state.get("gen")
-    if gen is not None and "loaded_trace" not in st.session_state and st.button(
+    gen = app.generation if not app.viewing_file else None
+    if gen is not None and st.button(
             "Measure the latest step both ways", key="measure_recompute",
             help="Redo the latest step untraced with the cache and as a full recompute; time both, compare logits"):
-        comparisons[gen.n_steps - 1] = gen.compare_with_recompute(repeats=RECOMPUTE_REPEATS)
-        st.session_state["recompute"] = comparisons
-    st.plotly_chart(cache_views.cache_on_off_figure(trace, comparisons), key="on_off_chart")
+        gen.compare_with_recompute(timing_repeats=RECOMPUTE_REPEATS)
+    st.plotly_chart(cache_views.cache_on_off_figure(trace), key="on_off_chart")
+    comparisons = facts_of(trace).comparisons
     if step in comparisons:
         c = comparisons[step]
-        equal = c.max_abs_delta < 1e-4
-        verdict = ("equal up to float32 rounding: only the new row was needed, as the KV-caching notes "
-                   "(seed document 001) argue" if equal else
+        verdict = ("equal up to float32 rounding: only the new row was needed" if c.equal else
                    "NOT equal: the cached path disagrees with a full recompute")
         cols = st.columns(3)
         cols[0].metric("max |Δ logits|, cached vs full recompute", f"{c.max_abs_delta:.2e}",
                        help="over the logits rows sampled from")
-        cols[1].metric(f"cached path ({c.cached_rows} query row{'s' if c.cached_rows != 1 else ''})",
-                       f"{c.cached_seconds * 1000:.1f} ms", help="untraced, fastest of the repeats")
-        cols[2].metric(f"full recompute ({c.full_rows} rows)", f"{c.full_seconds * 1000:.1f} ms",
+        cols[1].metric(f"cached path ({c.cached.query_rows} query row{'s' if c.cached.query_rows != 1 else ''})",
+                       f"{c.cached.seconds * 1000:.1f} ms", help="untraced, fastest of the repeats")
+        cols[2].metric(f"full recompute ({c.full.query_rows} rows)", f"{c.full.seconds * 1000:.1f} ms",
                        help="untraced, fastest of the repeats")
         own = ("this run's own cached logits" if c.run_used_cache else
                "an untraced cached re-run (this run has the cache off: it is itself the full recompute)")
         st.caption(f"{verdict}. The cached side is {own}. Both timings leave the tracer out (the traced step "
-                   f"took {info.seconds * 1000:.1f} ms); each is the fastest of {RECOMPUTE_REPEATS} runs, yet on a "
-                   "busy machine a few ms can swing either way — the rows computed per step are the exact "
-                   "comparison, the seconds an estimate.")
+                   f"took {trace.steps[step].seconds * 1000:.1f} ms); each is the fastest of {c.timing_repeats} "
+                   "run(s), yet on a busy machine a few ms can swing either way — the rows computed per step are "
+                   "the exact comparison, the seconds an estimate.")
     elif gen is not None:
         st.caption("Press the button to redo this generation's latest step both ways and compare.")
 
 
 @st.fragment
 def next_token_tab(trace: Trace, step: int) -> None:
-    batch_size = len(trace.meta.get("columns", [[0]]))
+    facts = facts_of(trace)
+    batch_size = facts.batch_size
     row = st.selectbox("sequence", list(range(batch_size)), key="next_row") if batch_size > 1 else 0
-    sampling = trace.meta.get("sampling", {})
-    st.caption("Sampling: " + ("greedy (argmax)" if is_greedy(trace) else
-                               f"τ = {sampling.get('temperature')}, top-k = {sampling.get('top_k') or 'off'}, "
-                               f"top-p = {sampling.get('top_p') or 'off'}, seed {sampling.get('seed')}"))
+    st.caption("Sampling: " + facts.info.sampling.describe())
+    if facts.step(step).sampling is None:
+        st.error(f"No token was chosen at step {step}: the logits held NaN or +∞. See the Inspector.")
+        return
     st.plotly_chart(token_views.next_token_figure(trace, step, row), key="next_chart")
     if is_greedy(trace):
         st.info("Greedy decoding takes the argmax of the logits: temperature, top-k and top-p play no part, so "
@@ -406,19 +395,19 @@ def inspector_tab(trace: Trace, step: int) -> None:
     if anomaly is not None:
         st.error(f"NaN/Inf first appears in **{anomaly.name}** (record {anomaly.index}, step {step}): "
                  f"{trace.summary(anomaly.name, step)}")
-    default = st.session_state.get("inspect_name", "blocks.0.attn.hook_pattern")
+    default = state().inspect_name or act_name("pattern", 0)
     index = names.index(default) if default in names else 0
     name = st.selectbox("record", names, index=index, key="inspect_select")
     rec = trace.record(name, step)
     st.code(trace.summary(name, step), language=None)
+    note = trace.value_note(rec)
     st.caption(f"{rec.module_type} `{rec.module or 'model'}` · {rec.kind} · {rec.module_params:,} parameters · "
-               f"{shape_with_symbols(name, rec.shape, dims_for(trace, step))}"
-               + (f" · {rec.value_note}" if rec.value_note else ""))
-    value = trace.get(name, step)
+               f"{shape_with_axes(rec)}" + (f" · {note}" if note else ""))
+    value = trace.value(rec)
     if value is None:
         explain_missing_values(trace, step, "values (heatmap, histogram, raw numbers)")
     else:
-        show_tensor(value, name, symbols(name, rec.shape, dims_for(trace, step)))
+        show_tensor(value, name, list(rec.axes) if rec.axes else None)
     if trace.capture == "ops":
         # a hook point computes nothing itself: show the module that produced its tensor
         module = rec.module.rsplit(".", 1)[0] if rec.kind == "hook" and "." in rec.module else rec.module
@@ -457,55 +446,62 @@ def show_tensor(value: torch.Tensor, name: str, dim_symbols: list[str] | None = 
 
 
 def export_tab(trace: Trace | None) -> None:
+    app = state()
     if trace is not None:
         st.download_button("Download this trace (.zip: manifest.json, records.parquet, ops.parquet, "
-                           "values.safetensors)", data=lambda: trace_archive_bytes(trace),
+                           "values.safetensors)", data=lambda: archive_bytes(trace),
                            file_name="trace.zip", mime="application/zip", key="download_trace", on_click="ignore")
     upload = st.file_uploader("Load a trace (.zip)", type=["zip"], key="upload_trace")
-    if upload is not None and st.session_state.get("uploaded_id") != upload.file_id:
-        st.session_state["uploaded_id"] = upload.file_id
+    if upload is not None and app.last_upload_id != upload.file_id:
+        app.last_upload_id = upload.file_id
         try:
             loaded = load_trace(upload.getvalue())
         except TraceFileError as e:
             st.error(f"Could not load {upload.name}: {e}. Nothing else changed.")
             return
-        if not loaded.steps or not loaded.meta.get("labels"):
+        if not loaded.steps or loaded.generation is None:
             st.error(f"{upload.name} is a valid trace but not of a generation this app can show.")
             return
-        st.session_state["loaded_trace"] = loaded
+        app.open_file(LoadedTrace(loaded, upload.name, upload.file_id))
         st.session_state["pending_step_view"] = loaded.n_steps - 1  # the slider exists already: apply next run
         st.rerun()
 
 
 # -- page ------------------------------------------------------------------------------
 def main() -> None:
+    app = state()
     sidebar()
     st.title("GPT shape tracer")
-    try:
-        model, _, label = current_model()
-        st.caption(f"Model: **{label}** — {describe_model(model)}")
-    except ModelLoadError as e:
-        st.error(f"The selected model cannot be loaded: {e}")
-        st.session_state["model_key"] = "bundled"
-        return
-    for level, message in st.session_state.pop("notices", []):
+    for level, message in app.notices:
         getattr(st, level)(message)
-    gen = st.session_state.get("gen")
+    app.notices = []
+    trace = app.viewed_trace
+    if trace is not None and trace.model is not None:
+        st.caption(f"Model: **{trace.model.describe()}**" + (" — from the loaded file" if app.viewing_file else ""))
+    else:
+        try:
+            model, _ = current_model()
+            st.caption(f"Model: **{identity_of(model).describe()}** — {describe_model(model)}")
+        except ModelLoadError as e:
+            st.error(f"The selected model cannot be loaded: {e}")
+            app.model_key = "bundled"
+            return
+    gen = app.generation
     try:
         settings = current_settings()
     except SettingsError as e:
         settings = None
         st.warning(f"These settings cannot be used: {e}"
                    + (" — Step keeps continuing the current generation with its own settings." if gen else ""))
-    if gen is not None and "loaded_trace" not in st.session_state:
-        if settings is not None and settings.signature() != st.session_state.get("gen_signature"):
+    if gen is not None and not app.viewing_file:
+        if settings is not None and settings != app.started_with:
             st.info("The settings changed since this generation started: Step continues it as it was; "
                     "Reset applies the new settings.")
         if gen.trace.error is not None:
             st.error(gen.trace.error.describe())
-    if "loaded_trace" in st.session_state:
-        st.info("Viewing a loaded trace file. Step, Run N or Reset return to live generation.")
-    trace = viewed_trace()
+    if app.viewing_file:
+        st.info(f"Viewing the trace file {app.loaded.file_name}. Step, Run N or Reset return to live generation "
+                "(and leave this file view).")
     if trace is None:
         st.info("Press **Step** to run the prompt in the sidebar (edit it first if you like): step 0 runs the "
                 "whole prompt (the prefill), every further step one new token.")
@@ -514,11 +510,11 @@ def main() -> None:
         return
     step = header(trace)
     # no tabs are drawn while there is nothing to view (after Reset), and Streamlit forgets the state of a
-    # widget that was not drawn: a plain key keeps the open tab, so Reset → Step returns to the same view
-    if "view" not in st.session_state and st.session_state.get("open_tab") in TABS:
-        st.session_state["view"] = st.session_state["open_tab"]
+    # widget that was not drawn: the app state keeps the open tab, so Reset → Step returns to the same view
+    if "view" not in st.session_state and app.open_tab in TABS:
+        st.session_state["view"] = app.open_tab
     tabs = st.tabs(TABS, key="view", on_change="rerun")
-    st.session_state["open_tab"] = st.session_state.get("view")
+    app.open_tab = st.session_state.get("view")
     panels = [shapes_tab, attention_tab, mask_tab, cache_tab, next_token_tab, inspector_tab]
     for tab, panel in zip(tabs, panels):
         with tab:

@@ -1,16 +1,19 @@
-"""What the app's widgets mean, without Streamlit: settings parsed and checked, generations started.
+"""What the app's widgets mean, and what a session holds, without Streamlit.
 
 ``app.py`` reads raw widget values into ``parse_settings``; every refusal is a
-``SettingsError`` whose message the app shows as it is.
+``SettingsError`` whose message the app shows as it is. ``AppState`` is the one
+object a browser session keeps between reruns: the live generation, the trace
+file being viewed (if any) and the small choices that outlive a widget.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from model.sampling import SamplingConfig, SamplingError
-from tracer.capture import CAPTURE_LEVELS
+from tracer import Trace
 from tracer.generation import MAX_BATCH, MAX_RUN_STEPS, PromptError, TracedGeneration
+from tracer.log import CAPTURE_LEVELS
 
 MAX_BUDGET_MB = 8192
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She had a red ball."
@@ -104,3 +107,62 @@ def new_generation(model, tokenizer, settings: Settings) -> TracedGeneration:
         )
     except PromptError as e:
         raise SettingsError(str(e)) from None
+
+
+@dataclass
+class LoadedTrace:
+    """A trace file the person opened: shown instead of the live generation until they step or reset."""
+
+    trace: Trace
+    file_name: str
+    file_id: str
+
+
+@dataclass
+class AppState:
+    """Everything one browser session keeps between reruns (widget values aside, which Streamlit keeps)."""
+
+    model_key: str = "bundled"  # "bundled", or a directory path
+    generation: TracedGeneration | None = None
+    started_with: Settings | None = None  # the settings the generation started with
+    loaded: LoadedTrace | None = None
+    notices: list[tuple[str, str]] = field(default_factory=list)  # (level, message) for the next rerun
+    query_picks: dict[tuple[int, int], int] = field(default_factory=dict)  # (step, sequence) → query row
+    inspect_name: str | None = None  # the record the Inspector opens
+    open_tab: str | None = None  # survives reruns where no tabs are drawn
+    last_upload_id: str | None = None
+
+    @property
+    def viewing_file(self) -> bool:
+        return self.loaded is not None
+
+    @property
+    def viewed_trace(self) -> Trace | None:
+        """The loaded file's trace, else the live generation's once it has a step."""
+        if self.loaded is not None:
+            return self.loaded.trace
+        gen = self.generation
+        return gen.trace if gen is not None and gen.n_steps else None
+
+    def start(self, model, tokenizer, settings: Settings) -> TracedGeneration:
+        """A new generation with ``settings`` (the previous one is closed)."""
+        gen = new_generation(model, tokenizer, settings)
+        self.reset()
+        self.generation, self.started_with = gen, settings
+        return gen
+
+    def reset(self) -> None:
+        """Forget the generation, the file view and every per-run choice; keep the model and the tab."""
+        if self.generation is not None:
+            self.generation.close()
+        self.generation = None
+        self.started_with = None
+        self.loaded = None
+        self.query_picks = {}
+
+    def open_file(self, loaded: LoadedTrace) -> None:
+        self.loaded = loaded
+        self.query_picks = {}
+
+    def close_file(self) -> None:
+        self.loaded = None

@@ -1,4 +1,4 @@
-"""Attention views: the four stages of the formula (seed document 002), all heads, the built-up history."""
+"""Attention views: the four stages of A = softmax(QKᵀ/√d_k + M), all heads, the history built up by the cache."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ from plotly.subplots import make_subplots
 
 from figures.common import (
     HEATMAP_SCALE,
+    facts_of,
     finite_or_none,
+    gen_step,
     hover_values,
     key_labels,
     query_labels,
     safe_text,
     shape_text,
-    step_info,
     tick_step,
 )
+from model.hook_table import act_name
 from tracer import Trace
 
 STAGES = ("hook_qk", "hook_attn_scores", "hook_masked_scores", "hook_pattern")
@@ -35,7 +37,7 @@ class Stage:
 
 
 def _attn(layer: int, hook: str) -> str:
-    return f"blocks.{layer}.attn.{hook}"
+    return act_name(hook, layer)
 
 
 def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> list[Stage]:
@@ -136,12 +138,9 @@ def pattern_figure(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str
 
 def all_heads_figure(trace: Trace, step: int, batch: int = 0) -> tuple[go.Figure, str]:
     """Every layer × head attention pattern at ``step``; returns (figure, note)."""
-    cfg = trace.meta.get("model_config", {})
-    n_layer, n_head = cfg.get("n_layer"), cfg.get("n_head")
-    if not n_layer:
-        n_layer = len(trace.filter(step=step, name="*attn.hook_pattern"))
-        n_head = trace.record(_attn(0, "hook_pattern"), step).shape[1]
-    info = step_info(trace, step)
+    n_layer = len(trace.filter(step=step, name="*attn.hook_pattern"))
+    n_head = trace.record(_attn(0, "hook_pattern"), step).shape[1]
+    info = gen_step(trace, step).forward
     rows_shown = info.n
     note = ""
     if n_layer * n_head * info.n * info.t > ALL_HEADS_MAX_CELLS:
@@ -194,15 +193,15 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
     row could not see are NaN. Returns (matrix, row labels, key labels, step of each row)."""
     keys = key_labels(trace, upto_step, batch)
     t = len(keys)
-    is_token = trace.meta.get("is_token", [[True] * t])[batch]
+    facts = facts_of(trace)
+    is_token = facts.is_token(batch, upto_step)
     rows: list[torch.Tensor] = []
     row_steps: list[int] = []
     row_labels: list[str] = []
     for s in range(upto_step + 1):
-        info = step_info(trace, s)
         pattern = trace.get(_attn(layer, "hook_pattern"), s)
         new = query_labels(trace, s, batch)
-        if s > 0 and not info.use_cache:
+        if s > 0 and not facts.info.use_cache:
             new = new[-1:]  # without the cache a step recomputes all rows; only its newest row is new
         n_rows = len(query_labels(trace, s, batch))
         for i, label in enumerate(new):

@@ -6,34 +6,41 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from figures.common import HEATMAP_SCALE, finite_or_none, key_labels, safe_text, shape_text, step_info, tick_step
-from tracer import RecomputeComparison, Trace
+from figures.common import (
+    HEATMAP_SCALE,
+    facts_of,
+    finite_or_none,
+    gen_step,
+    key_labels,
+    safe_text,
+    shape_text,
+    tick_step,
+)
+from model.hook_table import act_name
+from tracer import Trace
 
 
 def _ran_with_cache(trace: Trace) -> bool:
-    return bool(trace.steps and trace.steps[-1].use_cache)
+    return facts_of(trace).info.use_cache
 
 
-def _n_layer(trace: Trace) -> int:
-    cfg = trace.meta.get("model_config")
-    if cfg:
-        return int(cfg["n_layer"])
-    return len({r.layer for r in trace.filter(name="*attn.hook_k_all")})
+def _n_layer(trace: Trace, step: int) -> int:
+    return len(trace.filter(step=step, name="*attn.hook_k_all"))
 
 
 def cache_table(trace: Trace, step: int) -> pd.DataFrame:
     """One row per layer: K and V [B, H, t, d_head] at ``step``, rows new this step, bytes."""
-    info = step_info(trace, step)
+    use_cache = _ran_with_cache(trace)
     rows = []
-    for layer in range(_n_layer(trace)):
-        k = trace.record(f"blocks.{layer}.attn.hook_k_all", step)
-        v = trace.record(f"blocks.{layer}.attn.hook_v_all", step)
-        k_new = trace.record(f"blocks.{layer}.attn.hook_k", step)
+    for layer in range(_n_layer(trace, step)):
+        k = trace.record(act_name("k_all", layer), step)
+        v = trace.record(act_name("v_all", layer), step)
+        k_new = trace.record(act_name("k", layer), step)
         rows.append({
             "layer": layer,
             "K": shape_text(k.shape),
             "V": shape_text(v.shape),
-            "rows from the cache": k.shape[2] - k_new.shape[2] if info.use_cache else 0,
+            "rows from the cache": k.shape[2] - k_new.shape[2] if use_cache else 0,
             "rows computed this step": k_new.shape[2],
             "bytes (K+V)": k.nbytes + v.nbytes,
         })
@@ -43,14 +50,13 @@ def cache_table(trace: Trace, step: int) -> pd.DataFrame:
 def cache_growth(trace: Trace) -> pd.DataFrame:
     """Per step: cache length after the step and bytes of K+V held over all layers."""
     rows = []
-    n_layer = _n_layer(trace)
-    for info in trace.steps:
-        total = 0
-        for layer in range(n_layer):
-            total += trace.record(f"blocks.{layer}.attn.hook_k_all", info.step).nbytes
-            total += trace.record(f"blocks.{layer}.attn.hook_v_all", info.step).nbytes
-        rows.append({"step": info.step, "cache length": info.cache_length_after if info.use_cache else 0,
-                     "t (keys attended)": info.t, "K+V bytes (all layers)": total if info.use_cache else 0,
+    facts = facts_of(trace)
+    use_cache = facts.info.use_cache
+    for gs in facts.steps:
+        total = sum(trace.record(act_name(kind, layer), gs.step).nbytes
+                    for layer in range(_n_layer(trace, gs.step)) for kind in ("k_all", "v_all"))
+        rows.append({"step": gs.step, "cache length": gs.forward.cache_after if use_cache else 0,
+                     "t (keys attended)": gs.forward.t, "K+V bytes (all layers)": total if use_cache else 0,
                      "K+V bytes computed": total})
     return pd.DataFrame(rows)
 
@@ -84,14 +90,14 @@ def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Fi
 def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0, which: str = "K") -> go.Figure:
     """One head's cached keys (or values): positions × d_head, the rows added at ``step`` outlined."""
     hook = "hook_k_all" if which == "K" else "hook_v_all"
-    value = trace.get(f"blocks.{layer}.attn.{hook}", step)
+    value = trace.get(act_name(hook, layer), step)
     fig = go.Figure()
     if value is None:
         fig.add_annotation(text=f"{which} values not kept for this step", showarrow=False)
         return fig
     m = value[batch, head]  # [t, d_head]
     t, d_head = m.shape
-    info = step_info(trace, step)
+    use_cache = _ran_with_cache(trace)
     labels = key_labels(trace, step, batch)
     fig.add_trace(go.Heatmap(z=finite_or_none(m), colorscale=HEATMAP_SCALE, colorbar={"title": which},
                              hovertemplate="position %{y}, dim %{x}: %{z:.4f}<extra></extra>"))
@@ -99,11 +105,11 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
     fig.update_yaxes(tickvals=list(range(0, t, s)), ticktext=[safe_text(labels[i]) for i in range(0, t, s)],
                      autorange="reversed", title_text="position")
     fig.update_xaxes(title_text="d_head")
-    new = info.n if info.use_cache else t
+    new = gen_step(trace, step).forward.n if use_cache else t
     fig.add_shape(type="rect", x0=-0.5, x1=d_head - 0.5, y0=t - new - 0.5, y1=t - 0.5,
                   line={"color": "#ff4b4b", "width": 3})
     rows = f"row {t - 1}" if new == 1 else f"rows {t - new}…{t - 1}"
-    what = f"{rows} added at step {step}" if info.use_cache else f"all {t} rows recomputed at step {step}, no cache"
+    what = f"{rows} added at step {step}" if use_cache else f"all {t} rows recomputed at step {step}, no cache"
     fig.update_layout(title_text=f"{which} of layer {layer}, head {head}: {shape_text(tuple(m.shape))} = [t, d_head]"
                                  f" — <span style='color:#ff4b4b'>{what} (outlined)</span>",
                       height=max(300, min(900, 110 + 16 * t)), margin={"t": 50, "l": 10, "r": 10, "b": 10})
@@ -112,31 +118,31 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
 
 def rows_computed(trace: Trace) -> pd.DataFrame:
     """Query rows of attention computed per step with the cache (n) and without it (all t)."""
+    facts = facts_of(trace)
     rows = []
-    first = trace.steps[0] if trace.steps else None
-    for info in trace.steps:
-        n0 = first.n if first is not None else info.n
-        full = n0 + info.step
-        rows.append({"step": info.step, "with cache": 1 if info.step > 0 else n0, "without cache": full,
-                     "this run": info.n, "seconds": info.seconds})
+    for gs in facts.steps:
+        width = facts.width(gs.step)
+        rows.append({"step": gs.step, "with cache": 1 if gs.step > 0 else width, "without cache": width,
+                     "this run": gs.forward.n, "seconds": trace.steps[gs.step].seconds})
     return pd.DataFrame(rows)
 
 
-def cache_on_off_figure(trace: Trace, comparisons: dict[int, RecomputeComparison] | None = None) -> go.Figure:
+def cache_on_off_figure(trace: Trace) -> go.Figure:
     """Rows computed per step (cache on vs off) and, where measured, untraced seconds of both paths.
 
     The run's own traced step time is drawn too, faint: it includes recording the
     tensors, so it is not what the cache saves."""
     table = rows_computed(trace)
+    comparisons = facts_of(trace).comparisons
     fig = make_subplots(rows=1, cols=2, subplot_titles=("query rows computed per step",
-                                                        "seconds per step (untraced, fastest of repeats)"))
+                                                        "seconds per step (untraced, an estimate)"))
     fig.add_trace(go.Bar(x=table["step"], y=table["with cache"], name="with cache"), row=1, col=1)
     fig.add_trace(go.Bar(x=table["step"], y=table["without cache"], name="without cache"), row=1, col=1)
     if comparisons:
         steps = sorted(comparisons)
-        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].cached_seconds for s in steps], mode="lines+markers",
+        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].cached.seconds for s in steps], mode="lines+markers",
                                  name="cached path", marker={"color": "#1f77b4"}), row=1, col=2)
-        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].full_seconds for s in steps], mode="lines+markers",
+        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].full.seconds for s in steps], mode="lines+markers",
                                  name="full recompute", marker={"symbol": "x", "size": 9, "color": "#ff7f0e"}),
                       row=1, col=2)
     use_cache = _ran_with_cache(trace)

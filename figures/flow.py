@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
-from figures.common import dims_for, safe_text, shape_text, symbols
+from figures.common import safe_text, shape_text
+from model.hook_table import act_name
 from tracer import Trace
 
 GROUP_COLORS = {
@@ -32,72 +33,72 @@ class FlowNode:
     summary: str = ""
 
 
-def _nodes(layer: int, n_layer: int) -> tuple[list[FlowNode], list[tuple[int, int]]]:
-    b = f"blocks.{layer}"
-    a = f"{b}.attn"
+def _nodes(layer: int, n_layer: int) -> tuple[list[FlowNode], list[tuple[str, str]]]:
+    def h(kind: str) -> str:
+        return act_name(kind, layer) if "{L}" in _template(kind) else act_name(kind)
+
     nodes = [
         FlowNode("token ids", "model:in[0]", 1.0, 0, "input"),
-        FlowNode("W_E[tokens]", "hook_embed", 0.2, 1, "input"),
-        FlowNode("W_pos[positions]", "hook_pos_embed", 1.8, 1, "input"),
+        FlowNode("W_E[tokens]", h("embed"), 0.2, 1, "input"),
+        FlowNode("W_pos[positions]", h("pos_embed"), 1.8, 1, "input"),
         FlowNode(f"x into block {layer}" + (f" (after {layer} block{'s' if layer > 1 else ''})" if layer else ""),
-                 f"{b}.hook_resid_pre", 1.0, 2, "residual"),
-        FlowNode("LN₁(x)", f"{b}.ln1.hook_normalized", 1.0, 3, "attention"),
-        FlowNode("X·W_QKV", f"{a}.hook_qkv", 1.0, 4, "attention"),
-        FlowNode("Q", f"{a}.hook_q", -0.2, 5, "attention"),
-        FlowNode("K (new)", f"{a}.hook_k", 1.0, 5, "attention"),
-        FlowNode("V (new)", f"{a}.hook_v", 2.2, 5, "attention"),
-        FlowNode("K = cache ++ new", f"{a}.hook_k_all", 1.0, 6, "cache"),
-        FlowNode("V = cache ++ new", f"{a}.hook_v_all", 2.2, 6, "cache"),
-        FlowNode("QKᵀ", f"{a}.hook_qk", 0.4, 7, "attention"),
-        FlowNode("÷ √d_k", f"{a}.hook_attn_scores", 0.4, 8, "attention"),
-        FlowNode("M (mask)", f"{a}.hook_mask", -0.8, 9, "attention"),
-        FlowNode("+ M", f"{a}.hook_masked_scores", 0.4, 9, "attention"),
-        FlowNode("A = softmax", f"{a}.hook_pattern", 0.4, 10, "attention"),
-        FlowNode("z = A·V", f"{a}.hook_z", 1.4, 11, "attention"),
-        FlowNode("merge heads", f"{a}.hook_merged", 1.4, 12, "attention"),
-        FlowNode("·W_O", f"{b}.hook_attn_out", 1.4, 13, "attention"),
-        FlowNode("x + attention", f"{b}.hook_resid_mid", 4.4, 0, "residual"),
-        FlowNode("LN₂(x)", f"{b}.ln2.hook_normalized", 4.4, 1, "mlp"),
-        FlowNode("x·W₁ + b₁", f"{b}.mlp.hook_pre", 4.4, 2, "mlp"),
-        FlowNode("GELU", f"{b}.mlp.hook_post", 4.4, 3, "mlp"),
-        FlowNode("·W₂ + b₂", f"{b}.hook_mlp_out", 4.4, 4, "mlp"),
-        FlowNode("x + MLP", f"{b}.hook_resid_post", 4.4, 5, "residual"),
-        FlowNode(f"× {n_layer} blocks → LN_f", "ln_final.hook_normalized", 4.4, 7, "output"),
-        FlowNode("logits = x·W_Eᵀ", "hook_logits", 4.4, 8, "output"),
+                 h("resid_pre"), 1.0, 2, "residual"),
+        FlowNode("LN₁(x)", h("ln1"), 1.0, 3, "attention"),
+        FlowNode("X·W_QKV", h("qkv"), 1.0, 4, "attention"),
+        FlowNode("Q", h("q"), -0.2, 5, "attention"),
+        FlowNode("K (new)", h("k"), 1.0, 5, "attention"),
+        FlowNode("V (new)", h("v"), 2.2, 5, "attention"),
+        FlowNode("K = cache ++ new", h("k_all"), 1.0, 6, "cache"),
+        FlowNode("V = cache ++ new", h("v_all"), 2.2, 6, "cache"),
+        FlowNode("QKᵀ", h("qk"), 0.4, 7, "attention"),
+        FlowNode("÷ √d_k", h("attn_scores"), 0.4, 8, "attention"),
+        FlowNode("M (mask)", h("mask"), -0.8, 9, "attention"),
+        FlowNode("+ M", h("masked_scores"), 0.4, 9, "attention"),
+        FlowNode("A = softmax", h("pattern"), 0.4, 10, "attention"),
+        FlowNode("O = A·V", h("z"), 1.4, 11, "attention"),
+        FlowNode("merge heads", h("merged"), 1.4, 12, "attention"),
+        FlowNode("·W_O", h("attn_out"), 1.4, 13, "attention"),
+        FlowNode("x + attention", h("resid_mid"), 4.4, 0, "residual"),
+        FlowNode("LN₂(x)", h("ln2"), 4.4, 1, "mlp"),
+        FlowNode("x·W₁ + b₁", h("mlp_pre"), 4.4, 2, "mlp"),
+        FlowNode("GELU (tanh form)", h("mlp_post"), 4.4, 3, "mlp"),
+        FlowNode("·W₂ + b₂", h("mlp_out"), 4.4, 4, "mlp"),
+        FlowNode("x + MLP", h("resid_post"), 4.4, 5, "residual"),
+        FlowNode(f"× {n_layer} blocks → LN_f", h("ln_final"), 4.4, 7, "output"),
+        FlowNode("z = x·W_U (logits)", h("logits"), 4.4, 8, "output"),
     ]
-    index = {n.name: i for i, n in enumerate(nodes)}
-    edges_by_name = [
-        ("model:in[0]", "hook_embed"), ("model:in[0]", "hook_pos_embed"), ("hook_embed", f"{b}.hook_resid_pre"),
-        ("hook_pos_embed", f"{b}.hook_resid_pre"), (f"{b}.hook_resid_pre", f"{b}.ln1.hook_normalized"),
-        (f"{b}.ln1.hook_normalized", f"{a}.hook_qkv"), (f"{a}.hook_qkv", f"{a}.hook_q"),
-        (f"{a}.hook_qkv", f"{a}.hook_k"), (f"{a}.hook_qkv", f"{a}.hook_v"), (f"{a}.hook_k", f"{a}.hook_k_all"),
-        (f"{a}.hook_v", f"{a}.hook_v_all"), (f"{a}.hook_q", f"{a}.hook_qk"), (f"{a}.hook_k_all", f"{a}.hook_qk"),
-        (f"{a}.hook_qk", f"{a}.hook_attn_scores"), (f"{a}.hook_attn_scores", f"{a}.hook_masked_scores"),
-        (f"{a}.hook_mask", f"{a}.hook_masked_scores"), (f"{a}.hook_masked_scores", f"{a}.hook_pattern"),
-        (f"{a}.hook_pattern", f"{a}.hook_z"), (f"{a}.hook_v_all", f"{a}.hook_z"), (f"{a}.hook_z", f"{a}.hook_merged"),
-        (f"{a}.hook_merged", f"{b}.hook_attn_out"), (f"{b}.hook_attn_out", f"{b}.hook_resid_mid"),
-        (f"{b}.hook_resid_mid", f"{b}.ln2.hook_normalized"), (f"{b}.ln2.hook_normalized", f"{b}.mlp.hook_pre"),
-        (f"{b}.mlp.hook_pre", f"{b}.mlp.hook_post"), (f"{b}.mlp.hook_post", f"{b}.hook_mlp_out"),
-        (f"{b}.hook_mlp_out", f"{b}.hook_resid_post"), (f"{b}.hook_resid_post", "ln_final.hook_normalized"),
-        ("ln_final.hook_normalized", "hook_logits"),
-    ]
-    return nodes, [(index[s], index[d]) for s, d in edges_by_name]
+    chain = [("model:in[0]", "embed"), ("model:in[0]", "pos_embed"), ("embed", "resid_pre"),
+             ("pos_embed", "resid_pre"), ("resid_pre", "ln1"), ("ln1", "qkv"), ("qkv", "q"), ("qkv", "k"),
+             ("qkv", "v"), ("k", "k_all"), ("v", "v_all"), ("q", "qk"), ("k_all", "qk"), ("qk", "attn_scores"),
+             ("attn_scores", "masked_scores"), ("mask", "masked_scores"), ("masked_scores", "pattern"),
+             ("pattern", "z"), ("v_all", "z"), ("z", "merged"), ("merged", "attn_out"), ("attn_out", "resid_mid"),
+             ("resid_mid", "ln2"), ("ln2", "mlp_pre"), ("mlp_pre", "mlp_post"), ("mlp_post", "mlp_out"),
+             ("mlp_out", "resid_post"), ("resid_post", "ln_final"), ("ln_final", "logits")]
+    return nodes, [(a if a.startswith("model:") else h(a), h(b)) for a, b in chain]
+
+
+def _template(kind: str) -> str:
+    try:
+        act_name(kind)
+    except ValueError:
+        return "{L}"
+    return ""
 
 
 def flow_nodes(trace: Trace, step: int, layer: int = 0) -> tuple[list[FlowNode], list[tuple[int, int]]]:
     """The flow's nodes with the shapes recorded at ``step`` (records missing → shape None)."""
-    n_layer = trace.meta.get("model_config", {}).get("n_layer", layer + 1)
-    nodes, edges = _nodes(layer, n_layer)
-    dims = dims_for(trace, step)
+    n_layer = trace.config.n_layer if trace.config is not None else layer + 1
+    nodes, edges_by_name = _nodes(layer, n_layer)
     for node in nodes:
         try:
             rec = trace.record(node.name, step)
         except KeyError:
             continue
         node.shape = rec.shape
-        node.symbolic = symbols(node.name, rec.shape, dims)
-        node.summary = trace.summary(node.name, step) if rec.stats is not None else ""
-    return nodes, edges
+        node.symbolic = list(rec.axes) if rec.axes else None
+        node.summary = trace.summary(rec)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    return nodes, [(index[a], index[b]) for a, b in edges_by_name]
 
 
 def flow_table(trace: Trace, step: int, layer: int = 0) -> pd.DataFrame:
@@ -158,7 +159,7 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
         notes.append({"x": node.x, "y": node.y, "text": text, "showarrow": False,
                       "font": {"size": 11, "color": "#1a1a1a"}})
     notes.append({"x": 4.4, "y": 6, "showarrow": False, "font": {"size": 10, "color": "#666"},
-                  "text": repeat_note(layer, trace.meta.get("model_config", {}).get("n_layer"))})
+                  "text": repeat_note(layer, trace.config.n_layer if trace.config is not None else None)})
     # invisible points carry the hover: record name and one-line summary
     fig = go.Figure(go.Scatter(
         x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers", marker={"size": 40, "opacity": 0},

@@ -9,7 +9,8 @@ import torch
 from plotly.subplots import make_subplots
 
 from figures.attention import _axes, _heatmap
-from figures.common import key_labels, query_labels, safe_text, shape_text, step_info
+from figures.common import facts_of, key_labels, query_labels, safe_text, shape_text
+from model.hook_table import act_name
 from tracer import Trace
 
 
@@ -61,27 +62,26 @@ class MaskFacts:
 
 
 def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskFacts:
-    rec = trace.record(f"blocks.{layer}.attn.hook_mask", step)
-    info = step_info(trace, step)
-    mask = trace.get(rec.name, step)
+    rec = trace.record(act_name("mask", layer), step)
+    facts = facts_of(trace)
+    mask = trace.value(rec)
     n, t = rec.shape[-2], rec.shape[-1]
     if mask is not None:
         block = mask[min(batch, mask.shape[0] - 1), 0]
         masked = int(torch.isinf(block).sum())
-        is_token = trace.meta.get("is_token", [])
-        pad_cols = [j for j in range(t) if is_token and batch < len(is_token) and not is_token[batch][j]]
+        pad_cols = [j for j in facts.padding_columns(batch, step) if j < t]
     else:
         masked, pad_cols = -1, []
+    use_cache = facts.info.use_cache
     return MaskFacts(
         shape=rec.shape, n=n, t=t, masked=masked, allowed=n * t - masked if masked >= 0 else -1,
-        padding_columns=pad_cols, use_cache=info.use_cache, decode=info.use_cache and info.step > 0 and n == 1,
-        batch=batch,
+        padding_columns=pad_cols, use_cache=use_cache, decode=use_cache and step > 0 and n == 1, batch=batch,
     )
 
 
 def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.Figure:
     """M as a 0 / −∞ picture (query rows × key columns)."""
-    mask = trace.get(f"blocks.{layer}.attn.hook_mask", step)
+    mask = trace.get(act_name("mask", layer), step)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     fig = go.Figure()
     if mask is None:
@@ -106,8 +106,8 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
 
 def scores_before_after_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure:
     """QKᵀ/√d_k before and after adding M, for one head."""
-    before = trace.get(f"blocks.{layer}.attn.hook_attn_scores", step)
-    after = trace.get(f"blocks.{layer}.attn.hook_masked_scores", step)
+    before = trace.get(act_name("attn_scores", layer), step)
+    after = trace.get(act_name("masked_scores", layer), step)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     fig = make_subplots(rows=1, cols=2, subplot_titles=("before: QKᵀ/√d_k", "after: QKᵀ/√d_k + M  (−∞ left blank)"))
     if before is None or after is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from figures.common import column_labels, is_greedy, safe_text, step_info
+from figures.common import facts_of, gen_step, is_greedy, safe_text
 from model.sampling import STAGES
 from tracer import Trace
 
@@ -22,23 +22,17 @@ def generated_text_html(trace: Trace, row: int = 0, upto_step: int | None = None
 
     Tokens after ``upto_step`` (when time-travelling) are left out. Every token
     string is HTML-escaped: a prompt like ``<script>`` shows as text."""
-    labels = column_labels(trace, row)
-    is_token = trace.meta.get("is_token", [[True] * len(labels)])[row]
-    prompt_width = len(trace.meta.get("columns", [labels])[row]) - len(trace.steps)
-    last = upto_step if upto_step is not None else len(trace.steps) - 1
+    facts = facts_of(trace)
+    last = upto_step if upto_step is not None else facts.n_steps - 1
+    _, is_token, labels = facts.info.padded_prompt(row)
     parts = ["<div style='font-family: monospace; line-height: 1.9; white-space: pre-wrap'>"]
-    for j in range(min(len(labels), prompt_width)):
-        if is_token[j]:
-            parts.append(f"<span style='color: #555'>{safe_text(labels[j])}</span>")
-    for s in range(0, last + 1):
-        col = prompt_width + s
-        if col >= len(labels):
-            break
-        info = step_info(trace, s)
-        p = info.sampled_prob[row] if row < len(info.sampled_prob) else 0.0
+    for label, real in zip(labels, is_token):
+        if real:
+            parts.append(f"<span style='color: #555'>{safe_text(label)}</span>")
+    for label, p, s in facts.chosen_through(row, last):
         parts.append(
             f"<span title='step {s}: p = {p:.3f}' style='background: {_prob_color(p)}; border-radius: 3px; "
-            f"padding: 1px 1px'>{safe_text(labels[col])}</span>"
+            f"padding: 1px 1px'>{safe_text(label)}</span>"
         )
     parts.append("</div>")
     return "".join(parts)
@@ -46,12 +40,12 @@ def generated_text_html(trace: Trace, row: int = 0, upto_step: int | None = None
 
 def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     """Top candidates by final probability, the sampled one marked."""
-    info = step_info(trace, step)
+    info = gen_step(trace, step).sampling
     ids = info.candidates[row]
-    labels = info.candidate_labels[row] if info.candidate_labels else [str(i) for i in ids]
+    labels = info.candidate_labels[row]
     final = info.stage_probs[row][len(STAGES) - 1]
     order = sorted(range(len(ids)), key=lambda i: -final[i])
-    sampled = info.sampled[row]
+    sampled = info.tokens[row]
     xs = [f"{safe_text(labels[i])} ({ids[i]})" for i in order]
     colors = ["#ff4b4b" if ids[i] == sampled else "#4c78a8" for i in order]
     fig = go.Figure(go.Bar(x=xs, y=[final[i] for i in order], marker_color=colors,
@@ -69,17 +63,17 @@ def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
 
 def distribution_stages_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     """Each candidate's probability at each stage: softmax(z), ÷τ, top-k, top-p."""
-    info = step_info(trace, step)
+    info = gen_step(trace, step).sampling
     ids = info.candidates[row]
-    labels = info.candidate_labels[row] if info.candidate_labels else [str(i) for i in ids]
+    labels = info.candidate_labels[row]
     base = info.stage_probs[row][0]
     order = sorted(range(len(ids)), key=lambda i: -base[i])
     xs = [f"{safe_text(labels[i])} ({ids[i]})" for i in order]
-    sampling = trace.meta.get("sampling", {})
-    off = {2: not sampling.get("top_k"), 3: sampling.get("top_p") in (None, 1.0)}  # stages that changed nothing
+    sampling = facts_of(trace).info.sampling
+    off = {2: not sampling.top_k, 3: sampling.top_p in (None, 1.0)}  # stages that changed nothing
     fig = go.Figure()
     for s, stage in enumerate(STAGES):
-        kept = info.kept[row][s] if info.kept else None
+        kept = info.kept[row][s]
         label = f"{stage} (off)" if off.get(s) else stage
         name = f"{label} — {kept} token(s) left" if kept is not None else label
         fig.add_trace(go.Bar(x=xs, y=[info.stage_probs[row][s][i] for i in order], name=name))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tracer.io import load_trace, trace_archive_bytes
+from tracer.io import archive_bytes, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app.py")
@@ -129,7 +129,7 @@ def test_next_token_shows_the_sampling_stages_only_when_sampling(stepped):
     press(at, "step_button")
     press(at, "step_button")
     assert at.session_state["view"] == "Next token"  # Reset → Step keeps the tab the person was on
-    info = at.session_state["gen"].trace.steps[1]
+    info = at.session_state["app"].generation.facts.step(1).sampling
     stages = charts(at)[1]["data"]
     assert [len(d["y"]) for d in stages] == [len(info.candidates[0])] * 4
     assert "5 token(s) left" in stages[2]["name"]  # top-k kept five
@@ -138,16 +138,16 @@ def test_next_token_shows_the_sampling_stages_only_when_sampling(stepped):
 
 def test_attention_selectors_redraw_without_stepping(stepped):
     at = show_tab(stepped, "Attention")
-    before = at.session_state["gen"].n_steps
+    before = at.session_state["app"].generation.n_steps
     first = heatmaps(charts(at)[0])[3]["z"]
     at.selectbox(key="attn_layer").set_value(3)
     at.selectbox(key="attn_head").set_value(2)
     run(at)
     after = heatmaps(charts(at)[0])[3]["z"]
     assert after != first
-    pattern = at.session_state["gen"].trace.get("blocks.3.attn.hook_pattern", 2)[0, 2]
+    pattern = at.session_state["app"].generation.trace.get("blocks.3.attn.hook_pattern", 2)[0, 2]
     assert [round(v, 5) for v in after[0]] == [round(v, 5) for v in pattern[0].tolist()]
-    assert at.session_state["gen"].n_steps == before  # switching a selector never runs the model
+    assert at.session_state["app"].generation.n_steps == before  # switching a selector never runs the model
     at.selectbox(key="attn_query_s2_b0").set_value(0)
     run(at)
     assert any("rgba(255, 75, 75" in m.value for m in at.markdown)
@@ -165,7 +165,7 @@ def query_pick_shown(at: AppTest) -> tuple[str, list[float]]:
 def test_the_query_picker_follows_the_step_slider(stepped):
     """Time travel must not leave one step's query label over another step's row; a pick is remembered."""
     at = show_tab(stepped, "Attention")
-    gen = at.session_state["gen"]
+    gen = at.session_state["app"].generation
     n0 = prompt_tokens(at)
     for visit, (step, n) in enumerate(((2, 1), (0, n0), (1, 1), (0, n0))):
         at.slider(key="step_view").set_value(step)
@@ -209,7 +209,7 @@ def test_kv_cache_tab_reports_the_recompute_check(stepped):
     at.radio(key="kv_which").set_value("V")
     at.selectbox(key="kv_layer").set_value(1)
     run(at)
-    v = at.session_state["gen"].trace.get("blocks.1.attn.hook_v_all", 2)[0, 0]
+    v = at.session_state["app"].generation.trace.get("blocks.1.attn.hook_v_all", 2)[0, 0]
     assert len(heatmaps(charts(at)[1])[0]["z"]) == v.shape[0]
 
 
@@ -227,7 +227,7 @@ def test_inspector_opens_a_record_and_its_slices(stepped):
 def test_inspector_slicing_survives_switching_records_and_steps(stepped):
     """Dim pickers set for a 4-D record must not leave a 3-D record (or another step) showing nothing."""
     at = show_tab(stepped, "Inspector")
-    gen = at.session_state["gen"]
+    gen = at.session_state["app"].generation
     at.selectbox(key="inspect_select").set_value("blocks.0.attn.hook_pattern")
     run(at)
     # named by symbol, not by size: labels a widget keeps across steps must not go stale as t grows
@@ -319,7 +319,7 @@ def test_a_batch_of_two_prompts_with_padding():
     at.sidebar.text_area(key="prompt").set_value("Lily had a red ball.\nTom said,")
     press(at, "step_button")
     press(at, "step_button")
-    gen = at.session_state["gen"]
+    gen = at.session_state["app"].generation
     assert gen.batch_size == 2 and gen.padded
     show_tab(at, "Causal mask")
     at.selectbox(key="mask_batch").set_value(1)
@@ -329,13 +329,13 @@ def test_a_batch_of_two_prompts_with_padding():
 
 def test_export_and_load_a_trace_back(stepped):
     at = stepped
-    data = trace_archive_bytes(at.session_state["gen"].trace)
+    data = archive_bytes(at.session_state["app"].generation.trace)
     assert load_trace(data).n_steps == 3
     show_tab(at, "Export")
     at.file_uploader(key="upload_trace").upload("trace.zip", data, "application/zip")
     run(at)
-    assert "loaded_trace" in at.session_state
-    assert any("Viewing a loaded trace" in i.value for i in at.info)
+    assert at.session_state["app"].viewing_file
+    assert any("Viewing the trace file trace.zip" in i.value for i in at.info)
     show_tab(at, "Attention")
     assert len(heatmaps(charts(at)[0])) == 4
 
@@ -345,4 +345,4 @@ def test_a_broken_trace_file_gets_a_message_and_nothing_is_lost(stepped):
     at.file_uploader(key="upload_trace").upload("broken.zip", b"PK\x03\x04 not really a zip", "application/zip")
     run(at)
     assert any("Could not load broken.zip" in e.value for e in at.error)
-    assert "loaded_trace" not in at.session_state and at.session_state["gen"].n_steps == 3
+    assert not at.session_state["app"].viewing_file and at.session_state["app"].generation.n_steps == 3

@@ -15,7 +15,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from tests.test_app import APP, charts, heatmaps, metric, new_app, press, run, show_tab
-from tracer.io import trace_archive_bytes
+from tracer.io import archive_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +33,7 @@ def stepped():
 
 
 def assert_kept(at: AppTest, steps: int) -> None:
-    gen = at.session_state["gen"]
+    gen = at.session_state["app"].generation
     assert gen.n_steps == steps
     show_tab(at, "Attention")
     assert len(heatmaps(charts(at)[0])) == 4
@@ -58,7 +58,7 @@ def test_a_fresh_session_with_an_empty_prompt_gets_a_message_not_a_traceback():
     at = new_app()
     at.sidebar.text_area(key="prompt").set_value("")
     press(at, "step_button")
-    assert "the prompt is empty" in messages(at) and "gen" not in at.session_state
+    assert "the prompt is empty" in messages(at) and at.session_state["app"].generation is None
 
 
 @pytest.mark.parametrize("text", ["🙂🚀 and Ελληνικά 中文", "NUL \x00 and \x1b[31m control", "<b>bold?</b> & <i>"])
@@ -67,7 +67,7 @@ def test_prompts_with_unseen_characters_work(text):
     at.sidebar.text_area(key="prompt").set_value(text)
     press(at, "step_button")
     press(at, "step_button")
-    assert at.session_state["gen"].text().startswith(text)
+    assert at.session_state["app"].generation.text().startswith(text)
     assert metric(at, "new positions n") == "1"
 
 
@@ -85,7 +85,7 @@ def test_reaching_n_ctx_stops_with_a_message():
     at.sidebar.number_input(key="run_n").set_value(10)
     press(at, "run_button")
     assert "Stopped:" in messages(at) and "n_ctx = 256" in messages(at)
-    assert at.session_state["gen"].sequence_length == 256
+    assert at.session_state["app"].generation.sequence_length == 256
     assert_kept(at, 1)
 
 
@@ -123,7 +123,7 @@ def test_top_k_zero_and_above_the_vocabulary_are_accepted(stepped):
     at.sidebar.number_input(key="top_k").set_value(100_000)
     press(at, "reset_button")
     press(at, "step_button")
-    assert at.session_state["gen"].sampling.top_k == 100_000 and not at.error
+    assert at.session_state["app"].generation.sampling.top_k == 100_000 and not at.error
 
 
 @pytest.mark.parametrize("n, expected", [(10**6, "1 to 256 steps"), (0, "1 to 256 steps")])
@@ -146,8 +146,8 @@ def test_prompts_of_very_different_lengths_are_padded_and_the_mask_shows_it():
     run(at)
     assert "padding" in " ".join(m.value for m in at.markdown)
     mask = heatmaps(charts(at)[0])[0]["z"]
-    gen = at.session_state["gen"]
-    pad = gen.sequence_length - gen.prompt_lengths[0] - 1  # columns of padding in row 0
+    gen = at.session_state["app"].generation
+    pad = gen.sequence_length - gen.info.prompt_lengths[0] - 1  # columns of padding in row 0
     assert pad > 10 and all(row[:pad] == [1] * pad for row in mask[pad:])  # real queries never see padding
 
 
@@ -201,7 +201,7 @@ def bad_dirs(tmp_path, hf_pair):
 def test_bad_model_directories_leave_the_loaded_model_working(stepped, bad_dirs, case, expected):
     at = _load_dir(stepped, str(bad_dirs[case]))
     assert "Could not load that model, the previous one stays loaded" in messages(at) and expected in messages(at)
-    assert at.session_state.get("model_key", "bundled") == "bundled"
+    assert at.session_state["app"].model_key == "bundled"
     press(at, "step_button")
     assert_kept(at, 3)
 
@@ -211,7 +211,7 @@ def test_a_real_local_directory_loads_and_steps(hf_dir_with_tokenizer):
     assert "Loaded" in " ".join(s.value for s in at.success)
     press(at, "step_button")
     press(at, "step_button")
-    gen = at.session_state["gen"]
+    gen = at.session_state["app"].generation
     assert gen.model.config.n_layer == 2 and gen.model.config.d_model == 32
     assert metric(at, "new positions n") == "1"
 
@@ -226,7 +226,7 @@ def _rewrite(archive: bytes, name: str, data: bytes) -> bytes:
 
 def test_bad_trace_files_are_refused_in_the_app(stepped):
     at = stepped
-    good = trace_archive_bytes(at.session_state["gen"].trace)
+    good = archive_bytes(at.session_state["app"].generation.trace)
     manifest = json.loads(zipfile.ZipFile(io.BytesIO(good)).read("manifest.json"))
     manifest["version"] = 7
     cases = {
@@ -239,13 +239,13 @@ def test_bad_trace_files_are_refused_in_the_app(stepped):
         at.file_uploader(key="upload_trace").set_value((name, data, "application/zip"))
         run(at)
         assert f"Could not load {name}" in messages(at) and expected in messages(at)
-    assert "loaded_trace" not in at.session_state
+    assert not at.session_state["app"].viewing_file
     assert_kept(at, 2)
 
 
 def test_nan_is_flagged_at_the_first_record_where_it_appears(stepped):
     at = stepped
-    model = at.session_state["gen"].model  # the shared, cached model of this process
+    model = at.session_state["app"].generation.model  # the shared, cached model of this process
 
     def poison(module, args, output):
         out = output.clone()
@@ -262,7 +262,27 @@ def test_nan_is_flagged_at_the_first_record_where_it_appears(stepped):
     assert any("NaN/Inf first appears in **blocks.1.attn.hook_z**" in e.value for e in at.error)
 
 
-def test_two_sessions_stepping_at_the_same_time_see_only_their_own_state():
+def shared_script_cache(monkeypatch) -> None:
+    """Compile app.py once for every AppTest, as a real server does for its sessions. AppTest builds a new
+    script cache per run, so two threads would compile at once, and CPython 3.11.7's ast.parse is not
+    thread-safe ("AST constructor recursion depth mismatch", fixed upstream in 3.11.8)."""
+    from streamlit.runtime.scriptrunner.script_cache import ScriptCache
+
+    compiled: dict[str, object] = {}
+    lock = threading.Lock()
+    original = ScriptCache.get_bytecode
+
+    def get_bytecode(self, script_path: str):
+        with lock:
+            if script_path not in compiled:
+                compiled[script_path] = original(self, script_path)
+            return compiled[script_path]
+
+    monkeypatch.setattr(ScriptCache, "get_bytecode", get_bytecode)
+
+
+def test_two_sessions_stepping_at_the_same_time_see_only_their_own_state(monkeypatch):
+    shared_script_cache(monkeypatch)
     a, b = new_app(), new_app()
     a.sidebar.text_area(key="prompt").set_value("Tom had a big red kite.")
     b.sidebar.text_area(key="prompt").set_value("Mia said,\nBen had a small dog. One day,")
@@ -286,9 +306,9 @@ def test_two_sessions_stepping_at_the_same_time_see_only_their_own_state():
     for th in threads:
         th.join()
     assert not errors and not a.exception and not b.exception
-    ga, gb = a.session_state["gen"], b.session_state["gen"]
+    ga, gb = a.session_state["app"].generation, b.session_state["app"].generation
     assert ga is not gb and ga.trace is not gb.trace and ga.cache is not gb.cache
-    assert ga.prompts == ["Tom had a big red kite."] and gb.batch_size == 2
+    assert ga.info.prompts == ("Tom had a big red kite.",) and gb.batch_size == 2
     assert ga.n_steps == gb.n_steps == 4
     assert ga.trace.record("hook_embed", 0).shape[0] == 1 and gb.trace.record("hook_embed", 0).shape[0] == 2
     assert ga.cache.keys[0].shape[0] == 1 and gb.cache.keys[0].shape[0] == 2

@@ -52,7 +52,8 @@ def test_attention_stages_figure_shows_the_four_traced_stages(gen, step):
     assert len(heatmaps) == 4
     for hm, hook in zip(heatmaps, attention.STAGES):
         assert same(hm.z, t.get(f"blocks.2.attn.{hook}", step)[0, 1]), hook
-    n, n_keys = (gen.prompt_lengths[0], gen.prompt_lengths[0]) if step == 0 else (1, gen.prompt_lengths[0] + step)
+    n0 = gen.info.prompt_lengths[0]
+    n, n_keys = (n0, n0) if step == 0 else (1, n0 + step)
     assert len(heatmaps[3].z) == n and len(heatmaps[3].z[0]) == n_keys
     titles = [a.text for a in fig.layout.annotations]
     assert any(f"[1, 4, {n}, 32] @ [1, 4, 32, {n_keys}] → [1, 4, {n}, {n_keys}]" in text for text in titles)
@@ -63,7 +64,7 @@ def test_all_heads_figure_tiles_every_layer_and_head(gen):
     fig, note = attention.all_heads_figure(gen.trace, 0)
     assert len(fig.data) == 1 and note == ""
     z = z_tensor(fig.data[0].z)
-    n = t = gen.prompt_lengths[0]
+    n = t = gen.info.prompt_lengths[0]
     gap_cols = max(1, t // 16)
     assert z.shape == (4 * (n + 1) - 1, 4 * (t + gap_cols) - gap_cols)
     for layer in range(4):
@@ -81,7 +82,7 @@ def test_all_heads_figure_tiles_every_layer_and_head(gen):
 def test_all_heads_grid_of_a_decode_step_has_one_row_per_head(gen):
     fig, _ = attention.all_heads_figure(gen.trace, 2)
     z = z_tensor(fig.data[0].z)
-    t = gen.prompt_lengths[0] + 2
+    t = gen.info.prompt_lengths[0] + 2
     assert z.shape[0] == 4 * 2 - 1
     pattern = gen.trace.get("blocks.2.attn.hook_pattern", 2)
     gap_cols = max(1, t // 16)
@@ -94,13 +95,13 @@ def test_all_heads_grid_is_trimmed_when_too_big(gen, monkeypatch):
     fig, note = attention.all_heads_figure(gen.trace, 0)
     assert "newest" in note
     shown = int(note.split("newest ")[1].split(" ")[0])
-    assert shown < gen.prompt_lengths[0] and len(fig.data[0].z) == 4 * (shown + 1) - 1
+    assert shown < gen.info.prompt_lengths[0] and len(fig.data[0].z) == 4 * (shown + 1) - 1
 
 
 def test_history_builds_the_lower_triangle_from_one_row_per_step(gen):
     t = gen.trace
     matrix, rows, keys, row_steps = attention.attention_history(t, 1, 2, 3)
-    n0 = gen.prompt_lengths[0]
+    n0 = gen.info.prompt_lengths[0]
     assert matrix.shape == (n0 + 3, n0 + 3)
     assert row_steps == [0] * n0 + [1, 2, 3]
     prefill = t.get("blocks.1.attn.hook_pattern", 0)[0, 2]
@@ -115,7 +116,7 @@ def test_history_builds_the_lower_triangle_from_one_row_per_step(gen):
 
 
 def test_history_leaves_padding_queries_blank(batch_gen):
-    lengths = batch_gen.prompt_lengths
+    lengths = batch_gen.info.prompt_lengths
     row = lengths.index(min(lengths))
     pad = max(lengths) - lengths[row]  # left padding: the first columns of the short row
     matrix, rows, _, _ = attention.attention_history(batch_gen.trace, 0, 0, 2, batch=row)
@@ -127,7 +128,7 @@ def test_history_leaves_padding_queries_blank(batch_gen):
 
 def test_mask_views_count_and_draw_the_mask(gen):
     t = gen.trace
-    n0 = gen.prompt_lengths[0]
+    n0 = gen.info.prompt_lengths[0]
     facts = mask.mask_facts(t, 0)
     assert facts.masked == n0 * (n0 - 1) // 2 and not facts.decode
     decode = mask.mask_facts(t, 2)
@@ -141,7 +142,7 @@ def test_mask_views_count_and_draw_the_mask(gen):
 
 
 def test_mask_facts_name_the_padding_columns(batch_gen):
-    lengths = batch_gen.prompt_lengths
+    lengths = batch_gen.info.prompt_lengths
     row = lengths.index(min(lengths))
     facts = mask.mask_facts(batch_gen.trace, 0, batch=row)
     width, short = max(lengths), lengths[row]
@@ -158,7 +159,7 @@ def test_mask_facts_name_the_padding_columns(batch_gen):
 
 def test_cache_views_show_the_traced_keys(gen):
     t = gen.trace
-    n0 = gen.prompt_lengths[0]
+    n0 = gen.info.prompt_lengths[0]
     table = cache.cache_table(t, 2)
     assert list(table["K"]) == [f"[1, 4, {n0 + 2}, 32]"] * 4
     assert list(table["rows computed this step"]) == [1] * 4 and list(table["rows from the cache"]) == [n0 + 1] * 4
@@ -174,25 +175,25 @@ def test_cache_views_show_the_traced_keys(gen):
     rows = cache.rows_computed(t)
     assert list(rows["with cache"]) == [n0, 1, 1, 1] and list(rows["without cache"]) == [n0, n0 + 1, n0 + 2, n0 + 3]
     measured = {3: gen.compare_with_recompute()}
-    fig = cache.cache_on_off_figure(t, measured)
+    fig = cache.cache_on_off_figure(t)
     by_name = {d.name: d for d in fig.data}
     assert list(by_name["with cache"].y) == [n0, 1, 1, 1]
-    assert list(by_name["cached path"].x) == [3] and list(by_name["cached path"].y) == [measured[3].cached_seconds]
-    assert list(by_name["full recompute"].y) == [measured[3].full_seconds]
+    assert list(by_name["cached path"].x) == [3] and list(by_name["cached path"].y) == [measured[3].cached.seconds]
+    assert list(by_name["full recompute"].y) == [measured[3].full.seconds]
     traced = next(d for d in fig.data if d.name.startswith("this run, traced"))
     assert list(traced.y) == [info.seconds for info in t.steps]
 
 
 def test_next_token_figures_plot_the_sampled_distribution(gen):
     t = gen.trace
-    info = t.steps[1]
+    info = gen.facts.step(1).sampling
     fig = tokens.next_token_figure(t, 1)
     bars = fig.data[0]
     final = info.stage_probs[0][3]
     assert sorted(bars.y, reverse=True) == sorted(final, reverse=True) and list(bars.y) == sorted(bars.y, reverse=True)
     red = [x for x, c in zip(bars.x, bars.marker.color) if c == "#ff4b4b"]
-    chosen = info.candidate_labels[0][info.candidates[0].index(info.sampled[0])]
-    assert red == [f"{safe_text(chosen)} ({info.sampled[0]})"]
+    chosen = info.candidate_labels[0][info.candidates[0].index(info.tokens[0])]
+    assert red == [f"{safe_text(chosen)} ({info.tokens[0]})"]
     stages = tokens.distribution_stages_figure(t, 1)
     assert len(stages.data) == 4 and "30 token(s) left" in stages.data[2].name
 
@@ -229,7 +230,7 @@ def test_query_attention_html_is_escaped(batch_gen):
 def test_flow_nodes_show_the_recorded_shapes_and_symbols(gen):
     t = gen.trace
     frame = flow.flow_table(t, 3, layer=1)
-    n0 = gen.prompt_lengths[0]
+    n0 = gen.info.prompt_lengths[0]
     for row in frame.itertuples():
         assert row.shape == t.record(row.record, 3).shape, row.record
     by_record = dict(zip(frame.record, frame.symbols))
@@ -257,7 +258,7 @@ def test_the_flow_names_the_other_blocks_by_their_hook_numbers(layer, n_layer, e
 
 def test_labels_for_queries_and_keys(gen):
     keys = key_labels(gen.trace, 2)
-    assert len(keys) == gen.prompt_lengths[0] + 2 and keys[0] == "0 · Once"
+    assert len(keys) == gen.info.prompt_lengths[0] + 2 and keys[0] == "0 · Once"
     assert query_labels(gen.trace, 2) == keys[-1:]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -18,14 +19,86 @@ def test_ci_runs_the_readme_test_command():
     assert any(c.endswith("streamlit run app.py") for c in commands)
 
 
-def test_packages_keep_their_dependency_direction():
-    """model ← tracer ← app: model imports neither; tracer never imports streamlit."""
-    for path in (ROOT / "model").glob("*.py"):
-        text = path.read_text(encoding="utf-8")
-        assert not re.search(r"^\s*(from|import) (tracer|figures|streamlit|session)\b", text, re.M), path
-    for path in [*(ROOT / "tracer").glob("*.py"), *(ROOT / "figures").glob("*.py"), ROOT / "session.py"]:
-        text = path.read_text(encoding="utf-8")
-        assert not re.search(r"^\s*(from|import) streamlit\b", text, re.M), path
+LAYERS = {"model": 0, "tracer": 1, "figures": 2, "session": 2, "app": 3}  # model ← tracer ← figures/session ← app
+SOURCES = [*(ROOT / "model").glob("*.py"), *(ROOT / "tracer").glob("*.py"), *(ROOT / "figures").glob("*.py"),
+           ROOT / "session.py", ROOT / "app.py"]
+
+
+def _package(path: Path) -> str:
+    return path.parent.name if path.parent != ROOT else path.stem
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every module an import names, at any depth (function-level imports included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def test_dependencies_point_one_way():
+    """model ← tracer ← figures/session ← app.py: nothing imports a layer above it or a peer beside it, and
+    only app.py imports streamlit."""
+    bad = []
+    for path in SOURCES:
+        mine = _package(path)
+        for line, module in _imports(path):
+            top = module.split(".")[0]
+            if top == "streamlit" and mine != "app":
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports streamlit")
+            if top in LAYERS and top != mine and LAYERS[top] >= LAYERS[mine]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({mine}) imports {module}")
+    assert not bad, bad
+
+
+# torch's own private attributes we read on purpose, each for a reason a test pins
+ALLOWED_PRIVATE = {
+    "_version": "the in-place version counter that catches a kept value changed later (tracer/store.py)",
+    "_global_forward_hooks": "lets an unhooked hook point skip nn.Module.__call__ (model/gpt.py, pinned by a test)",
+    "_global_forward_pre_hooks": "as above",
+}
+
+
+NAMEDTUPLE_API = {"_make", "_fields", "_replace", "_asdict"}  # public, underscored only to avoid field clashes
+
+
+def _own_instances(tree: ast.AST) -> dict[ast.AST, set[str]]:
+    """Per method, the local names bound to a new instance of its own class (``twin = KVCache(...)``): a
+    class may set up the private fields of an object it has just made."""
+    out: dict[ast.AST, set[str]] = {}
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for fn in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            names = set()
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                        isinstance(node.value.func, ast.Name) and node.value.func.id in (cls.name, "cls"):
+                    names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(fn):
+                out[node] = names
+    return out
+
+
+def test_no_code_touches_another_objects_private_fields():
+    """A class's private fields are read and written by that class alone: ``x._field`` is allowed only on
+    ``self``/``cls``, on an instance the class has just made, and for the few torch attributes above."""
+    bad = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        own = _own_instances(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            if node.attr in ALLOWED_PRIVATE or node.attr in NAMEDTUPLE_API:
+                continue
+            if isinstance(node.value, ast.Name) and (node.value.id in ("self", "cls") or
+                                                     node.value.id in own.get(node, ())):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not bad, bad
 
 
 def test_the_bundled_model_is_small_enough_to_ship():

@@ -18,17 +18,18 @@ def test_step_zero_is_the_prefill_and_later_steps_feed_one_token(bundled):
     n0 = len(tok.encode(prompt))
     gen = TracedGeneration(model, tok, prompt, temperature=0)
     for s in range(4):
-        info = gen.step()
-        assert info.step == s
+        done = gen.step()
+        info = done.forward
+        assert done.step == s
         assert (info.n, info.t) == ((n0, n0) if s == 0 else (1, n0 + s))
-        assert gen.cache_length == n0 + s == info.cache_length_after
+        assert gen.cache_length == n0 + s == info.cache_after
         t = gen.trace
         assert t.record("blocks.0.attn.hook_q", s).shape == (1, 4, info.n, 32)
         assert t.record("blocks.3.attn.hook_k_all", s).shape == (1, 4, n0 + s, 32)
         assert t.record("blocks.2.attn.hook_pattern", s).shape == (1, 4, info.n, n0 + s)
         assert t.record("hook_logits", s).shape == (1, info.n, model.config.vocab_size)
-        assert len(info.candidates[0]) == 20 and info.sampled[0] in info.candidates[0]
-    assert gen.generated() == generate(model, tok.encode(prompt), 4, SamplingConfig(temperature=0))
+        assert len(done.sampling.candidates[0]) == 20 and done.sampling.tokens[0] in done.sampling.candidates[0]
+    assert list(gen.generated()) == generate(model, tok.encode(prompt), 4, SamplingConfig(temperature=0))
     assert gen.text().startswith(prompt)
 
 
@@ -42,22 +43,24 @@ def test_without_the_cache_every_step_recomputes_everything_and_agrees(bundled):
     full.run(5)
     assert cached.generated() == full.generated()
     for s in range(5):
-        assert full.trace.steps[s].n == n0 + s and full.trace.steps[s].t == n0 + s
+        forward = full.facts.step(s).forward
+        assert forward.n == n0 + s and forward.t == n0 + s
         assert full.trace.record("blocks.0.attn.hook_q", s).shape[2] == n0 + s
         # the cached step's single row equals the last row of the full recompute
         last_full = full.trace.get("hook_logits", s)[:, -1]
         last_cached = cached.trace.get("hook_logits", s)[:, -1]
         assert (last_full - last_cached).abs().max() < 1e-4
     on = cached.compare_with_recompute()
-    off = full.compare_with_recompute(repeats=2)
+    off = full.compare_with_recompute(timing_repeats=2)
     # both ways the latest step is a decode over n0 + 4 columns: one row cached, all rows recomputed
     for c in (on, off):
-        assert c.max_abs_delta < 1e-4
-        assert (c.cached_rows, c.full_rows) == (1, n0 + 4)
-        assert c.cached_seconds > 0 and c.full_seconds > 0
-    assert on.run_used_cache and not off.run_used_cache
-    with pytest.raises(ValueError, match="repeats"):
-        cached.compare_with_recompute(repeats=0)
+        assert c.equal and c.max_abs_delta < 1e-4 and not c.nothing_cached
+        assert (c.cached.query_rows, c.full.query_rows) == (1, n0 + 4)
+        assert c.cached.macs < c.full.macs and c.cached.kv_bytes > 0 == c.full.kv_bytes
+    assert on.run_used_cache and not off.run_used_cache and off.timing_repeats == 2
+    assert cached.trace.generation.comparisons[4] == on  # the comparison is part of the trace
+    with pytest.raises(ValueError, match="timing_repeats"):
+        cached.compare_with_recompute(timing_repeats=0)
 
 
 def test_the_recompute_comparison_catches_a_cache_that_lies(bundled):
@@ -65,11 +68,12 @@ def test_the_recompute_comparison_catches_a_cache_that_lies(bundled):
     model, tok = bundled
     gen = TracedGeneration(model, tok, "Tom had a big red kite.", temperature=0)
     gen.run(2)
-    assert gen.compare_with_recompute().max_abs_delta < 1e-4
+    assert gen.compare_with_recompute().equal
     for keys in gen.cache.keys:
         keys.data.mul_(-1.0)  # what a cache bug that stored wrong keys would do to the next step
     gen.step()
-    assert gen.compare_with_recompute().max_abs_delta > 1e-2
+    lied = gen.compare_with_recompute()
+    assert lied.max_abs_delta > 1e-2 and not lied.equal
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -80,7 +84,7 @@ def test_a_padded_batch_generates_what_each_prompt_generates_alone(bundled, side
     gen.run(6)
     for row, prompt in enumerate(prompts):
         alone = generate(model, tok.encode(prompt), 6, SamplingConfig(temperature=0))
-        assert gen.generated(row) == alone, (side, row)
+        assert list(gen.generated(row)) == alone, (side, row)
     width = max(len(tok.encode(p)) for p in prompts)
     mask = gen.trace.get("blocks.0.attn.hook_mask", 0)
     assert mask.shape == (2, 1, width, width)
@@ -92,7 +96,7 @@ def test_a_padded_batch_generates_what_each_prompt_generates_alone(bundled, side
     decode_mask = gen.trace.get("blocks.0.attn.hook_mask", 3)
     assert decode_mask.shape == (2, 1, 1, width + 3)
     assert torch.isinf(decode_mask[1, 0, 0, pad_cols]).all() and not torch.isinf(decode_mask[0]).any()
-    labels = gen.column_labels(1)
+    labels = gen.facts.labels(1, gen.n_steps)
     assert [labels[c] for c in pad_cols] == ["⟨pad⟩"] * len(pad_cols)
 
 
@@ -117,8 +121,8 @@ def test_reaching_n_ctx_stops_with_a_message_and_keeps_every_step():
     gen = TracedGeneration(model, tok, "Lily had a ball.", temperature=0)
     n0 = len(tok.encode("Lily had a ball."))
     done = gen.run(20)
-    assert done == 12 - n0 + 1 - 1 or gen.sequence_length == 12
-    assert gen.sequence_length == 12 and gen.stopped and "n_ctx = 12" in gen.stopped
+    assert done == 12 - n0  # one column per step, from the prompt's n0 up to n_ctx
+    assert gen.sequence_length == 12
     with pytest.raises(ContextFullError, match="n_ctx = 12"):
         gen.step()
     assert gen.n_steps == done and gen.trace.get("hook_logits", done - 1) is not None
@@ -128,9 +132,9 @@ def test_long_prompts_are_cut_from_the_left_with_a_warning(bundled):
     model, tok = bundled
     text = "Lily and Tom played with the red ball all day. " * 40
     gen = TracedGeneration(model, tok, text, temperature=0)
-    assert gen.prompt_lengths == [model.config.n_ctx - 1]
+    assert [len(r) for r in gen.info.prompt_tokens] == [model.config.n_ctx - 1]
     assert gen.warnings and "kept its last 255 tokens" in gen.warnings[0]
-    assert gen.rows[0] == tok.encode(text)[-255:]
+    assert list(gen.info.prompt_tokens[0]) == tok.encode(text)[-255:]
     gen.step()
     with pytest.raises(PromptError, match="at most 255"):
         TracedGeneration(model, tok, text, truncate="error")
@@ -145,14 +149,14 @@ def test_the_byte_budget_is_never_exceeded_and_old_steps_keep_their_stats(bundle
         gen.step()
         assert gen.trace.bytes_kept <= budget
     t = gen.trace
-    assert t.values.peak_nbytes <= budget
-    assert t.values.evicted_count > 0
+    assert t.log.peak_bytes_kept <= budget
+    assert t.log.evicted_count > 0
     assert t.get("hook_logits", 0) is None  # the oldest steps were dropped…
     rec = t.record("hook_logits", 0)
-    assert rec.stats is not None and "evicted" in rec.value_note  # …but keep shape and stats
+    assert t.stats(rec) is not None and "evicted" in t.value_note(rec)  # …but keep shape and stats
     assert rec.shape == (1, len(tok.encode("Once upon a time, there was a boy named Sam.")), 1024)
     assert t.get("hook_logits", 29) is not None  # the newest step is whole
-    assert t.values.steps_held()[-1] == 29
+    assert t.log.steps_with_values()[-1] == 29
 
 
 def test_shapes_only_keeps_no_values(bundled):

@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 import torch
 
-from tracer import Trace
+from tracer import TraceFileError, load_trace, save_trace
 from tracer.generation import TracedGeneration
-from tracer.io import TraceFileError, load_trace, trace_archive_bytes
+from tracer.io import Limits, write_archive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,11 +30,12 @@ def generation(bundled):
 
 
 @pytest.mark.parametrize("suffix", [".zip", ""])
-def test_round_trip_keeps_records_values_ops_steps_and_meta(generation, tmp_path, suffix):
+def test_round_trip_keeps_records_values_ops_steps_and_facts(generation, tmp_path, suffix):
     t = generation.trace
+    generation.compare_with_recompute()
     path = tmp_path / f"trace{suffix}"
-    t.save(path)
-    back = Trace.load(path)
+    save_trace(t, path)
+    back = load_trace(path)
     a, b = t.to_frame(), back.to_frame()
     pd.testing.assert_frame_equal(a.drop(columns=["shape"]), b.drop(columns=["shape"]))
     assert list(a["shape"]) == list(b["shape"])
@@ -42,15 +43,16 @@ def test_round_trip_keeps_records_values_ops_steps_and_meta(generation, tmp_path
         for step in range(3):
             assert torch.equal(t.get(name, step), back.get(name, step)), (name, step)
     assert len(back.ops) == len(t.ops) and back.ops[5] == t.ops[5]
-    assert [s.sampled for s in back.steps] == [s.sampled for s in t.steps]
-    assert back.meta["labels"] == t.meta["labels"] and back.capture == "ops"
+    assert back.steps == t.steps and back.capture == "ops"
+    assert back.generation == t.generation  # prompts, tokens, labels, sampling, every step, the comparison
+    assert back.model == t.model and back.model.name == "story-gpt"
 
 
 def test_the_table_opens_with_plain_pandas(generation, tmp_path):
-    generation.trace.save(tmp_path / "t")
+    save_trace(generation.trace, tmp_path / "t")
     frame = pd.read_parquet(tmp_path / "t" / "records.parquet")
-    assert {"step", "name", "shape", "dtype", "numel", "nbytes"} <= set(frame.columns)
-    width = max(generation.prompt_lengths)
+    assert {"step", "name", "shape", "axes", "dtype", "numel", "nbytes"} <= set(frame.columns)
+    width = generation.info.prompt_width
     assert list(frame[frame["name"] == "hook_logits"]["shape"].iloc[0]) == [2, width, 1024]
 
 
@@ -65,7 +67,7 @@ def test_a_failed_forward_round_trips_its_error(tmp_path, bundled):
     broken.blocks[0].attn = MissingTranspose(broken.blocks[0].attn)
     with pytest.raises(RuntimeError), torch.no_grad(), Tracer(broken, capture="ops") as tr:
         broken(torch.tensor([[1, 2, 3]]))
-    tr.trace.save(tmp_path / "err.zip")
+    save_trace(tr.trace, tmp_path / "err.zip")
     back = load_trace(tmp_path / "err.zip")
     assert back.error.module == "blocks.0.attn" and back.error.op == "Tensor.matmul"
     assert back.error.describe() == tr.trace.error.describe()
@@ -84,9 +86,15 @@ def member(archive: bytes, name: str) -> bytes:
         return zf.read(name)
 
 
+def archive_bytes(trace) -> bytes:
+    buf = io.BytesIO()
+    write_archive(trace, buf)
+    return buf.getvalue()
+
+
 @pytest.fixture(scope="module")
 def archive(generation) -> bytes:
-    return trace_archive_bytes(generation.trace)
+    return archive_bytes(generation.trace)
 
 
 def test_truncated_archive_is_refused(archive):
@@ -112,17 +120,20 @@ def test_table_shapes_that_disagree_with_the_values_are_refused(archive):
     frame.at[row, "shape"] = [2, 4, 7, 8]
     buf = io.BytesIO()
     frame.to_parquet(buf, index=False)
-    with pytest.raises(TraceFileError, match=r"the table says shape \[2, 4, 7, 8\]"):
+    with pytest.raises(TraceFileError, match=r"record \d+: its view reaches element \d+ of a storage of \d+"):
         load_trace(rewrite(archive, "records.parquet", buf.getvalue()))
 
 
 def test_a_huge_declared_value_size_is_refused_before_allocating(archive):
-    header = json.dumps({"r0": {"dtype": "F32", "shape": [2**20, 2**20], "data_offsets": [0, 2**42]}}).encode()
+    manifest = json.loads(member(archive, "manifest.json"))
+    entries = {f"s{k}": {"dtype": "F32", "shape": [2**40], "data_offsets": [0, 2**42]}
+               for k in range(manifest["counts"]["storages"])}
+    header = json.dumps(entries).encode()
     bogus = struct.pack("<Q", len(header)) + header + b"\0" * 64
-    with pytest.raises(TraceFileError, match="declares shape"):
+    with pytest.raises(TraceFileError, match="declares 1099511627776 elements"):
         load_trace(rewrite(archive, "values.safetensors", bogus))
     with pytest.raises(TraceFileError, match="more than 1000 bytes"):
-        load_trace(archive, max_value_bytes=1000)
+        load_trace(archive, limits=Limits(value_bytes=1000))
 
 
 def test_a_huge_declared_header_is_refused(archive):

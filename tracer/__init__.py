@@ -2,11 +2,33 @@
 
 Never imports streamlit: the app is one view on these traces; a notebook or
 the command line (``python -m tracer``) is another.
+
+* ``Tracer`` captures (``tracer.capture``, with ``hooks``, ``ops``, ``forensics``);
+* ``TraceLog`` is the write side of a trace, ``Trace`` the read side;
+* ``TracedGeneration`` drives a generation step by step and records its facts;
+* ``save_trace`` / ``load_trace`` write and check files (``tracer.io``, ``tracer.schema``).
 """
 
-from tracer.capture import CAPTURE_LEVELS, Tracer, hooks_installed
-from tracer.generation import ContextFullError, PromptError, RecomputeComparison, TracedGeneration
-from tracer.records import OpRecord, StepInfo, TensorRecord, TensorStats, TraceErrorInfo
+from tracer.capture import Tracer
+from tracer.generation import ContextFullError, GenerationStopped, PromptError, TracedGeneration
+from tracer.hooks import hooks_installed
+from tracer.io import load_trace, save_trace
+from tracer.log import CAPTURE_LEVELS, TraceLog
+from tracer.records import (
+    Finite,
+    ForwardFacts,
+    GenerationInfo,
+    GenerationStep,
+    OpRecord,
+    PathCost,
+    RecomputeComparison,
+    SamplingRecord,
+    StepRecord,
+    TensorRecord,
+    TensorStats,
+    TraceErrorInfo,
+)
+from tracer.schema import TraceFileError
 from tracer.stats import summarize, tensor_stats
 from tracer.store import DEFAULT_BUDGET_BYTES
 from tracer.trace import Trace
@@ -15,17 +37,28 @@ __all__ = [
     "CAPTURE_LEVELS",
     "DEFAULT_BUDGET_BYTES",
     "ContextFullError",
+    "Finite",
+    "ForwardFacts",
+    "GenerationInfo",
+    "GenerationStep",
+    "GenerationStopped",
     "OpRecord",
+    "PathCost",
     "PromptError",
     "RecomputeComparison",
-    "StepInfo",
+    "SamplingRecord",
+    "StepRecord",
     "TensorRecord",
     "TensorStats",
     "Trace",
     "TraceErrorInfo",
+    "TraceFileError",
+    "TraceLog",
     "TracedGeneration",
     "Tracer",
     "hooks_installed",
+    "load_trace",
+    "save_trace",
     "summarize",
     "tensor_stats",
 ]

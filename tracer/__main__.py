@@ -1,26 +1,53 @@
 """Headless tracing: ``python -m tracer --prompt "…" --steps N [--model-dir DIR] --out PATH``.
 
 Writes the trace (a directory, or a .zip when PATH ends in .zip) and prints the
-shape table of the chosen step.
+shape table of the chosen step. Every argument is checked before the model runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import tempfile
+from pathlib import Path
 
 import pandas as pd
 
-from tracer.capture import CAPTURE_LEVELS
 from tracer.generation import MAX_RUN_STEPS, TracedGeneration
+from tracer.io import save_trace
+from tracer.log import CAPTURE_LEVELS
 from tracer.store import DEFAULT_BUDGET_BYTES
+
+MAX_BUDGET_MB = 1 << 20
+
+
+def _checked_out(raw: str) -> Path:
+    """The output path, refused now (not after the whole generation ran) if it cannot be written."""
+    if not raw.strip():
+        raise ValueError("--out is empty: give a .zip file or a directory to write the trace to")
+    path = Path(raw).expanduser()
+    target_dir = path.parent if path.suffix == ".zip" else path
+    probe_dir = target_dir
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise ValueError(f"--out {raw!r}: {probe_dir} is a file, so nothing can be written below it")
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {raw!r}: cannot write in {probe_dir} ({e.strerror})") from None
+    if path.exists() and path.is_dir() != (path.suffix != ".zip"):
+        raise ValueError(f"--out {raw!r} exists and is {'a directory' if path.is_dir() else 'a file'}")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tracer", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     ap.add_argument("--steps", type=int, default=1, help=f"generation steps (1…{MAX_RUN_STEPS}); step 0 is the prefill")
-    ap.add_argument("--model-dir", help="a local Hugging Face GPT-2 directory (default: the bundled model)")
+    ap.add_argument("--model-dir", help="a local Hugging Face directory (default: the bundled model)")
     ap.add_argument("--out", required=True, help="where to write the trace (directory, or .zip)")
     ap.add_argument("--capture", choices=CAPTURE_LEVELS, default="values")
     ap.add_argument("--no-cache", action="store_true", help="recompute all positions at every step")
@@ -36,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     from model import ModelLoadError, SamplingError, load_bundled, load_hf_gpt2
 
     try:
+        out = _checked_out(args.out)
+        if not math.isfinite(args.budget_mb) or not 0 < args.budget_mb <= MAX_BUDGET_MB:
+            raise ValueError(f"--budget-mb must be a number in (0, {MAX_BUDGET_MB}], got {args.budget_mb}")
+        if not 1 <= args.steps <= MAX_RUN_STEPS:
+            raise ValueError(f"--steps takes 1 … {MAX_RUN_STEPS}, got {args.steps}")
+        if args.show_step is not None and not 0 <= args.show_step < args.steps:
+            raise ValueError(f"--show-step must name one of the steps 0 … {args.steps - 1}, got {args.show_step}")
         if args.model_dir:
             model, tokenizer = load_hf_gpt2(args.model_dir)
             if tokenizer is None:
-                print(f"error: {args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt)",
-                      file=sys.stderr)
-                return 2
+                raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt)")
         else:
             model, tokenizer = load_bundled()
         gen = TracedGeneration(
@@ -55,21 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, SamplingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if gen.stopped:
-        print(f"note: stopped after {done} step(s): {gen.stopped}", file=sys.stderr)
-    gen.trace.save(args.out)
+    if gen.stopped or done < args.steps:
+        print(f"note: stopped after {gen.n_steps} step(s): {gen.stopped or 'the context is full'}", file=sys.stderr)
+    save_trace(gen.trace, out)
     gen.close()
 
-    step = args.show_step if args.show_step is not None else gen.n_steps - 1
+    step = min(args.show_step if args.show_step is not None else gen.n_steps - 1, gen.n_steps - 1)
     frame = gen.trace.to_frame(step=step, kind=None if args.all_records else "hook")
-    shown = frame[["name", "shape", "dtype", "numel", "summary"]].copy()
+    shown = frame[["name", "shape", "axes", "dtype", "summary"]].copy()
     shown["shape"] = ["[" + ", ".join(map(str, s)) + "]" for s in shown["shape"]]
+    forward = gen.facts.step(step).forward
     with pd.option_context("display.max_rows", None, "display.max_colwidth", 90, "display.width", 200):
-        print(f"step {step}: n = {gen.trace.steps[step].n}, t = {gen.trace.steps[step].t}")
+        print(f"step {step}: n = {forward.n}, t = {forward.t}")
         print(shown.to_string(index=False))
     for row in range(gen.batch_size):
         print(f"text[{row}]: {gen.text(row)!r}")
-    print(f"wrote {args.out}: {gen.n_steps} steps, {len(gen.trace.records)} records, "
+    print(f"wrote {out}: {gen.n_steps} steps, {len(gen.trace.records)} records, "
           f"{gen.trace.bytes_kept} bytes of values")
     return 0
 

@@ -1,34 +1,47 @@
-"""Step-by-step traced generation: one forward pass and one sampled token per step.
+"""Step-by-step traced generation: one forward pass and one chosen token per sequence per step.
 
 Step 0 is the prefill: the whole prompt, n₀ tokens, queries and keys alike.
-Step s ≥ 1 feeds the token sampled at step s−1: with the KV cache that is one
+Step s ≥ 1 feeds the token chosen at step s−1: with the KV cache that is one
 query row (n = 1) over t = n₀ + s keys; without it, all n₀ + s tokens again.
 
 Several prompts make a batch. Shorter prompts are padded (left by default, or
-right); padding never gets attention — the mask shows −∞ in its columns — and
-positions count real tokens only, so each row generates exactly what it would
-alone.
+right); padding never gets attention from a real token — the mask shows −∞ in
+its columns — and positions count real tokens only, so each row generates
+exactly what it would alone.
+
+The facts of the generation live in the trace (``trace.generation``): what it
+is (``GenerationInfo``) and what each step fed and chose (``GenerationStep``).
+This class only drives it; it keeps no second copy of them.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from model.sampling import SamplingConfig, generate_step
+from model.costs import forward_cost
+from model.identity import identity_of
+from model.sampling import SamplingConfig, sample
 from model.tokenizer import TextTokenizer
 from tracer.capture import Tracer
-from tracer.records import StepInfo
+from tracer.facts import GenerationFacts
+from tracer.records import (
+    ForwardFacts,
+    GenerationInfo,
+    GenerationStep,
+    PathCost,
+    RecomputeComparison,
+    SamplingRecord,
+)
 from tracer.store import DEFAULT_BUDGET_BYTES
-from tracer.trace import Trace
 
 MAX_RUN_STEPS = 256  # most steps one run() call may take
 MAX_BATCH = 16  # most prompts in one batch
-PAD_LABEL = "⟨pad⟩"
+FLOAT32_TOLERANCE = 1e-4  # |Δ logits| within which two float32 computations of one step count as equal
 
 
 class PromptError(ValueError):
@@ -39,16 +52,17 @@ class ContextFullError(ValueError):
     """The sequence has reached the model's n_ctx: no position is left for another token."""
 
 
-@dataclass(frozen=True)
-class RecomputeComparison:
-    """The latest step redone with and without the KV cache (see ``compare_with_recompute``)."""
+class GenerationStopped(ValueError):
+    """The generation cannot continue (its last step produced logits no token can be chosen from)."""
 
-    max_abs_delta: float  # max |Δ logits|, cached path vs full recompute, rows sampled from
-    cached_seconds: float  # untraced: the new position(s) over the cached ones
-    full_seconds: float  # untraced: all t positions, no cache
-    cached_rows: int  # query rows the cached path computes (n)
-    full_rows: int  # query rows the full recompute computes (t)
-    run_used_cache: bool  # whether this generation itself ran with the cache
+
+def logit_tolerance(dtype: torch.dtype) -> float:
+    """What |Δ logits| counts as equal when one step is computed two ways in ``dtype``."""
+    try:
+        from model import logit_tolerance as model_tolerance  # the model package's rule, where it has one
+    except ImportError:
+        return FLOAT32_TOLERANCE if dtype == torch.float32 else 5e-2
+    return model_tolerance(dtype)
 
 
 class TracedGeneration:
@@ -86,29 +100,29 @@ class TracedGeneration:
         given = {k: v for k, v in loose.items() if v is not None}
         if sampling is not None and given:
             raise ValueError("give either sampling=SamplingConfig(...) or temperature/top_k/top_p/seed, not both")
-        self.sampling = sampling if sampling is not None else SamplingConfig(**given)
+        sampling = sampling if sampling is not None else SamplingConfig(**given)
         self.model = model
         self.tokenizer = tokenizer
-        self.use_cache = use_cache
-        self.padding_side = padding_side
-        self.n_ctx: int = model.config.n_ctx
-        self.warnings: list[str] = []
-        self.prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        self.rows = self._encode(self.prompts, truncate)
-        self.prompt_lengths = [len(r) for r in self.rows]
-        self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+        n_ctx: int = model.config.n_ctx
+        prompts = (prompt,) if isinstance(prompt, str) else tuple(prompt)
+        warnings: list[str] = []
+        rows = self._encode(prompts, truncate, n_ctx, warnings)
+        info = GenerationInfo(
+            model=identity_of(model), prompts=prompts, prompt_tokens=rows,
+            prompt_labels=tuple(tuple(tokenizer.token_label(i) for i in row) for row in rows),
+            padding_side=padding_side, pad_id=tokenizer.eos_id if tokenizer.eos_id is not None else 0,
+            use_cache=use_cache, sampling=sampling, n_ctx=n_ctx, warnings=tuple(warnings),
+        )
         self.tracer = Tracer(model, capture=capture, budget_bytes=budget_bytes, copy=copy)
-        self.trace: Trace = self.tracer.trace
-        self.cache = model.new_cache(len(self.rows)) if use_cache else None
-        self.generator = self.sampling.generator()
+        self.trace = self.tracer.trace
+        self.trace.log.begin_generation(info)
+        self.cache = model.new_cache(len(rows)) if use_cache else None
+        self.generator = sampling.generator()
         self.stopped: str = ""
-        self._columns, self._is_token = self._pad(self.rows)
-        self._last_feed: tuple | None = None
-        self._last_logits: torch.Tensor | None = None
-        self._update_meta()
+        self._last: tuple | None = None  # (tokens, padding mask, last index, cache length before, logits rows)
 
-    # -- prompts -------------------------------------------------------------------
-    def _encode(self, prompts: list[str], truncate: str) -> list[list[int]]:
+    # -- prompts -------------------------------------------------------------------------------
+    def _encode(self, prompts: tuple, truncate: str, n_ctx: int, warnings: list[str]) -> tuple[tuple[int, ...], ...]:
         if not prompts:
             raise PromptError("no prompt given")
         if len(prompts) > MAX_BATCH:
@@ -123,43 +137,52 @@ class TracedGeneration:
             ids = self.tokenizer.encode(text)
             if not ids:
                 raise PromptError(f"{which} encodes to no tokens")
-            limit = self.n_ctx - 1  # keep one position free for the first generated token
+            limit = n_ctx - 1  # keep one position free for the first generated token
             if len(ids) > limit:
                 if truncate == "error":
                     raise PromptError(f"{which} has {len(ids)} tokens; this model's n_ctx allows at most {limit}")
-                self.warnings.append(
+                warnings.append(
                     f"{which} had {len(ids)} tokens, more than n_ctx − 1 = {limit}: kept its last {limit} "
                     f"tokens (the first {len(ids) - limit} were cut)"
                 )
                 ids = ids[-limit:]
-            rows.append(ids)
-        return rows
+            rows.append(tuple(ids))
+        return tuple(rows)
 
-    def _pad(self, rows: list[list[int]]) -> tuple[list[list[int]], list[list[bool]]]:
-        width = max(len(r) for r in rows)
-        cols, mask = [], []
-        for r in rows:
-            pad = width - len(r)
-            if self.padding_side == "left":
-                cols.append([self.pad_id] * pad + r)
-                mask.append([False] * pad + [True] * len(r))
-            else:
-                cols.append(r + [self.pad_id] * pad)
-                mask.append([True] * len(r) + [False] * pad)
-        return cols, mask
+    # -- what the generation is ------------------------------------------------------------------
+    @property
+    def facts(self) -> GenerationFacts:
+        facts = self.trace.generation
+        assert facts is not None  # set in __init__
+        return facts
+
+    @property
+    def info(self) -> GenerationInfo:
+        return self.facts.info
+
+    @property
+    def use_cache(self) -> bool:
+        return self.info.use_cache
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.info.sampling
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return self.info.warnings
 
     @property
     def batch_size(self) -> int:
-        return len(self.rows)
+        return self.info.batch_size
 
     @property
     def padded(self) -> bool:
-        return not all(all(m) for m in self._is_token)
+        return self.info.padded
 
-    # -- stepping ------------------------------------------------------------------
     @property
     def n_steps(self) -> int:
-        return len(self.trace.steps)
+        return self.trace.n_steps
 
     @property
     def cache_length(self) -> int:
@@ -167,98 +190,117 @@ class TracedGeneration:
 
     @property
     def sequence_length(self) -> int:
-        """Columns of the padded token matrix so far (prompt width + generated tokens)."""
-        return len(self._columns[0])
+        """Columns of the padded token matrix so far (prompt width + chosen tokens)."""
+        return self.facts.width(self.n_steps)
 
-    def _feed(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        cols = torch.tensor(self._columns)
-        mask = torch.tensor(self._is_token) if self.padded else None
-        step = self.n_steps
+    def tokens(self, row: int = 0) -> tuple[int, ...]:
+        """The sequence's real tokens: its prompt and every token chosen so far."""
+        return self.info.prompt_tokens[row] + self.generated(row)
+
+    def generated(self, row: int = 0) -> tuple[int, ...]:
+        return tuple(s.sampling.tokens[row] for s in self.facts.steps if s.sampling is not None)
+
+    def text(self, row: int = 0) -> str:
+        return self.tokenizer.decode(list(self.tokens(row)))
+
+    # -- stepping --------------------------------------------------------------------------------
+    def _feed(self, facts: GenerationFacts, step: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
+        padded = facts.info.padded
+        mask = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)]) if padded else None
         if step == 0:
             last = None
-            if self.padded and self.padding_side == "right":
-                last = torch.tensor(self.prompt_lengths) - 1
+            if padded and facts.info.padding_side == "right":
+                last = torch.tensor([len(r) for r in facts.info.prompt_tokens]) - 1
             return cols, mask, last
         if self.use_cache:
             return cols[:, -1:], None, None
         return cols, mask, None
 
-    def step(self) -> StepInfo:
-        """One forward pass (traced) and one sampled token per row."""
-        if self.sequence_length >= self.n_ctx:
-            self.stopped = (
-                f"reached n_ctx = {self.n_ctx}: the positional table has no row for another token, "
-                "so generation stops here (Reset, or start from a shorter prompt)"
-            )
-            raise ContextFullError(self.stopped)
-        tokens, mask, last = self._feed()
+    def step(self) -> GenerationStep:
+        """One forward pass (traced) and one chosen token per row."""
+        if self.stopped:
+            raise GenerationStopped(self.stopped)
+        facts = self.facts
+        step = facts.n_steps
+        if facts.width(step) >= facts.info.n_ctx:
+            raise ContextFullError(
+                f"reached n_ctx = {facts.info.n_ctx}: the model has no position for another token, "
+                "so generation stops here (Reset, or start from a shorter prompt)")
+        tokens, mask, last = self._feed(facts, step)
         before = self.cache_length
-        started = time.perf_counter()
         with torch.no_grad(), self.tracer.active():
-            out = generate_step(self.model, tokens, self.sampling, self.generator, self.cache,
-                                padding_mask=mask, last_index=last)
-        seconds = time.perf_counter() - started
-        info = self.trace.steps[-1]
+            logits = self.model(tokens, self.cache, padding_mask=mask)  # [B, n, V]
+        rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0)), last]  # [B, V]
         n = tokens.size(1)
-        info.n, info.t = n, (before + n) if self.use_cache else n
-        info.cache_length_before, info.cache_length_after = before, self.cache_length
-        info.use_cache = self.use_cache
-        info.seconds = seconds
-        res = out.sample
-        info.fed_tokens = tokens.tolist()
-        info.sampled = res.token.tolist()
-        info.sampled_prob = [round(float(p), 6) for p in res.token_prob]
-        info.candidates = res.candidates.tolist()
-        info.candidate_labels = [[self.tokenizer.token_label(i) for i in row] for row in info.candidates]
-        info.stage_probs = [[[round(float(p), 6) for p in stage] for stage in row] for row in res.stage_probs]
-        info.kept = res.kept.tolist()
-        self._last_feed = (tokens, mask, last, before)
-        self._last_logits = out.last_logits
-        for row, token in zip(self.rows, info.sampled):
-            row.append(int(token))
-        for cols, is_tok, token in zip(self._columns, self._is_token, info.sampled):
-            cols.append(int(token))
-            is_tok.append(True)
-        self._update_meta()
-        return info
+        forward = ForwardFacts(n=n, t=before + n if self.use_cache else n, cache_before=before,
+                               cache_after=self.cache_length, fed_tokens=tuple(map(tuple, tokens.tolist())))
+        bad = [r for r in range(rows.size(0)) if not _choosable(rows[r])]
+        if bad:
+            self.stopped = (f"step {step}: the logits of sequence {bad[0]} hold NaN or +∞, so no token can be "
+                            "chosen; generation stops here (the step's tensors are kept: the first bad record "
+                            "is named above)")
+            choice = None
+        else:
+            choice = self._sampling_record(sample(rows, self.sampling, self.generator))
+        self.trace.log.add_generation_step(GenerationStep(step=step, forward=forward, sampling=choice))
+        self._last = (tokens, mask, last, before, rows)
+        return self.facts.step(step)
 
-    def run(self, n: int) -> int:
-        """Up to ``n`` steps (1 ≤ n ≤ MAX_RUN_STEPS); stops early at n_ctx. Returns steps taken."""
+    def _sampling_record(self, res) -> SamplingRecord:
+        label = self.tokenizer.token_label
+        candidates = tuple(tuple(row) for row in res.candidates.tolist())
+        return SamplingRecord(
+            tokens=tuple(res.token.tolist()),
+            labels=tuple(label(i) for i in res.token.tolist()),
+            probs=tuple(round(float(p), 6) for p in res.token_prob),
+            candidates=candidates,
+            candidate_labels=tuple(tuple(label(i) for i in row) for row in candidates),
+            stage_probs=tuple(tuple(tuple(round(float(p), 6) for p in stage) for stage in row)
+                              for row in res.stage_probs.tolist()),
+            kept=tuple(tuple(row) for row in res.kept.tolist()),
+        )
+
+    def run(self, n: int, on_step=None) -> int:
+        """Up to ``n`` steps (1 ≤ n ≤ MAX_RUN_STEPS); stops early at n_ctx, at a step no token can be
+        chosen from, or when ``on_step(steps done)`` returns False. Returns steps taken."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RUN_STEPS:
             raise ValueError(f"run(n) takes 1 ≤ n ≤ {MAX_RUN_STEPS} steps, got {n!r}")
         done = 0
         for _ in range(n):
             try:
                 self.step()
-            except ContextFullError:
+            except (ContextFullError, GenerationStopped):
                 break
             done += 1
+            if self.stopped or (on_step is not None and on_step(done) is False):
+                break
         return done
 
+    # -- the cache comparison --------------------------------------------------------------------
     @torch.no_grad()
-    def compare_with_recompute(self, repeats: int = 1) -> RecomputeComparison:
-        """Redo the latest step both ways, untraced, and compare: the cached path
-        (the new position(s) over a cache of the earlier ones) and a full recompute
-        of all t positions without a cache.
+    def compare_with_recompute(self, timing_repeats: int = 1) -> RecomputeComparison:
+        """Redo the latest step both ways, untraced, and compare: the cached path (the new position(s)
+        over a cache of the earlier ones) and a full recompute of all t positions without a cache.
 
-        ``max_abs_delta`` is over the logits rows sampled from. With the cache on,
-        the cached side is this run's own logits (the seed's claim that only the new
-        row is needed, checked on the real run); with it off, the run *is* the full
-        recompute, so the cached side is an untraced cached re-run. Both timings
-        are untraced, so neither includes the tracer's recording; each is the
-        fastest of ``repeats`` runs."""
-        if self._last_feed is None or self._last_logits is None:
+        The evidence is counted, not timed: query rows, multiply-adds and bytes read per path (from the
+        model's shapes). ``max_abs_delta`` is over the logits rows the tokens were chosen from; with the
+        cache on, the cached side is this run's own logits; with it off, the run *is* the full recompute,
+        so the cached side is an untraced cached re-run. Each path is also timed once untraced (the
+        fastest of ``timing_repeats``): an estimate on a shared machine. The result is stored in the trace."""
+        if self._last is None:
             raise ValueError("no step has run yet")
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats must be an integer ≥ 1, got {repeats!r}")
-        width = self.sequence_length - 1  # the columns that existed when the latest step ran
-        cols = torch.tensor([c[:width] for c in self._columns])
-        mask = torch.tensor([m[:width] for m in self._is_token]) if self.padded else None
-        tokens, _, last, _ = self._last_feed
+        if isinstance(timing_repeats, bool) or not isinstance(timing_repeats, int) or timing_repeats < 1:
+            raise ValueError(f"timing_repeats must be a whole number ≥ 1, got {timing_repeats!r}")
+        facts = self.facts
+        step = facts.n_steps - 1
+        width = facts.width(step)  # the columns that existed when the latest step ran
+        cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
+        mask = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)]) if self.padded else None
+        tokens, _, last, _, run_rows = self._last
         pick = (lambda lg: lg[:, -1, :]) if last is None else (lambda lg: lg[torch.arange(lg.size(0)), last])
 
-        full_seconds = cached_seconds = float("inf")
-        new = tokens.size(1) if self.use_cache else (width if self.n_steps == 1 else 1)
+        new = tokens.size(1) if self.use_cache else (width if step == 0 else 1)
         past = width - new
         if self.use_cache:
             base = self.cache  # this run's own cache: its first `past` rows are what the step started from
@@ -266,58 +308,38 @@ class TracedGeneration:
             base = self.model.new_cache(cols.size(0))
             if past:
                 self.model(cols[:, :past], cache=base, padding_mask=mask[:, :past] if mask is not None else None)
-        for _ in range(repeats):  # the fastest of the repeats: the least disturbed by a busy machine
+        full_seconds = cached_seconds = math.inf
+        for _ in range(timing_repeats):
             started = time.perf_counter()
             full = pick(self.model(cols, padding_mask=mask))
             full_seconds = min(full_seconds, time.perf_counter() - started)
-
-            cache = base.copy(past)  # the cached path: the earlier positions' K, V, then this step's new ones
+            cache = base.copy(past)  # the earlier positions' K, V, then this step's new ones
             started = time.perf_counter()
-            cached = self.model(cols[:, past:], cache=cache, padding_mask=None if past else mask)
+            cached = pick(self.model(cols[:, past:], cache=cache, padding_mask=None if past else mask))
             cached_seconds = min(cached_seconds, time.perf_counter() - started)
-        cached = pick(cached)
-        run_cached = self._last_logits if self.use_cache else cached
-        return RecomputeComparison(
+        run_cached = run_rows if self.use_cache else cached
+        config, batch = self.model.config, cols.size(0)
+        itemsize = next(self.model.parameters()).element_size()
+        cost_cached = forward_cost(config, batch, new, width, cached=past, itemsize=itemsize)
+        cost_full = forward_cost(config, batch, width, width, itemsize=itemsize)
+        comparison = RecomputeComparison(
+            step=step,
+            cached=PathCost(new, cost_cached.macs, cost_cached.weight_bytes, cost_cached.kv_cache_bytes,
+                            cached_seconds),
+            full=PathCost(width, cost_full.macs, cost_full.weight_bytes, cost_full.kv_cache_bytes, full_seconds),
             max_abs_delta=float((full - run_cached).abs().max()),
-            cached_seconds=cached_seconds,
-            full_seconds=full_seconds,
-            cached_rows=new,
-            full_rows=width,
+            tolerance=logit_tolerance(run_rows.dtype),
             run_used_cache=self.use_cache,
+            timing_repeats=timing_repeats,
         )
-
-    # -- views of the state --------------------------------------------------------
-    def text(self, row: int = 0) -> str:
-        return self.tokenizer.decode(self.rows[row])
-
-    def generated(self, row: int = 0) -> list[int]:
-        return self.rows[row][self.prompt_lengths[row] :]
-
-    def column_labels(self, row: int = 0) -> list[str]:
-        """Display label of every column of the padded matrix (key positions) for one row."""
-        return [
-            self.tokenizer.token_label(tok) if is_tok else PAD_LABEL
-            for tok, is_tok in zip(self._columns[row], self._is_token[row])
-        ]
-
-    def _update_meta(self) -> None:
-        cfg = self.model.config
-        self.trace.meta.update({
-            "kind": "generation",
-            "prompts": self.prompts,
-            "prompt_lengths": self.prompt_lengths,
-            "columns": [list(c) for c in self._columns],
-            "is_token": [list(m) for m in self._is_token],
-            "labels": [self.column_labels(r) for r in range(self.batch_size)],
-            "use_cache": self.use_cache,
-            "padding_side": self.padding_side,
-            "sampling": {"temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
-                         "top_p": self.sampling.top_p, "seed": self.sampling.seed},
-            "model_config": {
-                k: getattr(cfg, k) for k in ("vocab_size", "n_ctx", "d_model", "n_layer", "n_head", "d_ff")
-            },
-            "warnings": list(self.warnings),
-        })
+        self.trace.log.add_comparison(comparison)
+        return comparison
 
     def close(self) -> None:
         self.tracer.close()
+
+
+def _choosable(logits: torch.Tensor) -> bool:
+    """Whether a row of logits can give a token: no NaN, no +∞, not everything −∞."""
+    return not bool(torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all())
+

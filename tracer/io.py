@@ -2,17 +2,27 @@
 
 A trace is a directory, or the same files in one ``.zip`` archive:
 
-* ``manifest.json`` — format name and version, capture level, steps, modules,
-  the error (if a forward failed), metadata such as prompts and token labels;
+* ``manifest.json`` — format and version, capture level, modules, steps, the
+  model that made it (name, config, weights digest), the generation (prompts,
+  sampling, every step's facts and cached-vs-recompute comparisons), the error
+  if a forward failed;
 * ``records.parquet`` — the record table (``Trace.to_frame()`` plus the columns
   needed to rebuild the trace); pandas, DuckDB or Polars read it as is;
 * ``ops.parquet`` — op-level records, when captured;
-* ``values.safetensors`` — the kept tensor values, keyed ``r<record index>``.
+* ``values.safetensors`` — the kept values: each storage once (``s<k>``, flat),
+  and every record's value a view into one (storage, offset, strides in
+  ``records.parquet``). A KV cache viewed by sixty steps is written once, so a
+  saved trace is never larger than the bytes it kept plus its tables.
 
-Loading never unpickles anything: JSON, Parquet and safetensors only. Sizes
-declared by a file (zip members, the safetensors header) are checked against
-limits before anything is read or allocated, and every value must agree with
-the shape and dtype its record declares.
+Loading never unpickles anything: JSON, Parquet and safetensors only. Before
+anything is inflated or allocated, the declared sizes are checked: each
+archive member against its limit and its compression ratio, the number of
+records and ops from the Parquet metadata, every tensor's bytes from the
+safetensors header. Then the manifest is checked against one schema
+(``tracer.schema``), and every number that sizes something is checked against
+what the file actually holds (layers against modules, n and t against the
+attention records' shapes). A refusal is a ``TraceFileError`` naming the field
+or the limit, and by how much.
 """
 
 from __future__ import annotations
@@ -21,323 +31,724 @@ import io
 import json
 import math
 import struct
+import tempfile
 import zipfile
-from dataclasses import asdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from tracer.records import StepInfo, TensorStats, TraceErrorInfo
-from tracer.trace import DATA_PTR, MODULE, ModuleInfo, Trace, raw_record
+from model.identity import ModelIdentity
+from model.sampling import SamplingConfig
+from tracer.log import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog
+from tracer.records import (
+    TENSOR_KINDS,
+    Finite,
+    ForwardFacts,
+    GenerationInfo,
+    GenerationStep,
+    ModuleInfo,
+    PathCost,
+    RecomputeComparison,
+    SamplingRecord,
+    StepRecord,
+    TensorStats,
+    TraceErrorInfo,
+)
+from tracer.schema import Bool, Float, Int, ListOf, Maybe, Obj, OneOf, Str, Then, TraceFileError, TupleOf
+from tracer.stats import dtype_name
+from tracer.store import storage_key
+from tracer.trace import Trace
 
 FORMAT = "gpt-shape-trace"
-VERSION = 1
+VERSION = 2
 MANIFEST, RECORDS, OPS, VALUES = "manifest.json", "records.parquet", "ops.parquet", "values.safetensors"
 MEMBERS = (MANIFEST, RECORDS, OPS, VALUES)
-MAX_MANIFEST_BYTES = 64 * 2**20
-MAX_TABLE_BYTES = 512 * 2**20
-DEFAULT_MAX_VALUE_BYTES = 2 * 2**30  # refuse traces whose values declare more than this
-MAX_ST_HEADER = 64 * 2**20
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPES = {dtype_name(d): d for d in _ST_DTYPES.values()}
+_CHUNK = 1 << 20
 
 
-class TraceFileError(ValueError):
-    """A trace file that is malformed, inconsistent, too large, or of an unknown version."""
+@dataclass(frozen=True)
+class Limits:
+    """What a trace file may hold. Each limit is checked before the thing it bounds is read or allocated."""
+
+    manifest_bytes: int = 16 * 2**20  # the JSON manifest, inflated
+    table_bytes: int = 256 * 2**20  # records.parquet / ops.parquet, inflated
+    value_bytes: int = 2 * 2**30  # values.safetensors, inflated
+    ratio: int = 200  # most bytes out per compressed byte in a deflated member
+    records: int = 300_000  # a GPT-2-small generation of about 550 steps
+    records_per_step: int = 100_000
+    ops: int = 2_000_000
+    modules: int = 100_000
+    steps: int = 100_000
+    batch: int = 64
+    n_ctx: int = 1 << 20
+    tensor_dims: int = 8
+    tensor_elements: int = 1 << 40
 
 
-# -- saving ------------------------------------------------------------------------
-def _values_for_file(trace: Trace) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Kept values as safetensors entries; a record that is exactly another's tensor is an alias."""
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, int] = {}
-    seen_views: dict[tuple, int] = {}
-    storages_used: set[int] = set()
-    for index, value in trace.values.items():
-        view = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
-        if value.numel() and view in seen_views:
-            aliases[str(index)] = seen_views[view]
-            continue
-        seen_views[view] = index
-        storage = value.untyped_storage()
-        whole = value.is_contiguous() and value.numel() * value.element_size() == storage.nbytes()
-        if not whole or storage.data_ptr() in storages_used:
-            value = value.contiguous().clone()
-        storages_used.add(value.untyped_storage().data_ptr())
-        tensors[f"r{index}"] = value
-    return tensors, aliases
+LIMITS = Limits()
 
 
-def _records_table(trace: Trace) -> pd.DataFrame:
+# -- saving ---------------------------------------------------------------------------------------
+def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, int, tuple[int, ...]]]]:
+    """Each kept storage once, as a flat tensor over the span its views use; and per record index
+    ``(storage number, offset in it, strides)``."""
+    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    for index, value in trace.log.kept_values():
+        groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
+    flats: list[torch.Tensor] = []
+    views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+    for members in groups.values():
+        spans = [_span(v) for _, v in members]
+        lo = min(s[0] for s in spans)
+        hi = max(s[1] for s in spans)
+        base = members[0][1]
+        flat = torch.as_strided(base, (hi - lo,), (1,), lo) if hi > lo else base.new_empty(0)
+        number = len(flats)
+        flats.append(flat)
+        for index, value in members:
+            views[index] = (number, value.storage_offset() - lo, tuple(value.stride()))
+    return flats, views
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    end = t.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.storage_offset(), end
+
+
+def _records_table(trace: Trace, views: dict[int, tuple]) -> pd.DataFrame:
+    log = trace.log
     frame = trace.to_frame(stats=True)
-    raws = trace._raw
-    frame["module_index"] = [raws[i][MODULE] for i in frame["index"]]
-    frame["data_ptr"] = [int(raws[i][DATA_PTR]) for i in frame["index"]]
-    frame["zeros"] = [trace._stats[i].zeros if i in trace._stats else 0 for i in frame["index"]]
-    frame["has_stats"] = [i in trace._stats for i in frame["index"]]
+    raws = [log.raw(i) for i in frame["index"]]
+    frame["module_index"] = [r.module for r in raws]
+    frame["data_ptr"] = [int(r.data_ptr) for r in raws]
+    frame["has_stats"] = [log.has_stats(i) for i in frame["index"]]
     frame["shape"] = [list(s) for s in frame["shape"]]
+    frame["storage"] = [views[i][0] if i in views else -1 for i in frame["index"]]
+    frame["storage_offset"] = [views[i][1] if i in views else 0 for i in frame["index"]]
+    frame["strides"] = [list(views[i][2]) if i in views else [] for i in frame["index"]]
     return frame
 
 
-def trace_files(trace: Trace) -> dict[str, bytes]:
-    """The trace as ``{file name: bytes}``."""
-    tensors, aliases = _values_for_file(trace)
-    records = _records_table(trace)
-    ops = trace.ops_frame()
-    ops["input_shapes"] = [[list(s) for s in shapes] for shapes in ops["input_shapes"]]
-    ops["output_shapes"] = [[list(s) for s in shapes] for shapes in ops["output_shapes"]]
-    ops["module_index"] = [op[2] for op in trace._raw_ops]
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "capture": trace.capture,
-        "budget_bytes": trace.values.budget_bytes,
-        "meta": trace.meta,
-        "steps": [asdict(s) for s in trace.steps],
-        "error": asdict(trace.error) if trace.error else None,
-        "modules": [[m.path, m.type, m.params, m.is_hook] for m in trace._modules],
-        "records": len(records),
-        "ops": len(ops),
-        "values": {"count": len(tensors), "aliases": aliases},
+def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict:
+    log = trace.log
+    facts = trace.generation
+    generation = None
+    if facts is not None:
+        info = asdict(facts.info)
+        info.pop("model")
+        generation = {"info": info, "steps": [asdict(s) for s in facts.steps],
+                      "comparisons": [asdict(c) for c in sorted(facts.comparisons.values(), key=lambda c: c.step)]}
+    return {
+        "format": FORMAT, "version": VERSION, "capture": log.capture, "budget_bytes": log.budget_bytes,
+        "modules": [[m.path, m.type, m.params, m.is_hook] for m in log.modules],
+        "steps": [[s.step, s.first_record, s.end_record, s.seconds] for s in log.steps],
+        "model": asdict(log.model) if log.model is not None else None,
+        "generation": generation,
+        "error": asdict(log.error) if log.error is not None else None,
+        "counts": {"records": n_records, "ops": n_ops, "storages": n_storages},
     }
-    out = {MANIFEST: json.dumps(manifest, indent=1, default=str).encode("utf-8")}
+
+
+def _write_safetensors(out: BinaryIO, flats: list[torch.Tensor]) -> None:
+    """The safetensors format, written one storage at a time (never the whole file in memory)."""
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
+    offset = 0
+    for k, flat in enumerate(flats):
+        size = flat.numel() * flat.element_size()
+        header[f"s{k}"] = {"dtype": _ST_NAMES[flat.dtype], "shape": [flat.numel()],
+                           "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    out.write(struct.pack("<Q", len(blob)))
+    out.write(blob)
+    for flat in flats:
+        if flat.numel():
+            out.write(flat.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _parquet(frame: pd.DataFrame) -> bytes:
     buf = io.BytesIO()
-    records.to_parquet(buf, index=False)
-    out[RECORDS] = buf.getvalue()
-    buf = io.BytesIO()
-    ops.to_parquet(buf, index=False)
-    out[OPS] = buf.getvalue()
-    out[VALUES] = st_save(tensors, metadata={"format": FORMAT, "version": str(VERSION)})
-    return out
-
-
-def save_trace(trace: Trace, path: str | Path) -> Path:
-    """Write ``trace`` to a directory, or to a ``.zip`` archive when ``path`` ends in .zip."""
-    path = Path(path)
-    files = trace_files(trace)
-    if path.suffix == ".zip":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-            for name, data in files.items():
-                zf.writestr(name, data)
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (path / name).write_bytes(data)
-    return path
-
-
-def trace_archive_bytes(trace: Trace) -> bytes:
-    """The ``.zip`` archive as bytes (for a download button)."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for name, data in trace_files(trace).items():
-            zf.writestr(name, data)
+    frame.to_parquet(buf, index=False)
     return buf.getvalue()
 
 
-# -- loading -----------------------------------------------------------------------
-def _limits(max_value_bytes: int) -> dict[str, int]:
-    return {MANIFEST: MAX_MANIFEST_BYTES, RECORDS: MAX_TABLE_BYTES, OPS: MAX_TABLE_BYTES,
-            VALUES: max_value_bytes + MAX_ST_HEADER}
+def _members(trace: Trace) -> Iterator[tuple[str, Any]]:
+    """(member name, bytes or a writer of a file object), in archive order."""
+    flats, views = _storages(trace)
+    records = _records_table(trace, views)
+    ops = trace.ops_frame()
+    ops["input_shapes"] = [[list(s) for s in shapes] for shapes in ops["input_shapes"]]
+    ops["output_shapes"] = [[list(s) for s in shapes] for shapes in ops["output_shapes"]]
+    raw_ops = trace.log.ops
+    ops["module_index"] = [op.module for op in raw_ops]
+    ops["first_record"] = [op.first_record for op in raw_ops]
+    manifest = _manifest(trace, len(records), len(ops), len(flats))
+    yield MANIFEST, json.dumps(_plain(manifest), indent=1, allow_nan=False).encode("utf-8")
+    yield RECORDS, _parquet(records)
+    yield OPS, _parquet(ops)
+    yield VALUES, lambda out: _write_safetensors(out, flats)
 
 
-def _read_members(path: Path | bytes, max_value_bytes: int) -> dict[str, bytes]:
-    limits = _limits(max_value_bytes)
-    files: dict[str, bytes] = {}
-    if isinstance(path, (bytes, bytearray)) or (isinstance(path, Path) and path.is_file()):
-        source = io.BytesIO(path) if isinstance(path, (bytes, bytearray)) else path
+def _plain(value: Any) -> Any:
+    """JSON has no NaN or ∞: they are written as the strings "nan", "inf", "-inf" (``Float`` reads them back
+    where a field allows them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def save_trace(trace: Trace, path: str | Path) -> Path:
+    """Write ``trace`` to a directory, or to a ``.zip`` archive when ``path`` ends in .zip. Members are
+    streamed to disk: the values are never held twice."""
+    path = Path(path)
+    if str(path) in ("", "."):
+        raise ValueError("give a file or directory name to save the trace to")
+    if path.suffix == ".zip":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(path, "w") as zf:
+            _write_zip(zf, trace)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        for name, data in _members(trace):
+            with open(path / name, "wb") as f:
+                f.write(data) if isinstance(data, bytes) else data(f)
+    return path
+
+
+def _write_zip(zf: zipfile.ZipFile, trace: Trace) -> None:
+    for name, data in _members(trace):
+        # Parquet and float tensors barely compress: store them, and deflate the JSON
+        compress = zipfile.ZIP_DEFLATED if name == MANIFEST else zipfile.ZIP_STORED
+        info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+        info.compress_type = compress
+        with zf.open(info, "w", force_zip64=True) as out:
+            out.write(data) if isinstance(data, bytes) else data(out)
+
+
+def write_archive(trace: Trace, out: BinaryIO) -> None:
+    """The ``.zip`` archive into an open binary file."""
+    with zipfile.ZipFile(out, "w") as zf:
+        _write_zip(zf, trace)
+
+
+def archive_bytes(trace: Trace) -> bytes:
+    """The ``.zip`` archive as bytes (for a download button): built in a temporary file that spills to disk
+    past 64 MiB, so the values are not held twice while it is written."""
+    with tempfile.SpooledTemporaryFile(max_size=64 * 2**20) as f:
+        write_archive(trace, f)
+        f.seek(0)
+        return f.read()
+
+
+# -- loading: the members, within their limits ---------------------------------------------------
+def _member_limits(limits: Limits) -> dict[str, int]:
+    return {MANIFEST: limits.manifest_bytes, RECORDS: limits.table_bytes, OPS: limits.table_bytes,
+            VALUES: limits.value_bytes + limits.manifest_bytes}
+
+
+def _read_stream(f: BinaryIO, name: str, declared: int, limit: int) -> bytearray:
+    data = bytearray()
+    while True:
+        chunk = f.read(_CHUNK)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > min(declared, limit):
+            raise TraceFileError(f"{name} holds more than it declares ({declared} bytes): refused")
+    return data
+
+
+def _read_members(source: Path | bytes, limits: Limits) -> dict[str, bytearray]:
+    allowed = _member_limits(limits)
+    files: dict[str, bytearray] = {}
+    if isinstance(source, (bytes, bytearray)) or source.is_file():
         try:
-            with zipfile.ZipFile(source) as zf:
-                for info in zf.infolist():
-                    if info.filename not in MEMBERS:
-                        raise TraceFileError(f"unexpected member {info.filename!r} in the trace archive")
-                    if info.file_size > limits[info.filename]:
-                        raise TraceFileError(
-                            f"{info.filename} declares {info.file_size} bytes, over the limit of "
-                            f"{limits[info.filename]} bytes: refused before reading"
-                        )
-                for info in zf.infolist():
+            with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as zf:
+                infos = zf.infolist()
+                names = [i.filename for i in infos]
+                for info in infos:
+                    _check_member(info, allowed, limits, names)
+                for info in infos:
                     with zf.open(info) as f:
-                        data = f.read(limits[info.filename] + 1)
-                    if len(data) > limits[info.filename]:
-                        raise TraceFileError(f"{info.filename} is larger than it declared: refused")
-                    files[info.filename] = data
+                        files[info.filename] = _read_stream(f, info.filename, info.file_size, allowed[info.filename])
         except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile, NotImplementedError) as e:
             raise TraceFileError(f"not a readable trace archive ({e})") from None
+        except RuntimeError as e:  # zipfile raises RuntimeError for an encrypted member
+            raise TraceFileError(f"the archive cannot be read ({e})") from None
         except (OSError, ValueError) as e:
             if isinstance(e, TraceFileError):
                 raise
             raise TraceFileError(f"the trace archive is damaged ({e})") from None
-    elif isinstance(path, Path) and path.is_dir():
+    elif source.is_dir():
         for name in MEMBERS:
-            member = path / name
+            member = source / name
             if member.is_file():
                 size = member.stat().st_size
-                if size > limits[name]:
-                    raise TraceFileError(f"{member}: {size} bytes, over the limit of {limits[name]} bytes")
-                files[name] = member.read_bytes()
+                if size > allowed[name]:
+                    raise TraceFileError(f"{name}: {size} bytes, over the limit of {allowed[name]} by "
+                                         f"{size - allowed[name]}")
+                with open(member, "rb") as f:
+                    files[name] = _read_stream(f, name, size, allowed[name])
     else:
-        raise TraceFileError(f"{path}: no such trace file or directory")
+        raise TraceFileError(f"{source}: no such trace file or directory")
     for required in (MANIFEST, RECORDS):
         if required not in files:
             raise TraceFileError(f"the trace has no {required}")
     return files
 
 
-def _check_safetensors_header(data: bytes, max_value_bytes: int) -> dict[str, Any]:
-    """Validate the safetensors header (sizes, offsets, dtypes) before loading any tensor."""
+def _check_member(info: zipfile.ZipInfo, allowed: dict[str, int], limits: Limits, names: list[str]) -> None:
+    name = info.filename
+    if name not in allowed:
+        raise TraceFileError(f"unexpected member {name!r} in the trace archive")
+    if names.count(name) > 1:
+        raise TraceFileError(f"the archive holds {name} {names.count(name)} times")
+    if info.flag_bits & 0x1:
+        raise TraceFileError(f"{name} is encrypted: a trace file never is")
+    if info.file_size > allowed[name]:
+        raise TraceFileError(f"{name} declares {info.file_size} bytes, over the limit of {allowed[name]} by "
+                             f"{info.file_size - allowed[name]}: refused before reading")
+    if info.compress_type == zipfile.ZIP_STORED:
+        if info.file_size != info.compress_size:
+            raise TraceFileError(f"{name} is stored uncompressed but declares {info.file_size} bytes in "
+                                 f"{info.compress_size}")
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        if info.file_size > limits.ratio * max(info.compress_size, 1) + 4096:
+            raise TraceFileError(f"{name} would inflate {info.compress_size} bytes to {info.file_size}, over "
+                                 f"{limits.ratio}× (a decompression bomb?): refused before inflating")
+    else:
+        raise TraceFileError(f"{name} uses compression method {info.compress_type}; traces use stored or deflated")
+
+
+# -- loading: the manifest schema -------------------------------------------------------------------
+def _schemas(limits: Limits) -> Obj:
+    size = Int(0, limits.tensor_elements)
+    shape = ListOf(size, limits.tensor_dims)
+    count = Int(0, 2**62)
+    tokens_row = ListOf(Int(0, 2**31), limits.n_ctx)
+    config = Then(Obj({}, open=True), _checked_config)
+    identity = Then(Obj({"name": Str(500), "source": Str(5000), "family": Str(50), "config": config,
+                         "weights_digest": Str(200)}), lambda d: ModelIdentity(**d))
+    sampling = Then(Obj({"temperature": Float(0, 100), "top_k": Maybe(Int(0, 2**31)),
+                         "top_p": Maybe(Float(0, 1)), "seed": Int(-(2**63), 2**64 - 1)}),
+                    lambda d: SamplingConfig(**d))
+    info = Obj({
+        "prompts": ListOf(Str(1_000_000), limits.batch), "prompt_tokens": ListOf(tokens_row, limits.batch),
+        "prompt_labels": ListOf(ListOf(Str(1000), limits.n_ctx), limits.batch),
+        "padding_side": OneOf(("left", "right")), "pad_id": Int(0, 2**31), "use_cache": Bool(),
+        "sampling": sampling, "n_ctx": Int(1, limits.n_ctx), "warnings": ListOf(Str(10_000), 100),
+    })
+    k_list = ListOf(Int(0, 2**31), 256)
+    choice = Then(Obj({
+        "tokens": ListOf(Int(0, 2**31), limits.batch), "labels": ListOf(Str(1000), limits.batch),
+        "probs": ListOf(Float(0, 1), limits.batch), "candidates": ListOf(k_list, limits.batch),
+        "candidate_labels": ListOf(ListOf(Str(1000), 256), limits.batch),
+        "stage_probs": ListOf(ListOf(ListOf(Float(0, 1), 256), 8), limits.batch),
+        "kept": ListOf(ListOf(Int(0, 2**31), 8), limits.batch),
+    }), lambda d: SamplingRecord(**d))
+    forward = Then(Obj({"n": Int(1, limits.n_ctx), "t": Int(1, limits.n_ctx), "cache_before": Int(0, limits.n_ctx),
+                        "cache_after": Int(0, limits.n_ctx), "fed_tokens": ListOf(tokens_row, limits.batch)}),
+                   lambda d: ForwardFacts(**d))
+    gen_step = Then(Obj({"step": Int(0, limits.steps), "forward": forward, "sampling": Maybe(choice),
+                         "interventions": ListOf(Str(1000), 1000)}), lambda d: GenerationStep(**d))
+    path_cost = Then(Obj({"query_rows": Int(0, limits.n_ctx), "macs": count, "weight_bytes": count,
+                          "kv_bytes": count, "seconds": Maybe(Float(0))}), lambda d: PathCost(**d))
+    comparison = Then(Obj({"step": Int(0, limits.steps), "cached": path_cost, "full": path_cost,
+                           "max_abs_delta": Float(0, finite=False), "tolerance": Float(0),
+                           "run_used_cache": Bool(), "timing_repeats": Int(1, 1000), "note": Str(10_000)}),
+                      lambda d: RecomputeComparison(**d))
+    generation = Obj({"info": info, "steps": ListOf(gen_step, limits.steps),
+                      "comparisons": ListOf(comparison, limits.steps)})
+    error = Then(Obj({
+        "step": Int(0, limits.steps), "exception_type": Str(500), "message": Str(100_000), "module": Str(5000),
+        "module_type": Str(5000), "module_stack": ListOf(Str(5000), 10_000),
+        "input_shapes": ListOf(TupleOf((Str(1000), shape)), 1000), "op": Str(500),
+        "op_input_shapes": ListOf(shape, 1000), "source": Str(10_000),
+    }), lambda d: TraceErrorInfo(**d))
+    return Obj({
+        "format": OneOf((FORMAT,)), "version": Int(0, 2**31), "capture": OneOf(CAPTURE_LEVELS),
+        "budget_bytes": Int(0, 2**50),
+        "modules": ListOf(Then(TupleOf((Str(5000), Str(500), Int(0, 2**50), Bool())),
+                               lambda t: ModuleInfo(*t)), limits.modules),
+        "steps": ListOf(Then(TupleOf((Int(0, limits.steps), count, count, Float(0))),
+                             lambda t: StepRecord(*t)), limits.steps),
+        "model": Maybe(identity), "generation": Maybe(generation), "error": Maybe(error),
+        "counts": Obj({"records": Int(0, limits.records), "ops": Int(0, limits.ops), "storages": count}),
+    })
+
+
+_CONFIG_BOUNDS = {"vocab_size": 2**24, "n_ctx": 1 << 20, "d_model": 1 << 16, "n_layer": 1024, "n_head": 1024,
+                  "n_kv_head": 1024, "head_dim": 1 << 12, "d_mlp": 1 << 18, "sliding_window": 1 << 20}
+
+
+def _checked_config(raw: dict) -> dict:
+    """A model config from a file: plain values, and the numbers that size things within sane bounds
+    (they are checked against the records afterwards)."""
+    out = {}
+    for key, value in raw.items():
+        where = f"model.config.{key}"
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            out[key] = Str(200)(value, where) if isinstance(value, str) else value
+        elif isinstance(value, int):
+            out[key] = Int(0, _CONFIG_BOUNDS.get(key, 2**31))(value, where)
+        elif isinstance(value, float):
+            out[key] = Float(0, 1e12)(value, where)
+        elif isinstance(value, dict) and len(value) <= 32:
+            out[key] = {str(k): v for k, v in value.items() if isinstance(v, (int, float, str, bool, type(None)))}
+        else:
+            raise TraceFileError(f"unexpected value of type {type(value).__name__}", where)
+    return out
+
+
+# -- loading: the tables ---------------------------------------------------------------------------
+_RECORD_COLUMNS = ("index", "step", "kind", "slot", "call", "shape", "dtype", "device", "module_index", "data_ptr",
+                   "has_stats", "min", "max", "mean", "std", "nan", "pos_inf", "neg_inf", "finite", "value_note",
+                   "storage", "storage_offset", "strides")
+_OP_COLUMNS = ("step", "op", "module_index", "input_shapes", "output_shapes", "dtype", "error", "first_record")
+
+
+def _read_table(data: bytearray, name: str, expected_rows: int, limits: Limits, columns: tuple[str, ...]
+                ) -> pd.DataFrame:
+    try:
+        meta = pq.ParquetFile(io.BytesIO(data)).metadata
+    except Exception as e:  # pyarrow raises several unrelated types for damaged files
+        raise TraceFileError(f"{name}: not readable Parquet ({type(e).__name__}: {e})") from None
+    if meta.num_rows != expected_rows:
+        raise TraceFileError(f"{name}: {meta.num_rows} rows, but the manifest says {expected_rows}")
+    inflated = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    if inflated > limits.table_bytes:
+        raise TraceFileError(f"{name}: {inflated} bytes once decoded, over the limit of {limits.table_bytes} by "
+                             f"{inflated - limits.table_bytes}: refused before decoding")
+    try:
+        frame = pd.read_parquet(io.BytesIO(data))
+    except Exception as e:  # noqa: BLE001 - as above
+        raise TraceFileError(f"{name}: not readable Parquet ({type(e).__name__}: {e})") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise TraceFileError(f"{name}: missing columns {missing}")
+    return frame
+
+
+def _ints(frame: pd.DataFrame, column: str, name: str, lo: int, hi: int) -> np.ndarray:
+    values = frame[column].to_numpy()
+    if not len(values):
+        return values.astype(np.int64)
+    if values.dtype.kind not in "iu":
+        raise TraceFileError(f"{name}: column {column} holds {values.dtype}, not whole numbers")
+    if len(values) and (values.min() < lo or values.max() > hi):
+        raise TraceFileError(f"{name}: column {column} has values outside [{lo}, {hi}]")
+    return values.astype(np.int64)
+
+
+def _shape_list(value: Any, where: str, limits: Limits) -> tuple[int, ...]:
+    if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TraceFileError("expected a list of sizes", where)
+    if len(value) > limits.tensor_dims:
+        raise TraceFileError(f"{len(value)} dimensions, over the limit of {limits.tensor_dims}", where)
+    out = []
+    for v in value:
+        whole = isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+        if not whole or not 0 <= v <= limits.tensor_elements:
+            raise TraceFileError(f"size {v!r} is not a whole number in [0, {limits.tensor_elements}]", where)
+        out.append(int(v))
+    if math.prod(out) > limits.tensor_elements:
+        raise TraceFileError(f"{math.prod(out)} elements, over the limit of {limits.tensor_elements}", where)
+    return tuple(out)
+
+
+# -- loading: the values -----------------------------------------------------------------------------
+def _storages_from(data: bytearray, expected: int, limits: Limits) -> list[torch.Tensor]:
+    """The flat storages of ``values.safetensors``, as views into ``data`` (read once, never copied)."""
     if len(data) < 8:
         raise TraceFileError(f"{VALUES}: truncated (no header)")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > MAX_ST_HEADER or 8 + header_len > len(data):
+    (header_len,) = struct.unpack("<Q", bytes(data[:8]))
+    if header_len > limits.manifest_bytes or 8 + header_len > len(data):
         raise TraceFileError(f"{VALUES}: declares a {header_len}-byte header but the file has {len(data)} bytes")
     try:
-        header = json.loads(data[8 : 8 + header_len])
+        header = json.loads(bytes(data[8 : 8 + header_len]))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TraceFileError(f"{VALUES}: header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise TraceFileError(f"{VALUES}: header is not an object")
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    if len(entries) != expected or set(entries) != {f"s{k}" for k in range(expected)}:
+        raise TraceFileError(f"{VALUES}: holds {len(entries)} storage(s) named {sorted(entries)[:4]}…, but the "
+                             f"manifest says s0 … s{expected - 1}")
     body = len(data) - 8 - header_len
+    flats: list[torch.Tensor] = []
     total = 0
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
+    for k in range(expected):
+        key, entry = f"s{k}", entries[f"s{k}"]
         try:
             dtype = _ST_DTYPES[entry["dtype"]]
-            shape = [int(s) for s in entry["shape"]]
+            (length,) = (int(s) for s in entry["shape"])
             start, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise TraceFileError(f"{VALUES}: malformed header entry for {key!r}") from None
-        if any(s < 0 for s in shape):
-            raise TraceFileError(f"{VALUES}: {key} has a negative dimension {shape}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - start != nbytes or start < 0 or end > body:
-            raise TraceFileError(
-                f"{VALUES}: {key} declares shape {shape} ({nbytes} bytes) but its data range is "
-                f"[{start}, {end}) in a {body}-byte body"
-            )
+            raise TraceFileError(f"{VALUES}: malformed header entry for {key!r} (a flat storage has one size, a "
+                                 "known dtype and two offsets)") from None
+        nbytes = length * dtype.itemsize
+        if length < 0 or start < 0 or end - start != nbytes or end > body:
+            raise TraceFileError(f"{VALUES}: {key} declares {length} elements ({nbytes} bytes) at [{start}, {end}) "
+                                 f"in a {body}-byte body")
         total += nbytes
-        if total > max_value_bytes:
-            raise TraceFileError(
-                f"{VALUES}: declares more than {max_value_bytes} bytes of values: refused before allocating"
-            )
-    return header
+        if total > limits.value_bytes:
+            raise TraceFileError(f"{VALUES}: declares more than {limits.value_bytes} bytes of values: refused")
+        offset = 8 + header_len + start
+        flats.append(torch.frombuffer(data, dtype=dtype, count=length, offset=offset) if length else
+                     torch.empty(0, dtype=dtype))
+    return flats
 
 
-def load_trace(path: str | Path | bytes, *, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> Trace:
-    """Read a trace written by ``save_trace`` (directory, .zip file, or .zip bytes), validating it."""
-    files = _read_members(Path(path) if isinstance(path, str) else path, max_value_bytes)
+# -- loading: all of it --------------------------------------------------------------------------------
+def load_trace(path: str | Path | bytes, *, limits: Limits = LIMITS) -> Trace:
+    """Read a trace written by ``save_trace`` (directory, .zip file, or .zip bytes), validating it whole."""
+    if isinstance(path, str):
+        if "\x00" in path:
+            raise TraceFileError("the path holds a NUL character")
+        path = Path(path)
+    files = _read_members(path, limits)
     try:
-        manifest = json.loads(files[MANIFEST])
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TraceFileError(f"{MANIFEST}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raw = json.loads(bytes(files[MANIFEST]))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise TraceFileError(f"{MANIFEST}: not valid JSON ({type(e).__name__})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise TraceFileError(f"{MANIFEST}: not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise TraceFileError(
-            f"{MANIFEST}: trace format version {manifest.get('version')!r}; this tracer reads version {VERSION}"
-        )
-    try:
-        records = pd.read_parquet(io.BytesIO(files[RECORDS]))
-        ops = pd.read_parquet(io.BytesIO(files[OPS])) if OPS in files else None
-    except Exception as e:  # pyarrow raises several unrelated types for damaged files
-        raise TraceFileError(f"{RECORDS}/{OPS}: not readable Parquet ({type(e).__name__}: {e})") from None
-    try:
-        return _build(manifest, records, ops, files.get(VALUES), max_value_bytes)
-    except TraceFileError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise TraceFileError(f"the trace is inconsistent ({type(e).__name__}: {e})") from None
+    if raw.get("version") != VERSION:
+        raise TraceFileError(f"{MANIFEST}: trace format version {raw.get('version')!r}; this tracer reads "
+                             f"version {VERSION}")
+    manifest = _schemas(limits)(raw, "")
+    counts = manifest["counts"]
+    records = _read_table(files[RECORDS], RECORDS, counts["records"], limits, _RECORD_COLUMNS)
+    ops = _read_table(files[OPS], OPS, counts["ops"], limits, _OP_COLUMNS) if OPS in files else None
+    if ops is None and counts["ops"]:
+        raise TraceFileError(f"the manifest counts {counts['ops']} ops but the trace has no {OPS}")
+    flats = _storages_from(files[VALUES], counts["storages"], limits) if VALUES in files else []
+    if not flats and counts["storages"]:
+        raise TraceFileError(f"the manifest counts {counts['storages']} storages but the trace has no {VALUES}")
+    return _build(manifest, records, ops, flats, limits)
 
 
-_REQUIRED = ("index", "step", "kind", "slot", "call", "shape", "dtype", "device", "module_index", "data_ptr",
-             "has_stats", "min", "max", "mean", "std", "nan", "pos_inf", "neg_inf", "zeros", "value_note")
-
-
-def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, values: bytes | None,
-           max_value_bytes: int) -> Trace:
-    missing = [c for c in _REQUIRED if c not in records.columns]
-    if missing:
-        raise TraceFileError(f"{RECORDS}: missing columns {missing}")
-    if len(records) != manifest["records"]:
-        raise TraceFileError(f"{RECORDS}: {len(records)} rows, but the manifest says {manifest['records']}")
-    if list(records["index"]) != list(range(len(records))):
-        raise TraceFileError(f"{RECORDS}: record indices are not 0 … {len(records) - 1} in order")
-    modules = [ModuleInfo(str(p), str(t), int(n), bool(h)) for p, t, n, h in manifest["modules"]]
-    header = _check_safetensors_header(values, max_value_bytes) if values is not None else {}
-    loaded_bytes = sum(
-        math.prod(e["shape"]) * _ST_DTYPES[e["dtype"]].itemsize for k, e in header.items() if k != "__metadata__"
-    )
-    trace = Trace(capture=str(manifest["capture"]), budget_bytes=max(int(manifest["budget_bytes"]), loaded_bytes))
-    trace._modules = modules
-    trace.meta = manifest.get("meta") or {}
-    for row in records.itertuples(index=False):
-        module = int(row.module_index)
-        if not 0 <= module < len(modules):
-            raise TraceFileError(f"{RECORDS}: record {row.index} names module #{module}, which does not exist")
-        if row.kind not in ("hook", "input", "output"):
-            raise TraceFileError(f"{RECORDS}: record {row.index} has unknown kind {row.kind!r}")
-        shape = tuple(int(s) for s in row.shape)
-        if any(s < 0 for s in shape):
-            raise TraceFileError(f"{RECORDS}: record {row.index} has a negative dimension {list(shape)}")
-        if not hasattr(torch, str(row.dtype)) or not isinstance(getattr(torch, str(row.dtype)), torch.dtype):
-            raise TraceFileError(f"{RECORDS}: record {row.index} has unknown dtype {row.dtype!r}")
-        trace._raw.append((int(row.index), int(row.step), module, str(row.kind), str(row.slot),
-                           int(row.call), shape, str(row.dtype), str(row.device), int(row.data_ptr)))
-        if bool(row.has_stats):
-            trace._stats[int(row.index)] = TensorStats(
-                float(row.min), float(row.max), float(row.mean), float(row.std), int(row.nan), int(row.pos_inf),
-                int(row.neg_inf), int(row.zeros),
-            )
-        if row.value_note:
-            trace._notes[int(row.index)] = str(row.value_note)
-    if values is not None:
+def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flats: list[torch.Tensor],
+           limits: Limits) -> Trace:
+    modules: tuple[ModuleInfo, ...] = manifest["modules"]
+    steps: tuple[StepRecord, ...] = manifest["steps"]
+    n = len(records)
+    _check_steps(steps, n, limits)
+    index = _ints(records, "index", RECORDS, 0, n)
+    if not np.array_equal(index, np.arange(n)):
+        raise TraceFileError(f"{RECORDS}: record indices are not 0 … {n - 1} in order")
+    step_of = _ints(records, "step", RECORDS, 0, len(steps))
+    module_of = _ints(records, "module_index", RECORDS, 0, max(len(modules) - 1, 0))
+    call_of = _ints(records, "call", RECORDS, 0, 2**31)
+    storage_of = _ints(records, "storage", RECORDS, -1, len(flats) - 1)
+    offset_of = _ints(records, "storage_offset", RECORDS, 0, 2**62)
+    flag_of = _ints(records, "finite", RECORDS, Finite.UNKNOWN, Finite.BAD)
+    ptr_of = _ints(records, "data_ptr", RECORDS, 0, 2**63 - 1)
+    for s in steps:
+        if (step_of[s.first_record:s.end_record] != s.step).any():
+            raise TraceFileError(f"{RECORDS}: step {s.step}'s records [{s.first_record}, {s.end_record}) are not all "
+                                 f"of step {s.step}")
+    tail = steps[-1].end_record if steps else 0
+    if tail < n and (step_of[tail:] != len(steps)).any():
+        raise TraceFileError(f"{RECORDS}: records after the last step must belong to one failed attempt")
+    log = TraceLog(manifest["capture"], max(manifest["budget_bytes"], sum(f.numel() * f.element_size() for f in flats)))
+    log.set_modules(modules)
+    if manifest["model"] is not None:
+        _check_model(manifest["model"], modules)
+        log.set_model(manifest["model"])
+    kinds, slots, dtypes, devices = (records[c].tolist() for c in ("kind", "slot", "dtype", "device"))
+    notes, shapes, strides = records["value_note"].tolist(), records["shape"].tolist(), records["strides"].tolist()
+    stat_cols = [records[c].tolist() for c in ("has_stats", "min", "max", "mean", "std", "nan", "pos_inf", "neg_inf")]
+    bounds = [(s.first_record, s.end_record, s.seconds) for s in steps]
+    if tail < n:
+        bounds.append((tail, n, None))  # the records of a failed attempt at the next step
+    values = []
+    for first, end, seconds in bounds:
+        log.begin_step()
+        for i in range(first, end):
+            where = f"{RECORDS} record {i}"
+            if kinds[i] not in TENSOR_KINDS:
+                raise TraceFileError(f"unknown kind {str(kinds[i])[:20]!r}", where)
+            if dtypes[i] not in _DTYPES:
+                raise TraceFileError(f"unknown dtype {str(dtypes[i])[:20]!r}", where)
+            shape = _shape_list(shapes[i], where + " shape", limits)
+            raw = RawRecord(i, int(step_of[i]), int(module_of[i]), kinds[i], str(slots[i])[:200], int(call_of[i]),
+                            shape, dtypes[i], str(devices[i])[:50], int(ptr_of[i]))
+            try:
+                log.restore_record(raw, _stats_row(stat_cols, i, where), str(notes[i] or "")[:2000], int(flag_of[i]))
+            except ValueError as e:
+                raise TraceFileError(str(e), where) from None
+            if storage_of[i] >= 0:
+                values.append((i, raw, int(storage_of[i]), int(offset_of[i]), strides[i]))
+        if seconds is not None:
+            log.end_step(seconds)
+        else:
+            log.fail_step(None, None)
+    for i, raw, storage, offset, stride in values:
         try:
-            tensors = st_load(values)
-        except Exception as e:  # safetensors raises its own error type from Rust
-            raise TraceFileError(f"{VALUES}: not readable ({e})") from None
-        for key, tensor in tensors.items():
-            if not key.startswith("r") or not key[1:].isdigit() or int(key[1:]) >= len(trace._raw):
-                raise TraceFileError(f"{VALUES}: entry {key!r} names no record")
-            _put_checked(trace, int(key[1:]), tensor)
-        for alias, target in manifest["values"].get("aliases", {}).items():
-            source = trace.values.get(int(target))
-            if source is None:
-                raise TraceFileError(f"{MANIFEST}: value alias {alias} → {target} points at no stored value")
-            _put_checked(trace, int(alias), source)
-    if ops is not None and len(ops):
-        for row in ops.itertuples(index=False):
-            ins = tuple(tuple(int(d) for d in s) for s in row.input_shapes)
-            outs = tuple(tuple(int(d) for d in s) for s in row.output_shapes)
-            trace._raw_ops.append((int(row.step), str(row.op), int(row.module_index), ins, outs,
-                                   str(row.dtype) or None, str(row.error)))
-    trace.steps = [StepInfo(**s) for s in manifest.get("steps", [])]
-    trace._next_step = (max(s.step for s in trace.steps) + 1) if trace.steps else 0
-    trace._step = trace._next_step - 1
-    if manifest.get("error"):
-        err = manifest["error"]
-        err["input_shapes"] = [(slot, tuple(shape)) for slot, shape in err.get("input_shapes", [])]
-        err["op_input_shapes"] = [tuple(s) for s in err.get("op_input_shapes", [])]
-        trace.error = TraceErrorInfo(**err)
-    return trace
+            log.restore_value(i, _view(flats[storage], raw, offset, stride, f"{RECORDS} record {i}", limits))
+        except ValueError as e:
+            if isinstance(e, TraceFileError):
+                raise
+            raise TraceFileError(str(e), f"{RECORDS} record {i}") from None
+    if ops is not None:
+        _restore_ops(log, ops, limits)
+    if manifest["generation"] is not None:
+        _restore_generation(log, manifest["generation"], manifest["model"])
+    if manifest["error"] is not None:
+        log.restore_failure(manifest["error"])
+    return Trace(log)
 
 
-def _put_checked(trace: Trace, index: int, tensor: torch.Tensor) -> None:
-    raw = raw_record(trace, index)
-    if tuple(tensor.shape) != tuple(raw.shape):
-        raise TraceFileError(
-            f"record {index}: the table says shape {list(raw.shape)} but {VALUES} holds {list(tensor.shape)}"
-        )
-    if str(tensor.dtype).removeprefix("torch.") != raw.dtype:
-        raise TraceFileError(f"record {index}: the table says dtype {raw.dtype} but {VALUES} holds {tensor.dtype}")
-    reason = trace.values.put(index, raw.step, tensor)
-    if reason:
-        raise TraceFileError(f"record {index}: {reason}")
+def _check_steps(steps: tuple[StepRecord, ...], n: int, limits: Limits) -> None:
+    expected = 0
+    for i, s in enumerate(steps):
+        if s.step != i:
+            raise TraceFileError(f"step numbers must run 0, 1, 2, … without gaps; found {s.step} at position {i}",
+                                 f"steps[{i}]")
+        if s.first_record != expected or not s.first_record <= s.end_record <= n:
+            raise TraceFileError(f"records [{s.first_record}, {s.end_record}) do not continue where step {i - 1} "
+                                 f"ended ({expected}) within {n} records", f"steps[{i}]")
+        if s.end_record - s.first_record > limits.records_per_step:
+            raise TraceFileError(f"{s.end_record - s.first_record} records, over the limit of "
+                                 f"{limits.records_per_step} per step", f"steps[{i}]")
+        expected = s.end_record
+
+
+def _stats_row(cols: list[list], i: int, where: str) -> TensorStats | None:
+    has, lo, hi, mean, std, nan, pos, neg = (c[i] for c in cols)
+    if not has:
+        return None
+    counts = []
+    for label, v in (("nan", nan), ("pos_inf", pos), ("neg_inf", neg)):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise TraceFileError(f"{label} count {v!r} is not a whole number ≥ 0", where)
+        counts.append(int(v))
+    try:
+        floats = [float(v) for v in (lo, hi, mean, std)]
+    except (TypeError, ValueError):
+        raise TraceFileError("statistics are not numbers", where) from None
+    return TensorStats(*floats, *counts)
+
+
+def _view(flat: torch.Tensor, raw: RawRecord, offset: int, stride: Any, where: str, limits: Limits) -> torch.Tensor:
+    strides = _shape_list(stride, where + " strides", limits)
+    if len(strides) != len(raw.shape):
+        raise TraceFileError(f"{len(strides)} strides for a {len(raw.shape)}-dimensional value", where)
+    if dtype_name(flat.dtype) != raw.dtype:
+        raise TraceFileError(f"declares dtype {raw.dtype} but its storage holds {dtype_name(flat.dtype)}", where)
+    if math.prod(raw.shape):
+        end = offset + 1 + sum((size - 1) * st for size, st in zip(raw.shape, strides))
+        if end > flat.numel():
+            raise TraceFileError(f"its view reaches element {end} of a storage of {flat.numel()}", where)
+    return torch.as_strided(flat, raw.shape, strides, flat.storage_offset() + offset)
+
+
+def _check_model(identity: ModelIdentity, modules: tuple[ModuleInfo, ...]) -> None:
+    """The config's layer count must be what the module list holds (views size their pickers by it)."""
+    n_layer = identity.config.get("n_layer")
+    blocks = {m.path.split(".")[1] for m in modules if m.path.startswith("blocks.") and m.path.count(".") >= 1}
+    if n_layer is not None and blocks and n_layer != len(blocks):
+        raise TraceFileError(f"says {n_layer} layers but the modules hold {len(blocks)} blocks", "model.config.n_layer")
+
+
+def _restore_ops(log: TraceLog, ops: pd.DataFrame, limits: Limits) -> None:
+    steps = _ints(ops, "step", OPS, 0, len(log.steps))
+    modules = _ints(ops, "module_index", OPS, -1, len(log.modules) - 1)
+    firsts = _ints(ops, "first_record", OPS, -1, log.n_records)
+    names, dtypes, errors = ops["op"].tolist(), ops["dtype"].tolist(), ops["error"].tolist()
+    ins, outs = ops["input_shapes"].tolist(), ops["output_shapes"].tolist()
+    for i in range(len(ops)):
+        where = f"{OPS} row {i}"
+        if not isinstance(ins[i], (list, np.ndarray)) or not isinstance(outs[i], (list, np.ndarray)) or \
+                len(ins[i]) > 64 or len(outs[i]) > 64:
+            raise TraceFileError("shapes must be lists of at most 64 shapes", where)
+        op = RawOp(int(steps[i]), str(names[i])[:200], int(modules[i]),
+                   tuple(_shape_list(s, where, limits) for s in ins[i]),
+                   tuple(_shape_list(s, where, limits) for s in outs[i]),
+                   str(dtypes[i] or "")[:50], str(errors[i] or "")[:5000], int(firsts[i]))
+        try:
+            log.restore_op(op)
+        except ValueError as e:
+            raise TraceFileError(str(e), where) from None
+
+
+def _restore_generation(log: TraceLog, generation: dict, identity: ModelIdentity | None) -> None:
+    if identity is None:
+        raise TraceFileError("a generation needs the model that made it", "model")
+    info_raw = generation["info"]
+    try:
+        info = GenerationInfo(model=identity, **info_raw)
+    except (TypeError, ValueError) as e:
+        raise TraceFileError(str(e), "generation.info") from None
+    batch = len(info.prompt_tokens)
+    if not batch or len(info.prompts) != batch or any(
+            len(t) != len(lab) or not t for t, lab in zip(info.prompt_tokens, info.prompt_labels)):
+        raise TraceFileError("prompts, their tokens and their labels must be as many, each sequence non-empty",
+                             "generation.info")
+    vocab = identity.config.get("vocab_size", 2**31)
+    if any(t >= vocab for row in info.prompt_tokens for t in row):
+        raise TraceFileError(f"a prompt token is outside the vocabulary of {vocab}", "generation.info.prompt_tokens")
+    if info.prompt_width + len(generation["steps"]) > info.n_ctx or info.n_ctx > identity.config.get("n_ctx", 2**31):
+        raise TraceFileError("more positions than the model's n_ctx", "generation.info.n_ctx")
+    log.begin_generation(info)
+    shapes_at = _attention_shapes(log)
+    for i, step in enumerate(generation["steps"]):
+        where = f"generation.steps[{i}]"
+        f = step.forward
+        expected_t = info.prompt_width + i if info.use_cache else f.n
+        if f.t != expected_t or f.n > f.t or len(f.fed_tokens) != batch or any(len(r) != f.n for r in f.fed_tokens):
+            raise TraceFileError(f"n = {f.n}, t = {f.t} and the tokens fed do not fit a batch of {batch} at step {i}",
+                                 where)
+        if i in shapes_at and shapes_at[i] != (batch, f.n, f.t):
+            raise TraceFileError(f"says [B, n, t] = [{batch}, {f.n}, {f.t}] but its attention records are "
+                                 f"{list(shapes_at[i])}", where)
+        choice = step.sampling
+        if choice is not None and not (len(choice.tokens) == len(choice.labels) == len(choice.probs) == batch
+                                       and all(t < vocab for t in choice.tokens)):
+            raise TraceFileError("the chosen tokens do not fit the batch or the vocabulary", where + ".sampling")
+        if choice is None and i != len(generation["steps"]) - 1:
+            raise TraceFileError("only the last step may have chosen no token", where + ".sampling")
+        try:
+            log.add_generation_step(step)
+        except ValueError as e:
+            raise TraceFileError(str(e), where) from None
+    for i, comparison in enumerate(generation["comparisons"]):
+        try:
+            log.add_comparison(comparison)
+        except ValueError as e:
+            raise TraceFileError(str(e), f"generation.comparisons[{i}]") from None
+
+
+def _attention_shapes(log: TraceLog) -> dict[int, tuple[int, int, int]]:
+    """Per step, (B, n, t) read off the first attention-weights record, where the trace has one."""
+    out: dict[int, tuple[int, int, int]] = {}
+    modules = log.modules
+    for i in range(log.n_records):
+        raw = log.raw(i)
+        if raw.kind == "hook" and modules[raw.module].path.endswith("attn.hook_pattern") and raw.step not in out \
+                and len(raw.shape) == 4:
+            out[raw.step] = (raw.shape[0], raw.shape[2], raw.shape[3])
+    return out

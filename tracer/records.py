@@ -1,15 +1,25 @@
-"""Plain records: one per tensor seen, one per op, one per step. No torch logic here."""
+"""Plain records, all frozen: one per tensor seen, one per op, one per step, and the facts of a generation.
+
+No torch logic here. Facts that change after a record exists (whether its value
+is still kept, its statistics once computed) are asked of the trace, not stored
+in the record: a record never goes stale.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-KINDS = ("hook", "input", "output")  # kinds of TensorRecord; op records live in their own table
+from model.identity import ModelIdentity
+from model.sampling import SamplingConfig
+
+TENSOR_KINDS = ("hook", "input", "output")  # what a TensorRecord is; ops live in their own table
+PAD_LABEL = "⟨pad⟩"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TensorStats:
-    """Summary numbers of a tensor, over its finite elements; counts of the others."""
+    """Summary numbers of a tensor over its finite elements, and counts of the others."""
 
     min: float
     max: float
@@ -18,14 +28,40 @@ class TensorStats:
     nan: int = 0
     pos_inf: int = 0
     neg_inf: int = 0
-    zeros: int = 0
 
     @property
     def inf(self) -> int:
         return self.pos_inf + self.neg_inf
 
+    @property
+    def all_zero(self) -> bool:
+        return self.min == 0 and self.max == 0 and not (self.nan or self.inf)
 
-@dataclass(slots=True)
+
+class Finite:
+    """What a record holds besides finite numbers: the cheap flag every capture level keeps."""
+
+    CLEAN = 0  # only finite values
+    NEG_INF = 1  # −∞ and finite values only (what a mask holds on purpose)
+    BAD = 2  # NaN or +∞ (or both signs of ∞)
+    UNKNOWN = -1  # not checked (shapes capture checks the residual stream and the logits only)
+
+    @staticmethod
+    def from_stats(stats: TensorStats) -> int:
+        if stats.nan or stats.pos_inf:
+            return Finite.BAD
+        return Finite.NEG_INF if stats.neg_inf else Finite.CLEAN
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleInfo:
+    path: str  # "" for the root model
+    type: str
+    params: int  # parameters, children included
+    is_hook: bool
+
+
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     """One tensor one module saw: an input, an output, or a hook point's value."""
 
@@ -34,63 +70,62 @@ class TensorRecord:
     name: str  # hook path, or "<module path>:in[0]" / ":out" / ":out.logits"
     module: str  # module path ("" for the root model)
     module_type: str
-    kind: str  # "hook" | "input" | "output"
+    kind: str  # one of TENSOR_KINDS
     slot: str  # where in the module's arguments/outputs: "", "[0]", ".attention_mask", "[1][0]"
     call: int  # n-th call of this module within the step (0 unless a module is reused)
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
     device: str
-    numel: int
-    nbytes: int  # bytes of this tensor's elements (numel · element size)
-    module_params: int  # parameters of the module, children included
-    layer: int | None = None  # block index parsed from the module path
-    stats: TensorStats | None = None
-    has_value: bool = False  # whether the trace still holds the values (within the byte budget)
-    value_note: str = ""  # why values are missing or doubtful (evicted, mutated in place, …)
+    layer: int | None  # block index, from the module path
+    module_params: int
+    axes: tuple[str, ...] | None = None  # symbolic axes from the hook table, e.g. ("B", "H", "n", "t")
+    axes_note: str = ""  # what the table says about the axes (e.g. keys shared by several query heads)
+    neg_inf_expected: bool = False  # −∞ here is a mask doing its job, not an anomaly
+    index_in_step: int = 0  # position within its step, for people ("record 12 of step 3")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
 
 
-@dataclass(slots=True)
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+
+
+def dtype_itemsize(dtype: str) -> int:
+    return _ITEMSIZE.get(dtype, 4)
+
+
+@dataclass(frozen=True, slots=True)
 class OpRecord:
     """One torch function or tensor method called inside a forward."""
 
     index: int  # call order within the trace
     step: int
     op: str  # "torch.matmul", "Tensor.view", "F.softmax", …
-    module: str  # innermost module it ran in
+    module: str  # innermost module it ran in ("(outside modules)" when none)
     input_shapes: tuple[tuple[int, ...], ...]
     output_shapes: tuple[tuple[int, ...], ...]
     output_dtype: str = ""
     error: str = ""  # the exception message when this op raised
+    first_record: int = -1  # the trace's record count when the op ran: it precedes that record
 
 
-@dataclass
-class StepInfo:
-    """What one generation step (one forward pass) did."""
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What the tracer itself knows of one forward pass."""
 
     step: int
-    n: int  # new positions fed (queries)
-    t: int  # key positions attended over, cache included
-    cache_length_before: int
-    cache_length_after: int
-    use_cache: bool
-    seconds: float = 0.0  # wall time of the traced forward
-    fed_tokens: list[list[int]] = field(default_factory=list)  # [B][n]
-    sampled: list[int] = field(default_factory=list)  # [B]
-    sampled_prob: list[float] = field(default_factory=list)  # [B], under the final distribution
-    candidates: list[list[int]] = field(default_factory=list)  # [B][K] token ids
-    candidate_labels: list[list[str]] = field(default_factory=list)  # [B][K] their display text
-    stage_probs: list[list[list[float]]] = field(default_factory=list)  # [B][stage][K]
-    kept: list[list[int]] = field(default_factory=list)  # [B][stage] tokens left after each filter
-    first_record: int = 0  # index range of this step's tensor records
-    end_record: int = 0
-
-    @property
-    def rows_computed(self) -> int:
-        """Query rows of attention computed per sequence: n (1 with the cache, all without)."""
-        return self.n
+    first_record: int  # this step's tensor records are [first_record, end_record)
+    end_record: int
+    seconds: float  # wall time of the traced forward (an estimate on a shared machine)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TraceErrorInfo:
     """Where a traced forward failed."""
 
@@ -99,10 +134,10 @@ class TraceErrorInfo:
     message: str
     module: str  # innermost module that had started and not finished
     module_type: str
-    module_stack: list[str]
-    input_shapes: list[tuple[str, tuple[int, ...]]]  # (slot, shape) of that module's inputs
+    module_stack: tuple[str, ...]
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (slot, shape) of that module's inputs
     op: str = ""  # the failing op, when op-level capture was on
-    op_input_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    op_input_shapes: tuple[tuple[int, ...], ...] = ()
     source: str = ""  # "file:line: code" of the innermost frame inside that module's forward
 
     def describe(self) -> str:
@@ -114,3 +149,120 @@ class TraceErrorInfo:
         if self.source:
             text += f"; at {self.source}"
         return text
+
+
+# -- a generation ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GenerationInfo:
+    """What a generation is, fixed when it starts. Per-step facts are ``GenerationStep``s."""
+
+    model: ModelIdentity
+    prompts: tuple[str, ...]
+    prompt_tokens: tuple[tuple[int, ...], ...]  # per sequence, after any truncation, unpadded
+    prompt_labels: tuple[tuple[str, ...], ...]  # the display label of each of those tokens
+    padding_side: str  # "left" | "right"
+    pad_id: int
+    use_cache: bool
+    sampling: SamplingConfig
+    n_ctx: int
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def prompt_lengths(self) -> tuple[int, ...]:
+        return tuple(len(row) for row in self.prompt_tokens)
+
+    @property
+    def prompt_width(self) -> int:
+        """Columns of the padded prompt matrix."""
+        return max(len(row) for row in self.prompt_tokens)
+
+    def padded_prompt(self, row: int) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[str, ...]]:
+        """(token ids, is-a-token, labels) of one sequence's prompt columns, padding included."""
+        ids, labels = self.prompt_tokens[row], self.prompt_labels[row]
+        pad = self.prompt_width - len(ids)
+        if self.padding_side == "left":
+            return ((self.pad_id,) * pad + ids, (False,) * pad + (True,) * len(ids), (PAD_LABEL,) * pad + labels)
+        return ids + (self.pad_id,) * pad, (True,) * len(ids) + (False,) * pad, labels + (PAD_LABEL,) * pad
+
+    @property
+    def padded(self) -> bool:
+        return any(len(row) != self.prompt_width for row in self.prompt_tokens)
+
+
+@dataclass(frozen=True)
+class ForwardFacts:
+    """What one step fed the model."""
+
+    n: int  # new positions fed (query rows)
+    t: int  # key positions attended over, cache included
+    cache_before: int  # positions in the KV cache before the step (0 without a cache)
+    cache_after: int
+    fed_tokens: tuple[tuple[int, ...], ...]  # [B][n]
+
+
+@dataclass(frozen=True)
+class SamplingRecord:
+    """How one step chose its tokens (one per sequence)."""
+
+    tokens: tuple[int, ...]  # [B] the chosen ids
+    labels: tuple[str, ...]  # [B] their display text
+    probs: tuple[float, ...]  # [B] probability under the final distribution
+    candidates: tuple[tuple[int, ...], ...]  # [B][K] the most probable ids; the chosen one always among them
+    candidate_labels: tuple[tuple[str, ...], ...]  # [B][K]
+    stage_probs: tuple[tuple[tuple[float, ...], ...], ...]  # [B][stage][K]
+    kept: tuple[tuple[int, ...], ...]  # [B][stage] tokens left after each filter
+
+
+@dataclass(frozen=True)
+class GenerationStep:
+    step: int
+    forward: ForwardFacts
+    sampling: SamplingRecord | None  # None: the logits held NaN/+∞ and no token could be chosen
+    interventions: tuple[str, ...] = ()  # what was switched off or patched during this step, described
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """The work of one way to compute a step, counted from the model's shapes (not timed)."""
+
+    query_rows: int  # attention query rows computed per sequence
+    macs: int  # multiply-adds of the whole forward
+    weight_bytes: int  # bytes of weights the forward reads
+    kv_bytes: int  # bytes of cached keys and values it reads
+    seconds: float | None = None  # one untraced wall-clock timing: an estimate, never the evidence
+
+    @property
+    def bytes_read(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True)
+class RecomputeComparison:
+    """A step done both ways: the cached path (new rows over cached K, V) and a full recompute."""
+
+    step: int
+    cached: PathCost
+    full: PathCost
+    max_abs_delta: float  # max |Δ logits| over the rows sampled from
+    tolerance: float  # what counts as equal for this dtype
+    run_used_cache: bool  # whether the generation itself ran with the cache
+    timing_repeats: int = 1  # timings are the fastest of this many runs
+    note: str = field(default="")
+
+    @property
+    def equal(self) -> bool:
+        return self.max_abs_delta <= self.tolerance
+
+    @property
+    def nothing_cached(self) -> bool:
+        """At the prefill both paths compute every row: their agreement shows nothing about the cache."""
+        return self.cached.query_rows == self.full.query_rows
+
+    @property
+    def timing_contradicts_count(self) -> bool:
+        c, f = self.cached.seconds, self.full.seconds
+        return c is not None and f is not None and self.cached.macs < self.full.macs and c > f

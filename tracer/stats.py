@@ -1,10 +1,17 @@
-"""Tensor statistics and the one-line summary, in the spirit of lovely-tensors.
+"""Tensor statistics, the cheap finiteness flag, and the one-line summary (in the spirit of lovely-tensors).
 
 ``tensor[1, 4, 5, 5] f32 n=100 x∈[0.000, 1.000] μ=0.200 σ=0.310`` — and NaN or
 ±∞ shouted (``NaN!×3``), except −∞ where a mask is meant to hold it.
 
-Statistics are computed when asked for (a table, a summary, an eviction), not
-during the forward, so they never dominate the cost of tracing.
+Cost matters: a 1024-token GPT-2 prefill produces gigabytes of activations, and
+a record's statistics are taken once, when its value is first looked at or when
+the byte budget evicts it. So the common case is three reductions over float32
+data that each run at memory speed — ``aminmax`` (which also tells whether any
+NaN or ±∞ is there: NaN propagates, ±∞ shows as the extreme), ``sum`` and the
+L2 norm — about 11 ms for a 50 MB attention tensor on 2 cores, where
+``std_mean`` alone takes 51 ms. The mean and σ come from Σx and Σx²; where
+that loses precision (a mean far larger than the spread) or where the tensor
+holds NaN/±∞, an exact slower path takes over.
 """
 
 from __future__ import annotations
@@ -13,46 +20,86 @@ import math
 
 import torch
 
-from tracer.records import TensorStats
+from tracer.records import Finite, TensorStats
 
 _SHORT_DTYPES = {
     "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
     "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "bool",
 }
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_CANCELLATION = 1e-2  # var/mean² below this: Σx²/n − mean² would lose too many digits in float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` → ``"float32"`` (cached: the tracer's hot path calls this per tensor)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def short_dtype(dtype: str) -> str:
     return _SHORT_DTYPES.get(dtype, dtype)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@torch.no_grad()
-def tensor_stats(t: torch.Tensor) -> TensorStats:
+def _as_float(t: torch.Tensor) -> torch.Tensor:
     x = t.detach()
     if x.is_complex():
         x = x.abs()
     if not x.is_floating_point():
         x = x.to(torch.float64 if x.dtype == torch.int64 else torch.float32)
-    if x.numel() == 0:
+    elif x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()  # reductions in float32: half precision would round the sums away
+    if x.numel() > 65536 and not x.is_contiguous():
+        x = x.contiguous()  # reductions over a strided view run several times slower than the copy costs
+    return x
+
+
+@torch.no_grad()
+def tensor_stats(t: torch.Tensor) -> TensorStats:
+    x = _as_float(t)
+    n = x.numel()
+    if n == 0:
         return TensorStats(math.nan, math.nan, math.nan, math.nan)
-    finite_mask = torch.isfinite(x)
-    n_finite = int(finite_mask.sum())
-    nan = pos_inf = neg_inf = 0
-    if n_finite != x.numel():
-        nan = int(torch.isnan(x).sum())
-        pos_inf = int((x == math.inf).sum())
-        neg_inf = int((x == -math.inf).sum())
-        x = x[finite_mask]
-    zeros = int((x == 0).sum())
-    if x.numel() == 0:
-        return TensorStats(math.nan, math.nan, math.nan, math.nan, nan, pos_inf, neg_inf, zeros)
-    lo, hi = torch.aminmax(x)
-    xd = x.double() if x.dtype != torch.float64 else x
-    std, mean = torch.std_mean(xd, correction=0)
-    return TensorStats(float(lo), float(hi), float(mean), float(std), nan, pos_inf, neg_inf, zeros)
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return _stats_with_non_finite(x)
+    total = float(x.sum())
+    mean = total / n
+    if n == 1:
+        return TensorStats(lo, hi, mean, 0.0)
+    var = float(torch.linalg.vector_norm(x)) ** 2 / n - mean * mean
+    if var <= _CANCELLATION * mean * mean or not math.isfinite(var):
+        std, mean_t = torch.std_mean(x.double(), correction=0)  # exact, for the rare ill-conditioned tensor
+        return TensorStats(lo, hi, float(mean_t), float(std))
+    return TensorStats(lo, hi, mean, math.sqrt(var))
+
+
+def _stats_with_non_finite(x: torch.Tensor) -> TensorStats:
+    finite = torch.isfinite(x)
+    nan = int(torch.isnan(x).sum())
+    pos_inf = int(torch.isposinf(x).sum())
+    neg_inf = int(torch.isneginf(x).sum())
+    values = x[finite]
+    if values.numel() == 0:
+        return TensorStats(math.nan, math.nan, math.nan, math.nan, nan, pos_inf, neg_inf)
+    lo, hi = torch.aminmax(values)
+    std, mean = torch.std_mean(values.double(), correction=0)
+    return TensorStats(float(lo), float(hi), float(mean), float(std), nan, pos_inf, neg_inf)
+
+
+@torch.no_grad()
+def finite_flag(t: torch.Tensor) -> int:
+    """``Finite.CLEAN`` / ``NEG_INF`` / ``BAD`` with one reduction: Σx is finite exactly when every
+    element is (barring an overflow of the sum, which is then reported as BAD — the statistics,
+    taken when a value is kept, settle it)."""
+    x = t.detach()
+    if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:
+        return Finite.CLEAN
+    s = float(x.sum())
+    if math.isfinite(s):
+        return Finite.CLEAN
+    return Finite.NEG_INF if s == -math.inf else Finite.BAD
 
 
 def _fmt(v: float) -> str:
@@ -61,14 +108,6 @@ def _fmt(v: float) -> str:
     if v != 0 and (abs(v) >= 1e4 or abs(v) < 1e-3):
         return f"{v:.2e}"
     return f"{v:.3f}"
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n}B"
 
 
 def anomalies(stats: TensorStats, neg_inf_expected: bool = False) -> list[str]:
@@ -83,13 +122,15 @@ def anomalies(stats: TensorStats, neg_inf_expected: bool = False) -> list[str]:
     return out
 
 
-def summarize(
-    shape: tuple[int, ...], dtype: str, stats: TensorStats | None, neg_inf_expected: bool = False
-) -> str:
+def summarize(shape: tuple[int, ...], dtype: str, stats: TensorStats | None, neg_inf_expected: bool = False,
+              flag: int = Finite.UNKNOWN) -> str:
+    """The one-line summary. Without statistics (values not kept) it still shouts a non-finite flag."""
     numel = math.prod(shape)
     head = f"tensor[{', '.join(map(str, shape))}] {short_dtype(dtype)} n={numel}"
     if stats is None:
-        return head + " (values not kept)"
+        loud = " NaN/+∞ present!" if flag == Finite.BAD else (
+            " −∞ present!" if flag == Finite.NEG_INF and not neg_inf_expected else "")
+        return head + " (values not kept)" + loud
     if numel == 0:
         return head + " empty"
     parts = [head]
@@ -98,6 +139,6 @@ def summarize(
     if stats.neg_inf and neg_inf_expected:
         parts.append(f"−∞×{stats.neg_inf} (masked)")
     parts.extend(anomalies(stats, neg_inf_expected))
-    if stats.zeros == numel and numel > 1:
+    if stats.all_zero and numel > 1:
         parts.append("all zeros")
     return " ".join(parts)

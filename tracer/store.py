@@ -10,7 +10,8 @@ middle of a step.
 A kept value is the model's own tensor, not a copy. Its version counter is
 noted when it is kept and compared whenever it is read: a tensor changed in
 place afterwards (in this step or a later one) is dropped with a note, never
-shown with the wrong numbers.
+shown with the wrong numbers. Tensors made under ``torch.inference_mode`` have
+no version counter; the tracer copies those when it keeps them (see capture).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ import torch
 
 DEFAULT_BUDGET_BYTES = 512 * 2**20  # 512 MiB
 MUTATED = "dropped: changed in place after it was recorded (trace with copy='all' to keep it)"
+NO_VERSION = -1
+
+EvictCallback = Callable[[int, torch.Tensor, str, bool], None]  # (index, value, note, stats still valid)
+
+
+def version_of(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter (PyTorch bumps it on every in-place write); tensors
+    made under inference mode have none."""
+    return NO_VERSION if t.is_inference() else t._version
 
 
 def extent(t: torch.Tensor) -> tuple[int, int]:
@@ -64,26 +74,43 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
-    """(identity, bytes) of the storage behind ``t``."""
+    """(identity, bytes) of the storage behind ``t``: the one definition every part uses."""
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
     return (ptr, storage.nbytes()) if ptr else (id(storage), 0)
 
 
-class ValueStore:
-    """Record index → CPU tensor, oldest first, within ``budget_bytes``."""
+def view_key(t: torch.Tensor) -> tuple:
+    """Two kept values with equal view keys are the same numbers (same storage, offset, shape, strides)."""
+    return (storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be ≥ 0, got {budget_bytes}")
-        self.budget_bytes = int(budget_bytes)
-        # index → (tensor, step, storage key, version when kept or -1); dicts keep insertion order
+
+class ValueStore:
+    """Record index → tensor, oldest first, within ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES, on_evict: EvictCallback | None = None) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be a whole number ≥ 0, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        # index → (tensor, step, storage key, version when kept); dicts keep insertion order
         self._entries: dict[int, tuple[torch.Tensor, int, tuple[int, int], int]] = {}
         self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
-        self.nbytes = 0
-        self.peak_nbytes = 0
-        self.evicted_count = 0
-        self.on_evict: Callable[[int, torch.Tensor, str, bool], None] | None = None
+        self._nbytes = 0
+        self._peak_nbytes = 0
+        self._evicted = 0
+        self._on_evict = on_evict
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        return self._peak_nbytes
+
+    @property
+    def evicted_count(self) -> int:
+        return self._evicted
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -98,23 +125,18 @@ class ValueStore:
         for index in [i for i in self._entries if self._verified(i)]:
             yield index, self._entries[index][0]
 
-    def step_of(self, index: int) -> int:
-        return self._entries[index][1]
-
     def _verified(self, index: int) -> bool:
         entry = self._entries.get(index)
         if entry is None:
             return False
-        if entry[3] >= 0 and entry[0]._version != entry[3]:
+        if entry[3] != NO_VERSION and version_of(entry[0]) != entry[3]:
             self.drop(index, note=MUTATED, stats=False)
             return False
         return True
 
     def put(self, index: int, step: int, tensor: torch.Tensor) -> str:
         """Keep ``tensor`` for record ``index``; returns "" if kept, else why not."""
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        key = (ptr, storage.nbytes()) if ptr else (id(storage), 0)
+        key = storage_key(tensor)
         viewers = self._storages.get(key)
         if viewers is not None:
             viewers.add(index)
@@ -122,13 +144,12 @@ class ValueStore:
             size = key[1]
             if size > self.budget_bytes:
                 return f"not kept: its storage ({size} B) is larger than the whole budget ({self.budget_bytes} B)"
-            while self.nbytes + size > self.budget_bytes and self._entries:
+            while self._nbytes + size > self.budget_bytes and self._entries:
                 self._evict_oldest_step()
             self._storages[key] = {index}
-            self.nbytes += size
-            if self.nbytes > self.peak_nbytes:
-                self.peak_nbytes = self.nbytes
-        self._entries[index] = (tensor, step, key, -1 if tensor.is_inference() else tensor._version)
+            self._nbytes += size
+            self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
+        self._entries[index] = (tensor, step, key, version_of(tensor))
         return ""
 
     def replace(self, index: int, tensor: torch.Tensor) -> None:
@@ -138,24 +159,24 @@ class ValueStore:
             return
         self.drop(index, note=None)
         reason = self.put(index, entry[1], tensor)
-        if reason and self.on_evict is not None:
-            self.on_evict(index, tensor, reason, True)
+        if reason and self._on_evict is not None:
+            self._on_evict(index, tensor, reason, True)
 
     def drop(self, index: int, note: str | None = "dropped", stats: bool = True) -> None:
-        """Forget a value; ``note`` (if any) tells the trace why, and whether its stats can still be taken."""
+        """Forget a value; ``note`` (if any) tells the owner why, and whether its stats can still be taken."""
         entry = self._entries.pop(index, None)
         if entry is None:
             return
         tensor, _, key, version = entry
-        if stats and version >= 0 and tensor._version != version:
+        if stats and version != NO_VERSION and version_of(tensor) != version:
             note, stats = MUTATED, False  # its statistics would describe the wrong values
         viewers = self._storages[key]
         viewers.discard(index)
         if not viewers:
             del self._storages[key]
-            self.nbytes -= key[1]
-        if note is not None and self.on_evict is not None:
-            self.on_evict(index, tensor, note, stats)
+            self._nbytes -= key[1]
+        if note is not None and self._on_evict is not None:
+            self._on_evict(index, tensor, note, stats)
 
     def _evict_oldest_step(self) -> None:
         oldest_step = self._entries[next(iter(self._entries))][1]
@@ -164,23 +185,15 @@ class ValueStore:
         if oldest_step == newest_step:
             victims = victims[:1]  # the current step alone is over budget: drop its oldest value only
         for i in victims:
-            self.evicted_count += 1
+            self._evicted += 1
             self.drop(i, note=f"evicted: over the {self.budget_bytes} B budget")
-
-    def sharing_storage(self, tensor: torch.Tensor) -> list[int]:
-        """Indices of kept values that view the same storage as ``tensor``."""
-        return sorted(self._storages.get(storage_key(tensor), ()))
 
     def overlapping(self, tensor: torch.Tensor) -> list[int]:
         """Indices of kept values whose elements ``tensor`` covers (so writing it would change them)."""
         viewers = self._storages.get(storage_key(tensor))
         if not viewers:
             return []
-        out = []
-        for index in viewers:
-            if overlaps(tensor, self._entries[index][0]):
-                out.append(index)
-        return sorted(out)
+        return sorted(i for i in viewers if overlaps(tensor, self._entries[i][0]))
 
     def steps_held(self) -> list[int]:
         return sorted({e[1] for e in self._entries.values()})

@@ -1,0 +1,51 @@
+"""What a forward pass costs, counted from shapes: multiply-adds and bytes read.
+
+These are the numbers that say what the KV cache saves, whatever else the
+machine is doing: a decode step with the cache computes one query row per
+sequence over t cached keys; a full recompute computes all t rows again. Wall
+time on a shared machine is an estimate; these counts are exact for our model.
+
+Counted (per forward, batch B, n new positions, t key positions):
+
+* per block: X·W_QKV  B·n·d·(H + 2G)·d_head; QKᵀ  B·H·n·t·d_head; A·V  B·H·n·t·d_head;
+  ·W_O  B·n·H·d_head·d; MLP  B·n·d·d_ff times 2 (GELU: W₁, W₂) or 3 (SwiGLU: gate, up, down);
+* the unembedding: B·n·d·V (our model computes logits for every new position).
+
+Layer norms, softmax, the mask, RoPE and the residual additions are O(B·n·d)
+or O(B·H·n·t) element-wise work without multiply-adds of weights; they are
+left out, and said to be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    macs: int  # multiply-adds of the counted matrix products
+    weight_bytes: int  # bytes of weight matrices one forward reads (every block, the unembedding)
+    kv_cache_bytes: int  # bytes of cached keys and values read (0 without a cache)
+
+
+def _dims(config) -> tuple[int, int, int, int, int, int, int, int]:
+    n_head = config.n_head
+    n_kv = getattr(config, "n_kv_heads", None) or getattr(config, "n_kv_head", None) or n_head
+    d_head = config.d_head
+    gated = getattr(config, "mlp", "gelu") == "swiglu"
+    return config.d_model, n_head, n_kv, d_head, config.d_ff, config.vocab_size, config.n_layer, 3 if gated else 2
+
+
+def forward_cost(config, batch: int, new: int, keys: int, cached: int = 0, itemsize: int = 4) -> ForwardCost:
+    """The cost of one forward of ``new`` positions attending over ``keys`` positions, ``cached`` of which
+    come from a KV cache."""
+    d, H, G, dh, d_ff, V, L, mlp_mats = _dims(config)
+    per_block = (batch * new * d * (H + 2 * G) * dh  # X·W_QKV
+                 + 2 * batch * H * new * keys * dh  # QKᵀ and A·V
+                 + batch * new * H * dh * d  # ·W_O
+                 + mlp_mats * batch * new * d * d_ff)  # the MLP
+    macs = L * per_block + batch * new * d * V
+    block_weights = d * (H + 2 * G) * dh + H * dh * d + mlp_mats * d * d_ff
+    weight_bytes = (L * block_weights + d * V) * itemsize
+    kv_bytes = 2 * L * batch * G * cached * dh * itemsize
+    return ForwardCost(macs=macs, weight_bytes=weight_bytes, kv_cache_bytes=kv_bytes)

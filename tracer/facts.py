@@ -1,0 +1,63 @@
+"""A generation as the views read it: what it is, what each step fed and chose, and derived tables.
+
+Every fact has one source: ``GenerationInfo`` (fixed at the start) and one
+``GenerationStep`` per completed step. The padded token matrix at a step is not
+stored a second time; it is the prompt columns plus the tokens chosen before
+that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracer.records import GenerationInfo, GenerationStep, RecomputeComparison
+
+
+@dataclass(frozen=True)
+class GenerationFacts:
+    info: GenerationInfo
+    steps: tuple[GenerationStep, ...]
+    comparisons: dict[int, RecomputeComparison]
+
+    @property
+    def batch_size(self) -> int:
+        return self.info.batch_size
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+    def step(self, step: int) -> GenerationStep:
+        if not 0 <= step < len(self.steps):
+            raise KeyError(f"the generation has no step {step} (it has {len(self.steps)})")
+        return self.steps[step]
+
+    def width(self, step: int) -> int:
+        """Columns of the padded token matrix when ``step`` ran: the prompt and the tokens chosen before."""
+        return self.info.prompt_width + step
+
+    def columns(self, row: int, step: int) -> tuple[int, ...]:
+        """Token ids of sequence ``row``'s columns as the forward of ``step`` saw them (padding included)."""
+        ids, _, _ = self.info.padded_prompt(row)
+        return ids + tuple(s.sampling.tokens[row] for s in self._chosen(step))
+
+    def is_token(self, row: int, step: int) -> tuple[bool, ...]:
+        """Which of those columns are real tokens (False: padding)."""
+        _, real, _ = self.info.padded_prompt(row)
+        return real + (True,) * len(self._chosen(step))
+
+    def labels(self, row: int, step: int) -> tuple[str, ...]:
+        """Display labels of those columns (padding shows as ⟨pad⟩)."""
+        _, _, labels = self.info.padded_prompt(row)
+        return labels + tuple(s.sampling.labels[row] for s in self._chosen(step))
+
+    def chosen_through(self, row: int, step: int) -> tuple[tuple[str, float, int], ...]:
+        """(label, probability, step) of each token chosen at steps 0 … ``step``."""
+        return tuple((s.sampling.labels[row], s.sampling.probs[row], s.step) for s in self._chosen(step + 1))
+
+    def _chosen(self, step: int) -> tuple[GenerationStep, ...]:
+        """The steps before ``step`` that chose a token (a step whose logits were not finite chose none)."""
+        return tuple(s for s in self.steps[:step] if s.sampling is not None)
+
+    def padding_columns(self, row: int, step: int) -> list[int]:
+        return [j for j, real in enumerate(self.is_token(row, step)) if not real]

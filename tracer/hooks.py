@@ -1,0 +1,177 @@
+"""The process-wide hook registry: one set of hooks per model, shared by every tracer, routed per thread.
+
+* **Hooks are per model, routing is per thread.** A model shared between
+  browser sessions gets one pre-hook and one forward hook per module (and one
+  tap per hook point), installed once and reference-counted. Each hook looks up
+  the listener active *on the calling thread* for that model and hands it the
+  tensors; with none active it returns at once. So two traces running at the
+  same time in two threads on one model never see each other's tensors, and
+  neither waits for the other.
+* **Taps on hook points.** Our GPT's ``HookPoint`` modules (268 in GPT-2 small)
+  are read through their public tap (``HookPoint.add_tap``) instead of forward
+  hooks: PyTorch's hook dispatch alone cost 7% of a GPT-2-small decode step
+  when every module had a hook. A tap runs after any forward hook on that hook
+  point, so it records the value the model goes on to use.
+* **Release never blocks.** A tracer that is garbage-collected releases its
+  claim from a finalizer, which can run at any allocation — even inside
+  ``acquire`` on this very thread — so a release that finds the lock taken is
+  queued for whoever holds it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+from torch import nn
+
+from model.gpt import HookPoint
+from tracer.records import ModuleInfo
+
+
+class Listener(Protocol):
+    """What a tracer offers the hooks (the three calls they make)."""
+
+    def on_enter(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None: ...
+
+    def on_exit(self, index: int, module: nn.Module, output: Any) -> None: ...
+
+    def on_hook_point(self, index: int, value: Any) -> None: ...
+
+
+_thread = threading.local()  # .active: dict[id(model), Listener]
+
+
+def _active() -> dict[int, Listener]:
+    active = getattr(_thread, "active", None)
+    if active is None:
+        active = _thread.active = {}
+    return active
+
+
+def listener_for(model: nn.Module) -> Listener | None:
+    return _active().get(id(model))
+
+
+def activate(model: nn.Module, listener: Listener) -> None:
+    """Route this thread's forwards of ``model`` to ``listener`` (one listener per model per thread)."""
+    active = _active()
+    if id(model) in active:
+        raise RuntimeError("another Tracer is already active for this model on this thread")
+    active[id(model)] = listener
+
+
+def deactivate(model: nn.Module) -> None:
+    _active().pop(id(model), None)
+
+
+class InstalledHooks:
+    """One pre-hook and one forward hook on every module of one model, a tap on every hook point."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model_id = id(model)
+        self.modules: list[ModuleInfo] = []
+        self._handles: list[Any] = []
+        self.users = 0
+        for index, (path, module) in enumerate(model.named_modules()):
+            is_hook = isinstance(module, HookPoint)
+            params = sum(p.numel() for p in module.parameters())
+            self.modules.append(ModuleInfo(path, type(module).__name__, params, is_hook))
+            if is_hook:  # identity: nothing runs inside it, so its value is all there is to record
+                self._handles.append(module.add_tap(self._tap(index)))
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post(index), with_kwargs=True))
+
+    def _pre(self, index: int):
+        model_id = self.model_id
+
+        def pre_hook(module, args, kwargs):
+            active = getattr(_thread, "active", None)
+            if active:
+                listener = active.get(model_id)
+                if listener is not None:
+                    listener.on_enter(index, module, args, kwargs)
+
+        return pre_hook
+
+    def _post(self, index: int):
+        model_id = self.model_id
+
+        def post_hook(module, args, kwargs, output):
+            active = getattr(_thread, "active", None)
+            if active:
+                listener = active.get(model_id)
+                if listener is not None:
+                    listener.on_exit(index, module, output)
+
+        return post_hook
+
+    def _tap(self, index: int):
+        model_id = self.model_id
+
+        def hook_point_tap(value):
+            active = getattr(_thread, "active", None)
+            if active:
+                listener = active.get(model_id)
+                if listener is not None:
+                    listener.on_hook_point(index, value)
+
+        return hook_point_tap
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+_installed: dict[int, InstalledHooks] = {}
+_installed_lock = threading.Lock()
+_pending_releases: list[int] = []  # releases that could not take the lock (list.append is atomic)
+
+
+def _drain_pending() -> None:
+    """Apply deferred releases; the caller holds ``_installed_lock``."""
+    while _pending_releases:
+        _release_locked(_pending_releases.pop())
+
+
+def acquire(model: nn.Module) -> InstalledHooks:
+    with _installed_lock:
+        _drain_pending()
+        hooks = _installed.get(id(model))
+        if hooks is None:
+            hooks = _installed[id(model)] = InstalledHooks(model)
+        hooks.users += 1
+        _drain_pending()  # building the hooks may have run the garbage collector, and with it finalizers
+        return hooks
+
+
+def _release_locked(model_id: int) -> None:
+    hooks = _installed.get(model_id)
+    if hooks is None:
+        return
+    hooks.users -= 1
+    if hooks.users <= 0:
+        hooks.remove()
+        del _installed[model_id]
+
+
+def release(model_id: int) -> None:
+    """Called by ``Tracer.close`` or by a garbage-collected tracer's finalizer (see the module doc)."""
+    if _installed_lock.acquire(blocking=False):
+        try:
+            _release_locked(model_id)
+            _drain_pending()
+        finally:
+            _installed_lock.release()
+    else:
+        _pending_releases.append(model_id)
+
+
+def hooks_installed(model: nn.Module) -> int:
+    """How many tracers currently hold hooks on ``model`` (0: the model is untouched)."""
+    with _installed_lock:
+        _drain_pending()
+        hooks = _installed.get(id(model))
+        return hooks.users if hooks else 0

@@ -1,0 +1,410 @@
+"""The write side of a trace: the one place records, ops, steps and generation facts are added.
+
+``Tracer`` (live capture) and ``tracer.io`` (loading a file) both build a trace
+through these public methods; ``Trace`` reads it. The invariants, kept here and
+nowhere else:
+
+1. Record ``i`` is the ``i``-th record added: indices are 0, 1, 2, … in call order.
+2. Steps are numbered 0, 1, 2, … without gaps; a step's records are one
+   contiguous run ``[first_record, end_record)``. A record belongs to the step in
+   progress; no record is added between steps.
+3. A step that fails keeps its records (for forensics) until the next step
+   begins, which discards them; only completed steps are in ``steps``.
+4. A kept value has exactly the shape and dtype its record declares.
+5. Statistics are taken at most once per record, from the value as recorded
+   (when it is first asked for, or when the budget evicts it); a value changed
+   in place after it was recorded is dropped, never summarised.
+6. Generation facts (``GenerationStep``) exist only for completed steps, one
+   each, in order; a comparison belongs to a step that exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from tracer.records import (
+    TENSOR_KINDS,
+    Finite,
+    GenerationInfo,
+    GenerationStep,
+    ModelIdentity,
+    ModuleInfo,
+    RecomputeComparison,
+    StepRecord,
+    TensorStats,
+    TraceErrorInfo,
+)
+from tracer.stats import dtype_name, finite_flag, tensor_stats
+from tracer.store import DEFAULT_BUDGET_BYTES, ValueStore, view_key
+
+CAPTURE_LEVELS = ("shapes", "values", "ops")
+
+
+class RawRecord(NamedTuple):
+    """What the hot path stores: enough to build a TensorRecord later.
+
+    The log holds these as plain tuples of ints and strings (field order as
+    here): the garbage collector stops tracking such tuples, while it keeps
+    scanning every instance of a tuple subclass — on a long trace that made
+    full collections take 100+ ms."""
+
+    index: int
+    step: int
+    module: int  # index into modules
+    kind: str
+    slot: str
+    call: int
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    data_ptr: int  # where the first element lived: equal pointers within a step mean one tensor
+
+
+STEP, MODULE, DATA_PTR = (RawRecord._fields.index(f) for f in ("step", "module", "data_ptr"))
+
+
+class RawOp(NamedTuple):
+    step: int
+    op: str
+    module: int  # -1: outside every module
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    error: str
+    first_record: int
+
+
+class TraceLog:
+    """Append-only storage of one trace, with the only methods that write it."""
+
+    def __init__(self, capture: str = "values", budget_bytes: int = DEFAULT_BUDGET_BYTES, *,
+                 copy_all: bool = False) -> None:
+        if capture not in CAPTURE_LEVELS:
+            raise ValueError(f"capture must be one of {CAPTURE_LEVELS}, got {capture!r}")
+        self._capture = capture
+        self._keep_values = capture in ("values", "ops")
+        self._copy_all = copy_all
+        self._values = ValueStore(budget_bytes, on_evict=self._evicted)
+        self._modules: tuple[ModuleInfo, ...] = ()
+        self._flag_modules: frozenset[int] = frozenset()
+        self._model: ModelIdentity | None = None
+        self._raw: list[tuple] = []
+        self._ops: list[tuple] = []
+        self._notes: dict[int, str] = {}
+        self._stats: dict[int, TensorStats] = {}
+        self._stats_by_view: dict[tuple, TensorStats] = {}
+        self._flags: dict[int, int] = {}
+        self._steps: list[StepRecord] = []
+        self._current: int | None = None
+        self._error: TraceErrorInfo | None = None
+        self._exception: BaseException | None = None
+        self._generation: GenerationInfo | None = None
+        self._generation_steps: list[GenerationStep] = []
+        self._comparisons: dict[int, RecomputeComparison] = {}
+        self._epoch = 0  # bumped whenever records are discarded: readers' caches of them are stale
+
+    # -- read side (everything public is read-only) --------------------------------------------
+    @property
+    def capture(self) -> str:
+        return self._capture
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._values.budget_bytes
+
+    @property
+    def bytes_kept(self) -> int:
+        return self._values.nbytes
+
+    @property
+    def peak_bytes_kept(self) -> int:
+        return self._values.peak_nbytes
+
+    @property
+    def evicted_count(self) -> int:
+        """Values the byte budget has dropped so far."""
+        return self._values.evicted_count
+
+    def steps_with_values(self) -> list[int]:
+        return self._values.steps_held()
+
+    @property
+    def modules(self) -> tuple[ModuleInfo, ...]:
+        return self._modules
+
+    @property
+    def model(self) -> ModelIdentity | None:
+        return self._model
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def n_records(self) -> int:
+        return len(self._raw)
+
+    def raw(self, index: int) -> RawRecord:
+        return RawRecord._make(self._raw[index])
+
+    def raw_rows(self, start: int = 0, end: int | None = None) -> list[tuple]:
+        """Plain tuples in RawRecord's field order (a copy of the slice)."""
+        return self._raw[start:end]
+
+    @property
+    def ops(self) -> list[RawOp]:
+        return [RawOp._make(op) for op in self._ops]
+
+    @property
+    def steps(self) -> tuple[StepRecord, ...]:
+        return tuple(self._steps)
+
+    @property
+    def step_in_progress(self) -> int | None:
+        return self._current
+
+    @property
+    def error(self) -> TraceErrorInfo | None:
+        return self._error
+
+    @property
+    def exception(self) -> BaseException | None:
+        return self._exception
+
+    @property
+    def generation(self) -> GenerationInfo | None:
+        return self._generation
+
+    @property
+    def generation_steps(self) -> tuple[GenerationStep, ...]:
+        return tuple(self._generation_steps)
+
+    @property
+    def comparisons(self) -> dict[int, RecomputeComparison]:
+        return dict(self._comparisons)
+
+    def value(self, index: int) -> torch.Tensor | None:
+        return self._values.get(index)
+
+    def kept_values(self) -> list[tuple[int, torch.Tensor]]:
+        return list(self._values.items())
+
+    def note(self, index: int) -> str:
+        return self._notes.get(index, "")
+
+    def stats(self, index: int) -> TensorStats | None:
+        """Statistics of record ``index``: computed from its kept value the first time they are asked
+        for (and shared with every record viewing the same numbers), or those taken when it was
+        evicted; None when neither exists."""
+        known = self._stats.get(index)
+        if known is not None:
+            return known
+        value = self._values.get(index)
+        if value is None:
+            return None
+        key = view_key(value)
+        stats = self._stats_by_view.get(key)
+        if stats is None:
+            stats = self._stats_by_view[key] = tensor_stats(value)
+        self._stats[index] = stats
+        return stats
+
+    def has_stats(self, index: int) -> bool:
+        return index in self._stats
+
+    def finite_flag(self, index: int) -> int:
+        """``Finite.CLEAN`` / ``NEG_INF`` / ``BAD``, or ``UNKNOWN`` when nothing was checked."""
+        flag = self._flags.get(index)
+        if flag is not None:
+            return flag
+        stats = self.stats(index)
+        return Finite.from_stats(stats) if stats is not None else Finite.UNKNOWN
+
+    # -- write side: setup ---------------------------------------------------------------------
+    def set_modules(self, modules: Sequence[ModuleInfo], flagged: Sequence[int] = ()) -> None:
+        """The model's modules, in ``named_modules`` order; ``flagged`` are the module indices whose
+        tensors get the one-reduction NaN/∞ check even without values (shapes capture)."""
+        modules = tuple(modules)
+        if self._modules and [m.path for m in self._modules] != [m.path for m in modules]:
+            raise ValueError("this trace was recorded on a model with different modules")
+        self._modules = modules
+        self._flag_modules = frozenset(flagged) if not self._keep_values else frozenset()
+
+    def set_model(self, identity: ModelIdentity | None) -> None:
+        if self._model is not None and identity is not None and self._model != identity:
+            raise ValueError(f"this trace was recorded on {self._model.name}, not {identity.name}")
+        self._model = identity if identity is not None else self._model
+
+    # -- write side: steps and records ---------------------------------------------------------
+    def begin_step(self) -> int:
+        """Start the next step (discarding the records of a failed attempt at it); returns its number."""
+        if self._current is not None:
+            raise RuntimeError(f"step {self._current} is still in progress")
+        step = len(self._steps)
+        if len(self._raw) > (self._steps[-1].end_record if self._steps else 0) or any(
+                op[0] >= step for op in self._ops[-1:]):
+            self.discard_from(step)
+        self._current = step
+        self._error = None
+        self._exception = None
+        return step
+
+    def add_record(self, module: int, kind: str, slot: str, call: int, t: torch.Tensor) -> None:
+        """Record one tensor of the step in progress (the tracer's hot path: kept short on purpose)."""
+        raw = self._raw
+        index = len(raw)
+        step = self._current
+        if t.layout is not torch.strided or t.is_nested:
+            self._add_unusual(index, step, module, kind, slot, call, t)
+            return
+        raw.append((index, step, module, kind, slot, call, tuple(t.shape), dtype_name(t.dtype),
+                    "cpu" if t.is_cpu else t.device.type, t.data_ptr()))
+        if module in self._flag_modules:
+            self._flags[index] = finite_flag(t)
+        if self._keep_values:
+            value = t.detach() if t.requires_grad else t
+            if not value.is_cpu:
+                value = value.to("cpu")
+            elif self._copy_all or value.is_inference():  # inference tensors have no version counter
+                value = value.clone()
+            reason = self._values.put(index, step, value)
+            if reason:
+                self._notes[index] = reason
+
+    def _add_unusual(self, index: int, step: int | None, module: int, kind: str, slot: str, call: int,
+                     t: torch.Tensor) -> None:
+        """Sparse, nested and other non-strided tensors: their shape (where they have one) and layout;
+        no value, and no failure — tracing must never change whether a forward succeeds."""
+        try:
+            shape = tuple(t.shape)
+            what = f"{str(t.layout).removeprefix('torch.')} tensor"
+        except (RuntimeError, TypeError):
+            shape = ()
+            what = "nested tensor (no single shape)"
+        if t.is_nested:
+            what = "nested tensor (no single shape)" if not shape else "nested tensor"
+        self._raw.append((index, step, module, kind, slot, call, shape, dtype_name(t.dtype),
+                          "cpu" if t.is_cpu else t.device.type, 0))
+        self._notes[index] = f"not kept: a {what}; only its layout and dtype are recorded"
+
+    def add_note(self, index: int, note: str) -> None:
+        self._notes[index] = note
+
+    def add_op(self, name: str, module: int, input_shapes: tuple, output_shapes: tuple, dtype: str,
+               error: str = "") -> None:
+        self._ops.append((self._current if self._current is not None else len(self._steps), name, module,
+                          input_shapes, output_shapes, dtype, error, len(self._raw)))
+
+    def protect(self, t: torch.Tensor) -> None:
+        """``t`` is about to be changed in place: kept values with elements in it get a private copy."""
+        store = self._values
+        for index in store.overlapping(t):
+            value = store.get(index)
+            if value is not None:
+                store.replace(index, value.clone())
+
+    def end_step(self, seconds: float) -> StepRecord:
+        """The forward of the step in progress returned: the step is complete."""
+        step = self._require_step()
+        first = self._steps[-1].end_record if self._steps else 0
+        record = StepRecord(step=step, first_record=first, end_record=len(self._raw), seconds=seconds)
+        self._steps.append(record)
+        self._current = None
+        return record
+
+    def fail_step(self, error: TraceErrorInfo, exception: BaseException | None) -> None:
+        """The forward of the step in progress raised: keep what it recorded until the next step."""
+        self._current = None
+        self._error = error
+        self._exception = exception
+
+    def discard_from(self, step: int) -> None:
+        """Forget every record, op, value and fact of ``step`` and later."""
+        if self._current is not None and self._current >= step:
+            self._current = None
+        cut = self._steps[step].first_record if step < len(self._steps) else (
+            self._steps[-1].end_record if self._steps and step >= len(self._steps) else 0)
+        cut = min(cut, len(self._raw))
+        self._epoch += 1
+        for index in range(cut, len(self._raw)):
+            self._values.drop(index, note=None)
+            self._notes.pop(index, None)
+            self._stats.pop(index, None)
+            self._flags.pop(index, None)
+        del self._raw[cut:]
+        self._ops = [op for op in self._ops if op[0] < step]
+        del self._steps[step:]
+        del self._generation_steps[step:]
+        self._comparisons = {s: c for s, c in self._comparisons.items() if s < step}
+
+    def _require_step(self) -> int:
+        if self._current is None:
+            raise RuntimeError("no step is in progress: call begin_step() first")
+        return self._current
+
+    def _evicted(self, index: int, tensor: torch.Tensor, note: str, stats_valid: bool) -> None:
+        if stats_valid and index not in self._stats:
+            self._stats[index] = self._stats_by_view.get(view_key(tensor)) or tensor_stats(tensor)
+        self._notes[index] = note
+
+    # -- write side: generation facts ------------------------------------------------------------
+    def begin_generation(self, info: GenerationInfo) -> None:
+        if self._generation is not None and self._generation != info:
+            raise ValueError("this trace already belongs to another generation")
+        self._generation = info
+        self.set_model(info.model)
+
+    def add_generation_step(self, facts: GenerationStep) -> None:
+        if self._generation is None:
+            raise RuntimeError("begin_generation() first")
+        if facts.step != len(self._generation_steps) or facts.step >= len(self._steps):
+            raise ValueError(f"generation facts for step {facts.step}, but the trace has "
+                             f"{len(self._steps)} completed step(s) and facts for {len(self._generation_steps)}")
+        self._generation_steps.append(facts)
+
+    def add_comparison(self, comparison: RecomputeComparison) -> None:
+        if not 0 <= comparison.step < len(self._generation_steps):
+            raise ValueError(f"no generation step {comparison.step} to compare")
+        self._comparisons[comparison.step] = comparison
+
+    # -- write side: restoring a saved trace (tracer.io) ---------------------------------------
+    def restore_record(self, raw: RawRecord, stats: TensorStats | None, note: str, flag: int) -> None:
+        """A record read from a file, into the step in progress: the same invariants as a live one."""
+        step = self._require_step()
+        if raw.index != len(self._raw) or raw.step != step:
+            raise ValueError(f"record {raw.index} of step {raw.step} arrives as record {len(self._raw)} of "
+                             f"step {step}: a file's records must be in order, step by step")
+        if not 0 <= raw.module < len(self._modules):
+            raise ValueError(f"record {raw.index} names module #{raw.module}, which does not exist")
+        if raw.kind not in TENSOR_KINDS:
+            raise ValueError(f"record {raw.index} has unknown kind {raw.kind!r}")
+        self._raw.append(tuple(raw))
+        if stats is not None:
+            self._stats[raw.index] = stats
+        if note:
+            self._notes[raw.index] = note
+        if flag != Finite.UNKNOWN:
+            self._flags[raw.index] = flag
+
+    def restore_value(self, index: int, value: torch.Tensor) -> None:
+        raw = self.raw(index)
+        if tuple(value.shape) != tuple(raw.shape):
+            raise ValueError(f"record {index} declares shape {list(raw.shape)} but its value has "
+                             f"{list(value.shape)}")
+        if dtype_name(value.dtype) != raw.dtype:
+            raise ValueError(f"record {index} declares dtype {raw.dtype} but its value is {dtype_name(value.dtype)}")
+        reason = self._values.put(index, raw.step, value)
+        if reason:
+            raise ValueError(f"record {index}: {reason}")
+
+    def restore_op(self, op: RawOp) -> None:
+        if not 0 <= op.step <= len(self._steps) or not -1 <= op.module < len(self._modules):
+            raise ValueError(f"op {op.op!r} names step {op.step} / module #{op.module}, which do not exist")
+        self._ops.append(tuple(op))
+
+    def restore_failure(self, error: TraceErrorInfo) -> None:
+        self._error = error
+
