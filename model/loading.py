@@ -60,10 +60,11 @@ SAFETENSORS_DTYPES = {
 }
 # Tolerance on |Δ logits| between two computations of the same model in a dtype (ours vs Hugging Face,
 # cached vs recompute). float32: 1e-4, the project's parity bar (measured ≈1e-6 on small models). bf16 keeps 8
-# significant bits (a relative step of 2^-8 ≈ 0.4%) and float16 11 bits, and a different but equally valid
-# order of operations (a fused QKV matmul, a cached decode) rounds differently at every layer: the values
-# below are what tests/test_model_families.py measures with margin on small random models.
-LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
+# significant bits (a step of 2^-8 ≈ 0.4% relative, 0.125 at a logit of 20) and float16 11 bits, and a different
+# but equally valid order of operations (fused QKV, a cached decode) rounds differently at every layer. Measured
+# on the bundled story-gpt (logits up to 22) against Hugging Face in the same dtype: 0.5 in bf16, 0.07 in fp16;
+# the values below keep a 2× margin (tests/test_model_families.py checks them on that model).
+LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.0, torch.float16: 0.15}
 
 
 class ModelLoadError(ValueError):
@@ -485,6 +486,8 @@ def state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
 def _check_dir(path: str | os.PathLike) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise ModelLoadError(f"{path!r}: a checkpoint path must be a string or a path, not {type(path).__name__}")
+    if "\x00" in os.fspath(path):
+        raise ModelLoadError(f"{os.fspath(path)!r}: not a usable path (it holds a NUL byte)")
     try:
         p = Path(path).expanduser()
     except RuntimeError as e:  # "~nosuchuser/x": no such user, so no home directory to expand
@@ -579,8 +582,7 @@ class SafetensorsFile:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             self._fail(f"the header claims {n:,} bytes but the file has {size:,}")
         header_bytes = self._f.read(n)
-        hasher.update(first)
-        hasher.update(header_bytes)
+        self._prefix = first + header_bytes  # hashed in read_all, so shards hash as their concatenation
         try:
             header = json.loads(header_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -614,6 +616,7 @@ class SafetensorsFile:
         """Every tensor, reading the data region once, in file order, hashing as it goes."""
         tensors: dict[str, torch.Tensor] = {}
         pos = 0
+        self.hasher.update(self._prefix)
         try:
             for name, (dtype, shape, begin, end) in sorted(self.entries.items(), key=lambda kv: kv[1][2]):
                 if begin < pos:

@@ -195,6 +195,26 @@ def test_a_bf16_checkpoint_loads_as_float32_or_bf16():
     assert (got.float() - ours32(tokens, padding_mask=mask)).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_trained_model_in_half_precision_matches_hugging_face_within_the_tolerance(dtype):
+    """Random weights give logits near 0, where bf16 rounding vanishes; the bundled model's reach ±22."""
+    import transformers
+
+    from model.loading import BUNDLED_DIR
+
+    ours, _ = load_hf(BUNDLED_DIR, dtype=dtype)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(BUNDLED_DIR, dtype=dtype, attn_implementation="eager").eval()
+    tokens = torch.randint(1, 1024, (2, 60), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        got, expected = ours(tokens), hf(tokens).logits
+        cache = ours.new_cache(2)
+        stepped = torch.cat([ours(tokens[:, :20], cache)] + [ours(tokens[:, i : i + 1], cache)
+                                                             for i in range(20, 60)], dim=1)
+    assert got.dtype == dtype and got.float().abs().max().item() > 5
+    assert (got.float() - expected.float()).abs().max().item() < logit_tolerance(dtype)
+    assert (stepped.float() - got.float()).abs().max().item() < logit_tolerance(dtype)
+
+
 def test_rope_helpers_are_hugging_faces_rotation():
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 

@@ -80,7 +80,7 @@ def test_config_not_json(checkpoint):
     assert "config.json" in msg and "not valid JSON" in msg
 
 
-def test_not_a_gpt2_directory(checkpoint):
+def test_load_hf_gpt2_refuses_other_families(checkpoint):
     cfg = json.loads((checkpoint / "config.json").read_text())
     cfg["model_type"] = "llama"
     (checkpoint / "config.json").write_text(json.dumps(cfg))
@@ -157,3 +157,245 @@ def test_shards_must_stay_inside_the_directory(checkpoint):
         json.dumps({"weight_map": {"transformer.wte.weight": "../../etc/passwd"}})
     )
     assert "outside the checkpoint directory" in error_of(checkpoint)
+
+
+# ---- every family: load_hf, and the hostile inputs it must refuse clearly ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_source(tmp_path_factory) -> Path:
+    """A tiny random Llama (4 layers, 4 query heads sharing 2 key/value heads) saved by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
+    directory = tmp_path_factory.mktemp("llama-src")
+    LlamaForCausalLM(cfg).eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture()
+def llama_dir(llama_source, tmp_path) -> Path:
+    target = tmp_path / "llama"
+    shutil.copytree(llama_source, target)
+    return target
+
+
+def load_error(path, **kwargs) -> str:
+    from model import load_hf
+
+    with pytest.raises(ModelLoadError) as info:
+        load_hf(path, **kwargs)
+    return str(info.value)
+
+
+def edit_config(directory: Path, **changes) -> None:
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg.update(changes)
+    (directory / "config.json").write_text(json.dumps(cfg))  # json writes NaN as NaN, as Python reads it
+
+
+def test_load_hf_reads_a_llama_and_names_it(llama_dir):
+    from model import load_hf
+
+    model, tok = load_hf(llama_dir)
+    assert tok is None and model.config.family == "llama" and model.config.n_kv_heads == 2
+    assert model.identity.name == "llama" and model.identity.source == str(llama_dir.resolve())
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type", ["bert", None, 7])
+def test_unknown_model_type_lists_the_supported_ones(llama_dir, model_type):
+    edit_config(llama_dir, model_type=model_type)
+    msg = load_error(llama_dir)
+    assert "config.json" in msg and f"model_type is {model_type!r}" in msg
+    assert "supported model types: gpt2, llama, mistral, qwen2" in msg
+
+
+def test_a_config_claiming_20000_layers_is_refused_before_anything_is_built(llama_dir):
+    edit_config(llama_dir, num_hidden_layers=20000)
+    msg = load_error(llama_dir)
+    assert "says n_layer = 20000, but the weights hold 4 layers (blocks 0–3)" in msg
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, "head counts that do not divide"),
+    ({"rms_norm_eps": float("nan")}, "layer_norm_eps must be a finite number > 0, got nan"),
+    ({"rms_norm_eps": -1e-6}, "layer_norm_eps must be a finite number > 0"),
+    ({"rms_norm_eps": 0}, "layer_norm_eps must be a finite number > 0"),
+    ({"vocab_size": 2**64}, "vocab_size = 18446744073709551616 is absurdly large"),
+    ({"vocab_size": "many"}, "vocab_size must be a positive integer"),
+    ({"hidden_size": None}, "d_model must be a positive integer"),
+    ({"num_hidden_layers": [4]}, "n_layer must be a positive integer"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not SiLU"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not implemented"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type 'yarn' is not implemented"),
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type 'longrope' is not implemented"),
+    ({"rope_parameters": {"rope_type": "linear"}}, "missing key 'factor'"),
+    ({"rope_parameters": "fast"}, "must be an object"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+    ({"intermediate_size": 64}, "mlp."),  # the first of gate/up/down_proj in the header: all three disagree
+    ({"model_type": "mistral", "sliding_window": -3}, "sliding_window must be a positive integer"),
+])
+def test_bad_configs_are_refused_with_the_file_and_the_problem(llama_dir, changes, expected):
+    edit_config(llama_dir, **changes)
+    msg = load_error(llama_dir)
+    assert expected in msg, msg
+    assert str(llama_dir.resolve()) in msg
+    if "intermediate_size" in changes:
+        assert "but config.json implies" in msg and "64" in msg
+
+
+def test_a_tied_llama_ignores_a_stored_lm_head_like_hugging_face(tmp_path):
+    """The converse of the last case above: tied, with no lm_head stored, is the normal tied layout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model import load_hf
+
+    torch.manual_seed(4)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                      vocab_size=101, tie_word_embeddings=True)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    model, _ = load_hf(tmp_path)
+    tokens = torch.arange(1, 9)[None]
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+    assert not hasattr(model, "unembed")
+    edit_config(tmp_path, tie_word_embeddings=False)  # now the weights lack the W_U the config implies
+    assert "the weights lack 1 tensor(s) config.json implies: lm_head.weight" in load_error(tmp_path)
+
+
+def test_sharded_safetensors_load_and_hash_every_shard(llama_source, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from model import load_hf
+
+    hf = LlamaForCausalLM.from_pretrained(llama_source).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    model, _ = load_hf(tmp_path)
+    tokens = torch.arange(1, 11)[None]
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+    import hashlib
+
+    h = hashlib.sha256()
+    for shard in shards:  # the digest: every shard's bytes, in name order
+        h.update(shard.read_bytes())
+    assert model.identity.weights_digest == "sha256:" + h.hexdigest()
+
+
+def test_a_missing_shard_is_named(llama_source, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM.from_pretrained(llama_source).save_pretrained(tmp_path, max_shard_size="20KB")
+    victim = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    msg = load_error(tmp_path)
+    assert victim.name in msg and "missing (listed by the index)" in msg
+
+
+@pytest.mark.parametrize("index, expected", [
+    ([1, 2, 3], "expected a JSON object, got list"),
+    ({"weight_map": ["model.safetensors"]}, "no \"weight_map\" object"),
+    ({"weight_map": {"model.embed_tokens.weight": 5}}, "shard names must be strings, got 5"),
+    ({"weight_map": {"model.embed_tokens.weight": None}}, "shard names must be strings, got None"),
+    ({"weight_map": {"model.embed_tokens.weight": "/etc/passwd"}}, "lies outside the checkpoint directory"),
+    ({"weight_map": {"model.embed_tokens.weight": "sub/../../x.safetensors"}}, "lies outside"),
+])
+def test_hostile_indexes_are_refused(llama_dir, index, expected):
+    (llama_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    msg = load_error(llama_dir)
+    assert "model.safetensors.index.json" in msg and expected in msg, msg
+
+
+def test_a_hugging_face_cache_snapshot_loads_through_its_symlinks(llama_source, tmp_path):
+    """models--org--name/snapshots/<hash>/ holds symlinks into ../../blobs/: they are inside as written."""
+    import hashlib
+
+    from transformers import LlamaForCausalLM
+
+    from model import load_hf
+
+    staged = tmp_path / "staged"
+    LlamaForCausalLM.from_pretrained(llama_source).save_pretrained(staged, max_shard_size="20KB")
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in staged.iterdir():
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        (blobs / blob).write_bytes(file.read_bytes())
+        os.symlink(Path("..") / ".." / "blobs" / blob, snapshot / file.name)
+    assert (snapshot / "config.json").is_symlink()
+    model, _ = load_hf(snapshot)
+    assert model.identity.name == "acme/tiny-llama" and model.config.n_layer == 4
+    # an index that itself names a path outside is still refused
+    index = json.loads((snapshot / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../../blobs/" + os.readlink(snapshot / "config.json").split("/")[-1]
+    (snapshot / "model.safetensors.index.json").unlink()
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "lies outside the checkpoint directory" in load_error(snapshot)
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("~nosuchuser-xyz/model", "cannot expand the home directory"),
+    ("models/with\x00nul", "not a usable path"),
+    (12345, "must be a string or a path"),
+])
+def test_hostile_paths_are_refused(path, expected):
+    assert expected in load_error(path)
+
+
+def test_dtype_and_device_are_checked(llama_dir):
+    from model import load_hf
+
+    assert "dtype 'int8' is not supported" in load_error(llama_dir, dtype="int8")
+    assert "not supported" in load_error(llama_dir, dtype=torch.int64)
+    if not torch.cuda.is_available():
+        assert "torch.cuda.is_available() is False" in load_error(llama_dir, device="cuda")
+    assert "is not supported: use 'cpu' or 'cuda'" in load_error(llama_dir, device="meta")
+    model, _ = load_hf(llama_dir, dtype="bfloat16", device="cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("header, expected", [
+    ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, "declares bytes 0–8 for 16 bytes"),
+    ({"x": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 16]}}, "malformed entry"),
+    ({"x": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, "malformed entry"),
+    ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+      "y": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, "overlaps"),
+])
+def test_inconsistent_safetensors_headers_are_refused(llama_dir, header, expected):
+    from model.loading import SafetensorsFile
+
+    raw = json.dumps(header).encode()
+    path = llama_dir / "model.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(32))
+    import hashlib
+
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file") as info:
+        SafetensorsFile(path, hashlib.sha256()).read_all()
+    assert expected in str(info.value)
+
+
+def test_qwen2_sliding_window_on_some_layers_only_is_refused(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=101, use_sliding_window=True, sliding_window=4,
+                      max_window_layers=1)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    assert "a sliding window on some layers only (1 of 2" in load_error(tmp_path)
+
+
+def test_load_bundled_names_its_models():
+    from model import BUNDLED_MODELS, load_bundled
+
+    assert set(BUNDLED_MODELS) == {"story-gpt", "story-llama"}
+    with pytest.raises(ModelLoadError, match="bundled: story-gpt, story-llama"):
+        load_bundled("story-bert")
