@@ -735,9 +735,7 @@ class GPT(nn.Module):
         try:
             for block in self.blocks:
                 x = block(x, mask, cache, rope)
-            x = self.ln_final(x)
-            w_u = self.embed.weight if self.config.tie_embeddings else self.unembed.weight  # [V, d] = W_Uᵀ
-            logits = self.hook_logits(F.linear(x, w_u))  # [B,n,d] @ W_U [d,V] -> [B,n,V]
+            logits = self.hook_logits(self.unembed_residual(x))  # [B,n,d] -> [B,n,V]
         except BaseException:
             if cache is not None:
                 cache.rollback()
@@ -745,6 +743,16 @@ class GPT(nn.Module):
         if cache is not None:
             cache.commit(n, key_is_token, positions)
         return logits
+
+    @property
+    def w_u(self) -> torch.Tensor:
+        """The unembedding, stored ``[V, d]`` (= W_Uᵀ): W_E itself when tied."""
+        return self.embed.weight if self.config.tie_embeddings else self.unembed.weight
+
+    def unembed_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits z = norm_f(x)·W_U for a residual stream ``[..., d]`` — how the forward ends, and what the
+        logit lens applies to the residual stream after any block."""
+        return F.linear(self.ln_final(x), self.w_u)  # [..., d] @ W_U [d, V] -> [..., V]
 
     def _positions(
         self,
