@@ -408,7 +408,10 @@ def _ranges(xs: list[int]) -> str:
 
 
 def hf_to_state(tensors: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors (canonical names, checked) → our state dict (q/k/v and gate/up concatenated)."""
+    """Hugging Face tensors (canonical names, checked) → our state dict.
+
+    Llama-family ``nn.Linear`` weights ``[d_out, d_in]`` are transposed to our ``[d_in, d_out]``, and
+    q/k/v and gate/up concatenated side by side into W_QKV and [W_gate | W_up]."""
     state: dict[str, torch.Tensor] = {}
     if config.family == "gpt2":
         for name, t in tensors.items():
@@ -423,22 +426,29 @@ def hf_to_state(tensors: dict[str, torch.Tensor], config: GPTConfig) -> dict[str
                 sub = {"ln_1": "ln1", "ln_2": "ln2"}.get(parts[2], parts[2])
                 state[".".join(["blocks", parts[1], sub, *parts[3:]])] = t
         return state
+
+    def w(name: str) -> torch.Tensor:
+        return tensors[name].t()  # [d_out, d_in] -> [d_in, d_out]
+
     state["embed.weight"] = tensors["model.embed_tokens.weight"]
     state["ln_final.weight"] = tensors["model.norm.weight"]
     if not config.tie_embeddings:
-        state["unembed.weight"] = tensors["lm_head.weight"]
+        state["unembed.weight"] = w("lm_head.weight")  # W_U: [d, V]
     for i in range(config.n_layer):
         p, o = f"model.layers.{i}.", f"blocks.{i}."
         state[o + "ln1.weight"] = tensors[p + "input_layernorm.weight"]
         state[o + "ln2.weight"] = tensors[p + "post_attention_layernorm.weight"]
-        for kind in (("weight", "bias") if config.qkv_bias else ("weight",)):
-            state[o + f"attn.c_attn.{kind}"] = torch.cat([tensors[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"])
-        state[o + "attn.c_proj.weight"] = tensors[p + "self_attn.o_proj.weight"]
+        state[o + "attn.c_attn.weight"] = torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=1)
+        if config.qkv_bias:
+            state[o + "attn.c_attn.bias"] = torch.cat([tensors[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        state[o + "attn.c_proj.weight"] = w(p + "self_attn.o_proj.weight")
         if config.attn_out_bias:
             state[o + "attn.c_proj.bias"] = tensors[p + "self_attn.o_proj.bias"]
-        for kind in (("weight", "bias") if config.mlp_bias else ("weight",)):
-            state[o + f"mlp.c_fc.{kind}"] = torch.cat([tensors[p + f"mlp.{x}_proj.{kind}"] for x in ("gate", "up")])
-            state[o + f"mlp.c_proj.{kind}"] = tensors[p + f"mlp.down_proj.{kind}"]
+        state[o + "mlp.c_fc.weight"] = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=1)
+        state[o + "mlp.c_proj.weight"] = w(p + "mlp.down_proj.weight")
+        if config.mlp_bias:
+            state[o + "mlp.c_fc.bias"] = torch.cat([tensors[p + "mlp.gate_proj.bias"], tensors[p + "mlp.up_proj.bias"]])
+            state[o + "mlp.c_proj.bias"] = tensors[p + "mlp.down_proj.bias"]
     return state
 
 
@@ -461,22 +471,27 @@ def state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
     out["model.embed_tokens.weight"] = state["embed.weight"]
     out["model.norm.weight"] = state["ln_final.weight"]
     if not config.tie_embeddings:
-        out["lm_head.weight"] = state["unembed.weight"]
+        out["lm_head.weight"] = state["unembed.weight"].t()
     for i in range(config.n_layer):
         p, o = f"model.layers.{i}.", f"blocks.{i}."
         out[p + "input_layernorm.weight"] = state[o + "ln1.weight"]
         out[p + "post_attention_layernorm.weight"] = state[o + "ln2.weight"]
-        for kind in (("weight", "bias") if config.qkv_bias else ("weight",)):
-            q, k, v = state[o + f"attn.c_attn.{kind}"].split((q_width, kv_width, kv_width))
-            for x, t in zip("qkv", (q, k, v)):
-                out[p + f"self_attn.{x}_proj.{kind}"] = t
-        out[p + "self_attn.o_proj.weight"] = state[o + "attn.c_proj.weight"]
+        q, k, v = state[o + "attn.c_attn.weight"].split((q_width, kv_width, kv_width), dim=1)
+        for x, t in zip("qkv", (q, k, v)):
+            out[p + f"self_attn.{x}_proj.weight"] = t.t()
+        if config.qkv_bias:
+            for x, t in zip("qkv", state[o + "attn.c_attn.bias"].split((q_width, kv_width, kv_width))):
+                out[p + f"self_attn.{x}_proj.bias"] = t
+        out[p + "self_attn.o_proj.weight"] = state[o + "attn.c_proj.weight"].t()
         if config.attn_out_bias:
             out[p + "self_attn.o_proj.bias"] = state[o + "attn.c_proj.bias"]
-        for kind in (("weight", "bias") if config.mlp_bias else ("weight",)):
-            gate, up = state[o + f"mlp.c_fc.{kind}"].split(config.d_ff)
-            out[p + f"mlp.gate_proj.{kind}"], out[p + f"mlp.up_proj.{kind}"] = gate, up
-            out[p + f"mlp.down_proj.{kind}"] = state[o + f"mlp.c_proj.{kind}"]
+        gate, up = state[o + "mlp.c_fc.weight"].split(config.d_ff, dim=1)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate.t(), up.t()
+        out[p + "mlp.down_proj.weight"] = state[o + "mlp.c_proj.weight"].t()
+        if config.mlp_bias:
+            gate_b, up_b = state[o + "mlp.c_fc.bias"].split(config.d_ff)
+            out[p + "mlp.gate_proj.bias"], out[p + "mlp.up_proj.bias"] = gate_b, up_b
+            out[p + "mlp.down_proj.bias"] = state[o + "mlp.c_proj.bias"]
     return {k: v.clone().contiguous() for k, v in out.items()}  # clone: safetensors refuses shared storage
 
 

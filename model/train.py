@@ -215,20 +215,20 @@ def seed_rope_previous_token_head_(model: GPT, layer: int, head: int, pairs: int
     kv_head = head // (H // G)  # the key/value head this query head reads (Hugging Face's repeat_kv order)
     omega = rope_inv_freq(cfg)[:pairs]
     model.embed.weight[:, 0] = level
-    w = attn.c_attn.weight  # [(H+2G)·d_head, d]: W_QKV stored transposed (Hugging Face's nn.Linear layout)
-    q_rows = [head * dh + m for m in range(pairs)] + [head * dh + half + m for m in range(pairs)]
+    w = attn.c_attn.weight  # W_QKV: [d, (H+2G)·d_head], columns Q heads | K heads | V heads
+    q_cols = [head * dh + m for m in range(pairs)] + [head * dh + half + m for m in range(pairs)]
     k_base = H * dh + kv_head * dh
-    k_rows = [k_base + m for m in range(pairs)] + [k_base + half + m for m in range(pairs)]
+    k_cols = [k_base + m for m in range(pairs)] + [k_base + half + m for m in range(pairs)]
     from model.heads import previous_token_scores
 
     probe = torch.randint(1, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
     strength, weight = 0.5, 0.0
     while strength < 64:
-        w[q_rows + k_rows] = 0.0
+        w[:, q_cols + k_cols] = 0.0
         for m in range(pairs):
-            w[head * dh + m, 0] = strength  # q: (s, 0) on pair m, at every position
-            w[k_base + m, 0] = strength * math.cos(omega[m].item())  # k = R(ω_m)·q
-            w[k_base + half + m, 0] = strength * math.sin(omega[m].item())
+            w[0, head * dh + m] = strength  # q: (s, 0) on pair m, at every position
+            w[0, k_base + m] = strength * math.cos(omega[m].item())  # k = R(ω_m)·q
+            w[0, k_base + half + m] = strength * math.sin(omega[m].item())
         weight = previous_token_scores(model, probe)[layer, head].item()
         if weight >= target:
             break
