@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed-head", type=int, nargs=2, default=[0, 0], metavar=("LAYER", "HEAD"),
                     help="start this head as a previous-token head (gpt2: needs --pos-init fourier)")
     ap.add_argument("--no-seed-head", dest="seed_head", action="store_const", const=None)
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from this checkpoint's weights (a directory train.py wrote) instead of a fresh model")
     ap.add_argument("--history-every", type=int, default=150,
                     help="every this many steps, record the best previous-token and induction scores (0: never)")
     args = ap.parse_args(argv)
@@ -302,7 +304,19 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         config = GPTConfig(vocab_size=tokenizer.vocab_size, n_ctx=256, d_model=128, n_layer=4, n_head=4)
     model = GPT(config)
-    if args.pos_init == "fourier" and not llama:
+    continued = None
+    if args.init_from is not None:  # go on training an earlier run's weights (a fresh optimizer and schedule)
+        from model.loading import load_hf
+
+        earlier, _ = load_hf(args.init_from)
+        if earlier.config != config:
+            raise SystemExit(f"{args.init_from}: its config differs from this run's")
+        model.load_state_dict(earlier.state_dict())
+        previous = json.loads((args.init_from / "training.json").read_text(encoding="utf-8"))
+        continued = {"from": str(args.init_from), "weights_digest": earlier.identity.weights_digest,
+                     "earlier_train": previous.get("train"), "earlier_heldout_loss": previous.get("heldout_loss")}
+        args.seed_head = None
+    if args.init_from is None and args.pos_init == "fourier" and not llama:
         fourier_init_(model.pos_embed.weight, args.pos_scale)
     seeded = None
     if args.seed_head is not None:
@@ -317,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     g = torch.Generator().manual_seed(args.seed)
     chain = chain_permutation(config.vocab_size, 128, g)
+    if continued is not None:  # the same π as the earlier run, but windows it has not seen
+        g.manual_seed(args.seed + 1)
     length = config.n_ctx
     # small fixed probes for the training history: how the two kinds of head grow, step by step
     probe_prev = heldout_ids[: 8 * 128].view(8, 128)
@@ -362,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
             "drill_rate": args.drill_rate, "chain_rate": args.chain_rate,
             "pos_init": "rope" if llama else args.pos_init, "tokenizer": str(tokenizer_file or "trained"),
             "pos_scale": args.pos_scale, "seeded_head": args.seed_head, "seeded_weight_at_start": seeded,
-            "seconds": round(time.time() - started, 1), "threads": args.threads,
+            "seconds": round(time.time() - started, 1), "threads": args.threads, "continued": continued,
             "torch": torch.__version__, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         },
         "heldout": {"stories": len(heldout_texts), "tokens": heldout_ids.numel(), "corpus_seed": HELDOUT_SEED},
