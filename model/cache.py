@@ -3,9 +3,12 @@
 The seed's argument (001, "KV caching"): each row of K and V depends only on
 its own token, so earlier rows never change. A decode step computes K, V (and
 Q) for the one new position, appends the new rows here, and attends with the
-full K, V: ``[B,H,1,d_head] @ [B,H,d_head,t] -> [B,H,1,t]``.
+full K, V: ``[B,H,1,d_head] @ [B,H,d_head,t] -> [B,H,1,t]``. A grouped-query
+model (Llama, Mistral, Qwen2) caches only its G key/value heads,
+``[B,G,t,d_head]``, and its keys after the rotary embedding, as Hugging Face
+does: G/H of GPT-2's cache for the same number of query heads.
 
-Storage is append-only: each layer has a buffer ``[B, H, capacity, d_head]``
+Storage is append-only: each layer has a buffer ``[B, G, capacity, d_head]``
 that doubles when full, new rows are written after the old ones, and the
 model attends over the view ``buffer[:, :, :t]``. No step copies the whole
 cache (``torch.cat`` would, every step), and a view handed out at step s stays
@@ -48,7 +51,7 @@ class _LayerBuffer:
 
 
 class KVCache:
-    """Keys and values ``[B, H, t, d_head]`` per layer, plus what padding they hold."""
+    """Keys and values ``[B, G, t, d_head]`` per layer (G = H for GPT-2), plus what padding they hold."""
 
     def __init__(self, n_layer: int, batch_size: int) -> None:
         if batch_size < 1:
@@ -68,12 +71,12 @@ class KVCache:
 
     @property
     def keys(self) -> list[torch.Tensor | None]:
-        """Per layer, the cached keys ``[B, H, t, d_head]`` (views of the buffers)."""
+        """Per layer, the cached keys ``[B, G, t, d_head]`` (views of the buffers)."""
         return [b.keys[:, :, : self._length] if b is not None else None for b in self._buffers]
 
     @property
     def values(self) -> list[torch.Tensor | None]:
-        """Per layer, the cached values ``[B, H, t, d_head]`` (views of the buffers)."""
+        """Per layer, the cached values ``[B, G, t, d_head]`` (views of the buffers)."""
         return [b.values[:, :, : self._length] if b is not None else None for b in self._buffers]
 
     def check_batch(self, batch: int) -> None:
@@ -81,8 +84,8 @@ class KVCache:
             raise ValueError(f"this cache holds {self.batch_size} sequence(s) but the tokens have batch size {batch}")
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new rows ``[B,H,n,d_head]`` of ``layer`` after the cached ones; return the
-        full ``[B,H,t,d_head]`` (views). The new length counts only once ``commit`` runs."""
+        """Write the new rows ``[B,G,n,d_head]`` of ``layer`` after the cached ones; return the
+        full ``[B,G,t,d_head]`` (views). The new length counts only once ``commit`` runs."""
         start = self._length
         end = start + k.shape[2]
         buf = self._buffers[layer]
