@@ -54,7 +54,7 @@ def main() -> None:
                 print(f"round {r + 1}: {name} done", flush=True)
     finally:
         (ROOT / "bench" / "results" / "tracer.json").write_bytes(backup)  # the working tree's own result stays
-        for name, tree in trees.items():
+        for tree in trees.values():
             if tree != ROOT:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
         shutil.rmtree(tmp, ignore_errors=True)

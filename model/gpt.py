@@ -28,6 +28,7 @@ way on CPU (see ``Projection``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -295,6 +296,13 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.hook_normalized(F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps))
 
+    def linearized(self, x: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+        """LN with its scale frozen at ``x``'s: (a linear map c ↦ γ⊙(c − mean c)/σ(x), the constant β).
+        Summed over the parts of x, the map plus the constant is LN(x) exactly — how a component of the
+        residual stream adds to the logits (direct logit attribution)."""
+        sigma = torch.sqrt(x.var(dim=-1, unbiased=False, keepdim=True) + self.eps)
+        return (lambda c: self.weight * (c - c.mean(dim=-1, keepdim=True)) / sigma), self.bias
+
 
 class RMSNorm(nn.Module):
     """RMSNorm(x) = γ ⊙ x / √(mean(x²) + ε) (seed 002 §3.4): LayerNorm without the mean and β.
@@ -315,6 +323,11 @@ class RMSNorm(nn.Module):
         variance = h.pow(2).mean(-1, keepdim=True)  # [B,n,1]: mean(x²)
         h = h * torch.rsqrt(variance + self.eps)
         return self.hook_normalized(self.weight * h.to(dtype))
+
+    def linearized(self, x: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
+        """RMSNorm with its scale frozen at ``x``'s: (c ↦ γ⊙c/rms(x), no constant); see ``LayerNorm.linearized``."""
+        rms = torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype)
+        return (lambda c: self.weight * c / rms), None
 
 
 def norm(config: GPTConfig) -> nn.Module:
@@ -507,6 +520,13 @@ class MultiHeadAttention(nn.Module):
         z = z.transpose(1, 2).contiguous()  # [B,H,n,d_head] -> [B,n,H,d_head]
         merged = self.hook_merged(z.view(B, n, H * dh))  # [B,n,H,d_head] -> [B,n,H·d_head]: heads side by side
         return self.c_proj(merged)  # [B,n,H·d_head] @ [H·d_head,d] -> [B,n,d]
+
+    def head_outputs(self, z: torch.Tensor) -> torch.Tensor:
+        """Each head's share of the attention output, O_h·W_O^h ``[B,H,n,d]`` (W_O's bias left out): their
+        sum over heads plus the bias is what ``forward`` returns."""
+        H, dh = self.n_head, self.d_head
+        w_o = self.c_proj.weight.reshape(H, dh, -1)  # W_O [H·d_head, d] -> [H, d_head, d]: the rows each head owns
+        return torch.einsum("bhnk,hkd->bhnd", z, w_o)  # [B,H,n,d_head] @ [H,d_head,d] -> [B,H,n,d]
 
 
 class MLP(nn.Module):

@@ -6,13 +6,19 @@ the command line (``python -m tracer``) is another.
 * ``Tracer`` captures (``tracer.capture``, with ``hooks``, ``ops``, ``forensics``);
 * ``TraceLog`` is the write side of a trace, ``Trace`` the read side;
 * ``TracedGeneration`` drives a generation step by step and records its facts;
-* ``save_trace`` / ``load_trace`` write and check files (``tracer.io``, ``tracer.schema``).
+* ``save_trace`` / ``load_trace`` write and check files (``tracer.io``, ``tracer.schema``);
+* ``ablate`` / ``patch`` change a forward (``tracer.interventions``); ``logit_lens``,
+  ``direct_logit_attribution`` (``tracer.lens``), ``diff_traces`` (``tracer.diff``) and the
+  experiments of ``tracer.whatif`` answer "what if".
 """
 
 from tracer.capture import Tracer
+from tracer.diff import diff_steps, diff_traces
 from tracer.generation import ContextFullError, GenerationStopped, PromptError, TracedGeneration
 from tracer.hooks import hooks_installed
+from tracer.interventions import Intervention, InterventionError, ablate, patch
 from tracer.io import load_trace, save_trace
+from tracer.lens import direct_logit_attribution, logit_lens
 from tracer.log import CAPTURE_LEVELS, TraceLog
 from tracer.records import (
     Finite,
@@ -42,6 +48,8 @@ __all__ = [
     "GenerationInfo",
     "GenerationStep",
     "GenerationStopped",
+    "Intervention",
+    "InterventionError",
     "OpRecord",
     "PathCost",
     "PromptError",
@@ -56,8 +64,14 @@ __all__ = [
     "TraceLog",
     "TracedGeneration",
     "Tracer",
+    "ablate",
+    "diff_steps",
+    "diff_traces",
+    "direct_logit_attribution",
     "hooks_installed",
     "load_trace",
+    "logit_lens",
+    "patch",
     "save_trace",
     "summarize",
     "tensor_stats",

@@ -33,7 +33,7 @@ class AxisResolver:
             symbols: tuple[str, ...] = ("B", "n")
             note = "token ids"
         else:
-            spec = spec_for(name)
+            spec = spec_for(name, self._config) if self._config is not None else None
             if spec is None or not self._dims:
                 return None, ""
             symbols, note = spec.shape, getattr(spec, "note", "")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,6 +38,7 @@ from model.gpt import GPTConfig
 from model.identity import identity_of
 from tracer import hooks
 from tracer.forensics import describe_failure
+from tracer.interventions import Intervention, applied, check
 from tracer.log import CAPTURE_LEVELS, TraceLog
 from tracer.nested import MAX_TENSORS, flatten_tensors
 from tracer.ops import OpRecorder
@@ -68,10 +69,12 @@ class Tracer:
     budget_bytes: most bytes of tensor values the trace may hold (default 512 MiB).
     copy: "auto" (copy only what an in-place op would change) or "all".
     trace: an existing ``Trace`` to continue (steps keep counting).
+    interventions: ablations and patches (``tracer.ablate``, ``tracer.patch``) applied during every traced
+        forward, and recorded with each step; checked against the model here, before any forward.
     """
 
     def __init__(self, model: nn.Module, capture: str = "values", *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                 copy: str = "auto", trace: Trace | None = None) -> None:
+                 copy: str = "auto", trace: Trace | None = None, interventions: Sequence[Intervention] = ()) -> None:
         if capture not in CAPTURE_LEVELS:
             raise ValueError(f"capture must be one of {CAPTURE_LEVELS}, got {capture!r}")
         if copy not in COPY_POLICIES:
@@ -80,11 +83,14 @@ class Tracer:
             raise TypeError(f"Tracer needs an nn.Module, got {type(model).__name__}")
         if trace is not None and trace.capture != capture:
             raise ValueError(f"the trace to continue was captured at {trace.capture!r}, not {capture!r}")
+        check(interventions, model)
+        self.interventions = tuple(interventions)
         self.model = model
         self.capture = capture
         self.keeps_values = capture in ("values", "ops")
         self.in_hook = False  # read by the op recorder: the tracer's own tensor calls are not the model's
         self.trace = trace if trace is not None else Trace(TraceLog(capture, budget_bytes, copy_all=copy == "all"))
+        self.trace.attach_model(model)
         self._log = self.trace.log
         self._record = self._log.add_record
         self._hooks: hooks.InstalledHooks | None = None
@@ -95,6 +101,7 @@ class Tracer:
         self._failed_op: tuple[str, tuple, int] | None = None
         self._step_started = 0.0
         self._ops: OpRecorder | None = None
+        self._applied = None
         if capture == "ops":
             self.on_enter = self._flagged(self.on_enter)
             self.on_exit = self._flagged(self.on_exit)
@@ -127,11 +134,13 @@ class Tracer:
         self.install()
         hooks.activate(self.model, self)
         try:
-            yield self.trace
+            with applied(self.model, self.interventions) as self._applied:
+                yield self.trace
         except BaseException as exc:
             self._fail(exc)
             raise
         finally:
+            self._applied = None
             hooks.deactivate(self.model)
             self._stop_ops()
             self._stack.clear()
@@ -233,7 +242,9 @@ class Tracer:
 
     # -- steps -------------------------------------------------------------------------------------
     def _begin_step(self) -> None:
-        self._log.begin_step()
+        step = self._log.begin_step()
+        if self._applied is not None:
+            self._applied.set_step(step)
         self._calls = {}
         self._failed_op = None
         self._last_exited = None
@@ -245,7 +256,7 @@ class Tracer:
     def _end_step(self) -> None:
         seconds = time.perf_counter() - self._step_started
         self._stop_ops()
-        self._log.end_step(seconds)
+        self._log.end_step(seconds, tuple(iv.record for iv in self.interventions))
 
     def _abort_step(self) -> None:
         """Close a step whose forward raised inside the traced block and was caught there."""

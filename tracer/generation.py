@@ -29,6 +29,7 @@ from model.sampling import SamplingConfig, sample
 from model.tokenizer import TextTokenizer
 from tracer.capture import Tracer
 from tracer.facts import GenerationFacts
+from tracer.interventions import Intervention, check, check_shapes
 from tracer.records import (
     ForwardFacts,
     GenerationInfo,
@@ -91,6 +92,7 @@ class TracedGeneration:
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         copy: str = "auto",
         truncate: str = "left",
+        interventions: Sequence[Intervention] = (),
     ) -> None:
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
@@ -113,7 +115,7 @@ class TracedGeneration:
             padding_side=padding_side, pad_id=tokenizer.eos_id if tokenizer.eos_id is not None else 0,
             use_cache=use_cache, sampling=sampling, n_ctx=n_ctx, warnings=tuple(warnings),
         )
-        self.tracer = Tracer(model, capture=capture, budget_bytes=budget_bytes, copy=copy)
+        self.tracer = Tracer(model, capture=capture, budget_bytes=budget_bytes, copy=copy, interventions=interventions)
         self.trace = self.tracer.trace
         self.trace.log.begin_generation(info)
         self.cache = model.new_cache(len(rows)) if use_cache else None
@@ -203,8 +205,20 @@ class TracedGeneration:
     def text(self, row: int = 0) -> str:
         return self.tokenizer.decode(list(self.tokens(row)))
 
+    @property
+    def interventions(self) -> tuple[Intervention, ...]:
+        return self.tracer.interventions
+
+    def set_interventions(self, interventions: Sequence[Intervention]) -> None:
+        """What later steps switch off or patch (checked against the model now; each step records its own)."""
+        check(interventions, self.model)
+        self.tracer.interventions = tuple(interventions)
+
     # -- stepping --------------------------------------------------------------------------------
-    def _feed(self, facts: GenerationFacts, step: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def feed(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What ``step`` feeds the model: token ids ``[B, n]``, the padding mask (or None), and per sequence
+        the position whose logits choose its token (None: the last)."""
+        facts = self.facts
         cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
         padded = facts.info.padded
         mask = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)]) if padded else None
@@ -227,12 +241,13 @@ class TracedGeneration:
             raise ContextFullError(
                 f"reached n_ctx = {facts.info.n_ctx}: the model has no position for another token, "
                 "so generation stops here (Reset, or start from a shorter prompt)")
-        tokens, mask, last = self._feed(facts, step)
+        tokens, mask, last = self.feed(step)
         before = self.cache_length
+        n = tokens.size(1)
+        check_shapes(self.interventions, self.model, tokens.size(0), n, before + n, step)
         with torch.no_grad(), self.tracer.active():
             logits = self.model(tokens, self.cache, padding_mask=mask)  # [B, n, V]
         rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0)), last]  # [B, V]
-        n = tokens.size(1)
         forward = ForwardFacts(n=n, t=before + n if self.use_cache else n, cache_before=before,
                                cache_after=self.cache_length, fed_tokens=tuple(map(tuple, tokens.tolist())))
         bad = [r for r in range(rows.size(0)) if not _choosable(rows[r])]

@@ -52,6 +52,7 @@ from tracer.records import (
     ForwardFacts,
     GenerationInfo,
     GenerationStep,
+    InterventionRecord,
     ModuleInfo,
     PathCost,
     RecomputeComparison,
@@ -156,7 +157,8 @@ def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict
     return {
         "format": FORMAT, "version": VERSION, "capture": log.capture, "budget_bytes": log.budget_bytes,
         "modules": [[m.path, m.type, m.params, m.is_hook] for m in log.modules],
-        "steps": [[s.step, s.first_record, s.end_record, s.seconds] for s in log.steps],
+        "steps": [[s.step, s.first_record, s.end_record, s.seconds, [asdict(i) for i in s.interventions]]
+                  for s in log.steps],
         "model": asdict(log.model) if log.model is not None else None,
         "generation": generation,
         "error": asdict(log.error) if log.error is not None else None,
@@ -369,8 +371,8 @@ def _schemas(limits: Limits) -> Obj:
     forward = Then(Obj({"n": Int(1, limits.n_ctx), "t": Int(1, limits.n_ctx), "cache_before": Int(0, limits.n_ctx),
                         "cache_after": Int(0, limits.n_ctx), "fed_tokens": ListOf(tokens_row, limits.batch)}),
                    lambda d: ForwardFacts(**d))
-    gen_step = Then(Obj({"step": Int(0, limits.steps), "forward": forward, "sampling": Maybe(choice),
-                         "interventions": ListOf(Str(1000), 1000)}), lambda d: GenerationStep(**d))
+    gen_step = Then(Obj({"step": Int(0, limits.steps), "forward": forward, "sampling": Maybe(choice)}),
+                    lambda d: GenerationStep(**d))
     path_cost = Then(Obj({"query_rows": Int(0, limits.n_ctx), "macs": count, "weight_bytes": count,
                           "kv_bytes": count, "seconds": Maybe(Float(0))}), lambda d: PathCost(**d))
     comparison = Then(Obj({"step": Int(0, limits.steps), "cached": path_cost, "full": path_cost,
@@ -385,12 +387,15 @@ def _schemas(limits: Limits) -> Obj:
         "input_shapes": ListOf(TupleOf((Str(1000), shape)), 1000), "op": Str(500),
         "op_input_shapes": ListOf(shape, 1000), "source": Str(10_000),
     }), lambda d: TraceErrorInfo(**d))
+    intervention = Then(Obj({"name": Str(500), "how": OneOf(("zero", "mean", "patch")), "head": Maybe(Int(0, 4096)),
+                             "positions": Maybe(ListOf(Int(0, limits.n_ctx), limits.n_ctx)), "source": Str(1000)}),
+                        lambda d: InterventionRecord(**d))
     return Obj({
         "format": OneOf((FORMAT,)), "version": Int(0, 2**31), "capture": OneOf(CAPTURE_LEVELS),
         "budget_bytes": Int(0, 2**50),
         "modules": ListOf(Then(TupleOf((Str(5000), Str(500), Int(0, 2**50), Bool())),
                                lambda t: ModuleInfo(*t)), limits.modules),
-        "steps": ListOf(Then(TupleOf((Int(0, limits.steps), count, count, Float(0))),
+        "steps": ListOf(Then(TupleOf((Int(0, limits.steps), count, count, Float(0), ListOf(intervention, 1000))),
                              lambda t: StepRecord(*t)), limits.steps),
         "model": Maybe(identity), "generation": Maybe(generation), "error": Maybe(error),
         "counts": Obj({"records": Int(0, limits.records), "ops": Int(0, limits.ops), "storages": count}),
@@ -579,11 +584,11 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
     kinds, slots, dtypes, devices = (records[c].tolist() for c in ("kind", "slot", "dtype", "device"))
     notes, shapes, strides = records["value_note"].tolist(), records["shape"].tolist(), records["strides"].tolist()
     stat_cols = [records[c].tolist() for c in ("has_stats", "min", "max", "mean", "std", "nan", "pos_inf", "neg_inf")]
-    bounds = [(s.first_record, s.end_record, s.seconds) for s in steps]
+    bounds = [(s.first_record, s.end_record, s.seconds, s.interventions) for s in steps]
     if tail < n:
-        bounds.append((tail, n, None))  # the records of a failed attempt at the next step
+        bounds.append((tail, n, None, ()))  # the records of a failed attempt at the next step
     values = []
-    for first, end, seconds in bounds:
+    for first, end, seconds, interventions in bounds:
         log.begin_step()
         for i in range(first, end):
             where = f"{RECORDS} record {i}"
@@ -601,7 +606,7 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
             if storage_of[i] >= 0:
                 values.append((i, raw, int(storage_of[i]), int(offset_of[i]), strides[i]))
         if seconds is not None:
-            log.end_step(seconds)
+            log.end_step(seconds, interventions)
         else:
             log.fail_step(None, None)
     for i, raw, storage, offset, stride in values:

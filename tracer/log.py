@@ -30,6 +30,7 @@ from tracer.records import (
     Finite,
     GenerationInfo,
     GenerationStep,
+    InterventionRecord,
     ModelIdentity,
     ModuleInfo,
     RecomputeComparison,
@@ -306,11 +307,12 @@ class TraceLog:
             if value is not None:
                 store.replace(index, value.clone())
 
-    def end_step(self, seconds: float) -> StepRecord:
+    def end_step(self, seconds: float, interventions: tuple[InterventionRecord, ...] = ()) -> StepRecord:
         """The forward of the step in progress returned: the step is complete."""
         step = self._require_step()
         first = self._steps[-1].end_record if self._steps else 0
-        record = StepRecord(step=step, first_record=first, end_record=len(self._raw), seconds=seconds)
+        record = StepRecord(step=step, first_record=first, end_record=len(self._raw), seconds=seconds,
+                            interventions=tuple(interventions))
         self._steps.append(record)
         self._current = None
         return record

@@ -116,6 +116,24 @@ class OpRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class InterventionRecord:
+    """One change made to a hook point during a forward (see ``tracer.interventions``), as plain facts."""
+
+    name: str  # the hook point
+    how: str  # "zero" | "mean" | "patch"
+    head: int | None  # one head's slice, or the whole tensor
+    positions: tuple[int, ...] | None  # some of the new positions, or all
+    source: str  # for a patch: where its value came from
+
+    def describe(self) -> str:
+        what = {"zero": "zeroed", "mean": "mean-ablated", "patch": "patched"}.get(self.how, self.how)
+        where = self.name + (f" head {self.head}" if self.head is not None else "")
+        if self.positions is not None:
+            where += f" at position{'s' if len(self.positions) != 1 else ''} {', '.join(map(str, self.positions))}"
+        return f"{where} {what}" + (f" ({self.source})" if self.source else "")
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """What the tracer itself knows of one forward pass."""
 
@@ -123,6 +141,7 @@ class StepRecord:
     first_record: int  # this step's tensor records are [first_record, end_record)
     end_record: int
     seconds: float  # wall time of the traced forward (an estimate on a shared machine)
+    interventions: tuple[InterventionRecord, ...] = ()  # what was switched off or patched during it
 
 
 @dataclass(frozen=True)
@@ -222,7 +241,6 @@ class GenerationStep:
     step: int
     forward: ForwardFacts
     sampling: SamplingRecord | None  # None: the logits held NaN/+∞ and no token could be chosen
-    interventions: tuple[str, ...] = ()  # what was switched off or patched during this step, described
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
+import weakref
 
 import pandas as pd
 import torch
@@ -59,6 +60,16 @@ class Trace:
         self._epoch = log.epoch
         self._config = None
         self._config_for: ModelIdentity | None = None
+        self._live_model: weakref.ref | None = None
+
+    def attach_model(self, model) -> None:
+        """The live model this trace belongs to (not saved): lets the logit lens and attribution use its
+        weights. The tracer attaches its model; a loaded trace gets one only when its digest matches."""
+        self._live_model = weakref.ref(model)
+
+    @property
+    def live_model(self):
+        return self._live_model() if self._live_model is not None else None
 
     @property
     def log(self) -> TraceLog:
@@ -140,14 +151,18 @@ class Trace:
         names = [record_name(modules[r.module].path, r.kind, r.slot, r.call) for r in raws]
         masks = {r.data_ptr for r, n in zip(raws, names) if r.data_ptr and hook_of(n) in NEG_INF_EXPECTED}
         resolver = AxisResolver(self.config)
-        for raw, name in zip(raws, names):
+        axes = [resolver.axes(n, tuple(r.shape)) if r.kind == "hook" or n.endswith("in[0]") else (None, "")
+                for r, n in zip(raws, names)]
+        # a module's input or output is usually the very tensor a hook point saw: it has that tensor's axes
+        by_tensor = {(r.data_ptr, tuple(r.shape)): a for r, a in zip(raws, axes) if a[0] is not None and r.data_ptr}
+        for raw, name, (rec_axes, note) in zip(raws, names, axes):
+            if rec_axes is None:
+                rec_axes, note = by_tensor.get((raw.data_ptr, tuple(raw.shape)), (None, ""))
             info = modules[raw.module]
-            shape = tuple(raw.shape)
-            axes, note = resolver.axes(name, shape)
             rec = TensorRecord(
                 index=raw.index, step=raw.step, name=name, module=info.path, module_type=info.type, kind=raw.kind,
-                slot=raw.slot, call=raw.call, shape=shape, dtype=str(raw.dtype), device=str(raw.device),
-                layer=block_of(info.path), module_params=info.params, axes=axes, axes_note=note,
+                slot=raw.slot, call=raw.call, shape=tuple(raw.shape), dtype=str(raw.dtype), device=str(raw.device),
+                layer=block_of(info.path), module_params=info.params, axes=rec_axes, axes_note=note,
                 neg_inf_expected=hook_of(name) in NEG_INF_EXPECTED or (raw.data_ptr != 0 and raw.data_ptr in masks),
                 index_in_step=raw.index - first,
             )

@@ -1,0 +1,65 @@
+"""The fast statistics agree with NumPy's float64 answer, whatever the values hold."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracer.records import Finite
+from tracer.stats import finite_flag, summarize, tensor_stats
+
+SPECIALS = st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+@st.composite
+def tensors(draw):
+    n = draw(st.integers(1, 300))
+    scale = draw(st.sampled_from([1e-6, 1.0, 1e3, 1e6]))
+    offset = draw(st.sampled_from([0.0, 1.0, -50.0, 1e4]))
+    base = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).standard_normal(n) * scale + offset
+    if draw(st.booleans()):
+        where = draw(st.lists(st.integers(0, n - 1), max_size=n // 2))
+        for i in where:
+            base[i] = draw(SPECIALS)
+    big = draw(st.booleans())  # past 65,536 elements the chunked sum of squares takes over
+    values = np.tile(base, 70_000 // n + 1)[:70_000] if big else base
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def reference(x: torch.Tensor) -> dict:
+    a = x.numpy().astype(np.float64)
+    finite = a[np.isfinite(a)]
+    out = {"nan": int(np.isnan(a).sum()), "pos_inf": int(np.isposinf(a).sum()), "neg_inf": int(np.isneginf(a).sum())}
+    if finite.size:
+        out.update(min=finite.min(), max=finite.max(), mean=finite.mean(), std=finite.std())
+    return out
+
+
+@settings(max_examples=120, deadline=None)
+@given(tensors())
+def test_statistics_match_numpy(x):
+    got, want = tensor_stats(x), reference(x)
+    assert (got.nan, got.pos_inf, got.neg_inf) == (want["nan"], want["pos_inf"], want["neg_inf"])
+    if "min" not in want:
+        assert math.isnan(got.min) and math.isnan(got.mean)
+        return
+    spread = max(abs(want["min"]), abs(want["max"]), 1e-30)
+    assert got.min == want["min"] and got.max == want["max"]
+    assert math.isclose(got.mean, want["mean"], rel_tol=1e-5, abs_tol=1e-6 * spread)
+    assert math.isclose(got.std, want["std"], rel_tol=1e-4, abs_tol=1e-6 * spread)
+
+
+def test_the_flag_and_the_summary_shout_what_is_not_finite():
+    clean, mask_like = torch.randn(4, 4), torch.zeros(4, 4).masked_fill(torch.ones(4, 4).triu(1).bool(), -math.inf)
+    bad = clean.clone()
+    bad[1, 2] = math.nan
+    assert [finite_flag(t) for t in (clean, mask_like, bad)] == [Finite.CLEAN, Finite.NEG_INF, Finite.BAD]
+    assert "NaN!×1" in summarize((4, 4), "float32", tensor_stats(bad))
+    assert "−∞×6 (masked)" in summarize((4, 4), "float32", tensor_stats(mask_like), neg_inf_expected=True)
+    assert "−∞!×6" in summarize((4, 4), "float32", tensor_stats(mask_like), neg_inf_expected=False)
+    assert summarize((4, 4), "float32", None, flag=Finite.BAD).endswith("(values not kept) NaN/+∞ present!")
+    assert "all zeros" in summarize((3,), "float32", tensor_stats(torch.zeros(3)))

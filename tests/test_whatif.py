@@ -1,0 +1,167 @@
+"""Ask "what if": interventions, the logit lens, attribution, the diff of two runs, activation patching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.heads import repeated_random_tokens
+from tracer import (
+    InterventionError,
+    TracedGeneration,
+    Tracer,
+    ablate,
+    diff_traces,
+    direct_logit_attribution,
+    load_trace,
+    logit_lens,
+    patch,
+    save_trace,
+)
+from tracer.whatif import activation_patching, pattern_changes, replay, text_loss
+
+PROMPT = "Once upon a time, there was a little girl named Lily."
+
+
+@pytest.fixture(scope="module")
+def repeated(bundled):
+    """A random token sequence repeated twice (after an end-of-text token): only induction predicts the
+    second half, and the bundled model's induction heads read its previous-token head L0 H0."""
+    _, tok = bundled
+    ids = repeated_random_tokens(1024, 50, 1, seed=7, prefix=tok.eos_id)[0].tolist()
+    return ids, len(ids) - 50 + 1  # the tokens, and the first position of the second half's predictions
+
+
+def test_ablating_the_previous_token_head_breaks_induction_and_an_idle_head_does_not(bundled, repeated):
+    model, _ = bundled
+    ids, start = repeated
+    base = text_loss(model, ids, start=start)
+    assert text_loss(model, ids, [ablate("blocks.0.attn.hook_z", head=0)], start=start) - base > 2.0
+    # L1 H1: no previous-token or induction score in training.json, and (measured) no use to the repeat
+    assert abs(text_loss(model, ids, [ablate("blocks.1.attn.hook_z", head=1)], start=start) - base) < 0.2
+    mean = text_loss(model, ids, [ablate("blocks.0.attn.hook_z", head=0, how="mean")], start=start)
+    assert mean - base > 1.0  # mean ablation removes the head's position-specific signal too
+
+
+def test_an_ablation_is_applied_recorded_saved_and_only_where_asked(bundled, tmp_path):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, PROMPT, temperature=0, interventions=[ablate("blocks.1.attn.hook_z", head=2)])
+    gen.run(2)
+    z = gen.trace.get("blocks.1.attn.hook_z", 1)
+    assert not z[0, 2].any() and z[0, [0, 1, 3]].abs().sum() > 0  # the tracer recorded the value used
+    assert [i.describe() for i in gen.trace.steps[1].interventions] == ["blocks.1.attn.hook_z head 2 zeroed"]
+    back = load_trace(save_trace(gen.trace, tmp_path / "t.zip"))
+    assert back.steps[1].interventions == gen.trace.steps[1].interventions
+    plain = TracedGeneration(model, tok, PROMPT, temperature=0)
+    plain.run(2)  # the same model, afterwards, untouched
+    assert plain.trace.get("blocks.1.attn.hook_z", 1)[0, 2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ablate("blocks.0.attn.hook_zz"), "not a hook point"),
+    (lambda: ablate("blocks.0.attn.hook_z", head=4), "head 4 is out of range"),
+    (lambda: ablate("blocks.0.hook_resid_pre", head=0), "no head axis"),
+    (lambda: ablate("blocks.0.attn.hook_k_all", how="nope"), "choose 'zero' or 'mean'"),
+    (lambda: patch("blocks.0.hook_resid_pre", torch.zeros(1, 3, 7)), "shape"),
+    (lambda: patch("blocks.0.hook_resid_pre", torch.zeros(1, 1, 128), positions=[40]), "position 40"),
+])
+def test_a_bad_intervention_is_refused_before_any_forward(bundled, make, message):
+    model, tok = bundled
+    with pytest.raises(InterventionError, match=message):
+        gen = TracedGeneration(model, tok, "Tom had a kite.", temperature=0, interventions=[make()])
+        gen.step()
+    assert TracedGeneration(model, tok, "Tom had a kite.").trace.n_steps == 0
+
+
+def test_the_logit_lens_ends_at_the_models_own_logits(bundled):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, PROMPT, temperature=0)
+    gen.run(3)
+    for step in (0, 2):
+        lens = logit_lens(gen.trace, step, label=tok.token_label)
+        logits = gen.trace.get("hook_logits", step)[0]
+        last = lens[lens.layer == model.config.n_layer - 1]
+        probs = torch.softmax(logits, dim=-1)
+        assert torch.allclose(torch.tensor(last.top_prob.tolist()), probs.max(-1).values, atol=1e-5)
+        assert last.top_token.tolist() == probs.argmax(-1).tolist()
+        assert (last.final_rank == 0).all()  # greedy: the chosen token is the last layer's top token
+        assert lens.layer.nunique() == model.config.n_layer and len(lens) == model.config.n_layer * logits.shape[0]
+        # early layers disagree with the final answer more often than the last one does
+        assert (lens[lens.layer == 0].final_rank > 0).sum() >= (last.final_rank > 0).sum()
+
+
+def test_direct_logit_attribution_adds_up_to_the_logit(bundled):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, ["Tom had a big red kite.", "Mia said,"], temperature=0, padding_side="right")
+    gen.run(2)
+    for step, row in ((0, 1), (1, 0)):
+        frame = direct_logit_attribution(gen.trace, step, row)
+        assert abs(frame.attrs["total"] - frame.attrs["logit"]) < 1e-4
+        assert len(frame[frame.kind == "head"]) == model.config.n_layer * model.config.n_head
+    with pytest.raises(ValueError, match="not the one that made the trace"):
+        torch.manual_seed(0)
+        from model import GPT
+
+        direct_logit_attribution(gen.trace, 0, model=GPT(model.config).eval())
+
+
+def test_the_diff_of_two_runs(bundled):
+    model, tok = bundled
+    a = TracedGeneration(model, tok, PROMPT, temperature=0)
+    off = TracedGeneration(model, tok, PROMPT, temperature=0, use_cache=False)
+    a.run(4)
+    off.run(4)
+    self_diff = diff_traces(a.trace, a.trace)
+    assert self_diff.compared.all() and (self_diff.max_abs_delta == 0).all() and not self_diff.diverged.any()
+    on_off = diff_traces(a.trace, off.trace)
+    assert on_off.compared.all() and on_off.max_abs_delta.max() < 1e-4 and not on_off.diverged.any()
+    assert (on_off.shape_a != on_off.shape_b).any()  # decode records hold one position, the recompute all
+    ablated = TracedGeneration(model, tok, PROMPT, temperature=0,
+                               interventions=[ablate("blocks.2.attn.hook_z", head=1)])
+    ablated.run(1)
+    d = diff_traces(a.trace, ablated.trace)
+    first = d[d.first_divergence].iloc[0]
+    assert first["name"] == "blocks.2.attn.hook_z" and first["step"] == 0 and d.first_divergence.sum() == 1
+    assert not d[d.index < first.name].diverged.any()  # nothing before it diverged
+    assert "only in a" in set(d[d.step > 0].note)  # a ran 4 steps, the ablated run 1
+
+
+def test_patching_the_whole_residual_stream_restores_the_clean_logits(bundled):
+    model, tok = bundled
+    clean = torch.tensor([tok.encode("Lily had a red ball.")])
+    corrupt = torch.tensor([tok.encode("Tom had a big cat.")])
+    assert clean.shape == corrupt.shape
+    with Tracer(model, capture="values") as tr:
+        clean_logits = model(clean)
+    with Tracer(model, interventions=[patch("blocks.0.hook_resid_pre", tr.trace)]) as patched:
+        logits = model(corrupt)
+    assert torch.equal(logits, clean_logits)
+    assert torch.equal(patched.trace.get("blocks.0.hook_resid_pre", 0), tr.trace.get("blocks.0.hook_resid_pre", 0))
+
+
+def test_activation_patching_finds_where_the_answer_is_decided(bundled):
+    model, tok = bundled
+    clean = tok.encode("Mia had a cat. Mia gave the cat to Ben. Ben loved the cat. Ben said, \"Thank you,")
+    corrupt = tok.encode("Mia had a cat. Mia gave the cat to Sam. Sam loved the cat. Sam said, \"Thank you,")
+    res = activation_patching(model, clean, corrupt)
+    assert res.clean_answer != res.corrupted_answer and res.clean_diff > res.corrupted_diff
+    same = [p for p in range(len(clean)) if clean[p] == corrupt[p]]
+    changed = [p for p in range(len(clean)) if clean[p] != corrupt[p]]
+    # entering layer 0 the stream is the token and its position only: where they agree, patching is a no-op
+    assert torch.equal(res.restored[0, same], torch.zeros(len(same)))
+    assert float(res.restored[0, changed].sum()) > 0.5  # the names carry the answer in…
+    assert float(res.restored.max()) > 0.5  # …and one (layer, position) carries most of it
+
+
+def test_a_replayed_step_shows_what_an_ablation_changed(bundled):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, PROMPT, temperature=0)
+    gen.run(3)
+    same = replay(gen, 2, [])
+    assert torch.allclose(same.logits, same.original, atol=1e-5)
+    assert pattern_changes(gen, same)[0][2] < 1e-5
+    changed = replay(gen, 2, [ablate("blocks.0.attn.hook_z", head=0)])
+    assert (changed.logits - changed.original).abs().max() > 0.1
+    layers = {layer for layer, _, delta in pattern_changes(gen, changed) if delta > 1e-3}
+    assert 0 not in layers and layers  # the ablated head's own pattern is unchanged; later ones move
+    assert gen.trace.n_steps == 3 and gen.cache_length == len(tok.encode(PROMPT)) + 2  # the run is untouched

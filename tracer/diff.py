@@ -1,0 +1,115 @@
+"""The difference of two runs, record by record: ``diff_traces(a, b) -> DataFrame``.
+
+One row per (step, record name) present in either trace: both shapes, the
+largest absolute and relative difference where both values are kept, and
+whether this is the first record (in a's call order) where the runs diverge
+beyond a tolerance that follows the dtype.
+
+Records of a step with the KV cache on hold only the new positions (n = 1 at a
+decode step) while the same step without it holds all t; when two records
+differ only along their n axis and the runs fed the same tokens, the shorter
+is compared with the last positions of the longer — so "cache on vs off" is
+compared record by record, not refused for its shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import torch
+
+from tracer.trace import Trace
+
+TOLERANCE = {"float32": (1e-5, 1e-4), "float64": (1e-9, 1e-7), "bfloat16": (1e-2, 2e-2), "float16": (1e-3, 1e-2)}
+COLUMNS = ("step", "name", "shape_a", "shape_b", "compared", "max_abs_delta", "rel_delta", "tolerance", "diverged",
+           "first_divergence", "note")
+
+
+def tolerance(dtype: str, scale: float) -> float:
+    """|Δ| above which two values of ``dtype`` with magnitudes up to ``scale`` count as different."""
+    atol, rtol = TOLERANCE.get(dtype, (0.0, 0.0))
+    return atol + rtol * scale
+
+
+def _same_tokens(a: Trace, b: Trace, step: int) -> bool:
+    fa, fb = a.generation, b.generation
+    if fa is None or fb is None or step >= min(fa.n_steps, fb.n_steps) or fa.batch_size != fb.batch_size:
+        return False
+    return all(fa.columns(r, step) == fb.columns(r, step) for r in range(fa.batch_size))
+
+
+def _aligned(x: torch.Tensor, y: torch.Tensor, axes: tuple[str, ...] | None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two values over the positions both hold, or None when their shapes do not line up."""
+    if x.shape == y.shape:
+        return x, y
+    if axes is None or "n" not in axes or x.dim() != y.dim():
+        return None
+    d = axes.index("n")
+    if any(sx != sy for i, (sx, sy) in enumerate(zip(x.shape, y.shape)) if i != d):
+        return None
+    k = min(x.shape[d], y.shape[d])  # the new positions are the last ones
+    return x.narrow(d, x.shape[d] - k, k), y.narrow(d, y.shape[d] - k, k)
+
+
+def diff_traces(a: Trace, b: Trace) -> pd.DataFrame:
+    """Compare every record two traces share, step by step, in a's call order (then b's extra records)."""
+    frames = [diff_steps(a, step, b, step, same_tokens=_same_tokens(a, b, step))
+              for step in range(max(a.n_steps, b.n_steps))]
+    return _mark_first(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(COLUMNS)))
+
+
+def diff_steps(a: Trace, step_a: int, b: Trace, step_b: int, same_tokens: bool = True) -> pd.DataFrame:
+    """The records of step ``step_a`` of ``a`` against step ``step_b`` of ``b`` (a step replayed, say)."""
+    recs_a = {r.name: r for r in a.filter(step=step_a)} if step_a < a.n_steps else {}
+    recs_b = {r.name: r for r in b.filter(step=step_b)} if step_b < b.n_steps else {}
+    rows = []
+    for name in list(recs_a) + [n for n in recs_b if n not in recs_a]:
+        ra, rb = recs_a.get(name), recs_b.get(name)
+        row = {"step": step_a, "name": name, "shape_a": ra.shape if ra else None, "shape_b": rb.shape if rb else None,
+               "compared": False, "max_abs_delta": math.nan, "rel_delta": math.nan, "tolerance": math.nan,
+               "diverged": False, "first_divergence": False, "note": ""}
+        if ra is None or rb is None:
+            row["note"] = f"only in {'b' if ra is None else 'a'}"
+        else:
+            _compare(a, b, ra, rb, same_tokens, row)
+        rows.append(row)
+    return _mark_first(pd.DataFrame(rows, columns=list(COLUMNS)))
+
+
+def _mark_first(frame: pd.DataFrame) -> pd.DataFrame:
+    frame["first_divergence"] = False
+    diverged = frame.index[frame["diverged"].astype(bool)]
+    if len(diverged):
+        frame.loc[diverged[0], "first_divergence"] = True
+    return frame
+
+
+def _compare(a: Trace, b: Trace, ra, rb, same_tokens: bool, row: dict) -> None:
+    if ra.dtype != rb.dtype:
+        row["note"] = f"dtypes differ ({ra.dtype} vs {rb.dtype})"
+        row["diverged"] = True
+        return
+    va, vb = a.value(ra), b.value(rb)
+    if va is None or vb is None:
+        row["note"] = "values not kept in " + ("both" if va is None and vb is None else ("a" if va is None else "b"))
+        return
+    pair = _aligned(va, vb, ra.axes if same_tokens else None) if ra.shape != rb.shape else (va, vb)
+    if pair is None:
+        row["note"] = "shapes differ"
+        row["diverged"] = True
+        return
+    x, y = (t.detach().double() if t.is_floating_point() else t.detach().to(torch.float64) for t in pair)
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    mismatch = bool((torch.isfinite(x) != torch.isfinite(y)).any() or (x[~finite] != y[~finite]).any())
+    delta = (x[finite] - y[finite]).abs()
+    max_delta = float(delta.max()) if delta.numel() else 0.0
+    scale = float(x[finite].abs().max()) if delta.numel() else 0.0
+    tol = tolerance(ra.dtype, scale)
+    row.update(compared=True, max_abs_delta=max_delta, rel_delta=max_delta / scale if scale else 0.0,
+               tolerance=tol, diverged=mismatch or max_delta > tol)
+    if ra.shape != rb.shape:
+        row["note"] = f"compared on the last {x.shape[ra.axes.index('n')]} position(s)"
+    if mismatch:
+        row["note"] = (row["note"] + "; " if row["note"] else "") + "NaN/±∞ in different places"

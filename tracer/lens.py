@@ -1,0 +1,123 @@
+"""What each layer already predicts (the logit lens), and what each head and MLP adds to a logit
+(direct logit attribution). Both read a step's recorded residual stream and apply the model's own final
+norm and unembedding, so they need the model that made the trace (and check its weights digest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+from torch import nn
+
+from model.hook_table import act_name
+from model.identity import identity_of
+from tracer.trace import Trace
+
+LENS_COLUMNS = ("layer", "position", "input", "top_token", "top_label", "top_prob", "final_token", "final_label",
+                "final_prob", "final_rank")
+
+
+def _model(trace: Trace, model: nn.Module | None) -> nn.Module:
+    model = model if model is not None else trace.live_model
+    if model is None:
+        raise ValueError("this needs the model that made the trace: pass model=… (a loaded trace has no model)")
+    if trace.model is not None and trace.model.weights_digest and \
+            identity_of(model).weights_digest != trace.model.weights_digest:
+        raise ValueError(f"the model given is not the one that made the trace ({trace.model.name}, "
+                         f"{trace.model.weights_digest[:19]}): its weights differ")
+    return model
+
+
+def _value(trace: Trace, name: str, step: int) -> torch.Tensor:
+    value = trace.get(name, step)
+    if value is None:
+        raise ValueError(f"the values of {name} at step {step} were not kept (capture values, or raise the budget)")
+    return value
+
+
+def sampled_position(trace: Trace, step: int, row: int) -> int:
+    """The query position whose logits chose this step's token (the last real one of a right-padded prompt)."""
+    facts = trace.generation
+    n = trace.record(act_name("logits"), step).shape[1]
+    if facts is not None and step == 0 and facts.info.padding_side == "right":
+        return facts.info.prompt_lengths[row] - 1
+    return n - 1
+
+
+@torch.no_grad()
+def logit_lens(trace: Trace, step: int, row: int = 0, *, model: nn.Module | None = None,
+               label: Callable[[int], str] | None = None) -> pd.DataFrame:
+    """One row per (layer, position): the residual stream after block ``layer`` put through the final norm
+    and W_U — its top token and probability — and the rank and probability it gives the token the model
+    finally chose (the step's chosen token at the position it was chosen from; elsewhere the final layer's
+    top token). The last layer is the model's own logits."""
+    model = _model(trace, model)
+    label = label or (lambda i: f"⟨{i}⟩")
+    n_layer = model.config.n_layer
+    lens = [model.unembed_residual(_value(trace, act_name("resid_post", L), step)[row]).float()
+            for L in range(n_layer)]  # n_layer × [n, V]
+    final = lens[-1].argmax(-1)
+    facts = trace.generation
+    choice = facts.step(step).sampling if facts is not None else None
+    chosen_at = sampled_position(trace, step, row)
+    if choice is not None:
+        final[chosen_at] = choice.tokens[row]
+    n = final.numel()
+    inputs = facts.labels(row, step)[-n:] if facts is not None else [""] * n
+    rows = []
+    for layer, logits in enumerate(lens):
+        probs = torch.softmax(logits, dim=-1)  # [n, V]
+        top_p, top = probs.max(dim=-1)
+        final_p = probs.gather(1, final[:, None])[:, 0]
+        final_rank = (probs > final_p[:, None]).sum(dim=-1)
+        for p in range(n):
+            rows.append({"layer": layer, "position": p, "input": inputs[p], "top_token": int(top[p]),
+                         "top_label": label(int(top[p])), "top_prob": float(top_p[p]), "final_token": int(final[p]),
+                         "final_label": label(int(final[p])), "final_prob": float(final_p[p]),
+                         "final_rank": int(final_rank[p])})
+    return pd.DataFrame(rows, columns=list(LENS_COLUMNS))
+
+
+@torch.no_grad()
+def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int | None = None, *,
+                             model: nn.Module | None = None) -> pd.DataFrame:
+    """Each component's direct share of one logit at the position the step's token was chosen from: the
+    embeddings, every head (O_h·W_O^h), each W_O bias and each MLP, through the final norm with its scale
+    frozen at this position, dotted with W_U's column for ``token`` (default: the chosen token). The shares
+    plus the norm's constant add up to the logit; ``frame.attrs`` holds both."""
+    model = _model(trace, model)
+    facts = trace.generation
+    if token is None:
+        choice = facts.step(step).sampling if facts is not None else None
+        if choice is None:
+            raise ValueError("give token=…: this step chose no token")
+        token = choice.tokens[row]
+    p = sampled_position(trace, step, row)
+    w = model.w_u[token].float()  # [d]: W_U's column for the token
+    n_layer = model.config.n_layer
+    final = _value(trace, act_name("resid_post", n_layer - 1), step)[row, p].float()
+    linear, constant = model.ln_final.linearized(final)
+
+    def share(c: torch.Tensor) -> float:
+        return float((linear(c.float()) * w).sum())
+
+    parts = [("embeddings", None, None, "embed", _value(trace, act_name("embed"), step)[row, p])]
+    if trace.has(act_name("pos_embed"), step):
+        parts[0] = ("embeddings", None, None, "embed", parts[0][4] + _value(trace, act_name("pos_embed"), step)[row, p])
+    for layer in range(n_layer):
+        attn = model.blocks[layer].attn
+        z = _value(trace, act_name("z", layer), step)[row:row + 1].float()
+        heads = attn.head_outputs(z)[0, :, p]  # [H, d]
+        for h in range(heads.shape[0]):
+            parts.append((f"L{layer} H{h}", layer, h, "head", heads[h]))
+        if attn.c_proj.bias is not None:
+            parts.append((f"L{layer} W_O bias", layer, None, "bias", attn.c_proj.bias))
+        parts.append((f"L{layer} MLP", layer, None, "mlp", _value(trace, act_name("mlp_out", layer), step)[row, p]))
+    frame = pd.DataFrame([{"component": name, "layer": layer, "head": head, "kind": kind, "contribution": share(c)}
+                          for name, layer, head, kind, c in parts])
+    const = float((constant.float() * w).sum()) if constant is not None else 0.0
+    frame.attrs.update(token=token, position=p, norm_constant=const, total=float(frame["contribution"].sum()) + const,
+                       logit=float(_value(trace, act_name("logits"), step)[row, p, token]))
+    return frame

@@ -1,0 +1,142 @@
+"""What-if experiments on a generation: a step replayed with interventions, the loss on a text, and
+activation patching between a clean and a corrupted prompt.
+
+Each runs real forwards of the model (untraced unless a trace is asked for) with the interventions of
+``tracer.interventions`` applied on this thread only; nothing here changes the generation it starts from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.hook_table import act_name
+from tracer.capture import Tracer
+from tracer.diff import diff_steps
+from tracer.generation import TracedGeneration
+from tracer.interventions import Intervention, applied, check, patch
+from tracer.trace import Trace
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One step of a generation run again with interventions."""
+
+    step: int
+    trace: Trace  # the replayed forward, traced (its step 0)
+    logits: torch.Tensor  # [B, V] the rows the step's token was chosen from, replayed
+    original: torch.Tensor  # [B, V] the same rows in the run itself
+
+
+@torch.no_grad()
+def replay(gen: TracedGeneration, step: int, interventions: Sequence[Intervention], capture: str = "values"
+           ) -> Replay:
+    """Run ``step`` of ``gen`` again — the same tokens, from a copy of the cache as it was before the step —
+    with ``interventions``, traced into a trace of its own. The generation is not changed."""
+    facts = gen.facts
+    forward = facts.step(step).forward
+    tokens, mask, last = gen.feed(step)
+    cache = gen.cache.copy(forward.cache_before) if gen.cache is not None else None
+    tracer = Tracer(gen.model, capture=capture, interventions=interventions, budget_bytes=gen.trace.budget_bytes)
+    with tracer.active():
+        logits = gen.model(tokens, cache, padding_mask=mask)
+    tracer.close()
+    pick = (lambda lg: lg[:, -1, :]) if last is None else (lambda lg: lg[torch.arange(lg.size(0)), last])
+    original = gen.trace.get(act_name("logits"), step)
+    if original is None:  # values of that step not kept: the run's rows again, untraced
+        cache = gen.cache.copy(forward.cache_before) if gen.cache is not None else None
+        original = gen.model(tokens, cache, padding_mask=mask)
+    return Replay(step=step, trace=tracer.trace, logits=pick(logits).float(), original=pick(original).float())
+
+
+def pattern_changes(gen: TracedGeneration, result: Replay) -> list[tuple[int, int, float]]:
+    """(layer, head, max |Δ weight|) of every head's attention pattern, replayed against the run, largest
+    first: which heads an intervention changed most."""
+    config = gen.model.config
+    out = []
+    for layer in range(config.n_layer):
+        a = gen.trace.get(act_name("pattern", layer), result.step)
+        b = result.trace.get(act_name("pattern", layer), 0)
+        if a is None or b is None:
+            continue
+        delta = (a - b).abs().amax(dim=(0, 2, 3))  # [H]
+        out += [(layer, h, float(d)) for h, d in enumerate(delta)]
+    return sorted(out, key=lambda item: -item[2])
+
+
+def replay_diff(gen: TracedGeneration, result: Replay):
+    """The replayed step's records against the run's own, record by record (``tracer.diff`` columns)."""
+    return diff_steps(gen.trace, result.step, result.trace, 0)
+
+
+@torch.no_grad()
+def text_loss(model: nn.Module, tokens: Sequence[int], interventions: Sequence[Intervention] = (),
+              start: int = 1) -> float:
+    """Mean next-token cross-entropy (nats) over positions ``start`` … of one token sequence, with the
+    interventions applied: the loss of predicting token i from tokens 0 … i−1."""
+    ids = torch.tensor([list(tokens)])
+    if ids.size(1) < 2 or not 1 <= start < ids.size(1):
+        raise ValueError(f"need at least two tokens and 1 ≤ start < {ids.size(1)}, got start = {start}")
+    with applied(model, interventions):
+        logits = model(ids)  # [1, n, V]
+    return float(F.cross_entropy(logits[0, start - 1:-1].float(), ids[0, start:]))
+
+
+@dataclass(frozen=True)
+class PatchingResult:
+    """How much patching each (layer, position) of a clean run into a corrupted one restores the answer."""
+
+    kind: str  # the hook patched: "resid_pre" per (layer, position), or "z" per (layer, head)
+    restored: torch.Tensor  # [n_layer, positions or heads]: (patched − corrupted) / (clean − corrupted)
+    clean_diff: float  # logit[clean answer] − logit[corrupted answer] on the clean prompt
+    corrupted_diff: float  # the same on the corrupted prompt
+    clean_answer: int
+    corrupted_answer: int
+
+
+@torch.no_grad()
+def activation_patching(model: nn.Module, clean: Sequence[int], corrupted: Sequence[int], kind: str = "resid_pre",
+                        progress: Callable[[float], None] | None = None) -> PatchingResult:
+    """Patch the clean run's activations into the corrupted run, one (layer, position) of the residual
+    stream (``kind="resid_pre"``) or one (layer, head) of the head outputs (``kind="z"``, all positions)
+    at a time, and measure how much of the clean answer's logit difference each restores (1 = all of it).
+    The answers are each run's own top token at the last position."""
+    if len(clean) != len(corrupted) or len(clean) < 1:
+        raise ValueError(f"the clean and corrupted prompts must have the same number of tokens, got "
+                         f"{len(clean)} and {len(corrupted)}")
+    if kind not in ("resid_pre", "z"):
+        raise ValueError(f"kind must be 'resid_pre' or 'z', got {kind!r}")
+    config = model.config
+    clean_ids, corrupt_ids = torch.tensor([list(clean)]), torch.tensor([list(corrupted)])
+    with Tracer(model, capture="values") as tr:
+        clean_logits = model(clean_ids)[0, -1]
+    corrupt_logits = model(corrupt_ids)[0, -1]
+    a, b = int(clean_logits.argmax()), int(corrupt_logits.argmax())
+
+    def diff(logits: torch.Tensor) -> float:
+        return float(logits[a] - logits[b])
+
+    clean_diff, corrupt_diff = diff(clean_logits), diff(corrupt_logits)
+    span = clean_diff - corrupt_diff
+    width = len(clean) if kind == "resid_pre" else config.n_head
+    restored = torch.zeros(config.n_layer, width)
+    total = config.n_layer * width
+    for layer in range(config.n_layer):
+        name = act_name(kind, layer)
+        for j in range(width):
+            if kind == "resid_pre":
+                iv = patch(name, tr.trace, positions=[j])
+            else:
+                iv = patch(name, tr.trace, head=j)
+            check([iv], model)
+            with applied(model, [iv]) as hooks:
+                hooks.set_step(0)
+                logits = model(corrupt_ids)[0, -1]
+            restored[layer, j] = (diff(logits) - corrupt_diff) / span if span else 0.0
+            if progress is not None:
+                progress((layer * width + j + 1) / total)
+    return PatchingResult(kind, restored, clean_diff, corrupt_diff, a, b)
