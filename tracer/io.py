@@ -103,9 +103,10 @@ LIMITS = Limits()
 
 
 # -- saving ---------------------------------------------------------------------------------------
-def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, int, tuple[int, ...]]]]:
-    """Each kept storage once, as a flat tensor over the span its views use; and per record index
-    ``(storage number, offset in it, strides)``."""
+def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, int, tuple[int, ...]]],
+                                     dict[int, tuple[int, list[int]]]]:
+    """Each kept storage once, as a flat tensor over the span its views use; per record index
+    ``(storage number, offset in it, strides)``; and per digested record ``(storage number, shape)``."""
     groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for index, value in trace.log.kept_values():
         groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
@@ -121,7 +122,13 @@ def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, in
         flats.append(flat)
         for index, value in members:
             views[index] = (number, value.storage_offset() - lo, tuple(value.stride()))
-    return flats, views
+    digests: dict[int, tuple[int, list[int]]] = {}
+    for index in range(trace.log.n_records):
+        digest = trace.log.digest(index)
+        if digest is not None:
+            digests[index] = (len(flats), list(digest.shape))
+            flats.append(digest.contiguous().reshape(-1))
+    return flats, views, digests
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -131,7 +138,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset(), end
 
 
-def _records_table(trace: Trace, views: dict[int, tuple]) -> pd.DataFrame:
+def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tuple]) -> pd.DataFrame:
     log = trace.log
     frame = trace.to_frame(stats=True)
     raws = [log.raw(i) for i in frame["index"]]
@@ -142,6 +149,8 @@ def _records_table(trace: Trace, views: dict[int, tuple]) -> pd.DataFrame:
     frame["storage"] = [views[i][0] if i in views else -1 for i in frame["index"]]
     frame["storage_offset"] = [views[i][1] if i in views else 0 for i in frame["index"]]
     frame["strides"] = [list(views[i][2]) if i in views else [] for i in frame["index"]]
+    frame["digest_storage"] = [digests[i][0] if i in digests else -1 for i in frame["index"]]
+    frame["digest_shape"] = [digests[i][1] if i in digests else [] for i in frame["index"]]
     return frame
 
 
@@ -192,8 +201,8 @@ def _parquet(frame: pd.DataFrame) -> bytes:
 
 def _members(trace: Trace) -> Iterator[tuple[str, Any]]:
     """(member name, bytes or a writer of a file object), in archive order."""
-    flats, views = _storages(trace)
-    records = _records_table(trace, views)
+    flats, views, digests = _storages(trace)
+    records = _records_table(trace, views, digests)
     ops = trace.ops_frame()
     ops["input_shapes"] = [[list(s) for s in shapes] for shapes in ops["input_shapes"]]
     ops["output_shapes"] = [[list(s) for s in shapes] for shapes in ops["output_shapes"]]
@@ -428,7 +437,7 @@ def _checked_config(raw: dict) -> dict:
 # -- loading: the tables ---------------------------------------------------------------------------
 _RECORD_COLUMNS = ("index", "step", "kind", "slot", "call", "shape", "dtype", "device", "module_index", "data_ptr",
                    "has_stats", "min", "max", "mean", "std", "nan", "pos_inf", "neg_inf", "finite", "value_note",
-                   "storage", "storage_offset", "strides")
+                   "storage", "storage_offset", "strides", "digest_storage", "digest_shape")
 _OP_COLUMNS = ("step", "op", "module_index", "input_shapes", "output_shapes", "dtype", "error", "first_record")
 
 
@@ -568,6 +577,7 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
     storage_of = _ints(records, "storage", RECORDS, -1, len(flats) - 1)
     offset_of = _ints(records, "storage_offset", RECORDS, 0, 2**62)
     flag_of = _ints(records, "finite", RECORDS, Finite.UNKNOWN, Finite.BAD)
+    digest_of = _ints(records, "digest_storage", RECORDS, -1, len(flats) - 1)
     ptr_of = _ints(records, "data_ptr", RECORDS, 0, 2**63 - 1)
     for s in steps:
         if (step_of[s.first_record:s.end_record] != s.step).any():
@@ -616,6 +626,17 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
             if isinstance(e, TraceFileError):
                 raise
             raise TraceFileError(str(e), f"{RECORDS} record {i}") from None
+    digest_shapes = records["digest_shape"].tolist()
+    for i in np.flatnonzero(digest_of >= 0):
+        where = f"{RECORDS} record {i} digest"
+        shape = _shape_list(digest_shapes[i], where, limits)
+        flat = flats[int(digest_of[i])]
+        if math.prod(shape) != flat.numel() or flat.dtype != torch.float32:
+            raise TraceFileError(f"shape {list(shape)} does not fit its storage of {flat.numel()} elements", where)
+        try:
+            log.restore_digest(int(i), flat.view(shape))
+        except ValueError as e:
+            raise TraceFileError(str(e), where) from None
     if ops is not None:
         _restore_ops(log, ops, limits)
     if manifest["generation"] is not None:

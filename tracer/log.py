@@ -42,6 +42,8 @@ from tracer.stats import dtype_name, finite_flag, tensor_stats
 from tracer.store import DEFAULT_BUDGET_BYTES, ValueStore, view_key
 
 CAPTURE_LEVELS = ("shapes", "values", "ops")
+DIGESTED = "hook_pattern"  # attention weights: when evicted, a pooled summary per head stays
+DIGEST_SIDE = 128  # the summary's most rows and columns per head
 
 
 class RawRecord(NamedTuple):
@@ -98,6 +100,7 @@ class TraceLog:
         self._stats: dict[int, TensorStats] = {}
         self._stats_by_view: dict[tuple, TensorStats] = {}
         self._flags: dict[int, int] = {}
+        self._digests: dict[int, torch.Tensor] = {}
         self._steps: list[StepRecord] = []
         self._current: int | None = None
         self._error: TraceErrorInfo | None = None
@@ -213,6 +216,11 @@ class TraceLog:
         self._stats[index] = stats
         return stats
 
+    def digest(self, index: int) -> torch.Tensor | None:
+        """The pooled summary of an evicted attention-weights record: ``[B, H, r, c]``, each cell the mean
+        weight of a block of query rows × key columns (r, c ≤ 128), or None."""
+        return self._digests.get(index)
+
     def has_stats(self, index: int) -> bool:
         return index in self._stats
 
@@ -272,8 +280,8 @@ class TraceLog:
             elif self._copy_all or value.is_inference():  # inference tensors have no version counter
                 value = value.clone()
             reason = self._values.put(index, step, value)
-            if reason:
-                self._notes[index] = reason
+            if reason:  # larger than the whole budget: summarised now, like an evicted value
+                self._evicted(index, value, reason, True)
 
     def _add_unusual(self, index: int, step: int | None, module: int, kind: str, slot: str, call: int,
                      t: torch.Tensor) -> None:
@@ -336,6 +344,7 @@ class TraceLog:
             self._notes.pop(index, None)
             self._stats.pop(index, None)
             self._flags.pop(index, None)
+            self._digests.pop(index, None)
         del self._raw[cut:]
         self._ops = [op for op in self._ops if op[0] < step]
         del self._steps[step:]
@@ -350,6 +359,9 @@ class TraceLog:
     def _evicted(self, index: int, tensor: torch.Tensor, note: str, stats_valid: bool) -> None:
         if stats_valid and index not in self._stats:
             self._stats[index] = self._stats_by_view.get(view_key(tensor)) or tensor_stats(tensor)
+        if stats_valid and index not in self._digests and _digestible(self._modules[self._raw[index][MODULE]].path,
+                                                                      tensor):
+            self._digests[index] = pooled(tensor)
         self._notes[index] = note
 
     # -- write side: generation facts ------------------------------------------------------------
@@ -402,6 +414,13 @@ class TraceLog:
         if reason:
             raise ValueError(f"record {index}: {reason}")
 
+    def restore_digest(self, index: int, digest: torch.Tensor) -> None:
+        raw = self.raw(index)
+        if digest.dim() != 4 or list(digest.shape[:2]) != list(raw.shape[:2]) or \
+                any(d > min(s, DIGEST_SIDE) for d, s in zip(digest.shape[2:], raw.shape[2:])):
+            raise ValueError(f"record {index}'s digest {list(digest.shape)} does not summarise {list(raw.shape)}")
+        self._digests[index] = digest
+
     def restore_op(self, op: RawOp) -> None:
         if not 0 <= op.step <= len(self._steps) or not -1 <= op.module < len(self._modules):
             raise ValueError(f"op {op.op!r} names step {op.step} / module #{op.module}, which do not exist")
@@ -410,3 +429,18 @@ class TraceLog:
     def restore_failure(self, error: TraceErrorInfo) -> None:
         self._error = error
 
+
+
+def _digestible(path: str, tensor: torch.Tensor) -> bool:
+    return (path.rsplit(".", 1)[-1] == DIGESTED and tensor.dim() == 4 and tensor.is_floating_point()
+            and tensor.shape[-1] * tensor.shape[-2] > DIGEST_SIDE * DIGEST_SIDE)
+
+
+@torch.no_grad()
+def pooled(tensor: torch.Tensor, side: int = DIGEST_SIDE) -> torch.Tensor:
+    """``[B, H, n, t]`` → ``[B, H, ≤side, ≤side]``: the mean over blocks of rows and columns (a block holding
+    a masked −∞ cell averages the finite ones; for weights that is 0 anyway)."""
+    B, H, n, t = tensor.shape
+    out = (min(n, side), min(t, side))
+    x = tensor.float().reshape(B * H, n, t)
+    return torch.nn.functional.adaptive_avg_pool2d(x, out).reshape(B, H, *out)

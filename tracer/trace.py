@@ -224,6 +224,10 @@ class Trace:
         rec = name_or_record if isinstance(name_or_record, TensorRecord) else self.record(name_or_record, step)
         return self._log.stats(rec.index)
 
+    def digest(self, rec: TensorRecord) -> torch.Tensor | None:
+        """The pooled summary kept of an evicted attention-weights record (``TraceLog.digest``)."""
+        return self._log.digest(rec.index)
+
     def finite_flag(self, rec: TensorRecord) -> int:
         return self._log.finite_flag(rec.index)
 
