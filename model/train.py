@@ -309,9 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         from model.loading import load_hf
 
         earlier, _ = load_hf(args.init_from)
-        if earlier.config != config:
-            raise SystemExit(f"{args.init_from}: its config differs from this run's")
-        model.load_state_dict(earlier.state_dict())
+        model.load_state_dict(earlier.state_dict())  # strict: the same names and shapes as this run's model
         previous = json.loads((args.init_from / "training.json").read_text(encoding="utf-8"))
         continued = {"from": str(args.init_from), "weights_digest": earlier.identity.weights_digest,
                      "earlier_train": previous.get("train"), "earlier_heldout_loss": previous.get("heldout_loss")}
