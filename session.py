@@ -118,11 +118,41 @@ class LoadedTrace:
     file_id: str
 
 
+@dataclass(frozen=True)
+class AblationResult:
+    """A step re-run with heads switched off: what it changed."""
+
+    step: int
+    described: tuple[str, ...]  # the interventions, described
+    replay: object  # tracer.whatif.Replay
+    loss_text: str  # what the loss was measured on
+    loss_before: float
+    loss_after: float
+    changes: tuple[tuple[int, int, float], ...]  # (layer, head, max |Δ weight|), largest first
+
+
+@dataclass(frozen=True)
+class PatchingRun:
+    clean: str
+    corrupted: str
+    result: object  # tracer.whatif.PatchingResult
+    labels: tuple[str, ...]  # the columns: positions (token labels) or heads
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Another run to hold the current one against, and their record-by-record difference."""
+
+    label: str
+    trace: Trace
+    frame: object  # pandas DataFrame from tracer.diff_traces
+
+
 @dataclass
 class AppState:
     """Everything one browser session keeps between reruns (widget values aside, which Streamlit keeps)."""
 
-    model_key: str = "bundled"  # "bundled", or a directory path
+    model_key: str = "bundled:story-gpt"  # "bundled:<name>", or "dir:<dtype>:<path>"
     generation: TracedGeneration | None = None
     started_with: Settings | None = None  # the settings the generation started with
     loaded: LoadedTrace | None = None
@@ -131,6 +161,11 @@ class AppState:
     inspect_name: str | None = None  # the record the Inspector opens
     open_tab: str | None = None  # survives reruns where no tabs are drawn
     last_upload_id: str | None = None
+    pending_head: tuple[int, int] | None = None  # a head clicked on the grid, applied before the pickers draw
+    ablation: AblationResult | None = None
+    patching: PatchingRun | None = None
+    comparison: Comparison | None = None
+    last_compare_upload_id: str | None = None
 
     @property
     def viewing_file(self) -> bool:
@@ -159,6 +194,9 @@ class AppState:
         self.started_with = None
         self.loaded = None
         self.query_picks = {}
+        self.ablation = None
+        self.patching = None
+        self.comparison = None
 
     def open_file(self, loaded: LoadedTrace) -> None:
         self.loaded = loaded

@@ -1,31 +1,29 @@
-"""Attention views: the four stages of A = softmax(QKᵀ/√d_k + M), all heads, the history built up by the cache."""
+"""Attention views: the four stages of A = softmax(QKᵀ/√d_k + M), O = A·V, the pitfalls the scale and the
+mask prevent, RoPE's rotation, every head at once, and the rows a cached generation builds up step by step.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import pandas as pd
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from figures.common import (
-    HEATMAP_SCALE,
-    facts_of,
-    finite_or_none,
-    gen_step,
-    hover_values,
-    key_labels,
-    query_labels,
-    safe_text,
-    shape_text,
-    tick_step,
-)
+from figures.common import facts_of, gen_step, inert, key_labels, query_labels, shape_text
+from figures.heatmap import Grid, add, grid, pool, style_axes
+from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from model.hook_table import act_name
 from tracer import Trace
 
-STAGES = ("hook_qk", "hook_attn_scores", "hook_masked_scores", "hook_pattern")
-ALL_HEADS_MAX_CELLS = 400_000  # above this the all-heads grid shows the newest query rows only
+STAGES = ("qk", "attn_scores", "masked_scores", "pattern")
+GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pooling each head to fit)
+ROLE_SHOWN = 0.3  # a head's clearest role is written on its tile from this score up
+STAGE_SIDE = 128  # four stages side by side: each pooled to at most 128 × 128, under 1 MB together
+M_NOTE = ("Here M is added after the scaling; the formula is often written softmax((QKᵀ + M)/√d_k). The two are "
+          "equal because M holds only 0 and −∞: (x + 0)/√d_k = x/√d_k, and −∞/√d_k = −∞.")
 
 
 @dataclass
@@ -34,154 +32,115 @@ class Stage:
     title: str  # the formula of this stage
     shapes: str  # the real shapes: operands → result
     matrix: torch.Tensor | None  # [n, t] for the chosen batch row and head; None if not kept
+    pooled_only: bool = False  # the matrix is the pooled digest of evicted values
 
 
-def _attn(layer: int, hook: str) -> str:
-    return act_name(hook, layer)
+def kv_head(trace: Trace, layer: int, head: int, step: int) -> int:
+    """The key/value head query head ``head`` reads (h // (H/G); itself when G = H)."""
+    H = trace.record(act_name("q", layer), step).shape[1]
+    G = trace.record(act_name("k_all", layer), step).shape[1]
+    return head // (H // G)
+
+
+def head_matrix(trace: Trace, name: str, step: int, batch: int, head: int) -> tuple[torch.Tensor | None, bool]:
+    """One head's ``[n, t]`` of a ``[B, H, n, t]`` record: its kept value, else its pooled digest
+    (second item True), else None."""
+    rec = trace.record(name, step)
+    value = trace.value(rec)
+    if value is not None:
+        return value[batch, head], False
+    digest = trace.digest(rec)
+    return (digest[batch, head], True) if digest is not None else (None, False)
 
 
 def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> list[Stage]:
     """QKᵀ, ÷√d_k, + M and softmax for one head, with the formula and the real shapes of each."""
-    q = trace.record(_attn(layer, "hook_q"), step).shape
-    k = trace.record(_attn(layer, "hook_k_all"), step).shape
-    qk = trace.record(_attn(layer, "hook_qk"), step).shape
-    mask = trace.record(_attn(layer, "hook_mask"), step).shape
+    rope = trace.has(act_name("rot_q", layer), step)
+    q = trace.record(act_name("rot_q" if rope else "q", layer), step).shape
+    k = trace.record(act_name("k_all", layer), step).shape
+    qk = trace.record(act_name("qk", layer), step).shape
+    mask = trace.record(act_name("mask", layer), step).shape
     d_k = q[-1]
     kt = (*k[:-2], k[-1], k[-2])
+    grouped = k[1] != q[1]
+    share = f" (each of the {k[1]} K heads serves {q[1] // k[1]} query heads)" if grouped else ""
     stages = [
-        Stage("hook_qk", "QKᵀ", f"{shape_text(q)} @ {shape_text(kt)} → {shape_text(qk)}", None),
-        Stage("hook_attn_scores", f"QKᵀ / √d_k   (√{d_k} = {math.sqrt(d_k):.3f})",
+        Stage("qk", "QKᵀ", f"{shape_text(q)} @ {shape_text(kt)}{share} → {shape_text(qk)}", None),
+        Stage("attn_scores", f"QKᵀ / √d_k   (√{d_k} = {math.sqrt(d_k):.3f})",
               f"{shape_text(qk)} / {math.sqrt(d_k):.3f} → {shape_text(qk)}", None),
-        Stage("hook_masked_scores", "QKᵀ/√d_k + M",
-              f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None),
-        Stage("hook_pattern", "A = softmax(QKᵀ/√d_k + M)", f"row-wise over t = {qk[-1]} keys → {shape_text(qk)}", None),
+        Stage("masked_scores", "QKᵀ/√d_k + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None),
+        Stage("pattern", "A = softmax(QKᵀ/√d_k + M)", f"row-wise over t = {qk[-1]} keys → {shape_text(qk)}", None),
     ]
     for stage in stages:
-        value = trace.get(_attn(layer, stage.hook), step)
-        if value is not None:
-            stage.matrix = value[batch, head]
+        matrix, pooled = head_matrix(trace, act_name(stage.hook, layer), step, batch, head)
+        stage.matrix, stage.pooled_only = matrix, pooled
     return stages
 
 
-def _heatmap(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], zmin=None, zmax=None,
-             coloraxis: str | None = None, showscale: bool = True) -> go.Heatmap:
-    """Query rows × key columns on category axes named by the (escaped, position-prefixed, so unique)
-    token labels: the hover reads them from the axes instead of an n × t array of label strings, which
-    made a long prompt's figures megabytes. Per-cell value strings only where ±∞ needs naming (NaN cells
-    are the history's blanks: nothing to hover)."""
-    finite = not bool(torch.isinf(matrix).any())
-    return go.Heatmap(
-        z=finite_or_none(matrix),
-        x=[safe_text(label) for label in x_labels],
-        y=[safe_text(label) for label in y_labels],
-        customdata=None if finite else hover_values(matrix),
-        hovertemplate="q %{y}<br>k %{x}<br>" + ("%{z:.4f}" if finite else "%{customdata}") + "<extra></extra>",
-        colorscale=HEATMAP_SCALE,
-        zmin=zmin,
-        zmax=zmax,
-        coloraxis=coloraxis,
-        showscale=showscale,
-    )
+def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0,
+                            shared_scale: bool = False) -> go.Figure:
+    """Four heatmaps side by side (query rows × key columns), the formula and shapes above each.
 
-
-def _axes(fig: go.Figure, x_labels: list[str], y_labels: list[str], row=None, col=None,
-          max_x_ticks: int | None = None, y_ticks: bool = True) -> None:
-    """Token tick labels (thinned to fit) on the category axes of ``_heatmap``; ``max_x_ticks`` for narrow
-    panels, ``y_ticks=False`` beside a panel that already names the rows."""
-    sx = tick_step(len(x_labels)) if max_x_ticks is None else max(1, math.ceil(len(x_labels) / max_x_ticks))
-    sy = tick_step(len(y_labels))
-    xs = [safe_text(label) for label in x_labels[::sx]]
-    ys = [safe_text(label) for label in y_labels[::sy]]
-    fig.update_xaxes(type="category", tickvals=xs, ticktext=xs, tickangle=-60, row=row, col=col,
-                     title_text="key position (t)")
-    fig.update_yaxes(type="category", tickvals=ys, ticktext=ys, showticklabels=y_ticks, autorange="reversed",
-                     row=row, col=col)
-
-
-def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure:
-    """Four heatmaps side by side (query rows × key columns) with formula and shapes above each."""
+    Each stage has its own colour scale unless ``shared_scale``: then QKᵀ, ÷√d_k and + M share one, and
+    the division by √d_k shows as what it is — the same picture, its colours √d_k times fainter."""
     stages = attention_stages(trace, step, layer, head, batch)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    titles = [f"<b>{s.title}</b><br><span style='font-size:11px'>{s.shapes}</span>" for s in stages]
+    titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>{s.shapes}</span>" for s in stages]
     fig = make_subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.075)
+    score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:3] if s.matrix is not None]
+    lo = min((float(v.min()) for v in score_values if v.numel()), default=0.0)
+    hi = max((float(v.max()) for v in score_values if v.numel()), default=1.0)
+    pooled_note = ""
     for i, stage in enumerate(stages, start=1):
         if stage.matrix is None:
-            fig.add_annotation(text="values not kept", showarrow=False, row=1, col=i, x=0.5, y=0.5)
+            fig.add_annotation(text="values not kept", showarrow=False, row=1, col=i, x=0.5, y=0.5,
+                               xref="x domain" if i == 1 else f"x{i} domain",
+                               yref="y domain" if i == 1 else f"y{i} domain")
             continue
-        zmin, zmax = (0.0, 1.0) if stage.hook == "hook_pattern" else (None, None)
-        trace_ = _heatmap(stage.matrix, xs, ys, zmin=zmin, zmax=zmax)
-        # each stage its own scale: raw scores, scaled scores and weights live on different ranges
+        g = grid(stage.matrix, xs, ys, max_side=STAGE_SIDE)
+        pooled_note = pooled_note or g.caption()
         right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain[1]
-        trace_.colorbar = {"title": {"text": "A" if i == 4 else "score", "side": "top"}, "len": 0.75,
-                           "thickness": 8, "x": right + 0.004, "xpad": 0, "tickfont": {"size": 9}}
-        fig.add_trace(trace_, row=1, col=i)
-        # four narrow panels with the same rows: row names once, at most ~12 key names per panel
-        _axes(fig, xs, ys, row=1, col=i, max_x_ticks=12, y_ticks=i == 1)
-    height = max(320, min(900, 140 + 18 * len(ys)))
-    fig.update_xaxes(showgrid=False)
-    fig.update_yaxes(showgrid=False)  # masked cells are blank: no gridlines drawn through them
-    fig.update_layout(height=height, margin={"t": 90, "l": 10, "r": 10, "b": 10},
-                      title_text=f"layer {layer}, head {head}, step {step}")
+        bar = {"x": right + 0.003, "len": 0.9, "thickness": 8, "nticks": 5, "tickfont": {"size": 9}, "xpad": 0}
+        if stage.hook == "pattern":
+            add(fig, g, "amount", row=1, col=i, colorbar="A", bar=bar)
+        elif shared_scale:
+            top = max(abs(lo), abs(hi))
+            add(fig, g, "signed", row=1, col=i, zmin=-top, zmax=top, colorbar="score" if i == 3 else "",
+                showscale=i == 3, bar=bar)
+        else:
+            add(fig, g, "signed", row=1, col=i, colorbar="score", bar=bar)
+        style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
+    height = max(380, min(760, 220 + 16 * min(len(ys), 36)))  # room for the colour bars even with one row
+    note = "pooled digest of evicted values" if any(s.pooled_only for s in stages) else pooled_note
+    fig.update_layout(height=height, margin={"t": 95, "l": 10, "r": 30, "b": 10},
+                      title_text=f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
+                      title_font_size=13)
     fig.update_annotations(font_size=12)
     return fig
 
 
-def pattern_figure(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], title: str) -> go.Figure:
-    fig = go.Figure(_heatmap(matrix, x_labels, y_labels, zmin=0.0, zmax=1.0))
-    _axes(fig, x_labels, y_labels)
-    fig.update_xaxes(showgrid=False)
-    fig.update_yaxes(showgrid=False)  # blank cells (keys a row could not see) stay blank
-    fig.update_layout(title_text=title, height=max(300, min(900, 120 + 18 * len(y_labels))),
-                      margin={"t": 50, "l": 10, "r": 10, "b": 10})
+def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: int, batch: int = 0) -> str:
+    """The key tokens on the ``AMOUNT`` colour of the weight query row ``query`` gives them; the query's own
+    token outlined in the accent; a legend. Token text is made inert."""
+    pattern = trace.get(act_name("pattern", layer), step)
+    if pattern is None:
+        return "<i>values not kept for this step</i>"
+    weights = pattern[batch, head, query]
+    keys = key_labels(trace, step, batch)
+    own = len(keys) - gen_step(trace, step).forward.n + query
+    spans = [amount_span(inert(keys[j].split(" · ", 1)[-1]), w, f"key {j}: weight {w:.3f}", outline=j == own)
+             for j, w in enumerate(weights.tolist())]
+    return ("<div style='line-height: 2.1; font-family: monospace'>" + "".join(spans) + "</div>"
+            + amount_legend("attention weight of each key", "the query itself"))
+
+
+def pattern_figure(g: Grid, title: str) -> go.Figure:
+    fig = go.Figure()
+    add(fig, g, "amount", colorbar="A")
+    style_axes(fig, g)
+    fig.update_layout(title_text=title + (f" — {g.caption()}" if g.pooled else ""), title_font_size=13,
+                      height=max(300, min(900, 140 + 16 * len(g.y))), margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
-
-
-def all_heads_figure(trace: Trace, step: int, batch: int = 0) -> tuple[go.Figure, str]:
-    """Every layer × head attention pattern at ``step``; returns (figure, note)."""
-    n_layer = len(trace.filter(step=step, name="*attn.hook_pattern"))
-    n_head = trace.record(_attn(0, "hook_pattern"), step).shape[1]
-    info = gen_step(trace, step).forward
-    rows_shown = info.n
-    note = ""
-    if n_layer * n_head * info.n * info.t > ALL_HEADS_MAX_CELLS:
-        rows_shown = max(1, ALL_HEADS_MAX_CELLS // (n_layer * n_head * info.t))
-        note = f"showing the newest {rows_shown} of {info.n} query rows per head to keep the page light"
-    # One heatmap with the heads tiled into it, not n_layer × n_head subplots: a browser lays out 144
-    # plotly subplots (GPT-2 small) in seconds, one heatmap in milliseconds.
-    t = info.t
-    gap_rows, gap_cols = 1, max(1, t // 16)
-    grid = torch.full((n_layer * (rows_shown + gap_rows) - gap_rows, n_head * (t + gap_cols) - gap_cols), math.nan)
-    missing = 0
-    for layer in range(n_layer):
-        pattern = trace.get(_attn(layer, "hook_pattern"), step)
-        if pattern is None:
-            missing += 1
-            continue
-        r0 = layer * (rows_shown + gap_rows)
-        for head in range(n_head):
-            c0 = head * (t + gap_cols)
-            grid[r0:r0 + rows_shown, c0:c0 + t] = pattern[batch, head, -rows_shown:].double()
-    # unique category labels, so hovering names the layer, head, query and key
-    first_query = t - rows_shown
-    y_labels = [f"L{layer} q{first_query + i}" if i < rows_shown else f"L{layer} ·{i}"
-                for layer in range(n_layer) for i in range(rows_shown + gap_rows)][: grid.shape[0]]
-    x_labels = [f"H{head} k{j}" if j < t else f"H{head} ·{j}"
-                for head in range(n_head) for j in range(t + gap_cols)][: grid.shape[1]]
-    z = [[None if math.isnan(v) else round(v, 3) for v in row] for row in grid.tolist()]
-    fig = go.Figure(go.Heatmap(z=z, x=x_labels, y=y_labels, coloraxis="coloraxis", xgap=0, ygap=0,
-                               hovertemplate="%{y} · %{x}<br>weight %{z}<extra></extra>"))
-    fig.update_xaxes(tickvals=[x_labels[h * (t + gap_cols) + t // 2] for h in range(n_head)],
-                     ticktext=[f"H{h}" for h in range(n_head)], side="top", showgrid=False)
-    fig.update_yaxes(tickvals=[y_labels[layer * (rows_shown + gap_rows) + rows_shown // 2] for layer in range(n_layer)],
-                     ticktext=[f"L{layer}" for layer in range(n_layer)], autorange="reversed", showgrid=False)
-    cell = 40 if rows_shown == 1 else 90
-    fig.update_layout(coloraxis={"colorscale": HEATMAP_SCALE, "cmin": 0, "cmax": 1,
-                                 "colorbar": {"title": "weight"}},
-                      height=60 + cell * n_layer, margin={"t": 40, "l": 10, "r": 10, "b": 10},
-                      plot_bgcolor="white")
-    if missing:
-        note = (note + "; " if note else "") + f"{missing} layer(s) have no kept values at this step"
-    return fig, note
 
 
 def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch: int = 0
@@ -190,7 +149,8 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
 
     With the cache, step 0 gives the prefill's n₀ rows and every later step one
     more row, so the lower-triangular picture builds up token by token. Cells a
-    row could not see are NaN. Returns (matrix, row labels, key labels, step of each row)."""
+    row could not see are NaN (a step whose values were evicted leaves its rows blank).
+    Returns (matrix, row labels, key labels, step of each row)."""
     keys = key_labels(trace, upto_step, batch)
     t = len(keys)
     facts = facts_of(trace)
@@ -199,48 +159,292 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
     row_steps: list[int] = []
     row_labels: list[str] = []
     for s in range(upto_step + 1):
-        pattern = trace.get(_attn(layer, "hook_pattern"), s)
+        pattern = trace.get(act_name("pattern", layer), s)
         new = query_labels(trace, s, batch)
         if s > 0 and not facts.info.use_cache:
             new = new[-1:]  # without the cache a step recomputes all rows; only its newest row is new
         n_rows = len(query_labels(trace, s, batch))
+        block = torch.full((len(new), t), math.nan)
         for i, label in enumerate(new):
-            row = torch.full((t,), float("nan"))
             padding = False
             if pattern is not None:
                 values = pattern[batch, head, n_rows - len(new) + i]
                 position = values.numel() - len(new) + i  # this query's own key column
                 padding = position < len(is_token) and not is_token[position]
                 if not padding:  # a padding position is no real query: its row stays blank
-                    row[: position + 1] = values[: position + 1]  # later keys: masked, or not there yet
-            rows.append(row)
+                    block[i, : position + 1] = values[: position + 1]  # later keys: masked, or not there yet
             row_steps.append(s)
             row_labels.append(f"s{s} · {label}" + (" (padding: no query)" if padding else ""))
-    return torch.stack(rows), row_labels, keys, row_steps
+        rows.append(block)
+    return torch.cat(rows), row_labels, keys, row_steps
 
 
 def attention_history_figure(trace: Trace, layer: int, head: int, upto_step: int, batch: int = 0) -> go.Figure:
     matrix, ys, xs, row_steps = attention_history(trace, layer, head, upto_step, batch)
-    fig = pattern_figure(matrix, xs, ys, f"rows of layer {layer} head {head} over steps 0…{upto_step}")
+    g = grid(matrix, xs, ys)
+    fig = pattern_figure(g, f"rows of layer {layer} head {head} over steps 0…{upto_step}")
     first_new = row_steps.index(upto_step)
-    fig.add_shape(type="rect", x0=-0.5, x1=matrix.shape[1] - 0.5, y0=first_new - 0.5, y1=matrix.shape[0] - 0.5,
-                  line={"color": "#ff4b4b", "width": 2})
+    cells = len(g.y)
+    top = min(cells - 1, first_new * cells // len(row_steps))
+    fig.add_shape(type="rect", x0=-0.5, x1=len(g.x) - 0.5, y0=top - 0.5, y1=cells - 0.5,
+                  line={"color": ACCENT, "width": 2})
     return fig
 
 
-def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: int, batch: int = 0) -> str:
-    """The key tokens coloured by how much query row ``query`` attends to them (escaped text)."""
-    pattern = trace.get(_attn(layer, "hook_pattern"), step)
-    if pattern is None:
-        return "<i>values not kept for this step</i>"
-    weights = pattern[batch, head, query]
+# -- every head ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadsGrid:
+    figure: go.Figure
+    note: str
+    cells: tuple[int, int]  # rows and columns one head is drawn with
+
+
+def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, torch.Tensor] | None = None,
+                     picked: tuple[int, int] | None = None) -> HeadsGrid:
+    """Every layer × head attention pattern at ``step``, tiled into one heatmap (a browser lays out one
+    heatmap in milliseconds, 144 subplots in seconds). Each head is pooled to fit ``GRID_CELLS`` in all;
+    cells are square, so a causal triangle stays a triangle. Query heads that share a key/value head are
+    bracketed; ``scores`` (name → [L, H]) are written under each head; ``picked`` is outlined. An invisible
+    marker at each head's centre carries (layer, head), so a click can open it."""
+    layers = trace.filter(step=step, name="*attn.hook_pattern")
+    n_layer = len(layers)
+    H = layers[0].shape[1]
+    G = trace.record(act_name("k_all", 0), step).shape[1]
+    n, t = layers[0].shape[2], layers[0].shape[3]
+    scale = min(1.0, math.sqrt(GRID_CELLS / max(1, n_layer * H * n * t)))
+    rn, rt = max(1, round(n * scale)), max(1, round(t * scale))
+    stretch = -(-6 // rn) if rn < 6 else 1  # a one-row decode pattern is drawn as a band, not a hairline
+    tall = rn * stretch
+    gap = max(1, rt // 8)
+    tiles = torch.full((n_layer * (tall + gap) - gap, H * (rt + gap) - gap), math.nan)
+    missing, pooled_any = 0, False
+    for layer in range(n_layer):
+        value, from_digest = None, False
+        rec = trace.record(act_name("pattern", layer), step)
+        full = trace.value(rec)
+        if full is None:
+            digest = trace.digest(rec)
+            value, from_digest = (digest[batch], True) if digest is not None else (None, False)
+        else:
+            value = full[batch]
+        if value is None:
+            missing += 1
+            continue
+        r0 = layer * (tall + gap)
+        for head in range(H):
+            m = value[head].double()
+            if tuple(m.shape) != (rn, rt):
+                m, pooled_any = pool(m, rn, rt), True
+            c0 = head * (rt + gap)
+            tiles[r0:r0 + tall, c0:c0 + rt] = m.repeat_interleave(stretch, dim=0)
+        pooled_any = pooled_any or from_digest
+    z = [[None if math.isnan(v) else round(v, 4) for v in row] for row in tiles.tolist()]
+    fig = go.Figure(go.Heatmap(z=z, colorscale=AMOUNT, zmin=0, zmax=1, hoverinfo="skip",
+                               colorbar={"title": {"text": "A", "side": "top"}, "thickness": 10}))
+    centres_x, centres_y, data = [], [], []
+    for layer in range(n_layer):
+        for head in range(H):
+            centres_x.append(head * (rt + gap) + (rt - 1) / 2)
+            centres_y.append(layer * (tall + gap) + (tall - 1) / 2)
+            text = f"L{layer} H{head}" + (f" (K/V head {head // (H // G)})" if G != H else "")
+            if scores:
+                text += "<br>" + "<br>".join(f"{k}: {float(v[layer, head]):.2f}" for k, v in scores.items())
+            data.append([layer, head, text])
+    fig.add_trace(go.Scatter(x=centres_x, y=centres_y, mode="markers", customdata=data, showlegend=False,
+                             marker={"size": max(8, min(40, rt * 0.6)), "opacity": 0.0},
+                             hovertemplate="%{customdata[2]}<extra>click to open</extra>"))
+    shapes = []
+    if G != H:  # brackets over the query heads that read one key/value head
+        per = H // G
+        for g in range(G):
+            x0, x1 = g * per * (rt + gap) - 0.5, ((g + 1) * per - 1) * (rt + gap) + rt - 0.5
+            shapes.append({"type": "line", "x0": x0, "x1": x1, "y0": -1.5, "y1": -1.5, "line": {"color": "#555"}})
+            fig.add_annotation(x=(x0 + x1) / 2, y=-2, text=f"K/V head {g}", showarrow=False, yanchor="bottom",
+                               font={"size": 10, "color": "#555"})
+    if picked is not None:
+        layer, head = picked
+        x0, y0 = head * (rt + gap) - 0.5, layer * (tall + gap) - 0.5
+        shapes.append({"type": "rect", "x0": x0, "x1": x0 + rt, "y0": y0, "y1": y0 + tall,
+                       "line": {"color": ACCENT, "width": 3}})
+    if scores:  # each tile names its clearest role (a score of at least ROLE_SHOWN); the hover lists them all
+        for layer in range(n_layer):
+            for head in range(H):
+                role, value = max(((k, float(v[layer, head])) for k, v in scores.items()), key=lambda kv: kv[1])
+                if value >= ROLE_SHOWN:
+                    fig.add_annotation(x=head * (rt + gap) + (rt - 1) / 2, y=layer * (tall + gap) + tall - 0.5,
+                                       text=f"{role} {value:.2f}", showarrow=False, yanchor="top",
+                                       font={"size": 10, "color": "#111"}, bgcolor="rgba(255,255,255,0.8)")
+    fig.update_layout(shapes=shapes, plot_bgcolor="white", margin={"t": 40, "l": 40, "r": 10, "b": 10},
+                      height=int(min(1400, max(320, 90 + n_layer * (60 if tall <= 6 else 110)))))
+    fig.update_xaxes(tickvals=[h * (rt + gap) + (rt - 1) / 2 for h in range(H)], ticktext=[f"H{h}" for h in range(H)],
+                     side="top", showgrid=False, zeroline=False)
+    fig.update_yaxes(tickvals=[layer * (tall + gap) + (tall - 1) / 2 for layer in range(n_layer)],
+                     ticktext=[f"L{layer}" for layer in range(n_layer)], autorange="reversed", showgrid=False,
+                     zeroline=False)
+    if tall == rn:  # square cells: one query row is as tall as one key column is wide
+        fig.update_yaxes(scaleanchor="x", scaleratio=1)
+    notes = []
+    if pooled_any or (rn, rt) != (n, t):
+        notes.append(f"each head pooled from {n} × {t} to {rn} × {rt} for the page")
+    if tall != rn:
+        notes.append(f"the {n} query row{'s' if n != 1 else ''} of each head drawn {stretch}× taller to be seen")
+    if missing:
+        notes.append(f"{missing} layer(s) have no kept values at this step")
+    return HeadsGrid(fig, "; ".join(notes), (rn, rt))
+
+
+# -- O = A·V -----------------------------------------------------------------------------------------
+def weighted_sum_figure(trace: Trace, step: int, layer: int, head: int, query: int, batch: int = 0
+                        ) -> tuple[go.Figure, float] | None:
+    """For one query row: the weights αᵢ, the value vectors vᵢ, each αᵢ·vᵢ, and their sum o = Σ αᵢ vᵢ —
+    checked against the recorded O. Returns (figure, max |Σ αᵢvᵢ − O|) or None without values."""
+    pattern = trace.get(act_name("pattern", layer), step)
+    values = trace.get(act_name("v_all", layer), step)
+    out = trace.get(act_name("z", layer), step)
+    if pattern is None or values is None or out is None:
+        return None
+    alpha = pattern[batch, head, query].double()  # [t]
+    v = values[batch, kv_head(trace, layer, head, step)].double()  # [t, d_head]
+    scaled = alpha[:, None] * v  # [t, d_head]: each value vector times its weight
+    o = scaled.sum(0)
+    recorded = out[batch, head, query].double()
+    delta = float((o - recorded).abs().max())
     keys = key_labels(trace, step, batch)
-    spans = []
-    for j, w in enumerate(weights.tolist()):
-        text = keys[j].split(" · ", 1)[-1]
-        alpha = min(1.0, max(0.0, w))
-        spans.append(
-            f"<span title='{w:.3f}' style='background: rgba(255, 75, 75, {alpha:.3f}); padding: 1px 2px; "
-            f"border-radius: 3px; white-space: pre'>{safe_text(text)}</span>"
-        )
-    return "<div style='line-height: 2; font-family: monospace'>" + "".join(spans) + "</div>"
+    dims = [f"d{j}" for j in range(v.shape[1])]
+    fig = make_subplots(rows=2, cols=3, column_widths=[0.06, 0.47, 0.47], row_heights=[0.88, 0.12],
+                        shared_yaxes=False, horizontal_spacing=0.04, vertical_spacing=0.08,
+                        subplot_titles=("αᵢ", "vᵢ (the value rows)", "αᵢ·vᵢ", "", "",
+                                        f"o = Σᵢ αᵢ·vᵢ (recorded O differs by {delta:.1e})"))
+    ga = grid(alpha[:, None], ["α"], keys)
+    gv = grid(v, dims, keys)
+    gs = grid(scaled, dims, keys)
+    go_ = grid(o[None], dims, ["o"])
+    add(fig, ga, "amount", row=1, col=1, showscale=False)
+    add(fig, gv, "signed", row=1, col=2, colorbar="v")
+    top = float(scaled.abs().max()) or 1.0
+    add(fig, gs, "signed", row=1, col=3, zmin=-top, zmax=top, showscale=False)
+    add(fig, go_, "signed", row=2, col=3, zmin=-top, zmax=top, showscale=False)
+    style_axes(fig, ga, x_title="", y_title="key (t)", row=1, col=1)
+    style_axes(fig, gv, x_title="", row=1, col=2, y_ticks=False)
+    style_axes(fig, gs, x_title="", row=1, col=3, y_ticks=False)
+    style_axes(fig, go_, x_title="d_head", y_title="", row=2, col=3)
+    fig.update_traces(colorbar={"thickness": 8, "len": 0.6, "y": 0.6}, selector={"type": "heatmap"})
+    fig.update_layout(height=max(360, min(900, 160 + 16 * len(ga.y))), margin={"t": 40, "l": 10, "r": 10, "b": 10})
+    return fig, delta
+
+
+# -- the pitfalls ÷√d_k and M prevent -----------------------------------------------------------------
+def pitfall_patterns(trace: Trace, step: int, layer: int, head: int, batch: int = 0
+                     ) -> dict[str, torch.Tensor] | None:
+    """The head's weights recomputed from its recorded Q, K and M four ways: as the model does it; without
+    ÷√d_k; without the mask; with the mask applied after the softmax (zeroing, not renormalising)."""
+    rope = trace.has(act_name("rot_q", layer), step)
+    q = trace.get(act_name("rot_q" if rope else "q", layer), step)
+    k = trace.get(act_name("k_all", layer), step)
+    mask = trace.get(act_name("mask", layer), step)
+    if q is None or k is None or mask is None:
+        return None
+    qh = q[batch, head].double()  # [n, d_head]
+    kh = k[batch, kv_head(trace, layer, head, step)].double()  # [t, d_head]
+    m = mask[min(batch, mask.shape[0] - 1), 0].double()  # [n, t]
+    raw = qh @ kh.T  # [n, t]
+    scaled = raw / math.sqrt(qh.shape[-1])
+    allowed = torch.isfinite(m)
+    after = torch.softmax(scaled, dim=-1) * allowed
+    return {
+        "as the model does it": torch.softmax(scaled + m, dim=-1),
+        "without ÷√d_k": torch.softmax(raw + m, dim=-1),
+        "without the mask M": torch.softmax(scaled, dim=-1),
+        "mask after the softmax": after,
+    }
+
+
+def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> pd.DataFrame | None:
+    """Per variant: the mean over query rows of the largest weight, of the entropy (nats), of the weight on
+    keys the mask forbids, and of the row sums."""
+    variants = pitfall_patterns(trace, step, layer, head, batch)
+    if variants is None:
+        return None
+    mask = trace.get(act_name("mask", layer), step)
+    forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])
+    rows = []
+    for name, a in variants.items():
+        p = a.clamp_min(1e-300)
+        rows.append({"variant": name, "max weight (mean over rows)": float(a.max(-1).values.mean()),
+                     "entropy, nats (mean over rows)": float(-(a * p.log()).sum(-1).mean()),
+                     "weight on forbidden keys": float((a * forbidden).sum(-1).mean()),
+                     "row sum": float(a.sum(-1).mean())})
+    return pd.DataFrame(rows)
+
+
+def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
+    variants = pitfall_patterns(trace, step, layer, head, batch)
+    if variants is None:
+        return None
+    xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    fig = make_subplots(rows=1, cols=4, subplot_titles=list(variants), horizontal_spacing=0.04)
+    for i, a in enumerate(variants.values(), start=1):
+        g = grid(a, xs, ys)
+        add(fig, g, "amount", row=1, col=i, showscale=i == 4, colorbar="A" if i == 4 else "")
+        style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
+    fig.update_layout(height=max(280, min(700, 150 + 16 * min(len(ys), 30))), margin={"t": 40, "l": 10, "r": 10,
+                                                                                     "b": 10})
+    return fig
+
+
+# -- RoPE -----------------------------------------------------------------------------------------------
+def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
+    """Q and K of one head before and after the rotation (query rows / key rows × d_head)."""
+    names = {"Q before": "q", "Q rotated": "rot_q", "K before (new rows)": "k", "K rotated (new rows)": "rot_k"}
+    mats = {}
+    for title, kind in names.items():
+        value = trace.get(act_name(kind, layer), step)
+        if value is None:
+            return None
+        mats[title] = value[batch, head if kind in ("q", "rot_q") else kv_head(trace, layer, head, step)]
+    ys = query_labels(trace, step, batch)
+    fig = make_subplots(rows=1, cols=4, subplot_titles=list(mats), horizontal_spacing=0.04)
+    top = max(float(m.abs().max()) for m in mats.values()) or 1.0
+    for i, m in enumerate(mats.values(), start=1):
+        g = grid(m, [f"d{j}" for j in range(m.shape[1])], ys)
+        add(fig, g, "signed", row=1, col=i, zmin=-top, zmax=top, showscale=i == 4, colorbar="value")
+        style_axes(fig, g, row=1, col=i, max_ticks=8, y_ticks=i == 1, x_title="d_head", y_title="position")
+    fig.update_layout(height=max(260, min(700, 140 + 16 * len(ys))), margin={"t": 40, "l": 10, "r": 10, "b": 10})
+    return fig
+
+
+def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
+    """RoPE in numbers: the head's recorded q (its last query row, before rotation) and a key k (the first new
+    key row), rotated with the model's own functions to positions m + s and n + s for shifts s: the score
+    R(m+s)q · R(n+s)k stays the same (it depends only on m − n), while moving the key alone, R(m)q · R(n+s)k,
+    changes — the property RoFormer (Su et al., 2021) builds on."""
+    from model.gpt import apply_rope, rope_cos_sin
+
+    config = trace.config
+    q = trace.get(act_name("q", layer), step)
+    k = trace.get(act_name("k", layer), step)
+    if config is None or config.positions != "rope" or q is None or k is None:
+        return None
+    forward = gen_step(trace, step).forward
+    qv = q[batch, head, -1].double()  # the last query row, before rotation
+    kv = k[batch, kv_head(trace, layer, head, step), 0].double()  # the first new key row, before rotation
+    real = facts_of(trace).is_token(batch, step)  # positions count real tokens only, padding excluded
+    m_pos, n_pos = sum(real[: forward.t - 1]), sum(real[: forward.t - forward.n])
+    shifts = torch.arange(0, 64)
+
+    def rotated(vec: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_cos_sin(config, positions[None])  # [1, S, d_head]
+        return apply_rope(vec[None, None].expand(1, len(positions), -1).float(), cos, sin)[0].double()  # [S, d]
+
+    together = (rotated(qv, m_pos + shifts) * rotated(kv, n_pos + shifts)).sum(-1)
+    key_only = (rotated(qv, torch.full_like(shifts, m_pos)) * rotated(kv, n_pos + shifts)).sum(-1)
+    fig = go.Figure([
+        go.Scatter(x=shifts.tolist(), y=together.tolist(), mode="lines", name="both moved by s: R(m+s)q·R(n+s)k"),
+        go.Scatter(x=shifts.tolist(), y=key_only.tolist(), mode="lines", name="key alone moved: R(m)q·R(n+s)k",
+                   line={"dash": "dot"}),
+    ])
+    fig.update_layout(height=300, margin={"t": 40, "l": 10, "r": 10, "b": 10}, xaxis_title="shift s (positions)",
+                      yaxis_title="qᵀk after rotation", legend={"orientation": "h", "y": 1.15},
+                      title_font_size=13,
+                      title_text=f"query at position {m_pos}, key at position {n_pos}: m − n = {m_pos - n_pos}")
+    return fig

@@ -1,4 +1,5 @@
-"""KV cache views: per-layer K/V shapes, growth over steps, one head's keys, cache on vs off."""
+"""KV cache views: per-layer K/V shapes, the cache's memory, growth over steps, one head's keys, and the
+cached path against a full recompute — counted (rows, multiply-adds, bytes), with time as an estimate."""
 
 from __future__ import annotations
 
@@ -6,18 +7,11 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from figures.common import (
-    HEATMAP_SCALE,
-    facts_of,
-    finite_or_none,
-    gen_step,
-    key_labels,
-    safe_text,
-    shape_text,
-    tick_step,
-)
+from figures.common import facts_of, gen_step, key_labels, shape_text
+from figures.heatmap import add, grid, style_axes
+from figures.palette import ACCENT, NEUTRAL
 from model.hook_table import act_name
-from tracer import Trace
+from tracer import RecomputeComparison, Trace
 
 
 def _ran_with_cache(trace: Trace) -> bool:
@@ -29,7 +23,7 @@ def _n_layer(trace: Trace, step: int) -> int:
 
 
 def cache_table(trace: Trace, step: int) -> pd.DataFrame:
-    """One row per layer: K and V [B, H, t, d_head] at ``step``, rows new this step, bytes."""
+    """One row per layer: K and V [B, G, t, d_head] at ``step``, rows new this step, bytes."""
     use_cache = _ran_with_cache(trace)
     rows = []
     for layer in range(_n_layer(trace, step)):
@@ -47,8 +41,33 @@ def cache_table(trace: Trace, step: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
+    """(LaTeX, sentence): the cache's size per layer, 2·B·G·t·d_k, with this step's numbers, against the
+    2·B·H·t·d_k a cache with one key/value head per query head would hold."""
+    k = trace.record(act_name("k_all", 0), step)
+    q = trace.record(act_name("q", 0), step)
+    B, G, t, dk = k.shape
+    H = q.shape[1]
+    n_layer = _n_layer(trace, step)
+    size = k.nbytes // max(1, k.numel)
+    per_layer = 2 * B * G * t * dk
+    full = 2 * B * H * t * dk
+    latex = (rf"2\cdot B\cdot G\cdot t\cdot d_k = 2\cdot {B}\cdot {G}\cdot {t}\cdot {dk} = {per_layer:,}"
+             rf"\ \text{{numbers per layer}}")
+    held = f"{n_layer} layers × {per_layer:,} numbers × {size} bytes = {n_layer * per_layer * size / 1024:,.1f} KiB"
+    if G == H:
+        sentence = (f"{held} at step {step}. This model has as many key/value heads as query heads (G = H = {H}), "
+                    "so its cache is the full multi-head one; grouped-query models share each key/value head "
+                    "among several query heads and hold H/G times less.")
+    else:
+        sentence = (f"{held} at step {step}. With one key/value head per query head it would be 2·B·H·t·d_k = "
+                    f"{full:,} numbers per layer: the {G} shared key/value heads hold {H // G}× less "
+                    f"({H} query heads, {H // G} per key/value head).")
+    return latex, sentence
+
+
 def cache_growth(trace: Trace) -> pd.DataFrame:
-    """Per step: cache length after the step and bytes of K+V held over all layers."""
+    """Per step: cache length after the step and bytes of K+V held (or computed) over all layers."""
     rows = []
     facts = facts_of(trace)
     use_cache = facts.info.use_cache
@@ -69,28 +88,29 @@ def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Fi
     if use_cache:
         bars = ("cache length", "cache length (positions)")
         line = ("K+V bytes (all layers)", "KiB held (K+V, all layers)")
+        title = "the KV cache grows by one row per step"
     else:  # nothing is held between steps: show the work that replaces the cache
         bars = ("t (keys attended)", "K, V rows recomputed (t), none cached")
         line = ("K+V bytes computed", "K+V KiB computed this step (all layers)")
-        fig.update_layout(title_text="KV cache off: nothing is kept between steps; every step recomputes all t rows")
+        title = "KV cache off: nothing is kept between steps; every step recomputes all t rows"
     fig.add_trace(go.Bar(x=growth["step"], y=growth[bars[0]], name=bars[1], marker_color="#9ecae1"),
                   secondary_y=False)
     fig.add_trace(go.Scatter(x=growth["step"], y=growth[line[0]] / 1024, mode="lines+markers", name=line[1],
-                             line={"dash": "dot", "color": "#d62728"}, marker={"color": "#d62728"}), secondary_y=True)
+                             line={"dash": "dot", "color": NEUTRAL}, marker={"color": NEUTRAL}), secondary_y=True)
     if selected_step is not None:
-        fig.add_vline(x=selected_step, line={"color": "#ff4b4b", "width": 1})
+        fig.add_vline(x=selected_step, line={"color": ACCENT, "width": 2})
     fig.update_xaxes(title_text="step", dtick=1 if len(growth) <= 30 else None)
     fig.update_yaxes(title_text="positions cached" if use_cache else "positions recomputed", rangemode="tozero",
                      secondary_y=False)
     fig.update_yaxes(title_text="KiB", rangemode="tozero", showgrid=False, secondary_y=True)
-    fig.update_layout(height=320, margin={"t": 30, "l": 10, "r": 10, "b": 10}, legend={"orientation": "h", "y": 1.15})
+    fig.update_layout(height=340, margin={"t": 80, "l": 10, "r": 10, "b": 10}, title_text=title,
+                      title_font_size=13, title_y=0.97, legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"})
     return fig
 
 
 def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0, which: str = "K") -> go.Figure:
-    """One head's cached keys (or values): positions × d_head, the rows added at ``step`` outlined."""
-    hook = "hook_k_all" if which == "K" else "hook_v_all"
-    value = trace.get(act_name(hook, layer), step)
+    """One key/value head's cached keys (or values): positions × d_head, the rows added at ``step`` outlined."""
+    value = trace.get(act_name("k_all" if which == "K" else "v_all", layer), step)
     fig = go.Figure()
     if value is None:
         fig.add_annotation(text=f"{which} values not kept for this step", showarrow=False)
@@ -98,21 +118,20 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
     m = value[batch, head]  # [t, d_head]
     t, d_head = m.shape
     use_cache = _ran_with_cache(trace)
-    labels = key_labels(trace, step, batch)
-    fig.add_trace(go.Heatmap(z=finite_or_none(m), colorscale=HEATMAP_SCALE, colorbar={"title": which},
-                             hovertemplate="position %{y}, dim %{x}: %{z:.4f}<extra></extra>"))
-    s = tick_step(t)
-    fig.update_yaxes(tickvals=list(range(0, t, s)), ticktext=[safe_text(labels[i]) for i in range(0, t, s)],
-                     autorange="reversed", title_text="position")
-    fig.update_xaxes(title_text="d_head")
+    g = grid(m, [f"d{j}" for j in range(d_head)], key_labels(trace, step, batch))
+    add(fig, g, "signed", colorbar=which)
+    style_axes(fig, g, x_title="d_head", y_title="position", max_ticks=32)
     new = gen_step(trace, step).forward.n if use_cache else t
-    fig.add_shape(type="rect", x0=-0.5, x1=d_head - 0.5, y0=t - new - 0.5, y1=t - 0.5,
-                  line={"color": "#ff4b4b", "width": 3})
+    cells = len(g.y)
+    top = cells - max(1, round(new * cells / t))
+    fig.add_shape(type="rect", x0=-0.5, x1=len(g.x) - 0.5, y0=top - 0.5, y1=cells - 0.5,
+                  line={"color": ACCENT, "width": 3})
     rows = f"row {t - 1}" if new == 1 else f"rows {t - new}…{t - 1}"
     what = f"{rows} added at step {step}" if use_cache else f"all {t} rows recomputed at step {step}, no cache"
-    fig.update_layout(title_text=f"{which} of layer {layer}, head {head}: {shape_text(tuple(m.shape))} = [t, d_head]"
-                                 f" — <span style='color:#ff4b4b'>{what} (outlined)</span>",
-                      height=max(300, min(900, 110 + 16 * t)), margin={"t": 50, "l": 10, "r": 10, "b": 10})
+    fig.update_layout(title_text=f"{which} of layer {layer}, key/value head {head}: {shape_text(tuple(m.shape))} = "
+                                 f"[t, d_head] — {what} (outlined)" + (f" — {g.caption()}" if g.pooled else ""),
+                      title_font_size=13, height=max(300, min(900, 120 + 16 * cells)),
+                      margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
 
 
@@ -123,37 +142,92 @@ def rows_computed(trace: Trace) -> pd.DataFrame:
     for gs in facts.steps:
         width = facts.width(gs.step)
         rows.append({"step": gs.step, "with cache": 1 if gs.step > 0 else width, "without cache": width,
-                     "this run": gs.forward.n, "seconds": trace.steps[gs.step].seconds})
+                     "this run": gs.forward.n})
     return pd.DataFrame(rows)
 
 
-def cache_on_off_figure(trace: Trace) -> go.Figure:
-    """Rows computed per step (cache on vs off) and, where measured, untraced seconds of both paths.
+def evidence_table(c: RecomputeComparison) -> pd.DataFrame:
+    """What each path did at this step, counted from the model's shapes; the measured time last."""
+    def ratio(a: float, b: float) -> str:
+        if a == b:
+            return "the same"
+        if not a or not b:
+            return "only the cached path" if a else "only the full recompute"
+        return f"{b / a:.1f}× fewer" if a < b else f"{a / b:.1f}× more"
 
-    The run's own traced step time is drawn too, faint: it includes recording the
-    tensors, so it is not what the cache saves."""
+    rows = [
+        ("query rows of attention computed (per sequence)", c.cached.query_rows, c.full.query_rows),
+        ("multiply-adds of the forward", c.cached.macs, c.full.macs),
+        ("bytes of weights read", c.cached.weight_bytes, c.full.weight_bytes),
+        ("bytes of cached K, V read", c.cached.kv_bytes, c.full.kv_bytes),
+    ]
+    frame = pd.DataFrame([{"": what, "cached path": f"{a:,}", "full recompute": f"{b:,}",
+                           "cached path does": ratio(a, b)} for what, a, b in rows])
+    if c.cached.seconds is not None and c.full.seconds is not None:
+        how = "estimate: one untraced run each" if c.timing_repeats == 1 else f"estimate: fastest of {c.timing_repeats}"
+        frame.loc[len(frame)] = {"": f"wall time ({how})", "cached path": f"{c.cached.seconds * 1000:.1f} ms",
+                                 "full recompute": f"{c.full.seconds * 1000:.1f} ms", "cached path does": ""}
+    return frame
+
+
+def verdict(c: RecomputeComparison) -> tuple[str, str]:
+    """(level, text) for the comparison of one step: what it shows, computed from the comparison itself."""
+    delta = f"max |Δ logits| = {c.max_abs_delta:.2e}"
+    side = ("this run's own cached logits" if c.run_used_cache else
+            "an untraced cached re-run (this run has the cache off: it is itself the full recompute)")
+    if c.nothing_cached:
+        return ("info", f"At the prefill nothing is cached yet: both paths compute all {c.full.query_rows} query rows "
+                        f"with the same {c.full.macs:,} multiply-adds, so their agreement ({delta}) says nothing about "
+                        "the cache. From step 1 on, the cached path computes one row per sequence.")
+    fewer = c.full.macs / c.cached.macs if c.cached.macs else float("inf")
+    if c.equal:
+        text = (f"The cached path computed {c.cached.query_rows} query row(s) with {c.cached.macs:,} multiply-adds, "
+                f"the full recompute {c.full.query_rows} rows with {c.full.macs:,} ({fewer:.1f}× more), and the logits "
+                f"agree within {c.tolerance:g} ({delta}: rounding). Only the new row was needed: each row of K and V "
+                "depends on its own token alone, so the cached rows are exactly what a recompute makes again. "
+                f"The cached side is {side}.")
+        return ("success", text)
+    return ("error", f"NOT equal: the cached path disagrees with a full recompute ({delta}, above the tolerance "
+                     f"{c.tolerance:g} for this dtype). A cache that returned wrong rows would do this. The cached "
+                     f"side is {side}.")
+
+
+def timing_warning(c: RecomputeComparison) -> str:
+    """A warning when the measured times contradict the count (a busy machine), else ""."""
+    if not c.timing_contradicts_count:
+        return ""
+    return (f"On this machine the measured times ({c.cached.seconds * 1000:.1f} ms cached vs "
+            f"{c.full.seconds * 1000:.1f} ms full) contradict the count of multiply-adds: another program was "
+            "running. Wall time on a shared machine is an estimate; the counts above are the evidence.")
+
+
+def cache_on_off_figure(trace: Trace) -> go.Figure:
+    """Query rows computed per step with the cache and without it (counted, exact)."""
     table = rows_computed(trace)
-    comparisons = facts_of(trace).comparisons
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("query rows computed per step",
-                                                        "seconds per step (untraced, an estimate)"))
-    fig.add_trace(go.Bar(x=table["step"], y=table["with cache"], name="with cache"), row=1, col=1)
-    fig.add_trace(go.Bar(x=table["step"], y=table["without cache"], name="without cache"), row=1, col=1)
-    if comparisons:
-        steps = sorted(comparisons)
-        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].cached.seconds for s in steps], mode="lines+markers",
-                                 name="cached path", marker={"color": "#1f77b4"}), row=1, col=2)
-        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].full.seconds for s in steps], mode="lines+markers",
-                                 name="full recompute", marker={"symbol": "x", "size": 9, "color": "#ff7f0e"}),
-                      row=1, col=2)
-    use_cache = _ran_with_cache(trace)
-    # hidden until clicked in the legend: it includes recording every tensor (and the first step's warm-up),
-    # which would flatten the two lines that compare the paths themselves
-    fig.add_trace(go.Scatter(x=table["step"], y=table["seconds"], mode="lines", visible="legendonly",
-                             line={"dash": "dot", "color": "#7f7f7f"},
-                             name=f"this run, traced ({'cache on' if use_cache else 'cache off'}; incl. recording)"),
-                  row=1, col=2)
-    fig.update_layout(barmode="group", height=340, margin={"t": 40, "l": 10, "r": 10, "b": 10},
-                      legend={"orientation": "h", "y": -0.25})
+    fig = go.Figure([go.Bar(x=table["step"], y=table["with cache"], name="with cache", marker_color="#4c78a8"),
+                     go.Bar(x=table["step"], y=table["without cache"], name="without cache", marker_color="#9ecae1")])
+    fig.update_layout(barmode="group", height=300, margin={"t": 40, "l": 10, "r": 10, "b": 10},
+                      title_text="query rows computed per step", title_font_size=13,
+                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0.5})
     fig.update_xaxes(title_text="step", dtick=1 if len(table) <= 30 else None)
-    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(title_text="rows", rangemode="tozero")
+    return fig
+
+
+def macs_figure(trace: Trace) -> go.Figure | None:
+    """Multiply-adds per step of both paths, for every step that was compared (None when none was)."""
+    comparisons = facts_of(trace).comparisons
+    if not comparisons:
+        return None
+    steps = sorted(comparisons)
+    fig = go.Figure([
+        go.Scatter(x=steps, y=[comparisons[s].cached.macs for s in steps], mode="lines+markers", name="cached path"),
+        go.Scatter(x=steps, y=[comparisons[s].full.macs for s in steps], mode="lines+markers", name="full recompute",
+                   marker={"symbol": "x", "size": 9}),
+    ])
+    fig.update_layout(height=300, margin={"t": 40, "l": 10, "r": 10, "b": 10}, title_font_size=13,
+                      title_text="multiply-adds per step (counted)", legend={"orientation": "h", "y": 1.02,
+                                                                             "yanchor": "bottom", "x": 0.5})
+    fig.update_xaxes(title_text="step", dtick=1 if len(steps) <= 30 else None)
+    fig.update_yaxes(rangemode="tozero")
     return fig

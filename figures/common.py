@@ -1,18 +1,22 @@
-"""Helpers every view shares: the generation's facts, token labels per step, safe text, matrices for plotly."""
+"""Helpers every view shares: the generation's facts, token labels per step, shapes as text, safe text."""
 
 from __future__ import annotations
 
 import html
-import math
-
-import torch
 
 from tracer import Trace
 from tracer.facts import GenerationFacts
 from tracer.records import GenerationStep, TensorRecord
 
-HEATMAP_SCALE = "Viridis"
-MAX_TICKS = 48  # beyond this many positions, axes show every k-th label
+INERT = set("\\`*_{}[]()#+-.!|~<>:&\"'$\n\r")  # what markdown, HTML or Streamlit's math could act on
+
+
+def inert(text: str) -> str:
+    """Text the app did not write (token labels, file names, paths, messages quoting them) for a markdown
+    string or an HTML block shown with ``st.markdown``: every character that markdown, HTML or ``$…$`` math
+    could act on — line breaks included, since a blank line ends an HTML block — becomes a character
+    reference, which renders as the character itself."""
+    return "".join(f"&#{ord(c)};" if c in INERT else c for c in str(text))
 
 
 def safe_text(label: str) -> str:
@@ -65,23 +69,3 @@ def axes_text(rec: TensorRecord) -> str:
 def shape_with_axes(rec: TensorRecord) -> str:
     """``[1, 5, 128] = [B, n, d]`` (or just the numbers when no symbol fits)."""
     return f"{shape_text(rec.shape)} = {axes_text(rec)}" if rec.axes else shape_text(rec.shape)
-
-
-def finite_or_none(matrix: torch.Tensor) -> list[list[float | None]]:
-    """A 2-D tensor as nested lists for plotly, −∞/+∞/NaN as None (drawn as gaps)."""
-    out = []
-    for row in matrix.detach().double().tolist():
-        out.append([v if math.isfinite(v) else None for v in row])
-    return out
-
-
-def hover_values(matrix: torch.Tensor) -> list[list[str]]:
-    out = []
-    for row in matrix.detach().double().tolist():
-        out.append([("−∞" if v < 0 else "+∞") if math.isinf(v) else ("NaN" if math.isnan(v) else f"{v:.4f}")
-                    for v in row])
-    return out
-
-
-def tick_step(count: int) -> int:
-    return max(1, math.ceil(count / MAX_TICKS))

@@ -1,4 +1,7 @@
-"""The architecture as a flow of live shapes: token ids → embeddings → one block → logits."""
+"""The architecture as a flow of live shapes, drawn from the model's own config: token ids → embeddings →
+one block (norm, attention, MLP, residuals) → logits, with each weight's shape beside the activation it
+makes; and the multi-head reshape op by op, with what each op does to memory.
+"""
 
 from __future__ import annotations
 
@@ -7,88 +10,151 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
-from figures.common import safe_text, shape_text
+from figures.common import facts_of, safe_text, shape_text
 from model.hook_table import act_name
 from tracer import Trace
 
 GROUP_COLORS = {
     "input": "#dfe8f5",
     "attention": "#fde2c8",
+    "position": "#f6e7a8",
     "cache": "#f9d0d0",
     "mlp": "#d7efd9",
     "residual": "#eeeeee",
     "output": "#e6dcf3",
 }
+W, H_BOX = 1.1, 0.86
 
 
 @dataclass
 class FlowNode:
-    label: str  # what the seeds call this stage
+    label: str  # what the stage is, in the seeds' notation
     name: str  # the record it shows
     x: float
     y: float
     group: str
+    weight: str = ""  # the weight this stage multiplies by, with its shape
     shape: tuple[int, ...] | None = None
     symbolic: list[str] | None = None
     summary: str = ""
 
 
-def _nodes(layer: int, n_layer: int) -> tuple[list[FlowNode], list[tuple[str, str]]]:
+def _architecture(config) -> dict[str, str]:
+    rms = config is not None and getattr(config, "norm", "layernorm") == "rmsnorm"
+    return {
+        "norm": "RMSNorm" if rms else "LN",
+        "rope": config is not None and getattr(config, "positions", "learned") == "rope",
+        "gated": config is not None and getattr(config, "mlp", "gelu") == "swiglu",
+        "tied": config is None or getattr(config, "tie_embeddings", True),
+        "grouped": config is not None and getattr(config, "n_kv_heads", config.n_head) != config.n_head,
+    }
+
+
+def _weights(config) -> dict[str, str]:
+    """Each weight's shape, in numbers. (The seeds write W_Q, W_K, W_V per head, [d, d_k] each: they are the
+    column blocks of W_QKV, one block of d_k columns per head.)"""
+    if config is None:
+        return {}
+    d, H, dh, V, f = config.d_model, config.n_head, config.d_head, config.vocab_size, config.d_ff
+    G = getattr(config, "n_kv_heads", H)
+    gated = getattr(config, "mlp", "gelu") == "swiglu"
+    return {
+        "embed": f"W_E [{V}, {d}]",
+        "pos_embed": f"W_pos [{config.n_ctx}, {d}]",
+        "qkv": f"W_QKV [{d}, {(H + 2 * G) * dh}]",
+        "attn_out": f"W_O [{H * dh}, {d}]",
+        "mlp_pre": f"W_gate [{d}, {f}]" if gated else f"W₁ [{d}, {f}]",
+        "mlp_pre_linear": f"W_up [{d}, {f}]",
+        "mlp_out": f"W_down [{f}, {d}]" if gated else f"W₂ [{f}, {d}]",
+        "norm": "γ, β [d]" if getattr(config, "norm", "layernorm") == "layernorm" else "γ [d]",
+        "logits": f"W_U = W_Eᵀ [{d}, {V}]" if getattr(config, "tie_embeddings", True) else f"W_U [{d}, {V}]",
+    }
+
+
+def _nodes(layer: int, n_layer: int, config, use_cache: bool) -> tuple[list[FlowNode], list[tuple[str, str]]]:
+    arch, w = _architecture(config), _weights(config)
+    norm = arch["norm"]
+
     def h(kind: str) -> str:
-        return act_name(kind, layer) if "{L}" in _template(kind) else act_name(kind)
+        try:
+            return act_name(kind, layer)
+        except ValueError:
+            return act_name(kind)
 
-    nodes = [
-        FlowNode("token ids", "model:in[0]", 1.0, 0, "input"),
-        FlowNode("W_E[tokens]", h("embed"), 0.2, 1, "input"),
-        FlowNode("W_pos[positions]", h("pos_embed"), 1.8, 1, "input"),
-        FlowNode(f"x into block {layer}" + (f" (after {layer} block{'s' if layer > 1 else ''})" if layer else ""),
-                 h("resid_pre"), 1.0, 2, "residual"),
-        FlowNode("LN₁(x)", h("ln1"), 1.0, 3, "attention"),
-        FlowNode("X·W_QKV", h("qkv"), 1.0, 4, "attention"),
-        FlowNode("Q", h("q"), -0.2, 5, "attention"),
-        FlowNode("K (new)", h("k"), 1.0, 5, "attention"),
-        FlowNode("V (new)", h("v"), 2.2, 5, "attention"),
-        FlowNode("K = cache ++ new", h("k_all"), 1.0, 6, "cache"),
-        FlowNode("V = cache ++ new", h("v_all"), 2.2, 6, "cache"),
-        FlowNode("QKᵀ", h("qk"), 0.4, 7, "attention"),
-        FlowNode("÷ √d_k", h("attn_scores"), 0.4, 8, "attention"),
-        FlowNode("M (mask)", h("mask"), -0.8, 9, "attention"),
-        FlowNode("+ M", h("masked_scores"), 0.4, 9, "attention"),
-        FlowNode("A = softmax", h("pattern"), 0.4, 10, "attention"),
-        FlowNode("O = A·V", h("z"), 1.4, 11, "attention"),
-        FlowNode("merge heads", h("merged"), 1.4, 12, "attention"),
-        FlowNode("·W_O", h("attn_out"), 1.4, 13, "attention"),
-        FlowNode("x + attention", h("resid_mid"), 4.4, 0, "residual"),
-        FlowNode("LN₂(x)", h("ln2"), 4.4, 1, "mlp"),
-        FlowNode("x·W₁ + b₁", h("mlp_pre"), 4.4, 2, "mlp"),
-        FlowNode("GELU (tanh form)", h("mlp_post"), 4.4, 3, "mlp"),
-        FlowNode("·W₂ + b₂", h("mlp_out"), 4.4, 4, "mlp"),
-        FlowNode("x + MLP", h("resid_post"), 4.4, 5, "residual"),
-        FlowNode(f"× {n_layer} blocks → LN_f", h("ln_final"), 4.4, 7, "output"),
-        FlowNode("z = x·W_U (logits)", h("logits"), 4.4, 8, "output"),
+    kv = "G" if arch["grouped"] else "H"
+    nodes = [FlowNode("token ids", "model:in[0]", 1.0, 0, "input")]
+    chain = []
+    if arch["rope"]:
+        nodes.append(FlowNode("W_E[tokens]", h("embed"), 1.0, 1, "input", w.get("embed", "")))
+        chain += [("model:in[0]", "embed"), ("embed", "resid_pre")]
+    else:
+        nodes += [FlowNode("W_E[tokens]", h("embed"), 0.3, 1, "input", w.get("embed", "")),
+                  FlowNode("W_pos[positions]", h("pos_embed"), 1.7, 1, "input", w.get("pos_embed", ""))]
+        chain += [("model:in[0]", "embed"), ("model:in[0]", "pos_embed"), ("embed", "resid_pre"),
+                  ("pos_embed", "resid_pre")]
+    after = f" (after {layer} block{'s' if layer > 1 else ''})" if layer else ""
+    k_all = "K = cache ++ new" if use_cache else "K (all t rows, recomputed)"
+    v_all = "V = cache ++ new" if use_cache else "V (all t rows, recomputed)"
+    y_rot = 1 if arch["rope"] else 0
+    nodes += [
+        FlowNode(f"x into block {layer}{after}", h("resid_pre"), 1.0, 2, "residual"),
+        FlowNode(f"{norm}₁(x)", h("ln1"), 1.0, 3, "attention", w.get("norm", "")),
+        FlowNode("X·W_QKV", h("qkv"), 1.0, 4, "attention", w.get("qkv", "")),
+        FlowNode("Q", h("q"), -0.3, 5, "attention"),
+        FlowNode(f"K (new, {kv} heads)", h("k"), 1.0, 5, "attention"),
+        FlowNode(f"V (new, {kv} heads)", h("v"), 2.3, 5, "attention"),
     ]
-    chain = [("model:in[0]", "embed"), ("model:in[0]", "pos_embed"), ("embed", "resid_pre"),
-             ("pos_embed", "resid_pre"), ("resid_pre", "ln1"), ("ln1", "qkv"), ("qkv", "q"), ("qkv", "k"),
-             ("qkv", "v"), ("k", "k_all"), ("v", "v_all"), ("q", "qk"), ("k_all", "qk"), ("qk", "attn_scores"),
-             ("attn_scores", "masked_scores"), ("mask", "masked_scores"), ("masked_scores", "pattern"),
-             ("pattern", "z"), ("v_all", "z"), ("z", "merged"), ("merged", "attn_out"), ("attn_out", "resid_mid"),
-             ("resid_mid", "ln2"), ("ln2", "mlp_pre"), ("mlp_pre", "mlp_post"), ("mlp_post", "mlp_out"),
-             ("mlp_out", "resid_post"), ("resid_post", "ln_final"), ("ln_final", "logits")]
+    chain += [("resid_pre", "ln1"), ("ln1", "qkv"), ("qkv", "q"), ("qkv", "k"), ("qkv", "v")]
+    q_src, k_src = "q", "k"
+    if arch["rope"]:
+        nodes += [FlowNode("rotate Q: R(m)q (RoPE)", h("rot_q"), -0.3, 6, "position"),
+                  FlowNode("rotate K: R(n)k (RoPE)", h("rot_k"), 1.0, 6, "position")]
+        chain += [("q", "rot_q"), ("k", "rot_k")]
+        q_src, k_src = "rot_q", "rot_k"
+    nodes += [
+        FlowNode(k_all, h("k_all"), 1.0, 6 + y_rot, "cache" if use_cache else "attention"),
+        FlowNode(v_all, h("v_all"), 2.3, 6 + y_rot, "cache" if use_cache else "attention"),
+        FlowNode("QKᵀ" + (f" ({kv}→H heads)" if arch["grouped"] else ""), h("qk"), 0.35, 7 + y_rot, "attention"),
+        FlowNode("÷ √d_k", h("attn_scores"), 0.35, 8 + y_rot, "attention"),
+        FlowNode("M (mask)", h("mask"), -0.95, 9 + y_rot, "attention"),
+        FlowNode("+ M", h("masked_scores"), 0.35, 9 + y_rot, "attention"),
+        FlowNode("A = softmax", h("pattern"), 0.35, 10 + y_rot, "attention"),
+        FlowNode("O = A·V", h("z"), 1.5, 11 + y_rot, "attention"),
+        FlowNode("merge heads", h("merged"), 1.5, 12 + y_rot, "attention"),
+        FlowNode("·W_O", h("attn_out"), 1.5, 13 + y_rot, "attention", w.get("attn_out", "")),
+        FlowNode("x + attention", h("resid_mid"), 4.6, 0, "residual"),
+        FlowNode(f"{norm}₂(x)", h("ln2"), 4.6, 1, "mlp", w.get("norm", "")),
+    ]
+    chain += [(k_src, "k_all"), ("v", "v_all"), (q_src, "qk"), ("k_all", "qk"), ("qk", "attn_scores"),
+              ("attn_scores", "masked_scores"), ("mask", "masked_scores"), ("masked_scores", "pattern"),
+              ("pattern", "z"), ("v_all", "z"), ("z", "merged"), ("merged", "attn_out"), ("attn_out", "resid_mid"),
+              ("resid_mid", "ln2")]
+    if arch["gated"]:
+        nodes += [FlowNode("gate: x·W_gate", h("mlp_pre"), 4.0, 2, "mlp", w.get("mlp_pre", "")),
+                  FlowNode("up: x·W_up", h("mlp_pre_linear"), 5.2, 2, "mlp", w.get("mlp_pre_linear", "")),
+                  FlowNode("SiLU(gate) ⊙ up", h("mlp_post"), 4.6, 3, "mlp")]
+        chain += [("ln2", "mlp_pre"), ("ln2", "mlp_pre_linear"), ("mlp_pre", "mlp_post"),
+                  ("mlp_pre_linear", "mlp_post")]
+    else:
+        nodes += [FlowNode("x·W₁ + b₁", h("mlp_pre"), 4.6, 2, "mlp", w.get("mlp_pre", "")),
+                  FlowNode("GELU (tanh form)", h("mlp_post"), 4.6, 3, "mlp")]
+        chain += [("ln2", "mlp_pre"), ("mlp_pre", "mlp_post")]
+    nodes += [
+        FlowNode("·W₂" if not arch["gated"] else "·W_down", h("mlp_out"), 4.6, 4, "mlp", w.get("mlp_out", "")),
+        FlowNode("x + MLP", h("resid_post"), 4.6, 5, "residual"),
+        FlowNode(f"× {n_layer} blocks → {norm}_f", h("ln_final"), 4.6, 7, "output", w.get("norm", "")),
+        FlowNode("z = x·W_U (logits)", h("logits"), 4.6, 8, "output", w.get("logits", "")),
+    ]
+    chain += [("mlp_post", "mlp_out"), ("mlp_out", "resid_post"), ("resid_post", "ln_final"), ("ln_final", "logits")]
     return nodes, [(a if a.startswith("model:") else h(a), h(b)) for a, b in chain]
-
-
-def _template(kind: str) -> str:
-    try:
-        act_name(kind)
-    except ValueError:
-        return "{L}"
-    return ""
 
 
 def flow_nodes(trace: Trace, step: int, layer: int = 0) -> tuple[list[FlowNode], list[tuple[int, int]]]:
     """The flow's nodes with the shapes recorded at ``step`` (records missing → shape None)."""
-    n_layer = trace.config.n_layer if trace.config is not None else layer + 1
-    nodes, edges_by_name = _nodes(layer, n_layer)
+    config = trace.config
+    n_layer = config.n_layer if config is not None else layer + 1
+    facts = trace.generation
+    nodes, edges_by_name = _nodes(layer, n_layer, config, facts.info.use_cache if facts is not None else True)
     for node in nodes:
         try:
             rec = trace.record(node.name, step)
@@ -98,14 +164,14 @@ def flow_nodes(trace: Trace, step: int, layer: int = 0) -> tuple[list[FlowNode],
         node.symbolic = list(rec.axes) if rec.axes else None
         node.summary = trace.summary(rec)
     index = {n.name: i for i, n in enumerate(nodes)}
-    return nodes, [(index[a], index[b]) for a, b in edges_by_name]
+    return nodes, [(index[a], index[b]) for a, b in edges_by_name if a in index and b in index]
 
 
 def flow_table(trace: Trace, step: int, layer: int = 0) -> pd.DataFrame:
     nodes, _ = flow_nodes(trace, step, layer)
     return pd.DataFrame([{
         "stage": n.label, "record": n.name, "shape": n.shape,
-        "symbols": "[" + ", ".join(n.symbolic) + "]" if n.symbolic else "",
+        "symbols": "[" + ", ".join(n.symbolic) + "]" if n.symbolic else "", "weight": n.weight,
     } for n in nodes])
 
 
@@ -122,10 +188,15 @@ def repeat_note(layer: int, n_layer: int | None) -> str:
     return f"block {layer} shown; {span} repeat{'s' if len(others) == 1 else ''} the same shapes"
 
 
+def _arrow(x: float, y: float, ax: float, ay: float) -> dict:
+    return {"x": x, "y": y, "ax": ax, "ay": ay, "xref": "x", "yref": "y", "axref": "x", "ayref": "y",
+            "showarrow": True, "arrowhead": 2, "arrowsize": 1, "arrowwidth": 1.2, "arrowcolor": "#888", "text": ""}
+
+
 def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
-    """Boxes and arrows: each box the stage, its live shape, and that shape in symbols."""
+    """Boxes and arrows: each box the stage, its live shape, and that shape in symbols; the weight it
+    multiplies by beside it."""
     nodes, edges = flow_nodes(trace, step, layer)
-    w, h = 1.05, 0.74
     # shapes and annotations go in as one list each: plotly's add_annotation re-validates every earlier
     # one, which made this figure cost 0.4 s
     shapes: list[dict] = []
@@ -134,41 +205,130 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
         a, b = nodes[src], nodes[dst]
         if b.x - a.x > 2:  # from the bottom of the attention lane to the top of the MLP lane: route around
             gutter = (a.x + b.x) / 2 + 0.3
-            path = (f"M {a.x + w / 2} {a.y} L {gutter} {a.y} L {gutter} {b.y} L {b.x - w / 2 - 0.05} {b.y}")
+            path = f"M {a.x + W / 2} {a.y} L {gutter} {a.y} L {gutter} {b.y} L {b.x - W / 2 - 0.05} {b.y}"
             shapes.append({"type": "path", "path": path, "line": {"color": "#888", "width": 1.2}})
-            notes.append({"x": b.x - w / 2, "y": b.y, "ax": b.x - w / 2 - 0.25, "ay": b.y, "xref": "x", "yref": "y",
-                          "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2, "arrowwidth": 1.2,
-                          "arrowcolor": "#888", "text": ""})
-            continue
-        if a.y == b.y:  # side by side (the mask into "+ M"): edge to edge, not through either box
+            notes.append(_arrow(b.x - W / 2, b.y, b.x - W / 2 - 0.25, b.y))
+        elif a.y == b.y:  # side by side (the mask into "+ M"): edge to edge, not through either box
             side = 1 if b.x > a.x else -1
-            notes.append({"x": b.x - side * w / 2, "y": b.y, "ax": a.x + side * w / 2, "ay": a.y, "xref": "x",
-                          "yref": "y", "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2,
-                          "arrowwidth": 1.2, "arrowcolor": "#888", "text": ""})
-            continue
-        notes.append({"x": b.x, "y": b.y - h / 2, "ax": a.x, "ay": a.y + h / 2, "xref": "x", "yref": "y",
-                      "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2, "arrowsize": 1,
-                      "arrowwidth": 1.2, "arrowcolor": "#888", "text": ""})
+            notes.append(_arrow(b.x - side * W / 2, b.y, a.x + side * W / 2, a.y))
+        else:
+            notes.append(_arrow(b.x, b.y - H_BOX / 2, a.x, a.y + H_BOX / 2))
     for node in nodes:
-        shapes.append({"type": "rect", "x0": node.x - w / 2, "x1": node.x + w / 2, "y0": node.y - h / 2,
-                       "y1": node.y + h / 2, "line": {"color": "#777", "width": 1},
+        shapes.append({"type": "rect", "x0": node.x - W / 2, "x1": node.x + W / 2, "y0": node.y - H_BOX / 2,
+                       "y1": node.y + H_BOX / 2, "line": {"color": "#777", "width": 1},
                        "fillcolor": GROUP_COLORS[node.group], "layer": "below"})
         shape = shape_text(node.shape) if node.shape is not None else "(not recorded)"
         sym = "[" + ", ".join(node.symbolic) + "]" if node.symbolic else ""
         text = f"<b>{node.label}</b><br>{shape}" + (f"<br><i>{sym}</i>" if sym else "")
+        if node.weight:
+            text += f"<br><span style='color:#6b5b95'>{node.weight}</span>"
         notes.append({"x": node.x, "y": node.y, "text": text, "showarrow": False,
-                      "font": {"size": 11, "color": "#1a1a1a"}})
-    notes.append({"x": 4.4, "y": 6, "showarrow": False, "font": {"size": 10, "color": "#666"},
-                  "text": repeat_note(layer, trace.config.n_layer if trace.config is not None else None)})
+                      "font": {"size": 10, "color": "#1a1a1a"}})
+    config = trace.config
+    notes.append({"x": 4.6, "y": 6, "showarrow": False, "font": {"size": 10, "color": "#666"},
+                  "text": repeat_note(layer, config.n_layer if config is not None else None)})
     # invisible points carry the hover: record name and one-line summary
     fig = go.Figure(go.Scatter(
         x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers", marker={"size": 40, "opacity": 0},
         customdata=[[n.name, safe_text(n.summary or shape_text(n.shape or ()))] for n in nodes],
         hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra></extra>", showlegend=False,
     ))
+    bottom = max(n.y for n in nodes)
     fig.update_layout(shapes=shapes, annotations=notes)
-    fig.update_xaxes(visible=False, range=[-1.5, 5.3])
-    fig.update_yaxes(visible=False, range=[13.6, -0.6])
-    fig.update_layout(height=980, margin={"t": 10, "l": 0, "r": 0, "b": 0}, plot_bgcolor="white",
-                      dragmode=False)
+    fig.update_xaxes(visible=False, range=[-1.6, 6.0])
+    fig.update_yaxes(visible=False, range=[bottom + 0.6, -0.6])
+    fig.update_layout(height=int(80 * (bottom + 1.2)), margin={"t": 10, "l": 0, "r": 0, "b": 0},
+                      plot_bgcolor="white", dragmode=False)
     return fig
+
+
+# -- the multi-head reshape, op by op -------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReshapeOp:
+    op: str  # what runs, as code
+    shape: tuple[int, ...]
+    symbols: str
+    memory: str  # what it does to memory, read off the recorded tensors where they are kept
+
+
+def reshape_ops(trace: Trace, step: int, layer: int = 0) -> list[ReshapeOp]:
+    """The split into heads and the merge back, with the live shapes; whether each op moved data is read
+    from the kept tensors (the same storage, or a new one) where values were kept, else stated as what
+    PyTorch does."""
+    qkv_r, q_r, z_r, merged_r = (trace.record(act_name(k, layer), step) for k in ("qkv", "q", "z", "merged"))
+    qkv, q, z, merged = (trace.value(r) for r in (qkv_r, q_r, z_r, merged_r))
+    B, n = qkv_r.shape[0], qkv_r.shape[1]
+    H, dh = q_r.shape[1], q_r.shape[3]
+    G = trace.record(act_name("k", layer), step).shape[1]
+    itemsize = q_r.nbytes // max(1, q_r.numel)
+
+    def shares(a, b) -> str | None:
+        if a is None or b is None:
+            return None
+        return "same" if a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() else "new"
+
+    split = shares(q, qkv)
+    merge = shares(merged, z)
+    measured = " (measured: it shares X·W_QKV's storage)" if split == "same" else ""
+    copy_bytes = B * n * H * dh * itemsize
+    # O.transpose(1, 2) is already contiguous when n = 1 or H = 1: then .contiguous() returns it as it is
+    needs_copy = merge == "new" if merge is not None else not (n == 1 or H == 1)
+    measured_merge = " (measured: a new storage)" if merge == "new" else (
+        " (measured: the same storage as O)" if merge == "same" else "")
+    copied = (f"copies {copy_bytes:,} bytes into new memory{measured_merge}" if needs_copy else
+              f"no copy: with n = {n} the transposed O is already contiguous{measured_merge}")
+    strides = f"strides {tuple(q.stride())}" if q is not None else "strides not kept"
+    qkv_width = (H + 2 * G) * dh
+    return [
+        ReshapeOp("qkv = x @ W_QKV", qkv_r.shape, "[B, n, (H+2G)·d_head]", "a new tensor (the matmul's output)"),
+        ReshapeOp(f"q, k, v = qkv.split(({H * dh}, {G * dh}, {G * dh}), dim=2)", (B, n, H * dh), "[B, n, H·d_head]",
+                  "a view: no data moved, every row still strides over all " + f"{qkv_width} columns{measured}"),
+        ReshapeOp(f"q.view(B, n, {H}, {dh})", (B, n, H, dh), "[B, n, H, d_head]",
+                  "a view: the same numbers, indexed as H groups of d_head"),
+        ReshapeOp("q.transpose(1, 2)", q_r.shape, "[B, H, n, d_head]",
+                  f"a view: only the strides swap ({strides}); the matmuls now batch over heads"),
+        ReshapeOp("o = attention(q, k, v)", z_r.shape, "[B, H, n, d_head]", "a new tensor (A·V)"),
+        ReshapeOp("o.transpose(1, 2)", (B, n, H, dh), "[B, n, H, d_head]",
+                  "a view, no longer contiguous: heads are not side by side in memory"),
+        ReshapeOp(".contiguous()", (B, n, H, dh), "[B, n, H, d_head]", copied),
+        ReshapeOp(f".view(B, n, {H * dh})", merged_r.shape, "[B, n, H·d_head]",
+                  "a view of the copy: each row the H heads' outputs side by side"),
+    ]
+
+
+def reshape_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
+    """The reshape ops as a strip of boxes: green = a view (no data moved), orange = new memory."""
+    ops = reshape_ops(trace, step, layer)
+    shapes, notes = [], []
+    for i, op in enumerate(ops):
+        x = i * 1.25
+        moves = op.memory.startswith(("a new", "copies"))
+        shapes.append({"type": "rect", "x0": x - 0.58, "x1": x + 0.58, "y0": -0.45, "y1": 0.45,
+                       "fillcolor": "#fbd9b5" if moves else "#d7efd9", "line": {"color": "#777", "width": 1}})
+        notes.append({"x": x, "y": 0, "showarrow": False, "font": {"size": 10},
+                      "text": f"<b>{safe_text(op.op)}</b><br>{shape_text(op.shape)}<br><i>{op.symbols}</i>"})
+        notes.append({"x": x, "y": -0.5, "showarrow": False, "yanchor": "top", "font": {"size": 9, "color": "#444"},
+                      "text": "<br>".join(_wrap(op.memory, 24))})
+        if i:
+            notes.append(_arrow(x - 0.58, 0, x - 0.67, 0))
+    fig = go.Figure()
+    fig.update_layout(shapes=shapes, annotations=notes, height=250, margin={"t": 10, "l": 0, "r": 0, "b": 0},
+                      plot_bgcolor="white", dragmode=False)
+    fig.update_xaxes(visible=False, range=[-0.7, (len(ops) - 1) * 1.25 + 0.7])
+    fig.update_yaxes(visible=False, range=[-1.9, 0.6])
+    return fig
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return [*lines, line] if line else lines
+
+
+def use_cache_of(trace: Trace) -> bool:
+    return facts_of(trace).info.use_cache

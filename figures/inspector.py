@@ -6,11 +6,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import HEATMAP_SCALE, finite_or_none, hover_values, shape_text
+from figures.common import shape_text
+from figures.heatmap import add, grid, style_axes
 from tracer import Trace
 
 MAX_RAW_ELEMENTS = 400  # tensors up to this size are shown number by number
-MAX_HISTOGRAM_VALUES = 200_000
 
 
 def slice_2d(value: torch.Tensor, rows: int, cols: int, fixed: dict[int, int]) -> torch.Tensor:
@@ -34,29 +34,51 @@ def slice_2d(value: torch.Tensor, rows: int, cols: int, fixed: dict[int, int]) -
     return out if rows < cols else out.T
 
 
-def tensor_heatmap_figure(matrix: torch.Tensor, title: str) -> go.Figure:
+def tensor_heatmap_figure(matrix: torch.Tensor, title: str, x_labels: list[str] | None = None,
+                          y_labels: list[str] | None = None, offset: tuple[int, int] = (0, 0)) -> go.Figure:
+    """A 2-D slice as a heatmap: pooled to at most 256 × 256 cells for the page (the title says so); an
+    amount in [0, 1] on the ``AMOUNT`` scale, anything signed centred on 0. ``offset`` numbers the rows and
+    columns of a window cut from a larger slice."""
     m = matrix.detach()
     if not m.is_floating_point():
         m = m.double()
-    fig = go.Figure(go.Heatmap(z=finite_or_none(m), customdata=hover_values(m), colorscale=HEATMAP_SCALE,
-                               hovertemplate="[%{y}, %{x}] = %{customdata}<extra></extra>"))
-    # integer ticks only: a 1-row slice would otherwise get ticks at −0.4 … 0.4
-    fig.update_yaxes(autorange="reversed", tickformat="d", dtick=max(1, m.shape[0] // 10))
-    fig.update_xaxes(tickformat="d", dtick=max(1, m.shape[-1] // 16))
-    fig.update_layout(title_text=f"{title} — slice {shape_text(tuple(m.shape))}",
-                      height=max(260, min(800, 100 + 14 * m.shape[0])), margin={"t": 50, "l": 10, "r": 10, "b": 10})
+    r0, c0 = offset
+    xs = x_labels or [str(c0 + j) for j in range(m.shape[1])]
+    ys = y_labels or [str(r0 + i) for i in range(m.shape[0])]
+    g = grid(m, xs, ys)
+    finite = m[torch.isfinite(m)]
+    amount = bool(finite.numel()) and float(finite.min()) >= 0 and float(finite.max()) <= 1
+    fig = go.Figure()
+    add(fig, g, "amount" if amount else "signed", colorbar="value")
+    style_axes(fig, g, x_title="column", y_title="row", max_ticks=16)
+    fig.update_layout(title_text=f"{title} — slice {shape_text(tuple(m.shape))}" + (f" — {g.caption()}" if g.pooled
+                                                                                      else ""),
+                      title_font_size=13, height=max(260, min(800, 110 + 14 * len(g.y))),
+                      margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
 
 
-def histogram_figure(value: torch.Tensor, title: str) -> go.Figure:
-    x = value.detach().flatten().double()
-    x = x[torch.isfinite(x)]
-    if x.numel() > MAX_HISTOGRAM_VALUES:
-        step = x.numel() // MAX_HISTOGRAM_VALUES + 1
-        x = x[::step]
-        title += f" (every {step}th value)"
-    fig = go.Figure(go.Histogram(x=x.tolist(), nbinsx=60))
-    fig.update_layout(title_text=title, height=280, bargap=0.02, margin={"t": 50, "l": 10, "r": 10, "b": 10})
+def histogram_figure(value: torch.Tensor, title: str, bins: int = 60) -> go.Figure:
+    """The distribution of every finite value, counted here (only the bin counts go to the browser);
+    NaN and ±∞ are counted in the title."""
+    x = value.detach().flatten()
+    x = x.double() if not x.is_floating_point() else x.float()
+    finite = torch.isfinite(x)
+    values = x[finite] if not bool(finite.all()) else x
+    others = x.numel() - values.numel()
+    fig = go.Figure()
+    if values.numel():
+        lo, hi = float(values.min()), float(values.max())
+        if lo == hi:
+            lo, hi = lo - 0.5, hi + 0.5
+        counts = torch.histc(values.float(), bins=bins, min=lo, max=hi)
+        width = (hi - lo) / bins
+        fig.add_trace(go.Bar(x=[lo + (i + 0.5) * width for i in range(bins)], y=counts.tolist(), width=width,
+                             marker_color="#7a8ca3", hovertemplate="%{x:.4g}: %{y:,} values<extra></extra>"))
+    fig.update_layout(title_text=f"{title}: all {values.numel():,} finite values" +
+                      (f" ({others:,} NaN/±∞ not drawn)" if others else ""), title_font_size=13, height=280,
+                      bargap=0.02, margin={"t": 50, "l": 10, "r": 10, "b": 10}, xaxis_title="value",
+                      yaxis_title="count")
     return fig
 
 

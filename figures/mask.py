@@ -1,4 +1,5 @@
-"""The causal mask: what M holds at a step, what it does to the scores, and why decode needs none."""
+"""The causal mask: what M holds at a step, what it does to the scores, and why a cached decode step needs
+(almost) none. Every count is read off the recorded mask, each −∞ cell attributed to its cause."""
 
 from __future__ import annotations
 
@@ -8,79 +9,114 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from figures.attention import _axes, _heatmap
-from figures.common import facts_of, key_labels, query_labels, safe_text, shape_text
+from figures.common import facts_of, gen_step, key_labels, query_labels, shape_text
+from figures.heatmap import add, grid, masked_layer, style_axes
 from model.hook_table import act_name
 from tracer import Trace
 
+ALLOWED = "#e3f1e5"  # a cell M lets through (0); masked cells are the palette's MASKED grey
 
-@dataclass
+
+@dataclass(frozen=True)
 class MaskFacts:
     shape: tuple[int, ...]
     n: int
     t: int
-    masked: int  # −∞ entries in the chosen batch row's n × t block
-    allowed: int
-    padding_columns: list[int]  # key columns masked for every real query (padding)
+    batch: int  # the sequence the counts are for (M has one block per sequence when padding needs it)
+    counted: bool  # False: the mask's values were not kept, nothing below is counted
+    masked: int  # −∞ cells in this sequence's n × t block
+    future: int  # … because the key comes after the query
+    padding_key: int  # … because the key is padding (and not after the query)
+    window: int  # … because the key is further back than the sliding window
+    unexplained: int  # … for none of these reasons (a bug if ever non-zero)
+    padding_columns: tuple[int, ...]
+    padding_rows: tuple[int, ...]  # query rows that are padding themselves
     use_cache: bool
     decode: bool  # a cached step with one new position
-    batch: int = 0  # the sequence the counts are for (M has one block per sequence when padding needs it)
+    sliding_window: int | None
+    padding_side: str
 
     def explanation(self) -> str:
-        whose = f"in sequence {self.batch}'s n × t block, " if self.shape[0] > 1 else ""
-        counts = (f"{whose}{self.masked} entries are −∞ and {self.allowed} are 0." if self.masked >= 0 else
-                  "its values were not kept (capture “shapes”, or evicted by the budget), so its entries "
-                  "are not counted here.")
-        lines = [
-            f"M has shape {shape_text(self.shape)}: n = {self.n} query row(s) × t = {self.t} key column(s); "
-            + counts,
-        ]
+        if not self.counted:
+            return (f"M has shape {shape_text(self.shape)}: n = {self.n} query row(s) × t = {self.t} key column(s). "
+                    "Its values were not kept (capture “shapes”, or evicted by the budget), so its entries are not "
+                    "counted here.")
+        whose = f"In sequence {self.batch}'s n × t block, " if self.shape[0] > 1 else ""
+        lines = [f"M has shape {shape_text(self.shape)}: n = {self.n} query row(s) × t = {self.t} key column(s). "
+                 f"{whose}{self.masked} of {self.n * self.t} entries are −∞ (they get exactly zero weight after "
+                 "the softmax, since e^−∞ = 0) and the rest are 0."]
+        causes = [f"{self.future} because the key comes after the query (causality)" if self.future else "",
+                  f"{self.padding_key} because the key is padding" if self.padding_key else "",
+                  f"{self.window} because the key lies more than the sliding window of {self.sliding_window} "
+                  "positions back" if self.window else "",
+                  f"{self.unexplained} for no reason this view knows (please report it)" if self.unexplained else ""]
+        causes = [c for c in causes if c]
+        if causes:
+            lines.append("Of the −∞ entries: " + "; ".join(causes) + ".")
         if self.decode:
+            reasons = []
+            if self.padding_key:
+                reasons.append("padding columns")
+            if self.window:
+                reasons.append("keys outside the sliding window")
+            rest = f" — only {' and '.join(reasons)} are −∞" if reasons else ""
             lines.append(
-                "This is a decode step with the KV cache: the only query is the newest position, t − 1. Every key "
-                f"0 … {self.t - 1} is at or before it, so causality masks nothing"
-                + (" (only the padding columns below are −∞)" if self.padding_columns else "")
-                + " — as the KV-caching notes this app follows (seed document 001) put it: “since we’re now only "
-                "computing the last row of attention, we don’t need to account for causal attention.” "
-                f"Q is [.., 1, d_head], Kᵀ is [.., d_head, {self.t}], and QKᵀ is one row of {self.t} scores."
-            )
+                f"This is a decode step with the KV cache: the only query is the newest position, t − 1 = "
+                f"{self.t - 1}. Every key 0 … {self.t - 1} is at or before it, so causality masks nothing here{rest}. "
+                "That is why a cached step need not build the triangular mask: the one row it computes is the "
+                f"last row of the full mask, and causality leaves that row open. Q is [.., 1, d_head], Kᵀ is "
+                f"[.., d_head, {self.t}], and QKᵀ is one row of {self.t} scores.")
         elif self.n > 1:
             lines.append(
-                f"A full pass over n = {self.n} positions: row i may only see keys j ≤ i, so the "
-                f"{self.n * (self.n - 1) // 2} cells above the diagonal are −∞ and get exactly zero weight after "
-                "softmax (e^−∞ = 0)."
-            )
+                f"A pass over n = {self.n} positions: row i may only see keys j ≤ i, so the {self.future} cells "
+                "above the diagonal (and any key that is padding) are −∞.")
             if not self.use_cache:
-                lines.append(
-                    "Without the cache every step recomputes all rows; only the last row is new, and its mask row "
-                    "is all zeros — exactly the one row a cached step computes."
-                )
+                lines.append("Without the cache every step recomputes all rows; only the last row is new, and its "
+                             "causal part is all zeros — exactly the one row a cached step computes.")
         if self.padding_columns:
             cols = ", ".join(map(str, self.padding_columns[:12])) + (" …" if len(self.padding_columns) > 12 else "")
-            lines.append(f"Key columns {cols} are padding: −∞ for every real query of this sequence.")
+            lines.append(f"Key column(s) {cols} of sequence {self.batch} are padding: −∞ for every real query.")
+        if self.padding_rows:
+            rows = ", ".join(map(str, self.padding_rows[:12])) + (" …" if len(self.padding_rows) > 12 else "")
+            sees = ("itself only" if self.padding_side == "left" else
+                    "the real tokens before it and itself (its output is never used)")
+            lines.append(f"Query row(s) {rows} are padding themselves: such a row may see {sees}, so that its "
+                         "softmax has at least one finite score.")
         return "\n\n".join(lines)
 
 
 def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskFacts:
     rec = trace.record(act_name("mask", layer), step)
     facts = facts_of(trace)
+    forward = gen_step(trace, step).forward
     mask = trace.value(rec)
     n, t = rec.shape[-2], rec.shape[-1]
-    if mask is not None:
-        block = mask[min(batch, mask.shape[0] - 1), 0]
-        masked = int(torch.isinf(block).sum())
-        pad_cols = [j for j in facts.padding_columns(batch, step) if j < t]
-    else:
-        masked, pad_cols = -1, []
+    config = trace.config
+    window = getattr(config, "sliding_window", None) if config is not None else None
+    real = facts.is_token(batch, step)  # the t key columns this step saw
+    pad_cols = tuple(j for j in range(t) if not real[j])
+    first_query = t - n
+    pad_rows = tuple(i for i in range(n) if not real[first_query + i])
     use_cache = facts.info.use_cache
-    return MaskFacts(
-        shape=rec.shape, n=n, t=t, masked=masked, allowed=n * t - masked if masked >= 0 else -1,
-        padding_columns=pad_cols, use_cache=use_cache, decode=use_cache and step > 0 and n == 1, batch=batch,
-    )
+    common = {"shape": rec.shape, "n": n, "t": t, "batch": batch, "padding_columns": pad_cols,
+              "padding_rows": pad_rows, "use_cache": use_cache, "decode": use_cache and step > 0 and forward.n == 1,
+              "sliding_window": window, "padding_side": facts.info.padding_side}
+    if mask is None:
+        return MaskFacts(counted=False, masked=-1, future=-1, padding_key=-1, window=-1, unexplained=-1, **common)
+    block = torch.isinf(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
+    query = torch.arange(first_query, t)[:, None]
+    key = torch.arange(t)[None, :]
+    future = key > query
+    padding = torch.tensor([not r for r in real])[None, :].expand(n, t) & ~future
+    outside = (key <= query - window) & ~future & ~padding if window else torch.zeros_like(future)
+    explained = future | padding | outside
+    return MaskFacts(counted=True, masked=int(block.sum()), future=int((block & future).sum()),
+                     padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
+                     unexplained=int((block & ~explained).sum()), **common)
 
 
 def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.Figure:
-    """M as a 0 / −∞ picture (query rows × key columns)."""
+    """M as a 0 / −∞ picture (query rows × key columns): grey where −∞."""
     mask = trace.get(act_name("mask", layer), step)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     fig = go.Figure()
@@ -88,37 +124,43 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
         fig.add_annotation(text="mask values not kept for this step", showarrow=False)
         return fig
     block = mask[min(batch, mask.shape[0] - 1), 0]
-    is_masked = torch.isinf(block).float()
+    allowed = torch.where(torch.isinf(block), torch.full_like(block, float("nan")), torch.zeros_like(block))
+    g = grid(allowed, xs, ys)
     n, t = block.shape
-    show_text = n * t <= 900
+    small = n * t <= 900
+    under = masked_layer(g)
+    if under is not None:
+        fig.add_trace(under)
     fig.add_trace(go.Heatmap(
-        z=is_masked.tolist(), x=[safe_text(label) for label in xs], y=[safe_text(label) for label in ys],
-        zmin=0, zmax=1, colorscale=[[0, "#e8f4ea"], [1, "#3b3b3b"]], showscale=False,
-        text=[["−∞" if v else "0" for v in row] for row in is_masked.tolist()],
-        texttemplate="%{text}" if show_text else None,
-        hovertemplate="q %{y}<br>k %{x}<br>M = %{text}<extra></extra>",
+        z=g.z, x=g.x, y=g.y, zmin=0, zmax=1, colorscale=[[0, ALLOWED], [1, ALLOWED]], showscale=False,
+        text=[["0" if v is not None else "−∞" for v in row] for row in g.z] if small else None,
+        texttemplate="%{text}" if small else None, hoverongaps=True,
+        hovertemplate="q %{y}<br>k %{x}<br>M = 0<extra></extra>", xgap=1, ygap=1,
     ))
-    _axes(fig, xs, ys)
-    fig.update_layout(title_text=f"M at step {step}: {shape_text(tuple(mask.shape))} (0 = may attend, −∞ = masked)",
-                      height=max(260, min(800, 120 + 20 * n)), margin={"t": 50, "l": 10, "r": 10, "b": 10})
+    style_axes(fig, g)
+    fig.update_layout(title_text=f"M at step {step}: {shape_text(tuple(mask.shape))} — green: 0 (may attend), "
+                                 "grey: −∞ (masked)" + (f" — {g.caption()}" if g.pooled else ""),
+                      title_font_size=13,
+                      height=max(260, min(800, 130 + 20 * len(g.y))), margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
 
 
 def scores_before_after_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure:
-    """QKᵀ/√d_k before and after adding M, for one head."""
+    """QKᵀ/√d_k before and after adding M, for one head, on one colour scale."""
     before = trace.get(act_name("attn_scores", layer), step)
     after = trace.get(act_name("masked_scores", layer), step)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("before: QKᵀ/√d_k", "after: QKᵀ/√d_k + M  (−∞ left blank)"))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("before: QKᵀ/√d_k", "after: QKᵀ/√d_k + M  (−∞ grey)"))
     if before is None or after is None:
         fig.add_annotation(text="score values not kept for this step", showarrow=False)
         return fig
     b, a = before[batch, head], after[batch, head]
     finite = b[torch.isfinite(b)]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (None, None)
-    fig.add_trace(_heatmap(b, xs, ys, zmin=lo, zmax=hi, showscale=False), row=1, col=1)
-    fig.add_trace(_heatmap(a, xs, ys, zmin=lo, zmax=hi), row=1, col=2)
-    _axes(fig, xs, ys, row=1, col=1, max_x_ticks=24)
-    _axes(fig, xs, ys, row=1, col=2, max_x_ticks=24, y_ticks=False)
-    fig.update_layout(height=max(280, min(800, 130 + 18 * len(ys))), margin={"t": 60, "l": 10, "r": 10, "b": 10})
+    top = float(finite.abs().max()) if finite.numel() else 1.0
+    gb, ga = grid(b, xs, ys), grid(a, xs, ys)
+    add(fig, gb, "signed", row=1, col=1, zmin=-top, zmax=top, showscale=False)
+    add(fig, ga, "signed", row=1, col=2, zmin=-top, zmax=top, colorbar="score")
+    style_axes(fig, gb, row=1, col=1, max_ticks=24)
+    style_axes(fig, ga, row=1, col=2, max_ticks=24, y_ticks=False)
+    fig.update_layout(height=max(280, min(800, 130 + 18 * len(gb.y))), margin={"t": 60, "l": 10, "r": 10, "b": 10})
     return fig

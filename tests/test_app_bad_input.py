@@ -9,19 +9,21 @@ import shutil
 import threading
 import tomllib
 import zipfile
+from html import unescape
 from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.test_app import APP, charts, heatmaps, metric, new_app, press, run, show_tab
+from tests.test_app import charts, heatmaps, metric, new_app, press, run, show_tab
 from tracer.io import archive_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def messages(at: AppTest) -> str:
-    return " | ".join(e.value for e in [*at.error, *at.warning, *at.info])
+    """The page's messages as a person reads them (character references decoded)."""
+    return unescape(" | ".join(e.value for e in [*at.error, *at.warning, *at.info, *at.success]))
 
 
 @pytest.fixture()
@@ -144,15 +146,17 @@ def test_prompts_of_very_different_lengths_are_padded_and_the_mask_shows_it():
     show_tab(at, "Causal mask")
     at.selectbox(key="mask_batch").set_value(0)
     run(at)
-    assert "padding" in " ".join(m.value for m in at.markdown)
-    mask = heatmaps(charts(at)[0])[0]["z"]
     gen = at.session_state["app"].generation
     pad = gen.sequence_length - gen.info.prompt_lengths[0] - 1  # columns of padding in row 0
-    assert pad > 10 and all(row[:pad] == [1] * pad for row in mask[pad:])  # real queries never see padding
+    text = unescape(" ".join(m.value for m in at.markdown))
+    assert f"Key column(s) {', '.join(map(str, range(min(pad, 12))))}" in text
+    mask = heatmaps(charts(at)[0])[0]["z"]  # 0 where a query may attend, a gap (grey) where −∞
+    assert pad > 10 and all(row[:pad] == [None] * pad for row in mask[pad:])  # real queries never see padding
+    assert all(row[pad] == 0 for row in mask[pad:])
 
 
 def _load_dir(at: AppTest, path: str) -> AppTest:
-    at.sidebar.radio(key="source").set_value("Local GPT-2 directory")
+    at.sidebar.radio(key="source").set_value("Local Hugging Face directory")
     run(at)
     at.sidebar.text_input(key="model_dir").set_value(path)
     run(at)
@@ -165,9 +169,9 @@ def bad_dirs(tmp_path, hf_pair):
     _, _, good = hf_pair
     dirs = {"missing": tmp_path / "missing", "file": tmp_path / "file.txt"}
     dirs["file"].write_text("hello")
-    dirs["not_gpt2"] = tmp_path / "llama"
-    dirs["not_gpt2"].mkdir()
-    (dirs["not_gpt2"] / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    dirs["unsupported"] = tmp_path / "bert"
+    dirs["unsupported"].mkdir()
+    (dirs["unsupported"] / "config.json").write_text(json.dumps({"model_type": "bert"}))
     for name in ("mismatch", "truncated", "pickle"):
         shutil.copytree(good, tmp_path / name)
         dirs[name] = tmp_path / name
@@ -191,7 +195,7 @@ def bad_dirs(tmp_path, hf_pair):
     [
         ("missing", "no such directory"),
         ("file", "is a file, not a directory"),
-        ("not_gpt2", "model_type is 'llama'"),
+        ("unsupported", "model_type is 'bert'; supported model types: gpt2, llama, mistral, qwen2"),
         ("mismatch", "config.json implies"),
         ("truncated", "not a readable safetensors file"),
         ("pickle", "refused"),
@@ -201,14 +205,14 @@ def bad_dirs(tmp_path, hf_pair):
 def test_bad_model_directories_leave_the_loaded_model_working(stepped, bad_dirs, case, expected):
     at = _load_dir(stepped, str(bad_dirs[case]))
     assert "Could not load that model, the previous one stays loaded" in messages(at) and expected in messages(at)
-    assert at.session_state["app"].model_key == "bundled"
+    assert at.session_state["app"].model_key == "bundled:story-gpt"
     press(at, "step_button")
     assert_kept(at, 3)
 
 
 def test_a_real_local_directory_loads_and_steps(hf_dir_with_tokenizer):
     at = _load_dir(new_app(), str(hf_dir_with_tokenizer))
-    assert "Loaded" in " ".join(s.value for s in at.success)
+    assert "Loaded" in messages(at)
     press(at, "step_button")
     press(at, "step_button")
     gen = at.session_state["app"].generation
@@ -258,8 +262,9 @@ def test_nan_is_flagged_at_the_first_record_where_it_appears(stepped):
         press(at, "step_button")
     finally:
         handle.remove()
-    show_tab(at, "Inspector")
-    assert any("NaN/Inf first appears in **blocks.1.attn.hook_z**" in e.value for e in at.error)
+    for tab in ("Shapes", "KV cache", "Inspector"):
+        show_tab(at, tab)
+        assert "NaN or +∞ first appears at step 2 in blocks.1.attn.hook_z (record" in messages(at).replace("**", "")
 
 
 def shared_script_cache(monkeypatch) -> None:
@@ -322,9 +327,26 @@ def test_server_config_is_local_with_xsrf_protection():
     assert config["browser"]["gatherUsageStats"] is False
 
 
-def test_app_source_never_renders_unescaped_user_text():
-    source = Path(APP).read_text()
-    # every unsafe_allow_html call renders a string built by figures/, which escapes token text
-    for line in source.splitlines():
-        if "unsafe_allow_html=True" in line:
-            assert "token_views." in line or "attn_views." in line or "prefix +" in line, line
+MARKDOWN_BAIT = ("<img src=x onerror=alert(1)> ![pic](http://evil.example/p.png) [link](http://evil.example) "
+                 "**bold** `code` # heading")
+
+
+def test_text_the_app_did_not_write_is_never_markdown_or_html(stepped, tmp_path):
+    """A prompt, a file name, a directory: all shown as plain text — no image, link or element can open."""
+    at = stepped
+    at.sidebar.text_area(key="prompt").set_value(MARKDOWN_BAIT)
+    press(at, "reset_button")
+    press(at, "step_button")
+    bait_dir = tmp_path / "![x](http:"
+    _load_dir(at, str(bait_dir))
+    assert "![x](http:" in messages(at)  # the directory is named, as text
+    assert not any("](http" in e.value for e in at.error)
+    show_tab(at, "Export")
+    at.file_uploader(key="upload_trace").set_value(("[f](http:evil.example).zip", b"not a zip", "application/zip"))
+    run(at)
+    for tab in ("Shapes", "Attention", "Export"):
+        show_tab(at, tab)
+        for element in [*at.markdown, *at.caption, *at.info, *at.warning, *at.error, *at.success]:
+            value = str(element.value)
+            assert "](http" not in value and "<img" not in value, (tab, value[:200])
+            assert "**bold**" not in value and "`code`" not in value, (tab, value[:200])

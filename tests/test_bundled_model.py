@@ -1,31 +1,84 @@
-"""The shipped checkpoint is worth looking at: it predicts, and it has the textbook heads.
+"""The shipped checkpoints are worth looking at: they predict, and they have the textbook heads.
 
-Everything is measured here, on stories drawn with the held-out seed (never in
-the training set) — nothing is read back from training.json.
+Both bundled models — ``story-gpt`` (GPT-2) and ``story-llama`` (Llama: RoPE,
+RMSNorm, SwiGLU, 4 query heads sharing 2 key/value heads) — are measured here,
+on stories drawn with the held-out seed (never in the training set): nothing is
+read back from training.json. The ablation tables below are the ones the README
+prints; the test recomputes every entry.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import SamplingConfig, generate
+from model import BUNDLED_MODELS, SamplingConfig, generate, load_bundled
 from model.corpus import lexicon, stories
-from model.heads import induction_scores, previous_token_scores, repeated_random_tokens
+from model.heads import (
+    ablated,
+    ablation_effects,
+    induction_scores,
+    previous_token_scores,
+    repeat_loss,
+    repeated_random_tokens,
+)
 from model.train import HELDOUT_SEED, TRAIN_SEED, token_stream, unigram_loss
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+NAMES = list(BUNDLED_MODELS)
+
+# What zeroing each head's z does to the loss on the second half of 16 random 50-token sequences repeated
+# twice (seed 321), in nats, [layer][head]; and the intact loss. The README prints these tables.
+ABLATION = {
+    "story-gpt": (2.373, [[6.52, 0.117, 0.201, 0.01],
+                          [0.083, 0.007, 0.607, 0.096],
+                          [0.21, 0.925, -0.046, 0.235],
+                          [2.369, 2.423, -0.079, 0.019]]),
+}
+PREVIOUS_TOKEN_HEAD = {"story-gpt": (0, 0)}
+INDUCTION_HEADS = {"story-gpt": [(3, 0), (3, 1)]}
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def bundle(request):
+    model, tok = load_bundled(request.param)
+    return request.param, model, tok
 
 
 @pytest.fixture(scope="module")
-def heldout(bundled):
-    _, tok = bundled
+def heldout():
+    _, tok = load_bundled("story-gpt")  # both bundled models share this tokenizer (the same ids)
     return token_stream(tok, stories(HELDOUT_SEED, 200))
 
 
-def test_heldout_loss_is_far_below_a_unigram_baseline(bundled, heldout):
-    model, tok = bundled
+def test_both_bundled_models_share_one_tokenizer():
+    ids = [load_bundled(name)[1].encode("Once upon a time, Lily had a red kite.") for name in NAMES]
+    assert all(i == ids[0] for i in ids)
+    llama, _ = load_bundled("story-llama")
+    c = llama.config
+    assert (c.family, c.norm, c.positions, c.mlp) == ("llama", "rmsnorm", "rope", "swiglu")
+    assert (c.n_head, c.n_kv_heads, c.d_model, c.n_layer, c.n_ctx) == (4, 2, 128, 4, 256)
+    assert llama.identity.name == "story-llama" and llama.identity.weights_digest.startswith("sha256:")
+
+
+def test_hugging_face_reads_the_bundled_llama():
+    from transformers import LlamaForCausalLM
+
+    from model.loading import ASSETS
+
+    ours, _ = load_bundled("story-llama")
+    hf = LlamaForCausalLM.from_pretrained(ASSETS / "story-llama", dtype=torch.float32).eval()
+    tokens = torch.randint(1, 1024, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+
+
+def test_heldout_loss_is_far_below_a_unigram_baseline(bundle, heldout):
+    _, model, tok = bundle
     windows = heldout[: (heldout.numel() - 1) // 128 * 128 + 1]
     x = windows[:-1].view(-1, 128)[:48]
     y = windows[1:].view(-1, 128)[:48]
@@ -37,22 +90,25 @@ def test_heldout_loss_is_far_below_a_unigram_baseline(bundled, heldout):
     assert loss < 0.25 * baseline, (loss, baseline)
 
 
-def test_one_head_is_a_clear_previous_token_head(bundled, heldout):
-    model, _ = bundled
+def test_the_named_previous_token_head_is_one(bundle, heldout):
+    name, model, _ = bundle
     x = heldout[: 32 * 128].view(32, 128)
     scores = previous_token_scores(model, x)  # [layer, head]: mean weight on position i−1
-    assert scores.max().item() >= 0.5, scores
+    layer, head = PREVIOUS_TOKEN_HEAD[name]
+    assert scores[layer, head].item() >= 0.9, scores
+    assert divmod(int(scores.argmax()), model.config.n_head) == (layer, head)
 
 
-def test_one_head_is_an_induction_head(bundled):
-    model, tok = bundled
+def test_the_named_induction_heads_are_induction_heads(bundle):
+    name, model, tok = bundle
     tokens = repeated_random_tokens(tok.vocab_size, 50, 16, seed=123, prefix=tok.eos_id)
     scores = induction_scores(model, tokens, 50)
-    assert scores.max().item() >= 0.3, scores
+    for layer, head in INDUCTION_HEADS[name]:
+        assert scores[layer, head].item() >= 0.5, scores
 
 
-def test_greedy_continuation_is_fluent_corpus_like_text(bundled):
-    model, tok = bundled
+def test_greedy_continuation_is_fluent_corpus_like_text(bundle):
+    _, model, tok = bundle
     prompt = "Once upon a time, there was a little girl named Mia."
     out = tok.decode(generate(model, tok.encode(prompt), 60, SamplingConfig(temperature=0)))
     words = re.findall(r"[A-Za-z]+", out)
@@ -65,8 +121,8 @@ def test_greedy_continuation_is_fluent_corpus_like_text(bundled):
     assert "Mia" in out  # the story keeps its character
 
 
-def test_sampled_continuations_stay_in_the_corpus_language(bundled):
-    model, tok = bundled
+def test_sampled_continuations_stay_in_the_corpus_language(bundle):
+    _, model, tok = bundle
     prompt = "Tom had a friend named Ben."
     known = lexicon()
     for seed in range(3):
@@ -75,14 +131,25 @@ def test_sampled_continuations_stay_in_the_corpus_language(bundled):
         assert sum(w.lower() in known for w in words) / max(1, len(words)) >= 0.8, out
 
 
-def test_the_induction_heads_depend_on_the_previous_token_head(bundled):
-    """The circuit is real: knock out the previous-token head and induction stops working."""
-    from model.heads import ablated, repeat_loss
-
-    model, tok = bundled
+def test_every_heads_ablation_effect_is_the_readme_table(bundle):
+    """Each entry of the README's table, recomputed: zero one head, measure the loss on the repeat."""
+    name, model, tok = bundle
     tokens = repeated_random_tokens(tok.vocab_size, 50, 16, seed=321, prefix=tok.eos_id)
-    x = torch.stack([torch.arange(1, 129)] * 4)  # any text: locate the previous-token head first
-    layer, head = divmod(int(previous_token_scores(model, x).argmax()), model.config.n_head)
+    intact, effects = ablation_effects(model, tokens, 50)
+    table_intact, table = ABLATION[name]
+    assert intact == pytest.approx(table_intact, abs=0.01)
+    assert (effects - torch.tensor(table)).abs().max().item() < 0.01, effects
+    readme = README.read_text(encoding="utf-8")
+    for layer, row in enumerate(table):
+        cells = " | ".join(f"{v:+.2f}" for v in row)
+        assert f"| {name} L{layer} | {cells} |" in readme, (name, layer)
+
+
+def test_the_induction_heads_depend_on_the_previous_token_head(bundle):
+    """The circuit is real: knock out the previous-token head and induction stops working."""
+    name, model, tok = bundle
+    tokens = repeated_random_tokens(tok.vocab_size, 50, 16, seed=321, prefix=tok.eos_id)
+    layer, head = PREVIOUS_TOKEN_HEAD[name]
     intact_loss, intact_score = repeat_loss(model, tokens, 50), induction_scores(model, tokens, 50).max().item()
     with ablated(model, layer, head):
         broken_loss, broken_score = repeat_loss(model, tokens, 50), induction_scores(model, tokens, 50).max().item()

@@ -1,7 +1,9 @@
-"""Every figure builder, without Streamlit: the figure's data equals the traced tensors."""
+"""Every figure builder, without Streamlit: each view's data is the traced data, and each sentence it writes
+holds for the data it is about (prefill and decode, cache on and off, padding, grouped-query models)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from html import unescape
@@ -9,8 +11,11 @@ from html import unescape
 import pytest
 import torch
 
-from figures import attention, cache, flow, inspector, mask, tokens
+from figures import attention, cache, flow, heatmap, inspector, mask, tokens, whatif, worked
 from figures.common import key_labels, query_labels, safe_text
+from figures.palette import ACCENT
+from model import GPT, GPTConfig, apply_rope, rope_cos_sin
+from tracer import PathCost, RecomputeComparison
 from tracer.generation import TracedGeneration
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
@@ -32,70 +37,140 @@ def batch_gen(bundled):
     return g
 
 
+@pytest.fixture(scope="module")
+def llama_gen(bundled):
+    """A small grouped-query Llama-style model (6 query heads sharing 2 key/value heads), random weights."""
+    _, tok = bundled
+    torch.manual_seed(5)
+    config = GPTConfig.for_family("llama", vocab_size=tok.vocab_size, n_ctx=64, d_model=48, n_layer=2, n_head=6,
+                                  n_kv_head=2, d_mlp=64, rope_theta=500.0)
+    g = TracedGeneration(GPT(config).eval(), tok, "Mia had a small blue boat.", temperature=0)
+    g.run(3)
+    return g
+
+
 def z_tensor(z) -> torch.Tensor:
     return torch.tensor([[math.nan if v is None else v for v in row] for row in z], dtype=torch.float64)
 
 
 def same(z, expected: torch.Tensor) -> bool:
-    """Plotly z (None for ±∞) equals the tensor, with every infinite entry drawn as a gap."""
+    """Plotly z (None for ±∞) equals the tensor to the five significant digits a figure sends, with every
+    infinite entry drawn as a gap."""
     got = z_tensor(z)
     exp = expected.double()
     gaps = ~torch.isfinite(exp)
-    return bool(torch.isnan(got[gaps]).all()) and torch.allclose(got[~gaps], exp[~gaps], atol=1e-6)
+    return bool(torch.isnan(got[gaps]).all()) and torch.allclose(got[~gaps], exp[~gaps], rtol=1e-4, atol=1e-9)
 
 
+def values(fig) -> list:
+    """The heatmaps that carry values (not the grey masked layers under them)."""
+    return [d for d in fig.data if d.type == "heatmap" and d.hoverinfo != "skip"]
+
+
+# -- heatmaps -------------------------------------------------------------------------------------------
+def test_a_large_matrix_is_pooled_to_block_means_without_its_masked_cells():
+    m = torch.arange(600 * 300, dtype=torch.float64).reshape(600, 300)
+    m[:, 200:] = -math.inf  # masked columns
+    g = heatmap.grid(m, [str(j) for j in range(300)], [str(i) for i in range(600)])
+    z = z_tensor(g.z)
+    assert len(g.y) <= heatmap.MAX_SIDE and len(g.x) <= heatmap.MAX_SIDE and g.pooled
+    rows = heatmap._ranges(600, len(g.y))
+    cols = heatmap._ranges(300, len(g.x))
+    for i in (0, 57, len(rows) - 1):
+        for j in (0, 100, len(cols) - 1):
+            block = m[rows[i][0]:rows[i][1], cols[j][0]:cols[j][1]]
+            finite = block[torch.isfinite(block)]
+            expected = float(finite.mean()) if finite.numel() else math.nan
+            assert (math.isnan(expected) and math.isnan(float(z[i, j]))) or math.isclose(float(z[i, j]), expected,
+                                                                                        rel_tol=1e-4)
+    assert "600 × 300" in g.caption() and g.x[0] == "0…1"
+
+
+def test_small_heatmaps_write_their_numbers_and_large_ones_do_not():
+    small = heatmap.heatmap(heatmap.grid(torch.ones(12, 12) / 3, ["k"] * 12, ["q"] * 12), "amount")
+    assert small.text[0][0] == "0.333" and small.texttemplate == "%{text}"
+    big = heatmap.heatmap(heatmap.grid(torch.ones(13, 12), ["k"] * 12, ["q"] * 13), "amount")
+    assert big.text is None
+
+
+# -- attention -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", [0, 3])
 def test_attention_stages_figure_shows_the_four_traced_stages(gen, step):
     t = gen.trace
     fig = attention.attention_stages_figure(t, step, layer=2, head=1)
-    heatmaps = [d for d in fig.data if d.type == "heatmap"]
-    assert len(heatmaps) == 4
-    for hm, hook in zip(heatmaps, attention.STAGES):
-        assert same(hm.z, t.get(f"blocks.2.attn.{hook}", step)[0, 1]), hook
+    maps = values(fig)
+    assert len(maps) == 4
+    for hm, hook in zip(maps, attention.STAGES):
+        assert same(hm.z, t.get(f"blocks.2.attn.hook_{hook}", step)[0, 1]), hook
     n0 = gen.info.prompt_lengths[0]
     n, n_keys = (n0, n0) if step == 0 else (1, n0 + step)
-    assert len(heatmaps[3].z) == n and len(heatmaps[3].z[0]) == n_keys
+    assert len(maps[3].z) == n and len(maps[3].z[0]) == n_keys
     titles = [a.text for a in fig.layout.annotations]
     assert any(f"[1, 4, {n}, 32] @ [1, 4, 32, {n_keys}] → [1, 4, {n}, {n_keys}]" in text for text in titles)
     assert any("√32 = 5.657" in text for text in titles)
+    assert fig.layout.height >= 380  # room for a readable colour bar even with one query row
+    if step == 0:  # the masked cells of the prefill are drawn grey under the values
+        assert any(d.hoverinfo == "skip" for d in fig.data)
+
+
+def test_one_colour_scale_shows_the_division_by_root_dk(gen):
+    fig = attention.attention_stages_figure(gen.trace, 0, 1, 0, shared_scale=True)
+    qk, scaled, masked, pattern = values(fig)
+    assert (qk.zmin, qk.zmax) == (scaled.zmin, scaled.zmax) == (masked.zmin, masked.zmax)
+    assert qk.zmax == pytest.approx(max(abs(v) for row in qk.z for v in row if v is not None), rel=1e-4)
+    assert (pattern.zmin, pattern.zmax) == (0.0, 1.0)
+    own = attention.attention_stages_figure(gen.trace, 0, 1, 0)
+    assert values(own)[0].zmin is None  # each stage its own scale unless asked
+
+
+def test_the_query_picker_colours_keys_by_weight_and_outlines_the_query(batch_gen):
+    t = batch_gen.trace
+    html_ = attention.query_attention_html(t, 0, 1, 2, query=3, batch=1)
+    weights = [float(w) for w in re.findall(r"weight ([0-9.]+)'", html_)]
+    assert weights == [round(w, 3) for w in t.get("blocks.1.attn.hook_pattern", 0)[1, 2, 3].tolist()]
+    outlined = re.findall(r"title='key (\d+): weight[^']*' style='[^']*outline: 2px solid " + ACCENT, html_)
+    assert outlined == ["3"]  # query row 3 of the prefill is key column 3
+    assert "attention weight of each key" in html_ and "the query itself" in html_
+    assert "<script" not in html_ and "<script>alert(1)</script>" in unescape(re.sub(r"<[^>]+>", "", html_))
 
 
 def test_all_heads_figure_tiles_every_layer_and_head(gen):
-    fig, note = attention.all_heads_figure(gen.trace, 0)
-    assert len(fig.data) == 1 and note == ""
+    grid = attention.all_heads_figure(gen.trace, 0, picked=(2, 3))
+    fig, (rn, rt) = grid.figure, grid.cells
+    n = gen.info.prompt_lengths[0]
+    assert (rn, rt) == (n, n) and grid.note == ""
     z = z_tensor(fig.data[0].z)
-    n = t = gen.info.prompt_lengths[0]
-    gap_cols = max(1, t // 16)
-    assert z.shape == (4 * (n + 1) - 1, 4 * (t + gap_cols) - gap_cols)
+    gap = max(1, rt // 8)
     for layer in range(4):
         pattern = gen.trace.get(f"blocks.{layer}.attn.hook_pattern", 0)
         for head in range(4):
-            r0, c0 = layer * (n + 1), head * (t + gap_cols)
-            assert torch.allclose(z[r0:r0 + n, c0:c0 + t], pattern[0, head].double(), atol=5e-4), (layer, head)
-        if layer < 3:
-            assert torch.isnan(z[r0 + n]).all()  # the gap between layers
+            r0, c0 = layer * (rn + gap), head * (rt + gap)
+            assert torch.allclose(z[r0:r0 + rn, c0:c0 + rt], pattern[0, head].double(), atol=1e-4), (layer, head)
     assert list(fig.layout.yaxis.ticktext) == ["L0", "L1", "L2", "L3"]
-    assert list(fig.layout.xaxis.ticktext) == ["H0", "H1", "H2", "H3"]
-    assert fig.data[0].y[n + 1] == "L1 q0" and fig.data[0].x[t + gap_cols + 2] == "H1 k2"
+    assert fig.layout.yaxis.scaleanchor == "x"  # square cells: the causal triangle stays a triangle
+    outline = [s for s in fig.layout.shapes if s.type == "rect"]
+    assert len(outline) == 1 and outline[0].x0 == 3 * (rt + gap) - 0.5 and outline[0].y0 == 2 * (rn + gap) - 0.5
+    clicks = fig.data[1].customdata
+    assert [list(c[:2]) for c in clicks] == [[layer, head] for layer in range(4) for head in range(4)]
 
 
-def test_all_heads_grid_of_a_decode_step_has_one_row_per_head(gen):
-    fig, _ = attention.all_heads_figure(gen.trace, 2)
-    z = z_tensor(fig.data[0].z)
-    t = gen.info.prompt_lengths[0] + 2
-    assert z.shape[0] == 4 * 2 - 1
-    pattern = gen.trace.get("blocks.2.attn.hook_pattern", 2)
-    gap_cols = max(1, t // 16)
-    assert torch.allclose(z[4, 3 * (t + gap_cols):3 * (t + gap_cols) + t], pattern[0, 3, 0].double(), atol=5e-4)
-    assert fig.data[0].y[4] == f"L2 q{t - 1}"
+def test_all_heads_grid_pools_long_contexts_and_stretches_a_decode_row(gen, monkeypatch):
+    monkeypatch.setattr(attention, "GRID_CELLS", 4 * 4 * 8 * 8)
+    grid = attention.all_heads_figure(gen.trace, 0)
+    assert grid.cells[0] < gen.info.prompt_lengths[0] and "pooled" in grid.note
+    monkeypatch.undo()
+    decode = attention.all_heads_figure(gen.trace, 2)
+    assert decode.cells[0] == 1 and "6× taller" in decode.note and decode.figure.layout.yaxis.scaleanchor is None
+    row = z_tensor(decode.figure.data[0].z)[0:6, 0:decode.cells[1]]
+    expected = gen.trace.get("blocks.0.attn.hook_pattern", 2)[0, 0, 0].double()
+    assert all(torch.allclose(row[i], expected, atol=5e-4) for i in range(6))
 
 
-def test_all_heads_grid_is_trimmed_when_too_big(gen, monkeypatch):
-    monkeypatch.setattr(attention, "ALL_HEADS_MAX_CELLS", 16 * 14 * 5)
-    fig, note = attention.all_heads_figure(gen.trace, 0)
-    assert "newest" in note
-    shown = int(note.split("newest ")[1].split(" ")[0])
-    assert shown < gen.info.prompt_lengths[0] and len(fig.data[0].z) == 4 * (shown + 1) - 1
+def test_the_grid_marks_which_query_heads_share_a_key_value_head(llama_gen):
+    grid = attention.all_heads_figure(llama_gen.trace, 0)
+    labels = [a.text for a in grid.figure.layout.annotations]
+    assert labels == ["K/V head 0", "K/V head 1"]  # 6 query heads, 3 per key/value head
+    assert "K/V head 1" in grid.figure.data[1].customdata[4][2]  # query head 4 reads key/value head 4 // 3 = 1
 
 
 def test_history_builds_the_lower_triangle_from_one_row_per_step(gen):
@@ -108,56 +183,204 @@ def test_history_builds_the_lower_triangle_from_one_row_per_step(gen):
     lower = torch.ones(n0, n0, dtype=torch.bool).tril()
     assert torch.allclose(matrix[:n0, :n0][lower], prefill[lower])
     for s in (1, 2, 3):
-        row = t.get("blocks.1.attn.hook_pattern", s)[0, 2, 0]
-        assert torch.allclose(matrix[n0 + s - 1, : n0 + s], row)
-    upper = torch.ones_like(matrix, dtype=torch.bool).triu(1)
-    assert torch.isnan(matrix[upper]).all()  # masked and not-yet-existing keys look the same: blank
+        assert torch.allclose(matrix[n0 + s - 1, : n0 + s], t.get("blocks.1.attn.hook_pattern", s)[0, 2, 0])
+    assert torch.isnan(matrix[torch.ones_like(matrix, dtype=torch.bool).triu(1)]).all()
     assert rows[-1].startswith("s3 · ")
 
 
 def test_history_leaves_padding_queries_blank(batch_gen):
     lengths = batch_gen.info.prompt_lengths
     row = lengths.index(min(lengths))
-    pad = max(lengths) - lengths[row]  # left padding: the first columns of the short row
-    matrix, rows, _, _ = attention.attention_history(batch_gen.trace, 0, 0, 2, batch=row)
-    assert torch.isnan(matrix[:pad]).all() and all("padding: no query" in r for r in rows[:pad])
-    real = batch_gen.trace.get("blocks.0.attn.hook_pattern", 0)[row, 0, pad]
-    assert torch.allclose(matrix[pad, : pad + 1], real[: pad + 1])
-    assert not any("padding" in r for r in rows[pad:])
+    pad = max(lengths) - min(lengths)
+    matrix, labels, _, _ = attention.attention_history(batch_gen.trace, 0, 0, 2, batch=row)
+    assert torch.isnan(matrix[:pad]).all() and all("(padding: no query)" in label for label in labels[:pad])
+    assert not torch.isnan(matrix[pad, pad])
 
 
-def test_mask_views_count_and_draw_the_mask(gen):
+def test_o_is_the_weighted_sum_of_the_value_rows(gen):
+    for step, query in ((0, 5), (2, 0)):
+        fig, delta = attention.weighted_sum_figure(gen.trace, step, 3, 1, query)
+        assert delta < 1e-5
+        alpha = gen.trace.get("blocks.3.attn.hook_pattern", step)[0, 1, query]
+        assert same(values(fig)[0].z, alpha[:, None])
+
+
+def test_the_pitfalls_are_recomputed_from_the_recorded_q_and_k(gen):
     t = gen.trace
+    for step in (0, 2):
+        variants = attention.pitfall_patterns(t, step, 1, 3)
+        recorded = t.get("blocks.1.attn.hook_pattern", step)[0, 3].double()
+        assert torch.allclose(variants["as the model does it"], recorded, atol=1e-5)
+        # a softmax of scores √d_k times larger is never less peaked, row by row
+        sharper = variants["without ÷√d_k"].max(-1).values
+        assert (sharper >= variants["as the model does it"].max(-1).values - 1e-9).all()
+    table = attention.pitfall_table(t, 0, 1, 3).set_index("variant")
+    assert table.loc["without the mask M", "weight on forbidden keys"] > 0.01  # the prefill leaks onto the future
+    assert table.loc["as the model does it", "weight on forbidden keys"] == 0
+    assert table.loc["mask after the softmax", "row sum"] < 1
+    decode = attention.pitfall_table(t, 2, 1, 3).set_index("variant")
+    assert decode.loc["without the mask M", "weight on forbidden keys"] == 0  # the newest query has no future
+
+
+def test_rope_keeps_the_score_a_function_of_the_distance(llama_gen):
+    t = llama_gen.trace
+    config = t.config
+    q, rot = t.get("blocks.1.attn.hook_q", 0), t.get("blocks.1.attn.hook_rot_q", 0)
+    cos, sin = rope_cos_sin(config, torch.arange(q.shape[2])[None])
+    assert torch.allclose(apply_rope(q, cos, sin), rot, atol=1e-6)  # the view shows the model's own rotation
+    fig = attention.rope_relative_figure(t, 0, 1, 4)
+    together, key_only = (torch.tensor(d.y) for d in fig.data)
+    assert float(together.max() - together.min()) < 1e-4 * float(together.abs().max())
+    assert float(key_only.max() - key_only.min()) > 0.01 * float(key_only.abs().max())
+    assert attention.rope_figure(t, 0, 1, 4) is not None
+
+
+# -- the flow -------------------------------------------------------------------------------------------
+def node_labels(trace, step=0) -> dict[str, str]:
+    nodes, _ = flow.flow_nodes(trace, step, 0)
+    return {n.label: n for n in nodes}
+
+
+def test_the_flow_draws_gpt2_with_its_real_weights(gen):
+    nodes = node_labels(gen.trace)
+    assert "W_pos[positions]" in nodes and "GELU (tanh form)" in nodes and "LN₁(x)" in nodes
+    assert not any("rotate" in label for label in nodes)
+    model = gen.model
+    assert nodes["X·W_QKV"].weight == f"W_QKV [{model.blocks[0].attn.c_attn.weight.shape[0]}, " \
+                                      f"{model.blocks[0].attn.c_attn.weight.shape[1]}]"
+    assert nodes["x·W₁ + b₁"].weight == f"W₁ [{', '.join(map(str, model.blocks[0].mlp.c_fc.weight.shape))}]"
+    assert nodes["z = x·W_U (logits)"].weight.startswith("W_U = W_Eᵀ")
+    assert nodes["K = cache ++ new"].shape == (1, 4, gen.info.prompt_lengths[0], 32)
+
+
+def test_the_flow_draws_a_llama_model_as_it_is(llama_gen):
+    nodes = node_labels(llama_gen.trace)
+    assert {"RMSNorm₁(x)", "rotate Q: R(m)q (RoPE)", "rotate K: R(n)k (RoPE)", "gate: x·W_gate", "up: x·W_up",
+            "SiLU(gate) ⊙ up", "QKᵀ (G→H heads)", "K (new, G heads)"} <= set(nodes)
+    assert "W_pos[positions]" not in nodes and not nodes["z = x·W_U (logits)"].weight.startswith("W_U = W_Eᵀ")
+    assert nodes["K (new, G heads)"].symbolic == ["B", "G", "n", "d_head"]
+    assert nodes["QKᵀ (G→H heads)"].symbolic == ["B", "H", "n", "t"]
+
+
+def test_with_the_cache_off_the_flow_draws_no_cache(bundled):
+    model, tok = bundled
+    g = TracedGeneration(model, tok, "Tom had a kite.", use_cache=False, temperature=0)
+    g.run(2)
+    labels = set(node_labels(g.trace, 1))
+    assert "K (all t rows, recomputed)" in labels and not any("cache" in label for label in labels)
+
+
+def test_the_reshape_says_what_moves_memory_as_measured(gen):
+    prefill = flow.reshape_ops(gen.trace, 0, 1)
+    decode = flow.reshape_ops(gen.trace, 2, 1)
     n0 = gen.info.prompt_lengths[0]
-    facts = mask.mask_facts(t, 0)
-    assert facts.masked == n0 * (n0 - 1) // 2 and not facts.decode
-    decode = mask.mask_facts(t, 2)
-    assert decode.decode and decode.masked == 0 and decode.shape == (1, 1, 1, n0 + 2)
+    merged_0 = gen.trace.get("blocks.1.attn.hook_merged", 0)
+    z_0 = gen.trace.get("blocks.1.attn.hook_z", 0)
+    assert not z_0.transpose(1, 2).is_contiguous()  # so the prefill's merge must copy…
+    assert prefill[6].memory.startswith(f"copies {n0 * 128 * 4:,} bytes")
+    assert "measured: a new storage" in prefill[6].memory
+    assert merged_0.untyped_storage().data_ptr() != z_0.untyped_storage().data_ptr()
+    assert gen.trace.get("blocks.1.attn.hook_z", 2).transpose(1, 2).is_contiguous()  # …and a decode step's need not
+    assert decode[6].memory.startswith("no copy") and "same storage as O" in decode[6].memory
+    assert "shares X·W_QKV's storage" in prefill[1].memory
+    assert [op.shape for op in prefill[:4]] == [(1, n0, 384), (1, n0, 128), (1, n0, 4, 32), (1, 4, n0, 32)]
+
+
+# -- the causal mask ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_the_mask_counts_each_cause_and_names_the_exact_padding(bundled, side):
+    model, tok = bundled
+    prompts = ["Lily had a red ball and a blue kite.", "Tom said,"]
+    g = TracedGeneration(model, tok, prompts, temperature=0, padding_side=side)
+    g.run(2)
+    width = max(len(tok.encode(p)) for p in prompts)
+    short = len(tok.encode(prompts[1]))
+    pad = list(range(width - short)) if side == "left" else list(range(short, width))
+    f = mask.mask_facts(g.trace, 0, 0, batch=1)
+    m = g.trace.get("blocks.0.attn.hook_mask", 0)[1, 0]
+    assert f.masked == int(torch.isinf(m).sum()) and f.unexplained == 0
+    assert f.future == width * (width - 1) // 2 and f.masked == f.future + f.padding_key
+    assert list(f.padding_columns) == pad and list(f.padding_rows) == pad
+    text = f.explanation()
+    assert f"Key column(s) {', '.join(map(str, pad))} of sequence 1 are padding" in text
+    assert ("itself only" in text) == (side == "left") and ("the real tokens before it" in text) == (side == "right")
+    decode = mask.mask_facts(g.trace, 1, 0, batch=1)
+    assert decode.decode and decode.future == 0 and decode.masked == len(pad)
     assert "masks nothing" in decode.explanation()
-    fig = mask.mask_figure(t, 0)
-    assert torch.equal(torch.tensor(fig.data[0].z).bool(), torch.isinf(t.get("blocks.0.attn.hook_mask", 0)[0, 0]))
-    before_after = mask.scores_before_after_figure(t, 0, 1, 3)
-    assert same(before_after.data[0].z, t.get("blocks.1.attn.hook_attn_scores", 0)[0, 3])
-    assert same(before_after.data[1].z, t.get("blocks.1.attn.hook_masked_scores", 0)[0, 3])
+    assert mask.mask_facts(g.trace, 1, 0, batch=0).masked == 0
 
 
-def test_mask_facts_name_the_padding_columns(batch_gen):
-    lengths = batch_gen.info.prompt_lengths
-    row = lengths.index(min(lengths))
-    facts = mask.mask_facts(batch_gen.trace, 0, batch=row)
-    width, short = max(lengths), lengths[row]
-    assert width > short
-    assert facts.padding_columns == list(range(width - short))
-    assert "padding" in facts.explanation()
-    # M holds one block per sequence here: the counts say whose block they are
-    m = batch_gen.trace.get("blocks.0.attn.hook_mask", 0)
-    assert m.shape[0] == len(lengths)
-    assert f"in sequence {row}'s n × t block, {int(torch.isinf(m[row, 0]).sum())} entries are −∞" in facts.explanation()
-    decode = mask.mask_facts(batch_gen.trace, 2, batch=row).explanation()
-    assert "causality masks nothing (only the padding columns below are −∞)" in decode
+def test_a_sliding_window_masks_old_keys_even_at_a_decode_step(bundled):
+    _, tok = bundled
+    torch.manual_seed(2)
+    config = GPTConfig.for_family("mistral", vocab_size=tok.vocab_size, n_ctx=64, d_model=32, n_layer=1, n_head=4,
+                                  n_kv_head=2, d_mlp=48, sliding_window=4)
+    g = TracedGeneration(GPT(config).eval(), tok, "Lily had a red ball and a kite.", temperature=0)
+    g.run(2)
+    f = mask.mask_facts(g.trace, 1, 0)
+    t = f.t
+    assert f.decode and f.window == t - 4 and f.future == 0 and f.unexplained == 0
+    assert "only keys outside the sliding window are −∞" in f.explanation()
+    assert mask.mask_facts(g.trace, 0, 0).window > 0
 
 
-def test_cache_views_show_the_traced_keys(gen):
+def test_a_mask_without_values_is_not_counted(bundled):
+    model, tok = bundled
+    g = TracedGeneration(model, tok, "Tom had a kite.", capture="shapes", temperature=0)
+    g.step()
+    f = mask.mask_facts(g.trace, 0)
+    assert not f.counted and "not counted" in f.explanation() and "-1" not in f.explanation()
+
+
+# -- the KV cache ----------------------------------------------------------------------------------------
+def test_the_cache_memory_formula_uses_this_steps_numbers(gen, llama_gen):
+    latex, sentence = cache.memory_formula(gen.trace, 2)
+    t = gen.info.prompt_lengths[0] + 2
+    assert f"2\\cdot 1\\cdot 4\\cdot {t}\\cdot 32 = {2 * 4 * t * 32:,}" in latex and "G = H = 4" in sentence
+    latex, sentence = cache.memory_formula(llama_gen.trace, 1)
+    t = llama_gen.info.prompt_lengths[0] + 1
+    assert f"2\\cdot 1\\cdot 2\\cdot {t}\\cdot 8" in latex
+    assert f"{2 * 6 * t * 8:,}" in sentence and "3× less" in sentence
+
+
+def comparison(step, cached_rows, full_rows, delta, cached_s=None, full_s=None) -> RecomputeComparison:
+    return RecomputeComparison(step, PathCost(cached_rows, 10 * cached_rows, 100, 5, cached_s),
+                               PathCost(full_rows, 10 * full_rows, 100, 0, full_s), delta, 1e-4, True)
+
+
+def test_the_verdict_follows_the_comparison():
+    level, text = cache.verdict(comparison(0, 7, 7, 0.0))
+    assert level == "info" and "nothing is cached" in text and "says nothing about the cache" in text
+    level, text = cache.verdict(comparison(3, 1, 10, 3e-6))
+    assert level == "success" and "1 query row(s) with 10 multiply-adds" in text and "10.0× more" in text
+    level, text = cache.verdict(comparison(3, 1, 10, 0.5))
+    assert level == "error" and text.startswith("NOT equal")
+    assert cache.timing_warning(comparison(3, 1, 10, 0.0, cached_s=0.03, full_s=0.01)).startswith("On this machine")
+    assert cache.timing_warning(comparison(3, 1, 10, 0.0, cached_s=0.01, full_s=0.03)) == ""
+    table = cache.evidence_table(comparison(3, 1, 10, 0.0, 0.01, 0.03))
+    assert list(table["cached path does"][:2]) == ["10.0× fewer", "10.0× fewer"]
+    assert table.iloc[-1, 0].startswith("wall time (estimate")
+
+
+def test_a_real_comparison_counts_what_each_path_computes(bundled):
+    model, tok = bundled
+    g = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)
+    g.step()
+    c0 = g.compare_with_recompute()
+    g.step()
+    c1 = g.compare_with_recompute()
+    assert c0.nothing_cached and cache.verdict(c0)[0] == "info"
+    n = g.info.prompt_lengths[0] + 1
+    assert (c1.cached.query_rows, c1.full.query_rows) == (1, n) and cache.verdict(c1)[0] == "success"
+    # the counts are the model's: one more row costs what the MLP, projections and the unembedding cost per row
+    config = model.config
+    d, d_ff, vocab = config.d_model, config.d_ff, config.vocab_size
+    per_row = config.n_layer * (4 * d * d + 2 * d * d_ff) + d * vocab
+    attn = config.n_layer * 2 * config.n_head * config.d_head
+    assert c1.cached.macs == per_row + attn * n and c1.full.macs == n * per_row + attn * n * n
+
+
+def test_the_cache_views_show_the_traced_keys(gen):
     t = gen.trace
     n0 = gen.info.prompt_lengths[0]
     table = cache.cache_table(t, 2)
@@ -165,116 +388,134 @@ def test_cache_views_show_the_traced_keys(gen):
     assert list(table["rows computed this step"]) == [1] * 4 and list(table["rows from the cache"]) == [n0 + 1] * 4
     growth = cache.cache_growth(t)
     assert list(growth["cache length"]) == [n0, n0 + 1, n0 + 2, n0 + 3]
-    assert list(growth["K+V bytes (all layers)"]) == [2 * 4 * 4 * (n0 + s) * 32 * 4 for s in range(4)]
     fig = cache.key_heatmap_figure(t, 2, 3, 1, which="K")
-    assert same(fig.data[0].z, t.get("blocks.3.attn.hook_k_all", 2)[0, 1])
+    assert same(values(fig)[0].z, t.get("blocks.3.attn.hook_k_all", 2)[0, 1])
     rect = fig.layout.shapes[0]
     assert (rect.y0, rect.y1) == (n0 + 2 - 1 - 0.5, n0 + 2 - 0.5)  # the one row added at step 2
-    v = cache.key_heatmap_figure(t, 2, 0, 0, which="V")
-    assert same(v.data[0].z, t.get("blocks.0.attn.hook_v_all", 2)[0, 0])
     rows = cache.rows_computed(t)
     assert list(rows["with cache"]) == [n0, 1, 1, 1] and list(rows["without cache"]) == [n0, n0 + 1, n0 + 2, n0 + 3]
-    measured = {3: gen.compare_with_recompute()}
-    fig = cache.cache_on_off_figure(t)
-    by_name = {d.name: d for d in fig.data}
-    assert list(by_name["with cache"].y) == [n0, 1, 1, 1]
-    assert list(by_name["cached path"].x) == [3] and list(by_name["cached path"].y) == [measured[3].cached.seconds]
-    assert list(by_name["full recompute"].y) == [measured[3].full.seconds]
-    traced = next(d for d in fig.data if d.name.startswith("this run, traced"))
-    assert list(traced.y) == [info.seconds for info in t.steps]
+    growth_fig = cache.cache_growth_figure(t, 2)
+    assert growth_fig.layout.legend.y >= 1 and growth_fig.layout.margin.t >= 60  # the legend sits under the title
 
 
-def test_next_token_figures_plot_the_sampled_distribution(gen):
-    t = gen.trace
+# -- tokens -----------------------------------------------------------------------------------------------
+def test_next_token_figure_outlines_the_chosen_token(gen):
     info = gen.facts.step(1).sampling
-    fig = tokens.next_token_figure(t, 1)
+    fig = tokens.next_token_figure(gen.trace, 1)
     bars = fig.data[0]
-    final = info.stage_probs[0][3]
-    assert sorted(bars.y, reverse=True) == sorted(final, reverse=True) and list(bars.y) == sorted(bars.y, reverse=True)
-    red = [x for x, c in zip(bars.x, bars.marker.color) if c == "#ff4b4b"]
-    chosen = info.candidate_labels[0][info.candidates[0].index(info.tokens[0])]
-    assert red == [f"{safe_text(chosen)} ({info.tokens[0]})"]
-    stages = tokens.distribution_stages_figure(t, 1)
+    assert sorted(bars.y, reverse=True) == sorted(info.stage_probs[0][3], reverse=True)
+    chosen = [x for x, w in zip(bars.x, bars.marker.line.width) if w == 4]
+    label = info.candidate_labels[0][info.candidates[0].index(info.tokens[0])]
+    assert chosen == [f"{safe_text(label)} ({info.tokens[0]})"] and isinstance(bars.marker.color, str)
+    stages = tokens.distribution_stages_figure(gen.trace, 1)
     assert len(stages.data) == 4 and "30 token(s) left" in stages.data[2].name
 
 
-def test_generated_text_is_escaped_and_time_travels(batch_gen):
+def test_generated_text_is_escaped_coloured_by_probability_and_time_travels(batch_gen):
     t = batch_gen.trace
-    html = tokens.generated_text_html(t, 1)
-    assert "<script>" not in html and "&lt;" in html
-    visible = unescape(re.sub(r"<[^>]+>", "", html))
-    assert visible.startswith("Tom said, <script>alert(1)</script>")
-    assert html.count("title='step") == 3
-    assert tokens.generated_text_html(t, 1, upto_step=0).count("title='step") == 1
+    html_ = tokens.generated_text_html(t, 1)
+    assert "<script" not in html_ and "<script>alert(1)</script>" in unescape(re.sub(r"<[^>]+>", "", html_))
+    chosen = re.findall(r"title='step (\d): p = ([0-9.]+)'", html_)
+    probs = [s.sampling.probs[1] for s in batch_gen.facts.steps]
+    assert [int(s) for s, _ in chosen] == [0, 1, 2] and [float(p) for _, p in chosen] == [round(p, 3) for p in probs]
+    assert len(re.findall("title='step", tokens.generated_text_html(t, 1, upto_step=0))) == 1
+    assert "probability each generated token was chosen with" in tokens.text_legend()
 
 
-def test_token_text_is_escaped_for_markup_but_quotes_stay_readable():
-    # plotly shows &quot; literally, and with < escaped no tag (so no attribute) can open
-    assert safe_text('say "hi" & <b>') == 'say "hi" &amp; &lt;b&gt;'
+def test_a_label_with_a_line_break_stays_inside_its_span(bundled):
+    model, tok = bundled
+    g = TracedGeneration(model, tok, "Line one.\n\nLine <b>two</b>", temperature=0)
+    g.step()
+    html_ = tokens.generated_text_html(g.trace, 0)
+    assert "<b>" not in html_
+    for span in re.findall(r"<span[^>]*>(.*?)</span>", html_, flags=re.S):
+        assert "<" not in span  # nothing the text holds opens an element
+    assert unescape(re.sub(r"<[^>]+>", "", html_)).startswith("Line one.\\n\\nLine <b>two</b>")
 
 
-def test_next_token_labels_say_what_chose_the_token(gen, batch_gen):
-    greedy = tokens.next_token_figure(batch_gen.trace, 1)
-    assert greedy.layout.annotations[0].text == "chosen (argmax)"
-    sampled = tokens.next_token_figure(gen.trace, 1)
-    assert sampled.layout.annotations[0].text == "sampled"
-    names = [d.name for d in tokens.distribution_stages_figure(gen.trace, 1).data]
-    assert names[3].startswith("top-p (off) — ") and not names[2].startswith("top-k (off)")
+# -- inspector -------------------------------------------------------------------------------------------
+def test_inspector_slices_pools_and_counts_every_value():
+    value = torch.randn(3, 400, 500)
+    value[0, 0, 0] = math.nan
+    m = inspector.slice_2d(value, 1, 2, {0: 0})
+    assert m.shape == (400, 500)
+    fig = inspector.tensor_heatmap_figure(m, "x")
+    assert len(fig.data[-1].z) <= 256 and "pooled" in fig.layout.title.text
+    window = inspector.tensor_heatmap_figure(m[10:30, 20:40], "x", offset=(10, 20))
+    assert window.data[-1].y[0] == "10" and window.data[-1].x[0] == "20" and len(window.data[-1].z) == 20
+    hist = inspector.histogram_figure(value, "values of x")
+    assert sum(hist.data[0].y) == value.numel() - 1 and "1 NaN/±∞ not drawn" in hist.layout.title.text
+    assert len(json.dumps(hist.to_plotly_json()["data"])) < 10_000  # bin counts, not 600,000 values
+    assert inspector.raw_frame(torch.arange(6).reshape(2, 3)).shape == (2, 3)
 
 
-def test_query_attention_html_is_escaped(batch_gen):
-    html = attention.query_attention_html(batch_gen.trace, 0, 0, 0, query=-1, batch=1)
-    assert "<script>" not in html and "&lt;" in html
+# -- what if -------------------------------------------------------------------------------------------------
+def test_the_lens_and_attribution_figures(gen):
+    from tracer import direct_logit_attribution, logit_lens
+
+    lens = logit_lens(gen.trace, 0, label=gen.tokenizer.token_label)
+    fig, note = whatif.lens_figure(lens, 4)
+    z = z_tensor(fig.data[0].z)
+    last = lens[lens.layer == 3].sort_values("position")
+    assert torch.allclose(z[3], torch.tensor(last.final_prob.tolist(), dtype=torch.float64)) and note == ""
+    assert fig.data[0].text[3] == [safe_text(s) for s in last.top_label]
+    frame = direct_logit_attribution(gen.trace, 1)
+    bars = whatif.attribution_figure(frame, "x").data[0]
+    assert list(map(abs, bars.x)) == sorted(map(abs, bars.x), reverse=True)
 
 
-def test_flow_nodes_show_the_recorded_shapes_and_symbols(gen):
-    t = gen.trace
-    frame = flow.flow_table(t, 3, layer=1)
-    n0 = gen.info.prompt_lengths[0]
-    for row in frame.itertuples():
-        assert row.shape == t.record(row.record, 3).shape, row.record
-    by_record = dict(zip(frame.record, frame.symbols))
-    assert by_record["blocks.1.attn.hook_q"] == "[B, H, n, d_head]"
-    assert by_record["blocks.1.attn.hook_k_all"] == "[B, H, t, d_head]"
-    assert by_record["blocks.1.mlp.hook_pre"] == "[B, n, 4d]" and by_record["hook_logits"] == "[B, n, V]"
-    assert by_record["model:in[0]"] == "[B, n]"
-    fig = flow.shape_flow_figure(t, 3, layer=1)
-    texts = " ".join(a.text for a in fig.layout.annotations)
-    assert f"[1, 4, {n0 + 3}, 32]" in texts and "[1, 1, 1024]" in texts
-    assert "[1, 4, 1, 32]" in texts
-    assert "block 1 shown; blocks 0 … 3 except 1 repeat the same shapes" in texts
+# -- the worked example -------------------------------------------------------------------------------------
+def test_the_worked_example_gives_the_textbook_numbers():
+    w = worked.compute(worked.DEFAULT_Q, worked.DEFAULT_K, worked.DEFAULT_V, worked.DEFAULT_GRAD_O)
+    assert torch.allclose(w.a, torch.tensor([[0.359, 0.641], [0.5, 0.5]], dtype=torch.float64), atol=1e-3)
+    assert torch.allclose(w.o, torch.tensor([[1.359, 0.641, 0.359], [1.5, 0.5, 0.5]], dtype=torch.float64), atol=1e-3)
+    assert torch.allclose(w.grad_v, torch.tensor([[0.359, 0.5, 0.359], [0.641, 0.5, 0.641]], dtype=torch.float64),
+                          atol=1e-3)
+    assert w.gradient_agrees < 1e-12
+    causal = worked.compute(worked.DEFAULT_Q, worked.DEFAULT_K, worked.DEFAULT_V, worked.DEFAULT_GRAD_O, causal=True)
+    assert causal.a[0, 1] == 0 and causal.a[0, 0] == 1
+    with pytest.raises(worked.WorkedInputError, match="same number of columns"):
+        worked.compute([[1.0, 2.0]], worked.DEFAULT_K, worked.DEFAULT_V, worked.DEFAULT_GRAD_O)
+    with pytest.raises(worked.WorkedInputError, match="non-finite"):
+        worked.compute([[1.0, math.nan, 0.0]], worked.DEFAULT_K, worked.DEFAULT_V, [[1.0, 0.0, 1.0]])
 
 
-@pytest.mark.parametrize(("layer", "n_layer", "expected"), [
-    (0, 4, "block 0 shown; blocks 1 … 3 repeat the same shapes"),
-    (3, 4, "block 3 shown; blocks 0 … 2 repeat the same shapes"),
-    (1, 4, "block 1 shown; blocks 0 … 3 except 1 repeat the same shapes"),
-    (0, 2, "block 0 shown; block 1 repeats the same shapes"),
-    (0, 1, "block 0 is the only block"),
-])
-def test_the_flow_names_the_other_blocks_by_their_hook_numbers(layer, n_layer, expected):
-    assert flow.repeat_note(layer, n_layer) == expected
+# -- long contexts ---------------------------------------------------------------------------------------------
+def test_a_long_context_sends_at_most_a_megabyte_per_figure(bundled):
+    _, tok = bundled
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_ctx=1024, d_model=48, n_layer=4, n_head=4)).eval()
+    g = TracedGeneration(model, tok, "Lily had a red ball and she went to the park with Tom. " * 60, temperature=0)
+    g.run(2)
+    n = g.info.prompt_lengths[0]
+    assert n > 700
+    figures = [attention.attention_stages_figure(g.trace, 0, 1, 2), attention.all_heads_figure(g.trace, 0).figure,
+               attention.attention_history_figure(g.trace, 1, 2, 1), mask.mask_figure(g.trace, 0)]
+    for fig in figures:
+        assert len(fig.to_json()) < 2**20
+    assert "pooled" in figures[0].layout.title.text
+    assert key_labels(g.trace, 1)[-1].startswith(f"{n} · ") and len(query_labels(g.trace, 1)) == 1
 
 
-def test_labels_for_queries_and_keys(gen):
-    keys = key_labels(gen.trace, 2)
-    assert len(keys) == gen.info.prompt_lengths[0] + 2 and keys[0] == "0 · Once"
-    assert query_labels(gen.trace, 2) == keys[-1:]
+def test_a_crafted_label_from_a_file_stays_plain_text(gen, tmp_path):
+    """A trace file can hold any label; in the HTML the page shows, none may end the block or open markdown."""
+    import io
+    import zipfile
 
+    from tracer import load_trace
+    from tracer.io import archive_bytes
 
-def test_inspector_slices_histograms_and_raw_numbers(gen):
-    value = gen.trace.get("blocks.0.attn.hook_pattern", 0)
-    m = inspector.slice_2d(value, 2, 3, {0: 0, 1: 2})
-    assert torch.equal(m, value[0, 2])
-    assert torch.equal(inspector.slice_2d(value, 3, 2, {0: 0, 1: 2}), value[0, 2].T)
-    with pytest.raises(IndexError):
-        inspector.slice_2d(value, 2, 3, {1: 9})
-    fig = inspector.tensor_heatmap_figure(m, "p")
-    assert same(fig.data[0].z, m)
-    hist = inspector.histogram_figure(value, "h")
-    assert len(hist.data[0].x) == value.numel()
-    small = gen.trace.get("model:in[0]", 1)
-    assert inspector.raw_frame(small).values.tolist() == small.tolist()
-    assert inspector.raw_frame(gen.trace.get("hook_logits", 0)) is None
-    ops = inspector.module_ops(gen.trace, 0, "blocks.0.attn")
-    assert "Tensor.transpose" in set(ops.op) and (ops["output shape"] != "").all()
+    data = archive_bytes(gen.trace)
+    manifest = json.loads(zipfile.ZipFile(io.BytesIO(data)).read("manifest.json"))
+    bait = "x\n\n![pic](http://evil.example/p.png) <img src=y> **b**"
+    manifest["generation"]["info"]["prompt_labels"][0][0] = bait
+    manifest["generation"]["steps"][0]["sampling"]["labels"][0] = bait
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, json.dumps(manifest) if info.filename == "manifest.json"
+                         else src.read(info.filename))
+    crafted = load_trace(out.getvalue())
+    for html_ in (tokens.generated_text_html(crafted, 0), attention.query_attention_html(crafted, 1, 0, 0, 0)):
+        assert "\n" not in html_ and "](http" not in html_ and "<img" not in html_ and "**" not in html_
+        assert bait.replace("\n", "") in unescape(re.sub(r"<[^>]+>", "", html_)).replace("\n", "")

@@ -140,3 +140,37 @@ def activation_patching(model: nn.Module, clean: Sequence[int], corrupted: Seque
             if progress is not None:
                 progress((layer * width + j + 1) / total)
     return PatchingResult(kind, restored, clean_diff, corrupt_diff, a, b)
+
+
+HEAD_ROLES = ("previous-token", "induction", "duplicate-token", "first-token")
+
+
+@torch.no_grad()
+def head_scores(model: nn.Module, first_token: int = 0, length: int = 50, seed: int = 7) -> dict[str, torch.Tensor]:
+    """What each head does, ``name → [n_layer, n_head]``, measured on a probe of 4 random token sequences
+    each repeated twice (after ``first_token``):
+
+    * previous-token: the mean weight a query puts on the key just before it;
+    * induction: in the second copy, the weight on the key right after the earlier occurrence of the query's
+      own token (what lets a model continue a repeat);
+    * duplicate-token: in the second copy, the weight on the earlier occurrence of the query's own token;
+    * first-token: the mean weight on the very first key (an "attention sink").
+
+    The forward is traced (per thread), so sessions sharing the model do not see each other's probes."""
+    from model.heads import repeated_random_tokens
+
+    config = model.config
+    length = max(2, min(length, (config.n_ctx - 1) // 2))
+    tokens = repeated_random_tokens(config.vocab_size, length, 4, seed=seed, prefix=first_token)
+    with Tracer(model, capture="values", budget_bytes=2**31) as tr:
+        model(tokens)
+    n = tokens.size(1)
+    queries = torch.arange(n - length, n)  # the second copy
+    out: dict[str, list[torch.Tensor]] = {role: [] for role in HEAD_ROLES}
+    for layer in range(config.n_layer):
+        p = tr.trace.get(act_name("pattern", layer), 0).double()  # [B, H, n, n]
+        out["previous-token"].append(p.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2)))
+        out["induction"].append(p[:, :, queries, queries - length + 1].mean(dim=(0, 2)))
+        out["duplicate-token"].append(p[:, :, queries, queries - length].mean(dim=(0, 2)))
+        out["first-token"].append(p[:, :, 1:, 0].mean(dim=(0, 2)))
+    return {role: torch.stack(rows).float() for role, rows in out.items()}

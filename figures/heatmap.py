@@ -1,0 +1,128 @@
+"""The one heatmap builder: what a matrix becomes on the page, whatever its size.
+
+* A matrix larger than ``MAX_SIDE`` in either direction is pooled — each cell
+  the mean of a block of rows × columns, masked (−∞) cells left out of the mean —
+  so no figure sends more than ~256 × 256 numbers to the browser; the title says
+  how many rows and columns one cell stands for. A window at full resolution is
+  the caller's slice of the same matrix.
+* A matrix of at most ``NUMBERS_UP_TO`` × ``NUMBERS_UP_TO`` writes its numbers in
+  the cells.
+* Amounts in [0, 1] use the ``AMOUNT`` scale from 0 to 1; anything signed uses
+  ``SIGNED`` centred on 0; masked cells are ``MASKED`` grey (``add`` draws that layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+import torch
+
+from figures.common import safe_text
+from figures.palette import AMOUNT, MASKED, SIGNED
+
+MAX_SIDE = 256
+NUMBERS_UP_TO = 12
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A matrix ready to draw: values (None = masked), unique labels per row and column, and its pooling."""
+
+    z: list[list[float | None]]
+    x: list[str]
+    y: list[str]
+    block: tuple[int, int]  # (rows, columns) of the original matrix one cell stands for; (1, 1) unpooled
+    shape: tuple[int, int]  # the original matrix's rows × columns
+
+    @property
+    def pooled(self) -> bool:
+        return self.block != (1, 1)
+
+    def caption(self) -> str:
+        if not self.pooled:
+            return ""
+        return (f"pooled for the page: each cell is the mean of {self.block[0]} × {self.block[1]} cells of the "
+                f"{self.shape[0]} × {self.shape[1]} matrix (masked cells left out)")
+
+
+def pool(m: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The mean of the finite values in each of rows × cols blocks (NaN where a block has none)."""
+    x = m.detach().double()
+    finite = torch.isfinite(x)
+    sums = torch.nn.functional.adaptive_avg_pool2d(torch.where(finite, x, 0.0)[None], (rows, cols))[0]
+    counts = torch.nn.functional.adaptive_avg_pool2d(finite.double()[None], (rows, cols))[0]
+    return torch.where(counts > 0, sums / counts.clamp_min(1e-300), torch.full_like(sums, math.nan))
+
+
+def _ranges(count: int, cells: int) -> list[tuple[int, int]]:
+    """The [start, end) index ranges adaptive pooling gives each of ``cells`` cells over ``count`` items."""
+    return [((i * count) // cells, -(-((i + 1) * count) // cells)) for i in range(cells)]
+
+
+def grid(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], max_side: int = MAX_SIDE) -> Grid:
+    """``matrix`` ``[rows, cols]`` as a ``Grid``: pooled when larger than ``max_side``, labels escaped."""
+    rows, cols = matrix.shape
+    r, c = min(rows, max_side), min(cols, max_side)
+    values = matrix if (r, c) == (rows, cols) else pool(matrix, r, c)
+    # five significant digits (the hover shows four) keep a 256 × 256 heatmap near 0.6 MB of JSON
+    z = [[float(f"{v:.5g}") if math.isfinite(v) else None for v in row] for row in values.detach().double().tolist()]
+    if (r, c) == (rows, cols):
+        return Grid(z, [safe_text(s) for s in x_labels], [safe_text(s) for s in y_labels], (1, 1), (rows, cols))
+
+    def spans(labels: list[str], count: int, cells: int) -> list[str]:
+        if cells == count:
+            return [safe_text(s) for s in labels]
+        return [safe_text(f"{a}…{b - 1}" if b - a > 1 else f"{a}") for a, b in _ranges(count, cells)]
+
+    return Grid(z, spans(x_labels, cols, c), spans(y_labels, rows, r), (-(-rows // r), -(-cols // c)), (rows, cols))
+
+
+def heatmap(g: Grid, kind: str = "signed", zmin: float | None = None, zmax: float | None = None,
+            colorbar: str = "", coloraxis: str | None = None, showscale: bool = True,
+            bar: dict | None = None) -> go.Heatmap:
+    """A plotly heatmap of ``g``. ``kind``: "amount" (0 … 1) or "signed" (centred on 0)."""
+    small = len(g.z) <= NUMBERS_UP_TO and len(g.x) <= NUMBERS_UP_TO
+    text = [[("" if v is None else f"{v:.3f}") for v in row] for row in g.z] if small else None
+    amount = kind == "amount"
+    trace = go.Heatmap(
+        z=g.z, x=g.x, y=g.y, text=text, texttemplate="%{text}" if small else None, textfont={"size": 11},
+        colorscale=None if coloraxis else (AMOUNT if amount else SIGNED),
+        zmin=0.0 if amount and zmin is None else zmin, zmax=1.0 if amount and zmax is None else zmax,
+        zmid=None if amount or zmin is not None or coloraxis else 0.0, coloraxis=coloraxis, showscale=showscale,
+        hovertemplate="row %{y}<br>column %{x}<br>%{z:.4g}<extra></extra>", hoverongaps=False,
+        colorbar={"title": {"text": colorbar, "side": "top"}, "thickness": 10, **(bar or {})} if colorbar else None,
+    )
+    return trace
+
+
+def masked_layer(g: Grid) -> go.Heatmap | None:
+    """Grey cells where ``g`` holds no number (masked, or not there at that step); None when there are none.
+    Drawn under the values, so the plot's own margins stay white."""
+    if all(v is not None for row in g.z for v in row):
+        return None
+    z = [[1 if v is None else None for v in row] for row in g.z]
+    return go.Heatmap(z=z, x=g.x, y=g.y, colorscale=[[0, MASKED], [1, MASKED]], showscale=False, hoverinfo="skip")
+
+
+def add(fig: go.Figure, g: Grid, kind: str = "signed", row=None, col=None, **options) -> go.Heatmap:
+    """``heatmap(g, kind, **options)`` added to ``fig`` (at ``row``, ``col``), on its masked layer."""
+    under = masked_layer(g)
+    if under is not None:
+        fig.add_trace(under, row=row, col=col)
+    trace = heatmap(g, kind, **options)
+    fig.add_trace(trace, row=row, col=col)
+    return trace
+
+
+def style_axes(fig: go.Figure, g: Grid, x_title: str = "key position (t)", y_title: str = "query (n)", row=None,
+               col=None, max_ticks: int = 24, y_ticks: bool = True) -> None:
+    """Category axes with the grid's labels (thinned to ``max_ticks``), rows top to bottom, masked grey."""
+    sx = max(1, math.ceil(len(g.x) / max_ticks))
+    sy = max(1, math.ceil(len(g.y) / max_ticks))
+    fig.update_xaxes(type="category", tickvals=g.x[::sx], ticktext=g.x[::sx], tickangle=-60, showgrid=False,
+                     title_text=x_title, row=row, col=col)
+    fig.update_yaxes(type="category", tickvals=g.y[::sy], ticktext=g.y[::sy], autorange="reversed",
+                     showgrid=False, showticklabels=y_ticks, title_text=y_title if y_ticks else None, row=row, col=col)
+    fig.update_layout(plot_bgcolor="white")

@@ -1,0 +1,117 @@
+"""What-if views: an intervention's effect on the next token and on later heads, activation patching, direct
+logit attribution, the logit lens, and the difference of two runs."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from figures.common import safe_text
+from figures.heatmap import add, grid, style_axes
+from figures.palette import ACCENT, AMOUNT, NEUTRAL
+
+LENS_POSITIONS = 48  # the lens heatmap shows at most this many (the last) positions, each cell labelled
+
+
+def next_token_change(original: torch.Tensor, changed: torch.Tensor, label, top: int = 12) -> pd.DataFrame:
+    """The tokens most probable before or after, with both probabilities (one sequence's logits ``[V]``)."""
+    p0, p1 = torch.softmax(original.float(), -1), torch.softmax(changed.float(), -1)
+    ids = sorted(set(p0.topk(top).indices.tolist()) | set(p1.topk(top).indices.tolist()), key=lambda i: -float(p0[i]))
+    return pd.DataFrame([{"token": label(i), "id": i, "before": float(p0[i]), "after": float(p1[i]),
+                          "change": float(p1[i] - p0[i])} for i in ids])
+
+
+def next_token_change_figure(frame: pd.DataFrame, title: str) -> go.Figure:
+    xs = [f"{safe_text(t)} ({i})" for t, i in zip(frame["token"], frame["id"])]
+    fig = go.Figure([go.Bar(x=xs, y=frame["before"], name="as the model ran", marker_color=NEUTRAL),
+                     go.Bar(x=xs, y=frame["after"], name="with the intervention", marker_color=ACCENT)])
+    fig.update_layout(barmode="group", height=340, title_text=title, title_font_size=13, yaxis_title="probability",
+                      xaxis_tickangle=-45, legend={"orientation": "h", "y": 1.1},
+                      margin={"t": 60, "l": 10, "r": 10, "b": 10})
+    return fig
+
+
+def pattern_change_figure(changes: list[tuple[int, int, float]], n_layer: int, n_head: int) -> go.Figure:
+    """Layers × heads: the largest change in any attention weight of that head."""
+    m = torch.zeros(n_layer, n_head)
+    for layer, head, delta in changes:
+        m[layer, head] = delta
+    g = grid(m, [f"H{h}" for h in range(n_head)], [f"L{layer}" for layer in range(n_layer)])
+    fig = go.Figure()
+    add(fig, g, "amount", colorbar="max |Δ A|")
+    style_axes(fig, g, x_title="head", y_title="layer")
+    fig.update_layout(height=max(220, 80 + 40 * n_layer), title_font_size=13,
+                      title_text="how much each head's attention pattern moved (max |Δ weight|)",
+                      margin={"t": 50, "l": 10, "r": 10, "b": 10})
+    return fig
+
+
+def patching_figure(restored: torch.Tensor, columns: list[str], kind: str) -> go.Figure:
+    """Layers × positions (or heads): the share of the clean answer's logit difference that patching the clean
+    activation there restores (1 = all of it, 0 = none, below 0 = the wrong way)."""
+    n_layer = restored.shape[0]
+    g = grid(restored, columns, [f"L{layer}" for layer in range(n_layer)])
+    top = max(1.0, float(restored.abs().max()))
+    fig = go.Figure()
+    add(fig, g, "signed", zmin=-top, zmax=top, colorbar="restored")
+    style_axes(fig, g, x_title="position" if kind == "resid_pre" else "head", y_title="layer", max_ticks=48)
+    what = "the residual stream entering each layer, one position at a time" if kind == "resid_pre" else \
+        "each head's output O_h, at every position"
+    fig.update_layout(height=max(240, 90 + 45 * n_layer), margin={"t": 50, "l": 10, "r": 10, "b": 10},
+                      title_text=f"patching {what}: share of the logit difference restored", title_font_size=13)
+    return fig
+
+
+def attribution_figure(frame: pd.DataFrame, token_label: str, top: int = 16) -> go.Figure:
+    """The components that add most to (or take most from) one logit, largest magnitude first."""
+    shown = frame.reindex(frame["contribution"].abs().sort_values(ascending=False).index).head(top)
+    colours = [ACCENT if v > 0 else "#4c78a8" for v in shown["contribution"]]
+    fig = go.Figure(go.Bar(x=shown["contribution"], y=shown["component"], orientation="h", marker_color=colours,
+                           hovertemplate="%{y}: %{x:+.3f}<extra></extra>"))
+    attrs = frame.attrs
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(height=max(260, 40 + 22 * len(shown)), margin={"t": 60, "l": 10, "r": 10, "b": 10},
+                      xaxis_title="share of the logit", title_font_size=13,
+                      title_text=(f"direct logit attribution for {safe_text(token_label)!s}: the shares add up to "
+                                  f"{attrs['total']:.3f} (logit {attrs['logit']:.3f}, the norm's constant "
+                                  f"{attrs['norm_constant']:+.3f} included)"))
+    return fig
+
+
+def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
+    """Layers × positions: the probability each layer's residual stream, read by the final norm and W_U, gives
+    the token the model finally chose there; each cell names that layer's own top token."""
+    positions = sorted(frame["position"].unique())
+    shown = positions[-LENS_POSITIONS:]
+    sub = frame[frame["position"].isin(shown)]
+    z = sub.pivot(index="layer", columns="position", values="final_prob").reindex(range(n_layer))
+    top = sub.pivot(index="layer", columns="position", values="top_label").reindex(range(n_layer))
+    inputs = sub[sub["layer"] == 0].set_index("position")["input"].reindex(shown)
+    xs = [safe_text(f"{p} · {inputs[p]}") for p in shown]
+    ys = [f"after L{layer}" for layer in range(n_layer)]
+    text = [[safe_text(str(v)) for v in row] for row in top.values.tolist()]
+    fig = go.Figure(go.Heatmap(z=z.values.tolist(), x=xs, y=ys, zmin=0, zmax=1, colorscale=AMOUNT, text=text,
+                               texttemplate="%{text}", textfont={"size": 10},
+                               colorbar={"title": {"text": "p(final)", "side": "top"}, "thickness": 10},
+                               hovertemplate="%{y}, position %{x}<br>top token: %{text}<br>p(final token) = "
+                                             "%{z:.3f}<extra></extra>"))
+    fig.update_xaxes(type="category", tickangle=-60, title_text="position · input token")
+    fig.update_yaxes(type="category", autorange="reversed")
+    fig.update_layout(height=max(260, 90 + 48 * n_layer), margin={"t": 40, "l": 10, "r": 10, "b": 10},
+                      title_text="logit lens: each layer's residual stream through the final norm and W_U",
+                      title_font_size=13)
+    note = f"the last {len(shown)} of {len(positions)} positions" if len(shown) < len(positions) else ""
+    return fig, note
+
+
+def difference_figure(a: torch.Tensor, b: torch.Tensor, title: str) -> go.Figure:
+    """b − a of one record's 2-D slice, centred on 0."""
+    delta = (b.double() - a.double())
+    g = grid(delta, [str(j) for j in range(delta.shape[1])], [str(i) for i in range(delta.shape[0])])
+    fig = go.Figure()
+    add(fig, g, "signed", colorbar="b − a")
+    style_axes(fig, g, x_title="column", y_title="row", max_ticks=16)
+    fig.update_layout(title_text=title + (f" — {g.caption()}" if g.pooled else ""), title_font_size=13,
+                      height=max(260, min(800, 110 + 14 * len(g.y))), margin={"t": 50, "l": 10, "r": 10, "b": 10})
+    return fig
