@@ -53,7 +53,7 @@ LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_mod
 SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
            "Bundled Llama-style story model": "bundled:story-llama",
            "Local Hugging Face directory": "dir"}
-UPLOAD_MB = 512  # .streamlit/config.toml server.maxUploadSize
+UPLOAD_MB = 1024  # MiB, as .streamlit/config.toml server.maxUploadSize (Streamlit labels the dropzone "1GB")
 
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")
 st.markdown("<style>.block-container {padding-top: 2.2rem;} h1 {font-size: 1.9rem !important;}</style>",
@@ -765,7 +765,8 @@ def compare_tab(trace: Trace, step: int) -> None:
                                   if gen is not None else [])
     other = st.radio("compare this run with", options, key="compare_with", horizontal=True)
     if other == "a trace file":
-        upload = st.file_uploader(f"a trace (.zip, up to {UPLOAD_MB} MB)", type=["zip"], key="compare_upload")
+        upload = st.file_uploader(f"a trace (.zip, up to {UPLOAD_MB // 1024} GiB)", type=["zip"],
+                                  max_upload_size=UPLOAD_MB, key="compare_upload")
         if upload is not None and app.last_compare_upload_id != upload.file_id:
             app.last_compare_upload_id = upload.file_id
             try:
@@ -923,9 +924,10 @@ def export_tab(trace: Trace | None, step: int = 0) -> None:
         st.download_button("Download this trace (.zip: manifest.json, records.parquet, ops.parquet, "
                            "values.safetensors)", data=lambda: archive_bytes(trace),
                            file_name="trace.zip", mime="application/zip", key="download_trace", on_click="ignore")
-    upload = st.file_uploader(f"Load a trace (.zip, up to {UPLOAD_MB} MB; checked against limits of "
+    upload = st.file_uploader(f"Load a trace (.zip, up to {UPLOAD_MB // 1024} GiB; checked against limits of "
                               f"{LIMITS.records:,} records and {LIMITS.value_bytes // 2**30} GiB of values before "
-                              "anything is allocated)", type=["zip"], key="upload_trace")
+                              "anything is allocated)", type=["zip"], max_upload_size=UPLOAD_MB,
+                              key="upload_trace")
     if upload is not None and app.last_upload_id != upload.file_id:
         app.last_upload_id = upload.file_id
         try:

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import html
+import re
 
 from tracer import Trace
 from tracer.facts import GenerationFacts
 from tracer.records import GenerationStep, TensorRecord
 
 INERT = set("\\`*_{}[]()#+-.!|~<>:&\"'$\n\r")  # what markdown, HTML or Streamlit's math could act on
+# GitHub-flavoured markdown links bare "http://", "www." and e-mail addresses after character references are
+# decoded, so those three get an invisible word joiner (U+2060) where the pattern would match.
+AUTOLINK = re.compile(r"(?i)(https?:)(?=//)|(www)(?=\.)|(@)")
+WORD_JOINER = "\u2060"
 
 
 def inert(text: str) -> str:
     """Text the app did not write (token labels, file names, paths, messages quoting them) for a markdown
     string or an HTML block shown with ``st.markdown``: every character that markdown, HTML or ``$…$`` math
     could act on — line breaks included, since a blank line ends an HTML block — becomes a character
-    reference, which renders as the character itself."""
-    return "".join(f"&#{ord(c)};" if c in INERT else c for c in str(text))
+    reference, which renders as the character itself. Bare URLs and e-mail addresses are broken with an
+    invisible word joiner so that they are not turned into links either."""
+    unlinked = AUTOLINK.sub(lambda m: m.group(0) + WORD_JOINER, str(text))
+    return "".join(f"&#{ord(c)};" if c in INERT else c for c in unlinked)
 
 
 def safe_text(label: str) -> str:

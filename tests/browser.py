@@ -1,6 +1,6 @@
 """Drive the real app in headless Chromium: a `streamlit run app.py` server on a free port, Playwright.
 
-Used by the end-to-end test and by ``bench/screenshots.py``. Chromium is
+Used by the end-to-end tests and by ``bench/bench_app.py``. Chromium is
 Debian's (``/usr/bin/chromium``); nothing is downloaded.
 """
 
@@ -68,7 +68,8 @@ def streamlit_server(env: dict | None = None, timeout: float = 90.0):
 
 
 @contextmanager
-def chromium_page(width: int = 1500, height: int = 1100):
+def chromium():
+    """Debian's Chromium, headless, driven by Playwright (one browser for many pages)."""
     if not os.path.exists(CHROMIUM):
         raise RuntimeError(f"{CHROMIUM} is missing: install Debian's chromium package (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
@@ -76,10 +77,23 @@ def chromium_page(width: int = 1500, height: int = 1100):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
-            page = browser.new_page(viewport={"width": width, "height": height})
-            yield page
+            yield browser
         finally:
             browser.close()
+
+
+@contextmanager
+def chromium_page(width: int = 1500, height: int = 1100, browser=None):
+    """A fresh page (its own context: a new browser session of the app) at ``width`` × ``height``."""
+    if browser is None:
+        with chromium() as own, chromium_page(width, height, own) as page:
+            yield page
+        return
+    context = browser.new_context(viewport={"width": width, "height": height})
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
 
 
 def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200) -> None:
@@ -124,6 +138,6 @@ def plotly_data(page) -> list:
     """The data arrays of every plotly chart on the page, as the browser holds them."""
     return page.evaluate(
         "() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => (d.data || []).map(t => ({"
-        "type: t.type, rows: Array.isArray(t.z) ? t.z.length : null,"
+        "type: t.type, skip: t.hoverinfo === 'skip', rows: Array.isArray(t.z) ? t.z.length : null,"
         "cols: Array.isArray(t.z) && Array.isArray(t.z[0]) ? t.z[0].length : null})))"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from html import unescape
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def test_first_page_invites_a_step_and_offers_the_worked_example():
     assert any("Press **Step**" in i.value for i in at.info)
     assert at.title[0].value == "GPT shape tracer"
     assert len(charts(at)) == 2  # the worked example needs no model run
-    assert any("up to 512 MB" in u.label for u in at.get("file_uploader"))
+    server_mb = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())["server"]["maxUploadSize"]
+    assert server_mb == 1024 and any("up to 1 GiB" in u.label for u in at.get("file_uploader"))
 
 
 def test_three_steps_show_the_right_shapes(stepped):

@@ -1,17 +1,45 @@
-"""End to end in a real headless Chromium: `streamlit run app.py`, type, Step ×3, check the page.
+"""End to end in a real headless Chromium: one `streamlit run app.py` server and one browser for the module,
+a fresh page (a new session) per test.
 
-Also saves the README's screenshots (assets/screenshots/) when SAVE_SCREENSHOTS=1.
+``SAVE_SCREENSHOTS=1 python -m pytest tests/test_browser.py -k screenshots`` also writes the README's
+screenshots (assets/screenshots/).
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import zipfile
 from pathlib import Path
 
-from tests.browser import chromium_page, click, open_app, open_tab, plotly_data, set_prompt, streamlit_server
+import pytest
+
+from tests.browser import chromium, chromium_page, click, open_app, open_tab, plotly_data, set_prompt, streamlit_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tom had a big red kite. One day, Tom went to the park."
+
+
+@pytest.fixture(scope="module")
+def url():
+    with streamlit_server() as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as b:
+        yield b
+
+
+def watch(page, url: str) -> tuple[list[str], list[str]]:
+    """(JavaScript errors, requests to anywhere but the app) as the page runs."""
+    errors: list[str] = []
+    outside: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:")) else outside.append(r.url))
+    return errors, outside
 
 
 def metric_value(page, label: str) -> str:
@@ -19,16 +47,17 @@ def metric_value(page, label: str) -> str:
     return metric.locator('[data-testid="stMetricValue"]').inner_text().strip()
 
 
-def test_type_step_three_times_and_check_attention_and_cache():
+def values(chart: list[dict]) -> list[dict]:
+    return [t for t in chart if t["type"] == "heatmap" and not t["skip"]]
+
+
+def test_type_step_three_times_and_check_attention_and_cache(url, browser):
     from model import load_bundled
 
     _, tok = load_bundled()
     n0 = len(tok.encode(PROMPT))
-    with streamlit_server() as url, chromium_page() as page:
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        requests: list[str] = []
-        page.on("request", lambda r: requests.append(r.url))
+    with chromium_page(1500, 1100, browser) as page:
+        errors, outside = watch(page, url)
         open_app(page, url)
         set_prompt(page, PROMPT)
         for _ in range(3):
@@ -40,27 +69,43 @@ def test_type_step_three_times_and_check_attention_and_cache():
         assert any(t.startswith(PROMPT) and len(t) > len(PROMPT) for t in texts)  # the prompt and new tokens
 
         open_tab(page, "Attention")
-        charts = plotly_data(page)
-        stages = [t for t in charts[0] if t["type"] == "heatmap"]
+        stages = values(plotly_data(page)[0])
         assert len(stages) == 4 and all((t["rows"], t["cols"]) == (1, n0 + 2) for t in stages)
-        history = charts[1][0]
-        assert (history["rows"], history["cols"]) == (n0 + 2, n0 + 2)
         assert page.get_by_text(f"[1, 4, 1, 32] @ [1, 4, 32, {n0 + 2}] → [1, 4, 1, {n0 + 2}]").count() >= 1
+        open_tab(page, "History")
+        history = values(plotly_data(page)[0])[0]
+        assert (history["rows"], history["cols"]) == (n0 + 2, n0 + 2)
 
         open_tab(page, "KV cache")
-        kv = plotly_data(page)[1][0]  # one head's keys: t positions × d_head
+        kv = values(plotly_data(page)[1])[0]  # one head's keys: t positions × d_head
         assert kv["rows"] == n0 + 2 and kv["cols"] == 32
-        if os.environ.get("SAVE_SCREENSHOTS"):
-            save_screenshots(page)
-
+        assert page.get_by_text("Only the new row was needed").count() == 1
         assert not errors, errors
-        outside = [u for u in requests if not u.startswith(url) and not u.startswith("data:")
-                   and not u.startswith("blob:")]
         assert not outside, f"the page fetched from outside localhost: {outside[:5]}"
 
 
-def test_html_in_the_prompt_shows_as_text():
-    with streamlit_server() as url, chromium_page() as page:
+def test_clicking_a_head_on_the_grid_opens_it(url, browser):
+    with chromium_page(1500, 1400, browser) as page:
+        open_app(page, url)
+        click(page, "Step")
+        open_tab(page, "Attention")
+        open_tab(page, "All heads")
+        # where plotly drew the (invisible) marker of layer 3, head 2: click it as a person would
+        x, y = page.evaluate("""() => {
+            const gd = document.querySelectorAll('.js-plotly-plot')[0];
+            const tr = gd._fullData.find(t => t.type === 'scatter');
+            const i = tr.customdata.findIndex(c => c[0] === 3 && c[1] === 2);
+            const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis, box = gd.getBoundingClientRect();
+            return [box.left + xa._offset + xa.l2p(tr.x[i]), box.top + ya._offset + ya.l2p(tr.y[i])];
+        }""")
+        page.mouse.click(x, y)
+        page.wait_for_timeout(800)
+        open_tab(page, "Stages")
+        assert page.get_by_text("layer 3, head 2, step 0").count() == 1
+
+
+def test_html_in_the_prompt_shows_as_text(url, browser):
+    with chromium_page(1500, 1100, browser) as page:
         dialogs: list[str] = []
         page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
         open_app(page, url)
@@ -74,10 +119,79 @@ def test_html_in_the_prompt_shows_as_text():
         assert not dialogs
 
 
-def save_screenshots(page) -> None:
+def crafted_trace() -> bytes:
+    """A valid trace whose labels, model name and prompt try markdown images, links and HTML."""
+    from model import load_bundled
+    from tracer import TracedGeneration
+    from tracer.io import archive_bytes
+
+    model, tok = load_bundled()
+    gen = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)
+    gen.run(2)
+    data = archive_bytes(gen.trace)
+    manifest = json.loads(zipfile.ZipFile(io.BytesIO(data)).read("manifest.json"))
+    bait = "a\n\n![p](http://evil.example/img.png) <img src='http://evil.example/2.png'> [l](http://evil.example)"
+    manifest["generation"]["info"]["prompt_labels"][0][0] = bait
+    manifest["generation"]["steps"][1]["sampling"]["labels"][0] = bait
+    manifest["model"]["name"] = "![m](http://evil.example/m.png)"
+    manifest["generation"]["info"]["prompts"][0] = bait
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, json.dumps(manifest) if info.filename == "manifest.json"
+                         else src.read(info.filename))
+    return out.getvalue()
+
+
+def test_a_crafted_trace_file_makes_the_page_fetch_nothing(url, browser, tmp_path):
+    path = tmp_path / "![f](http:evil.example).zip"
+    path.write_bytes(crafted_trace())
+    with chromium_page(1500, 1100, browser) as page:
+        errors, outside = watch(page, url)
+        open_app(page, url)
+        page.locator('[data-testid="stFileUploaderDropzoneInput"]').last.set_input_files(str(path))
+        page.wait_for_timeout(1500)
+        page.get_by_role("tab", name="Shapes", exact=True).wait_for(timeout=60_000)
+        for tab in ("Shapes", "Attention", "Next token", "Inspector", "Export"):
+            open_tab(page, tab)
+        assert page.locator("img[src*='evil']").count() == 0 and page.locator("a[href*='evil']").count() == 0
+        shown = " ".join(page.locator("body").all_inner_texts()).replace("\u2060", "")  # the link breaker
+        assert "![m](http://evil.example/m.png)" in shown  # shown, as text
+        assert not outside, outside
+        assert not errors, errors
+
+
+@pytest.mark.parametrize("width, height", [(1600, 1000), (1280, 800)])
+def test_the_actions_are_above_the_fold(url, browser, width, height):
+    with chromium_page(width, height, browser) as page:
+        open_app(page, url)
+        for name in ("Step", "Run N", "Reset"):
+            box = page.get_by_role("button", name=name, exact=True).bounding_box()
+            assert box is not None and box["y"] + box["height"] <= height, (name, box)
+        open_tab(page, "Export")
+        assert page.get_by_text("up to 1 GiB").count() == 1  # what the label promises …
+        assert page.get_by_text("1GB per file").count() == 1  # … is what Streamlit's dropzone says it accepts
+
+
+def test_screenshots(url, browser):
+    """The README's screenshots, taken from the real app (only written with SAVE_SCREENSHOTS=1)."""
     out = ROOT / "assets" / "screenshots"
-    out.mkdir(parents=True, exist_ok=True)
-    page.set_viewport_size({"width": 1500, "height": 2300})
-    for tab in ["Shapes", "Attention", "Causal mask", "KV cache", "Next token", "Inspector"]:
-        open_tab(page, tab)
-        page.screenshot(path=str(out / f"{tab.lower().replace(' ', '_')}.png"))
+    save = bool(os.environ.get("SAVE_SCREENSHOTS"))
+    shots = [("Shapes", None, "shapes"), ("Attention", "Stages", "attention"),
+             ("Attention", "All heads", "all_heads"), ("Attention", "Pitfalls", "pitfalls"),
+             ("Causal mask", None, "causal_mask"), ("KV cache", None, "kv_cache"), ("Next token", None, "next_token"),
+             ("What if", None, "what_if"), ("Worked example", None, "worked"), ("Inspector", None, "inspector")]
+    with chromium_page(1600, 2200, browser) as page:
+        errors, _ = watch(page, url)
+        open_app(page, url)
+        set_prompt(page, PROMPT)
+        for _ in range(3):
+            click(page, "Step")
+        for tab, sub, name in shots:
+            open_tab(page, tab)
+            if sub:
+                open_tab(page, sub)
+            if save:
+                out.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(out / f"{name}.png"))
+        assert not errors, errors
