@@ -480,7 +480,7 @@ def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> 
     scores = scores_for(model) if model is not None else None
     grid = attn_views.all_heads_figure(trace, step, batch, scores=scores, picked=picked)
     st.caption("Layers × heads at this step (click a head to open it above)."
-               + (f" {grid.note}." if grid.note else "")
+               + (f" {grid.note[0].upper()}{grid.note[1:]}." if grid.note else "")
                + (" Each tile names the head's clearest role where its score reaches 0.3, measured on 4 random token "
                   "sequences each repeated twice: previous-token (weight on the key just before), induction (in "
                   "the repeat, weight on the key after the earlier occurrence of the same token), duplicate-token "

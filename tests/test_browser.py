@@ -195,3 +195,27 @@ def test_screenshots(url, browser):
                 out.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(out / f"{name}.png"))
         assert not errors, errors
+
+
+def websocket_handshake(url: str, host: str) -> str:
+    """The status line the app's websocket endpoint answers an upgrade request with, sent with ``host``."""
+    import base64
+    import socket
+    from urllib.parse import urlparse
+
+    address = urlparse(url)
+    with socket.create_connection((address.hostname, address.port), timeout=10) as s:
+        key = base64.b64encode(os.urandom(16)).decode()
+        s.sendall((f"GET /_stcore/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                   f"Sec-WebSocket-Protocol: streamlit\r\n\r\n").encode())
+        return s.recv(4096).decode("latin-1").split("\r\n")[0]
+
+
+def test_a_foreign_host_header_cannot_open_the_websocket(url):
+    """DNS rebinding: a page at evil.example whose name resolves to 127.0.0.1 sends Host: evil.example."""
+    port = url.rsplit(":", 1)[1].strip("/")
+    assert " 101 " in websocket_handshake(url, f"localhost:{port}") + " "
+    assert " 101 " in websocket_handshake(url, f"127.0.0.1:{port}") + " "
+    refused = websocket_handshake(url, f"evil.example:{port}")
+    assert " 101 " not in refused + " " and refused.startswith("HTTP/1.1 4"), refused

@@ -1,4 +1,4 @@
-"""Headless tracing: ``python -m tracer --prompt "…" --steps N [--model-dir DIR] --out PATH``.
+"""Headless tracing: ``python -m tracer --prompt "…" --steps N [--model NAME | --model-dir DIR] --out PATH``.
 
 Writes the trace (a directory, or a .zip when PATH ends in .zip) and prints the
 shape table of the chosen step. Every argument is checked before the model runs.
@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tracer", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     ap.add_argument("--steps", type=int, default=1, help=f"generation steps (1…{MAX_RUN_STEPS}); step 0 is the prefill")
-    ap.add_argument("--model-dir", help="a local Hugging Face directory (default: the bundled model)")
+    ap.add_argument("--model", default="story-gpt", help="a bundled model (default: story-gpt); see --model-dir")
+    ap.add_argument("--model-dir", help="a local Hugging Face directory of a GPT-2, Llama, Mistral or Qwen2 model")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="weights and activations of a --model-dir model (default: float32)")
     ap.add_argument("--out", required=True, help="where to write the trace (directory, or .zip)")
     ap.add_argument("--capture", choices=CAPTURE_LEVELS, default="values")
     ap.add_argument("--no-cache", action="store_true", help="recompute all positions at every step")
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-records", action="store_true", help="print inputs/outputs too, not only hook points")
     args = ap.parse_args(argv)
 
-    from model import ModelLoadError, SamplingError, load_bundled, load_hf_gpt2
+    from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_hf
 
     try:
         out = _checked_out(args.out)
@@ -70,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--steps takes 1 … {MAX_RUN_STEPS}, got {args.steps}")
         if args.show_step is not None and not 0 <= args.show_step < args.steps:
             raise ValueError(f"--show-step must name one of the steps 0 … {args.steps - 1}, got {args.show_step}")
+        if args.model not in BUNDLED_MODELS:
+            raise ValueError(f"--model {args.model!r}: bundled models are {', '.join(BUNDLED_MODELS)}")
         if args.model_dir:
-            model, tokenizer = load_hf_gpt2(args.model_dir)
+            model, tokenizer = load_hf(args.model_dir, dtype=args.dtype)
             if tokenizer is None:
                 raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt)")
         else:
-            model, tokenizer = load_bundled()
+            model, tokenizer = load_bundled(args.model)
         gen = TracedGeneration(
             model, tokenizer, args.prompt if len(args.prompt) > 1 else args.prompt[0],
             use_cache=not args.no_cache, capture=args.capture, temperature=args.temperature,

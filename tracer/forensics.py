@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import replace
+from pathlib import Path
 from types import TracebackType
 
 from torch import nn
@@ -19,6 +20,7 @@ from tracer.records import ModuleInfo, TraceErrorInfo
 
 _CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
 _TORCH_MODULE_FILE = "torch/nn/modules/module.py"
+_OURS = str(Path(__file__).resolve().parent)  # the tracer's own frames (op capture) are never the culprit
 
 
 def _raising_module(tb: TracebackType | None, paths: dict[int, str]) -> tuple[nn.Module | None, str]:
@@ -39,12 +41,15 @@ def _raising_module(tb: TracebackType | None, paths: dict[int, str]) -> tuple[nn
 
 
 def _source_line(exc: BaseException, module: nn.Module | None) -> str:
-    """``file:line: code`` of the innermost frame running inside ``module``'s forward (or of ours)."""
-    found = ""
+    """``file:line: code`` of the innermost frame outside torch once ``module``'s call has begun: a line of
+    its forward, of a function it called, or of a hook of the user's; else the innermost outside torch."""
+    found, inside = "", False
     tb = exc.__traceback__
     while tb is not None and module is not None:
-        if tb.tb_frame.f_locals.get("self") is module:
-            summary = traceback.extract_tb(tb, limit=1)[0]
+        this = tb.tb_frame.f_locals.get("self") is module
+        inside = inside or this
+        summary = traceback.extract_tb(tb, limit=1)[0]
+        if this or (inside and "/torch/" not in summary.filename and not summary.filename.startswith(_OURS)):
             found = f"{summary.filename}:{summary.lineno}: {(summary.line or '').strip()}"
         tb = tb.tb_next
     if found:

@@ -43,6 +43,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 
+from model.gpt import FAMILIES, GPTConfig
 from model.identity import ModelIdentity
 from model.sampling import SamplingConfig
 from tracer.log import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog
@@ -431,6 +432,12 @@ def _checked_config(raw: dict) -> dict:
             out[key] = {str(k): v for k, v in value.items() if isinstance(v, (int, float, str, bool, type(None)))}
         else:
             raise TraceFileError(f"unexpected value of type {type(value).__name__}", where)
+    if out.get("family") in FAMILIES:  # it describes our GPT: it must be one GPTConfig accepts
+        known = {k: v for k, v in out.items() if k in GPTConfig.__dataclass_fields__}
+        try:
+            GPTConfig(**known)
+        except (TypeError, ValueError) as e:
+            raise TraceFileError(str(e), "model.config") from None
     return out
 
 
@@ -748,6 +755,11 @@ def _restore_generation(log: TraceLog, generation: dict, identity: ModelIdentity
         if f.t != expected_t or f.n > f.t or len(f.fed_tokens) != batch or any(len(r) != f.n for r in f.fed_tokens):
             raise TraceFileError(f"n = {f.n}, t = {f.t} and the tokens fed do not fit a batch of {batch} at step {i}",
                                  where)
+        cache_before, cache_after = (f.t - f.n, f.t) if info.use_cache else (0, 0)
+        if (f.cache_before, f.cache_after) != (cache_before, cache_after):
+            raise TraceFileError(f"the cache holds {f.cache_before} → {f.cache_after} positions, but n = {f.n} and "
+                                 f"t = {f.t} {'with' if info.use_cache else 'without'} a cache make that "
+                                 f"{cache_before} → {cache_after}", where + ".forward")
         if i in shapes_at and shapes_at[i] != (batch, f.n, f.t):
             raise TraceFileError(f"says [B, n, t] = [{batch}, {f.n}, {f.t}] but its attention records are "
                                  f"{list(shapes_at[i])}", where)

@@ -1,0 +1,53 @@
+"""``python -m tracer``: every argument is checked before the model runs, with a message, not a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tracer import load_trace
+from tracer.__main__ import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget-mb", "inf"], "--budget-mb must be a number in (0,"),
+    (["--budget-mb", "nan"], "--budget-mb must be a number in (0,"),
+    (["--budget-mb", "0"], "--budget-mb must be a number in (0,"),
+    (["--show-step", "99", "--steps", "3"], "--show-step must name one of the steps 0 … 2, got 99"),
+    (["--show-step", "-1", "--steps", "3"], "--show-step must name one of the steps 0 … 2, got -1"),
+    (["--steps", "0"], "--steps takes 1 …"),
+    (["--model", "gpt-5"], "--model 'gpt-5': bundled models are story-gpt"),
+    (["--top-p", "1.5"], "top_p"),
+])
+def test_bad_arguments_are_refused_before_anything_is_written(capsys, tmp_path, argv, message):
+    out = tmp_path / "t.zip"
+    code, stdout, stderr = run(capsys, "--prompt", "Lily", "--out", str(out), *argv)
+    assert code == 2 and message in stderr and "Traceback" not in stderr
+    assert not out.exists() and stdout == ""
+
+
+def test_an_empty_out_is_refused_instead_of_writing_into_the_working_directory(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--out", "")
+    assert code == 2 and "--out is empty" in stderr and list(tmp_path.iterdir()) == []
+
+
+def test_an_out_below_a_file_is_refused_before_the_run(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--out", str(blocker / "sub" / "t.zip"))
+    assert code == 2 and "is a file, so nothing can be written below it" in stderr
+
+
+def test_show_step_prints_the_step_asked_for(capsys, tmp_path):
+    out = tmp_path / "t.zip"
+    code, stdout, stderr = run(capsys, "--prompt", "Lily had", "--steps", "3", "--show-step", "0",
+                               "--out", str(out))
+    assert code == 0, stderr
+    assert "step 0: n = 2, t = 2" in stdout and "[1, 4, 2, 2]" in stdout
+    assert load_trace(out).n_steps == 3

@@ -1,0 +1,162 @@
+"""Tracing never changes whether a forward works, and never shows a value it cannot vouch for."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tracer import Tracer
+from tracer.nested import MAX_TENSORS
+
+LEVELS = ("shapes", "values", "ops")
+
+
+class Wrap(nn.Module):
+    """A linear layer followed by ``inner``: a model whose last module returns something unusual."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor):
+        return self.inner(self.lin(x))
+
+
+class Sparse(nn.Module):
+    def forward(self, x):
+        return x.to_sparse()
+
+
+class Nested(nn.Module):
+    def forward(self, x):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nested tensors are a prototype API
+            return torch.nested.nested_tensor([x[0], x[1, :2]])
+
+
+class ManyTensors(nn.Module):
+    def forward(self, x):
+        return [x + i for i in range(5000)]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if a.is_nested:
+        return all(x.equal(y) for x, y in zip(a.unbind(), b.unbind()))
+    if a.layout is not torch.strided:
+        return a.to_dense().equal(b.to_dense())
+    return a.equal(b)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("inner, what", [(Sparse(), "sparse_coo tensor"), (Nested(), "nested tensor")])
+def test_sparse_and_nested_outputs_are_recorded_as_far_as_they_can_be(level, inner, what):
+    torch.manual_seed(0)
+    model, x = Wrap(inner), torch.randn(2, 4)
+    expected = model(x)
+    with Tracer(model, capture=level) as tracer:
+        got = model(x)
+    assert same(got, expected)  # tracing changed nothing
+    trace = tracer.trace
+    rec = trace.record("inner:out")
+    assert trace.value(rec) is None
+    if level != "shapes":
+        assert f"a {what}" in trace.value_note(rec)
+    if what.startswith("sparse"):
+        assert rec.shape == (2, 4)
+    assert trace.record("lin:out").shape == (2, 4)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_flat_list_of_5000_tensors_is_capped_with_a_note(level):
+    model, x = Wrap(ManyTensors()), torch.randn(2, 4)
+    with Tracer(model, capture=level) as tracer:
+        out = model(x)
+    assert len(out) == 5000 and out[4999].equal(x @ model.lin.weight.T + model.lin.bias + 4999)
+    names = tracer.trace.names(0)
+    from_inner = [n for n in names if n.startswith("inner:out")]
+    assert len(from_inner) == MAX_TENSORS
+    assert len(names) <= 2 * MAX_TENSORS + 4  # the root's output is the same list, capped the same way
+    last = tracer.trace.record(from_inner[-1])
+    assert "at most 256 per call" in tracer.trace.log.note(last.index)
+
+
+def test_a_value_changed_in_place_under_inference_mode_is_shown_as_it_was():
+    """Inference tensors have no version counter to catch a later write: the tracer copies them when kept."""
+    model = Wrap(nn.Identity())
+    with torch.inference_mode():
+        x = torch.ones(2, 4)
+        with Tracer(model) as tracer:
+            out = model(x)
+        before = out.clone()
+        out.mul_(-5.0)  # the user's own write, after the forward
+    assert tracer.trace.get("inner:out").equal(before)
+    assert tracer.trace.get("lin:out").equal(before)
+
+
+def test_a_value_changed_in_place_in_a_normal_forward_is_dropped_with_a_note():
+    model = Wrap(nn.Identity())
+    with Tracer(model) as tracer:
+        out = model(torch.ones(2, 4))
+    with torch.no_grad():
+        out.mul_(-5.0)
+    rec = tracer.trace.record("lin:out")
+    assert tracer.trace.value(rec) is None and "changed in place" in tracer.trace.value_note(rec)
+
+
+def test_a_write_through_dot_data_is_not_caught_as_the_docs_say():
+    """``.data`` has a version counter of its own, so the tracer cannot see such a write; the capture
+    module's documentation and the README say so. This pins that limitation: if it ever starts failing,
+    the writes are caught and the documentation must change."""
+    import tracer.capture
+
+    model = Wrap(nn.Identity())
+    with Tracer(model) as t:
+        out = model(torch.ones(2, 4))
+    out.data.mul_(-5.0)
+    assert t.trace.get("lin:out").equal(out)  # the mutated values: not caught
+    assert "Not caught: writes through\n  ``.data``" in tracer.capture.__doc__
+
+
+@pytest.mark.parametrize("order", ["tracer first", "user hook first"])
+def test_a_user_forward_hook_that_raises_is_blamed_on_its_module_and_line(order):
+    model = Wrap(nn.Linear(4, 4))
+
+    def broken_hook(module, args, output):
+        raise RuntimeError("the user's hook broke")
+
+    handle = model.inner.register_forward_hook(broken_hook) if order == "user hook first" else None
+    tracer = Tracer(model)
+    with pytest.raises(RuntimeError, match="the user's hook broke") as info, tracer:
+        handle = handle or model.inner.register_forward_hook(broken_hook)
+        model(torch.randn(2, 4))
+    handle.remove()
+    error = tracer.trace.error
+    assert error.module == "inner" and "in its forward hook broken_hook()" in error.module_type
+    assert __file__ in error.source and "raise RuntimeError" in error.source
+    assert any("module 'inner'" in note for note in info.value.__notes__)
+
+
+def hook_counts(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_a_refused_second_tracer_leaves_no_hooks_even_while_its_exception_is_kept():
+    model = Wrap(nn.Linear(4, 4))
+    before = hook_counts(model)
+    with Tracer(model):
+        during = hook_counts(model)
+        assert during > before
+        with pytest.raises(RuntimeError, match="already active") as info, Tracer(model):
+            pass
+        kept = info.value  # the exception, and its traceback's frames, stay referenced
+        gc.collect()
+        assert hook_counts(model) == during
+    assert hook_counts(model) == before
+    assert kept is not None
