@@ -38,9 +38,14 @@ ABLATION = {
                           [0.083, 0.007, 0.607, 0.096],
                           [0.21, 0.925, -0.046, 0.235],
                           [2.369, 2.423, -0.079, 0.019]]),
+    "story-llama": (3.159, [[0.006, -0.016, -0.003, 0.007],
+                            [0.233, -0.024, 4.215, 0.339],
+                            [0.008, 0.066, 0.049, 1.04],
+                            [0.0, -0.007, 4.395, 0.051]]),
 }
-PREVIOUS_TOKEN_HEAD = {"story-gpt": (0, 0)}
-INDUCTION_HEADS = {"story-gpt": [(3, 0), (3, 1)]}
+# (layer, head, lowest score the README's figure rounds from): story-gpt's was seeded, story-llama's grew by itself
+PREVIOUS_TOKEN_HEAD = {"story-gpt": (0, 0, 0.99), "story-llama": (1, 2, 0.75)}
+INDUCTION_HEADS = {"story-gpt": [(3, 0), (3, 1)], "story-llama": [(3, 2)]}
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -94,8 +99,8 @@ def test_the_named_previous_token_head_is_one(bundle, heldout):
     name, model, _ = bundle
     x = heldout[: 32 * 128].view(32, 128)
     scores = previous_token_scores(model, x)  # [layer, head]: mean weight on position i−1
-    layer, head = PREVIOUS_TOKEN_HEAD[name]
-    assert scores[layer, head].item() >= 0.9, scores
+    layer, head, lowest = PREVIOUS_TOKEN_HEAD[name]
+    assert scores[layer, head].item() >= lowest, scores
     assert divmod(int(scores.argmax()), model.config.n_head) == (layer, head)
 
 
@@ -149,7 +154,7 @@ def test_the_induction_heads_depend_on_the_previous_token_head(bundle):
     """The circuit is real: knock out the previous-token head and induction stops working."""
     name, model, tok = bundle
     tokens = repeated_random_tokens(tok.vocab_size, 50, 16, seed=321, prefix=tok.eos_id)
-    layer, head = PREVIOUS_TOKEN_HEAD[name]
+    layer, head, _ = PREVIOUS_TOKEN_HEAD[name]
     intact_loss, intact_score = repeat_loss(model, tokens, 50), induction_scores(model, tokens, 50).max().item()
     with ablated(model, layer, head):
         broken_loss, broken_score = repeat_loss(model, tokens, 50), induction_scores(model, tokens, 50).max().item()
