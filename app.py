@@ -911,7 +911,9 @@ def show_tensor(value: torch.Tensor, name: str, dim_symbols: list[str] | None = 
             if full:
                 matrix, offset = matrix[r0:r0 + 256, c0:c0 + 256], (int(r0), int(c0))
         st.plotly_chart(inspect_views.tensor_heatmap_figure(matrix, name, offset=offset), key="insp_heatmap")
-    st.plotly_chart(inspect_views.histogram_figure(value, f"values of {name}"), key="insp_hist")
+    every = value.numel() > inspect_views.HISTOGRAM_SAMPLE and st.toggle(
+        f"count all {value.numel():,} values in the histogram (slower)", key=f"insp_every_{name}")
+    st.plotly_chart(inspect_views.histogram_figure(value, f"values of {name}", every_value=every), key="insp_hist")
     raw = inspect_views.raw_frame(value)
     if raw is not None:
         st.dataframe(raw, key="insp_raw")

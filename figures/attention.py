@@ -20,6 +20,7 @@ from tracer import Trace
 
 STAGES = ("qk", "attn_scores", "masked_scores", "pattern")
 GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pooling each head to fit)
+MIN_TILE_ROWS = 6  # a head with fewer query rows has them drawn taller, up to this many rows
 ROLE_SHOWN = 0.3  # a head's clearest role is written on its tile from this score up
 STAGE_SIDE = 128  # four stages side by side: each pooled to at most 128 × 128, under 1 MB together
 M_NOTE = ("Here M is added after the scaling; the formula is often written softmax((QKᵀ + M)/√d_k). The two are "
@@ -165,16 +166,17 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
             new = new[-1:]  # without the cache a step recomputes all rows; only its newest row is new
         n_rows = len(query_labels(trace, s, batch))
         block = torch.full((len(new), t), math.nan)
-        for i, label in enumerate(new):
-            padding = False
-            if pattern is not None:
-                values = pattern[batch, head, n_rows - len(new) + i]
-                position = values.numel() - len(new) + i  # this query's own key column
-                padding = position < len(is_token) and not is_token[position]
-                if not padding:  # a padding position is no real query: its row stays blank
-                    block[i, : position + 1] = values[: position + 1]  # later keys: masked, or not there yet
-            row_steps.append(s)
-            row_labels.append(f"s{s} · {label}" + (" (padding: no query)" if padding else ""))
+        padding = [False] * len(new)
+        if pattern is not None:
+            values = pattern[batch, head, n_rows - len(new):].float()  # [new rows, t_s]
+            t_s = values.shape[-1]
+            positions = torch.arange(t_s - len(new), t_s)  # each new query's own key column
+            seen = torch.arange(t_s)[None, :] <= positions[:, None]  # later keys: masked, or not there yet
+            padding = [p < len(is_token) and not is_token[p] for p in positions.tolist()]
+            seen &= ~torch.tensor(padding)[:, None]  # a padding position is no real query: its row stays blank
+            block[:, :t_s] = torch.where(seen, values, math.nan)
+        row_steps += [s] * len(new)
+        row_labels += [f"s{s} · {label}" + (" (padding: no query)" if pad else "") for label, pad in zip(new, padding)]
         rows.append(block)
     return torch.cat(rows), row_labels, keys, row_steps
 
@@ -211,12 +213,15 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
     H = layers[0].shape[1]
     G = trace.record(act_name("k_all", 0), step).shape[1]
     n, t = layers[0].shape[2], layers[0].shape[3]
-    scale = min(1.0, math.sqrt(GRID_CELLS / max(1, n_layer * H * n * t)))
-    rn, rt = max(1, round(n * scale)), max(1, round(t * scale))
-    stretch = -(-6 // rn) if rn < 6 else 1  # a one-row decode pattern is drawn as a band, not a hairline
+    per_head = GRID_CELLS // max(1, n_layer * H)
+    scale = min(1.0, math.sqrt(per_head / max(1, n * t)))
+    rn = max(1, round(n * scale))
+    stretch = -(-MIN_TILE_ROWS // rn) if rn < MIN_TILE_ROWS else 1  # a decode row is a band, not a hairline
     tall = rn * stretch
-    gap = max(1, rt // 8)
-    tiles = torch.full((n_layer * (tall + gap) - gap, H * (rt + gap) - gap), math.nan)
+    # the stretched rows count against the budget too: a one-row head gets per_head / tall key columns
+    rt = max(1, min(t, round(t * scale) if stretch == 1 else per_head // tall))
+    rgap, cgap = max(1, tall // 8), max(1, rt // 8)
+    tiles = torch.full((n_layer * (tall + rgap) - rgap, H * (rt + cgap) - cgap), math.nan)
     missing, pooled_any = 0, False
     for layer in range(n_layer):
         value, from_digest = None, False
@@ -230,22 +235,21 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
         if value is None:
             missing += 1
             continue
-        r0 = layer * (tall + gap)
+        r0 = layer * (tall + rgap)
         for head in range(H):
             m = value[head].double()
             if tuple(m.shape) != (rn, rt):
                 m, pooled_any = pool(m, rn, rt), True
-            c0 = head * (rt + gap)
+            c0 = head * (rt + cgap)
             tiles[r0:r0 + tall, c0:c0 + rt] = m.repeat_interleave(stretch, dim=0)
         pooled_any = pooled_any or from_digest
-    z = [[None if math.isnan(v) else round(v, 4) for v in row] for row in tiles.tolist()]
-    fig = go.Figure(go.Heatmap(z=z, colorscale=AMOUNT, zmin=0, zmax=1, hoverinfo="skip",
+    fig = go.Figure(go.Heatmap(z=tiles.to(torch.float32).numpy(), colorscale=AMOUNT, zmin=0, zmax=1, hoverinfo="skip",
                                colorbar={"title": {"text": "A", "side": "top"}, "thickness": 10}))
     centres_x, centres_y, data = [], [], []
     for layer in range(n_layer):
         for head in range(H):
-            centres_x.append(head * (rt + gap) + (rt - 1) / 2)
-            centres_y.append(layer * (tall + gap) + (tall - 1) / 2)
+            centres_x.append(head * (rt + cgap) + (rt - 1) / 2)
+            centres_y.append(layer * (tall + rgap) + (tall - 1) / 2)
             text = f"L{layer} H{head}" + (f" (K/V head {head // (H // G)})" if G != H else "")
             if scores:
                 text += "<br>" + "<br>".join(f"{k}: {float(v[layer, head]):.2f}" for k, v in scores.items())
@@ -257,13 +261,13 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
     if G != H:  # brackets over the query heads that read one key/value head
         per = H // G
         for g in range(G):
-            x0, x1 = g * per * (rt + gap) - 0.5, ((g + 1) * per - 1) * (rt + gap) + rt - 0.5
+            x0, x1 = g * per * (rt + cgap) - 0.5, ((g + 1) * per - 1) * (rt + cgap) + rt - 0.5
             shapes.append({"type": "line", "x0": x0, "x1": x1, "y0": -1.5, "y1": -1.5, "line": {"color": "#555"}})
             fig.add_annotation(x=(x0 + x1) / 2, y=-2, text=f"K/V head {g}", showarrow=False, yanchor="bottom",
                                font={"size": 10, "color": "#555"})
     if picked is not None:
         layer, head = picked
-        x0, y0 = head * (rt + gap) - 0.5, layer * (tall + gap) - 0.5
+        x0, y0 = head * (rt + cgap) - 0.5, layer * (tall + rgap) - 0.5
         shapes.append({"type": "rect", "x0": x0, "x1": x0 + rt, "y0": y0, "y1": y0 + tall,
                        "line": {"color": ACCENT, "width": 3}})
     if scores:  # each tile names its clearest role (a score of at least ROLE_SHOWN); the hover lists them all
@@ -271,14 +275,14 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
             for head in range(H):
                 role, value = max(((k, float(v[layer, head])) for k, v in scores.items()), key=lambda kv: kv[1])
                 if value >= ROLE_SHOWN:
-                    fig.add_annotation(x=head * (rt + gap) + (rt - 1) / 2, y=layer * (tall + gap) + tall - 0.5,
+                    fig.add_annotation(x=head * (rt + cgap) + (rt - 1) / 2, y=layer * (tall + rgap) + tall - 0.5,
                                        text=f"{role} {value:.2f}", showarrow=False, yanchor="top",
                                        font={"size": 10, "color": "#111"}, bgcolor="rgba(255,255,255,0.8)")
     fig.update_layout(shapes=shapes, plot_bgcolor="white", margin={"t": 40, "l": 40, "r": 10, "b": 10},
                       height=int(min(1400, max(320, 90 + n_layer * (60 if tall <= 6 else 110)))))
-    fig.update_xaxes(tickvals=[h * (rt + gap) + (rt - 1) / 2 for h in range(H)], ticktext=[f"H{h}" for h in range(H)],
+    fig.update_xaxes(tickvals=[h * (rt + cgap) + (rt - 1) / 2 for h in range(H)], ticktext=[f"H{h}" for h in range(H)],
                      side="top", showgrid=False, zeroline=False)
-    fig.update_yaxes(tickvals=[layer * (tall + gap) + (tall - 1) / 2 for layer in range(n_layer)],
+    fig.update_yaxes(tickvals=[layer * (tall + rgap) + (tall - 1) / 2 for layer in range(n_layer)],
                      ticktext=[f"L{layer}" for layer in range(n_layer)], autorange="reversed", showgrid=False,
                      zeroline=False)
     if tall == rn:  # square cells: one query row is as tall as one key column is wide

@@ -5,6 +5,9 @@
   so no figure sends more than ~256 × 256 numbers to the browser; the title says
   how many rows and columns one cell stands for. A window at full resolution is
   the caller's slice of the same matrix.
+* Values travel as float32 NumPy arrays (NaN where a cell holds no number): plotly
+  sends them as base64 typed arrays — 5⅓ characters a number, and no per-number
+  validation in Python, which for a nested list costs ~10 µs a cell.
 * A matrix of at most ``NUMBERS_UP_TO`` × ``NUMBERS_UP_TO`` writes its numbers in
   the cells.
 * Amounts in [0, 1] use the ``AMOUNT`` scale from 0 to 1; anything signed uses
@@ -16,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import plotly.graph_objects as go
 import torch
 
@@ -28,9 +32,10 @@ NUMBERS_UP_TO = 12
 
 @dataclass(frozen=True)
 class Grid:
-    """A matrix ready to draw: values (None = masked), unique labels per row and column, and its pooling."""
+    """A matrix ready to draw: values (float32, NaN = masked or absent), unique labels per row and column, and
+    its pooling."""
 
-    z: list[list[float | None]]
+    z: np.ndarray
     x: list[str]
     y: list[str]
     block: tuple[int, int]  # (rows, columns) of the original matrix one cell stands for; (1, 1) unpooled
@@ -49,11 +54,14 @@ class Grid:
 
 def pool(m: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The mean of the finite values in each of rows × cols blocks (NaN where a block has none)."""
-    x = m.detach().double()
+    x = m.detach()
+    x = x.float() if x.dtype != torch.float64 else x
+    if math.isfinite(float(x.sum())):  # one pass, no copy: the common case has nothing to leave out
+        return torch.nn.functional.adaptive_avg_pool2d(x[None], (rows, cols))[0]
     finite = torch.isfinite(x)
     sums = torch.nn.functional.adaptive_avg_pool2d(torch.where(finite, x, 0.0)[None], (rows, cols))[0]
-    counts = torch.nn.functional.adaptive_avg_pool2d(finite.double()[None], (rows, cols))[0]
-    return torch.where(counts > 0, sums / counts.clamp_min(1e-300), torch.full_like(sums, math.nan))
+    counts = torch.nn.functional.adaptive_avg_pool2d(finite.to(x.dtype)[None], (rows, cols))[0]
+    return torch.where(counts > 0, sums / counts.clamp_min(1e-30), torch.full_like(sums, math.nan))
 
 
 def _ranges(count: int, cells: int) -> list[tuple[int, int]]:
@@ -61,22 +69,25 @@ def _ranges(count: int, cells: int) -> list[tuple[int, int]]:
     return [((i * count) // cells, -(-((i + 1) * count) // cells)) for i in range(cells)]
 
 
-def grid(matrix: torch.Tensor, x_labels: list[str], y_labels: list[str], max_side: int = MAX_SIDE) -> Grid:
-    """``matrix`` ``[rows, cols]`` as a ``Grid``: pooled when larger than ``max_side``, labels escaped."""
+def grid(matrix: torch.Tensor, x_labels: list[str] | None, y_labels: list[str] | None, max_side: int = MAX_SIDE,
+         offset: tuple[int, int] = (0, 0)) -> Grid:
+    """``matrix`` ``[rows, cols]`` as a ``Grid``: pooled when larger than ``max_side``, labels escaped. Labels
+    left out (None) are the row and column numbers from ``offset`` — a 50 257-column slice need not make
+    50 257 strings to be drawn in 256 columns."""
     rows, cols = matrix.shape
     r, c = min(rows, max_side), min(cols, max_side)
     values = matrix if (r, c) == (rows, cols) else pool(matrix, r, c)
-    # five significant digits (the hover shows four) keep a 256 × 256 heatmap near 0.6 MB of JSON
-    z = [[float(f"{v:.5g}") if math.isfinite(v) else None for v in row] for row in values.detach().double().tolist()]
-    if (r, c) == (rows, cols):
-        return Grid(z, [safe_text(s) for s in x_labels], [safe_text(s) for s in y_labels], (1, 1), (rows, cols))
+    z = values.detach().to(torch.float32).numpy(force=True).copy()
+    z[~np.isfinite(z)] = np.nan  # ±∞ is drawn as a gap, like a masked cell
 
-    def spans(labels: list[str], count: int, cells: int) -> list[str]:
+    def spans(labels: list[str] | None, count: int, cells: int, first: int) -> list[str]:
         if cells == count:
-            return [safe_text(s) for s in labels]
-        return [safe_text(f"{a}…{b - 1}" if b - a > 1 else f"{a}") for a, b in _ranges(count, cells)]
+            return [safe_text(s) for s in labels] if labels is not None else [str(first + i) for i in range(count)]
+        return [safe_text(f"{first + a}…{first + b - 1}" if b - a > 1 else f"{first + a}") if labels is None else
+                safe_text(f"{a}…{b - 1}" if b - a > 1 else f"{a}") for a, b in _ranges(count, cells)]
 
-    return Grid(z, spans(x_labels, cols, c), spans(y_labels, rows, r), (-(-rows // r), -(-cols // c)), (rows, cols))
+    return Grid(z, spans(x_labels, cols, c, offset[1]), spans(y_labels, rows, r, offset[0]),
+                (-(-rows // r), -(-cols // c)), (rows, cols))
 
 
 def heatmap(g: Grid, kind: str = "signed", zmin: float | None = None, zmax: float | None = None,
@@ -84,7 +95,7 @@ def heatmap(g: Grid, kind: str = "signed", zmin: float | None = None, zmax: floa
             bar: dict | None = None) -> go.Heatmap:
     """A plotly heatmap of ``g``. ``kind``: "amount" (0 … 1) or "signed" (centred on 0)."""
     small = len(g.z) <= NUMBERS_UP_TO and len(g.x) <= NUMBERS_UP_TO
-    text = [[("" if v is None else f"{v:.3f}") for v in row] for row in g.z] if small else None
+    text = [[("" if math.isnan(v) else f"{v:.3f}") for v in row] for row in g.z.tolist()] if small else None
     amount = kind == "amount"
     trace = go.Heatmap(
         z=g.z, x=g.x, y=g.y, text=text, texttemplate="%{text}" if small else None, textfont={"size": 11},
@@ -100,9 +111,10 @@ def heatmap(g: Grid, kind: str = "signed", zmin: float | None = None, zmax: floa
 def masked_layer(g: Grid) -> go.Heatmap | None:
     """Grey cells where ``g`` holds no number (masked, or not there at that step); None when there are none.
     Drawn under the values, so the plot's own margins stay white."""
-    if all(v is not None for row in g.z for v in row):
+    gaps = np.isnan(g.z)
+    if not gaps.any():
         return None
-    z = [[1 if v is None else None for v in row] for row in g.z]
+    z = np.where(gaps, np.float32(1), np.float32(np.nan))
     return go.Heatmap(z=z, x=g.x, y=g.y, colorscale=[[0, MASKED], [1, MASKED]], showscale=False, hoverinfo="skip")
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 
 from figures.common import shape_text
-from figures.heatmap import add, grid, style_axes
+from figures.heatmap import MAX_SIDE, add, grid, style_axes
 from tracer import Trace
 
 MAX_RAW_ELEMENTS = 400  # tensors up to this size are shown number by number
@@ -42,12 +43,12 @@ def tensor_heatmap_figure(matrix: torch.Tensor, title: str, x_labels: list[str] 
     m = matrix.detach()
     if not m.is_floating_point():
         m = m.double()
-    r0, c0 = offset
-    xs = x_labels or [str(c0 + j) for j in range(m.shape[1])]
-    ys = y_labels or [str(r0 + i) for i in range(m.shape[0])]
-    g = grid(m, xs, ys)
-    finite = m[torch.isfinite(m)]
-    amount = bool(finite.numel()) and float(finite.min()) >= 0 and float(finite.max()) <= 1
+    # labels are made only for a side drawn cell by cell; a pooled side is labelled by its number ranges
+    xs = x_labels if x_labels is not None and m.shape[1] <= MAX_SIDE else None
+    ys = y_labels if y_labels is not None and m.shape[0] <= MAX_SIDE else None
+    g = grid(m, xs, ys, offset=offset)
+    drawn = g.z[~np.isnan(g.z)]  # the colour scale is about the cells drawn (pooled means, when pooled)
+    amount = bool(drawn.size) and float(drawn.min()) >= 0 and float(drawn.max()) <= 1
     fig = go.Figure()
     add(fig, g, "amount" if amount else "signed", colorbar="value")
     style_axes(fig, g, x_title="column", y_title="row", max_ticks=16)
@@ -58,25 +59,36 @@ def tensor_heatmap_figure(matrix: torch.Tensor, title: str, x_labels: list[str] 
     return fig
 
 
-def histogram_figure(value: torch.Tensor, title: str, bins: int = 60) -> go.Figure:
-    """The distribution of every finite value, counted here (only the bin counts go to the browser);
-    NaN and ±∞ are counted in the title."""
+HISTOGRAM_SAMPLE = 1_000_000  # larger tensors are counted over this many values drawn at random (fixed seed)
+
+
+def histogram_figure(value: torch.Tensor, title: str, bins: int = 60, every_value: bool = False) -> go.Figure:
+    """The distribution of the finite values, counted here (only the bin counts go to the browser). A tensor
+    of more than ``HISTOGRAM_SAMPLE`` values is counted over a random sample of that many unless
+    ``every_value``; the title says which, and how many NaN/±∞ were left out."""
     x = value.detach().flatten()
+    total = x.numel()
+    sampled = not every_value and total > HISTOGRAM_SAMPLE
+    if sampled:
+        picks = torch.randint(total, (HISTOGRAM_SAMPLE,), generator=torch.Generator().manual_seed(0))
+        x = x[picks]
     x = x.double() if not x.is_floating_point() else x.float()
     finite = torch.isfinite(x)
     values = x[finite] if not bool(finite.all()) else x
     others = x.numel() - values.numel()
     fig = go.Figure()
     if values.numel():
-        lo, hi = float(values.min()), float(values.max())
+        lo, hi = (float(v) for v in torch.aminmax(values))
         if lo == hi:
             lo, hi = lo - 0.5, hi + 0.5
         counts = torch.histc(values.float(), bins=bins, min=lo, max=hi)
         width = (hi - lo) / bins
         fig.add_trace(go.Bar(x=[lo + (i + 0.5) * width for i in range(bins)], y=counts.tolist(), width=width,
                              marker_color="#7a8ca3", hovertemplate="%{x:.4g}: %{y:,} values<extra></extra>"))
-    fig.update_layout(title_text=f"{title}: all {values.numel():,} finite values" +
-                      (f" ({others:,} NaN/±∞ not drawn)" if others else ""), title_font_size=13, height=280,
+    what = (f"a random sample of {HISTOGRAM_SAMPLE:,} of its {total:,} values" if sampled
+            else f"all {values.numel():,} finite values")
+    left_out = f" ({others:,} NaN/±∞{' in the sample' if sampled else ''} not drawn)" if others else ""
+    fig.update_layout(title_text=f"{title}: {what}{left_out}", title_font_size=13, height=280,
                       bargap=0.02, margin={"t": 50, "l": 10, "r": 10, "b": 10}, xaxis_title="value",
                       yaxis_title="count")
     return fig

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
@@ -133,7 +134,7 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
         fig.add_trace(under)
     fig.add_trace(go.Heatmap(
         z=g.z, x=g.x, y=g.y, zmin=0, zmax=1, colorscale=[[0, ALLOWED], [1, ALLOWED]], showscale=False,
-        text=[["0" if v is not None else "−∞" for v in row] for row in g.z] if small else None,
+        text=[["−∞" if math.isnan(v) else "0" for v in row] for row in g.z.tolist()] if small else None,
         texttemplate="%{text}" if small else None, hoverongaps=True,
         hovertemplate="q %{y}<br>k %{x}<br>M = 0<extra></extra>", xgap=1, ygap=1,
     ))

@@ -135,9 +135,15 @@ def open_tab(page, name: str) -> None:
 
 
 def plotly_data(page) -> list:
-    """The data arrays of every plotly chart on the page, as the browser holds them."""
+    """The data arrays of every plotly chart on the page, as the browser holds them (a numpy array arrives
+    packed, ``{dtype, bdata, shape}``, and plotly.js keeps that object with the decoded ``_inputArray``)."""
     return page.evaluate(
-        "() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => (d.data || []).map(t => ({"
-        "type: t.type, skip: t.hoverinfo === 'skip', rows: Array.isArray(t.z) ? t.z.length : null,"
-        "cols: Array.isArray(t.z) && Array.isArray(t.z[0]) ? t.z[0].length : null})))"
+        "() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => (d.data || []).map(t => {"
+        "  const z = t.z; let rows = null, cols = null;"
+        "  if (z && z.shape !== undefined) { const s = String(z.shape).split(',').map(Number);"
+        "    rows = s[0]; cols = s.length > 1 ? s[1] : null;"
+        "    const a = z._inputArray;"
+        "    if (!a || (a.length !== rows && a.length !== rows * (cols || 1))) { rows = cols = null; } }"
+        "  else if (z) { rows = z.length; cols = z[0] && z[0].length !== undefined ? z[0].length : null; }"
+        "  return {type: t.type, skip: t.hoverinfo === 'skip', rows: rows, cols: cols}; }))"
     )

@@ -3,6 +3,7 @@ that every sentence it shows holds for the step it is about."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import tomllib
@@ -41,7 +42,25 @@ def press(at: AppTest, key: str) -> AppTest:
 
 
 def charts(at: AppTest) -> list[dict]:
-    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    """Each chart's figure as JSON, with plotly's packed arrays (numpy data is sent as base64) unpacked to lists."""
+    return [unpack(json.loads(c.proto.spec)) for c in at.get("plotly_chart")]
+
+
+def unpack(obj):
+    """Plotly packs a numpy array as ``{"dtype", "bdata", "shape"}``; decode it as the browser would, a NaN
+    becoming None (both are a gap to plotly.js)."""
+    if isinstance(obj, dict) and "bdata" in obj and "dtype" in obj:
+        flat = np.frombuffer(base64.b64decode(obj["bdata"]), dtype=np.dtype(obj["dtype"]))
+        shape = [int(s) for s in str(obj.get("shape", len(flat))).split(",")]
+        values = flat.astype(object)
+        if flat.dtype.kind == "f":
+            values[np.isnan(flat)] = None
+        return values.reshape(shape).tolist()
+    if isinstance(obj, dict):
+        return {k: unpack(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unpack(v) for v in obj]
+    return obj
 
 
 def heatmaps(spec: dict) -> list[dict]:

@@ -145,7 +145,7 @@ class ValueStore:
             if size > self.budget_bytes:
                 return f"not kept: its storage ({size} B) is larger than the whole budget ({self.budget_bytes} B)"
             while self._nbytes + size > self.budget_bytes and self._entries:
-                self._evict_oldest_step()
+                self._evict_oldest()
             self._storages[key] = {index}
             self._nbytes += size
             self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
@@ -178,15 +178,12 @@ class ValueStore:
         if note is not None and self._on_evict is not None:
             self._on_evict(index, tensor, note, stats)
 
-    def _evict_oldest_step(self) -> None:
-        oldest_step = self._entries[next(iter(self._entries))][1]
-        victims = [i for i, e in self._entries.items() if e[1] == oldest_step]
-        newest_step = self._entries[next(reversed(self._entries))][1]
-        if oldest_step == newest_step:
-            victims = victims[:1]  # the current step alone is over budget: drop its oldest value only
-        for i in victims:
-            self._evicted += 1
-            self.drop(i, note=f"evicted: over the {self.budget_bytes} B budget")
+    def _evict_oldest(self) -> None:
+        """Drop the oldest kept value. Value by value rather than whole steps: a decode step needs a few
+        MB, and making room by dropping the whole prefill would cost the statistics of all of it and
+        leave nothing of it to look at."""
+        self._evicted += 1
+        self.drop(next(iter(self._entries)), note=f"evicted: over the {self.budget_bytes} B budget")
 
     def overlapping(self, tensor: torch.Tensor) -> list[int]:
         """Indices of kept values whose elements ``tensor`` covers (so writing it would change them)."""

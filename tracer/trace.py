@@ -184,13 +184,19 @@ class Trace:
         self._materialize()
         return self._records[index]
 
-    def _find(self, name: str, step: int | None) -> int:
+    def _lookup(self, name: str, step: int | None) -> int | None:
         candidates = [name, f"{name}:out"] if ":" not in name else [name]
         steps = [step] if step is not None else sorted({s for s, _ in self._by_name}, reverse=True)
         for s in steps:
             for n in candidates:
                 if (s, n) in self._by_name:
                     return self._by_name[(s, n)]
+        return None
+
+    def _find(self, name: str, step: int | None) -> int:
+        index = self._lookup(name, step)
+        if index is not None:
+            return index
         known = sorted({n for _, n in self._by_name})
         close = difflib.get_close_matches(name, known, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -198,11 +204,8 @@ class Trace:
         raise KeyError(f"no record named {name!r}{where}{hint}")
 
     def has(self, name: str, step: int | None = None) -> bool:
-        try:
-            self.record(name, step)
-        except KeyError:
-            return False
-        return True
+        self._materialize()
+        return self._lookup(name, step) is not None
 
     def get(self, name: str, step: int | None = None) -> torch.Tensor | None:
         """The tensor recorded as ``name`` at ``step`` (latest by default), or None when only its
