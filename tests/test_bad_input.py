@@ -54,10 +54,17 @@ def test_any_text_round_trips_through_the_tokenizer(bundled, text):
 @example(temperature=1e-197, top_k=None, top_p=None, seed=0)  # found by hypothesis: z/τ overflowed to inf
 @example(temperature=1.0, top_k=None, top_p=2e-81, seed=0)  # found by hypothesis: p rounded to 0 kept no token
 def test_sampling_parameters_work_or_raise_the_documented_error(temperature, top_k, top_p, seed):
-    try:
-        cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    except SamplingError:
+    # The documented contract, stated independently of the code: τ finite in [0, 100]; top-k None or a
+    # whole number ≥ 0; top-p None or in (0, 1]; the seed a whole number that fits in 64 bits.
+    valid = (math.isfinite(temperature) and 0 <= temperature <= 100
+             and (top_k is None or top_k >= 0)
+             and (top_p is None or (not math.isnan(top_p) and 0 < top_p <= 1))
+             and isinstance(seed, int) and -(2**63) <= seed < 2**64)
+    if not valid:
+        with pytest.raises(SamplingError):
+            SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return
+    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     assert math.isfinite(cfg.temperature) and 0 <= cfg.temperature <= 100
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     res = sample(logits, cfg, cfg.generator())
