@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import html
 
 import plotly.colors
@@ -28,7 +29,13 @@ NEUTRAL = "#7a8ca3"  # bars and lines that carry no value of their own
 def amount_colour(value: float) -> str:
     """The ``AMOUNT`` colour of a value in [0, 1] (clipped), as ``rgb(r, g, b)``."""
     v = min(1.0, max(0.0, float(value)))
-    return plotly.colors.sample_colorscale(AMOUNT, [v])[0]
+    return plotly.colors.sample_colorscale([list(stop) for stop in _amount_scale()], [v])[0]
+
+
+@functools.cache
+def _amount_scale() -> tuple:
+    # plotly looks a named scale up by rebuilding its table of every named scale: once is enough
+    return tuple(tuple(stop) for stop in plotly.colors.get_colorscale(AMOUNT))
 
 
 def text_colour(background: str) -> str:

@@ -197,6 +197,37 @@ def test_screenshots(url, browser):
         assert not errors, errors
 
 
+def test_the_llama_model_shows_its_key_value_groups_and_rope(url, browser):
+    """The bundled Llama-style model in the browser: K and V have G = 2 heads for H = 4 query heads, the
+    all-heads grid brackets the query heads each key/value head serves, and the RoPE view is there."""
+    from model import load_bundled
+
+    _, tok = load_bundled("story-llama")
+    n0 = len(tok.encode(PROMPT))
+    with chromium_page(1600, 2200, browser) as page:
+        errors, outside = watch(page, url)
+        open_app(page, url)
+        set_prompt(page, PROMPT)
+        page.get_by_label("Weights").get_by_text("Bundled Llama-style story model").click()
+        click(page, "Step")
+        click(page, "Step")
+        open_tab(page, "KV cache")
+        assert page.get_by_text(f"[1, 2, {n0 + 1}, 32]").count() >= 1  # [B, G, t, d_head], G = 2
+        open_tab(page, "Attention")
+        open_tab(page, "All heads")
+        grid = values(plotly_data(page)[0])
+        assert len(grid) == 1  # one heatmap, the heads tiled into it
+        assert page.locator(".js-plotly-plot").first.get_by_text("K/V head 1").count() >= 1
+        if os.environ.get("SAVE_SCREENSHOTS"):
+            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "llama_all_heads.png"))
+        open_tab(page, "RoPE")
+        assert len(plotly_data(page)) >= 1
+        if os.environ.get("SAVE_SCREENSHOTS"):
+            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "llama_rope.png"))
+        assert not errors, errors
+        assert not outside, outside
+
+
 def websocket_handshake(url: str, host: str) -> str:
     """The status line the app's websocket endpoint answers an upgrade request with, sent with ``host``."""
     import base64

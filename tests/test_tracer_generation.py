@@ -226,3 +226,23 @@ def test_an_untraced_forward_on_another_thread_is_not_recorded(bundled):
         th.join()
     assert tr.trace.n_steps == 1
     assert {r.shape for r in tr.trace.filter(name="hook_embed")} == {(1, 2, 128)}
+
+
+def test_an_evicted_attention_pattern_keeps_a_pooled_summary_of_block_means():
+    """A 256 × 256 pattern the budget cannot keep leaves a 128 × 128 summary: each cell the mean of a
+    2 × 2 block of the real weights (computed here by slicing, not by the pooling the tracer uses)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_ctx=300, d_model=16, n_layer=1, n_head=2)).eval()
+    tokens = torch.randint(0, 64, (1, 256))
+    with Tracer(model, capture="values") as full, torch.no_grad():
+        model(tokens)
+    pattern = full.trace.get("blocks.0.attn.hook_pattern")
+    with Tracer(model, capture="values", budget_bytes=64 * 1024) as tight, torch.no_grad():
+        model(tokens)
+    rec = tight.trace.record("blocks.0.attn.hook_pattern")
+    assert tight.trace.get("blocks.0.attn.hook_pattern") is None  # evicted: 2 heads × 256² floats > 64 KiB
+    digest = tight.trace.digest(rec)
+    assert digest is not None and tuple(digest.shape) == (1, 2, 128, 128)
+    blocks = pattern.reshape(1, 2, 128, 2, 128, 2).mean(dim=(3, 5))
+    torch.testing.assert_close(digest, blocks)
+    assert tight.trace.digest(tight.trace.record("blocks.0.attn.hook_qk")) is None  # only the weights are summarised
