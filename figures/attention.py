@@ -270,13 +270,14 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
         x0, y0 = head * (rt + cgap) - 0.5, layer * (tall + rgap) - 0.5
         shapes.append({"type": "rect", "x0": x0, "x1": x0 + rt, "y0": y0, "y1": y0 + tall,
                        "line": {"color": ACCENT, "width": 3}})
-    if scores:  # each tile names its clearest role (a score of at least ROLE_SHOWN); the hover lists them all
+    if scores:  # each tile names its clearest role (a score of at least ROLE_SHOWN) inside its lower edge, not
+        # in the gap below, where it would cover the next layer's tile; the hover lists them all
         for layer in range(n_layer):
             for head in range(H):
                 role, value = max(((k, float(v[layer, head])) for k, v in scores.items()), key=lambda kv: kv[1])
                 if value >= ROLE_SHOWN:
                     fig.add_annotation(x=head * (rt + cgap) + (rt - 1) / 2, y=layer * (tall + rgap) + tall - 0.5,
-                                       text=f"{role} {value:.2f}", showarrow=False, yanchor="top",
+                                       text=f"{role} {value:.2f}", showarrow=False, yanchor="bottom",
                                        font={"size": 10, "color": "#111"}, bgcolor="rgba(255,255,255,0.8)")
     fig.update_layout(shapes=shapes, plot_bgcolor="white", margin={"t": 40, "l": 40, "r": 10, "b": 10},
                       height=int(min(1400, max(320, 90 + n_layer * (60 if tall <= 6 else 110)))))
@@ -438,7 +439,8 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
 
     def rotated(vec: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_cos_sin(config, positions[None])  # [1, S, d_head]
-        return apply_rope(vec[None, None].expand(1, len(positions), -1).float(), cos, sin)[0].double()  # [S, d]
+        x = vec.float().expand(1, 1, len(positions), -1)  # [B=1, H=1, n=S, d_head], as the model rotates q
+        return apply_rope(x, cos, sin)[0, 0].double()  # [S, d_head]
 
     together = (rotated(qv, m_pos + shifts) * rotated(kv, n_pos + shifts)).sum(-1)
     key_only = (rotated(qv, torch.full_like(shifts, m_pos)) * rotated(kv, n_pos + shifts)).sum(-1)
@@ -447,8 +449,8 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
         go.Scatter(x=shifts.tolist(), y=key_only.tolist(), mode="lines", name="key alone moved: R(m)q·R(n+s)k",
                    line={"dash": "dot"}),
     ])
-    fig.update_layout(height=300, margin={"t": 40, "l": 10, "r": 10, "b": 10}, xaxis_title="shift s (positions)",
-                      yaxis_title="qᵀk after rotation", legend={"orientation": "h", "y": 1.15},
+    fig.update_layout(height=320, margin={"t": 70, "l": 10, "r": 10, "b": 10}, xaxis_title="shift s (positions)",
+                      yaxis_title="qᵀk after rotation", legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
                       title_font_size=13,
                       title_text=f"query at position {m_pos}, key at position {n_pos}: m − n = {m_pos - n_pos}")
     return fig

@@ -215,8 +215,8 @@ def test_the_llama_model_shows_its_key_value_groups_and_rope(url, browser):
         assert page.get_by_text(f"[1, 2, {n0 + 1}, 32]").count() >= 1  # [B, G, t, d_head], G = 2
         open_tab(page, "Attention")
         open_tab(page, "All heads")
-        grid = values(plotly_data(page)[0])
-        assert len(grid) == 1  # one heatmap, the heads tiled into it
+        grid = [t for t in plotly_data(page)[0] if t["type"] == "heatmap"]
+        assert len(grid) == 1 and grid[0]["rows"] and grid[0]["cols"]  # one heatmap, the heads tiled into it
         assert page.locator(".js-plotly-plot").first.get_by_text("K/V head 1").count() >= 1
         if os.environ.get("SAVE_SCREENSHOTS"):
             page.screenshot(path=str(ROOT / "assets" / "screenshots" / "llama_all_heads.png"))

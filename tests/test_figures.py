@@ -234,6 +234,7 @@ def test_rope_keeps_the_score_a_function_of_the_distance(llama_gen):
     assert torch.allclose(apply_rope(q, cos, sin), rot, atol=1e-6)  # the view shows the model's own rotation
     fig = attention.rope_relative_figure(t, 0, 1, 4)
     together, key_only = (torch.tensor(d.y) for d in fig.data)
+    assert together.shape == key_only.shape == (len(fig.data[0].x),)  # one line each, a value per shift
     assert float(together.max() - together.min()) < 1e-4 * float(together.abs().max())
     assert float(key_only.max() - key_only.min()) > 0.01 * float(key_only.abs().max())
     assert attention.rope_figure(t, 0, 1, 4) is not None
