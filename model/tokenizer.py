@@ -115,4 +115,6 @@ def _escape_char(ch: str) -> str:
         return "\\t"
     if ord(ch) < 0x20 or ord(ch) == 0x7F:
         return f"\\x{ord(ch):02x}"
+    if not ch.isprintable():  # format and separator characters: zero-width, bidi overrides, no-break space …
+        return f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
     return ch

@@ -15,7 +15,9 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download at test time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+# Under mutation testing (mutmut forks a child per mutant from a parent that already ran torch) one thread:
+# OpenMP's thread pool does not survive fork, and the children would hang.
+torch.set_num_threads(1 if "MUTANT_UNDER_TEST" in os.environ else 2)
 
 # CI runs the same examples every time (a red run must be reproducible); to draw new ones, run
 # `pytest --hypothesis-profile=explore tests/test_bad_input.py` and turn what it finds into @example lines.

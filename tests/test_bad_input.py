@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from model import GPT, GPTConfig, SamplingConfig, SamplingError, sample
+from model import GPT, GPTConfig, SamplingConfig, SamplingError, TextTokenizer, sample
 from model.hook_table import dims_of, resolve, spec_for
 from tracer import Tracer
 from tracer.generation import TracedGeneration
@@ -165,3 +165,18 @@ def test_a_long_run_never_passes_a_budget_of_about_one_step():
     assert t.log.evicted_count > 0 and t.get("hook_logits", 0) is None
     assert t.stats("hook_logits", 0) is not None  # evicted records keep their statistics
     assert t.get("hook_logits", 300) is not None and t.record("blocks.1.attn.hook_k_all", 300).shape[2] == 310
+
+
+def test_a_token_that_is_a_control_or_invisible_character_is_labelled_visibly():
+    """Labels name what a person cannot see: control bytes as \\xNN, format characters (zero-width space,
+    a right-to-left override that would reverse the text after it) as \\uNNNN; printable text is left alone."""
+    from tokenizers import Tokenizer, models
+
+    from model.tokenizer import _unicode_to_byte
+
+    to_symbol = {b: ch for ch, b in _unicode_to_byte().items()}
+    texts = ["\x07", "\x1b", "\u200b", "\u202e", "\u00a0", "a b", "é", "\U0001F642"]
+    vocab = {"".join(to_symbol[b] for b in text.encode("utf-8")): i for i, text in enumerate(texts)}
+    tok = TextTokenizer(Tokenizer(models.WordLevel(vocab, unk_token=next(iter(vocab)))))
+    labels = [tok.token_label(i) for i in range(len(texts))]
+    assert labels == ["\\x07", "\\x1b", "\\u200b", "\\u202e", "\\u00a0", "a b", "é", "\U0001F642"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, GPTConfig, HookPoint
+from model import GPT, GPTConfig, HookPoint, additive_mask
 from model.hook_table import HOOKS, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
 
 CONFIG = GPTConfig(vocab_size=97, n_ctx=32, d_model=48, n_layer=2, n_head=3)
@@ -286,3 +286,19 @@ def test_taps_see_the_value_after_forward_hooks_and_can_be_removed():
     with torch.no_grad():
         model(torch.randint(0, 97, (1, 4)))
     assert len(seen) == 1
+
+
+def test_a_padding_query_row_sees_only_itself_and_real_queries_never_see_padding():
+    """Left padding of two: keys 0 and 1 are padding. Written out by hand, which keys each query may see
+    (0 where it may, −∞ where it may not), at the prefill and at a decode step over a cache."""
+    key_is_token = torch.tensor([[False, False, True, True, True]])
+    allowed = additive_mask(5, 0, key_is_token, torch.device("cpu"), torch.float32)[0, 0] == 0
+    expected = torch.tensor([[1, 0, 0, 0, 0],   # padding query 0: itself only (its output is never used)
+                             [0, 1, 0, 0, 0],   # padding query 1: itself only
+                             [0, 0, 1, 0, 0],   # the first real token: itself
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(allowed, expected)
+    decode = additive_mask(1, 5, torch.cat([key_is_token, torch.tensor([[True]])], 1), torch.device("cpu"),
+                           torch.float32)[0, 0, 0] == 0
+    assert decode.tolist() == [False, False, True, True, True, True]

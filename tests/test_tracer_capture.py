@@ -8,7 +8,7 @@ from torch import nn
 
 from model import GPT, GPTConfig, HookPoint
 from model.hook_table import dims_of, resolve, spec_for
-from tracer import Tracer, hooks_installed
+from tracer import Tracer, hooks_installed, tensor_stats
 
 CONFIG = GPTConfig(vocab_size=64, n_ctx=24, d_model=32, n_layer=2, n_head=4)
 
@@ -353,3 +353,44 @@ def test_op_level_capture_does_not_copy_the_cache_on_every_append(gpt):
     storages = {v.untyped_storage().data_ptr() for v in k_views}
     assert len(storages) == 1  # …and all still view the cache's one buffer: nothing was copied
     assert tr.trace.bytes_kept > kept_after_prefill
+
+
+def test_a_step_retried_after_a_failure_shows_the_statistics_of_the_retry(gpt):
+    """The failed attempt's records are discarded and their indices reused by the retry: the statistics
+    (and the flags) shown for the retry must be the retry's own, not the failed attempt's."""
+    tokens = torch.randint(0, 64, (1, 5))
+    attempts = []
+
+    def shift_then_fail(module, args, out):
+        if not attempts:
+            attempts.append("failed")
+            return out + 100.0  # the failed attempt's block-0 output is far off …
+        return out
+
+    def fail_once(module, args, out):
+        if len(attempts) == 1:
+            attempts.append("raised")
+            raise RuntimeError("boom")  # … and it never finishes
+        return out
+
+    h1 = gpt.blocks[0].hook_resid_post.register_forward_hook(shift_then_fail)
+    h2 = gpt.blocks[1].hook_resid_post.register_forward_hook(fail_once)
+    try:
+        with torch.no_grad(), Tracer(gpt, capture="values") as tr:
+            trace = tr.trace
+            with pytest.raises(RuntimeError, match="boom"):
+                gpt(tokens)
+            trace.stats("blocks.0.hook_resid_post", 0)  # looked at while the failure is on screen
+            gpt(tokens)
+    finally:
+        h1.remove()
+        h2.remove()
+    clean = gpt.blocks[0].hook_resid_post  # the retry's real value, recomputed without hooks
+    with torch.no_grad():
+        expected = []
+        h = clean.register_forward_hook(lambda m, a, o: expected.append(o.clone()))
+        gpt(tokens)
+        h.remove()
+    shown = trace.stats("blocks.0.hook_resid_post", 0)
+    assert shown == tensor_stats(expected[0]) and shown.max < 50  # not the failed attempt's +100
+    assert torch.equal(trace.get("blocks.0.hook_resid_post", 0), expected[0])

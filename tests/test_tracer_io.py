@@ -173,3 +173,30 @@ def test_command_line_reports_bad_input_without_a_traceback(tmp_path):
          "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_record_whose_dtype_disagrees_with_its_value_is_refused(archive):
+    """records.parquet says float16 where values.safetensors holds float32: the file is refused, naming the
+    record, rather than showing numbers under the wrong dtype."""
+    frame = pd.read_parquet(io.BytesIO(member(archive, "records.parquet")))
+    row = frame.index[frame.name == "blocks.0.attn.hook_pattern"][0]
+    assert frame.at[row, "dtype"] == "float32"
+    frame.at[row, "dtype"] = "float16"
+    buf = io.BytesIO()
+    frame.to_parquet(buf, index=False)
+    with pytest.raises(TraceFileError, match=r"record \d+.*float16"):
+        load_trace(rewrite(archive, "records.parquet", buf.getvalue()))
+
+
+def test_why_a_value_is_missing_survives_a_round_trip(bundled, tmp_path):
+    """A value dropped because it was changed in place, and values evicted by the budget, keep their notes
+    (what the Inspector says instead of a heatmap) in the saved file."""
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, "Once upon a time", budget_bytes=64 * 1024)
+    gen.run(3)
+    trace = gen.trace
+    noted = {(r.step, r.name): trace.value_note(r) for r in trace.records if trace.value_note(r)}
+    assert len(noted) > 10  # the budget evicted most of step 0
+    loaded = load_trace(save_trace(trace, tmp_path / "t.zip"))
+    assert {(r.step, r.name): loaded.value_note(r) for r in loaded.records if loaded.value_note(r)} == noted
+    gen.close()
