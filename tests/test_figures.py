@@ -3,6 +3,7 @@ holds for the data it is about (prefill and decode, cache on and off, padding, g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -358,8 +359,18 @@ def test_the_verdict_follows_the_comparison():
     assert level == "info" and "nothing is cached" in text and "says nothing about the cache" in text
     level, text = cache.verdict(comparison(3, 1, 10, 3e-6))
     assert level == "success" and "1 query row(s) with 10 multiply-adds" in text and "10.0× more" in text
+    assert "agree within 0.0001 (max |Δ logits| = 3.00e-06: rounding)" in text
+    assert text.endswith("The cached side is this run's own cached logits.")
     level, text = cache.verdict(comparison(3, 1, 10, 0.5))
     assert level == "error" and text.startswith("NOT equal")
+    assert "(max |Δ logits| = 5.00e-01, above the tolerance 0.0001 for this dtype)" in text
+    # with the cache off the run is itself the full recompute: the other side is a cached re-run, and it says so
+    off = dataclasses.replace(comparison(3, 1, 10, 3e-6), run_used_cache=False)
+    assert cache.verdict(off)[1].endswith("The cached side is an untraced cached re-run (this run has the cache "
+                                          "off: it is itself the full recompute).")
+    assert "all 7 query rows with the same 70 multiply-adds" in cache.verdict(comparison(0, 7, 7, 0.0))[1]
+    # a cached path that computed nothing (no multiply-adds) is not a division by zero
+    assert "(inf× more)" in cache.verdict(comparison(3, 0, 10, 0.0))[1]
     assert cache.timing_warning(comparison(3, 1, 10, 0.0, cached_s=0.03, full_s=0.01)).startswith("On this machine")
     assert cache.timing_warning(comparison(3, 1, 10, 0.0, cached_s=0.01, full_s=0.03)) == ""
     table = cache.evidence_table(comparison(3, 1, 10, 0.0, 0.01, 0.03))
@@ -525,3 +536,19 @@ def test_a_crafted_label_from_a_file_stays_plain_text(gen, tmp_path):
         assert "\n" not in html_ and "](http" not in html_ and "<img" not in html_ and "**" not in html_
         shown = unescape(re.sub(r"<[^>]+>", "", html_)).replace("\n", "").replace("\u2060", "")  # the link breaker
         assert bait.replace("\n", "") in shown
+
+
+def test_inert_text_breaks_every_autolink_and_leaves_plain_words_alone():
+    """What markdown could act on becomes a character reference; each place GitHub-flavoured markdown would
+    start a link (http:, www., an @) gets an invisible word joiner; letters, digits and spaces stay as they
+    are (the page does not grow sixfold)."""
+    from figures.common import WORD_JOINER, inert, safe_text
+
+    text = "see www.evil.example, me@evil.example and HTTPS://evil.example/x"
+    out = inert(text)
+    assert unescape(out) == text.replace("www", "www" + WORD_JOINER).replace("@", "@" + WORD_JOINER).replace(
+        "HTTPS:", "HTTPS:" + WORD_JOINER)
+    assert "www." not in out and "@e" not in out and "://" not in out
+    assert inert("plain words 123") == "plain words 123"
+    # plotly shows &quot; literally, so token text escapes only what could open a tag
+    assert safe_text('say "hi" & <b>') == 'say "hi" &amp; &lt;b&gt;'

@@ -200,3 +200,31 @@ def test_why_a_value_is_missing_survives_a_round_trip(bundled, tmp_path):
     loaded = load_trace(save_trace(trace, tmp_path / "t.zip"))
     assert {(r.step, r.name): loaded.value_note(r) for r in loaded.records if loaded.value_note(r)} == noted
     gen.close()
+
+
+def test_the_number_checks_say_what_they_expected_and_where():
+    """Every number read from a file passes one of these: whole or not, finite or not, in range, never a
+    bool; a refusal names the field and the value."""
+    import math
+
+    from tracer.schema import Float, Int
+
+    delta = Float(0, finite=False)  # max |Δ logits|: may be NaN or ∞, which JSON writes as strings
+    assert math.isnan(delta("nan", "d")) and delta("inf", "d") == math.inf and delta(0, "d") == 0.0
+    assert isinstance(delta(0, "d"), float)
+    with pytest.raises(TraceFileError, match=r"^d: -inf is outside \[0, inf\]$"):
+        delta("-inf", "d")
+    with pytest.raises(TraceFileError, match=r"^d: expected a number, got str 'NaN'$"):
+        delta("NaN", "d")  # only the three spellings JSON output uses
+    with pytest.raises(TraceFileError, match=r"^tol: expected a number, got str 'inf'$"):
+        Float(0)("inf", "tol")  # a finite field does not take the strings
+    with pytest.raises(TraceFileError, match=r"^tol: expected a finite number, got inf$"):
+        Float(0)(math.inf, "tol")
+    count = Int(1, 64)
+    assert count(3, "batch") == 3
+    for bad, said in ((1.5, "float '1.5'"), (True, "bool 'True'"), ("3", "str '3'")):
+        with pytest.raises(TraceFileError) as e:
+            count(bad, "batch")
+        assert str(e.value) == f"batch: expected a whole number, got {said}" and e.value.field == "batch"
+    with pytest.raises(TraceFileError, match=r"^batch: 65 is outside \[1, 64\]$"):
+        count(65, "batch")
