@@ -96,11 +96,34 @@ def chromium_page(width: int = 1500, height: int = 1100, browser=None):
         context.close()
 
 
-def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200) -> None:
-    """Wait until the app's rerun has finished and every plotly chart has drawn (then ``settle_ms`` more)."""
+RUNS = """() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    if (app && window.__stApp !== app) {  // count every finished rerun, however short, from now on
+        window.__stApp = app;
+        window.__stRuns = window.__stRuns || 0;
+        new MutationObserver(() => {
+            if (app.getAttribute('data-test-script-state') === 'notRunning') window.__stRuns += 1;
+        }).observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+    }
+    return window.__stRuns || 0;
+}"""
+
+
+def runs_finished(page) -> int:
+    """How many reruns the page has seen finish (installs the counter on first use)."""
+    return page.evaluate(RUNS)
+
+
+def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200, after: int | None = None) -> None:
+    """Wait until the app's rerun has finished and every plotly chart has drawn (then ``settle_ms`` more).
+    With ``after`` (a ``runs_finished`` count taken before the action), wait for a rerun to finish after it:
+    a rerun shorter than one animation frame is not missed, and nothing waits a fixed time for it."""
     state = "() => document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state')"
-    with contextlib.suppress(Exception):  # the rerun may take a moment to start, or be over already
-        page.wait_for_function(f"() => ({state})() === 'running'", timeout=1500)
+    if after is not None:
+        page.wait_for_function(f"() => (window.__stRuns || 0) > {after}", timeout=timeout * 1000)
+    else:
+        with contextlib.suppress(Exception):  # the rerun may take a moment to start, or be over already
+            page.wait_for_function(f"() => ({state})() === 'running'", timeout=1500)
     page.wait_for_function(f"() => ({state})() === 'notRunning'", timeout=timeout * 1000)
     page.wait_for_function(
         "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"]').length"
@@ -125,8 +148,9 @@ def set_prompt(page, text: str) -> None:
 
 
 def click(page, name: str, settle_ms: int = 200) -> None:
+    before = runs_finished(page)
     page.get_by_role("button", name=name, exact=True).click()
-    wait_idle(page, settle_ms=settle_ms)
+    wait_idle(page, settle_ms=settle_ms, after=before)
 
 
 def open_tab(page, name: str) -> None:

@@ -552,3 +552,18 @@ def test_inert_text_breaks_every_autolink_and_leaves_plain_words_alone():
     assert inert("plain words 123") == "plain words 123"
     # plotly shows &quot; literally, so token text escapes only what could open a tag
     assert safe_text('say "hi" & <b>') == 'say "hi" &amp; &lt;b&gt;'
+
+
+def test_query_and_key_labels_follow_the_step_and_the_row(batch_gen):
+    """Row 1 of a padded batch at step 2: t keys labelled with that row's own tokens (padding as ⟨pad⟩), and
+    one query, the newest; at step 0 every prompt position is a query."""
+    from figures.common import key_labels, query_labels
+
+    trace, facts = batch_gen.trace, batch_gen.facts
+    for step in (0, 2):
+        t = facts.width(step)
+        keys = key_labels(trace, step, 1)
+        assert keys == [f"{j} · {label}" for j, label in enumerate(facts.labels(1, step))] and len(keys) == t
+        queries = query_labels(trace, step, 1)
+        assert queries == (keys if step == 0 else keys[-1:])
+    assert key_labels(trace, 2, 1) != key_labels(trace, 2, 0)  # each row its own tokens
