@@ -60,7 +60,6 @@ class KVCache:
         self.batch_size = batch_size
         self._buffers: list[_LayerBuffer | None] = [None] * n_layer
         self.key_is_token: torch.Tensor | None = None  # [B, t] bool, None while nothing is padding
-        self.last_positions: torch.Tensor | None = None  # positions of the newest forward, [B|1, n]
         self._length = 0
         self._staged: set[int] = set()
 
@@ -98,7 +97,7 @@ class KVCache:
         self._staged.add(layer)
         return buf.keys[:, :, :end], buf.values[:, :, :end]
 
-    def commit(self, n: int, key_is_token: torch.Tensor | None, positions: torch.Tensor) -> None:
+    def commit(self, n: int, key_is_token: torch.Tensor | None) -> None:
         """Make the rows a successful forward of ``n`` new positions wrote part of the cache."""
         if len(self._staged) != self.n_layer:
             missing = sorted(set(range(self.n_layer)) - self._staged)
@@ -107,7 +106,6 @@ class KVCache:
         self._staged.clear()
         self._length += n
         self.key_is_token = key_is_token
-        self.last_positions = positions
 
     def copy(self, length: int | None = None) -> KVCache:
         """A separate cache holding the first ``length`` cached positions (all by default), so a

@@ -740,7 +740,7 @@ class GPT(nn.Module):
                 cache.rollback()
             raise
         if cache is not None:
-            cache.commit(n, key_is_token, positions)
+            cache.commit(n, key_is_token)
         return logits
 
     @property

@@ -302,3 +302,16 @@ def test_a_padding_query_row_sees_only_itself_and_real_queries_never_see_padding
     decode = additive_mask(1, 5, torch.cat([key_is_token, torch.tensor([[True]])], 1), torch.device("cpu"),
                            torch.float32)[0, 0, 0] == 0
     assert decode.tolist() == [False, False, True, True, True, True]
+
+
+def test_a_cache_commit_with_a_layer_not_written_is_refused_and_changes_nothing():
+    """A forward that wrote keys for some layers only (a bug in a custom block) must not grow the cache."""
+    model = GPT(CONFIG).eval()
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 4)), cache)
+    k = torch.zeros(1, CONFIG.n_head, 1, CONFIG.d_model // CONFIG.n_head)
+    cache.append(0, k, k)  # layer 0 only
+    with pytest.raises(RuntimeError, match=r"layers \[1\] not updated"):
+        cache.commit(1, None)
+    assert cache.length == 4
