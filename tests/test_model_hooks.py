@@ -315,3 +315,23 @@ def test_a_cache_commit_with_a_layer_not_written_is_refused_and_changes_nothing(
     with pytest.raises(RuntimeError, match=r"layers \[1\] not updated"):
         cache.commit(1, None)
     assert cache.length == 4
+
+
+def test_grouped_attention_without_a_batch_axis_and_in_bf16():
+    """``attention`` takes ``[..., H, n, d_k]``: a 3-D grouped call (no batch axis) reads key/value head
+    h // (H/G) for query head h, as Hugging Face's repeat_kv does; in bf16 the softmax runs in float32 and is
+    cast back (the weights are exactly softmax(float32 scores) rounded once)."""
+    from model import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, 8, generator=g) for s in ((4, 3), (2, 5), (2, 5)))  # H = 4, G = 2, n = 3, t = 5
+    out, weights = attention(q, k, v)
+    kk, vv = k.repeat_interleave(2, dim=0), v.repeat_interleave(2, dim=0)  # [H, t, d]
+    expected = torch.softmax(q @ kk.transpose(-2, -1) / 8 ** 0.5, dim=-1)
+    torch.testing.assert_close(weights, expected)
+    torch.testing.assert_close(out, expected @ vv)
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    _, wb = attention(qb, kb, vb)
+    scores = (qb @ kb.repeat_interleave(2, dim=0).transpose(-2, -1)) / 8 ** 0.5
+    assert wb.dtype == torch.bfloat16
+    assert torch.equal(wb, torch.softmax(scores.float(), dim=-1).to(torch.bfloat16))
