@@ -197,3 +197,46 @@ def test_overlaps_never_misses_a_shared_element_and_is_exact_for_same_stride_box
         assert said == truth
     if va.numel() == 0 or vb.numel() == 0:
         assert not said
+
+
+class _Accumulator(nn.Module):
+    """Returns the same buffer every call, added to in place first: like a cache a model writes into."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(64))
+
+    def forward(self, x):
+        self.total.add_(x)
+        return self.total
+
+
+def test_a_value_evicted_after_it_was_changed_in_place_keeps_no_wrong_statistics():
+    """Step 0 keeps the buffer by reference; later steps add to it in place, and the budget (three 256 B
+    values) evicts step 0's output at step 3. The evicted record must say why, and show no statistics
+    rather than the changed numbers'."""
+    model = _Accumulator()
+    with Tracer(model, capture="values", budget_bytes=800) as tr, torch.no_grad():
+        for _ in range(4):
+            model(torch.ones(64))
+    trace = tr.trace
+    first = trace.record("model:out", 0)
+    assert trace.get(first.name, 0) is None and "changed in place" in trace.value_note(first)
+    assert trace.stats(first) is None  # stats of the changed buffer would say 2.0, the value was 1.0
+    evicted = [r.name for r in trace.records if trace.value_note(r).startswith("evicted")]
+    assert evicted == ["model:in[0]", "model:in[0]"]  # steps 0 and 1, oldest first
+    assert trace.log.evicted_count == 3  # those two and step 0's output
+
+
+def test_a_cache_refuses_a_copy_length_that_is_not_a_count_and_a_wrong_batch():
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=32, n_ctx=16, d_model=16, n_layer=1, n_head=2)).eval()
+    cache = model.new_cache(2)
+    with torch.no_grad():
+        model(torch.zeros(2, 3, dtype=torch.long), cache)
+    for bad in (True, 1.0, -1, 4):
+        with pytest.raises(ValueError, match=r"a copy can hold 0 … 3 positions"):
+            cache.copy(bad)
+    with pytest.raises(ValueError, match=r"this cache holds 2 sequence\(s\) but the tokens have batch size 1"):
+        model(torch.zeros(1, 1, dtype=torch.long), cache)
