@@ -15,7 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import chromium, chromium_page, click, open_app, open_tab, plotly_data, set_prompt, streamlit_server
+from tests.browser import (
+    chromium,
+    chromium_page,
+    click,
+    open_app,
+    open_tab,
+    plotly_data,
+    runs_finished,
+    set_prompt,
+    streamlit_server,
+    wait_idle,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tom had a big red kite. One day, Tom went to the park."
@@ -99,8 +110,9 @@ def test_clicking_a_head_on_the_grid_opens_it(url, browser):
             const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis, box = gd.getBoundingClientRect();
             return [box.left + xa._offset + xa.l2p(tr.x[i]), box.top + ya._offset + ya.l2p(tr.y[i])];
         }""")
+        before = runs_finished(page)
         page.mouse.click(x, y)
-        page.wait_for_timeout(800)
+        wait_idle(page, after=before)  # the selection reruns the app; on a busy machine that takes a while
         open_tab(page, "Stages")
         assert page.get_by_text("layer 3, head 2, step 0").count() == 1
 

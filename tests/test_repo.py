@@ -105,3 +105,15 @@ def test_the_bundled_model_is_small_enough_to_ship():
     files = list((ROOT / "assets" / "story-gpt").iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json", "training.json"} <= {f.name for f in files}
     assert sum(f.stat().st_size for f in files) < 20 * 2**20
+
+
+def test_every_relative_link_in_the_docs_points_to_a_file_that_exists():
+    import re
+
+    docs = [ROOT / "README.md", ROOT / "model" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8")):
+            if "://" not in target and not (doc.parent / target).exists():
+                missing.append(f"{doc.relative_to(ROOT)} → {target}")
+    assert not missing, missing
