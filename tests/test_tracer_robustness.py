@@ -240,3 +240,17 @@ def test_a_cache_refuses_a_copy_length_that_is_not_a_count_and_a_wrong_batch():
             cache.copy(bad)
     with pytest.raises(ValueError, match=r"this cache holds 2 sequence\(s\) but the tokens have batch size 1"):
         model(torch.zeros(1, 1, dtype=torch.long), cache)
+
+
+def test_the_budget_is_checked_and_a_value_of_exactly_the_budget_is_kept():
+    model = _Accumulator()
+    for bad in (True, 1.5, -1, "512"):
+        with pytest.raises(ValueError, match=r"budget_bytes must be a whole number ≥ 0"):
+            Tracer(model, capture="values", budget_bytes=bad)
+    with Tracer(model, capture="values", budget_bytes=0) as tr, torch.no_grad():
+        model(torch.ones(64))
+    assert tr.trace.bytes_kept == 0 and tr.trace.stats("model:out", 0) is not None  # nothing kept, stats still
+    identity = nn.Identity()
+    with Tracer(identity, capture="values", budget_bytes=256) as tr, torch.no_grad():
+        identity(torch.ones(64))  # input and output are one 256 B storage: exactly the budget
+    assert tr.trace.bytes_kept == 256 and tr.trace.log.evicted_count == 0
