@@ -755,6 +755,15 @@ def lens_section(trace: Trace, step: int, model) -> None:
     st.plotly_chart(figure, key="lens_chart")
 
 
+def read_uploaded_trace(upload) -> Trace | None:
+    """The trace in an uploaded file, or None after saying why it could not be read (nothing else changes)."""
+    try:
+        return load_trace(upload.getvalue())
+    except TraceFileError as e:
+        st.error(f"Could not load {plain(upload.name)}: {plain(e)}. Nothing else changed.")
+        return None
+
+
 # -- compare two runs ---------------------------------------------------------------------------------
 @st.fragment
 def compare_tab(trace: Trace, step: int) -> None:
@@ -769,10 +778,8 @@ def compare_tab(trace: Trace, step: int) -> None:
                                   max_upload_size=UPLOAD_MB, key="compare_upload")
         if upload is not None and app.last_compare_upload_id != upload.file_id:
             app.last_compare_upload_id = upload.file_id
-            try:
-                loaded = load_trace(upload.getvalue())
-            except TraceFileError as e:
-                st.error(f"Could not load {plain(upload.name)}: {plain(e)}. Nothing else changed.")
+            loaded = read_uploaded_trace(upload)
+            if loaded is None:
                 return
             app.comparison = Comparison(f"the file {upload.name}", loaded, diff_traces(trace, loaded))
     elif st.button("Run it and compare", key="compare_run", type="primary"):
@@ -932,10 +939,8 @@ def export_tab(trace: Trace | None, step: int = 0) -> None:
                               key="upload_trace")
     if upload is not None and app.last_upload_id != upload.file_id:
         app.last_upload_id = upload.file_id
-        try:
-            loaded = load_trace(upload.getvalue())
-        except TraceFileError as e:
-            st.error(f"Could not load {plain(upload.name)}: {plain(e)}. Nothing else changed.")
+        loaded = read_uploaded_trace(upload)
+        if loaded is None:
             return
         if not loaded.steps or loaded.generation is None:
             st.error(f"{plain(upload.name)} is a valid trace but not of a generation this app can show.")
