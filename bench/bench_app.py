@@ -18,6 +18,7 @@ shared: these are wall-clock estimates, and the JSON keeps every sample, not onl
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -68,6 +69,15 @@ def apptest_timings(steps: int) -> dict:
         out[f"{label}_prefill_s"] = press(at, "step_button")
         out[f"{label}_step_s"] = step_per_tab(at, steps)
 
+    # what Streamlit's default runner.postScriptGC (a full collection after every rerun) would cost here
+    objects = len(gc.get_objects())
+    full_gc = []
+    for _ in range(3):
+        started = time.perf_counter()
+        gc.collect(2)
+        full_gc.append(time.perf_counter() - started)
+    out["full_gc"] = {"objects": objects, "seconds": full_gc}
+
     at = fresh_app()
     at.session_state["view"] = "Shapes"
     press(at, "step_button")
@@ -95,17 +105,49 @@ def apptest_timings(steps: int) -> dict:
     return out
 
 
+# Times in the page itself (performance.now()), from the pointerdown the click makes: when the page saw the
+# script start running, stop running, and the end (the last chart drawn). Playwright's own overhead is left out.
+WATCH = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  window.__phase = {down: null, running: null, done: null};
+  document.addEventListener('pointerdown', () => { window.__phase.down = performance.now(); },
+                            {capture: true, once: true});
+  new MutationObserver(() => {
+    const s = app.getAttribute('data-test-script-state');
+    if (s === 'running' && window.__phase.running === null) window.__phase.running = performance.now();
+    if (s === 'notRunning') window.__phase.done = performance.now();
+  }).observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+}"""
+PHASES = """() => { const p = window.__phase, now = performance.now();
+  return {total: (now - p.down) / 1000, to_start: (p.running - p.down) / 1000,
+          running: (p.done - p.running) / 1000, to_drawn: (now - p.done) / 1000}; }"""
+
+
 def browser_timings(steps: int) -> dict:
     sys.path.insert(0, str(ROOT))
-    from tests.browser import chromium_page, click, open_app, open_tab, set_prompt, streamlit_server
+    from tests.browser import (
+        chromium_page,
+        click,
+        open_app,
+        open_tab,
+        runs_finished,
+        set_prompt,
+        streamlit_server,
+        wait_idle,
+    )
 
-    def clicks(page, name: str) -> list[float]:
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            click(page, name, settle_ms=0)  # from the click to the last chart drawn, no padding
-            times.append(time.perf_counter() - started)
-        return times
+    phases: dict[str, dict[str, float]] = {}
+
+    def clicks(page, name: str, label: str, times: int = steps) -> list[float]:
+        """Click ``times`` times; the totals, from the pointerdown to the last chart drawn (no padding). The
+        median of each phase goes to ``phases[label]``."""
+        seen = []
+        for _ in range(times):
+            page.evaluate(WATCH)
+            click(page, name, settle_ms=0)
+            seen.append(page.evaluate(PHASES))
+        phases[label] = {k: statistics.median(t[k] for t in seen) for k in seen[0]}
+        return [t["total"] for t in seen]
 
     out: dict = {}
     with streamlit_server() as url:
@@ -114,14 +156,14 @@ def browser_timings(steps: int) -> dict:
                 open_app(page, url)
                 set_prompt(page, PROMPT)
                 if source:
+                    before = runs_finished(page)
                     page.get_by_label("Weights").get_by_text(source).click()
-                started = time.perf_counter()
-                click(page, "Step", settle_ms=0)
-                out[f"{label}_prefill_s"] = time.perf_counter() - started
+                    wait_idle(page, after=before)  # choosing the model is a rerun of its own
+                out[f"{label}_prefill_s"] = clicks(page, "Step", f"{label} prefill", times=1)[0]
                 out[f"{label}_step_s"] = {}
                 for tab in TABS:
                     open_tab(page, tab)
-                    out[f"{label}_step_s"][tab] = clicks(page, "Step")
+                    out[f"{label}_step_s"][tab] = clicks(page, "Step", f"{label} / {tab}")
         with chromium_page(1600, 1000) as page:
             open_app(page, url)
             set_prompt(page, PROMPT)
@@ -129,17 +171,24 @@ def browser_timings(steps: int) -> dict:
             page.get_by_label("Directory", exact=True).fill(str(gpt2_small_dir()))
             page.get_by_label("Directory", exact=True).press("Enter")
             click(page, "Load")
-            started = time.perf_counter()
-            click(page, "Step", settle_ms=0)  # the tabs appear with the first step: this one draws Shapes
-            out["gpt2_prefill_shapes_s"] = time.perf_counter() - started
+            # the tabs appear with the first step: this one draws Shapes
+            out["gpt2_prefill_shapes_s"] = clicks(page, "Step", "gpt2 prefill / Shapes", times=1)[0]
             open_tab(page, "Attention")
-            out["gpt2_decode_attention_s"] = clicks(page, "Step")
+            out["gpt2_decode_attention_s"] = clicks(page, "Step", "gpt2 decode / Attention")
+    out["phases"] = phases
     return out
 
 
 def summarise(section: str, result: dict) -> None:
     for key, value in result.items():
-        if isinstance(value, dict) and key != "run_n":
+        if key == "phases":
+            for label, p in value.items():
+                print(f"{section:>8} {label:<34} {p['total']:.3f} s = to script start {p['to_start']:.3f} + "
+                      f"running {p['running']:.3f} + to drawn {p['to_drawn']:.3f}")
+        elif key == "full_gc":
+            print(f"{section:>8} a full gc.collect(2) over {value['objects']:,} objects: "
+                  f"{statistics.median(value['seconds']):.3f} s (Streamlit's default after every rerun; off here)")
+        elif isinstance(value, dict) and key != "run_n":
             for tab, xs in value.items():
                 print(f"{section:>8} {key + ' / ' + tab:<44} median {statistics.median(xs):.3f} s  "
                       f"(min {min(xs):.3f}, max {max(xs):.3f})")
