@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
 from figures.common import facts_of, gen_step, inert, key_labels, query_labels, shape_text
 from figures.heatmap import Grid, add, grid, pool, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
+from figures.plot import figure, subplots
 from model.hook_table import act_name
 from tracer import Trace
 
@@ -87,7 +87,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     stages = attention_stages(trace, step, layer, head, batch)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>{s.shapes}</span>" for s in stages]
-    fig = make_subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.075)
+    fig = subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.075)
     score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:3] if s.matrix is not None]
     lo = min((float(v.min()) for v in score_values if v.numel()), default=0.0)
     hi = max((float(v.max()) for v in score_values if v.numel()), default=1.0)
@@ -136,7 +136,7 @@ def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: 
 
 
 def pattern_figure(g: Grid, title: str) -> go.Figure:
-    fig = go.Figure()
+    fig = figure()
     add(fig, g, "amount", colorbar="A")
     style_axes(fig, g)
     fig.update_layout(title_text=title + (f" — {g.caption()}" if g.pooled else ""), title_font_size=13,
@@ -243,7 +243,7 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
             c0 = head * (rt + cgap)
             tiles[r0:r0 + tall, c0:c0 + rt] = m.repeat_interleave(stretch, dim=0)
         pooled_any = pooled_any or from_digest
-    fig = go.Figure(go.Heatmap(z=tiles.to(torch.float32).numpy(), colorscale=AMOUNT, zmin=0, zmax=1, hoverinfo="skip",
+    fig = figure(go.Heatmap(z=tiles.to(torch.float32).numpy(), colorscale=AMOUNT, zmin=0, zmax=1, hoverinfo="skip",
                                colorbar={"title": {"text": "A", "side": "top"}, "thickness": 10}))
     centres_x, centres_y, data = [], [], []
     for layer in range(n_layer):
@@ -316,7 +316,7 @@ def weighted_sum_figure(trace: Trace, step: int, layer: int, head: int, query: i
     delta = float((o - recorded).abs().max())
     keys = key_labels(trace, step, batch)
     dims = [f"d{j}" for j in range(v.shape[1])]
-    fig = make_subplots(rows=2, cols=3, column_widths=[0.06, 0.47, 0.47], row_heights=[0.88, 0.12],
+    fig = subplots(rows=2, cols=3, column_widths=[0.06, 0.47, 0.47], row_heights=[0.88, 0.12],
                         shared_yaxes=False, horizontal_spacing=0.04, vertical_spacing=0.08,
                         subplot_titles=("αᵢ", "vᵢ (the value rows)", "αᵢ·vᵢ", "", "",
                                         f"o = Σᵢ αᵢ·vᵢ (recorded O differs by {delta:.1e})"))
@@ -387,7 +387,7 @@ def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 
     if variants is None:
         return None
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    fig = make_subplots(rows=1, cols=4, subplot_titles=list(variants), horizontal_spacing=0.04)
+    fig = subplots(rows=1, cols=4, subplot_titles=list(variants), horizontal_spacing=0.04)
     for i, a in enumerate(variants.values(), start=1):
         g = grid(a, xs, ys)
         add(fig, g, "amount", row=1, col=i, showscale=i == 4, colorbar="A" if i == 4 else "")
@@ -408,7 +408,7 @@ def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) 
             return None
         mats[title] = value[batch, head if kind in ("q", "rot_q") else kv_head(trace, layer, head, step)]
     ys = query_labels(trace, step, batch)
-    fig = make_subplots(rows=1, cols=4, subplot_titles=list(mats), horizontal_spacing=0.04)
+    fig = subplots(rows=1, cols=4, subplot_titles=list(mats), horizontal_spacing=0.04)
     top = max(float(m.abs().max()) for m in mats.values()) or 1.0
     for i, m in enumerate(mats.values(), start=1):
         g = grid(m, [f"d{j}" for j in range(m.shape[1])], ys)
@@ -444,13 +444,13 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
 
     together = (rotated(qv, m_pos + shifts) * rotated(kv, n_pos + shifts)).sum(-1)
     key_only = (rotated(qv, torch.full_like(shifts, m_pos)) * rotated(kv, n_pos + shifts)).sum(-1)
-    fig = go.Figure([
+    fig = figure([
         go.Scatter(x=shifts.tolist(), y=together.tolist(), mode="lines", name="both moved by s: R(m+s)q·R(n+s)k"),
         go.Scatter(x=shifts.tolist(), y=key_only.tolist(), mode="lines", name="key alone moved: R(m)q·R(n+s)k",
                    line={"dash": "dot"}),
     ])
-    fig.update_layout(height=320, margin={"t": 70, "l": 10, "r": 10, "b": 10}, xaxis_title="shift s (positions)",
-                      yaxis_title="qᵀk after rotation", legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
-                      title_font_size=13,
+    fig.update_layout(height=320, margin={"t": 70, "l": 10, "r": 10, "b": 10}, xaxis_title_text="shift s (positions)",
+                      yaxis_title_text="qᵀk after rotation",
+                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"}, title_font_size=13,
                       title_text=f"query at position {m_pos}, key at position {n_pos}: m − n = {m_pos - n_pos}")
     return fig

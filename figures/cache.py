@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from figures.common import facts_of, gen_step, key_labels, shape_text
 from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, NEUTRAL
+from figures.plot import figure, subplots
 from model.hook_table import act_name
 from tracer import RecomputeComparison, Trace
 
@@ -84,7 +84,7 @@ def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Fi
     """Cache length and bytes held per step; with the cache off, what each step recomputed instead."""
     growth = cache_growth(trace)
     use_cache = _ran_with_cache(trace)
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig = subplots(specs=[[{"secondary_y": True}]])
     if use_cache:
         bars = ("cache length", "cache length (positions)")
         line = ("K+V bytes (all layers)", "KiB held (K+V, all layers)")
@@ -111,7 +111,7 @@ def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Fi
 def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0, which: str = "K") -> go.Figure:
     """One key/value head's cached keys (or values): positions × d_head, the rows added at ``step`` outlined."""
     value = trace.get(act_name("k_all" if which == "K" else "v_all", layer), step)
-    fig = go.Figure()
+    fig = figure()
     if value is None:
         fig.add_annotation(text=f"{which} values not kept for this step", showarrow=False)
         return fig
@@ -204,7 +204,7 @@ def timing_warning(c: RecomputeComparison) -> str:
 def cache_on_off_figure(trace: Trace) -> go.Figure:
     """Query rows computed per step with the cache and without it (counted, exact)."""
     table = rows_computed(trace)
-    fig = go.Figure([go.Bar(x=table["step"], y=table["with cache"], name="with cache", marker_color="#4c78a8"),
+    fig = figure([go.Bar(x=table["step"], y=table["with cache"], name="with cache", marker_color="#4c78a8"),
                      go.Bar(x=table["step"], y=table["without cache"], name="without cache", marker_color="#9ecae1")])
     fig.update_layout(barmode="group", height=300, margin={"t": 40, "l": 10, "r": 10, "b": 10},
                       title_text="query rows computed per step", title_font_size=13,
@@ -220,7 +220,7 @@ def macs_figure(trace: Trace) -> go.Figure | None:
     if not comparisons:
         return None
     steps = sorted(comparisons)
-    fig = go.Figure([
+    fig = figure([
         go.Scatter(x=steps, y=[comparisons[s].cached.macs for s in steps], mode="lines+markers", name="cached path"),
         go.Scatter(x=steps, y=[comparisons[s].full.macs for s in steps], mode="lines+markers", name="full recompute",
                    marker={"symbol": "x", "size": 9}),

@@ -11,6 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from figures.common import facts_of, safe_text, shape_text
+from figures.plot import figure
 from model.hook_table import act_name
 from tracer import Trace
 
@@ -228,7 +229,7 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     notes.append({"x": 4.6, "y": 6, "showarrow": False, "font": {"size": 10, "color": "#666"},
                   "text": repeat_note(layer, config.n_layer if config is not None else None)})
     # invisible points carry the hover: record name and one-line summary
-    fig = go.Figure(go.Scatter(
+    fig = figure(go.Scatter(
         x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers", marker={"size": 40, "opacity": 0},
         customdata=[[n.name, safe_text(n.summary or shape_text(n.shape or ()))] for n in nodes],
         hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra></extra>", showlegend=False,
@@ -311,7 +312,7 @@ def reshape_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
                       "text": "<br>".join(_wrap(op.memory, 24))})
         if i:
             notes.append(_arrow(x - 0.58, 0, x - 0.67, 0))
-    fig = go.Figure()
+    fig = figure()
     fig.update_layout(shapes=shapes, annotations=notes, height=250, margin={"t": 10, "l": 0, "r": 0, "b": 0},
                       plot_bgcolor="white", dragmode=False)
     fig.update_xaxes(visible=False, range=[-0.7, (len(ops) - 1) * 1.25 + 0.7])

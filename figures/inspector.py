@@ -9,6 +9,7 @@ import torch
 
 from figures.common import shape_text
 from figures.heatmap import MAX_SIDE, add, grid, style_axes
+from figures.plot import figure
 from tracer import Trace
 
 MAX_RAW_ELEMENTS = 400  # tensors up to this size are shown number by number
@@ -49,7 +50,7 @@ def tensor_heatmap_figure(matrix: torch.Tensor, title: str, x_labels: list[str] 
     g = grid(m, xs, ys, offset=offset)
     drawn = g.z[~np.isnan(g.z)]  # the colour scale is about the cells drawn (pooled means, when pooled)
     amount = bool(drawn.size) and float(drawn.min()) >= 0 and float(drawn.max()) <= 1
-    fig = go.Figure()
+    fig = figure()
     add(fig, g, "amount" if amount else "signed", colorbar="value")
     style_axes(fig, g, x_title="column", y_title="row", max_ticks=16)
     fig.update_layout(title_text=f"{title} — slice {shape_text(tuple(m.shape))}" + (f" — {g.caption()}" if g.pooled
@@ -76,7 +77,7 @@ def histogram_figure(value: torch.Tensor, title: str, bins: int = 60, every_valu
     finite = torch.isfinite(x)
     values = x[finite] if not bool(finite.all()) else x
     others = x.numel() - values.numel()
-    fig = go.Figure()
+    fig = figure()
     if values.numel():
         lo, hi = (float(v) for v in torch.aminmax(values))
         if lo == hi:
@@ -89,8 +90,8 @@ def histogram_figure(value: torch.Tensor, title: str, bins: int = 60, every_valu
             else f"all {values.numel():,} finite values")
     left_out = f" ({others:,} NaN/±∞{' in the sample' if sampled else ''} not drawn)" if others else ""
     fig.update_layout(title_text=f"{title}: {what}{left_out}", title_font_size=13, height=280,
-                      bargap=0.02, margin={"t": 50, "l": 10, "r": 10, "b": 10}, xaxis_title="value",
-                      yaxis_title="count")
+                      bargap=0.02, margin={"t": 50, "l": 10, "r": 10, "b": 10}, xaxis_title_text="value",
+                      yaxis_title_text="count")
     return fig
 
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
 from figures.common import facts_of, gen_step, key_labels, query_labels, shape_text
 from figures.heatmap import add, grid, masked_layer, style_axes
+from figures.plot import figure, subplots
 from model.hook_table import act_name
 from tracer import Trace
 
@@ -120,7 +120,7 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
     """M as a 0 / −∞ picture (query rows × key columns): grey where −∞."""
     mask = trace.get(act_name("mask", layer), step)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    fig = go.Figure()
+    fig = figure()
     if mask is None:
         fig.add_annotation(text="mask values not kept for this step", showarrow=False)
         return fig
@@ -151,7 +151,7 @@ def scores_before_after_figure(trace: Trace, step: int, layer: int, head: int, b
     before = trace.get(act_name("attn_scores", layer), step)
     after = trace.get(act_name("masked_scores", layer), step)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("before: QKᵀ/√d_k", "after: QKᵀ/√d_k + M  (−∞ grey)"))
+    fig = subplots(rows=1, cols=2, subplot_titles=("before: QKᵀ/√d_k", "after: QKᵀ/√d_k + M  (−∞ grey)"))
     if before is None or after is None:
         fig.add_annotation(text="score values not kept for this step", showarrow=False)
         return fig

@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 
 from figures.common import facts_of, gen_step, inert, is_greedy, safe_text
 from figures.palette import ACCENT, NEUTRAL, amount_legend, amount_span
+from figures.plot import figure
 from model.sampling import STAGES
 from tracer import Trace
 
@@ -46,7 +47,7 @@ def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     chosen_id = info.tokens[row]
     xs = [f"{safe_text(labels[i])} ({ids[i]})" for i in order]
     chosen = next(k for k, i in enumerate(order) if ids[i] == chosen_id)
-    fig = go.Figure(go.Bar(
+    fig = figure(go.Bar(
         x=xs, y=[final[i] for i in order], marker_color=NEUTRAL,
         marker_line_color=[ACCENT if k == chosen else NEUTRAL for k in range(len(order))],
         marker_line_width=[4 if k == chosen else 0 for k in range(len(order))],
@@ -56,7 +57,7 @@ def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     # headroom for the arrow; with p ≤ 1 the axis never gets a tick above 1
     fig.update_yaxes(range=[0, 1.18 * max(final) if max(final) > 0 else 1.0])
     fig.update_layout(title_text=f"step {step}: next-token probabilities (final distribution); the chosen token "
-                                 "outlined", title_font_size=13, height=360, yaxis_title="probability",
+                                 "outlined", title_font_size=13, height=360, yaxis_title_text="probability",
                       xaxis_tickangle=-45, margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
 
@@ -71,12 +72,12 @@ def distribution_stages_figure(trace: Trace, step: int, row: int = 0) -> go.Figu
     xs = [f"{safe_text(labels[i])} ({ids[i]})" for i in order]
     sampling = facts_of(trace).info.sampling
     off = {2: not sampling.top_k, 3: sampling.top_p in (None, 1.0)}  # stages that changed nothing
-    fig = go.Figure()
+    fig = figure()
     for s, stage in enumerate(STAGES):
         label = f"{stage} (off)" if off.get(s) else stage
         fig.add_trace(go.Bar(x=xs, y=[info.stage_probs[row][s][i] for i in order],
                              name=f"{label} — {info.kept[row][s]} token(s) left"))
-    fig.update_layout(barmode="group", height=380, yaxis_title="probability", xaxis_tickangle=-45,
+    fig.update_layout(barmode="group", height=380, yaxis_title_text="probability", xaxis_tickangle=-45,
                       title_text="how temperature, top-k and top-p reshaped the distribution (z = the logits)",
                       title_font_size=13, legend={"orientation": "h", "y": 1.12},
                       margin={"t": 70, "l": 10, "r": 10, "b": 10})

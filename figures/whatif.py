@@ -10,6 +10,7 @@ import torch
 from figures.common import safe_text
 from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, AMOUNT, NEUTRAL
+from figures.plot import figure
 
 LENS_POSITIONS = 48  # the lens heatmap shows at most this many (the last) positions, each cell labelled
 
@@ -24,9 +25,9 @@ def next_token_change(original: torch.Tensor, changed: torch.Tensor, label, top:
 
 def next_token_change_figure(frame: pd.DataFrame, title: str) -> go.Figure:
     xs = [f"{safe_text(t)} ({i})" for t, i in zip(frame["token"], frame["id"])]
-    fig = go.Figure([go.Bar(x=xs, y=frame["before"], name="as the model ran", marker_color=NEUTRAL),
+    fig = figure([go.Bar(x=xs, y=frame["before"], name="as the model ran", marker_color=NEUTRAL),
                      go.Bar(x=xs, y=frame["after"], name="with the intervention", marker_color=ACCENT)])
-    fig.update_layout(barmode="group", height=340, title_text=title, title_font_size=13, yaxis_title="probability",
+    fig.update_layout(barmode="group", height=340, title_text=title, title_font_size=13, yaxis_title_text="probability",
                       xaxis_tickangle=-45, legend={"orientation": "h", "y": 1.1},
                       margin={"t": 60, "l": 10, "r": 10, "b": 10})
     return fig
@@ -38,7 +39,7 @@ def pattern_change_figure(changes: list[tuple[int, int, float]], n_layer: int, n
     for layer, head, delta in changes:
         m[layer, head] = delta
     g = grid(m, [f"H{h}" for h in range(n_head)], [f"L{layer}" for layer in range(n_layer)])
-    fig = go.Figure()
+    fig = figure()
     add(fig, g, "amount", colorbar="max |Δ A|")
     style_axes(fig, g, x_title="head", y_title="layer")
     fig.update_layout(height=max(220, 80 + 40 * n_layer), title_font_size=13,
@@ -53,7 +54,7 @@ def patching_figure(restored: torch.Tensor, columns: list[str], kind: str) -> go
     n_layer = restored.shape[0]
     g = grid(restored, columns, [f"L{layer}" for layer in range(n_layer)])
     top = max(1.0, float(restored.abs().max()))
-    fig = go.Figure()
+    fig = figure()
     add(fig, g, "signed", zmin=-top, zmax=top, colorbar="restored")
     style_axes(fig, g, x_title="position" if kind == "resid_pre" else "head", y_title="layer", max_ticks=48)
     what = "the residual stream entering each layer, one position at a time" if kind == "resid_pre" else \
@@ -67,12 +68,12 @@ def attribution_figure(frame: pd.DataFrame, token_label: str, top: int = 16) -> 
     """The components that add most to (or take most from) one logit, largest magnitude first."""
     shown = frame.reindex(frame["contribution"].abs().sort_values(ascending=False).index).head(top)
     colours = [ACCENT if v > 0 else "#4c78a8" for v in shown["contribution"]]
-    fig = go.Figure(go.Bar(x=shown["contribution"], y=shown["component"], orientation="h", marker_color=colours,
+    fig = figure(go.Bar(x=shown["contribution"], y=shown["component"], orientation="h", marker_color=colours,
                            hovertemplate="%{y}: %{x:+.3f}<extra></extra>"))
     attrs = frame.attrs
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(height=max(260, 40 + 22 * len(shown)), margin={"t": 60, "l": 10, "r": 10, "b": 10},
-                      xaxis_title="share of the logit", title_font_size=13,
+                      xaxis_title_text="share of the logit", title_font_size=13,
                       title_text=(f"direct logit attribution for {safe_text(token_label)!s}: the shares add up to "
                                   f"{attrs['total']:.3f} (logit {attrs['logit']:.3f}, the norm's constant "
                                   f"{attrs['norm_constant']:+.3f} included)"))
@@ -91,7 +92,7 @@ def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     xs = [safe_text(f"{p} · {inputs[p]}") for p in shown]
     ys = [f"after L{layer}" for layer in range(n_layer)]
     text = [[safe_text(str(v)) for v in row] for row in top.values.tolist()]
-    fig = go.Figure(go.Heatmap(z=z.values.tolist(), x=xs, y=ys, zmin=0, zmax=1, colorscale=AMOUNT, text=text,
+    fig = figure(go.Heatmap(z=z.values.tolist(), x=xs, y=ys, zmin=0, zmax=1, colorscale=AMOUNT, text=text,
                                texttemplate="%{text}", textfont={"size": 10},
                                colorbar={"title": {"text": "p(final)", "side": "top"}, "thickness": 10},
                                hovertemplate="%{y}, position %{x}<br>top token: %{text}<br>p(final token) = "
@@ -109,7 +110,7 @@ def difference_figure(a: torch.Tensor, b: torch.Tensor, title: str) -> go.Figure
     """b − a of one record's 2-D slice, centred on 0."""
     delta = (b.double() - a.double())
     g = grid(delta, [str(j) for j in range(delta.shape[1])], [str(i) for i in range(delta.shape[0])])
-    fig = go.Figure()
+    fig = figure()
     add(fig, g, "signed", colorbar="b − a")
     style_axes(fig, g, x_title="column", y_title="row", max_ticks=16)
     fig.update_layout(title_text=title + (f" — {g.caption()}" if g.pooled else ""), title_font_size=13,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
 from figures.heatmap import add, grid, style_axes
+from figures.plot import subplots
 from model.gpt import attention
 
 DEFAULT_Q = [[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]
@@ -112,7 +112,7 @@ def _panel(fig: go.Figure, m: torch.Tensor, col: int, row: int, kind: str, x: st
 def forward_figure(w: Worked) -> go.Figure:
     d_k = w.q.shape[1]
     titles = ("QKᵀ", f"S = QKᵀ/√{d_k}" + (" + M" if w.causal else ""), "A = softmax(S), row-wise", "O = A·V")
-    fig = make_subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.06)
+    fig = subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.06)
     _panel(fig, w.qk, 1, 1, "signed", "k", "q")
     _panel(fig, w.masked if w.causal else w.scores, 2, 1, "signed", "k", "q")
     _panel(fig, w.a, 3, 1, "amount", "k", "q")
@@ -123,7 +123,7 @@ def forward_figure(w: Worked) -> go.Figure:
 
 def backward_figure(w: Worked) -> go.Figure:
     titles = ("∂L/∂O (given)", "Aᵀ", "∂L/∂V = Aᵀ·∂L/∂O", f"autograd's ∂L/∂V (max |Δ| {w.gradient_agrees:.1e})")
-    fig = make_subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.06)
+    fig = subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.06)
     _panel(fig, w.grad_o, 1, 1, "signed", "d", "q")
     _panel(fig, w.a.T, 2, 1, "amount", "q", "k")
     _panel(fig, w.grad_v, 3, 1, "signed", "d", "k")

@@ -15,6 +15,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download at test time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("GPT_TRACER_VALIDATE_FIGURES", "1")  # plotly checks every property of every figure built
 # Under mutation testing (mutmut forks a child per mutant from a parent that already ran torch) one thread:
 # OpenMP's thread pool does not survive fork, and the children would hang.
 torch.set_num_threads(1 if "MUTANT_UNDER_TEST" in os.environ else 2)

@@ -17,6 +17,7 @@ from figures import attention, cache, flow, heatmap, inspector, mask, tokens, wh
 from figures.common import key_labels, query_labels, safe_text
 from figures.palette import ACCENT
 from model import GPT, GPTConfig, apply_rope, rope_cos_sin
+from model.hook_table import act_name
 from tracer import PathCost, RecomputeComparison
 from tracer.generation import TracedGeneration
 
@@ -567,3 +568,72 @@ def test_query_and_key_labels_follow_the_step_and_the_row(batch_gen):
         queries = query_labels(trace, step, 1)
         assert queries == (keys if step == 0 else keys[-1:])
     assert key_labels(trace, 2, 1) != key_labels(trace, 2, 0)  # each row its own tokens
+
+
+def test_the_suite_builds_every_figure_with_plotlys_property_checks(monkeypatch):
+    """The app skips plotly's per-property validation (figures/plot.py); the tests must not."""
+    from figures.plot import VALIDATE_ENV, figure, subplots
+
+    with pytest.raises(ValueError, match="colour"):
+        figure(layout={"colour": "red"})
+    with pytest.raises(ValueError, match="colour"):
+        subplots(rows=1, cols=2).update_layout(colour="red")
+    monkeypatch.delenv(VALIDATE_ENV)
+    unchecked = figure(layout={"height": 300})
+    assert unchecked.layout.height == 300 and unchecked.to_plotly_json()["layout"]["height"] == 300
+
+
+def test_every_figure_is_the_same_with_and_without_plotlys_checks(gen, batch_gen, llama_gen, monkeypatch):
+    """The app builds figures unchecked (figures/plot.py). plotly's checks also normalise — an axis title
+    given as text becomes {"text": …}, which plotly.js 3 requires — so what reaches the browser must be
+    identical either way, figure by figure."""
+    from figures.plot import VALIDATE_ENV
+    from tracer import direct_logit_attribution, logit_lens
+
+    trace, last = gen.trace, gen.trace.n_steps - 1
+    lens = logit_lens(trace, 0, label=gen.tokenizer.token_label)
+    attribution = direct_logit_attribution(trace, 1)
+    w = worked.compute(worked.DEFAULT_Q, worked.DEFAULT_K, worked.DEFAULT_V, worked.DEFAULT_GRAD_O)
+    value = trace.get(act_name("pattern", 0), 0)[0, 0]
+    restored = torch.linspace(-0.5, 1.5, 12).reshape(4, 3)
+    builders = {
+        "flow": lambda: flow.shape_flow_figure(trace, last, 1),
+        "reshape": lambda: flow.reshape_figure(trace, last, 0),
+        "stages": lambda: attention.attention_stages_figure(trace, last, 1, 2),
+        "stages, prefill, one scale": lambda: attention.attention_stages_figure(trace, 0, 0, 0, shared_scale=True),
+        "all heads": lambda: attention.all_heads_figure(trace, 0, picked=(1, 1)).figure,
+        "history": lambda: attention.attention_history_figure(trace, 2, 1, last),
+        "weighted sum": lambda: attention.weighted_sum_figure(trace, last, 0, 0, 0)[0],
+        "pitfalls": lambda: attention.pitfall_figure(trace, 0, 0, 0),
+        "cache growth": lambda: cache.cache_growth_figure(trace, 1),
+        "keys": lambda: cache.key_heatmap_figure(trace, last, 0, 1, which="V"),
+        "rows on/off": lambda: cache.cache_on_off_figure(trace),
+        "mask, padded": lambda: mask.mask_figure(batch_gen.trace, 0, 0, batch=1),
+        "before/after mask": lambda: mask.scores_before_after_figure(trace, 0, 1, 0),
+        "next token": lambda: tokens.next_token_figure(trace, last),
+        "sampling stages": lambda: tokens.distribution_stages_figure(trace, last),
+        "inspector heatmap": lambda: inspector.tensor_heatmap_figure(value, "weights", offset=(1, 2)),
+        "histogram": lambda: inspector.histogram_figure(value, "weights"),
+        "lens": lambda: whatif.lens_figure(lens, 4)[0],
+        "attribution": lambda: whatif.attribution_figure(attribution, "x"),
+        "pattern change": lambda: whatif.pattern_change_figure([(0, 1, 0.5)], 4, 4),
+        "patching": lambda: whatif.patching_figure(restored, ["a", "b", "c"], "resid_pre"),
+        "difference": lambda: whatif.difference_figure(value, value.flip(0), "b − a"),
+        "rope": lambda: attention.rope_figure(llama_gen.trace, 0, 1, 4),
+        "rope relative": lambda: attention.rope_relative_figure(llama_gen.trace, 0, 1, 4),
+        "grouped heads": lambda: attention.all_heads_figure(llama_gen.trace, 0).figure,
+        "worked forward": lambda: worked.forward_figure(w),
+        "worked backward": lambda: worked.backward_figure(w),
+    }
+
+    def sent(build) -> dict:
+        spec = json.loads(build().to_json())
+        for key in ("shapes", "annotations"):  # an empty list unchecked, absent checked: the same drawing
+            if spec["layout"].get(key) == []:
+                del spec["layout"][key]
+        return spec
+
+    checked = {name: sent(build) for name, build in builders.items()}
+    monkeypatch.setenv(VALIDATE_ENV, "0")
+    for name, build in builders.items():
+        assert sent(build) == checked[name], name
