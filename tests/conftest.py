@@ -15,7 +15,6 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download at test time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("GPT_TRACER_VALIDATE_FIGURES", "1")  # plotly checks every property of every figure built
 # Under mutation testing (mutmut forks a child per mutant from a parent that already ran torch) one thread:
 # OpenMP's thread pool does not survive fork, and the children would hang.
 torch.set_num_threads(1 if "MUTANT_UNDER_TEST" in os.environ else 2)
@@ -25,6 +24,36 @@ torch.set_num_threads(1 if "MUTANT_UNDER_TEST" in os.environ else 2)
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)  # fresh random examples each run
 settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def apptest_does_once_what_a_server_does_once():
+    """A server compiles app.py once and scans the installed packages for Streamlit components once. AppTest
+    does both for every AppTest (the scan) and every run (the compile, through a new script cache each time):
+    27% of the AppTest tests' time under py-spy. Here both happen once per test session; what runs is the
+    same. The compile is under a lock: two AppTests on two threads would compile at once, and CPython
+    3.11.7's ast.parse is not thread-safe ("AST constructor recursion depth mismatch", fixed in 3.11.8)."""
+    import functools
+    import threading
+
+    from streamlit.components.v2 import manifest_scanner
+    from streamlit.runtime.scriptrunner.script_cache import ScriptCache
+
+    compiled: dict[str, object] = {}
+    lock = threading.Lock()
+    original = ScriptCache.get_bytecode
+
+    def get_bytecode(self, script_path: str):
+        with lock:
+            if script_path not in compiled:
+                compiled[script_path] = original(self, script_path)
+            return compiled[script_path]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ScriptCache, "get_bytecode", get_bytecode)
+        patch.setattr(manifest_scanner, "scan_component_manifests",
+                      functools.cache(manifest_scanner.scan_component_manifests))
+        yield
 
 
 @pytest.fixture(scope="session")

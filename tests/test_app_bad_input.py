@@ -267,27 +267,8 @@ def test_nan_is_flagged_at_the_first_record_where_it_appears(stepped):
         assert "NaN or +∞ first appears at step 2 in blocks.1.attn.hook_z (record" in messages(at).replace("**", "")
 
 
-def shared_script_cache(monkeypatch) -> None:
-    """Compile app.py once for every AppTest, as a real server does for its sessions. AppTest builds a new
-    script cache per run, so two threads would compile at once, and CPython 3.11.7's ast.parse is not
-    thread-safe ("AST constructor recursion depth mismatch", fixed upstream in 3.11.8)."""
-    from streamlit.runtime.scriptrunner.script_cache import ScriptCache
-
-    compiled: dict[str, object] = {}
-    lock = threading.Lock()
-    original = ScriptCache.get_bytecode
-
-    def get_bytecode(self, script_path: str):
-        with lock:
-            if script_path not in compiled:
-                compiled[script_path] = original(self, script_path)
-            return compiled[script_path]
-
-    monkeypatch.setattr(ScriptCache, "get_bytecode", get_bytecode)
-
-
-def test_two_sessions_stepping_at_the_same_time_see_only_their_own_state(monkeypatch):
-    shared_script_cache(monkeypatch)
+def test_two_sessions_stepping_at_the_same_time_see_only_their_own_state():
+    # app.py is compiled once for both (tests/conftest.py), as a server does for its sessions
     a, b = new_app(), new_app()
     a.sidebar.text_area(key="prompt").set_value("Tom had a big red kite.")
     b.sidebar.text_area(key="prompt").set_value("Mia said,\nBen had a small dog. One day,")

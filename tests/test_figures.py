@@ -24,6 +24,15 @@ from tracer.generation import TracedGeneration
 PROMPT = "Once upon a time, there was a little girl named Lily."
 
 
+@pytest.fixture(autouse=True)
+def plotly_checks_every_property(monkeypatch):
+    """Here every figure is built with plotly's checks (a misspelt property raises); the app and the AppTest
+    tests build them unchecked, and the last test below shows that changes nothing that is sent."""
+    from figures.plot import VALIDATE_ENV
+
+    monkeypatch.setenv(VALIDATE_ENV, "1")
+
+
 @pytest.fixture(scope="module")
 def gen(bundled):
     model, tok = bundled
@@ -570,8 +579,8 @@ def test_query_and_key_labels_follow_the_step_and_the_row(batch_gen):
     assert key_labels(trace, 2, 1) != key_labels(trace, 2, 0)  # each row its own tokens
 
 
-def test_the_suite_builds_every_figure_with_plotlys_property_checks(monkeypatch):
-    """The app skips plotly's per-property validation (figures/plot.py); the tests must not."""
+def test_the_figure_tests_build_with_plotlys_property_checks(monkeypatch):
+    """The app skips plotly's per-property validation (figures/plot.py); these tests must not."""
     from figures.plot import VALIDATE_ENV, figure, subplots
 
     with pytest.raises(ValueError, match="colour"):
