@@ -6,7 +6,6 @@ Debian's (``/usr/bin/chromium``); nothing is downloaded.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -115,15 +114,12 @@ def runs_finished(page) -> int:
 
 
 def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200, after: int | None = None) -> None:
-    """Wait until the app's rerun has finished and every plotly chart has drawn (then ``settle_ms`` more).
-    With ``after`` (a ``runs_finished`` count taken before the action), wait for a rerun to finish after it:
-    a rerun shorter than one animation frame is not missed, and nothing waits a fixed time for it."""
+    """Wait until no rerun is going and every plotly chart has drawn (then ``settle_ms`` more). With ``after``
+    (a ``runs_finished`` count taken before an action that reruns the app), first wait for a rerun to finish
+    after it: a rerun shorter than one animation frame is not missed, and nothing waits a fixed time."""
     state = "() => document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state')"
     if after is not None:
         page.wait_for_function(f"() => (window.__stRuns || 0) > {after}", timeout=timeout * 1000)
-    else:
-        with contextlib.suppress(Exception):  # the rerun may take a moment to start, or be over already
-            page.wait_for_function(f"() => ({state})() === 'running'", timeout=1500)
     page.wait_for_function(f"() => ({state})() === 'notRunning'", timeout=timeout * 1000)
     page.wait_for_function(
         "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"]').length"
@@ -136,15 +132,20 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200, after: int | No
 
 def open_app(page, url: str) -> None:
     page.goto(url, wait_until="domcontentloaded")
+    # the sidebar's Step button is drawn by the first run: once it is there, that run has started
     page.get_by_role("button", name="Step").wait_for(timeout=90_000)
     wait_idle(page)
+    runs_finished(page)  # the counter, from here on
 
 
 def set_prompt(page, text: str) -> None:
     box = page.get_by_label("Prompt (one line per sequence: several lines make a batch)")
+    if box.input_value() == text:
+        return  # committing the same text starts no rerun
+    before = runs_finished(page)
     box.fill(text)
     box.press("Control+Enter")  # commit the text area
-    wait_idle(page)
+    wait_idle(page, after=before)
 
 
 def click(page, name: str, settle_ms: int = 200) -> None:
@@ -153,9 +154,15 @@ def click(page, name: str, settle_ms: int = 200) -> None:
     wait_idle(page, settle_ms=settle_ms, after=before)
 
 
-def open_tab(page, name: str) -> None:
-    page.get_by_role("tab", name=name, exact=True).click()
-    wait_idle(page)
+def open_tab(page, name: str, reruns: bool = True) -> None:
+    """Open a tab and wait for what it starts. Once a step exists every tab reruns the app (a sub-tab its
+    fragment) to draw only the open panel; before it, the two tabs only show their panel (``reruns=False``)."""
+    tab = page.get_by_role("tab", name=name, exact=True)
+    if tab.get_attribute("aria-selected") == "true":
+        return  # clicking the open tab starts nothing
+    before = runs_finished(page)
+    tab.click()
+    wait_idle(page, after=before if reruns else None)
 
 
 def plotly_data(page) -> list:
