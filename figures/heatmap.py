@@ -133,8 +133,15 @@ def style_axes(fig: go.Figure, g: Grid, x_title: str = "key position (t)", y_tit
     """Category axes with the grid's labels (thinned to ``max_ticks``), rows top to bottom, masked grey."""
     sx = max(1, math.ceil(len(g.x) / max_ticks))
     sy = max(1, math.ceil(len(g.y) / max_ticks))
-    fig.update_xaxes(type="category", tickvals=g.x[::sx], ticktext=g.x[::sx], tickangle=-60, showgrid=False,
-                     title_text=x_title, row=row, col=col)
-    fig.update_yaxes(type="category", tickvals=g.y[::sy], ticktext=g.y[::sy], autorange="reversed",
-                     showgrid=False, showticklabels=y_ticks, title_text=y_title if y_ticks else None, row=row, col=col)
-    fig.update_layout(plot_bgcolor="white")
+    # one layout update naming the subplot's two axes: update_xaxes(row=, col=) searches every axis of the
+    # figure for each call, which was most of a four-panel figure's build time
+    cell = fig.get_subplot(row, col) if row is not None else None
+    x_name = cell.xaxis.plotly_name if cell is not None else "xaxis"
+    y_name = cell.yaxis.plotly_name if cell is not None else "yaxis"
+    fig.update_layout({
+        x_name: {"type": "category", "tickvals": g.x[::sx], "ticktext": g.x[::sx], "tickangle": -60,
+                 "showgrid": False, "title": {"text": x_title}},
+        y_name: {"type": "category", "tickvals": g.y[::sy], "ticktext": g.y[::sy], "autorange": "reversed",
+                 "showgrid": False, "showticklabels": y_ticks, "title": {"text": y_title if y_ticks else None}},
+        "plot_bgcolor": "white",
+    })
