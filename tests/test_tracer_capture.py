@@ -398,3 +398,32 @@ def test_a_step_retried_after_a_failure_shows_the_statistics_of_the_retry(gpt):
     # the same numbers (a sum's last bit may depend on how many threads reduced it)
     assert dataclasses.astuple(shown) == pytest.approx(dataclasses.astuple(truth), rel=1e-6, abs=1e-9)
     assert torch.equal(trace.get("blocks.0.hook_resid_post", 0), expected[0])
+
+
+def test_a_failed_step_whose_values_were_not_kept_is_discarded_and_retried(gpt):
+    """Discarding a failed attempt forgets every one of its records, kept values or not (shapes capture
+    keeps none; a budget of 0 keeps none either): the retry must run, and record what a clean step does."""
+    tokens = torch.randint(0, 64, (1, 5))
+    failed = []
+
+    def fail_once(module, args, out):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("boom")
+        return out
+
+    for capture, budget in (("shapes", None), ("values", 0)):
+        failed.clear()
+        handle = gpt.blocks[1].hook_resid_post.register_forward_hook(fail_once)
+        options = {} if budget is None else {"budget_bytes": budget}
+        try:
+            with torch.no_grad(), Tracer(gpt, capture=capture, **options) as tr:
+                with pytest.raises(RuntimeError, match="boom"):
+                    gpt(tokens)
+                gpt(tokens)
+        finally:
+            handle.remove()
+        with torch.no_grad(), Tracer(gpt, capture=capture, **options) as clean:
+            gpt(tokens)
+        assert [r.name for r in tr.trace.records] == [r.name for r in clean.trace.records], capture
+        assert tr.trace.n_steps == 1 and tr.trace.bytes_kept == 0

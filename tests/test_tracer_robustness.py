@@ -250,7 +250,12 @@ def test_the_budget_is_checked_and_a_value_of_exactly_the_budget_is_kept():
     with Tracer(model, capture="values", budget_bytes=0) as tr, torch.no_grad():
         model(torch.ones(64))
     assert tr.trace.bytes_kept == 0 and tr.trace.stats("model:out", 0) is not None  # nothing kept, stats still
+    assert tr.trace.log.peak_bytes_kept == 0
     identity = nn.Identity()
     with Tracer(identity, capture="values", budget_bytes=256) as tr, torch.no_grad():
         identity(torch.ones(64))  # input and output are one 256 B storage: exactly the budget
     assert tr.trace.bytes_kept == 256 and tr.trace.log.evicted_count == 0
+    with Tracer(identity, capture="values", budget_bytes=512) as tr, torch.no_grad():
+        identity(torch.ones(64))
+        identity(torch.zeros(64))  # 256 B held + 256 B new = exactly the budget: nothing is evicted for it
+    assert tr.trace.bytes_kept == 512 and tr.trace.log.evicted_count == 0 and tr.trace.log.peak_bytes_kept == 512

@@ -162,7 +162,7 @@ class ValueStore:
         if reason and self._on_evict is not None:
             self._on_evict(index, tensor, reason, True)
 
-    def drop(self, index: int, note: str | None = "dropped", stats: bool = True) -> None:
+    def drop(self, index: int, *, note: str | None, stats: bool = True) -> None:
         """Forget a value; ``note`` (if any) tells the owner why, and whether its stats can still be taken."""
         entry = self._entries.pop(index, None)
         if entry is None:
