@@ -6,6 +6,7 @@ Debian's (``/usr/bin/chromium``); nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -96,16 +97,23 @@ def chromium_page(width: int = 1500, height: int = 1100, browser=None):
 
 
 RUNS = """() => {
-    const app = document.querySelector('[data-testid="stApp"]');
-    if (app && window.__stApp !== app) {  // count every finished rerun, however short, from now on
-        window.__stApp = app;
-        window.__stRuns = window.__stRuns || 0;
-        new MutationObserver(() => {
-            if (app.getAttribute('data-test-script-state') === 'notRunning') window.__stRuns += 1;
-        }).observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+    if (!window.__stRunsWatched) {  // count every finished rerun, however short, from now on
+        window.__stRunsWatched = true;
+        window.__stRuns = 0;
+        // the whole document, not one element: React may replace the app's root element, and an observer
+        // on the old one would never count again
+        new MutationObserver(records => {
+            if (records.some(r => r.target.getAttribute('data-test-script-state') === 'notRunning')) {
+                window.__stRuns += 1;
+            }
+        }).observe(document.documentElement,
+                   {attributes: true, subtree: true, attributeFilter: ['data-test-script-state']});
     }
-    return window.__stRuns || 0;
+    return window.__stRuns;
 }"""
+
+
+STATE = "() => document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state')"
 
 
 def runs_finished(page) -> int:
@@ -117,7 +125,7 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200, after: int | No
     """Wait until no rerun is going and every plotly chart has drawn (then ``settle_ms`` more). With ``after``
     (a ``runs_finished`` count taken before an action that reruns the app), first wait for a rerun to finish
     after it: a rerun shorter than one animation frame is not missed, and nothing waits a fixed time."""
-    state = "() => document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state')"
+    state = STATE
     if after is not None:
         page.wait_for_function(f"() => (window.__stRuns || 0) > {after}", timeout=timeout * 1000)
     page.wait_for_function(f"() => ({state})() === 'notRunning'", timeout=timeout * 1000)
@@ -132,10 +140,14 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200, after: int | No
 
 def open_app(page, url: str) -> None:
     page.goto(url, wait_until="domcontentloaded")
-    # the sidebar's Step button is drawn by the first run: once it is there, that run has started
     page.get_by_role("button", name="Step").wait_for(timeout=90_000)
-    wait_idle(page)
     runs_finished(page)  # the counter, from here on
+    # a new session may run the script more than once as it connects; a click sent before it has settled
+    # was lost once in CI (the Step that followed never reran). So here, and only here, give a further run
+    # 1.5 s to start before waiting for the page to be idle.
+    with contextlib.suppress(Exception):
+        page.wait_for_function(f"() => ({STATE})() === 'running'", timeout=1500)
+    wait_idle(page)
 
 
 def set_prompt(page, text: str) -> None:
