@@ -181,7 +181,7 @@ def test_the_actions_are_above_the_fold(url, browser, width, height):
         for name in ("Step", "Run N", "Reset"):
             box = page.get_by_role("button", name=name, exact=True).bounding_box()
             assert box is not None and box["y"] + box["height"] <= height, (name, box)
-        open_tab(page, "Export", reruns=False)  # before the first step
+        open_tab(page, "Export")  # before the first step: no rerun
         assert page.get_by_text("up to 1 GiB").count() == 1  # what the label promises …
         assert page.get_by_text("1GB per file").count() == 1  # … is what Streamlit's dropzone says it accepts
 
