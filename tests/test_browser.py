@@ -224,10 +224,14 @@ def test_the_llama_model_shows_its_key_value_groups_and_rope(url, browser):
         before = runs_finished(page)
         page.get_by_label("Weights").get_by_text("Bundled Llama-style story model").click()
         wait_idle(page, after=before)  # choosing the model is a rerun of its own: Step must not count it
+        page.get_by_text("story-llama").first.wait_for(timeout=60_000)  # the page names the model chosen
         click(page, "Step")
         click(page, "Step")
         open_tab(page, "KV cache")
-        assert page.get_by_text(f"[1, 2, {n0 + 1}, 32]").count() >= 1  # [B, G, t, d_head], G = 2
+        kv = page.get_by_text(f"[1, 2, {n0 + 1}, 32]").first  # [B, G, t, d_head], G = 2
+        # the table is drawn on a canvas, its cells kept in the DOM for accessibility: wait for the cell to be
+        # there, as long as the page takes on a loaded machine
+        kv.wait_for(state="attached", timeout=60_000)
         open_tab(page, "Attention")
         open_tab(page, "All heads")
         grid = [t for t in plotly_data(page)[0] if t["type"] == "heatmap"]
