@@ -108,15 +108,17 @@ def apptest_timings(steps: int) -> dict:
 # Times in the page itself (performance.now()), from the pointerdown the click makes: when the page saw the
 # script start running, stop running, and the end (the last chart drawn). Playwright's own overhead is left out.
 WATCH = """() => {
-  const app = document.querySelector('[data-testid="stApp"]');
   window.__phase = {down: null, running: null, done: null};
   document.addEventListener('pointerdown', () => { window.__phase.down = performance.now(); },
                             {capture: true, once: true});
-  new MutationObserver(() => {
-    const s = app.getAttribute('data-test-script-state');
-    if (s === 'running' && window.__phase.running === null) window.__phase.running = performance.now();
-    if (s === 'notRunning') window.__phase.done = performance.now();
-  }).observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+  if (window.__phaseWatched) return;  // one observer per page, on the whole document (as tests/browser.py)
+  window.__phaseWatched = true;
+  new MutationObserver(records => records.forEach(r => {
+    const s = r.target.getAttribute('data-test-script-state'), p = window.__phase;
+    if (s === 'running' && p.running === null) p.running = performance.now();
+    if (s === 'notRunning') p.done = performance.now();
+  })).observe(document.documentElement,
+              {attributes: true, subtree: true, attributeFilter: ['data-test-script-state']});
 }"""
 PHASES = """() => { const p = window.__phase, now = performance.now();
   return {total: (now - p.down) / 1000, to_start: (p.running - p.down) / 1000,

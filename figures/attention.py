@@ -244,7 +244,7 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
             tiles[r0:r0 + tall, c0:c0 + rt] = m.repeat_interleave(stretch, dim=0)
         pooled_any = pooled_any or from_digest
     fig = figure(go.Heatmap(z=tiles.to(torch.float32).numpy(), colorscale=AMOUNT, zmin=0, zmax=1, hoverinfo="skip",
-                               colorbar={"title": {"text": "A", "side": "top"}, "thickness": 10}))
+                            colorbar={"title": {"text": "A", "side": "top"}, "thickness": 10}))
     centres_x, centres_y, data = [], [], []
     for layer in range(n_layer):
         for head in range(H):

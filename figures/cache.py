@@ -205,7 +205,7 @@ def cache_on_off_figure(trace: Trace) -> go.Figure:
     """Query rows computed per step with the cache and without it (counted, exact)."""
     table = rows_computed(trace)
     fig = figure([go.Bar(x=table["step"], y=table["with cache"], name="with cache", marker_color="#4c78a8"),
-                     go.Bar(x=table["step"], y=table["without cache"], name="without cache", marker_color="#9ecae1")])
+                  go.Bar(x=table["step"], y=table["without cache"], name="without cache", marker_color="#9ecae1")])
     fig.update_layout(barmode="group", height=300, margin={"t": 40, "l": 10, "r": 10, "b": 10},
                       title_text="query rows computed per step", title_font_size=13,
                       legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0.5})

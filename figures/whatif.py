@@ -26,7 +26,7 @@ def next_token_change(original: torch.Tensor, changed: torch.Tensor, label, top:
 def next_token_change_figure(frame: pd.DataFrame, title: str) -> go.Figure:
     xs = [f"{safe_text(t)} ({i})" for t, i in zip(frame["token"], frame["id"])]
     fig = figure([go.Bar(x=xs, y=frame["before"], name="as the model ran", marker_color=NEUTRAL),
-                     go.Bar(x=xs, y=frame["after"], name="with the intervention", marker_color=ACCENT)])
+                  go.Bar(x=xs, y=frame["after"], name="with the intervention", marker_color=ACCENT)])
     fig.update_layout(barmode="group", height=340, title_text=title, title_font_size=13, yaxis_title_text="probability",
                       xaxis_tickangle=-45, legend={"orientation": "h", "y": 1.1},
                       margin={"t": 60, "l": 10, "r": 10, "b": 10})
@@ -69,7 +69,7 @@ def attribution_figure(frame: pd.DataFrame, token_label: str, top: int = 16) -> 
     shown = frame.reindex(frame["contribution"].abs().sort_values(ascending=False).index).head(top)
     colours = [ACCENT if v > 0 else "#4c78a8" for v in shown["contribution"]]
     fig = figure(go.Bar(x=shown["contribution"], y=shown["component"], orientation="h", marker_color=colours,
-                           hovertemplate="%{y}: %{x:+.3f}<extra></extra>"))
+                        hovertemplate="%{y}: %{x:+.3f}<extra></extra>"))
     attrs = frame.attrs
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(height=max(260, 40 + 22 * len(shown)), margin={"t": 60, "l": 10, "r": 10, "b": 10},
@@ -93,10 +93,10 @@ def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     ys = [f"after L{layer}" for layer in range(n_layer)]
     text = [[safe_text(str(v)) for v in row] for row in top.values.tolist()]
     fig = figure(go.Heatmap(z=z.values.tolist(), x=xs, y=ys, zmin=0, zmax=1, colorscale=AMOUNT, text=text,
-                               texttemplate="%{text}", textfont={"size": 10},
-                               colorbar={"title": {"text": "p(final)", "side": "top"}, "thickness": 10},
-                               hovertemplate="%{y}, position %{x}<br>top token: %{text}<br>p(final token) = "
-                                             "%{z:.3f}<extra></extra>"))
+                            texttemplate="%{text}", textfont={"size": 10},
+                            colorbar={"title": {"text": "p(final)", "side": "top"}, "thickness": 10},
+                            hovertemplate="%{y}, position %{x}<br>top token: %{text}<br>p(final token) = "
+                                          "%{z:.3f}<extra></extra>"))
     fig.update_xaxes(type="category", tickangle=-60, title_text="position · input token")
     fig.update_yaxes(type="category", autorange="reversed")
     fig.update_layout(height=max(260, 90 + 48 * n_layer), margin={"t": 40, "l": 10, "r": 10, "b": 10},

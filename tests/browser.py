@@ -125,10 +125,9 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200, after: int | No
     """Wait until no rerun is going and every plotly chart has drawn (then ``settle_ms`` more). With ``after``
     (a ``runs_finished`` count taken before an action that reruns the app), first wait for a rerun to finish
     after it: a rerun shorter than one animation frame is not missed, and nothing waits a fixed time."""
-    state = STATE
     if after is not None:
         page.wait_for_function(f"() => (window.__stRuns || 0) > {after}", timeout=timeout * 1000)
-    page.wait_for_function(f"() => ({state})() === 'notRunning'", timeout=timeout * 1000)
+    page.wait_for_function(f"() => ({STATE})() === 'notRunning'", timeout=timeout * 1000)
     page.wait_for_function(
         "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"]').length"
         " <= document.querySelectorAll('.js-plotly-plot').length",
