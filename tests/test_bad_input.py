@@ -141,12 +141,12 @@ def test_nan_and_inf_are_recorded_and_the_first_one_is_named(bundled):
 
 
 def test_a_long_run_never_passes_a_budget_of_about_one_step():
-    """300 decode steps with a budget just over one step's values: the peak (updated on every insert) never
+    """100 decode steps with a budget just over one step's values: the peak (updated on every insert) never
     passes it, the oldest steps lose their values and keep their statistics."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, n_ctx=320, d_model=16, n_layer=2, n_head=2)).eval()
+    model = GPT(GPTConfig(vocab_size=64, n_ctx=128, d_model=16, n_layer=2, n_head=2)).eval()
     cache = model.new_cache(1)
-    tokens = torch.randint(0, 64, (1, 310))
+    tokens = torch.randint(0, 64, (1, 110))
     probe = Tracer(model, capture="values")
     with torch.no_grad(), probe.active():
         model(tokens[:, :1])
@@ -156,15 +156,15 @@ def test_a_long_run_never_passes_a_budget_of_about_one_step():
     with torch.no_grad():
         with tracer.active():
             model(tokens[:, :10], cache)
-        for i in range(300):
+        for i in range(100):
             with tracer.active():
                 model(tokens[:, 10 + i : 11 + i], cache)
     tracer.close()
     t = tracer.trace
-    assert t.n_steps == 301 and t.log.peak_bytes_kept <= budget < 2 * t.log.peak_bytes_kept
+    assert t.n_steps == 101 and t.log.peak_bytes_kept <= budget < 2 * t.log.peak_bytes_kept
     assert t.log.evicted_count > 0 and t.get("hook_logits", 0) is None
     assert t.stats("hook_logits", 0) is not None  # evicted records keep their statistics
-    assert t.get("hook_logits", 300) is not None and t.record("blocks.1.attn.hook_k_all", 300).shape[2] == 310
+    assert t.get("hook_logits", 100) is not None and t.record("blocks.1.attn.hook_k_all", 100).shape[2] == 110
 
 
 def test_a_token_that_is_a_control_or_invisible_character_is_labelled_visibly():

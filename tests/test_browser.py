@@ -1,7 +1,7 @@
 """End to end in a real headless Chromium: one `streamlit run app.py` server and one browser for the module,
 a fresh page (a new session) per test.
 
-``SAVE_SCREENSHOTS=1 python -m pytest tests/test_browser.py -k screenshots`` also writes the README's
+``SAVE_SCREENSHOTS=1 python -m pytest tests/test_browser.py -k "every_tab or llama"`` also writes the README's
 screenshots (assets/screenshots/).
 """
 
@@ -63,35 +63,59 @@ def values(chart: list[dict]) -> list[dict]:
     return [t for t in chart if t["type"] == "heatmap" and not t["skip"]]
 
 
-def test_type_step_three_times_and_check_attention_and_cache(url, browser):
+def test_type_step_three_times_and_look_at_every_tab(url, browser):
+    """Type a prompt, Step three times, then the shapes of the attention, history and KV-cache charts as
+    the browser holds them, and every tab drawn without a JavaScript error. With SAVE_SCREENSHOTS=1 it
+    also writes the README's screenshots (assets/screenshots/)."""
     from model import load_bundled
 
     _, tok = load_bundled()
     n0 = len(tok.encode(PROMPT))
-    with chromium_page(1500, 1100, browser) as page:
+    t = n0 + 2  # key positions at the third step
+    save = bool(os.environ.get("SAVE_SCREENSHOTS"))
+    out = ROOT / "assets" / "screenshots"
+
+    def shot(name: str) -> None:
+        if save and f"assets/screenshots/{name}.png" in README:  # only what the README shows is kept
+            out.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(out / f"{name}.png"))
+
+    with chromium_page(1600, 2200, browser) as page:
         errors, outside = watch(page, url)
         open_app(page, url)
         set_prompt(page, PROMPT)
         for _ in range(3):
             click(page, "Step")
-        assert metric_value(page, "key positions t") == str(n0 + 2)
-        assert metric_value(page, "cache length after step") == str(n0 + 2)
+        assert metric_value(page, "key positions t") == str(t)
+        assert metric_value(page, "cache length after step") == str(t)
         assert metric_value(page, "new positions n") == "1"
         texts = page.locator('[data-testid="stMarkdownContainer"]').all_inner_texts()
-        assert any(t.startswith(PROMPT) and len(t) > len(PROMPT) for t in texts)  # the prompt and new tokens
+        assert any(x.startswith(PROMPT) and len(x) > len(PROMPT) for x in texts)  # the prompt and new tokens
+        open_tab(page, "Shapes")
+        shot("shapes")
 
         open_tab(page, "Attention")
+        open_tab(page, "Stages")
         stages = values(plotly_data(page)[0])
-        assert len(stages) == 4 and all((t["rows"], t["cols"]) == (1, n0 + 2) for t in stages)
-        assert page.get_by_text(f"[1, 4, 1, 32] @ [1, 4, 32, {n0 + 2}] → [1, 4, 1, {n0 + 2}]").count() >= 1
+        assert len(stages) == 4 and all((s["rows"], s["cols"]) == (1, t) for s in stages)
+        assert page.get_by_text(f"[1, 4, 1, 32] @ [1, 4, 32, {t}] → [1, 4, 1, {t}]").count() >= 1
+        shot("attention")
+        for sub, name in (("All heads", "all_heads"), ("Pitfalls", "pitfalls")):
+            open_tab(page, sub)
+            shot(name)
         open_tab(page, "History")
         history = values(plotly_data(page)[0])[0]
-        assert (history["rows"], history["cols"]) == (n0 + 2, n0 + 2)
+        assert (history["rows"], history["cols"]) == (t, t)
 
         open_tab(page, "KV cache")
         kv = values(plotly_data(page)[1])[0]  # one head's keys: t positions × d_head
-        assert kv["rows"] == n0 + 2 and kv["cols"] == 32
+        assert kv["rows"] == t and kv["cols"] == 32
         assert page.get_by_text("Only the new row was needed").count() == 1
+        shot("kv_cache")
+        for tab, name in (("Causal mask", "causal_mask"), ("Next token", "next_token"), ("What if", "what_if"),
+                          ("Worked example", "worked"), ("Inspector", "inspector")):
+            open_tab(page, tab)
+            shot(name)
         assert not errors, errors
         assert not outside, f"the page fetched from outside localhost: {outside[:5]}"
 
@@ -174,40 +198,17 @@ def test_a_crafted_trace_file_makes_the_page_fetch_nothing(url, browser, tmp_pat
         assert not errors, errors
 
 
-@pytest.mark.parametrize("width, height", [(1600, 1000), (1280, 800)])
-def test_the_actions_are_above_the_fold(url, browser, width, height):
-    with chromium_page(width, height, browser) as page:
+def test_the_actions_are_above_the_fold(url, browser):
+    with chromium_page(1600, 1000, browser) as page:
         open_app(page, url)
-        for name in ("Step", "Run N", "Reset"):
-            box = page.get_by_role("button", name=name, exact=True).bounding_box()
-            assert box is not None and box["y"] + box["height"] <= height, (name, box)
+        for width, height in ((1600, 1000), (1280, 800)):
+            page.set_viewport_size({"width": width, "height": height})
+            for name in ("Step", "Run N", "Reset"):
+                box = page.get_by_role("button", name=name, exact=True).bounding_box()
+                assert box is not None and box["y"] + box["height"] <= height, (width, height, name, box)
         open_tab(page, "Export")  # before the first step: no rerun
         assert page.get_by_text("up to 1 GiB").count() == 1  # what the label promises …
         assert page.get_by_text("1GB per file").count() == 1  # … is what Streamlit's dropzone says it accepts
-
-
-def test_screenshots(url, browser):
-    """The README's screenshots, taken from the real app (only written with SAVE_SCREENSHOTS=1)."""
-    out = ROOT / "assets" / "screenshots"
-    save = bool(os.environ.get("SAVE_SCREENSHOTS"))
-    shots = [("Shapes", None, "shapes"), ("Attention", "Stages", "attention"),
-             ("Attention", "All heads", "all_heads"), ("Attention", "Pitfalls", "pitfalls"),
-             ("Causal mask", None, "causal_mask"), ("KV cache", None, "kv_cache"), ("Next token", None, "next_token"),
-             ("What if", None, "what_if"), ("Worked example", None, "worked"), ("Inspector", None, "inspector")]
-    with chromium_page(1600, 2200, browser) as page:
-        errors, _ = watch(page, url)
-        open_app(page, url)
-        set_prompt(page, PROMPT)
-        for _ in range(3):
-            click(page, "Step")
-        for tab, sub, name in shots:
-            open_tab(page, tab)
-            if sub:
-                open_tab(page, sub)
-            if save and f"assets/screenshots/{name}.png" in README:  # only what the README shows is kept
-                out.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(out / f"{name}.png"))
-        assert not errors, errors
 
 
 def test_the_llama_model_shows_its_key_value_groups_and_rope(url, browser):
