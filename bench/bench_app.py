@@ -146,7 +146,7 @@ def browser_timings(steps: int) -> dict:
         seen = []
         for _ in range(times):
             page.evaluate(WATCH)
-            click(page, name, settle_ms=0)
+            click(page, name)
             seen.append(page.evaluate(PHASES))
         phases[label] = {k: statistics.median(t[k] for t in seen) for k in seen[0]}
         return [t["total"] for t in seen]

@@ -35,7 +35,7 @@ def profile(tabs: list[str], steps: int) -> dict:
             phases = []
             for _ in range(steps):
                 page.evaluate(WATCH)
-                click(page, "Step", settle_ms=0)
+                click(page, "Step")
                 phases.append(page.evaluate(PHASES))
             result = cdp.send("Profiler.stop")["profile"]
             cdp.detach()

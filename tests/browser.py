@@ -82,6 +82,13 @@ def chromium():
             browser.close()
 
 
+def app_context(browser, width: int = 1500, height: int = 1100):
+    """A new browser context (its own cookies and cache) whose pages count the app's reruns."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    context.add_init_script(RUNS_SCRIPT)  # every rerun of the page's session is counted, from its first
+    return context
+
+
 @contextmanager
 def chromium_page(width: int = 1500, height: int = 1100, browser=None):
     """A fresh page (its own context: a new browser session of the app) at ``width`` × ``height``."""
@@ -89,39 +96,36 @@ def chromium_page(width: int = 1500, height: int = 1100, browser=None):
         with chromium() as own, chromium_page(width, height, own) as page:
             yield page
         return
-    context = browser.new_context(viewport={"width": width, "height": height})
+    context = app_context(browser, width, height)
     try:
         yield context.new_page()
     finally:
         context.close()
 
 
-RUNS = """() => {
-    if (!window.__stRunsWatched) {  // count every finished rerun, however short, from now on
-        window.__stRunsWatched = true;
-        window.__stRuns = 0;
-        // the whole document, not one element: React may replace the app's root element, and an observer
-        // on the old one would never count again
-        new MutationObserver(records => {
-            if (records.some(r => r.target.getAttribute('data-test-script-state') === 'notRunning')) {
-                window.__stRuns += 1;
-            }
-        }).observe(document.documentElement,
-                   {attributes: true, subtree: true, attributeFilter: ['data-test-script-state']});
+# Counts every finished rerun, however short, from the page's first: installed before any of the page's own
+# scripts run (an init script), on the whole document, since React may replace the app's root element and an
+# observer on the old one would never count again.
+RUNS_SCRIPT = """
+window.__stRuns = 0;
+new MutationObserver(records => {
+    if (records.some(r => r.target.getAttribute('data-test-script-state') === 'notRunning')) {
+        window.__stRuns += 1;
     }
-    return window.__stRuns;
-}"""
+}).observe(document, {attributes: true, subtree: true, attributeFilter: ['data-test-script-state']});
+"""
+RUNS = "() => window.__stRuns"
 
 
 STATE = "() => document.querySelector('[data-testid=\"stApp\"]')?.getAttribute('data-test-script-state')"
 
 
 def runs_finished(page) -> int:
-    """How many reruns the page has seen finish (installs the counter on first use)."""
+    """How many reruns the page has seen finish since it loaded."""
     return page.evaluate(RUNS)
 
 
-def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200, after: int | None = None) -> None:
+def wait_idle(page, timeout: float = 90.0, settle_ms: int = 0, after: int | None = None) -> None:
     """Wait until no rerun is going and every plotly chart has drawn (then ``settle_ms`` more). With ``after``
     (a ``runs_finished`` count taken before an action that reruns the app), first wait for a rerun to finish
     after it: a rerun shorter than one animation frame is not missed, and nothing waits a fixed time."""
@@ -138,38 +142,53 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 200, after: int | No
 
 
 def open_app(page, url: str) -> None:
+    """Load the app as a new session and wait until its first run has finished and the page is idle."""
     page.goto(url, wait_until="domcontentloaded")
     page.get_by_role("button", name="Step").wait_for(timeout=90_000)
-    runs_finished(page)  # the counter, from here on
-    wait_for_a_run(page)
+    wait_for_a_run(page, before=0)
 
 
-def wait_for_a_run(page) -> None:
-    """After an action that may or may not rerun the app (a new session may run more than once as it
-    connects; committing the same prompt, or opening a tab before the first step, starts nothing): give a
-    run 1.5 s to start, then wait for the page to be idle. In the fresh-clone CI run, waiting instead for a
-    counted rerun after loading or typing the prompt timed out twice, so these keep the tolerant wait."""
+def wait_for_a_run(page, before: int) -> None:
+    """After an action that may or may not rerun the app (committing the same prompt, or opening a tab before
+    the first step, starts nothing): wait up to 1.5 s for a rerun to finish after ``before`` (a
+    ``runs_finished`` count taken before the action) or to be going, then for the page to be idle. A rerun
+    that happens is waited for without a fixed delay; only an action that starts none costs the 1.5 s."""
     with contextlib.suppress(Exception):
-        page.wait_for_function(f"() => ({STATE})() === 'running'", timeout=1500)
+        page.wait_for_function(f"() => window.__stRuns > {before} || ({STATE})() === 'running'", timeout=1500)
     wait_idle(page)
 
 
 def set_prompt(page, text: str) -> None:
+    """Type ``text`` (which must differ from the prompt shown) and commit it: that always reruns the app, so
+    the rerun is waited for, counted — pressing Ctrl+Enter again once if none came in 20 s."""
     box = page.get_by_label("Prompt (one line per sequence: several lines make a batch)")
+    before = runs_finished(page)
     box.fill(text)
-    box.press("Control+Enter")  # commit the text area
-    wait_for_a_run(page)
+    for attempt in range(2):
+        box.press("Control+Enter")  # commit the text area
+        try:
+            page.wait_for_function(f"() => window.__stRuns > {before}", timeout=20_000)
+            break
+        except Exception:
+            if attempt:
+                raise
+    wait_idle(page)
 
 
-def click(page, name: str, settle_ms: int = 200) -> None:
+def click(page, name: str, settle_ms: int = 0) -> None:
     before = runs_finished(page)
     page.get_by_role("button", name=name, exact=True).click()
     wait_idle(page, settle_ms=settle_ms, after=before)
 
 
 def open_tab(page, name: str) -> None:
-    page.get_by_role("tab", name=name, exact=True).click()
-    wait_for_a_run(page)
+    """Open the tab ``name`` (no click if it is open already: that would start no rerun to wait for)."""
+    tab = page.get_by_role("tab", name=name, exact=True)
+    if tab.get_attribute("aria-selected") == "true":
+        return
+    before = runs_finished(page)
+    tab.click()
+    wait_for_a_run(page, before)
 
 
 def plotly_data(page) -> list:
