@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from figures.common import facts_of, safe_text, shape_text
-from figures.plot import figure
+from figures.plot import arrow_trace, figure, text_trace
 from model.hook_table import act_name
 from tracer import Trace
 
@@ -189,31 +189,25 @@ def repeat_note(layer: int, n_layer: int | None) -> str:
     return f"block {layer} shown; {span} repeat{'s' if len(others) == 1 else ''} the same shapes"
 
 
-def _arrow(x: float, y: float, ax: float, ay: float) -> dict:
-    return {"x": x, "y": y, "ax": ax, "ay": ay, "xref": "x", "yref": "y", "axref": "x", "ayref": "y",
-            "showarrow": True, "arrowhead": 2, "arrowsize": 1, "arrowwidth": 1.2, "arrowcolor": "#888", "text": ""}
-
-
 def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     """Boxes and arrows: each box the stage, its live shape, and that shape in symbols; the weight it
     multiplies by beside it."""
     nodes, edges = flow_nodes(trace, step, layer)
-    # shapes and annotations go in as one list each: plotly's add_annotation re-validates every earlier
-    # one, which made this figure cost 0.4 s
     shapes: list[dict] = []
-    notes: list[dict] = []
+    arrows: list[tuple[float, float, float, float]] = []  # (from x, y, to x, y)
     for src, dst in edges:
         a, b = nodes[src], nodes[dst]
         if b.x - a.x > 2:  # from the bottom of the attention lane to the top of the MLP lane: route around
             gutter = (a.x + b.x) / 2 + 0.3
-            path = f"M {a.x + W / 2} {a.y} L {gutter} {a.y} L {gutter} {b.y} L {b.x - W / 2 - 0.05} {b.y}"
+            path = f"M {a.x + W / 2} {a.y} L {gutter} {a.y} L {gutter} {b.y} L {b.x - W / 2 - 0.25} {b.y}"
             shapes.append({"type": "path", "path": path, "line": {"color": "#888", "width": 1.2}})
-            notes.append(_arrow(b.x - W / 2, b.y, b.x - W / 2 - 0.25, b.y))
+            arrows.append((b.x - W / 2 - 0.25, b.y, b.x - W / 2, b.y))
         elif a.y == b.y:  # side by side (the mask into "+ M"): edge to edge, not through either box
             side = 1 if b.x > a.x else -1
-            notes.append(_arrow(b.x - side * W / 2, b.y, a.x + side * W / 2, a.y))
+            arrows.append((a.x + side * W / 2, a.y, b.x - side * W / 2, b.y))
         else:
-            notes.append(_arrow(b.x, b.y - H_BOX / 2, a.x, a.y + H_BOX / 2))
+            arrows.append((a.x, a.y + H_BOX / 2, b.x, b.y - H_BOX / 2))
+    labels = []
     for node in nodes:
         shapes.append({"type": "rect", "x0": node.x - W / 2, "x1": node.x + W / 2, "y0": node.y - H_BOX / 2,
                        "y1": node.y + H_BOX / 2, "line": {"color": "#777", "width": 1},
@@ -223,19 +217,20 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
         text = f"<b>{node.label}</b><br>{shape}" + (f"<br><i>{sym}</i>" if sym else "")
         if node.weight:
             text += f"<br><span style='color:#6b5b95'>{node.weight}</span>"
-        notes.append({"x": node.x, "y": node.y, "text": text, "showarrow": False,
-                      "font": {"size": 10, "color": "#1a1a1a"}})
+        labels.append(text)
     config = trace.config
-    notes.append({"x": 4.6, "y": 6, "showarrow": False, "font": {"size": 10, "color": "#666"},
-                  "text": repeat_note(layer, config.n_layer if config is not None else None)})
-    # invisible points carry the hover: record name and one-line summary
-    fig = figure(go.Scatter(
-        x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers", marker={"size": 40, "opacity": 0},
-        customdata=[[n.name, safe_text(n.summary or shape_text(n.shape or ()))] for n in nodes],
-        hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra></extra>", showlegend=False,
-    ))
+    fig = figure([
+        arrow_trace(arrows),
+        text_trace([n.x for n in nodes], [n.y for n in nodes], labels),
+        text_trace([4.6], [6], [repeat_note(layer, config.n_layer if config is not None else None)], color="#666"),
+        # invisible points carry the hover: record name and one-line summary
+        go.Scatter(x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers",
+                   marker={"size": 40, "opacity": 0},
+                   customdata=[[n.name, safe_text(n.summary or shape_text(n.shape or ()))] for n in nodes],
+                   hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra></extra>", showlegend=False),
+    ])
     bottom = max(n.y for n in nodes)
-    fig.update_layout(shapes=shapes, annotations=notes)
+    fig.update_layout(shapes=shapes)
     fig.update_xaxes(visible=False, range=[-1.6, 6.0])
     fig.update_yaxes(visible=False, range=[bottom + 0.6, -0.6])
     fig.update_layout(height=int(80 * (bottom + 1.2)), margin={"t": 10, "l": 0, "r": 0, "b": 0},
@@ -300,20 +295,22 @@ def reshape_ops(trace: Trace, step: int, layer: int = 0) -> list[ReshapeOp]:
 def reshape_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     """The reshape ops as a strip of boxes: green = a view (no data moved), orange = new memory."""
     ops = reshape_ops(trace, step, layer)
-    shapes, notes = [], []
-    for i, op in enumerate(ops):
-        x = i * 1.25
+    shapes = []
+    xs = [i * 1.25 for i in range(len(ops))]
+    for x, op in zip(xs, ops):
         moves = op.memory.startswith(("a new", "copies"))
         shapes.append({"type": "rect", "x0": x - 0.58, "x1": x + 0.58, "y0": -0.45, "y1": 0.45,
-                       "fillcolor": "#fbd9b5" if moves else "#d7efd9", "line": {"color": "#777", "width": 1}})
-        notes.append({"x": x, "y": 0, "showarrow": False, "font": {"size": 10},
-                      "text": f"<b>{safe_text(op.op)}</b><br>{shape_text(op.shape)}<br><i>{op.symbols}</i>"})
-        notes.append({"x": x, "y": -0.5, "showarrow": False, "yanchor": "top", "font": {"size": 9, "color": "#444"},
-                      "text": "<br>".join(_wrap(op.memory, 24))})
-        if i:
-            notes.append(_arrow(x - 0.58, 0, x - 0.67, 0))
-    fig = figure()
-    fig.update_layout(shapes=shapes, annotations=notes, height=250, margin={"t": 10, "l": 0, "r": 0, "b": 0},
+                       "fillcolor": "#fbd9b5" if moves else "#d7efd9", "line": {"color": "#777", "width": 1},
+                       "layer": "below"})
+    fig = figure([
+        text_trace(xs, [0] * len(ops),
+                   [f"<b>{'<br>'.join(safe_text(line) for line in _wrap(op.op, 22))}</b><br>{shape_text(op.shape)}"
+                    f"<br><i>{op.symbols}</i>" for op in ops]),
+        text_trace(xs, [-0.5] * len(ops), ["<br>".join(_wrap(op.memory, 24)) for op in ops], size=9,
+                   color="#444", position="bottom center"),
+        arrow_trace([(x - 0.67, 0, x - 0.58, 0) for x in xs[1:]]),
+    ])
+    fig.update_layout(shapes=shapes, height=250, margin={"t": 10, "l": 0, "r": 0, "b": 0},
                       plot_bgcolor="white", dragmode=False)
     fig.update_xaxes(visible=False, range=[-0.7, (len(ops) - 1) * 1.25 + 0.7])
     fig.update_yaxes(visible=False, range=[-1.9, 0.6])

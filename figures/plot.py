@@ -30,3 +30,30 @@ def figure(data=None, **kwargs) -> go.Figure:
 def subplots(**kwargs) -> go.Figure:
     """``make_subplots(**kwargs)`` on a figure from ``figure()``."""
     return make_subplots(figure=figure(), **kwargs)
+
+
+# Text and arrows as traces, not layout annotations: plotly lays out and measures each annotation on its own
+# (with the page's layout forced each time), so the shape flow's 57 annotations took 39 of its 52 ms to draw
+# in the browser; as two scatter traces they take 10 (bench/bench_figures.py --browser).
+def text_trace(xs: list[float], ys: list[float], texts: list[str], size: int = 10, color: str = "#1a1a1a",
+               position: str = "middle center") -> go.Scatter:
+    """Labels at (x, y), each written with plotly's HTML subset (<b>, <i>, <br>, <span style>)."""
+    return go.Scatter(x=xs, y=ys, text=texts, mode="text", textposition=position,
+                      textfont={"size": size, "color": color}, hoverinfo="skip", showlegend=False)
+
+
+def arrow_trace(segments: list[tuple[float, float, float, float]], color: str = "#888",
+                width: float = 1.2) -> go.Scatter:
+    """Arrows from (x0, y0) to (x1, y1): one line trace, an arrowhead marker at each end turned along its
+    segment (``angleref="previous"``), nothing at the starts."""
+    xs: list[float | None] = []
+    ys: list[float | None] = []
+    sizes: list[int] = []
+    for x0, y0, x1, y1 in segments:
+        xs += [x0, x1, None]
+        ys += [y0, y1, None]
+        sizes += [0, 9, 0]
+    return go.Scatter(x=xs, y=ys, mode="lines+markers", line={"color": color, "width": width},
+                      marker={"symbol": "arrow", "size": sizes, "color": color, "angleref": "previous",
+                              "line": {"width": 0}},
+                      hoverinfo="skip", showlegend=False)

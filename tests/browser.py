@@ -31,11 +31,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_LOGS: list[Path] = []  # of the servers running now: a test that times out shows their last lines
+
+
 @contextmanager
 def streamlit_server(env: dict | None = None, timeout: float = 90.0):
     """Start ``streamlit run app.py`` on a free localhost port; yield its URL; stop it."""
     port = free_port()
     log = open(ROOT / f".streamlit-test-{port}.log", "w")  # noqa: SIM115 - closed below
+    SERVER_LOGS.append(Path(log.name))
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
          "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
@@ -64,6 +68,7 @@ def streamlit_server(env: dict | None = None, timeout: float = 90.0):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        SERVER_LOGS.remove(Path(log.name))
         Path(log.name).unlink(missing_ok=True)
 
 
@@ -103,16 +108,39 @@ def chromium_page(width: int = 1500, height: int = 1100, browser=None):
         context.close()
 
 
-# Counts every finished rerun, however short, from the page's first: installed before any of the page's own
-# scripts run (an init script), on the whole document, since React may replace the app's root element and an
-# observer on the old one would never count again.
+# Counts every rerun the server says has finished. The page's own sign, the app element's
+# data-test-script-state going "running" → "notRunning", can be skipped: a rerun shorter than a frame is one
+# React render, and the attribute never changes (on a fast machine a test then waited for a rerun forever).
+# So the count is taken from the websocket: each ForwardMsg that is a script_finished (field 6, an enum) other
+# than FINISHED_EARLY_FOR_RERUN (2, a run another replaced). It counts in a task after the app's own listener,
+# which has by then dispatched the message. Installed before any of the page's scripts (an init script).
 RUNS_SCRIPT = """
 window.__stRuns = 0;
-new MutationObserver(records => {
-    if (records.some(r => r.target.getAttribute('data-test-script-state') === 'notRunning')) {
-        window.__stRuns += 1;
+(() => {
+    function finishedRun(b) {
+        let i = 0;
+        const varint = () => { let v = 0, s = 0, x; do { x = b[i++]; v += (x & 127) * 2 ** s; s += 7; }
+                               while (x & 128 && i < b.length); return v; };
+        while (i < b.length) {
+            const tag = varint(), field = Math.floor(tag / 8), wire = tag & 7;
+            if (wire === 0) { const v = varint(); if (field === 6) return v !== 2; }
+            else if (wire === 2) { const n = varint(); i += n; }  // not i += varint(): i is read first
+            else if (wire === 1) { i += 8; } else if (wire === 5) { i += 4; } else { return false; }
+        }
+        return false;
     }
-}).observe(document, {attributes: true, subtree: true, attributeFilter: ['data-test-script-state']});
+    const Native = window.WebSocket;
+    window.WebSocket = class extends Native {
+        constructor(...args) {
+            super(...args);
+            this.addEventListener('message', e => {
+                if (e.data instanceof ArrayBuffer && finishedRun(new Uint8Array(e.data))) {
+                    setTimeout(() => { window.__stRuns += 1; }, 0);
+                }
+            });
+        }
+    };
+})();
 """
 RUNS = "() => window.__stRuns"
 
@@ -125,18 +153,33 @@ def runs_finished(page) -> int:
     return page.evaluate(RUNS)
 
 
+def page_state(page) -> str:
+    """What the page says about itself, for a test that timed out: reruns seen, the script's state, the
+    status widget (e.g. "Connecting") and any exception shown."""
+    logs = "".join(f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-3000:] for log in SERVER_LOGS)
+    return str(page.evaluate(PAGE_STATE.replace("STATE", STATE))) + logs
+
+
+PAGE_STATE = """() => ({runs: window.__stRuns, state: (STATE)(),
+    status: document.querySelector('[data-testid="stStatusWidget"]')?.innerText,
+    exceptions: Array.from(document.querySelectorAll('[data-testid="stException"]')).map(e => e.innerText)})"""
+
+
 def wait_idle(page, timeout: float = 90.0, settle_ms: int = 0, after: int | None = None) -> None:
     """Wait until no rerun is going and every plotly chart has drawn (then ``settle_ms`` more). With ``after``
     (a ``runs_finished`` count taken before an action that reruns the app), first wait for a rerun to finish
     after it: a rerun shorter than one animation frame is not missed, and nothing waits a fixed time."""
-    if after is not None:
-        page.wait_for_function(f"() => (window.__stRuns || 0) > {after}", timeout=timeout * 1000)
-    page.wait_for_function(f"() => ({STATE})() === 'notRunning'", timeout=timeout * 1000)
-    page.wait_for_function(
-        "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"]').length"
-        " <= document.querySelectorAll('.js-plotly-plot').length",
-        timeout=timeout * 1000,
-    )
+    try:
+        if after is not None:
+            page.wait_for_function(f"() => (window.__stRuns || 0) > {after}", timeout=timeout * 1000)
+        page.wait_for_function(f"() => ({STATE})() === 'notRunning'", timeout=timeout * 1000)
+        page.wait_for_function(
+            "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"]').length"
+            " <= document.querySelectorAll('.js-plotly-plot').length",
+            timeout=timeout * 1000,
+        )
+    except Exception as e:
+        raise AssertionError(f"the page did not become idle (after run {after}): {page_state(page)}") from e
     if settle_ms:
         page.wait_for_timeout(settle_ms)
 
@@ -144,35 +187,26 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 0, after: int | None
 def open_app(page, url: str) -> None:
     """Load the app as a new session and wait until its first run has finished and the page is idle."""
     page.goto(url, wait_until="domcontentloaded")
-    page.get_by_role("button", name="Step").wait_for(timeout=90_000)
-    wait_for_a_run(page, before=0)
+    wait_idle(page, after=0)
 
 
 def wait_for_a_run(page, before: int) -> None:
-    """After an action that may or may not rerun the app (committing the same prompt, or opening a tab before
-    the first step, starts nothing): wait up to 1.5 s for a rerun to finish after ``before`` (a
-    ``runs_finished`` count taken before the action) or to be going, then for the page to be idle. A rerun
-    that happens is waited for without a fixed delay; only an action that starts none costs the 1.5 s."""
+    """After an action that may or may not rerun the app (opening a tab before the first step starts
+    nothing): wait up to 1.5 s for a rerun to finish after ``before`` (a ``runs_finished`` count taken before
+    the action) or to be going, then for the page to be idle. A rerun that happens is waited for without a
+    fixed delay; only an action that starts none costs the 1.5 s."""
     with contextlib.suppress(Exception):
         page.wait_for_function(f"() => window.__stRuns > {before} || ({STATE})() === 'running'", timeout=1500)
     wait_idle(page)
 
 
 def set_prompt(page, text: str) -> None:
-    """Type ``text`` (which must differ from the prompt shown) and commit it: that always reruns the app, so
-    the rerun is waited for, counted — pressing Ctrl+Enter again once if none came in 20 s."""
+    """Type ``text`` (which must differ from the prompt shown) and commit it, which always reruns the app."""
     box = page.get_by_label("Prompt (one line per sequence: several lines make a batch)")
     before = runs_finished(page)
     box.fill(text)
-    for attempt in range(2):
-        box.press("Control+Enter")  # commit the text area
-        try:
-            page.wait_for_function(f"() => window.__stRuns > {before}", timeout=20_000)
-            break
-        except Exception:
-            if attempt:
-                raise
-    wait_idle(page)
+    box.press("Control+Enter")  # commit the text area
+    wait_idle(page, after=before)
 
 
 def click(page, name: str, settle_ms: int = 0) -> None:

@@ -68,6 +68,15 @@ def heatmaps(spec: dict) -> list[dict]:
     return [d for d in spec["data"] if d["type"] == "heatmap" and d.get("hoverinfo") != "skip"]
 
 
+def drawn_text(spec: dict) -> str:
+    """Every text a figure writes on the page: its annotations and its traces' text labels."""
+    texts = [a.get("text", "") for a in spec["layout"].get("annotations", [])]
+    for trace in spec["data"]:
+        labels = trace.get("text")
+        texts += [labels] if isinstance(labels, str) else list(labels or [])
+    return " ".join(texts)
+
+
 def metric(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
 
@@ -123,7 +132,7 @@ def test_three_steps_show_the_right_shapes(stepped):
     assert metric(at, "cache length after step") == str(n0 + 2)
     assert at.slider(key="step_view").value == 2
     flow = charts(at)[0]  # the Shapes tab is open first
-    texts = " ".join(a["text"] for a in flow["layout"]["annotations"])
+    texts = drawn_text(flow)
     assert f"[1, 4, {n0 + 2}, 32]" in texts and "[B, H, t, d_head]" in texts and "[1, 1, 1024]" in texts
     assert "W_QKV [128, 384]" in texts and "GELU (tanh form)" in texts and "O = A·V" in texts
     table = at.dataframe(key="records_table").value
@@ -325,7 +334,7 @@ def test_cache_off_recomputes_everything_and_draws_no_cache():
     n0 = prompt_tokens(at)
     assert metric(at, "new positions n") == str(n0 + 1)
     assert metric(at, "cache length after step") == "0"
-    flow = " ".join(a["text"] for a in charts(at)[0]["layout"]["annotations"])
+    flow = drawn_text(charts(at)[0])
     assert "K (all t rows, recomputed)" in flow and "cache ++ new" not in flow
     show_tab(at, "KV cache")
     assert any("untraced cached re-run" in s.value for s in at.success)

@@ -224,8 +224,9 @@ def test_a_crafted_trace_file_makes_the_page_fetch_nothing(url, visit, tmp_path)
     with visit(1500, 1100) as page:
         errors, outside = watch(page, url)
         open_app(page, url)
+        before = runs_finished(page)
         page.locator('[data-testid="stFileUploaderDropzoneInput"]').last.set_input_files(str(path))
-        page.wait_for_timeout(1500)
+        wait_idle(page, after=before)  # the upload reruns the app (and st.rerun, which opens the file, again)
         page.get_by_role("tab", name="Shapes", exact=True).wait_for(timeout=60_000)
         for tab in ("Shapes", "Attention", "Next token", "Inspector", "Export"):
             open_tab(page, tab)
