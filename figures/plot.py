@@ -32,9 +32,9 @@ def subplots(**kwargs) -> go.Figure:
     return make_subplots(figure=figure(), **kwargs)
 
 
-# Text and arrows as traces, not layout annotations: plotly lays out and measures each annotation on its own
-# (with the page's layout forced each time), so the shape flow's 57 annotations took 39 of its 52 ms to draw
-# in the browser; as two scatter traces they take 10 (bench/bench_figures.py --browser).
+# Text and arrows as traces, not layout annotations: plotly lays out and measures each annotation on its own,
+# so the shape flow with its 57 annotations took 42 ms to draw, and 16 ms with them as two scatter traces
+# (``python bench/bench_figures.py --browser --against REV`` draws both in one run).
 def text_trace(xs: list[float], ys: list[float], texts: list[str], size: int = 10, color: str = "#1a1a1a",
                position: str = "middle center") -> go.Scatter:
     """Labels at (x, y), each written with plotly's HTML subset (<b>, <i>, <br>, <span style>)."""
