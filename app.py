@@ -71,6 +71,12 @@ def directory_model(path: str, dtype: str):
     return load_hf(path, dtype=dtype)
 
 
+def chart(fig, key: str, **kwargs):
+    """``st.plotly_chart`` with the figure's own look (``figures.plot.TEMPLATE``): Streamlit's theme would
+    re-theme each new chart after drawing it, one more full plot per chart on every Step."""
+    return st.plotly_chart(fig, key=key, theme=None, **kwargs)
+
+
 def state() -> AppState:
     """This session's state: one typed object, not loose keys."""
     return st.session_state.setdefault("app", AppState())
@@ -341,11 +347,11 @@ def shapes_tab(trace: Trace, step: int) -> None:
     st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}. In purple, the weight a stage "
                "multiplies by (the per-head W_Q^i, W_K^i, W_V^i of [d, d_k] are W_QKV's column blocks, d_k columns "
                "per head).")
-    st.plotly_chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
+    chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
     st.subheader("The multi-head reshape, op by op")
     st.caption("How Q is split into heads and the heads' outputs merged back; green boxes are views (the same "
                "numbers, new shape and strides), orange ones new memory.")
-    st.plotly_chart(flow_views.reshape_figure(trace, step, layer), key="reshape_chart")
+    chart(flow_views.reshape_figure(trace, step, layer), key="reshape_chart")
     st.subheader("Every record of this step")
     cols = st.columns([1, 2, 1, 2])
     layer_filter = cols[0].selectbox("layer", ["all"] + list(range(n_layer)), key="table_layer")
@@ -396,7 +402,7 @@ def attention_tab(trace: Trace, step: int) -> None:
                 shared = st.toggle("one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared",
                                    help="With one scale, dividing by √d_k shows as what it does: every score "
                                         "shrinks by the same factor")
-                st.plotly_chart(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
+                chart(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
                                 key="stages_chart")
             if pattern_kept:
                 query_picker(trace, step, layer, head, batch)
@@ -407,7 +413,7 @@ def attention_tab(trace: Trace, step: int) -> None:
             if result is not None:
                 st.caption("For the picked query: each value row vᵢ times its weight αᵢ, and their sum "
                            "o = Σᵢ αᵢ vᵢ — one row of O = A·V.")
-                st.plotly_chart(result[0], key="av_chart")
+                chart(result[0], key="av_chart")
     with sub["Pitfalls"]:
         if sub["Pitfalls"].open:
             table = attn_views.pitfall_table(trace, step, layer, head, batch)
@@ -419,7 +425,7 @@ def attention_tab(trace: Trace, step: int) -> None:
                            "entropy); without M, weight leaks onto keys after the query; masking after the "
                            "softmax leaves rows that no longer sum to 1.")
                 st.dataframe(table.round(4), hide_index=True, key="pitfall_table")
-                st.plotly_chart(attn_views.pitfall_figure(trace, step, layer, head, batch), key="pitfall_chart")
+                chart(attn_views.pitfall_figure(trace, step, layer, head, batch), key="pitfall_chart")
     if "RoPE" in sub:
         with sub["RoPE"]:
             if sub["RoPE"].open:
@@ -432,7 +438,7 @@ def attention_tab(trace: Trace, step: int) -> None:
             if facts_of(trace).info.use_cache and step > 0 and pattern_kept:
                 st.caption("With the cache a decode step computes one query row; stacking the rows of steps 0…s "
                            "rebuilds the lower-triangular pattern token by token (this step's row outlined).")
-                st.plotly_chart(attn_views.attention_history_figure(trace, layer, head, step, batch),
+                chart(attn_views.attention_history_figure(trace, layer, head, step, batch),
                                 key="history_chart")
             else:
                 st.info("The history stacks the one row each cached decode step computes; it needs the KV cache on, "
@@ -465,10 +471,10 @@ def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
     if figure is None:
         explain_missing_values(trace, step, "Q and K before and after the rotation")
         return
-    st.plotly_chart(figure, key="rope_chart")
+    chart(figure, key="rope_chart")
     relative = attn_views.rope_relative_figure(trace, step, layer, head, batch)
     if relative is not None:
-        st.plotly_chart(relative, key="rope_relative_chart")
+        chart(relative, key="rope_relative_chart")
 
 
 def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> None:
@@ -486,7 +492,7 @@ def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> 
                   "the repeat, weight on the key after the earlier occurrence of the same token), duplicate-token "
                   "(on that earlier occurrence), first-token (on key 0). Hover a head for all four."
                   if scores else ""))
-    event = st.plotly_chart(grid.figure, key="all_heads_chart", on_select="rerun", selection_mode="points")
+    event = chart(grid.figure, key="all_heads_chart", on_select="rerun", selection_mode="points")
     points = event.selection.points if event is not None and hasattr(event, "selection") else []
     if points and "customdata" in points[0]:
         layer, head = points[0]["customdata"][:2]
@@ -514,8 +520,8 @@ def mask_tab(trace: Trace, step: int) -> None:
     st.markdown(plain_paragraphs(facts.explanation()))
     if not values_kept(trace, step, act_name("mask", layer), "mask and score heatmaps"):
         return
-    st.plotly_chart(mask_views.mask_figure(trace, step, layer, batch), key="mask_chart")
-    st.plotly_chart(mask_views.scores_before_after_figure(trace, step, layer, head, batch), key="before_after_chart")
+    chart(mask_views.mask_figure(trace, step, layer, batch), key="mask_chart")
+    chart(mask_views.scores_before_after_figure(trace, step, layer, head, batch), key="before_after_chart")
 
 
 def plain_paragraphs(text: str) -> str:
@@ -534,16 +540,15 @@ def cache_tab(trace: Trace, step: int) -> None:
         latex, sentence = cache_views.memory_formula(trace, step)
         st.latex(latex)
         st.caption(sentence)
-    st.plotly_chart(cache_views.cache_growth_figure(trace, step), key="growth_chart")
+    chart(cache_views.cache_growth_figure(trace, step), key="growth_chart")
     cols = st.columns([3, 1])
     with cols[0]:
         layer, head, batch = layer_head_batch(trace, "kv")
     which = cols[1].radio("tensor", ["K", "V"], horizontal=True, key="kv_which")
     kv = attn_views.kv_head(trace, layer, head, step)
     if values_kept(trace, step, act_name("k_all" if which == "K" else "v_all", layer), f"{which} values"):
-        st.plotly_chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
+        chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
     st.subheader("Cache on vs off")
-    st.plotly_chart(cache_views.cache_on_off_figure(trace), key="on_off_chart")
     comparisons = facts.comparisons
     gen = app.generation if not app.viewing_file else None
     latest = gen is not None and step == gen.n_steps - 1
@@ -560,15 +565,13 @@ def cache_tab(trace: Trace, step: int) -> None:
         warning = cache_views.timing_warning(c)
         if warning:
             st.warning(warning)
-        macs = cache_views.macs_figure(trace)
-        if macs is not None:
-            st.plotly_chart(macs, key="macs_chart")
     elif gen is not None and not latest:
         st.caption("This step was not compared with a recompute; go to the latest step to measure it.")
     elif gen is not None:
         st.caption("Press the button to redo this step both ways and compare.")
     else:
         st.caption("The file holds no comparison for this step.")
+    chart(cache_views.cache_work_figure(trace), key="work_chart")
 
 
 @st.fragment
@@ -579,12 +582,12 @@ def next_token_tab(trace: Trace, step: int) -> None:
     if facts.step(step).sampling is None:
         st.error(f"No token was chosen at step {step}: the logits held NaN or +∞ (see the banner above).")
         return
-    st.plotly_chart(token_views.next_token_figure(trace, step, row), key="next_chart")
+    chart(token_views.next_token_figure(trace, step, row), key="next_chart")
     if facts.info.sampling.greedy:
         st.info("Greedy decoding takes the argmax of the logits: temperature, top-k and top-p play no part, so "
                 "there is no reshaping to show. Choose **sample** in the sidebar (and Reset) to see it.")
     else:
-        st.plotly_chart(token_views.distribution_stages_figure(trace, step, row), key="stages_dist_chart")
+        chart(token_views.distribution_stages_figure(trace, step, row), key="stages_dist_chart")
 
 
 # -- what if --------------------------------------------------------------------------------------------
@@ -672,9 +675,9 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
     moved = [c for c in res.changes if c[2] > 1e-3]
     cols[2].metric("heads whose pattern moved", f"{len(moved)} of {len(res.changes)}")
     frame = whatif_views.next_token_change(res.replay.original[0], res.replay.logits[0], gen.tokenizer.token_label)
-    st.plotly_chart(whatif_views.next_token_change_figure(frame, f"next token at step {res.step}, sequence 0"),
+    chart(whatif_views.next_token_change_figure(frame, f"next token at step {res.step}, sequence 0"),
                     key="ablate_next_chart")
-    st.plotly_chart(whatif_views.pattern_change_figure(list(res.changes), n_layer, n_head), key="ablate_heads_chart")
+    chart(whatif_views.pattern_change_figure(list(res.changes), n_layer, n_head), key="ablate_heads_chart")
     if st.button("Keep these heads off for the next steps", key="ablate_keep"):
         gen.set_interventions(interventions)
         st.rerun()
@@ -719,7 +722,7 @@ def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
     st.markdown(f"Clean answer **{plain(tok.token_label(res.clean_answer))}**, corrupted answer "
                 f"**{plain(tok.token_label(res.corrupted_answer))}**; logit difference {res.clean_diff:.2f} clean, "
                 f"{res.corrupted_diff:.2f} corrupted.")
-    st.plotly_chart(whatif_views.patching_figure(res.restored, list(run.labels), res.kind), key="patching_chart")
+    chart(whatif_views.patching_figure(res.restored, list(run.labels), res.kind), key="patching_chart")
 
 
 def attribution_section(trace: Trace, step: int, model) -> None:
@@ -736,7 +739,7 @@ def attribution_section(trace: Trace, step: int, model) -> None:
         return
     st.caption("How much each head (through W_O), each MLP and the embeddings add directly to the chosen token's "
                "logit z, reading the final norm with its scale frozen at this position.")
-    st.plotly_chart(whatif_views.attribution_figure(frame, choice.labels[row]), key="dla_chart")
+    chart(whatif_views.attribution_figure(frame, choice.labels[row]), key="dla_chart")
 
 
 def lens_section(trace: Trace, step: int, model) -> None:
@@ -752,7 +755,7 @@ def lens_section(trace: Trace, step: int, model) -> None:
     st.caption("What each layer already predicts: its residual stream put through the final norm and W_U. Colour: "
                "the probability of the token the model finally chose there; text: that layer's own top token."
                + (f" Showing {note}." if note else ""))
-    st.plotly_chart(figure, key="lens_chart")
+    chart(figure, key="lens_chart")
 
 
 def read_uploaded_trace(upload) -> Trace | None:
@@ -830,7 +833,7 @@ def compare_tab(trace: Trace, step: int) -> None:
         a, b = trace.get(name, step), comparison.trace.get(name, step)
         if a is not None and b is not None and a.shape == b.shape and a.dim() >= 2:
             index = (0,) * (a.dim() - 2)
-            st.plotly_chart(whatif_views.difference_figure(a[index], b[index], f"{name} at step {step}"),
+            chart(whatif_views.difference_figure(a[index], b[index], f"{name} at step {step}"),
                             key="diff_chart")
 
 
@@ -852,10 +855,10 @@ def worked_tab(trace: Trace | None = None, step: int = 0) -> None:
     except worked_views.WorkedInputError as e:
         st.error(plain(e))
         return
-    st.plotly_chart(worked_views.forward_figure(w), key="worked_forward")
+    chart(worked_views.forward_figure(w), key="worked_forward")
     st.markdown(f"Row 1 of A: e^{w.scores[0, 0]:.3f} and e^{w.scores[0, 1]:.3f} normalised to "
                 f"{w.a[0, 0]:.3f} and {w.a[0, 1]:.3f}." if w.a.shape[1] >= 2 and not causal else "")
-    st.plotly_chart(worked_views.backward_figure(w), key="worked_backward")
+    chart(worked_views.backward_figure(w), key="worked_backward")
 
 
 # -- inspector --------------------------------------------------------------------------------------
@@ -917,10 +920,10 @@ def show_tensor(value: torch.Tensor, name: str, dim_symbols: list[str] | None = 
             full = st.toggle("show the window (256 × 256) at full resolution", key=f"insp_window_{name}")
             if full:
                 matrix, offset = matrix[r0:r0 + 256, c0:c0 + 256], (int(r0), int(c0))
-        st.plotly_chart(inspect_views.tensor_heatmap_figure(matrix, name, offset=offset), key="insp_heatmap")
+        chart(inspect_views.tensor_heatmap_figure(matrix, name, offset=offset), key="insp_heatmap")
     every = value.numel() > inspect_views.HISTOGRAM_SAMPLE and st.toggle(
         f"count all {value.numel():,} values in the histogram (slower)", key=f"insp_every_{name}")
-    st.plotly_chart(inspect_views.histogram_figure(value, f"values of {name}", every_value=every), key="insp_hist")
+    chart(inspect_views.histogram_figure(value, f"values of {name}", every_value=every), key="insp_hist")
     raw = inspect_views.raw_frame(value)
     if raw is not None:
         st.dataframe(raw, key="insp_raw")

@@ -14,7 +14,7 @@ import torch
 from figures.common import facts_of, gen_step, inert, key_labels, query_labels, shape_text
 from figures.heatmap import Grid, add, grid, pool, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
-from figures.plot import figure, subplots
+from figures.plot import figure, fitted, subplots
 from model.hook_table import act_name
 from tracer import Trace
 
@@ -78,6 +78,7 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
     return stages
 
 
+@fitted
 def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0,
                             shared_scale: bool = False) -> go.Figure:
     """Four heatmaps side by side (query rows × key columns), the formula and shapes above each.
@@ -135,6 +136,7 @@ def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: 
             + amount_legend("attention weight of each key", "the query itself"))
 
 
+@fitted
 def pattern_figure(g: Grid, title: str) -> go.Figure:
     fig = figure()
     add(fig, g, "amount", colorbar="A")
@@ -181,6 +183,7 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
     return torch.cat(rows), row_labels, keys, row_steps
 
 
+@fitted
 def attention_history_figure(trace: Trace, layer: int, head: int, upto_step: int, batch: int = 0) -> go.Figure:
     matrix, ys, xs, row_steps = attention_history(trace, layer, head, upto_step, batch)
     g = grid(matrix, xs, ys)
@@ -201,6 +204,7 @@ class HeadsGrid:
     cells: tuple[int, int]  # rows and columns one head is drawn with
 
 
+@fitted
 def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, torch.Tensor] | None = None,
                      picked: tuple[int, int] | None = None) -> HeadsGrid:
     """Every layer × head attention pattern at ``step``, tiled into one heatmap (a browser lays out one
@@ -299,6 +303,7 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
 
 
 # -- O = A·V -----------------------------------------------------------------------------------------
+@fitted
 def weighted_sum_figure(trace: Trace, step: int, layer: int, head: int, query: int, batch: int = 0
                         ) -> tuple[go.Figure, float] | None:
     """For one query row: the weights αᵢ, the value vectors vᵢ, each αᵢ·vᵢ, and their sum o = Σ αᵢ vᵢ —
@@ -333,6 +338,7 @@ def weighted_sum_figure(trace: Trace, step: int, layer: int, head: int, query: i
     style_axes(fig, gv, x_title="", row=1, col=2, y_ticks=False)
     style_axes(fig, gs, x_title="", row=1, col=3, y_ticks=False)
     style_axes(fig, go_, x_title="d_head", y_title="", row=2, col=3)
+    fig.update_xaxes(showticklabels=False, row=1, col=3)  # the row under it names the same d_head columns
     fig.update_traces(colorbar={"thickness": 8, "len": 0.6, "y": 0.6}, selector={"type": "heatmap"})
     fig.update_layout(height=max(360, min(900, 160 + 16 * len(ga.y))), margin={"t": 40, "l": 10, "r": 10, "b": 10})
     return fig, delta
@@ -382,6 +388,7 @@ def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0
     return pd.DataFrame(rows)
 
 
+@fitted
 def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
     variants = pitfall_patterns(trace, step, layer, head, batch)
     if variants is None:
@@ -398,6 +405,7 @@ def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 
 
 
 # -- RoPE -----------------------------------------------------------------------------------------------
+@fitted
 def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
     """Q and K of one head before and after the rotation (query rows / key rows × d_head)."""
     names = {"Q before": "q", "Q rotated": "rot_q", "K before (new rows)": "k", "K rotated (new rows)": "rot_k"}
@@ -418,6 +426,7 @@ def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) 
     return fig
 
 
+@fitted
 def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
     """RoPE in numbers: the head's recorded q (its last query row, before rotation) and a key k (the first new
     key row), rotated with the model's own functions to positions m + s and n + s for shifts s: the score

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from figures.common import facts_of, gen_step, key_labels, shape_text
 from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, NEUTRAL
-from figures.plot import figure, subplots
+from figures.plot import figure, fitted, subplots
 from model.hook_table import act_name
 from tracer import RecomputeComparison, Trace
 
@@ -80,6 +80,7 @@ def cache_growth(trace: Trace) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@fitted
 def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Figure:
     """Cache length and bytes held per step; with the cache off, what each step recomputed instead."""
     growth = cache_growth(trace)
@@ -108,6 +109,7 @@ def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Fi
     return fig
 
 
+@fitted
 def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0, which: str = "K") -> go.Figure:
     """One key/value head's cached keys (or values): positions × d_head, the rows added at ``step`` outlined."""
     value = trace.get(act_name("k_all" if which == "K" else "v_all", layer), step)
@@ -201,33 +203,33 @@ def timing_warning(c: RecomputeComparison) -> str:
             "running. Wall time on a shared machine is an estimate; the counts above are the evidence.")
 
 
-def cache_on_off_figure(trace: Trace) -> go.Figure:
-    """Query rows computed per step with the cache and without it (counted, exact)."""
+@fitted
+def cache_work_figure(trace: Trace) -> go.Figure:
+    """The work of each step with the cache and without it, counted: query rows computed (every step), and
+    the forward's multiply-adds of both paths (every step that was compared). One figure with a shared step
+    axis: each chart on a page costs the browser a full plot on every Step."""
     table = rows_computed(trace)
-    fig = figure([go.Bar(x=table["step"], y=table["with cache"], name="with cache", marker_color="#4c78a8"),
-                  go.Bar(x=table["step"], y=table["without cache"], name="without cache", marker_color="#9ecae1")])
-    fig.update_layout(barmode="group", height=300, margin={"t": 40, "l": 10, "r": 10, "b": 10},
-                      title_text="query rows computed per step", title_font_size=13,
-                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0.5})
-    fig.update_xaxes(title_text="step", dtick=1 if len(table) <= 30 else None)
-    fig.update_yaxes(title_text="rows", rangemode="tozero")
-    return fig
-
-
-def macs_figure(trace: Trace) -> go.Figure | None:
-    """Multiply-adds per step of both paths, for every step that was compared (None when none was)."""
     comparisons = facts_of(trace).comparisons
-    if not comparisons:
-        return None
     steps = sorted(comparisons)
-    fig = figure([
-        go.Scatter(x=steps, y=[comparisons[s].cached.macs for s in steps], mode="lines+markers", name="cached path"),
-        go.Scatter(x=steps, y=[comparisons[s].full.macs for s in steps], mode="lines+markers", name="full recompute",
-                   marker={"symbol": "x", "size": 9}),
-    ])
-    fig.update_layout(height=300, margin={"t": 40, "l": 10, "r": 10, "b": 10}, title_font_size=13,
-                      title_text="multiply-adds per step (counted)", legend={"orientation": "h", "y": 1.02,
-                                                                             "yanchor": "bottom", "x": 0.5})
-    fig.update_xaxes(title_text="step", dtick=1 if len(steps) <= 30 else None)
-    fig.update_yaxes(rangemode="tozero")
+    rows = 2 if steps else 1
+    fig = subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.14,
+                   subplot_titles=["query rows computed per step (counted)",
+                                   "multiply-adds per step (counted)"][:rows])
+    fig.add_trace(go.Bar(x=table["step"], y=table["with cache"], name="with cache (rows)", marker_color="#4c78a8"),
+                  row=1, col=1)
+    fig.add_trace(go.Bar(x=table["step"], y=table["without cache"], name="without cache (rows)",
+                         marker_color="#9ecae1"), row=1, col=1)
+    if steps:
+        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].cached.macs for s in steps], mode="lines+markers",
+                                 name="cached path (multiply-adds)", line={"color": "#4c78a8"}), row=2, col=1)
+        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].full.macs for s in steps], mode="lines+markers",
+                                 name="full recompute (multiply-adds)", line={"color": "#9ecae1"},
+                                 marker={"symbol": "x", "size": 9}), row=2, col=1)
+        fig.update_yaxes(title_text="multiply-adds", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="rows", rangemode="tozero", row=1, col=1)
+    fig.update_xaxes(title_text="step", dtick=1 if len(table) <= 30 else None, row=rows, col=1)
+    fig.update_xaxes(dtick=1 if len(table) <= 30 else None, showticklabels=True, row=1, col=1)
+    fig.update_annotations(font_size=13, xanchor="left", x=0)
+    fig.update_layout(barmode="group", height=300 * rows, margin={"t": 70, "l": 10, "r": 10, "b": 10},
+                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0.5, "xanchor": "center"})
     return fig

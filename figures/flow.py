@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from figures.common import facts_of, safe_text, shape_text
-from figures.plot import arrow_trace, figure, text_trace
+from figures.plot import arrow_trace, figure, fitted, text_trace
 from model.hook_table import act_name
 from tracer import Trace
 
@@ -189,6 +189,7 @@ def repeat_note(layer: int, n_layer: int | None) -> str:
     return f"block {layer} shown; {span} repeat{'s' if len(others) == 1 else ''} the same shapes"
 
 
+@fitted
 def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     """Boxes and arrows: each box the stage, its live shape, and that shape in symbols; the weight it
     multiplies by beside it."""
@@ -292,6 +293,7 @@ def reshape_ops(trace: Trace, step: int, layer: int = 0) -> list[ReshapeOp]:
     ]
 
 
+@fitted
 def reshape_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     """The reshape ops as a strip of boxes: green = a view (no data moved), orange = new memory."""
     ops = reshape_ops(trace, step, layer)

@@ -9,7 +9,7 @@ import torch
 
 from figures.common import shape_text
 from figures.heatmap import MAX_SIDE, add, grid, style_axes
-from figures.plot import figure
+from figures.plot import figure, fitted
 from tracer import Trace
 
 MAX_RAW_ELEMENTS = 400  # tensors up to this size are shown number by number
@@ -36,6 +36,7 @@ def slice_2d(value: torch.Tensor, rows: int, cols: int, fixed: dict[int, int]) -
     return out if rows < cols else out.T
 
 
+@fitted
 def tensor_heatmap_figure(matrix: torch.Tensor, title: str, x_labels: list[str] | None = None,
                           y_labels: list[str] | None = None, offset: tuple[int, int] = (0, 0)) -> go.Figure:
     """A 2-D slice as a heatmap: pooled to at most 256 × 256 cells for the page (the title says so); an
@@ -63,6 +64,7 @@ def tensor_heatmap_figure(matrix: torch.Tensor, title: str, x_labels: list[str] 
 HISTOGRAM_SAMPLE = 1_000_000  # larger tensors are counted over this many values drawn at random (fixed seed)
 
 
+@fitted
 def histogram_figure(value: torch.Tensor, title: str, bins: int = 60, every_value: bool = False) -> go.Figure:
     """The distribution of the finite values, counted here (only the bin counts go to the browser). A tensor
     of more than ``HISTOGRAM_SAMPLE`` values is counted over a random sample of that many unless

@@ -11,7 +11,7 @@ import torch
 
 from figures.common import facts_of, gen_step, key_labels, query_labels, shape_text
 from figures.heatmap import add, grid, masked_layer, style_axes
-from figures.plot import figure, subplots
+from figures.plot import figure, fitted, subplots
 from model.hook_table import act_name
 from tracer import Trace
 
@@ -116,6 +116,7 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
                      unexplained=int((block & ~explained).sum()), **common)
 
 
+@fitted
 def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.Figure:
     """M as a 0 / −∞ picture (query rows × key columns): grey where −∞."""
     mask = trace.get(act_name("mask", layer), step)
@@ -146,6 +147,7 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
     return fig
 
 
+@fitted
 def scores_before_after_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure:
     """QKᵀ/√d_k before and after adding M, for one head, on one colour scale."""
     before = trace.get(act_name("attn_scores", layer), step)

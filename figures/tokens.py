@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 
 from figures.common import facts_of, gen_step, inert, is_greedy, safe_text
 from figures.palette import ACCENT, NEUTRAL, amount_legend, amount_span
-from figures.plot import figure
+from figures.plot import figure, fitted
 from model.sampling import STAGES
 from tracer import Trace
 
@@ -37,6 +37,7 @@ def text_legend() -> str:
     return amount_legend("probability each generated token was chosen with (prompt in grey; hover a token)")
 
 
+@fitted
 def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     """Top candidates by final probability; the chosen one outlined in the accent."""
     info = gen_step(trace, step).sampling
@@ -62,6 +63,7 @@ def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     return fig
 
 
+@fitted
 def distribution_stages_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     """Each candidate's probability at each stage: softmax(z), softmax(z/τ), top-k, top-p."""
     info = gen_step(trace, step).sampling

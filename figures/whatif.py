@@ -10,7 +10,7 @@ import torch
 from figures.common import safe_text
 from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, AMOUNT, NEUTRAL
-from figures.plot import figure
+from figures.plot import figure, fitted
 
 LENS_POSITIONS = 48  # the lens heatmap shows at most this many (the last) positions, each cell labelled
 
@@ -23,6 +23,7 @@ def next_token_change(original: torch.Tensor, changed: torch.Tensor, label, top:
                           "change": float(p1[i] - p0[i])} for i in ids])
 
 
+@fitted
 def next_token_change_figure(frame: pd.DataFrame, title: str) -> go.Figure:
     xs = [f"{safe_text(t)} ({i})" for t, i in zip(frame["token"], frame["id"])]
     fig = figure([go.Bar(x=xs, y=frame["before"], name="as the model ran", marker_color=NEUTRAL),
@@ -33,6 +34,7 @@ def next_token_change_figure(frame: pd.DataFrame, title: str) -> go.Figure:
     return fig
 
 
+@fitted
 def pattern_change_figure(changes: list[tuple[int, int, float]], n_layer: int, n_head: int) -> go.Figure:
     """Layers × heads: the largest change in any attention weight of that head."""
     m = torch.zeros(n_layer, n_head)
@@ -48,6 +50,7 @@ def pattern_change_figure(changes: list[tuple[int, int, float]], n_layer: int, n
     return fig
 
 
+@fitted
 def patching_figure(restored: torch.Tensor, columns: list[str], kind: str) -> go.Figure:
     """Layers × positions (or heads): the share of the clean answer's logit difference that patching the clean
     activation there restores (1 = all of it, 0 = none, below 0 = the wrong way)."""
@@ -64,6 +67,7 @@ def patching_figure(restored: torch.Tensor, columns: list[str], kind: str) -> go
     return fig
 
 
+@fitted
 def attribution_figure(frame: pd.DataFrame, token_label: str, top: int = 16) -> go.Figure:
     """The components that add most to (or take most from) one logit, largest magnitude first."""
     shown = frame.reindex(frame["contribution"].abs().sort_values(ascending=False).index).head(top)
@@ -80,6 +84,7 @@ def attribution_figure(frame: pd.DataFrame, token_label: str, top: int = 16) -> 
     return fig
 
 
+@fitted
 def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     """Layers × positions: the probability each layer's residual stream, read by the final norm and W_U, gives
     the token the model finally chose there; each cell names that layer's own top token."""
@@ -106,6 +111,7 @@ def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     return fig, note
 
 
+@fitted
 def difference_figure(a: torch.Tensor, b: torch.Tensor, title: str) -> go.Figure:
     """b − a of one record's 2-D slice, centred on 0."""
     delta = (b.double() - a.double())

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 import torch
 
 from figures.heatmap import add, grid, style_axes
-from figures.plot import subplots
+from figures.plot import fitted, subplots
 from model.gpt import attention
 
 DEFAULT_Q = [[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]
@@ -109,6 +109,7 @@ def _panel(fig: go.Figure, m: torch.Tensor, col: int, row: int, kind: str, x: st
     style_axes(fig, g, x_title="", y_title="", row=row, col=col, max_ticks=MAX_SIDE)
 
 
+@fitted
 def forward_figure(w: Worked) -> go.Figure:
     d_k = w.q.shape[1]
     titles = ("QKᵀ", f"S = QKᵀ/√{d_k}" + (" + M" if w.causal else ""), "A = softmax(S), row-wise", "O = A·V")
@@ -121,6 +122,7 @@ def forward_figure(w: Worked) -> go.Figure:
     return fig
 
 
+@fitted
 def backward_figure(w: Worked) -> go.Figure:
     titles = ("∂L/∂O (given)", "Aᵀ", "∂L/∂V = Aᵀ·∂L/∂O", f"autograd's ∂L/∂V (max |Δ| {w.gradient_agrees:.1e})")
     fig = subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.06)

@@ -238,3 +238,22 @@ def plotly_data(page) -> list:
         "  else if (z) { rows = z.length; cols = z[0] && z[0].length !== undefined ? z[0].length : null; }"
         "  return {type: t.type, skip: t.hoverinfo === 'skip', rows: rows, cols: cols}; }))"
     )
+
+
+def clipped_labels(page) -> list[str]:
+    """Tick labels and axis titles of the page's plotly charts that stick out of their chart (a margin too
+    narrow for them), as "text (how many pixels out)"."""
+    return page.evaluate("""() => {
+        const out = [];
+        for (const chart of document.querySelectorAll('.js-plotly-plot')) {
+            const box = chart.getBoundingClientRect();
+            for (const t of chart.querySelectorAll('.xtick text, .ytick text, .g-xtitle text, .g-ytitle text,'
+                                                   + ' .g-y2title text, .cbtitle text, .colorbar .tick text')) {
+                const r = t.getBoundingClientRect();
+                if (r.width === 0) continue;
+                const over = Math.max(box.left - r.left, r.right - box.right, box.top - r.top, r.bottom - box.bottom);
+                if (over > 1) out.push(`${t.textContent} (${Math.round(over)} px out)`);
+            }
+        }
+        return out;
+    }""")

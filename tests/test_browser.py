@@ -22,6 +22,7 @@ from tests.browser import (
     app_context,
     chromium,
     click,
+    clipped_labels,
     open_app,
     open_tab,
     plotly_data,
@@ -112,7 +113,10 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
     save = bool(os.environ.get("SAVE_SCREENSHOTS"))
     out = ROOT / "assets" / "screenshots"
 
+    clipped: dict[str, list[str]] = {}
+
     def shot(name: str) -> None:
+        clipped[name] = clipped_labels(page)  # every view drawn below is checked for labels cut off
         if save and f"assets/screenshots/{name}.png" in README:  # only what the README shows is kept
             out.mkdir(parents=True, exist_ok=True)
             page.wait_for_timeout(300)  # fonts and the data grid's canvas settle after the charts are drawn
@@ -156,6 +160,7 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
             shot(name)
         assert not errors, errors
         assert not outside, f"the page fetched from outside localhost: {outside[:5]}"
+        assert not any(clipped.values()), {k: v for k, v in clipped.items() if v}
 
 
 def test_clicking_a_head_on_the_grid_opens_it(url, visit):
