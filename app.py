@@ -530,17 +530,30 @@ def plain_paragraphs(text: str) -> str:
 
 @st.fragment
 def cache_tab(trace: Trace, step: int) -> None:
-    app = state()
-    facts = facts_of(trace)
-    if not facts.info.use_cache:
+    if not facts_of(trace).info.use_cache:
         st.warning("The KV cache is off for this generation: every step recomputes K and V for all positions. "
                    "The table shows what each step computed.")
+    # two views, drawn only when open: a Step then redraws one chart of this tab, not two
+    this_step, over_steps = st.tabs(["This step", "Over the steps"], key="kv_view", on_change="rerun")
+    with this_step:
+        if this_step.open:
+            cache_this_step(trace, step)
+    with over_steps:
+        if over_steps.open:
+            st.caption("Every step so far, counted: what the cache holds, the query rows each step computed with "
+                       "the cache and without it, and the multiply-adds of both paths at the steps compared with "
+                       "a recompute. The step shown is marked.")
+            chart(cache_views.cache_steps_figure(trace, step), key="steps_chart")
+
+
+def cache_this_step(trace: Trace, step: int) -> None:
+    app = state()
+    facts = facts_of(trace)
     st.dataframe(cache_views.cache_table(trace, step), hide_index=True, key="cache_table")
     if facts.info.use_cache:
         latex, sentence = cache_views.memory_formula(trace, step)
         st.latex(latex)
         st.caption(sentence)
-    chart(cache_views.cache_growth_figure(trace, step), key="growth_chart")
     cols = st.columns([3, 1])
     with cols[0]:
         layer, head, batch = layer_head_batch(trace, "kv")
@@ -571,7 +584,7 @@ def cache_tab(trace: Trace, step: int) -> None:
         st.caption("Press the button to redo this step both ways and compare.")
     else:
         st.caption("The file holds no comparison for this step.")
-    chart(cache_views.cache_work_figure(trace), key="work_chart")
+    st.caption("The query rows and multiply-adds of every step are under **Over the steps**.")
 
 
 @st.fragment

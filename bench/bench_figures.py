@@ -33,9 +33,8 @@ BUILDERS = {
     "reshape strip (Shapes)": "flow.reshape_figure(trace, step, 0)",
     "attention stages (Attention)": "attention.attention_stages_figure(trace, step, 0, 0)",
     "all heads (Attention)": "attention.all_heads_figure(trace, step).figure",
-    "cache growth (KV cache)": "cache.cache_growth_figure(trace, step)",
+    "cache over the steps (KV cache)": "cache.cache_steps_figure(trace, step)",
     "keys (KV cache)": "cache.key_heatmap_figure(trace, step, 0, 0)",
-    "cache on vs off (KV cache)": "cache.cache_work_figure(trace)",
     "mask (Causal mask)": "mask.mask_figure(trace, 0, 0)",
     "next token (Next token)": "tokens.next_token_figure(trace, step)",
 }

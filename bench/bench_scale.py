@@ -83,7 +83,7 @@ def figure_costs(trace, step: int) -> dict[str, tuple[float, int]]:
         "causal mask": lambda: mask.mask_figure(trace, step, layer),
         "scores before/after mask": lambda: mask.scores_before_after_figure(trace, step, layer, head),
         "shape flow": lambda: flow.shape_flow_figure(trace, step, layer),
-        "KV cache growth": lambda: cache.cache_growth_figure(trace, step),
+        "KV cache over the steps": lambda: cache.cache_steps_figure(trace, step),
         "cached keys heatmap": lambda: cache.key_heatmap_figure(trace, step, layer, head),
         "next token": lambda: tokens.next_token_figure(trace, step),
     }

@@ -81,35 +81,6 @@ def cache_growth(trace: Trace) -> pd.DataFrame:
 
 
 @fitted
-def cache_growth_figure(trace: Trace, selected_step: int | None = None) -> go.Figure:
-    """Cache length and bytes held per step; with the cache off, what each step recomputed instead."""
-    growth = cache_growth(trace)
-    use_cache = _ran_with_cache(trace)
-    fig = subplots(specs=[[{"secondary_y": True}]])
-    if use_cache:
-        bars = ("cache length", "cache length (positions)")
-        line = ("K+V bytes (all layers)", "KiB held (K+V, all layers)")
-        title = "the KV cache grows by one row per step"
-    else:  # nothing is held between steps: show the work that replaces the cache
-        bars = ("t (keys attended)", "K, V rows recomputed (t), none cached")
-        line = ("K+V bytes computed", "K+V KiB computed this step (all layers)")
-        title = "KV cache off: nothing is kept between steps; every step recomputes all t rows"
-    fig.add_trace(go.Bar(x=growth["step"], y=growth[bars[0]], name=bars[1], marker_color="#9ecae1"),
-                  secondary_y=False)
-    fig.add_trace(go.Scatter(x=growth["step"], y=growth[line[0]] / 1024, mode="lines+markers", name=line[1],
-                             line={"dash": "dot", "color": NEUTRAL}, marker={"color": NEUTRAL}), secondary_y=True)
-    if selected_step is not None:
-        fig.add_vline(x=selected_step, line={"color": ACCENT, "width": 2})
-    fig.update_xaxes(title_text="step", dtick=1 if len(growth) <= 30 else None)
-    fig.update_yaxes(title_text="positions cached" if use_cache else "positions recomputed", rangemode="tozero",
-                     secondary_y=False)
-    fig.update_yaxes(title_text="KiB", rangemode="tozero", showgrid=False, secondary_y=True)
-    fig.update_layout(height=340, margin={"t": 80, "l": 10, "r": 10, "b": 10}, title_text=title,
-                      title_font_size=13, title_y=0.97, legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"})
-    return fig
-
-
-@fitted
 def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0, which: str = "K") -> go.Figure:
     """One key/value head's cached keys (or values): positions × d_head, the rows added at ``step`` outlined."""
     value = trace.get(act_name("k_all" if which == "K" else "v_all", layer), step)
@@ -204,32 +175,55 @@ def timing_warning(c: RecomputeComparison) -> str:
 
 
 @fitted
-def cache_work_figure(trace: Trace) -> go.Figure:
-    """The work of each step with the cache and without it, counted: query rows computed (every step), and
-    the forward's multiply-adds of both paths (every step that was compared). One figure with a shared step
-    axis: each chart on a page costs the browser a full plot on every Step."""
+def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Figure:
+    """The cache over the steps, one shared step axis: what the cache holds (positions, KiB of K+V; with the
+    cache off, what each step recomputed instead), the query rows each step computed with the cache and
+    without it, and — for the steps compared with a recompute — both paths' multiply-adds. All counted.
+    One figure, not three: each chart on a page costs the browser full plots on every Step."""
+    growth = cache_growth(trace)
     table = rows_computed(trace)
     comparisons = facts_of(trace).comparisons
-    steps = sorted(comparisons)
-    rows = 2 if steps else 1
-    fig = subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.14,
-                   subplot_titles=["query rows computed per step (counted)",
+    compared = sorted(comparisons)
+    use_cache = _ran_with_cache(trace)
+    if use_cache:
+        bars = ("cache length", "cache length (positions)")
+        line = ("K+V bytes (all layers)", "KiB held (K+V, all layers)")
+        title = "the KV cache grows by one row per step"
+    else:  # nothing is held between steps: show the work that replaces the cache
+        bars = ("t (keys attended)", "K, V rows recomputed (t), none cached")
+        line = ("K+V bytes computed", "K+V KiB computed this step (all layers)")
+        title = "KV cache off: nothing is kept between steps; every step recomputes all t rows"
+    rows = 3 if compared else 2
+    fig = subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.09,
+                   specs=[[{"secondary_y": True}]] + [[{}]] * (rows - 1),
+                   subplot_titles=[title, "query rows computed per step (counted)",
                                    "multiply-adds per step (counted)"][:rows])
+    fig.add_trace(go.Bar(x=growth["step"], y=growth[bars[0]], name=bars[1], marker_color="#f4b6b6"),  # the flow's cache colour
+                  row=1, col=1, secondary_y=False)
+    fig.add_trace(go.Scatter(x=growth["step"], y=growth[line[0]] / 1024, mode="lines+markers", name=line[1],
+                             line={"dash": "dot", "color": NEUTRAL}, marker={"color": NEUTRAL}),
+                  row=1, col=1, secondary_y=True)
     fig.add_trace(go.Bar(x=table["step"], y=table["with cache"], name="with cache (rows)", marker_color="#4c78a8"),
-                  row=1, col=1)
+                  row=2, col=1)
     fig.add_trace(go.Bar(x=table["step"], y=table["without cache"], name="without cache (rows)",
-                         marker_color="#9ecae1"), row=1, col=1)
-    if steps:
-        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].cached.macs for s in steps], mode="lines+markers",
-                                 name="cached path (multiply-adds)", line={"color": "#4c78a8"}), row=2, col=1)
-        fig.add_trace(go.Scatter(x=steps, y=[comparisons[s].full.macs for s in steps], mode="lines+markers",
+                         marker_color="#9ecae1"), row=2, col=1)
+    if compared:
+        fig.add_trace(go.Scatter(x=compared, y=[comparisons[s].cached.macs for s in compared], mode="lines+markers",
+                                 name="cached path (multiply-adds)", line={"color": "#4c78a8"}), row=3, col=1)
+        fig.add_trace(go.Scatter(x=compared, y=[comparisons[s].full.macs for s in compared], mode="lines+markers",
                                  name="full recompute (multiply-adds)", line={"color": "#9ecae1"},
-                                 marker={"symbol": "x", "size": 9}), row=2, col=1)
-        fig.update_yaxes(title_text="multiply-adds", rangemode="tozero", row=2, col=1)
-    fig.update_yaxes(title_text="rows", rangemode="tozero", row=1, col=1)
-    fig.update_xaxes(title_text="step", dtick=1 if len(table) <= 30 else None, row=rows, col=1)
-    fig.update_xaxes(dtick=1 if len(table) <= 30 else None, showticklabels=True, row=1, col=1)
+                                 marker={"symbol": "x", "size": 9}), row=3, col=1)
+        fig.update_yaxes(title_text="multiply-adds", rangemode="tozero", row=3, col=1)
+    if selected_step is not None:
+        fig.add_vline(x=selected_step, line={"color": ACCENT, "width": 2})
+    fig.update_yaxes(title_text="positions cached" if use_cache else "positions recomputed", rangemode="tozero",
+                     row=1, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="KiB", rangemode="tozero", showgrid=False, row=1, col=1, secondary_y=True)
+    fig.update_yaxes(title_text="query rows", rangemode="tozero", row=2, col=1)
+    dtick = 1 if len(table) <= 30 else None
+    fig.update_xaxes(dtick=dtick, showticklabels=True)
+    fig.update_xaxes(title_text="step", row=rows, col=1)
     fig.update_annotations(font_size=13, xanchor="left", x=0)
-    fig.update_layout(barmode="group", height=300 * rows, margin={"t": 70, "l": 10, "r": 10, "b": 10},
-                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0.5, "xanchor": "center"})
+    fig.update_layout(barmode="group", height=260 * rows + 60, margin={"t": 90, "l": 10, "r": 10, "b": 10},
+                      legend={"orientation": "h", "y": 1.04, "yanchor": "bottom", "x": 0})
     return fig

@@ -268,7 +268,7 @@ def test_kv_cache_tab_reports_the_recompute_check(stepped):
     at.selectbox(key="kv_layer").set_value(1)
     run(at)
     v = gen_of(at).trace.get("blocks.1.attn.hook_v_all", 2)[0, 0]
-    assert len(heatmaps(charts(at)[1])[0]["z"]) == v.shape[0]
+    assert len(heatmaps(charts(at)[0])[0]["z"]) == v.shape[0]
     at.button(key="measure_recompute").click()
     run(at)
     evidence = frame_with(at, "cached path")
@@ -338,8 +338,9 @@ def test_cache_off_recomputes_everything_and_draws_no_cache():
     assert "K (all t rows, recomputed)" in flow and "cache ++ new" not in flow
     show_tab(at, "KV cache")
     assert any("untraced cached re-run" in s.value for s in at.success)
-    growth = charts(at)[0]
-    assert growth["layout"]["title"]["text"].startswith("KV cache off: nothing is kept")
+    show_tab(at, "KV cache", ("kv_view", "Over the steps"))
+    steps = charts(at)[0]
+    assert drawn_text(steps).startswith("KV cache off: nothing is kept")
 
 
 def test_a_batch_of_two_prompts_names_the_padding_columns():

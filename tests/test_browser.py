@@ -150,10 +150,14 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
         assert (history["rows"], history["cols"]) == (t, t)
 
         open_tab(page, "KV cache")
-        kv = values(plotly_data(page)[1])[0]  # one head's keys: t positions × d_head
+        kv = values(plotly_data(page)[0])[0]  # one head's keys: t positions × d_head
         assert kv["rows"] == t and kv["cols"] == 32
         assert page.get_by_text("Only the new row was needed").count() == 1
         shot("kv_cache")
+        open_tab(page, "Over the steps")
+        bars = [tr for tr in plotly_data(page)[0] if tr["type"] == "bar"]
+        assert len(bars) == 3  # cache length, rows with the cache, rows without it: one figure
+        shot("kv_cache_steps")
         for tab, name in (("Causal mask", "causal_mask"), ("Next token", "next_token"), ("What if", "what_if"),
                           ("Worked example", "worked"), ("Inspector", "inspector")):
             open_tab(page, tab)

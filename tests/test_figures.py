@@ -404,17 +404,18 @@ def test_a_real_comparison_counts_what_each_path_computes(bundled):
     per_row = config.n_layer * (4 * d * d + 2 * d * d_ff) + d * vocab
     attn = config.n_layer * 2 * config.n_head * config.d_head
     assert c1.cached.macs == per_row + attn * n and c1.full.macs == n * per_row + attn * n * n
-    # the per-step figure draws those counts: rows of every step, multiply-adds of the steps compared
+    # the figure over the steps draws those counts: rows of every step, multiply-adds of the steps compared
     g.step()  # step 2, not compared: no multiply-adds point for it
-    fig = cache.cache_work_figure(g.trace)
-    with_cache, without, cached_macs, full_macs = fig.data
+    fig = cache.cache_steps_figure(g.trace, 2)
+    length, kib, with_cache, without, cached_macs, full_macs = fig.data
     n0 = g.info.prompt_lengths[0]
+    assert list(length.y) == [n0, n0 + 1, n0 + 2] and kib.yaxis == "y2"  # KiB on the right-hand axis
     assert list(with_cache.y) == [n0, 1, 1] and list(without.y) == [n0, n0 + 1, n0 + 2]
     assert list(cached_macs.x) == [0, 1] and list(cached_macs.y) == [c0.cached.macs, c1.cached.macs]
-    assert list(full_macs.y) == [c0.full.macs, c1.full.macs] and cached_macs.yaxis == "y2"
+    assert list(full_macs.y) == [c0.full.macs, c1.full.macs] and cached_macs.yaxis == "y4"
     fresh = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)
     fresh.step()
-    assert len(cache.cache_work_figure(fresh.trace).data) == 2  # nothing compared: the rows alone
+    assert len(cache.cache_steps_figure(fresh.trace).data) == 4  # nothing compared: no multiply-adds panel
 
 
 def test_the_cache_views_show_the_traced_keys(gen):
@@ -431,8 +432,9 @@ def test_the_cache_views_show_the_traced_keys(gen):
     assert (rect.y0, rect.y1) == (n0 + 2 - 1 - 0.5, n0 + 2 - 0.5)  # the one row added at step 2
     rows = cache.rows_computed(t)
     assert list(rows["with cache"]) == [n0, 1, 1, 1] and list(rows["without cache"]) == [n0, n0 + 1, n0 + 2, n0 + 3]
-    growth_fig = cache.cache_growth_figure(t, 2)
-    assert growth_fig.layout.legend.y >= 1 and growth_fig.layout.margin.t >= 60  # the legend sits under the title
+    steps_fig = cache.cache_steps_figure(t, 2)
+    assert steps_fig.layout.legend.y >= 1 and steps_fig.layout.margin.t >= 60  # the legend sits above the panels
+    assert steps_fig.layout.annotations[0].text == "the KV cache grows by one row per step"
 
 
 # -- tokens -----------------------------------------------------------------------------------------------
@@ -625,9 +627,8 @@ def test_every_figure_is_the_same_with_and_without_plotlys_checks(gen, batch_gen
         "history": lambda: attention.attention_history_figure(trace, 2, 1, last),
         "weighted sum": lambda: attention.weighted_sum_figure(trace, last, 0, 0, 0)[0],
         "pitfalls": lambda: attention.pitfall_figure(trace, 0, 0, 0),
-        "cache growth": lambda: cache.cache_growth_figure(trace, 1),
         "keys": lambda: cache.key_heatmap_figure(trace, last, 0, 1, which="V"),
-        "work with and without the cache": lambda: cache.cache_work_figure(trace),
+        "the cache over the steps": lambda: cache.cache_steps_figure(trace, 1),
         "mask, padded": lambda: mask.mask_figure(batch_gen.trace, 0, 0, batch=1),
         "before/after mask": lambda: mask.scores_before_after_figure(trace, 0, 1, 0),
         "next token": lambda: tokens.next_token_figure(trace, last),
