@@ -13,6 +13,8 @@ from figures.plot import figure, fitted, subplots
 from model.hook_table import act_name
 from tracer import RecomputeComparison, Trace
 
+CACHE_COLOUR = "#f4b6b6"  # the shape flow's colour for the cache, a shade stronger
+
 
 def _ran_with_cache(trace: Trace) -> bool:
     return facts_of(trace).info.use_cache
@@ -198,7 +200,7 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
                    specs=[[{"secondary_y": True}]] + [[{}]] * (rows - 1),
                    subplot_titles=[title, "query rows computed per step (counted)",
                                    "multiply-adds per step (counted)"][:rows])
-    fig.add_trace(go.Bar(x=growth["step"], y=growth[bars[0]], name=bars[1], marker_color="#f4b6b6"),  # the flow's cache colour
+    fig.add_trace(go.Bar(x=growth["step"], y=growth[bars[0]], name=bars[1], marker_color=CACHE_COLOUR),
                   row=1, col=1, secondary_y=False)
     fig.add_trace(go.Scatter(x=growth["step"], y=growth[line[0]] / 1024, mode="lines+markers", name=line[1],
                              line={"dash": "dot", "color": NEUTRAL}, marker={"color": NEUTRAL}),

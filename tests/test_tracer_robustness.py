@@ -259,3 +259,26 @@ def test_the_budget_is_checked_and_a_value_of_exactly_the_budget_is_kept():
         identity(torch.ones(64))
         identity(torch.zeros(64))  # 256 B held + 256 B new = exactly the budget: nothing is evicted for it
     assert tr.trace.bytes_kept == 512 and tr.trace.log.evicted_count == 0 and tr.trace.log.peak_bytes_kept == 512
+
+
+def test_the_store_says_when_it_holds_no_view_of_a_storage_any_more():
+    """Every way a value leaves (evicted for room, dropped, swapped for a copy) tells the owner when the last
+    kept view of a storage is gone — its memory may then be reused by a new tensor at the same address."""
+    from tracer.store import ValueStore, storage_key
+
+    released: list[tuple[int, int]] = []
+    store = ValueStore(budget_bytes=4096, on_release=released.append)
+    a = torch.zeros(256)  # 1 KiB
+    store.put(0, 0, a)
+    store.put(1, 0, a[:128])  # a second view of the same storage
+    store.drop(0, note=None)
+    assert released == []  # record 1 still views it
+    store.drop(1, note="gone")
+    assert released == [storage_key(a)]
+    b, c = torch.zeros(512), torch.zeros(512)  # 2 KiB each
+    store.put(2, 1, b)
+    store.put(3, 1, c)
+    store.put(4, 1, torch.zeros(512))  # room is made by evicting the oldest, b
+    assert released[-1] == storage_key(b) and 2 not in store
+    store.replace(3, c.clone())
+    assert released[-1] == storage_key(c)  # the original left the store; its copy is kept

@@ -39,7 +39,7 @@ from tracer.records import (
     TraceErrorInfo,
 )
 from tracer.stats import dtype_name, finite_flag, tensor_stats
-from tracer.store import DEFAULT_BUDGET_BYTES, ValueStore, view_key
+from tracer.store import DEFAULT_BUDGET_BYTES, ValueStore, storage_key, version_of, view_key
 
 CAPTURE_LEVELS = ("shapes", "values", "ops")
 DIGESTED = "hook_pattern"  # attention weights: when evicted, a pooled summary per head stays
@@ -90,7 +90,7 @@ class TraceLog:
         self._capture = capture
         self._keep_values = capture in ("values", "ops")
         self._copy_all = copy_all
-        self._values = ValueStore(budget_bytes, on_evict=self._evicted)
+        self._values = ValueStore(budget_bytes, on_evict=self._evicted, on_release=self._released)
         self._modules: tuple[ModuleInfo, ...] = ()
         self._flag_modules: frozenset[int] = frozenset()
         self._model: ModelIdentity | None = None
@@ -98,7 +98,10 @@ class TraceLog:
         self._ops: list[tuple] = []
         self._notes: dict[int, str] = {}
         self._stats: dict[int, TensorStats] = {}
+        # statistics shared by records that view the same numbers (an output and the next module's input),
+        # by view and version, while the store holds that storage: taken once, never twice
         self._stats_by_view: dict[tuple, TensorStats] = {}
+        self._views_of_storage: dict[tuple[int, int], list[tuple]] = {}
         self._flags: dict[int, int] = {}
         self._digests: dict[int, torch.Tensor] = {}
         self._steps: list[StepRecord] = []
@@ -209,12 +212,21 @@ class TraceLog:
         value = self._values.get(index)
         if value is None:
             return None
-        key = view_key(value)
+        stats = self._stats[index] = self._stats_of(value)
+        return stats
+
+    def _stats_of(self, value: torch.Tensor) -> TensorStats:
+        """``tensor_stats(value)``, or those already taken of the same view at the same version."""
+        key = (view_key(value), version_of(value))
         stats = self._stats_by_view.get(key)
         if stats is None:
             stats = self._stats_by_view[key] = tensor_stats(value)
-        self._stats[index] = stats
+            self._views_of_storage.setdefault(key[0][0], []).append(key)
         return stats
+
+    def _released(self, storage: tuple[int, int]) -> None:
+        for key in self._views_of_storage.pop(storage, ()):
+            self._stats_by_view.pop(key, None)
 
     def digest(self, index: int) -> torch.Tensor | None:
         """The pooled summary of an evicted attention-weights record: ``[B, H, r, c]``, each cell the mean
@@ -282,6 +294,7 @@ class TraceLog:
             reason = self._values.put(index, step, value)
             if reason:  # larger than the whole budget: summarised now, like an evicted value
                 self._evicted(index, value, reason, True)
+                self._released(storage_key(value))
 
     def _add_unusual(self, index: int, step: int | None, module: int, kind: str, slot: str, call: int,
                      t: torch.Tensor) -> None:
@@ -358,7 +371,7 @@ class TraceLog:
 
     def _evicted(self, index: int, tensor: torch.Tensor, note: str, stats_valid: bool) -> None:
         if stats_valid and index not in self._stats:
-            self._stats[index] = self._stats_by_view.get(view_key(tensor)) or tensor_stats(tensor)
+            self._stats[index] = self._stats_of(tensor)
         if stats_valid and index not in self._digests and _digestible(self._modules[self._raw[index][MODULE]].path,
                                                                       tensor):
             self._digests[index] = pooled(tensor)

@@ -16,6 +16,7 @@ holds NaN, an exact slower path takes over; a mask's −∞ has a fast path of i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -112,11 +113,15 @@ def _stats_around_inf(x: torch.Tensor, lo: float, hi: float) -> TensorStats:
         return TensorStats(math.nan, math.nan, math.nan, math.nan, 0, pos, neg)
     zeroed = torch.nan_to_num(x, posinf=0.0, neginf=0.0, out=floats)
     zlo, zhi = (float(v) for v in torch.aminmax(zeroed))
+    moments = _moments(x, zeroed, count, lo, hi, 0, pos, neg)
+    # the zeros in place of ±∞ hide a finite extreme of the same sign as the zeros: then the infinities are
+    # set to the far end instead, in the same scratch buffer (the moments are taken already)
+    far = torch.finfo(x.dtype).max  # finite, and no finite value passes it
     if is_neg is not None:
-        lo = zlo if zlo < 0 else float(x.masked_fill(is_neg, math.inf).amin())
+        lo = zlo if zlo < 0 else float(torch.nan_to_num(x, posinf=far, neginf=far, out=floats).amin())
     if is_pos is not None:
-        hi = zhi if zhi > 0 else float(x.masked_fill(is_pos, -math.inf).amax())
-    return _moments(x, zeroed, count, lo, hi, 0, pos, neg)
+        hi = zhi if zhi > 0 else float(torch.nan_to_num(x, posinf=-far, neginf=-far, out=floats).amax())
+    return dataclasses.replace(moments, min=lo, max=hi) if (lo, hi) != (moments.min, moments.max) else moments
 
 
 _SCRATCH_MAX = 1 << 24  # elements: buffers kept for tensors up to 64 MB of float32 (a 1024² attention stage)

@@ -25,6 +25,7 @@ MUTATED = "dropped: changed in place after it was recorded (trace with copy='all
 NO_VERSION = -1
 
 EvictCallback = Callable[[int, torch.Tensor, str, bool], None]  # (index, value, note, stats still valid)
+ReleaseCallback = Callable[[tuple[int, int]], None]  # (storage key): the store holds no view of it any more
 
 
 def version_of(t: torch.Tensor) -> int:
@@ -88,7 +89,8 @@ def view_key(t: torch.Tensor) -> tuple:
 class ValueStore:
     """Record index → tensor, oldest first, within ``budget_bytes``."""
 
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES, on_evict: EvictCallback | None = None) -> None:
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES, on_evict: EvictCallback | None = None,
+                 on_release: ReleaseCallback | None = None) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be a whole number ≥ 0, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
@@ -99,6 +101,9 @@ class ValueStore:
         self._peak_nbytes = 0
         self._evicted = 0
         self._on_evict = on_evict
+        # after the last kept view of a storage goes: its memory may be freed and reused by a new tensor at
+        # the same address, so anything known by storage key must be forgotten
+        self._on_release = on_release
 
     @property
     def nbytes(self) -> int:
@@ -172,11 +177,14 @@ class ValueStore:
             note, stats = MUTATED, False  # its statistics would describe the wrong values
         viewers = self._storages[key]
         viewers.discard(index)
-        if not viewers:
+        released = not viewers
+        if released:
             del self._storages[key]
             self._nbytes -= key[1]
         if note is not None and self._on_evict is not None:
             self._on_evict(index, tensor, note, stats)
+        if released and self._on_release is not None:
+            self._on_release(key)
 
     def _evict_oldest(self) -> None:
         """Drop the oldest kept value. Value by value rather than whole steps: a decode step needs a few
