@@ -40,6 +40,7 @@ from session import (
 from tracer import Finite, Trace, TraceFileError, ablate, diff_traces, direct_logit_attribution, load_trace, logit_lens
 from tracer.generation import MAX_RUN_STEPS, ContextFullError, GenerationStopped, TracedGeneration
 from tracer.io import LIMITS, archive_bytes
+from tracer.memory import reuse_freed_memory
 from tracer.records import TENSOR_KINDS
 from tracer.store import DEFAULT_BUDGET_BYTES
 from tracer.whatif import activation_patching, head_scores, pattern_changes, replay, text_loss
@@ -58,6 +59,16 @@ UPLOAD_MB = 1024  # MiB, as .streamlit/config.toml server.maxUploadSize (Streaml
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")
 st.markdown("<style>.block-container {padding-top: 2.2rem;} h1 {font-size: 1.9rem !important;}</style>",
             unsafe_allow_html=True)
+
+
+@st.cache_resource
+def freed_memory_reused() -> bool:
+    """Once per server process: a long prefill frees gigabytes, and glibc's malloc would hand each new tensor
+    fresh pages to fault in again (tracer/memory.py)."""
+    return reuse_freed_memory()
+
+
+freed_memory_reused()
 
 
 # -- models (shared by every session; tracing and interventions route per thread, so sharing is safe) --

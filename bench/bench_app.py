@@ -181,6 +181,20 @@ def browser_timings(steps: int) -> dict:
             out["gpt2_prefill_shapes_s"] = clicks(page, "Step", "gpt2 prefill / Shapes", times=1)[0]
             open_tab(page, "Attention")
             out["gpt2_decode_attention_s"] = clicks(page, "Step", "gpt2 decode / Attention")
+            # the Inspector on the largest record of a step, [1, 1, 50257] after a decode step: from the Enter
+            # that picks it in the record box to its heatmap and histogram drawn
+            open_tab(page, "Inspector")
+            picks = []
+            for name in ("hook_logits", "blocks.0.attn.hook_pattern") * 3:
+                box = page.get_by_label("record", exact=True)
+                box.click()
+                page.keyboard.type(name)
+                before = runs_finished(page)
+                started = time.perf_counter()
+                page.keyboard.press("Enter")
+                wait_idle(page, after=before)
+                picks.append((name, time.perf_counter() - started))
+            out["gpt2_inspector_pick_s"] = {name: [t for n, t in picks if n == name] for name, _ in picks}
     out["phases"] = phases
     return out
 

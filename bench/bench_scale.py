@@ -1,4 +1,4 @@
-"""Long contexts with tracing left on: ``python bench/bench_scale.py [--repeats 3]``.
+"""Long contexts with tracing left on: ``python bench/bench_scale.py [--repeats 3] [--malloc default]``.
 
 GPT-2-small-shaped random weights (124M), CPU, the default memory budget (512 MiB), side by side in one run:
 
@@ -24,6 +24,7 @@ import tracer.log as tracer_log
 from figures import attention, cache, flow, inspector, mask, tokens
 from model import load_hf
 from tracer import TracedGeneration, Tracer
+from tracer.memory import reuse_freed_memory
 
 LENGTHS = (128, 512, 1024)
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with "
@@ -189,14 +190,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--name", default="scale", help="results file: bench/results/NAME.json")
+    ap.add_argument("--malloc", choices=("reuse", "default"), default="reuse",
+                    help="reuse: freed memory kept for reuse, as the app runs (tracer.memory); default: glibc's own")
     args = ap.parse_args()
+    took = reuse_freed_memory() if args.malloc == "reuse" else False
     torch.manual_seed(0)
     model, tok = load_hf(gpt2_small_dir())
-    result = {"machine": machine(), "setup": {"weights": "GPT-2 small shape, random (124M)", "budget": "default"},
+    result = {"machine": machine(), "setup": {"weights": "GPT-2 small shape, random (124M)", "budget": "default",
+                        "malloc": "freed memory reused" if took else "glibc default"},
               "prefill": prefill_ratios(model, args.repeats), "generation": generation_costs(model, tok, args.repeats)}
     path = save(args.name, result)
     m = result["machine"]
-    print(f"machine: {m['cpu']} ({m['cores']} cores, torch {m['torch']}, {m['torch_threads']} threads), {m['date']}")
+    print(f"machine: {m['cpu']} ({m['cores']} cores, torch {m['torch']}, {m['torch_threads']} threads), {m['date']}; "
+          f"malloc: {result['setup']['malloc']}")
     for n, row in result["prefill"].items():
         print(f"prefill n={n:>4}: untraced {row['untraced_s']:.3f} s, shapes ×{row['shapes_ratio']:.3f}, "
               f"values ×{row['values_ratio']:.3f} (target ≤ 1.3); memory newly mapped: untraced "

@@ -17,6 +17,7 @@ import pandas as pd
 from tracer.generation import MAX_RUN_STEPS, TracedGeneration
 from tracer.io import save_trace
 from tracer.log import CAPTURE_LEVELS
+from tracer.memory import reuse_freed_memory
 from tracer.store import DEFAULT_BUDGET_BYTES
 
 MAX_BUDGET_MB = 1 << 20
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show-step", type=int, default=None, help="step whose shape table to print (default: last)")
     ap.add_argument("--all-records", action="store_true", help="print inputs/outputs too, not only hook points")
     args = ap.parse_args(argv)
+    reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (tracer/memory.py)
 
     from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_hf
 
