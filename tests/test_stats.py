@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tracer import fused, stats
 from tracer.records import Finite
 from tracer.stats import finite_flag, summarize, tensor_stats
 
@@ -39,10 +41,16 @@ def reference(x: torch.Tensor) -> dict:
     return out
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["fused kernel", "pytorch passes"])
 @settings(max_examples=120, deadline=None)
-@given(tensors())
-def test_statistics_match_numpy(x):
-    got, want = tensor_stats(x), reference(x)
+@given(x=tensors())
+def test_statistics_match_numpy(x, one_pass):
+    """Both ways of taking them: the one-pass kernel (from 4096 values) and PyTorch's reductions."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not one_pass:
+            patch.setattr(stats, "FUSED_NUMEL", 2**62)
+        got = tensor_stats(x)
+    want = reference(x)
     assert (got.nan, got.pos_inf, got.neg_inf) == (want["nan"], want["pos_inf"], want["neg_inf"])
     if "min" not in want:
         assert math.isnan(got.min) and math.isnan(got.mean)
@@ -63,3 +71,25 @@ def test_the_flag_and_the_summary_shout_what_is_not_finite():
     assert "−∞!×6" in summarize((4, 4), "float32", tensor_stats(mask_like), neg_inf_expected=False)
     assert summarize((4, 4), "float32", None, flag=Finite.BAD).endswith("(values not kept) NaN/+∞ present!")
     assert "all zeros" in summarize((3,), "float32", tensor_stats(torch.zeros(3)))
+
+
+def test_the_one_pass_kernel_is_built_where_there_is_a_compiler():
+    """This machine kind has a C compiler: the kernel must be built and used, not silently replaced by the
+    slower PyTorch path (where there is none, the fallback must say so)."""
+    import shutil
+
+    if shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"):
+        assert fused.available(), fused.status()
+        x = torch.randn(100_000)
+        x[::7] = -math.inf
+        x[5] = math.nan
+        m = fused.moments(x)
+        finite = x[torch.isfinite(x)].double()
+        assert (m.nan, m.neg_inf, m.pos_inf, m.finite) == (1, int(torch.isneginf(x).sum()), 0, finite.numel())
+        assert (m.min, m.max) == (float(finite.min()), float(finite.max()))
+        assert math.isclose(m.sum, float(finite.sum()), abs_tol=1e-6 * float(finite.abs().sum()))
+        assert math.isclose(m.sum_sq, float(finite.square().sum()), rel_tol=1e-6)
+    else:
+        assert not fused.available() and "no C compiler" in fused.status()
+    assert fused.moments(torch.randn(10, dtype=torch.float64)) is None  # float32 only: others take PyTorch
+    assert fused.moments(torch.randn(64, 64).t()) is None  # contiguous only

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from tracer import fused
 from tracer.records import Finite, TensorStats
 
 _SHORT_DTYPES = {
@@ -31,6 +32,7 @@ _SHORT_DTYPES = {
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _CANCELLATION = 1e-2  # var/mean² below this: Σx²/n − mean² would lose too many digits in float32
 _CHUNK = 4096
+FUSED_NUMEL = 4096  # from here the one-pass kernel (tracer/fused.py), where it could be built, takes them
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,12 +66,27 @@ def tensor_stats(t: torch.Tensor) -> TensorStats:
     n = x.numel()
     if n == 0:
         return TensorStats(math.nan, math.nan, math.nan, math.nan)
+    if n >= FUSED_NUMEL:
+        one_pass = fused.moments(x)
+        if one_pass is not None:
+            return _from_moments(x, one_pass)
     lo, hi = (float(v) for v in torch.aminmax(x))
     if math.isnan(lo) or math.isnan(hi):
         return _exact_stats(x)
     if math.isinf(lo) or math.isinf(hi):
         return _stats_around_inf(x, lo, hi)
     return _moments(x, x, n, lo, hi)
+
+
+def _from_moments(x: torch.Tensor, m: fused.Moments) -> TensorStats:
+    """The statistics from one pass of the fused kernel (the same numbers as the passes below take)."""
+    if m.finite == 0:
+        return TensorStats(math.nan, math.nan, math.nan, math.nan, m.nan, m.pos_inf, m.neg_inf)
+    mean = m.sum / m.finite
+    var = m.sum_sq / m.finite - mean * mean if m.finite > 1 else 0.0
+    if (mean != 0 and var <= _CANCELLATION * mean * mean) or not math.isfinite(var):
+        return _exact_stats(x)  # the rare ill-conditioned tensor: an exact pass in float64
+    return TensorStats(m.min, m.max, mean, math.sqrt(max(var, 0.0)), m.nan, m.pos_inf, m.neg_inf)
 
 
 def _moments(x: torch.Tensor, summed: torch.Tensor, count: int, lo: float, hi: float,
