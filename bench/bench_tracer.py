@@ -19,6 +19,7 @@ from common import gpt2_small_dir, machine, median, save
 
 from model import load_hf_gpt2
 from tracer import Tracer
+from tracer.memory import reuse_freed_memory
 
 MODES = (None, "shapes", "values", "ops")
 
@@ -108,7 +109,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-third-party", action="store_true")
+    ap.add_argument("--malloc", choices=("reuse", "default"), default="reuse",
+                    help="reuse: freed memory kept for reuse, as the app runs (tracer.memory); default: glibc's own")
     args = ap.parse_args()
+    took = reuse_freed_memory() if args.malloc == "reuse" else False
     torch.manual_seed(0)
     model, _ = load_hf_gpt2(gpt2_small_dir())
     tokens = torch.randint(0, 50257, (1, args.prompt + args.steps))
@@ -136,6 +140,7 @@ def main() -> None:
         "machine": machine(),
         "setup": {"weights": "GPT-2 small shape, random, 124M (ours)", "prompt_tokens": args.prompt,
                   "decode_steps": args.steps, "repeats": args.repeats,
+                  "malloc": "freed memory reused" if took else "glibc default",
                   "method": "each repeat runs prefill + decode steps untraced and at every capture level, in "
                             "alternating order, a fresh tracer per run; ratios of the medians over repeats. "
                             "decode = mean step of a run; decode_median_step = median step of a run"},

@@ -281,8 +281,10 @@ def test_the_store_says_when_it_holds_no_view_of_a_storage_any_more():
     store.put(3, 1, c)
     store.put(4, 1, torch.zeros(512))  # room is made by evicting the oldest, b
     assert released[-1] == storage_key(b) and 2 not in store
-    store.replace(3, c.clone())
-    assert released[-1] == storage_key(c)  # the original left the store; its copy is kept
+    copy = c.clone()
+    store.replace(3, copy)
+    assert released[-1] == storage_key(c)  # the original left the store …
+    assert 3 in store and store.get(3) is copy  # … and its copy is kept in its place
 
 
 def test_freed_memory_is_reused_instead_of_faulted_in_again():

@@ -1,12 +1,14 @@
-"""Freed memory kept for reuse: why a long traced prefill spent a quarter of its time in the kernel.
+"""Freed memory kept for reuse: the page faults behind a slow traced prefill, and how to avoid them.
 
 A GPT-2-small prefill of 1024 tokens allocates and frees gigabytes: each attention stage is a 48 MB tensor
 per layer. glibc's malloc serves blocks that large with a fresh ``mmap`` and returns them to the system when
 they are freed, so the next one faults its pages in again, and the kernel zeroes each page first. Keeping
 values makes it worse: the kept tensors stop the allocator reusing its heap in between. On the machine of
-docs/benchmarks.md (``python bench/bench_scale.py`` with and without ``--malloc default``): a values trace of
-that prefill had the kernel map 1354 MiB of fresh pages, and none with freed memory kept; the traced/untraced
-ratio went ×1.87 → ×1.52, and a ``TracedGeneration`` prefill of 984 tokens 1.83 → 1.66 s.
+docs/benchmarks.md (``python bench/bench_scale.py``, with and without ``--malloc default``: results in
+bench/results/scale.json and scale-default-malloc.json), a values trace of that prefill had the kernel map
+1876 MiB of fresh pages with glibc's defaults and 6 MiB with freed memory kept; the traced/untraced ratio
+went ×1.91 → ×1.40 (×2.83 → ×1.13 at 128 tokens), and a ``TracedGeneration`` prefill of 984 tokens
+1.69 → 1.47 s.
 
 ``reuse_freed_memory()`` asks glibc to serve every block from its heap (no ``mmap``) and to give memory back
 to the system only past 2 GiB free at the top of the heap. The price is that the process keeps the memory of
