@@ -93,3 +93,31 @@ def test_the_one_pass_kernel_is_built_where_there_is_a_compiler():
         assert not fused.available() and "no C compiler" in fused.status()
     assert fused.moments(torch.randn(10, dtype=torch.float64)) is None  # float32 only: others take PyTorch
     assert fused.moments(torch.randn(64, 64).t()) is None  # contiguous only
+
+
+def test_without_a_compiler_the_statistics_say_why_and_take_the_pytorch_path(tmp_path):
+    """A machine whose C compiler fails (here: CC names one that does not exist) gets the same statistics
+    from PyTorch's reductions, and fused.status() says why. In a process of its own: the kernel is built
+    once per process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = (
+        "import math, torch\n"
+        "from tracer import fused\n"
+        "from tracer.stats import tensor_stats\n"
+        "x = torch.arange(10_000, dtype=torch.float32)\n"
+        "x[3] = -math.inf\n"
+        "s = tensor_stats(x)\n"
+        "print(fused.available(), s.min, s.max, s.neg_inf)\n"
+        "print(fused.status())\n"
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parent.parent, env=env,
+                          capture_output=True, text=True, check=True)
+    first, status = done.stdout.splitlines()
+    assert first == "False 0.0 9999.0 1"
+    assert "did not run" in status and "PyTorch path" in status
+    assert not list(tmp_path.glob("gpt-shape-tracer/*.so"))
