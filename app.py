@@ -414,7 +414,7 @@ def attention_tab(trace: Trace, step: int) -> None:
                                    help="With one scale, dividing by √d_k shows as what it does: every score "
                                         "shrinks by the same factor")
                 chart(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
-                                key="stages_chart")
+                      key="stages_chart")
             if pattern_kept:
                 query_picker(trace, step, layer, head, batch)
     with sub["O = A·V"]:
@@ -450,7 +450,7 @@ def attention_tab(trace: Trace, step: int) -> None:
                 st.caption("With the cache a decode step computes one query row; stacking the rows of steps 0…s "
                            "rebuilds the lower-triangular pattern token by token (this step's row outlined).")
                 chart(attn_views.attention_history_figure(trace, layer, head, step, batch),
-                                key="history_chart")
+                      key="history_chart")
             else:
                 st.info("The history stacks the one row each cached decode step computes; it needs the KV cache on, "
                         "a step after the prefill, and kept values.")
@@ -700,7 +700,7 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
     cols[2].metric("heads whose pattern moved", f"{len(moved)} of {len(res.changes)}")
     frame = whatif_views.next_token_change(res.replay.original[0], res.replay.logits[0], gen.tokenizer.token_label)
     chart(whatif_views.next_token_change_figure(frame, f"next token at step {res.step}, sequence 0"),
-                    key="ablate_next_chart")
+          key="ablate_next_chart")
     chart(whatif_views.pattern_change_figure(list(res.changes), n_layer, n_head), key="ablate_heads_chart")
     if st.button("Keep these heads off for the next steps", key="ablate_keep"):
         gen.set_interventions(interventions)
@@ -858,7 +858,7 @@ def compare_tab(trace: Trace, step: int) -> None:
         if a is not None and b is not None and a.shape == b.shape and a.dim() >= 2:
             index = (0,) * (a.dim() - 2)
             chart(whatif_views.difference_figure(a[index], b[index], f"{name} at step {step}"),
-                            key="diff_chart")
+                  key="diff_chart")
 
 
 # -- the worked example -------------------------------------------------------------------------------

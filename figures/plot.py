@@ -110,8 +110,7 @@ def _numeric_chars(values: list) -> int:
 def _trace_values(trace: dict, letter: str) -> list:
     values = trace.get(letter)
     if values is None:  # a heatmap without coordinates: indices up to its size
-        z = trace.get("z")
-        shape = np.shape(z) if z is not None and not isinstance(z, dict) else ()
+        shape = np.shape(trace.get("z"))
         if len(shape) == 2:
             return [shape[1] - 1 if letter == "x" else shape[0] - 1]
         return []
@@ -152,15 +151,16 @@ def fit_margins(fig: go.Figure, pad: int = 6) -> go.Figure:
         domain = other.get("domain", [0, 1])
         size = (axis.get("tickfont") or {}).get("size", 12)
         labels, text = _axis_labels(layout, data, name)
+        widest = max((_label_px(v, size) for v in labels), default=0) if text else None  # None: numbers
         if axis.get("showticklabels") is False:
             extent = 0.0
-        elif letter == "y" or not axis.get("tickangle"):
-            extent = (max((_label_px(v, size) for v in labels), default=0) if text
-                      else _numeric_chars(labels) * size * CHAR_PX) if letter == "y" else size * 1.3
-        else:
-            widest = max((_label_px(v, size) for v in labels), default=0) if text else _numeric_chars(labels) * size
+        elif letter == "y":
+            extent = widest if text else _numeric_chars(labels) * size * CHAR_PX
+        elif axis.get("tickangle"):  # rotated labels: their height is their width turned
             angle = math.radians(abs(float(axis["tickangle"])))
-            extent = widest * math.sin(angle) + size * math.cos(angle)
+            extent = (widest if text else _numeric_chars(labels) * size) * math.sin(angle) + size * math.cos(angle)
+        else:
+            extent = size * 1.3
         title = (axis.get("title") or {}).get("text")
         if title:
             extent += 14 * 1.3 + (axis.get("title") or {}).get("standoff", 8)
@@ -176,8 +176,9 @@ def fit_margins(fig: go.Figure, pad: int = 6) -> go.Figure:
                 need["t" if top else "b"] = max(need["t" if top else "b"], extent)
     # colour bars push the margins too (plotly measures them and plots again): their room is counted here,
     # and the push switched off, unless a legend needs one (its wrapping is plotly's to measure)
-    legend = any(t.get("showlegend") is not False and t.get("type") not in ("heatmap",) for t in data) and (
-        layout.get("showlegend") is not False and sum(t.get("showlegend") is not False for t in data) > 1)
+    listed = [t for t in data if t.get("showlegend") is not False]
+    legend = (layout.get("showlegend") is not False and len(listed) > 1
+              and any(t.get("type") != "heatmap" for t in listed))
     for t in data:
         if t.get("type") != "heatmap" or t.get("showscale") is False or t.get("coloraxis"):
             continue
@@ -190,9 +191,8 @@ def fit_margins(fig: go.Figure, pad: int = 6) -> go.Figure:
         labels = bar.get("thickness", 30) + 2 * bar.get("xpad", 10) + 5 + _numeric_chars(ticks) * size * CHAR_PX
         title = _label_px(((bar.get("title") or {}).get("text")) or "", 12) + 2 * bar.get("xpad", 10)
         need["r"] = max(need["r"], (x - 1) * PLOT_PX + max(labels, title))
-    fig.update_layout(margin={k: max(margin[k], math.ceil(need[k]) + pad) if need[k] else margin[k] for k in margin})
-    if not legend:
-        fig.update_layout(margin_autoexpand=False)
+    fitted_margin = {k: max(margin[k], math.ceil(need[k]) + pad) if need[k] else margin[k] for k in margin}
+    fig.update_layout(margin={**fitted_margin, **({} if legend else {"autoexpand": False})})
     return fig
 
 

@@ -100,7 +100,7 @@ def _axes(name: str, config) -> tuple[str, ...]:
 def check(interventions: Sequence[Intervention], model: nn.Module) -> None:
     """Refuse, before any forward, what cannot apply to ``model``: unknown names, heads or positions
     on a hook without such an axis, heads out of range."""
-    if not interventions:  # every traced forward calls this: the walk over the modules below cost 0.7 ms
+    if not interventions:  # every traced forward calls this: no walk over every module when there is nothing to check
         return
     points = {n: m for n, m in model.named_modules() if isinstance(m, HookPoint)}
     config = getattr(model, "config", None)
