@@ -551,9 +551,11 @@ def cache_tab(trace: Trace, step: int) -> None:
             cache_this_step(trace, step)
     with over_steps:
         if over_steps.open:
-            st.caption("Every step so far, counted: what the cache holds, the query rows each step computed with "
-                       "the cache and without it, and the multiply-adds of both paths at the steps compared with "
-                       "a recompute. The step shown is marked.")
+            ran = ("this run used the cache" if facts_of(trace).info.use_cache else
+                   "this run has the cache off, so it computed the rows without")
+            st.caption("Every step so far, counted: what the cache holds, the query rows a step computes with the "
+                       f"cache and without it ({ran}), and the multiply-adds of both paths at the steps compared "
+                       "with a recompute. The step shown is marked.")
             chart(cache_views.cache_steps_figure(trace, step), key="steps_chart")
 
 

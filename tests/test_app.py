@@ -341,6 +341,7 @@ def test_cache_off_recomputes_everything_and_draws_no_cache():
     show_tab(at, "KV cache", ("kv_view", "Over the steps"))
     steps = charts(at)[0]
     assert drawn_text(steps).startswith("KV cache off: nothing is kept")
+    assert "this run has the cache off, so it computed the rows without" in page_text(at)
 
 
 def test_a_batch_of_two_prompts_names_the_padding_columns():
