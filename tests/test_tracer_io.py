@@ -228,3 +228,30 @@ def test_the_number_checks_say_what_they_expected_and_where():
         assert str(e.value) == f"batch: expected a whole number, got {said}" and e.value.field == "batch"
     with pytest.raises(TraceFileError, match=r"^batch: 65 is outside \[1, 64\]$"):
         count(65, "batch")
+
+
+@pytest.mark.parametrize("capture", ["shapes", "values", "ops"])
+def test_a_1024_token_prefill_round_trips_at_every_capture_level(bundled, tmp_path, capture):
+    """A trace loads back whatever the prompt's length: the strides of ``[B, H, n, n]`` scores (``H·n²``, ``n²``,
+    ``n``, 1) were once checked as if they were a shape, and a prompt of 195 tokens or more could not be reopened."""
+    from model import GPT, GPTConfig
+
+    _, tok = bundled
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=1024, n_ctx=2048, d_model=16, n_layer=1, n_head=2)).eval()
+    words = "Lily had a red kite and Tom said yes to the big dog at the park. "
+    prompt = words * 80
+    assert len(tok.encode(prompt)) >= 1024
+    gen = TracedGeneration(model, tok, prompt, capture=capture, temperature=0,
+                           budget_bytes=512 * 2**20)
+    gen.run(2)
+    n = gen.info.prompt_width
+    assert n >= 1024
+    save_trace(gen.trace, tmp_path / "long")
+    back = load_trace(tmp_path / "long")
+    assert back.steps == gen.trace.steps and back.generation == gen.trace.generation
+    if capture != "shapes":
+        for name in ("blocks.0.attn.hook_qk", "blocks.0.attn.hook_pattern", "hook_logits"):
+            for step in range(2):
+                assert torch.equal(gen.trace.get(name, step), back.get(name, step)), (name, step)
+        assert tuple(back.get("blocks.0.attn.hook_pattern", 0).shape) == (1, 2, n, n)

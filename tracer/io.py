@@ -482,6 +482,17 @@ def _ints(frame: pd.DataFrame, column: str, name: str, lo: int, hi: int) -> np.n
 
 
 def _shape_list(value: Any, where: str, limits: Limits) -> tuple[int, ...]:
+    """A shape: at most ``tensor_dims`` sizes, each and their product at most ``tensor_elements``."""
+    out = _whole_numbers(value, where, limits)
+    if math.prod(out) > limits.tensor_elements:
+        raise TraceFileError(f"{math.prod(out)} elements, over the limit of {limits.tensor_elements}", where)
+    return out
+
+
+def _whole_numbers(value: Any, where: str, limits: Limits) -> tuple[int, ...]:
+    """At most ``tensor_dims`` whole numbers in [0, tensor_elements]: a shape's sizes or a view's strides.
+    Strides are not multiplied together (that product means nothing: ``[1, H, n, n]``'s strides are
+    ``[H·n², n², n, 1]``); where a view reaches is checked against its storage in ``_view``."""
     if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise TraceFileError("expected a list of sizes", where)
     if len(value) > limits.tensor_dims:
@@ -492,8 +503,6 @@ def _shape_list(value: Any, where: str, limits: Limits) -> tuple[int, ...]:
         if not whole or not 0 <= v <= limits.tensor_elements:
             raise TraceFileError(f"size {v!r} is not a whole number in [0, {limits.tensor_elements}]", where)
         out.append(int(v))
-    if math.prod(out) > limits.tensor_elements:
-        raise TraceFileError(f"{math.prod(out)} elements, over the limit of {limits.tensor_elements}", where)
     return tuple(out)
 
 
@@ -687,7 +696,7 @@ def _stats_row(cols: list[list], i: int, where: str) -> TensorStats | None:
 
 
 def _view(flat: torch.Tensor, raw: RawRecord, offset: int, stride: Any, where: str, limits: Limits) -> torch.Tensor:
-    strides = _shape_list(stride, where + " strides", limits)
+    strides = _whole_numbers(stride, where + " strides", limits)
     if len(strides) != len(raw.shape):
         raise TraceFileError(f"{len(strides)} strides for a {len(raw.shape)}-dimensional value", where)
     if dtype_name(flat.dtype) != raw.dtype:
