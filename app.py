@@ -21,10 +21,12 @@ from figures import whatif as whatif_views
 from figures import worked as worked_views
 from figures.common import facts_of, query_labels, shape_with_axes
 from figures.common import inert as plain  # everything the app did not write passes through this
+from gpt_shape_tracer.memory import reuse_freed_memory
 from model import BUNDLED_MODELS, ModelLoadError, load_bundled, load_hf
 from model.heads import repeated_random_tokens
 from model.hook_table import act_name
 from model.identity import identity_of
+from model.loading import ASSETS
 from session import (
     DEFAULT_PROMPT,
     MAX_BUDGET_MB,
@@ -37,13 +39,29 @@ from session import (
     parse_run_steps,
     parse_settings,
 )
-from tracer import Finite, Trace, TraceFileError, ablate, diff_traces, direct_logit_attribution, load_trace, logit_lens
-from tracer.generation import MAX_RUN_STEPS, ContextFullError, GenerationStopped, TracedGeneration
-from tracer.io import LIMITS, archive_bytes
-from tracer.memory import reuse_freed_memory
-from tracer.records import TENSOR_KINDS
-from tracer.store import DEFAULT_BUDGET_BYTES
-from tracer.whatif import activation_patching, head_scores, pattern_changes, replay, text_loss
+from tracer import (
+    DEFAULT_BUDGET_BYTES,
+    LIMITS,
+    MAX_RUN_STEPS,
+    TENSOR_KINDS,
+    ContextFullError,
+    Finite,
+    GenerationStopped,
+    Trace,
+    TracedGeneration,
+    TraceFileError,
+    ablate,
+    activation_patching,
+    archive_bytes,
+    diff_traces,
+    direct_logit_attribution,
+    head_scores,
+    load_trace,
+    logit_lens,
+    pattern_changes,
+    replay,
+    text_loss,
+)
 
 TABS = ["Shapes", "Attention", "Causal mask", "KV cache", "Next token", "What if", "Compare runs",
         "Worked example", "Inspector", "Export"]
@@ -64,7 +82,7 @@ st.markdown("<style>.block-container {padding-top: 2.2rem;} h1 {font-size: 1.9re
 @st.cache_resource
 def freed_memory_reused() -> bool:
     """Once per server process: a long prefill frees gigabytes, and glibc's malloc would hand each new tensor
-    fresh pages to fault in again (tracer/memory.py)."""
+    fresh pages to fault in again (gpt_shape_tracer/memory.py)."""
     return reuse_freed_memory()
 
 
@@ -166,7 +184,7 @@ def sidebar() -> str | None:
 
 @st.cache_data(show_spinner=False)
 def bundled_available() -> list[str]:
-    return [name for name in BUNDLED_MODELS if (Path(__file__).parent / "assets" / name / "config.json").is_file()]
+    return [name for name in BUNDLED_MODELS if (ASSETS / name / "config.json").is_file()]
 
 
 def load_directory(path: str, dtype: str) -> None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model.sampling import SamplingConfig, SamplingError
-from tracer import Trace
-from tracer.generation import MAX_BATCH, MAX_RUN_STEPS, PromptError, TracedGeneration
-from tracer.log import CAPTURE_LEVELS
+from tracer import CAPTURE_LEVELS, MAX_BATCH, MAX_RUN_STEPS, PromptError, Trace, TracedGeneration
 
 MAX_BUDGET_MB = 8192
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She had a red ball."

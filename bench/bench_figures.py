@@ -43,7 +43,7 @@ DUMP = """
 import json, sys
 from figures import attention, cache, flow, mask, tokens
 from model import load_bundled
-from tracer.generation import TracedGeneration
+from tracer.generation._traced import TracedGeneration
 model, tok = load_bundled()
 gen = TracedGeneration(model, tok, "Tom had a big red kite. One day, Tom went to the park.")
 gen.run(3)
@@ -112,7 +112,7 @@ def building(repeats: int = 7) -> dict:
     from figures import attention, cache, flow, mask, tokens  # noqa: F401 - the builders' namespace
     from figures.plot import VALIDATE_ENV
     from model import load_bundled
-    from tracer.generation import TracedGeneration
+    from tracer.generation._traced import TracedGeneration
 
     model, tok = load_bundled()
     gen = TracedGeneration(model, tok, "Tom had a big red kite. One day, Tom went to the park.")

@@ -3,7 +3,7 @@
 The tensors a long prefill evicts: an attention stage of GPT-2 small at 984 tokens, [1, 12, 984, 984] float32
 (46 MB), clean and with a causal mask's −∞ above the diagonal. Six of each are rotated through, so each
 timing reads memory another tensor's pass has not just warmed. Side by side, alternating: the one-pass kernel
-(``tracer/fused.py``), the PyTorch reductions ``tracer/stats.py`` uses without it, and a bare
+(``tracer/storage/_fused.py``), the PyTorch reductions ``tracer/storage/_stats.py`` uses without it, and a bare
 ``torch.aminmax`` (one pass that computes next to nothing: the floor). Milliseconds, median.
 """
 
@@ -16,7 +16,8 @@ import time
 import torch
 from common import machine, save
 
-from tracer import fused, stats
+from tracer.storage import _fused as fused
+from tracer.storage import _stats as stats
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ import time
 import torch
 from common import gpt2_small_dir, machine, median, save
 
+from gpt_shape_tracer.memory import reuse_freed_memory
 from model import load_hf_gpt2
 from tracer import Tracer
-from tracer.memory import reuse_freed_memory
 
 MODES = (None, "shapes", "values", "ops")
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import html
 import re
 
-from tracer import Trace
-from tracer.facts import GenerationFacts
-from tracer.records import GenerationStep, TensorRecord
+from tracer import GenerationFacts, GenerationStep, TensorRecord, Trace
 
 INERT = set("\\`*_{}[]()#+-.!|~<>:&\"'$\n\r")  # what markdown, HTML or Streamlit's math could act on
 # GitHub-flavoured markdown links bare "http://", "www." and e-mail addresses after character references are

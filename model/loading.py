@@ -40,7 +40,9 @@ from model.gpt import GPT, GPTConfig, RopeScaling
 from model.identity import ModelIdentity
 from model.tokenizer import TextTokenizer
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# the bundled checkpoints: assets/ in a checkout, model/bundled/ once installed (pyproject.toml maps one to the other)
+_HERE = Path(__file__).resolve().parent
+ASSETS = _HERE / "bundled" if (_HERE / "bundled" / "story-gpt").is_dir() else _HERE.parent / "assets"
 BUNDLED_DIR = ASSETS / "story-gpt"
 BUNDLED_MODELS: dict[str, str] = {
     "story-gpt": "GPT-2 architecture, 4 layers × 4 heads, d=128, learned positions, LayerNorm, GELU (0.96M)",

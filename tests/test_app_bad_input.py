@@ -16,7 +16,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from tests.test_app import charts, heatmaps, metric, new_app, press, run, show_tab
-from tracer.io import archive_bytes
+from tracer.files._io import archive_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from model import GPT, GPTConfig, SamplingConfig, SamplingError, TextTokenizer, sample
 from model.hook_table import dims_of, resolve, spec_for
 from tracer import Tracer
-from tracer.generation import TracedGeneration
+from tracer.generation._traced import TracedGeneration
 
 ODD_TEXTS = [
     "🙂🚀 emoji only",
@@ -172,7 +172,7 @@ def test_statistics_are_of_the_value_kept_even_where_an_evicted_one_lay_in_memor
     allocator hands their addresses to the next step's tensors of the same shape. Statistics shared between
     records that view the same numbers must never be those of a freed tensor that lay at the same address
     (they were, before: 1,244 of the records below showed an earlier step's min and max)."""
-    from tracer.stats import tensor_stats
+    from tracer.storage._stats import tensor_stats
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, n_ctx=128, d_model=16, n_layer=1, n_head=2)).eval()

@@ -207,7 +207,7 @@ def crafted_trace() -> bytes:
     """A valid trace whose labels, model name and prompt try markdown images, links and HTML."""
     from model import load_bundled
     from tracer import TracedGeneration
-    from tracer.io import archive_bytes
+    from tracer.files._io import archive_bytes
 
     model, tok = load_bundled()
     gen = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)

@@ -1,11 +1,11 @@
-"""``python -m tracer``: every argument is checked before the model runs, with a message, not a traceback."""
+"""``gpt-shape-tracer trace``: every argument is checked before the model runs, with a message, not a traceback."""
 
 from __future__ import annotations
 
 import pytest
 
+from gpt_shape_tracer.trace_command import main
 from tracer import load_trace
-from tracer.__main__ import main
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

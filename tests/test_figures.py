@@ -19,7 +19,7 @@ from figures.palette import ACCENT
 from model import GPT, GPTConfig, apply_rope, rope_cos_sin
 from model.hook_table import act_name
 from tracer import PathCost, RecomputeComparison
-from tracer.generation import TracedGeneration
+from tracer.generation._traced import TracedGeneration
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
 
@@ -542,7 +542,7 @@ def test_a_crafted_label_from_a_file_stays_plain_text(gen, tmp_path):
     import zipfile
 
     from tracer import load_trace
-    from tracer.io import archive_bytes
+    from tracer.files._io import archive_bytes
 
     data = archive_bytes(gen.trace)
     manifest = json.loads(zipfile.ZipFile(io.BytesIO(data)).read("manifest.json"))

@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 
 from tracer import TracedGeneration, TraceFileError, load_trace
-from tracer.io import LIMITS, archive_bytes
+from tracer.files._io import LIMITS, archive_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -35,9 +35,10 @@ def test_the_python_example_prints_what_its_comments_say(tmp_path, monkeypatch):
 
 def test_the_command_line_example_prints_the_table_it_shows(tmp_path):
     section = README[README.index("### From the command line"):]
-    command = re.search(r"`(python -m tracer [^`]+)`", section).group(1)
+    command = re.search(r"`(gpt-shape-tracer trace [^`]+)`", section).group(1)
     shown = block_after("### From the command line", "text").splitlines()
-    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=tmp_path, capture_output=True, text=True,
+    # the console command is `python -m gpt_shape_tracer` (a test of the installed command is in test_package.py)
+    result = subprocess.run([sys.executable, "-m", "gpt_shape_tracer", *shlex.split(command)[1:]], cwd=tmp_path, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()

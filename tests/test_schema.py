@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tracer.schema import (
+from tracer.files._schema import (
     Bool,
     Check,
     Float,

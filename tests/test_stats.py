@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracer import fused, stats
-from tracer.records import Finite
-from tracer.stats import finite_flag, summarize, tensor_stats
+from tracer.storage import _fused as fused
+from tracer.storage import _stats as stats
+from tracer.storage._stats import finite_flag, summarize, tensor_stats
+from tracer.storage.records import Finite
 
 SPECIALS = st.sampled_from([math.nan, math.inf, -math.inf])
 
@@ -106,8 +107,8 @@ def test_without_a_compiler_the_statistics_say_why_and_take_the_pytorch_path(tmp
 
     probe = (
         "import math, torch\n"
-        "from tracer import fused\n"
-        "from tracer.stats import tensor_stats\n"
+        "from tracer.storage import _fused as fused\n"
+        "from tracer.storage._stats import tensor_stats\n"
         "x = torch.arange(10_000, dtype=torch.float32)\n"
         "x[3] = -math.inf\n"
         "s = tensor_stats(x)\n"

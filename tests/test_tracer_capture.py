@@ -305,7 +305,7 @@ def test_a_tracer_collected_while_another_installs_does_not_deadlock(gpt):
     """Garbage collection can run a dropped tracer's finalizer in the middle of installing hooks."""
     import gc
 
-    import tracer.hooks as hooks
+    from tracer.capture import _hooks as hooks
 
     other = GPT(CONFIG).eval()
     first, second = Tracer(other).install(), Tracer(other).install()
@@ -326,7 +326,7 @@ def test_a_tracer_collected_while_another_installs_does_not_deadlock(gpt):
 
 
 def test_the_in_place_guard_knows_which_writes_touch_a_kept_view():
-    from tracer.store import overlaps
+    from tracer.storage._store import overlaps
 
     buf = torch.zeros(2, 4, 16, 8)  # a KV-cache-like buffer: rows appended along dim 2
     kept = buf[:, :, :10]

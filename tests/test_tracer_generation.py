@@ -9,7 +9,7 @@ import torch
 
 from model import GPT, GPTConfig, SamplingConfig, generate
 from tracer import Tracer
-from tracer.generation import MAX_RUN_STEPS, ContextFullError, PromptError, TracedGeneration
+from tracer.generation._traced import MAX_RUN_STEPS, ContextFullError, PromptError, TracedGeneration
 
 
 def test_step_zero_is_the_prefill_and_later_steps_feed_one_token(bundled):

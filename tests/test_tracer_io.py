@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tracer import TraceFileError, load_trace, save_trace
-from tracer.generation import TracedGeneration
-from tracer.io import Limits, write_archive
+from tracer.files._io import Limits, write_archive
+from tracer.generation._traced import TracedGeneration
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,7 +157,8 @@ def test_unexpected_archive_members_and_missing_paths_are_refused(archive, tmp_p
 def test_command_line_writes_a_trace_and_prints_the_shape_table(tmp_path):
     out = tmp_path / "cli.zip"
     proc = subprocess.run(
-        [sys.executable, "-m", "tracer", "--prompt", "Once upon a time", "--steps", "3", "--out", str(out)],
+        [sys.executable, "-m", "gpt_shape_tracer", "trace", "--prompt", "Once upon a time", "--steps", "3",
+         "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -169,7 +170,7 @@ def test_command_line_writes_a_trace_and_prints_the_shape_table(tmp_path):
 
 def test_command_line_reports_bad_input_without_a_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tracer", "--prompt", "hi", "--model-dir", str(tmp_path / "nope"),
+        [sys.executable, "-m", "gpt_shape_tracer", "trace", "--prompt", "hi", "--model-dir", str(tmp_path / "nope"),
          "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
@@ -207,7 +208,7 @@ def test_the_number_checks_say_what_they_expected_and_where():
     bool; a refusal names the field and the value."""
     import math
 
-    from tracer.schema import Float, Int
+    from tracer.files._schema import Float, Int
 
     delta = Float(0, finite=False)  # max |Δ logits|: may be NaN or ∞, which JSON writes as strings
     assert math.isnan(delta("nan", "d")) and delta("inf", "d") == math.inf and delta(0, "d") == 0.0

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tracer import Tracer
-from tracer.nested import MAX_TENSORS
+from tracer.capture._nested import MAX_TENSORS
 
 LEVELS = ("shapes", "values", "ops")
 
@@ -117,14 +117,14 @@ def test_a_write_through_dot_data_is_not_caught_as_the_docs_say():
     """``.data`` has a version counter of its own, so the tracer cannot see such a write; the capture
     module's documentation and the README say so. This pins that limitation: if it ever starts failing,
     the writes are caught and the documentation must change."""
-    import tracer.capture
+    import tracer.capture._tracer
 
     model = Wrap(nn.Identity())
     with Tracer(model) as t:
         out = model(torch.ones(2, 4))
     out.data.mul_(-5.0)
     assert t.trace.get("lin:out").equal(out)  # the mutated values: not caught
-    assert "Not caught: writes through\n  ``.data``" in tracer.capture.__doc__
+    assert "Not caught: writes through\n  ``.data``" in tracer.capture._tracer.__doc__
 
 
 @pytest.mark.parametrize("order", ["tracer first", "user hook first"])
@@ -184,7 +184,7 @@ def test_overlaps_never_misses_a_shared_element_and_is_exact_for_same_stride_box
     """The in-place guard asks ``overlaps(written, kept)``: it may over-report for interleaved strided
     views (then a value is copied needlessly) but must never miss a shared element (then a kept value
     would change unnoticed). Truth is counted element by element from the storage offsets."""
-    from tracer.store import overlaps
+    from tracer.storage._store import overlaps
 
     ids = torch.arange(6 * 8 * 10).view(6, 8, 10)  # each element's storage offset, as its value
     va, vb = _view(ids, (a, perm)), _view(ids, (b, perm))
@@ -265,7 +265,7 @@ def test_the_budget_is_checked_and_a_value_of_exactly_the_budget_is_kept():
 def test_the_store_says_when_it_holds_no_view_of_a_storage_any_more():
     """Every way a value leaves (evicted for room, dropped, swapped for a copy) tells the owner when the last
     kept view of a storage is gone — its memory may then be reused by a new tensor at the same address."""
-    from tracer.store import ValueStore, storage_key
+    from tracer.storage._store import ValueStore, storage_key
 
     released: list[tuple[int, int]] = []
     store = ValueStore(budget_bytes=4096, on_release=released.append)
@@ -296,7 +296,7 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
 
     probe = (
         "import resource, sys, torch\n"
-        "from tracer.memory import reuse_freed_memory\n"
+        "from gpt_shape_tracer.memory import reuse_freed_memory\n"
         "took = reuse_freed_memory() if sys.argv[1] == 'reuse' else False\n"
         "def forward():\n"
         "    held = []\n"

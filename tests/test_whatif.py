@@ -18,7 +18,7 @@ from tracer import (
     patch,
     save_trace,
 )
-from tracer.whatif import activation_patching, pattern_changes, replay, text_loss
+from tracer.experiments._whatif import activation_patching, pattern_changes, replay, text_loss
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
 

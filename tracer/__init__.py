@@ -1,7 +1,7 @@
 """Record every tensor a model produces, step by step: shapes, values, ops.
 
 Never imports streamlit: the app is one view on these traces; a notebook or
-the command line (``python -m tracer``) is another.
+the command line (``gpt-shape-tracer trace``) is another.
 
 * ``Tracer`` captures (``tracer.capture``, with ``hooks``, ``ops``, ``forensics``);
 * ``TraceLog`` is the write side of a trace, ``Trace`` the read side;
@@ -12,15 +12,35 @@ the command line (``python -m tracer``) is another.
   experiments of ``tracer.whatif`` answer "what if".
 """
 
-from tracer.capture import Tracer
-from tracer.diff import diff_steps, diff_traces
-from tracer.generation import ContextFullError, GenerationStopped, PromptError, TracedGeneration
-from tracer.hooks import hooks_installed
-from tracer.interventions import Intervention, InterventionError, ablate, patch
-from tracer.io import load_trace, save_trace
-from tracer.lens import direct_logit_attribution, logit_lens
-from tracer.log import CAPTURE_LEVELS, TraceLog
-from tracer.records import (
+from tracer.capture import HOWS, Intervention, InterventionError, Tracer, ablate, hooks_installed, patch
+from tracer.experiments import (
+    HEAD_ROLES,
+    PatchingResult,
+    Replay,
+    activation_patching,
+    diff_steps,
+    diff_traces,
+    direct_logit_attribution,
+    head_scores,
+    logit_lens,
+    pattern_changes,
+    replay,
+    replay_diff,
+    text_loss,
+)
+from tracer.files import LIMITS, Limits, TraceFileError, archive_bytes, load_trace, save_trace
+from tracer.generation import (
+    MAX_BATCH,
+    MAX_RUN_STEPS,
+    ContextFullError,
+    GenerationStopped,
+    PromptError,
+    TracedGeneration,
+)
+from tracer.reading import GenerationFacts, Trace
+from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
+from tracer.storage.records import (
+    TENSOR_KINDS,
     Finite,
     ForwardFacts,
     GenerationInfo,
@@ -34,45 +54,14 @@ from tracer.records import (
     TensorStats,
     TraceErrorInfo,
 )
-from tracer.schema import TraceFileError
-from tracer.stats import summarize, tensor_stats
-from tracer.store import DEFAULT_BUDGET_BYTES
-from tracer.trace import Trace
 
 __all__ = [
-    "CAPTURE_LEVELS",
-    "DEFAULT_BUDGET_BYTES",
-    "ContextFullError",
-    "Finite",
-    "ForwardFacts",
-    "GenerationInfo",
-    "GenerationStep",
-    "GenerationStopped",
-    "Intervention",
-    "InterventionError",
-    "OpRecord",
-    "PathCost",
-    "PromptError",
-    "RecomputeComparison",
-    "SamplingRecord",
-    "StepRecord",
-    "TensorRecord",
-    "TensorStats",
-    "Trace",
-    "TraceErrorInfo",
-    "TraceFileError",
-    "TraceLog",
-    "TracedGeneration",
-    "Tracer",
-    "ablate",
-    "diff_steps",
-    "diff_traces",
-    "direct_logit_attribution",
-    "hooks_installed",
-    "load_trace",
-    "logit_lens",
-    "patch",
-    "save_trace",
-    "summarize",
-    "tensor_stats",
+    "CAPTURE_LEVELS", "ContextFullError", "DEFAULT_BUDGET_BYTES", "Finite", "ForwardFacts", "GenerationFacts",
+    "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS", "Intervention",
+    "InterventionError", "LIMITS", "Limits", "MAX_BATCH", "MAX_RUN_STEPS", "OpRecord", "PatchingResult", "PathCost",
+    "PromptError", "RecomputeComparison", "Replay", "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorRecord",
+    "TensorStats", "Trace", "TraceErrorInfo", "TraceFileError", "TraceLog", "TracedGeneration", "Tracer", "ablate",
+    "activation_patching", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores",
+    "hooks_installed", "load_trace", "logit_lens", "patch", "pattern_changes", "replay", "replay_diff", "save_trace",
+    "summarize", "tensor_stats", "text_loss",
 ]

@@ -16,11 +16,19 @@ import weakref
 import pandas as pd
 import torch
 
-from tracer.axes import AxisResolver
-from tracer.facts import GenerationFacts
-from tracer.log import RawRecord, TraceLog
-from tracer.records import Finite, ModelIdentity, OpRecord, StepRecord, TensorRecord, TensorStats, TraceErrorInfo
-from tracer.stats import summarize
+from tracer.reading._axes import AxisResolver
+from tracer.reading._facts import GenerationFacts
+from tracer.storage._log import RawRecord, TraceLog
+from tracer.storage._stats import summarize
+from tracer.storage.records import (
+    Finite,
+    ModelIdentity,
+    OpRecord,
+    StepRecord,
+    TensorRecord,
+    TensorStats,
+    TraceErrorInfo,
+)
 
 NEG_INF_EXPECTED = ("hook_mask", "hook_masked_scores")  # hook names whose −∞ entries are the mask's work
 FRAME_COLUMNS = (

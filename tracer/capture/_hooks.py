@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from model.gpt import HookPoint
-from tracer.records import ModuleInfo
+from tracer.storage.records import ModuleInfo
 
 
 class Listener(Protocol):

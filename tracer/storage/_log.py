@@ -25,7 +25,9 @@ from typing import NamedTuple
 
 import torch
 
-from tracer.records import (
+from tracer.storage._stats import dtype_name, finite_flag, tensor_stats
+from tracer.storage._store import DEFAULT_BUDGET_BYTES, ValueStore, storage_key, version_of, view_key
+from tracer.storage.records import (
     TENSOR_KINDS,
     Finite,
     GenerationInfo,
@@ -38,8 +40,6 @@ from tracer.records import (
     TensorStats,
     TraceErrorInfo,
 )
-from tracer.stats import dtype_name, finite_flag, tensor_stats
-from tracer.store import DEFAULT_BUDGET_BYTES, ValueStore, storage_key, version_of, view_key
 
 CAPTURE_LEVELS = ("shapes", "values", "ops")
 DIGESTED = "hook_pattern"  # attention weights: when evicted, a pooled summary per head stays

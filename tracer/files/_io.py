@@ -46,8 +46,12 @@ import torch
 from model.gpt import FAMILIES, GPTConfig
 from model.identity import ModelIdentity
 from model.sampling import SamplingConfig
-from tracer.log import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog
-from tracer.records import (
+from tracer.files._schema import Bool, Float, Int, ListOf, Maybe, Obj, OneOf, Str, Then, TraceFileError, TupleOf
+from tracer.reading._trace import Trace
+from tracer.storage._log import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog
+from tracer.storage._stats import dtype_name
+from tracer.storage._store import storage_key
+from tracer.storage.records import (
     TENSOR_KINDS,
     Finite,
     ForwardFacts,
@@ -62,10 +66,6 @@ from tracer.records import (
     TensorStats,
     TraceErrorInfo,
 )
-from tracer.schema import Bool, Float, Int, ListOf, Maybe, Obj, OneOf, Str, Then, TraceFileError, TupleOf
-from tracer.stats import dtype_name
-from tracer.store import storage_key
-from tracer.trace import Trace
 
 FORMAT = "gpt-shape-trace"
 VERSION = 2

@@ -13,7 +13,7 @@ from torch import nn
 
 from model.hook_table import act_name
 from model.identity import identity_of
-from tracer.trace import Trace
+from tracer.reading._trace import Trace
 
 LENS_COLUMNS = ("layer", "position", "input", "top_token", "top_label", "top_prob", "final_token", "final_label",
                 "final_prob", "final_rank")

@@ -15,12 +15,12 @@ from types import TracebackType
 
 from torch import nn
 
-from tracer.nested import flatten_tensors
-from tracer.records import ModuleInfo, TraceErrorInfo
+from tracer.capture._nested import flatten_tensors
+from tracer.storage.records import ModuleInfo, TraceErrorInfo
 
 _CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
 _TORCH_MODULE_FILE = "torch/nn/modules/module.py"
-_OURS = str(Path(__file__).resolve().parent)  # the tracer's own frames (op capture) are never the culprit
+_OURS = str(Path(__file__).resolve().parent.parent)  # the tracer's own frames (op capture) are never the culprit
 
 
 def _raising_module(tb: TracebackType | None, paths: dict[int, str]) -> tuple[nn.Module | None, str]:

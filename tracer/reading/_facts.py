@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tracer.records import GenerationInfo, GenerationStep, RecomputeComparison
+from tracer.storage.records import GenerationInfo, GenerationStep, RecomputeComparison
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 Cost matters: a 1024-token GPT-2 prefill produces gigabytes of activations, and
 a record's statistics are taken once, when its value is first looked at or when
 the byte budget evicts it. From 4096 float32 values they take one pass of the
-kernel in ``tracer/fused.py`` (min, max, Σx, Σx² of the finite values and the
+kernel in ``tracer/storage/_fused.py`` (min, max, Σx, Σx² of the finite values and the
 NaN/±∞ counts together: 3–4 ms for a 46 MB attention stage on 2 cores,
 ``bench/bench_stats.py``). Without it — no C compiler, another dtype, a small
 tensor — PyTorch's reductions do it: ``aminmax`` (which also tells whether any
@@ -25,8 +25,8 @@ import threading
 
 import torch
 
-from tracer import fused
-from tracer.records import Finite, TensorStats
+from tracer.storage import _fused as fused
+from tracer.storage.records import Finite, TensorStats
 
 _SHORT_DTYPES = {
     "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
@@ -35,7 +35,7 @@ _SHORT_DTYPES = {
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _CANCELLATION = 1e-2  # var/mean² below this: Σx²/n − mean² would lose too many digits in float32
 _CHUNK = 4096
-FUSED_NUMEL = 4096  # from here the one-pass kernel (tracer/fused.py), where it could be built, takes them
+FUSED_NUMEL = 4096  # from here the one-pass kernel (tracer/storage/_fused.py), where it could be built, takes them
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -27,10 +27,11 @@ from model.costs import forward_cost
 from model.identity import identity_of
 from model.sampling import SamplingConfig, sample
 from model.tokenizer import TextTokenizer
-from tracer.capture import Tracer
-from tracer.facts import GenerationFacts
-from tracer.interventions import Intervention, check, check_shapes
-from tracer.records import (
+from tracer.capture._interventions import Intervention, check, check_shapes
+from tracer.capture._tracer import Tracer
+from tracer.reading._facts import GenerationFacts
+from tracer.storage._store import DEFAULT_BUDGET_BYTES
+from tracer.storage.records import (
     ForwardFacts,
     GenerationInfo,
     GenerationStep,
@@ -38,7 +39,6 @@ from tracer.records import (
     RecomputeComparison,
     SamplingRecord,
 )
-from tracer.store import DEFAULT_BUDGET_BYTES
 
 MAX_RUN_STEPS = 256  # most steps one run() call may take
 MAX_BATCH = 16  # most prompts in one batch

@@ -30,10 +30,10 @@ from torch import nn
 
 from model.gpt import HookPoint
 from model.hook_table import dims_of, resolve, spec_for
-from tracer.records import InterventionRecord
+from tracer.storage.records import InterventionRecord
 
 if TYPE_CHECKING:
-    from tracer.trace import Trace
+    from tracer.reading._trace import Trace
 
 HOWS = ("zero", "mean", "patch")
 
@@ -70,7 +70,7 @@ def patch(name: str, value_or_trace: torch.Tensor | Trace, head: int | None = No
           positions: Sequence[int] | None = None) -> Intervention:
     """Put another value in the hook: a tensor (the hook's shape, or one head's / the chosen positions'
     slice of it), or a trace, whose record of this hook at the same step is used."""
-    from tracer.trace import Trace  # the module imports interventions for its facts: keep this one lazy
+    from tracer.reading._trace import Trace  # the module imports interventions for its facts: keep this one lazy
 
     pos = None if positions is None else tuple(_index(p, "position") for p in positions)
     if isinstance(value_or_trace, Trace):

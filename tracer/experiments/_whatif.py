@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.hook_table import act_name
-from tracer.capture import Tracer
-from tracer.diff import diff_steps
-from tracer.generation import TracedGeneration
-from tracer.interventions import Intervention, applied, check, patch
-from tracer.trace import Trace
+from tracer.capture._interventions import Intervention, applied, check, patch
+from tracer.capture._tracer import Tracer
+from tracer.experiments._diff import diff_steps
+from tracer.generation._traced import TracedGeneration
+from tracer.reading._trace import Trace
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Headless tracing: ``python -m tracer --prompt "…" --steps N [--model NAME | --model-dir DIR] --out PATH``.
+"""Headless tracing: ``gpt-shape-tracer trace --prompt "…" --steps N [--model NAME | --model-dir DIR] --out PATH``.
 
 Writes the trace (a directory, or a .zip when PATH ends in .zip) and prints the
 shape table of the chosen step. Every argument is checked before the model runs.
@@ -14,11 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from tracer.generation import MAX_RUN_STEPS, TracedGeneration
-from tracer.io import save_trace
-from tracer.log import CAPTURE_LEVELS
-from tracer.memory import reuse_freed_memory
-from tracer.store import DEFAULT_BUDGET_BYTES
+from gpt_shape_tracer.memory import reuse_freed_memory
+from tracer import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, MAX_RUN_STEPS, TracedGeneration, save_trace
 
 MAX_BUDGET_MB = 1 << 20
 
@@ -45,7 +42,7 @@ def _checked_out(raw: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tracer", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="gpt-shape-tracer trace", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     ap.add_argument("--steps", type=int, default=1, help=f"generation steps (1…{MAX_RUN_STEPS}); step 0 is the prefill")
     ap.add_argument("--model", default="story-gpt", help="a bundled model (default: story-gpt); see --model-dir")
@@ -63,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show-step", type=int, default=None, help="step whose shape table to print (default: last)")
     ap.add_argument("--all-records", action="store_true", help="print inputs/outputs too, not only hook points")
     args = ap.parse_args(argv)
-    reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (tracer/memory.py)
+    reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
 
     from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_hf
 
@@ -112,7 +109,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}: {gen.n_steps} steps, {len(gen.trace.records)} records, "
           f"{gen.trace.bytes_kept} bytes of values")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

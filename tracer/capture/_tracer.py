@@ -36,15 +36,15 @@ from torch import nn
 
 from model.gpt import GPTConfig
 from model.identity import identity_of
-from tracer import hooks
-from tracer.forensics import describe_failure
-from tracer.interventions import Intervention, applied, check
-from tracer.log import CAPTURE_LEVELS, TraceLog
-from tracer.nested import MAX_TENSORS, flatten_tensors
-from tracer.ops import OpRecorder
-from tracer.records import ModuleInfo
-from tracer.store import DEFAULT_BUDGET_BYTES
-from tracer.trace import Trace
+from tracer.capture import _hooks as hooks
+from tracer.capture._forensics import describe_failure
+from tracer.capture._interventions import Intervention, applied, check
+from tracer.capture._nested import MAX_TENSORS, flatten_tensors
+from tracer.capture._ops import OpRecorder
+from tracer.reading._trace import Trace
+from tracer.storage._log import CAPTURE_LEVELS, TraceLog
+from tracer.storage._store import DEFAULT_BUDGET_BYTES
+from tracer.storage.records import ModuleInfo
 
 COPY_POLICIES = ("auto", "all")
 STREAM_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_logits")  # NaN-checked in shapes mode

@@ -1,0 +1,24 @@
+"""Experiments ("what if", with the interventions of ``tracer.capture``): replay a step,
+activation patching, the logit lens and direct logit attribution, head scores, the diff of two runs.
+
+Private: ``_interventions``, ``_whatif``, ``_lens``, ``_diff``."""
+
+from tracer.experiments._diff import diff_steps, diff_traces
+from tracer.experiments._lens import direct_logit_attribution, logit_lens
+from tracer.experiments._whatif import (
+    HEAD_ROLES,
+    PatchingResult,
+    Replay,
+    activation_patching,
+    head_scores,
+    pattern_changes,
+    replay,
+    replay_diff,
+    text_loss,
+)
+
+__all__ = [
+    "HEAD_ROLES", "PatchingResult", "Replay",
+    "activation_patching", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores", "logit_lens",
+    "pattern_changes", "replay", "replay_diff", "text_loss",
+]
