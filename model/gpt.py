@@ -39,10 +39,12 @@ from torch.nn.modules import module as _torch_module
 from model.cache import KVCache
 from model.identity import ModelIdentity, parameters_digest
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families this file implements
+HF_FAMILY = "hf"  # any other transformers decoder, run by transformers (model/hf_decoder.py): a description only
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu_tanh", "gelu")  # the GELU MLP's nonlinearity: GPT-2's tanh form, or exact (nanoGPT's nn.GELU())
 ROPE_TYPES = ("linear", "llama3")  # the variants that only change inv_freq; "default" is rope_scaling=None
 MAX_VOCAB = 2**24  # 16.7M ids: far above any real tokenizer, far below a size that cannot be allocated
 MAX_POSITIONS = 2**24  # n_ctx, sliding_window
@@ -118,7 +120,11 @@ class GPTConfig:
     qkv_bias: bool = True  # b_Q, b_K, b_V (GPT-2, Qwen2) or none (Llama, Mistral)
     attn_out_bias: bool = True  # b_O (GPT-2) or none
     mlp_bias: bool = True  # biases in the MLP (GPT-2) or none
+    norm_bias: bool = True  # β in LayerNorm (GPT-2) or none (nanoGPT with bias=False); RMSNorm never has one
+    activation: str = "gelu_tanh"  # the "gelu" MLP's GELU: "gelu_tanh" (GPT-2's gelu_new) | "gelu" (exact, erf)
     sliding_window: int | None = None  # a query sees at most this many key slots, itself included (Mistral)
+    hf_model_type: str | None = None  # family "hf": transformers' model_type ("qwen3", "gemma2", …)
+    attn_scale: float | None = None  # the scores' scale; None is the usual 1/√d_head (Gemma, Granite set their own)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from ModelIdentity.config / JSON
@@ -149,10 +155,11 @@ class GPTConfig:
             _check_positive_int("d_mlp", self.d_mlp, MAX_WIDTH)
         _check_positive_float("layer_norm_eps", self.layer_norm_eps)
         _check_positive_float("rope_theta", self.rope_theta)
-        for name, allowed in (("family", FAMILIES), ("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
+        for name, allowed in (("family", (*FAMILIES, HF_FAMILY)), ("norm", NORMS), ("positions", POSITIONS),
+                              ("mlp", MLPS), ("activation", ACTIVATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        for name in ("tie_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias"):
+        for name in ("tie_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -284,20 +291,22 @@ class Projection(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm(x) = γ ⊙ (x − μ) / √(σ² + ε) + β over the last dimension (seed eq. 19)."""
+    """LayerNorm(x) = γ ⊙ (x − μ) / √(σ² + ε) + β over the last dimension (seed eq. 19).
 
-    def __init__(self, d: int, eps: float) -> None:
+    ``bias=False`` drops β (nanoGPT's ``bias=False`` models): ``self.bias`` is then None."""
+
+    def __init__(self, d: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))  # γ
-        self.bias = nn.Parameter(torch.zeros(d))  # β
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None  # β
         self.hook_normalized = HookPoint()  # [B, n, d]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.hook_normalized(F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps))
 
-    def linearized(self, x: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
-        """LN with its scale frozen at ``x``'s: (a linear map c ↦ γ⊙(c − mean c)/σ(x), the constant β).
+    def linearized(self, x: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
+        """LN with its scale frozen at ``x``'s: (a linear map c ↦ γ⊙(c − mean c)/σ(x), the constant β or None).
         Summed over the parts of x, the map plus the constant is LN(x) exactly — how a component of the
         residual stream adds to the logits (direct logit attribution)."""
         sigma = torch.sqrt(x.var(dim=-1, unbiased=False, keepdim=True) + self.eps)
@@ -331,7 +340,9 @@ class RMSNorm(nn.Module):
 
 
 def norm(config: GPTConfig) -> nn.Module:
-    return (RMSNorm if config.norm == "rmsnorm" else LayerNorm)(config.d_model, config.layer_norm_eps)
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.layer_norm_eps)
+    return LayerNorm(config.d_model, config.layer_norm_eps, bias=config.norm_bias)
 
 
 # ---- rotary position embedding (seed 002 §6.2, eqs. 30–31) ----------------------------------------------------
@@ -530,12 +541,15 @@ class MultiHeadAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """FFN(x) = GELU(x·W_1 + b_1)·W_2 + b_2 (seed eq. 36), GELU in GPT-2's tanh form."""
+    """FFN(x) = GELU(x·W_1 + b_1)·W_2 + b_2 (seed eq. 36).
+
+    GELU in GPT-2's tanh form by default; ``config.activation = "gelu"`` is the exact (erf) form
+    nanoGPT trains with — the two differ by up to ~1e-3 per unit, enough to move logits visibly."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = Projection(config.d_model, config.d_ff, config.mlp_bias)  # W_1: [d, 4d]
-        self.act = nn.GELU(approximate="tanh")
+        self.act = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         self.c_proj = Projection(config.d_ff, config.d_model, config.mlp_bias)  # W_2: [4d, d]
         self.hook_pre = HookPoint()  # [B, n, 4d], before GELU
         self.hook_post = HookPoint()  # [B, n, 4d], after GELU
@@ -643,6 +657,9 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        if config.family == HF_FAMILY:
+            raise ValueError("family 'hf' describes a transformers model run by transformers (model.hf_decoder); "
+                             "it cannot be built here")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)  # W_E: [V, d]
         nn.init.normal_(self.embed.weight, std=0.02)
@@ -676,6 +693,34 @@ class GPT(nn.Module):
         """An empty KV cache for ``batch_size`` sequences, to pass to ``forward``."""
         return KVCache(self.config.n_layer, batch_size)
 
+    @staticmethod
+    def _check_tokens(config: GPTConfig, tokens: torch.Tensor, cache: KVCache | None) -> None:
+        """Refuse token ids the model cannot run: not ``[B, n]`` integers, none, past n_ctx, outside [0, V)."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, n] token ids, got shape {list(tokens.shape)}")
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+        B, n = tokens.shape
+        if n == 0:
+            raise ValueError("tokens has no positions (n = 0): give at least one token")
+        past = 0
+        if cache is not None:
+            cache.check_batch(B)
+            past = cache.length
+        t = past + n
+        if t > config.n_ctx:
+            table = f"its positional table has no row {t - 1}" if config.positions == "learned" else (
+                "max_position_embeddings")
+            raise ValueError(
+                f"sequence too long: {past} cached + {n} new = {t} positions, but this model's "
+                f"n_ctx is {config.n_ctx} ({table})"
+            )
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
+            raise ValueError(
+                f"token ids must lie in [0, {config.vocab_size}); got min {int(tokens.min())}, "
+                f"max {int(tokens.max())}"
+            )
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -691,30 +736,9 @@ class GPT(nn.Module):
         cache remembers it, and positions count real tokens only, as Hugging
         Face does with ``position_ids = attention_mask.cumsum(-1) − 1``.
         """
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [B, n] token ids, got shape {list(tokens.shape)}")
-        if tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+        self._check_tokens(self.config, tokens, cache)
         B, n = tokens.shape
-        if n == 0:
-            raise ValueError("tokens has no positions (n = 0): give at least one token")
-        past = 0
-        if cache is not None:
-            cache.check_batch(B)
-            past = cache.length
-        t = past + n
-        if t > self.config.n_ctx:
-            table = f"its positional table has no row {t - 1}" if self.config.positions == "learned" else (
-                "max_position_embeddings")
-            raise ValueError(
-                f"sequence too long: {past} cached + {n} new = {t} positions, but this model's "
-                f"n_ctx is {self.config.n_ctx} ({table})"
-            )
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ValueError(
-                f"token ids must lie in [0, {self.config.vocab_size}); got min {int(tokens.min())}, "
-                f"max {int(tokens.max())}"
-            )
+        past = cache.length if cache is not None else 0
         if padding_mask is not None:
             if padding_mask.shape != tokens.shape:
                 raise ValueError(
@@ -756,8 +780,8 @@ class GPT(nn.Module):
             return F.linear(x, self.embed.weight)  # [..., d] @ W_Eᵀ [d, V] -> [..., V]
         return self.unembed(x)  # [..., d] @ W_U [d, V] -> [..., V]
 
+    @staticmethod
     def _positions(
-        self,
         B: int,
         n: int,
         past: int,

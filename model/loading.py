@@ -37,8 +37,9 @@ import torch
 from safetensors.torch import save_file
 
 from model.gpt import GPT, GPTConfig, RopeScaling
+from model.hf_decoder import HFDecoder, HFDecoderError, load_hf_decoder
 from model.identity import ModelIdentity
-from model.tokenizer import TextTokenizer
+from model.tokenizer import TextTokenizer, TokenizerConfigError
 
 # the bundled checkpoints: assets/ in a checkout, model/bundled/ once installed (pyproject.toml maps one to the other)
 _HERE = Path(__file__).resolve().parent
@@ -49,7 +50,8 @@ BUNDLED_MODELS: dict[str, str] = {
     "story-llama": "Llama architecture, 4 layers × 4 query heads sharing 2 key/value heads, d=128, RoPE, RMSNorm, "
                    "SwiGLU, untied W_U",
 }
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")  # re-implemented here (model/gpt.py)
+IMPLEMENTATIONS = ("auto", "ours", "transformers")  # load_hf: who runs the model
 SUPPORTED_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header is JSON names and shapes: 100 MB is far beyond any real one
@@ -115,7 +117,8 @@ def config_from_hf(raw: dict, source: Path) -> GPTConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
-            f"{source}: model_type is {model_type!r}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{source}: model_type is {model_type!r}: neither one of the families re-implemented here "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}) nor a model type this transformers knows"
         )
     try:
         if model_type == "gpt2":
@@ -256,6 +259,11 @@ def config_to_hf(config: GPTConfig) -> dict:
                 config.head_dim not in (None, config.d_model // config.n_head)) or not (
                 config.qkv_bias and config.attn_out_bias and config.mlp_bias) or config.sliding_window:
             raise ValueError("this config is not a GPT-2 architecture: it cannot be saved as a gpt2 checkpoint")
+        if config.activation != "gelu_tanh" or not config.norm_bias:
+            # nanoGPT's exact GELU / bias-free LayerNorm: a gpt2 config.json would say gelu_new and LayerNorm
+            # biases, and whoever loads it would compute a different model
+            raise ValueError("this model uses exact GELU or LayerNorm without β (a nanoGPT checkpoint): "
+                             "a gpt2 checkpoint cannot say so")
         return {
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
@@ -519,6 +527,9 @@ def _check_dir(path: str | os.PathLike) -> Path:
         raise ModelLoadError(f"{p}: cannot resolve the path ({e})") from None
     if not resolved.is_dir():
         raise ModelLoadError(f"{p}: is a file, not a directory; give the directory holding config.json")
+    for entry in resolved.iterdir():
+        if entry.suffix in MODEL_FILE_SUFFIXES:
+            check_link(resolved, entry)
     return resolved
 
 
@@ -555,6 +566,34 @@ def _inside(directory: Path, name: str) -> bool:
     return not (normal == ".." or normal.startswith(".." + os.sep) or normal == ".")
 
 
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".jinja", ".model", ".pt")  # what a loader reads
+
+
+def _link_roots(directory: Path) -> tuple[Path, ...]:
+    """Where the files of ``directory`` (resolved) may really lie: in it, and for a Hugging Face cache snapshot
+    (``models--org--name/snapshots/<hash>``) also in that repository's own ``blobs/``."""
+    repo = directory.parent.parent
+    if directory.parent.name == "snapshots" and repo.name.startswith("models--"):
+        return directory, repo / "blobs"
+    return (directory,)
+
+
+def check_link(directory: Path, file: Path) -> None:
+    """Refuse ``file`` when it is (or passes through) a symlink that leads out of ``directory`` (resolved) —
+    except into the Hugging Face cache's ``../../blobs/`` of the same repository, where every snapshot file
+    points. A directory whose ``model.safetensors`` links to ``~/.ssh/id_rsa`` is refused, not read."""
+    try:
+        target = file.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop
+        raise ModelLoadError(f"{file}: cannot resolve the path ({e})") from None
+    if target == file or any(target.is_relative_to(root) for root in _link_roots(directory)):
+        return
+    where = " or its Hugging Face cache blobs/" if len(_link_roots(directory)) > 1 else ""
+    raise ModelLoadError(
+        f"{file}: a symlink to {target}, outside the checkpoint directory{where}: refused (copy the file in, "
+        "or give the directory it lives in)")
+
+
 def safetensors_files(directory: Path) -> list[Path]:
     """The weight files of ``directory``: the index's shards (sorted) or ``model.safetensors``."""
     index = directory / "model.safetensors.index.json"
@@ -571,6 +610,7 @@ def safetensors_files(directory: Path) -> list[Path]:
         for name in sorted(set(weight_map.values())):
             if not _inside(directory, name):
                 raise ModelLoadError(f"{index}: shard {name!r} lies outside the checkpoint directory")
+            check_link(directory, directory / name)
             files.append(directory / name)
         return files
     single = directory / "model.safetensors"
@@ -692,18 +732,18 @@ def _read_bin(file: Path, hasher) -> dict[str, torch.Tensor]:
 
 
 def _load_tokenizer(directory: Path, vocab_size: int) -> TextTokenizer | None:
+    """The directory's tokenizer as transformers reads it (special tokens, end-of-sequence ids, chat template:
+    ``TextTokenizer.from_directory``), or None when it has none."""
     tok_json = directory / "tokenizer.json"
-    vocab, merges = directory / "vocab.json", directory / "merges.txt"
     try:
-        if tok_json.is_file():
-            tok = TextTokenizer.from_file(tok_json)
-        elif vocab.is_file() and merges.is_file():
-            tok = TextTokenizer.from_vocab_merges(vocab, merges)
-        else:
-            return None
+        tok = TextTokenizer.from_directory(directory)
+    except TokenizerConfigError as e:
+        raise ModelLoadError(str(e)) from None
     except Exception as e:  # tokenizers raises plain Exception subclasses from Rust
-        source = tok_json if tok_json.is_file() else vocab
+        source = tok_json if tok_json.is_file() else directory / "vocab.json"
         raise ModelLoadError(f"{source}: not a readable tokenizer ({e})") from None
+    if tok is None:
+        return None
     if tok.vocab_size > vocab_size:
         raise ModelLoadError(
             f"{tok.source}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {vocab_size}"
@@ -721,22 +761,47 @@ def _display_name(directory: Path) -> str:
 # ---- the public loaders ----------------------------------------------------------------------------------------
 
 
+def known_to_transformers(model_type: str) -> bool:
+    """Whether the installed transformers has a config class for ``model_type`` (then it can run it)."""
+    from transformers import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
 def load_hf(
     path: str | os.PathLike,
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     name: str | None = None,
-) -> tuple[GPT, TextTokenizer | None]:
-    """Load a local ``save_pretrained`` directory of a GPT-2, Llama, Mistral or Qwen2 model.
+    implementation: str = "auto",
+) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
+    """Load a local ``save_pretrained`` directory of a decoder-only causal LM.
+
+    ``implementation``: "ours" builds our GPT (GPT-2, Llama, Mistral, Qwen2: model/gpt.py);
+    "transformers" has transformers run it, seen through our hook points (any family whose attention
+    goes through transformers' attention interface: model/hf_decoder.py); "auto" (the default) is
+    "ours" for the four families and "transformers" for every other ``model_type``.
 
     Returns the model (eval mode, no gradients, ``dtype`` — float32 unless asked for
     bfloat16/float16 —, on ``device``) carrying ``model.identity``, and its tokenizer,
     or None when the directory has none. Raises ``ModelLoadError`` naming the file
     and the problem for anything missing, corrupt, mis-shaped or unsupported."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     target_dtype = _dtype(dtype)
     target_device = _device(device)
     directory = _check_dir(path)
+    raw_config = _read_json(directory / "config.json", "a config") if (directory / "config.json").is_file() else {}
+    model_type = raw_config.get("model_type") if isinstance(raw_config, dict) else None
+    if implementation == "transformers" or (implementation == "auto" and isinstance(model_type, str)
+                                            and model_type not in SUPPORTED_MODEL_TYPES
+                                            and known_to_transformers(model_type)):
+        try:
+            generic = load_hf_decoder(directory, dtype=target_dtype, device=target_device, name=name)
+        except HFDecoderError as e:
+            raise ModelLoadError(str(e)) from None
+        return generic, _load_tokenizer(directory, generic.config.vocab_size)
     config = read_config(directory)
     cfg_path = directory / "config.json"
     hasher = hashlib.sha256()

@@ -195,7 +195,7 @@ def bad_dirs(tmp_path, hf_pair):
     [
         ("missing", "no such directory"),
         ("file", "is a file, not a directory"),
-        ("unsupported", "model_type is 'bert'; supported model types: gpt2, llama, mistral, qwen2"),
+        ("unsupported", "model_type 'bert' is an encoder"),
         ("mismatch", "config.json implies"),
         ("truncated", "not a readable safetensors file"),
         ("pickle", "refused"),

@@ -205,12 +205,18 @@ def test_load_hf_reads_a_llama_and_names_it(llama_dir):
     assert not any(p.requires_grad for p in model.parameters())
 
 
-@pytest.mark.parametrize("model_type", ["bert", None, 7])
+@pytest.mark.parametrize("model_type", ["no-such-model", None, 7])
 def test_unknown_model_type_lists_the_supported_ones(llama_dir, model_type):
     edit_config(llama_dir, model_type=model_type)
     msg = load_error(llama_dir)
     assert "config.json" in msg and f"model_type is {model_type!r}" in msg
-    assert "supported model types: gpt2, llama, mistral, qwen2" in msg
+    assert "neither one of the families re-implemented here (gpt2, llama, mistral, qwen2) nor a model type" in msg
+
+
+def test_an_encoder_is_refused_by_name(llama_dir):
+    edit_config(llama_dir, model_type="bert")
+    msg = load_error(llama_dir)
+    assert "model_type 'bert' is an encoder" in msg and "only decoder-only causal LMs" in msg
 
 
 def test_a_config_claiming_20000_layers_is_refused_before_anything_is_built(llama_dir):

@@ -38,7 +38,8 @@ def test_the_command_line_example_prints_the_table_it_shows(tmp_path):
     command = re.search(r"`(gpt-shape-tracer trace [^`]+)`", section).group(1)
     shown = block_after("### From the command line", "text").splitlines()
     # the console command is `python -m gpt_shape_tracer` (a test of the installed command is in test_package.py)
-    result = subprocess.run([sys.executable, "-m", "gpt_shape_tracer", *shlex.split(command)[1:]], cwd=tmp_path, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "gpt_shape_tracer", *shlex.split(command)[1:]], cwd=tmp_path,
+                            capture_output=True, text=True,
                             timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()

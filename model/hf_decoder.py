@@ -1,0 +1,529 @@
+"""Any Hugging Face decoder, run by transformers itself, seen through our hook points.
+
+transformers 5 routes the attention of most decoder families through one pluggable function
+(``AttentionInterface``): every attention module computes its own Q, K and V — projections, QK-norm,
+RoPE or partial RoPE, the cache update — and hands ``query [B,H,n,d_head]``, ``key``/``value``
+``[B,G,t,d_head]`` (cache included), the additive mask ``[B|1,1,n,t]`` and its scale to that function.
+``HFDecoder`` registers one, ``"shape_tracer"``, that computes the same numbers stage by stage through
+our hook points — QKᵀ, × scale, the soft-cap where the model has one, + M, softmax (in float32, as
+transformers' eager path), A·V — and routes the embeddings, every layer's residual stream, the attention
+and MLP outputs and the logits through hook points too. Everything else is transformers' own code, so
+the logits are transformers' by construction; the names and layouts are ours (``act_name``), so every
+view reads a Qwen3 or a Gemma 2 as it reads our GPT.
+
+What the records mean for such a model (the hook table's rows, specialised):
+
+* ``hook_q``, ``hook_k`` are the queries and the new keys **as the attention receives them**: after the
+  model's position encoding (RoPE, partial RoPE) and QK-norm where it has them. The pre-rotation values
+  are the projections' own module records (``…q_proj:out``), which every trace holds.
+* ``hook_k_all``, ``hook_v_all`` are the model's KV cache, ``[B,G,t,d_head]``: our ``KVCache`` serves as
+  transformers' cache (``_CacheLayer``), so it grows by one row per decode step and rolls back a failed
+  forward.
+* ``hook_softcapped`` (Gemma 2): ``c·tanh(scores/c)`` between the scaling and the mask.
+* ``hook_resid_mid`` exists only where the layer has one (a sequential block: the input of the norm in
+  front of the MLP); a parallel block (GPT-NeoX, GPT-J, Phi, Falcon, Cohere) adds attention and MLP to
+  the same stream and has none.
+
+Refused by name: models whose attention does not go through the interface (the check is that every
+layer's attention module calls it in a test forward), sinks (gpt-oss), linear-attention and state-space
+layers, encoder-decoders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from model.cache import KVCache
+from model.gpt import GPT, GPTConfig, HookPoint
+from model.identity import ModelIdentity, parameters_digest
+
+ATTENTION = "shape_tracer"  # the name our attention function is registered under
+# the attention modules of every wrapped model, each mapped to its layer's hook points
+_HOOKS: weakref.WeakKeyDictionary[nn.Module, _AttentionHooks] = weakref.WeakKeyDictionary()
+_NAMES_OUT = ("o_proj", "dense", "out_proj", "c_proj", "wo")  # the attention's output projection W_O
+_NAMES_FINAL_NORM = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f")
+_NAMES_MLP = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "fc2")  # fc2: OPT's MLP has no module of its own
+_NAMES_MLP_NORM = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2", "ffn_norm", "final_layer_norm")
+PARALLEL_BLOCKS = ("gptj", "phi", "cohere", "cohere2")  # attention and MLP read the same stream (also: a
+# config's use_parallel_residual, Falcon's parallel_attn)
+REFUSED = {
+    "gpt_oss": "a model whose attention adds learned sinks to every softmax row, which the traced attention "
+               "does not model",
+}
+ENCODERS = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie", "data2vec-text",
+            "bert-generation", "rembert", "roc_bert", "megatron-bert", "xmod", "big_bird", "roformer")
+for _encoder in ENCODERS:
+    REFUSED[_encoder] = ("an encoder (every position attends to every other): only decoder-only causal LMs, "
+                         "whose position i sees positions ≤ i, are traced")
+
+
+class HFDecoderError(ValueError):
+    """A Hugging Face model that cannot be traced: the message says what, why and what would work."""
+
+
+# -- the attention function -----------------------------------------------------------------------------
+class _AttentionHooks(nn.Module):
+    """One layer's attention hook points, under ``blocks.{L}.attn`` (shapes as in model/gpt.py)."""
+
+    def __init__(self, softcap: bool) -> None:
+        super().__init__()
+        self.hook_q = HookPoint()  # [B, H, n, d_head], as the attention receives it (position-encoded)
+        self.hook_k = HookPoint()  # [B, G, n, d_head], the new keys
+        self.hook_v = HookPoint()  # [B, G, n, d_head], the new values
+        self.hook_k_all = HookPoint()  # [B, G, t, d_head], cache + new
+        self.hook_v_all = HookPoint()  # [B, G, t, d_head], cache + new
+        self.hook_qk = HookPoint()  # [B, H, n, t]
+        self.hook_attn_scores = HookPoint()  # [B, H, n, t], QKᵀ × scale
+        if softcap:
+            self.hook_softcapped = HookPoint()  # [B, H, n, t], c·tanh(scores / c)
+        self.hook_mask = HookPoint()  # [B|1, 1, n, t], additive 0 / −∞
+        self.hook_masked_scores = HookPoint()  # [B, H, n, t]
+        self.hook_pattern = HookPoint()  # [B, H, n, t], A
+        self.hook_z = HookPoint()  # [B, H, n, d_head], A·V per head
+        self.w_o: nn.Module | None = None  # the model's own output projection (not a submodule here)
+        self.calls = 0  # forwards that reached the traced attention (HFDecoder checks each layer's once)
+        self.seen: tuple[int, int, int] = (0, 0, 0)  # (H, G, d_head) as the last call received them
+
+    def head_outputs(self, z: torch.Tensor) -> torch.Tensor:
+        """Each head's share of the attention output, O_h·W_O^h ``[B,H,n,d]`` (W_O's bias left out)."""
+        if self.w_o is None:
+            raise HFDecoderError("this model's attention output projection was not found, so the output of "
+                                 "each head cannot be separated")
+        H, dh = z.shape[1], z.shape[-1]
+        w_o = self.w_o.weight  # nn.Linear: [d, H·d_head]
+        w = w_o.t() if w_o.shape[0] != H * dh else w_o  # -> [H·d_head, d]
+        return torch.einsum("bhnk,hkd->bhnd", z, w.reshape(H, dh, -1))  # [B,H,n,d_head] @ [H,d_head,d]
+
+
+def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' attention interface, stage by stage through the layer's hook points.
+
+    ``query [B,H,n,d_head]``, ``key``/``value`` ``[B,G,t,d_head]``; returns ``(output [B,n,H,d_head],
+    weights [B,H,n,t])`` as transformers' eager function does."""
+    if kwargs.get("s_aux") is not None:
+        raise HFDecoderError("attention sinks (s_aux) are not traced")
+    hooks = _HOOKS.get(module)
+    B, H, n, dh = query.shape
+    G, t = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else dh**-0.5
+    if hooks is not None:
+        hooks.calls += 1
+        hooks.seen = (H, G, dh)
+        query = hooks.hook_q(query)
+        hooks.hook_k(key[:, :, t - n:])  # the rows this forward added (the cache appends them last)
+        hooks.hook_v(value[:, :, t - n:])
+        key, value = hooks.hook_k_all(key), hooks.hook_v_all(value)
+    q_grouped = query.reshape(B, G, (H // G) * n, dh)  # [B,H,n,d_head] -> [B,G,(H/G)·n,d_head]
+    qk = (q_grouped @ key.transpose(-2, -1)).view(B, H, n, t)  # @ [B,G,d_head,t] -> [B,H,n,t]
+    if hooks is not None:
+        qk = hooks.hook_qk(qk)
+    scores = qk * scale
+    if hooks is not None:
+        scores = hooks.hook_attn_scores(scores)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+        if hooks is not None and hasattr(hooks, "hook_softcapped"):
+            scores = hooks.hook_softcapped(scores)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :t]
+        if hooks is not None:
+            mask = hooks.hook_mask(mask)
+        scores = scores + mask  # [B,H,n,t] + [B|1,1,n,t]
+        if hooks is not None:
+            scores = hooks.hook_masked_scores(scores)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # rows sum to 1
+    if hooks is not None:
+        weights = hooks.hook_pattern(weights)
+    z = (weights.reshape(B, G, (H // G) * n, t) @ value).view(B, H, n, value.shape[-1])  # [B,H,n,d_head]
+    if hooks is not None:
+        z = hooks.hook_z(z)
+    return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_head], as transformers expects
+
+
+def traced_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' eager mask with ``finfo.min`` written as −∞ where a row sees at least one key: the
+    same softmax (exp of either is 0 in float32), and the mask the views show is the seeds' M. A row that
+    sees nothing (a padding query) keeps ``finfo.min``, so its softmax stays finite, as transformers' does."""
+    from transformers.masking_utils import eager_mask
+
+    mask = eager_mask(*args, **kwargs)
+    if mask is None or not mask.is_floating_point():
+        return mask
+    hidden = mask <= torch.finfo(mask.dtype).min / 2
+    sees_something = (~hidden).any(dim=-1, keepdim=True)
+    return mask.masked_fill(hidden & sees_something, float("-inf"))
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, traced_attention)
+    AttentionMaskInterface.register(ATTENTION, traced_mask)
+
+
+# -- the KV cache -----------------------------------------------------------------------------------------
+def _cache_view(cache: KVCache, n_layer: int):
+    """transformers' ``Cache`` over our ``KVCache``: ``update`` appends to our buffers (transactionally:
+    our model commits after the forward), sizes come from our length."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class _CacheLayer(CacheLayerMixin):
+        is_sliding = False
+
+        def __init__(self, layer: int) -> None:
+            super().__init__()
+            self.layer = layer
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            return cache.append(self.layer, key_states, value_states)  # -> [B,G,t,d_head] twice
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return cache.length + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return cache.length
+
+        def get_max_length(self) -> int:
+            return -1
+
+    return Cache(layers=[_CacheLayer(i) for i in range(n_layer)])
+
+
+# -- finding the parts ----------------------------------------------------------------------------------
+def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    for name in names:
+        found = getattr(module, name, None)
+        if isinstance(found, nn.Module):
+            return found
+    return None
+
+
+def _decoder_layers(hf: nn.Module, n_layer: int) -> nn.ModuleList:
+    lists = [m for m in hf.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layer]
+    if not lists:
+        raise HFDecoderError(f"no list of {n_layer} decoder layers found in {type(hf).__name__}")
+    return lists[0]
+
+
+def _attention_module(layer: nn.Module) -> nn.Module:
+    """The layer's self-attention: the child whose class is named for attention (GPT-NeoX's
+    ``post_attention_layernorm`` is named for it too, but is a norm)."""
+    found = [m for m in layer.children() if "attention" in type(m).__name__.lower()
+             and "norm" not in type(m).__name__.lower()]
+    if not found:
+        raise HFDecoderError(f"no attention module in {type(layer).__name__}")
+    return found[0]
+
+
+def _text_config(hf_config: Any) -> Any:
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a Hugging Face config says about the pieces (the view's labels come from here)."""
+
+    model_type: str
+    positions: str  # "rope" | "learned"
+    norm: str  # "rmsnorm" | "layernorm"
+    mlp: str  # "swiglu" (a gated MLP) | "gelu" (any two-matrix MLP) | "moe"
+    parallel_block: bool  # attention and MLP read the same stream
+    softcap: float | None  # attention logit soft-capping
+    scale: float  # the attention's scale (1/√d_head unless the config says otherwise)
+
+
+def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module, model_type: str) -> Architecture:
+    cfg = _text_config(hf.config)
+    has_rope = any("rotary" in type(m).__name__.lower() for m in hf.modules())
+    norms = [type(m).__name__.lower() for m in layer.modules() if "norm" in type(m).__name__.lower()]
+    rms = any("rms" in n for n in norms) or (bool(norms) and not any("layernorm" in n and "rms" not in n
+                                                                     for n in norms))
+    mlp = _child(layer, _NAMES_MLP)
+    if mlp is not None and any(k in type(mlp).__name__.lower() for k in ("moe", "sparse", "expert")):
+        mlp_kind = "moe"
+    elif mlp is not None and (hasattr(mlp, "gate_proj") or hasattr(mlp, "gate_up_proj")):
+        mlp_kind = "swiglu"
+    else:
+        mlp_kind = "gelu"
+    parallel = (model_type in PARALLEL_BLOCKS or bool(getattr(cfg, "use_parallel_residual", False))
+                or (model_type == "falcon" and bool(getattr(cfg, "parallel_attn", True)
+                                                    or getattr(cfg, "new_decoder_architecture", False))))
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    scaling = getattr(attn, "scaling", None)
+    d_head = getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return Architecture(model_type=model_type, positions="rope" if has_rope else "learned",
+                        norm="rmsnorm" if rms else "layernorm", mlp=mlp_kind, parallel_block=parallel,
+                        softcap=float(softcap) if softcap else None,
+                        scale=float(scaling) if isinstance(scaling, (int, float)) else d_head**-0.5)
+
+
+# -- the model ------------------------------------------------------------------------------------------
+class _BlockHooks(nn.Module):
+    def __init__(self, softcap: bool, has_mid: bool) -> None:
+        super().__init__()
+        self.attn = _AttentionHooks(softcap)
+        self.hook_resid_pre = HookPoint()  # [B, n, d]
+        self.hook_attn_out = HookPoint()  # [B, n, d]
+        if has_mid:
+            self.hook_resid_mid = HookPoint()  # [B, n, d]
+        self.hook_mlp_out = HookPoint()  # [B, n, d]
+        self.hook_resid_post = HookPoint()  # [B, n, d]
+
+
+class _FinalNorm(nn.Module):
+    """The model's final norm under our name ``ln_final`` (not a submodule: it stays where it is)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_norm", norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x)
+
+
+def _replace_first(output: Any, value: torch.Tensor) -> Any:
+    if isinstance(output, torch.Tensor):
+        return value
+    if isinstance(output, tuple):
+        return (value, *output[1:])
+    if hasattr(output, "__getitem__") and hasattr(output, "keys"):  # a ModelOutput
+        output[next(iter(output.keys()))] = value
+        return output
+    return output
+
+
+def _first(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+class HFDecoder(nn.Module):
+    """A transformers causal LM, run by transformers, with our hook points, cache and forward signature.
+
+    ``HFDecoder(hf_model)`` for a model already in memory (built in Python or loaded by the user);
+    ``load_hf_decoder(directory)`` for a ``save_pretrained`` directory."""
+
+    def __init__(self, hf: nn.Module, identity: ModelIdentity | None = None) -> None:
+        super().__init__()
+        _register()
+        model_type = str(getattr(hf.config, "model_type", type(hf).__name__))
+        if model_type in REFUSED:
+            raise HFDecoderError(f"model_type {model_type!r} is {REFUSED[model_type]}")
+        if getattr(hf.config, "is_encoder_decoder", False):
+            raise HFDecoderError(f"{model_type} is an encoder-decoder; only decoder-only causal LMs are traced")
+        hf.config._attn_implementation = ATTENTION
+        for sub in hf.modules():  # composite configs (a text config inside) carry their own choice
+            cfg = getattr(sub, "config", None)
+            if cfg is not None and hasattr(cfg, "_attn_implementation"):
+                cfg._attn_implementation = ATTENTION
+        self.hf = hf.eval().requires_grad_(False)
+        cfg = _text_config(hf.config)
+        n_layer = int(cfg.num_hidden_layers)
+        layers = _decoder_layers(hf, n_layer)
+        attns = [_attention_module(layer) for layer in layers]
+        self.architecture = _guess_architecture(hf, layers[0], attns[0], model_type)
+        arch = self.architecture
+        mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
+        self.blocks = nn.ModuleList(_BlockHooks(arch.softcap is not None, norm is not None) for norm in mlp_norms)
+        self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
+        self.hook_logits = HookPoint()  # [B, n, V]
+        final = _child(getattr(hf, "model", None) or getattr(hf, "transformer", None)
+                       or getattr(hf, "gpt_neox", None) or hf, _NAMES_FINAL_NORM)
+        if final is None:
+            final = next((m for name, m in hf.named_modules() if name.split(".")[-1] in _NAMES_FINAL_NORM), None)
+        self.ln_final = _FinalNorm(final) if final is not None else None
+        self._handles = []
+        embed = hf.get_input_embeddings()
+        self._handles.append(embed.register_forward_hook(lambda m, a, out: self.hook_embed(out)))
+        for L, (layer, attn) in enumerate(zip(layers, attns)):
+            hooks = self.blocks[L]
+            _HOOKS[attn] = hooks.attn
+            hooks.attn.w_o = _child(attn, _NAMES_OUT)
+            self._handles.append(layer.register_forward_pre_hook(self._pre_layer(hooks), with_kwargs=True))
+            self._handles.append(layer.register_forward_hook(
+                lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out)))))
+            self._handles.append(attn.register_forward_hook(
+                lambda m, a, out, h=hooks: _replace_first(out, h.hook_attn_out(_first(out)))))
+            mlp = _child(layer, _NAMES_MLP)
+            if mlp is not None:
+                self._handles.append(mlp.register_forward_hook(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mlp_out(_first(out)))))
+            if mlp_norms[L] is not None:
+                self._handles.append(mlp_norms[L].register_forward_pre_hook(
+                    lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:])))
+        self._identity = identity
+        self._check_routing()
+        self.config = self._config(cfg)
+
+    def _check_routing(self) -> None:
+        """One token through the model: every layer's attention must have gone through the traced function
+        (a family that computes attention its own way would otherwise be shown without its patterns)."""
+        device = next(self.hf.parameters()).device
+        with torch.no_grad():
+            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+        missed = [L for L, block in enumerate(self.blocks) if block.attn.calls == 0]
+        if missed:
+            raise HFDecoderError(
+                f"{self.architecture.model_type}: the attention of layer(s) {', '.join(map(str, missed))} does not "
+                "go through transformers' attention interface, so its Q, K, V and pattern cannot be recorded; "
+                "this family cannot be traced (the re-implemented families gpt2, llama, mistral, qwen2 can)")
+
+    @staticmethod
+    def _pre_layer(hooks: _BlockHooks):
+        def pre(module: nn.Module, args: tuple, kwargs: dict):
+            if args:
+                return (hooks.hook_resid_pre(args[0]), *args[1:]), kwargs
+            kwargs["hidden_states"] = hooks.hook_resid_pre(kwargs["hidden_states"])
+            return args, kwargs
+
+        return pre
+
+    def _config(self, cfg: Any) -> GPTConfig:
+        """Our config's description of the model: the shapes and pieces the views label. The head counts and
+        width are the ones the attention received in the routing check, not read from the config (whose
+        names differ by family, and which keeps keys a family ignores)."""
+        arch = self.architecture
+        H, G, d_head = self.blocks[0].attn.seen
+        d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
+        n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
+        window = getattr(cfg, "sliding_window", None)
+        return GPTConfig(
+            vocab_size=int(cfg.vocab_size), n_ctx=n_ctx, d_model=int(cfg.hidden_size),
+            n_layer=int(cfg.num_hidden_layers),
+            n_head=H, n_kv_head=G, head_dim=d_head, d_mlp=int(d_ff) if d_ff else None, family="hf",
+            norm=arch.norm, positions=arch.positions, mlp="swiglu" if arch.mlp == "swiglu" else "gelu",
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            sliding_window=int(window) if isinstance(window, int) and window > 0 else None,
+            hf_model_type=arch.model_type, attn_scale=arch.scale,
+        )
+
+    # -- what our GPT offers too ----------------------------------------------------------------------
+    @property
+    def identity(self) -> ModelIdentity:
+        if self._identity is not None:
+            return self._identity
+        return ModelIdentity(name="unnamed", source="built in code", family=f"hf:{self.architecture.model_type}",
+                             config=self.config.to_dict(), weights_digest=parameters_digest(self.hf))
+
+    @identity.setter
+    def identity(self, value: ModelIdentity) -> None:
+        self._identity = value
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.hf.parameters())
+
+    def new_cache(self, batch_size: int = 1) -> KVCache:
+        return KVCache(self.config.n_layer, batch_size)
+
+    @property
+    def w_u(self) -> torch.Tensor:
+        """The unembedding as ``[V, d]``: lm_head's weight."""
+        return self.hf.get_output_embeddings().weight
+
+    def unembed_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from a residual stream ``[..., d]``: the final norm, lm_head and any final soft-cap."""
+        if self.ln_final is None:
+            raise HFDecoderError("this model's final norm was not found: the logit lens cannot apply it")
+        logits = self.hf.get_output_embeddings()(self.ln_final(x))
+        cap = getattr(_text_config(self.hf.config), "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *,
+                padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, n, V]`` for token ids ``[B, n]``, as ``GPT.forward`` (positions count real tokens)."""
+        GPT._check_tokens(self.config, tokens, cache)
+        B, n = tokens.shape
+        past = cache.length if cache is not None else 0
+        if padding_mask is not None:
+            padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
+        positions, key_is_token = GPT._positions(B, n, past, padding_mask, cache, tokens.device)
+        attention_mask = key_is_token.long() if key_is_token is not None else None
+        try:
+            out = self.hf(input_ids=tokens, attention_mask=attention_mask, position_ids=positions.expand(B, n),
+                          past_key_values=_cache_view(cache, self.config.n_layer) if cache is not None else None,
+                          use_cache=cache is not None, return_dict=True)
+            logits = self.hook_logits(out.logits)
+        except BaseException:
+            if cache is not None:
+                cache.rollback()
+            raise
+        if cache is not None:
+            cache.commit(n, key_is_token)
+        return logits
+
+
+def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str = "cpu", name: str | None = None) -> HFDecoder:
+    """A local ``save_pretrained`` directory of any transformers causal LM, as an ``HFDecoder``.
+
+    Never downloads (``local_files_only``), never runs code from the directory (``trust_remote_code`` off)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(path)
+    dtypes = {None: torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    target = dtypes.get(dtype, dtype) if not isinstance(dtype, torch.dtype) else dtype
+    try:
+        hf_config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise HFDecoderError(f"{directory}: transformers cannot read its config ({e})") from None
+    model_type = getattr(hf_config, "model_type", "?")
+    if model_type in REFUSED:
+        raise HFDecoderError(f"{directory}: model_type {model_type!r} is {REFUSED[model_type]}")
+    _register()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
+                                                  dtype=target, attn_implementation=ATTENTION)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HFDecoderError(f"{directory}: transformers cannot load it as a causal LM "
+                             f"({type(e).__name__}: {str(e)[:500]})") from None
+    hf = hf.to(device)
+    digest = _files_digest(directory)
+    model = HFDecoder(hf)
+    model.identity = ModelIdentity(name=name or directory.name, source=str(directory),
+                                   family=f"hf:{model_type}", config=model.config.to_dict(), weights_digest=digest)
+    return model
+
+
+def _files_digest(directory: Path) -> str:
+    """sha256 over the config and every weight file's bytes, in name order: two directories with the same
+    weights agree, a changed weight anywhere changes it."""
+    h = hashlib.sha256()
+    for file in sorted(directory.iterdir()):
+        if file.name == "config.json" or file.suffix in (".safetensors", ".bin"):
+            h.update(file.name.encode())
+            with file.open("rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+    return "sha256:" + h.hexdigest()
+
+
+def is_hf_decoder_dir(directory: Path) -> bool:
+    """Whether a directory's config.json names a transformers model type (any)."""
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("model_type"), str)
+
+
+__all__ = ["ATTENTION", "Architecture", "HFDecoder", "HFDecoderError", "is_hf_decoder_dir", "load_hf_decoder",
+           "traced_attention"]

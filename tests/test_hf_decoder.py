@@ -1,0 +1,94 @@
+"""Any Hugging Face decoder, run by transformers, through our hook points (model/hf_decoder.py): for each
+architecture the logits equal transformers' own at the prefill and at cached decode steps, the patterns are
+distributions over the keys the mask allows, and the KV cache grows one position per step."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import load_hf
+from model.hf_decoder import HFDecoder, HFDecoderError
+from model.loading import BUNDLED_DIR
+from tests.hf_architectures import ARCHITECTURES, build
+from tracer import TracedGeneration
+
+PROMPTS = ["Lily had a red kite.", "Tom said"]
+
+
+@pytest.fixture(scope="module")
+def directories():
+    root = Path(tempfile.mkdtemp(prefix="hf-archs-"))
+    return {name: build(name, root / name, BUNDLED_DIR / "tokenizer.json") for name in ARCHITECTURES}
+
+
+def reference(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_logits_equal_transformers_and_the_records_hold_their_meaning(directories, model_type):
+    model, tok = load_hf(directories[model_type], implementation="transformers")
+    assert isinstance(model, HFDecoder) and model.identity.family == f"hf:{model_type}"
+    ref = reference(directories[model_type])
+    gen = TracedGeneration(model, tok, PROMPTS, temperature=0, padding_side="left")
+    gen.run(3)
+    B = len(PROMPTS)
+    G = model.config.n_kv_heads
+    ids = torch.tensor([gen.facts.columns(r, 2) for r in range(B)])  # [B, width + 2]: what step 2 sees
+    real = torch.tensor([gen.facts.is_token(r, 2) for r in range(B)])  # False on the left padding
+    with torch.no_grad():  # one uncached forward of transformers' own model over the same columns
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+        expected = ref(input_ids=ids, attention_mask=real.long(), position_ids=positions).logits  # [B, t, V]
+    width = gen.info.prompt_width
+    for step in range(3):
+        got = gen.trace.get("hook_logits", step)  # [B, n, V]: the prompt at step 0, one position after
+        want = expected[:, :width] if step == 0 else expected[:, width + step - 1:width + step]
+        rows = real[:, :width] if step == 0 else torch.ones(B, 1, dtype=torch.bool)
+        assert (got - want)[rows].abs().max() <= 1e-4, (model_type, step)
+        t = width + step
+        for layer in range(model.config.n_layer):
+            k_all = gen.trace.record(f"blocks.{layer}.attn.hook_k_all", step)
+            assert k_all.shape == (B, G, t, model.config.d_head)
+            pattern = gen.trace.get(f"blocks.{layer}.attn.hook_pattern", step)  # [B, H, n, t]
+            mask = gen.trace.get(f"blocks.{layer}.attn.hook_mask", step)  # [B|1, 1, n, t]
+            assert torch.allclose(pattern.sum(-1), torch.ones(()), atol=1e-5)
+            hidden = torch.isinf(mask).expand_as(pattern)
+            assert hidden.any() and (pattern[hidden] == 0).all()
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "mistral", "qwen2"])
+def test_the_families_we_reimplemented_give_the_same_logits_through_transformers(directories, model_type):
+    ours, tok = load_hf(directories[model_type], implementation="ours")
+    theirs, _ = load_hf(directories[model_type], implementation="transformers")
+    assert not isinstance(ours, HFDecoder) and isinstance(theirs, HFDecoder)
+    ids = torch.tensor([tok.encode("Once upon a time there was a dog")])
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids)).abs().max() <= 1e-4
+
+
+def test_what_an_architecture_adds_is_its_own_stage(directories):
+    gemma2, _ = load_hf(directories["gemma2"])
+    assert hasattr(gemma2.blocks[0].attn, "hook_softcapped")  # c·tanh(s/c) between the scale and the mask
+    assert gemma2.config.attn_scale == pytest.approx(24**-0.5)  # query_pre_attn_scalar, not √d_head
+    neox, _ = load_hf(directories["gpt_neox"])  # a parallel block: no resid_mid to show
+    assert neox.architecture.parallel_block and not hasattr(neox.blocks[0], "hook_resid_mid")
+
+
+def test_a_model_that_does_not_route_attention_through_the_interface_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2))
+
+    def own_attention(self, hidden_states, *args, **kwargs):  # a layer computing attention its own way
+        return self.o_proj(hidden_states), None
+
+    hf.model.layers[1].self_attn.forward = own_attention.__get__(hf.model.layers[1].self_attn)
+    with pytest.raises(HFDecoderError, match=r"layer\(s\) 1 does not go through transformers' attention interface"):
+        HFDecoder(hf)
