@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import facts_of, gen_step, inert, key_labels, query_labels, shape_text
+from figures.common import facts_of, gen_step, inert, key_labels, query_labels, score_scale, shape_text
 from figures.heatmap import Grid, add, grid, pool, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
@@ -54,6 +54,23 @@ def head_matrix(trace: Trace, name: str, step: int, batch: int, head: int) -> tu
     return (digest[batch, head], True) if digest is not None else (None, False)
 
 
+def attention_latex(trace: Trace, step: int, layer: int) -> str:
+    """The attention formula as this model computes it, in LaTeX: the seeds' softmax(QKᵀ/√d_k + M) for a
+    model with the usual scale; ``s·QKᵀ`` with the model's own scale; inside ``c·tanh(·/c)`` where it
+    soft-caps its scores (Gemma 2). The constants follow the formula."""
+    d_k = trace.record(act_name("q", layer), step).shape[-1]
+    scale = score_scale(trace, d_k)
+    usual = math.isclose(scale, d_k**-0.5, rel_tol=1e-6)
+    scores = r"\frac{QK^\top}{\sqrt{d_k}}" if usual else r"s\,QK^\top"
+    constants = [] if usual else [f"s = {scale:.4g}"]
+    cap = getattr(trace.config, "attn_softcap", None)
+    if cap:
+        scores = rf"c\,\tanh\!\left({scores} / c\right)"
+        constants.append(f"c = {cap:g}")
+    tail = "".join(rf", \quad {c}" for c in constants)
+    return rf"A = \operatorname{{softmax}}\!\left({scores} + M\right), \qquad O = A\,V{tail}"
+
+
 def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> list[Stage]:
     """QKᵀ, ÷√d_k, + M and softmax for one head, with the formula and the real shapes of each."""
     rope = trace.has(act_name("rot_q", layer), step)
@@ -65,12 +82,27 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
     kt = (*k[:-2], k[-1], k[-2])
     grouped = k[1] != q[1]
     share = f" (each of the {k[1]} K heads serves {q[1] // k[1]} query heads)" if grouped else ""
+    config = trace.config
+    scale = getattr(config, "attn_scale", None)
+    if scale is None or math.isclose(scale, d_k**-0.5, rel_tol=1e-6):
+        scaled, scaling = "QKᵀ/√d_k", (f"QKᵀ / √d_k   (√{d_k} = {math.sqrt(d_k):.3f})",
+                                        f"{shape_text(qk)} / {math.sqrt(d_k):.3f} → {shape_text(qk)}")
+    else:  # the model's own scale (Gemma's query_pre_attn_scalar, Granite's attention_multiplier)
+        scaled, scaling = "s·QKᵀ", (f"s·QKᵀ   (the model's scale s = {scale:.4g}, not 1/√{d_k} = {d_k**-0.5:.4g})",
+                                    f"{shape_text(qk)} × {scale:.4g} → {shape_text(qk)}")
     stages = [
         Stage("qk", "QKᵀ", f"{shape_text(q)} @ {shape_text(kt)}{share} → {shape_text(qk)}", None),
-        Stage("attn_scores", f"QKᵀ / √d_k   (√{d_k} = {math.sqrt(d_k):.3f})",
-              f"{shape_text(qk)} / {math.sqrt(d_k):.3f} → {shape_text(qk)}", None),
-        Stage("masked_scores", "QKᵀ/√d_k + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None),
-        Stage("pattern", "A = softmax(QKᵀ/√d_k + M)", f"row-wise over t = {qk[-1]} keys → {shape_text(qk)}", None),
+        Stage("attn_scores", *scaling, None),
+    ]
+    if trace.has(act_name("softcapped", layer), step):
+        cap = getattr(config, "attn_softcap", None)
+        c = f"{cap:g}" if cap else "c"
+        stages.append(Stage("softcapped", f"c·tanh({scaled}/c)   (c = {c}: soft-capped)",
+                            f"{shape_text(qk)} → {shape_text(qk)}, every score inside (−{c}, {c})", None))
+        scaled = f"c·tanh({scaled}/c)"
+    stages += [
+        Stage("masked_scores", f"{scaled} + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None),
+        Stage("pattern", f"A = softmax({scaled} + M)", f"row-wise over t = {qk[-1]} keys → {shape_text(qk)}", None),
     ]
     for stage in stages:
         matrix, pooled = head_matrix(trace, act_name(stage.hook, layer), step, batch, head)
@@ -81,15 +113,16 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
 @fitted
 def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0,
                             shared_scale: bool = False) -> go.Figure:
-    """Four heatmaps side by side (query rows × key columns), the formula and shapes above each.
+    """Four heatmaps side by side (query rows × key columns), the formula and shapes above each (five where
+    the model soft-caps its scores).
 
     Each stage has its own colour scale unless ``shared_scale``: then QKᵀ, ÷√d_k and + M share one, and
     the division by √d_k shows as what it is — the same picture, its colours √d_k times fainter."""
     stages = attention_stages(trace, step, layer, head, batch)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>{s.shapes}</span>" for s in stages]
-    fig = subplots(rows=1, cols=4, subplot_titles=titles, horizontal_spacing=0.075)
-    score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:3] if s.matrix is not None]
+    fig = subplots(rows=1, cols=len(stages), subplot_titles=titles, horizontal_spacing=0.075)
+    score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:-1] if s.matrix is not None]
     lo = min((float(v.min()) for v in score_values if v.numel()), default=0.0)
     hi = max((float(v.max()) for v in score_values if v.numel()), default=1.0)
     pooled_note = ""
@@ -107,8 +140,9 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
             add(fig, g, "amount", row=1, col=i, colorbar="A", bar=bar)
         elif shared_scale:
             top = max(abs(lo), abs(hi))
-            add(fig, g, "signed", row=1, col=i, zmin=-top, zmax=top, colorbar="score" if i == 3 else "",
-                showscale=i == 3, bar=bar)
+            last = len(stages) - 1  # the last score stage (+ M) carries the shared colour bar
+            add(fig, g, "signed", row=1, col=i, zmin=-top, zmax=top, colorbar="score" if i == last else "",
+                showscale=i == last, bar=bar)
         else:
             add(fig, g, "signed", row=1, col=i, colorbar="score", bar=bar)
         style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
@@ -359,12 +393,17 @@ def pitfall_patterns(trace: Trace, step: int, layer: int, head: int, batch: int 
     kh = k[batch, kv_head(trace, layer, head, step)].double()  # [t, d_head]
     m = mask[min(batch, mask.shape[0] - 1), 0].double()  # [n, t]
     raw = qh @ kh.T  # [n, t]
-    scaled = raw / math.sqrt(qh.shape[-1])
+    scale = score_scale(trace, qh.shape[-1])
+    scaled = raw * scale
+    cap = getattr(trace.config, "attn_softcap", None)
+    if cap:  # the model soft-caps after scaling: recomputed as it does
+        scaled = torch.tanh(scaled / cap) * cap
     allowed = torch.isfinite(m)
     after = torch.softmax(scaled, dim=-1) * allowed
+    unscaled = "without ÷√d_k" if math.isclose(scale, qh.shape[-1] ** -0.5, rel_tol=1e-6) else "without the scale s"
     return {
         "as the model does it": torch.softmax(scaled + m, dim=-1),
-        "without ÷√d_k": torch.softmax(raw + m, dim=-1),
+        unscaled: torch.softmax(raw + m, dim=-1),
         "without the mask M": torch.softmax(scaled, dim=-1),
         "mask after the softmax": after,
     }
@@ -406,8 +445,24 @@ def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 
 
 # -- RoPE -----------------------------------------------------------------------------------------------
 @fitted
+def rope_not_drawn(trace: Trace) -> str | None:
+    """Why the RoPE views are not drawn for this trace's model, or None when they are. A transformers-run
+    model rotates Q and K inside its own attention module, with its own variant (partial rotary, scaled
+    frequencies): the trace holds them rotated, not the rotation itself, and our rotation functions would
+    not be this model's."""
+    config = trace.config
+    if getattr(config, "family", None) == "hf":
+        return (f"This {config.hf_model_type} model is run by transformers, which applies its position encoding "
+                "inside the model's own attention module: the Q and K recorded here (hook_q, hook_k) are already "
+                "encoded, and the projections' outputs before it are the module records named …q_proj:out / "
+                "…k_proj:out (Inspector). The rotation itself is the model's code, so it is not redrawn here.")
+    return None
+
+
 def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
     """Q and K of one head before and after the rotation (query rows / key rows × d_head)."""
+    if rope_not_drawn(trace) is not None:
+        return None
     names = {"Q before": "q", "Q rotated": "rot_q", "K before (new rows)": "k", "K rotated (new rows)": "rot_k"}
     mats = {}
     for title, kind in names.items():
@@ -437,7 +492,7 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
     config = trace.config
     q = trace.get(act_name("q", layer), step)
     k = trace.get(act_name("k", layer), step)
-    if config is None or config.positions != "rope" or q is None or k is None:
+    if config is None or config.positions != "rope" or q is None or k is None or rope_not_drawn(trace):
         return None
     forward = gen_step(trace, step).forward
     qv = q[batch, head, -1].double()  # the last query row, before rotation

@@ -74,3 +74,20 @@ def axes_text(rec: TensorRecord) -> str:
 def shape_with_axes(rec: TensorRecord) -> str:
     """``[1, 5, 128] = [B, n, d]`` (or just the numbers when no symbol fits)."""
     return f"{shape_text(rec.shape)} = {axes_text(rec)}" if rec.axes else shape_text(rec.shape)
+
+
+def score_scale(trace: Trace, d_k: int) -> float:
+    """The scale the model multiplies QKᵀ by: its own where its config sets one (Gemma's query_pre_attn_scalar,
+    Granite's attention_multiplier), else 1/√d_k."""
+    scale = getattr(trace.config, "attn_scale", None)
+    return float(scale) if scale is not None else d_k**-0.5
+
+
+def scores_formula(trace: Trace, d_k: int) -> str:
+    """The scores as this model computes them before the mask: ``QKᵀ/√d_k``, ``s·QKᵀ`` for a model with its own
+    scale, wrapped in the soft-cap ``c·tanh(·/c)`` where it has one."""
+    import math
+
+    formula = "QKᵀ/√d_k" if math.isclose(score_scale(trace, d_k), d_k**-0.5, rel_tol=1e-6) else "s·QKᵀ"
+    return f"c·tanh({formula}/c)" if getattr(trace.config, "attn_softcap", None) else formula
+

@@ -150,8 +150,66 @@ def _nodes(layer: int, n_layer: int, config, use_cache: bool) -> tuple[list[Flow
     return nodes, [(a if a.startswith("model:") else h(a), h(b)) for a, b in chain]
 
 
+def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode], list[tuple[int, int]]]:
+    """The flow of a model this file has no template for (a transformers-run model, family "hf"), built from
+    what the trace holds: block ``layer``'s hook points and the outputs of the model's own leaf modules
+    inside that block, in the order the forward ran them, then the logits. Nothing is assumed about the
+    architecture: a stage it adds (QK-norm, a soft-cap, a router) is drawn because it was recorded."""
+    from model.hook_table import spec_for
+
+    config = trace.config
+    records = trace.filter(step=step)
+    hooks = [r for r in records if r.kind == "hook" and r.name.startswith(f"blocks.{layer}.")]
+    # the model's own decoder layer `layer`: the module path of the first leaf whose first number is `layer`
+    own = [r for r in records if r.kind == "output" and r.module.startswith("hf.") and r.slot == ""
+           and _first_number(r.module) == layer]
+    leaves = {m for m in (r.module for r in own) if not any(o.module.startswith(m + ".") for o in own)}
+    chosen = sorted([*hooks, *(r for r in own if r.module in leaves)], key=lambda r: r.index)
+    head = [r for r in records if r.name in ("model:in[0]", "hook_embed")]
+    tail = [r for r in records if r.name == "hook_logits"]
+    chain = [*head, *chosen, *tail]
+    per_column = max(8, -(-len(chain) // 4))  # four columns, left to right, in the order the forward ran
+    attn_end = next((r.index for r in chosen if r.name.endswith("hook_attn_out")), -1)
+    nodes = []
+    for i, r in enumerate(chain):
+        spec = spec_for(r.name, config) if r.kind == "hook" else None
+        if r.name == "model:in[0]":
+            label, group = "token ids", "input"
+        elif spec is not None:
+            label = spec.meaning.replace("block L", f"block {layer}")
+            group = ("input" if r.name == "hook_embed" else "output" if r.name == "hook_logits"
+                     else "residual" if "resid" in r.name else "attention" if r.index <= attn_end else "mlp")
+        else:
+            label = f"{r.module.rsplit('.', 1)[-1]} ({r.module_type})"
+            group = "attention" if r.index <= attn_end else "mlp"
+        nodes.append(FlowNode(_short(label), r.name, -0.8 + 1.8 * (i // per_column), i % per_column, group))
+    edges = [(i, i + 1) for i in range(len(nodes) - 1)]
+    for node in nodes:
+        rec = next((r for r in records if r.name == node.name), None)
+        if rec is not None:
+            node.shape, node.summary = rec.shape, trace.summary(rec)
+            node.symbolic = list(rec.axes) if rec.axes else None
+    return nodes, edges
+
+
+def _first_number(path: str) -> int | None:
+    return next((int(part) for part in path.split(".") if part.isdigit()), None)
+
+
+def _short(text: str, width: int = 34) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def recorded_flow(trace: Trace) -> bool:
+    """Whether the flow is drawn from the records (no template for this model's architecture)."""
+    config = trace.config
+    return config is None or getattr(config, "family", "gpt2") == "hf"
+
+
 def flow_nodes(trace: Trace, step: int, layer: int = 0) -> tuple[list[FlowNode], list[tuple[int, int]]]:
     """The flow's nodes with the shapes recorded at ``step`` (records missing → shape None)."""
+    if recorded_flow(trace):
+        return _recorded_nodes(trace, step, layer)
     config = trace.config
     n_layer = config.n_layer if config is not None else layer + 1
     facts = trace.generation
@@ -198,8 +256,8 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     arrows: list[tuple[float, float, float, float]] = []  # (from x, y, to x, y)
     for src, dst in edges:
         a, b = nodes[src], nodes[dst]
-        if b.x - a.x > 2:  # from the bottom of the attention lane to the top of the MLP lane: route around
-            gutter = (a.x + b.x) / 2 + 0.3
+        if b.x - a.x > 2 or (b.x > a.x and b.y < a.y):  # to the top of the next lane: route around
+            gutter = (a.x + b.x) / 2 + (0.3 if b.x - a.x > 2 else 0.0)
             path = f"M {a.x + W / 2} {a.y} L {gutter} {a.y} L {gutter} {b.y} L {b.x - W / 2 - 0.25} {b.y}"
             shapes.append({"type": "path", "path": path, "line": {"color": "#888", "width": 1.2}})
             arrows.append((b.x - W / 2 - 0.25, b.y, b.x - W / 2, b.y))
@@ -223,14 +281,18 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     fig = figure([
         arrow_trace(arrows),
         text_trace([n.x for n in nodes], [n.y for n in nodes], labels),
-        text_trace([4.6], [6], [repeat_note(layer, config.n_layer if config is not None else None)], color="#666"),
+        text_trace([4.6] if not recorded_flow(trace) else [2.6],
+                   [6] if not recorded_flow(trace) else [max(n.y for n in nodes) + 1.0],
+                   [repeat_note(layer, config.n_layer if config is not None else None)
+                    + (" — the stages as this model's forward ran them, read from the trace" if recorded_flow(trace)
+                       else "")], color="#666"),
         # invisible points carry the hover: record name and one-line summary
         go.Scatter(x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers",
                    marker={"size": 40, "opacity": 0},
                    customdata=[[n.name, safe_text(n.summary or shape_text(n.shape or ()))] for n in nodes],
                    hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra></extra>", showlegend=False),
     ])
-    bottom = max(n.y for n in nodes)
+    bottom = max(n.y for n in nodes) + (1 if recorded_flow(trace) else 0)
     fig.update_layout(shapes=shapes)
     fig.update_xaxes(visible=False, range=[-1.6, 6.0])
     fig.update_yaxes(visible=False, range=[bottom + 0.6, -0.6])
@@ -252,6 +314,8 @@ def reshape_ops(trace: Trace, step: int, layer: int = 0) -> list[ReshapeOp]:
     """The split into heads and the merge back, with the live shapes; whether each op moved data is read
     from the kept tensors (the same storage, or a new one) where values were kept, else stated as what
     PyTorch does."""
+    if recorded_flow(trace):
+        return _recorded_reshape_ops(trace, step, layer)
     qkv_r, q_r, z_r, merged_r = (trace.record(act_name(k, layer), step) for k in ("qkv", "q", "z", "merged"))
     qkv, q, z, merged = (trace.value(r) for r in (qkv_r, q_r, z_r, merged_r))
     B, n = qkv_r.shape[0], qkv_r.shape[1]
@@ -291,6 +355,37 @@ def reshape_ops(trace: Trace, step: int, layer: int = 0) -> list[ReshapeOp]:
         ReshapeOp(f".view(B, n, {H * dh})", merged_r.shape, "[B, n, H·d_head]",
                   "a view of the copy: each row the H heads' outputs side by side"),
     ]
+
+
+def _recorded_reshape_ops(trace: Trace, step: int, layer: int) -> list[ReshapeOp]:
+    """The split and merge of a transformers-run model, from its records: its own projection (Q's, or a fused
+    one), Q as the attention receives it, O = A·V, and the input of its output projection. What happens
+    between them is the model's own code; only the traced attention's transpose and copy are ours."""
+    q_r, z_r = trace.record(act_name("q", layer), step), trace.record(act_name("z", layer), step)
+    B, H, n, dh = q_r.shape
+    itemsize = q_r.nbytes // max(1, q_r.numel)
+    own = [r for r in trace.filter(step=step) if r.module.startswith("hf.") and r.kind in ("output", "input")
+           and r.slot in ("", "[0]") and _first_number(r.module) == layer]
+    # the output projection's input: the merged heads, and the attention module is that projection's parent
+    merged = next((r for r in own if r.kind == "input" and r.index > z_r.index and r.shape[-1:] == (H * dh,)), None)
+    attention = merged.module.rsplit(".", 1)[0] + "." if merged is not None else None
+    first = next((r for r in own if attention and r.module.startswith(attention) and r.kind == "output"
+                  and r.index < q_r.index and len(r.shape) == 3), None)  # its first projection (Q's, or fused)
+    ops = []
+    if first is not None:
+        ops.append(ReshapeOp(f"{first.module.rsplit('.', 1)[-1]}(x)", first.shape,
+                             "[B, n, H·d_head]" if first.shape[-1] == H * dh else "[B, n, (H+2G)·d_head]",
+                             f"a new tensor: the model's own projection ({first.module_type})"))
+    ops.append(ReshapeOp("split into heads (the model's code)", q_r.shape, "[B, H, n, d_head]",
+                         "Q as the attention receives it: viewed as heads, transposed, position-encoded"))
+    ops.append(ReshapeOp("o = attention(q, k, v)", z_r.shape, "[B, H, n, d_head]", "a new tensor (A·V)"))
+    copied = (f"copies {B * n * H * dh * itemsize:,} bytes into new memory" if not (n == 1 or H == 1) else
+              f"no copy: with n = {n} the transposed O is already contiguous")
+    ops.append(ReshapeOp("o.transpose(1, 2).contiguous()", (B, n, H, dh), "[B, n, H, d_head]", copied))
+    if merged is not None:
+        ops.append(ReshapeOp(f"merge heads → {merged.module.rsplit('.', 1)[-1]}", merged.shape, "[B, n, H·d_head]",
+                             "the heads side by side, into the output projection W_O"))
+    return ops
 
 
 @fitted

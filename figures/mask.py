@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 import torch
 
-from figures.common import facts_of, gen_step, key_labels, query_labels, shape_text
+from figures.common import facts_of, gen_step, key_labels, query_labels, scores_formula, shape_text
 from figures.heatmap import add, grid, masked_layer, style_axes
 from figures.plot import figure, fitted, subplots
 from model.hook_table import act_name
@@ -149,11 +149,14 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
 
 @fitted
 def scores_before_after_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure:
-    """QKᵀ/√d_k before and after adding M, for one head, on one colour scale."""
-    before = trace.get(act_name("attn_scores", layer), step)
+    """The scores (QKᵀ/√d_k, or as this model computes them) before and after adding M, for one head, on one
+    colour scale."""
+    before_name = act_name("softcapped" if trace.has(act_name("softcapped", layer), step) else "attn_scores", layer)
+    before = trace.get(before_name, step)
     after = trace.get(act_name("masked_scores", layer), step)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    fig = subplots(rows=1, cols=2, subplot_titles=("before: QKᵀ/√d_k", "after: QKᵀ/√d_k + M  (−∞ grey)"))
+    formula = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1])
+    fig = subplots(rows=1, cols=2, subplot_titles=(f"before: {formula}", f"after: {formula} + M  (−∞ grey)"))
     if before is None or after is None:
         fig.add_annotation(text="score values not kept for this step", showarrow=False)
         return fig

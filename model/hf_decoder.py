@@ -413,7 +413,7 @@ class HFDecoder(nn.Module):
             norm=arch.norm, positions=arch.positions, mlp="swiglu" if arch.mlp == "swiglu" else "gelu",
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             sliding_window=int(window) if isinstance(window, int) and window > 0 else None,
-            hf_model_type=arch.model_type, attn_scale=arch.scale,
+            hf_model_type=arch.model_type, attn_scale=arch.scale, attn_softcap=arch.softcap,
         )
 
     # -- what our GPT offers too ----------------------------------------------------------------------

@@ -67,6 +67,8 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("blocks.{L}.attn.hook_qk", ("B", "H", "n", "t"), "QKᵀ", "—", note=GQA_NOTE),
     HookSpec("blocks.{L}.attn.hook_attn_scores", ("B", "H", "n", "t"), "QKᵀ/√d_k",
              "hook_attn_scores is scaled *and* masked"),
+    HookSpec("blocks.{L}.attn.hook_softcapped", ("B", "H", "n", "t"), "c·tanh(scores / c), the soft-cap (Gemma 2)",
+             "—", needs="softcap"),
     HookSpec("blocks.{L}.attn.hook_mask", ("B|1", "1", "n", "t"),
              "additive mask M: 0 or −∞ (B rows only with padding; a sliding window hides keys ≥ window back)", "—"),
     HookSpec("blocks.{L}.attn.hook_masked_scores", ("B", "H", "n", "t"), "QKᵀ/√d_k + M", "≈ hook_attn_scores"),
@@ -106,11 +108,37 @@ def _default_config():
     return GPTConfig()
 
 
+# The rows a transformers-run model (family "hf", model/hf_decoder.py) has: the ones its forward passes through
+# hook points; the rest of its tensors are module records under its own names (``hf.model.layers.0.…``).
+HF_ROWS = frozenset({
+    "hook_embed", "blocks.{L}.hook_resid_pre", "blocks.{L}.attn.hook_q", "blocks.{L}.attn.hook_k",
+    "blocks.{L}.attn.hook_v", "blocks.{L}.attn.hook_k_all", "blocks.{L}.attn.hook_v_all", "blocks.{L}.attn.hook_qk",
+    "blocks.{L}.attn.hook_attn_scores", "blocks.{L}.attn.hook_softcapped", "blocks.{L}.attn.hook_mask",
+    "blocks.{L}.attn.hook_masked_scores", "blocks.{L}.attn.hook_pattern", "blocks.{L}.attn.hook_z",
+    "blocks.{L}.hook_attn_out", "blocks.{L}.hook_resid_mid", "blocks.{L}.hook_mlp_out", "blocks.{L}.hook_resid_post",
+    "hook_logits"})
+HF_MEANINGS = {  # what a row means there, where that differs from our GPT
+    "blocks.{L}.attn.hook_q": "queries Q as the attention receives them (after RoPE and QK-norm where the model has them)",
+    "blocks.{L}.attn.hook_k": "keys of the new positions, as the cache keeps them (after RoPE and QK-norm if any)",
+    "blocks.{L}.attn.hook_attn_scores": "QKᵀ × the model's scale (1/√d_head unless its config sets another)",
+    "blocks.{L}.attn.hook_masked_scores": "scores + M",
+    "blocks.{L}.attn.hook_pattern": "A = softmax(scores + M), in float32 as transformers' eager path",
+    "blocks.{L}.hook_attn_out": "attention output ·W_O (+ b), before any post-attention norm",
+    "blocks.{L}.hook_resid_mid": "the stream entering the MLP's norm (absent in a parallel block)",
+    "blocks.{L}.hook_mlp_out": "the MLP's (or the mixture of experts') output",
+    "hook_logits": "logits as the model returns them (after any final soft-cap or scaling)",
+}
+
+
 def _has(spec: HookSpec, config) -> bool:
     """Whether a model with ``config`` has this row (a config without the new fields is GPT-2)."""
+    if getattr(config, "family", "gpt2") == "hf":
+        return spec.name in HF_ROWS and (spec.needs != "softcap" or getattr(config, "attn_softcap", None) is not None)
     needs = spec.needs
     if not needs:
         return True
+    if needs == "softcap":
+        return False
     if needs in ("learned_positions", "rope"):
         return getattr(config, "positions", "learned") == ("rope" if needs == "rope" else "learned")
     if needs in ("layernorm", "rmsnorm"):
@@ -133,7 +161,8 @@ def _specialise(spec: HookSpec, config) -> HookSpec:
     if getattr(config, "mlp", "gelu") == "gelu":
         names["d_ff"] = "4d"  # GPT-2's name for its MLP width (n_inner when a checkpoint sets it)
     shape = tuple(names.get(s, s) for s in spec.shape)
-    return spec if shape == spec.shape else replace(spec, shape=shape)
+    meaning = HF_MEANINGS.get(spec.name, spec.meaning) if getattr(config, "family", "gpt2") == "hf" else spec.meaning
+    return spec if (shape, meaning) == (spec.shape, spec.meaning) else replace(spec, shape=shape, meaning=meaning)
 
 
 def hooks_for(config) -> tuple[HookSpec, ...]:

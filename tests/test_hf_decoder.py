@@ -92,3 +92,49 @@ def test_a_model_that_does_not_route_attention_through_the_interface_is_refused(
     hf.model.layers[1].self_attn.forward = own_attention.__get__(hf.model.layers[1].self_attn)
     with pytest.raises(HFDecoderError, match=r"layer\(s\) 1 does not go through transformers' attention interface"):
         HFDecoder(hf)
+
+
+@pytest.fixture(scope="module")
+def traced(directories):
+    """Two decode steps of qwen3 (QK-norm) and gemma2 (its own scale, soft-capping, sliding layers)."""
+    out = {}
+    for name in ("qwen3", "gemma2"):
+        model, tok = load_hf(directories[name])
+        gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)
+        gen.run(3)
+        out[name] = gen.trace
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2"])
+def test_the_views_recompute_what_the_model_computed(traced, model_type):
+    """The Pitfalls view recomputes the pattern from the recorded Q, K and M with the model's own scale and
+    soft-cap: "as the model does it" must be the recorded pattern, at every layer."""
+    from figures.attention import attention_stages, pitfall_patterns
+
+    trace = traced[model_type]
+    for step in (0, 2):
+        for layer in range(trace.config.n_layer):
+            recorded = trace.get(f"blocks.{layer}.attn.hook_pattern", step)[0, 1].double()
+            redone = pitfall_patterns(trace, step, layer, head=1)["as the model does it"]
+            assert torch.allclose(redone, recorded, atol=1e-5), (step, layer)
+    titles = [s.title for s in attention_stages(trace, 2, 0, 0)]
+    if model_type == "gemma2":  # five stages: the soft-cap is one; the scale is the model's, not 1/√d_head
+        assert len(titles) == 5 and "s = 0.2041" in titles[1] and titles[2].startswith("c·tanh(s·QKᵀ/c)")
+    else:
+        assert len(titles) == 4 and titles[1].startswith("QKᵀ / √d_k")
+
+
+def test_the_shape_flow_of_an_unseen_architecture_is_read_from_its_records(traced):
+    from figures.flow import flow_nodes, reshape_ops
+
+    nodes, edges = flow_nodes(traced["qwen3"], 2, layer=1)
+    names = [n.name for n in nodes]
+    assert "hf.model.layers.1.self_attn.q_norm:out" in names  # QK-norm: recorded, so drawn
+    assert names.index("hf.model.layers.1.self_attn.q_proj:out") < names.index("blocks.1.attn.hook_q")
+    assert all(n.shape is not None for n in nodes) and len(edges) == len(nodes) - 1
+    assert not any(n.startswith("hf.model.layers.0.") for n in names)  # only the chosen block
+    gemma = [n.name for n in flow_nodes(traced["gemma2"], 2, layer=0)[0]]
+    assert "blocks.0.attn.hook_softcapped" in gemma
+    ops = reshape_ops(traced["qwen3"], 2, 1)
+    assert ops[0].op == "q_proj(x)" and ops[-1].shape == (1, 1, 4 * 16)
