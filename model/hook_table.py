@@ -28,6 +28,7 @@ NEEDS = {
     "rmsnorm": "Llama-style (RMSNorm)",
     "gelu": "GPT-2 (GELU MLP)",
     "swiglu": "Llama-style (SwiGLU MLP)",
+    "softcap": "transformers-run, soft-capped (Gemma 2)",
 }
 
 
@@ -260,6 +261,8 @@ def markdown_table() -> str:
     ]
     for spec in HOOKS:
         meaning = spec.meaning + (f" — *{spec.note}*" if spec.note else "")
-        lines.append(f"| `{spec.name}` | [{', '.join(spec.shape)}] | {meaning} | {NEEDS[spec.needs]} | "
+        models = NEEDS[spec.needs] + ("; any transformers-run decoder" if spec.name in HF_ROWS and spec.needs != "softcap"
+                                      else "")
+        lines.append(f"| `{spec.name}` | [{', '.join(spec.shape)}] | {meaning} | {models} | "
                      f"{spec.transformer_lens} |")
     return "\n".join(lines)
