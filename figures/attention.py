@@ -451,6 +451,10 @@ def rope_not_drawn(trace: Trace) -> str | None:
     frequencies): the trace holds them rotated, not the rotation itself, and our rotation functions would
     not be this model's."""
     config = trace.config
+    if getattr(config, "family", None) == "module":
+        return (f"Your module ({config.hf_model_type}) applies any position encoding itself, before it calls "
+                "scaled_dot_product_attention: the Q and K recorded here are what it passed to that call. The "
+                "rotation itself is the module's code, so it is not redrawn here.")
     if getattr(config, "family", None) == "hf":
         return (f"This {config.hf_model_type} model is run by transformers, which applies its position encoding "
                 "inside the model's own attention module: the Q and K recorded here (hook_q, hook_k) are already "

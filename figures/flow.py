@@ -161,7 +161,7 @@ def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode]
     records = trace.filter(step=step)
     hooks = [r for r in records if r.kind == "hook" and r.name.startswith(f"blocks.{layer}.")]
     # the model's own decoder layer `layer`: the module path of the first leaf whose first number is `layer`
-    own = [r for r in records if r.kind == "output" and r.module.startswith("hf.") and r.slot == ""
+    own = [r for r in records if r.kind == "output" and r.module.startswith(("hf.", "inner.")) and r.slot == ""
            and _first_number(r.module) == layer]
     leaves = {m for m in (r.module for r in own) if not any(o.module.startswith(m + ".") for o in own)}
     chosen = sorted([*hooks, *(r for r in own if r.module in leaves)], key=lambda r: r.index)
@@ -203,7 +203,7 @@ def _short(text: str, width: int = 34) -> str:
 def recorded_flow(trace: Trace) -> bool:
     """Whether the flow is drawn from the records (no template for this model's architecture)."""
     config = trace.config
-    return config is None or getattr(config, "family", "gpt2") == "hf"
+    return config is None or getattr(config, "family", "gpt2") in ("hf", "module")
 
 
 def flow_nodes(trace: Trace, step: int, layer: int = 0) -> tuple[list[FlowNode], list[tuple[int, int]]]:
@@ -364,7 +364,8 @@ def _recorded_reshape_ops(trace: Trace, step: int, layer: int) -> list[ReshapeOp
     q_r, z_r = trace.record(act_name("q", layer), step), trace.record(act_name("z", layer), step)
     B, H, n, dh = q_r.shape
     itemsize = q_r.nbytes // max(1, q_r.numel)
-    own = [r for r in trace.filter(step=step) if r.module.startswith("hf.") and r.kind in ("output", "input")
+    own = [r for r in trace.filter(step=step) if r.module.startswith(("hf.", "inner."))
+           and r.kind in ("output", "input")
            and r.slot in ("", "[0]") and _first_number(r.module) == layer]
     # the output projection's input: the merged heads, and the attention module is that projection's parent
     merged = next((r for r in own if r.kind == "input" and r.index > z_r.index and r.shape[-1:] == (H * dh,)), None)

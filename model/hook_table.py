@@ -118,6 +118,7 @@ HF_ROWS = frozenset({
     "blocks.{L}.attn.hook_masked_scores", "blocks.{L}.attn.hook_pattern", "blocks.{L}.attn.hook_z",
     "blocks.{L}.hook_attn_out", "blocks.{L}.hook_resid_mid", "blocks.{L}.hook_mlp_out", "blocks.{L}.hook_resid_post",
     "hook_logits"})
+MODULE_ROWS = frozenset(r for r in HF_ROWS if ".attn." in r and "softcapped" not in r) | {"hook_logits"}
 HF_MEANINGS = {  # what a row means there, where that differs from our GPT
     "blocks.{L}.attn.hook_q": "queries Q as the attention receives them (after RoPE and QK-norm where the model has them)",
     "blocks.{L}.attn.hook_k": "keys of the new positions, as the cache keeps them (after RoPE and QK-norm if any)",
@@ -133,7 +134,10 @@ HF_MEANINGS = {  # what a row means there, where that differs from our GPT
 
 def _has(spec: HookSpec, config) -> bool:
     """Whether a model with ``config`` has this row (a config without the new fields is GPT-2)."""
-    if getattr(config, "family", "gpt2") == "hf":
+    family = getattr(config, "family", "gpt2")
+    if family == "module":  # only its attention is seen (model/own_module.py), and the logits
+        return spec.name in MODULE_ROWS
+    if family == "hf":
         return spec.name in HF_ROWS and (spec.needs != "softcap" or getattr(config, "attn_softcap", None) is not None)
     needs = spec.needs
     if not needs:
@@ -162,7 +166,8 @@ def _specialise(spec: HookSpec, config) -> HookSpec:
     if getattr(config, "mlp", "gelu") == "gelu":
         names["d_ff"] = "4d"  # GPT-2's name for its MLP width (n_inner when a checkpoint sets it)
     shape = tuple(names.get(s, s) for s in spec.shape)
-    meaning = HF_MEANINGS.get(spec.name, spec.meaning) if getattr(config, "family", "gpt2") == "hf" else spec.meaning
+    external = getattr(config, "family", "gpt2") in ("hf", "module")
+    meaning = HF_MEANINGS.get(spec.name, spec.meaning) if external else spec.meaning
     return spec if (shape, meaning) == (spec.shape, spec.meaning) else replace(spec, shape=shape, meaning=meaning)
 
 

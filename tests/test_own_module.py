@@ -1,0 +1,177 @@
+"""Your own module (model/own_module.py): a hand-written GPT that calls F.scaled_dot_product_attention gets its
+attention recorded where it calls it, equal to softmax(QKᵀ·scale + M) recomputed here from its own weights."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.own_module import OwnDecoder, OwnModuleError, load_factory
+from tracer import TracedGeneration, Tracer, ablate
+
+GPT_SOURCE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Config:
+    block_size, vocab_size, n_layer, n_head, n_kv_head, n_embd = 64, 1024, 2, 4, 2, 32
+
+
+class Attention(nn.Module):
+    """Grouped-query attention written by hand, calling F.scaled_dot_product_attention."""
+
+    def __init__(self, c, mask_kind):
+        super().__init__()
+        self.c, self.mask_kind = c, mask_kind
+        d_head = c.n_embd // c.n_head
+        self.q = nn.Linear(c.n_embd, c.n_head * d_head)
+        self.kv = nn.Linear(c.n_embd, 2 * c.n_kv_head * d_head)
+        self.o = nn.Linear(c.n_embd, c.n_embd)
+
+    def forward(self, x):
+        B, n, _ = x.shape
+        c, dh = self.c, self.c.n_embd // self.c.n_head
+        q = self.q(x).view(B, n, c.n_head, dh).transpose(1, 2)
+        k, v = self.kv(x).view(B, n, 2, c.n_kv_head, dh).permute(2, 0, 3, 1, 4)
+        if self.mask_kind == "causal":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            allowed = torch.ones(n, n, dtype=torch.bool).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.3, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(B, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, c, mask_kind):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(c.n_embd), Attention(c, mask_kind)
+        self.ln2, self.mlp = nn.LayerNorm(c.n_embd), nn.Sequential(nn.Linear(c.n_embd, 64), nn.GELU(),
+                                                                  nn.Linear(64, c.n_embd))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, mask_kind="causal"):
+        super().__init__()
+        self.config = c = Config()
+        self.wte, self.wpe = nn.Embedding(c.vocab_size, c.n_embd), nn.Embedding(c.block_size, c.n_embd)
+        self.h = nn.ModuleList(Block(c, mask_kind) for _ in range(c.n_layer))
+        self.ln_f, self.head = nn.LayerNorm(c.n_embd), nn.Linear(c.n_embd, c.vocab_size, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.head(self.ln_f(x)), None  # (logits, loss) as nanoGPT
+
+
+def make(mask_kind="causal"):
+    torch.manual_seed(0)
+    return TinyGPT(mask_kind).eval()
+
+
+def make_explicit():
+    return make("explicit")
+'''
+
+
+@pytest.fixture()
+def user_code(tmp_path, monkeypatch):
+    (tmp_path / "my_tiny_gpt.py").write_text(GPT_SOURCE)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(tmp_path / "my_tiny_gpt.py", 0o644)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("my_tiny_gpt", None)
+
+
+def recomputed_pattern(module: nn.Module, tokens: torch.Tensor, layer: int, scale: float | None) -> torch.Tensor:
+    """softmax(QKᵀ·scale + M) of one layer, from the module's own weights and plain torch: [B, H, n, n]."""
+    c = module.config
+    x = module.wte(tokens) + module.wpe(torch.arange(tokens.shape[1]))
+    for block in module.h[:layer]:
+        x = block(x)
+    attn, dh = module.h[layer].attn, c.n_embd // c.n_head
+    h = module.h[layer].ln1(x)
+    B, n, _ = h.shape
+    q = attn.q(h).view(B, n, c.n_head, dh).transpose(1, 2)
+    k = attn.kv(h).view(B, n, 2, c.n_kv_head, dh)[:, :, 0].transpose(1, 2).repeat_interleave(2, dim=1)
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else 1 / math.sqrt(dh))
+    hidden = torch.ones(n, n, dtype=torch.bool).triu(1)
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize(("factory", "scale"), [("make", None), ("make_explicit", 0.3)])
+def test_the_pattern_of_every_sdpa_call_is_recorded_and_the_logits_are_the_modules(user_code, factory, scale):
+    model, tokenizer = load_factory(f"my_tiny_gpt:{factory}")
+    assert isinstance(model, OwnDecoder) and tokenizer is None
+    assert (model.config.n_layer, model.config.n_head, model.config.n_kv_heads) == (2, 4, 2)
+    tokens = torch.randint(0, 1024, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model.inner(tokens)[0]  # the module's own forward, PyTorch's fused SDPA
+        with Tracer(model) as tr:
+            traced = model(tokens)
+        for layer in range(2):
+            pattern = tr.trace.get(f"blocks.{layer}.attn.hook_pattern", 0)  # [B, H, n, t]
+            assert pattern.shape == (2, 4, 11, 11)
+            assert torch.allclose(pattern, recomputed_pattern(model.inner, tokens, layer, scale), atol=1e-5)
+            assert tr.trace.record(f"blocks.{layer}.attn.hook_k_all", 0).shape == (2, 2, 11, 8)
+    assert (traced - plain).abs().max() <= 1e-5
+
+
+def test_a_generation_steps_without_a_cache_and_a_head_switched_off_changes_it(user_code, bundled):
+    model, _ = load_factory("my_tiny_gpt:make")
+    _, tok = bundled
+    gen = TracedGeneration(model, tok, "Lily had a red kite.", use_cache=False, temperature=0)
+    gen.run(3)
+    assert gen.trace.record("blocks.1.attn.hook_pattern", 2).shape[-1] == gen.info.prompt_width + 2
+    logits = gen.trace.get("hook_logits", 0)
+    with Tracer(model, interventions=[ablate("blocks.0.attn.hook_z", head=1)]) as tr, torch.no_grad():
+        model(torch.tensor([gen.tokens(0)[:gen.info.prompt_width]]))
+    assert not torch.allclose(tr.trace.get("hook_logits", 0), logits)
+    with pytest.raises(OwnModuleError, match="runs without our KV cache"):
+        TracedGeneration(model, tok, "Lily", use_cache=True)
+
+
+def test_code_others_can_write_is_never_run(user_code):
+    os.chmod(user_code / "my_tiny_gpt.py", 0o666)
+    with pytest.raises(OwnModuleError, match="can be written by others"):
+        load_factory("my_tiny_gpt:make")
+    assert "my_tiny_gpt" not in sys.modules  # refused before it was imported
+
+
+def test_a_module_that_hides_its_attention_is_refused_by_name():
+    class Hidden(nn.Module):
+        config = type("C", (), {"block_size": 16})()
+
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+
+        def forward(self, idx):
+            x = self.emb(idx)
+            return x @ self.emb.weight.T
+
+    with pytest.raises(OwnModuleError, match="no call to torch.nn.functional.scaled_dot_product_attention"):
+        OwnDecoder(Hidden())
+    assert F.scaled_dot_product_attention(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4),
+                                          is_causal=True).shape == (1, 1, 2, 4)  # outside: PyTorch's own
+
+
+@pytest.mark.parametrize("spec", ["no_colon", "a:b:c", ":make", "no_such_module_here:make"])
+def test_a_bad_factory_spec_says_what_to_give(user_code, spec):
+    with pytest.raises(OwnModuleError):
+        load_factory(spec)
+
