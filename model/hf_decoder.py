@@ -504,6 +504,20 @@ def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None 
     return model
 
 
+def weights_size(directory: str | os.PathLike, dtype: torch.dtype | str = "float32") -> tuple[int, int]:
+    """``(parameters, bytes in dtype)`` of a directory's safetensors weights, read from their headers only:
+    what loading will hold, stated before anything is loaded. (0, 0) when there are no safetensors files."""
+    from safetensors import safe_open
+
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).element_size()
+    count = 0
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), not iteration)
+                count += int(torch.Size(f.get_slice(key).get_shape()).numel())
+    return count, count * itemsize
+
+
 def _files_digest(directory: Path) -> str:
     """sha256 over the config and every weight file's bytes, in name order: two directories with the same
     weights agree, a changed weight anywhere changes it."""
@@ -526,4 +540,4 @@ def is_hf_decoder_dir(directory: Path) -> bool:
 
 
 __all__ = ["ATTENTION", "Architecture", "HFDecoder", "HFDecoderError", "is_hf_decoder_dir", "load_hf_decoder",
-           "traced_attention"]
+           "traced_attention", "weights_size"]

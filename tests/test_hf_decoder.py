@@ -138,3 +138,21 @@ def test_the_shape_flow_of_an_unseen_architecture_is_read_from_its_records(trace
     assert "blocks.0.attn.hook_softcapped" in gemma
     ops = reshape_ops(traced["qwen3"], 2, 1)
     assert ops[0].op == "q_proj(x)" and ops[-1].shape == (1, 1, 4 * 16)
+
+
+def test_bfloat16_through_transformers_and_the_size_stated_before_loading(directories):
+    from model.hf_decoder import weights_size
+    from model.loading import logit_tolerance
+
+    directory = directories["qwen3"]
+    ref = reference(directory)
+    count, nbytes = weights_size(directory, "bfloat16")
+    assert count == sum(p.numel() for p in ref.parameters())  # every parameter once, from the headers alone
+    assert nbytes == 2 * count
+    model, tok = load_hf(directory, dtype="bfloat16")
+    assert next(model.hf.parameters()).dtype == torch.bfloat16
+    ids = torch.tensor([tok.encode("Once upon a time")])
+    with torch.no_grad():
+        got = model(ids).float()
+        want = ref.to(torch.bfloat16)(ids).logits.float()
+    assert (got - want).abs().max() <= logit_tolerance(torch.bfloat16)
