@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pandas as pd
 import plotly.graph_objects as go
 
-from figures.common import facts_of, safe_text, shape_text
+from figures.common import safe_text, shape_text
 from figures.plot import arrow_trace, figure, fitted, text_trace
 from model.hook_table import act_name
 from tracer import Trace
@@ -226,14 +225,6 @@ def flow_nodes(trace: Trace, step: int, layer: int = 0) -> tuple[list[FlowNode],
     return nodes, [(index[a], index[b]) for a, b in edges_by_name if a in index and b in index]
 
 
-def flow_table(trace: Trace, step: int, layer: int = 0) -> pd.DataFrame:
-    nodes, _ = flow_nodes(trace, step, layer)
-    return pd.DataFrame([{
-        "stage": n.label, "record": n.name, "shape": n.shape,
-        "symbols": "[" + ", ".join(n.symbolic) + "]" if n.symbolic else "", "weight": n.weight,
-    } for n in nodes])
-
-
 def repeat_note(layer: int, n_layer: int | None) -> str:
     """Which blocks the drawn one stands for (blocks are numbered from 0, as in the hook names)."""
     if n_layer is None:
@@ -425,6 +416,3 @@ def _wrap(text: str, width: int) -> list[str]:
             line = f"{line} {word}".strip()
     return [*lines, line] if line else lines
 
-
-def use_cache_of(trace: Trace) -> bool:
-    return facts_of(trace).info.use_cache

@@ -133,11 +133,6 @@ class KVCache:
         """Bytes of the cached keys and values (the t rows in use, all layers)."""
         return sum(int(t.numel() * t.element_size()) for t in (*self.keys, *self.values) if t is not None)
 
-    @property
-    def capacity_nbytes(self) -> int:
-        """Bytes allocated for the buffers, including room not yet used."""
-        return sum(2 * b.keys.numel() * b.keys.element_size() for b in self._buffers if b is not None)
-
     def __repr__(self) -> str:
         keys = self.keys[0]
         shape = list(keys.shape) if keys is not None else None

@@ -222,11 +222,6 @@ def act_name(kind: str, layer: int | None = None) -> str:
     return template
 
 
-def short_names() -> list[str]:
-    """Every name ``act_name`` accepts."""
-    return sorted(_SHORT)
-
-
 def resolve(symbol: str, dims: dict[str, int]) -> int:
     """Evaluate a symbol like ``d``, ``3d``, ``d_head``, ``G``, ``1`` with ``dims``.
 

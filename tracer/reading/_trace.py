@@ -188,10 +188,6 @@ class Trace:
         self._materialize()
         return self._records[self._find(name, step)]
 
-    def record_at(self, index: int) -> TensorRecord:
-        self._materialize()
-        return self._records[index]
-
     def _lookup(self, name: str, step: int | None) -> int | None:
         candidates = [name, f"{name}:out"] if ":" not in name else [name]
         steps = [step] if step is not None else sorted({s for s, _ in self._by_name}, reverse=True)

@@ -253,11 +253,6 @@ class PathCost:
     kv_bytes: int  # bytes of cached keys and values it reads
     seconds: float | None = None  # one untraced wall-clock timing: an estimate, never the evidence
 
-    @property
-    def bytes_read(self) -> int:
-        return self.weight_bytes + self.kv_bytes
-
-
 @dataclass(frozen=True)
 class RecomputeComparison:
     """A step done both ways: the cached path (new rows over cached K, V) and a full recompute."""
