@@ -415,4 +415,3 @@ def _wrap(text: str, width: int) -> list[str]:
         else:
             line = f"{line} {word}".strip()
     return [*lines, line] if line else lines
-

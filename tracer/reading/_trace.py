@@ -360,4 +360,3 @@ def _config_from(identity: ModelIdentity | None):
         return GPTConfig(**{k: v for k, v in identity.config.items() if k in fields})
     except (TypeError, ValueError):
         return None
-
