@@ -41,6 +41,8 @@ from model.identity import ModelIdentity, parameters_digest
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families this file implements
 HF_FAMILY = "hf"  # any other transformers decoder, run by transformers (model/hf_decoder.py): a description only
+MODULE_FAMILY = "module"  # a user's own module, run by its own code (model/own_module.py): a description only
+EXTERNAL_FAMILIES = (HF_FAMILY, MODULE_FAMILY)  # described by a GPTConfig, never built from one
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu")
@@ -123,8 +125,9 @@ class GPTConfig:
     norm_bias: bool = True  # β in LayerNorm (GPT-2) or none (nanoGPT with bias=False); RMSNorm never has one
     activation: str = "gelu_tanh"  # the "gelu" MLP's GELU: "gelu_tanh" (GPT-2's gelu_new) | "gelu" (exact, erf)
     sliding_window: int | None = None  # a query sees at most this many key slots, itself included (Mistral)
-    hf_model_type: str | None = None  # family "hf": transformers' model_type ("qwen3", "gemma2", …)
+    hf_model_type: str | None = None  # family "hf": transformers' model_type ("qwen3", …); "module": its class
     attn_scale: float | None = None  # the scores' scale; None is the usual 1/√d_head (Gemma, Granite set their own)
+    attn_softcap: float | None = None  # family "hf": c in c·tanh(scores/c) before the mask (Gemma 2), else None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from ModelIdentity.config / JSON
@@ -155,7 +158,7 @@ class GPTConfig:
             _check_positive_int("d_mlp", self.d_mlp, MAX_WIDTH)
         _check_positive_float("layer_norm_eps", self.layer_norm_eps)
         _check_positive_float("rope_theta", self.rope_theta)
-        for name, allowed in (("family", (*FAMILIES, HF_FAMILY)), ("norm", NORMS), ("positions", POSITIONS),
+        for name, allowed in (("family", (*FAMILIES, *EXTERNAL_FAMILIES)), ("norm", NORMS), ("positions", POSITIONS),
                               ("mlp", MLPS), ("activation", ACTIVATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
@@ -657,9 +660,9 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        if config.family == HF_FAMILY:
-            raise ValueError("family 'hf' describes a transformers model run by transformers (model.hf_decoder); "
-                             "it cannot be built here")
+        if config.family in EXTERNAL_FAMILIES:
+            raise ValueError(f"family {config.family!r} describes a model run by its own code (model.hf_decoder, "
+                             "model.own_module); it cannot be built here")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)  # W_E: [V, d]
         nn.init.normal_(self.embed.weight, std=0.02)
