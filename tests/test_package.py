@@ -1,6 +1,6 @@
 """The package installs and its commands work from anywhere: a clone installed (not editable) into a fresh
-virtual environment that sees this environment's packages, used from another directory, where nothing of the
-checkout is importable."""
+virtual environment that sees this environment's packages (its dependencies, the build backend) through a
+``.pth`` file, used from another directory, where nothing of the checkout is importable."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -34,8 +35,12 @@ def installed(tmp_path_factory):
             (clone / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, clone / path)
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}  # this environment, venv or not
+    (Path(site) / "this_environment.pth").write_text("\n".join(sorted(ours)) + "\n")
     # no network: the build backend and every dependency come from this environment (this pip installs into
     # the venv; a venv's own pip would bring its own, older setuptools)
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
