@@ -652,6 +652,55 @@ def additive_mask(
     return mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)  # [B|1, 1, n, t]
 
 
+def check_tokens(config: GPTConfig, tokens: torch.Tensor, cache: KVCache | None) -> None:
+    """Refuse token ids the model cannot run: not ``[B, n]`` integers, none, past n_ctx, outside [0, V)."""
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [B, n] token ids, got shape {list(tokens.shape)}")
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    B, n = tokens.shape
+    if n == 0:
+        raise ValueError("tokens has no positions (n = 0): give at least one token")
+    past = 0
+    if cache is not None:
+        cache.check_batch(B)
+        past = cache.length
+    t = past + n
+    if t > config.n_ctx:
+        table = f"its positional table has no row {t - 1}" if config.positions == "learned" else (
+            "max_position_embeddings")
+        raise ValueError(
+            f"sequence too long: {past} cached + {n} new = {t} positions, but this model's "
+            f"n_ctx is {config.n_ctx} ({table})"
+        )
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
+        raise ValueError(
+            f"token ids must lie in [0, {config.vocab_size}); got min {int(tokens.min())}, "
+            f"max {int(tokens.max())}"
+        )
+
+
+def positions_and_keys(
+    B: int,
+    n: int,
+    past: int,
+    padding_mask: torch.Tensor | None,
+    cache: KVCache | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Position ids ``[B|1, n]`` and the key padding ``[B, t]`` (None when nothing is padding)."""
+    past_is_token = cache.key_is_token if cache is not None else None
+    if padding_mask is None and past_is_token is None:
+        return torch.arange(past, past + n, device=device)[None], None
+    new_is_token = padding_mask if padding_mask is not None else torch.ones(B, n, dtype=torch.bool, device=device)
+    if past_is_token is None:
+        past_is_token = torch.ones(B, past, dtype=torch.bool, device=device)
+    key_is_token = torch.cat([past_is_token, new_is_token], dim=1)  # [B, t]
+    seen = past_is_token.sum(dim=1, keepdim=True)  # real tokens already in the cache, [B, 1]
+    positions = (seen + new_is_token.cumsum(dim=1) - 1).clamp(min=0)  # [B, n]
+    return positions, key_is_token
+
+
 class GPT(nn.Module):
     """A decoder-only transformer: token embeddings (+ learned positions, or RoPE inside attention),
     pre-norm blocks, a final norm and the unembedding (tied to W_E, or its own W_U).
@@ -696,34 +745,6 @@ class GPT(nn.Module):
         """An empty KV cache for ``batch_size`` sequences, to pass to ``forward``."""
         return KVCache(self.config.n_layer, batch_size)
 
-    @staticmethod
-    def _check_tokens(config: GPTConfig, tokens: torch.Tensor, cache: KVCache | None) -> None:
-        """Refuse token ids the model cannot run: not ``[B, n]`` integers, none, past n_ctx, outside [0, V)."""
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [B, n] token ids, got shape {list(tokens.shape)}")
-        if tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
-        B, n = tokens.shape
-        if n == 0:
-            raise ValueError("tokens has no positions (n = 0): give at least one token")
-        past = 0
-        if cache is not None:
-            cache.check_batch(B)
-            past = cache.length
-        t = past + n
-        if t > config.n_ctx:
-            table = f"its positional table has no row {t - 1}" if config.positions == "learned" else (
-                "max_position_embeddings")
-            raise ValueError(
-                f"sequence too long: {past} cached + {n} new = {t} positions, but this model's "
-                f"n_ctx is {config.n_ctx} ({table})"
-            )
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
-            raise ValueError(
-                f"token ids must lie in [0, {config.vocab_size}); got min {int(tokens.min())}, "
-                f"max {int(tokens.max())}"
-            )
-
     def forward(
         self,
         tokens: torch.Tensor,
@@ -739,7 +760,7 @@ class GPT(nn.Module):
         cache remembers it, and positions count real tokens only, as Hugging
         Face does with ``position_ids = attention_mask.cumsum(-1) − 1``.
         """
-        self._check_tokens(self.config, tokens, cache)
+        check_tokens(self.config, tokens, cache)
         B, n = tokens.shape
         past = cache.length if cache is not None else 0
         if padding_mask is not None:
@@ -750,7 +771,7 @@ class GPT(nn.Module):
                 )
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
 
-        positions, key_is_token = self._positions(B, n, past, padding_mask, cache, tokens.device)
+        positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         x = self.hook_embed(self.embed(tokens))  # [B,n] -> [B,n,d]
         rope = None
         if self.config.positions == "learned":
@@ -782,27 +803,6 @@ class GPT(nn.Module):
         if self.config.tie_embeddings:
             return F.linear(x, self.embed.weight)  # [..., d] @ W_Eᵀ [d, V] -> [..., V]
         return self.unembed(x)  # [..., d] @ W_U [d, V] -> [..., V]
-
-    @staticmethod
-    def _positions(
-        B: int,
-        n: int,
-        past: int,
-        padding_mask: torch.Tensor | None,
-        cache: KVCache | None,
-        device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Position ids ``[B|1, n]`` and the key padding ``[B, t]`` (None when nothing is padding)."""
-        past_is_token = cache.key_is_token if cache is not None else None
-        if padding_mask is None and past_is_token is None:
-            return torch.arange(past, past + n, device=device)[None], None
-        new_is_token = padding_mask if padding_mask is not None else torch.ones(B, n, dtype=torch.bool, device=device)
-        if past_is_token is None:
-            past_is_token = torch.ones(B, past, dtype=torch.bool, device=device)
-        key_is_token = torch.cat([past_is_token, new_is_token], dim=1)  # [B, t]
-        seen = past_is_token.sum(dim=1, keepdim=True)  # real tokens already in the cache, [B, 1]
-        positions = (seen + new_is_token.cumsum(dim=1) - 1).clamp(min=0)  # [B, n]
-        return positions, key_is_token
 
     @property
     def num_parameters(self) -> int:

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from model.cache import KVCache
-from model.gpt import GPT, GPTConfig, HookPoint
+from model.gpt import GPTConfig, HookPoint, check_tokens, positions_and_keys
 from model.identity import ModelIdentity, parameters_digest
 
 ATTENTION = "shape_tracer"  # the name our attention function is registered under
@@ -330,11 +330,7 @@ class HFDecoder(nn.Module):
             raise HFDecoderError(f"model_type {model_type!r} is {REFUSED[model_type]}")
         if getattr(hf.config, "is_encoder_decoder", False):
             raise HFDecoderError(f"{model_type} is an encoder-decoder; only decoder-only causal LMs are traced")
-        hf.config._attn_implementation = ATTENTION
-        for sub in hf.modules():  # composite configs (a text config inside) carry their own choice
-            cfg = getattr(sub, "config", None)
-            if cfg is not None and hasattr(cfg, "_attn_implementation"):
-                cfg._attn_implementation = ATTENTION
+        hf.set_attn_implementation(ATTENTION)  # to every sub-model too; the routing check below verifies it
         self.hf = hf.eval().requires_grad_(False)
         cfg = _text_config(hf.config)
         n_layer = int(cfg.num_hidden_layers)
@@ -451,12 +447,12 @@ class HFDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *,
                 padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, n, V]`` for token ids ``[B, n]``, as ``GPT.forward`` (positions count real tokens)."""
-        GPT._check_tokens(self.config, tokens, cache)
+        check_tokens(self.config, tokens, cache)
         B, n = tokens.shape
         past = cache.length if cache is not None else 0
         if padding_mask is not None:
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
-        positions, key_is_token = GPT._positions(B, n, past, padding_mask, cache, tokens.device)
+        positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
         try:
             out = self.hf(input_ids=tokens, attention_mask=attention_mask, position_ids=positions.expand(B, n),

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.cache import KVCache
-from model.gpt import GPT, GPTConfig, HookPoint
+from model.gpt import GPT, GPTConfig, HookPoint, check_tokens
 from model.hf_decoder import HFDecoder, _AttentionHooks
 from model.identity import ModelIdentity, parameters_digest
 
@@ -200,7 +200,7 @@ class OwnDecoder(nn.Module):
         if padding_mask is not None and not bool(padding_mask.all()):
             raise OwnModuleError("your module's forward takes no padding mask: give one prompt, or prompts of "
                                  "equal length")
-        GPT._check_tokens(self.config, tokens, None)
+        check_tokens(self.config, tokens, None)
         with _Routed(self):
             logits = _logits_of(self.inner(tokens))
         if _routing.call != len(self.blocks):
