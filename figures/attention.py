@@ -88,8 +88,8 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
         scaled, scaling = "QKᵀ/√d_k", (f"QKᵀ / √d_k   (√{d_k} = {math.sqrt(d_k):.3f})",
                                         f"{shape_text(qk)} / {math.sqrt(d_k):.3f} → {shape_text(qk)}")
     else:  # the model's own scale (Gemma's query_pre_attn_scalar, Granite's attention_multiplier)
-        scaled, scaling = "s·QKᵀ", (f"s·QKᵀ   (the model's scale s = {scale:.4g}, not 1/√{d_k} = {d_k**-0.5:.4g})",
-                                    f"{shape_text(qk)} × {scale:.4g} → {shape_text(qk)}")
+        scaled, scaling = "s·QKᵀ", (f"s·QKᵀ   (s = {scale:.4g})",
+                                    f"× {scale:.4g}, the model's scale (1/√{d_k} = {d_k**-0.5:.4g}) → {shape_text(qk)}")
     stages = [
         Stage("qk", "QKᵀ", f"{shape_text(q)} @ {shape_text(kt)}{share} → {shape_text(qk)}", None),
         Stage("attn_scores", *scaling, None),
@@ -97,8 +97,8 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
     if trace.has(act_name("softcapped", layer), step):
         cap = getattr(config, "attn_softcap", None)
         c = f"{cap:g}" if cap else "c"
-        stages.append(Stage("softcapped", f"c·tanh({scaled}/c)   (c = {c}: soft-capped)",
-                            f"{shape_text(qk)} → {shape_text(qk)}, every score inside (−{c}, {c})", None))
+        stages.append(Stage("softcapped", f"c·tanh({scaled}/c)   (c = {c})",
+                            f"soft-capped: every score inside (−{c}, {c}) → {shape_text(qk)}", None))
         scaled = f"c·tanh({scaled}/c)"
     stages += [
         Stage("masked_scores", f"{scaled} + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None),

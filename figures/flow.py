@@ -368,8 +368,14 @@ def _recorded_reshape_ops(trace: Trace, step: int, layer: int) -> list[ReshapeOp
         ops.append(ReshapeOp(f"{first.module.rsplit('.', 1)[-1]}(x)", first.shape,
                              "[B, n, H·d_head]" if first.shape[-1] == H * dh else "[B, n, (H+2G)·d_head]",
                              f"a new tensor: the model's own projection ({first.module_type})"))
-    ops.append(ReshapeOp("split into heads (the model's code)", q_r.shape, "[B, H, n, d_head]",
-                         "Q as the attention receives it: viewed as heads, transposed, position-encoded"))
+    q, projected = trace.value(q_r), trace.value(first) if first is not None else None
+    if q is None or projected is None:
+        moved = "not measured (values not kept): Q as the attention receives it"
+    elif q.untyped_storage().data_ptr() == projected.untyped_storage().data_ptr():
+        moved = "a view (measured: it shares the projection's storage): only shape and strides changed"
+    else:
+        moved = "a new tensor (measured: not the projection's storage): position encoding or QK-norm made it"
+    ops.append(ReshapeOp("split into heads (the model's code)", q_r.shape, "[B, H, n, d_head]", moved))
     ops.append(ReshapeOp("o = attention(q, k, v)", z_r.shape, "[B, H, n, d_head]", "a new tensor (A·V)"))
     copied = (f"copies {B * n * H * dh * itemsize:,} bytes into new memory" if not (n == 1 or H == 1) else
               f"no copy: with n = {n} the transposed O is already contiguous")
@@ -388,8 +394,10 @@ def reshape_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     xs = [i * 1.25 for i in range(len(ops))]
     for x, op in zip(xs, ops):
         moves = op.memory.startswith(("a new", "copies"))
+        unknown = op.memory.startswith("not measured")
         shapes.append({"type": "rect", "x0": x - 0.58, "x1": x + 0.58, "y0": -0.45, "y1": 0.45,
-                       "fillcolor": "#fbd9b5" if moves else "#d7efd9", "line": {"color": "#777", "width": 1},
+                       "fillcolor": "#eeeeee" if unknown else "#fbd9b5" if moves else "#d7efd9",
+                       "line": {"color": "#777", "width": 1},
                        "layer": "below"})
     fig = figure([
         text_trace(xs, [0] * len(ops),

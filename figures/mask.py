@@ -36,6 +36,7 @@ class MaskFacts:
     decode: bool  # a cached step with one new position
     sliding_window: int | None
     padding_side: str
+    padding_rows_see: str = ""  # what the padding query rows may see, read from M ("" when not counted)
 
     def explanation(self) -> str:
         if not self.counted:
@@ -79,10 +80,16 @@ class MaskFacts:
             lines.append(f"Key column(s) {cols} of sequence {self.batch} are padding: −∞ for every real query.")
         if self.padding_rows:
             rows = ", ".join(map(str, self.padding_rows[:12])) + (" …" if len(self.padding_rows) > 12 else "")
-            sees = ("itself only" if self.padding_side == "left" else
-                    "the real tokens before it and itself (its output is never used)")
-            lines.append(f"Query row(s) {rows} are padding themselves: such a row may see {sees}, so that its "
-                         "softmax has at least one finite score.")
+            if self.padding_rows_see == "nothing":  # transformers' mask: the row holds the smallest float, not −∞
+                lines.append(f"Query row(s) {rows} are padding themselves: the model's mask hides every key from "
+                             "such a row with the smallest finite number instead of −∞, so its softmax spreads "
+                             "evenly over all keys; its output is never used.")
+            else:
+                sees = {"itself": "itself only",
+                        "before": "the real tokens before it and itself (its output is never used)"}.get(
+                    self.padding_rows_see, "some keys")
+                lines.append(f"Query row(s) {rows} are padding themselves: such a row may see {sees}, so that its "
+                             "softmax has at least one finite score.")
         return "\n\n".join(lines)
 
 
@@ -104,7 +111,8 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
               "sliding_window": window, "padding_side": facts.info.padding_side}
     if mask is None:
         return MaskFacts(counted=False, masked=-1, future=-1, padding_key=-1, window=-1, unexplained=-1, **common)
-    block = torch.isinf(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
+    values = mask[min(batch, mask.shape[0] - 1), 0]  # [n, t]
+    block = torch.isinf(values)
     query = torch.arange(first_query, t)[:, None]
     key = torch.arange(t)[None, :]
     future = key > query
@@ -113,7 +121,23 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     explained = future | padding | outside
     return MaskFacts(counted=True, masked=int(block.sum()), future=int((block & future).sum()),
                      padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
-                     unexplained=int((block & ~explained).sum()), **common)
+                     unexplained=int((block & ~explained).sum()), padding_rows_see=_padding_rows_see(values, pad_rows,
+                                                                                                     first_query),
+                     **common)
+
+
+def _padding_rows_see(values: torch.Tensor, rows: tuple[int, ...], first_query: int) -> str:
+    """What the padding query rows of M ``[n, t]`` may see, from the numbers: "itself", "before" (real keys
+    before it and itself), "nothing" (no key above the smallest float: transformers' mask) or "other"."""
+    if not rows:
+        return ""
+    smallest = torch.finfo(values.dtype).min / 2 if values.is_floating_point() else -1
+    kinds = set()
+    for i in rows:
+        seen = torch.nonzero((values[i] > smallest) & torch.isfinite(values[i])).flatten().tolist()
+        kinds.add("nothing" if not seen else "itself" if seen == [first_query + i] else
+                  "before" if seen[-1] == first_query + i else "other")
+    return kinds.pop() if len(kinds) == 1 else "other"
 
 
 @fitted

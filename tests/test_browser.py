@@ -320,3 +320,52 @@ def test_a_foreign_host_header_cannot_open_the_websocket(url):
     assert " 101 " in websocket_handshake(url, f"127.0.0.1:{port}") + " "
     refused = websocket_handshake(url, f"evil.example:{port}")
     assert " 101 " not in refused + " " and refused.startswith("HTTP/1.1 4"), refused
+
+
+def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(url, visit, tmp_path):
+    """An architecture we did not re-implement, through "Local Hugging Face directory": Gemma 2 (its own
+    score scale, soft-capped scores, sliding-window layers, four norms per block), run by transformers.
+    Its KV cache is [B, G, t, d_head], the attention stages are five (the soft-cap is one), the shape flow
+    is read from its records, and every tab draws without a JavaScript error."""
+    from model.loading import BUNDLED_DIR
+    from tests.hf_architectures import build
+
+    directory = build("gemma2", tmp_path / "gemma2", BUNDLED_DIR / "tokenizer.json")
+    from model import load_bundled
+
+    _, tok = load_bundled()
+    n0 = len(tok.encode(PROMPT))
+    save = os.environ.get("SAVE_SCREENSHOTS")
+    with visit(1600, 2200) as page:
+        errors, outside = watch(page, url)
+        open_app(page, url)
+        set_prompt(page, PROMPT)
+        before = runs_finished(page)
+        page.get_by_label("Weights").get_by_text("Local Hugging Face directory").click()
+        wait_idle(page, after=before)
+        box = page.get_by_role("textbox", name="Directory")
+        box.fill(str(directory))
+        box.press("Enter")
+        wait_idle(page)
+        click(page, "Load")
+        page.get_by_text("hf:gemma2").first.wait_for(timeout=60_000)  # the page names the model and its family
+        click(page, "Step")
+        click(page, "Step")
+        open_tab(page, "Shapes")
+        page.get_by_text("soft-cap").first.wait_for(state="attached", timeout=60_000)
+        if save:
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "gemma2_shapes.png"))
+        open_tab(page, "Attention")
+        open_tab(page, "Stages")
+        stages = values(plotly_data(page)[0])
+        assert len(stages) == 5 and all((s["rows"], s["cols"]) == (1, n0 + 1) for s in stages)
+        if save:
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "gemma2_attention.png"))
+        open_tab(page, "KV cache")
+        page.get_by_text(f"[1, 2, {n0 + 1}, 16]").first.wait_for(state="attached", timeout=60_000)
+        for tab in ("Causal mask", "Next token", "What if", "Compare runs", "Inspector", "Export"):
+            open_tab(page, tab)
+        assert not errors, errors
+        assert not outside, outside

@@ -156,3 +156,27 @@ def test_bfloat16_through_transformers_and_the_size_stated_before_loading(direct
         got = model(ids).float()
         want = ref.to(torch.bfloat16)(ids).logits.float()
     assert (got - want).abs().max() <= logit_tolerance(torch.bfloat16)
+
+
+def test_what_the_mask_view_says_of_padding_rows_is_read_from_the_models_mask(directories):
+    """transformers hides every key from a left-padding query row with the smallest float, not −∞ (our GPT lets
+    the row see itself): the Causal mask view says which, from the recorded numbers."""
+    from figures.mask import mask_facts
+
+    model, tok = load_hf(directories["llama"], implementation="transformers")
+    gen = TracedGeneration(model, tok, ["Lily had a red kite.", "Tom"], temperature=0, padding_side="left")
+    gen.run(1)
+    facts = mask_facts(gen.trace, 0, layer=0, batch=1)
+    assert facts.padding_rows and facts.padding_rows_see == "nothing"
+    assert "smallest finite number instead of −∞" in facts.explanation() and facts.unexplained == 0
+    ours, tok = load_hf(directories["llama"], implementation="ours")
+    gen = TracedGeneration(ours, tok, ["Lily had a red kite.", "Tom"], temperature=0, padding_side="left")
+    gen.run(1)
+    assert "may see itself only" in mask_facts(gen.trace, 0, layer=0, batch=1).explanation()
+
+
+def test_the_reshape_strip_measures_whether_q_is_a_view_of_the_projection(traced):
+    from figures.flow import reshape_ops
+
+    split = reshape_ops(traced["qwen3"], 2, 0)[1]
+    assert split.memory.startswith("a new tensor (measured")  # QK-norm and RoPE made Q anew
