@@ -46,7 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     ap.add_argument("--steps", type=int, default=1, help=f"generation steps (1…{MAX_RUN_STEPS}); step 0 is the prefill")
     ap.add_argument("--model", default="story-gpt", help="a bundled model (default: story-gpt); see --model-dir")
-    ap.add_argument("--model-dir", help="a local Hugging Face directory of a GPT-2, Llama, Mistral or Qwen2 model")
+    ap.add_argument("--model-dir", help="a local Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, …), a Hugging "
+                    "Face cache folder (models--org--name or its snapshots/<hash>), a repo id org/name already in "
+                    "the local cache (nothing is downloaded), or a nanoGPT ckpt.pt (the file or its out_dir)")
+    ap.add_argument("--tokenizer", help="a tokenizer.json (or a directory with one, or vocab.json + merges.txt) "
+                    "for --model-dir: needed by a nanoGPT ckpt.pt without one beside it")
+    ap.add_argument("--chat", action="store_true",
+                    help="wrap each prompt in the model's chat template as a user message (transformers' "
+                    "apply_chat_template with add_generation_prompt=True)")
+    ap.add_argument("--no-stop-at-eos", action="store_true",
+                    help="go on after every sequence has chosen an end-of-sequence token")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                     help="weights and activations of a --model-dir model (default: float32)")
     ap.add_argument("--out", required=True, help="where to write the trace (directory, or .zip)")
@@ -62,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
 
-    from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_hf
+    from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_model
 
     try:
         out = _checked_out(args.out)
@@ -74,16 +83,24 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--show-step must name one of the steps 0 … {args.steps - 1}, got {args.show_step}")
         if args.model not in BUNDLED_MODELS:
             raise ValueError(f"--model {args.model!r}: bundled models are {', '.join(BUNDLED_MODELS)}")
+        if args.tokenizer and not args.model_dir:
+            raise ValueError("--tokenizer goes with --model-dir (a bundled model has its own)")
         if args.model_dir:
-            model, tokenizer = load_hf(args.model_dir, dtype=args.dtype)
+            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer)
             if tokenizer is None:
-                raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt)")
+                raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt): "
+                                 "give one with --tokenizer")
         else:
             model, tokenizer = load_bundled(args.model)
+        prompts = args.prompt
+        if args.chat:  # the template writes the special tokens itself, so encoding adds none (as transformers does)
+            prompts = [tokenizer.apply_chat_template(p) for p in prompts]
+            tokenizer = tokenizer.without_special_tokens()
         gen = TracedGeneration(
-            model, tokenizer, args.prompt if len(args.prompt) > 1 else args.prompt[0],
+            model, tokenizer, prompts if len(prompts) > 1 else prompts[0],
             use_cache=not args.no_cache, capture=args.capture, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, budget_bytes=int(args.budget_mb * 2**20),
+            stop_at_eos=not args.no_stop_at_eos,
         )
         for warning in gen.warnings:
             print(f"warning: {warning}", file=sys.stderr)

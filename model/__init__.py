@@ -23,10 +23,14 @@ from model.loading import (
     load_bundled,
     load_hf,
     load_hf_gpt2,
+    load_model,
+    load_tokenizer,
     logit_tolerance,
     save_hf,
     save_hf_gpt2,
 )
+from model.nanogpt import load_nanogpt
+from model.resolve import hub_cache_dir, resolve_model_path
 from model.sampling import SampleResult, SamplingConfig, SamplingError, generate, generate_step, sample
 from model.tokenizer import TextTokenizer
 
@@ -48,10 +52,15 @@ __all__ = [
     "attention",
     "generate",
     "generate_step",
+    "hub_cache_dir",
     "load_bundled",
     "load_hf",
     "load_hf_gpt2",
+    "load_model",
+    "load_nanogpt",
+    "load_tokenizer",
     "logit_tolerance",
+    "resolve_model_path",
     "rope_cos_sin",
     "rope_inv_freq",
     "sample",

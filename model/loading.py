@@ -867,6 +867,56 @@ def load_hf_gpt2(path: str | os.PathLike) -> tuple[GPT, TextTokenizer | None]:
     return load_hf(directory)
 
 
+def load_tokenizer(path: str | os.PathLike, vocab_size: int, *, required: bool = True) -> TextTokenizer | None:
+    """A tokenizer from ``path``: a directory (its tokenizer.json or vocab.json + merges.txt, and the config files
+    beside them), a ``tokenizer.json`` / ``vocab.json`` (read with its directory's config files), or any other
+    ``tokenizers`` JSON file. None when a directory has none and ``required`` is False; a ``ModelLoadError`` when
+    it is required, or when the tokenizer knows more ids than the model's ``vocab_size``."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.name not in ("tokenizer.json", "vocab.json"):
+        try:
+            tok = TextTokenizer.from_file(p)
+        except Exception as e:  # tokenizers raises plain Exception subclasses from Rust
+            raise ModelLoadError(f"{p}: not a readable tokenizer ({e})") from None
+        if tok.vocab_size > vocab_size:
+            raise ModelLoadError(f"{p}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                                 f"{vocab_size}")
+        return tok
+    directory = p.parent if p.is_file() else p
+    if not directory.is_dir():
+        raise ModelLoadError(f"{p}: no such tokenizer file or directory")
+    tok = _load_tokenizer(directory.resolve(), vocab_size)
+    if tok is None and required:
+        raise ModelLoadError(f"{p}: no tokenizer here (looked for tokenizer.json, and vocab.json + merges.txt)")
+    return tok
+
+
+def load_model(
+    spec: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    name: str | None = None,
+    tokenizer: str | os.PathLike | None = None,
+) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
+    """Load a model however it is named (``model.resolve.resolve_model_path``): a local directory, a Hugging
+    Face cache folder (``models--org--name`` or one of its ``snapshots/<hash>``), a repo id ``org/name`` found in
+    the local cache (never downloaded), or a nanoGPT ``ckpt.pt`` (the file or its out_dir).
+
+    ``tokenizer`` (a path) replaces the one the checkpoint carries; a nanoGPT checkpoint needs one beside it or
+    here. Returns what ``load_hf`` / ``load_nanogpt`` return."""
+    from model.nanogpt import is_nanogpt_path, load_nanogpt
+    from model.resolve import resolve_model_path
+
+    path = resolve_model_path(spec)
+    if is_nanogpt_path(path):
+        return load_nanogpt(path, tokenizer=tokenizer, dtype=dtype, device=device, name=name)
+    model, tok = load_hf(path, dtype=dtype, device=device, name=name)
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer, model.config.vocab_size)
+    return model, tok
+
+
 def save_hf(model: GPT, path: str | os.PathLike, tokenizer: TextTokenizer | None = None,
             extra: dict | None = None) -> Path:
     """Write ``model`` as a Hugging Face directory of its family (config.json + model.safetensors [+ tokenizer.json]);

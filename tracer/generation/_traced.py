@@ -73,6 +73,13 @@ class TracedGeneration:
     ``sampling=SamplingConfig(...)`` or as ``temperature=, top_k=, top_p=, seed=``.
     A prompt longer than n_ctx − 1 tokens is cut from the left (keeping its end)
     and ``warnings`` says so; ``truncate="error"`` refuses it instead.
+
+    ``stop_at_eos``: once every sequence of the batch has chosen one of the ids the model's files
+    declare as ending a sequence (``tokenizer.eos_ids``), generation stops and ``stopped`` says so,
+    as transformers' ``generate`` does. A tokenizer that declares none (the bundled story models,
+    whose config.json sets no eos_token_id) never stops on a token. A sequence that ended before the
+    others goes on being generated (its tokens after the end are the model's, not padding) until the
+    last one ends: the batch shares one forward pass per step.
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class TracedGeneration:
         copy: str = "auto",
         truncate: str = "left",
         interventions: Sequence[Intervention] = (),
+        stop_at_eos: bool = True,
     ) -> None:
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
@@ -121,6 +129,9 @@ class TracedGeneration:
         self.cache = model.new_cache(len(rows)) if use_cache else None
         self.generator = sampling.generator()
         self.stopped: str = ""
+        # the ids that end a sequence; empty: never stop on a token
+        declared = getattr(tokenizer, "eos_ids", ()) or ()
+        self.stop_ids: frozenset[int] = frozenset(declared) if stop_at_eos else frozenset()
         self._last: tuple | None = None  # (tokens, padding mask, last index, cache length before, logits rows)
 
     # -- prompts -------------------------------------------------------------------------------
@@ -260,7 +271,23 @@ class TracedGeneration:
             choice = self._sampling_record(sample(rows, self.sampling, self.generator))
         self.trace.log.add_generation_step(GenerationStep(step=step, forward=forward, sampling=choice))
         self._last = (tokens, mask, last, before, rows)
+        if choice is not None and self.stop_ids and all(
+                any(t in self.stop_ids for t in self.generated(r)) for r in range(self.batch_size)):
+            self.stopped = self._eos_reason(step, choice)
         return self.facts.step(step)
+
+    def _eos_reason(self, step: int, choice: SamplingRecord) -> str:
+        """Why generation stopped at an end-of-sequence token, naming the token (and, for a batch, the step
+        each sequence ended at)."""
+        names = ", ".join(f"{self.tokenizer.token_label(i)!r} (id {i})" for i in sorted(self.stop_ids))
+        if self.batch_size == 1:
+            return (f"step {step}: the model chose {choice.labels[0]!r} (id {choice.tokens[0]}), an end-of-sequence "
+                    f"token; generation stops here (stop_at_eos=False goes on; end-of-sequence ids: {names})")
+        ended = [next(s for s, t in enumerate(self.generated(r)) if t in self.stop_ids)
+                 for r in range(self.batch_size)]
+        return (f"step {step}: every sequence has chosen an end-of-sequence token (at steps "
+                f"{', '.join(map(str, ended))}, in batch order); generation stops here (stop_at_eos=False goes "
+                f"on; end-of-sequence ids: {names})")
 
     def _sampling_record(self, res) -> SamplingRecord:
         label = self.tokenizer.token_label
@@ -278,7 +305,8 @@ class TracedGeneration:
 
     def run(self, n: int, on_step=None) -> int:
         """Up to ``n`` steps (1 ≤ n ≤ MAX_RUN_STEPS); stops early at n_ctx, at a step no token can be
-        chosen from, or when ``on_step(steps done)`` returns False. Returns steps taken."""
+        chosen from, once every sequence has chosen an end-of-sequence token (``stop_at_eos``), or when
+        ``on_step(steps done)`` returns False. Returns steps taken."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RUN_STEPS:
             raise ValueError(f"run(n) takes 1 ≤ n ≤ {MAX_RUN_STEPS} steps, got {n!r}")
         done = 0
