@@ -1,20 +1,46 @@
-"""What the app's widgets mean, and what a session holds, without Streamlit.
+"""What the app's widgets mean, what a session holds and what its buttons run, without Streamlit.
 
-``app.py`` reads raw widget values into ``parse_settings``; every refusal is a
-``SettingsError`` whose message the app shows as it is. ``AppState`` is the one
-object a browser session keeps between reruns: the live generation, the trace
-file being viewed (if any) and the small choices that outlive a widget.
+The sidebar's widgets take their defaults from ``DEFAULTS`` and their values reach ``settings_from`` once;
+every refusal is a ``SettingsError`` whose message the app shows as it is. ``AppState`` is the one object a
+browser session keeps between reruns: the live generation, the trace file being viewed (if any) and the small
+choices that outlive a widget. The GUI (``gui/``) draws; what its buttons compute — a run of steps, a rerun to
+compare with, a step replayed with heads off — is here, so that it can be tested without a page.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
+from model.heads import repeated_random_tokens
+from model.hook_table import act_name
+from model.identity import identity_of
 from model.sampling import SamplingConfig, SamplingError
-from tracer import CAPTURE_LEVELS, MAX_BATCH, MAX_RUN_STEPS, PromptError, Trace, TracedGeneration
+from tracer import (
+    CAPTURE_LEVELS,
+    DEFAULT_BUDGET_BYTES,
+    MAX_BATCH,
+    MAX_RUN_STEPS,
+    ContextFullError,
+    GenerationStopped,
+    Intervention,
+    PromptError,
+    Trace,
+    TracedGeneration,
+    ablate,
+    activation_patching,
+    diff_traces,
+    pattern_changes,
+    replay,
+    text_loss,
+)
 
 MAX_BUDGET_MB = 8192
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She had a red ball."
+DEFAULT_RUN_N = 8  # the sidebar's "N for Run N"
+AUTO_RECOMPUTE_PARAMS = 20_000_000  # below this, every step is checked against a full recompute (one timing)
+DEFAULT_MODEL_KEY = "bundled:story-gpt"
 
 
 class SettingsError(ValueError):
@@ -62,6 +88,37 @@ def parse_seed(raw: object) -> int:
         raise SettingsError(f"the seed must be a whole number, got {text!r}") from None
 
 
+@dataclass(frozen=True)
+class SettingsDefaults:
+    """The sidebar's settings before anyone touches them, declared once: the widgets start from these, and
+    ``settings_from`` falls back on them for a widget not drawn yet. Field names are the widgets' keys."""
+
+    prompt: str = DEFAULT_PROMPT
+    decoding: str = "greedy"  # or "sample"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: str = "0"
+    use_cache: bool = True
+    capture: str = "values"
+    padding_side: str = "left"
+    budget_mb: int = DEFAULT_BUDGET_BYTES // 2**20
+
+
+DEFAULTS = SettingsDefaults()
+SETTING_KEYS = tuple(f.name for f in fields(SettingsDefaults))
+
+
+def settings_from(values: Mapping[str, object]) -> Settings:
+    """The settings of the sidebar's widget values (by key; a missing key takes its default)."""
+    v = {key: values.get(key, getattr(DEFAULTS, key)) for key in SETTING_KEYS}
+    return parse_settings(
+        prompt=v["prompt"], greedy=v["decoding"] == "greedy", temperature=v["temperature"], top_k=v["top_k"],
+        top_p=v["top_p"], seed=v["seed"], use_cache=v["use_cache"], capture=v["capture"],
+        padding_side=v["padding_side"], budget_mb=v["budget_mb"],
+    )
+
+
 def parse_settings(
     prompt: str, greedy: bool, temperature: float, top_k: int, top_p: float, seed: object,
     use_cache: bool, capture: str, padding_side: str, budget_mb: float,
@@ -107,6 +164,158 @@ def new_generation(model, tokenizer, settings: Settings) -> TracedGeneration:
         raise SettingsError(str(e)) from None
 
 
+# -- models -------------------------------------------------------------------------------------------
+def parse_model_key(key: str) -> tuple[str, str | None]:
+    """A model key as (bundled model's name, None) for ``bundled:<name>``, or (path, dtype) for
+    ``dir:<dtype>:<path>`` (the path last: it may hold colons)."""
+    if key.startswith("bundled:"):
+        return key.split(":", 1)[1], None
+    _, dtype, path = key.split(":", 2)
+    return path, dtype
+
+
+def directory_key(path: str, dtype: str) -> str:
+    return f"dir:{dtype}:{path}"
+
+
+def checkpoint_path(raw: str) -> str:
+    """The directory a person typed, resolved, or a ``SettingsError`` saying why it cannot be one (before
+    anything is read, so the previous model stays loaded)."""
+    if not raw or not raw.strip():
+        raise SettingsError("Type the directory of a checkpoint first.")
+    if "\x00" in raw:
+        raise SettingsError("That directory name holds a NUL character; the previous model stays loaded.")
+    return str(Path(raw.strip()).expanduser())
+
+
+def describe_model(model) -> str:
+    """The live model's size and dtype in one line (beside its identity, which a file also carries)."""
+    c = model.config
+    kv = f" sharing {c.n_kv_heads} key/value heads" if c.n_kv_heads != c.n_head else ""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return (f"{c.n_layer} layers × {c.n_head} heads{kv}, d = {c.d_model}, d_head = {c.d_head}, V = {c.vocab_size}, "
+            f"n_ctx = {c.n_ctx} — {model.num_parameters / 1e6:.1f}M parameters, {dtype}")
+
+
+def adopt_model(trace: Trace, model):
+    """``model`` when its weights made ``trace`` (the digests match), attached to the trace for the
+    experiments to run; None when it has other weights."""
+    if trace.model is not None and identity_of(model).weights_digest == trace.model.weights_digest:
+        trace.attach_model(model)
+        return model
+    return None
+
+
+def first_token(tokenizer) -> int:
+    """The token a probe sequence starts with: the tokenizer's end-of-text, else id 0."""
+    return tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id is not None else 0
+
+
+# -- running steps -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunEnd:
+    """Why a run of steps ended before its N. ``detail`` quotes text from outside the app (an exception's
+    message): the GUI shows it as plain text after ``message``."""
+
+    level: str  # "warning" or "error"
+    message: str
+    detail: str = ""
+
+
+def run_steps(gen: TracedGeneration, n: int, on_step: Callable[[int], None] | None = None) -> RunEnd | None:
+    """Up to ``n`` steps of ``gen``, each checked against a full recompute for a small model; ``on_step(k)``
+    after the k-th step when more follow or it was the last. A step that finished stays finished whatever
+    stops the next one; returns None when all ``n`` ran."""
+    for done in range(1, n + 1):
+        try:
+            gen.step()
+        except (ContextFullError, GenerationStopped) as e:
+            return RunEnd("warning", f"Stopped: {e}")
+        except Exception as e:  # a failing forward: the trace keeps everything up to it
+            return RunEnd("error", f"The forward pass failed at step {gen.n_steps}: {type(e).__name__}: ", str(e))
+        if gen.model.num_parameters < AUTO_RECOMPUTE_PARAMS:
+            gen.compare_with_recompute()
+        if gen.stopped:
+            return RunEnd("warning", f"Stopped: {gen.stopped}")
+        if on_step is not None:
+            on_step(done)
+    return None
+
+
+# -- what if -------------------------------------------------------------------------------------------
+def all_heads(n_layer: int, n_head: int) -> list[tuple[int, int]]:
+    """Every (layer, head), layer by layer: the options of a head picker."""
+    return [(layer, head) for layer in range(n_layer) for head in range(n_head)]
+
+
+def head_label(head: tuple[int, int]) -> str:
+    return f"L{head[0]} H{head[1]}"
+
+
+def head_ablations(heads: Sequence[tuple[int, int]], how: str) -> list[Intervention]:
+    """Switch off each (layer, head)'s output O_h (``how``: "zero" or "mean")."""
+    return [ablate(act_name("z", layer), head=head, how=how) for layer, head in heads]
+
+
+def loss_probe(model, tokenizer, prompt_tokens: Sequence[int] | None) -> tuple[list[int], int, str]:
+    """(token ids, first scored position, what they are) to measure a loss on: the prompt's tokens when
+    given, else a random sequence repeated twice — on which only induction predicts the second half."""
+    if prompt_tokens is not None:
+        return list(prompt_tokens), 1, "the prompt (sequence 0)"
+    half = min(50, (model.config.n_ctx - 1) // 2)
+    ids = repeated_random_tokens(model.config.vocab_size, half, 1, seed=7, prefix=first_token(tokenizer))[0].tolist()
+    return ids, len(ids) - half + 1, f"the second half of a random {half}-token sequence repeated twice"
+
+
+def ablation_run(gen: TracedGeneration, step: int, model, interventions: Sequence[Intervention],
+                 on_prompt: bool) -> AblationResult:
+    """Step ``step`` replayed with ``interventions`` and the loss on a probe text with and without them; the
+    generation itself is not changed."""
+    ids, start, what = loss_probe(model, gen.tokenizer, gen.info.prompt_tokens[0] if on_prompt else None)
+    result = replay(gen, step, interventions)
+    before = text_loss(model, ids, start=start)
+    after = text_loss(model, ids, interventions, start=start)
+    return AblationResult(step, tuple(i.describe() for i in interventions), result, what, before, after,
+                          tuple(pattern_changes(gen, result)))
+
+
+def patching_run(model, tokenizer, clean: str, corrupted: str, kind: str,
+                 progress: Callable[[float], None] | None = None) -> PatchingRun:
+    """Activation patching of ``clean`` into ``corrupted`` (``kind``: "resid_pre" or "z"), with the labels
+    of its columns: the clean prompt's positions, or the heads."""
+    clean_ids = tokenizer.encode(clean)
+    result = activation_patching(model, clean_ids, tokenizer.encode(corrupted), kind, progress=progress)
+    labels = tuple(f"{i} · {tokenizer.token_label(t)}" for i, t in enumerate(clean_ids)) if kind == "resid_pre" \
+        else tuple(f"H{h}" for h in range(model.config.n_head))
+    return PatchingRun(clean, corrupted, result, labels)
+
+
+# -- compare runs --------------------------------------------------------------------------------------
+def rerun_and_compare(gen: TracedGeneration, trace: Trace, label: str, started_with: Settings | None, *,
+                      toggle_cache: bool = False, heads_off: Sequence[tuple[int, int]] = (),
+                      how: str = "zero") -> Comparison:
+    """This generation's prompt run again as far as it got — with the KV cache toggled, or with ``heads_off``
+    switched off — and its record-by-record difference from ``trace``."""
+    twin = TracedGeneration(gen.model, gen.tokenizer, list(gen.info.prompts),
+                            use_cache=gen.use_cache != toggle_cache, capture=trace.capture, sampling=gen.sampling,
+                            padding_side=gen.info.padding_side,
+                            budget_bytes=started_with.budget_bytes if started_with else trace.budget_bytes,
+                            interventions=head_ablations(heads_off, how))
+    try:
+        twin.run(max(1, gen.n_steps))
+    finally:
+        twin.close()
+    return Comparison(label, twin.trace, diff_traces(trace, twin.trace))
+
+
+def ops_module(record) -> str:
+    """The module whose ops explain ``record`` ("" for the whole model): a hook point computes nothing
+    itself, so for one the module that produced its tensor, its parent."""
+    if record.kind != "hook":
+        return record.module
+    return record.module.rsplit(".", 1)[0] if "." in record.module else ""
+
+
 @dataclass
 class LoadedTrace:
     """A trace file the person opened: shown instead of the live generation until they step or reset."""
@@ -127,6 +336,11 @@ class AblationResult:
     loss_before: float
     loss_after: float
     changes: tuple[tuple[int, int, float], ...]  # (layer, head, max |Δ weight|), largest first
+
+    @property
+    def moved(self) -> list[tuple[int, int, float]]:
+        """The heads whose pattern moved by more than rounding."""
+        return [c for c in self.changes if c[2] > 1e-3]
 
 
 @dataclass(frozen=True)
@@ -150,7 +364,7 @@ class Comparison:
 class AppState:
     """Everything one browser session keeps between reruns (widget values aside, which Streamlit keeps)."""
 
-    model_key: str = "bundled:story-gpt"  # "bundled:<name>", or "dir:<dtype>:<path>"
+    model_key: str = DEFAULT_MODEL_KEY  # "bundled:<name>", or "dir:<dtype>:<path>"
     generation: TracedGeneration | None = None
     started_with: Settings | None = None  # the settings the generation started with
     loaded: LoadedTrace | None = None

@@ -361,7 +361,9 @@ def test_a_batch_of_two_prompts_names_the_padding_columns():
 def test_what_if_switching_off_the_previous_token_head_breaks_induction(stepped):
     """Three clicks: the What if tab, head L0 H0, re-run."""
     at = show_tab(stepped, "What if")
-    at.multiselect(key="ablate_heads").select("L0 H0")
+    picker = at.multiselect(key="ablate_heads")
+    assert picker.options[:2] == ["L0 H0", "L0 H1"]  # (layer, head) pairs, shown by name
+    picker.select((0, 0))
     run(at)
     at.button(key="ablate_run").click()
     run(at)
@@ -411,7 +413,7 @@ def test_compare_runs_cache_off_agrees_and_an_ablation_diverges(stepped):
     assert any("No record diverges" in s.value for s in at.success)
     frame = at.session_state["app"].comparison.frame
     assert frame["compared"].all() and frame["max_abs_delta"].max() < 1e-4
-    at.session_state["ablate_heads"] = ["L2 H1"]
+    at.session_state["ablate_heads"] = [(2, 1)]
     at.radio(key="compare_with").set_value("this prompt with the heads chosen under What if switched off")
     run(at)
     at.button(key="compare_run").click()

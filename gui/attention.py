@@ -1,0 +1,142 @@
+"""Attention: the stages of one head, O = A·V, the pitfalls, RoPE, all heads at once and the history."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from figures import attention as attn_views
+from figures.common import facts_of, query_labels
+from gui.common import chart, explain_missing_values, layer_head_batch, live_model_for, state, values_kept
+from model.hook_table import act_name
+from model.identity import identity_of
+from session import first_token
+from tracer import Trace, head_scores
+
+
+@st.fragment
+def attention_tab(trace: Trace, step: int) -> None:
+    layer, head, batch = layer_head_batch(trace, "attn")
+    st.latex(r"A = \operatorname{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}} + M\right), \qquad O = A\,V")
+    st.caption(attn_views.M_NOTE + " (Vaswani et al., 2017, “Attention Is All You Need”.)")
+    rope = trace.has(act_name("rot_q", layer), step)
+    parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope else []) + ["All heads", "History"]
+    sub = dict(zip(parts, st.tabs(parts, key="attn_view", on_change="rerun")))
+    pattern_kept = trace.get(act_name("pattern", layer), step) is not None
+    with sub["Stages"]:
+        if sub["Stages"].open:
+            stages = attn_views.attention_stages(trace, step, layer, head, batch)
+            if all(s.matrix is None for s in stages):
+                explain_missing_values(trace, step, "attention heatmaps")
+                st.markdown("\n".join(f"- **{s.title}**: `{s.shapes}`" for s in stages))
+            else:
+                shared = st.toggle("one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared",
+                                   help="With one scale, dividing by √d_k shows as what it does: every score "
+                                        "shrinks by the same factor")
+                chart(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
+                      key="stages_chart")
+            if pattern_kept:
+                query_picker(trace, step, layer, head, batch)
+    with sub["O = A·V"]:
+        if sub["O = A·V"].open and values_kept(trace, step, act_name("v_all", layer), "values V and outputs O"):
+            query = query_picker(trace, step, layer, head, batch, show=False)
+            result = attn_views.weighted_sum_figure(trace, step, layer, head, query, batch)
+            if result is not None:
+                st.caption("For the picked query: each value row vᵢ times its weight αᵢ, and their sum "
+                           "o = Σᵢ αᵢ vᵢ — one row of O = A·V.")
+                chart(result[0], key="av_chart")
+    with sub["Pitfalls"]:
+        if sub["Pitfalls"].open:
+            table = attn_views.pitfall_table(trace, step, layer, head, batch)
+            if table is None:
+                explain_missing_values(trace, step, "Q, K and M to recompute from")
+            else:
+                st.caption("This head recomputed from its recorded Q, K and M, four ways. Without ÷√d_k the "
+                           "scores are √d_k times larger and the softmax far peakier (a larger max weight, a lower "
+                           "entropy); without M, weight leaks onto keys after the query; masking after the "
+                           "softmax leaves rows that no longer sum to 1.")
+                st.dataframe(table.round(4), hide_index=True, key="pitfall_table")
+                chart(attn_views.pitfall_figure(trace, step, layer, head, batch), key="pitfall_chart")
+    if "RoPE" in sub:
+        with sub["RoPE"]:
+            if sub["RoPE"].open:
+                rope_section(trace, step, layer, head, batch)
+    with sub["All heads"]:
+        if sub["All heads"].open:
+            heads_grid(trace, step, batch, (layer, head))
+    with sub["History"]:
+        if sub["History"].open:
+            if facts_of(trace).info.use_cache and step > 0 and pattern_kept:
+                st.caption("With the cache a decode step computes one query row; stacking the rows of steps 0…s "
+                           "rebuilds the lower-triangular pattern token by token (this step's row outlined).")
+                chart(attn_views.attention_history_figure(trace, layer, head, step, batch),
+                      key="history_chart")
+            else:
+                st.info("The history stacks the one row each cached decode step computes; it needs the KV cache on, "
+                        "a step after the prefill, and kept values.")
+
+
+def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, show: bool = True) -> int:
+    queries = query_labels(trace, step, batch)
+    # keyed by step and sequence: the query rows differ between steps (n0 at the prefill, 1 after); the pick
+    # per step is remembered in the app state, since Streamlit forgets a widget that was not drawn
+    picks = state().query_picks
+    remembered = picks.get((step, batch), len(queries) - 1)
+    pick = st.selectbox("query token: which keys does it attend to?", list(range(len(queries))),
+                        index=remembered if remembered < len(queries) else len(queries) - 1,
+                        format_func=lambda i: queries[i], key=f"attn_query_s{step}_b{batch}_{int(show)}")
+    picks[(step, batch)] = pick
+    if show:
+        st.markdown(attn_views.query_attention_html(trace, step, layer, head, pick, batch), unsafe_allow_html=True)
+    return pick
+
+
+def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
+    st.markdown("RoPE turns position into rotation: q at position m becomes R(m)q and k at position n becomes "
+                "R(n)k, rotating each pair of dimensions i by the angle m·θᵢ. Since R(m)ᵀR(n) = R(n − m), the "
+                "score R(m)q · R(n)k depends on the positions only through m − n (Su et al., 2021, RoFormer). "
+                "This model, like Hugging Face's Llama, pairs dimension i with i + d_head/2 (the two halves); the "
+                "RoFormer paper writes the rotation on consecutive pairs (2i, 2i + 1) — the same rotations on "
+                "a permuted order of dimensions.")
+    figure = attn_views.rope_figure(trace, step, layer, head, batch)
+    if figure is None:
+        explain_missing_values(trace, step, "Q and K before and after the rotation")
+        return
+    chart(figure, key="rope_chart")
+    relative = attn_views.rope_relative_figure(trace, step, layer, head, batch)
+    if relative is not None:
+        chart(relative, key="rope_relative_chart")
+
+
+def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> None:
+    if trace.get(act_name("pattern", 0), step) is None and trace.digest(trace.record(act_name("pattern", 0), step)) \
+            is None:
+        explain_missing_values(trace, step, "attention patterns")
+        return
+    model = live_model_for(trace)
+    scores = scores_for(model) if model is not None else None
+    grid = attn_views.all_heads_figure(trace, step, batch, scores=scores, picked=picked)
+    st.caption("Layers × heads at this step (click a head to open it above)."
+               + (f" {grid.note[0].upper()}{grid.note[1:]}." if grid.note else "")
+               + (" Each tile names the head's clearest role where its score reaches 0.3, measured on 4 random token "
+                  "sequences each repeated twice: previous-token (weight on the key just before), induction (in "
+                  "the repeat, weight on the key after the earlier occurrence of the same token), duplicate-token "
+                  "(on that earlier occurrence), first-token (on key 0). Hover a head for all four."
+                  if scores else ""))
+    event = chart(grid.figure, key="all_heads_chart", on_select="rerun", selection_mode="points")
+    points = event.selection.points if event is not None and hasattr(event, "selection") else []
+    if points and "customdata" in points[0]:
+        layer, head = points[0]["customdata"][:2]
+        if (layer, head) != picked:
+            state().pending_head = (int(layer), int(head))
+            st.rerun(scope="fragment")
+
+
+def scores_for(model) -> dict:
+    """Head scores of ``model``, computed once per model and process (a probe forward)."""
+    gen = state().generation
+    return cached_head_scores(identity_of(model).weights_digest, first_token(gen.tokenizer if gen else None), model)
+
+
+@st.cache_resource(show_spinner="Measuring what each head does…", max_entries=4)
+def cached_head_scores(digest: str, first: int, _model) -> dict:
+    return head_scores(_model, first_token=first)

@@ -1,0 +1,217 @@
+"""What every tab shares: the session's state, the models, charts, the layer/head pickers, the header with the
+step slider, and the banners and notices above the tabs."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from figures import tokens as token_views
+from figures.common import facts_of
+from figures.common import inert as plain  # everything the app did not write passes through this
+from gpt_shape_tracer.memory import reuse_freed_memory
+from model import ModelLoadError, load_bundled, load_hf
+from model.identity import identity_of
+from session import (
+    DEFAULT_MODEL_KEY,
+    AppState,
+    Settings,
+    SettingsError,
+    adopt_model,
+    describe_model,
+    parse_model_key,
+)
+from tracer import Finite, Trace, TraceFileError, load_trace
+
+UPLOAD_MB = 1024  # MiB, as .streamlit/config.toml server.maxUploadSize (Streamlit labels the dropzone "1GB")
+
+__all__ = ["UPLOAD_MB", "banners", "chart", "current_model", "directory_model", "explain_missing_values",
+           "freed_memory_reused", "header", "layer_head_batch", "live_model_for", "n_layer_head", "plain",
+           "read_uploaded_trace", "state", "status", "values_kept"]
+
+
+@st.cache_resource
+def freed_memory_reused() -> bool:
+    """Once per server process: a long prefill frees gigabytes, and glibc's malloc would hand each new tensor
+    fresh pages to fault in again (gpt_shape_tracer/memory.py)."""
+    return reuse_freed_memory()
+
+
+# -- models (shared by every session; tracing and interventions route per thread, so sharing is safe) --
+@st.cache_resource(show_spinner="Loading the bundled model…")
+def bundled_model(name: str):
+    return load_bundled(name)
+
+
+@st.cache_resource(show_spinner="Loading the model from the local directory…", max_entries=2)
+def directory_model(path: str, dtype: str):
+    return load_hf(path, dtype=dtype)
+
+
+def chart(fig, key: str, **kwargs):
+    """``st.plotly_chart`` with the figure's own look (``figures.plot.TEMPLATE``): Streamlit's theme would
+    re-theme each new chart after drawing it, one more full plot per chart on every Step."""
+    return st.plotly_chart(fig, key=key, theme=None, **kwargs)
+
+
+def state() -> AppState:
+    """This session's state: one typed object, not loose keys."""
+    return st.session_state.setdefault("app", AppState())
+
+
+def current_model():
+    """(model, tokenizer) of the sidebar's choice, loaded once per process."""
+    where, dtype = parse_model_key(state().model_key)
+    return bundled_model(where) if dtype is None else directory_model(where, dtype)
+
+
+def live_model_for(trace: Trace):
+    """The model whose weights made ``trace`` (its own, or the loaded one when the digests match), or None."""
+    model = trace.live_model
+    if model is not None:
+        return model
+    try:
+        model, _ = current_model()
+    except ModelLoadError:
+        return None
+    return adopt_model(trace, model)
+
+
+def read_uploaded_trace(upload) -> Trace | None:
+    """The trace in an uploaded file, or None after saying why it could not be read (nothing else changes)."""
+    try:
+        return load_trace(upload.getvalue())
+    except TraceFileError as e:
+        st.error(f"Could not load {plain(upload.name)}: {plain(e)}. Nothing else changed.")
+        return None
+
+
+# -- above the tabs ------------------------------------------------------------------------------------
+def status(settings: Settings | None, refused: SettingsError | None) -> bool:
+    """The notices of the last action, the model's line and what the settings mean for the generation;
+    False when the selected model cannot be loaded (then nothing else is drawn)."""
+    app = state()
+    if st.session_state.get("stop_run"):
+        app.notices.append(("info", "Stopped: every step finished before the Stop is kept."))
+    for level, message in app.notices:
+        getattr(st, level)(message)
+    app.notices = []
+    trace = app.viewed_trace
+    if trace is not None and trace.model is not None:
+        where = f" — from the file {plain(app.loaded.file_name)}" if app.viewing_file else ""
+        st.caption(f"Model: **{plain(trace.model.describe())}**{where}")
+    else:
+        try:
+            model, _ = current_model()
+            st.caption(f"Model: **{plain(identity_of(model).describe())}** — {describe_model(model)}")
+        except ModelLoadError as e:
+            st.error(f"The selected model cannot be loaded: {plain(e)}")
+            app.model_key = DEFAULT_MODEL_KEY
+            return False
+    gen = app.generation
+    if refused is not None:
+        st.warning(f"These settings cannot be used: {refused}"
+                   + (" — Step keeps continuing the current generation with its own settings." if gen else ""))
+    if gen is not None and not app.viewing_file:
+        if settings is not None and settings != app.started_with:
+            st.info("The settings changed since this generation started: Step continues it as it was; "
+                    "Reset applies the new settings.")
+        if gen.trace.error is not None:
+            st.error(plain(gen.trace.error.describe()))
+    if app.viewing_file:
+        st.info(f"Viewing the trace file {plain(app.loaded.file_name)}. Step, Run N or Reset return to live "
+                "generation (and leave this file view).")
+    return True
+
+
+def banners(trace: Trace, step: int) -> None:
+    """What every tab must know: a non-finite value, interventions in force, a file being viewed."""
+    bad = trace.first_anomaly(step)
+    if bad is not None:
+        flag = trace.finite_flag(bad)
+        what = "NaN or +∞" if flag == Finite.BAD else "−∞ that no mask explains"
+        op = trace.op_before(bad) if trace.capture == "ops" else None
+        made = f", made by the op {op.op} (inputs {', '.join(map(str, op.input_shapes))})" if op else ""
+        partial = "" if trace.checked_everywhere(step) else (
+            " Shapes capture checks only the residual stream and the logits: the value went bad inside this "
+            "block, before this record; capture values to name the exact record.")
+        cols = st.columns([5, 1])
+        cols[0].error(f"**{what}** first appears at step {step} in **{plain(bad.name)}** (record "
+                      f"{bad.index_in_step} of the step){made}.{partial}")
+        if cols[1].button("Open in Inspector", key="open_anomaly"):
+            state().inspect_name = bad.name
+            st.session_state["view"] = "Inspector"
+            st.rerun()
+    active = trace.steps[step].interventions
+    if active:
+        st.warning("Interventions in force at this step: " + "; ".join(plain(i.describe()) for i in active))
+    gen = state().generation
+    if gen is not None and not state().viewing_file and gen.interventions and not active:
+        st.warning("Later steps will run with: " + "; ".join(plain(i.describe()) for i in gen.interventions))
+
+
+def header(trace: Trace) -> int:
+    """The step slider, the generated text and the step's sizes; returns the step every tab shows."""
+    n_steps = trace.n_steps
+    if "pending_step_view" in st.session_state:
+        st.session_state["step_view"] = st.session_state.pop("pending_step_view")
+    if n_steps > 1:
+        st.session_state["step_view"] = min(st.session_state.get("step_view", n_steps - 1), n_steps - 1)
+        step = st.slider("Step (time travel: every view shows this step)", 0, n_steps - 1, key="step_view")
+    else:
+        step = 0
+        st.caption("Step 0, the prefill" + (": the file holds this one step." if state().viewing_file else
+                                             ". Step again to generate more tokens."))
+    facts = facts_of(trace)
+    forward = facts.step(step).forward
+    for row in range(facts.batch_size):
+        prefix = f"**Sequence {row}** " if facts.batch_size > 1 else ""
+        st.markdown(prefix + token_views.generated_text_html(trace, row, upto_step=step), unsafe_allow_html=True)
+    st.markdown(token_views.text_legend(), unsafe_allow_html=True)
+    cols = st.columns(5)
+    cols[0].metric("new positions n", forward.n)
+    cols[1].metric("key positions t", forward.t)
+    cols[2].metric("cache length after step", forward.cache_after if facts.info.use_cache else 0,
+                   help="0 when the KV cache is off")
+    cols[3].metric("query rows computed", f"{forward.n} of {forward.t}")
+    cols[4].metric("traced forward time", f"{trace.steps[step].seconds * 1000:.1f} ms",
+                   help="wall time of the traced forward on this (shared) machine: an estimate")
+    banners(trace, step)
+    return step
+
+
+# -- shared pickers and messages -----------------------------------------------------------------------
+def n_layer_head(trace: Trace) -> tuple[int, int]:
+    config = trace.config
+    return (config.n_layer, config.n_head) if config is not None else (1, 1)
+
+
+def layer_head_batch(trace: Trace, prefix: str, heads: bool = True) -> tuple[int, int, int]:
+    """Layer, head and sequence pickers keyed by ``prefix``; a head clicked on the grid applies to "attn"."""
+    n_layer, n_head = n_layer_head(trace)
+    app = state()
+    if app.pending_head is not None and prefix == "attn":
+        st.session_state["attn_layer"], st.session_state["attn_head"] = app.pending_head
+        app.pending_head = None
+    cols = st.columns(3)
+    layer = cols[0].selectbox("layer", list(range(n_layer)), key=f"{prefix}_layer")
+    head = cols[1].selectbox("head", list(range(n_head)), key=f"{prefix}_head") if heads else 0
+    batch_size = facts_of(trace).batch_size
+    batch = cols[2].selectbox("sequence", list(range(batch_size)), key=f"{prefix}_batch") if batch_size > 1 else 0
+    return layer, head, batch
+
+
+def values_kept(trace: Trace, step: int, name: str, what: str) -> bool:
+    """Whether ``name``'s values exist at ``step``; if not, say why instead of drawing empty charts."""
+    if trace.get(name, step) is not None:
+        return True
+    explain_missing_values(trace, step, what)
+    return False
+
+
+def explain_missing_values(trace: Trace, step: int, what: str) -> None:
+    if trace.capture == "shapes":
+        st.info(f"Capture is **shapes**: only shapes, dtypes and sizes were recorded, so there are no {what} to "
+                "draw. Choose **values** (or ops) under Tracing in the sidebar and Reset.")
+    else:
+        st.info(f"The values of step {step} were evicted by the memory budget (the oldest steps go first); "
+                f"its shapes and statistics are kept, its {what} are not. Raise the budget, or view a later step.")

@@ -1,0 +1,67 @@
+"""Compare runs: this run against a trace file or a rerun (cache toggled, heads off), record by record."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from figures import whatif as whatif_views
+from gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, state
+from session import Comparison, rerun_and_compare
+from tracer import Trace, diff_traces
+
+
+@st.fragment
+def compare_tab(trace: Trace, step: int) -> None:
+    app = state()
+    gen = app.generation if not app.viewing_file else None
+    options = ["a trace file"] + (["this prompt with the KV cache " + ("off" if gen.use_cache else "on"),
+                                   "this prompt with the heads chosen under What if switched off"]
+                                  if gen is not None else [])
+    other = st.radio("compare this run with", options, key="compare_with", horizontal=True)
+    if other == "a trace file":
+        upload = st.file_uploader(f"a trace (.zip, up to {UPLOAD_MB // 1024} GiB)", type=["zip"],
+                                  max_upload_size=UPLOAD_MB, key="compare_upload")
+        if upload is not None and app.last_compare_upload_id != upload.file_id:
+            app.last_compare_upload_id = upload.file_id
+            loaded = read_uploaded_trace(upload)
+            if loaded is None:
+                return
+            app.comparison = Comparison(f"the file {upload.name}", loaded, diff_traces(trace, loaded))
+    elif st.button("Run it and compare", key="compare_run", type="primary"):
+        toggle_cache = not other.endswith("switched off")
+        # the heads as What if offers them: (layer, head) pairs
+        heads_off = [] if toggle_cache else st.session_state.get("ablate_heads", [])
+        if not toggle_cache and not heads_off:
+            st.warning("Choose heads under What if → Switch heads off first.")
+            return
+        with st.spinner("running…"):
+            app.comparison = rerun_and_compare(gen, trace, other, app.started_with, toggle_cache=toggle_cache,
+                                               heads_off=heads_off, how=st.session_state.get("ablate_how", "zero"))
+    comparison = app.comparison
+    if comparison is None:
+        return
+    frame = comparison.frame
+    compared = frame[frame["compared"]]
+    first = frame[frame["first_divergence"]]
+    st.markdown(f"Compared with {plain(comparison.label)}: {len(compared)} of {len(frame)} records compared; "
+                f"largest |Δ| {compared['max_abs_delta'].max():.3g}." if len(compared) else
+                f"Compared with {plain(comparison.label)}: no record could be compared value by value.")
+    if len(first):
+        row = first.iloc[0]
+        st.error(f"The runs first diverge at step {row['step']} in **{plain(row['name'])}** (max |Δ| "
+                 f"{row['max_abs_delta']:.3g}, tolerance {row['tolerance']:.1e}; {plain(row['note'])}).")
+    elif len(compared):
+        st.success("No record diverges beyond its dtype's tolerance.")
+    at_step = frame[frame["step"] == step].copy()
+    at_step["shape_a"] = [str(list(s)) if s is not None else "" for s in at_step["shape_a"]]
+    at_step["shape_b"] = [str(list(s)) if s is not None else "" for s in at_step["shape_b"]]
+    st.dataframe(at_step[["name", "shape_a", "shape_b", "max_abs_delta", "rel_delta", "diverged", "first_divergence",
+                          "note"]], hide_index=True, key="diff_table", height=360)
+    names = [n for n in at_step.loc[at_step["compared"], "name"]]
+    if names:
+        name = st.selectbox("difference of one record (b − a), its last two dimensions", names, key="diff_record")
+        a, b = trace.get(name, step), comparison.trace.get(name, step)
+        if a is not None and b is not None and a.shape == b.shape and a.dim() >= 2:
+            index = (0,) * (a.dim() - 2)
+            chart(whatif_views.difference_figure(a[index], b[index], f"{name} at step {step}"),
+                  key="diff_chart")

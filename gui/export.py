@@ -1,0 +1,32 @@
+"""Export: download the trace, or load one back (validated before anything is allocated)."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from gui.common import UPLOAD_MB, plain, read_uploaded_trace, state
+from session import LoadedTrace
+from tracer import LIMITS, Trace, archive_bytes
+
+
+def export_tab(trace: Trace | None, step: int = 0) -> None:
+    app = state()
+    if trace is not None:
+        st.download_button("Download this trace (.zip: manifest.json, records.parquet, ops.parquet, "
+                           "values.safetensors)", data=lambda: archive_bytes(trace),
+                           file_name="trace.zip", mime="application/zip", key="download_trace", on_click="ignore")
+    upload = st.file_uploader(f"Load a trace (.zip, up to {UPLOAD_MB // 1024} GiB; checked against limits of "
+                              f"{LIMITS.records:,} records and {LIMITS.value_bytes // 2**30} GiB of values before "
+                              "anything is allocated)", type=["zip"], max_upload_size=UPLOAD_MB,
+                              key="upload_trace")
+    if upload is not None and app.last_upload_id != upload.file_id:
+        app.last_upload_id = upload.file_id
+        loaded = read_uploaded_trace(upload)
+        if loaded is None:
+            return
+        if not loaded.steps or loaded.generation is None:
+            st.error(f"{plain(upload.name)} is a valid trace but not of a generation this app can show.")
+            return
+        app.open_file(LoadedTrace(loaded, upload.name, upload.file_id))
+        st.session_state["pending_step_view"] = loaded.n_steps - 1  # the slider exists already: apply next run
+        st.rerun()

@@ -1,0 +1,25 @@
+"""Causal mask: M for the step, the scores before and after adding it, and the masked cells counted by cause."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from figures import mask as mask_views
+from gui.common import chart, layer_head_batch, plain, values_kept
+from model.hook_table import act_name
+from tracer import Trace
+
+
+@st.fragment
+def mask_tab(trace: Trace, step: int) -> None:
+    layer, head, batch = layer_head_batch(trace, "mask")
+    facts = mask_views.mask_facts(trace, step, layer, batch)
+    st.markdown(plain_paragraphs(facts.explanation()))
+    if not values_kept(trace, step, act_name("mask", layer), "mask and score heatmaps"):
+        return
+    chart(mask_views.mask_figure(trace, step, layer, batch), key="mask_chart")
+    chart(mask_views.scores_before_after_figure(trace, step, layer, head, batch), key="before_after_chart")
+
+
+def plain_paragraphs(text: str) -> str:
+    return "\n\n".join(plain(p) for p in text.split("\n\n"))

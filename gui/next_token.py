@@ -1,0 +1,26 @@
+"""Next token: the top candidates with the chosen one marked, and each sampling stage's distribution."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from figures import tokens as token_views
+from figures.common import facts_of
+from gui.common import chart
+from tracer import Trace
+
+
+@st.fragment
+def next_token_tab(trace: Trace, step: int) -> None:
+    facts = facts_of(trace)
+    row = st.selectbox("sequence", list(range(facts.batch_size)), key="next_row") if facts.batch_size > 1 else 0
+    st.caption("Sampling: " + facts.info.sampling.describe())
+    if facts.step(step).sampling is None:
+        st.error(f"No token was chosen at step {step}: the logits held NaN or +∞ (see the banner above).")
+        return
+    chart(token_views.next_token_figure(trace, step, row), key="next_chart")
+    if facts.info.sampling.greedy:
+        st.info("Greedy decoding takes the argmax of the logits: temperature, top-k and top-p play no part, so "
+                "there is no reshaping to show. Choose **sample** in the sidebar (and Reset) to see it.")
+    else:
+        chart(token_views.distribution_stages_figure(trace, step, row), key="stages_dist_chart")

@@ -1,0 +1,55 @@
+"""Shapes: the architecture as a flow with this step's live shapes, the multi-head reshape, every record."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from figures import flow as flow_views
+from gui.common import chart, n_layer_head, plain, state
+from tracer import TENSOR_KINDS, Trace
+
+LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_model · H query heads · G key/value " \
+         "heads · d_head = d_k · V vocab"
+
+
+@st.fragment
+def shapes_tab(trace: Trace, step: int) -> None:
+    n_layer, _ = n_layer_head(trace)
+    layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer")
+    st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}. In purple, the weight a stage "
+               "multiplies by (the per-head W_Q^i, W_K^i, W_V^i of [d, d_k] are W_QKV's column blocks, d_k columns "
+               "per head).")
+    chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
+    st.subheader("The multi-head reshape, op by op")
+    st.caption("How Q is split into heads and the heads' outputs merged back; green boxes are views (the same "
+               "numbers, new shape and strides), orange ones new memory.")
+    chart(flow_views.reshape_figure(trace, step, layer), key="reshape_chart")
+    st.subheader("Every record of this step")
+    cols = st.columns([1, 2, 1, 2])
+    layer_filter = cols[0].selectbox("layer", ["all"] + list(range(n_layer)), key="table_layer")
+    module_filter = cols[1].text_input("module (path prefix)", key="table_module", placeholder="blocks.0.attn")
+    kind_filter = cols[2].selectbox("kind", ["all", *TENSOR_KINDS], key="table_kind")
+    name_filter = cols[3].text_input("name contains (or glob)", key="table_name")
+    frame = trace.to_frame(
+        step=step, layer=None if layer_filter == "all" else int(layer_filter),
+        module=module_filter.strip() or None, kind=None if kind_filter == "all" else kind_filter,
+        name=name_filter.strip() or None,
+    )
+    frame["shape"] = [str(list(s)) for s in frame["shape"]]
+    shown = frame[["index_in_step", "name", "shape", "axes", "kind", "module_type", "dtype", "nbytes", "summary"]]
+    shown = shown.rename(columns={"index_in_step": "#"})
+    column = st.column_config
+    event = st.dataframe(shown, key="records_table", hide_index=True, on_select="rerun",
+                         selection_mode="single-row", height=560,
+                         column_config={"#": column.NumberColumn(width=40),
+                                        "name": column.TextColumn(width=300), "shape": column.TextColumn(width=120),
+                                        "axes": column.TextColumn(width=130), "kind": column.TextColumn(width=60),
+                                        "module_type": column.TextColumn("module type", width=120),
+                                        "dtype": column.TextColumn(width=70), "nbytes": column.NumberColumn(width=80),
+                                        "summary": column.TextColumn(width=520)})
+    rows = event.selection.rows if event is not None and hasattr(event, "selection") else []
+    if rows:
+        state().inspect_name = shown.iloc[rows[0]]["name"]
+        st.info(f"Opened **{plain(shown.iloc[rows[0]]['name'])}** in the Inspector tab.")
+    st.caption(f"{len(frame)} record(s) at step {step}, numbered from 0 within the step. Select a row to open it in "
+               "the Inspector.")

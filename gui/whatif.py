@@ -1,0 +1,148 @@
+"""What if: switch heads off, activation patching, direct logit attribution, the logit lens."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from figures import whatif as whatif_views
+from figures.common import facts_of
+from gui.common import chart, live_model_for, n_layer_head, plain, state
+from session import ablation_run, all_heads, head_ablations, head_label, patching_run
+from tracer import Trace, TracedGeneration, direct_logit_attribution, logit_lens
+
+
+@st.fragment
+def whatif_tab(trace: Trace, step: int) -> None:
+    app = state()
+    model = live_model_for(trace)
+    if model is None:
+        st.info("These experiments run the model that made the trace; the model selected in the sidebar has "
+                "other weights (its digest differs). Load the same model to use them on this file.")
+        return
+    parts = st.tabs(["Switch heads off", "Activation patching", "Logit attribution", "Logit lens"],
+                    key="whatif_view", on_change="rerun")
+    gen = app.generation if not app.viewing_file else None
+    with parts[0]:
+        if parts[0].open:
+            ablation_section(trace, step, model, gen)
+    with parts[1]:
+        if parts[1].open:
+            patching_section(trace, model, gen)
+    with parts[2]:
+        if parts[2].open:
+            attribution_section(trace, step, model)
+    with parts[3]:
+        if parts[3].open:
+            lens_section(trace, step, model)
+
+
+def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | None) -> None:
+    app = state()
+    n_layer, n_head = n_layer_head(trace)
+    cols = st.columns([3, 1, 2])
+    # options are (layer, head) pairs, shown as "L3 H2": the choice is read as numbers, never parsed back
+    chosen = cols[0].multiselect("heads to switch off (their output O_h)", all_heads(n_layer, n_head),
+                                 format_func=head_label, key="ablate_heads")
+    how = cols[1].radio("how", ["zero", "mean"], key="ablate_how",
+                        help="zero: O_h = 0 · mean: O_h replaced by its mean over the positions seen so far")
+    text = cols[2].radio("loss measured on", ["a random sequence repeated twice", "the prompt"], key="ablate_text",
+                         help="On a random token sequence followed by itself, only induction predicts the second "
+                              "half: the loss there shows what the induction circuit is worth")
+    interventions = head_ablations(chosen, how)
+    if gen is None:
+        st.info("Re-running a step needs the live generation (Step once, or leave the file view).")
+        return
+    if st.button("Re-run this step with these heads switched off", key="ablate_run", disabled=not chosen,
+                 type="primary"):
+        with st.spinner("re-running…"):
+            app.ablation = ablation_run(gen, step, model, interventions, on_prompt=text == "the prompt")
+    res = app.ablation
+    if res is None or res.step != step:
+        st.caption("Pick heads, then re-run: the step runs again from the same cache with them switched off, and "
+                   "the loss on a text is measured with and without. Nothing in the generation changes.")
+        return
+    st.markdown(f"Re-ran step {res.step} with: " + "; ".join(plain(d) for d in res.described))
+    cols = st.columns(3)
+    cols[0].metric(f"loss on {res.loss_text}", f"{res.loss_after:.3f} nats", f"{res.loss_after - res.loss_before:+.3f}",
+                   delta_color="inverse")
+    cols[1].metric("loss as the model is", f"{res.loss_before:.3f} nats")
+    cols[2].metric("heads whose pattern moved", f"{len(res.moved)} of {len(res.changes)}")
+    frame = whatif_views.next_token_change(res.replay.original[0], res.replay.logits[0], gen.tokenizer.token_label)
+    chart(whatif_views.next_token_change_figure(frame, f"next token at step {res.step}, sequence 0"),
+          key="ablate_next_chart")
+    chart(whatif_views.pattern_change_figure(list(res.changes), n_layer, n_head), key="ablate_heads_chart")
+    if st.button("Keep these heads off for the next steps", key="ablate_keep"):
+        gen.set_interventions(interventions)
+        st.rerun()
+    if gen.interventions and st.button("Switch every head back on for the next steps", key="ablate_clear"):
+        gen.set_interventions([])
+        st.rerun()
+
+
+def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
+    app = state()
+    if gen is None:
+        st.info("Patching runs the live model on two prompts; Step once (or leave the file view).")
+        return
+    tok = gen.tokenizer
+    clean = gen.info.prompts[0]
+    st.caption("The clean prompt is this generation's (sequence 0). Type a corrupted one with the same number of "
+               "tokens — change a name, say. Each cell patches the clean run's activation into the corrupted run "
+               "and measures how much of the clean answer's logit difference comes back.")
+    corrupted = st.text_input("corrupted prompt (same number of tokens)", key="patch_corrupted")
+    kind = st.radio("patch", ["the residual stream (layer × position)", "each head's output (layer × head)"],
+                    key="patch_kind", horizontal=True)
+    n_clean, n_corrupt = len(tok.encode(clean)), len(tok.encode(corrupted)) if corrupted else 0
+    if corrupted and n_clean != n_corrupt:
+        st.error(f"The clean prompt has {n_clean} tokens and this one {n_corrupt}: patching needs the same count.")
+    ready = bool(corrupted) and n_clean == n_corrupt
+    if st.button("Run activation patching", key="patch_run", disabled=not ready, type="primary"):
+        bar = st.progress(0.0, text="patching…")
+        app.patching = patching_run(model, tok, clean, corrupted,
+                                    "resid_pre" if kind.startswith("the residual") else "z",
+                                    progress=lambda f: bar.progress(f, text=f"patching… {f:.0%}"))
+    run = app.patching
+    if run is None:
+        return
+    res = run.result
+    if res.clean_answer == res.corrupted_answer:
+        st.warning(f"Both prompts give the same top token ({plain(tok.token_label(res.clean_answer))}): there is no "
+                   "difference to restore. Change the prompt so that the answers differ.")
+        return
+    st.markdown(f"Clean answer **{plain(tok.token_label(res.clean_answer))}**, corrupted answer "
+                f"**{plain(tok.token_label(res.corrupted_answer))}**; logit difference {res.clean_diff:.2f} clean, "
+                f"{res.corrupted_diff:.2f} corrupted.")
+    chart(whatif_views.patching_figure(res.restored, list(run.labels), res.kind), key="patching_chart")
+
+
+def attribution_section(trace: Trace, step: int, model) -> None:
+    facts = facts_of(trace)
+    row = st.selectbox("sequence", list(range(facts.batch_size)), key="dla_row") if facts.batch_size > 1 else 0
+    choice = facts.step(step).sampling
+    if choice is None:
+        st.error("This step chose no token (its logits were not finite).")
+        return
+    try:
+        frame = direct_logit_attribution(trace, step, row, model=model)
+    except ValueError as e:
+        st.info(plain(e))
+        return
+    st.caption("How much each head (through W_O), each MLP and the embeddings add directly to the chosen token's "
+               "logit z, reading the final norm with its scale frozen at this position.")
+    chart(whatif_views.attribution_figure(frame, choice.labels[row]), key="dla_chart")
+
+
+def lens_section(trace: Trace, step: int, model) -> None:
+    facts = facts_of(trace)
+    row = st.selectbox("sequence", list(range(facts.batch_size)), key="lens_row") if facts.batch_size > 1 else 0
+    tok = state().generation.tokenizer if state().generation is not None else None
+    try:
+        frame = logit_lens(trace, step, row, model=model, label=tok.token_label if tok else None)
+    except ValueError as e:
+        st.info(plain(e))
+        return
+    figure, note = whatif_views.lens_figure(frame, model.config.n_layer)
+    st.caption("What each layer already predicts: its residual stream put through the final norm and W_U. Colour: "
+               "the probability of the token the model finally chose there; text: that layer's own top token."
+               + (f" Showing {note}." if note else ""))
+    chart(figure, key="lens_chart")

@@ -1,0 +1,32 @@
+"""Worked example: a two-token attention edited number by number, and its gradient checked by autograd."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from figures import worked as worked_views
+from gui.common import chart, plain
+from tracer import Trace
+
+
+@st.fragment
+def worked_tab(trace: Trace | None = None, step: int = 0) -> None:
+    st.markdown("A two-token attention you can check by hand (edit any number). Every stage runs through the "
+                "same `attention` function the model runs; the gradient ∂L/∂V = Aᵀ·∂L/∂O is checked against "
+                "autograd's.")
+    cols = st.columns(4)
+    tables = {}
+    for col, (name, default) in zip(cols, (("Q", worked_views.DEFAULT_Q), ("K", worked_views.DEFAULT_K),
+                                           ("V", worked_views.DEFAULT_V), ("∂L/∂O", worked_views.DEFAULT_GRAD_O))):
+        col.markdown(f"**{name}**")
+        tables[name] = col.data_editor(default, key=f"worked_{name}", num_rows="dynamic", width="stretch")
+    causal = st.toggle("add the causal mask M", key="worked_causal")
+    try:
+        w = worked_views.compute(*(list(map(list, tables[k])) for k in ("Q", "K", "V", "∂L/∂O")), causal=causal)
+    except worked_views.WorkedInputError as e:
+        st.error(plain(e))
+        return
+    chart(worked_views.forward_figure(w), key="worked_forward")
+    st.markdown(f"Row 1 of A: e^{w.scores[0, 0]:.3f} and e^{w.scores[0, 1]:.3f} normalised to "
+                f"{w.a[0, 0]:.3f} and {w.a[0, 1]:.3f}." if w.a.shape[1] >= 2 and not causal else "")
+    chart(worked_views.backward_figure(w), key="worked_backward")
