@@ -16,7 +16,9 @@ from pathlib import Path
 from model.heads import repeated_random_tokens
 from model.hook_table import act_name
 from model.identity import identity_of
+from model.own_module import OwnDecoder
 from model.sampling import SamplingConfig, SamplingError
+from model.tokenizer import TokenizerConfigError
 from tracer import (
     CAPTURE_LEVELS,
     DEFAULT_BUDGET_BYTES,
@@ -55,9 +57,8 @@ class Settings:
     capture: str
     padding_side: str
     budget_bytes: int
-
-    def signature(self) -> tuple:
-        return (self.prompts, self.sampling, self.use_cache, self.capture, self.padding_side, self.budget_bytes)
+    chat: bool = False  # each prompt wrapped in the model's chat template as a user message
+    stop_at_eos: bool = True  # generation stops once every sequence chose an end-of-sequence id
 
 
 def split_prompts(text: str) -> tuple[str, ...]:
@@ -103,6 +104,8 @@ class SettingsDefaults:
     capture: str = "values"
     padding_side: str = "left"
     budget_mb: int = DEFAULT_BUDGET_BYTES // 2**20
+    chat: bool = False
+    stop_at_eos: bool = True
 
 
 DEFAULTS = SettingsDefaults()
@@ -115,13 +118,13 @@ def settings_from(values: Mapping[str, object]) -> Settings:
     return parse_settings(
         prompt=v["prompt"], greedy=v["decoding"] == "greedy", temperature=v["temperature"], top_k=v["top_k"],
         top_p=v["top_p"], seed=v["seed"], use_cache=v["use_cache"], capture=v["capture"],
-        padding_side=v["padding_side"], budget_mb=v["budget_mb"],
+        padding_side=v["padding_side"], budget_mb=v["budget_mb"], chat=v["chat"], stop_at_eos=v["stop_at_eos"],
     )
 
 
 def parse_settings(
     prompt: str, greedy: bool, temperature: float, top_k: int, top_p: float, seed: object,
-    use_cache: bool, capture: str, padding_side: str, budget_mb: float,
+    use_cache: bool, capture: str, padding_side: str, budget_mb: float, chat: bool = False, stop_at_eos: bool = True,
 ) -> Settings:
     prompts = split_prompts(prompt)
     try:
@@ -141,7 +144,8 @@ def parse_settings(
         raise SettingsError("padding must be left or right")
     if not 1 <= budget_mb <= MAX_BUDGET_MB:
         raise SettingsError(f"the value budget must be between 1 and {MAX_BUDGET_MB} MB, got {budget_mb:g}")
-    return Settings(prompts, sampling, bool(use_cache), capture, padding_side, int(budget_mb * 2**20))
+    return Settings(prompts, sampling, bool(use_cache), capture, padding_side, int(budget_mb * 2**20), bool(chat),
+                    bool(stop_at_eos))
 
 
 def parse_run_steps(raw: object) -> int:
@@ -154,28 +158,53 @@ def parse_run_steps(raw: object) -> int:
 
 
 def new_generation(model, tokenizer, settings: Settings) -> TracedGeneration:
+    """The generation the settings describe. With ``chat``, each prompt is rendered by the model's chat template
+    (which writes the special tokens itself, so encoding adds none, as transformers does). A model that runs
+    without our KV cache (your own module) runs with the cache off."""
+    prompts = list(settings.prompts)
+    if settings.chat:
+        try:
+            prompts = [tokenizer.apply_chat_template(p) for p in prompts]
+        except TokenizerConfigError as e:
+            raise SettingsError(f"“chat template” is on, but {e}") from None
+        tokenizer = tokenizer.without_special_tokens()
     try:
         return TracedGeneration(
-            model, tokenizer, list(settings.prompts) if len(settings.prompts) > 1 else settings.prompts[0],
-            use_cache=settings.use_cache, capture=settings.capture, sampling=settings.sampling,
-            padding_side=settings.padding_side, budget_bytes=settings.budget_bytes,
+            model, tokenizer, prompts if len(prompts) > 1 else prompts[0],
+            use_cache=settings.use_cache and caches(model), capture=settings.capture, sampling=settings.sampling,
+            padding_side=settings.padding_side, budget_bytes=settings.budget_bytes, stop_at_eos=settings.stop_at_eos,
         )
     except PromptError as e:
         raise SettingsError(str(e)) from None
 
 
+def caches(model) -> bool:
+    """Whether ``model`` runs with our KV cache (a module of your own runs its own code, without one)."""
+    return not isinstance(model, OwnDecoder)
+
+
 # -- models -------------------------------------------------------------------------------------------
+FACTORY = "factory"  # the "dtype" slot of a model key that names your own module's factory
+
+
 def parse_model_key(key: str) -> tuple[str, str | None]:
-    """A model key as (bundled model's name, None) for ``bundled:<name>``, or (path, dtype) for
-    ``dir:<dtype>:<path>`` (the path last: it may hold colons)."""
+    """A model key as (bundled model's name, None) for ``bundled:<name>``, (spec, "factory") for
+    ``factory:<package.module:function>``, or (path, dtype) for ``dir:<dtype>:<path>`` (the path last: it may
+    hold colons)."""
     if key.startswith("bundled:"):
         return key.split(":", 1)[1], None
+    if key.startswith("factory:"):
+        return key.split(":", 1)[1], FACTORY
     _, dtype, path = key.split(":", 2)
     return path, dtype
 
 
 def directory_key(path: str, dtype: str) -> str:
     return f"dir:{dtype}:{path}"
+
+
+def factory_key(spec: str) -> str:
+    return f"factory:{spec}"
 
 
 def checkpoint_path(raw: str) -> str:

@@ -9,7 +9,7 @@ later and win."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return subprocess.call([sys.executable, "-m", "streamlit", "run", str(script), *server_flags(), *rest])
+        # the server replaces this process: Ctrl+C and a terminating parent reach Streamlit itself
+        os.execv(sys.executable, [sys.executable, "-m", "streamlit", "run", str(script), *server_flags(), *rest])
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2

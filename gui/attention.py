@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import attention as attn_views
-from figures.common import facts_of, query_labels
+from figures.common import facts_of, query_labels, scores_formula
 from gui.common import chart, explain_missing_values, layer_head_batch, live_model_for, state, values_kept
 from model.hook_table import act_name
 from model.identity import identity_of
@@ -16,10 +16,19 @@ from tracer import Trace, head_scores
 @st.fragment
 def attention_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "attn")
-    st.latex(r"A = \operatorname{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}} + M\right), \qquad O = A\,V")
-    st.caption(attn_views.M_NOTE + " (Vaswani et al., 2017, “Attention Is All You Need”.)")
+    st.latex(attn_views.attention_latex(trace, step, layer))
+    usual = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1]) == "QKᵀ/√d_k"
+    if usual:
+        st.caption(attn_views.M_NOTE + " (Vaswani et al., 2017, “Attention Is All You Need”.)")
+    else:
+        st.caption("This model scores its keys its own way — the scale s from its config instead of 1/√d_k"
+                   + (", then a soft-cap c·tanh(·/c) that keeps every score inside (−c, c)"
+                      if getattr(trace.config, "attn_softcap", None) else "")
+                   + " — and adds M after, as in Vaswani et al. (2017). The stages below are its own numbers.")
     rope = trace.has(act_name("rot_q", layer), step)
-    parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope else []) + ["All heads", "History"]
+    rope_elsewhere = attn_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
+    parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope or rope_elsewhere else []) + ["All heads",
+                                                                                                "History"]
     sub = dict(zip(parts, st.tabs(parts, key="attn_view", on_change="rerun")))
     pattern_kept = trace.get(act_name("pattern", layer), step) is not None
     with sub["Stages"]:
@@ -29,8 +38,9 @@ def attention_tab(trace: Trace, step: int) -> None:
                 explain_missing_values(trace, step, "attention heatmaps")
                 st.markdown("\n".join(f"- **{s.title}**: `{s.shapes}`" for s in stages))
             else:
-                shared = st.toggle("one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared",
-                                   help="With one scale, dividing by √d_k shows as what it does: every score "
+                shared = st.toggle("one colour scale for the scores" if not usual else
+                                   "one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared",
+                                   help="With one scale, the scaling shows as what it does: every score "
                                         "shrinks by the same factor")
                 chart(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
                       key="stages_chart")
@@ -50,10 +60,11 @@ def attention_tab(trace: Trace, step: int) -> None:
             if table is None:
                 explain_missing_values(trace, step, "Q, K and M to recompute from")
             else:
-                st.caption("This head recomputed from its recorded Q, K and M, four ways. Without ÷√d_k the "
-                           "scores are √d_k times larger and the softmax far peakier (a larger max weight, a lower "
-                           "entropy); without M, weight leaks onto keys after the query; masking after the "
-                           "softmax leaves rows that no longer sum to 1.")
+                scaling = "÷√d_k" if usual else "the scale s"
+                st.caption(f"This head recomputed from its recorded Q, K and M, four ways, with the model's own "
+                           f"scaling. Without {scaling} the scores are larger and the softmax far peakier (a larger "
+                           "max weight, a lower entropy); without M, weight leaks onto keys after the query; "
+                           "masking after the softmax leaves rows that no longer sum to 1.")
                 st.dataframe(table.round(4), hide_index=True, key="pitfall_table")
                 chart(attn_views.pitfall_figure(trace, step, layer, head, batch), key="pitfall_chart")
     if "RoPE" in sub:
@@ -91,6 +102,10 @@ def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, sho
 
 
 def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
+    reason = attn_views.rope_not_drawn(trace)
+    if reason is not None:
+        st.info(reason)
+        return
     st.markdown("RoPE turns position into rotation: q at position m becomes R(m)q and k at position n becomes "
                 "R(n)k, rotating each pair of dimensions i by the angle m·θᵢ. Since R(m)ᵀR(n) = R(n − m), the "
                 "score R(m)q · R(n)k depends on the positions only through m − n (Su et al., 2021, RoFormer). "

@@ -3,16 +3,20 @@ step slider, and the banners and notices above the tabs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import streamlit as st
 
 from figures import tokens as token_views
 from figures.common import facts_of
 from figures.common import inert as plain  # everything the app did not write passes through this
 from gpt_shape_tracer.memory import reuse_freed_memory
-from model import ModelLoadError, load_bundled, load_hf
+from model import ModelLoadError, TextTokenizer, load_bundled, load_model
 from model.identity import identity_of
+from model.own_module import load_factory
 from session import (
     DEFAULT_MODEL_KEY,
+    FACTORY,
     AppState,
     Settings,
     SettingsError,
@@ -44,7 +48,17 @@ def bundled_model(name: str):
 
 @st.cache_resource(show_spinner="Loading the model from the local directory…", max_entries=2)
 def directory_model(path: str, dtype: str):
-    return load_hf(path, dtype=dtype)
+    return load_model(path, dtype=dtype)
+
+
+@st.cache_resource(show_spinner="Running your factory…", max_entries=2)
+def factory_model(spec: str):
+    """Your module from ``package.module:function`` (model.own_module.load_factory: only from files nobody
+    else can write), with its tokenizer: what it returned, a tokenizer.json path it returned, or none."""
+    model, tokenizer = load_factory(spec)
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = TextTokenizer.from_file(tokenizer)
+    return model, tokenizer
 
 
 def chart(fig, key: str, **kwargs):
@@ -61,7 +75,9 @@ def state() -> AppState:
 def current_model():
     """(model, tokenizer) of the sidebar's choice, loaded once per process."""
     where, dtype = parse_model_key(state().model_key)
-    return bundled_model(where) if dtype is None else directory_model(where, dtype)
+    if dtype is None:
+        return bundled_model(where)
+    return factory_model(where) if dtype == FACTORY else directory_model(where, dtype)
 
 
 def live_model_for(trace: Trace):

@@ -16,13 +16,19 @@ LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_mod
 def shapes_tab(trace: Trace, step: int) -> None:
     n_layer, _ = n_layer_head(trace)
     layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer")
-    st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}. In purple, the weight a stage "
-               "multiplies by (the per-head W_Q^i, W_K^i, W_V^i of [d, d_k] are W_QKV's column blocks, d_k columns "
-               "per head).")
+    if flow_views.recorded_flow(trace):
+        st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}. This model runs its own "
+                   "code, so the flow is read from the trace: the block's hook points and the model's own modules "
+                   "(named as in the model, with their class), in the order the forward ran them.")
+    else:
+        st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}. In purple, the weight a "
+                   "stage multiplies by (the per-head W_Q^i, W_K^i, W_V^i of [d, d_k] are W_QKV's column blocks, "
+                   "d_k columns per head).")
     chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
     st.subheader("The multi-head reshape, op by op")
     st.caption("How Q is split into heads and the heads' outputs merged back; green boxes are views (the same "
-               "numbers, new shape and strides), orange ones new memory.")
+               "numbers, new shape and strides), orange ones new memory"
+               + (", grey ones not measured (values not kept)." if flow_views.recorded_flow(trace) else "."))
     chart(flow_views.reshape_figure(trace, step, layer), key="reshape_chart")
     st.subheader("Every record of this step")
     cols = st.columns([1, 2, 1, 2])

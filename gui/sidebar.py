@@ -4,29 +4,35 @@ from __future__ import annotations
 
 import streamlit as st
 
-from gui.common import current_model, directory_model, plain, state
+from gui.common import current_model, directory_model, factory_model, plain, state
 from model import BUNDLED_MODELS, ModelLoadError
+from model.hf_decoder import weights_size
 from model.loading import ASSETS
+from model.own_module import OwnModuleError
+from model.resolve import resolve_model_path
 from session import (
     DEFAULT_RUN_N,
     DEFAULTS,
+    FACTORY,
     MAX_BUDGET_MB,
     Settings,
     SettingsError,
     checkpoint_path,
     describe_model,
     directory_key,
+    factory_key,
     parse_model_key,
     parse_run_steps,
     run_steps,
 )
-from tracer import MAX_RUN_STEPS
+from tracer import CAPTURE_LEVELS, MAX_RUN_STEPS
 
 SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
            "Bundled Llama-style story model": "bundled:story-llama",
-           "Local Hugging Face directory": "dir"}
+           "Local Hugging Face directory": "dir",
+           "Your own module (package.module:function)": "factory"}
 DECODINGS = ["greedy", "sample"]
-CAPTURES = ["values", "shapes", "ops"]
+CAPTURES = list(CAPTURE_LEVELS)
 PADDINGS = ["left", "right"]
 
 
@@ -48,16 +54,31 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
                  if not key.startswith("bundled:") or parse_model_key(key)[0] in bundled_available()}
     label = sb.radio("Weights", list(available), key="source",
                      help="Bundled models ship with the app. A local directory is what Hugging Face save_pretrained "
-                          "writes (config.json + weights; GPT-2, Llama, Mistral or Qwen2) — a Hugging Face cache "
-                          "snapshot, …/models--org--name/snapshots/<hash>, works too. Nothing is downloaded.")
+                          "writes (config.json + weights): GPT-2, Llama, Mistral and Qwen2 run on our own "
+                          "implementation, any other decoder transformers knows (Qwen3, Gemma, Phi-3, …) is run by "
+                          "transformers through our hook points. A Hugging Face cache folder (models--org--name, or "
+                          "its snapshots/<hash>), a repo id found in the local cache (org/name), or a nanoGPT "
+                          "ckpt.pt work too. Your own module: a function in your own code on this machine that "
+                          "returns (model, tokenizer). Nothing is downloaded.")
     chosen = available[label]
     if chosen == "dir":
-        path = sb.text_input("Directory", key="model_dir", placeholder="/path/to/model")
+        path = sb.text_input("Directory", key="model_dir", placeholder="/path/to/model, org/name or ckpt.pt")
         dtype = sb.selectbox("Compute dtype", ["float32", "bfloat16"], key="model_dtype",
                              help="float32 by default; bfloat16 halves the memory of a bf16 checkpoint (tolerances "
                                   "in the cache comparison follow the dtype)")
+        size = weights_size_of(path, dtype)
+        if size:
+            sb.caption(size)
         if sb.button("Load", key="load_model"):
             load_directory(path, dtype)
+    elif chosen == "factory":
+        spec = sb.text_input("Factory", key="model_factory", placeholder="my_package.my_model:make",
+                             help="A function returning the model, or (model, tokenizer or a tokenizer.json path). "
+                                  "It is imported from the Python path and the directory the app was started in, "
+                                  "and only from a file nobody else can write. Its attention is seen where it calls "
+                                  "torch.nn.functional.scaled_dot_product_attention.")
+        if sb.button("Load", key="load_factory"):
+            load_own_module(spec)
     elif state().model_key != chosen:
         state().model_key = chosen
         state().reset()
@@ -79,6 +100,15 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     values["use_cache"] = sb.toggle(
         "KV cache", value=DEFAULTS.use_cache, key="use_cache",
         help="On: a decode step computes one new row. Off: every step recomputes all positions.")
+    if parse_model_key(state().model_key)[1] == FACTORY:
+        sb.caption("Your module runs its own forward, without our KV cache: every step recomputes all positions.")
+    cols = sb.columns(2)
+    values["chat"] = cols[0].toggle("chat template", value=DEFAULTS.chat, key="chat",
+                                    help="Wrap each prompt in the model's chat template as a user message, as "
+                                         "transformers' apply_chat_template(add_generation_prompt=True) does")
+    values["stop_at_eos"] = cols[1].toggle("stop at EOS", value=DEFAULTS.stop_at_eos, key="stop_at_eos",
+                                           help="Stop once every sequence has chosen an end-of-sequence token (the "
+                                                "ids the model's files declare; the bundled models declare none)")
     values["capture"] = sb.selectbox(
         "Capture", CAPTURES, index=CAPTURES.index(DEFAULTS.capture), key="capture",
         help="shapes: shape/dtype only (NaN/∞ checked on the residual stream and logits) · values: + "
@@ -96,6 +126,35 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
 @st.cache_data(show_spinner=False)
 def bundled_available() -> list[str]:
     return [name for name in BUNDLED_MODELS if (ASSETS / name / "config.json").is_file()]
+
+
+def weights_size_of(path: str, dtype: str) -> str:
+    """What loading will hold, read from the safetensors headers before anything is loaded ("" when unknown)."""
+    try:
+        directory = resolve_model_path(checkpoint_path(path))
+        count, nbytes = weights_size(directory, dtype) if directory.is_dir() else (0, 0)
+    except Exception:  # an estimate only: a file Load would refuse (and explain) just shows none
+        return ""
+    if not count:
+        return ""
+    return f"Loading holds {count / 1e6:,.1f}M parameters: {nbytes / 2**30:.2f} GiB in {dtype}."
+
+
+def load_own_module(spec: str) -> None:
+    app = state()
+    try:
+        model, tok = factory_model(spec.strip())
+    except (OwnModuleError, ModelLoadError, ImportError, OSError, ValueError, TypeError, RuntimeError) as e:
+        app.notices = [("error", f"Could not load that module, the previous model stays loaded: {plain(e)}")]
+        return
+    if tok is None:
+        app.notices = [("error", "Your factory returned no tokenizer: return (model, tokenizer), where the tokenizer "
+                                 "is a model.TextTokenizer or the path of a tokenizer.json; the previous model stays "
+                                 "loaded.")]
+        return
+    app.reset()
+    app.model_key = factory_key(spec.strip())
+    app.notices = [("success", f"Loaded {plain(spec)}: {describe_model(model)}")]
 
 
 def load_directory(path: str, dtype: str) -> None:

@@ -78,6 +78,9 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
         raise ModelLoadError(f"{raw!r}: cannot expand the home directory ({e})") from None
     if path.exists():
         return snapshot_of(path) if path.is_dir() and is_repo_folder(path) else path
+    if path.is_symlink():  # it is there, but where it leads is not: a loop, or a link to nothing
+        raise ModelLoadError(f"{path}: a symbolic link that cannot resolve to a file or directory (a loop, or "
+                             "its target is gone)")
     looked = [f"{path} (no such directory or file)"]
     if _REPO_ID.fullmatch(raw) and "--" not in raw and ".." not in raw:
         cache = hub_cache_dir()
