@@ -126,7 +126,20 @@ def parse_settings(
     prompt: str, greedy: bool, temperature: float, top_k: int, top_p: float, seed: object,
     use_cache: bool, capture: str, padding_side: str, budget_mb: float, chat: bool = False, stop_at_eos: bool = True,
 ) -> Settings:
-    prompts = split_prompts(prompt)
+    """The app's settings: the prompt box's text is one prompt per line."""
+    return build_settings(split_prompts(prompt), greedy, temperature, top_k, top_p, seed, use_cache, capture,
+                          padding_side, budget_mb, chat, stop_at_eos)
+
+
+def build_settings(
+    prompts: tuple[str, ...], greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
+    seed: object, use_cache: bool, capture: str, padding_side: str, budget_mb: float, chat: bool = False,
+    stop_at_eos: bool = True,
+) -> Settings:
+    """Settings from their values, refused with a ``SettingsError`` saying why: the one set of rules, limits and
+    defaults the app and the command line (``gpt-shape-tracer trace``) share."""
+    if not prompts or len(prompts) > MAX_BATCH:
+        raise SettingsError(f"give 1 to {MAX_BATCH} prompts, got {len(prompts)}")
     try:
         sampling = SamplingConfig(
             temperature=0.0 if greedy else temperature,

@@ -7,7 +7,6 @@ shape table of the chosen step. Every argument is checked before the model runs.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -15,9 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from gpt_shape_tracer.memory import reuse_freed_memory
-from tracer import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, MAX_RUN_STEPS, TracedGeneration, save_trace
-
-MAX_BUDGET_MB = 1 << 20
+from tracer import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, MAX_RUN_STEPS, save_trace
 
 
 def _checked_out(raw: str) -> Path:
@@ -49,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", help="a local Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, …), a Hugging "
                     "Face cache folder (models--org--name or its snapshots/<hash>), a repo id org/name already in "
                     "the local cache (nothing is downloaded), or a nanoGPT ckpt.pt (the file or its out_dir)")
+    ap.add_argument("--model-factory", metavar="PACKAGE.MODULE:FUNCTION",
+                    help="your own module: a function returning the model, or (model, tokenizer); imported from "
+                    "the Python path and this directory, only from files nobody else can write")
     ap.add_argument("--tokenizer", help="a tokenizer.json (or a directory with one, or vocab.json + merges.txt) "
                     "for --model-dir: needed by a nanoGPT ckpt.pt without one beside it")
     ap.add_argument("--chat", action="store_true",
@@ -71,41 +71,45 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
 
-    from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_model
+    from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
+    from model.own_module import OwnModuleError, load_factory
+    from session import build_settings, new_generation
 
     try:
         out = _checked_out(args.out)
-        if not math.isfinite(args.budget_mb) or not 0 < args.budget_mb <= MAX_BUDGET_MB:
-            raise ValueError(f"--budget-mb must be a number in (0, {MAX_BUDGET_MB}], got {args.budget_mb}")
+        settings = build_settings(  # the app's rules, limits and defaults
+            tuple(args.prompt), greedy=args.temperature == 0, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, capture=args.capture,
+            padding_side="left", budget_mb=args.budget_mb, chat=args.chat, stop_at_eos=not args.no_stop_at_eos)
         if not 1 <= args.steps <= MAX_RUN_STEPS:
             raise ValueError(f"--steps takes 1 … {MAX_RUN_STEPS}, got {args.steps}")
         if args.show_step is not None and not 0 <= args.show_step < args.steps:
             raise ValueError(f"--show-step must name one of the steps 0 … {args.steps - 1}, got {args.show_step}")
         if args.model not in BUNDLED_MODELS:
             raise ValueError(f"--model {args.model!r}: bundled models are {', '.join(BUNDLED_MODELS)}")
-        if args.tokenizer and not args.model_dir:
-            raise ValueError("--tokenizer goes with --model-dir (a bundled model has its own)")
-        if args.model_dir:
+        if args.tokenizer and not (args.model_dir or args.model_factory):
+            raise ValueError("--tokenizer goes with --model-dir or --model-factory (a bundled model has its own)")
+        if args.model_dir and args.model_factory:
+            raise ValueError("give --model-dir or --model-factory, not both")
+        if args.model_factory:
+            model, tokenizer = load_factory(args.model_factory)
+            if args.tokenizer or isinstance(tokenizer, (str, Path)):
+                tokenizer = load_tokenizer(args.tokenizer or tokenizer, model.config.vocab_size)
+            if tokenizer is None:
+                raise ValueError(f"{args.model_factory} returned no tokenizer: return (model, tokenizer), or give "
+                                 "--tokenizer")
+        elif args.model_dir:
             model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer)
             if tokenizer is None:
                 raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt): "
                                  "give one with --tokenizer")
         else:
             model, tokenizer = load_bundled(args.model)
-        prompts = args.prompt
-        if args.chat:  # the template writes the special tokens itself, so encoding adds none (as transformers does)
-            prompts = [tokenizer.apply_chat_template(p) for p in prompts]
-            tokenizer = tokenizer.without_special_tokens()
-        gen = TracedGeneration(
-            model, tokenizer, prompts if len(prompts) > 1 else prompts[0],
-            use_cache=not args.no_cache, capture=args.capture, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, budget_bytes=int(args.budget_mb * 2**20),
-            stop_at_eos=not args.no_stop_at_eos,
-        )
+        gen = new_generation(model, tokenizer, settings)  # the chat template and a module without a cache, too
         for warning in gen.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         done = gen.run(args.steps)
-    except (ModelLoadError, SamplingError, ValueError) as e:
+    except (ModelLoadError, OwnModuleError, SamplingError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if gen.stopped or done < args.steps:

@@ -175,3 +175,18 @@ def test_a_bad_factory_spec_says_what_to_give(user_code, spec):
     with pytest.raises(OwnModuleError):
         load_factory(spec)
 
+
+
+def test_the_command_line_traces_your_module_from_its_factory(user_code, capsys):
+    from gpt_shape_tracer.trace_command import main
+    from model.loading import BUNDLED_DIR
+    from tracer import load_trace
+
+    out = user_code / "mine.zip"
+    code = main(["--prompt", "Lily had a red kite.", "--model-factory", "my_tiny_gpt:make", "--tokenizer",
+                 str(BUNDLED_DIR / "tokenizer.json"), "--steps", "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    trace = load_trace(out)
+    assert trace.n_steps == 2 and not trace.generation.info.use_cache  # its own forward: no KV cache
+    assert trace.record("blocks.1.attn.hook_pattern", 1).shape[-1] == trace.generation.info.prompt_width + 1
+    assert trace.model.family == "module:TinyGPT"
