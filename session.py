@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from model.heads import repeated_random_tokens
 from model.hook_table import act_name
@@ -114,7 +115,8 @@ SETTING_KEYS = tuple(f.name for f in fields(SettingsDefaults))
 
 def settings_from(values: Mapping[str, object]) -> Settings:
     """The settings of the sidebar's widget values (by key; a missing key takes its default)."""
-    v = {key: values.get(key, getattr(DEFAULTS, key)) for key in SETTING_KEYS}
+    # what the widgets hold, as they hold it: parse_settings and the config classes it fills check every value
+    v: dict[str, Any] = {key: values.get(key, getattr(DEFAULTS, key)) for key in SETTING_KEYS}
     return parse_settings(
         prompt=v["prompt"], greedy=v["decoding"] == "greedy", temperature=v["temperature"], top_k=v["top_k"],
         top_p=v["top_p"], seed=v["seed"], use_cache=v["use_cache"], capture=v["capture"],

@@ -312,10 +312,10 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
         # in the gap below, where it would cover the next layer's tile; the hover lists them all
         for layer in range(n_layer):
             for head in range(H):
-                role, value = max(((k, float(v[layer, head])) for k, v in scores.items()), key=lambda kv: kv[1])
-                if value >= ROLE_SHOWN:
+                role, score = max(((k, float(v[layer, head])) for k, v in scores.items()), key=lambda kv: kv[1])
+                if score >= ROLE_SHOWN:
                     fig.add_annotation(x=head * (rt + cgap) + (rt - 1) / 2, y=layer * (tall + rgap) + tall - 0.5,
-                                       text=f"{role} {value:.2f}", showarrow=False, yanchor="bottom",
+                                       text=f"{role} {score:.2f}", showarrow=False, yanchor="bottom",
                                        font={"size": 10, "color": "#111"}, bgcolor="rgba(255,255,255,0.8)")
     fig.update_layout(shapes=shapes, plot_bgcolor="white", margin={"t": 40, "l": 40, "r": 10, "b": 10},
                       height=int(min(1400, max(320, 90 + n_layer * (60 if tall <= 6 else 110)))))
@@ -416,6 +416,7 @@ def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0
     if variants is None:
         return None
     mask = trace.get(act_name("mask", layer), step)
+    assert mask is not None  # pitfall_patterns read it
     forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])
     rows = []
     for name, a in variants.items():

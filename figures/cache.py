@@ -169,10 +169,11 @@ def verdict(c: RecomputeComparison) -> tuple[str, str]:
 
 def timing_warning(c: RecomputeComparison) -> str:
     """A warning when the measured times contradict the count (a busy machine), else ""."""
-    if not c.timing_contradicts_count:
+    cached, full = c.cached.seconds, c.full.seconds
+    if not c.timing_contradicts_count or cached is None or full is None:  # (a contradiction has both timings)
         return ""
-    return (f"On this machine the measured times ({c.cached.seconds * 1000:.1f} ms cached vs "
-            f"{c.full.seconds * 1000:.1f} ms full) contradict the count of multiply-adds: another program was "
+    return (f"On this machine the measured times ({cached * 1000:.1f} ms cached vs "
+            f"{full * 1000:.1f} ms full) contradict the count of multiply-adds: another program was "
             "running. Wall time on a shared machine is an estimate; the counts above are the evidence.")
 
 

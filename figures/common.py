@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import re
 
-from tracer import GenerationFacts, GenerationStep, TensorRecord, Trace
+from tracer import GenerationFacts, GenerationStep, SamplingRecord, TensorRecord, Trace
 
 INERT = set("\\`*_{}[]()#+-.!|~<>:&\"'$\n\r")  # what markdown, HTML or Streamlit's math could act on
 # GitHub-flavoured markdown links bare "http://", "www." and e-mail addresses after character references are
@@ -42,6 +42,14 @@ def facts_of(trace: Trace) -> GenerationFacts:
 
 def gen_step(trace: Trace, step: int) -> GenerationStep:
     return facts_of(trace).step(step)
+
+
+def choice_at(trace: Trace, step: int) -> SamplingRecord:
+    """What ``step`` chose (a step whose logits were not finite chose no token, and has no such view)."""
+    choice = gen_step(trace, step).sampling
+    if choice is None:
+        raise ValueError(f"no token was chosen at step {step}: its logits were not finite")
+    return choice
 
 
 def is_greedy(trace: Trace) -> bool:

@@ -6,6 +6,7 @@ makes; and the multi-head reshape op by op, with what each op does to memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import plotly.graph_objects as go
 
@@ -39,7 +40,15 @@ class FlowNode:
     summary: str = ""
 
 
-def _architecture(config) -> dict[str, str]:
+class _Architecture(TypedDict):
+    norm: str  # "LN" | "RMSNorm"
+    rope: bool
+    gated: bool
+    tied: bool
+    grouped: bool
+
+
+def _architecture(config) -> _Architecture:
     rms = config is not None and getattr(config, "norm", "layernorm") == "rmsnorm"
     return {
         "norm": "RMSNorm" if rms else "LN",

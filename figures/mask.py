@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import plotly.graph_objects as go
 import torch
@@ -106,11 +106,12 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     first_query = t - n
     pad_rows = tuple(i for i in range(n) if not real[first_query + i])
     use_cache = facts.info.use_cache
-    common = {"shape": rec.shape, "n": n, "t": t, "batch": batch, "padding_columns": pad_cols,
-              "padding_rows": pad_rows, "use_cache": use_cache, "decode": use_cache and step > 0 and forward.n == 1,
-              "sliding_window": window, "padding_side": facts.info.padding_side}
+    uncounted = MaskFacts(shape=rec.shape, n=n, t=t, batch=batch, counted=False, masked=-1, future=-1,
+                          padding_key=-1, window=-1, unexplained=-1, padding_columns=pad_cols, padding_rows=pad_rows,
+                          use_cache=use_cache, decode=use_cache and step > 0 and forward.n == 1,
+                          sliding_window=window, padding_side=facts.info.padding_side)
     if mask is None:
-        return MaskFacts(counted=False, masked=-1, future=-1, padding_key=-1, window=-1, unexplained=-1, **common)
+        return uncounted
     values = mask[min(batch, mask.shape[0] - 1), 0]  # [n, t]
     block = torch.isinf(values)
     query = torch.arange(first_query, t)[:, None]
@@ -119,11 +120,10 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     padding = torch.tensor([not r for r in real])[None, :].expand(n, t) & ~future
     outside = (key <= query - window) & ~future & ~padding if window else torch.zeros_like(future)
     explained = future | padding | outside
-    return MaskFacts(counted=True, masked=int(block.sum()), future=int((block & future).sum()),
-                     padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
-                     unexplained=int((block & ~explained).sum()), padding_rows_see=_padding_rows_see(values, pad_rows,
-                                                                                                     first_query),
-                     **common)
+    return replace(uncounted, counted=True, masked=int(block.sum()), future=int((block & future).sum()),
+                   padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
+                   unexplained=int((block & ~explained).sum()),
+                   padding_rows_see=_padding_rows_see(values, pad_rows, first_query))
 
 
 def _padding_rows_see(values: torch.Tensor, rows: tuple[int, ...], first_query: int) -> str:

@@ -110,7 +110,8 @@ def _numeric_chars(values: list) -> int:
 def _trace_values(trace: dict, letter: str) -> list:
     values = trace.get(letter)
     if values is None:  # a heatmap without coordinates: indices up to its size
-        shape = np.shape(trace.get("z"))
+        z = trace.get("z")
+        shape: tuple[int, ...] = np.shape(z) if z is not None else ()
         if len(shape) == 2:
             return [shape[1] - 1 if letter == "x" else shape[0] - 1]
         return []
@@ -155,10 +156,11 @@ def fit_margins(fig: go.Figure, pad: int = 6) -> go.Figure:
         if axis.get("showticklabels") is False:
             extent = 0.0
         elif letter == "y":
-            extent = widest if text else _numeric_chars(labels) * size * CHAR_PX
+            extent = widest if widest is not None else _numeric_chars(labels) * size * CHAR_PX
         elif axis.get("tickangle"):  # rotated labels: their height is their width turned
             angle = math.radians(abs(float(axis["tickangle"])))
-            extent = (widest if text else _numeric_chars(labels) * size) * math.sin(angle) + size * math.cos(angle)
+            extent = ((widest if widest is not None else _numeric_chars(labels) * size) * math.sin(angle)
+                      + size * math.cos(angle))
         else:
             extent = size * 1.3
         title = (axis.get("title") or {}).get("text")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from figures.common import facts_of, gen_step, inert, is_greedy, safe_text
+from figures.common import choice_at, facts_of, inert, is_greedy, safe_text
 from figures.palette import ACCENT, NEUTRAL, amount_legend, amount_span
 from figures.plot import figure, fitted
 from model.sampling import STAGES
@@ -40,7 +40,7 @@ def text_legend() -> str:
 @fitted
 def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     """Top candidates by final probability; the chosen one outlined in the accent."""
-    info = gen_step(trace, step).sampling
+    info = choice_at(trace, step)
     ids = info.candidates[row]
     labels = info.candidate_labels[row]
     final = info.stage_probs[row][len(STAGES) - 1]
@@ -66,7 +66,7 @@ def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
 @fitted
 def distribution_stages_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
     """Each candidate's probability at each stage: softmax(z), softmax(z/τ), top-k, top-p."""
-    info = gen_step(trace, step).sampling
+    info = choice_at(trace, step)
     ids = info.candidates[row]
     labels = info.candidate_labels[row]
     base = info.stage_probs[row][0]

@@ -98,6 +98,7 @@ def compute(q: list[list[float]], k: list[list[float]], v: list[list[float]], gr
     out, weights = attention(Q, K, Vg, mask, hooks=taps)
     stages = taps.stages
     (out * G).sum().backward()  # L = Σ O ⊙ ∂L/∂O, so ∂L/∂O is what the person typed
+    assert Vg.grad is not None  # V requires grad and O depends on it: backward filled it
     return Worked(q=Q, k=K, v=V, grad_o=G, qk=stages["hook_qk"], scores=stages["hook_attn_scores"],
                   masked=stages.get("hook_masked_scores", stages["hook_attn_scores"]), a=weights.detach(),
                   o=out.detach(), grad_v=weights.detach().T @ G, grad_v_autograd=Vg.grad.detach(), causal=causal)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -342,7 +343,7 @@ class RMSNorm(nn.Module):
         return (lambda c: self.weight * c / rms), None
 
 
-def norm(config: GPTConfig) -> nn.Module:
+def norm(config: GPTConfig) -> LayerNorm | RMSNorm:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.layer_norm_eps)
     return LayerNorm(config.d_model, config.layer_norm_eps, bias=config.norm_bias)
@@ -411,12 +412,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---- attention -------------------------------------------------------------------------------------------------
 
 
+class AttentionHooks(Protocol):
+    """What ``attention(hooks=…)`` calls: five hook points, each a tensor → tensor function (an attention
+    module, or any stand-in that has them)."""
+
+    @property
+    def hook_qk(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+    @property
+    def hook_attn_scores(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+    @property
+    def hook_mask(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+    @property
+    def hook_masked_scores(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+    @property
+    def hook_pattern(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
-    hooks: nn.Module | None = None,
+    hooks: AttentionHooks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, ``softmax(QKᵀ/√d_k + M)·V``, step by step.
 
@@ -807,3 +828,9 @@ class GPT(nn.Module):
     @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def block_attention(model: GPT, layer: int) -> MultiHeadAttention:
+    """Block ``layer``'s attention module, ``model.blocks[layer].attn``."""
+    # GPT.__init__ fills blocks with Block only; nn.ModuleList is not generic, so it types an item as nn.Module
+    return cast(Block, model.blocks[layer]).attn

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from model.gpt import GPT
+from model.gpt import GPT, block_attention
 
 
 @torch.no_grad()
@@ -21,8 +21,9 @@ def attention_patterns(model: GPT, tokens: torch.Tensor) -> list[torch.Tensor]:
     """One forward of ``tokens`` ``[B, n]``; returns the pattern ``[B, H, n, n]`` of every layer."""
     patterns: list[torch.Tensor] = []
     handles = [
-        block.attn.hook_pattern.register_forward_hook(lambda _m, _i, out: patterns.append(out.detach()))
-        for block in model.blocks
+        block_attention(model, layer).hook_pattern.register_forward_hook(
+            lambda _m, _i, out: patterns.append(out.detach()))
+        for layer in range(len(model.blocks))
     ]
     try:
         model(tokens)
@@ -74,7 +75,7 @@ def ablated(model: GPT, layer: int, head: int) -> Iterator[None]:
         out[:, head] = 0
         return out
 
-    handle = model.blocks[layer].attn.hook_z.register_forward_hook(zero_head)
+    handle = block_attention(model, layer).hook_z.register_forward_hook(zero_head)
     try:
         yield
     finally:

@@ -37,7 +37,7 @@ import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from torch import nn
 from model.cache import KVCache
 from model.gpt import GPTConfig, HookPoint, check_tokens, positions_and_keys
 from model.identity import ModelIdentity, parameters_digest
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
+    from transformers import PreTrainedModel
 
 ATTENTION = "shape_tracer"  # the name our attention function is registered under
 # the attention modules of every wrapped model, each mapped to its layer's hook points
@@ -100,6 +103,9 @@ class _AttentionHooks(nn.Module):
                                  "each head cannot be separated")
         H, dh = z.shape[1], z.shape[-1]
         w_o = self.w_o.weight  # nn.Linear: [d, H·d_head]
+        if not isinstance(w_o, torch.Tensor):
+            raise HFDecoderError(f"this model's attention output projection ({type(self.w_o).__name__}) has no "
+                                 "weight matrix, so the output of each head cannot be separated")
         w = w_o.t() if w_o.shape[0] != H * dh else w_o  # -> [H·d_head, d]
         return torch.einsum("bhnk,hkd->bhnd", z, w.reshape(H, dh, -1))  # [B,H,n,d_head] @ [H,d_head,d]
 
@@ -289,6 +295,8 @@ class _BlockHooks(nn.Module):
 class _FinalNorm(nn.Module):
     """The model's final norm under our name ``ln_final`` (not a submodule: it stays where it is)."""
 
+    _norm: nn.Module  # set past nn.Module.__setattr__, so that it is not registered as a submodule
+
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "_norm", norm)
@@ -322,7 +330,7 @@ class HFDecoder(nn.Module):
     ``HFDecoder(hf_model)`` for a model already in memory (built in Python or loaded by the user);
     ``load_hf_decoder(directory)`` for a ``save_pretrained`` directory."""
 
-    def __init__(self, hf: nn.Module, identity: ModelIdentity | None = None) -> None:
+    def __init__(self, hf: PreTrainedModel, identity: ModelIdentity | None = None) -> None:
         super().__init__()
         _register()
         model_type = str(getattr(hf.config, "model_type", type(hf).__name__))
@@ -339,7 +347,8 @@ class HFDecoder(nn.Module):
         self.architecture = _guess_architecture(hf, layers[0], attns[0], model_type)
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
-        self.blocks = nn.ModuleList(_BlockHooks(arch.softcap is not None, norm is not None) for norm in mlp_norms)
+        block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None) for norm in mlp_norms]
+        self.blocks = nn.ModuleList(block_hooks)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
         self.hook_logits = HookPoint()  # [B, n, V]
         final = _child(getattr(hf, "model", None) or getattr(hf, "transformer", None)
@@ -350,8 +359,7 @@ class HFDecoder(nn.Module):
         self._handles = []
         embed = hf.get_input_embeddings()
         self._handles.append(embed.register_forward_hook(lambda m, a, out: self.hook_embed(out)))
-        for L, (layer, attn) in enumerate(zip(layers, attns)):
-            hooks = self.blocks[L]
+        for layer, attn, hooks, mlp_norm in zip(layers, attns, block_hooks, mlp_norms):
             _HOOKS[attn] = hooks.attn
             hooks.attn.w_o = _child(attn, _NAMES_OUT)
             self._handles.append(layer.register_forward_pre_hook(self._pre_layer(hooks), with_kwargs=True))
@@ -363,20 +371,20 @@ class HFDecoder(nn.Module):
             if mlp is not None:
                 self._handles.append(mlp.register_forward_hook(
                     lambda m, a, out, h=hooks: _replace_first(out, h.hook_mlp_out(_first(out)))))
-            if mlp_norms[L] is not None:
-                self._handles.append(mlp_norms[L].register_forward_pre_hook(
+            if mlp_norm is not None:
+                self._handles.append(mlp_norm.register_forward_pre_hook(
                     lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:])))
         self._identity = identity
-        self._check_routing()
-        self.config = self._config(cfg)
+        self._check_routing(block_hooks)
+        self.config = self._config(cfg, block_hooks[0].attn)
 
-    def _check_routing(self) -> None:
+    def _check_routing(self, blocks: list[_BlockHooks]) -> None:
         """One token through the model: every layer's attention must have gone through the traced function
         (a family that computes attention its own way would otherwise be shown without its patterns)."""
         device = next(self.hf.parameters()).device
         with torch.no_grad():
             self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
-        missed = [L for L, block in enumerate(self.blocks) if block.attn.calls == 0]
+        missed = [L for L, block in enumerate(blocks) if block.attn.calls == 0]
         if missed:
             raise HFDecoderError(
                 f"{self.architecture.model_type}: the attention of layer(s) {', '.join(map(str, missed))} does not "
@@ -393,12 +401,12 @@ class HFDecoder(nn.Module):
 
         return pre
 
-    def _config(self, cfg: Any) -> GPTConfig:
+    def _config(self, cfg: Any, first: _AttentionHooks) -> GPTConfig:
         """Our config's description of the model: the shapes and pieces the views label. The head counts and
         width are the ones the attention received in the routing check, not read from the config (whose
         names differ by family, and which keeps keys a family ignores)."""
         arch = self.architecture
-        H, G, d_head = self.blocks[0].attn.seen
+        H, G, d_head = first.seen
         d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
         n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
         window = getattr(cfg, "sliding_window", None)
@@ -492,7 +500,9 @@ def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None 
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HFDecoderError(f"{directory}: transformers cannot load it as a causal LM "
                              f"({type(e).__name__}: {str(e)[:500]})") from None
-    hf = hf.to(device)
+    # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), whose typeshed type keeps the
+    # unbound method's self: mypy reads every call as one argument short
+    hf = hf.to(device)  # type: ignore[arg-type]
     digest = _files_digest(directory)
     model = HFDecoder(hf)
     model.identity = ModelIdentity(name=name or directory.name, source=str(directory),

@@ -32,6 +32,7 @@ import os
 import pickle
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -141,9 +142,10 @@ def _gpt2_config(raw: dict, source: Path) -> GPTConfig:
             raise ModelLoadError(f"{source}: {flag} = true is a GPT-2 variant this model does not implement")
     if raw.get("tie_word_embeddings") is False:
         raise ModelLoadError(f"{source}: tie_word_embeddings = false; GPT-2 checkpoints tie the unembedding to W_E")
+    n_ctx: Any = raw.get("n_positions", raw.get("n_ctx"))  # JSON, as every value here: GPTConfig checks it
     return GPTConfig(
         vocab_size=raw["vocab_size"],
-        n_ctx=raw.get("n_positions", raw.get("n_ctx")),
+        n_ctx=n_ctx,
         d_model=raw["n_embd"],
         n_layer=raw["n_layer"],
         n_head=raw["n_head"],
@@ -680,7 +682,7 @@ class SafetensorsFile:
                     self._fail(f"tensor {name!r} overlaps the one before it")
                 self._skip(begin - pos)
                 buf = torch.empty(end - begin, dtype=torch.uint8)
-                view = memoryview(buf.numpy())
+                view = buf.numpy().data  # a memoryview of the buffer
                 got = self._f.readinto(view) if end > begin else 0
                 if got != end - begin:
                     self._fail(f"tensor {name!r} is cut short")
@@ -864,7 +866,9 @@ def load_hf_gpt2(path: str | os.PathLike) -> tuple[GPT, TextTokenizer | None]:
     if raw and raw.get("model_type") != "gpt2":
         raise ModelLoadError(f"{directory / 'config.json'}: model_type is {raw.get('model_type')!r}, but "
                              "load_hf_gpt2 loads only 'gpt2' checkpoints (load_hf loads every supported family)")
-    return load_hf(directory)
+    model, tokenizer = load_hf(directory)
+    assert isinstance(model, GPT)  # gpt2 is one of the families load_hf builds itself
+    return model, tokenizer
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int, *, required: bool = True) -> TextTokenizer | None:
@@ -885,10 +889,10 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int, *, required: bool =
     directory = p.parent if p.is_file() else p
     if not directory.is_dir():
         raise ModelLoadError(f"{p}: no such tokenizer file or directory")
-    tok = _load_tokenizer(directory.resolve(), vocab_size)
-    if tok is None and required:
+    found = _load_tokenizer(directory.resolve(), vocab_size)
+    if found is None and required:
         raise ModelLoadError(f"{p}: no tokenizer here (looked for tokenizer.json, and vocab.json + merges.txt)")
-    return tok
+    return found
 
 
 def load_model(
@@ -948,6 +952,7 @@ def load_bundled(name: str = "story-gpt") -> tuple[GPT, TextTokenizer]:
         raise ModelLoadError(f"no bundled model is called {name!r}; bundled: {', '.join(BUNDLED_MODELS)}")
     directory = ASSETS / name
     model, tokenizer = load_hf(directory, name=name)
+    assert isinstance(model, GPT)  # every bundled model is of a family load_hf builds itself (gpt2, llama)
     if tokenizer is None:
         raise ModelLoadError(f"{directory}: the bundled model has no tokenizer.json")
     return model, tokenizer

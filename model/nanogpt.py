@@ -84,11 +84,12 @@ def load_nanogpt(
         name=name or (file.parent.name if file.name == CHECKPOINT_NAME else file.stem), source=str(file),
         family="nanogpt", config=config.to_dict(), weights_digest="sha256:" + hasher.hexdigest(),
     )
+    tok: TextTokenizer | None
     if isinstance(tokenizer, TextTokenizer):
-        tok: TextTokenizer | None = tokenizer
-        if tok.vocab_size > config.vocab_size:
-            raise ModelLoadError(f"{tok.source}: the tokenizer has {tok.vocab_size} tokens but the model's "
-                                 f"vocab_size is {config.vocab_size}")
+        if tokenizer.vocab_size > config.vocab_size:
+            raise ModelLoadError(f"{tokenizer.source}: the tokenizer has {tokenizer.vocab_size} tokens but the "
+                                 f"model's vocab_size is {config.vocab_size}")
+        tok = tokenizer
     else:
         tok = load_tokenizer(tokenizer if tokenizer is not None else file.parent, config.vocab_size,
                              required=tokenizer is not None)

@@ -165,10 +165,11 @@ class OwnDecoder(nn.Module):
                 f"{type(module).__name__} made no call to torch.nn.functional.scaled_dot_product_attention, so "
                 "its attention cannot be seen (a module that imports the function by name at import time calls "
                 "the original: call it as F.scaled_dot_product_attention)")
-        self.blocks.extend(_Block() for _ in range(calls))
+        blocks = [_Block() for _ in range(calls)]
+        self.blocks.extend(blocks)
         with torch.no_grad(), _Routed(self):  # now with hook points: learn each layer's head counts
             module(torch.zeros(1, 1, dtype=torch.long, device=device))
-        H, G, d_head = self.blocks[0].attn.seen
+        H, G, d_head = blocks[0].attn.seen
         d_model = int(getattr(cfg, "n_embd", None) or getattr(cfg, "d_model", None) or H * d_head)
         self.config = GPTConfig(vocab_size=int(logits.shape[-1]), n_ctx=int(n_ctx), d_model=d_model, n_layer=calls,
                                 n_head=H, n_kv_head=G, head_dim=d_head, family="module",

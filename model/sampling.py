@@ -15,10 +15,14 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.cache import KVCache
+
+if TYPE_CHECKING:
+    from model.decoders import Decoder
 
 MAX_TEMPERATURE = 100.0  # above this softmax(z/τ) is uniform to float precision for any real logits
 CANDIDATES = 20  # tokens per row kept for the stage-by-stage view
@@ -186,7 +190,7 @@ def generate_step(
 
 @torch.no_grad()
 def generate(
-    model: torch.nn.Module,
+    model: Decoder,
     prompt_ids: list[int],
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,

@@ -322,8 +322,9 @@ def _eos_ids(backend: Tokenizer, special: Mapping[str, str], generation: Mapping
     size = backend.get_vocab_size(with_added_tokens=True)
     ids = _ids_of(generation.get("eos_token_id")) + _ids_of(model_config.get("eos_token_id"))
     eos = special.get("eos_token")
-    if eos is not None and backend.token_to_id(eos) is not None:
-        ids.append(backend.token_to_id(eos))
+    eos_id = backend.token_to_id(eos) if eos is not None else None
+    if eos_id is not None:
+        ids.append(eos_id)
     return [i for i in dict.fromkeys(ids) if i < size]
 
 

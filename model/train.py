@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model.corpus import stories
-from model.gpt import GPT, GPTConfig, rope_inv_freq
+from model.gpt import GPT, GPTConfig, block_attention, rope_inv_freq
 from model.heads import ablation_effects, induction_scores, previous_token_scores, repeated_random_tokens
 from model.loading import ASSETS, BUNDLED_DIR, save_hf
 from model.tokenizer import END_OF_TEXT, TextTokenizer
@@ -55,6 +55,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> TextTokenizer:
 def token_stream(tokenizer: TextTokenizer, texts: list[str]) -> torch.Tensor:
     """All stories, each followed by <|endoftext|>, as one long 1-D id tensor."""
     eos = tokenizer.eos_id
+    if eos is None:
+        raise ValueError(f"{tokenizer.source}: the tokenizer has no <|endoftext|> to end each story with")
     ids: list[int] = []
     for enc in tokenizer.backend.encode_batch(texts, add_special_tokens=False):
         ids.extend(enc.ids)
@@ -162,7 +164,7 @@ def seed_previous_token_head_(model: GPT, layer: int, head: int, pairs: int = 16
     Training then keeps, reshapes or dissolves it like any other weight; the
     tests measure what the shipped model does. Returns the weight on i−1 at start."""
     cfg = model.config
-    attn = model.blocks[layer].attn
+    attn = block_attention(model, layer)
     d, dh = cfg.d_model, cfg.d_head
     n_freq = d // 2
     chosen = torch.linspace(0, n_freq - 1, pairs).round().long()
@@ -183,8 +185,10 @@ def seed_previous_token_head_(model: GPT, layer: int, head: int, pairs: int = 16
     while strength < 64:
         attn.c_attn.weight[:, head * dh : (head + 1) * dh] = q_block * strength
         attn.c_attn.weight[:, d + head * dh : d + (head + 1) * dh] = k_block * strength
-        attn.c_attn.bias[head * dh : (head + 1) * dh] = 0
-        attn.c_attn.bias[d + head * dh : d + (head + 1) * dh] = 0
+        bias = attn.c_attn.bias  # b_Q, b_K of the head set to 0 (a config without qkv_bias has none to set)
+        if bias is not None:
+            bias[head * dh : (head + 1) * dh] = 0
+            bias[d + head * dh : d + (head + 1) * dh] = 0
         weight = previous_token_scores(model, probe)[layer, head].item()
         if weight >= target:
             break
@@ -209,7 +213,7 @@ def seed_rope_previous_token_head_(model: GPT, layer: int, head: int, pairs: int
     and W_K writes the same turned by ω. The strength s is raised until the
     head puts ``target`` of its weight on i − 1. Returns that weight at start."""
     cfg = model.config
-    attn = model.blocks[layer].attn
+    attn = block_attention(model, layer)
     H, G, dh = cfg.n_head, cfg.n_kv_heads, cfg.d_head
     half = dh // 2
     kv_head = head // (H // G)  # the key/value head this query head reads (Hugging Face's repeat_kv order)
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
             model.train()
     model.eval()
 
-    loss = heldout_loss(model, heldout_ids, length)
+    heldout = heldout_loss(model, heldout_ids, length)
     unigram = unigram_loss(train_ids, heldout_ids, config.vocab_size)
     heldout_windows = heldout_ids[: (heldout_ids.numel() // 128) * 128].view(-1, 128)[:32]
     prev = previous_token_scores(model, heldout_windows)
@@ -380,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
             "torch": torch.__version__, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         },
         "heldout": {"stories": len(heldout_texts), "tokens": heldout_ids.numel(), "corpus_seed": HELDOUT_SEED},
-        "heldout_loss": round(loss, 4),
+        "heldout_loss": round(heldout, 4),
         "unigram_loss": round(unigram, 4),
         "previous_token_head": {"layer": best_prev[0], "head": best_prev[1], "score": round(float(prev.max()), 4)},
         "induction_head": {"layer": best_ind[0], "head": best_ind[1], "score": round(float(ind.max()), 4)},

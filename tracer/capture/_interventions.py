@@ -72,7 +72,7 @@ def patch(name: str, value_or_trace: torch.Tensor | Trace, head: int | None = No
     slice of it), or a trace, whose record of this hook at the same step is used."""
     from tracer.reading._trace import Trace  # the module imports interventions for its facts: keep this one lazy
 
-    pos = None if positions is None else tuple(_index(p, "position") for p in positions)
+    pos = None if positions is None else tuple(_whole(p, "position") for p in positions)
     if isinstance(value_or_trace, Trace):
         source = value_or_trace.generation.info.prompts[0][:60] if value_or_trace.generation else "another trace"
         return Intervention(InterventionRecord(name, "patch", _index(head, "head"), pos, f"from the run of {source!r}"),
@@ -85,8 +85,10 @@ def patch(name: str, value_or_trace: torch.Tensor | Trace, head: int | None = No
 
 
 def _index(value: object, what: str) -> int | None:
-    if value is None:
-        return None
+    return None if value is None else _whole(value, what)
+
+
+def _whole(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InterventionError(f"{what} must be a whole number ≥ 0, got {value!r}")
     return value
@@ -224,15 +226,19 @@ class _Applied:
             new = (total / count).expand_as(target)
         else:
             value = _patch_value(iv, self._step)
+            if value is None:
+                raise InterventionError(f"the patch for {rec.name} has neither a value nor a trace to take it from")
             if list(value.shape) == list(out.shape) and (rec.head is not None or rec.positions is not None):
                 value = value[:, rec.head] if rec.head is not None else value  # a whole tensor: take the slice
                 if index is not None:
+                    assert pos_axis is not None  # index is set only where the hook has a position axis
                     value = value.index_select(pos_axis, index)
             if value.shape != target.shape:
                 raise InterventionError(f"the patch for {rec.name} has shape {list(value.shape)}, this forward's "
                                         f"slice is {list(target.shape)}")
             new = value.to(target.dtype)
         if index is not None:
+            assert pos_axis is not None  # as above
             view.index_copy_(pos_axis, index, new)
         else:
             view.copy_(new)

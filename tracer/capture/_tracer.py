@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from model.gpt import GPTConfig
 from model.identity import identity_of
 from tracer.capture import _hooks as hooks
 from tracer.capture._forensics import describe_failure
-from tracer.capture._interventions import Intervention, applied, check
+from tracer.capture._interventions import Intervention, _Applied, applied, check
 from tracer.capture._nested import MAX_TENSORS, flatten_tensors
 from tracer.capture._ops import OpRecorder
 from tracer.reading._trace import Trace
@@ -101,11 +101,13 @@ class Tracer:
         self._failed_op: tuple[str, tuple, int] | None = None
         self._step_started = 0.0
         self._ops: OpRecorder | None = None
-        self._applied = None
+        self._applied: _Applied | None = None
         if capture == "ops":
-            self.on_enter = self._flagged(self.on_enter)
-            self.on_exit = self._flagged(self.on_exit)
-            self.on_hook_point = self._flagged(self.on_hook_point)
+            # the hook methods wrapped, so that the op recorder skips the tensor calls they make; replaced on this
+            # instance (mypy's method-assign) so that a tracer without the op recorder pays nothing on its hot path
+            self.on_enter = self._flagged(self.on_enter)  # type: ignore[method-assign]
+            self.on_exit = self._flagged(self.on_exit)  # type: ignore[method-assign]
+            self.on_hook_point = self._flagged(self.on_hook_point)  # type: ignore[method-assign]
 
     # -- lifetime ------------------------------------------------------------------------------
     def install(self) -> Tracer:
@@ -154,7 +156,7 @@ class Tracer:
             raise
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         try:
             self._ctx.__exit__(exc_type, exc, tb)
         except BaseException:

@@ -6,11 +6,13 @@ norm and unembedding, so they need the model that made the trace (and check its 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import overload
 
 import pandas as pd
 import torch
-from torch import nn
 
+from model.gpt import GPT, block_attention
+from model.hf_decoder import HFDecoder
 from model.hook_table import act_name
 from model.identity import identity_of
 from tracer.reading._trace import Trace
@@ -19,7 +21,17 @@ LENS_COLUMNS = ("layer", "position", "input", "top_token", "top_label", "top_pro
                 "final_prob", "final_rank")
 
 
-def _model(trace: Trace, model: nn.Module | None) -> nn.Module:
+@overload
+def _model(trace: Trace, model: GPT | None) -> GPT: ...
+
+
+@overload
+def _model(trace: Trace, model: GPT | HFDecoder | None) -> GPT | HFDecoder: ...
+
+
+def _model(trace: Trace, model: GPT | HFDecoder | None) -> GPT | HFDecoder:
+    """``model``, else the live model that made the trace; refused when there is none, or when its weights are
+    not the trace's."""
     model = model if model is not None else trace.live_model
     if model is None:
         raise ValueError("this needs the model that made the trace: pass model=… (a loaded trace has no model)")
@@ -47,7 +59,7 @@ def sampled_position(trace: Trace, step: int, row: int) -> int:
 
 
 @torch.no_grad()
-def logit_lens(trace: Trace, step: int, row: int = 0, *, model: nn.Module | None = None,
+def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder | None = None,
                label: Callable[[int], str] | None = None) -> pd.DataFrame:
     """One row per (layer, position): the residual stream after block ``layer`` put through the final norm
     and W_U — its top token and probability — and the rank and probability it gives the token the model
@@ -82,7 +94,7 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: nn.Module | None
 
 @torch.no_grad()
 def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int | None = None, *,
-                             model: nn.Module | None = None) -> pd.DataFrame:
+                             model: GPT | None = None) -> pd.DataFrame:
     """Each component's direct share of one logit at the position the step's token was chosen from: the
     embeddings, every head (O_h·W_O^h), each W_O bias and each MLP, through the final norm with its scale
     frozen at this position, dotted with W_U's column for ``token`` (default: the chosen token). The shares
@@ -103,11 +115,12 @@ def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int |
     def share(c: torch.Tensor) -> float:
         return float((linear(c.float()) * w).sum())
 
-    parts = [("embeddings", None, None, "embed", _value(trace, act_name("embed"), step)[row, p])]
+    parts: list[tuple[str, int | None, int | None, str, torch.Tensor]] = [
+        ("embeddings", None, None, "embed", _value(trace, act_name("embed"), step)[row, p])]
     if trace.has(act_name("pos_embed"), step):
         parts[0] = ("embeddings", None, None, "embed", parts[0][4] + _value(trace, act_name("pos_embed"), step)[row, p])
     for layer in range(n_layer):
-        attn = model.blocks[layer].attn
+        attn = block_attention(model, layer)
         z = _value(trace, act_name("z", layer), step)[row:row + 1].float()
         heads = attn.head_outputs(z)[0, :, p]  # [H, d]
         for h in range(heads.shape[0]):

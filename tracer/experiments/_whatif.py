@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from tracer.capture._tracer import Tracer
 from tracer.experiments._diff import diff_steps
 from tracer.generation._traced import TracedGeneration
 from tracer.reading._trace import Trace
+
+if TYPE_CHECKING:
+    from model.decoders import Decoder
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ class PatchingResult:
 
 
 @torch.no_grad()
-def activation_patching(model: nn.Module, clean: Sequence[int], corrupted: Sequence[int], kind: str = "resid_pre",
+def activation_patching(model: Decoder, clean: Sequence[int], corrupted: Sequence[int], kind: str = "resid_pre",
                         progress: Callable[[float], None] | None = None) -> PatchingResult:
     """Patch the clean run's activations into the corrupted run, one (layer, position) of the residual
     stream (``kind="resid_pre"``) or one (layer, head) of the head outputs (``kind="z"``, all positions)
@@ -146,7 +150,7 @@ HEAD_ROLES = ("previous-token", "induction", "duplicate-token", "first-token")
 
 
 @torch.no_grad()
-def head_scores(model: nn.Module, first_token: int = 0, length: int = 50, seed: int = 7) -> dict[str, torch.Tensor]:
+def head_scores(model: Decoder, first_token: int = 0, length: int = 50, seed: int = 7) -> dict[str, torch.Tensor]:
     """What each head does, ``name → [n_layer, n_head]``, measured on a probe of 4 random token sequences
     each repeated twice (after ``first_token``):
 
@@ -168,7 +172,10 @@ def head_scores(model: nn.Module, first_token: int = 0, length: int = 50, seed: 
     queries = torch.arange(n - length, n)  # the second copy
     out: dict[str, list[torch.Tensor]] = {role: [] for role in HEAD_ROLES}
     for layer in range(config.n_layer):
-        p = tr.trace.get(act_name("pattern", layer), 0).double()  # [B, H, n, n]
+        pattern = tr.trace.get(act_name("pattern", layer), 0)
+        if pattern is None:
+            raise ValueError(f"the probe's attention pattern of layer {layer} was not kept (over the budget)")
+        p = pattern.double()  # [B, H, n, n]
         out["previous-token"].append(p.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2)))
         out["induction"].append(p[:, :, queries, queries - length + 1].mean(dim=(0, 2)))
         out["duplicate-token"].append(p[:, :, queries, queries - length].mean(dim=(0, 2)))

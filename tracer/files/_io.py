@@ -36,7 +36,7 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import numpy as np
 import pandas as pd
@@ -122,7 +122,7 @@ def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, in
         number = len(flats)
         flats.append(flat)
         for index, value in members:
-            views[index] = (number, value.storage_offset() - lo, tuple(value.stride()))
+            views[index] = (number, int(value.storage_offset()) - lo, tuple(value.stride()))
     digests: dict[int, tuple[int, list[int]]] = {}
     for index in range(trace.log.n_records):
         digest = trace.log.digest(index)
@@ -133,10 +133,11 @@ def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, in
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = int(t.storage_offset())  # an int (torch types it int | SymInt for traced graphs)
     if t.numel() == 0:
-        return t.storage_offset(), t.storage_offset()
-    end = t.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.storage_offset(), end
+        return start, start
+    end = start + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, end
 
 
 def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tuple]) -> pd.DataFrame:
@@ -176,7 +177,7 @@ def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict
     }
 
 
-def _write_safetensors(out: BinaryIO, flats: list[torch.Tensor]) -> None:
+def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor]) -> None:
     """The safetensors format, written one storage at a time (never the whole file in memory)."""
     header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
     offset = 0
@@ -257,7 +258,7 @@ def _write_zip(zf: zipfile.ZipFile, trace: Trace) -> None:
             out.write(data) if isinstance(data, bytes) else data(out)
 
 
-def write_archive(trace: Trace, out: BinaryIO) -> None:
+def write_archive(trace: Trace, out: IO[bytes]) -> None:
     """The ``.zip`` archive into an open binary file."""
     with zipfile.ZipFile(out, "w") as zf:
         _write_zip(zf, trace)
@@ -278,7 +279,7 @@ def _member_limits(limits: Limits) -> dict[str, int]:
             VALUES: limits.value_bytes + limits.manifest_bytes}
 
 
-def _read_stream(f: BinaryIO, name: str, declared: int, limit: int) -> bytearray:
+def _read_stream(f: IO[bytes], name: str, declared: int, limit: int) -> bytearray:
     data = bytearray()
     while True:
         chunk = f.read(_CHUNK)
@@ -419,7 +420,7 @@ _CONFIG_BOUNDS = {"vocab_size": 2**24, "n_ctx": 1 << 20, "d_model": 1 << 16, "n_
 def _checked_config(raw: dict) -> dict:
     """A model config from a file: plain values, and the numbers that size things within sane bounds
     (they are checked against the records afterwards)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in raw.items():
         where = f"model.config.{key}"
         if isinstance(value, bool) or value is None or isinstance(value, str):
@@ -610,7 +611,8 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
     kinds, slots, dtypes, devices = (records[c].tolist() for c in ("kind", "slot", "dtype", "device"))
     notes, shapes, strides = records["value_note"].tolist(), records["shape"].tolist(), records["strides"].tolist()
     stat_cols = [records[c].tolist() for c in ("has_stats", "min", "max", "mean", "std", "nan", "pos_inf", "neg_inf")]
-    bounds = [(s.first_record, s.end_record, s.seconds, s.interventions) for s in steps]
+    bounds: list[tuple[int, int, float | None, tuple[InterventionRecord, ...]]] = [
+        (s.first_record, s.end_record, s.seconds, s.interventions) for s in steps]
     if tail < n:
         bounds.append((tail, n, None, ()))  # the records of a failed attempt at the next step
     values = []
@@ -643,14 +645,14 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
                 raise
             raise TraceFileError(str(e), f"{RECORDS} record {i}") from None
     digest_shapes = records["digest_shape"].tolist()
-    for i in np.flatnonzero(digest_of >= 0):
-        where = f"{RECORDS} record {i} digest"
-        shape = _shape_list(digest_shapes[i], where, limits)
-        flat = flats[int(digest_of[i])]
+    for rec in np.flatnonzero(digest_of >= 0):
+        where = f"{RECORDS} record {rec} digest"
+        shape = _shape_list(digest_shapes[rec], where, limits)
+        flat = flats[int(digest_of[rec])]
         if math.prod(shape) != flat.numel() or flat.dtype != torch.float32:
             raise TraceFileError(f"shape {list(shape)} does not fit its storage of {flat.numel()} elements", where)
         try:
-            log.restore_digest(int(i), flat.view(shape))
+            log.restore_digest(int(rec), flat.view(shape))
         except ValueError as e:
             raise TraceFileError(str(e), where) from None
     if ops is not None:
@@ -689,10 +691,11 @@ def _stats_row(cols: list[list], i: int, where: str) -> TensorStats | None:
             raise TraceFileError(f"{label} count {v!r} is not a whole number ≥ 0", where)
         counts.append(int(v))
     try:
-        floats = [float(v) for v in (lo, hi, mean, std)]
+        low, high, mu, sigma = (float(v) for v in (lo, hi, mean, std))
     except (TypeError, ValueError):
         raise TraceFileError("statistics are not numbers", where) from None
-    return TensorStats(*floats, *counts)
+    n_nan, n_pos_inf, n_neg_inf = counts
+    return TensorStats(low, high, mu, sigma, n_nan, n_pos_inf, n_neg_inf)
 
 
 def _view(flat: torch.Tensor, raw: RawRecord, offset: int, stride: Any, where: str, limits: Limits) -> torch.Tensor:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
-from torch import nn
 
 from model.costs import forward_cost
 from model.identity import identity_of
@@ -40,9 +40,21 @@ from tracer.storage.records import (
     SamplingRecord,
 )
 
+if TYPE_CHECKING:
+    from model.decoders import Decoder
+
 MAX_RUN_STEPS = 256  # most steps one run() call may take
 MAX_BATCH = 16  # most prompts in one batch
 FLOAT32_TOLERANCE = 1e-4  # |Δ logits| within which two float32 computations of one step count as equal
+
+
+class _SamplingFields(TypedDict, total=False):
+    """SamplingConfig's fields given one by one (``TracedGeneration(temperature=…, top_k=…)``)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
 
 
 class PromptError(ValueError):
@@ -84,7 +96,7 @@ class TracedGeneration:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Decoder,
         tokenizer: TextTokenizer,
         prompt: str | Sequence[str],
         use_cache: bool = True,
@@ -106,8 +118,15 @@ class TracedGeneration:
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if truncate not in ("left", "error"):
             raise ValueError(f"truncate must be 'left' or 'error', got {truncate!r}")
-        loose = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-        given = {k: v for k, v in loose.items() if v is not None}
+        given: _SamplingFields = {}
+        if temperature is not None:
+            given["temperature"] = temperature
+        if top_k is not None:
+            given["top_k"] = top_k
+        if top_p is not None:
+            given["top_p"] = top_p
+        if seed is not None:
+            given["seed"] = seed
         if sampling is not None and given:
             raise ValueError("give either sampling=SamplingConfig(...) or temperature/top_k/top_p/seed, not both")
         sampling = sampling if sampling is not None else SamplingConfig(**given)
@@ -346,6 +365,7 @@ class TracedGeneration:
         new = tokens.size(1) if self.use_cache else (width if step == 0 else 1)
         past = width - new
         if self.use_cache:
+            assert self.cache is not None  # __init__ makes one whenever use_cache
             base = self.cache  # this run's own cache: its first `past` rows are what the step started from
         else:  # no cache kept: fill one with the earlier positions (untimed)
             base = self.model.new_cache(cols.size(0))

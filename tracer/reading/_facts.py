@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tracer.storage.records import GenerationInfo, GenerationStep, RecomputeComparison
+from tracer.storage.records import GenerationInfo, GenerationStep, RecomputeComparison, SamplingRecord
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class GenerationFacts:
     def columns(self, row: int, step: int) -> tuple[int, ...]:
         """Token ids of sequence ``row``'s columns as the forward of ``step`` saw them (padding included)."""
         ids, _, _ = self.info.padded_prompt(row)
-        return ids + tuple(s.sampling.tokens[row] for s in self._chosen(step))
+        return ids + tuple(choice.tokens[row] for _, choice in self._chosen(step))
 
     def is_token(self, row: int, step: int) -> tuple[bool, ...]:
         """Which of those columns are real tokens (False: padding)."""
@@ -49,15 +49,16 @@ class GenerationFacts:
     def labels(self, row: int, step: int) -> tuple[str, ...]:
         """Display labels of those columns (padding shows as ⟨pad⟩)."""
         _, _, labels = self.info.padded_prompt(row)
-        return labels + tuple(s.sampling.labels[row] for s in self._chosen(step))
+        return labels + tuple(choice.labels[row] for _, choice in self._chosen(step))
 
     def chosen_through(self, row: int, step: int) -> tuple[tuple[str, float, int], ...]:
         """(label, probability, step) of each token chosen at steps 0 … ``step``."""
-        return tuple((s.sampling.labels[row], s.sampling.probs[row], s.step) for s in self._chosen(step + 1))
+        return tuple((choice.labels[row], choice.probs[row], number) for number, choice in self._chosen(step + 1))
 
-    def _chosen(self, step: int) -> tuple[GenerationStep, ...]:
-        """The steps before ``step`` that chose a token (a step whose logits were not finite chose none)."""
-        return tuple(s for s in self.steps[:step] if s.sampling is not None)
+    def _chosen(self, step: int) -> tuple[tuple[int, SamplingRecord], ...]:
+        """(step, its choice) of the steps before ``step`` that chose a token (a step whose logits were not
+        finite chose none)."""
+        return tuple((s.step, s.sampling) for s in self.steps[:step] if s.sampling is not None)
 
     def padding_columns(self, row: int, step: int) -> list[int]:
         return [j for j, real in enumerate(self.is_token(row, step)) if not real]

@@ -168,14 +168,14 @@ class Trace:
                 rec_axes, note = by_tensor.get((raw.data_ptr, tuple(raw.shape)), (None, ""))
             info = modules[raw.module]
             rec = TensorRecord(
-                index=raw.index, step=raw.step, name=name, module=info.path, module_type=info.type, kind=raw.kind,
+                index=raw.number, step=raw.step, name=name, module=info.path, module_type=info.type, kind=raw.kind,
                 slot=raw.slot, call=raw.call, shape=tuple(raw.shape), dtype=str(raw.dtype), device=str(raw.device),
                 layer=block_of(info.path), module_params=info.params, axes=rec_axes, axes_note=note,
                 neg_inf_expected=hook_of(name) in NEG_INF_EXPECTED or (raw.data_ptr != 0 and raw.data_ptr in masks),
-                index_in_step=raw.index - first,
+                index_in_step=raw.number - first,
             )
             self._records.append(rec)
-            self._by_name.setdefault((raw.step, name), raw.index)
+            self._by_name.setdefault((raw.step, name), raw.number)
 
     @property
     def records(self) -> list[TensorRecord]:

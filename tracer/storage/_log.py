@@ -54,7 +54,7 @@ class RawRecord(NamedTuple):
     scanning every instance of a tuple subclass — on a long trace that made
     full collections take 100+ ms."""
 
-    index: int
+    number: int  # the record's index in the trace (a field named index would hide tuple.index)
     step: int
     module: int  # index into modules
     kind: str
@@ -291,6 +291,7 @@ class TraceLog:
                 value = value.to("cpu")
             elif self._copy_all or value.is_inference():  # inference tensors have no version counter
                 value = value.clone()
+            assert step is not None  # records arrive inside a step: the tracer begins one when the model is called
             reason = self._values.put(index, step, value)
             if reason:  # larger than the whole budget: summarised now, like an evicted value
                 self._evicted(index, value, reason, True)
@@ -338,8 +339,10 @@ class TraceLog:
         self._current = None
         return record
 
-    def fail_step(self, error: TraceErrorInfo, exception: BaseException | None) -> None:
-        """The forward of the step in progress raised: keep what it recorded until the next step."""
+    def fail_step(self, error: TraceErrorInfo | None, exception: BaseException | None) -> None:
+        """The forward of the step in progress raised: keep what it recorded until the next step. ``error`` is
+        None where nothing describes the failure (a forward raised and was caught inside the traced block; a
+        failed attempt read from a file)."""
         self._current = None
         self._error = error
         self._exception = exception
@@ -401,20 +404,20 @@ class TraceLog:
     def restore_record(self, raw: RawRecord, stats: TensorStats | None, note: str, flag: int) -> None:
         """A record read from a file, into the step in progress: the same invariants as a live one."""
         step = self._require_step()
-        if raw.index != len(self._raw) or raw.step != step:
-            raise ValueError(f"record {raw.index} of step {raw.step} arrives as record {len(self._raw)} of "
+        if raw.number != len(self._raw) or raw.step != step:
+            raise ValueError(f"record {raw.number} of step {raw.step} arrives as record {len(self._raw)} of "
                              f"step {step}: a file's records must be in order, step by step")
         if not 0 <= raw.module < len(self._modules):
-            raise ValueError(f"record {raw.index} names module #{raw.module}, which does not exist")
+            raise ValueError(f"record {raw.number} names module #{raw.module}, which does not exist")
         if raw.kind not in TENSOR_KINDS:
-            raise ValueError(f"record {raw.index} has unknown kind {raw.kind!r}")
+            raise ValueError(f"record {raw.number} has unknown kind {raw.kind!r}")
         self._raw.append(tuple(raw))
         if stats is not None:
-            self._stats[raw.index] = stats
+            self._stats[raw.number] = stats
         if note:
-            self._notes[raw.index] = note
+            self._notes[raw.number] = note
         if flag != Finite.UNKNOWN:
-            self._flags[raw.index] = flag
+            self._flags[raw.number] = flag
 
     def restore_value(self, index: int, value: torch.Tensor) -> None:
         raw = self.raw(index)

@@ -38,17 +38,18 @@ def extent(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) element offsets of ``t`` within its storage (an interval covering it)."""
     if t.numel() == 0:
         return (0, 0)
-    start = t.storage_offset()
+    start = int(t.storage_offset())  # an int (torch types it int | SymInt for traced graphs)
     return start, start + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if stride > 0)
 
 
 def _box(t: torch.Tensor) -> list[tuple[int, int]] | None:
     """Per-dimension index ranges of ``t`` in a buffer laid out with ``t``'s strides, or None."""
-    offset = t.storage_offset()
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    offset = int(t.storage_offset())
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])
     box: list[tuple[int, int]] = [(0, 0)] * t.dim()
     for d in order:
-        stride = t.stride(d)
+        stride = strides[d]
         if stride <= 0:
             return None
         start, offset = divmod(offset, stride)
