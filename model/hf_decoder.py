@@ -445,11 +445,19 @@ class HFDecoder(nn.Module):
         return self.hf.get_output_embeddings().weight
 
     def unembed_residual(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits from a residual stream ``[..., d]``: the final norm, lm_head and any final soft-cap."""
+        """Logits from a residual stream ``[..., d]``: the final norm, lm_head, and what the model's head does
+        after it where its config says so — Granite's ``logits_scaling`` (÷), Cohere's ``logit_scale`` (×),
+        Gemma 2's ``final_logit_softcapping``. (The logit lens checks that this reproduces the recorded logits
+        from the last block's output, and refuses a model where it does not.)"""
         if self.ln_final is None:
             raise HFDecoderError("this model's final norm was not found: the logit lens cannot apply it")
         logits = self.hf.get_output_embeddings()(self.ln_final(x))
-        cap = getattr(_text_config(self.hf.config), "final_logit_softcapping", None)
+        cfg = _text_config(self.hf.config)
+        if isinstance(getattr(cfg, "logits_scaling", None), (int, float)):
+            logits = logits / cfg.logits_scaling
+        if isinstance(getattr(cfg, "logit_scale", None), (int, float)):
+            logits = logits * cfg.logit_scale
+        cap = getattr(cfg, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *,

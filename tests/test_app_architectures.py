@@ -40,6 +40,13 @@ def test_every_tab_renders_for(app, model_type):
     for tab in TABS:
         show_tab(at, tab)
         assert not at.error, (tab, [e.value for e in at.error])
+    for sub in ("Switch heads off", "Activation patching", "Logit attribution", "Logit lens"):
+        show_tab(at, "What if", ("whatif_view", sub))  # run() fails on any exception the page raised
+        assert not at.error, (sub, [e.value for e in at.error])
+    show_tab(at, "What if", ("whatif_view", "Logit lens"))
+    lens = [c for c in at.get("plotly_chart")]
+    refused = [i.value for i in at.info if "the lens does not reproduce" in i.value]
+    assert lens or refused  # drawn, or refused because its last steps are not reproduced — never wrong
     assert any(f"{model_type} (hf:{model_type})" in unescape(c.value) for c in at.caption)  # the model it runs
     gen = at.session_state["app"].generation
     assert gen.n_steps == 2 and gen.model.identity.family == f"hf:{model_type}"

@@ -180,3 +180,20 @@ def test_the_reshape_strip_measures_whether_q_is_a_view_of_the_projection(traced
 
     split = reshape_ops(traced["qwen3"], 2, 0)[1]
     assert split.memory.startswith("a new tensor (measured")  # QK-norm and RoPE made Q anew
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_the_logit_lens_ends_at_the_models_own_logits(directories, model_type):
+    """The lens applies the model's final norm and head to each block's output; at the last block that must be
+    the logits the model returned (Granite divides them, Cohere scales them, Gemma 2 soft-caps them). Direct
+    logit attribution needs our written-out norm and is refused, saying so."""
+    from tracer import direct_logit_attribution, logit_lens
+
+    model, tok = load_hf(directories[model_type], implementation="transformers")
+    gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)
+    gen.run(2)
+    lens = logit_lens(gen.trace, 1, model=model)  # raises when the last layer is not the model's logits
+    last = lens[lens.layer == model.config.n_layer - 1]
+    assert (last.top_token == last.final_token).all()
+    with pytest.raises(ValueError, match="needs the norm written out"):
+        direct_logit_attribution(gen.trace, 1, model=model)

@@ -30,11 +30,14 @@ def _model(trace: Trace, model: GPT | HFDecoder | None) -> GPT | HFDecoder: ...
 
 
 def _model(trace: Trace, model: GPT | HFDecoder | None) -> GPT | HFDecoder:
-    """``model``, else the live model that made the trace; refused when there is none, or when its weights are
-    not the trace's."""
+    """``model``, else the live model that made the trace; refused when there is none, when its weights are
+    not the trace's, or when it is a module of your own (its final norm and unembedding are its own code)."""
     model = model if model is not None else trace.live_model
     if model is None:
         raise ValueError("this needs the model that made the trace: pass model=… (a loaded trace has no model)")
+    if not isinstance(model, (GPT, HFDecoder)):
+        raise ValueError("this reads the model's final norm and unembedding W_U; a module of your own computes "
+                         "them in its own code, where the tracer cannot name them")
     if trace.model is not None and trace.model.weights_digest and \
             identity_of(model).weights_digest != trace.model.weights_digest:
         raise ValueError(f"the model given is not the one that made the trace ({trace.model.name}, "
@@ -70,6 +73,12 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
     n_layer = model.config.n_layer
     lens = [model.unembed_residual(_value(trace, act_name("resid_post", L), step)[row]).float()
             for L in range(n_layer)]  # n_layer × [n, V]
+    recorded = _value(trace, act_name("logits"), step)[row].float()
+    if not torch.allclose(lens[-1], recorded, atol=1e-3, rtol=1e-3):  # the lens must end at the model's logits
+        raise ValueError(
+            f"the final norm and W_U applied to the last block's output give logits up to "
+            f"{float((lens[-1] - recorded).abs().max()):.3g} away from the ones the model returned: its last steps "
+            "are code the lens does not reproduce, so no layer's reading here would be this model's")
     final = lens[-1].argmax(-1)
     facts = trace.generation
     choice = facts.step(step).sampling if facts is not None else None
@@ -100,6 +109,10 @@ def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int |
     frozen at this position, dotted with W_U's column for ``token`` (default: the chosen token). The shares
     plus the norm's constant add up to the logit; ``frame.attrs`` holds both."""
     model = _model(trace, model)
+    if not isinstance(model, GPT):
+        raise ValueError("direct logit attribution freezes the final norm's scale at a position, which needs the "
+                         "norm written out as ours are; this model's final norm is transformers' code "
+                         "(the logit lens works on it)")
     facts = trace.generation
     if token is None:
         choice = facts.step(step).sampling if facts is not None else None
