@@ -120,7 +120,10 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     the division by √d_k shows as what it is — the same picture, its colours √d_k times fainter."""
     stages = attention_stages(trace, step, layer, head, batch)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>{s.shapes}</span>" for s in stages]
+    wrap = len(stages) > 4  # five panels (a soft-capped model): the shapes line breaks before its result
+    titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>"
+              f"{s.shapes.replace(' → ', '<br>→ ').replace(' (each', '<br>(each') if wrap else s.shapes}</span>"
+              for s in stages]
     fig = subplots(rows=1, cols=len(stages), subplot_titles=titles, horizontal_spacing=0.075)
     score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:-1] if s.matrix is not None]
     lo = min((float(v.min()) for v in score_values if v.numel()), default=0.0)
@@ -148,7 +151,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
     height = max(380, min(760, 220 + 16 * min(len(ys), 36)))  # room for the colour bars even with one row
     note = "pooled digest of evicted values" if any(s.pooled_only for s in stages) else pooled_note
-    fig.update_layout(height=height, margin={"t": 95, "l": 10, "r": 30, "b": 10},
+    fig.update_layout(height=height, margin={"t": 135 if wrap else 95, "l": 10, "r": 30, "b": 10},
                       title_text=f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
                       title_font_size=13)
     fig.update_annotations(font_size=12)

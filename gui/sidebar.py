@@ -102,13 +102,12 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
         help="On: a decode step computes one new row. Off: every step recomputes all positions.")
     if parse_model_key(state().model_key)[1] == FACTORY:
         sb.caption("Your module runs its own forward, without our KV cache: every step recomputes all positions.")
-    cols = sb.columns(2)
-    values["chat"] = cols[0].toggle("chat template", value=DEFAULTS.chat, key="chat",
-                                    help="Wrap each prompt in the model's chat template as a user message, as "
-                                         "transformers' apply_chat_template(add_generation_prompt=True) does")
-    values["stop_at_eos"] = cols[1].toggle("stop at EOS", value=DEFAULTS.stop_at_eos, key="stop_at_eos",
-                                           help="Stop once every sequence has chosen an end-of-sequence token (the "
-                                                "ids the model's files declare; the bundled models declare none)")
+    values["chat"] = sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
+                               help="Wrap each prompt in the model's chat template as a user message, as "
+                                    "transformers' apply_chat_template(add_generation_prompt=True) does")
+    values["stop_at_eos"] = sb.toggle("stop at EOS", value=DEFAULTS.stop_at_eos, key="stop_at_eos",
+                                      help="Stop once every sequence has chosen an end-of-sequence token (the ids "
+                                           "the model's files declare; the bundled models declare none)")
     values["capture"] = sb.selectbox(
         "Capture", CAPTURES, index=CAPTURES.index(DEFAULTS.capture), key="capture",
         help="shapes: shape/dtype only (NaN/∞ checked on the residual stream and logits) · values: + "
@@ -137,7 +136,8 @@ def weights_size_of(path: str, dtype: str) -> str:
         return ""
     if not count:
         return ""
-    return f"Loading holds {count / 1e6:,.1f}M parameters: {nbytes / 2**30:.2f} GiB in {dtype}."
+    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    return f"Loading holds {count / 1e6:,.1f}M parameters: {size} in {dtype}."
 
 
 def load_own_module(spec: str) -> None:
