@@ -24,6 +24,9 @@ leaves the cache's visible contents exactly as they were.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 MIN_CAPACITY = 32
@@ -137,3 +140,17 @@ class KVCache:
         keys = self.keys[0]
         shape = list(keys.shape) if keys is not None else None
         return f"KVCache(n_layer={self.n_layer}, length={self.length}, keys per layer {shape})"
+
+
+@contextmanager
+def transaction(cache: KVCache | None, n: int, key_is_token: torch.Tensor | None) -> Iterator[None]:
+    """One forward's use of ``cache``: the ``n`` rows it appends become part of the cache only if the body
+    finishes; if it raises, they are forgotten and the cache is exactly as before (no-op without a cache)."""
+    try:
+        yield
+    except BaseException:
+        if cache is not None:
+            cache.rollback()
+        raise
+    if cache is not None:
+        cache.commit(n, key_is_token)

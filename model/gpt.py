@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from model.cache import KVCache
+from model.cache import KVCache, transaction
 from model.identity import ModelIdentity, parameters_digest
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families this file implements
@@ -800,16 +800,10 @@ class GPT(nn.Module):
         else:
             rope = rope_cos_sin(self.config, positions)  # 2 × [B|1,n,d_head], shared by every layer
         mask = additive_mask(n, past, key_is_token, tokens.device, x.dtype, self.config.sliding_window)  # [B|1,1,n,t]
-        try:
+        with transaction(cache, n, key_is_token):
             for block in self.blocks:
                 x = block(x, mask, cache, rope)
             logits = self.hook_logits(self.unembed_residual(x))  # [B,n,d] -> [B,n,V]
-        except BaseException:
-            if cache is not None:
-                cache.rollback()
-            raise
-        if cache is not None:
-            cache.commit(n, key_is_token)
         return logits
 
     @property

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from model.cache import KVCache
+from model.cache import KVCache, transaction
 from model.gpt import GPTConfig, HookPoint, check_tokens, positions_and_keys
 from model.identity import ModelIdentity, parameters_digest
 
@@ -470,17 +470,11 @@ class HFDecoder(nn.Module):
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
         positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
-        try:
+        with transaction(cache, n, key_is_token):
             out = self.hf(input_ids=tokens, attention_mask=attention_mask, position_ids=positions.expand(B, n),
                           past_key_values=_cache_view(cache, self.config.n_layer) if cache is not None else None,
                           use_cache=cache is not None, return_dict=True)
             logits = self.hook_logits(out.logits)
-        except BaseException:
-            if cache is not None:
-                cache.rollback()
-            raise
-        if cache is not None:
-            cache.commit(n, key_is_token)
         return logits
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from model._json import read_json_object
 from model.gpt import GPT, GPTConfig, RopeScaling
 from model.hf_decoder import HFDecoder, HFDecoderError, load_hf_decoder
 from model.identity import ModelIdentity
@@ -536,18 +537,7 @@ def _check_dir(path: str | os.PathLike) -> Path:
 
 
 def _read_json(path: Path, what: str) -> dict:
-    try:
-        size = path.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ModelLoadError(f"{path}: {size} bytes is far too large for {what}")
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot be read ({e})") from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
+    return read_json_object(path, MAX_CONFIG_BYTES, what, ModelLoadError)
 
 
 def read_config(directory: Path) -> GPTConfig:

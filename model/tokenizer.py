@@ -33,6 +33,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from model._json import read_json_object
+
 END_OF_TEXT = "<|endoftext|>"
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES): what a chat template sees
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -245,17 +247,7 @@ def _read_json_file(path: Path) -> dict:
     """A small JSON object file, or ``{}`` when there is none."""
     if not path.is_file():
         return {}
-    try:
-        if path.stat().st_size > MAX_TOKENIZER_CONFIG_BYTES:
-            raise TokenizerConfigError(f"{path}: {path.stat().st_size:,} bytes is far too large for a config file")
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerConfigError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise TokenizerConfigError(f"{path}: cannot be read ({e})") from None
-    if not isinstance(raw, dict):
-        raise TokenizerConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
+    return read_json_object(path, MAX_TOKENIZER_CONFIG_BYTES, "a config file", TokenizerConfigError)
 
 
 def _token_text(value: object) -> str | None:

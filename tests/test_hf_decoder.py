@@ -197,3 +197,25 @@ def test_the_logit_lens_ends_at_the_models_own_logits(directories, model_type):
     assert (last.top_token == last.final_token).all()
     with pytest.raises(ValueError, match="needs the norm written out"):
         direct_logit_attribution(gen.trace, 1, model=model)
+
+
+def test_a_forward_that_fails_leaves_the_cache_as_it_was(directories):
+    model, tok = load_hf(directories["qwen3"])
+    ids = torch.tensor([tok.encode("Lily had a red kite.")])
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(ids, cache)
+        before = cache.length
+
+        def broken(module, args, output):
+            raise RuntimeError("a hook broke")
+
+        handle = model.hf.model.layers[1].register_forward_hook(broken)
+        with pytest.raises(RuntimeError, match="a hook broke"):
+            model(ids[:, -1:], cache)
+        handle.remove()
+        assert cache.length == before  # the rows layer 0 appended were forgotten
+        again = model(ids[:, -1:], cache)[0, -1]
+    with torch.no_grad():
+        want = reference(directories["qwen3"])(torch.cat([ids, ids[:, -1:]], dim=1)).logits[0, -1]
+    assert (again - want).abs().max() <= 1e-4
