@@ -1,9 +1,13 @@
-"""Scores that name what an attention head does, read from ``attn.hook_pattern``.
+"""Scores that name what an attention head does, read from ``attn.hook_pattern`` — the one home of their
+formulas (``role_scores``); the app's head roles (``tracer.head_scores``) and the bundled models' training
+checks both use it.
 
 * previous-token score: mean weight a query at position i puts on key i−1;
 * induction score: on a random token sequence repeated twice, mean weight a
   query in the second copy puts on the token right after the earlier
-  occurrence of its own token (key i − R + 1 for a repeat of length R).
+  occurrence of its own token (key i − R + 1 for a repeat of length R);
+* duplicate-token score: in the second copy, the weight on the earlier occurrence of its own token;
+* first-token score: the mean weight on the very first key (an "attention sink").
 """
 
 from __future__ import annotations
@@ -33,13 +37,25 @@ def attention_patterns(model: GPT, tokens: torch.Tensor) -> list[torch.Tensor]:
     return patterns
 
 
+HEAD_ROLES = ("previous-token", "induction", "duplicate-token", "first-token")
+
+
+def role_scores(pattern: torch.Tensor, length: int | None = None) -> dict[str, torch.Tensor]:
+    """Per head ``[H]``, the scores of one layer's pattern ``[B, H, n, n]``: previous-token and first-token
+    always; induction and duplicate-token when the last ``2·length`` positions are a repeat of ``length``."""
+    n = pattern.shape[-1]
+    out = {"previous-token": pattern.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2)),  # keys i−1
+           "first-token": pattern[:, :, 1:, 0].mean(dim=(0, 2))}
+    if length is not None:
+        queries = torch.arange(n - length, n)  # the second copy
+        out["induction"] = pattern[:, :, queries, queries - length + 1].mean(dim=(0, 2))
+        out["duplicate-token"] = pattern[:, :, queries, queries - length].mean(dim=(0, 2))
+    return out
+
+
 def previous_token_scores(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
     """``[n_layer, n_head]``: mean attention weight on position i−1, over queries i ≥ 1."""
-    scores = []
-    for pattern in attention_patterns(model, tokens):
-        sub_diagonal = pattern.diagonal(offset=-1, dim1=-2, dim2=-1)  # [B, H, n−1]
-        scores.append(sub_diagonal.mean(dim=(0, 2)))
-    return torch.stack(scores)
+    return torch.stack([role_scores(p)["previous-token"] for p in attention_patterns(model, tokens)])
 
 
 def repeated_random_tokens(
@@ -56,14 +72,7 @@ def repeated_random_tokens(
 
 def induction_scores(model: GPT, tokens: torch.Tensor, length: int) -> torch.Tensor:
     """``[n_layer, n_head]`` for ``tokens`` whose last ``2·length`` positions are a repeat."""
-    n = tokens.size(1)
-    start = n - length  # first query of the second copy
-    queries = torch.arange(start, n)
-    targets = queries - length + 1  # the position after the earlier occurrence
-    scores = []
-    for pattern in attention_patterns(model, tokens):
-        scores.append(pattern[:, :, queries, targets].mean(dim=(0, 2)))
-    return torch.stack(scores)
+    return torch.stack([role_scores(p, length)["induction"] for p in attention_patterns(model, tokens)])
 
 
 @contextmanager

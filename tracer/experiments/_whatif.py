@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.heads import HEAD_ROLES, repeated_random_tokens, role_scores
 from model.hook_table import act_name
 from tracer.capture._interventions import Intervention, applied, check, patch
 from tracer.capture._tracer import Tracer
@@ -146,9 +147,6 @@ def activation_patching(model: Decoder, clean: Sequence[int], corrupted: Sequenc
     return PatchingResult(kind, restored, clean_diff, corrupt_diff, a, b)
 
 
-HEAD_ROLES = ("previous-token", "induction", "duplicate-token", "first-token")
-
-
 @torch.no_grad()
 def head_scores(model: Decoder, first_token: int = 0, length: int = 50, seed: int = 7) -> dict[str, torch.Tensor]:
     """What each head does, ``name → [n_layer, n_head]``, measured on a probe of 4 random token sequences
@@ -161,23 +159,16 @@ def head_scores(model: Decoder, first_token: int = 0, length: int = 50, seed: in
     * first-token: the mean weight on the very first key (an "attention sink").
 
     The forward is traced (per thread), so sessions sharing the model do not see each other's probes."""
-    from model.heads import repeated_random_tokens
-
     config = model.config
     length = max(2, min(length, (config.n_ctx - 1) // 2))
     tokens = repeated_random_tokens(config.vocab_size, length, 4, seed=seed, prefix=first_token)
     with Tracer(model, capture="values", budget_bytes=2**31) as tr:
         model(tokens)
-    n = tokens.size(1)
-    queries = torch.arange(n - length, n)  # the second copy
     out: dict[str, list[torch.Tensor]] = {role: [] for role in HEAD_ROLES}
     for layer in range(config.n_layer):
         pattern = tr.trace.get(act_name("pattern", layer), 0)
         if pattern is None:
             raise ValueError(f"the probe's attention pattern of layer {layer} was not kept (over the budget)")
-        p = pattern.double()  # [B, H, n, n]
-        out["previous-token"].append(p.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2)))
-        out["induction"].append(p[:, :, queries, queries - length + 1].mean(dim=(0, 2)))
-        out["duplicate-token"].append(p[:, :, queries, queries - length].mean(dim=(0, 2)))
-        out["first-token"].append(p[:, :, 1:, 0].mean(dim=(0, 2)))
+        for role, scores in role_scores(pattern.double(), length).items():  # [B, H, n, n] -> [H] per role
+            out[role].append(scores)
     return {role: torch.stack(rows).float() for role, rows in out.items()}
