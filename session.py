@@ -25,6 +25,7 @@ from tracer import (
     DEFAULT_BUDGET_BYTES,
     MAX_BATCH,
     MAX_RUN_STEPS,
+    PADDING_SIDES,
     ContextFullError,
     GenerationStopped,
     Intervention,
@@ -155,7 +156,7 @@ def build_settings(
         raise SettingsError("temperature 0 is greedy decoding: choose “greedy”, or a temperature above 0")
     if capture not in CAPTURE_LEVELS:
         raise SettingsError(f"capture must be one of {', '.join(CAPTURE_LEVELS)}")
-    if padding_side not in ("left", "right"):
+    if padding_side not in PADDING_SIDES:
         raise SettingsError("padding must be left or right")
     if not 1 <= budget_mb <= MAX_BUDGET_MB:
         raise SettingsError(f"the value budget must be between 1 and {MAX_BUDGET_MB} MB, got {budget_mb:g}")

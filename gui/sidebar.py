@@ -25,7 +25,7 @@ from session import (
     parse_run_steps,
     run_steps,
 )
-from tracer import CAPTURE_LEVELS, MAX_RUN_STEPS
+from tracer import CAPTURE_LEVELS, MAX_RUN_STEPS, PADDING_SIDES
 
 SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
            "Bundled Llama-style story model": "bundled:story-llama",
@@ -33,7 +33,7 @@ SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
            "Your own module (package.module:function)": "factory"}
 DECODINGS = ["greedy", "sample"]
 CAPTURES = list(CAPTURE_LEVELS)
-PADDINGS = ["left", "right"]
+PADDINGS = list(PADDING_SIDES)
 
 
 def sidebar() -> tuple[str | None, dict[str, object]]:

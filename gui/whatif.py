@@ -8,7 +8,7 @@ from figures import whatif as whatif_views
 from figures.common import facts_of
 from gui.common import chart, live_model_for, n_layer_head, plain, state
 from session import ablation_run, all_heads, head_ablations, head_label, patching_run
-from tracer import Trace, TracedGeneration, direct_logit_attribution, logit_lens
+from tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
 
 
 @st.fragment
@@ -43,7 +43,7 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
     # options are (layer, head) pairs, shown as "L3 H2": the choice is read as numbers, never parsed back
     chosen = cols[0].multiselect("heads to switch off (their output O_h)", all_heads(n_layer, n_head),
                                  format_func=head_label, key="ablate_heads")
-    how = cols[1].radio("how", ["zero", "mean"], key="ablate_how",
+    how = cols[1].radio("how", list(ABLATIONS), key="ablate_how",
                         help="zero: O_h = 0 · mean: O_h replaced by its mean over the positions seen so far")
     text = cols[2].radio("loss measured on", ["a random sequence repeated twice", "the prompt"], key="ablate_text",
                          help="On a random token sequence followed by itself, only induction predicts the second "

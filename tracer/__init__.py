@@ -40,28 +40,35 @@ from tracer.generation import (
 from tracer.reading import GenerationFacts, Trace
 from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
 from tracer.storage.records import (
+    ABLATIONS,
+    PADDING_SIDES,
     TENSOR_KINDS,
+    CaptureLevel,
     Finite,
     ForwardFacts,
     GenerationInfo,
     GenerationStep,
+    How,
     OpRecord,
+    PaddingSide,
     PathCost,
     RecomputeComparison,
     SamplingRecord,
     StepRecord,
+    TensorKind,
     TensorRecord,
     TensorStats,
     TraceErrorInfo,
 )
 
 __all__ = [
-    "CAPTURE_LEVELS", "ContextFullError", "DEFAULT_BUDGET_BYTES", "Finite", "ForwardFacts", "GenerationFacts",
-    "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS", "Intervention",
-    "InterventionError", "LIMITS", "Limits", "MAX_BATCH", "MAX_RUN_STEPS", "OpRecord", "PatchingResult", "PathCost",
-    "PromptError", "RecomputeComparison", "Replay", "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorRecord",
-    "TensorStats", "Trace", "TraceErrorInfo", "TraceFileError", "TraceLog", "TracedGeneration", "Tracer", "ablate",
-    "activation_patching", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores",
-    "hooks_installed", "load_trace", "logit_lens", "patch", "pattern_changes", "replay", "replay_diff", "save_trace",
-    "summarize", "tensor_stats", "text_loss",
+    "ABLATIONS", "CAPTURE_LEVELS", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES", "Finite",
+    "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",
+    "How", "Intervention", "InterventionError", "LIMITS", "Limits", "MAX_BATCH", "MAX_RUN_STEPS", "OpRecord",
+    "PADDING_SIDES", "PaddingSide", "PatchingResult", "PathCost", "PromptError", "RecomputeComparison", "Replay",
+    "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorKind", "TensorRecord", "TensorStats", "Trace",
+    "TraceErrorInfo", "TraceFileError", "TraceLog", "TracedGeneration", "Tracer", "ablate", "activation_patching",
+    "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores", "hooks_installed",
+    "load_trace", "logit_lens", "patch", "pattern_changes", "replay", "replay_diff", "save_trace", "summarize",
+    "tensor_stats", "text_loss",
 ]

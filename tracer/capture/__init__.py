@@ -6,7 +6,8 @@ Private: ``_hooks`` (the process-wide hook registry), ``_ops`` (op-level capture
 ``_interventions``."""
 
 from tracer.capture._hooks import hooks_installed
-from tracer.capture._interventions import HOWS, Intervention, InterventionError, ablate, patch
+from tracer.capture._interventions import Intervention, InterventionError, ablate, patch
 from tracer.capture._tracer import Tracer
+from tracer.storage.records import HOWS
 
 __all__ = ["HOWS", "Intervention", "InterventionError", "Tracer", "ablate", "hooks_installed", "patch"]

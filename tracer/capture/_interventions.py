@@ -30,12 +30,11 @@ from torch import nn
 
 from model.gpt import HookPoint
 from model.hook_table import dims_of, resolve, spec_for
-from tracer.storage.records import InterventionRecord
+from tracer.storage.records import ABLATIONS, InterventionRecord
 
 if TYPE_CHECKING:
     from tracer.reading._trace import Trace
 
-HOWS = ("zero", "mean", "patch")
 
 
 class InterventionError(ValueError):
@@ -61,7 +60,7 @@ class Intervention:
 def ablate(name: str, head: int | None = None, how: str = "zero") -> Intervention:
     """Replace the hook's value (or one head's slice of it) by zeros, or by its mean over the positions
     the run has fed so far ("mean": at a one-token decode step, the mean of every position up to it)."""
-    if how not in ("zero", "mean"):
+    if how not in ABLATIONS:
         raise InterventionError(f"ablate how={how!r}: choose 'zero' or 'mean'")
     return Intervention(InterventionRecord(name=name, how=how, head=_index(head, "head"), positions=None, source=""))
 

@@ -52,6 +52,8 @@ from tracer.storage._log import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog
 from tracer.storage._stats import dtype_name
 from tracer.storage._store import storage_key
 from tracer.storage.records import (
+    HOWS,
+    PADDING_SIDES,
     TENSOR_KINDS,
     Finite,
     ForwardFacts,
@@ -368,7 +370,7 @@ def _schemas(limits: Limits) -> Obj:
     info = Obj({
         "prompts": ListOf(Str(1_000_000), limits.batch), "prompt_tokens": ListOf(tokens_row, limits.batch),
         "prompt_labels": ListOf(ListOf(Str(1000), limits.n_ctx), limits.batch),
-        "padding_side": OneOf(("left", "right")), "pad_id": Int(0, 2**31), "use_cache": Bool(),
+        "padding_side": OneOf(PADDING_SIDES), "pad_id": Int(0, 2**31), "use_cache": Bool(),
         "sampling": sampling, "n_ctx": Int(1, limits.n_ctx), "warnings": ListOf(Str(10_000), 100),
     })
     k_list = ListOf(Int(0, 2**31), 256)
@@ -398,7 +400,7 @@ def _schemas(limits: Limits) -> Obj:
         "input_shapes": ListOf(TupleOf((Str(1000), shape)), 1000), "op": Str(500),
         "op_input_shapes": ListOf(shape, 1000), "source": Str(10_000),
     }), lambda d: TraceErrorInfo(**d))
-    intervention = Then(Obj({"name": Str(500), "how": OneOf(("zero", "mean", "patch")), "head": Maybe(Int(0, 4096)),
+    intervention = Then(Obj({"name": Str(500), "how": OneOf(HOWS), "head": Maybe(Int(0, 4096)),
                              "positions": Maybe(ListOf(Int(0, limits.n_ctx), limits.n_ctx)), "source": Str(1000)}),
                         lambda d: InterventionRecord(**d))
     return Obj({

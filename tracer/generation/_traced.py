@@ -32,6 +32,7 @@ from tracer.capture._tracer import Tracer
 from tracer.reading._facts import GenerationFacts
 from tracer.storage._store import DEFAULT_BUDGET_BYTES
 from tracer.storage.records import (
+    PADDING_SIDES,
     ForwardFacts,
     GenerationInfo,
     GenerationStep,
@@ -114,7 +115,7 @@ class TracedGeneration:
         interventions: Sequence[Intervention] = (),
         stop_at_eos: bool = True,
     ) -> None:
-        if padding_side not in ("left", "right"):
+        if padding_side not in PADDING_SIDES:
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if truncate not in ("left", "error"):
             raise ValueError(f"truncate must be 'left' or 'error', got {truncate!r}")

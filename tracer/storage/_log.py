@@ -28,6 +28,7 @@ import torch
 from tracer.storage._stats import dtype_name, finite_flag, tensor_stats
 from tracer.storage._store import DEFAULT_BUDGET_BYTES, ValueStore, storage_key, version_of, view_key
 from tracer.storage.records import (
+    CAPTURE_LEVELS,
     TENSOR_KINDS,
     Finite,
     GenerationInfo,
@@ -41,7 +42,6 @@ from tracer.storage.records import (
     TraceErrorInfo,
 )
 
-CAPTURE_LEVELS = ("shapes", "values", "ops")
 DIGESTED = "hook_pattern"  # attention weights: when evicted, a pooled summary per head stays
 DIGEST_SIDE = 128  # the summary's most rows and columns per head
 

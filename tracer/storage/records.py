@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from model.identity import ModelIdentity
 from model.sampling import SamplingConfig
 
-TENSOR_KINDS = ("hook", "input", "output")  # what a TensorRecord is; ops live in their own table
+# The allowed values, declared once as types; the tuples (what code and the file schema check against) are
+# derived from them.
+TensorKind = Literal["hook", "input", "output"]  # what a TensorRecord is; ops live in their own table
+CaptureLevel = Literal["shapes", "values", "ops"]  # what a trace keeps: shapes only, + values, + every op
+PaddingSide = Literal["left", "right"]  # where a batch's shorter prompts are padded
+How = Literal["zero", "mean", "patch"]  # what an intervention puts in place of a value
+TENSOR_KINDS: tuple[TensorKind, ...] = get_args(TensorKind)
+CAPTURE_LEVELS: tuple[CaptureLevel, ...] = get_args(CaptureLevel)
+PADDING_SIDES: tuple[PaddingSide, ...] = get_args(PaddingSide)
+HOWS: tuple[How, ...] = get_args(How)
+ABLATIONS: tuple[How, ...] = ("zero", "mean")  # the hows of ablate(); "patch" is patch()'s
 PAD_LABEL = "⟨pad⟩"
 
 
