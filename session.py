@@ -278,7 +278,7 @@ def run_steps(gen: TracedGeneration, n: int, on_step: Callable[[int], None] | No
             return RunEnd("warning", f"Stopped: {e}")
         except Exception as e:  # a failing forward: the trace keeps everything up to it
             return RunEnd("error", f"The forward pass failed at step {gen.n_steps}: {type(e).__name__}: ", str(e))
-        if gen.model.num_parameters < AUTO_RECOMPUTE_PARAMS:
+        if gen.model.num_parameters < AUTO_RECOMPUTE_PARAMS and caches(gen.model):
             gen.compare_with_recompute()
         if gen.stopped:
             return RunEnd("warning", f"Stopped: {gen.stopped}")

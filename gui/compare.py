@@ -6,7 +6,7 @@ import streamlit as st
 
 from figures import whatif as whatif_views
 from gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, state
-from session import Comparison, rerun_and_compare
+from session import Comparison, caches, rerun_and_compare
 from tracer import Trace, diff_traces
 
 
@@ -14,9 +14,10 @@ from tracer import Trace, diff_traces
 def compare_tab(trace: Trace, step: int) -> None:
     app = state()
     gen = app.generation if not app.viewing_file else None
-    options = ["a trace file"] + (["this prompt with the KV cache " + ("off" if gen.use_cache else "on"),
-                                   "this prompt with the heads chosen under What if switched off"]
-                                  if gen is not None else [])
+    options = ["a trace file"]
+    if gen is not None:  # a module of your own runs without our cache: there is no cached run to make
+        options += (["this prompt with the KV cache " + ("off" if gen.use_cache else "on")] if caches(gen.model)
+                    else []) + ["this prompt with the heads chosen under What if switched off"]
     other = st.radio("compare this run with", options, key="compare_with", horizontal=True)
     if other == "a trace file":
         upload = st.file_uploader(f"a trace (.zip, up to {UPLOAD_MB // 1024} GiB)", type=["zip"],

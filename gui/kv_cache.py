@@ -10,6 +10,7 @@ from figures import cache as cache_views
 from figures.common import facts_of
 from gui.common import chart, layer_head_batch, state, values_kept
 from model.hook_table import act_name
+from session import caches
 from tracer import Trace
 
 RECOMPUTE_REPEATS = 5  # timings of the cache comparison on demand: the fastest of this many runs
@@ -54,7 +55,10 @@ def cache_this_step(trace: Trace, step: int) -> None:
     comparisons = facts.comparisons
     gen = app.generation if not app.viewing_file else None
     latest = gen is not None and step == gen.n_steps - 1
-    if latest and st.button("Measure this step again, timing each path 5 times", key="measure_recompute",
+    if gen is not None and not caches(gen.model):
+        st.info("Your module runs its own forward, without our KV cache: every step recomputes all positions, "
+                "and there is no cached path to compare it with.")
+    elif latest and st.button("Measure this step again, timing each path 5 times", key="measure_recompute",
                             help="Redo the latest step untraced with the cache and as a full recompute; count, "
                                  "time (fastest of 5) and compare the logits"):
         gen.compare_with_recompute(timing_repeats=RECOMPUTE_REPEATS)

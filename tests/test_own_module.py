@@ -190,3 +190,37 @@ def test_the_command_line_traces_your_module_from_its_factory(user_code, capsys)
     assert trace.n_steps == 2 and not trace.generation.info.use_cache  # its own forward: no KV cache
     assert trace.record("blocks.1.attn.hook_pattern", 1).shape[-1] == trace.generation.info.prompt_width + 1
     assert trace.model.family == "module:TinyGPT"
+
+
+def test_the_app_opens_your_module_from_its_factory_and_every_tab_renders(user_code, bundled):
+    """"Your own module (package.module:function)" in the sidebar: the factory returns (model, tokenizer path);
+    the page runs it without the KV cache, says so, and every tab renders without an error."""
+    from html import unescape
+
+    from model.loading import BUNDLED_DIR
+    from tests.test_app import TABS, new_app, press, run, show_tab
+
+    (user_code / "my_tiny_app_gpt.py").write_text(
+        "from my_tiny_gpt import make\n\n\ndef make_with_tokenizer():\n"
+        f"    return make(), {str(BUNDLED_DIR / 'tokenizer.json')!r}\n")
+    os.chmod(user_code / "my_tiny_app_gpt.py", 0o644)
+    at = new_app()
+    at.sidebar.radio(key="source").set_value("Your own module (package.module:function)")
+    run(at)
+    at.sidebar.text_input(key="model_factory").set_value("my_tiny_app_gpt:make_with_tokenizer")
+    press(at, "load_factory")
+    assert any("Loaded my_tiny_app_gpt:make_with_tokenizer" in unescape(s.value) for s in at.success)
+    assert any("without our KV cache" in c.value for c in at.sidebar.caption)
+    press(at, "step_button")
+    press(at, "step_button")
+    gen = at.session_state["app"].generation
+    assert gen.n_steps == 2 and not gen.use_cache and isinstance(gen.model, OwnDecoder)
+    for tab in TABS:
+        show_tab(at, tab)
+        assert not at.error, (tab, [e.value for e in at.error])
+    for sub in ("Switch heads off", "Activation patching", "Logit attribution", "Logit lens"):
+        show_tab(at, "What if", ("whatif_view", sub))
+    assert any("a module of your own computes them in its own code" in i.value for i in at.info)
+    show_tab(at, "Compare runs")
+    options = at.radio(key="compare_with").options
+    assert not any("KV cache" in o for o in options) and any("switched off" in o for o in options)  # no cached run
