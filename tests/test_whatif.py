@@ -165,3 +165,29 @@ def test_a_replayed_step_shows_what_an_ablation_changed(bundled):
     layers = {layer for layer, _, delta in pattern_changes(gen, changed) if delta > 1e-3}
     assert 0 not in layers and layers  # the ablated head's own pattern is unchanged; later ones move
     assert gen.trace.n_steps == 3 and gen.cache_length == len(tok.encode(PROMPT)) + 2  # the run is untouched
+
+
+def test_mean_ablation_at_a_decode_step_averages_every_position_fed_so_far(bundled):
+    """"mean" replaces a head's output by its mean over the positions the run has fed — at a one-token decode
+    step that is every position up to it, not the one new position (which would leave the value as it was)."""
+    import torch
+
+    from tracer import TracedGeneration, Tracer, ablate, replay
+
+    model, tok = bundled
+    name = "blocks.0.attn.hook_z"
+    gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0, interventions=[ablate(name, 0, "mean")])
+    gen.run(3)
+    t = gen.info.prompt_width + 2  # positions fed by step 2
+    with torch.no_grad(), Tracer(model) as clean:  # layer 0's z before any ablation, for the same tokens
+        model(torch.tensor([gen.tokens(0)[:t]]))
+    before = clean.trace.get(name, 0)[:, 0]  # [1, t, d_head]
+    kept = gen.trace.get(name, 2)[:, 0, -1]  # the value step 2 went on with
+    assert torch.allclose(kept, before.mean(dim=1)[:, :], atol=1e-5)
+    assert not torch.allclose(kept, before[:, -1], atol=1e-3)  # not the one new position's own value
+
+    plain = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)
+    plain.run(3)
+    again = replay(plain, 2, [ablate(name, 0, "mean")])  # one decode step alone, seeded with the run's values
+    seen = torch.cat([plain.trace.get(name, s)[:, 0] for s in range(3)], dim=1)  # [1, t, d_head]
+    assert torch.allclose(again.trace.get(name, 0)[:, 0, -1], seen.mean(dim=1), atol=1e-5)

@@ -174,13 +174,57 @@ def _patch_value(iv: Intervention, step: int) -> torch.Tensor | None:
     return value
 
 
-class _Applied:
-    """The forward hooks of one set of interventions, acting on one thread only."""
+RunningMeans = dict[int, tuple[torch.Tensor, int]]  # intervention's index → (running sum, count) for "mean"
 
-    def __init__(self, model: nn.Module, interventions: Sequence[Intervention]) -> None:
+
+def _target(out: torch.Tensor, rec, axes: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                      int | None]:
+    """(view, target, position index, position axis): the slice of a hook's value an intervention acts on."""
+    view = out[:, rec.head] if rec.head is not None else out
+    pos_axis = axes.index("n") - (1 if rec.head is not None else 0) if "n" in axes else None
+    if rec.positions is not None and pos_axis is not None:
+        index = torch.tensor(rec.positions, dtype=torch.long)
+        return view, view.index_select(pos_axis, index), index, pos_axis
+    return view, view, None, pos_axis
+
+
+def _reduced(target: torch.Tensor, pos_axis: int | None) -> tuple[torch.Tensor, int]:
+    """The sum of ``target`` over the batch and the positions (kept as size-1 axes), and how many it summed."""
+    reduce = tuple(d for d in range(target.dim()) if d == 0 or d == pos_axis)
+    return target.sum(dim=reduce, keepdim=True), math.prod(target.shape[d] for d in reduce)
+
+
+def running_means_before(trace, step: int, interventions: Sequence[Intervention], model: nn.Module) -> RunningMeans:
+    """The running sums a "mean" ablation would hold entering ``step`` of the run ``trace`` recorded: its hook's
+    values at steps 0 … step − 1 (the positions fed before), so that replaying one decode step alone averages
+    over every position up to it, as the run would — not over its one new position. Steps whose values were
+    not kept are left out of the mean."""
+    config = getattr(model, "config", None)
+    means: RunningMeans = {}
+    for i, iv in enumerate(interventions):
+        if iv.record.how != "mean":
+            continue
+        axes = _axes(iv.name, config)
+        for s in range(step):
+            value = trace.get(iv.name, s) if trace.has(iv.name, s) else None
+            if value is None:
+                continue
+            _, target, _, pos_axis = _target(value, iv.record, axes)
+            total, count = _reduced(target.to(torch.float32), pos_axis)
+            before = means.get(i)
+            means[i] = (total + before[0], count + before[1]) if before is not None else (total, count)
+    return means
+
+
+class _Applied:
+    """The forward hooks of one set of interventions, acting on one thread only. ``means`` holds the running
+    sums of the "mean" ablations; the caller keeps it across steps (a Tracer keeps one for its whole run)."""
+
+    def __init__(self, model: nn.Module, interventions: Sequence[Intervention],
+                 means: RunningMeans | None = None) -> None:
         self._owner = threading.get_ident()
         self._step = 0
-        self._means: dict[int, tuple[torch.Tensor, int]] = {}  # intervention → (running sum, count) for "mean"
+        self._means: RunningMeans = means if means is not None else {}
         config = getattr(model, "config", None)
         self._handles = []
         by_name: dict[str, list[tuple[int, Intervention]]] = {}
@@ -207,22 +251,15 @@ class _Applied:
 
     def _apply(self, i: int, iv: Intervention, out: torch.Tensor, axes: tuple[str, ...]) -> None:
         rec = iv.record
-        view = out[:, rec.head] if rec.head is not None else out
-        pos_axis = axes.index("n") - (1 if rec.head is not None else 0) if "n" in axes else None
-        if rec.positions is not None and pos_axis is not None:
-            index = torch.tensor(rec.positions, dtype=torch.long)
-            target = view.index_select(pos_axis, index)
-        else:
-            index, target = None, view
+        view, target, index, pos_axis = _target(out, rec, axes)
         if rec.how == "zero":
             new = torch.zeros_like(target)
-        elif rec.how == "mean":
-            reduce = tuple(d for d in range(target.dim()) if d == 0 or d == pos_axis)
-            total, count = self._means.get(i, (0.0, 0))
-            total = total + target.sum(dim=reduce, keepdim=True)
-            count += math.prod(target.shape[d] for d in reduce)
+        elif rec.how == "mean":  # the mean over every position fed so far in this run, this step's included
+            added, added_count = _reduced(target.to(torch.float32), pos_axis)
+            before = self._means.get(i)
+            total, count = (before[0] + added, before[1] + added_count) if before is not None else (added, added_count)
             self._means[i] = (total, count)
-            new = (total / count).expand_as(target)
+            new = (total / count).to(target.dtype).expand_as(target)
         else:
             value = _patch_value(iv, self._step)
             if value is None:
@@ -249,10 +286,12 @@ class _Applied:
 
 
 @contextmanager
-def applied(model: nn.Module, interventions: Sequence[Intervention]) -> Iterator[_Applied]:
-    """Apply ``interventions`` to this thread's forwards of ``model`` while the block runs."""
+def applied(model: nn.Module, interventions: Sequence[Intervention],
+            means: RunningMeans | None = None) -> Iterator[_Applied]:
+    """Apply ``interventions`` to this thread's forwards of ``model`` while the block runs; ``means``, when
+    given, carries the "mean" ablations' running sums from one step to the next."""
     check(interventions, model)
-    hooks = _Applied(model, interventions)
+    hooks = _Applied(model, interventions, means)
     try:
         yield hooks
     finally:

@@ -38,7 +38,7 @@ from model.gpt import GPTConfig
 from model.identity import identity_of
 from tracer.capture import _hooks as hooks
 from tracer.capture._forensics import describe_failure
-from tracer.capture._interventions import Intervention, _Applied, applied, check
+from tracer.capture._interventions import Intervention, RunningMeans, _Applied, applied, check
 from tracer.capture._nested import MAX_TENSORS, flatten_tensors
 from tracer.capture._ops import OpRecorder
 from tracer.reading._trace import Trace
@@ -74,7 +74,8 @@ class Tracer:
     """
 
     def __init__(self, model: nn.Module, capture: str = "values", *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                 copy: str = "auto", trace: Trace | None = None, interventions: Sequence[Intervention] = ()) -> None:
+                 copy: str = "auto", trace: Trace | None = None, interventions: Sequence[Intervention] = (),
+                 running_means: RunningMeans | None = None) -> None:
         if capture not in CAPTURE_LEVELS:
             raise ValueError(f"capture must be one of {CAPTURE_LEVELS}, got {capture!r}")
         if copy not in COPY_POLICIES:
@@ -85,6 +86,8 @@ class Tracer:
             raise ValueError(f"the trace to continue was captured at {trace.capture!r}, not {capture!r}")
         check(interventions, model)
         self.interventions = tuple(interventions)
+        # a "mean" ablation averages over every position the run has fed, across steps (not one step's)
+        self.running_means: RunningMeans = running_means if running_means is not None else {}
         self.model = model
         self.capture = capture
         self.keeps_values = capture in ("values", "ops")
@@ -136,7 +139,7 @@ class Tracer:
         self.install()
         hooks.activate(self.model, self)
         try:
-            with applied(self.model, self.interventions) as self._applied:
+            with applied(self.model, self.interventions, self.running_means) as self._applied:
                 yield self.trace
         except BaseException as exc:
             self._fail(exc)

@@ -17,7 +17,7 @@ from torch import nn
 
 from model.heads import HEAD_ROLES, repeated_random_tokens, role_scores
 from model.hook_table import act_name
-from tracer.capture._interventions import Intervention, applied, check, patch
+from tracer.capture._interventions import Intervention, applied, check, patch, running_means_before
 from tracer.capture._tracer import Tracer
 from tracer.experiments._diff import diff_steps
 from tracer.generation._traced import TracedGeneration
@@ -46,7 +46,8 @@ def replay(gen: TracedGeneration, step: int, interventions: Sequence[Interventio
     forward = facts.step(step).forward
     tokens, mask, last = gen.feed(step)
     cache = gen.cache.copy(forward.cache_before) if gen.cache is not None else None
-    tracer = Tracer(gen.model, capture=capture, interventions=interventions, budget_bytes=gen.trace.budget_bytes)
+    tracer = Tracer(gen.model, capture=capture, interventions=interventions, budget_bytes=gen.trace.budget_bytes,
+                    running_means=running_means_before(gen.trace, step, interventions, gen.model))
     with tracer.active():
         logits = gen.model(tokens, cache, padding_mask=mask)
     tracer.close()
