@@ -24,6 +24,7 @@ refused, never executed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -825,6 +826,7 @@ def load_hf(
             f"{directory}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
             "pytorch_model.bin)"
         )
+    config = _untied_if_distinct(config, raw, directory)
     expected = hf_shapes(config)
     tensors = {}
     for tensor_name, tensor in raw.items():
@@ -845,6 +847,22 @@ def load_hf(
     )
     tokenizer = _load_tokenizer(directory, config.vocab_size)
     return model, tokenizer
+
+
+def _untied_if_distinct(config: GPTConfig, raw: dict[str, torch.Tensor], directory: Path) -> GPTConfig:
+    """A config that says ``tie_word_embeddings`` over a checkpoint whose ``lm_head.weight`` differs from the
+    embedding: transformers keeps the distinct lm_head then (it ties only equal or missing weights), so the
+    model is loaded untied, as transformers loads it."""
+    head = raw.get("lm_head.weight")
+    if not config.tie_embeddings or head is None:
+        return config
+    embed = raw.get("model.embed_tokens.weight", raw.get("transformer.wte.weight"))
+    if embed is None or (head.shape == embed.shape and torch.equal(head, embed)):
+        return config
+    if config.family == "gpt2":
+        raise ModelLoadError(f"{directory}: lm_head.weight differs from the tied embedding; our GPT-2 ties them. "
+                             "load_hf(..., implementation='transformers') runs it as transformers does (untied)")
+    return dataclasses.replace(config, tie_embeddings=False)
 
 
 def load_hf_gpt2(path: str | os.PathLike) -> tuple[GPT, TextTokenizer | None]:

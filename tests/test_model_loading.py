@@ -405,3 +405,27 @@ def test_load_bundled_names_its_models():
     assert set(BUNDLED_MODELS) == {"story-gpt", "story-llama"}
     with pytest.raises(ModelLoadError, match="bundled: story-gpt, story-llama"):
         load_bundled("story-bert")
+
+
+def test_a_tied_config_over_a_distinct_lm_head_loads_as_transformers_does(tmp_path):
+    """tie_word_embeddings true, but the file's lm_head.weight is not the embedding: transformers keeps the
+    lm_head (it ties only equal or missing weights), so our model must use it too — tying it silently moved
+    the logits by ~15."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from model import load_hf
+
+    torch.manual_seed(3)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+                     ).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["lm_head.weight"] = torch.randn(64, 32)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ours, _ = load_hf(tmp_path, implementation="ours")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max() <= 1e-4
+    assert not ours.config.tie_embeddings
