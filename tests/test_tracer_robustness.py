@@ -288,9 +288,11 @@ def test_the_store_says_when_it_holds_no_view_of_a_storage_any_more():
 
 
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
-    """tracer.memory.reuse_freed_memory(): a second forward-like pass (48 and 12 MiB tensors made and freed
-    in turn, two alive at a time) takes the memory the first one freed, where glibc's default hands it fresh
-    pages to fault in. Each side in a process of its own (the setting holds for a whole process)."""
+    """gpt_shape_tracer.memory.reuse_freed_memory(): a third forward-like pass (48 and 12 MiB tensors made and
+    freed in turn, two alive at a time) takes the memory the earlier ones freed, where glibc's default hands it
+    fresh pages to fault in. (The second pass measured 0, 12, 48 or 144 MiB from run to run, as the heap
+    settled; from the third on it is 0 every time — a test on the second failed one run in three.) Each side in
+    a process of its own (the setting holds for a whole process)."""
     import subprocess
     import sys
 
@@ -306,6 +308,7 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
         "            held.pop(0)\n"
         "    return float(held[-1].sum())\n"
         "forward()\n"
+        "forward()\n"  # the heap reaches its steady layout over two passes (after one, 0-144 MiB, by luck)
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "forward()\n"
         "print(took, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 4096 // 2**20)\n"
