@@ -230,7 +230,10 @@ def checkpoint_path(raw: str) -> str:
         raise SettingsError("Type the directory of a checkpoint first.")
     if "\x00" in raw:
         raise SettingsError("That directory name holds a NUL character; the previous model stays loaded.")
-    return str(Path(raw.strip()).expanduser())
+    try:
+        return str(Path(raw.strip()).expanduser())
+    except RuntimeError as e:  # "~nosuchuser/x": no such user's home to expand
+        raise SettingsError(f"{raw.strip()!r}: {e}; the previous model stays loaded.") from None
 
 
 def describe_model(model) -> str:

@@ -125,7 +125,7 @@ def status(settings: Settings | None, refused: SettingsError | None) -> bool:
             return False
     gen = app.generation
     if refused is not None:
-        st.warning(f"These settings cannot be used: {refused}"
+        st.warning(f"These settings cannot be used: {plain(refused)}"
                    + (" — Step keeps continuing the current generation with its own settings." if gen else ""))
     if gen is not None and not app.viewing_file:
         if settings is not None and settings != app.started_with:

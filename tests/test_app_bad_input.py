@@ -331,3 +331,21 @@ def test_text_the_app_did_not_write_is_never_markdown_or_html(stepped, tmp_path)
             value = str(element.value)
             assert "](http" not in value and "<img" not in value, (tab, value[:200])
             assert "**bold**" not in value and "`code`" not in value, (tab, value[:200])
+
+
+def test_a_seed_written_as_markdown_is_shown_as_text(stepped):
+    """The refusal echoes what was typed: as plain text, never as markdown (an image would fetch a URL)."""
+    at = stepped
+    at.sidebar.radio(key="decoding").set_value("sample")
+    at.run()  # the seed box is enabled once sampling is chosen
+    at.sidebar.text_input(key="seed").set_value("![x](http://example.invalid/x.png)")
+    at.run()
+    assert not at.exception
+    shown = [w.value for w in at.warning if "cannot be used" in w.value]
+    assert shown and all("![x](" not in w for w in shown)
+
+
+def test_a_home_directory_that_cannot_be_expanded_gets_a_message(stepped):
+    at = _load_dir(stepped, "~no_such_user_here_at_all/model")
+    assert not at.exception
+    assert any("no_such_user_here_at_all" in e.value and "previous model stays loaded" in e.value for e in at.error)

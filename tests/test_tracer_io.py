@@ -256,3 +256,9 @@ def test_a_1024_token_prefill_round_trips_at_every_capture_level(bundled, tmp_pa
             for step in range(2):
                 assert torch.equal(gen.trace.get(name, step), back.get(name, step)), (name, step)
         assert tuple(back.get("blocks.0.attn.hook_pattern", 0).shape) == (1, 2, n, n)
+
+
+@pytest.mark.parametrize("what", [12345, None, 3.5, ["trace.zip"]])
+def test_load_trace_of_something_that_is_not_a_path_says_so(what):
+    with pytest.raises(TraceFileError, match="takes a path or the bytes of a .zip"):
+        load_trace(what)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import struct
 import tempfile
 import zipfile
@@ -555,6 +556,10 @@ def _storages_from(data: bytearray, expected: int, limits: Limits) -> list[torch
 # -- loading: all of it --------------------------------------------------------------------------------
 def load_trace(path: str | Path | bytes, *, limits: Limits = LIMITS) -> Trace:
     """Read a trace written by ``save_trace`` (directory, .zip file, or .zip bytes), validating it whole."""
+    if not isinstance(path, (str, Path, bytes, bytearray, os.PathLike)):
+        raise TraceFileError(f"load_trace takes a path or the bytes of a .zip, not {type(path).__name__}")
+    if isinstance(path, os.PathLike) and not isinstance(path, Path):
+        path = Path(os.fspath(path))
     if isinstance(path, str):
         if "\x00" in path:
             raise TraceFileError("the path holds a NUL character")

@@ -108,7 +108,10 @@ def _build() -> tuple[object | None, str]:
         library = ctypes.CDLL(str(target))
     except OSError as e:
         return None, f"loading {target} failed: {e}"
-    kernel = library.fused_stats_f32
+    try:
+        kernel = library.fused_stats_f32
+    except AttributeError:  # an odd $CC, or a file that is not our build: the PyTorch reductions instead
+        return None, f"{target} has no fused_stats_f32 symbol: the PyTorch reductions are used instead"
     kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Result)]
     kernel.restype = None
     return kernel, f"built with {compiler} into {target}"
