@@ -438,6 +438,10 @@ def attention(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     hooks: AttentionHooks | None = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, ``softmax(QKᵀ/√d_k + M)·V``, step by step.
 
@@ -457,8 +461,14 @@ def attention(
 
     ``hooks``, when given, is a module with the hook points ``hook_qk``,
     ``hook_attn_scores``, ``hook_mask``, ``hook_masked_scores`` and
-    ``hook_pattern``; the model passes its attention module here so that this
-    one function is what both the model and the tests run.
+    ``hook_pattern`` (and ``hook_softcapped`` where there is a soft-cap); the
+    model passes its attention module here so that this one function is what
+    the model, the tests and the models we only observe (model/hf_decoder.py,
+    model/own_module.py) run.
+
+    For those: ``scale`` replaces 1/√d_k (a model's own, multiplied as
+    transformers does), ``softcap`` c applies c·tanh(scores/c) before the mask
+    (Gemma 2), ``dropout_p`` drops weights after the softmax (SDPA's contract).
     """
     d_k = q.size(-1)
     grouped = q.dim() >= 3 and k.dim() >= 3 and k.size(-3) != q.size(-3)
@@ -473,9 +483,13 @@ def attention(
         qk = q @ k.transpose(-2, -1)  # [B,H,n,d_head] @ [B,H,d_head,t] -> [B,H,n,t]
     if hooks is not None:
         qk = hooks.hook_qk(qk)
-    scores = qk / math.sqrt(d_k)  # [B,H,n,t]
+    scores = qk / math.sqrt(d_k) if scale is None else qk * scale  # [B,H,n,t]
     if hooks is not None:
         scores = hooks.hook_attn_scores(scores)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # every score inside (−c, c)
+        if hooks is not None and hasattr(hooks, "hook_softcapped"):
+            scores = hooks.hook_softcapped(scores)
     if mask is not None:
         if hooks is not None:
             mask = hooks.hook_mask(mask)
@@ -486,6 +500,8 @@ def attention(
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
     else:
         weights = torch.softmax(scores, dim=-1)  # rows sum to 1 over the t keys
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
     if hooks is not None:
         weights = hooks.hook_pattern(weights)
     if grouped:

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from model.cache import KVCache, transaction
-from model.gpt import GPTConfig, HookPoint, check_tokens, positions_and_keys
+from model.gpt import GPTConfig, HookPoint, attention, check_tokens, positions_and_keys
 from model.identity import ModelIdentity, parameters_digest
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -96,6 +96,19 @@ class _AttentionHooks(nn.Module):
         self.calls = 0  # forwards that reached the traced attention (HFDecoder checks each layer's once)
         self.seen: tuple[int, int, int] = (0, 0, 0)  # (H, G, d_head) as the last call received them
 
+    def receive(self, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q ``[B,H,n,d_head]``, K and V ``[B,G,t,d_head]`` as the attention receives them, through ``hook_q``,
+        ``hook_k``/``hook_v`` (the n rows this forward added: a cache appends them last) and
+        ``hook_k_all``/``hook_v_all``; counts the call and the head counts it saw."""
+        H, n, dh = query.shape[-3], query.shape[-2], query.shape[-1]
+        G, t = key.shape[-3], key.shape[-2]
+        self.calls += 1
+        self.seen = (H, G, dh)
+        self.hook_k(key[..., t - n:, :])
+        self.hook_v(value[..., t - n:, :])
+        return self.hook_q(query), self.hook_k_all(key), self.hook_v_all(value)
+
     def head_outputs(self, z: torch.Tensor) -> torch.Tensor:
         """Each head's share of the attention output, O_h·W_O^h ``[B,H,n,d]`` (W_O's bias left out)."""
         if self.w_o is None:
@@ -120,38 +133,12 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if kwargs.get("s_aux") is not None:
         raise HFDecoderError("attention sinks (s_aux) are not traced")
     hooks = _HOOKS.get(module)
-    B, H, n, dh = query.shape
-    G, t = key.shape[1], key.shape[2]
-    scale = scaling if scaling is not None else dh**-0.5
     if hooks is not None:
-        hooks.calls += 1
-        hooks.seen = (H, G, dh)
-        query = hooks.hook_q(query)
-        hooks.hook_k(key[:, :, t - n:])  # the rows this forward added (the cache appends them last)
-        hooks.hook_v(value[:, :, t - n:])
-        key, value = hooks.hook_k_all(key), hooks.hook_v_all(value)
-    q_grouped = query.reshape(B, G, (H // G) * n, dh)  # [B,H,n,d_head] -> [B,G,(H/G)·n,d_head]
-    qk = (q_grouped @ key.transpose(-2, -1)).view(B, H, n, t)  # @ [B,G,d_head,t] -> [B,H,n,t]
-    if hooks is not None:
-        qk = hooks.hook_qk(qk)
-    scores = qk * scale
-    if hooks is not None:
-        scores = hooks.hook_attn_scores(scores)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-        if hooks is not None and hasattr(hooks, "hook_softcapped"):
-            scores = hooks.hook_softcapped(scores)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, :t]
-        if hooks is not None:
-            mask = hooks.hook_mask(mask)
-        scores = scores + mask  # [B,H,n,t] + [B|1,1,n,t]
-        if hooks is not None:
-            scores = hooks.hook_masked_scores(scores)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # rows sum to 1
-    if hooks is not None:
-        weights = hooks.hook_pattern(weights)
-    z = (weights.reshape(B, G, (H // G) * n, t) @ value).view(B, H, n, value.shape[-1])  # [B,H,n,d_head]
+        query, key, value = hooks.receive(query, key, value)
+    t = key.shape[2]
+    mask = attention_mask[:, :, :, :t] if attention_mask is not None else None  # [B|1,1,n,t]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_head]
     if hooks is not None:
         z = hooks.hook_z(z)
     return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_head], as transformers expects

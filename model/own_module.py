@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.cache import KVCache
-from model.gpt import GPT, GPTConfig, HookPoint, check_tokens
+from model.gpt import GPT, GPTConfig, HookPoint, attention, check_tokens
 from model.hf_decoder import HFDecoder, _AttentionHooks
 from model.identity import ModelIdentity, parameters_digest
 
@@ -56,38 +56,12 @@ def traced_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     _routing.call += 1
     hooks = decoder.blocks[layer].attn if layer < len(decoder.blocks) else None
     if hooks is not None:
-        hooks.calls += 1
-    *lead, H, n, dh = query.shape
-    G, t = key.shape[-3], key.shape[-2]
-    scale = scale if scale is not None else dh**-0.5
-    if hooks is not None:
-        hooks.seen = (H, G, dh)
-        query = hooks.hook_q(query)
-        hooks.hook_k(key[..., t - n:, :])
-        hooks.hook_v(value[..., t - n:, :])
-        key, value = hooks.hook_k_all(key), hooks.hook_v_all(value)
-    if G != H:
-        key = key.repeat_interleave(H // G, dim=-3)  # [B,G,t,d] -> [B,H,t,d], as enable_gqa does
-        value = value.repeat_interleave(H // G, dim=-3)
-    qk = query @ key.transpose(-2, -1)  # [B,H,n,d_head] @ [B,H,d_head,t] -> [B,H,n,t]
-    if hooks is not None:
-        qk = hooks.hook_qk(qk)
-    scores = qk * scale
-    if hooks is not None:
-        scores = hooks.hook_attn_scores(scores)
-    mask = _additive_mask(attn_mask, is_causal, n, t, scores)
-    if mask is not None:
-        if hooks is not None:
-            mask = hooks.hook_mask(mask)
-        scores = scores + mask
-        if hooks is not None:
-            scores = hooks.hook_masked_scores(scores)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    if hooks is not None:
-        weights = hooks.hook_pattern(weights)
-    z = weights @ value  # [B,H,n,t] @ [B,H,t,d_head] -> [B,H,n,d_head]
+        query, key, value = hooks.receive(query, key, value)
+    n, t = query.shape[-2], key.shape[-2]
+    mask = _additive_mask(attn_mask, is_causal, n, t, query)  # [..., n, t] or None
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    # grouped K/V are read per group by attention(), as enable_gqa does, without copying them H/G times
+    z, _ = attention(query, key, value, mask, hooks, scale=scale, dropout_p=dropout_p)  # [B,H,n,d_head]
     return hooks.hook_z(z) if hooks is not None else z
 
 
