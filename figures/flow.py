@@ -168,9 +168,9 @@ def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode]
     config = trace.config
     records = trace.filter(step=step)
     hooks = [r for r in records if r.kind == "hook" and r.name.startswith(f"blocks.{layer}.")]
-    # the model's own decoder layer `layer`: the module path of the first leaf whose first number is `layer`
+    # the outputs of the model's own modules inside block `layer` (a record's layer is its path's first number)
     own = [r for r in records if r.kind == "output" and r.module.startswith(("hf.", "inner.")) and r.slot == ""
-           and _first_number(r.module) == layer]
+           and r.layer == layer]
     leaves = {m for m in (r.module for r in own) if not any(o.module.startswith(m + ".") for o in own)}
     chosen = sorted([*hooks, *(r for r in own if r.module in leaves)], key=lambda r: r.index)
     head = [r for r in records if r.name in ("model:in[0]", "hook_embed")]
@@ -190,18 +190,9 @@ def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode]
         else:
             label = f"{r.module.rsplit('.', 1)[-1]} ({r.module_type})"
             group = "attention" if r.index <= attn_end else "mlp"
-        nodes.append(FlowNode(_short(label), r.name, -0.8 + 1.8 * (i // per_column), i % per_column, group))
-    edges = [(i, i + 1) for i in range(len(nodes) - 1)]
-    for node in nodes:
-        rec = next((r for r in records if r.name == node.name), None)
-        if rec is not None:
-            node.shape, node.summary = rec.shape, trace.summary(rec)
-            node.symbolic = list(rec.axes) if rec.axes else None
-    return nodes, edges
-
-
-def _first_number(path: str) -> int | None:
-    return next((int(part) for part in path.split(".") if part.isdigit()), None)
+        nodes.append(FlowNode(_short(label), r.name, -0.8 + 1.8 * (i // per_column), i % per_column, group,
+                              shape=r.shape, symbolic=list(r.axes) if r.axes else None, summary=trace.summary(r)))
+    return nodes, [(i, i + 1) for i in range(len(nodes) - 1)]
 
 
 def _short(text: str, width: int = 34) -> str:
@@ -366,7 +357,7 @@ def _recorded_reshape_ops(trace: Trace, step: int, layer: int) -> list[ReshapeOp
     itemsize = q_r.nbytes // max(1, q_r.numel)
     own = [r for r in trace.filter(step=step) if r.module.startswith(("hf.", "inner."))
            and r.kind in ("output", "input")
-           and r.slot in ("", "[0]") and _first_number(r.module) == layer]
+           and r.slot in ("", "[0]") and r.layer == layer]
     # the output projection's input: the merged heads, and the attention module is that projection's parent
     merged = next((r for r in own if r.kind == "input" and r.index > z_r.index and r.shape[-1:] == (H * dh,)), None)
     attention = merged.module.rsplit(".", 1)[0] + "." if merged is not None else None
