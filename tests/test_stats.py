@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,14 +97,12 @@ def test_the_one_pass_kernel_is_built_where_there_is_a_compiler():
     assert fused.moments(torch.randn(64, 64).t()) is None  # contiguous only
 
 
-def test_without_a_compiler_the_statistics_say_why_and_take_the_pytorch_path(tmp_path):
-    """A machine whose C compiler fails (here: CC names one that does not exist) gets the same statistics
-    from PyTorch's reductions, and fused.status() says why. In a process of its own: the kernel is built
-    once per process."""
+def statistics_in_a_process_of_its_own(cc: str, cache: Path) -> tuple[str, str]:
+    """(what the statistics of a tensor holding −∞ came out as, fused.status()) in a fresh process whose C
+    compiler is ``cc`` and kernel cache ``cache``: the kernel is built once per process."""
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     probe = (
         "import math, torch\n"
@@ -115,10 +114,17 @@ def test_without_a_compiler_the_statistics_say_why_and_take_the_pytorch_path(tmp
         "print(fused.available(), s.min, s.max, s.neg_inf)\n"
         "print(fused.status())\n"
     )
-    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**os.environ, "CC": cc, "XDG_CACHE_HOME": str(cache)}
     done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parent.parent, env=env,
                           capture_output=True, text=True, check=True)
     first, status = done.stdout.splitlines()
+    return first, status
+
+
+def test_without_a_compiler_the_statistics_say_why_and_take_the_pytorch_path(tmp_path):
+    """A machine whose C compiler fails (here: CC names one that does not exist) gets the same statistics
+    from PyTorch's reductions, and fused.status() says why."""
+    first, status = statistics_in_a_process_of_its_own(str(tmp_path / "no-such-cc"), tmp_path)
     assert first == "False 0.0 9999.0 1"
     assert "did not run" in status and "PyTorch path" in status
     assert not list(tmp_path.glob("gpt-shape-tracer/*.so"))
@@ -127,11 +133,7 @@ def test_without_a_compiler_the_statistics_say_why_and_take_the_pytorch_path(tmp
 def test_a_cached_library_without_the_kernel_symbol_takes_the_pytorch_path(tmp_path):
     """A library at the kernel's cache path that lacks ``fused_stats_f32`` (an odd $CC, or a file that is not our
     build) must not break every statistics call: the PyTorch reductions are used and status() says why."""
-    import os
     import stat
-    import subprocess
-    import sys
-    from pathlib import Path
 
     empty = tmp_path / "empty.c"
     empty.write_text("int unrelated(void) { return 1; }\n")
@@ -139,19 +141,6 @@ def test_a_cached_library_without_the_kernel_symbol_takes_the_pytorch_path(tmp_p
     cc.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then echo odd-cc 1; exit 0; fi\n"
                   f"while [ \"$1\" != -o ]; do shift; done\nexec gcc -shared -fPIC -o \"$2\" {empty}\n")
     cc.chmod(cc.stat().st_mode | stat.S_IXUSR)
-    probe = (
-        "import math, torch\n"
-        "from tracer.storage import _fused as fused\n"
-        "from tracer.storage._stats import tensor_stats\n"
-        "x = torch.arange(10_000, dtype=torch.float32)\n"
-        "x[3] = -math.inf\n"
-        "s = tensor_stats(x)\n"
-        "print(fused.available(), s.min, s.max, s.neg_inf)\n"
-        "print(fused.status())\n"
-    )
-    env = {**os.environ, "CC": str(cc), "XDG_CACHE_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parent.parent, env=env,
-                          capture_output=True, text=True, check=True)
-    first, status = done.stdout.splitlines()
+    first, status = statistics_in_a_process_of_its_own(str(cc), tmp_path)
     assert first == "False 0.0 9999.0 1"
     assert "no fused_stats_f32 symbol" in status
