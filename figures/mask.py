@@ -37,6 +37,7 @@ class MaskFacts:
     sliding_window: int | None
     padding_side: str
     padding_rows_see: str = ""  # what the padding query rows may see, read from M ("" when not counted)
+    smallest: int = 0  # cells holding the smallest finite float instead (transformers' rows that see nothing)
 
     def explanation(self) -> str:
         if not self.counted:
@@ -46,7 +47,9 @@ class MaskFacts:
         whose = f"In sequence {self.batch}'s n × t block, " if self.shape[0] > 1 else ""
         lines = [f"M has shape {shape_text(self.shape)}: n = {self.n} query row(s) × t = {self.t} key column(s). "
                  f"{whose}{self.masked} of {self.n * self.t} entries are −∞ (they get exactly zero weight after "
-                 "the softmax, since e^−∞ = 0) and the rest are 0."]
+                 "the softmax, since e^−∞ = 0)"
+                 + (f", {self.smallest} hold the smallest finite number instead (the padding rows below)"
+                    if self.smallest else "") + " and the rest are 0."]
         causes = [f"{self.future} because the key comes after the query (causality)" if self.future else "",
                   f"{self.padding_key} because the key is padding" if self.padding_key else "",
                   f"{self.window} because the key lies more than the sliding window of {self.sliding_window} "
@@ -114,6 +117,8 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
         return uncounted
     values = mask[min(batch, mask.shape[0] - 1), 0]  # [n, t]
     block = torch.isinf(values)
+    smallest = int((torch.isfinite(values) & (values <= torch.finfo(values.dtype).min / 2)).sum()) \
+        if values.is_floating_point() else 0
     query = torch.arange(first_query, t)[:, None]
     key = torch.arange(t)[None, :]
     future = key > query
@@ -122,7 +127,7 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     explained = future | padding | outside
     return replace(uncounted, counted=True, masked=int(block.sum()), future=int((block & future).sum()),
                    padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
-                   unexplained=int((block & ~explained).sum()),
+                   unexplained=int((block & ~explained).sum()), smallest=smallest,
                    padding_rows_see=_padding_rows_see(values, pad_rows, first_query))
 
 
@@ -142,7 +147,9 @@ def _padding_rows_see(values: torch.Tensor, rows: tuple[int, ...], first_query: 
 
 @fitted
 def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.Figure:
-    """M as a 0 / −∞ picture (query rows × key columns): grey where −∞."""
+    """M as a 0 / −∞ picture (query rows × key columns): grey where −∞. A cell holding the smallest finite float
+    (transformers' padding rows that see nothing: their softmax spreads evenly) is drawn as allowed, labelled
+    "min", since it does get weight."""
     mask = trace.get(act_name("mask", layer), step)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     fig = figure()
@@ -150,6 +157,7 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
         fig.add_annotation(text="mask values not kept for this step", showarrow=False)
         return fig
     block = mask[min(batch, mask.shape[0] - 1), 0]
+    lowest = torch.finfo(block.dtype).min / 2 if block.is_floating_point() else -math.inf
     allowed = torch.where(torch.isinf(block), torch.full_like(block, float("nan")), torch.zeros_like(block))
     g = grid(allowed, xs, ys)
     n, t = block.shape
@@ -159,9 +167,13 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
         fig.add_trace(under)
     fig.add_trace(go.Heatmap(
         z=g.z, x=g.x, y=g.y, zmin=0, zmax=1, colorscale=[[0, ALLOWED], [1, ALLOWED]], showscale=False,
-        text=[["−∞" if math.isnan(v) else "0" for v in row] for row in g.z.tolist()] if small else None,
+        text=[["−∞" if math.isinf(v) else "min" if v <= lowest else "0" for v in row] for row in block.tolist()]
+        if small else None,
         texttemplate="%{text}" if small else None, hoverongaps=True,
-        hovertemplate="q %{y}<br>k %{x}<br>M = 0<extra></extra>", xgap=1, ygap=1,
+        hovertemplate="q %{y}<br>k %{x}<br>M = " + ("%{text}" if small else "0" if not bool((block <= lowest).any())
+                                                    else "0, or the smallest float in a row that sees nothing")
+        + "<extra></extra>",
+        xgap=1, ygap=1,
     ))
     style_axes(fig, g)
     fig.update_layout(title_text=f"M at step {step}: {shape_text(tuple(mask.shape))} — green: 0 (may attend), "

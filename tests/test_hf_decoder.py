@@ -169,6 +169,13 @@ def test_what_the_mask_view_says_of_padding_rows_is_read_from_the_models_mask(di
     facts = mask_facts(gen.trace, 0, layer=0, batch=1)
     assert facts.padding_rows and facts.padding_rows_see == "nothing"
     assert "smallest finite number instead of −∞" in facts.explanation() and facts.unexplained == 0
+    values = gen.trace.get("blocks.0.attn.hook_mask", 0)[1, 0]
+    assert facts.masked + facts.smallest < values.numel() == facts.masked + facts.smallest + int((values == 0).sum())
+    assert f"{facts.smallest} hold the smallest finite number instead" in facts.explanation()  # not "the rest are 0"
+    from figures.mask import mask_figure
+
+    labels = [d for d in mask_figure(gen.trace, 0, 0, batch=1).data if d.type == "heatmap"][-1].text
+    assert set(labels[0]) == {"min"}  # a padding row: the smallest float, not written as 0
     ours, tok = load_hf(directories["llama"], implementation="ours")
     gen = TracedGeneration(ours, tok, ["Lily had a red kite.", "Tom"], temperature=0, padding_side="left")
     gen.run(1)
