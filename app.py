@@ -10,7 +10,7 @@ from __future__ import annotations
 import streamlit as st
 
 from gui.attention import attention_tab
-from gui.common import freed_memory_reused, header, state, status
+from gui.common import freed_memory_reused, header, remembered_tabs, state, status
 from gui.compare import compare_tab
 from gui.export import export_tab
 from gui.inspector import inspector_tab
@@ -59,12 +59,7 @@ def main() -> None:
             export_tab(None)
         return
     step = header(trace)
-    # no tabs are drawn while there is nothing to view (after Reset), and Streamlit forgets the state of a
-    # widget that was not drawn: the app state keeps the open tab, so Reset → Step returns to the same view
-    if "view" not in st.session_state and app.open_tab in TABS:
-        st.session_state["view"] = app.open_tab
-    tabs = st.tabs(TABS, key="view", on_change="rerun")
-    app.open_tab = st.session_state.get("view")
+    tabs = remembered_tabs(TABS, "view")  # Reset → Step returns to the same view
     for tab, name in zip(tabs, TABS):
         with tab:
             if tab.open:

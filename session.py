@@ -223,6 +223,14 @@ def factory_key(spec: str) -> str:
     return f"factory:{spec}"
 
 
+def describe_model_key(key: str) -> str:
+    """A model key as a person reads it: what they chose in the sidebar."""
+    where, dtype = parse_model_key(key)
+    if dtype is None:
+        return f"the bundled {where}"
+    return f"your module {where}" if dtype == FACTORY else f"the directory {where} ({dtype})"
+
+
 def checkpoint_path(raw: str) -> str:
     """The directory a person typed, resolved, or a ``SettingsError`` saying why it cannot be one (before
     anything is read, so the previous model stays loaded)."""
@@ -366,7 +374,8 @@ def ops_module(record) -> str:
 
 @dataclass
 class LoadedTrace:
-    """A trace file the person opened: shown instead of the live generation until they step or reset."""
+    """A trace file the person opened: kept until they close it, shown instead of the live generation until
+    they step (and again whenever they ask)."""
 
     trace: Trace
     file_name: str
@@ -412,14 +421,16 @@ class Comparison:
 class AppState:
     """Everything one browser session keeps between reruns (widget values aside, which Streamlit keeps)."""
 
-    model_key: str = DEFAULT_MODEL_KEY  # "bundled:<name>", or "dir:<dtype>:<path>"
+    model_key: str = DEFAULT_MODEL_KEY  # the sidebar's choice: "bundled:<name>", "dir:<dtype>:<path>", "factory:…"
     generation: TracedGeneration | None = None
     started_with: Settings | None = None  # the settings the generation started with
-    loaded: LoadedTrace | None = None
+    started_model_key: str | None = None  # the model the generation started with (a new choice waits for Reset)
+    loaded: LoadedTrace | None = None  # an opened trace file, kept until closed
+    showing_file: bool = False  # whether the tabs show the file (else the live generation)
     notices: list[tuple[str, str]] = field(default_factory=list)  # (level, message) for the next rerun
     query_picks: dict[tuple[int, int], int] = field(default_factory=dict)  # (step, sequence) → query row
     inspect_name: str | None = None  # the record the Inspector opens
-    open_tab: str | None = None  # survives reruns where no tabs are drawn
+    open_tabs: dict[str, str] = field(default_factory=dict)  # tabs' key → the open one, kept while none are drawn
     last_upload_id: str | None = None
     pending_head: tuple[int, int] | None = None  # a head clicked on the grid, applied before the pickers draw
     ablation: AblationResult | None = None
@@ -429,30 +440,36 @@ class AppState:
 
     @property
     def viewing_file(self) -> bool:
-        return self.loaded is not None
+        return self.loaded is not None and self.showing_file
 
     @property
     def viewed_trace(self) -> Trace | None:
-        """The loaded file's trace, else the live generation's once it has a step."""
-        if self.loaded is not None:
+        """The loaded file's trace while it is shown, else the live generation's once it has a step."""
+        if self.viewing_file:
+            assert self.loaded is not None
             return self.loaded.trace
         gen = self.generation
         return gen.trace if gen is not None and gen.n_steps else None
 
+    @property
+    def model_changed(self) -> bool:
+        """Whether the sidebar names another model than the live generation runs (it waits for Reset)."""
+        return self.generation is not None and self.started_model_key not in (None, self.model_key)
+
     def start(self, model, tokenizer, settings: Settings) -> TracedGeneration:
-        """A new generation with ``settings`` (the previous one is closed)."""
+        """A new generation of the chosen model with ``settings`` (the previous one is closed)."""
         gen = new_generation(model, tokenizer, settings)
         self.reset()
-        self.generation, self.started_with = gen, settings
+        self.generation, self.started_with, self.started_model_key = gen, settings, self.model_key
         return gen
 
     def reset(self) -> None:
-        """Forget the generation, the file view and every per-run choice; keep the model and the tab."""
+        """Forget the generation and every per-run choice; keep the model, the tab and an opened file."""
         if self.generation is not None:
             self.generation.close()
         self.generation = None
         self.started_with = None
-        self.loaded = None
+        self.started_model_key = None
         self.query_picks = {}
         self.ablation = None
         self.patching = None
@@ -460,7 +477,14 @@ class AppState:
 
     def open_file(self, loaded: LoadedTrace) -> None:
         self.loaded = loaded
-        self.query_picks = {}
+        self.show_file(True)
+
+    def show_file(self, shown: bool) -> None:
+        """Show the opened file (True) or the live generation (False); the file stays open either way."""
+        if shown != self.viewing_file:
+            self.query_picks = {}  # picks are per (step, sequence) of the trace on view
+        self.showing_file = shown and self.loaded is not None
 
     def close_file(self) -> None:
         self.loaded = None
+        self.show_file(False)

@@ -491,8 +491,9 @@ def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) 
 
 @fitted
 def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
-    """RoPE in numbers: the head's recorded q (its last query row, before rotation) and a key k (the first new
-    key row), rotated with the model's own functions to positions m + s and n + s for shifts s: the score
+    """RoPE in numbers: the head's recorded q (the last of this step's rows holding a token of sequence ``batch``,
+    before rotation) and a key k (the first such row; padding rows are never picked; None when the step has
+    none for this sequence), rotated with the model's own functions to positions m + s and n + s for shifts s: the score
     R(m+s)q · R(n+s)k stays the same (it depends only on m − n), while moving the key alone, R(m)q · R(n+s)k,
     changes — the property RoFormer (Su et al., 2021) builds on."""
     from model.gpt import apply_rope, rope_cos_sin
@@ -503,10 +504,14 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
     if config is None or config.positions != "rope" or q is None or k is None or rope_not_drawn(trace):
         return None
     forward = gen_step(trace, step).forward
-    qv = q[batch, head, -1].double()  # the last query row, before rotation
-    kv = k[batch, kv_head(trace, layer, head, step), 0].double()  # the first new key row, before rotation
-    real = facts_of(trace).is_token(batch, step)  # positions count real tokens only, padding excluded
-    m_pos, n_pos = sum(real[: forward.t - 1]), sum(real[: forward.t - forward.n])
+    real = facts_of(trace).is_token(batch, step)  # per column; positions count real tokens only
+    new_tokens = [j for j in range(forward.t - forward.n, forward.t) if real[j]]  # this step's rows holding a token
+    if not new_tokens:
+        return None
+    query_col, key_col = new_tokens[-1], new_tokens[0]  # the last real query row, the first real new key row
+    qv = q[batch, head, query_col - (forward.t - forward.n)].double()  # before rotation
+    kv = k[batch, kv_head(trace, layer, head, step), key_col - (forward.t - forward.n)].double()
+    m_pos, n_pos = sum(real[:query_col]), sum(real[:key_col])
     shifts = torch.arange(0, 64)
 
     def rotated(vec: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -155,16 +155,39 @@ def verdict(c: RecomputeComparison) -> tuple[str, str]:
                         f"with the same {c.full.macs:,} multiply-adds, so their agreement ({delta}) says nothing about "
                         "the cache. From step 1 on, the cached path computes one row per sequence.")
     fewer = c.full.macs / c.cached.macs if c.cached.macs else float("inf")
-    if c.equal:
-        text = (f"The cached path computed {c.cached.query_rows} query row(s) with {c.cached.macs:,} multiply-adds, "
-                f"the full recompute {c.full.query_rows} rows with {c.full.macs:,} ({fewer:.1f}× more), and the logits "
-                f"agree within {c.tolerance:g} ({delta}: rounding). Only the new row was needed: each row of K and V "
-                "depends on its own token alone, so the cached rows are exactly what a recompute makes again. "
-                f"The cached side is {side}.")
-        return ("success", text)
-    return ("error", f"NOT equal: the cached path disagrees with a full recompute ({delta}, above the tolerance "
-                     f"{c.tolerance:g} for this dtype). A cache that returned wrong rows would do this. The cached "
-                     f"side is {side}.")
+    if not c.equal:
+        return ("error", f"NOT equal: the cached path disagrees with a full recompute ({delta}, above the tolerance "
+                         f"{c.tolerance:g} for this dtype). A cache that returned wrong rows would do this. The cached "
+                         f"side is {side}.")
+    past = c.full.query_rows - c.cached.query_rows
+    why = ("Row i of K and V depends on tokens 0…i: in layer 0 on token i alone, in every later layer on all of "
+           "them through the residual stream. It depends on nothing after i, because the causal mask keeps every "
+           "earlier row from seeing later tokens, so a row made when its own step ran never changes afterwards")
+    rows = c.cached_rows_delta
+    if rows and not c.cached_rows_equal:
+        layer = max(range(len(rows)), key=lambda i: max(rows[i]))
+        return ("error", f"The logits agree ({delta}), but the cached K and V rows do NOT equal their recomputation "
+                         f"from all {c.full.query_rows} tokens: layer {layer} differs by {max(rows[layer]):.2e}, above "
+                         f"the tolerance {c.tolerance:g}. The cached side is {side}.")
+    if rows:
+        layer = max(range(len(rows)), key=lambda i: max(rows[i]))
+        shown = (f"Recomputed from all {c.full.query_rows} tokens, the {past} cached rows agree in every one of the "
+                 f"{len(rows)} layers (largest |Δ| {max(rows[layer]):.2e}, layer {layer}; table below).")
+    else:
+        shown = "(This file holds no layer-by-layer check of the cached rows.)"
+    text = (f"The cached path computed {c.cached.query_rows} query row(s) with {c.cached.macs:,} multiply-adds, "
+            f"the full recompute {c.full.query_rows} rows with {c.full.macs:,} ({fewer:.1f}× more), and the logits "
+            f"agree within {c.tolerance:g} ({delta}: rounding). Only the new row was needed. {why}. {shown} "
+            f"The cached side is {side}.")
+    return ("success", text)
+
+
+def cached_rows_table(c: RecomputeComparison) -> pd.DataFrame:
+    """Per layer, the cached K and V rows against their recomputation from all tokens (empty when none)."""
+    return pd.DataFrame([{"layer": layer, "max |ΔK| cached vs recomputed": f"{dk:.2e}",
+                          "max |ΔV| cached vs recomputed": f"{dv:.2e}",
+                          "equal": "yes" if max(dk, dv) <= c.tolerance else "NO"}
+                         for layer, (dk, dv) in enumerate(c.cached_rows_delta)])
 
 
 def timing_warning(c: RecomputeComparison) -> str:

@@ -6,7 +6,15 @@ import streamlit as st
 
 from figures import attention as attn_views
 from figures.common import facts_of, query_labels, scores_formula
-from gui.common import chart, explain_missing_values, layer_head_batch, live_model_for, state, values_kept
+from gui.common import (
+    chart,
+    explain_missing_values,
+    layer_head_batch,
+    live_model_for,
+    remembered_tabs,
+    state,
+    values_kept,
+)
 from model.hook_table import act_name
 from model.identity import identity_of
 from session import first_token
@@ -29,7 +37,7 @@ def attention_tab(trace: Trace, step: int) -> None:
     rope_elsewhere = attn_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
     parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope or rope_elsewhere else []) + ["All heads",
                                                                                                 "History"]
-    sub = dict(zip(parts, st.tabs(parts, key="attn_view", on_change="rerun")))
+    sub = dict(zip(parts, remembered_tabs(parts, "attn_view")))
     pattern_kept = trace.get(act_name("pattern", layer), step) is not None
     with sub["Stages"]:
         if sub["Stages"].open:
@@ -39,7 +47,7 @@ def attention_tab(trace: Trace, step: int) -> None:
                 st.markdown("\n".join(f"- **{s.title}**: `{s.shapes}`" for s in stages))
             else:
                 shared = st.toggle("one colour scale for the scores" if not usual else
-                                   "one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared",
+                                   "one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared", persist_state="page",
                                    help="With one scale, the scaling shows as what it does: every score "
                                         "shrinks by the same factor")
                 chart(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
@@ -120,6 +128,9 @@ def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
     relative = attn_views.rope_relative_figure(trace, step, layer, head, batch)
     if relative is not None:
         chart(relative, key="rope_relative_chart")
+    else:
+        st.caption(f"Sequence {batch} has no token among this step's rows (only padding), so there is no query and "
+                   "key of its own to rotate.")
 
 
 def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> None:

@@ -22,6 +22,7 @@ from session import (
     SettingsError,
     adopt_model,
     describe_model,
+    describe_model_key,
     parse_model_key,
 )
 from tracer import Finite, Trace, TraceFileError, load_trace
@@ -30,7 +31,7 @@ UPLOAD_MB = 1024  # MiB, as .streamlit/config.toml server.maxUploadSize (Streaml
 
 __all__ = ["UPLOAD_MB", "banners", "chart", "current_model", "directory_model", "explain_missing_values",
            "freed_memory_reused", "header", "layer_head_batch", "live_model_for", "n_layer_head", "plain",
-           "read_uploaded_trace", "state", "status", "values_kept"]
+           "read_uploaded_trace", "remembered_tabs", "state", "status", "values_kept"]
 
 
 @st.cache_resource
@@ -65,6 +66,20 @@ def chart(fig, key: str, **kwargs):
     """``st.plotly_chart`` with the figure's own look (``figures.plot.TEMPLATE``): Streamlit's theme would
     re-theme each new chart after drawing it, one more full plot per chart on every Step."""
     return st.plotly_chart(fig, key=key, theme=None, **kwargs)
+
+
+def remembered_tabs(names: list[str], key: str) -> list:
+    """``st.tabs`` that reopens where the person left it. Streamlit forgets a widget's state on a rerun that does
+    not draw it (a sub-tab inside another open tab, every tab after Reset), so the open tab is kept in the app
+    state and given back before the tabs are drawn again."""
+    app = state()
+    if key not in st.session_state and app.open_tabs.get(key) in names:
+        st.session_state[key] = app.open_tabs[key]
+    drawn = st.tabs(names, key=key, on_change="rerun")
+    opened = st.session_state.get(key)
+    if isinstance(opened, str):
+        app.open_tabs[key] = opened
+    return list(drawn)
 
 
 def state() -> AppState:
@@ -124,6 +139,10 @@ def status(settings: Settings | None, refused: SettingsError | None) -> bool:
             app.model_key = DEFAULT_MODEL_KEY
             return False
     gen = app.generation
+    if gen is not None and not app.viewing_file and app.model_changed:
+        st.info(f"You chose {plain(describe_model_key(app.model_key))}; this generation runs "
+                f"{plain(describe_model_key(app.started_model_key or app.model_key))} and Step continues it so. "
+                "Reset starts a new generation with the model you chose.")
     if refused is not None:
         st.warning(f"These settings cannot be used: {plain(refused)}"
                    + (" — Step keeps continuing the current generation with its own settings." if gen else ""))
@@ -133,10 +152,33 @@ def status(settings: Settings | None, refused: SettingsError | None) -> bool:
                     "Reset applies the new settings.")
         if gen.trace.error is not None:
             st.error(plain(gen.trace.error.describe()))
-    if app.viewing_file:
-        st.info(f"Viewing the trace file {plain(app.loaded.file_name)}. Step, Run N or Reset return to live "
-                "generation (and leave this file view).")
+    file_controls(app)
     return True
+
+
+def file_controls(app: AppState) -> None:
+    """An opened trace file stays open until the person closes it: a line saying what is on view, with the way
+    to the other view and to closing the file."""
+    if app.loaded is None:
+        return
+    name = plain(app.loaded.file_name)
+    live = app.generation is not None and app.generation.n_steps > 0
+    cols = st.columns([6, 2, 1])
+    if app.viewing_file:
+        cols[0].info(f"Viewing the trace file {name}. Step or Run N go on with the live generation; the file stays "
+                     "open until you close it.")
+        if live and cols[1].button("Show the live generation", key="show_live"):
+            app.show_file(False)
+            st.rerun()
+    else:
+        cols[0].caption(f"The trace file {name} is open too.")
+        if cols[1].button("View the file", key="show_file"):
+            app.show_file(True)
+            st.rerun()
+    if cols[2].button("Close the file", key="close_file"):
+        app.close_file()
+        app.notices = [("info", f"Closed {name}.")]
+        st.rerun()
 
 
 def banners(trace: Trace, step: int) -> None:
@@ -209,10 +251,11 @@ def layer_head_batch(trace: Trace, prefix: str, heads: bool = True) -> tuple[int
         st.session_state["attn_layer"], st.session_state["attn_head"] = app.pending_head
         app.pending_head = None
     cols = st.columns(3)
-    layer = cols[0].selectbox("layer", list(range(n_layer)), key=f"{prefix}_layer")
-    head = cols[1].selectbox("head", list(range(n_head)), key=f"{prefix}_head") if heads else 0
+    layer = cols[0].selectbox("layer", list(range(n_layer)), key=f"{prefix}_layer", persist_state="page")
+    head = cols[1].selectbox("head", list(range(n_head)), key=f"{prefix}_head", persist_state="page") if heads else 0
     batch_size = facts_of(trace).batch_size
-    batch = cols[2].selectbox("sequence", list(range(batch_size)), key=f"{prefix}_batch") if batch_size > 1 else 0
+    batch = cols[2].selectbox("sequence", list(range(batch_size)), key=f"{prefix}_batch",
+                              persist_state="page") if batch_size > 1 else 0
     return layer, head, batch
 
 

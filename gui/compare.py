@@ -18,7 +18,7 @@ def compare_tab(trace: Trace, step: int) -> None:
     if gen is not None:  # a module of your own runs without our cache: there is no cached run to make
         options += (["this prompt with the KV cache " + ("off" if gen.use_cache else "on")] if caches(gen.model)
                     else []) + ["this prompt with the heads chosen under What if switched off"]
-    other = st.radio("compare this run with", options, key="compare_with", horizontal=True)
+    other = st.radio("compare this run with", options, key="compare_with", persist_state="page", horizontal=True)
     if other == "a trace file":
         upload = st.file_uploader(f"a trace (.zip, up to {UPLOAD_MB // 1024} GiB)", type=["zip"],
                                   max_upload_size=UPLOAD_MB, key="compare_upload")
@@ -60,7 +60,8 @@ def compare_tab(trace: Trace, step: int) -> None:
                           "note"]], hide_index=True, key="diff_table", height=360)
     names = [n for n in at_step.loc[at_step["compared"], "name"]]
     if names:
-        name = st.selectbox("difference of one record (b − a), its last two dimensions", names, key="diff_record")
+        name = st.selectbox("difference of one record (b − a), its last two dimensions", names, key="diff_record",
+                            persist_state="page")
         a, b = trace.get(name, step), comparison.trace.get(name, step)
         if a is not None and b is not None and a.shape == b.shape and a.dim() >= 2:
             index = (0,) * (a.dim() - 2)

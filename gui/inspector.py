@@ -18,7 +18,7 @@ def inspector_tab(trace: Trace, step: int) -> None:
     names = trace.names(step)
     default = state().inspect_name or act_name("pattern", 0)
     index = names.index(default) if default in names else 0
-    name = st.selectbox("record", names, index=index, key="inspect_select")
+    name = st.selectbox("record", names, index=index, key="inspect_select")  # kept in the app state
     state().inspect_name = name
     rec = trace.record(name, step)
     st.code(trace.summary(rec), language=None)
@@ -44,9 +44,10 @@ def show_tensor(value: torch.Tensor, name: str, dim_symbols: list[str] | None = 
         dims = list(range(value.dim()))
         cols = st.columns(2)
         label = (lambda d: f"dim {d} ({dim_symbols[d]})") if dim_symbols else (lambda d: f"dim {d}")
-        rows_dim = cols[0].selectbox("rows", dims, index=value.dim() - 2, key=f"insp_rows_{name}", format_func=label)
+        rows_dim = cols[0].selectbox("rows", dims, index=value.dim() - 2, key=f"insp_rows_{name}",
+                                     persist_state="page", format_func=label)
         cols_dim = cols[1].selectbox("columns", dims, index=value.dim() - 1, key=f"insp_cols_{name}",
-                                     format_func=label)
+                                     persist_state="page", format_func=label)
         if rows_dim == cols_dim:
             st.warning("Pick two different dimensions for rows and columns.")
             return
@@ -57,21 +58,24 @@ def show_tensor(value: torch.Tensor, name: str, dim_symbols: list[str] | None = 
             for col, d in zip(sel, others):
                 fixed[d] = col.number_input(f"index in {label(d)}, 0 … {value.shape[d] - 1}", min_value=0,
                                             max_value=value.shape[d] - 1,
-                                            value=0, key=f"insp_fix_{name}_{d}_{value.shape[d]}")
+                                            value=0, key=f"insp_fix_{name}_{d}_{value.shape[d]}", persist_state="page")
         matrix = inspect_views.slice_2d(value, rows_dim, cols_dim, fixed)
         offset = (0, 0)
         if max(matrix.shape) > 256:
             st.caption(f"The slice is {matrix.shape[0]} × {matrix.shape[1]}: the heatmap pools it for the page. "
                        "Pick a window to see at full resolution:")
             wcols = st.columns(2)
-            r0 = wcols[0].number_input("first row", 0, max(0, matrix.shape[0] - 1), 0, key=f"insp_r0_{name}")
-            c0 = wcols[1].number_input("first column", 0, max(0, matrix.shape[1] - 1), 0, key=f"insp_c0_{name}")
-            full = st.toggle("show the window (256 × 256) at full resolution", key=f"insp_window_{name}")
+            r0 = wcols[0].number_input("first row", 0, max(0, matrix.shape[0] - 1), 0, key=f"insp_r0_{name}",
+                                       persist_state="page")
+            c0 = wcols[1].number_input("first column", 0, max(0, matrix.shape[1] - 1), 0, key=f"insp_c0_{name}",
+                                       persist_state="page")
+            full = st.toggle("show the window (256 × 256) at full resolution", key=f"insp_window_{name}",
+                             persist_state="page")
             if full:
                 matrix, offset = matrix[r0:r0 + 256, c0:c0 + 256], (int(r0), int(c0))
         chart(inspect_views.tensor_heatmap_figure(matrix, name, offset=offset), key="insp_heatmap")
     every = value.numel() > inspect_views.HISTOGRAM_SAMPLE and st.toggle(
-        f"count all {value.numel():,} values in the histogram (slower)", key=f"insp_every_{name}")
+        f"count all {value.numel():,} values in the histogram (slower)", key=f"insp_every_{name}", persist_state="page")
     chart(inspect_views.histogram_figure(value, f"values of {name}", every_value=every), key="insp_hist")
     raw = inspect_views.raw_frame(value)
     if raw is not None:

@@ -8,7 +8,7 @@ import streamlit as st
 from figures import attention as attn_views
 from figures import cache as cache_views
 from figures.common import facts_of
-from gui.common import chart, layer_head_batch, state, values_kept
+from gui.common import chart, layer_head_batch, remembered_tabs, state, values_kept
 from model.hook_table import act_name
 from session import caches
 from tracer import Trace
@@ -22,7 +22,7 @@ def cache_tab(trace: Trace, step: int) -> None:
         st.warning("The KV cache is off for this generation: every step recomputes K and V for all positions. "
                    "The table shows what each step computed.")
     # two views, drawn only when open: a Step then redraws one chart of this tab, not two
-    this_step, over_steps = st.tabs(["This step", "Over the steps"], key="kv_view", on_change="rerun")
+    this_step, over_steps = remembered_tabs(["This step", "Over the steps"], "kv_view")
     with this_step:
         if this_step.open:
             cache_this_step(trace, step)
@@ -47,7 +47,7 @@ def cache_this_step(trace: Trace, step: int) -> None:
     cols = st.columns([3, 1])
     with cols[0]:
         layer, head, batch = layer_head_batch(trace, "kv")
-    which = cols[1].radio("tensor", ["K", "V"], horizontal=True, key="kv_which")
+    which = cols[1].radio("tensor", ["K", "V"], horizontal=True, key="kv_which", persist_state="page")
     kv = attn_views.kv_head(trace, layer, head, step)
     if values_kept(trace, step, act_name("k_all" if which == "K" else "v_all", layer), f"{which} values"):
         chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
@@ -68,6 +68,9 @@ def cache_this_step(trace: Trace, step: int) -> None:
         level, text = cache_views.verdict(c)
         getattr(st, level)(text)
         st.dataframe(cache_views.evidence_table(c), hide_index=True, key="evidence_table")
+        if c.cached_rows_delta:
+            st.caption("The rows the cache held, layer by layer, against the same rows recomputed from every token:")
+            st.dataframe(cache_views.cached_rows_table(c), hide_index=True, key="cached_rows_table", height=240)
         warning = cache_views.timing_warning(c)
         if warning:
             st.warning(warning)

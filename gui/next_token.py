@@ -13,7 +13,8 @@ from tracer import Trace
 @st.fragment
 def next_token_tab(trace: Trace, step: int) -> None:
     facts = facts_of(trace)
-    row = st.selectbox("sequence", list(range(facts.batch_size)), key="next_row") if facts.batch_size > 1 else 0
+    row = st.selectbox("sequence", list(range(facts.batch_size)), key="next_row",
+                       persist_state="page") if facts.batch_size > 1 else 0
     st.caption("Sampling: " + facts.info.sampling.describe())
     if facts.step(step).sampling is None:
         st.error(f"No token was chosen at step {step}: the logits held NaN or +∞ (see the banner above).")

@@ -15,7 +15,7 @@ LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_mod
 @st.fragment
 def shapes_tab(trace: Trace, step: int) -> None:
     n_layer, _ = n_layer_head(trace)
-    layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer")
+    layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page")
     if flow_views.recorded_flow(trace):
         st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}. This model runs its own "
                    "code, so the flow is read from the trace: the block's hook points and the model's own modules "
@@ -32,10 +32,11 @@ def shapes_tab(trace: Trace, step: int) -> None:
     chart(flow_views.reshape_figure(trace, step, layer), key="reshape_chart")
     st.subheader("Every record of this step")
     cols = st.columns([1, 2, 1, 2])
-    layer_filter = cols[0].selectbox("layer", ["all"] + list(range(n_layer)), key="table_layer")
-    module_filter = cols[1].text_input("module (path prefix)", key="table_module", placeholder="blocks.0.attn")
-    kind_filter = cols[2].selectbox("kind", ["all", *TENSOR_KINDS], key="table_kind")
-    name_filter = cols[3].text_input("name contains (or glob)", key="table_name")
+    layer_filter = cols[0].selectbox("layer", ["all"] + list(range(n_layer)), key="table_layer", persist_state="page")
+    module_filter = cols[1].text_input("module (path prefix)", key="table_module", persist_state="page",
+                                       placeholder="blocks.0.attn")
+    kind_filter = cols[2].selectbox("kind", ["all", *TENSOR_KINDS], key="table_kind", persist_state="page")
+    name_filter = cols[3].text_input("name contains (or glob)", key="table_name", persist_state="page")
     frame = trace.to_frame(
         step=step, layer=None if layer_filter == "all" else int(layer_filter),
         module=module_filter.strip() or None, kind=None if kind_filter == "all" else kind_filter,

@@ -19,6 +19,7 @@ from session import (
     SettingsError,
     checkpoint_path,
     describe_model,
+    describe_model_key,
     directory_key,
     factory_key,
     parse_model_key,
@@ -80,8 +81,7 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
         if sb.button("Load", key="load_factory"):
             load_own_module(spec)
     elif state().model_key != chosen:
-        state().model_key = chosen
-        state().reset()
+        choose_model(chosen, "")
 
     sb.header("Sampling")
     values["decoding"] = sb.radio("Decoding", DECODINGS, index=DECODINGS.index(DEFAULTS.decoding), key="decoding",
@@ -152,9 +152,7 @@ def load_own_module(spec: str) -> None:
                                  "is a model.TextTokenizer or the path of a tokenizer.json; the previous model stays "
                                  "loaded.")]
         return
-    app.reset()
-    app.model_key = factory_key(spec.strip())
-    app.notices = [("success", f"Loaded {plain(spec)}: {describe_model(model)}")]
+    choose_model(factory_key(spec.strip()), f"Loaded {plain(spec)}: {describe_model(model)}.")
 
 
 def load_directory(path: str, dtype: str) -> None:
@@ -176,9 +174,22 @@ def load_directory(path: str, dtype: str) -> None:
         app.notices = [("error", f"{plain(resolved)} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); "
                                  "the previous model stays loaded.")]
         return
-    app.reset()
-    app.model_key = directory_key(resolved, dtype)
-    app.notices = [("success", f"Loaded {plain(resolved)}: {describe_model(model)}")]
+    choose_model(directory_key(resolved, dtype), f"Loaded {plain(resolved)}: {describe_model(model)}.")
+
+
+def choose_model(key: str, loaded: str) -> None:
+    """Make ``key`` the model the next generation uses. A live generation keeps its own model until Reset,
+    like every other setting, and an opened file stays open: choosing a model discards nothing."""
+    app = state()
+    app.model_key = key
+    if app.generation is None:
+        if loaded:
+            app.notices = [("success", loaded)]
+        return
+    waiting = ("Step continues the current generation with its own model; Reset starts a new one with "
+               f"{plain(describe_model_key(key))}." if app.model_changed else
+               "It is the model of the current generation, which goes on as it was.")
+    app.notices = [("success" if loaded else "info", (loaded + " " if loaded else "") + waiting)]
 
 
 def reset(refused: SettingsError | None) -> None:
@@ -187,7 +198,8 @@ def reset(refused: SettingsError | None) -> None:
         state().notices = [("error", f"Reset refused, nothing was discarded: {refused}")]
         return
     state().reset()
-    state().notices = [("info", "Reset: the next Step starts from the prompt with these settings.")]
+    state().notices = [("info", "Reset: the next Step starts from the prompt with these settings and "
+                                f"{plain(describe_model_key(state().model_key))}.")]
 
 
 def advance(n_raw: object, settings: Settings | None, refused: SettingsError | None) -> None:
@@ -207,7 +219,7 @@ def advance(n_raw: object, settings: Settings | None, refused: SettingsError | N
     except SettingsError as e:
         app.notices = [("error", str(e))]
         return
-    app.close_file()
+    app.show_file(False)
     progress = st.progress(0.0, text=f"step 1 of {n}") if n > 1 else None
     if progress is not None:
         st.button("Stop", key="stop_run", help="Stops after the step in progress; every finished step is kept")

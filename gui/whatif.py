@@ -6,7 +6,7 @@ import streamlit as st
 
 from figures import whatif as whatif_views
 from figures.common import facts_of
-from gui.common import chart, live_model_for, n_layer_head, plain, state
+from gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
 from session import ablation_run, all_heads, head_ablations, head_label, patching_run
 from tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
 
@@ -19,8 +19,8 @@ def whatif_tab(trace: Trace, step: int) -> None:
         st.info("These experiments run the model that made the trace; the model selected in the sidebar has "
                 "other weights (its digest differs). Load the same model to use them on this file.")
         return
-    parts = st.tabs(["Switch heads off", "Activation patching", "Logit attribution", "Logit lens"],
-                    key="whatif_view", on_change="rerun")
+    parts = remembered_tabs(["Switch heads off", "Activation patching", "Logit attribution", "Logit lens"],
+                            "whatif_view")
     gen = app.generation if not app.viewing_file else None
     with parts[0]:
         if parts[0].open:
@@ -42,10 +42,11 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
     cols = st.columns([3, 1, 2])
     # options are (layer, head) pairs, shown as "L3 H2": the choice is read as numbers, never parsed back
     chosen = cols[0].multiselect("heads to switch off (their output O_h)", all_heads(n_layer, n_head),
-                                 format_func=head_label, key="ablate_heads")
-    how = cols[1].radio("how", list(ABLATIONS), key="ablate_how",
+                                 format_func=head_label, key="ablate_heads", persist_state="page")
+    how = cols[1].radio("how", list(ABLATIONS), key="ablate_how", persist_state="page",
                         help="zero: O_h = 0 · mean: O_h replaced by its mean over the positions seen so far")
     text = cols[2].radio("loss measured on", ["a random sequence repeated twice", "the prompt"], key="ablate_text",
+                         persist_state="page",
                          help="On a random token sequence followed by itself, only induction predicts the second "
                               "half: the loss there shows what the induction circuit is worth")
     interventions = head_ablations(chosen, how)
@@ -89,9 +90,9 @@ def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
     st.caption("The clean prompt is this generation's (sequence 0). Type a corrupted one with the same number of "
                "tokens — change a name, say. Each cell patches the clean run's activation into the corrupted run "
                "and measures how much of the clean answer's logit difference comes back.")
-    corrupted = st.text_input("corrupted prompt (same number of tokens)", key="patch_corrupted")
+    corrupted = st.text_input("corrupted prompt (same number of tokens)", key="patch_corrupted", persist_state="page")
     kind = st.radio("patch", ["the residual stream (layer × position)", "each head's output (layer × head)"],
-                    key="patch_kind", horizontal=True)
+                    key="patch_kind", persist_state="page", horizontal=True)
     n_clean, n_corrupt = len(tok.encode(clean)), len(tok.encode(corrupted)) if corrupted else 0
     if corrupted and n_clean != n_corrupt:
         st.error(f"The clean prompt has {n_clean} tokens and this one {n_corrupt}: patching needs the same count.")
@@ -117,7 +118,8 @@ def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
 
 def attribution_section(trace: Trace, step: int, model) -> None:
     facts = facts_of(trace)
-    row = st.selectbox("sequence", list(range(facts.batch_size)), key="dla_row") if facts.batch_size > 1 else 0
+    row = st.selectbox("sequence", list(range(facts.batch_size)), key="dla_row",
+                       persist_state="page") if facts.batch_size > 1 else 0
     choice = facts.step(step).sampling
     if choice is None:
         st.error("This step chose no token (its logits were not finite).")
@@ -134,7 +136,8 @@ def attribution_section(trace: Trace, step: int, model) -> None:
 
 def lens_section(trace: Trace, step: int, model) -> None:
     facts = facts_of(trace)
-    row = st.selectbox("sequence", list(range(facts.batch_size)), key="lens_row") if facts.batch_size > 1 else 0
+    row = st.selectbox("sequence", list(range(facts.batch_size)), key="lens_row",
+                       persist_state="page") if facts.batch_size > 1 else 0
     tok = state().generation.tokenizer if state().generation is not None else None
     try:
         frame = logit_lens(trace, step, row, model=model, label=tok.token_label if tok else None)

@@ -20,7 +20,7 @@ def worked_tab(trace: Trace | None = None, step: int = 0) -> None:
                                            ("V", worked_views.DEFAULT_V), ("∂L/∂O", worked_views.DEFAULT_GRAD_O))):
         col.markdown(f"**{name}**")
         tables[name] = col.data_editor(default, key=f"worked_{name}", num_rows="dynamic", width="stretch")
-    causal = st.toggle("add the causal mask M", key="worked_causal")
+    causal = st.toggle("add the causal mask M", key="worked_causal", persist_state="page")
     try:
         w = worked_views.compute(*(list(map(list, tables[k])) for k in ("Q", "K", "V", "∂L/∂O")), causal=causal)
     except worked_views.WorkedInputError as e:

@@ -413,12 +413,41 @@ def test_compare_runs_cache_off_agrees_and_an_ablation_diverges(stepped):
     assert any("No record diverges" in s.value for s in at.success)
     frame = at.session_state["app"].comparison.frame
     assert frame["compared"].all() and frame["max_abs_delta"].max() < 1e-4
-    at.session_state["ablate_heads"] = [(2, 1)]
+    # the heads are chosen on the What if tab, as a person does, and the choice outlives the tab change
+    show_tab(at, "What if")
+    at.multiselect(key="ablate_heads").select((2, 1))
+    run(at)
+    show_tab(at, "Compare runs")
     at.radio(key="compare_with").set_value("this prompt with the heads chosen under What if switched off")
     run(at)
     at.button(key="compare_run").click()
     run(at)
+    assert not any("Choose heads under What if" in w.value for w in at.warning)
     assert any("first diverge at step 0 in **blocks.2.attn.hook_z**" in unescape(e.value) for e in at.error)
+
+
+def test_typed_inputs_and_sub_tabs_survive_a_round_trip(stepped):
+    """Heads chosen under Switch heads off, the corrupted prompt under Activation patching, the open sub-tab
+    and the Shapes table's filter stay as the person left them after visiting other tabs and sub-tabs."""
+    at = show_tab(stepped, "What if")
+    at.multiselect(key="ablate_heads").select((1, 0))
+    at.radio(key="ablate_how").set_value("mean")
+    run(at)
+    show_tab(at, "What if", ("whatif_view", "Activation patching"))
+    at.text_input(key="patch_corrupted").set_value("Lily and Sam went to the park")
+    run(at)
+    show_tab(at, "What if", ("whatif_view", "Logit lens"))
+    show_tab(at, "What if", ("whatif_view", "Switch heads off"))
+    assert at.multiselect(key="ablate_heads").value == [(1, 0)] and at.radio(key="ablate_how").value == "mean"
+    show_tab(at, "What if", ("whatif_view", "Activation patching"))
+    show_tab(at, "Shapes")
+    at.text_input(key="table_name").set_value("hook_q")
+    run(at)
+    show_tab(at, "KV cache")
+    show_tab(at, "What if")  # the sub-tab left open last time opens again
+    assert at.text_input(key="patch_corrupted").value == "Lily and Sam went to the park"
+    show_tab(at, "Shapes")
+    assert at.text_input(key="table_name").value == "hook_q"
 
 
 def test_export_and_load_a_trace_back_labelled_with_its_own_model(stepped, hf_dir_with_tokenizer):
@@ -439,6 +468,39 @@ def test_export_and_load_a_trace_back_labelled_with_its_own_model(stepped, hf_di
     assert len(heatmaps(charts(at)[0])) == 4
     data = archive_bytes(gen_of(at).trace)
     assert load_trace(data).n_steps == 3
+
+
+def test_choosing_a_model_discards_nothing_and_a_file_stays_open_until_closed(stepped):
+    """A model chosen under Weights waits for Reset like every other setting; an opened file stays viewable
+    through Step and Reset until the person closes it."""
+    gen = gen_of(stepped)
+    at = show_tab(stepped, "Export")
+    at.file_uploader(key="upload_trace").upload("mine.zip", archive_bytes(gen.trace), "application/zip")
+    run(at)
+    assert at.session_state["app"].viewing_file
+    at.sidebar.radio(key="source").set_value("Bundled Llama-style story model")
+    run(at)
+    app = at.session_state["app"]
+    assert gen_of(at) is gen and gen.n_steps == 3 and app.viewing_file  # nothing discarded
+    at.sidebar.radio(key="source").set_value("Bundled GPT-2-style story model")  # the file's own model
+    run(at)
+    assert gen_of(at) is gen and app.viewing_file
+    at.sidebar.radio(key="source").set_value("Bundled Llama-style story model")
+    run(at)
+    press(at, "step_button")  # continues the live generation with its own model; the file stays open
+    assert gen_of(at) is gen and gen.n_steps == 4 and app.loaded is not None and not app.viewing_file
+    assert "this generation runs the bundled story-gpt" in page_text(at)
+    assert "The trace file mine.zip is open too" in page_text(at)
+    at.button(key="show_file").click()
+    run(at)
+    assert app.viewing_file and app.viewed_trace.n_steps == 3
+    press(at, "reset_button")
+    assert app.viewing_file and gen_of(at) is None  # Reset forgets the generation, not the file
+    press(at, "step_button")
+    assert gen_of(at).model.config.family == "llama" and not app.viewing_file and app.loaded is not None
+    at.button(key="close_file").click()
+    run(at)
+    assert app.loaded is None and "Closed mine.zip" in page_text(at)
 
 
 def test_a_broken_trace_file_gets_a_message_and_nothing_is_lost(stepped):

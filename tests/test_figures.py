@@ -251,6 +251,27 @@ def test_rope_keeps_the_score_a_function_of_the_distance(llama_gen):
     assert attention.rope_figure(t, 0, 1, 4) is not None
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_rope_in_numbers_picks_real_tokens_of_a_padded_sequence(llama_gen, side):
+    """In a padded batch the relative-score chart rotates a query and a key that hold tokens of the chosen
+    sequence, at the positions those tokens have (padding excluded), never a ⟨pad⟩ row."""
+    model, tok = llama_gen.model, llama_gen.tokenizer
+    prompts = ["Mia had a small blue boat and a red kite.", "Ben ran"]
+    g = TracedGeneration(model, tok, prompts, temperature=0, padding_side=side)
+    g.run(2)
+    short, width = len(tok.encode(prompts[1])), max(len(tok.encode(p)) for p in prompts)
+    real_cols = list(range(width - short, width)) if side == "left" else list(range(short))
+    fig = attention.rope_relative_figure(g.trace, 0, 1, 4, batch=1)
+    assert fig.layout.title.text.startswith(f"query at position {short - 1}, key at position 0:")
+    q, k = g.trace.get("blocks.1.attn.hook_q", 0)[1, 4], g.trace.get("blocks.1.attn.hook_k", 0)[1, 4 // 3]
+    cos, sin = rope_cos_sin(model.config, torch.arange(short)[None])
+    rq = apply_rope(q[real_cols[-1]].expand(1, 1, short, -1), cos, sin)[0, 0, short - 1]
+    rk = apply_rope(k[real_cols[0]].expand(1, 1, short, -1), cos, sin)[0, 0, 0]
+    assert fig.data[0].y[0] == pytest.approx(float(rq.double() @ rk.double()), rel=1e-4, abs=1e-5)
+    decode = attention.rope_relative_figure(g.trace, 1, 1, 4, batch=1)  # the one new row: the token just chosen
+    assert decode.layout.title.text.startswith(f"query at position {short}, key at position {short}:")
+
+
 # -- the flow -------------------------------------------------------------------------------------------
 def node_labels(trace, step=0) -> dict[str, str]:
     nodes, _ = flow.flow_nodes(trace, step, 0)

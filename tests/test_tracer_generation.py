@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from figures import cache
 from model import GPT, GPTConfig, SamplingConfig, generate
 from tracer import Tracer
 from tracer.generation._traced import MAX_RUN_STEPS, ContextFullError, PromptError, TracedGeneration
@@ -68,12 +69,54 @@ def test_the_recompute_comparison_catches_a_cache_that_lies(bundled):
     model, tok = bundled
     gen = TracedGeneration(model, tok, "Tom had a big red kite.", temperature=0)
     gen.run(2)
-    assert gen.compare_with_recompute().equal
+    honest = gen.compare_with_recompute()
+    assert honest.equal and honest.cached_rows_equal and len(honest.cached_rows_delta) == model.config.n_layer
     for keys in gen.cache.keys:
         keys.data.mul_(-1.0)  # what a cache bug that stored wrong keys would do to the next step
     gen.step()
     lied = gen.compare_with_recompute()
     assert lied.max_abs_delta > 1e-2 and not lied.equal
+    # the layer-by-layer check names the rows: every layer's cached keys differ from their recomputation, the
+    # values (left alone) do not
+    assert not lied.cached_rows_equal
+    assert all(dk > 1e-2 and dv <= lied.tolerance for dk, dv in lied.cached_rows_delta)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_the_cached_rows_equal_their_recomputation_layer_by_layer(bundled, use_cache, side):
+    """What the KV cache tab shows: the K and V rows the cache held, made when their own step ran, equal the
+    same rows recomputed from all tokens in every layer, padded batches included (padding rows are not compared)."""
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, ["Tom had a big red kite.", "Lily ran"], temperature=0,
+                           use_cache=use_cache, padding_side=side)
+    gen.run(3)
+    c = gen.compare_with_recompute()
+    assert len(c.cached_rows_delta) == model.config.n_layer and c.cached_rows_equal
+    level, text = cache.verdict(c)
+    assert level == "success" and "depends on nothing after i" in text and "own token alone" not in text
+    assert f"agree in every one of the {model.config.n_layer} layers" in text
+
+
+def test_a_key_row_depends_on_earlier_tokens_beyond_layer_0(bundled):
+    """The lesson's claim, checked on the model: row i of K depends on token i alone in layer 0 and on the
+    tokens before it in later layers, never on a token after it."""
+    model, tok = bundled
+    ids = tok.encode("Tom had a big red kite and a ball.")
+    changed = list(ids)
+    changed[0] = ids[1]  # another first token
+    def keys(tokens):
+        cache = model.new_cache(1)
+        model(torch.tensor([tokens]), cache=cache)
+        return cache.keys
+    a, b = keys(ids), keys(changed)
+    i = len(ids) - 1
+    assert torch.equal(a[0][0, :, i], b[0][0, :, i])  # layer 0: only token i itself
+    assert (a[1][0, :, i] - b[1][0, :, i]).abs().max() > 1e-3  # layer 1: the first token reached it
+    later = list(ids[:4]) + [ids[5]] * (len(ids) - 4)  # the same first 4 tokens, others after them
+    c = keys(later)
+    for layer in range(model.config.n_layer):  # nothing after row 3 moves rows 0…3
+        assert torch.allclose(a[layer][0, :, :4], c[layer][0, :, :4], atol=1e-5)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

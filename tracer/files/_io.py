@@ -98,6 +98,7 @@ class Limits:
     modules: int = 100_000
     steps: int = 100_000
     batch: int = 64
+    layers: int = 10_000
     n_ctx: int = 1 << 20
     tensor_dims: int = 8
     tensor_elements: int = 1 << 40
@@ -391,7 +392,10 @@ def _schemas(limits: Limits) -> Obj:
                           "kv_bytes": count, "seconds": Maybe(Float(0))}), lambda d: PathCost(**d))
     comparison = Then(Obj({"step": Int(0, limits.steps), "cached": path_cost, "full": path_cost,
                            "max_abs_delta": Float(0, finite=False), "tolerance": Float(0),
-                           "run_used_cache": Bool(), "timing_repeats": Int(1, 1000), "note": Str(10_000)}),
+                           "run_used_cache": Bool(), "timing_repeats": Int(1, 1000), "note": Str(10_000),
+                           "cached_rows_delta": ListOf(TupleOf((Float(0, finite=False), Float(0, finite=False))),
+                                                       limits.layers)},
+                          optional=frozenset({"cached_rows_delta"})),
                       lambda d: RecomputeComparison(**d))
     generation = Obj({"info": info, "steps": ListOf(gen_step, limits.steps),
                       "comparisons": ListOf(comparison, limits.steps)})

@@ -382,6 +382,16 @@ class TracedGeneration:
             cached = pick(self.model(cols[:, past:], cache=cache, padding_mask=None if past else mask))
             cached_seconds = min(cached_seconds, time.perf_counter() - started)
         run_cached = run_rows if self.use_cache else cached
+        # the rows the cache held (each made at its own step, from the tokens up to it) against the same rows
+        # recomputed from all t tokens: equal, because no row of any layer sees a token after its own
+        recomputed = self.model.new_cache(cols.size(0))
+        self.model(cols, cache=recomputed, padding_mask=mask)
+        real = mask[:, :past] if mask is not None else torch.ones(cols.size(0), past, dtype=torch.bool)
+        rows_delta = tuple(
+            (_max_delta_on(held_k[:, :, :past], new_k[:, :, :past], real),
+             _max_delta_on(held_v[:, :, :past], new_v[:, :, :past], real))
+            for held_k, held_v, new_k, new_v in zip(base.keys, base.values, recomputed.keys, recomputed.values)
+        ) if past else ()
         config, batch = self.model.config, cols.size(0)
         itemsize = next(self.model.parameters()).element_size()
         cost_cached = forward_cost(config, batch, new, width, cached=past, itemsize=itemsize)
@@ -395,12 +405,22 @@ class TracedGeneration:
             tolerance=logit_tolerance(run_rows.dtype),
             run_used_cache=self.use_cache,
             timing_repeats=timing_repeats,
+            cached_rows_delta=rows_delta,
         )
         self.trace.log.add_comparison(comparison)
         return comparison
 
     def close(self) -> None:
         self.tracer.close()
+
+
+def _max_delta_on(a: torch.Tensor | None, b: torch.Tensor | None, real: torch.Tensor) -> float:
+    """max |a − b| over the positions of ``[B, G, t, d_head]`` rows that hold a token (``real`` is [B, t])."""
+    if a is None or b is None:
+        return math.inf
+    delta = (a.float() - b.float()).abs().amax(dim=(1, 3))  # [B, t]
+    picked = delta[real.to(delta.device)]
+    return float(picked.max()) if picked.numel() else 0.0
 
 
 def _choosable(logits: torch.Tensor) -> bool:

@@ -276,10 +276,20 @@ class RecomputeComparison:
     run_used_cache: bool  # whether the generation itself ran with the cache
     timing_repeats: int = 1  # timings are the fastest of this many runs
     note: str = field(default="")
+    # per layer, (max |ΔK|, max |ΔV|) between the rows the cache held for the earlier positions (each made when
+    # its own step ran, seeing only the tokens up to it) and the same rows recomputed from all t tokens; real
+    # tokens only. Empty at the prefill (nothing was cached) and in files written before it was measured.
+    cached_rows_delta: tuple[tuple[float, float], ...] = ()
 
     @property
     def equal(self) -> bool:
         return self.max_abs_delta <= self.tolerance
+
+    @property
+    def cached_rows_equal(self) -> bool:
+        """Whether every cached K and V row equals its recomputation within the tolerance (vacuous when
+        none was compared)."""
+        return all(max(dk, dv) <= self.tolerance for dk, dv in self.cached_rows_delta)
 
     @property
     def nothing_cached(self) -> bool:
