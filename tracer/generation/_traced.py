@@ -388,8 +388,7 @@ class TracedGeneration:
         self.model(cols, cache=recomputed, padding_mask=mask)
         real = mask[:, :past] if mask is not None else torch.ones(cols.size(0), past, dtype=torch.bool)
         rows_delta = tuple(
-            (_max_delta_on(held_k[:, :, :past], new_k[:, :, :past], real),
-             _max_delta_on(held_v[:, :, :past], new_v[:, :, :past], real))
+            (_max_delta_on(held_k, new_k, real, past), _max_delta_on(held_v, new_v, real, past))
             for held_k, held_v, new_k, new_v in zip(base.keys, base.values, recomputed.keys, recomputed.values)
         ) if past else ()
         config, batch = self.model.config, cols.size(0)
@@ -414,11 +413,12 @@ class TracedGeneration:
         self.tracer.close()
 
 
-def _max_delta_on(a: torch.Tensor | None, b: torch.Tensor | None, real: torch.Tensor) -> float:
-    """max |a − b| over the positions of ``[B, G, t, d_head]`` rows that hold a token (``real`` is [B, t])."""
+def _max_delta_on(a: torch.Tensor | None, b: torch.Tensor | None, real: torch.Tensor, past: int) -> float:
+    """max |a − b| over the first ``past`` positions of ``[B, G, t, d_head]`` rows, those holding a token
+    (``real`` is [B, past])."""
     if a is None or b is None:
         return math.inf
-    delta = (a.float() - b.float()).abs().amax(dim=(1, 3))  # [B, t]
+    delta = (a[:, :, :past].float() - b[:, :, :past].float()).abs().amax(dim=(1, 3))  # [B, past]
     picked = delta[real.to(delta.device)]
     return float(picked.max()) if picked.numel() else 0.0
 
