@@ -431,6 +431,36 @@ def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0
     return pd.DataFrame(rows)
 
 
+def pitfall_sentence(trace: Trace, step: int, layer: int, head: int, batch: int = 0,
+                     scaling: str = "÷√d_k") -> str:
+    """What the pitfalls do at this step, read from the recomputed weights: where weight leaks without M
+    (keys after their query, padding keys) and whether masking after the softmax breaks the row sums, or
+    that neither can happen here (a cached decode step: the one query row is the newest position)."""
+    table = pitfall_table(trace, step, layer, head, batch)
+    mask = trace.get(act_name("mask", layer), step)
+    if table is None or mask is None:
+        return ""
+    forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
+    n_rows, t = forbidden.shape  # [n, t]
+    query_col = torch.arange(t - n_rows, t)[:, None]  # each query row's own column
+    later = torch.arange(t)[None, :] > query_col
+    future, padding = int((forbidden & later).sum()), int((forbidden & ~later).sum())
+    first = (f"Without {scaling} the scores are larger and the softmax far peakier (a larger max weight, a lower "
+             "entropy).")
+    if not future and not padding:
+        return (first + " At this step M forbids nothing: its query row is the newest position, with no key after "
+                "it and no padding, so leaving M out or masking after the softmax gives exactly the model's weights "
+                "(the table shows no leak and row sums of 1). The other two pitfalls show on the prefill, step 0, "
+                "or on any step with the KV cache off.")
+    leaks = [f"the {future:,} (query, key) pairs where the key comes after its query"] if future else []
+    leaks += [f"the {padding:,} pairs where the key is padding"] if padding else []
+    after = table.set_index("variant").loc["mask after the softmax", "row sum"]
+    return (first + " Without M, weight leaks onto " + " and onto ".join(leaks) + " that M forbids here. "
+            + (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum {after:.3f})."
+               if after < 1 - 1e-9 else "Masking after the softmax leaves the row sums at 1 here: the forbidden "
+               "keys held no weight."))
+
+
 @fitted
 def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
     variants = pitfall_patterns(trace, step, layer, head, batch)

@@ -7,7 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import safe_text
+from figures.common import inert, safe_text
 from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, AMOUNT, NEUTRAL
 from figures.plot import figure, fitted
@@ -69,17 +69,27 @@ def patching_figure(restored: torch.Tensor, columns: list[str], kind: str) -> go
 
 @fitted
 def attribution_figure(frame: pd.DataFrame, token_label: str, top: int = 16) -> go.Figure:
-    """The components that add most to (or take most from) one logit, largest magnitude first."""
-    shown = frame.reindex(frame["contribution"].abs().sort_values(ascending=False).index).head(top)
-    colours = [ACCENT if v > 0 else "#4c78a8" for v in shown["contribution"]]
-    fig = figure(go.Bar(x=shown["contribution"], y=shown["component"], orientation="h", marker_color=colours,
+    """The ``top`` components that add most to (or take most from) one logit, largest magnitude first, and one
+    last bar for all the others together (how many, and their sum), so the bars drawn add up to the title's
+    total whatever is hidden."""
+    ranked = frame.reindex(frame["contribution"].abs().sort_values(ascending=False).index)
+    shown, rest = ranked.head(top), ranked.iloc[top:]
+    names, values = list(shown["component"]), [float(v) for v in shown["contribution"]]
+    colours = [ACCENT if v > 0 else "#4c78a8" for v in values]
+    if len(rest):
+        names.append(f"the other {len(rest)} components, together")
+        values.append(float(rest["contribution"].sum()))
+        colours.append(NEUTRAL)
+    fig = figure(go.Bar(x=values, y=names, orientation="h", marker_color=colours,
                         hovertemplate="%{y}: %{x:+.3f}<extra></extra>"))
     attrs = frame.attrs
     fig.update_yaxes(autorange="reversed")
-    fig.update_layout(height=max(260, 40 + 22 * len(shown)), margin={"t": 60, "l": 10, "r": 10, "b": 10},
+    counted = (f"the {len(shown)} largest of {len(frame)} components and the other {len(rest)} together"
+               if len(rest) else f"all {len(frame)} components")
+    fig.update_layout(height=max(260, 40 + 22 * len(names)), margin={"t": 60, "l": 10, "r": 10, "b": 10},
                       xaxis_title_text="share of the logit", title_font_size=13,
-                      title_text=(f"direct logit attribution for {safe_text(token_label)!s}: the shares add up to "
-                                  f"{attrs['total']:.3f} (logit {attrs['logit']:.3f}, the norm's constant "
+                      title_text=(f"direct logit attribution for {safe_text(token_label)!s}: {counted}; the shares "
+                                  f"add up to {attrs['total']:.3f} (logit {attrs['logit']:.3f}, the norm's constant "
                                   f"{attrs['norm_constant']:+.3f} included)"))
     return fig
 
@@ -111,11 +121,22 @@ def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     return fig, note
 
 
+def divergence_sentence(row) -> str:
+    """The first divergence of a ``diff_traces`` frame, as one sentence (its note only when it has one)."""
+    delta = row["max_abs_delta"]
+    measured = (f"max |Δ| {delta:.3g}, tolerance {row['tolerance']:.1e}" if delta == delta else "")  # NaN: no distance
+    note = inert(row["note"]) if row["note"] else ""
+    detail = "; ".join(part for part in (measured, note) if part)
+    return (f"The runs first diverge at step {row['step']} in **{inert(row['name'])}**"
+            + (f" ({detail})." if detail else "."))
+
+
 @fitted
-def difference_figure(a: torch.Tensor, b: torch.Tensor, title: str) -> go.Figure:
-    """b − a of one record's 2-D slice, centred on 0."""
+def difference_figure(a: torch.Tensor, b: torch.Tensor, title: str, first_row: int = 0) -> go.Figure:
+    """b − a of one record's 2-D slice, centred on 0; rows numbered from ``first_row`` (the position of the
+    first row when only the last positions are compared)."""
     delta = (b.double() - a.double())
-    g = grid(delta, [str(j) for j in range(delta.shape[1])], [str(i) for i in range(delta.shape[0])])
+    g = grid(delta, [str(j) for j in range(delta.shape[1])], [str(first_row + i) for i in range(delta.shape[0])])
     fig = figure()
     add(fig, g, "signed", colorbar="b − a")
     style_axes(fig, g, x_title="column", y_title="row", max_ticks=16)

@@ -69,10 +69,8 @@ def attention_tab(trace: Trace, step: int) -> None:
                 explain_missing_values(trace, step, "Q, K and M to recompute from")
             else:
                 scaling = "÷√d_k" if usual else "the scale s"
-                st.caption(f"This head recomputed from its recorded Q, K and M, four ways, with the model's own "
-                           f"scaling. Without {scaling} the scores are larger and the softmax far peakier (a larger "
-                           "max weight, a lower entropy); without M, weight leaks onto keys after the query; "
-                           "masking after the softmax leaves rows that no longer sum to 1.")
+                st.caption("This head recomputed from its recorded Q, K and M, four ways, with the model's own "
+                           "scaling. " + attn_views.pitfall_sentence(trace, step, layer, head, batch, scaling))
                 st.dataframe(table.round(4), hide_index=True, key="pitfall_table")
                 chart(attn_views.pitfall_figure(trace, step, layer, head, batch), key="pitfall_chart")
     if "RoPE" in sub:

@@ -7,7 +7,7 @@ import streamlit as st
 from figures import whatif as whatif_views
 from gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, state
 from session import Comparison, caches, rerun_and_compare
-from tracer import Trace, diff_traces
+from tracer import Trace, aligned_values, diff_traces
 
 
 @st.fragment
@@ -49,8 +49,7 @@ def compare_tab(trace: Trace, step: int) -> None:
                 f"Compared with {plain(comparison.label)}: no record could be compared value by value.")
     if len(first):
         row = first.iloc[0]
-        st.error(f"The runs first diverge at step {row['step']} in **{plain(row['name'])}** (max |Δ| "
-                 f"{row['max_abs_delta']:.3g}, tolerance {row['tolerance']:.1e}; {plain(row['note'])}).")
+        st.error(whatif_views.divergence_sentence(row))
     elif len(compared):
         st.success("No record diverges beyond its dtype's tolerance.")
     at_step = frame[frame["step"] == step].copy()
@@ -62,8 +61,22 @@ def compare_tab(trace: Trace, step: int) -> None:
     if names:
         name = st.selectbox("difference of one record (b − a), its last two dimensions", names, key="diff_record",
                             persist_state="page")
-        a, b = trace.get(name, step), comparison.trace.get(name, step)
-        if a is not None and b is not None and a.shape == b.shape and a.dim() >= 2:
-            index = (0,) * (a.dim() - 2)
-            chart(whatif_views.difference_figure(a[index], b[index], f"{name} at step {step}"),
-                  key="diff_chart")
+        pair = aligned_values(trace, comparison.trace, name, step)
+        if pair is None or pair[0].dim() < 2:
+            st.info("This record's values cannot be drawn as a difference here (not kept in both runs, or fewer than "
+                    "two dimensions).")
+            return
+        a, b, where = pair
+        if not a.is_floating_point():
+            st.info(f"{plain(name)} holds integers (token ids, flags): the table says which differ; a difference "
+                    "b − a of ids means nothing, so none is drawn.")
+            return
+        index = (0,) * (a.dim() - 2)
+        first_row = 0
+        if where:
+            st.caption(f"The runs hold different numbers of positions for this record at step {step} (one with the "
+                       f"KV cache computes only the new ones): compared on {where}.")
+            longer = max(trace.record(name, step).shape[-2], comparison.trace.record(name, step).shape[-2])
+            first_row = longer - a.shape[-2]  # the rows drawn are the last positions
+        chart(whatif_views.difference_figure(a[index], b[index], f"{name} at step {step}", first_row=first_row),
+              key="diff_chart")

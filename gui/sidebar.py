@@ -220,15 +220,22 @@ def advance(n_raw: object, settings: Settings | None, refused: SettingsError | N
         app.notices = [("error", str(e))]
         return
     app.show_file(False)
-    progress = st.progress(0.0, text=f"step 1 of {n}") if n > 1 else None
-    if progress is not None:
-        st.button("Stop", key="stop_run", help="Stops after the step in progress; every finished step is kept")
+    # the bar and its Stop button live only while the steps run: afterwards a Stop would stop nothing
+    running = st.empty()
+    progress = None
+    if n > 1:
+        with running.container():
+            progress = st.progress(0.0, text=f"step 1 of {n}")
+            st.button("Stop", key="stop_run", help="Stops after the step in progress; every finished step is kept")
 
     def show(done: int) -> None:
-        if progress is not None:
-            progress.progress(done / n, text=f"step {done + 1} of {n}" if done < n else "drawing")
+        if progress is not None and done < n:
+            progress.progress(done / n, text=f"step {done + 1} of {n}")
 
-    end = run_steps(gen, n, on_step=show)
+    try:
+        end = run_steps(gen, n, on_step=show)
+    finally:
+        running.empty()
     if end is not None:
         notices.append((end.level, end.message + plain(end.detail)))
     if gen.n_steps:

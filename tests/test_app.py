@@ -293,6 +293,8 @@ def test_run_n_and_time_travel(stepped):
     at.sidebar.number_input(key="run_n").set_value(5)
     press(at, "run_button")
     assert at.slider(key="step_view").value == 7
+    # once the run is over, its progress bar and Stop button are gone: a Stop now would stop nothing
+    assert not at.get("progress") and "stop_run" not in [b.key for b in at.button]
     at.slider(key="step_view").set_value(4)
     run(at)
     assert metric(at, "key positions t") == str(prompt_tokens(at) + 4)
@@ -413,6 +415,18 @@ def test_compare_runs_cache_off_agrees_and_an_ablation_diverges(stepped):
     assert any("No record diverges" in s.value for s in at.success)
     frame = at.session_state["app"].comparison.frame
     assert frame["compared"].all() and frame["max_abs_delta"].max() < 1e-4
+    ids = frame[frame["name"] == "model:in[0]"]  # token ids: equal or not, never a numeric |Δ|
+    assert ids["max_abs_delta"].isna().all() and (ids["note"].str.contains("all equal")).all()
+    # at a decode step the cached run holds the new row only: the b − a heatmap draws the row both computed
+    assert at.slider(key="step_view").value == 2
+    at.selectbox(key="diff_record").set_value("blocks.0.attn.hook_pattern")
+    run(at)
+    assert "compared on the last 1 position(s), which both runs computed" in page_text(at)
+    spec = charts(at)[-1]
+    (z,) = [d["z"] for d in heatmaps(spec)]
+    n = prompt_tokens(at) + 2
+    assert len(z) == 1 and len(z[0]) == n and heatmaps(spec)[0]["y"] == [str(n - 1)]
+    assert max(abs(v) for v in z[0]) < 1e-5
     # the heads are chosen on the What if tab, as a person does, and the choice outlives the tab change
     show_tab(at, "What if")
     at.multiselect(key="ablate_heads").select((2, 1))
@@ -423,7 +437,8 @@ def test_compare_runs_cache_off_agrees_and_an_ablation_diverges(stepped):
     at.button(key="compare_run").click()
     run(at)
     assert not any("Choose heads under What if" in w.value for w in at.warning)
-    assert any("first diverge at step 0 in **blocks.2.attn.hook_z**" in unescape(e.value) for e in at.error)
+    verdict = next(unescape(e.value) for e in at.error if "first diverge" in e.value)
+    assert "first diverge at step 0 in **blocks.2.attn.hook_z** (max |Δ|" in verdict and "; )" not in verdict
 
 
 def test_typed_inputs_and_sub_tabs_survive_a_round_trip(stepped):

@@ -235,6 +235,13 @@ def test_the_pitfalls_are_recomputed_from_the_recorded_q_and_k(gen):
     assert table.loc["mask after the softmax", "row sum"] < 1
     decode = attention.pitfall_table(t, 2, 1, 3).set_index("variant")
     assert decode.loc["without the mask M", "weight on forbidden keys"] == 0  # the newest query has no future
+    # the sentence above the table says what the table shows, at each step
+    n = t.record("blocks.1.attn.hook_q", 0).shape[2]
+    prefill_text = attention.pitfall_sentence(t, 0, 1, 3)
+    assert f"leaks onto the {n * (n - 1) // 2:,} (query, key) pairs where the key comes after" in prefill_text
+    assert "no longer sum to 1" in prefill_text
+    decode_text = attention.pitfall_sentence(t, 2, 1, 3)
+    assert "M forbids nothing" in decode_text and "leaks" not in decode_text and "no longer sum" not in decode_text
 
 
 def test_rope_keeps_the_score_a_function_of_the_distance(llama_gen):
@@ -520,8 +527,17 @@ def test_the_lens_and_attribution_figures(gen):
     assert torch.allclose(z[3], torch.tensor(last.final_prob.tolist(), dtype=torch.float64)) and note == ""
     assert fig.data[0].text[3] == [safe_text(s) for s in last.top_label]
     frame = direct_logit_attribution(gen.trace, 1)
-    bars = whatif.attribution_figure(frame, "x").data[0]
-    assert list(map(abs, bars.x)) == sorted(map(abs, bars.x), reverse=True)
+    fig = whatif.attribution_figure(frame, "x", top=8)
+    bars = fig.data[0]
+    shown = list(bars.x[:-1])  # the last bar is the hidden components together
+    assert list(map(abs, shown)) == sorted(map(abs, shown), reverse=True) and len(shown) == 8
+    hidden = len(frame) - 8
+    assert bars.y[-1] == f"the other {hidden} components, together"
+    assert f"the 8 largest of {len(frame)} components and the other {hidden} together" in fig.layout.title.text
+    # what is drawn adds up to the total the title states: nothing hidden is lost from the sum
+    assert sum(bars.x) + frame.attrs["norm_constant"] == pytest.approx(frame.attrs["total"], abs=1e-6)
+    everything = whatif.attribution_figure(frame, "x", top=len(frame)).data[0]
+    assert len(everything.x) == len(frame) and "the other" not in everything.y[-1]
 
 
 # -- the worked example -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from tracer.experiments import (
     PatchingResult,
     Replay,
     activation_patching,
+    aligned_values,
     diff_steps,
     diff_traces,
     direct_logit_attribution,
@@ -68,7 +69,8 @@ __all__ = [
     "PADDING_SIDES", "PaddingSide", "PatchingResult", "PathCost", "PromptError", "RecomputeComparison", "Replay",
     "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorKind", "TensorRecord", "TensorStats", "Trace",
     "TraceErrorInfo", "TraceFileError", "TraceLog", "TracedGeneration", "Tracer", "ablate", "activation_patching",
-    "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores", "hooks_installed",
+    "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores",
+    "hooks_installed",
     "load_trace", "logit_lens", "patch", "pattern_changes", "replay", "replay_diff", "save_trace", "summarize",
     "tensor_stats", "text_loss",
 ]

@@ -3,7 +3,7 @@ activation patching, the logit lens and direct logit attribution, head scores, t
 
 Private: ``_interventions``, ``_whatif``, ``_lens``, ``_diff``."""
 
-from tracer.experiments._diff import diff_steps, diff_traces
+from tracer.experiments._diff import aligned_values, diff_steps, diff_traces
 from tracer.experiments._lens import direct_logit_attribution, logit_lens
 from tracer.experiments._whatif import (
     HEAD_ROLES,
@@ -19,6 +19,7 @@ from tracer.experiments._whatif import (
 
 __all__ = [
     "HEAD_ROLES", "PatchingResult", "Replay",
-    "activation_patching", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores", "logit_lens",
+    "activation_patching", "aligned_values", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores",
+    "logit_lens",
     "pattern_changes", "replay", "replay_diff", "text_loss",
 ]

@@ -53,6 +53,25 @@ def _aligned(x: torch.Tensor, y: torch.Tensor, axes: tuple[str, ...] | None
     return x.narrow(d, x.shape[d] - k, k), y.narrow(d, y.shape[d] - k, k)
 
 
+def aligned_values(a: Trace, b: Trace, name: str, step: int) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """Record ``name`` at ``step`` of both traces over the positions both computed, as ``diff_traces`` compares
+    them, with a note saying which ("" when the shapes are equal); None when either value is missing or the
+    shapes do not line up (a cached step's new rows line up with the last rows of an uncached one)."""
+    if step >= a.n_steps or step >= b.n_steps:
+        return None
+    ra, rb = a.record(name, step), b.record(name, step)
+    va, vb = a.value(ra), b.value(rb)
+    if va is None or vb is None:
+        return None
+    if ra.shape == rb.shape:
+        return va, vb, ""
+    pair = _aligned(va, vb, ra.axes if _same_tokens(a, b, step) else None)
+    if pair is None:
+        return None
+    assert ra.axes is not None  # _aligned lines shapes up only along a named n axis
+    return pair[0], pair[1], f"the last {pair[0].shape[ra.axes.index('n')]} position(s), which both runs computed"
+
+
 def diff_traces(a: Trace, b: Trace) -> pd.DataFrame:
     """Compare every record two traces share, step by step, in a's call order (then b's extra records)."""
     frames = [diff_steps(a, step, b, step, same_tokens=_same_tokens(a, b, step))
@@ -100,7 +119,13 @@ def _compare(a: Trace, b: Trace, ra, rb, same_tokens: bool, row: dict) -> None:
         row["note"] = "shapes differ"
         row["diverged"] = True
         return
-    x, y = (t.detach().double() if t.is_floating_point() else t.detach().to(torch.float64) for t in pair)
+    if not (pair[0].is_floating_point() or pair[0].is_complex()):  # token ids, flags: equal or not, no distance
+        differ = int((pair[0] != pair[1]).sum())
+        where = f"on the last {pair[0].shape[ra.axes.index('n')]} position(s), " if ra.shape != rb.shape else ""
+        row.update(compared=True, tolerance=0.0, diverged=differ > 0,
+                   note=where + (f"{differ:,} of {pair[0].numel():,} entries differ" if differ else "all equal"))
+        return
+    x, y = (t.detach().double() for t in pair)
     finite = torch.isfinite(x) & torch.isfinite(y)
     mismatch = bool((torch.isfinite(x) != torch.isfinite(y)).any() or (x[~finite] != y[~finite]).any())
     delta = (x[finite] - y[finite]).abs()
