@@ -24,6 +24,17 @@ def inert(text: str) -> str:
     return "".join(f"&#{ord(c)};" if c in INERT else c for c in unlinked)
 
 
+def strong(text: str) -> str:
+    """``text`` in bold for markdown, made inert, its edge spaces written as character references: markdown
+    does not open or close bold beside a space, so a token like " Lily" would show as ``** Lily**``."""
+    body = inert(text)
+    stripped = body.strip(" ")
+    lead, trail = len(body) - len(body.lstrip(" ")), len(body) - len(body.rstrip(" "))
+    if not stripped:
+        return "**" + "&#32;" * len(body) + "**" if body else ""
+    return "**" + "&#32;" * lead + stripped + "&#32;" * trail + "**"
+
+
 def safe_text(label: str) -> str:
     """User-controlled text (token strings) made inert for HTML and for plotly's pseudo-HTML.
 

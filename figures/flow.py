@@ -25,6 +25,7 @@ GROUP_COLORS = {
     "output": "#e6dcf3",
 }
 W, H_BOX = 1.1, 0.86
+SKIP_COLOUR = "#4a7f56"  # the residual stream's skips around attention and the MLP
 
 
 @dataclass
@@ -239,6 +240,32 @@ def repeat_note(layer: int, n_layer: int | None) -> str:
 
 
 @fitted
+def _residual_skips(nodes: list[FlowNode], layer: int, shapes: list[dict],
+                    arrows: list[tuple[float, float, float, float]]) -> list[tuple[float, float, str]]:
+    """The residual stream's two skips, drawn dashed: x goes around attention into "x + attention", and that
+    sum around the MLP into "x + MLP" (each block adds to x, never replaces it). Adds the paths and their
+    arrowheads; returns the labels to write beside them."""
+    where = {n.name: n for n in nodes}
+    pre, mid, post = (where.get(act_name(kind, layer)) for kind in ("resid_pre", "resid_mid", "resid_post"))
+    if pre is None or mid is None or post is None:
+        return []
+    line = {"color": SKIP_COLOUR, "width": 1.6, "dash": "dash"}
+    # around attention: out of x's right edge, up the free column between the lanes, into the sum's upper left
+    up_x, into_y = (pre.x + mid.x) / 2 + 0.1, mid.y - H_BOX / 4
+    shapes.append({"type": "path", "line": line,
+                   "path": f"M {pre.x + W / 2} {pre.y} L {up_x} {pre.y} L {up_x} {into_y} "
+                           f"L {mid.x - W / 2 - 0.25} {into_y}"})
+    arrows.append((mid.x - W / 2 - 0.25, into_y, mid.x - W / 2, into_y))
+    # around the MLP: out of the sum's right edge, down the right margin, into "x + MLP" from the right
+    down_x = mid.x + W / 2 + 0.8
+    shapes.append({"type": "path", "line": line,
+                   "path": f"M {mid.x + W / 2} {mid.y} L {down_x} {mid.y} L {down_x} {post.y} "
+                           f"L {post.x + W / 2 + 0.25} {post.y}"})
+    arrows.append((post.x + W / 2 + 0.25, post.y, post.x + W / 2, post.y))
+    return [((pre.x + W / 2 + up_x) / 2, pre.y - 0.22, "skip: x"),
+            ((mid.x + W / 2 + down_x) / 2, mid.y - 0.22, "skip: x")]
+
+
 def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     """Boxes and arrows: each box the stage, its live shape, and that shape in symbols; the weight it
     multiplies by beside it."""
@@ -257,6 +284,9 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
             arrows.append((a.x + side * W / 2, a.y, b.x - side * W / 2, b.y))
         else:
             arrows.append((a.x, a.y + H_BOX / 2, b.x, b.y - H_BOX / 2))
+    skip_labels: list[tuple[float, float, str]] = []
+    if not recorded_flow(trace):
+        skip_labels = _residual_skips(nodes, layer, shapes, arrows)
     labels = []
     for node in nodes:
         shapes.append({"type": "rect", "x0": node.x - W / 2, "x1": node.x + W / 2, "y0": node.y - H_BOX / 2,
@@ -272,6 +302,8 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     fig = figure([
         arrow_trace(arrows),
         text_trace([n.x for n in nodes], [n.y for n in nodes], labels),
+        text_trace([x for x, _, _ in skip_labels], [y for _, y, _ in skip_labels],
+                   [text for _, _, text in skip_labels], color=SKIP_COLOUR),
         text_trace([4.6] if not recorded_flow(trace) else [2.6],
                    [6] if not recorded_flow(trace) else [max(n.y for n in nodes) + 1.0],
                    [repeat_note(layer, config.n_layer if config is not None else None)
@@ -285,7 +317,7 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
     ])
     bottom = max(n.y for n in nodes) + (1 if recorded_flow(trace) else 0)
     fig.update_layout(shapes=shapes)
-    fig.update_xaxes(visible=False, range=[-1.6, 6.0])
+    fig.update_xaxes(visible=False, range=[-1.6, 6.3])
     fig.update_yaxes(visible=False, range=[bottom + 0.6, -0.6])
     fig.update_layout(height=int(80 * (bottom + 1.2)), margin={"t": 10, "l": 0, "r": 0, "b": 0},
                       plot_bgcolor="white", dragmode=False)

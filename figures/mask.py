@@ -17,6 +17,8 @@ from tracer import Trace
 
 ALLOWED = "#e3f1e5"  # a cell M lets through (0); masked cells are the palette's MASKED grey
 
+MAX_LABELLED_COLUMNS = 40  # more key columns and a cell is too narrow for its "0" or "−∞"
+
 
 @dataclass(frozen=True)
 class MaskFacts:
@@ -161,7 +163,8 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
     allowed = torch.where(torch.isinf(block), torch.full_like(block, float("nan")), torch.zeros_like(block))
     g = grid(allowed, xs, ys)
     n, t = block.shape
-    small = n * t <= 900
+    small = n * t <= 900  # few enough cells to carry each one's value in the hover text
+    labelled = small and t <= MAX_LABELLED_COLUMNS  # wide enough cells to write it in: else the labels merge
     under = masked_layer(g)
     if under is not None:
         fig.add_trace(under)
@@ -169,7 +172,7 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
         z=g.z, x=g.x, y=g.y, zmin=0, zmax=1, colorscale=[[0, ALLOWED], [1, ALLOWED]], showscale=False,
         text=[["−∞" if math.isinf(v) else "min" if v <= lowest else "0" for v in row] for row in block.tolist()]
         if small else None,
-        texttemplate="%{text}" if small else None, hoverongaps=True,
+        texttemplate="%{text}" if labelled else None, hoverongaps=True,
         hovertemplate="q %{y}<br>k %{x}<br>M = " + ("%{text}" if small else "0" if not bool((block <= lowest).any())
                                                     else "0, or the smallest float in a row that sees nothing")
         + "<extra></extra>",

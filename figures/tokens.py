@@ -3,6 +3,8 @@ distribution with the chosen token marked."""
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 
 from figures.common import choice_at, facts_of, inert, is_greedy, safe_text
@@ -38,27 +40,41 @@ def text_legend() -> str:
 
 
 @fitted
-def next_token_figure(trace: Trace, step: int, row: int = 0) -> go.Figure:
-    """Top candidates by final probability; the chosen one outlined in the accent."""
+def next_token_figure(trace: Trace, step: int, row: int = 0, log_scale: bool = False) -> go.Figure:
+    """Top candidates by final probability, each bar labelled with its probability; the chosen one outlined
+    in the accent. ``log_scale`` draws the probabilities on a log axis, where candidates far below the winner
+    stay visible (a probability of 0 — cut by top-k or top-p — has no place there and is left out)."""
     info = choice_at(trace, step)
     ids = info.candidates[row]
     labels = info.candidate_labels[row]
-    final = info.stage_probs[row][len(STAGES) - 1]
+    final = info.stage_probs[row][len(STAGES) - 1] if ids else []
     order = sorted(range(len(ids)), key=lambda i: -final[i])
+    if log_scale:
+        order = [i for i in order if final[i] > 0]
     chosen_id = info.tokens[row]
     xs = [f"{safe_text(labels[i])} ({ids[i]})" for i in order]
-    chosen = next(k for k, i in enumerate(order) if ids[i] == chosen_id)
+    ys = [final[i] for i in order]
+    chosen = next((k for k, i in enumerate(order) if ids[i] == chosen_id), None)
     fig = figure(go.Bar(
-        x=xs, y=[final[i] for i in order], marker_color=NEUTRAL,
+        x=xs, y=ys, marker_color=NEUTRAL, text=[f"{p:.3g}" for p in ys], textposition="outside",
         marker_line_color=[ACCENT if k == chosen else NEUTRAL for k in range(len(order))],
         marker_line_width=[4 if k == chosen else 0 for k in range(len(order))],
-        hovertemplate="%{x}: p = %{y:.4f}<extra></extra>"))
-    fig.add_annotation(x=xs[chosen], y=final[order[chosen]], text="chosen (argmax)" if is_greedy(trace) else "sampled",
-                       showarrow=True, arrowhead=2, ax=30, ay=-22, font={"color": ACCENT})
-    # headroom for the arrow; with p ≤ 1 the axis never gets a tick above 1
-    fig.update_yaxes(range=[0, 1.18 * max(final) if max(final) > 0 else 1.0])
-    fig.update_layout(title_text=f"step {step}: next-token probabilities (final distribution); the chosen token "
-                                 "outlined", title_font_size=13, height=360, yaxis_title_text="probability",
+        hovertemplate="%{x}: p = %{y:.4g}<extra></extra>", cliponaxis=False))
+    title = f"step {step}: next-token probabilities (final distribution); the chosen token outlined"
+    if chosen is not None:
+        fig.add_annotation(x=xs[chosen], y=ys[chosen] if not log_scale else math.log10(ys[chosen]),
+                           text="chosen (argmax)" if is_greedy(trace) else "sampled",
+                           showarrow=True, arrowhead=2, ax=30, ay=-30, font={"color": ACCENT})
+    else:
+        title = (f"step {step}: next-token probabilities; the chosen token {safe_text(info.labels[row])} "
+                 f"({chosen_id}) is not among the {len(ids)} candidates recorded")
+    if log_scale and ys:
+        low, high = math.log10(min(ys)), math.log10(max(ys))
+        fig.update_yaxes(type="log", range=[low - 0.5, high + 0.6])  # headroom for the labels and the arrow
+    else:  # headroom for the labels and the arrow; with p ≤ 1 the axis never gets a tick above 1
+        fig.update_yaxes(range=[0, 1.25 * max(ys) if ys and max(ys) > 0 else 1.0])
+    fig.update_layout(title_text=title, title_font_size=13, height=380,
+                      yaxis_title_text="probability" + (" (log scale)" if log_scale else ""),
                       xaxis_tickangle=-45, margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
 

@@ -9,7 +9,7 @@ import torch
 
 from figures.common import inert, safe_text
 from figures.heatmap import add, grid, style_axes
-from figures.palette import ACCENT, AMOUNT, NEUTRAL
+from figures.palette import ACCENT, AMOUNT, MASKED, NEUTRAL
 from figures.plot import figure, fitted
 
 LENS_POSITIONS = 48  # the lens heatmap shows at most this many (the last) positions, each cell labelled
@@ -106,8 +106,16 @@ def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     inputs = sub[sub["layer"] == 0].set_index("position")["input"].reindex(shown)
     xs = [safe_text(f"{p} · {inputs[p]}") for p in shown]
     ys = [f"after L{layer}" for layer in range(n_layer)]
+    padding = [p for p in shown if "is_token" in sub and not bool(sub[sub["position"] == p]["is_token"].iloc[0])]
+    if padding:  # a padding position predicts nothing anyone reads: greyed, not coloured
+        z.loc[:, padding] = float("nan")
+        top.loc[:, padding] = ""
     text = [[safe_text(str(v)) for v in row] for row in top.values.tolist()]
-    fig = figure(go.Heatmap(z=z.values.tolist(), x=xs, y=ys, zmin=0, zmax=1, colorscale=AMOUNT, text=text,
+    fig = figure()
+    if padding:
+        fig.add_trace(go.Heatmap(z=[[1 if p in padding else None for p in shown] for _ in ys], x=xs, y=ys,
+                                 colorscale=[[0, MASKED], [1, MASKED]], showscale=False, hoverinfo="skip"))
+    fig.add_trace(go.Heatmap(z=z.values.tolist(), x=xs, y=ys, zmin=0, zmax=1, colorscale=AMOUNT, text=text,
                             texttemplate="%{text}", textfont={"size": 10},
                             colorbar={"title": {"text": "p(final)", "side": "top"}, "thickness": 10},
                             hovertemplate="%{y}, position %{x}<br>top token: %{text}<br>p(final token) = "
@@ -115,7 +123,8 @@ def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     fig.update_xaxes(type="category", tickangle=-60, title_text="position · input token")
     fig.update_yaxes(type="category", autorange="reversed")
     fig.update_layout(height=max(260, 90 + 48 * n_layer), margin={"t": 40, "l": 10, "r": 10, "b": 10},
-                      title_text="logit lens: each layer's residual stream through the final norm and W_U",
+                      title_text="logit lens: each layer's residual stream through the final norm and W_U"
+                                 + ("; padding positions grey" if padding else ""),
                       title_font_size=13)
     note = f"the last {len(shown)} of {len(positions)} positions" if len(shown) < len(positions) else ""
     return fig, note

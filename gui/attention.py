@@ -66,7 +66,7 @@ def attention_tab(trace: Trace, step: int) -> None:
         if sub["Pitfalls"].open:
             table = attn_views.pitfall_table(trace, step, layer, head, batch)
             if table is None:
-                explain_missing_values(trace, step, "Q, K and M to recompute from")
+                explain_missing_values(trace, step, "Q, K and M values")
             else:
                 scaling = "÷√d_k" if usual else "the scale s"
                 st.caption("This head recomputed from its recorded Q, K and M, four ways, with the model's own "

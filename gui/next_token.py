@@ -19,7 +19,9 @@ def next_token_tab(trace: Trace, step: int) -> None:
     if facts.step(step).sampling is None:
         st.error(f"No token was chosen at step {step}: the logits held NaN or +∞ (see the banner above).")
         return
-    chart(token_views.next_token_figure(trace, step, row), key="next_chart")
+    log_scale = st.toggle("log scale (every candidate visible, however small)", key="next_log",
+                          persist_state="page")
+    chart(token_views.next_token_figure(trace, step, row, log_scale=log_scale), key="next_chart")
     if facts.info.sampling.greedy:
         st.info("Greedy decoding takes the argmax of the logits: temperature, top-k and top-p play no part, so "
                 "there is no reshaping to show. Choose **sample** in the sidebar (and Reset) to see it.")

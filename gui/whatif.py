@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import whatif as whatif_views
-from figures.common import facts_of
+from figures.common import facts_of, strong
 from gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
 from session import ablation_run, all_heads, head_ablations, head_label, patching_run
 from tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
@@ -63,9 +63,10 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
                    "the loss on a text is measured with and without. Nothing in the generation changes.")
         return
     st.markdown(f"Re-ran step {res.step} with: " + "; ".join(plain(d) for d in res.described))
+    st.caption(f"Loss measured on {plain(res.loss_text)}.")
     cols = st.columns(3)
-    cols[0].metric(f"loss on {res.loss_text}", f"{res.loss_after:.3f} nats", f"{res.loss_after - res.loss_before:+.3f}",
-                   delta_color="inverse")
+    cols[0].metric("loss with these heads off", f"{res.loss_after:.3f} nats",
+                   f"{res.loss_after - res.loss_before:+.3f}", delta_color="inverse")
     cols[1].metric("loss as the model is", f"{res.loss_before:.3f} nats")
     cols[2].metric("heads whose pattern moved", f"{len(res.moved)} of {len(res.changes)}")
     frame = whatif_views.next_token_change(res.replay.original[0], res.replay.logits[0], gen.tokenizer.token_label)
@@ -98,10 +99,14 @@ def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
         st.error(f"The clean prompt has {n_clean} tokens and this one {n_corrupt}: patching needs the same count.")
     ready = bool(corrupted) and n_clean == n_corrupt
     if st.button("Run activation patching", key="patch_run", disabled=not ready, type="primary"):
-        bar = st.progress(0.0, text="patching…")
-        app.patching = patching_run(model, tok, clean, corrupted,
-                                    "resid_pre" if kind.startswith("the residual") else "z",
-                                    progress=lambda f: bar.progress(f, text=f"patching… {f:.0%}"))
+        holder = st.empty()  # the bar lives while patching runs
+        bar = holder.progress(0.0, text="patching…")
+        try:
+            app.patching = patching_run(model, tok, clean, corrupted,
+                                        "resid_pre" if kind.startswith("the residual") else "z",
+                                        progress=lambda f: bar.progress(f, text=f"patching… {f:.0%}"))
+        finally:
+            holder.empty()
     run = app.patching
     if run is None:
         return
@@ -110,8 +115,8 @@ def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
         st.warning(f"Both prompts give the same top token ({plain(tok.token_label(res.clean_answer))}): there is no "
                    "difference to restore. Change the prompt so that the answers differ.")
         return
-    st.markdown(f"Clean answer **{plain(tok.token_label(res.clean_answer))}**, corrupted answer "
-                f"**{plain(tok.token_label(res.corrupted_answer))}**; logit difference {res.clean_diff:.2f} clean, "
+    st.markdown(f"Clean answer {strong(tok.token_label(res.clean_answer))}, corrupted answer "
+                f"{strong(tok.token_label(res.corrupted_answer))}; logit difference {res.clean_diff:.2f} clean, "
                 f"{res.corrupted_diff:.2f} corrupted.")
     chart(whatif_views.patching_figure(res.restored, list(run.labels), res.kind), key="patching_chart")
 

@@ -27,6 +27,6 @@ def worked_tab(trace: Trace | None = None, step: int = 0) -> None:
         st.error(plain(e))
         return
     chart(worked_views.forward_figure(w), key="worked_forward")
-    st.markdown(f"Row 1 of A: e^{w.scores[0, 0]:.3f} and e^{w.scores[0, 1]:.3f} normalised to "
+    st.markdown(f"Row q0 of A (the first query): e^{w.scores[0, 0]:.3f} and e^{w.scores[0, 1]:.3f} normalised to "
                 f"{w.a[0, 0]:.3f} and {w.a[0, 1]:.3f}." if w.a.shape[1] >= 2 and not causal else "")
     chart(worked_views.backward_figure(w), key="worked_backward")

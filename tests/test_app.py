@@ -120,6 +120,8 @@ def test_first_page_invites_a_step_and_offers_the_worked_example():
     assert any("Press **Step**" in i.value for i in at.info)
     assert at.title[0].value == "GPT shape tracer"
     assert len(charts(at)) == 2  # the worked example needs no model run
+    # rows are named as the charts label them (q0, q1), not counted from 1
+    assert "Row q0 of A (the first query)" in page_text(at) and "Row 1" not in page_text(at)
     server_mb = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())["server"]["maxUploadSize"]
     assert server_mb == 1024 and any("up to 1 GiB" in u.label for u in at.get("file_uploader"))
 
@@ -371,8 +373,8 @@ def test_what_if_switching_off_the_previous_token_head_breaks_induction(stepped)
     run(at)
     result = at.session_state["app"].ablation
     assert result.loss_after - result.loss_before > 2.0
-    label = next(m.label for m in at.metric if m.label.startswith("loss on the second half"))
-    assert float(metric(at, label).split()[0]) == pytest.approx(result.loss_after, abs=1e-3)
+    assert "Loss measured on the second half of a random" in page_text(at)
+    assert float(metric(at, "loss with these heads off").split()[0]) == pytest.approx(result.loss_after, abs=1e-3)
     assert len(charts(at)) == 2
     assert gen_of(at).n_steps == 3 and not gen_of(at).interventions  # the generation is untouched
     at.button(key="ablate_keep").click()
@@ -394,6 +396,10 @@ def test_what_if_patching_attribution_and_lens():
     run(at)
     at.button(key="patch_run").click()
     run(at)
+    assert not at.get("progress")  # the bar went when patching ended
+    answers = next(m.value for m in at.markdown if m.value.startswith("Clean answer"))
+    spans = re.findall(r"\*\*(.+?)\*\*", answers)  # markdown makes no bold of "** Ben**": no edge spaces
+    assert len(spans) == 2 and all(span == span.strip() for span in spans)
     spec = charts(at)[0]
     n = prompt_tokens(at)
     assert len(heatmaps(spec)[0]["z"]) == 4 and len(heatmaps(spec)[0]["z"][0]) == n

@@ -285,6 +285,25 @@ def node_labels(trace, step=0) -> dict[str, str]:
     return {n.label: n for n in nodes}
 
 
+@pytest.mark.parametrize("fixture", ["gen", "llama_gen"])
+def test_the_flow_draws_the_residual_skips(fixture, request):
+    """The residual stream's two skips: x around attention into "x + attention", that sum around the MLP into
+    "x + MLP", dashed, each ending in an arrowhead at its box."""
+    g = request.getfixturevalue(fixture)
+    fig = flow.shape_flow_figure(g.trace, 1, 0)
+    nodes = {n.label: n for n in flow.flow_nodes(g.trace, 1, 0)[0]}
+    skips = [sh for sh in fig.layout.shapes if sh.type == "path" and sh.line.dash == "dash"]
+    assert len(skips) == 2
+    pre, mid, post = nodes["x into block 0"], nodes["x + attention"], nodes["x + MLP"]
+    first, second = (list(map(float, sh.path.replace("M", "").replace("L", "").split())) for sh in skips)
+    assert first[:2] == [pre.x + flow.W / 2, pre.y] and first[-2] < mid.x - flow.W / 2  # leaves x, reaches the sum
+    assert second[:2] == [mid.x + flow.W / 2, mid.y] and second[-1] == post.y  # leaves the sum, reaches x + MLP
+    heads = fig.data[0]  # the arrows: an arrowhead at the box edge each skip ends on
+    ends = {(x, y) for x, y, size in zip(heads.x, heads.y, heads.marker.size) if size}
+    assert (mid.x - flow.W / 2, first[-1]) in ends and (post.x + flow.W / 2, post.y) in ends
+    assert [t for d in fig.data if d.mode == "text" for t in d.text].count("skip: x") == 2
+
+
 def test_the_flow_draws_gpt2_with_its_real_weights(gen):
     nodes = node_labels(gen.trace)
     assert "W_pos[positions]" in nodes and "GELU (tanh form)" in nodes and "LN₁(x)" in nodes
@@ -374,6 +393,22 @@ def test_a_mask_without_values_is_not_counted(bundled):
     g.step()
     f = mask.mask_facts(g.trace, 0)
     assert not f.counted and "not counted" in f.explanation() and "-1" not in f.explanation()
+
+
+def test_mask_cells_are_labelled_only_where_a_label_fits(bundled):
+    """A small M writes 0 / −∞ in each cell; a decode row over many keys does not (the labels would merge into
+    a black bar), and its hover still gives each cell's value."""
+    model, tok = bundled
+    g = TracedGeneration(model, tok, " ".join(["Tom had a big red kite."] * 8), temperature=0)
+    g.run(2)
+    n = g.info.prompt_lengths[0]
+    assert n > mask.MAX_LABELLED_COLUMNS
+    short = TracedGeneration(model, tok, "Tom had a kite.", temperature=0)
+    short.run(2)
+    labelled = [d for d in mask.mask_figure(short.trace, 0).data if d.hoverinfo != "skip"][-1]
+    assert labelled.texttemplate == "%{text}" and labelled.text[0][-1] == "−∞"
+    row = [d for d in mask.mask_figure(g.trace, 1).data if d.hoverinfo != "skip"][-1]  # 1 × (n + 1)
+    assert row.texttemplate is None and len(row.text[0]) == n + 1 and "%{text}" in row.hovertemplate
 
 
 # -- the KV cache ----------------------------------------------------------------------------------------
@@ -476,6 +511,67 @@ def test_next_token_figure_outlines_the_chosen_token(gen):
     assert chosen == [f"{safe_text(label)} ({info.tokens[0]})"] and isinstance(bars.marker.color, str)
     stages = tokens.distribution_stages_figure(gen.trace, 1)
     assert len(stages.data) == 4 and "30 token(s) left" in stages.data[2].name
+    assert list(bars.text) == [f"{p:.3g}" for p in bars.y]  # every probability printed on its bar
+    log = tokens.next_token_figure(gen.trace, 1, log_scale=True)
+    positive = sorted((p for p in info.stage_probs[0][3] if p > 0), reverse=True)
+    assert log.layout.yaxis.type == "log" and list(log.data[0].y) == positive  # zeros have no place on a log axis
+    low, high = log.layout.yaxis.range
+    assert low < math.log10(min(positive)) and high > math.log10(max(positive))  # every candidate is on the axis
+
+
+def _with_manifest(trace, edit):
+    """``trace`` saved, its manifest edited by ``edit``, loaded back: a file someone crafted."""
+    import io
+    import json
+    import zipfile
+
+    from tracer import archive_bytes, load_trace
+
+    source = zipfile.ZipFile(io.BytesIO(archive_bytes(trace)))
+    manifest = json.loads(source.read("manifest.json"))
+    edit(manifest)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in source.infolist():
+            data = json.dumps(manifest).encode() if info.filename == "manifest.json" else source.read(info.filename)
+            dst.writestr(info.filename, data)
+    return load_trace(out.getvalue())
+
+
+def test_a_crafted_choice_outside_its_candidates_is_said_not_raised(gen):
+    """A file whose chosen token is not among its candidates (sampling can pick one outside the recorded top
+    candidates too), or that records none, draws a title saying so instead of raising."""
+    from tracer import TraceFileError
+
+    info = gen.facts.step(1).sampling
+    other = next(i for i in range(gen.model.config.vocab_size) if i not in info.candidates[0])
+
+    def choose_other(manifest):
+        manifest["generation"]["steps"][1]["sampling"]["tokens"][0] = other
+
+    fig = tokens.next_token_figure(_with_manifest(gen.trace, choose_other), 1)
+    assert f"({other}) is not among the {len(info.candidates[0])} candidates recorded" in fig.layout.title.text
+    assert set(fig.data[0].marker.line.width) == {0}
+
+    def no_candidates(manifest):
+        sampling = manifest["generation"]["steps"][1]["sampling"]
+        sampling["candidates"], sampling["candidate_labels"] = [[]], [[]]
+        sampling["stage_probs"] = [[[] for _ in sampling["stage_probs"][0]]]
+
+    assert "not among the 0 candidates" in tokens.next_token_figure(_with_manifest(gen.trace, no_candidates),
+                                                                    1).layout.title.text
+
+    def over_one(manifest):  # every probability in [0, 1], their sum not
+        manifest["generation"]["steps"][1]["sampling"]["stage_probs"][0][0] = [0.9] * len(info.candidates[0])
+
+    with pytest.raises(TraceFileError, match="add up to 18, more than 1"):
+        _with_manifest(gen.trace, over_one)
+
+    def fewer_labels(manifest):
+        manifest["generation"]["steps"][1]["sampling"]["candidate_labels"][0].pop()
+
+    with pytest.raises(TraceFileError, match="labels for 20 candidates"):
+        _with_manifest(gen.trace, fewer_labels)
 
 
 def test_generated_text_is_escaped_coloured_by_probability_and_time_travels(batch_gen):
@@ -517,7 +613,7 @@ def test_inspector_slices_pools_and_counts_every_value():
 
 
 # -- what if -------------------------------------------------------------------------------------------------
-def test_the_lens_and_attribution_figures(gen):
+def test_the_lens_and_attribution_figures(gen, batch_gen):
     from tracer import direct_logit_attribution, logit_lens
 
     lens = logit_lens(gen.trace, 0, label=gen.tokenizer.token_label)
@@ -526,6 +622,19 @@ def test_the_lens_and_attribution_figures(gen):
     last = lens[lens.layer == 3].sort_values("position")
     assert torch.allclose(z[3], torch.tensor(last.final_prob.tolist(), dtype=torch.float64)) and note == ""
     assert fig.data[0].text[3] == [safe_text(s) for s in last.top_label]
+    # a left-padded sequence: its padding columns are greyed, with no top token written on them
+    short = min(range(2), key=lambda r: batch_gen.info.prompt_lengths[r])
+    padded = logit_lens(batch_gen.trace, 0, short, label=batch_gen.tokenizer.token_label)
+    pads = sorted(padded.loc[~padded["is_token"], "position"].unique())
+    assert pads and all(padded.loc[padded["position"].isin(pads), "input"] == "⟨pad⟩")
+    fig, _ = whatif.lens_figure(padded, 4)
+    grey, values = fig.data
+    assert grey.hoverinfo == "skip" and "padding positions grey" in fig.layout.title.text
+    for p in pads:
+        assert all(row[p] is None or row[p] != row[p] for row in values.z)  # NaN: no colour
+        assert all(row[p] == "" for row in values.text) and all(row[p] == 1 for row in grey.z)
+    real = [p for p in range(len(values.x)) if p not in pads]
+    assert all(values.z[0][p] == values.z[0][p] for p in real) and all(grey.z[0][p] is None for p in real)
     frame = direct_logit_attribution(gen.trace, 1)
     fig = whatif.attribution_figure(frame, "x", top=8)
     bars = fig.data[0]

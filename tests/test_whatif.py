@@ -112,7 +112,14 @@ def test_the_diff_of_two_runs(bundled):
     a.run(4)
     off.run(4)
     self_diff = diff_traces(a.trace, a.trace)
-    assert self_diff.compared.all() and (self_diff.max_abs_delta == 0).all() and not self_diff.diverged.any()
+    ids = self_diff.name.isin(["model:in[0]", "embed:in[0]", "pos_embed:in[0]"])  # token ids: equal or not
+    assert self_diff.compared.all() and (self_diff[~ids].max_abs_delta == 0).all() and not self_diff.diverged.any()
+    assert self_diff[ids].max_abs_delta.isna().all() and (self_diff[ids].note == "all equal").all()
+    other = TracedGeneration(model, tok, PROMPT.replace("Lily", "Tom"), temperature=0)
+    other.run(1)
+    fed = diff_traces(a.trace, other.trace)
+    tokens_row = fed[(fed.name == "model:in[0]") & (fed.step == 0)].iloc[0]
+    assert tokens_row.diverged and tokens_row.first_divergence and " entries differ" in tokens_row.note
     on_off = diff_traces(a.trace, off.trace)
     assert on_off.compared.all() and on_off.max_abs_delta.max() < 1e-4 and not on_off.diverged.any()
     assert (on_off.shape_a != on_off.shape_b).any()  # decode records hold one position, the recompute all

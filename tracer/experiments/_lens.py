@@ -18,7 +18,7 @@ from model.identity import identity_of
 from tracer.reading._trace import Trace
 
 LENS_COLUMNS = ("layer", "position", "input", "top_token", "top_label", "top_prob", "final_token", "final_label",
-                "final_prob", "final_rank")
+                "final_prob", "final_rank", "is_token")
 
 
 @overload
@@ -87,6 +87,7 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
         final[chosen_at] = choice.tokens[row]
     n = final.numel()
     inputs = facts.labels(row, step)[-n:] if facts is not None else [""] * n
+    is_token = facts.is_token(row, step)[-n:] if facts is not None else (True,) * n  # False: a padding position
     rows = []
     for layer, logits in enumerate(lens):
         probs = torch.softmax(logits, dim=-1)  # [n, V]
@@ -97,7 +98,7 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
             rows.append({"layer": layer, "position": p, "input": inputs[p], "top_token": int(top[p]),
                          "top_label": label(int(top[p])), "top_prob": float(top_p[p]), "final_token": int(final[p]),
                          "final_label": label(int(final[p])), "final_prob": float(final_p[p]),
-                         "final_rank": int(final_rank[p])})
+                         "final_rank": int(final_rank[p]), "is_token": bool(is_token[p])})
     return pd.DataFrame(rows, columns=list(LENS_COLUMNS))
 
 

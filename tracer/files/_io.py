@@ -107,6 +107,26 @@ class Limits:
 LIMITS = Limits()
 
 
+def _sampling_record(fields: dict) -> SamplingRecord:
+    """A step's sampling, once its parts agree: one entry per sequence in every list, one label and one
+    probability per candidate at every stage, and no stage whose probabilities add up to more than 1."""
+    rows = len(fields["tokens"])
+    for name in ("labels", "probs", "candidates", "candidate_labels", "stage_probs", "kept"):
+        if len(fields[name]) != rows:
+            raise ValueError(f"{name} has {len(fields[name])} entries for {rows} sequence(s)")
+    for row, (ids, labels, stages) in enumerate(zip(fields["candidates"], fields["candidate_labels"],
+                                                    fields["stage_probs"])):
+        if len(labels) != len(ids):
+            raise ValueError(f"sequence {row}: {len(labels)} labels for {len(ids)} candidates")
+        for stage, probs in enumerate(stages):
+            if len(probs) != len(ids):
+                raise ValueError(f"sequence {row}, stage {stage}: {len(probs)} probabilities for {len(ids)} candidates")
+            if math.fsum(probs) > 1 + 1e-3:
+                raise ValueError(f"sequence {row}, stage {stage}: the probabilities add up to {math.fsum(probs):.4g}, "
+                                 "more than 1")
+    return SamplingRecord(**fields)
+
+
 # -- saving ---------------------------------------------------------------------------------------
 def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, int, tuple[int, ...]]],
                                      dict[int, tuple[int, list[int]]]]:
@@ -382,7 +402,7 @@ def _schemas(limits: Limits) -> Obj:
         "candidate_labels": ListOf(ListOf(Str(1000), 256), limits.batch),
         "stage_probs": ListOf(ListOf(ListOf(Float(0, 1), 256), 8), limits.batch),
         "kept": ListOf(ListOf(Int(0, 2**31), 8), limits.batch),
-    }), lambda d: SamplingRecord(**d))
+    }), _sampling_record)
     forward = Then(Obj({"n": Int(1, limits.n_ctx), "t": Int(1, limits.n_ctx), "cache_before": Int(0, limits.n_ctx),
                         "cache_after": Int(0, limits.n_ctx), "fed_tokens": ListOf(tokens_row, limits.batch)}),
                    lambda d: ForwardFacts(**d))
