@@ -64,15 +64,17 @@ def next_token_figure(trace: Trace, step: int, row: int = 0, log_scale: bool = F
     if chosen is not None:
         fig.add_annotation(x=xs[chosen], y=ys[chosen] if not log_scale else math.log10(ys[chosen]),
                            text="chosen (argmax)" if is_greedy(trace) else "sampled",
-                           showarrow=True, arrowhead=2, ax=30, ay=-30, font={"color": ACCENT})
+                           showarrow=True, arrowhead=2, ax=70, ay=-6, font={"color": ACCENT})  # beside the label
     else:
         title = (f"step {step}: next-token probabilities; the chosen token {safe_text(info.labels[row])} "
                  f"({chosen_id}) is not among the {len(ids)} candidates recorded")
     if log_scale and ys:
         low, high = math.log10(min(ys)), math.log10(max(ys))
         fig.update_yaxes(type="log", range=[low - 0.5, high + 0.6])  # headroom for the labels and the arrow
-    else:  # headroom for the labels and the arrow; with p ≤ 1 the axis never gets a tick above 1
-        fig.update_yaxes(range=[0, 1.25 * max(ys) if ys and max(ys) > 0 else 1.0])
+    else:  # headroom for the labels above the bars, but no tick above what a probability can be
+        top = 1.2 * max(ys) if ys and max(ys) > 0 else 1.0
+        ticks = [round(0.2 * i, 1) for i in range(6) if 0.2 * i <= top] if top > 0.5 else None
+        fig.update_yaxes(range=[0, top], tickvals=ticks)
     fig.update_layout(title_text=title, title_font_size=13, height=380,
                       yaxis_title_text="probability" + (" (log scale)" if log_scale else ""),
                       xaxis_tickangle=-45, margin={"t": 50, "l": 10, "r": 10, "b": 10})

@@ -70,7 +70,9 @@ def cache_this_step(trace: Trace, step: int) -> None:
         st.dataframe(cache_views.evidence_table(c), hide_index=True, key="evidence_table")
         if c.cached_rows_delta:
             st.caption("The rows the cache held, layer by layer, against the same rows recomputed from every token:")
-            st.dataframe(cache_views.cached_rows_table(c), hide_index=True, key="cached_rows_table", height=240)
+            rows = len(c.cached_rows_delta)
+            st.dataframe(cache_views.cached_rows_table(c), hide_index=True, key="cached_rows_table",
+                         height=min(400, 38 + 35 * rows))  # as tall as its rows, scrolling past 10
         warning = cache_views.timing_warning(c)
         if warning:
             st.warning(warning)
