@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from model.cache import KVCache, transaction
-from model.identity import ModelIdentity, parameters_digest
+from model.identity import ModelIdentity, computed_identity
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families this file implements
 HF_FAMILY = "hf"  # any other transformers decoder, run by transformers (model/hf_decoder.py): a description only
@@ -771,8 +771,7 @@ class GPT(nn.Module):
         "built in code" and a digest of the parameters as they are now."""
         if self._identity is not None:
             return self._identity
-        return ModelIdentity(name="unnamed", source="built in code", family=self.config.family,
-                             config=self.config.to_dict(), weights_digest=parameters_digest(self))
+        return computed_identity(self, self.config.family, self.config.to_dict())
 
     @identity.setter
     def identity(self, value: ModelIdentity) -> None:

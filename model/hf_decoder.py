@@ -44,7 +44,7 @@ from torch import nn
 
 from model.cache import KVCache, transaction
 from model.gpt import GPTConfig, HookPoint, attention, check_tokens, positions_and_keys
-from model.identity import ModelIdentity, parameters_digest
+from model.identity import ModelIdentity, computed_identity
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     from transformers import PreTrainedModel
@@ -412,8 +412,7 @@ class HFDecoder(nn.Module):
     def identity(self) -> ModelIdentity:
         if self._identity is not None:
             return self._identity
-        return ModelIdentity(name="unnamed", source="built in code", family=f"hf:{self.architecture.model_type}",
-                             config=self.config.to_dict(), weights_digest=parameters_digest(self.hf))
+        return computed_identity(self, f"hf:{self.architecture.model_type}", self.config.to_dict(), weights=self.hf)
 
     @identity.setter
     def identity(self, value: ModelIdentity) -> None:

@@ -10,6 +10,7 @@ bytes while they read them (``model/loading.py``), so the files are read once.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -52,13 +53,41 @@ def config_dict(config) -> dict:
     return {k: v for k, v in raw.items() if not k.startswith("_")}
 
 
+# A model built in code has no file to hash: its digest is computed from its tensors, once per set of weights.
+# The key is every parameter's and buffer's storage, dtype, shape and version counter, which any in-place
+# change through the tensor itself bumps (an optimizer step, ``copy_``, ``p[i] += …`` under no_grad). A write
+# through ``p.data`` bypasses the counter, as it bypasses autograd: such a model keeps its old digest until a
+# tracked change (``refresh=True`` recomputes it).
+_COMPUTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, ModelIdentity]] = weakref.WeakKeyDictionary()
+
+
+def _weights_key(weights: nn.Module, config: dict) -> tuple:
+    tensors = [*weights.named_parameters(remove_duplicate=False), *weights.named_buffers(remove_duplicate=False)]
+    return (repr(config), *((name, t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for name, t in tensors))
+
+
+def computed_identity(model: nn.Module, family: str, config: dict, weights: nn.Module | None = None, *,
+                      name: str = "unnamed", source: str = "built in code", refresh: bool = False) -> ModelIdentity:
+    """The identity of a model no loader hashed the files of (by default "unnamed", "built in code"), its
+    digest over the tensors of ``weights`` (the model itself by default), computed once per set of weights,
+    not per call: a Tracer asks on every entry."""
+    weights = model if weights is None else weights
+    key = (name, source, *_weights_key(weights, config))
+    cached = _COMPUTED.get(model)
+    if cached is not None and cached[0] == key and not refresh:
+        return cached[1]
+    identity = ModelIdentity(name=name, source=source, family=family, config=config,
+                             weights_digest=parameters_digest(weights))
+    _COMPUTED[model] = (key, identity)
+    return identity
+
+
 def identity_of(model: nn.Module) -> ModelIdentity:
-    """``model.identity`` when a loader set it; otherwise one made from the model itself."""
+    """``model.identity`` when the model has one (set by a loader, or computed by our models); otherwise one
+    made from the model itself."""
     known = getattr(model, "identity", None)
     if isinstance(known, ModelIdentity):
         return known
     config = getattr(model, "config", None)
-    return ModelIdentity(
-        name="unnamed", source="built in code", family=getattr(config, "family", "gpt2"),
-        config=config_dict(config) if config is not None else {}, weights_digest=parameters_digest(model),
-    )
+    return computed_identity(model, getattr(config, "family", "gpt2"),
+                             config_dict(config) if config is not None else {})

@@ -31,7 +31,7 @@ from torch import nn
 from model.cache import KVCache
 from model.gpt import GPT, GPTConfig, HookPoint, attention, check_tokens
 from model.hf_decoder import HFDecoder, _AttentionHooks
-from model.identity import ModelIdentity, parameters_digest
+from model.identity import ModelIdentity, computed_identity
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _routing = threading.local()  # .decoder: the OwnDecoder whose forward runs on this thread, .call: SDPA calls so far
@@ -148,12 +148,18 @@ class OwnDecoder(nn.Module):
         self.config = GPTConfig(vocab_size=int(logits.shape[-1]), n_ctx=int(n_ctx), d_model=d_model, n_layer=calls,
                                 n_head=H, n_kv_head=G, head_dim=d_head, family="module",
                                 hf_model_type=type(module).__name__)
-        self._identity = ModelIdentity(name=name, source=source, family=f"module:{type(module).__name__}",
-                                       config=self.config.to_dict(), weights_digest=parameters_digest(module))
+        self._named = (name, source)
+        self._identity: ModelIdentity | None = None  # set only to override the computed one
 
     @property
     def identity(self) -> ModelIdentity:
-        return self._identity
+        """Your module's name and source, and a digest of its weights as they are now (computed once per set of
+        weights)."""
+        if self._identity is not None:
+            return self._identity
+        name, source = self._named
+        return computed_identity(self, f"module:{type(self.inner).__name__}", self.config.to_dict(),
+                                 weights=self.inner, name=name, source=source)
 
     @identity.setter
     def identity(self, value: ModelIdentity) -> None:

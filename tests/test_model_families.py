@@ -160,6 +160,32 @@ def test_a_model_built_in_code_has_an_identity_that_follows_its_weights():
     assert model.identity.weights_digest != first.weights_digest
 
 
+def test_the_digest_of_a_model_built_in_code_is_computed_once_per_set_of_weights(monkeypatch):
+    """Entering a Tracer asks for the model's identity; a model built in code hashes its weights the first time
+    and again only after they change (a tiny change too: every byte is hashed, nothing is elided)."""
+    import model.identity as identity_module
+    from tracer import Tracer
+
+    calls = []
+    real = identity_module.parameters_digest
+    monkeypatch.setattr(identity_module, "parameters_digest", lambda m: calls.append(1) or real(m))
+    model = GPT(GPTConfig.for_family("gpt2", vocab_size=V, n_ctx=16, d_model=32, n_layer=1, n_head=4)).eval()
+    tokens = torch.tensor([[1, 2, 3]])
+    digests = []
+    for _ in range(3):
+        with Tracer(model, capture="shapes") as tr:
+            model(tokens)
+        digests.append(tr.trace.model.weights_digest)
+    assert len(calls) == 1 and len(set(digests)) == 1
+    with torch.no_grad():
+        model.embed.weight[5, 7] += 1e-5  # one number, far below anything a printed tensor would show
+    with Tracer(model, capture="shapes") as tr:
+        model(tokens)
+    assert len(calls) == 2 and tr.trace.model.weights_digest != digests[0]
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # new values, same storage
+    assert model.identity.weights_digest == tr.trace.model.weights_digest and len(calls) == 3
+
+
 def test_a_bf16_checkpoint_loads_as_float32_or_bf16():
     import transformers
 
