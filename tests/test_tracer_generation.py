@@ -280,12 +280,35 @@ def test_an_evicted_attention_pattern_keeps_a_pooled_summary_of_block_means():
     with Tracer(model, capture="values") as full, torch.no_grad():
         model(tokens)
     pattern = full.trace.get("blocks.0.attn.hook_pattern")
-    with Tracer(model, capture="values", budget_bytes=64 * 1024) as tight, torch.no_grad():
+    with Tracer(model, capture="values", budget_bytes=256 * 1024) as tight, torch.no_grad():
         model(tokens)
     rec = tight.trace.record("blocks.0.attn.hook_pattern")
-    assert tight.trace.get("blocks.0.attn.hook_pattern") is None  # evicted: 2 heads × 256² floats > 64 KiB
+    assert tight.trace.get("blocks.0.attn.hook_pattern") is None  # evicted: 2 heads × 256² floats > 256 KiB
     digest = tight.trace.digest(rec)
     assert digest is not None and tuple(digest.shape) == (1, 2, 128, 128)
     blocks = pattern.reshape(1, 2, 128, 2, 128, 2).mean(dim=(3, 5))
     torch.testing.assert_close(digest, blocks)
     assert tight.trace.digest(tight.trace.record("blocks.0.attn.hook_qk")) is None  # only the weights are summarised
+    assert tight.trace.log.peak_bytes_kept <= 256 * 1024  # the summary counts against the budget, with the values
+
+
+def test_summaries_count_against_the_budget_and_go_oldest_first():
+    """Pooled summaries are charged to the value budget: over many steps with the cache off they never hold
+    more than it, the oldest steps' summaries go first, and a summary larger than the budget is not kept."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_ctx=400, d_model=16, n_layer=2, n_head=2)).eval()
+    budget = 600 * 1024
+    tracer = Tracer(model, capture="values", budget_bytes=budget)
+    with tracer, torch.no_grad():
+        for step in range(12):  # each forward a step recomputing 200 + step positions: [1, 2, t, t] patterns
+            model(torch.randint(0, 64, (1, 200 + step)))
+    log = tracer.trace.log
+    assert tracer.trace.n_steps == 12 and log.peak_bytes_kept <= budget and log.bytes_kept <= budget
+    summarised = [s for s in range(12) if tracer.trace.digest(tracer.trace.record("blocks.0.attn.hook_pattern", s))
+                  is not None]
+    assert summarised and summarised == list(range(summarised[0], 12))  # the newest steps, none missing
+    assert summarised[0] > 0  # older ones were dropped to stay within the budget
+    with Tracer(model, capture="values", budget_bytes=96 * 1024) as tiny, torch.no_grad():
+        model(torch.randint(0, 64, (1, 256)))  # its summary alone (128 KiB) is larger than the budget
+    assert tiny.trace.digest(tiny.trace.record("blocks.0.attn.hook_pattern")) is None
+    assert tiny.trace.log.peak_bytes_kept <= 96 * 1024

@@ -103,7 +103,6 @@ class TraceLog:
         self._stats_by_view: dict[tuple, TensorStats] = {}
         self._views_of_storage: dict[tuple[int, int], list[tuple]] = {}
         self._flags: dict[int, int] = {}
-        self._digests: dict[int, torch.Tensor] = {}
         self._steps: list[StepRecord] = []
         self._current: int | None = None
         self._error: TraceErrorInfo | None = None
@@ -231,7 +230,7 @@ class TraceLog:
     def digest(self, index: int) -> torch.Tensor | None:
         """The pooled summary of an evicted attention-weights record: ``[B, H, r, c]``, each cell the mean
         weight of a block of query rows × key columns (r, c ≤ 128), or None."""
-        return self._digests.get(index)
+        return self._values.digest(index)
 
     def has_stats(self, index: int) -> bool:
         return index in self._stats
@@ -360,7 +359,7 @@ class TraceLog:
             self._notes.pop(index, None)
             self._stats.pop(index, None)
             self._flags.pop(index, None)
-            self._digests.pop(index, None)
+            self._values.drop_digest(index)
         del self._raw[cut:]
         self._ops = [op for op in self._ops if op[0] < step]
         del self._steps[step:]
@@ -375,9 +374,9 @@ class TraceLog:
     def _evicted(self, index: int, tensor: torch.Tensor, note: str, stats_valid: bool) -> None:
         if stats_valid and index not in self._stats:
             self._stats[index] = self._stats_of(tensor)
-        if stats_valid and index not in self._digests and _digestible(self._modules[self._raw[index][MODULE]].path,
-                                                                      tensor):
-            self._digests[index] = pooled(tensor)
+        if stats_valid and self._values.digest(index) is None and \
+                _digestible(self._modules[self._raw[index][MODULE]].path, tensor):
+            self._values.put_digest(index, self._raw[index][STEP], pooled(tensor))  # under the value budget
         self._notes[index] = note
 
     # -- write side: generation facts ------------------------------------------------------------
@@ -435,7 +434,7 @@ class TraceLog:
         if digest.dim() != 4 or list(digest.shape[:2]) != list(raw.shape[:2]) or \
                 any(d > min(s, DIGEST_SIDE) for d, s in zip(digest.shape[2:], raw.shape[2:])):
             raise ValueError(f"record {index}'s digest {list(digest.shape)} does not summarise {list(raw.shape)}")
-        self._digests[index] = digest
+        self._values.put_digest(index, raw.step, digest)  # over the budget: the record keeps its statistics
 
     def restore_op(self, op: RawOp) -> None:
         if not 0 <= op.step <= len(self._steps) or not -1 <= op.module < len(self._modules):

@@ -1,5 +1,9 @@
 """Captured tensor values under a byte budget.
 
+Summaries of evicted values (the pooled digests of attention weights) live under the same budget: the
+oldest thing goes first, value or summary, by the step it belongs to (a value before a summary of the same
+step, since dropping the value leaves the summary).
+
 Bytes are counted per underlying storage, once, however many records view it
 (a hook point's output and the next module's input are the same tensor; ``q``
 is a view of the ``qkv`` projection). Adding a value that would pass the budget
@@ -98,6 +102,8 @@ class ValueStore:
         # index → (tensor, step, storage key, version when kept); dicts keep insertion order
         self._entries: dict[int, tuple[torch.Tensor, int, tuple[int, int], int]] = {}
         self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
+        # index → (summary, step, bytes): pooled digests of evicted values, charged to the same budget
+        self._digests: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._nbytes = 0
         self._peak_nbytes = 0
         self._evicted = 0
@@ -150,7 +156,7 @@ class ValueStore:
             size = key[1]
             if size > self.budget_bytes:
                 return f"not kept: its storage ({size} B) is larger than the whole budget ({self.budget_bytes} B)"
-            while self._nbytes + size > self.budget_bytes and self._entries:
+            while self._nbytes + size > self.budget_bytes and (self._entries or self._digests):
                 self._evict_oldest()
             self._storages[key] = {index}
             self._nbytes += size
@@ -188,11 +194,45 @@ class ValueStore:
             self._on_release(key)
 
     def _evict_oldest(self) -> None:
-        """Drop the oldest kept value. Value by value rather than whole steps: a decode step needs a few
-        MB, and making room by dropping the whole prefill would cost the statistics of all of it and
-        leave nothing of it to look at."""
+        """Drop the oldest kept value, or the oldest summary when it belongs to an earlier step. Value by value
+        rather than whole steps: a decode step needs a few MB, and making room by dropping the whole prefill
+        would cost the statistics of all of it and leave nothing of it to look at."""
+        oldest_value = next(iter(self._entries.items()), None)
+        oldest_digest = next(iter(self._digests.items()), None)
+        if oldest_digest is not None and (oldest_value is None or oldest_digest[1][1] < oldest_value[1][1]):
+            self.drop_digest(oldest_digest[0])
+            return
+        assert oldest_value is not None  # called only while something is held
         self._evicted += 1
-        self.drop(next(iter(self._entries)), note=f"evicted: over the {self.budget_bytes} B budget")
+        self.drop(oldest_value[0], note=f"evicted: over the {self.budget_bytes} B budget")
+
+    # -- summaries of evicted values, under the same budget ---------------------------------------------
+    def put_digest(self, index: int, step: int, summary: torch.Tensor) -> bool:
+        """Keep ``summary`` for record ``index`` if it fits the budget (making room as a value does, never by
+        dropping it); False when it alone is larger than the budget."""
+        size = summary.numel() * summary.element_size()
+        if size > self.budget_bytes:
+            return False
+        self.drop_digest(index)
+        while self._nbytes + size > self.budget_bytes and (self._entries or self._digests):
+            self._evict_oldest()
+        self._digests[index] = (summary, step, size)
+        self._nbytes += size
+        self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
+        return True
+
+    def digest(self, index: int) -> torch.Tensor | None:
+        entry = self._digests.get(index)
+        return entry[0] if entry is not None else None
+
+    def drop_digest(self, index: int) -> None:
+        entry = self._digests.pop(index, None)
+        if entry is not None:
+            self._nbytes -= entry[2]
+
+    @property
+    def digest_nbytes(self) -> int:
+        return sum(size for _, _, size in self._digests.values())
 
     def overlapping(self, tensor: torch.Tensor) -> list[int]:
         """Indices of kept values whose elements ``tensor`` covers (so writing it would change them)."""
