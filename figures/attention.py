@@ -26,6 +26,8 @@ STAGE_SIDE = 128  # four stages side by side: each pooled to at most 128 × 128,
 M_NOTE = ("Here M is added after the scaling; the formula is often written softmax((QKᵀ + M)/√d_k). The two are "
           "equal because M holds only 0 and −∞: (x + 0)/√d_k = x/√d_k, and −∞/√d_k = −∞.")
 
+HISTORY_WINDOW = 2048  # most rows and key columns the History builds: 2048² float32 = 16 MiB
+
 
 @dataclass
 class Stage:
@@ -183,29 +185,41 @@ def pattern_figure(g: Grid, title: str) -> go.Figure:
     return fig
 
 
-def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch: int = 0
-                      ) -> tuple[torch.Tensor, list[str], list[str], list[int]]:
+def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch: int = 0,
+                      window: int | None = None) -> tuple[torch.Tensor, list[str], list[str], list[int]]:
     """The attention rows of steps 0…upto_step stacked into one [rows × keys] matrix.
 
     With the cache, step 0 gives the prefill's n₀ rows and every later step one
     more row, so the lower-triangular picture builds up token by token. Cells a
     row could not see are NaN (a step whose values were evicted leaves its rows blank).
+    Only the last ``window`` rows and key columns are built (default ``HISTORY_WINDOW``): the matrix is
+    sized by how many positions the trace claims, which a file may set to anything.
     Returns (matrix, row labels, key labels, step of each row)."""
-    keys = key_labels(trace, upto_step, batch)
+    window = HISTORY_WINDOW if window is None else window
+    all_keys = key_labels(trace, upto_step, batch)
+    first_key = max(0, len(all_keys) - window)  # the window's first key column
+    keys = all_keys[first_key:]
     t = len(keys)
     facts = facts_of(trace)
     is_token = facts.is_token(batch, upto_step)
+    use_cache = facts.info.use_cache
+    # how many rows each step adds, newest last: the window keeps the last `window` of them
+    counts = [len(query_labels(trace, s, batch)) if s == 0 or use_cache else 1 for s in range(upto_step + 1)]
+    skip = max(0, sum(counts) - window)
     rows: list[torch.Tensor] = []
     row_steps: list[int] = []
     row_labels: list[str] = []
     for s in range(upto_step + 1):
-        pattern = trace.get(act_name("pattern", layer), s)
-        new = query_labels(trace, s, batch)
-        if s > 0 and not facts.info.use_cache:
-            new = new[-1:]  # without the cache a step recomputes all rows; only its newest row is new
-        n_rows = len(query_labels(trace, s, batch))
+        if skip >= counts[s]:  # every row of this step is before the window
+            skip -= counts[s]
+            continue
+        queries = query_labels(trace, s, batch)
+        new = queries[-counts[s]:][skip:]
+        skip = 0
+        n_rows = len(queries)
         block = torch.full((len(new), t), math.nan)
         padding = [False] * len(new)
+        pattern = trace.get(act_name("pattern", layer), s)
         if pattern is not None:
             values = pattern[batch, head, n_rows - len(new):].float()  # [new rows, t_s]
             t_s = values.shape[-1]
@@ -213,7 +227,8 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
             seen = torch.arange(t_s)[None, :] <= positions[:, None]  # later keys: masked, or not there yet
             padding = [p < len(is_token) and not is_token[p] for p in positions.tolist()]
             seen &= ~torch.tensor(padding)[:, None]  # a padding position is no real query: its row stays blank
-            block[:, :t_s] = torch.where(seen, values, math.nan)
+            shown = torch.where(seen, values, math.nan)[:, first_key:]
+            block[:, : shown.shape[1]] = shown
         row_steps += [s] * len(new)
         row_labels += [f"s{s} · {label}" + (" (padding: no query)" if pad else "") for label, pad in zip(new, padding)]
         rows.append(block)
@@ -224,8 +239,10 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
 def attention_history_figure(trace: Trace, layer: int, head: int, upto_step: int, batch: int = 0) -> go.Figure:
     matrix, ys, xs, row_steps = attention_history(trace, layer, head, upto_step, batch)
     g = grid(matrix, xs, ys)
-    fig = pattern_figure(g, f"rows of layer {layer} head {head} over steps 0…{upto_step}")
-    first_new = row_steps.index(upto_step)
+    total = len(key_labels(trace, upto_step, batch))
+    shown = f" (the last {len(xs):,} of {total:,} positions)" if len(xs) < total else ""
+    fig = pattern_figure(g, f"rows of layer {layer} head {head} over steps 0…{upto_step}{shown}")
+    first_new = row_steps.index(upto_step) if upto_step in row_steps else len(row_steps) - 1
     cells = len(g.y)
     top = min(cells - 1, first_new * cells // len(row_steps))
     fig.add_shape(type="rect", x0=-0.5, x1=len(g.x) - 0.5, y0=top - 0.5, y1=cells - 0.5,

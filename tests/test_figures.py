@@ -201,6 +201,13 @@ def test_history_builds_the_lower_triangle_from_one_row_per_step(gen):
         assert torch.allclose(matrix[n0 + s - 1, : n0 + s], t.get("blocks.1.attn.hook_pattern", s)[0, 2, 0])
     assert torch.isnan(matrix[torch.ones_like(matrix, dtype=torch.bool).triu(1)]).all()
     assert rows[-1].startswith("s3 · ")
+    # a window: the last w rows and key columns of the same matrix, with their own labels
+    w = n0 // 2 + 2
+    window, w_rows, w_keys, w_steps = attention.attention_history(t, 1, 2, 3, window=w)
+    assert window.shape == (w, w) and w_rows == rows[-w:] and w_keys == keys[-w:] and w_steps == row_steps[-w:]
+    torch.testing.assert_close(window, matrix[-w:, -w:], equal_nan=True)
+    title = attention.attention_history_figure(t, 1, 2, 3).layout.title.text
+    assert "the last" not in title  # nothing left out at this size
 
 
 def test_history_leaves_padding_queries_blank(batch_gen):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from tracer import TracedGeneration, TraceFileError, load_trace
 from tracer.files._io import LIMITS, archive_bytes
@@ -271,3 +272,67 @@ def test_a_saved_trace_is_no_larger_than_what_was_kept_plus_its_tables(bundled):
     assert back.bytes_kept <= kept  # a loaded storage holds only the span its records view
     name = "blocks.3.attn.hook_k_all"
     assert back.get(name, 59).equal(gen.trace.get(name, 59)) and back.get(name, 5).equal(gen.trace.get(name, 5))
+
+
+# -- views are sized by what was kept, never by what a file claims --------------------------------------
+def claiming(archive_of_shapes: bytes, n: int, claimed: int) -> bytes:
+    """A shapes-only trace of an ``n``-token prompt rewritten to claim ``claimed`` tokens: every record
+    dimension of size n, the prompt, its labels, the step's facts and the model's n_ctx (a few KiB on disk)."""
+    parts = members(archive_of_shapes)
+    frame = pd.read_parquet(io.BytesIO(parts["records.parquet"]))
+    shapes = [[claimed if d == n else int(d) for d in shape] for shape in frame["shape"]]
+    frame["shape"] = shapes
+    sizes = [int(torch.tensor(s).prod()) if s else 1 for s in shapes]
+    frame["nbytes"] = [size * (nbytes // max(numel, 1)) for size, nbytes, numel in
+                       zip(sizes, frame["nbytes"], frame["numel"])]
+    frame["numel"] = sizes
+    buf = io.BytesIO()
+    frame.to_parquet(buf, index=False)
+    parts["records.parquet"] = buf.getvalue()
+    manifest = json.loads(parts["manifest.json"])
+    info = manifest["generation"]["info"]
+    info["prompt_tokens"] = [[5] * claimed]
+    info["prompt_labels"] = [["x"] * claimed]
+    info["n_ctx"] = manifest["model"]["config"]["n_ctx"] = claimed + 16
+    manifest["generation"]["steps"][0]["forward"].update(n=claimed, t=claimed, cache_after=claimed,
+                                                         fed_tokens=[[5] * claimed])
+    parts["manifest.json"] = json.dumps(manifest).encode()
+    return build(parts, deflate=("manifest.json", "records.parquet"))
+
+
+def test_a_file_claiming_16k_tokens_cannot_make_a_view_allocate_gigabytes(bundled, tmp_path):
+    """A few KiB claiming a 16,384-token prefill: every view of the loaded file builds within a bounded
+    memory (the History once allocated a 16,384² matrix for it, +2.8 GB), measured in a process of its own."""
+    import subprocess
+    import sys
+
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, "Tom had a kite.", temperature=0, capture="shapes")
+    gen.step()
+    n = gen.info.prompt_lengths[0]
+    crafted = tmp_path / "claims.zip"
+    crafted.write_bytes(claiming(archive_bytes(gen.trace), n, 16_384))
+    assert crafted.stat().st_size < 64 * 1024
+    probe = f"""
+import resource, sys
+sys.path.insert(0, {str(ROOT)!r})
+from tracer import load_trace
+from figures import attention, cache, flow, mask, tokens
+trace = load_trace({str(crafted)!r})
+assert trace.generation.step(0).forward.t == 16384
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+views = [lambda: attention.attention_history_figure(trace, 0, 0, 0), lambda: mask.mask_figure(trace, 0),
+         lambda: mask.mask_facts(trace, 0), lambda: attention.attention_stages(trace, 0, 0, 0),
+         lambda: cache.cache_table(trace, 0), lambda: cache.cache_steps_figure(trace, 0),
+         lambda: cache.key_heatmap_figure(trace, 0, 0, 0), lambda: flow.shape_flow_figure(trace, 0, 0),
+         lambda: tokens.generated_text_html(trace, 0), lambda: attention.all_heads_figure(trace, 0)]
+for view in views:
+    try:
+        view()
+    except ValueError:
+        pass  # a view may refuse what it cannot draw; what it may not do is allocate for the claim
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.strip().splitlines()[-1]) < 256  # MiB of new peak memory across all the views
