@@ -133,6 +133,38 @@ def test_the_diff_of_two_runs(bundled):
     assert "only in a" in set(d[d.step > 0].note)  # a ran 4 steps, the ablated run 1
 
 
+def test_diffing_against_many_empty_steps_costs_the_records_not_the_steps(bundled, monkeypatch):
+    """A trace of 20,000 steps that hold no record (a few KiB as a file) against a real run: the diff builds its
+    table once, and reads each run's token columns once, not once per step."""
+    import pandas as pd
+
+    from tracer.experiments import _diff
+    from tracer.reading._facts import GenerationFacts
+    from tracer.reading._trace import Trace
+    from tracer.storage._log import TraceLog
+
+    model, tok = bundled
+    real = TracedGeneration(model, tok, PROMPT, temperature=0)
+    real.run(3)
+    log = TraceLog("values", 2**20)
+    for _ in range(20_000):
+        log.begin_step()
+        log.end_step(0.0)
+    empty = Trace(log)
+    frames, chosen = [], []
+    make_frame = pd.DataFrame
+    monkeypatch.setattr(_diff.pd, "DataFrame", lambda *a, **k: frames.append(1) or make_frame(*a, **k))
+    original = GenerationFacts._chosen
+    monkeypatch.setattr(GenerationFacts, "_chosen", lambda self, step: chosen.append(step) or original(self, step))
+    frame = diff_traces(real.trace, empty)
+    assert len(frames) == 1 and not chosen
+    assert len(frame) == len(real.trace.records) and (frame.note == "only in a").all()
+    other = TracedGeneration(model, tok, PROMPT, temperature=0, use_cache=False)
+    other.run(3)
+    chosen.clear()
+    assert not diff_traces(real.trace, other.trace).diverged.any() and not chosen  # the same tokens, read once
+
+
 def test_patching_the_whole_residual_stream_restores_the_clean_logits(bundled):
     model, tok = bundled
     clean = torch.tensor([tok.encode("Lily had a red ball.")])

@@ -33,10 +33,29 @@ def tolerance(dtype: str, scale: float) -> float:
 
 
 def _same_tokens(a: Trace, b: Trace, step: int) -> bool:
+    return _same_tokens_by_step(a, b, step + 1)[step]
+
+
+def _same_tokens_by_step(a: Trace, b: Trace, n_steps: int) -> list[bool]:
+    """Per step, whether both runs fed the same token columns: the same padded prompts and, before it, the same
+    choices — a prefix property, read once over the steps (not a rebuild of every step's columns, which is
+    work quadratic in the step count a file claims)."""
     fa, fb = a.generation, b.generation
-    if fa is None or fb is None or step >= min(fa.n_steps, fb.n_steps) or fa.batch_size != fb.batch_size:
-        return False
-    return all(fa.columns(r, step) == fb.columns(r, step) for r in range(fa.batch_size))
+    if fa is None or fb is None or fa.batch_size != fb.batch_size:
+        return [False] * n_steps
+    same = all(fa.info.padded_prompt(r)[0] == fb.info.padded_prompt(r)[0] for r in range(fa.batch_size))
+    out = []
+    for step in range(n_steps):
+        if step >= min(fa.n_steps, fb.n_steps):
+            out.append(False)
+            continue
+        out.append(same)
+        ca, cb = fa.steps[step].sampling, fb.steps[step].sampling  # what this step feeds the next
+        if ca is None or cb is None:
+            same = same and ca is cb  # a step that chose nothing feeds nothing
+        else:
+            same = same and tuple(ca.tokens) == tuple(cb.tokens)
+    return out
 
 
 def _aligned(x: torch.Tensor, y: torch.Tensor, axes: tuple[str, ...] | None
@@ -73,14 +92,22 @@ def aligned_values(a: Trace, b: Trace, name: str, step: int) -> tuple[torch.Tens
 
 
 def diff_traces(a: Trace, b: Trace) -> pd.DataFrame:
-    """Compare every record two traces share, step by step, in a's call order (then b's extra records)."""
-    frames = [diff_steps(a, step, b, step, same_tokens=_same_tokens(a, b, step))
-              for step in range(max(a.n_steps, b.n_steps))]
-    return _mark_first(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(COLUMNS)))
+    """Compare every record two traces share, step by step, in a's call order (then b's extra records). The
+    work is the records', not the steps': a step holding no record costs nothing."""
+    n_steps = max(a.n_steps, b.n_steps)
+    same = _same_tokens_by_step(a, b, n_steps)
+    rows: list[dict] = []
+    for step in range(n_steps):
+        rows += _rows(a, step, b, step, same[step])
+    return _mark_first(pd.DataFrame(rows, columns=list(COLUMNS)))
 
 
 def diff_steps(a: Trace, step_a: int, b: Trace, step_b: int, same_tokens: bool = True) -> pd.DataFrame:
     """The records of step ``step_a`` of ``a`` against step ``step_b`` of ``b`` (a step replayed, say)."""
+    return _mark_first(pd.DataFrame(_rows(a, step_a, b, step_b, same_tokens), columns=list(COLUMNS)))
+
+
+def _rows(a: Trace, step_a: int, b: Trace, step_b: int, same_tokens: bool) -> list[dict]:
     recs_a = {r.name: r for r in a.filter(step=step_a)} if step_a < a.n_steps else {}
     recs_b = {r.name: r for r in b.filter(step=step_b)} if step_b < b.n_steps else {}
     rows = []
@@ -94,7 +121,7 @@ def diff_steps(a: Trace, step_a: int, b: Trace, step_b: int, same_tokens: bool =
         else:
             _compare(a, b, ra, rb, same_tokens, row)
         rows.append(row)
-    return _mark_first(pd.DataFrame(rows, columns=list(COLUMNS)))
+    return rows
 
 
 def _mark_first(frame: pd.DataFrame) -> pd.DataFrame:
