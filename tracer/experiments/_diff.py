@@ -58,18 +58,40 @@ def _same_tokens_by_step(a: Trace, b: Trace, n_steps: int) -> list[bool]:
     return out
 
 
-def _aligned(x: torch.Tensor, y: torch.Tensor, axes: tuple[str, ...] | None
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The two values over the positions both hold, or None when their shapes do not line up."""
+def _positions_dim(ra, rb, fed: tuple[int, int] | None) -> int | None:
+    """The dimension along which two records of one step hold different numbers of positions: their named n
+    axis; for a record without named axes (a transformers module's inputs), the one dimension whose sizes are
+    the positions each run fed at that step (1 with the cache, t without). None when the shapes do not line
+    up so, or the runs did not feed the same tokens (``fed`` None)."""
+    if fed is None or len(ra.shape) != len(rb.shape):
+        return None
+    differing = [i for i, (sa, sb) in enumerate(zip(ra.shape, rb.shape)) if sa != sb]
+    if len(differing) != 1:
+        return None
+    d = differing[0]
+    if ra.axes is not None and "n" in ra.axes:
+        return d if ra.axes.index("n") == d else None
+    return d if {ra.shape[d], rb.shape[d]} == set(fed) else None
+
+
+def _aligned(x: torch.Tensor, y: torch.Tensor, d: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two values over the positions both hold (the last ones along ``d``), or None when they do not
+    line up."""
     if x.shape == y.shape:
         return x, y
-    if axes is None or "n" not in axes or x.dim() != y.dim():
-        return None
-    d = axes.index("n")
-    if any(sx != sy for i, (sx, sy) in enumerate(zip(x.shape, y.shape)) if i != d):
+    if d is None:
         return None
     k = min(x.shape[d], y.shape[d])  # the new positions are the last ones
     return x.narrow(d, x.shape[d] - k, k), y.narrow(d, y.shape[d] - k, k)
+
+
+def _fed(a: Trace, step_a: int, b: Trace, step_b: int, same_tokens: bool) -> tuple[int, int] | None:
+    """(positions a fed at ``step_a``, positions b fed at ``step_b``) when both fed the same tokens, else
+    None."""
+    fa, fb = a.generation, b.generation
+    if not same_tokens or fa is None or fb is None or step_a >= fa.n_steps or step_b >= fb.n_steps:
+        return None
+    return fa.steps[step_a].forward.n, fb.steps[step_b].forward.n
 
 
 def aligned_values(a: Trace, b: Trace, name: str, step: int) -> tuple[torch.Tensor, torch.Tensor, str] | None:
@@ -84,11 +106,11 @@ def aligned_values(a: Trace, b: Trace, name: str, step: int) -> tuple[torch.Tens
         return None
     if ra.shape == rb.shape:
         return va, vb, ""
-    pair = _aligned(va, vb, ra.axes if _same_tokens(a, b, step) else None)
-    if pair is None:
+    d = _positions_dim(ra, rb, _fed(a, step, b, step, _same_tokens(a, b, step)))
+    pair = _aligned(va, vb, d)
+    if pair is None or d is None:
         return None
-    assert ra.axes is not None  # _aligned lines shapes up only along a named n axis
-    return pair[0], pair[1], f"the last {pair[0].shape[ra.axes.index('n')]} position(s), which both runs computed"
+    return pair[0], pair[1], f"the last {pair[0].shape[d]} position(s), which both runs computed"
 
 
 def diff_traces(a: Trace, b: Trace) -> pd.DataFrame:
@@ -119,7 +141,7 @@ def _rows(a: Trace, step_a: int, b: Trace, step_b: int, same_tokens: bool) -> li
         if ra is None or rb is None:
             row["note"] = f"only in {'b' if ra is None else 'a'}"
         else:
-            _compare(a, b, ra, rb, same_tokens, row)
+            _compare(a, b, ra, rb, _fed(a, step_a, b, step_b, same_tokens), row)
         rows.append(row)
     return rows
 
@@ -132,7 +154,7 @@ def _mark_first(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def _compare(a: Trace, b: Trace, ra, rb, same_tokens: bool, row: dict) -> None:
+def _compare(a: Trace, b: Trace, ra, rb, fed: tuple[int, int] | None, row: dict) -> None:
     if ra.dtype != rb.dtype:
         row["note"] = f"dtypes differ ({ra.dtype} vs {rb.dtype})"
         row["diverged"] = True
@@ -141,14 +163,15 @@ def _compare(a: Trace, b: Trace, ra, rb, same_tokens: bool, row: dict) -> None:
     if va is None or vb is None:
         row["note"] = "values not kept in " + ("both" if va is None and vb is None else ("a" if va is None else "b"))
         return
-    pair = _aligned(va, vb, ra.axes if same_tokens else None) if ra.shape != rb.shape else (va, vb)
+    d = _positions_dim(ra, rb, fed) if ra.shape != rb.shape else None
+    pair = _aligned(va, vb, d)
     if pair is None:
         row["note"] = "shapes differ"
         row["diverged"] = True
         return
     if not (pair[0].is_floating_point() or pair[0].is_complex()):  # token ids, flags: equal or not, no distance
         differ = int((pair[0] != pair[1]).sum())
-        where = f"on the last {pair[0].shape[ra.axes.index('n')]} position(s), " if ra.shape != rb.shape else ""
+        where = f"on the last {pair[0].shape[d]} position(s), " if d is not None else ""
         row.update(compared=True, tolerance=0.0, diverged=differ > 0,
                    note=where + (f"{differ:,} of {pair[0].numel():,} entries differ" if differ else "all equal"))
         return
@@ -161,7 +184,7 @@ def _compare(a: Trace, b: Trace, ra, rb, same_tokens: bool, row: dict) -> None:
     tol = tolerance(ra.dtype, scale)
     row.update(compared=True, max_abs_delta=max_delta, rel_delta=max_delta / scale if scale else 0.0,
                tolerance=tol, diverged=mismatch or max_delta > tol)
-    if ra.shape != rb.shape:
-        row["note"] = f"compared on the last {x.shape[ra.axes.index('n')]} position(s)"
+    if d is not None:
+        row["note"] = f"compared on the last {x.shape[d]} position(s)"
     if mismatch:
         row["note"] = (row["note"] + "; " if row["note"] else "") + "NaN/±∞ in different places"
