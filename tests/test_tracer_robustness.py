@@ -103,12 +103,18 @@ def test_a_value_changed_in_place_under_inference_mode_is_shown_as_it_was():
     assert tracer.trace.get("lin:out").equal(before)
 
 
-def test_a_value_changed_in_place_in_a_normal_forward_is_dropped_with_a_note():
+WRITES = {"mul_": lambda y: y.mul_(-5.0), "index": lambda y: y.__setitem__(0, 7.0), "relu_": torch.relu_,
+          "copy_": lambda y: y.copy_(torch.full_like(y, 3.0)), "through a view": lambda y: y[:, :2].zero_()}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_value_changed_in_place_in_a_normal_forward_is_dropped_with_a_note(write):
+    """Each write the README lists as caught (the tensor's version counter counts it)."""
     model = Wrap(nn.Identity())
     with Tracer(model) as tracer:
-        out = model(torch.ones(2, 4))
+        out = model(torch.ones(2, 4) - 2)
     with torch.no_grad():
-        out.mul_(-5.0)
+        WRITES[write](out)
     rec = tracer.trace.record("lin:out")
     assert tracer.trace.value(rec) is None and "changed in place" in tracer.trace.value_note(rec)
 
@@ -124,6 +130,8 @@ def test_a_write_through_dot_data_is_not_caught_as_the_docs_say():
         out = model(torch.ones(2, 4))
     out.data.mul_(-5.0)
     assert t.trace.get("lin:out").equal(out)  # the mutated values: not caught
+    out.detach().numpy()[0, 0] = 123.0  # a NumPy view of the storage: not counted either
+    assert t.trace.get("lin:out")[0, 0] == 123.0
     assert "Not caught: writes through\n  ``.data``" in tracer.capture._tracer.__doc__
 
 

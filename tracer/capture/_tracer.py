@@ -11,7 +11,8 @@
   is swapped for a copy; any other mutation — in this step or any later one —
   is caught by its version counter when the value is read, and that value is
   dropped with a note rather than shown wrong. Not caught: writes through
-  ``.data`` (it has a version counter of its own). Tensors made under
+  ``.data`` (it has a version counter of its own), through a NumPy view from ``.numpy()``, or by native code
+  writing the storage directly. Tensors made under
   ``torch.inference_mode`` have no version counter, so those are copied when
   kept. ``copy="all"`` copies everything.
 * **NaN and ±∞ are flagged at every capture level.** With values, from the
