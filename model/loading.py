@@ -716,8 +716,10 @@ def _read_bin(file: Path, hasher) -> dict[str, torch.Tensor]:
             f"{file}: refused — it holds Python objects other than tensors, and pickles are only "
             f"loaded with weights_only=True ({first})"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ModelLoadError(f"{file}: not a readable PyTorch weights file ({e})") from None
+    except Exception as e:  # noqa: BLE001 - weights_only runs no code of the file's: any error is a malformed file
+        # (a crafted pickle can call an allowed rebuild function with wrong arguments: TypeError, IndexError, …)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{file}: not a readable PyTorch weights file ({type(e).__name__}: {first})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ModelLoadError(f"{file}: expected a dictionary of tensors")

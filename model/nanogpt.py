@@ -132,9 +132,10 @@ def _read_checkpoint(file: Path, hasher) -> object:
             f"and containers, and checkpoints are only loaded with torch.load(weights_only=True), so nothing in "
             f"it ran ({reason})"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - weights_only runs no code of the file's: any error is a malformed file
+        # (a crafted pickle can call an allowed rebuild function with wrong arguments: TypeError, IndexError, …)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{file}: not a readable PyTorch checkpoint ({first})") from None
+        raise ModelLoadError(f"{file}: not a readable PyTorch checkpoint ({type(e).__name__}: {first})") from None
 
 
 def _unpickler_reason(message: str) -> str:

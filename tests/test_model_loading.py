@@ -134,6 +134,29 @@ def test_pickle_payload_in_bin_is_refused_and_never_runs(checkpoint, tmp_path):
     assert not marker.exists()
 
 
+def rebuild_with_no_arguments() -> bytes:
+    """A torch.save zip whose pickle calls torch._utils._rebuild_tensor_v2 (an allowed function) with no
+    arguments: weights_only lets the call through, and it raises TypeError."""
+    import io
+    import zipfile
+
+    saved = io.BytesIO()
+    torch.save({"transformer.wte.weight": torch.ones(2)}, saved)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(saved.getvalue())) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n)R." if info.filename.endswith("data.pkl")
+                         else src.read(info))
+    return out.getvalue()
+
+
+def test_a_pickle_that_breaks_an_allowed_call_is_a_load_error_not_a_traceback(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    (checkpoint / "pytorch_model.bin").write_bytes(rebuild_with_no_arguments())
+    msg = error_of(checkpoint)
+    assert "pytorch_model.bin" in msg and "not a readable PyTorch weights file (TypeError" in msg
+
+
 def test_symlink_loop(tmp_path):
     loop = tmp_path / "loop"
     os.symlink(loop, loop)

@@ -197,6 +197,15 @@ def test_a_pickle_holding_code_is_refused_and_never_runs(tmp_path):
         assert not marker.exists()
 
 
+def test_a_pickle_that_breaks_an_allowed_call_is_a_load_error(tmp_path):
+    from tests.test_model_loading import rebuild_with_no_arguments
+
+    file = tmp_path / "ckpt.pt"
+    file.write_bytes(rebuild_with_no_arguments())
+    with pytest.raises(ModelLoadError, match=r"not a readable PyTorch checkpoint \(TypeError"):
+        load_nanogpt(file)
+
+
 @pytest.mark.parametrize("change, expected", [
     (lambda c: c.pop("model_args"), "not a nanoGPT checkpoint"),
     (lambda c: c["model_args"].pop("n_head"), "model_args lacks n_head"),
