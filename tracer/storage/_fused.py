@@ -11,15 +11,35 @@ Built once per machine into a cache directory (``$XDG_CACHE_HOME/gpt-shape-trace
 source or another machine never loads a stale library. No compiler, a failed build, or a platform without
 one: ``available()`` is False, ``status()`` says why, and the statistics take the PyTorch path — the same
 numbers, slower. Nothing is downloaded.
+
+Loading a library runs its code, so only a file this process can trust is loaded:
+
+- the cache directory is made with mode 0700 whatever the umask (missing parents too), and before anything
+  in it is used it must be, by ``lstat``, a real directory (not a symbolic link) owned by this user and not
+  writable by group or others. One that is not (another user's, a world-writable one, a symbolic link) is
+  not used: the kernel is built into a fresh ``tempfile.mkdtemp()`` directory for this process instead,
+  removed once loaded, and ``status()`` says so;
+- the library is compiled into a private temporary directory inside it, made mode 0500, and its sha256 is
+  written beside it (``fused_stats-<key>.sha256``, mode 0400); both are then renamed into place;
+- a cached library is loaded only if it and its ``.sha256`` are regular files (a symbolic link is not
+  followed) owned by this user and not writable by group or others, and the library's bytes hash to the
+  recorded sha256. Any doubt — a missing or different hash, a symbolic link, another owner — and it is
+  rebuilt (``status()`` says why) rather than loaded.
+
+The file is opened once, checked and hashed through that descriptor, and loaded through it too
+(``/proc/self/fd/N`` where there is a ``/proc``), so what is loaded is what was checked. A platform without
+``os.getuid`` or ``O_NOFOLLOW`` takes the PyTorch path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -78,7 +98,197 @@ def _cpu() -> str:
     return platform.processor()
 
 
+class _Doubt(Exception):
+    """A file or directory that is not certainly ours alone: its message says why."""
+
+
+class _BuildFailed(Exception):
+    """The compiler failed: its message is the end of what the compiler said."""
+
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def _doubt(st: os.stat_result, directory: bool) -> str | None:
+    """None when ``st`` (an ``lstat``) is a real directory or regular file owned by this user that group and
+    others cannot write; else what is wrong with it."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (not followed)"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
+    return None
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Make ``path`` and any missing parent with mode 0700 whatever the umask (``fchmod`` through a descriptor
+    opened without following links, so a link swapped in after ``mkdir`` is not what gets the mode)."""
+    missing = []
+    while not os.path.lexists(path) and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    for made in reversed(missing):
+        try:
+            os.mkdir(made, 0o700)
+        except FileExistsError:  # another process made it at the same time: checked like any existing one
+            continue
+        fd = os.open(made, _DIR_FLAGS)
+        try:
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+
+
+def _open_private_dir(path: Path) -> int:
+    """A descriptor of the directory ``path`` once ``lstat`` shows it is ours alone; ``_Doubt`` if it is not."""
+    st = os.lstat(path)
+    doubt = _doubt(st, directory=True)
+    if doubt:
+        raise _Doubt(f"{path} {doubt}")
+    fd = os.open(path, _DIR_FLAGS)
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise _Doubt(f"{path} was replaced while it was checked")
+    return fd
+
+
+def _open_checked(dfd: int, name: str) -> int:
+    """A descriptor of the file ``name`` in the directory ``dfd`` once ``lstat`` shows it is a regular file of
+    ours that group and others cannot write (``FileNotFoundError`` when there is none, ``_Doubt`` otherwise)."""
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    doubt = _doubt(st, directory=False)
+    if doubt:
+        raise _Doubt(f"{name} {doubt}")
+    fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise _Doubt(f"{name} was replaced while it was checked")
+    return fd
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _sidecar(name: str) -> str:
+    return name.removesuffix(".so") + ".sha256"
+
+
+def _open_verified(dfd: int, name: str) -> int:
+    """A descriptor of the cached library ``name`` once it and its sidecar pass ``_open_checked`` and its bytes
+    hash to the sha256 recorded when it was built (``FileNotFoundError`` when there is no library)."""
+    fd = _open_checked(dfd, name)
+    try:
+        digest = hashlib.sha256(_read_all(fd)).hexdigest()
+        try:
+            side = _open_checked(dfd, _sidecar(name))
+        except FileNotFoundError:
+            raise _Doubt(f"{name} has no recorded sha256 ({_sidecar(name)})") from None
+        try:
+            recorded = _read_all(side).decode(errors="replace").strip()
+        finally:
+            os.close(side)
+        if digest != recorded:
+            raise _Doubt(f"the bytes of {name} do not match the sha256 recorded when it was built")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _compile(compiler: str, directory: Path, dfd: int, name: str) -> int:
+    """Build into a private temporary directory inside ``directory``, make the library 0500 and its sha256
+    sidecar 0400, and rename both into place; a descriptor of the library just built (the one hashed)."""
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
+        built = Path(tmp) / name
+        done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise _BuildFailed(done.stderr.strip()[-500:])
+        fd = os.open(built, _FILE_FLAGS)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise _Doubt(f"what {compiler} wrote is not a regular file of this user's")
+            os.fchmod(fd, 0o500)  # the umask cannot leave it writable by anyone
+            digest = hashlib.sha256(_read_all(fd)).hexdigest()
+            side = Path(tmp) / _sidecar(name)
+            sfd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
+            try:
+                os.write(sfd, f"{digest}\n".encode())
+                os.fchmod(sfd, 0o400)
+            finally:
+                os.close(sfd)
+            # atomic: another process loading at once sees a whole file (and, between the two renames, a
+            # hash that does not match, so it builds too rather than loading)
+            os.replace(built, name, dst_dir_fd=dfd)
+            os.replace(side, _sidecar(name), dst_dir_fd=dfd)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _load_or_build(compiler: str, directory: Path, name: str, tidy: bool) -> tuple[object | None, str]:
+    """Load the library ``name`` from ``directory`` if it passes ``_open_verified``, else build it there first.
+    ``tidy``: remove the builds of other sources or compilers beside it."""
+    target = directory / name
+    try:
+        dfd = _open_private_dir(directory)
+    except (OSError, _Doubt) as e:
+        return None, f"the kernel's directory {e}: statistics take the PyTorch path"
+    rebuilt = ""
+    try:
+        try:
+            fd = _open_verified(dfd, name)
+        except FileNotFoundError:
+            fd = None
+        except (OSError, _Doubt) as e:  # OSError: a link swapped in after the lstat (ELOOP), a directory...
+            fd, rebuilt = None, f" (rebuilt: {e}; it was not loaded)"
+        if fd is None:
+            try:
+                fd = _compile(compiler, directory, dfd, name)
+            except (_BuildFailed, OSError, subprocess.SubprocessError, _Doubt) as e:
+                return None, f"building {SOURCE.name} failed: {e}"
+            if tidy:
+                for old in os.listdir(dfd):  # builds of earlier sources or compilers
+                    if old.startswith("fused_stats-") and old not in (name, _sidecar(name)):
+                        with contextlib.suppress(OSError):
+                            os.unlink(old, dir_fd=dfd)
+        # through the descriptor that was checked and hashed, not the name, where the platform allows
+        through = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(target)
+        try:
+            library = ctypes.CDLL(through)
+        except OSError as e:
+            return None, f"loading {target} failed: {e}"
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
+    try:
+        kernel = library.fused_stats_f32
+    except AttributeError:  # an odd $CC, or a file that is not our build: the PyTorch reductions instead
+        return None, f"{target} has no fused_stats_f32 symbol: the PyTorch reductions are used instead"
+    kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Result)]
+    kernel.restype = None
+    return kernel, f"built with {compiler} into {target}{rebuilt}"
+
+
 def _build() -> tuple[object | None, str]:
+    if not hasattr(os, "getuid") or not hasattr(os, "O_NOFOLLOW"):
+        return None, ("no file-ownership checks on this platform, so no library is loaded: statistics take "
+                      "the PyTorch path")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         return None, "no C compiler (cc, gcc or clang) on PATH: statistics take the PyTorch path"
@@ -88,33 +298,29 @@ def _build() -> tuple[object | None, str]:
         return None, f"the C compiler {compiler} did not run ({e}): statistics take the PyTorch path"
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu(),
                                     platform.machine()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"fused_stats-{key}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
-                                      capture_output=True, text=True, timeout=120)
-                if done.returncode != 0:
-                    return None, f"building {SOURCE.name} failed: {done.stderr.strip()[-500:]}"
-                os.replace(built, target)  # atomic: another process building at once loads a whole file
-            for old in target.parent.glob("fused_stats-*.so"):  # builds of earlier sources or compilers
-                if old != target:
-                    old.unlink(missing_ok=True)
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building {SOURCE.name} failed: {e}"
+    name = f"fused_stats-{key}.so"
+    cache = _cache_dir()
     try:
-        library = ctypes.CDLL(str(target))
+        _make_private_dirs(cache)
+        os.close(_open_private_dir(cache))
+    except _Doubt as e:
+        why = f"the cache directory {e}"
     except OSError as e:
-        return None, f"loading {target} failed: {e}"
+        why = f"the cache directory {cache} could not be made or opened ({e})"
+    else:
+        return _load_or_build(compiler, cache, name, tidy=True)
+    why += " and is not used (make it a directory of yours with mode 700, or remove it, to cache the kernel)"
     try:
-        kernel = library.fused_stats_f32
-    except AttributeError:  # an odd $CC, or a file that is not our build: the PyTorch reductions instead
-        return None, f"{target} has no fused_stats_f32 symbol: the PyTorch reductions are used instead"
-    kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Result)]
-    kernel.restype = None
-    return kernel, f"built with {compiler} into {target}"
+        private = Path(tempfile.mkdtemp(prefix="gpt-shape-tracer-"))  # 0700, ours, for this process alone
+    except OSError as e:
+        return None, f"{why}; no private directory could be made either ({e}): statistics take the PyTorch path"
+    try:
+        kernel, how = _load_or_build(compiler, private, name, tidy=False)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)  # the library stays mapped
+    if kernel is None:
+        return None, f"{why}; {how}"
+    return kernel, f"{why}; {how}, a private directory for this process (removed once loaded)"
 
 
 def _get_kernel():
