@@ -10,7 +10,7 @@ from __future__ import annotations
 import streamlit as st
 
 from gui.attention import attention_tab
-from gui.common import freed_memory_reused, header, remembered_tabs, state, status
+from gui.common import admitted, freed_memory_reused, header, remembered_tabs, state, status
 from gui.compare import compare_tab
 from gui.export import export_tab
 from gui.inspector import inspector_tab
@@ -35,6 +35,8 @@ freed_memory_reused()
 
 
 def main() -> None:
+    if not admitted():  # the server's cap on sessions
+        return
     app = state()
     action, values = sidebar()
     st.title("GPT shape tracer")

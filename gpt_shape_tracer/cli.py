@@ -14,11 +14,15 @@ import sys
 import tomllib
 from pathlib import Path
 
+from gpt_shape_tracer.server_limits import BUDGET_ENV, SESSIONS_ENV, ServerLimits
+
 SERVER_SETTINGS = Path(__file__).with_name("server.toml")
 
 USAGE = """usage: gpt-shape-tracer {app,trace} [options]
 
-  app    serve the app in a browser (options after `app` go to `streamlit run`, e.g. --server.port 8600)
+  app    serve the app in a browser (options after `app` go to `streamlit run`, e.g. --server.port 8600);
+         --server-budget-mb N: MiB of traces for all sessions together (default: half the machine's memory)
+         --max-sessions N: sessions served at once (default 8)
   trace  trace a generation headless and write the trace file (`gpt-shape-tracer trace --help`)"""
 
 
@@ -42,6 +46,26 @@ def server_flags(settings: Path = SERVER_SETTINGS) -> list[str]:
     return flags
 
 
+LIMIT_FLAGS = {"--server-budget-mb": BUDGET_ENV, "--max-sessions": SESSIONS_ENV}
+
+
+def server_limit_flags(args: list[str]) -> list[str]:
+    """Take ``--server-budget-mb N`` / ``--max-sessions N`` (or ``--flag=N``) out of ``args`` into the
+    environment (gpt_shape_tracer/server_limits.py reads them there); the rest go to Streamlit."""
+    rest: list[str] = []
+    settings: dict[str, str] = {}
+    values = iter(args)
+    for arg in values:
+        flag, _, inline = arg.partition("=")
+        if flag not in LIMIT_FLAGS:
+            rest.append(arg)
+            continue
+        settings[LIMIT_FLAGS[flag]] = inline or next(values, "")
+    ServerLimits.from_environment({**os.environ, **settings})  # a bad value is refused here, not in the browser
+    os.environ.update(settings)
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -56,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             script = app_script()
         except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            rest = server_limit_flags(rest)  # into the environment the server reads them from
+        except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         # the server replaces this process: Ctrl+C and a terminating parent reach Streamlit itself

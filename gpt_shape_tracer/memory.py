@@ -38,3 +38,18 @@ def reuse_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def return_freed_memory() -> bool:
+    """Hand the memory the process has freed back to the system now (glibc's ``malloc_trim``): what
+    ``reuse_freed_memory`` keeps for the next forward, given back when a session's trace is gone for good.
+    True if glibc did; elsewhere it does nothing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))

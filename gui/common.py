@@ -3,14 +3,19 @@ step slider, and the banners and notices above the tabs."""
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
 from pathlib import Path
 
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from figures import tokens as token_views
 from figures.common import facts_of
 from figures.common import inert as plain  # everything the app did not write passes through this
-from gpt_shape_tracer.memory import reuse_freed_memory
+from gpt_shape_tracer.memory import return_freed_memory, reuse_freed_memory
+from gpt_shape_tracer.server_limits import SessionLedger
 from model import ModelLoadError, TextTokenizer, load_bundled, load_model
 from model.identity import identity_of
 from model.own_module import load_factory
@@ -29,9 +34,10 @@ from tracer import Finite, Trace, TraceFileError, load_trace
 
 UPLOAD_MB = 1024  # MiB, as .streamlit/config.toml server.maxUploadSize (Streamlit labels the dropzone "1GB")
 
-__all__ = ["UPLOAD_MB", "banners", "chart", "current_model", "directory_model", "explain_missing_values",
+__all__ = ["UPLOAD_MB", "admitted", "banners", "chart", "current_model", "directory_model", "explain_missing_values",
            "freed_memory_reused", "header", "layer_head_batch", "live_model_for", "n_layer_head", "plain",
-           "read_uploaded_trace", "remembered_tabs", "state", "status", "values_kept"]
+           "read_uploaded_trace", "remembered_tabs", "reserve_memory", "session_ledger", "state", "status",
+           "values_kept"]
 
 
 @st.cache_resource
@@ -39,6 +45,77 @@ def freed_memory_reused() -> bool:
     """Once per server process: a long prefill frees gigabytes, and glibc's malloc would hand each new tensor
     fresh pages to fault in again (gpt_shape_tracer/memory.py)."""
     return reuse_freed_memory()
+
+
+# -- the server's sessions: how many, and what their traces hold together (gpt_shape_tracer/server_limits.py) --
+REAP_SECONDS = 10  # how often ended sessions are looked for (with the server's 30 s disconnect TTL: < 1 min)
+
+
+@st.cache_resource
+def session_ledger() -> SessionLedger:
+    """One ledger per server process, and the thread that forgets the sessions Streamlit has ended and gives
+    the memory their traces freed back to the system."""
+    ledger = SessionLedger()
+    threading.Thread(target=_forget_ended_sessions, args=(ledger,), daemon=True,
+                     name="gpt-shape-tracer-sessions").start()
+    return ledger
+
+
+def _server_sessions() -> set[str] | None:
+    """The ids of every session the server still holds (connected, or disconnected within its TTL); None
+    where there is no such server (AppTest runs one script with no session manager)."""
+    from streamlit.runtime import Runtime
+
+    if not Runtime.exists():
+        return None
+    manager = getattr(Runtime.instance(), "_session_mgr", None)  # Streamlit's own; not part of its public API
+    list_sessions = getattr(manager, "list_sessions", None)
+    if not callable(list_sessions):
+        return None
+    try:
+        return {info.session.id for info in list_sessions()}
+    except Exception:  # noqa: BLE001 - a Streamlit without this internal shape: nothing is forgotten
+        return None
+
+
+def _forget_ended_sessions(ledger: SessionLedger) -> None:
+    while True:
+        time.sleep(REAP_SECONDS)
+        alive = _server_sessions()
+        if alive is not None and ledger.forget_all_but(alive):
+            gc.collect()  # an ended session's state may hold cycles: free its trace now, then
+            return_freed_memory()  # hand the memory back (the app keeps freed memory for reuse otherwise)
+
+
+def this_session() -> str:
+    ctx = get_script_run_ctx()
+    return ctx.session_id if ctx is not None else "no session"
+
+
+def admitted() -> bool:
+    """Whether the server serves this session (its cap on sessions); if not, says why."""
+    try:
+        refusal = session_ledger().admit(this_session())
+    except ValueError as e:  # a bad setting in the environment
+        st.error(f"The server's limits are set wrongly: {plain(e)}")
+        return False
+    if refusal:
+        st.error(refusal)
+    return not refusal
+
+
+def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None = None) -> str:
+    """Reserve this session's share of the server's trace memory: the budget of its generation and the values
+    of its opened file (each as it is now unless given); "" when granted, else why not."""
+    app = state()
+    if generation_bytes is None:
+        generation_bytes = app.started_with.budget_bytes if app.generation is not None and app.started_with else 0
+    if file_bytes is None:
+        file_bytes = app.loaded.trace.log.bytes_kept if app.loaded is not None else 0
+    try:
+        return session_ledger().reserve(this_session(), generation_bytes + file_bytes)
+    except ValueError as e:
+        return f"The server's limits are set wrongly: {plain(e)}"
 
 
 # -- models (shared by every session; tracing and interventions route per thread, so sharing is safe) --
@@ -177,6 +254,7 @@ def file_controls(app: AppState) -> None:
             st.rerun()
     if cols[2].button("Close the file", key="close_file"):
         app.close_file()
+        reserve_memory()  # the file's share goes back to the server
         app.notices = [("info", f"Closed {name}.")]
         st.rerun()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from gui.common import UPLOAD_MB, plain, read_uploaded_trace, state
+from gui.common import UPLOAD_MB, plain, read_uploaded_trace, reserve_memory, state
 from session import LoadedTrace
 from tracer import LIMITS, Trace, archive_bytes
 
@@ -26,6 +26,10 @@ def export_tab(trace: Trace | None, step: int = 0) -> None:
             return
         if not loaded.steps or loaded.generation is None:
             st.error(f"{plain(upload.name)} is a valid trace but not of a generation this app can show.")
+            return
+        refusal = reserve_memory(file_bytes=loaded.log.bytes_kept)
+        if refusal:
+            st.error(f"{plain(upload.name)} was not opened: {refusal}")
             return
         app.open_file(LoadedTrace(loaded, upload.name, upload.file_id))
         st.session_state["pending_step_view"] = loaded.n_steps - 1  # the slider exists already: apply next run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from gui.common import current_model, directory_model, factory_model, plain, state
+from gui.common import current_model, directory_model, factory_model, plain, reserve_memory, state
 from model import BUNDLED_MODELS, ModelLoadError
 from model.hf_decoder import weights_size
 from model.loading import ASSETS
@@ -198,6 +198,7 @@ def reset(refused: SettingsError | None) -> None:
         state().notices = [("error", f"Reset refused, nothing was discarded: {refused}")]
         return
     state().reset()
+    reserve_memory()  # the generation's share goes back to the server
     state().notices = [("info", "Reset: the next Step starts from the prompt with these settings and "
                                 f"{plain(describe_model_key(state().model_key))}.")]
 
@@ -214,6 +215,10 @@ def advance(n_raw: object, settings: Settings | None, refused: SettingsError | N
             if refused is not None:
                 raise refused
             model, tok = current_model()
+            refusal = reserve_memory(generation_bytes=settings.budget_bytes)  # the server's total, shared
+            if refusal:
+                app.notices = [("error", f"Not started: {refusal}")]
+                return
             gen = app.start(model, tok, settings)
             notices += [("warning", plain(w)) for w in gen.warnings]
     except SettingsError as e:
