@@ -10,7 +10,7 @@ from __future__ import annotations
 import streamlit as st
 
 from gui.attention import attention_tab
-from gui.common import admitted, freed_memory_reused, header, remembered_tabs, state, status
+from gui.common import admitted, freed_memory_reused, header, remembered_tabs, state, status, viewed_step
 from gui.compare import compare_tab
 from gui.export import export_tab
 from gui.inspector import inspector_tab
@@ -60,12 +60,22 @@ def main() -> None:
         with tabs[1]:
             export_tab(None)
         return
-    step = header(trace)
+    header(trace)  # the step slider: each tab reads the step it set (viewed_step)
     tabs = remembered_tabs(TABS, "view")  # Reset → Step returns to the same view
     for tab, name in zip(tabs, TABS):
         with tab:
             if tab.open:
-                PANELS[name](trace, step)
+                panel(name)
+
+
+@st.fragment
+def panel(name: str) -> None:
+    """One tab, rerun on its own when a widget in it changes. The fragment is given only the tab's name and
+    reads the trace and step when it runs: Streamlit keeps a fragment's arguments for the session's life, and
+    a trace passed here would outlive Reset and the session's end (measured: its memory never came back)."""
+    trace = state().viewed_trace
+    if trace is not None:
+        PANELS[name](trace, viewed_step(trace))
 
 
 main()

@@ -21,7 +21,6 @@ from session import first_token
 from tracer import Trace, head_scores
 
 
-@st.fragment
 def attention_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "attn")
     st.latex(attn_views.attention_latex(trace, step, layer))

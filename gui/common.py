@@ -4,8 +4,10 @@ step slider, and the banners and notices above the tabs."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import streamlit as st
@@ -37,7 +39,7 @@ UPLOAD_MB = 1024  # MiB, as .streamlit/config.toml server.maxUploadSize (Streaml
 __all__ = ["UPLOAD_MB", "admitted", "banners", "chart", "current_model", "directory_model", "explain_missing_values",
            "freed_memory_reused", "header", "layer_head_batch", "live_model_for", "n_layer_head", "plain",
            "read_uploaded_trace", "remembered_tabs", "reserve_memory", "session_ledger", "state", "status",
-           "values_kept"]
+           "values_kept", "viewed_step"]
 
 
 @st.cache_resource
@@ -78,13 +80,27 @@ def _server_sessions() -> set[str] | None:
         return None
 
 
+# each session's state, by session id, held weakly: an ended session's trace is let go by us, not only when
+# Streamlit's session store gets round to dropping the session (it expires entries lazily, on its next use)
+_STATES: weakref.WeakValueDictionary[str, AppState] = weakref.WeakValueDictionary()
+
+
 def _forget_ended_sessions(ledger: SessionLedger) -> None:
     while True:
         time.sleep(REAP_SECONDS)
         alive = _server_sessions()
-        if alive is not None and ledger.forget_all_but(alive):
+        if alive is None:
+            continue
+        gone = ledger.forget_all_but(alive)
+        for session in gone:
+            app = _STATES.pop(session, None)
+            if app is not None:
+                app.reset()  # the generation and its trace
+                app.close_file()
+        if gone:
             gc.collect()  # an ended session's state may hold cycles: free its trace now, then
             return_freed_memory()  # hand the memory back (the app keeps freed memory for reuse otherwise)
+            print(f"gpt-shape-tracer: {len(gone)} ended session(s) released", file=sys.stderr, flush=True)
 
 
 def this_session() -> str:
@@ -161,7 +177,9 @@ def remembered_tabs(names: list[str], key: str) -> list:
 
 def state() -> AppState:
     """This session's state: one typed object, not loose keys."""
-    return st.session_state.setdefault("app", AppState())
+    app = st.session_state.setdefault("app", AppState())
+    _STATES[this_session()] = app
+    return app
 
 
 def current_model():
@@ -291,7 +309,7 @@ def header(trace: Trace) -> int:
     if "pending_step_view" in st.session_state:
         st.session_state["step_view"] = st.session_state.pop("pending_step_view")
     if n_steps > 1:
-        st.session_state["step_view"] = min(st.session_state.get("step_view", n_steps - 1), n_steps - 1)
+        st.session_state["step_view"] = viewed_step(trace)
         step = st.slider("Step (time travel: every view shows this step)", 0, n_steps - 1, key="step_view")
     else:
         step = 0
@@ -313,6 +331,12 @@ def header(trace: Trace) -> int:
                    help="wall time of the traced forward on this (shared) machine: an estimate")
     banners(trace, step)
     return step
+
+
+def viewed_step(trace: Trace) -> int:
+    """The step the slider shows (the latest when it has not been moved; 0 when there is one step)."""
+    n_steps = trace.n_steps
+    return min(st.session_state.get("step_view", n_steps - 1), n_steps - 1) if n_steps > 1 else 0
 
 
 # -- shared pickers and messages -----------------------------------------------------------------------

@@ -10,7 +10,6 @@ from session import Comparison, caches, rerun_and_compare
 from tracer import Trace, aligned_values, diff_traces
 
 
-@st.fragment
 def compare_tab(trace: Trace, step: int) -> None:
     app = state()
     gen = app.generation if not app.viewing_file else None

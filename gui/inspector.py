@@ -13,7 +13,6 @@ from session import ops_module
 from tracer import Trace
 
 
-@st.fragment
 def inspector_tab(trace: Trace, step: int) -> None:
     names = trace.names(step)
     default = state().inspect_name or act_name("pattern", 0)

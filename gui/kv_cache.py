@@ -16,7 +16,6 @@ from tracer import Trace
 RECOMPUTE_REPEATS = 5  # timings of the cache comparison on demand: the fastest of this many runs
 
 
-@st.fragment
 def cache_tab(trace: Trace, step: int) -> None:
     if not facts_of(trace).info.use_cache:
         st.warning("The KV cache is off for this generation: every step recomputes K and V for all positions. "

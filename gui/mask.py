@@ -10,7 +10,6 @@ from model.hook_table import act_name
 from tracer import Trace
 
 
-@st.fragment
 def mask_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "mask")
     facts = mask_views.mask_facts(trace, step, layer, batch)

@@ -10,7 +10,6 @@ from gui.common import chart
 from tracer import Trace
 
 
-@st.fragment
 def next_token_tab(trace: Trace, step: int) -> None:
     facts = facts_of(trace)
     row = st.selectbox("sequence", list(range(facts.batch_size)), key="next_row",

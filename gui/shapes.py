@@ -12,7 +12,6 @@ LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_mod
          "heads · d_head = d_k · V vocab"
 
 
-@st.fragment
 def shapes_tab(trace: Trace, step: int) -> None:
     n_layer, _ = n_layer_head(trace)
     layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page")

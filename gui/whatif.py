@@ -11,7 +11,6 @@ from session import ablation_run, all_heads, head_ablations, head_label, patchin
 from tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
 
 
-@st.fragment
 def whatif_tab(trace: Trace, step: int) -> None:
     app = state()
     model = live_model_for(trace)

@@ -524,6 +524,22 @@ def test_choosing_a_model_discards_nothing_and_a_file_stays_open_until_closed(st
     assert app.loaded is None and "Closed mine.zip" in page_text(at)
 
 
+def test_reset_lets_the_trace_go(stepped):
+    """After Reset nothing of the session holds the old trace (its memory can be freed): not the app state, not
+    a tab drawn from it. (That an ended session's trace is let go on a real server is checked in
+    test_server_limits.py, with the server's own memory.)"""
+    import gc
+    import weakref
+
+    at = stepped
+    for tab in ("Attention", "KV cache", "What if", "Inspector"):  # each tab drawn once, as fragments
+        show_tab(at, tab)
+    trace = weakref.ref(gen_of(at).trace)
+    press(at, "reset_button")
+    gc.collect()
+    assert trace() is None
+
+
 def test_a_broken_trace_file_gets_a_message_and_nothing_is_lost(stepped):
     at = show_tab(stepped, "Export")
     at.file_uploader(key="upload_trace").upload("broken.zip", b"PK\x03\x04 not really a zip", "application/zip")
