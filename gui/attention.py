@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import attention as attn_views
+from figures import flash as flash_views
 from figures.common import facts_of, query_labels, scores_formula
 from gui.common import (
     chart,
@@ -34,8 +35,8 @@ def attention_tab(trace: Trace, step: int) -> None:
                    + " — and adds M after, as in Vaswani et al. (2017). The stages below are its own numbers.")
     rope = trace.has(act_name("rot_q", layer), step)
     rope_elsewhere = attn_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
-    parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope or rope_elsewhere else []) + ["All heads",
-                                                                                                "History"]
+    parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope or rope_elsewhere else []) + [
+        "All heads", "History", "FlashAttention"]
     sub = dict(zip(parts, remembered_tabs(parts, "attn_view")))
     pattern_kept = trace.get(act_name("pattern", layer), step) is not None
     with sub["Stages"]:
@@ -89,6 +90,41 @@ def attention_tab(trace: Trace, step: int) -> None:
             else:
                 st.info("The history stacks the one row each cached decode step computes; it needs the KV cache on, "
                         "a step after the prefill, and kept values.")
+    with sub["FlashAttention"]:
+        if sub["FlashAttention"].open:
+            flash_section(trace, step, layer, head, batch)
+
+
+def flash_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
+    st.markdown("FlashAttention (Dao et al., 2022) computes the same O = softmax(S)·V without ever holding the n × t "
+                "scores S: it reads K and V one tile of keys at a time and keeps, for each query row, a running max "
+                "m, a running sum ℓ = Σ exp(s − m) and an unnormalised output. When a tile raises a row's max, what "
+                "was summed so far is multiplied by exp(m_old − m_new) (the online softmax); after the last tile, "
+                "output / ℓ is the softmax-weighted sum exactly. Below, this head's own Q, K, V and M, tile by tile.")
+    cols = st.columns(3)
+    block = cols[0].selectbox("tile size (keys per tile, rows per query block)", list(flash_views.BLOCK_SIZES),
+                              index=1, key="flash_block", persist_state="page")
+    n = trace.record(act_name("q", layer), step).shape[2]
+    first = facts_of(trace).step(step).forward.t - n  # this step's query rows are the last n positions
+    blocks = -(-n // block)
+    query_block = cols[1].selectbox(  # keyed by the size: the blocks differ
+        "query block", list(range(blocks)),
+        format_func=lambda i: f"positions {first + i * block}…{first + min(n, (i + 1) * block) - 1}",
+        index=blocks - 1, key=f"flash_rows_{block}") if blocks > 1 else 0
+    run = flash_views.flash_attention(trace, step, layer, head, batch, block=block, query_block=query_block)
+    if run is None:
+        explain_missing_values(trace, step, "Q, K, V, M and O values")
+        return
+    last = len(run.tiles) - 1
+    tile = cols[2].slider("tiles read", 0, last, last, key=f"flash_tile_{block}_{query_block}") if last else 0
+    chart(flash_views.flash_figure(trace, step, run, tile), key="flash_chart")
+    current = run.tiles[tile]
+    done = (f"Every tile read: max |O(tiles) − O(model)| = {run.max_abs_delta:.2e}, the model's own output to "
+            "rounding." if tile == last else f"{last - tile} tile(s) still to read: the output so far covers keys "
+            f"0…{current.keys[1] - 1} only.")
+    st.caption(f"After tile {tile} (keys {current.keys[0]}…{current.keys[1] - 1}): {current.rescaled} row(s) found a "
+               f"larger max in it, and their sums so far were rescaled. {done}")
+    st.caption(flash_views.memory_sentence(run))
 
 
 def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, show: bool = True) -> int:

@@ -263,6 +263,22 @@ def test_the_attention_subviews(stepped):
     assert len(history["z"]) == n0 + 2 and len(history["z"][0]) == n0 + 2
 
 
+def test_flash_attention_tile_by_tile_ends_at_the_models_output(stepped):
+    at = show_tab(stepped, "Attention", ("attn_view", "FlashAttention"))
+    text = page_text(at)
+    assert "Every tile read: max |O(tiles) − O(model)| = " in text and "one tile of S (1 × 8)" in text
+    delta = float(text.split("max |O(tiles) − O(model)| = ")[1].split(",")[0])
+    assert delta < 1e-5
+    at.slider(key="step_view").set_value(0)  # the prefill: several query blocks, several tiles
+    run(at)
+    at.selectbox(key="flash_block").set_value(4)
+    run(at)
+    at.slider(key="flash_tile_4_" + str(at.selectbox(key="flash_rows_4").value)).set_value(0)
+    run(at)
+    assert "tile(s) still to read" in page_text(at)
+    assert any(d.get("name") == "m (running max)" for d in charts(at)[0]["data"])
+
+
 def test_kv_cache_tab_reports_the_recompute_check(stepped):
     at = show_tab(stepped, "KV cache")
     assert any("agree within 0.0001" in s.value for s in at.success)

@@ -142,7 +142,7 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
         assert len(stages) == 4 and all((s["rows"], s["cols"]) == (1, t) for s in stages)
         assert page.get_by_text(f"[1, 4, 1, 32] @ [1, 4, 32, {t}] → [1, 4, 1, {t}]").count() >= 1
         shot("attention")
-        for sub, name in (("All heads", "all_heads"), ("Pitfalls", "pitfalls")):
+        for sub, name in (("All heads", "all_heads"), ("Pitfalls", "pitfalls"), ("FlashAttention", "flash_attention")):
             open_tab(page, sub)
             shot(name)
         open_tab(page, "History")
