@@ -26,6 +26,7 @@ from tracer import (
     MAX_BATCH,
     MAX_RUN_STEPS,
     PADDING_SIDES,
+    CachePrecisionRun,
     ContextFullError,
     GenerationStopped,
     Intervention,
@@ -436,6 +437,7 @@ class AppState:
     ablation: AblationResult | None = None
     patching: PatchingRun | None = None
     comparison: Comparison | None = None
+    precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
     last_compare_upload_id: str | None = None
 
     @property
@@ -474,6 +476,7 @@ class AppState:
         self.ablation = None
         self.patching = None
         self.comparison = None
+        self.precision = None
 
     def open_file(self, loaded: LoadedTrace) -> None:
         self.loaded = loaded

@@ -11,7 +11,7 @@ from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, NEUTRAL
 from figures.plot import figure, fitted, subplots
 from model.hook_table import act_name
-from tracer import RecomputeComparison, Trace
+from tracer import CachePrecisionRun, RecomputeComparison, Trace
 
 CACHE_COLOUR = "#f4b6b6"  # the shape flow's colour for the cache, a shade stronger
 
@@ -252,4 +252,26 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
     fig.update_annotations(font_size=13, xanchor="left", x=0)
     fig.update_layout(barmode="group", height=260 * rows + 60, margin={"t": 90, "l": 10, "r": 10, "b": 10},
                       legend={"orientation": "h", "y": 1.04, "yanchor": "bottom", "x": 0})
+    return fig
+
+
+@fitted
+def precision_figure(run: CachePrecisionRun) -> go.Figure:
+    """max |Δ logits| per step of a cheaper cache against the model-precision one (the same tokens fed), on a
+    log axis; steps where the cheaper cache's own argmax would have chosen another token are marked."""
+    xs = [s.step for s in run.steps]
+    ys = [max(s.max_abs_delta, 1e-12) for s in run.steps]
+    differs = [s for s in run.steps if s.differs]
+    fig = figure([
+        go.Scatter(x=xs, y=ys, mode="lines+markers", name="max |Δ logits|", line={"color": NEUTRAL},
+                   hovertemplate="step %{x}: max |Δ logits| = %{y:.3g}<extra></extra>"),
+        go.Scatter(x=[s.step for s in differs], y=[max(s.max_abs_delta, 1e-12) for s in differs], mode="markers",
+                   name="its own choice would differ", marker={"color": ACCENT, "size": 11, "symbol": "x"}),
+    ])
+    fig.update_yaxes(type="log", exponentformat="power", title_text="max |Δ logits|")
+    fig.update_xaxes(title_text="step (0: the prefill)", dtick=1 if len(xs) <= 20 else None)
+    fig.update_layout(height=320, title_font_size=13, legend={"orientation": "h", "y": 1.12},
+                      title_text=f"K and V stored as {run.storage} against the model's own precision, the same tokens "
+                                 "fed to both",
+                      margin={"t": 70, "l": 10, "r": 10, "b": 10})
     return fig

@@ -324,7 +324,7 @@ def header(trace: Trace) -> int:
     cols = st.columns(5)
     cols[0].metric("new positions n", forward.n)
     cols[1].metric("key positions t", forward.t)
-    cols[2].metric("cache length after step", forward.cache_after if facts.info.use_cache else 0,
+    cols[2].metric("cached after step", forward.cache_after if facts.info.use_cache else 0,
                    help="0 when the KV cache is off")
     cols[3].metric("query rows computed", f"{forward.n} of {forward.t}")
     cols[4].metric("traced forward time", f"{trace.steps[step].seconds * 1000:.1f} ms",

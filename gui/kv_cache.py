@@ -8,10 +8,10 @@ import streamlit as st
 from figures import attention as attn_views
 from figures import cache as cache_views
 from figures.common import facts_of
-from gui.common import chart, layer_head_batch, remembered_tabs, state, values_kept
+from gui.common import chart, layer_head_batch, plain, remembered_tabs, state, values_kept
 from model.hook_table import act_name
 from session import caches
-from tracer import Trace
+from tracer import Trace, cache_precision
 
 RECOMPUTE_REPEATS = 5  # timings of the cache comparison on demand: the fastest of this many runs
 
@@ -21,7 +21,7 @@ def cache_tab(trace: Trace, step: int) -> None:
         st.warning("The KV cache is off for this generation: every step recomputes K and V for all positions. "
                    "The table shows what each step computed.")
     # two views, drawn only when open: a Step then redraws one chart of this tab, not two
-    this_step, over_steps = remembered_tabs(["This step", "Over the steps"], "kv_view")
+    this_step, over_steps, cheaper = remembered_tabs(["This step", "Over the steps", "A cheaper cache"], "kv_view")
     with this_step:
         if this_step.open:
             cache_this_step(trace, step)
@@ -33,6 +33,52 @@ def cache_tab(trace: Trace, step: int) -> None:
                        f"cache and without it ({ran}), and the multiply-adds of both paths at the steps compared "
                        "with a recompute. The step shown is marked.")
             chart(cache_views.cache_steps_figure(trace, step), key="steps_chart")
+    with cheaper:
+        if cheaper.open:
+            cheaper_cache()
+
+
+def cheaper_cache() -> None:
+    """The same prompt with K and V stored at a lower precision, against the model's own (tracer.cache_precision)."""
+    app = state()
+    gen = app.generation if not app.viewing_file else None
+    if gen is None:
+        st.info("This experiment runs the live model on this generation's prompt: Step once (or leave the file view).")
+        return
+    if not caches(gen.model):
+        st.info("Your module runs its own forward, without our KV cache: there is no cache to store more cheaply.")
+        return
+    st.markdown("A cache can store its keys and values in fewer bytes: bfloat16 or float16 (2 bytes a number), or "
+                "int8 (1 byte a number and one float32 scale per row of each head: q = round(x/s), s = max|x|/127, "
+                "read back as q·s). Below, this generation's prompt runs greedily twice side by side — with the "
+                "cache in the model's own precision and with the cheaper one — both fed the same tokens, so each "
+                "step compares the same context.")
+    cols = st.columns([2, 1, 1])
+    storage = cols[0].selectbox("store K and V as", ["bfloat16", "float16", "int8"], index=2, key="kv_storage",
+                                persist_state="page")
+    steps = int(cols[1].number_input("steps", min_value=1, max_value=64, value=16, key="kv_storage_steps",
+                                     persist_state="page"))
+    if cols[2].button("Run both", key="kv_storage_run", type="primary"):
+        try:
+            with st.spinner("running both caches…"):
+                app.precision = cache_precision(gen, storage, steps)
+        except ValueError as e:
+            st.error(plain(e))
+    run = app.precision
+    if run is None:
+        st.caption("Choose a format and the number of steps, then run.")
+        return
+    first = run.first_difference
+    metrics = st.columns(3)
+    metrics[0].metric(f"{run.storage} cache after {len(run.steps)} steps", f"{run.stored_bytes:,} B",
+                      f"{run.stored_bytes / run.reference_bytes - 1:+.0%} against {run.reference_bytes:,} B",
+                      delta_color="inverse")
+    metrics[1].metric("largest |Δ logits|", f"{max(s.max_abs_delta for s in run.steps):.3g}")
+    metrics[2].metric("first step whose choice differs", "none" if first is None else str(first))
+    st.caption(run.formula() + (f". The same cache with one key/value head per query head (G = H = {run.query_heads}"
+                                f") would hold {run.as_multi_head_bytes:,} B." if run.kv_heads < run.query_heads
+                                else "."))
+    chart(cache_views.precision_figure(run), key="precision_chart")
 
 
 def cache_this_step(trace: Trace, step: int) -> None:

@@ -1,7 +1,8 @@
 """The KV cache: per layer, the keys and values of every position seen so far.
 
-The seed's argument (001, "KV caching"): each row of K and V depends only on
-its own token, so earlier rows never change. A decode step computes K, V (and
+Why a cache is exact: row i of K and V depends on tokens 0…i only (the causal
+mask keeps every earlier row from seeing later tokens), so earlier rows never
+change when new tokens arrive. A decode step computes K, V (and
 Q) for the one new position, appends the new rows here, and attends with the
 full K, V: ``[B,H,1,d_head] @ [B,H,d_head,t] -> [B,H,1,t]``. A grouped-query
 model (Llama, Mistral, Qwen2) caches only its G key/value heads,
@@ -17,6 +18,14 @@ an alias of the buffer with its own version counter, so that those earlier
 views — whose elements really did not change — are not reported as modified
 in place (a tracer keeping them checks that counter).
 
+A cache can also *store* its rows at a lower precision (``storage``: bfloat16,
+float16, or int8 with one absmax scale per row of each head, symmetric,
+round-to-nearest): every row is rounded as it is written, and every read —
+the step that wrote it included — sees the rounded values, as a quantized
+cache that dequantizes on read would. ``stored_nbytes`` counts what such a
+cache holds (int8: one byte per number plus the float32 scales). It is an
+experiment, not a memory saving: the buffer itself stays in the model's dtype.
+
 Updates are transactional: a forward stages its new length and the model
 commits it only when the whole forward succeeded, so a forward that raises
 leaves the cache's visible contents exactly as they were.
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal, get_args
 
 import torch
 
@@ -53,12 +63,33 @@ class _LayerBuffer:
         self._v_write[:, :, start:end] = v
 
 
+Storage = Literal["model", "float32", "bfloat16", "float16", "int8"]
+STORAGES: tuple[str, ...] = get_args(Storage)
+INT8_SCALE_BYTES = 4  # one float32 absmax scale per stored row of each head
+
+
+def stored(x: torch.Tensor, storage: str) -> torch.Tensor:
+    """``x`` ``[..., d_head]`` as a cache storing it as ``storage`` returns it when read (in ``x``'s dtype)."""
+    if storage == "model":
+        return x
+    if storage in ("float32", "bfloat16", "float16"):
+        return x.to(getattr(torch, storage)).to(x.dtype)
+    if storage == "int8":  # symmetric, per row of each head: q = round(x / s), s = max|x| / 127
+        scale = x.abs().amax(dim=-1, keepdim=True).float() / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return ((x.float() / scale).round().clamp(-127, 127) * scale).to(x.dtype)
+    raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+
+
 class KVCache:
     """Keys and values ``[B, G, t, d_head]`` per layer (G = H for GPT-2), plus what padding they hold."""
 
-    def __init__(self, n_layer: int, batch_size: int) -> None:
+    def __init__(self, n_layer: int, batch_size: int, storage: str = "model") -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+        self.storage = storage
         self.n_layer = n_layer
         self.batch_size = batch_size
         self._buffers: list[_LayerBuffer | None] = [None] * n_layer
@@ -96,6 +127,8 @@ class KVCache:
             if buf is not None and start:
                 grown.write(0, buf.keys[:, :, :start], buf.values[:, :, :start])
             self._buffers[layer] = buf = grown
+        if self.storage != "model":  # what a cache storing this precision would hand back
+            k, v = stored(k, self.storage), stored(v, self.storage)
         buf.write(start, k, v)
         self._staged.add(layer)
         return buf.keys[:, :, :end], buf.values[:, :, :end]
@@ -116,7 +149,7 @@ class KVCache:
         length = self._length if length is None else length
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
             raise ValueError(f"a copy can hold 0 … {self._length} positions, got {length!r}")
-        twin = KVCache(self.n_layer, self.batch_size)
+        twin = KVCache(self.n_layer, self.batch_size, self.storage)
         if length:
             for layer, buf in enumerate(self._buffers):
                 assert buf is not None  # every layer has rows once length > 0
@@ -135,6 +168,18 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the cached keys and values (the t rows in use, all layers)."""
         return sum(int(t.numel() * t.element_size()) for t in (*self.keys, *self.values) if t is not None)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes a cache storing ``storage`` would hold for the same rows: 2·L·B·G·t·d_head numbers at its size,
+        plus, for int8, one float32 scale per row of each head."""
+        held = [t for t in (*self.keys, *self.values) if t is not None]
+        if self.storage == "model":
+            return self.nbytes
+        if self.storage == "int8":
+            return sum(int(t.numel() + t[..., 0].numel() * INT8_SCALE_BYTES) for t in held)
+        size = torch.empty(0, dtype=getattr(torch, self.storage)).element_size()
+        return sum(int(t.numel() * size) for t in held)
 
     def __repr__(self) -> str:
         keys = self.keys[0]

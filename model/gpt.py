@@ -777,9 +777,10 @@ class GPT(nn.Module):
     def identity(self, value: ModelIdentity) -> None:
         self._identity = value
 
-    def new_cache(self, batch_size: int = 1) -> KVCache:
-        """An empty KV cache for ``batch_size`` sequences, to pass to ``forward``."""
-        return KVCache(self.config.n_layer, batch_size)
+    def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
+        """An empty KV cache for ``batch_size`` sequences, to pass to ``forward`` (``storage``: the precision
+        its rows are rounded to as they are written, model/cache.py)."""
+        return KVCache(self.config.n_layer, batch_size, storage)
 
     def forward(
         self,

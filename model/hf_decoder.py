@@ -422,8 +422,8 @@ class HFDecoder(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.hf.parameters())
 
-    def new_cache(self, batch_size: int = 1) -> KVCache:
-        return KVCache(self.config.n_layer, batch_size)
+    def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
+        return KVCache(self.config.n_layer, batch_size, storage)
 
     @property
     def w_u(self) -> torch.Tensor:

@@ -169,7 +169,7 @@ class OwnDecoder(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.inner.parameters())
 
-    def new_cache(self, batch_size: int = 1) -> KVCache:
+    def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         raise OwnModuleError("your module runs without our KV cache: every step recomputes all positions "
                              "(turn the cache off)")
 

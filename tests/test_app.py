@@ -131,7 +131,7 @@ def test_three_steps_show_the_right_shapes(stepped):
     n0 = prompt_tokens(at)
     assert metric(at, "new positions n") == "1"
     assert metric(at, "key positions t") == str(n0 + 2)
-    assert metric(at, "cache length after step") == str(n0 + 2)
+    assert metric(at, "cached after step") == str(n0 + 2)
     assert at.slider(key="step_view").value == 2
     flow = charts(at)[0]  # the Shapes tab is open first
     texts = drawn_text(flow)
@@ -279,6 +279,21 @@ def test_flash_attention_tile_by_tile_ends_at_the_models_output(stepped):
     assert any(d.get("name") == "m (running max)" for d in charts(at)[0]["data"])
 
 
+def test_a_cheaper_cache_is_measured_on_the_live_model(stepped):
+    at = show_tab(stepped, "KV cache", ("kv_view", "A cheaper cache"))
+    assert "Choose a format" in page_text(at)
+    at.number_input(key="kv_storage_steps").set_value(4)
+    at.button(key="kv_storage_run").click()
+    run(at)
+    result = at.session_state["app"].precision
+    assert result.storage == "int8" and len(result.steps) == 4
+    assert metric(at, "int8 cache after 4 steps") == f"{result.stored_bytes:,} B"
+    assert result.formula() in page_text(at) and len(charts(at)) == 1
+    assert gen_of(at).n_steps == 3  # the generation itself is untouched
+    press(at, "reset_button")
+    assert at.session_state["app"].precision is None
+
+
 def test_kv_cache_tab_reports_the_recompute_check(stepped):
     at = show_tab(stepped, "KV cache")
     assert any("agree within 0.0001" in s.value for s in at.success)
@@ -353,7 +368,7 @@ def test_cache_off_recomputes_everything_and_draws_no_cache():
         press(at, "step_button")
     n0 = prompt_tokens(at)
     assert metric(at, "new positions n") == str(n0 + 1)
-    assert metric(at, "cache length after step") == "0"
+    assert metric(at, "cached after step") == "0"
     flow = drawn_text(charts(at)[0])
     assert "K (all t rows, recomputed)" in flow and "cache ++ new" not in flow
     show_tab(at, "KV cache")

@@ -129,7 +129,7 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
         for _ in range(3):
             click(page, "Step")
         assert metric_value(page, "key positions t") == str(t)
-        assert metric_value(page, "cache length after step") == str(t)
+        assert metric_value(page, "cached after step") == str(t)
         assert metric_value(page, "new positions n") == "1"
         texts = page.locator('[data-testid="stMarkdownContainer"]').all_inner_texts()
         assert any(x.startswith(PROMPT) and len(x) > len(PROMPT) for x in texts)  # the prompt and new tokens

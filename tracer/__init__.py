@@ -15,10 +15,13 @@ the command line (``gpt-shape-tracer trace``) is another.
 from tracer.capture import HOWS, Intervention, InterventionError, Tracer, ablate, hooks_installed, patch
 from tracer.experiments import (
     HEAD_ROLES,
+    CachePrecisionRun,
     PatchingResult,
+    PrecisionStep,
     Replay,
     activation_patching,
     aligned_values,
+    cache_precision,
     diff_steps,
     diff_traces,
     direct_logit_attribution,
@@ -65,7 +68,8 @@ from tracer.storage.records import (
 __all__ = [
     "ABLATIONS", "CAPTURE_LEVELS", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES", "Finite",
     "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",
-    "How", "Intervention", "InterventionError", "LIMITS", "Limits", "MAX_BATCH", "MAX_RUN_STEPS", "OpRecord",
+    "How", "CachePrecisionRun", "PrecisionStep", "cache_precision",
+    "Intervention", "InterventionError", "LIMITS", "Limits", "MAX_BATCH", "MAX_RUN_STEPS", "OpRecord",
     "PADDING_SIDES", "PaddingSide", "PatchingResult", "PathCost", "PromptError", "RecomputeComparison", "Replay",
     "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorKind", "TensorRecord", "TensorStats", "Trace",
     "TraceErrorInfo", "TraceFileError", "TraceLog", "TracedGeneration", "Tracer", "ablate", "activation_patching",

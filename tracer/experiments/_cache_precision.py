@@ -1,0 +1,105 @@
+"""A cheaper KV cache, measured: ``cache_precision(generation, storage, steps)``.
+
+The same prompt is run twice, greedily, side by side: once with a cache in the model's own precision (the
+reference) and once with a cache that rounds every row it stores to ``storage`` (bfloat16, float16, or int8
+with one absmax scale per row of each head: model/cache.py). Both are fed the reference's tokens, so every
+step compares the same context: the largest |Δ logits| of the row a token is chosen from, and whether the
+cheaper cache's own argmax would have chosen another token. What each cache holds is counted from its rows:
+2·L·B·G·t·d_head numbers at the storage's size (plus int8's scales), and for a grouped-query model what the
+same cache would hold with one key/value head per query head (G = H).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.cache import STORAGES
+from tracer.generation._traced import TracedGeneration
+
+
+@dataclass(frozen=True)
+class PrecisionStep:
+    step: int
+    max_abs_delta: float  # max |Δ logits| over the sequences' chosen-from rows, same tokens fed
+    fed: tuple[int, ...]  # the reference's greedy token per sequence (fed to both at the next step)
+    own: tuple[int, ...]  # the cheaper cache's own argmax per sequence
+
+    @property
+    def differs(self) -> bool:
+        return self.fed != self.own
+
+
+@dataclass(frozen=True)
+class CachePrecisionRun:
+    storage: str
+    steps: tuple[PrecisionStep, ...]
+    reference_bytes: int  # the model-precision cache after the last step
+    stored_bytes: int  # the same rows stored as ``storage``
+    n_layer: int
+    batch: int
+    kv_heads: int  # G
+    query_heads: int  # H
+    d_head: int
+    t: int  # positions cached after the last step
+    number_bytes: float  # bytes per stored number (int8: 1, its scales counted apart)
+
+    @property
+    def first_difference(self) -> int | None:
+        """The first step whose own choice differs from the reference's, or None."""
+        return next((s.step for s in self.steps if s.differs), None)
+
+    @property
+    def as_multi_head_bytes(self) -> int:
+        """What the cheaper cache would hold with G = H (a multi-head model of the same widths)."""
+        return self.stored_bytes * self.query_heads // self.kv_heads
+
+    def formula(self) -> str:
+        """The stored bytes as the formula with this run's numbers."""
+        numbers = 2 * self.n_layer * self.batch * self.kv_heads * self.t * self.d_head
+        text = (f"2·L·B·G·t·d_head = 2·{self.n_layer}·{self.batch}·{self.kv_heads}·{self.t}·{self.d_head} = "
+                f"{numbers:,} numbers × {self.number_bytes:g} B")
+        if self.storage == "int8":
+            scales = 2 * self.n_layer * self.batch * self.kv_heads * self.t
+            text += f" + {scales:,} scales × 4 B"
+        return text + f" = {self.stored_bytes:,} B"
+
+
+@torch.no_grad()
+def cache_precision(generation: TracedGeneration, storage: str, steps: int = 16) -> CachePrecisionRun:
+    """Run ``generation``'s prompt ``steps`` greedy steps with the model-precision cache and with one storing
+    ``storage``, untraced, feeding both the reference's tokens (the generation itself is not touched)."""
+    if storage not in STORAGES or storage == "model":
+        raise ValueError(f"storage must be one of {tuple(s for s in STORAGES if s != 'model')}, got {storage!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a whole number ≥ 1, got {steps!r}")
+    model, facts = generation.model, generation.facts
+    batch = facts.batch_size
+    from model.own_module import OwnDecoder
+
+    if isinstance(model, OwnDecoder):
+        raise ValueError("this model runs its own forward without our KV cache: there is no cache to store cheaper")
+    width = facts.info.prompt_width
+    if width + steps > model.config.n_ctx:
+        raise ValueError(f"{steps} steps after a {width}-column prompt pass the model's n_ctx of {model.config.n_ctx}")
+    columns = torch.tensor([facts.columns(r, 0) for r in range(batch)])
+    real = torch.tensor([facts.is_token(r, 0) for r in range(batch)])
+    mask = real if not bool(real.all()) else None
+    # the row each sequence's next token is chosen from at the prefill: its last real column
+    last = torch.tensor([max(j for j, is_real in enumerate(row) if is_real) for row in real.tolist()])
+    reference, cheaper = model.new_cache(batch), model.new_cache(batch, storage)
+    feed, rows = columns, last
+    out = []
+    for step in range(steps):
+        ref = model(feed, cache=reference, padding_mask=mask)[torch.arange(batch), rows].float()
+        got = model(feed, cache=cheaper, padding_mask=mask)[torch.arange(batch), rows].float()
+        fed = ref.argmax(dim=-1)
+        out.append(PrecisionStep(step, float((ref - got).abs().max()), tuple(fed.tolist()),
+                                 tuple(got.argmax(dim=-1).tolist())))
+        feed, rows, mask = fed[:, None], torch.zeros(batch, dtype=torch.long), None  # one new column each
+    keys = reference.keys[0]
+    assert keys is not None  # every layer holds rows after a step
+    per_number = 1.0 if storage == "int8" else float(torch.empty(0, dtype=getattr(torch, storage)).element_size())
+    return CachePrecisionRun(storage, tuple(out), reference.nbytes, cheaper.stored_nbytes, model.config.n_layer,
+                             batch, keys.shape[1], model.config.n_head, keys.shape[-1], reference.length, per_number)
