@@ -275,3 +275,59 @@ def precision_figure(run: CachePrecisionRun) -> go.Figure:
                                  "fed to both",
                       margin={"t": 70, "l": 10, "r": 10, "b": 10})
     return fig
+
+
+@fitted
+def growth_figure(config, t_now: int, itemsize: int = 4) -> tuple[go.Figure, str]:
+    """What grows with n, on this model's widths: the multiply-adds of a full forward of n positions part by
+    part (left), and the bytes the staged attention's n × n scores of one layer take against the KV cache of
+    all layers and the weights (right), for n from 1 to n_ctx on log axes; this step's t marked. Returns the
+    figure and a sentence with the crossing where attention overtakes the MLP."""
+    from model.costs import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
+
+    n_ctx = int(config.n_ctx)
+    ns = sorted({max(1, round(n_ctx ** (i / 40))) for i in range(41)} | {t_now})
+    parts = {name: [forward_parts(config, 1, n, n)[name] for n in ns] for name in PARTS}
+    H, G, dh, L = config.n_head, getattr(config, "n_kv_head", None) or config.n_head, config.d_head, config.n_layer
+    scores = [H * n * n * itemsize for n in ns]  # one layer's [H, n, n] scores (each stage as large)
+    cache = [2 * L * G * n * dh * itemsize for n in ns]
+    weights = forward_cost(config, 1, 1, 1, itemsize=itemsize).weight_bytes
+    fig = subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                   subplot_titles=["multiply-adds of a forward of n positions", "bytes held"])
+    for name, values in parts.items():
+        fig.add_trace(go.Scatter(x=ns, y=values, mode="lines", name=name,
+                                 line={"width": 3 if name in ("QKᵀ and A·V", "MLP") else 1.5}), row=1, col=1)
+    fig.add_trace(go.Scatter(x=ns, y=scores, mode="lines", name="scores of one layer, [H, n, n]",
+                             line={"color": ACCENT, "width": 3}), row=1, col=2)
+    fig.add_trace(go.Scatter(x=ns, y=cache, mode="lines", name="KV cache, 2·L·G·n·d_head",
+                             line={"color": NEUTRAL, "width": 3}), row=1, col=2)
+    fig.add_trace(go.Scatter(x=[ns[0], ns[-1]], y=[weights, weights], mode="lines", name="weights",
+                             line={"color": NEUTRAL, "dash": "dot"}), row=1, col=2)
+    # vertical marks as two-point lines: a layout shape on a log axis would need its x in log10 units
+    low_macs, high_macs = min(min(v) for v in parts.values()), max(max(v) for v in parts.values())
+    low_bytes, high_bytes = min(min(cache), weights), max(max(scores), weights)
+    for col, (low, high) in ((1, (low_macs, high_macs)), (2, (low_bytes, high_bytes))):
+        fig.add_trace(go.Scatter(x=[t_now, t_now], y=[low, high], mode="lines", name=f"this step: t = {t_now}",
+                                 line={"color": ACCENT, "dash": "dash", "width": 1}, showlegend=col == 1,
+                                 hoverinfo="skip"), row=1, col=col)
+        fig.update_xaxes(type="log", title_text="n (positions)", row=1, col=col)
+        fig.update_yaxes(type="log", exponentformat="SI", row=1, col=col)
+    crossing = attention_overtakes_mlp(config)
+    if crossing <= n_ctx:
+        fig.add_trace(go.Scatter(x=[crossing, crossing], y=[low_macs, high_macs], mode="lines",
+                                 name=f"attention passes the MLP: n ≈ {crossing:,.0f}", hoverinfo="skip",
+                                 line={"color": "#444", "dash": "dot", "width": 1}), row=1, col=1)
+    fig.update_layout(height=420, legend={"orientation": "h", "y": -0.22}, title_font_size=13,
+                      margin={"t": 40, "l": 10, "r": 10, "b": 10})
+    per_token_mlp = (3 if getattr(config, "mlp", "gelu") == "swiglu" else 2) * config.d_model * config.d_ff
+    passes = 2 * L * G * dh / H  # H·n² = 2·L·G·n·d_head
+    where = (f"from n ≈ {crossing:,.0f} on, inside this model's n_ctx of {n_ctx:,} (dotted line)" if crossing <= n_ctx
+             else f"only from n ≈ {crossing:,.0f}, beyond this model's n_ctx of {n_ctx:,}")
+    sentence = (f"Attention's two products cost 2·H·n²·d_head = 2·{H}·n²·{dh} multiply-adds per layer, quadratic in n; "
+                f"the MLP costs {per_token_mlp:,}·n, linear. Attention costs more {where}. The scores of one layer "
+                f"take H·n² numbers, {scores[ns.index(t_now)] / 2**10:,.1f} KiB at this step's t = {t_now}, against "
+                f"{cache[ns.index(t_now)] / 2**10:,.1f} KiB for the whole KV cache; they grow as n² against n, and "
+                f"one layer's scores outgrow the cache of every layer from n = 2·L·G·d_head/H = {passes:,.0f} on"
+                + (" (inside n_ctx)" if passes <= n_ctx else f" (beyond this model's n_ctx of {n_ctx:,})")
+                + ". FlashAttention never holds them.")
+    return fig, sentence

@@ -21,7 +21,8 @@ def cache_tab(trace: Trace, step: int) -> None:
         st.warning("The KV cache is off for this generation: every step recomputes K and V for all positions. "
                    "The table shows what each step computed.")
     # two views, drawn only when open: a Step then redraws one chart of this tab, not two
-    this_step, over_steps, cheaper = remembered_tabs(["This step", "Over the steps", "A cheaper cache"], "kv_view")
+    this_step, over_steps, cheaper, growth = remembered_tabs(
+        ["This step", "Over the steps", "A cheaper cache", "What grows with n"], "kv_view")
     with this_step:
         if this_step.open:
             cache_this_step(trace, step)
@@ -36,6 +37,16 @@ def cache_tab(trace: Trace, step: int) -> None:
     with cheaper:
         if cheaper.open:
             cheaper_cache()
+    with growth:
+        if growth.open and trace.config is not None:
+            q = trace.record(act_name("q", 0), step)
+            itemsize = q.nbytes // max(1, q.numel)  # the model's dtype: 4 B in float32, 2 in bfloat16
+            figure, sentence = cache_views.growth_figure(trace.config, facts_of(trace).step(step).forward.t, itemsize)
+            st.caption("Counted from this model's widths for a full forward of n positions (no cache), n from 1 to its "
+                       "n_ctx, both axes logarithmic: the time of attention is O(n²·d), of everything else O(n·d²); "
+                       "its memory O(n²) for the scores against O(n·d) for the cache (Vaswani et al., 2017).")
+            chart(figure, key="growth_chart")
+            st.caption(sentence)
 
 
 def cheaper_cache() -> None:

@@ -49,3 +49,24 @@ def forward_cost(config, batch: int, new: int, keys: int, cached: int = 0, items
     weight_bytes = (L * block_weights + d * V) * itemsize
     kv_bytes = 2 * L * batch * G * cached * dh * itemsize
     return ForwardCost(macs=macs, weight_bytes=weight_bytes, kv_cache_bytes=kv_bytes)
+
+
+PARTS = ("X·W_QKV", "QKᵀ and A·V", "·W_O", "MLP", "unembedding")  # what forward_parts counts, in order
+
+
+def forward_parts(config, batch: int, new: int, keys: int) -> dict[str, int]:
+    """The multiply-adds of ``forward_cost`` part by part (all layers; they add up to its ``macs``): what grows
+    with n·d² (the projections, the MLP, the unembedding) and what grows with n·t·d (attention's two products)."""
+    d, H, G, dh, d_ff, V, L, mlp_mats = _dims(config)
+    return {"X·W_QKV": L * batch * new * d * (H + 2 * G) * dh,
+            "QKᵀ and A·V": L * 2 * batch * H * new * keys * dh,
+            "·W_O": L * batch * new * H * dh * d,
+            "MLP": L * mlp_mats * batch * new * d * d_ff,
+            "unembedding": batch * new * d * V}
+
+
+def attention_overtakes_mlp(config) -> float:
+    """The context length n from which a full forward's attention products (2·H·n²·d_head per layer) cost more
+    multiply-adds than its MLP (mlp_mats·n·d·d_ff per layer): n* = mlp_mats·d·d_ff / (2·H·d_head)."""
+    d, H, _, dh, d_ff, _, _, mlp_mats = _dims(config)
+    return mlp_mats * d * d_ff / (2 * H * dh)

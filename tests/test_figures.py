@@ -656,6 +656,36 @@ def test_the_lens_and_attribution_figures(gen, batch_gen):
     assert len(everything.x) == len(frame) and "the other" not in everything.y[-1]
 
 
+def test_what_grows_with_n_is_counted_from_the_models_widths(gen, llama_gen):
+    from model.costs import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
+
+    for g in (gen, llama_gen):
+        config = g.model.config
+        for n in (1, 7, 50):  # the parts add up to the forward's count
+            assert sum(forward_parts(config, 2, n, n).values()) == forward_cost(config, 2, n, n).macs
+        crossing = attention_overtakes_mlp(config)
+        below, above = forward_parts(config, 1, int(crossing) - 1, int(crossing) - 1), \
+            forward_parts(config, 1, int(crossing) + 2, int(crossing) + 2)
+        assert below["QKᵀ and A·V"] < below["MLP"] and above["QKᵀ and A·V"] > above["MLP"]  # where it says
+        t = g.facts.step(1).forward.t
+        fig, sentence = cache.growth_figure(config, t)
+        lines = {d.name: d for d in fig.data}
+        assert set(PARTS) <= set(lines) and f"this step: t = {t}" in lines
+        n_index = list(lines["MLP"].x).index(t)
+        assert lines["MLP"].y[n_index] == forward_parts(config, 1, t, t)["MLP"]
+        assert lines["scores of one layer, [H, n, n]"].y[n_index] == config.n_head * t * t * 4
+        inside = crossing <= config.n_ctx
+        assert (f"attention passes the MLP: n ≈ {crossing:,.0f}" in lines) == inside
+        assert (f"from n ≈ {crossing:,.0f} on, inside" in sentence) == inside
+        assert f"at this step's t = {t}" in sentence
+        passes = 2 * config.n_layer * (config.n_kv_head or config.n_head) * config.d_head / config.n_head
+        assert f"from n = 2·L·G·d_head/H = {passes:,.0f} on" in sentence
+    wide = GPTConfig(vocab_size=64, n_ctx=1024, d_model=32, n_layer=1, n_head=4)  # n* = 2·32·128 / (2·4·8) = 128
+    fig, sentence = cache.growth_figure(wide, 300)
+    assert attention_overtakes_mlp(wide) == 128 and "from n ≈ 128 on, inside this model's n_ctx of 1,024" in sentence
+    assert "attention passes the MLP: n ≈ 128" in {d.name for d in fig.data}
+
+
 # -- the worked example -------------------------------------------------------------------------------------
 def test_the_worked_example_gives_the_textbook_numbers():
     w = worked.compute(worked.DEFAULT_Q, worked.DEFAULT_K, worked.DEFAULT_V, worked.DEFAULT_GRAD_O)
