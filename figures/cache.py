@@ -297,6 +297,14 @@ def growth_figure(config, t_now: int, itemsize: int = 4) -> tuple[go.Figure, str
     for name, values in parts.items():
         fig.add_trace(go.Scatter(x=ns, y=values, mode="lines", name=name,
                                  line={"width": 3 if name in ("QKᵀ and A·V", "MLP") else 1.5}), row=1, col=1)
+    # the same model with the cache: the prefill computes all n rows once; each decode step after it one row
+    # over the n cached keys (the counts the KV cache tab shows per step)
+    fig.add_trace(go.Scatter(x=ns, y=[forward_cost(config, 1, n, n).macs for n in ns], mode="lines",
+                             name="all: a forward of n positions (prefill, or a step without the cache)",
+                             line={"color": "#222", "width": 2}), row=1, col=1)
+    fig.add_trace(go.Scatter(x=ns, y=[forward_cost(config, 1, 1, n, cached=n - 1).macs for n in ns], mode="lines",
+                             name="all: one cached decode step at t = n", line={"color": "#222", "dash": "dash"}),
+                  row=1, col=1)
     fig.add_trace(go.Scatter(x=ns, y=scores, mode="lines", name="scores of one layer, [H, n, n]",
                              line={"color": ACCENT, "width": 3}), row=1, col=2)
     fig.add_trace(go.Scatter(x=ns, y=cache, mode="lines", name="KV cache, 2·L·G·n·d_head",
@@ -304,7 +312,8 @@ def growth_figure(config, t_now: int, itemsize: int = 4) -> tuple[go.Figure, str
     fig.add_trace(go.Scatter(x=[ns[0], ns[-1]], y=[weights, weights], mode="lines", name="weights",
                              line={"color": NEUTRAL, "dash": "dot"}), row=1, col=2)
     # vertical marks as two-point lines: a layout shape on a log axis would need its x in log10 units
-    low_macs, high_macs = min(min(v) for v in parts.values()), max(max(v) for v in parts.values())
+    low_macs = min(min(v) for v in parts.values())
+    high_macs = forward_cost(config, 1, ns[-1], ns[-1]).macs
     low_bytes, high_bytes = min(min(cache), weights), max(max(scores), weights)
     for col, (low, high) in ((1, (low_macs, high_macs)), (2, (low_bytes, high_bytes))):
         fig.add_trace(go.Scatter(x=[t_now, t_now], y=[low, high], mode="lines", name=f"this step: t = {t_now}",

@@ -87,8 +87,9 @@ def cheaper_cache() -> None:
     metrics[1].metric("largest |Δ logits|", f"{max(s.max_abs_delta for s in run.steps):.3g}")
     metrics[2].metric("first step whose choice differs", "none" if first is None else str(first))
     st.caption(run.formula() + (f". The same cache with one key/value head per query head (G = H = {run.query_heads}"
-                                f") would hold {run.as_multi_head_bytes:,} B." if run.kv_heads < run.query_heads
-                                else "."))
+                                f") would hold {run.as_multi_head_bytes:,} B: sharing K and V among query heads "
+                                "(multi-query, Shazeer 2019; grouped-query in between) saves what quantizing "
+                                "saves again." if run.kv_heads < run.query_heads else "."))
     chart(cache_views.precision_figure(run), key="precision_chart")
 
 

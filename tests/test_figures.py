@@ -674,6 +674,11 @@ def test_what_grows_with_n_is_counted_from_the_models_widths(gen, llama_gen):
         n_index = list(lines["MLP"].x).index(t)
         assert lines["MLP"].y[n_index] == forward_parts(config, 1, t, t)["MLP"]
         assert lines["scores of one layer, [H, n, n]"].y[n_index] == config.n_head * t * t * 4
+        # the totals are the per-step counts the KV cache tab shows: a full forward, and one cached row at t
+        full = lines["all: a forward of n positions (prefill, or a step without the cache)"].y[n_index]
+        decode = lines["all: one cached decode step at t = n"].y[n_index]
+        # (forward_cost is what compare_with_recompute counts each path with: test_a_real_comparison_… above)
+        assert full == forward_cost(config, 1, t, t).macs and decode == forward_cost(config, 1, 1, t, cached=t - 1).macs
         inside = crossing <= config.n_ctx
         assert (f"attention passes the MLP: n ≈ {crossing:,.0f}" in lines) == inside
         assert (f"from n ≈ {crossing:,.0f} on, inside" in sentence) == inside
