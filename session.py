@@ -29,6 +29,7 @@ from tracer import (
     CachePrecisionRun,
     ContextFullError,
     GenerationStopped,
+    HeadGradients,
     Intervention,
     PromptError,
     Trace,
@@ -438,6 +439,7 @@ class AppState:
     patching: PatchingRun | None = None
     comparison: Comparison | None = None
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
+    gradients: tuple[tuple, HeadGradients] | None = None  # (step, layer, head, sequence, loss), the backward pass
     last_compare_upload_id: str | None = None
 
     @property
@@ -477,6 +479,7 @@ class AppState:
         self.patching = None
         self.comparison = None
         self.precision = None
+        self.gradients = None
 
     def open_file(self, loaded: LoadedTrace) -> None:
         self.loaded = loaded

@@ -6,12 +6,14 @@ import streamlit as st
 
 from figures import attention as attn_views
 from figures import flash as flash_views
-from figures.common import facts_of, query_labels, scores_formula
+from figures import gradients as grad_views
+from figures.common import facts_of, key_labels, query_labels, scores_formula
 from gui.common import (
     chart,
     explain_missing_values,
     layer_head_batch,
     live_model_for,
+    plain,
     remembered_tabs,
     state,
     values_kept,
@@ -19,7 +21,7 @@ from gui.common import (
 from model.hook_table import act_name
 from model.identity import identity_of
 from session import first_token
-from tracer import Trace, head_scores
+from tracer import GRADIENT_LOSSES, Trace, attention_gradients, head_scores
 
 
 def attention_tab(trace: Trace, step: int) -> None:
@@ -36,7 +38,7 @@ def attention_tab(trace: Trace, step: int) -> None:
     rope = trace.has(act_name("rot_q", layer), step)
     rope_elsewhere = attn_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
     parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope or rope_elsewhere else []) + [
-        "All heads", "History", "FlashAttention"]
+        "All heads", "History", "Gradients", "FlashAttention"]
     sub = dict(zip(parts, remembered_tabs(parts, "attn_view")))
     pattern_kept = trace.get(act_name("pattern", layer), step) is not None
     with sub["Stages"]:
@@ -90,9 +92,55 @@ def attention_tab(trace: Trace, step: int) -> None:
             else:
                 st.info("The history stacks the one row each cached decode step computes; it needs the KV cache on, "
                         "a step after the prefill, and kept values.")
+    with sub["Gradients"]:
+        if sub["Gradients"].open:
+            gradients_section(trace, step, layer, head, batch)
     with sub["FlashAttention"]:
         if sub["FlashAttention"].open:
             flash_section(trace, step, layer, head, batch)
+
+
+def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
+    app = state()
+    gen = app.generation if not app.viewing_file else None
+    if gen is None:
+        st.info("The backward pass runs the live model on this generation's tokens: Step once (or leave the file "
+                "view).")
+        return
+    st.markdown("Backpropagation through attention: from a loss L, the gradient of every stage of this head, "
+                "O = P·V, P = softmax(S), S = s·QKᵀ + M. Given G_O = ∂L/∂O: G_V = Pᵀ·G_O, G_P = G_O·Vᵀ, row by row "
+                "G_S,r = (diag(P_r) − P_r P_rᵀ)·G_P,r (the softmax's Jacobian), G_Q = s·G_S·K and G_K = s·G_Sᵀ·Q. "
+                "Each is computed here from its formula and compared with autograd's on the same forward.")
+    loss = st.radio("loss L", list(GRADIENT_LOSSES), horizontal=True, key="grad_loss", persist_state="page",
+                    help="next-token cross-entropy: the mean over every position that has a next token · "
+                         "−log p(chosen token): of the token this step chose")
+    wanted = (step, layer, head, batch, loss)
+    if st.button("Run the backward pass", key="grad_run", type="primary"):
+        try:
+            with st.spinner("forward and backward…"):
+                app.gradients = (wanted, attention_gradients(gen, step, layer, head, batch, loss))
+        except ValueError as e:
+            st.error(plain(e))
+            return
+    if app.gradients is None or app.gradients[0] != wanted:
+        st.caption("Press the button: one forward of this step's tokens with gradients on, then the backward pass "
+                   f"of L, read at layer {layer}, head {head}. The generation itself is not touched.")
+        return
+    result = app.gradients[1]
+    worst = max(result.max_abs_delta(name) for name in result.formula)
+    if worst <= 1e-5:
+        st.success(f"L = {result.loss:.4f} ({loss}). All six gradients computed from their formulas equal autograd's "
+                   f"within {worst:.1e}.")
+    else:
+        st.error(f"L = {result.loss:.4f}. A formula differs from autograd by {worst:.2e}: see the titles.")
+    H, G = trace.config.n_head, trace.config.n_kv_head or trace.config.n_head
+    if G < H:
+        st.caption(f"K and V serve {H // G} query heads each here, so G_K and G_V are the sums over those heads, as "
+                   "autograd's are.")
+    chart(grad_views.gradients_figure(result, key_labels(trace, step, batch)), key="grad_chart")
+    st.caption("‖∂L/∂x‖ of every layer: a line falling or rising by decades with depth is a vanishing or "
+               "exploding gradient.")
+    chart(grad_views.gradient_norms_figure(result), key="grad_norms_chart")
 
 
 def flash_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:

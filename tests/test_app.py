@@ -294,6 +294,18 @@ def test_a_cheaper_cache_is_measured_on_the_live_model(stepped):
     assert at.session_state["app"].precision is None
 
 
+def test_the_gradients_of_a_head_equal_autograds_in_the_app(stepped):
+    at = show_tab(stepped, "Attention", ("attn_view", "Gradients"))
+    assert "Press the button" in page_text(at)
+    at.button(key="grad_run").click()
+    run(at)
+    assert any("All six gradients computed from their formulas equal autograd's" in s.value for s in at.success)
+    assert len(charts(at)) == 2
+    at.radio(key="grad_loss").set_value("−log p(chosen token)")  # another loss: asks for its own run
+    run(at)
+    assert "Press the button" in page_text(at)
+
+
 def test_kv_cache_tab_reports_the_recompute_check(stepped):
     at = show_tab(stepped, "KV cache")
     assert any("agree within 0.0001" in s.value for s in at.success)

@@ -142,8 +142,13 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
         assert len(stages) == 4 and all((s["rows"], s["cols"]) == (1, t) for s in stages)
         assert page.get_by_text(f"[1, 4, 1, 32] @ [1, 4, 32, {t}] → [1, 4, 1, {t}]").count() >= 1
         shot("attention")
-        for sub, name in (("All heads", "all_heads"), ("Pitfalls", "pitfalls"), ("FlashAttention", "flash_attention")):
+        for sub, name in (("All heads", "all_heads"), ("Pitfalls", "pitfalls"), ("FlashAttention", "flash_attention"),
+                          ("Gradients", "gradients")):
             open_tab(page, sub)
+            if sub == "Gradients":  # the backward pass runs on demand
+                click(page, "Run the backward pass")
+                assert page.get_by_text("All six gradients computed from their formulas equal autograd").count() == 1
+                assert len(plotly_data(page)) == 2
             shot(name)
         open_tab(page, "History")
         history = values(plotly_data(page)[0])[0]
@@ -158,6 +163,13 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
         bars = [tr for tr in plotly_data(page)[0] if tr["type"] == "bar"]
         assert len(bars) == 3  # cache length, rows with the cache, rows without it: one figure
         shot("kv_cache_steps")
+        open_tab(page, "A cheaper cache")
+        click(page, "Run both")
+        assert page.get_by_text("first step whose choice differs").count() == 1 and len(plotly_data(page)) == 1
+        shot("kv_cache_cheaper")
+        open_tab(page, "What grows with n")
+        assert page.get_by_text("Attention's two products cost").count() == 1 and len(plotly_data(page)) == 1
+        shot("kv_cache_growth")
         for tab, name in (("Causal mask", "causal_mask"), ("Next token", "next_token"), ("What if", "what_if"),
                           ("Worked example", "worked"), ("Inspector", "inspector")):
             open_tab(page, tab)

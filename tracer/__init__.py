@@ -14,13 +14,16 @@ the command line (``gpt-shape-tracer trace``) is another.
 
 from tracer.capture import HOWS, Intervention, InterventionError, Tracer, ablate, hooks_installed, patch
 from tracer.experiments import (
+    GRADIENT_LOSSES,
     HEAD_ROLES,
     CachePrecisionRun,
+    HeadGradients,
     PatchingResult,
     PrecisionStep,
     Replay,
     activation_patching,
     aligned_values,
+    attention_gradients,
     cache_precision,
     diff_steps,
     diff_traces,
@@ -68,7 +71,8 @@ from tracer.storage.records import (
 __all__ = [
     "ABLATIONS", "CAPTURE_LEVELS", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES", "Finite",
     "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",
-    "How", "CachePrecisionRun", "PrecisionStep", "cache_precision",
+    "How", "CachePrecisionRun", "PrecisionStep", "cache_precision", "GRADIENT_LOSSES", "HeadGradients",
+    "attention_gradients",
     "Intervention", "InterventionError", "LIMITS", "Limits", "MAX_BATCH", "MAX_RUN_STEPS", "OpRecord",
     "PADDING_SIDES", "PaddingSide", "PatchingResult", "PathCost", "PromptError", "RecomputeComparison", "Replay",
     "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorKind", "TensorRecord", "TensorStats", "Trace",

@@ -1,11 +1,12 @@
 """Experiments ("what if", with the interventions of ``tracer.capture``): replay a step,
 activation patching, the logit lens and direct logit attribution, head scores, the diff of two runs, a KV cache
-stored at a lower precision.
+stored at a lower precision, the gradients through one attention head.
 
-Private: ``_interventions``, ``_whatif``, ``_lens``, ``_diff``, ``_cache_precision``."""
+Private: ``_interventions``, ``_whatif``, ``_lens``, ``_diff``, ``_cache_precision``, ``_gradients``."""
 
 from tracer.experiments._cache_precision import CachePrecisionRun, PrecisionStep, cache_precision
 from tracer.experiments._diff import aligned_values, diff_steps, diff_traces
+from tracer.experiments._gradients import GRADIENT_LOSSES, HeadGradients, attention_gradients
 from tracer.experiments._lens import direct_logit_attribution, logit_lens
 from tracer.experiments._whatif import (
     HEAD_ROLES,
@@ -20,7 +21,7 @@ from tracer.experiments._whatif import (
 )
 
 __all__ = [
-    "CachePrecisionRun", "HEAD_ROLES", "PatchingResult", "PrecisionStep", "Replay",
-    "activation_patching", "aligned_values", "cache_precision", "diff_steps", "diff_traces",
+    "CachePrecisionRun", "GRADIENT_LOSSES", "HEAD_ROLES", "HeadGradients", "PatchingResult", "PrecisionStep", "Replay",
+    "activation_patching", "aligned_values", "attention_gradients", "cache_precision", "diff_steps", "diff_traces",
     "direct_logit_attribution", "head_scores", "logit_lens", "pattern_changes", "replay", "replay_diff", "text_loss",
 ]
