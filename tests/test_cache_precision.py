@@ -56,11 +56,13 @@ def test_cheaper_storage_is_measured_with_this_runs_numbers(bundled):
     gen.step()
     n0 = gen.info.prompt_lengths[0]
     half = cache_precision(gen, "bfloat16", steps=8)
+    fp16 = cache_precision(gen, "float16", steps=8)
     byte = cache_precision(gen, "int8", steps=8)
-    for run in (half, byte):
+    for run in (half, fp16, byte):
         assert all(s.max_abs_delta > 0 for s in run.steps)  # rounding K and V moves the logits: measured
         assert run.t == n0 + 7 and run.reference_bytes == 2 * 4 * 1 * 4 * run.t * 32 * 4
-    assert half.stored_bytes == half.reference_bytes // 2
+    assert half.stored_bytes == fp16.stored_bytes == half.reference_bytes // 2
+    assert max(s.max_abs_delta for s in fp16.steps) < max(s.max_abs_delta for s in half.steps)  # 10 bits beat 7
     numbers = 2 * 4 * 1 * 4 * byte.t * 32
     assert byte.stored_bytes == numbers + 2 * 4 * 4 * byte.t * 4
     assert byte.formula().endswith(f"= {byte.stored_bytes:,} B") and f"{numbers:,} numbers × 1 B" in byte.formula()
