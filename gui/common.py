@@ -68,15 +68,15 @@ def _server_sessions() -> set[str] | None:
     where there is no such server (AppTest runs one script with no session manager)."""
     from streamlit.runtime import Runtime
 
-    if not Runtime.exists():
-        return None
-    manager = getattr(Runtime.instance(), "_session_mgr", None)  # Streamlit's own; not part of its public API
-    list_sessions = getattr(manager, "list_sessions", None)
-    if not callable(list_sessions):
-        return None
     try:
+        if not Runtime.exists():
+            return None
+        manager = getattr(Runtime.instance(), "_session_mgr", None)  # Streamlit's own; not its public API
+        list_sessions = getattr(manager, "list_sessions", None)
+        if not callable(list_sessions):
+            return None
         return {info.session.id for info in list_sessions()}
-    except Exception:  # noqa: BLE001 - a Streamlit without this internal shape: nothing is forgotten
+    except Exception:  # noqa: BLE001 - no runtime (any more), or a Streamlit of another shape: nothing is forgotten
         return None
 
 
