@@ -257,6 +257,10 @@ class HeadsGrid:
     note: str
     cells: tuple[int, int]  # rows and columns one head is drawn with
 
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        """A notebook shows the grid's figure (with its note as the title's end), not the wrapper."""
+        return self.figure._repr_mimebundle_(include=include, exclude=exclude)
+
 
 @fitted
 def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, torch.Tensor] | None = None,

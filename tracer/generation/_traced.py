@@ -230,6 +230,21 @@ class TracedGeneration:
         """The sequence's real tokens: its prompt and every token chosen so far."""
         return self.info.prompt_tokens[row] + self.generated(row)
 
+    def __repr__(self) -> str:
+        return (f"TracedGeneration({self.facts.batch_size} sequence(s), {self.n_steps} step(s), "
+                f"{self.facts.info.sampling.describe()}, cache {'on' if self.use_cache else 'off'}, "
+                f"capture={self.trace.capture!r})")
+
+    def _repr_html_(self) -> str:
+        """In a notebook: what it is, each sequence's text so far (the prompt, then what was generated, escaped),
+        and its trace's table."""
+        import html
+
+        texts = "".join(f"<li>{html.escape(self.facts.info.prompts[r])}<b>"
+                        f"{html.escape(self.tokenizer.decode(list(self.generated(r))))}</b></li>"
+                        for r in range(self.facts.batch_size))
+        return f"<b>{html.escape(repr(self))}</b><ol start='0'>{texts}</ol>{self.trace._repr_html_()}"
+
     def generated(self, row: int = 0) -> tuple[int, ...]:
         return tuple(s.sampling.tokens[row] for s in self.facts.steps if s.sampling is not None)
 

@@ -348,6 +348,24 @@ class Trace:
         return (f"Trace(capture={self.capture!r}, steps={self.n_steps}, records={self._log.n_records}, "
                 f"ops={len(self._log.ops)}, bytes_kept={self.bytes_kept})")
 
+    def _repr_html_(self) -> str:
+        """In a notebook: the one-line summary, the model, and the hook points of the latest step as a table
+        (name, shape, symbolic axes, dtype, statistics); every text the model or a file wrote is escaped."""
+        import html
+
+        model = f"<br>model: {html.escape(self.model.describe())}" if self.model is not None else ""
+        head = f"<b>{html.escape(repr(self))}</b>{model}"
+        if not self.n_steps:
+            return head
+        step = self.n_steps - 1
+        rows = "".join(
+            f"<tr><td><code>{html.escape(r.name)}</code></td><td>{list(r.shape)}</td>"
+            f"<td>{html.escape('[' + ', '.join(r.axes) + ']') if r.axes else ''}</td><td>{html.escape(r.dtype)}</td>"
+            f"<td>{html.escape(self.summary(r))}</td></tr>"
+            for r in self.filter(step=step, kind="hook"))
+        return (f"{head}<br>hook points of step {step}:<table><tr><th>name</th><th>shape</th><th>axes</th>"
+                f"<th>dtype</th><th>summary</th></tr>{rows}</table>")
+
 
 def _config_from(identity: ModelIdentity | None):
     """A ``GPTConfig`` from an identity's plain config, or None when it does not describe our GPT."""
