@@ -258,8 +258,10 @@ class HeadsGrid:
     cells: tuple[int, int]  # rows and columns one head is drawn with
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        """A notebook shows the grid's figure (with its note as the title's end), not the wrapper."""
-        return self.figure._repr_mimebundle_(include=include, exclude=exclude)
+        """A notebook shows the grid's figure, not the wrapper: plotly's own JSON mime type, which JupyterLab,
+        Notebook 7 and VS Code draw (offline: their plotly.js ships with them)."""
+        return {"application/vnd.plotly.v1+json": {**self.figure.to_plotly_json(), "config": {}},
+                "text/plain": f"HeadsGrid({self.cells[0]} × {self.cells[1]} cells per head; {self.note})"}
 
 
 @fitted

@@ -848,7 +848,7 @@ def test_every_figure_is_the_same_with_and_without_plotlys_checks(gen, batch_gen
         assert sent(build) == checked[name], name
 
 
-def test_a_notebook_shows_traces_generations_and_the_heads_grid(batch_gen, monkeypatch):
+def test_a_notebook_shows_traces_generations_and_the_heads_grid(batch_gen):
     """What Jupyter and VS Code call to display an object: the trace's table of hook points, the generation's
     texts (escaped: a prompt holds <script>), and the heads grid as its figure rather than a wrapper."""
     html_ = batch_gen._repr_html_()
@@ -857,9 +857,6 @@ def test_a_notebook_shows_traces_generations_and_the_heads_grid(batch_gen, monke
     last = batch_gen.trace.record("blocks.0.attn.hook_q", 2)
     assert f"<code>blocks.0.attn.hook_q</code></td><td>{list(last.shape)}</td><td>[B, H, n, d_head]" in html_
     assert batch_gen.trace._repr_html_().startswith("<b>Trace(capture=&#x27;values&#x27;, steps=3")
-    import plotly.io as pio
-
-    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # what a notebook front end renders with
     grid = attention.all_heads_figure(batch_gen.trace, 0)
     bundle = grid._repr_mimebundle_()
-    assert bundle["application/vnd.plotly.v1+json"]["data"][0]["type"] == "heatmap"
+    assert bundle["application/vnd.plotly.v1+json"]["data"] == grid.figure.to_plotly_json()["data"]

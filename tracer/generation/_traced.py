@@ -243,7 +243,7 @@ class TracedGeneration:
         texts = "".join(f"<li>{html.escape(self.facts.info.prompts[r])}<b>"
                         f"{html.escape(self.tokenizer.decode(list(self.generated(r))))}</b></li>"
                         for r in range(self.facts.batch_size))
-        return f"<b>{html.escape(repr(self))}</b><ol start='0'>{texts}</ol>{self.trace._repr_html_()}"
+        return f"<b>{html.escape(repr(self))}</b><ol start='0'>{texts}</ol>{self.trace.html_summary()}"
 
     def generated(self, row: int = 0) -> tuple[int, ...]:
         return tuple(s.sampling.tokens[row] for s in self.facts.steps if s.sampling is not None)

@@ -349,8 +349,11 @@ class Trace:
                 f"ops={len(self._log.ops)}, bytes_kept={self.bytes_kept})")
 
     def _repr_html_(self) -> str:
-        """In a notebook: the one-line summary, the model, and the hook points of the latest step as a table
-        (name, shape, symbolic axes, dtype, statistics); every text the model or a file wrote is escaped."""
+        return self.html_summary()
+
+    def html_summary(self) -> str:
+        """What a notebook shows: the one-line summary, the model, and the hook points of the latest step as a
+        table (name, shape, symbolic axes, dtype, statistics); every text the model or a file wrote is escaped."""
         import html
 
         model = f"<br>model: {html.escape(self.model.describe())}" if self.model is not None else ""
