@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_BYTES / 2**20)
     ap.add_argument("--show-step", type=int, default=None, help="step whose shape table to print (default: last)")
+    ap.add_argument("--html", metavar="PATH",
+                    help="also write a one-file HTML report of the shown step (opens offline)")
     ap.add_argument("--all-records", action="store_true", help="print inputs/outputs too, not only hook points")
     args = ap.parse_args(argv)
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
@@ -115,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     if gen.stopped or done < args.steps:
         print(f"note: stopped after {gen.n_steps} step(s): {gen.stopped or 'the context is full'}", file=sys.stderr)
     save_trace(gen.trace, out)
+    if args.html:
+        from figures.report import report_html
+
+        shown_step = args.show_step if args.show_step is not None else gen.n_steps - 1
+        Path(args.html).write_text(report_html(gen.trace, shown_step), encoding="utf-8")
+        print(f"wrote {args.html}: a report of step {shown_step}")
     gen.close()
 
     step = min(args.show_step if args.show_step is not None else gen.n_steps - 1, gen.n_steps - 1)

@@ -353,21 +353,27 @@ class Trace:
 
     def html_summary(self) -> str:
         """What a notebook shows: the one-line summary, the model, and the hook points of the latest step as a
-        table (name, shape, symbolic axes, dtype, statistics); every text the model or a file wrote is escaped."""
+        table; every text the model or a file wrote is escaped."""
         import html
 
         model = f"<br>model: {html.escape(self.model.describe())}" if self.model is not None else ""
         head = f"<b>{html.escape(repr(self))}</b>{model}"
         if not self.n_steps:
             return head
-        step = self.n_steps - 1
+        return f"{head}<br>hook points of step {self.n_steps - 1}:{self.html_table(self.n_steps - 1)}"
+
+    def html_table(self, step: int) -> str:
+        """The hook points of ``step`` as an HTML table — name, shape, symbolic axes, dtype and the values'
+        summary — every text escaped."""
+        import html
+
         rows = "".join(
             f"<tr><td><code>{html.escape(r.name)}</code></td><td>{list(r.shape)}</td>"
             f"<td>{html.escape('[' + ', '.join(r.axes) + ']') if r.axes else ''}</td><td>{html.escape(r.dtype)}</td>"
             f"<td>{html.escape(self.summary(r))}</td></tr>"
             for r in self.filter(step=step, kind="hook"))
-        return (f"{head}<br>hook points of step {step}:<table><tr><th>name</th><th>shape</th><th>axes</th>"
-                f"<th>dtype</th><th>summary</th></tr>{rows}</table>")
+        return ("<table><tr><th>name</th><th>shape</th><th>axes</th><th>dtype</th><th>summary</th></tr>"
+                f"{rows}</table>")
 
 
 def _config_from(identity: ModelIdentity | None):

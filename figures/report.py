@@ -1,0 +1,64 @@
+"""One step of a trace as one HTML file that opens offline in any browser: ``report_html(trace, step)``.
+
+For a colleague with nothing installed: the model and the text, the shape flow, the attention stages of the
+chosen heads, every head at once, the causal mask, the KV cache over the steps, the next-token distribution
+and the table of every hook point — the app's own figures (pooled as in the app, so the size stays bounded
+by the views, not the context), with plotly.js written into the file once. Every text the model, a prompt or
+a file wrote is escaped: nothing in it can run.
+"""
+
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+
+from figures import attention, cache, flow, mask, tokens
+from figures.common import facts_of
+from tracer import Trace
+
+STYLE = ("body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#1a1a1a}"
+         "h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em}table{border-collapse:collapse;font-size:.85em}"
+         "td,th{border:1px solid #ddd;padding:2px 6px;text-align:left}code{font-size:.95em}.note{color:#666}")
+
+
+def report_html(trace: Trace, step: int | None = None, heads: tuple[tuple[int, int], ...] = ((0, 0),),
+                batch: int = 0) -> str:
+    """The report of ``step`` (default: the last) for the (layer, head) pairs in ``heads``, sequence ``batch``."""
+    facts = facts_of(trace)
+    step = trace.n_steps - 1 if step is None else step
+    if not 0 <= step < trace.n_steps:
+        raise ValueError(f"the trace has steps 0…{trace.n_steps - 1}, not {step}")
+    sections: list[tuple[str, go.Figure | None, str]] = [
+        ("The shapes, stage by stage (block 0)", flow.shape_flow_figure(trace, step, 0), "")]
+    for layer, head in heads:
+        sections.append((f"Attention, layer {layer} head {head}: QKᵀ, scaled, + M, softmax",
+                         attention.attention_stages_figure(trace, step, layer, head, batch), ""))
+    grid = attention.all_heads_figure(trace, step, batch) if trace.get("blocks.0.attn.hook_pattern", step) is not None \
+        or trace.digest(trace.record("blocks.0.attn.hook_pattern", step)) is not None else None
+    sections.append(("Every head at once", grid.figure if grid is not None else None, grid.note if grid else
+                     "The attention patterns of this step were not kept (capture shapes, or evicted)."))
+    sections.append(("The causal mask M", mask.mask_figure(trace, step, 0, batch),
+                     mask.mask_facts(trace, step, 0, batch).explanation()))
+    sections.append(("The KV cache over the steps", cache.cache_steps_figure(trace, step), ""))
+    if facts.step(step).sampling is not None:
+        sections.append(("The next token", tokens.next_token_figure(trace, step, batch),
+                         facts.info.sampling.describe()))
+    model = html.escape(trace.model.describe()) if trace.model is not None else "a model"
+    texts = "".join(f"<li><code>{html.escape(facts.info.prompts[r])}</code></li>" for r in range(facts.batch_size))
+    forward = facts.step(step).forward
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>GPT shape tracer: step {step}</title>",
+             f"<script>{get_plotlyjs()}</script><style>{STYLE}</style></head><body>",
+             f"<h1>Step {step} of {trace.n_steps}</h1><p>{model}</p><p>prompts:</p><ol start='0'>{texts}</ol>",
+             f"<p>n = {forward.n} new position(s), t = {forward.t} key position(s); capture {trace.capture}.</p>"]
+    for title, figure, note in sections:
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        if note:
+            parts.append(f"<p class='note'>{html.escape(note)}</p>")
+        if figure is not None:
+            parts.append(figure.to_html(full_html=False, include_plotlyjs=False,
+                                        config={"displaylogo": False, "responsive": True}))
+    parts.append("<h2>Every hook point of this step</h2>" + trace.html_table(step))
+    parts.append("<p class='note'>Written by GPT shape tracer; opens offline.</p></body></html>")
+    return "".join(parts)

@@ -1,0 +1,45 @@
+"""The one-file HTML report (figures/report.py): from Python, the app's Export tab and the command line; it
+opens offline in Chromium with every chart drawn and nothing fetched, holds plotly.js once, and every text a
+prompt or the model wrote is inert."""
+
+from __future__ import annotations
+
+from plotly.offline import get_plotlyjs
+
+from figures.report import report_html
+from tracer import TracedGeneration
+
+PROMPTS = ["Tom had a big red kite.", "<script>alert(1)</script> said"]
+
+
+def test_the_report_holds_plotly_once_the_views_and_inert_text(bundled, tmp_path):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, PROMPTS, temperature=0)
+    gen.run(3)
+    page = report_html(gen.trace, heads=((0, 0), (1, 2)))
+    assert page.count(get_plotlyjs()) == 1  # plotly.js written in once, not per figure
+    assert page.count('class="plotly-graph-div"') == 7  # flow, two heads' stages, all heads, mask, cache, next token
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<code>blocks.3.attn.hook_pattern</code>" in page and "Step 2 of 3" in page
+    assert len(page) < len(get_plotlyjs()) + 2 * 2**20  # the figures are pooled: bounded by the views
+    path = tmp_path / "report.html"
+    path.write_text(page, encoding="utf-8")
+    from tests.browser import chromium
+
+    with chromium() as browser:
+        view = browser.new_page()
+        outside, errors = [], []
+        view.on("request", lambda r: outside.append(r.url) if not r.url.startswith("file://") else None)
+        view.on("pageerror", lambda e: errors.append(str(e)))
+        view.goto(path.as_uri())
+        view.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length === 7", timeout=60_000)
+        assert not outside and not errors and view.evaluate("() => window.__xss === undefined")
+
+
+def test_the_command_line_writes_the_report(tmp_path, capsys):
+    from gpt_shape_tracer.trace_command import main
+
+    code = main(["--prompt", "Tom had a kite.", "--steps", "2", "--out", str(tmp_path / "t.zip"),
+                 "--html", str(tmp_path / "r.html")])
+    assert code == 0 and "a report of step 1" in capsys.readouterr().out
+    assert (tmp_path / "r.html").read_text(encoding="utf-8").count('class="plotly-graph-div"') == 6
