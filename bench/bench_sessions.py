@@ -15,22 +15,16 @@ Figures go to ``bench/results/sessions.json`` and docs/benchmarks.md, with the m
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from common import ROOT, gpt2_small_dir, machine, save
 
+sys.path.insert(0, str(ROOT))
+from tests.browser import status_kib  # noqa: E402 - the checkout's own test helpers, on the path just above
+
 MiB = 2**20
-
-
-def status_kib(pid: int | str, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def one_heavy_session(steps: int) -> dict:
@@ -64,70 +58,58 @@ def one_heavy_session(steps: int) -> dict:
 
 
 def many_sessions(sessions: int, steps: int) -> dict:
-    sys.path.insert(0, str(ROOT))
-    from tests.browser import app_context, chromium, click, free_port, open_app, set_prompt, wait_idle
+    from tests.browser import (
+        SERVER_LOGS,
+        app_context,
+        chromium,
+        click,
+        open_app,
+        server_pid,
+        set_prompt,
+        streamlit_server,
+        wait_idle,
+    )
 
-    port = free_port()
-    env = {**os.environ, "GPT_SHAPE_TRACER_SERVER_BUDGET_MB": "2048", "GPT_SHAPE_TRACER_MAX_SESSIONS": str(sessions),
+    env = {"GPT_SHAPE_TRACER_SERVER_BUDGET_MB": "2048", "GPT_SHAPE_TRACER_MAX_SESSIONS": str(sessions),
            "STREAMLIT_SERVER_DISCONNECTED_SESSION_TTL": "5"}
-    log = open(ROOT / f".streamlit-bench-{port}.log", "w")  # noqa: SIM115 - closed below
-    server = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
-                               "--server.address", "127.0.0.1", "--server.headless", "true"],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
     out: dict = {"server_budget_mib": 2048, "sessions": sessions, "steps": steps, "samples": []}
-    try:
-        import urllib.request
-
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(url + "/_stcore/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.3)
-        prompt = " ".join(["Tom had a big red kite and he went to the park with his friend Lily."] * 14)
-        with chromium() as browser:
-            contexts = []
-            for i in range(sessions):
-                context = app_context(browser, 1280, 800)
-                contexts.append(context)
-                page = context.new_page()
-                open_app(page, url)
-                set_prompt(page, prompt)
-                page.locator("[data-testid=stSidebar]").get_by_text("KV cache", exact=True).click()  # off
+    prompt = " ".join(["Tom had a big red kite and he went to the park with his friend Lily."] * 14)
+    with streamlit_server(env=env) as url, chromium() as browser:
+        pid = server_pid(url)
+        log = SERVER_LOGS[-1]  # this server's log: what it says when it lets sessions go
+        contexts = []
+        for i in range(sessions):
+            context = app_context(browser, 1280, 800)
+            contexts.append(context)
+            page = context.new_page()
+            open_app(page, url)
+            set_prompt(page, prompt)
+            page.locator("[data-testid=stSidebar]").get_by_text("KV cache", exact=True).click()  # off
+            wait_idle(page)
+            for label, value in (("Budget (MB)", "200"), ("N for Run N (1…256)", str(steps))):
+                box = page.get_by_label(label, exact=True)
+                box.fill(value)
+                box.press("Enter")
                 wait_idle(page)
-                budget = page.get_by_label("Budget (MB)", exact=True)
-                budget.fill("200")
-                budget.press("Enter")
-                wait_idle(page)
-                run_n = page.get_by_label("N for Run N (1…256)", exact=True)
-                run_n.fill(str(steps))
-                run_n.press("Enter")
-                wait_idle(page)
-                click(page, "Run N")
-                out["samples"].append({"after_session": i + 1, "rss_mib": status_kib(server.pid, "VmRSS") / 1024})
-            extra = app_context(browser, 1280, 800)
-            page = extra.new_page()
-            page.goto(url)
-            page.get_by_text(f"already serves {sessions} session(s)").wait_for(timeout=60_000)
-            out["one_more_refused"] = True
-            extra.close()
-            out["rss_with_all_mib"] = status_kib(server.pid, "VmRSS") / 1024
-            out["peak_mib"] = status_kib(server.pid, "VmHWM") / 1024
-            for context in contexts:
-                context.close()
-            closed = time.perf_counter()
-            out["after_close"] = []
-            for _ in range(24):  # two minutes
-                time.sleep(5)
-                out["after_close"].append({"seconds": round(time.perf_counter() - closed, 1),
-                                           "rss_mib": status_kib(server.pid, "VmRSS") / 1024})
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-        out["server_said"] = [line for line in Path(log.name).read_text().splitlines() if "gpt-shape-tracer:" in line]
-        Path(log.name).unlink(missing_ok=True)
+            click(page, "Run N")
+            out["samples"].append({"after_session": i + 1, "rss_mib": status_kib(pid, "VmRSS") / 1024})
+        extra = app_context(browser, 1280, 800)
+        page = extra.new_page()
+        page.goto(url)
+        page.get_by_text(f"already serves {sessions} session(s)").wait_for(timeout=60_000)
+        out["one_more_refused"] = True
+        extra.close()
+        out["rss_with_all_mib"] = status_kib(pid, "VmRSS") / 1024
+        out["peak_mib"] = status_kib(pid, "VmHWM") / 1024
+        for context in contexts:
+            context.close()
+        closed = time.perf_counter()
+        out["after_close"] = []
+        for _ in range(24):  # two minutes
+            time.sleep(5)
+            out["after_close"].append({"seconds": round(time.perf_counter() - closed, 1),
+                                       "rss_mib": status_kib(pid, "VmRSS") / 1024})
+        out["server_said"] = [line for line in log.read_text().splitlines() if "gpt-shape-tracer:" in line]
     return out
 
 

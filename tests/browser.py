@@ -72,6 +72,27 @@ def streamlit_server(env: dict | None = None, timeout: float = 90.0):
         Path(log.name).unlink(missing_ok=True)
 
 
+def server_pid(url: str) -> int:
+    """The pid of the streamlit server listening on ``url``'s port (found by its command line)."""
+    port = url.rsplit(":", 1)[1]
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"streamlit" in b" ".join(args) and port.encode() in args:
+            return int(proc.name)
+    raise LookupError(f"no streamlit server on port {port}")
+
+
+def status_kib(pid: int | str, field: str) -> int:
+    """A memory line of ``/proc/<pid>/status`` ("VmRSS", "VmHWM", …), in KiB; ``pid`` "self" for this process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 @contextmanager
 def chromium():
     """Debian's Chromium, headless, driven by Playwright (one browser for many pages)."""

@@ -101,3 +101,35 @@ def hf_dir_with_tokenizer(bundled):
     GPT2LMHeadModel(cfg).eval().save_pretrained(directory)
     bundled[1].save(directory / "tokenizer.json")
     return directory
+
+
+# -- traced generations shared by the figure, FlashAttention and cache tests (one per module that asks) -------
+FIGURES_PROMPT = "Once upon a time, there was a little girl named Lily."
+
+
+@pytest.fixture(scope="module")
+def batch_gen(bundled):
+    """Two left-padded sequences, one holding HTML, greedy, three steps."""
+    from tracer import TracedGeneration
+
+    model, tok = bundled
+    g = TracedGeneration(model, tok, [FIGURES_PROMPT, "Tom said, <script>alert(1)</script>"], temperature=0)
+    g.run(3)
+    return g
+
+
+@pytest.fixture(scope="module")
+def llama_gen(bundled):
+    """A small grouped-query Llama-style model (6 query heads sharing 2 key/value heads), random weights."""
+    import torch
+
+    from model import GPT, GPTConfig
+    from tracer import TracedGeneration
+
+    _, tok = bundled
+    torch.manual_seed(5)
+    config = GPTConfig.for_family("llama", vocab_size=tok.vocab_size, n_ctx=64, d_model=48, n_layer=2, n_head=6,
+                                  n_kv_head=2, d_mlp=64, rope_theta=500.0)
+    g = TracedGeneration(GPT(config).eval(), tok, "Mia had a small blue boat.", temperature=0)
+    g.run(3)
+    return g

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import GPT, GPTConfig
 from model.cache import KVCache, stored
 from tracer import TracedGeneration, cache_precision
 
@@ -73,12 +72,6 @@ def test_cheaper_storage_is_measured_with_this_runs_numbers(bundled):
         cache_precision(gen, "int8", steps=10_000)
 
 
-def test_a_grouped_query_model_and_its_multi_head_twin(bundled):
-    _, tok = bundled
-    torch.manual_seed(5)
-    config = GPTConfig.for_family("llama", vocab_size=tok.vocab_size, n_ctx=64, d_model=48, n_layer=2, n_head=6,
-                                  n_kv_head=2, d_mlp=64)
-    gen = TracedGeneration(GPT(config).eval(), tok, "Mia had a boat.", temperature=0)
-    gen.step()
-    run = cache_precision(gen, "int8", steps=3)
+def test_a_grouped_query_model_and_its_multi_head_twin(llama_gen):
+    run = cache_precision(llama_gen, "int8", steps=3)
     assert (run.kv_heads, run.query_heads) == (2, 6) and run.as_multi_head_bytes == 3 * run.stored_bytes

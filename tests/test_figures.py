@@ -41,26 +41,6 @@ def gen(bundled):
     return g
 
 
-@pytest.fixture(scope="module")
-def batch_gen(bundled):
-    model, tok = bundled
-    g = TracedGeneration(model, tok, [PROMPT, "Tom said, <script>alert(1)</script>"], temperature=0)
-    g.run(3)
-    return g
-
-
-@pytest.fixture(scope="module")
-def llama_gen(bundled):
-    """A small grouped-query Llama-style model (6 query heads sharing 2 key/value heads), random weights."""
-    _, tok = bundled
-    torch.manual_seed(5)
-    config = GPTConfig.for_family("llama", vocab_size=tok.vocab_size, n_ctx=64, d_model=48, n_layer=2, n_head=6,
-                                  n_kv_head=2, d_mlp=64, rope_theta=500.0)
-    g = TracedGeneration(GPT(config).eval(), tok, "Mia had a small blue boat.", temperature=0)
-    g.run(3)
-    return g
-
-
 def z_tensor(z) -> torch.Tensor:
     """A heatmap's z (a float32 array, or nested lists with None) as float64 with NaN for the gaps."""
     if isinstance(z, np.ndarray):
@@ -528,21 +508,10 @@ def test_next_token_figure_outlines_the_chosen_token(gen):
 
 def _with_manifest(trace, edit):
     """``trace`` saved, its manifest edited by ``edit``, loaded back: a file someone crafted."""
-    import io
-    import json
-    import zipfile
-
+    from tests.test_hostile_files import with_manifest
     from tracer import archive_bytes, load_trace
 
-    source = zipfile.ZipFile(io.BytesIO(archive_bytes(trace)))
-    manifest = json.loads(source.read("manifest.json"))
-    edit(manifest)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as dst:
-        for info in source.infolist():
-            data = json.dumps(manifest).encode() if info.filename == "manifest.json" else source.read(info.filename)
-            dst.writestr(info.filename, data)
-    return load_trace(out.getvalue())
+    return load_trace(with_manifest(archive_bytes(trace), edit))
 
 
 def test_a_crafted_choice_outside_its_candidates_is_said_not_raised(gen):

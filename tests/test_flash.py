@@ -10,44 +10,24 @@ import pytest
 import torch
 
 from figures import flash
-from model import GPT, GPTConfig
 from tracer import TracedGeneration
 
 PROMPT = "Tom had a big red kite. One day, Tom went to the park with his friend Lily."
 
 
-@pytest.fixture(scope="module")
-def gpt2_gen(bundled):
-    model, tok = bundled
-    g = TracedGeneration(model, tok, [PROMPT, "Ben ran"], temperature=0)
-    g.run(3)
-    return g
-
-
-@pytest.fixture(scope="module")
-def llama_gen(bundled):
-    _, tok = bundled
-    torch.manual_seed(5)
-    config = GPTConfig.for_family("llama", vocab_size=tok.vocab_size, n_ctx=64, d_model=48, n_layer=2, n_head=6,
-                                  n_kv_head=2, d_mlp=64)
-    g = TracedGeneration(GPT(config).eval(), tok, PROMPT, temperature=0)
-    g.run(2)
-    return g
-
-
 @pytest.mark.parametrize("block", flash.BLOCK_SIZES[:4])
-def test_the_tiles_give_the_models_own_output_at_the_prefill_and_a_decode_step(gpt2_gen, block):
+def test_the_tiles_give_the_models_own_output_at_the_prefill_and_a_decode_step(batch_gen, block):
     for step, batch in ((0, 0), (0, 1), (2, 0), (2, 1)):
-        n = gpt2_gen.trace.record("blocks.1.attn.hook_q", step).shape[2]
+        n = batch_gen.trace.record("blocks.1.attn.hook_q", step).shape[2]
         for query_block in range(math.ceil(n / block)):
-            run = flash.flash_attention(gpt2_gen.trace, step, 1, 2, batch, block=block, query_block=query_block)
+            run = flash.flash_attention(batch_gen.trace, step, 1, 2, batch, block=block, query_block=query_block)
             assert run.max_abs_delta < 1e-5, (step, batch, block, query_block)
             assert len(run.tiles) == math.ceil(run.scores.shape[1] / block)
 
 
-def test_after_each_tile_m_and_l_are_the_max_and_sum_over_the_keys_read(gpt2_gen):
-    n = gpt2_gen.trace.record("blocks.0.attn.hook_q", 0).shape[2]
-    run = flash.flash_attention(gpt2_gen.trace, 0, 0, 1, 0, block=4, query_block=(n - 1) // 4)  # the last rows
+def test_after_each_tile_m_and_l_are_the_max_and_sum_over_the_keys_read(batch_gen):
+    n = batch_gen.trace.record("blocks.0.attn.hook_q", 0).shape[2]
+    run = flash.flash_attention(batch_gen.trace, 0, 0, 1, 0, block=4, query_block=(n - 1) // 4)  # the last rows
     scores = run.scores
     for tile in run.tiles:
         read = scores[:, : tile.keys[1]]
@@ -86,16 +66,16 @@ def test_a_model_run_by_transformers(tmp_path):
         assert flash.flash_attention(g.trace, step, 1, 3, block=8).max_abs_delta < 1e-5
 
 
-def test_the_figure_draws_the_tiles_read_so_far(gpt2_gen):
-    run = flash.flash_attention(gpt2_gen.trace, 0, 0, 0, 0, block=4)
-    fig = flash.flash_figure(gpt2_gen.trace, 0, run, 1)
+def test_the_figure_draws_the_tiles_read_so_far(batch_gen):
+    run = flash.flash_attention(batch_gen.trace, 0, 0, 0, 0, block=4)
+    fig = flash.flash_figure(batch_gen.trace, 0, run, 1)
     heat = next(d for d in fig.data if d.type == "heatmap" and d.hoverinfo != "skip")
     read_through = run.tiles[1].keys[1]
     assert all(v is None or v != v for row in heat.z for v in row[read_through:])  # later tiles: not read yet
     gaps = next(d for d in fig.data if d.name == "max |O so far − O|")
     assert len(gaps.y) == len(run.tiles) and gaps.y[-1] < 1e-5
     with pytest.raises(ValueError, match="query block 99"):
-        flash.flash_attention(gpt2_gen.trace, 0, 0, 0, 0, block=4, query_block=99)
+        flash.flash_attention(batch_gen.trace, 0, 0, 0, 0, block=4, query_block=99)
 
 
 def test_nothing_to_recompute_from_with_shapes_capture(bundled):

@@ -96,7 +96,20 @@ def test_the_app_refuses_a_generation_past_the_servers_budget_and_keeps_the_sett
 def test_a_real_server_serves_up_to_its_cap_and_admits_again_once_a_tab_closes():
     """Two pages on a server capped at one session: the second is told why; after the first tab closes, the
     server forgets that session (its disconnect TTL set to 2 s here) and the second page is served."""
-    from tests.browser import app_context, chromium, click, open_app, set_prompt, streamlit_server, wait_idle
+    from tests.browser import (
+        app_context,
+        chromium,
+        click,
+        open_app,
+        server_pid,
+        set_prompt,
+        status_kib,
+        streamlit_server,
+        wait_idle,
+    )
+
+    def resident_mib(pid: int) -> float:
+        return status_kib(pid, "VmRSS") / 1024
 
     env = {SESSIONS_ENV: "1", "STREAMLIT_SERVER_DISCONNECTED_SESSION_TTL": "2"}
     with streamlit_server(env=env) as url, chromium() as browser:
@@ -144,24 +157,3 @@ def test_a_real_server_serves_up_to_its_cap_and_admits_again_once_a_tab_closes()
         finally:
             second_context.close()
 
-
-def server_pid(url: str) -> int:
-    """The pid of the streamlit server listening on ``url``'s port (found by its command line)."""
-    from pathlib import Path
-
-    port = url.rsplit(":", 1)[1]
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"streamlit" in b" ".join(args) and port.encode() in args:
-            return int(proc.name)
-    raise LookupError(f"no streamlit server on port {port}")
-
-
-def resident_mib(pid: int) -> float:
-    from pathlib import Path
-
-    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
