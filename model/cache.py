@@ -173,13 +173,21 @@ class KVCache:
     def stored_nbytes(self) -> int:
         """Bytes a cache storing ``storage`` would hold for the same rows: 2·L·B·G·t·d_head numbers at its size,
         plus, for int8, one float32 scale per row of each head."""
-        held = [t for t in (*self.keys, *self.values) if t is not None]
         if self.storage == "model":
             return self.nbytes
+        held = [t for t in (*self.keys, *self.values) if t is not None]
+        scales = INT8_SCALE_BYTES if self.storage == "int8" else 0  # per stored row of each head
+        return sum(int(t.numel() * self.stored_number_bytes + t[..., 0].numel() * scales) for t in held)
+
+    @property
+    def stored_number_bytes(self) -> int:
+        """Bytes per number as ``storage`` keeps it (int8: 1, its scales apart; "model": the buffer's own)."""
         if self.storage == "int8":
-            return sum(int(t.numel() + t[..., 0].numel() * INT8_SCALE_BYTES) for t in held)
-        size = torch.empty(0, dtype=getattr(torch, self.storage)).element_size()
-        return sum(int(t.numel() * size) for t in held)
+            return 1
+        if self.storage == "model":
+            keys = next((t for t in self.keys if t is not None), None)
+            return keys.element_size() if keys is not None else 4
+        return torch.empty(0, dtype=getattr(torch, self.storage)).element_size()
 
     def __repr__(self) -> str:
         keys = self.keys[0]

@@ -43,7 +43,7 @@ class CachePrecisionRun:
     query_heads: int  # H
     d_head: int
     t: int  # positions cached after the last step
-    number_bytes: float  # bytes per stored number (int8: 1, its scales counted apart)
+    number_bytes: int  # bytes per stored number (int8: 1, its scales counted apart)
 
     @property
     def first_difference(self) -> int | None:
@@ -86,8 +86,7 @@ def cache_precision(generation: TracedGeneration, storage: str, steps: int = 16)
     columns = torch.tensor([facts.columns(r, 0) for r in range(batch)])
     real = torch.tensor([facts.is_token(r, 0) for r in range(batch)])
     mask = real if not bool(real.all()) else None
-    # the row each sequence's next token is chosen from at the prefill: its last real column
-    last = torch.tensor([max(j for j, is_real in enumerate(row) if is_real) for row in real.tolist()])
+    last = torch.tensor([facts.last_token_column(r, 0) for r in range(batch)])  # where the prefill chooses from
     reference, cheaper = model.new_cache(batch), model.new_cache(batch, storage)
     feed, rows = columns, last
     out = []
@@ -100,6 +99,6 @@ def cache_precision(generation: TracedGeneration, storage: str, steps: int = 16)
         feed, rows, mask = fed[:, None], torch.zeros(batch, dtype=torch.long), None  # one new column each
     keys = reference.keys[0]
     assert keys is not None  # every layer holds rows after a step
-    per_number = 1.0 if storage == "int8" else float(torch.empty(0, dtype=getattr(torch, storage)).element_size())
     return CachePrecisionRun(storage, tuple(out), reference.nbytes, cheaper.stored_nbytes, model.config.n_layer,
-                             batch, keys.shape[1], model.config.n_head, keys.shape[-1], reference.length, per_number)
+                             batch, keys.shape[1], model.config.n_head, keys.shape[-1], reference.length,
+                             cheaper.stored_number_bytes)

@@ -117,10 +117,7 @@ def _loss(logits: torch.Tensor, columns: torch.Tensor, real: torch.Tensor, facts
     choice = facts.step(step).sampling
     if choice is None:
         raise ValueError(f"step {step} chose no token: there is no log-probability to differentiate")
-    rows = []
-    for r in range(columns.shape[0]):  # the row each sequence's token was chosen from: its last real column
-        last = max(j for j, is_real in enumerate(real[r].tolist()) if is_real)
-        rows.append(logp[r, last, choice.tokens[r]])
+    rows = [logp[r, facts.last_token_column(r, step), choice.tokens[r]] for r in range(columns.shape[0])]
     return -torch.stack(rows).mean()
 
 

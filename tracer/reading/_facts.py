@@ -46,6 +46,11 @@ class GenerationFacts:
         _, real, _ = self.info.padded_prompt(row)
         return real + (True,) * len(self._chosen(step))
 
+    def last_token_column(self, row: int, step: int) -> int:
+        """The column of the last real token ``step`` saw in sequence ``row``: the row its next token is chosen
+        from (before any right padding)."""
+        return max(j for j, real in enumerate(self.is_token(row, step)) if real)
+
     def labels(self, row: int, step: int) -> tuple[str, ...]:
         """Display labels of those columns (padding shows as ⟨pad⟩)."""
         _, _, labels = self.info.padded_prompt(row)
