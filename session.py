@@ -456,6 +456,11 @@ class AppState:
         return gen.trace if gen is not None and gen.n_steps else None
 
     @property
+    def live_generation(self) -> TracedGeneration | None:
+        """The generation the tabs may run experiments on: None while a file is on view (its trace is not it)."""
+        return None if self.viewing_file else self.generation
+
+    @property
     def model_changed(self) -> bool:
         """Whether the sidebar names another model than the live generation runs (it waits for Reset)."""
         return self.generation is not None and self.started_model_key not in (None, self.model_key)

@@ -287,7 +287,8 @@ def growth_figure(config, t_now: int, itemsize: int = 4) -> tuple[go.Figure, str
 
     n_ctx = int(config.n_ctx)
     ns = sorted({max(1, round(n_ctx ** (i / 40))) for i in range(41)} | {t_now})
-    parts = {name: [forward_parts(config, 1, n, n)[name] for n in ns] for name in PARTS}
+    per_n = [forward_parts(config, 1, n, n) for n in ns]
+    parts = {name: [counts[name] for counts in per_n] for name in PARTS}
     H, G, dh, L = config.n_head, getattr(config, "n_kv_head", None) or config.n_head, config.d_head, config.n_layer
     scores = [H * n * n * itemsize for n in ns]  # one layer's [H, n, n] scores (each stage as large)
     cache = [2 * L * G * n * dh * itemsize for n in ns]

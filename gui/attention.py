@@ -102,7 +102,7 @@ def attention_tab(trace: Trace, step: int) -> None:
 
 def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
     app = state()
-    gen = app.generation if not app.viewing_file else None
+    gen = app.live_generation
     if gen is None:
         st.info("The backward pass runs the live model on this generation's tokens: Step once (or leave the file "
                 "view).")

@@ -12,7 +12,7 @@ from tracer import Trace, aligned_values, diff_traces
 
 def compare_tab(trace: Trace, step: int) -> None:
     app = state()
-    gen = app.generation if not app.viewing_file else None
+    gen = app.live_generation
     options = ["a trace file"]
     if gen is not None:  # a module of your own runs without our cache: there is no cached run to make
         options += (["this prompt with the KV cache " + ("off" if gen.use_cache else "on")] if caches(gen.model)

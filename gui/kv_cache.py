@@ -52,7 +52,7 @@ def cache_tab(trace: Trace, step: int) -> None:
 def cheaper_cache() -> None:
     """The same prompt with K and V stored at a lower precision, against the model's own (tracer.cache_precision)."""
     app = state()
-    gen = app.generation if not app.viewing_file else None
+    gen = app.live_generation
     if gen is None:
         st.info("This experiment runs the live model on this generation's prompt: Step once (or leave the file view).")
         return
@@ -110,7 +110,7 @@ def cache_this_step(trace: Trace, step: int) -> None:
         chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
     st.subheader("Cache on vs off")
     comparisons = facts.comparisons
-    gen = app.generation if not app.viewing_file else None
+    gen = app.live_generation
     latest = gen is not None and step == gen.n_steps - 1
     if gen is not None and not caches(gen.model):
         st.info("Your module runs its own forward, without our KV cache: every step recomputes all positions, "

@@ -20,7 +20,7 @@ def whatif_tab(trace: Trace, step: int) -> None:
         return
     parts = remembered_tabs(["Switch heads off", "Activation patching", "Logit attribution", "Logit lens"],
                             "whatif_view")
-    gen = app.generation if not app.viewing_file else None
+    gen = app.live_generation
     with parts[0]:
         if parts[0].open:
             ablation_section(trace, step, model, gen)
