@@ -21,7 +21,7 @@ from gui.shapes import shapes_tab
 from gui.sidebar import advance, reset, sidebar
 from gui.whatif import whatif_tab
 from gui.worked import worked_tab
-from session import DEFAULT_RUN_N, SettingsError, settings_from
+from session import DEFAULT_RUN_N, AppState, SettingsError, settings_from
 
 PANELS = {"Shapes": shapes_tab, "Attention": attention_tab, "Causal mask": mask_tab, "KV cache": cache_tab,
           "Next token": next_token_tab, "What if": whatif_tab, "Compare runs": compare_tab,
@@ -38,6 +38,11 @@ def main() -> None:
     if not admitted():  # the server's cap on sessions
         return
     app = state()
+    with app.run_lock:  # a run that a click interrupted finishes its step first (AppState.run_lock)
+        run(app)
+
+
+def run(app: AppState) -> None:
     action, values = sidebar()
     st.title("GPT shape tracer")
     try:  # the widgets' values, read once: every use below sees the same settings or the same refusal
@@ -45,9 +50,16 @@ def main() -> None:
     except SettingsError as e:
         settings, refused = None, e
     if action == "reset":
+        app.steps_owed = 0
         reset(refused)
-    elif action in ("step", "run"):
-        advance(1 if action == "step" else st.session_state.get("run_n", DEFAULT_RUN_N), settings, refused)
+    elif action == "run":
+        app.steps_owed = 0  # Run N goes on from wherever the Steps clicked before it had got
+        advance(st.session_state.get("run_n", DEFAULT_RUN_N), settings, refused)
+    else:
+        # a Step is owed from its click (its callback counts it) until it has run: a click that interrupts the
+        # run before its step (any click: Streamlit stops the old run at its next call) leaves it owed
+        if app.steps_owed:
+            advance(app.steps_owed, settings, refused, owed=True)
     if not status(settings, refused):
         return
     trace = app.viewed_trace
@@ -73,9 +85,11 @@ def panel(name: str) -> None:
     """One tab, rerun on its own when a widget in it changes. The fragment is given only the tab's name and
     reads the trace and step when it runs: Streamlit keeps a fragment's arguments for the session's life, and
     a trace passed here would outlive Reset and the session's end (measured: its memory never came back)."""
-    trace = state().viewed_trace
-    if trace is not None:
-        PANELS[name](trace, viewed_step(trace))
+    app = state()
+    with app.run_lock:  # a fragment run too can start beside a full run that is still stopping
+        trace = app.viewed_trace
+        if trace is not None:
+            PANELS[name](trace, viewed_step(trace))
 
 
 main()

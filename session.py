@@ -9,6 +9,7 @@ compare with, a step replayed with heads off — is here, so that it can be test
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -441,6 +442,13 @@ class AppState:
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
     gradients: tuple[tuple, HeadGradients] | None = None  # (step, layer, head, sequence, loss), the backward pass
     last_compare_upload_id: str | None = None
+    # Held by a script run for as long as it reads or changes this state. Streamlit answers a click that comes
+    # while a run is in flight by starting a new script thread at once (runner.fastReruns) and asking the old
+    # one to stop at its next Streamlit call: without this lock both threads stepped one generation together,
+    # and the click was lost to "step 0 is still in progress" (issue 26 item 16). Reentrant: a tab's fragment
+    # takes it again inside a full run.
+    run_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    steps_owed: int = 0  # Step clicks not yet stepped: a click that interrupts a run before its step loses none
 
     @property
     def viewing_file(self) -> bool:

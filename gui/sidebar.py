@@ -45,7 +45,7 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     values["prompt"] = sb.text_area("Prompt (one line per sequence: several lines make a batch)",
                                     value=DEFAULTS.prompt, key="prompt", height=96)
     cols = sb.columns(3)
-    step = cols[0].button("Step", type="primary", key="step_button", width="stretch")
+    step = cols[0].button("Step", type="primary", key="step_button", width="stretch", on_click=owe_a_step)
     run = cols[1].button("Run N", key="run_button", width="stretch")
     reset = cols[2].button("Reset", key="reset_button", width="stretch")
     sb.number_input(f"N for Run N (1…{MAX_RUN_STEPS})", value=DEFAULT_RUN_N, step=1, key="run_n")
@@ -203,9 +203,10 @@ def reset(refused: SettingsError | None) -> None:
                                 f"{plain(describe_model_key(state().model_key))}.")]
 
 
-def advance(n_raw: object, settings: Settings | None, refused: SettingsError | None) -> None:
+def advance(n_raw: object, settings: Settings | None, refused: SettingsError | None, owed: bool = False) -> None:
     """Step or Run N: one forward pass and one token per step, with progress and a Stop button for a run.
-    A step that finished stays finished whatever interrupts the next one (``session.run_steps``)."""
+    A step that finished stays finished whatever interrupts the next one (``session.run_steps``). ``owed``:
+    the steps are ``AppState.steps_owed``, each paid off as it finishes; an error or a stop forgives the rest."""
     app = state()
     notices = []
     try:
@@ -218,11 +219,13 @@ def advance(n_raw: object, settings: Settings | None, refused: SettingsError | N
             refusal = reserve_memory(generation_bytes=settings.budget_bytes)  # the server's total, shared
             if refusal:
                 app.notices = [("error", f"Not started: {refusal}")]
+                app.steps_owed = 0
                 return
             gen = app.start(model, tok, settings)
             notices += [("warning", plain(w)) for w in gen.warnings]
     except SettingsError as e:
         app.notices = [("error", str(e))]
+        app.steps_owed = 0
         return
     app.show_file(False)
     # the bar and its Stop button live only while the steps run: afterwards a Stop would stop nothing
@@ -231,9 +234,12 @@ def advance(n_raw: object, settings: Settings | None, refused: SettingsError | N
     if n > 1:
         with running.container():
             progress = st.progress(0.0, text=f"step 1 of {n}")
-            st.button("Stop", key="stop_run", help="Stops after the step in progress; every finished step is kept")
+            st.button("Stop", key="stop_run", help="Stops after the step in progress; every finished step is kept",
+                      on_click=forgive_steps)
 
     def show(done: int) -> None:
+        if owed:  # paid off before the next Streamlit call, where a click can stop this run
+            app.steps_owed = max(0, app.steps_owed - 1)
         if progress is not None and done < n:
             progress.progress(done / n, text=f"step {done + 1} of {n}")
 
@@ -242,7 +248,21 @@ def advance(n_raw: object, settings: Settings | None, refused: SettingsError | N
     finally:
         running.empty()
     if end is not None:
+        app.steps_owed = 0
         notices.append((end.level, end.message + plain(end.detail)))
     if gen.n_steps:
         st.session_state["step_view"] = gen.n_steps - 1
     app.notices = notices
+
+
+def owe_a_step() -> None:
+    """Step's callback, which Streamlit calls before the run's script: the click is counted before anything in
+    the run can be interrupted by the next click (the run that makes the step may be a later one)."""
+    app = state()
+    with app.run_lock:  # a run still stopping may be paying off an earlier step
+        app.steps_owed += 1
+
+
+def forgive_steps() -> None:
+    """Stop's callback: Step clicks still owed are not made (a click's rerun would otherwise make them)."""
+    state().steps_owed = 0

@@ -246,6 +246,32 @@ def open_tab(page, name: str) -> None:
     wait_for_a_run(page, before)
 
 
+def steps_shown(page) -> int:
+    """How many steps the page's generation has, as the page shows it: the step slider's last step + 1, 1 for
+    the prefill alone, 0 before the first Step."""
+    slider = page.locator('[data-testid="stSlider"]').filter(has_text="time travel")
+    if slider.count():
+        return int(slider.first.inner_text().split()[-1]) + 1
+    return 1 if page.get_by_text("Step 0, the prefill").count() else 0
+
+
+def wait_settled(page, quiet_s: float = 2.5, timeout: float = 120.0) -> None:
+    """Wait until the page has shown no rerun and the same step count for ``quiet_s`` seconds. For clicks that
+    interrupt a run: Streamlit starts the new run while the old one stops, and the page can show "not running"
+    between the two, which ``wait_idle`` would take for the end."""
+    deadline = time.time() + timeout
+    last, since = None, time.time()
+    while time.time() < deadline:
+        now = (steps_shown(page), page.evaluate(f"({STATE})()"), runs_finished(page))
+        if now != last:
+            last, since = now, time.time()
+        elif now[1] == "notRunning" and time.time() - since >= quiet_s:
+            wait_idle(page)
+            return
+        page.wait_for_timeout(250)
+    raise AssertionError(f"the page did not settle: {page_state(page)}")
+
+
 def plotly_data(page) -> list:
     """The data arrays of every plotly chart on the page, as the browser holds them (a numpy array arrives
     packed, ``{dtype, bdata, shape}``, and plotly.js keeps that object with the decoded ``_inputArray``)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import zipfile
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -28,8 +29,10 @@ from tests.browser import (
     plotly_data,
     runs_finished,
     set_prompt,
+    steps_shown,
     streamlit_server,
     wait_idle,
+    wait_settled,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -323,6 +326,61 @@ def websocket_handshake(url: str, host: str) -> str:
                    f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
                    f"Sec-WebSocket-Protocol: streamlit\r\n\r\n").encode())
         return s.recv(4096).decode("latin-1").split("\r\n")[0]
+
+
+def test_a_click_while_a_run_is_going_waits_for_the_step_in_progress(url, visit, browser):
+    # Streamlit answers a click during a run by starting a new script thread at once and stopping the old one
+    # at its next Streamlit call; both used to step the session's one generation together ("step 5 is still in
+    # progress", and the click lost). A second session on the server steps at the same time.
+    other_context = app_context(browser)
+    try:
+        other = other_context.new_page()
+        with visit(1500, 1100) as page:
+            errors, _ = watch(page, url)
+            open_app(page, url)
+            open_app(other, url)
+            set_prompt(other, "Mia had a small dog.")
+            # every op recorded and the cache off: a step takes most of a run's time, so a click comes during one
+            set_prompt(page, " ".join([PROMPT] * 12))
+            before = runs_finished(page)
+            page.get_by_text("KV cache", exact=True).click()
+            wait_idle(page, after=before)
+            before = runs_finished(page)
+            capture = page.get_by_role("combobox", name="Capture")
+            capture.click()
+            capture.fill("ops")
+            capture.press("Enter")
+            wait_idle(page, after=before)
+            n_box = page.get_by_label(re.compile("^N for Run N"))
+            before = runs_finished(page)
+            n_box.fill("60")
+            n_box.press("Enter")
+            wait_idle(page, after=before)
+            for _ in range(2):  # the click lands in a step most of the time, not always: twice
+                base = steps_shown(page)
+                page.get_by_role("button", name="Run N", exact=True).click()
+                progress = page.locator('[data-testid="stProgress"]').filter(
+                    has_text=re.compile(r"step ([4-9]|\d\d) of 60"))
+                progress.wait_for(timeout=60_000)
+                in_progress = int(re.search(r"step (\d+) of 60", progress.inner_text()).group(1))
+                other.get_by_role("button", name="Step", exact=True).click()
+                page.get_by_role("button", name="Step", exact=True).click()  # while step `in_progress` runs
+                click(other, "Step")
+                wait_settled(page)
+                wait_settled(other)
+                alerts = page.locator('[data-testid="stAlert"], [data-testid="stException"]').all_inner_texts()
+                assert not [a for a in alerts if "failed" in a or "progress" in a or "Error" in a], alerts
+                assert not errors
+                shown = steps_shown(page)
+                # the run stops after the step in progress (or a later one: the page showed the bar a moment
+                # ago), then the Step is made: nothing is lost and the 60 steps do not go on
+                assert base + in_progress + 1 <= shown < base + 60, (base, in_progress, shown)
+            assert steps_shown(other) == 4
+            assert "Mia had a small dog." in other.locator('[data-testid="stMarkdownContainer"]').all_inner_texts()[0] \
+                or other.get_by_text("Mia had a small dog.", exact=False).count()
+            assert not page.get_by_text("Mia had a small dog.", exact=False).count()
+    finally:
+        other_context.close()
 
 
 def test_a_foreign_host_header_cannot_open_the_websocket(url):
