@@ -22,8 +22,8 @@ from model.own_module import OwnDecoder
 from model.sampling import SamplingConfig, SamplingError
 from model.tokenizer import TokenizerConfigError
 from tracer import (
-    CAPTURE_LEVELS,
     DEFAULT_BUDGET_BYTES,
+    FORWARD_CAPTURES,
     MAX_BATCH,
     MAX_RUN_STEPS,
     PADDING_SIDES,
@@ -157,8 +157,8 @@ def build_settings(
         raise SettingsError(str(e)) from None
     if not greedy and temperature == 0:
         raise SettingsError("temperature 0 is greedy decoding: choose “greedy”, or a temperature above 0")
-    if capture not in CAPTURE_LEVELS:
-        raise SettingsError(f"capture must be one of {', '.join(CAPTURE_LEVELS)}")
+    if capture not in FORWARD_CAPTURES:
+        raise SettingsError(f"capture must be one of {', '.join(FORWARD_CAPTURES)}")
     if padding_side not in PADDING_SIDES:
         raise SettingsError("padding must be left or right")
     if not 1 <= budget_mb <= MAX_BUDGET_MB:
@@ -441,6 +441,7 @@ class AppState:
     comparison: Comparison | None = None
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
     gradients: tuple[tuple, HeadGradients] | None = None  # (step, layer, head, sequence, loss), the backward pass
+    gradient_trace: tuple[tuple, Trace] | None = None  # (step, loss), ∂L/∂x at every hook point
     last_compare_upload_id: str | None = None
     # Held by a script run for as long as it reads or changes this state. Streamlit answers a click that comes
     # while a run is in flight by starting a new script thread at once (runner.fastReruns) and asking the old
@@ -493,6 +494,7 @@ class AppState:
         self.comparison = None
         self.precision = None
         self.gradients = None
+        self.gradient_trace = None
 
     def open_file(self, loaded: LoadedTrace) -> None:
         self.loaded = loaded

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from gpt_shape_tracer.memory import reuse_freed_memory
-from tracer import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, MAX_RUN_STEPS, save_trace
+from tracer import DEFAULT_BUDGET_BYTES, FORWARD_CAPTURES, MAX_RUN_STEPS, save_trace
 
 
 def _checked_out(raw: str) -> Path:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                     help="weights and activations of a --model-dir model (default: float32)")
     ap.add_argument("--out", required=True, help="where to write the trace (directory, or .zip)")
-    ap.add_argument("--capture", choices=CAPTURE_LEVELS, default="values")
+    ap.add_argument("--capture", choices=FORWARD_CAPTURES, default="values")
     ap.add_argument("--no-cache", action="store_true", help="recompute all positions at every step")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=None)

@@ -15,13 +15,14 @@ from gui.common import (
     live_model_for,
     plain,
     remembered_tabs,
+    reserve_memory,
     state,
     values_kept,
 )
 from model.hook_table import act_name
 from model.identity import identity_of
 from session import first_token
-from tracer import GRADIENT_LOSSES, Trace, attention_gradients, head_scores
+from tracer import GRADIENT_LOSSES, Trace, archive_bytes, attention_gradients, gradient_trace, head_scores
 
 
 def attention_tab(trace: Trace, step: int) -> None:
@@ -114,6 +115,12 @@ def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int
     loss = st.radio("loss L", list(GRADIENT_LOSSES), horizontal=True, key="grad_loss", persist_state="page",
                     help="next-token cross-entropy: the mean over every position that has a next token · "
                          "−log p(chosen token): of the token this step chose")
+    head_gradients(trace, gen, step, layer, head, batch, loss)
+    gradient_capture(gen, step, loss)
+
+
+def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: int, loss: str) -> None:
+    app = state()
     wanted = (step, layer, head, batch, loss)
     if st.button("Run the backward pass", key="grad_run", type="primary"):
         try:
@@ -141,6 +148,44 @@ def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int
     st.caption("‖∂L/∂x‖ of every layer: a line falling or rising by decades with depth is a vanishing or "
                "exploding gradient.")
     chart(grad_views.gradient_norms_figure(result), key="grad_norms_chart")
+
+
+def gradient_capture(gen, step: int, loss: str) -> None:
+    """The gradients capture level: ∂L/∂x at every hook point, kept within the budget, saved like a values trace."""
+    app = state()
+    st.subheader("∂L/∂x at every hook point")
+    budget = gen.trace.log.budget_bytes
+    st.markdown(f"The same backward pass, read at every hook point of the model: one record per tensor x, named "
+                f"by its hook point, holding ∂L/∂x with x's shape. The values are kept within this generation's "
+                f"budget ({budget / 2**20:.0f} MiB; past it, the oldest are summarised) and saved in the trace "
+                "file format of a values trace, which tracer.load_trace reads back.")
+    wanted = (step, loss)
+    if st.button("Record ∂L/∂x at every hook point", key="grad_capture"):
+        refusal = reserve_memory(gradient_bytes=budget)  # at most the budget: the server's total, shared
+        if refusal:
+            st.error(f"Not recorded: {refusal}")
+            return
+        try:
+            with st.spinner("forward and backward…"):
+                app.gradient_trace = (wanted, gradient_trace(gen, step, loss))
+        except ValueError as e:
+            app.gradient_trace = None
+            st.error(plain(e))
+            return
+        finally:
+            reserve_memory()  # what it holds now, not the budget
+    if app.gradient_trace is None or app.gradient_trace[0] != wanted:
+        st.caption(f"Press the button to record step {step}'s gradients for L = {loss}.")
+        return
+    grads = app.gradient_trace[1]
+    note = grads.value_note(grads.records[0]) if grads.records else "the backward pass reached no hook point"
+    st.caption(plain(note))
+    table = grads.to_frame(0)
+    st.dataframe(table[[c for c in ("name", "shape", "axes", "dtype", "has_value", "min", "max", "std")
+                        if c in table.columns]], hide_index=True, height=320, key="grad_capture_table")
+    st.download_button(f"Download the gradients trace of step {step} (.zip, the trace file format)",
+                       data=lambda: archive_bytes(grads), file_name=f"gradients-step{step}.zip",
+                       mime="application/zip", key="grad_capture_download", on_click="ignore")
 
 
 def flash_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:

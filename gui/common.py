@@ -120,16 +120,19 @@ def admitted() -> bool:
     return not refusal
 
 
-def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None = None) -> str:
-    """Reserve this session's share of the server's trace memory: the budget of its generation and the values
-    of its opened file (each as it is now unless given); "" when granted, else why not."""
+def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None = None,
+                   gradient_bytes: int | None = None) -> str:
+    """Reserve this session's share of the server's trace memory: the budget of its generation, the values of
+    its opened file and of its gradients trace (each as it is now unless given); "" when granted, else why not."""
     app = state()
     if generation_bytes is None:
         generation_bytes = app.started_with.budget_bytes if app.generation is not None and app.started_with else 0
     if file_bytes is None:
         file_bytes = app.loaded.trace.log.bytes_kept if app.loaded is not None else 0
+    if gradient_bytes is None:
+        gradient_bytes = app.gradient_trace[1].log.bytes_kept if app.gradient_trace is not None else 0
     try:
-        return session_ledger().reserve(this_session(), generation_bytes + file_bytes)
+        return session_ledger().reserve(this_session(), generation_bytes + file_bytes + gradient_bytes)
     except ValueError as e:
         return f"The server's limits are set wrongly: {plain(e)}"
 

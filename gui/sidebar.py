@@ -26,14 +26,14 @@ from session import (
     parse_run_steps,
     run_steps,
 )
-from tracer import CAPTURE_LEVELS, MAX_RUN_STEPS, PADDING_SIDES
+from tracer import FORWARD_CAPTURES, MAX_RUN_STEPS, PADDING_SIDES
 
 SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
            "Bundled Llama-style story model": "bundled:story-llama",
            "Local Hugging Face directory": "dir",
            "Your own module (package.module:function)": "factory"}
 DECODINGS = ["greedy", "sample"]
-CAPTURES = list(CAPTURE_LEVELS)
+CAPTURES = list(FORWARD_CAPTURES)  # gradients: a backward pass, from Attention → Gradients
 PADDINGS = list(PADDING_SIDES)
 
 

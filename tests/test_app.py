@@ -626,3 +626,27 @@ def test_a_nan_weight_is_named_on_every_tab_even_with_shapes_capture(tmp_path, h
             assert at.session_state["view"] == "Inspector"
             assert at.selectbox(key="inspect_select").value == "blocks.1.mlp.c_fc:out"
         torch.manual_seed(0)
+
+
+def test_the_gradients_of_every_hook_point_are_recorded_and_saved(stepped):
+    at = show_tab(stepped, "Attention", ("attn_view", "Gradients"))
+    at.button(key="grad_capture").click()
+    run(at)
+    grads = at.session_state["app"].gradient_trace[1]
+    assert grads.capture == "gradients" and grads.records
+    frame = frame_with(at, "has_value")
+    assert list(frame["name"]) == [r.name for r in grads.records]
+    width, vocab = gen_of(at).facts.width(2), gen_of(at).model.config.vocab_size
+    assert grads.record("hook_logits", 0).shape == (1, width, vocab)  # all t positions, recomputed
+    assert ("∂L/∂x at every hook point the backward pass reaches: L = next-token cross-entropy = "
+            f"{float(grads.value_note(grads.records[0]).split('= ')[2].split(',')[0]):.6g}, over the "
+            f"{width} positions of generation step 2") in page_text(at)
+    assert any(b.label == "Download the gradients trace of step 2 (.zip, the trace file format)"
+               for b in at.get("download_button"))
+    back = load_trace(archive_bytes(grads))
+    assert back.capture == "gradients" and [r.name for r in back.records] == [r.name for r in grads.records]
+    at.radio(key="grad_loss").set_value("−log p(chosen token)")  # another loss: asks for its own recording
+    run(at)
+    assert "Press the button to record step 2's gradients for L = −log p(chosen token)" in page_text(at)
+    press(at, "reset_button")
+    assert at.session_state["app"].gradient_trace is None

@@ -4,12 +4,14 @@ both losses, a padded batch, and a model run by transformers; the generation and
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from figures import gradients as grad_views
 from model import load_bundled
-from tracer import GRADIENT_LOSSES, TracedGeneration, attention_gradients
+from tracer import GRADIENT_LOSSES, TracedGeneration, attention_gradients, gradient_trace
 
 PROMPTS = ["Tom had a big red kite. One day, Tom went to the park.", "Lily ran"]
 
@@ -65,3 +67,90 @@ def test_a_model_run_by_transformers(tmp_path):
     gen.run(2)
     result = attention_gradients(gen, 1, 1, 3, loss=GRADIENT_LOSSES[1])
     assert max(result.max_abs_delta(g) for g in result.formula) <= 1e-5
+
+
+# -- the gradients capture level: ∂L/∂x at every hook point (tracer.gradient_trace) ----------------------------
+def transformers_gradients(directory, tokens: list[int]):
+    """transformers' own backward pass of the next-token cross-entropy (its labels= loss) on the same weights:
+    (∂L/∂hidden state entering each block, ∂L/∂logits)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = torch.tensor([tokens])
+    out = reference(ids, labels=ids, output_hidden_states=True)
+    entering = out.hidden_states[:-1]  # the last one has the final norm applied
+    for h in (*entering, out.logits):
+        h.retain_grad()
+    out.loss.backward()
+    return [h.grad[0] for h in entering], out.logits.grad[0], float(out.loss)
+
+
+def test_gradient_trace_equals_transformers_backward_pass(tmp_path):
+    from model.loading import ASSETS
+    from tracer import load_trace, save_trace
+
+    model, tok = load_bundled("story-gpt")
+    gen = TracedGeneration(model, tok, PROMPTS[0], temperature=0)
+    gen.run(2)
+    trace = gradient_trace(gen, 0)  # the prefill: the prompt, next-token cross-entropy
+    assert trace.capture == "gradients" and trace.n_steps == 1
+    grads = trace.filter(kind="grad")
+    points = {path for path, m in model.named_modules() if type(m).__name__ == "HookPoint"}
+    assert {r.name for r in grads} == points  # every hook point, the masks and positions as leaves too
+    assert [r.index for r in grads] == sorted(r.index for r in grads)
+    entering, d_logits, reference_loss = transformers_gradients(ASSETS / "story-gpt", gen.facts.columns(0, 0))
+    for layer, expected in enumerate(entering):
+        got = trace.value(trace.record(f"blocks.{layer}.hook_resid_pre", 0))[0]
+        assert torch.allclose(got, expected, atol=1e-6, rtol=1e-4), layer
+    assert torch.allclose(trace.value(trace.record("hook_logits", 0))[0], d_logits, atol=1e-7, rtol=1e-4)
+    said = re.search(r"L = next-token cross-entropy = ([-0-9.e]+), over the (\d+) positions of generation step 0",
+                     trace.value_note(trace.record("hook_embed", 0)))
+    assert said and float(said.group(1)) == pytest.approx(reference_loss, abs=1e-5)
+    assert int(said.group(2)) == len(gen.facts.columns(0, 0))
+    # the same file format as values, and the same budget: a small one keeps statistics of what it evicts
+    path = save_trace(trace, tmp_path / "grads.zip")
+    back = load_trace(path)
+    assert back.capture == "gradients" and [r.name for r in back.filter(kind="grad")] == [r.name for r in grads]
+    q = trace.record("blocks.2.attn.hook_q", 0)
+    assert torch.equal(back.value(back.record(q.name, 0)), trace.value(q))
+    small = gradient_trace(gen, 0, budget_bytes=64 * 1024)
+    assert small.log.bytes_kept <= 64 * 1024 < trace.log.bytes_kept
+    evicted = [r for r in small.filter(kind="grad") if small.value(r) is None]
+    assert evicted and all(small.stats(r).max == pytest.approx(float(trace.value(
+        trace.record(r.name, 0)).max()), rel=1e-6) for r in evicted)
+
+
+def test_gradient_trace_of_a_decode_step_and_a_model_run_by_transformers(tmp_path):
+    from model import load_hf
+    from model.loading import ASSETS
+    from tests.hf_architectures import build
+
+    directory = build("qwen3", tmp_path / "qwen3", ASSETS / "story-gpt" / "tokenizer.json")
+    model, tok = load_hf(directory)
+    gen = TracedGeneration(model, tok, PROMPTS, temperature=0)
+    gen.run(2)
+    trace = gradient_trace(gen, 1, GRADIENT_LOSSES[1])  # −log p of the tokens step 1 chose, a padded batch
+    logits = gen.trace.record("hook_logits", 1)
+    d_logits = trace.value(trace.record("hook_logits", 0))  # [B, t, V]: only each row's last real column
+    t = gen.facts.width(1)
+    assert d_logits.shape == (2, t, logits.shape[-1])
+    choice = gen.facts.step(1).sampling
+    chosen_from = gen.trace.value(logits)[:, -1].float()  # [B, V]: the decode step's own logits (cache on)
+    for row in range(2):
+        column = gen.facts.last_token_column(row, 1)
+        p = torch.softmax(chosen_from[row], dim=-1)
+        # L = −(log p_0 + log p_1)/2, so ∂L/∂z = (p − onehot(chosen))/2 at each row's chosen column, 0 elsewhere
+        expected = (p - torch.nn.functional.one_hot(torch.tensor(choice.tokens[row]), p.numel())) / 2
+        assert torch.allclose(d_logits[row, column], expected, atol=1e-5)
+        assert d_logits[row, [c for c in range(t) if c != column]].abs().max() == 0
+    # transformers' layers seen through our points; K and V before the cache are copies its cache hands on
+    points = {path for path, m in model.named_modules() if type(m).__name__ == "HookPoint"}
+    unreached = points - {r.name for r in trace.filter(kind="grad")}
+    assert unreached == {f"blocks.{i}.attn.hook_{x}" for i in range(2) for x in "kv"}
+    note = trace.value_note(trace.record("hook_embed", 0))
+    assert note.endswith(f"No gradient reaches {', '.join(sorted(unreached))}: values the model reads but does not "
+                         "go on to use (a copy is used instead).")
+    with pytest.raises(ValueError, match="a Tracer records forwards"):
+        from tracer import Tracer
+
+        Tracer(model, capture="gradients")

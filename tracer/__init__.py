@@ -28,6 +28,7 @@ from tracer.experiments import (
     diff_steps,
     diff_traces,
     direct_logit_attribution,
+    gradient_trace,
     head_scores,
     logit_lens,
     pattern_changes,
@@ -48,6 +49,7 @@ from tracer.reading import GenerationFacts, Trace
 from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
 from tracer.storage.records import (
     ABLATIONS,
+    FORWARD_CAPTURES,
     PADDING_SIDES,
     TENSOR_KINDS,
     CaptureLevel,
@@ -69,10 +71,11 @@ from tracer.storage.records import (
 )
 
 __all__ = [
-    "ABLATIONS", "CAPTURE_LEVELS", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES", "Finite",
+    "ABLATIONS", "CAPTURE_LEVELS", "FORWARD_CAPTURES", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES",
+    "Finite",
     "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",
     "How", "CachePrecisionRun", "PrecisionStep", "cache_precision", "GRADIENT_LOSSES", "HeadGradients",
-    "attention_gradients",
+    "attention_gradients", "gradient_trace",
     "Intervention", "InterventionError", "LIMITS", "Limits", "MAX_BATCH", "MAX_RUN_STEPS", "OpRecord",
     "PADDING_SIDES", "PaddingSide", "PatchingResult", "PathCost", "PromptError", "RecomputeComparison", "Replay",
     "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorKind", "TensorRecord", "TensorStats", "Trace",

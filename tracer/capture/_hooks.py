@@ -65,19 +65,23 @@ def deactivate(model: nn.Module) -> None:
     _active().pop(id(model), None)
 
 
+def module_table(model: nn.Module) -> list[ModuleInfo]:
+    """Every module of ``model`` in ``named_modules`` order: a record's module index points into this."""
+    return [ModuleInfo(path, type(module).__name__, sum(p.numel() for p in module.parameters()),
+                       isinstance(module, HookPoint)) for path, module in model.named_modules()]
+
+
 class InstalledHooks:
     """One pre-hook and one forward hook on every module of one model, a tap on every hook point."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model_id = id(model)
-        self.modules: list[ModuleInfo] = []
+        self.modules = module_table(model)
         self._handles: list[Any] = []
         self.users = 0
-        for index, (path, module) in enumerate(model.named_modules()):
-            is_hook = isinstance(module, HookPoint)
-            params = sum(p.numel() for p in module.parameters())
-            self.modules.append(ModuleInfo(path, type(module).__name__, params, is_hook))
-            if is_hook:  # identity: nothing runs inside it, so its value is all there is to record
+        for index, (_, module) in enumerate(model.named_modules()):
+            # a hook point is an identity: nothing runs inside it, so its value is all there is to record
+            if isinstance(module, HookPoint):
                 self._handles.append(module.add_tap(self._tap(index)))
                 continue
             self._handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True))

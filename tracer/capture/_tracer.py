@@ -43,9 +43,9 @@ from tracer.capture._interventions import Intervention, RunningMeans, _Applied, 
 from tracer.capture._nested import MAX_TENSORS, flatten_tensors
 from tracer.capture._ops import OpRecorder
 from tracer.reading._trace import Trace
-from tracer.storage._log import CAPTURE_LEVELS, TraceLog
+from tracer.storage._log import TraceLog
 from tracer.storage._store import DEFAULT_BUDGET_BYTES
-from tracer.storage.records import ModuleInfo
+from tracer.storage.records import FORWARD_CAPTURES, ModuleInfo
 
 COPY_POLICIES = ("auto", "all")
 STREAM_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_logits")  # NaN-checked in shapes mode
@@ -77,8 +77,11 @@ class Tracer:
     def __init__(self, model: nn.Module, capture: str = "values", *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  copy: str = "auto", trace: Trace | None = None, interventions: Sequence[Intervention] = (),
                  running_means: RunningMeans | None = None) -> None:
-        if capture not in CAPTURE_LEVELS:
-            raise ValueError(f"capture must be one of {CAPTURE_LEVELS}, got {capture!r}")
+        if capture == "gradients":
+            raise ValueError("a Tracer records forwards; gradients come from a backward pass: "
+                             "tracer.gradient_trace(generation, step, loss)")
+        if capture not in FORWARD_CAPTURES:
+            raise ValueError(f"capture must be one of {FORWARD_CAPTURES}, got {capture!r}")
         if copy not in COPY_POLICIES:
             raise ValueError(f"copy must be one of {COPY_POLICIES}, got {copy!r}")
         if not isinstance(model, nn.Module):

@@ -6,7 +6,7 @@ Private: ``_interventions``, ``_whatif``, ``_lens``, ``_diff``, ``_cache_precisi
 
 from tracer.experiments._cache_precision import CachePrecisionRun, PrecisionStep, cache_precision
 from tracer.experiments._diff import aligned_values, diff_steps, diff_traces
-from tracer.experiments._gradients import GRADIENT_LOSSES, HeadGradients, attention_gradients
+from tracer.experiments._gradients import GRADIENT_LOSSES, HeadGradients, attention_gradients, gradient_trace
 from tracer.experiments._lens import direct_logit_attribution, logit_lens
 from tracer.experiments._whatif import (
     HEAD_ROLES,
@@ -23,5 +23,6 @@ from tracer.experiments._whatif import (
 __all__ = [
     "CachePrecisionRun", "GRADIENT_LOSSES", "HEAD_ROLES", "HeadGradients", "PatchingResult", "PrecisionStep", "Replay",
     "activation_patching", "aligned_values", "attention_gradients", "cache_precision", "diff_steps", "diff_traces",
+    "gradient_trace",
     "direct_logit_attribution", "head_scores", "logit_lens", "pattern_changes", "replay", "replay_diff", "text_loss",
 ]

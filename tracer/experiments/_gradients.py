@@ -18,13 +18,18 @@ gradients show. The generation is not touched: the forward runs untraced, on thi
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from model.gpt import HookPoint
 from model.hook_table import act_name
+from tracer.capture._hooks import module_table
 from tracer.generation._traced import TracedGeneration
+from tracer.reading import Trace
+from tracer.storage import TraceLog
 
 GradientLoss = Literal["next-token cross-entropy", "−log p(chosen token)"]
 GRADIENT_LOSSES: tuple[str, ...] = ("next-token cross-entropy", "−log p(chosen token)")
@@ -51,61 +56,105 @@ class HeadGradients:
 def attention_gradients(generation: TracedGeneration, step: int, layer: int, head: int, batch: int = 0,
                         loss: str = GRADIENT_LOSSES[0]) -> HeadGradients:
     """The backward pass of ``loss`` over the token columns step ``step`` saw, read at one head."""
-    if loss not in GRADIENT_LOSSES:
-        raise ValueError(f"loss must be one of {GRADIENT_LOSSES}, got {loss!r}")
-    model, facts = generation.model, generation.facts
-    config = model.config
+    config = generation.model.config
     if getattr(config, "attn_softcap", None):
         raise ValueError("this model soft-caps its scores (c·tanh(S/c)): G_S has one more factor there, which these "
                          "formulas leave out, so they are not drawn for it")
-    if not 0 <= step < facts.n_steps:
-        raise ValueError(f"the generation has no step {step}")
-    columns = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
-    real = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)])
     rope = config.positions == "rope" and getattr(config, "family", "") not in ("hf", "module")
     names = {"Q": act_name("rot_q" if rope else "q", layer), "K": act_name("k_all", layer),
              "V": act_name("v_all", layer), "S": act_name("masked_scores", layer), "P": act_name("pattern", layer),
              "O": act_name("z", layer)}
     normed = {(kind, L): act_name(kind, L) for kind in NORMED for L in range(config.n_layer)}
+    seen, got, value = _backward(generation, step, loss, {*names.values(), *normed.values()})
+    missing = [n for n in names.values() if n not in got]
+    if missing:
+        raise ValueError(f"the backward pass reached no gradient at {', '.join(missing)}")
+    return _head(seen, got, names, normed, config, layer, head, batch, loss, value)
+
+
+def gradient_trace(generation: TracedGeneration, step: int, loss: str = GRADIENT_LOSSES[0],
+                   budget_bytes: int | None = None) -> Trace:
+    """The gradients capture level: ∂L/∂x at every hook point of the model, for the backward pass of ``loss``
+    over the token columns step ``step`` saw (all its positions, recomputed without the cache), as a trace of
+    one step whose records are of kind "grad", named by their hook point, one per hook point the gradient reaches
+    (in the order the forward reached them; the first record's note names the loss and any point not reached).
+    Values are kept within ``budget_bytes`` (the generation's budget by default) and evicted to statistics past
+    it, like a values trace; ``save_trace`` writes it in the same format."""
+    model = generation.model
+    points = [path for path, module in model.named_modules() if isinstance(module, HookPoint)]
+    started = time.perf_counter()
+    _, got, value = _backward(generation, step, loss, set(points))
+    seconds = time.perf_counter() - started
+    log = TraceLog("gradients", generation.trace.log.budget_bytes if budget_bytes is None else budget_bytes)
+    modules = module_table(model)
+    log.set_modules(modules)
+    log.set_model(generation.trace.log.model)
+    index_of = {info.path: i for i, info in enumerate(modules)}
+    log.begin_step()
+    for path in got:  # in the order the forward reached them, as a values trace lists them
+        log.add_record(index_of[path], "grad", "", 0, got[path])
+    unreached = [path for path in points if path not in got]
+    if got:
+        t = generation.facts.width(step)
+        log.add_note(0, f"∂L/∂x at every hook point the backward pass reaches: L = {loss} = {value:.6g}, over the "
+                        f"{t} positions of generation step {step}, recomputed without the KV cache."
+                        + (f" No gradient reaches {', '.join(unreached)}: values the model reads but does not go "
+                           "on to use (a copy is used instead)." if unreached else ""))
+    log.end_step(seconds)
+    trace = Trace(log)
+    trace.attach_model(model)
+    return trace
+
+
+def _backward(generation: TracedGeneration, step: int, loss: str,
+              keep: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    """One forward of step ``step``'s token columns with gradients on (untraced, on this thread only), and
+    autograd's gradient of ``loss`` at each hook point in ``keep`` that the model has and the graph reaches:
+    (values seen, gradients, L). No parameter's .grad is filled (or allocated)."""
+    if loss not in GRADIENT_LOSSES:
+        raise ValueError(f"loss must be one of {GRADIENT_LOSSES}, got {loss!r}")
+    model, facts = generation.model, generation.facts
+    if not 0 <= step < facts.n_steps:
+        raise ValueError(f"the generation has no step {step}")
+    columns = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
+    real = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)])
     seen: dict[str, torch.Tensor] = {}
     me = threading.get_ident()
 
-    def keep(name: str):
+    def keeper(name: str):
         def hook(module, args, output):  # noqa: ARG001 - a forward hook's signature
-            if threading.get_ident() == me and isinstance(output, torch.Tensor) and output.requires_grad:
+            if threading.get_ident() != me or not isinstance(output, torch.Tensor):
+                return None
+            if not output.requires_grad and output.is_floating_point():
+                # a value no earlier value flows into (the embeddings, the positions, the mask): a leaf of the
+                # graph, so that its ∂L/∂x exists too. One that has earlier values in it is left as it is: a leaf
+                # there would cut the paths through it out of every earlier gradient
+                output = output.detach().requires_grad_()
+                seen[name] = output
+                return output
+            if output.requires_grad:
                 seen[name] = output
             return None
         return hook
 
-    def start_graph(module, args, output):  # noqa: ARG001 - the embeddings: where the graph starts
-        if threading.get_ident() == me and isinstance(output, torch.Tensor) and not output.requires_grad:
-            return output.detach().requires_grad_()
-        return None
-
     handles = []
     try:
-        for name in {*names.values(), *normed.values()}:
+        for name in {*keep, act_name("embed")}:  # the embeddings start the graph when the weights need no grad
             try:
                 module = model.get_submodule(name)
             except AttributeError:
                 continue  # a hook point this architecture does not have (a parallel block has no resid_mid)
-            handles.append(module.register_forward_hook(keep(name)))
-        handles.append(model.get_submodule(act_name("embed")).register_forward_hook(start_graph))
+            handles.append(module.register_forward_hook(keeper(name)))
         with torch.enable_grad():
             logits = model(columns, padding_mask=None if bool(real.all()) else real)
             value = _loss(logits, columns, real, facts, step, loss)
-            # gradients of the recorded tensors only: no parameter's .grad is filled (or allocated)
             wanted = list(seen)
             grads = torch.autograd.grad(value, [seen[n] for n in wanted], allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
     got = {n: g for n, g in zip(wanted, grads) if g is not None}
-    missing = [n for n in names.values() if n not in got]
-    if missing:
-        raise ValueError(f"the backward pass reached no gradient at {', '.join(missing)}")
-    return _head({n: t.detach() for n, t in seen.items()}, got, names, normed, config, layer, head, batch, loss,
-                 float(value.detach()))
+    return {n: t.detach() for n, t in seen.items()}, got, float(value.detach())
 
 
 def _loss(logits: torch.Tensor, columns: torch.Tensor, real: torch.Tensor, facts, step: int, loss: str) -> torch.Tensor:

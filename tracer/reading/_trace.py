@@ -42,7 +42,7 @@ def record_name(path: str, kind: str, slot: str, call: int) -> str:
     base = path or "model"
     if call:
         base = f"{base}#{call}"
-    if kind == "hook":
+    if kind in ("hook", "grad"):  # a gradients trace names ∂L/∂x by its hook point x
         return base + slot
     return f"{base}:{'in' if kind == 'input' else 'out'}{slot}"
 
@@ -159,7 +159,7 @@ class Trace:
         names = [record_name(modules[r.module].path, r.kind, r.slot, r.call) for r in raws]
         masks = {r.data_ptr for r, n in zip(raws, names) if r.data_ptr and hook_of(n) in NEG_INF_EXPECTED}
         resolver = AxisResolver(self.config)
-        axes = [resolver.axes(n, tuple(r.shape)) if r.kind == "hook" or n.endswith("in[0]") else (None, "")
+        axes = [resolver.axes(n, tuple(r.shape)) if r.kind in ("hook", "grad") or n.endswith("in[0]") else (None, "")
                 for r, n in zip(raws, names)]
         # a module's input or output is usually the very tensor a hook point saw: it has that tensor's axes
         by_tensor = {(r.data_ptr, tuple(r.shape)): a for r, a in zip(raws, axes) if a[0] is not None and r.data_ptr}

@@ -88,7 +88,7 @@ class TraceLog:
         if capture not in CAPTURE_LEVELS:
             raise ValueError(f"capture must be one of {CAPTURE_LEVELS}, got {capture!r}")
         self._capture = capture
-        self._keep_values = capture in ("values", "ops")
+        self._keep_values = capture != "shapes"
         self._copy_all = copy_all
         self._values = ValueStore(budget_bytes, on_evict=self._evicted, on_release=self._released)
         self._modules: tuple[ModuleInfo, ...] = ()

@@ -16,12 +16,18 @@ from model.sampling import SamplingConfig
 
 # The allowed values, declared once as types; the tuples (what code and the file schema check against) are
 # derived from them.
-TensorKind = Literal["hook", "input", "output"]  # what a TensorRecord is; ops live in their own table
-CaptureLevel = Literal["shapes", "values", "ops"]  # what a trace keeps: shapes only, + values, + every op
+# what a TensorRecord is: a hook point's value, a module's input or output, or ∂L/∂x of a hook point's value
+# (a gradients trace); ops live in their own table
+TensorKind = Literal["hook", "input", "output", "grad"]
+ForwardCapture = Literal["shapes", "values", "ops"]  # what a Tracer keeps of a forward: shapes, + values, + every op
+# what a trace keeps: a forward's capture, or "gradients": ∂L/∂x at every hook point from a backward pass
+# (tracer.gradient_trace), kept within the same budget and saved in the same format as values
+CaptureLevel = Literal[ForwardCapture, "gradients"]
 PaddingSide = Literal["left", "right"]  # where a batch's shorter prompts are padded
 How = Literal["zero", "mean", "patch"]  # what an intervention puts in place of a value
 TENSOR_KINDS: tuple[TensorKind, ...] = get_args(TensorKind)
 CAPTURE_LEVELS: tuple[CaptureLevel, ...] = get_args(CaptureLevel)
+FORWARD_CAPTURES: tuple[ForwardCapture, ...] = get_args(ForwardCapture)
 PADDING_SIDES: tuple[PaddingSide, ...] = get_args(PaddingSide)
 HOWS: tuple[How, ...] = get_args(How)
 ABLATIONS: tuple[How, ...] = ("zero", "mean")  # the hows of ablate(); "patch" is patch()'s
