@@ -152,6 +152,9 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
                 click(page, "Run the backward pass")
                 assert page.get_by_text("All six gradients computed from their formulas equal autograd").count() == 1
                 assert len(plotly_data(page)) == 2
+                click(page, "Record ∂L/∂x at every hook point")
+                assert page.get_by_text("∂L/∂x at every hook point the backward pass reaches").count() == 1
+                assert page.get_by_role("button", name="Download the gradients trace of step 2").count() == 1
             shot(name)
         open_tab(page, "History")
         history = values(plotly_data(page)[0])[0]
