@@ -11,7 +11,16 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import facts_of, gen_step, inert, key_labels, query_labels, score_scale, shape_text
+from figures.common import (
+    facts_of,
+    gen_step,
+    inert,
+    key_labels,
+    positions,
+    query_labels,
+    score_scale,
+    shape_text,
+)
 from figures.heatmap import Grid, add, grid, pool, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
@@ -168,7 +177,7 @@ def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: 
         return "<i>values not kept for this step</i>"
     weights = pattern[batch, head, query]
     keys = key_labels(trace, step, batch)
-    own = len(keys) - gen_step(trace, step).forward.n + query
+    own = len(keys) - positions(trace, step)[0] + query
     spans = [amount_span(inert(keys[j].split(" · ", 1)[-1]), w, f"key {j}: weight {w:.3f}", outline=j == own)
              for j, w in enumerate(weights.tolist())]
     return ("<div style='line-height: 2.1; font-family: monospace'>" + "".join(spans) + "</div>"
@@ -261,7 +270,8 @@ class HeadsGrid:
         """A notebook shows the grid's figure, not the wrapper: plotly's own JSON mime type, which JupyterLab,
         Notebook 7 and VS Code draw (offline: their plotly.js ships with them)."""
         return {"application/vnd.plotly.v1+json": {**self.figure.to_plotly_json(), "config": {}},
-                "text/plain": f"HeadsGrid({self.cells[0]} × {self.cells[1]} cells per head; {self.note})"}
+                "text/plain": f"HeadsGrid({self.cells[0]} × {self.cells[1]} cells per head"
+                              + (f"; {self.note})" if self.note else ")")}
 
 
 @fitted

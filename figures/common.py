@@ -44,10 +44,13 @@ def safe_text(label: str) -> str:
 
 
 def facts_of(trace: Trace) -> GenerationFacts:
-    """The generation a trace records; the views show generations only."""
+    """The generation a trace records, for the views that show one: its tokens, its steps, its KV cache, what
+    it chose. (The attention views, the mask and the shapes need only the records: ``positions``.)"""
     facts = trace.generation
     if facts is None:
-        raise ValueError("this trace records no generation (it was made by a plain Tracer)")
+        raise ValueError("this view shows a generation (its tokens, steps, KV cache or chosen tokens), and this trace "
+                         "records none: it was made by a plain Tracer. TracedGeneration records one; the attention "
+                         "stages, all heads, O = A·V, the pitfalls and the mask work on any trace")
     return facts
 
 
@@ -68,9 +71,25 @@ def is_greedy(trace: Trace) -> bool:
     return facts_of(trace).info.sampling.greedy
 
 
+def positions(trace: Trace, step: int) -> tuple[int, int]:
+    """(n, t) of ``step``: the new (query) positions and the key positions. From the generation; for a plain
+    Tracer's trace, from the attention pattern it recorded (``[…, n, t]``)."""
+    facts = trace.generation
+    if facts is not None:
+        forward = facts.step(step).forward
+        return forward.n, forward.t
+    pattern = next((r for r in trace.filter(step=step) if r.name.endswith("attn.hook_pattern")), None)
+    if pattern is None:
+        raise ValueError(f"step {step} of this trace recorded no attention pattern (hook_pattern), so it has no "
+                         "query and key positions to show")
+    return pattern.shape[-2], pattern.shape[-1]
+
+
 def key_labels(trace: Trace, step: int, row: int = 0) -> list[str]:
-    """The t key positions of ``step``: ``"3 · the"``."""
-    facts = facts_of(trace)
+    """The t key positions of ``step``: ``"3 · the"`` (just ``"3"`` in a plain Tracer's trace: it keeps no tokens)."""
+    facts = trace.generation
+    if facts is None:
+        return [str(j) for j in range(positions(trace, step)[1])]
     labels = facts.labels(row, step)
     t = facts.step(step).forward.t
     return [f"{j} · {labels[j]}" if j < len(labels) else str(j) for j in range(t)]
@@ -79,7 +98,7 @@ def key_labels(trace: Trace, step: int, row: int = 0) -> list[str]:
 def query_labels(trace: Trace, step: int, row: int = 0) -> list[str]:
     """The n query positions of ``step`` (the last n key positions)."""
     keys = key_labels(trace, step, row)
-    return keys[len(keys) - gen_step(trace, step).forward.n:]
+    return keys[len(keys) - positions(trace, step)[0]:]
 
 
 def shape_text(shape: tuple[int, ...]) -> str:

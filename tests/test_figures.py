@@ -829,3 +829,30 @@ def test_a_notebook_shows_traces_generations_and_the_heads_grid(batch_gen):
     grid = attention.all_heads_figure(batch_gen.trace, 0)
     bundle = grid._repr_mimebundle_()
     assert bundle["application/vnd.plotly.v1+json"]["data"] == grid.figure.to_plotly_json()["data"]
+
+
+def test_the_attention_views_draw_a_plain_tracers_trace_and_the_others_say_what_they_need(bundled):
+    """A trace of one forward under a plain Tracer (no generation): the attention stages, every head, O = A·V,
+    the pitfalls, the mask and the shape flow draw it, on position labels; the views of a generation say so."""
+    from tracer import Tracer
+
+    model, tok = bundled
+    ids = tok.encode("Lily had a red ball. She")
+    with Tracer(model, capture="values") as tr:
+        model(torch.tensor([ids]))
+    trace = tr.trace
+    n = len(ids)
+    assert key_labels(trace, 0) == [str(j) for j in range(n)] and query_labels(trace, 0) == key_labels(trace, 0)
+    fig = attention.attention_stages_figure(trace, 0, layer=1, head=2)
+    softmax = [t for t in fig.data if t.type == "heatmap"][-1]
+    pattern = trace.get("blocks.1.attn.hook_pattern", 0)[0, 2]
+    assert np.allclose(np.array(softmax.z, dtype=float), pattern.numpy(), atol=1e-6)
+    assert list(softmax.x) == [str(j) for j in range(n)]
+    grid = attention.all_heads_figure(trace, 0)
+    assert grid.cells == (n, n)
+    assert mask.mask_figure(trace, 0) is not None and attention.pitfall_figure(trace, 0, 1, 2) is not None
+    assert flow.shape_flow_figure(trace, 0) is not None
+    for view in (lambda: tokens.next_token_figure(trace, 0), lambda: cache.cache_steps_figure(trace),
+                 lambda: attention.attention_history_figure(trace, 1, 2, 0)):
+        with pytest.raises(ValueError, match="this view shows a generation .* made by a plain Tracer"):
+            view()

@@ -108,6 +108,23 @@ class TensorRecord:
     def nbytes(self) -> int:
         return self.numel * dtype_itemsize(self.dtype)
 
+    def describe(self) -> str:
+        """``blocks.1.attn.hook_pattern [1, 4, 7, 7] = [B, H, n, t] float32 (hook, step 0, record 71)``."""
+        shape = "[" + ", ".join(map(str, self.shape)) + "]"
+        axes = " = [" + ", ".join(self.axes) + "]" if self.axes else ""
+        return f"{self.name} {shape}{axes} {self.dtype} ({self.kind}, step {self.step}, record {self.index_in_step})"
+
+    def _repr_html_(self) -> str:
+        """A notebook shows the record as a one-row table: its name, kind, shape with axes, dtype, device and step
+        (its values are the trace's: ``trace.summary(name)``, ``trace.value(record)``)."""
+        from html import escape
+
+        cells = (self.name, self.kind, "[" + ", ".join(map(str, self.shape)) + "]",
+                 "[" + ", ".join(self.axes) + "]" if self.axes else "", self.dtype, self.device, str(self.step),
+                 self.module_type)
+        head = "".join(f"<th>{h}</th>" for h in ("name", "kind", "shape", "axes", "dtype", "device", "step", "module"))
+        return f"<table><tr>{head}</tr><tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr></table>"
+
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
