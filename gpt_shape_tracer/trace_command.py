@@ -1,12 +1,14 @@
 """Headless tracing: ``gpt-shape-tracer trace --prompt "…" --steps N [--model NAME | --model-dir DIR] --out PATH``.
 
 Writes the trace (a directory, or a .zip when PATH ends in .zip) and prints the
-shape table of the chosen step. Every argument is checked before the model runs.
+shape table of the chosen step (or, with ``--json``, one JSON object). Every argument is checked before the
+model runs. A run of several steps shows its progress on stderr when stderr is a terminal (not with --quiet).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from gpt_shape_tracer.memory import reuse_freed_memory
+from model.sampling import SamplingConfig
 from tracer import DEFAULT_BUDGET_BYTES, FORWARD_CAPTURES, MAX_RUN_STEPS, save_trace
 
 
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="where to write the trace (directory, or .zip)")
     ap.add_argument("--capture", choices=FORWARD_CAPTURES, default="values")
     ap.add_argument("--no-cache", action="store_true", help="recompute all positions at every step")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--temperature", type=float, default=SamplingConfig().temperature,
+                    help="0 = greedy (the default, as in Python and in the app)")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -70,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--html", metavar="PATH",
                     help="also write a one-file HTML report of the shown step (opens offline)")
     ap.add_argument("--all-records", action="store_true", help="print inputs/outputs too, not only hook points")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object (the run, the texts and the shown step's records) instead of tables")
+    ap.add_argument("--quiet", action="store_true", help="no progress on stderr (it is shown only on a terminal)")
     args = ap.parse_args(argv)
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
 
@@ -110,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         gen = new_generation(model, tokenizer, settings)  # the chat template and a module without a cache, too
         for warning in gen.warnings:
             print(f"warning: {warning}", file=sys.stderr)
-        done = gen.run(args.steps)
+        progress = _progress(args.steps, quiet=args.quiet)
+        done = gen.run(args.steps, on_step=progress)
+        if progress is not None and done < args.steps:  # stopped early: end the progress line
+            print(file=sys.stderr)
     except (ModelLoadError, OwnModuleError, SamplingError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
         shown_step = args.show_step if args.show_step is not None else gen.n_steps - 1
         Path(args.html).write_text(report_html(gen.trace, shown_step), encoding="utf-8")
-        print(f"wrote {args.html}: a report of step {shown_step}")
+        print(f"wrote {args.html}: a report of step {shown_step}", file=sys.stderr if args.json else sys.stdout)
     gen.close()
 
     step = min(args.show_step if args.show_step is not None else gen.n_steps - 1, gen.n_steps - 1)
@@ -130,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     shown = frame[["name", "shape", "axes", "dtype", "summary"]].copy()
     shown["shape"] = ["[" + ", ".join(map(str, s)) + "]" for s in shown["shape"]]
     forward = gen.facts.step(step).forward
+    if args.json:
+        print(json.dumps({
+            "out": str(out), "steps": gen.n_steps, "stopped": gen.stopped or None,
+            "records": len(gen.trace.records), "bytes_kept": gen.trace.bytes_kept,
+            "texts": [gen.text(row) for row in range(gen.batch_size)],
+            "shown_step": {"step": step, "n": forward.n, "t": forward.t,
+                           "records": [{"name": r.name, "shape": list(r.shape), "axes": list(r.axes or ()),
+                                        "dtype": r.dtype} for r in gen.trace.filter(
+                                            step=step, kind=None if args.all_records else "hook")]},
+        }, ensure_ascii=False))
+        return 0
     with pd.option_context("display.max_rows", None, "display.max_colwidth", 90, "display.width", 200):
         print(f"step {step}: n = {forward.n}, t = {forward.t}")
         print(shown.to_string(index=False))
@@ -138,3 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}: {gen.n_steps} steps, {len(gen.trace.records)} records, "
           f"{gen.trace.bytes_kept} bytes of values")
     return 0
+
+
+def _progress(total: int, quiet: bool):
+    """``on_step`` for ``TracedGeneration.run``: "step k of N" rewritten in place on stderr, only where a person
+    watches it (a terminal) and only for a run of several steps; None otherwise."""
+    if quiet or total < 2 or not sys.stderr.isatty():
+        return None
+
+    def show(done: int) -> bool:
+        sys.stderr.write(f"\rstep {done} of {total}" + ("\n" if done == total else ""))
+        sys.stderr.flush()
+        return True
+
+    return show

@@ -42,7 +42,7 @@ class SamplingConfig:
     seed: integer seed of the generator; the same seed gives the same tokens.
     """
 
-    temperature: float = 1.0
+    temperature: float = 0.0  # greedy unless asked, as in the app and on the command line
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0

@@ -82,7 +82,7 @@ def transformers_gradients(directory, tokens: list[int]):
     for h in (*entering, out.logits):
         h.retain_grad()
     out.loss.backward()
-    return [h.grad[0] for h in entering], out.logits.grad[0], float(out.loss)
+    return [h.grad[0] for h in entering], out.logits.grad[0], float(out.loss.detach())
 
 
 def test_gradient_trace_equals_transformers_backward_pass(tmp_path):

@@ -103,3 +103,31 @@ def test_generate_with_and_without_cache_agree(bundled):
     without = generate(model, prompt, 25, SamplingConfig(temperature=0.8, top_k=40, seed=5), use_cache=False)
     assert with_cache == without
     assert len(with_cache) == 25
+
+
+def test_greedy_is_the_default_in_python_on_the_command_line_and_in_the_app(bundled):
+    """TracedGeneration without sampling arguments decodes greedily, as `gpt-shape-tracer trace` and the app do."""
+    import json
+    import tempfile
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from gpt_shape_tracer.trace_command import main
+    from session import DEFAULTS
+    from tracer import TracedGeneration
+
+    model, tok = bundled
+    prompts = ["Once upon a time", "Tom said,"]
+    default = TracedGeneration(model, tok, prompts)
+    default.run(6)
+    argmax = TracedGeneration(model, tok, prompts, temperature=0)
+    argmax.run(6)
+    assert default.facts.info.sampling.greedy
+    assert [default.text(r) for r in range(2)] == [argmax.text(r) for r in range(2)]
+    assert DEFAULTS.decoding == "greedy"
+
+    with tempfile.TemporaryDirectory() as where, redirect_stdout(StringIO()) as printed:
+        assert main(["--prompt", prompts[1], "--steps", "6", "--json", "--out", f"{where}/t.zip"]) == 0
+    alone = TracedGeneration(model, tok, prompts[1], temperature=0)
+    alone.run(6)
+    assert json.loads(printed.getvalue())["texts"] == [alone.text(0)]

@@ -216,6 +216,17 @@ class Trace:
         shape and statistics were kept. Raises KeyError for a name that was never recorded."""
         return self.value(self.record(name, step))
 
+    def to_activation_dict(self, step: int = 0) -> dict[str, torch.Tensor]:
+        """Every hook point's kept value of ``step`` by its name, in the order the forward reached them (a
+        gradients trace: every ∂L/∂x). Values evicted past the budget are left out: ``get`` says None for them."""
+        out: dict[str, torch.Tensor] = {}
+        for rec in self.filter(step=step):
+            if rec.kind in ("hook", "grad"):
+                value = self.value(rec)
+                if value is not None:
+                    out[rec.name] = value
+        return out
+
     def value(self, rec: TensorRecord) -> torch.Tensor | None:
         return self._log.value(rec.index)
 
