@@ -163,7 +163,7 @@ def test_sizes_in_the_metadata_are_checked_against_the_contents(archive, change,
 
 def test_gaps_and_inconsistencies_between_steps_are_refused(archive):
     def gap(manifest):
-        manifest["steps"][1][0] = 5
+        manifest["steps"][1]["step"] = 5
     refused(with_manifest(archive, gap), "without gaps")
 
     def drop_generation_step(manifest):

@@ -31,20 +31,23 @@ def test_a_saved_trace_read_with_the_document_alone(bundled, tmp_path):
         manifest = json.loads(archive.read("manifest.json"))
         rows = pq.read_table(io.BytesIO(archive.read("records.parquet"))).to_pylist()
         tensors = load_safetensors(archive.read("values.safetensors"))
-    assert (manifest["format"], manifest["version"], manifest["capture"]) == ("gpt-shape-trace", 2, "values")
+    assert (manifest["format"], manifest["version"], manifest["capture"]) == ("gpt-shape-trace", 3, "values")
     assert f"# The trace file format (version {manifest['version']})" in DOC
     assert manifest["counts"] == {"records": len(rows), "ops": 0, "storages": len(tensors)}
     assert all(t.dim() == 1 for t in tensors.values())  # flat storages, s0, s1, …
     assert set(tensors) == {f"s{k}" for k in range(len(tensors))}
 
-    # steps: [step, first_record, end_record, seconds, interventions]; a step's rows are [first, end)
-    for step, first, end, seconds, interventions in manifest["steps"]:
-        assert {r["step"] for r in rows[first:end]} == {step} and seconds > 0 and interventions == []
-    # modules: [path, type, parameters, is_hook], indexed by module_index
+    # steps: a step's rows are [first_record, end_record)
+    for entry in manifest["steps"]:
+        assert set(entry) == {"step", "first_record", "end_record", "seconds", "interventions"}
+        assert {r["step"] for r in rows[entry["first_record"]:entry["end_record"]]} == {entry["step"]}
+        assert entry["seconds"] > 0 and entry["interventions"] == []
+    # modules, indexed by module_index
     for r in rows:
-        path, kind, params, is_hook = manifest["modules"][r["module_index"]]
-        assert (path or "model", kind, params) == (r["module"], r["module_type"], r["params"])
-        assert is_hook == (r["kind"] == "hook")
+        module = manifest["modules"][r["module_index"]]
+        assert (module["path"] or "model", module["type"], module["params"]) == (r["module"], r["module_type"],
+                                                                                  r["params"])
+        assert module["is_hook"] == (r["kind"] == "hook")
 
     def value(name: str, step: int) -> torch.Tensor:
         row = next(r for r in rows if r["name"] == name and r["step"] == step)
@@ -61,7 +64,7 @@ def test_a_saved_trace_read_with_the_document_alone(bundled, tmp_path):
         mask = value("blocks.1.attn.hook_mask", step)  # [B, 1, n, t]: 0 or −∞
         recomputed = torch.softmax(q @ k.transpose(-1, -2) / d_head**0.5 + mask, dim=-1)
         assert torch.allclose(recomputed, value("blocks.1.attn.hook_pattern", step), atol=1e-6)
-        assert row_of("blocks.1.attn.hook_pattern", step)["axes"] == "[B, H, n, t]"
+        assert row_of("blocks.1.attn.hook_pattern", step)["axes"] == ["B", "H", "n", "t"]
     # the generation: the prompts, and each step's forward (n, t) agreeing with the records' shapes
     generation = manifest["generation"]
     assert generation["info"]["prompts"] == ["Tom had a big red kite.", "Lily ran"]
@@ -69,13 +72,15 @@ def test_a_saved_trace_read_with_the_document_alone(bundled, tmp_path):
         forward = entry["forward"]
         assert row_of("blocks.0.attn.hook_pattern", entry["step"])["shape"][-2:] == [forward["n"], forward["t"]]
         assert len(entry["sampling"]["tokens"]) == 2
-    # finite: 0 only finite numbers, 1 −∞ and finite only (the mask), 2 NaN or +∞, -1 not checked
-    assert row_of("blocks.1.attn.hook_mask", 0)["finite"] == 1
-    assert row_of("blocks.1.attn.hook_pattern", 0)["finite"] == 0
-    assert "`0` only finite numbers, `1` −∞ and finite numbers only" in DOC
-    # data_ptr: a module's output and the next module's input are the same tensor
+    # finite, as words: the mask holds −∞ on purpose
+    assert row_of("blocks.1.attn.hook_mask", 0)["finite"] == "finite and -inf"
+    assert row_of("blocks.1.attn.hook_pattern", 0)["finite"] == "finite"
+    assert {r["finite"] for r in rows} <= {"finite", "finite and -inf", "nan or +inf", "unchecked"}
+    assert '`"finite and -inf"` −∞ and finite numbers only' in DOC
+    # tensor_id: a module's output and its parent's output are the same tensor; ids, not addresses
     out = row_of("blocks.1.attn.c_proj:out", 2)
-    assert out["data_ptr"] != 0 and out["data_ptr"] == row_of("blocks.1.attn:out", 2)["data_ptr"]
+    assert out["tensor_id"] != 0 and out["tensor_id"] == row_of("blocks.1.attn:out", 2)["tensor_id"]
+    assert max(r["tensor_id"] for r in rows) <= len(rows)
     # every column the document lists is in the file, and every column in the file is in the document
     documented = {name.strip("` ") for line in DOC.split("## `records.parquet`")[1].split("## ")[0].splitlines()
                   if line.startswith("| `") for name in line.split("|")[1].split(",")}
@@ -92,3 +97,23 @@ def test_the_activation_dict_holds_every_hook_points_value_of_a_step(bundled):
     hooks = [r.name for r in tr.trace.filter(step=0, kind="hook")]
     assert list(activations) == hooks
     assert all(torch.equal(activations[name], tr.trace.get(name, 0)) for name in hooks)
+
+
+def test_a_file_of_format_version_2_still_loads(bundled):
+    """tests/data/trace-v2.zip was written by the tracer before version 3 (positional arrays in the manifest,
+    finite as codes, axes as strings, data_ptr): it loads, and its values are what the model computes."""
+    from tracer import load_trace
+
+    model, tok = bundled
+    with zipfile.ZipFile(ROOT / "tests" / "data" / "trace-v2.zip") as archive:
+        assert json.loads(archive.read("manifest.json"))["version"] == 2
+    old = load_trace(ROOT / "tests" / "data" / "trace-v2.zip")
+    assert old.generation.info.prompts == ("Lily had", "Tom") and old.n_steps == 2
+    again = TracedGeneration(model, tok, ["Lily had", "Tom"], temperature=0)
+    again.run(2)
+    assert [old.generation.step(s).sampling.tokens for s in range(2)] == \
+        [again.facts.step(s).sampling.tokens for s in range(2)]
+    mask = old.record("blocks.0.attn.hook_mask", 0)
+    assert old.finite_flag(mask) == again.trace.finite_flag(again.trace.record("blocks.0.attn.hook_mask", 0))
+    kept = [r for r in old.filter(step=1) if old.value(r) is not None]
+    assert kept and all(torch.allclose(old.value(r), again.trace.get(r.name, 1), atol=1e-6) for r in kept)

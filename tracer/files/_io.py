@@ -71,7 +71,8 @@ from tracer.storage.records import (
 )
 
 FORMAT = "gpt-shape-trace"
-VERSION = 2
+VERSION = 3  # 3: labelled modules and steps, finite as words, axes as lists, tensor_id (2 still loads)
+READABLE_VERSIONS = (2, 3)
 MANIFEST, RECORDS, OPS, VALUES = "manifest.json", "records.parquet", "ops.parquet", "values.safetensors"
 MEMBERS = (MANIFEST, RECORDS, OPS, VALUES)
 _ST_DTYPES = {
@@ -169,7 +170,13 @@ def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tup
     frame = trace.to_frame(stats=True)
     raws = [log.raw(i) for i in frame["index"]]
     frame["module_index"] = [r.module for r in raws]
-    frame["data_ptr"] = [int(r.data_ptr) for r in raws]
+    # which records are one tensor (a module's output and the next one's input): a number per tensor, not its
+    # address; 0 where unknown
+    ids: dict[int, int] = {}
+    frame["tensor_id"] = [ids.setdefault(int(r.data_ptr), len(ids) + 1) if r.data_ptr else 0 for r in raws]
+    frame["finite"] = [Finite.WORDS[int(code)] for code in frame["finite"]]
+    records = trace.records
+    frame["axes"] = [list(records[i].axes or ()) for i in frame["index"]]
     frame["has_stats"] = [log.has_stats(i) for i in frame["index"]]
     frame["shape"] = [list(s) for s in frame["shape"]]
     frame["storage"] = [views[i][0] if i in views else -1 for i in frame["index"]]
@@ -191,9 +198,8 @@ def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict
                       "comparisons": [asdict(c) for c in sorted(facts.comparisons.values(), key=lambda c: c.step)]}
     return {
         "format": FORMAT, "version": VERSION, "capture": log.capture, "budget_bytes": log.budget_bytes,
-        "modules": [[m.path, m.type, m.params, m.is_hook] for m in log.modules],
-        "steps": [[s.step, s.first_record, s.end_record, s.seconds, [asdict(i) for i in s.interventions]]
-                  for s in log.steps],
+        "modules": [asdict(m) for m in log.modules],
+        "steps": [asdict(s) for s in log.steps],
         "model": asdict(log.model) if log.model is not None else None,
         "generation": generation,
         "error": asdict(log.error) if log.error is not None else None,
@@ -378,7 +384,7 @@ def _check_member(info: zipfile.ZipInfo, allowed: dict[str, int], limits: Limits
 
 
 # -- loading: the manifest schema -------------------------------------------------------------------
-def _schemas(limits: Limits) -> Obj:
+def _schemas(limits: Limits, version: int = VERSION) -> Obj:
     size = Int(0, limits.tensor_elements)
     shape = ListOf(size, limits.tensor_dims)
     count = Int(0, 2**62)
@@ -428,13 +434,21 @@ def _schemas(limits: Limits) -> Obj:
     intervention = Then(Obj({"name": Str(500), "how": OneOf(HOWS), "head": Maybe(Int(0, 4096)),
                              "positions": Maybe(ListOf(Int(0, limits.n_ctx), limits.n_ctx)), "source": Str(1000)}),
                         lambda d: InterventionRecord(**d))
+    module_fields = (Str(5000), Str(500), Int(0, 2**50), Bool())  # path, type, parameters, is_hook
+    step_fields = (Int(0, limits.steps), count, count, Float(0), ListOf(intervention, 1000))
+    if version == 2:  # positional arrays
+        module = Then(TupleOf(module_fields), lambda t: ModuleInfo(*t))
+        step = Then(TupleOf(step_fields), lambda t: StepRecord(t[0], t[1], t[2], t[3], tuple(t[4])))
+    else:
+        module = Then(Obj(dict(zip(("path", "type", "params", "is_hook"), module_fields))),
+                      lambda d: ModuleInfo(**d))
+        step = Then(Obj(dict(zip(("step", "first_record", "end_record", "seconds", "interventions"), step_fields))),
+                    lambda d: StepRecord(**{**d, "interventions": tuple(d["interventions"])}))
     return Obj({
         "format": OneOf((FORMAT,)), "version": Int(0, 2**31), "capture": OneOf(CAPTURE_LEVELS),
         "budget_bytes": Int(0, 2**50),
-        "modules": ListOf(Then(TupleOf((Str(5000), Str(500), Int(0, 2**50), Bool())),
-                               lambda t: ModuleInfo(*t)), limits.modules),
-        "steps": ListOf(Then(TupleOf((Int(0, limits.steps), count, count, Float(0), ListOf(intervention, 1000))),
-                             lambda t: StepRecord(*t)), limits.steps),
+        "modules": ListOf(module, limits.modules),
+        "steps": ListOf(step, limits.steps),
         "model": Maybe(identity), "generation": Maybe(generation), "error": Maybe(error),
         "counts": Obj({"records": Int(0, limits.records), "ops": Int(0, limits.ops), "storages": count}),
     })
@@ -470,7 +484,7 @@ def _checked_config(raw: dict) -> dict:
 
 
 # -- loading: the tables ---------------------------------------------------------------------------
-_RECORD_COLUMNS = ("index", "step", "kind", "slot", "call", "shape", "dtype", "device", "module_index", "data_ptr",
+_RECORD_COLUMNS = ("index", "step", "kind", "slot", "call", "shape", "dtype", "device", "module_index",
                    "has_stats", "min", "max", "mean", "std", "nan", "pos_inf", "neg_inf", "finite", "value_note",
                    "storage", "storage_offset", "strides", "digest_storage", "digest_shape")
 _OP_COLUMNS = ("step", "op", "module_index", "input_shapes", "output_shapes", "dtype", "error", "first_record")
@@ -507,6 +521,17 @@ def _ints(frame: pd.DataFrame, column: str, name: str, lo: int, hi: int) -> np.n
     if len(values) and (values.min() < lo or values.max() > hi):
         raise TraceFileError(f"{name}: column {column} has values outside [{lo}, {hi}]")
     return values.astype(np.int64)
+
+
+def _codes(frame: pd.DataFrame, column: str, name: str, words: dict[int, str]) -> np.ndarray:
+    """A column of words (``finite``: "finite", "nan or +inf", …) as the codes they stand for."""
+    code_of = {word: code for code, word in words.items()}
+    values = frame[column].tolist()
+    unknown = next((v for v in values if v not in code_of), None)
+    if unknown is not None:
+        raise TraceFileError(f"{name}: column {column} holds {str(unknown)[:40]!r}, not one of "
+                             f"{', '.join(map(repr, words.values()))}")
+    return np.array([code_of[v] for v in values], dtype=np.int64)
 
 
 def _shape_list(value: Any, where: str, limits: Limits) -> tuple[int, ...]:
@@ -595,23 +620,25 @@ def load_trace(path: str | Path | bytes, *, limits: Limits = LIMITS) -> Trace:
         raise TraceFileError(f"{MANIFEST}: not valid JSON ({type(e).__name__})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise TraceFileError(f"{MANIFEST}: not a {FORMAT} manifest")
-    if raw.get("version") != VERSION:
-        raise TraceFileError(f"{MANIFEST}: trace format version {raw.get('version')!r}; this tracer reads "
-                             f"version {VERSION}")
-    manifest = _schemas(limits)(raw, "")
+    version = raw.get("version")
+    if version not in READABLE_VERSIONS:
+        raise TraceFileError(f"{MANIFEST}: trace format version {version!r}; this tracer reads versions "
+                             f"{', '.join(map(str, READABLE_VERSIONS))}")
+    manifest = _schemas(limits, version)(raw, "")
     counts = manifest["counts"]
-    records = _read_table(files[RECORDS], RECORDS, counts["records"], limits, _RECORD_COLUMNS)
+    columns = _RECORD_COLUMNS + (("data_ptr",) if version == 2 else ("tensor_id",))
+    records = _read_table(files[RECORDS], RECORDS, counts["records"], limits, columns)
     ops = _read_table(files[OPS], OPS, counts["ops"], limits, _OP_COLUMNS) if OPS in files else None
     if ops is None and counts["ops"]:
         raise TraceFileError(f"the manifest counts {counts['ops']} ops but the trace has no {OPS}")
     flats = _storages_from(files[VALUES], counts["storages"], limits) if VALUES in files else []
     if not flats and counts["storages"]:
         raise TraceFileError(f"the manifest counts {counts['storages']} storages but the trace has no {VALUES}")
-    return _build(manifest, records, ops, flats, limits)
+    return _build(manifest, records, ops, flats, limits, version)
 
 
 def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flats: list[torch.Tensor],
-           limits: Limits) -> Trace:
+           limits: Limits, version: int = VERSION) -> Trace:
     modules: tuple[ModuleInfo, ...] = manifest["modules"]
     steps: tuple[StepRecord, ...] = manifest["steps"]
     n = len(records)
@@ -624,9 +651,11 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
     call_of = _ints(records, "call", RECORDS, 0, 2**31)
     storage_of = _ints(records, "storage", RECORDS, -1, len(flats) - 1)
     offset_of = _ints(records, "storage_offset", RECORDS, 0, 2**62)
-    flag_of = _ints(records, "finite", RECORDS, Finite.UNKNOWN, Finite.BAD)
+    flag_of = (_ints(records, "finite", RECORDS, Finite.UNKNOWN, Finite.BAD) if version == 2
+               else _codes(records, "finite", RECORDS, Finite.WORDS))
     digest_of = _ints(records, "digest_storage", RECORDS, -1, len(flats) - 1)
-    ptr_of = _ints(records, "data_ptr", RECORDS, 0, 2**63 - 1)
+    ptr_of = (_ints(records, "data_ptr", RECORDS, 0, 2**63 - 1) if version == 2
+              else _ints(records, "tensor_id", RECORDS, 0, max(n, 1)))
     for s in steps:
         if (step_of[s.first_record:s.end_record] != s.step).any():
             raise TraceFileError(f"{RECORDS}: step {s.step}'s records [{s.first_record}, {s.end_record}) are not all "

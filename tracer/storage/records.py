@@ -62,6 +62,8 @@ class Finite:
     NEG_INF = 1  # −∞ and finite values only (what a mask holds on purpose)
     BAD = 2  # NaN or +∞ (or both signs of ∞)
     UNKNOWN = -1  # not checked (shapes capture checks the residual stream and the logits only)
+    # the same, as words, in a trace file (format version 3 on)
+    WORDS = {CLEAN: "finite", NEG_INF: "finite and -inf", BAD: "nan or +inf", UNKNOWN: "unchecked"}
 
     @staticmethod
     def from_stats(stats: TensorStats) -> int:
