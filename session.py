@@ -9,6 +9,8 @@ compare with, a step replayed with heads off — is here, so that it can be test
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -44,6 +46,7 @@ from tracer import (
 )
 
 MAX_BUDGET_MB = 8192
+MAX_SPILL_MB = 65536  # "keep every value on disk": at most 64 GiB of one session's temporary file
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She had a red ball."
 DEFAULT_RUN_N = 8  # the sidebar's "N for Run N"
 AUTO_RECOMPUTE_PARAMS = 20_000_000  # below this, every step is checked against a full recompute (one timing)
@@ -64,6 +67,7 @@ class Settings:
     budget_bytes: int
     chat: bool = False  # each prompt wrapped in the model's chat template as a user message
     stop_at_eos: bool = True  # generation stops once every sequence chose an end-of-sequence id
+    spill_bytes: int = 0  # values the budget evicts kept in a private temporary file, up to this (0: off)
 
 
 def split_prompts(text: str) -> tuple[str, ...]:
@@ -111,6 +115,7 @@ class SettingsDefaults:
     budget_mb: int = DEFAULT_BUDGET_BYTES // 2**20
     chat: bool = False
     stop_at_eos: bool = True
+    spill_mb: int = 0  # "keep every value on disk", MB (0: off)
 
 
 DEFAULTS = SettingsDefaults()
@@ -125,22 +130,24 @@ def settings_from(values: Mapping[str, object]) -> Settings:
         prompt=v["prompt"], greedy=v["decoding"] == "greedy", temperature=v["temperature"], top_k=v["top_k"],
         top_p=v["top_p"], seed=v["seed"], use_cache=v["use_cache"], capture=v["capture"],
         padding_side=v["padding_side"], budget_mb=v["budget_mb"], chat=v["chat"], stop_at_eos=v["stop_at_eos"],
+        spill_mb=v["spill_mb"],
     )
 
 
 def parse_settings(
     prompt: str, greedy: bool, temperature: float, top_k: int, top_p: float, seed: object,
     use_cache: bool, capture: str, padding_side: str, budget_mb: float, chat: bool = False, stop_at_eos: bool = True,
+    spill_mb: float = 0,
 ) -> Settings:
     """The app's settings: the prompt box's text is one prompt per line."""
     return build_settings(split_prompts(prompt), greedy, temperature, top_k, top_p, seed, use_cache, capture,
-                          padding_side, budget_mb, chat, stop_at_eos)
+                          padding_side, budget_mb, chat, stop_at_eos, spill_mb)
 
 
 def build_settings(
     prompts: tuple[str, ...], greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
     seed: object, use_cache: bool, capture: str, padding_side: str, budget_mb: float, chat: bool = False,
-    stop_at_eos: bool = True,
+    stop_at_eos: bool = True, spill_mb: float = 0,
 ) -> Settings:
     """Settings from their values, refused with a ``SettingsError`` saying why: the one set of rules, limits and
     defaults the app and the command line (``gpt-shape-tracer trace``) share."""
@@ -163,8 +170,17 @@ def build_settings(
         raise SettingsError("padding must be left or right")
     if not 1 <= budget_mb <= MAX_BUDGET_MB:
         raise SettingsError(f"the value budget must be between 1 and {MAX_BUDGET_MB} MB, got {budget_mb:g}")
+    if not 0 <= spill_mb <= MAX_SPILL_MB:  # also refuses NaN
+        raise SettingsError(f"keeping values on disk takes 0 (off) to {MAX_SPILL_MB} MB, got {spill_mb:g}")
+    if spill_mb and capture == "shapes":
+        raise SettingsError("keeping every value on disk needs values to keep: choose the values or ops capture")
+    spill_bytes = int(spill_mb * 2**20)
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if spill_bytes > free:
+        raise SettingsError(f"keeping {spill_mb:g} MB of values on disk: the temporary directory "
+                            f"{tempfile.gettempdir()} has {free / 2**20:,.0f} MB free")
     return Settings(prompts, sampling, bool(use_cache), capture, padding_side, int(budget_mb * 2**20), bool(chat),
-                    bool(stop_at_eos))
+                    bool(stop_at_eos), spill_bytes)
 
 
 def parse_run_steps(raw: object) -> int:
@@ -192,6 +208,7 @@ def new_generation(model, tokenizer, settings: Settings) -> TracedGeneration:
             model, tokenizer, prompts if len(prompts) > 1 else prompts[0],
             use_cache=settings.use_cache and caches(model), capture=settings.capture, sampling=settings.sampling,
             padding_side=settings.padding_side, budget_bytes=settings.budget_bytes, stop_at_eos=settings.stop_at_eos,
+            spill_bytes=settings.spill_bytes,
         )
     except PromptError as e:
         raise SettingsError(str(e)) from None

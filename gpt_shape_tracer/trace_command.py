@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_BYTES / 2**20)
+    ap.add_argument("--spill-mb", type=float, default=0,
+                    help="keep every value: what the budget evicts goes to a private temporary file, up to this "
+                    "many MB, and is saved with the trace (default 0: evicted values keep their statistics)")
     ap.add_argument("--show-step", type=int, default=None, help="step whose shape table to print (default: last)")
     ap.add_argument("--html", metavar="PATH",
                     help="also write a one-file HTML report of the shown step (opens offline)")
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = build_settings(  # the app's rules, limits and defaults
             tuple(args.prompt), greedy=args.temperature == 0, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, capture=args.capture,
-            padding_side="left", budget_mb=args.budget_mb, chat=args.chat, stop_at_eos=not args.no_stop_at_eos)
+            padding_side="left", budget_mb=args.budget_mb, chat=args.chat, stop_at_eos=not args.no_stop_at_eos,
+            spill_mb=args.spill_mb)
         if not 1 <= args.steps <= MAX_RUN_STEPS:
             raise ValueError(f"--steps takes 1 … {MAX_RUN_STEPS}, got {args.steps}")
         if args.show_step is not None and not 0 <= args.show_step < args.steps:

@@ -15,6 +15,7 @@ from session import (
     DEFAULTS,
     FACTORY,
     MAX_BUDGET_MB,
+    MAX_SPILL_MB,
     Settings,
     SettingsError,
     checkpoint_path,
@@ -117,6 +118,11 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
                                                key="padding_side")
     values["budget_mb"] = cols[1].number_input("Budget (MB)", value=DEFAULTS.budget_mb, min_value=1,
                                                max_value=MAX_BUDGET_MB, key="budget_mb")
+    values["spill_mb"] = sb.number_input(
+        "Keep every value on disk (MB, 0 = off)", value=DEFAULTS.spill_mb, min_value=0, max_value=MAX_SPILL_MB,
+        step=256, key="spill_mb",
+        help="Values past the budget go to a private temporary file (deleted with the session) instead of being "
+             "summarised, up to this many MB, and every view reads them back: real numbers at every step")
     if reset:
         return "reset", values
     return ("step" if step else ("run" if run else None)), values

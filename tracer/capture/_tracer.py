@@ -67,7 +67,9 @@ class Tracer:
     capture: "shapes" keeps shape/dtype only; "values" also keeps the tensors
         (detached, on CPU, within ``budget_bytes``); "ops" adds every torch
         function and tensor method call, with input and output shapes.
-    budget_bytes: most bytes of tensor values the trace may hold (default 512 MiB).
+    budget_bytes: most bytes of tensor values the trace may hold in memory (default 512 MiB).
+    spill_bytes: "keep every value": what the budget evicts is written to a private temporary file, up to this
+        many bytes, and read back when asked for (default 0: evicted values keep their statistics only).
     copy: "auto" (copy only what an in-place op would change) or "all".
     trace: an existing ``Trace`` to continue (steps keep counting).
     interventions: ablations and patches (``tracer.ablate``, ``tracer.patch``) applied during every traced
@@ -76,7 +78,7 @@ class Tracer:
 
     def __init__(self, model: nn.Module, capture: str = "values", *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  copy: str = "auto", trace: Trace | None = None, interventions: Sequence[Intervention] = (),
-                 running_means: RunningMeans | None = None) -> None:
+                 running_means: RunningMeans | None = None, spill_bytes: int = 0) -> None:
         if capture == "gradients":
             raise ValueError("a Tracer records forwards; gradients come from a backward pass: "
                              "tracer.gradient_trace(generation, step, loss)")
@@ -96,7 +98,8 @@ class Tracer:
         self.capture = capture
         self.keeps_values = capture in ("values", "ops")
         self.in_hook = False  # read by the op recorder: the tracer's own tensor calls are not the model's
-        self.trace = trace if trace is not None else Trace(TraceLog(capture, budget_bytes, copy_all=copy == "all"))
+        self.trace = trace if trace is not None else Trace(TraceLog(capture, budget_bytes, copy_all=copy == "all",
+                                                                          spill_bytes=spill_bytes))
         self.trace.attach_model(model)
         self._log = self.trace.log
         self._record = self._log.add_record

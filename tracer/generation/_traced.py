@@ -110,6 +110,7 @@ class TracedGeneration:
         seed: int | None = None,
         padding_side: str = "left",
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        spill_bytes: int = 0,
         copy: str = "auto",
         truncate: str = "left",
         interventions: Sequence[Intervention] = (),
@@ -143,7 +144,8 @@ class TracedGeneration:
             padding_side=padding_side, pad_id=tokenizer.eos_id if tokenizer.eos_id is not None else 0,
             use_cache=use_cache, sampling=sampling, n_ctx=n_ctx, warnings=tuple(warnings),
         )
-        self.tracer = Tracer(model, capture=capture, budget_bytes=budget_bytes, copy=copy, interventions=interventions)
+        self.tracer = Tracer(model, capture=capture, budget_bytes=budget_bytes, copy=copy, interventions=interventions,
+                             spill_bytes=spill_bytes)
         self.trace = self.tracer.trace
         self.trace.log.begin_generation(info)
         self.cache = model.new_cache(len(rows)) if use_cache else None

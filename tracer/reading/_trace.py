@@ -231,10 +231,10 @@ class Trace:
         return self._log.value(rec.index)
 
     def has_value(self, rec: TensorRecord) -> bool:
-        return self._log.value(rec.index) is not None
+        return self._log.has_value(rec.index)
 
     def value_note(self, rec: TensorRecord) -> str:
-        self._log.value(rec.index)  # reading checks the version counter: a mutated value gets its note now
+        self._log.has_value(rec.index)  # looking checks the version counter: a mutated value gets its note now
         return self._log.note(rec.index)
 
     def stats(self, name_or_record: str | TensorRecord, step: int | None = None) -> TensorStats | None:

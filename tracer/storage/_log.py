@@ -25,8 +25,9 @@ from typing import NamedTuple
 
 import torch
 
+from tracer.storage._spill import SpillFile
 from tracer.storage._stats import dtype_name, finite_flag, tensor_stats
-from tracer.storage._store import DEFAULT_BUDGET_BYTES, ValueStore, storage_key, version_of, view_key
+from tracer.storage._store import DEFAULT_BUDGET_BYTES, MUTATED, ValueStore, storage_key, version_of, view_key
 from tracer.storage.records import (
     CAPTURE_LEVELS,
     TENSOR_KINDS,
@@ -84,13 +85,15 @@ class TraceLog:
     """Append-only storage of one trace, with the only methods that write it."""
 
     def __init__(self, capture: str = "values", budget_bytes: int = DEFAULT_BUDGET_BYTES, *,
-                 copy_all: bool = False) -> None:
+                 copy_all: bool = False, spill_bytes: int = 0) -> None:
         if capture not in CAPTURE_LEVELS:
             raise ValueError(f"capture must be one of {CAPTURE_LEVELS}, got {capture!r}")
         self._capture = capture
         self._keep_values = capture != "shapes"
         self._copy_all = copy_all
         self._values = ValueStore(budget_bytes, on_evict=self._evicted, on_release=self._released)
+        # "keep every value": what the budget evicts goes to disk, up to spill_bytes (tracer/storage/_spill.py)
+        self._spill = SpillFile(spill_bytes) if spill_bytes and self._keep_values else None
         self._modules: tuple[ModuleInfo, ...] = ()
         self._flag_modules: frozenset[int] = frozenset()
         self._model: ModelIdentity | None = None
@@ -193,10 +196,43 @@ class TraceLog:
         return dict(self._comparisons)
 
     def value(self, index: int) -> torch.Tensor | None:
-        return self._values.get(index)
+        """Record ``index``'s kept value: held in memory, or read back from the spill file; None when only
+        its statistics were kept."""
+        value = self._values.get(index)
+        if value is None and self._spill is not None:
+            value = self._spill.get(index)
+        return value
+
+    def has_value(self, index: int) -> bool:
+        """Whether ``value(index)`` would return a tensor (without reading a spilled one back)."""
+        return self._values.get(index) is not None or (self._spill is not None and index in self._spill)
 
     def kept_values(self) -> list[tuple[int, torch.Tensor]]:
-        return list(self._values.items())
+        """Every kept value, those spilled to disk read back (in record order)."""
+        held = list(self._values.items())
+        if self._spill is None:
+            return held
+        spilled = [(i, v) for i in self._spill.indices() if (v := self._spill.get(i)) is not None]
+        return sorted(held + spilled, key=lambda item: item[0])
+
+    @property
+    def spill_bytes(self) -> int:
+        """The cap of the disk spill (0: off)."""
+        return self._spill.cap_bytes if self._spill is not None else 0
+
+    @property
+    def spilled_bytes(self) -> int:
+        return self._spill.bytes_used if self._spill is not None else 0
+
+    @property
+    def spill_full_from(self) -> int | None:
+        """The first record the spill's cap turned away (evicted to its statistics), or None."""
+        return self._spill.first_refused if self._spill is not None else None
+
+    def close_spill(self) -> None:
+        """Delete the spill file (its values are gone: ``value`` says None for them)."""
+        if self._spill is not None:
+            self._spill.close()
 
     def note(self, index: int) -> str:
         return self._notes.get(index, "")
@@ -356,6 +392,8 @@ class TraceLog:
         self._epoch += 1
         for index in range(cut, len(self._raw)):
             self._values.drop(index, note=None)
+            if self._spill is not None:
+                self._spill.forget(index)
             self._notes.pop(index, None)
             self._stats.pop(index, None)
             self._flags.pop(index, None)
@@ -374,6 +412,10 @@ class TraceLog:
     def _evicted(self, index: int, tensor: torch.Tensor, note: str, stats_valid: bool) -> None:
         if stats_valid and index not in self._stats:
             self._stats[index] = self._stats_of(tensor)
+        if self._spill is not None and stats_valid and note != MUTATED:
+            if self._spill.put(index, tensor):
+                return  # kept, on disk: the value is there, no summary or note needed
+            note = f"{note}; the disk spill is full ({self._spill.cap_bytes:,} bytes)"
         if stats_valid and self._values.digest(index) is None and \
                 _digestible(self._modules[self._raw[index][MODULE]].path, tensor):
             self._values.put_digest(index, self._raw[index][STEP], pooled(tensor))  # under the value budget

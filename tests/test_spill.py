@@ -1,0 +1,91 @@
+""""Keep every value" (``spill_bytes``): what the budget evicts is written to a private temporary file and read
+back when asked for — every value of a run exactly as a run with a budget large enough for all of it, the
+in-memory budget still kept, the disk cap respected with a note from where, and the export complete."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import torch
+
+from tracer import TracedGeneration, load_trace, save_trace
+
+PROMPTS = ["Once upon a time, there was a little girl named Lily. She had a red ball.", "Tom ran"]
+BUDGET = 256 * 1024
+
+
+def run(bundled, **kwargs) -> TracedGeneration:
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, PROMPTS, temperature=0, **kwargs)
+    gen.run(12)
+    return gen
+
+
+def test_every_value_is_kept_exactly_and_memory_stays_within_the_budget(bundled, tmp_path):
+    everything = run(bundled, budget_bytes=1 << 30).trace
+    spilled = run(bundled, budget_bytes=BUDGET, spill_bytes=1 << 30).trace
+    plain = run(bundled, budget_bytes=BUDGET).trace
+    kept = [r for r in everything.records if everything.value(r) is not None]
+    assert sum(plain.value(r) is None for r in kept) > len(kept) // 2  # without the spill most are statistics
+    assert all(spilled.has_value(r) and torch.equal(spilled.value(r), everything.value(r)) for r in kept)
+    assert spilled.log.peak_bytes_kept <= BUDGET < spilled.log.spilled_bytes
+    assert all(spilled.value_note(r) == "" for r in kept)
+    # every view reads them: the attention pattern of the prefill, long evicted from memory
+    assert torch.equal(spilled.get("blocks.1.attn.hook_pattern", 0), everything.get("blocks.1.attn.hook_pattern", 0))
+    save_trace(spilled, tmp_path / "t.zip")  # the export holds the spilled values too
+    back = load_trace(tmp_path / "t.zip")
+    assert all(torch.equal(back.value(r), everything.value(r)) for r in kept)
+
+
+def test_the_disk_cap_is_respected_and_said(bundled):
+    cap = 2 * 2**20
+    capped = run(bundled, budget_bytes=BUDGET, spill_bytes=cap).trace
+    log = capped.log
+    assert 0 < log.spilled_bytes <= cap and log.spill_full_from is not None
+    refused = capped.records[log.spill_full_from]
+    assert capped.value(refused) is None and capped.stats(refused) is not None
+    assert capped.value_note(refused).endswith(f"the disk spill is full ({cap:,} bytes)")
+
+
+def test_the_spill_file_is_private_and_has_no_name(bundled):
+    gen = run(bundled, budget_bytes=BUDGET, spill_bytes=1 << 30)
+    spill = gen.trace.log._spill  # noqa: SLF001 - the file itself is what is checked
+    fd = spill._file.fileno()  # noqa: SLF001
+    assert stat.S_IMODE(os.fstat(fd).st_mode) & 0o077 == 0  # nobody else may read it
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    assert "(deleted)" in target or target.startswith("/dev/fd") or "O_TMPFILE" in target or not os.path.exists(target)
+    gen.trace.log.close_spill()
+    assert gen.trace.value(gen.trace.record("blocks.1.attn.hook_pattern", 0)) is None  # gone with the file
+
+
+def test_the_command_line_saves_every_value_with_spill_mb(capsys, tmp_path):
+    from gpt_shape_tracer.trace_command import main
+
+    argv = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--steps", "12", "--budget-mb", "1", "--json"]
+    assert main([*argv, "--out", str(tmp_path / "plain.zip")]) == 0
+    assert main([*argv, "--spill-mb", "200", "--out", str(tmp_path / "all.zip")]) == 0
+    capsys.readouterr()
+    plain, everything = load_trace(tmp_path / "plain.zip"), load_trace(tmp_path / "all.zip")
+    valued = [r for r in everything.records if r.kind == "hook"]
+    assert all(everything.has_value(r) for r in valued)
+    assert sum(not plain.has_value(r) for r in valued) > len(valued) // 4  # 1 MB holds the last steps only
+    assert main([*argv, "--capture", "shapes", "--spill-mb", "10", "--out", str(tmp_path / "x.zip")]) == 2
+    assert "needs values to keep" in capsys.readouterr().err
+
+
+def test_the_app_keeps_every_value_on_disk_when_asked():
+    from tests.test_app import new_app, press
+    from tests.test_app import run as run_app
+
+    at = new_app()
+    at.sidebar.number_input(key="budget_mb").set_value(1)
+    at.sidebar.number_input(key="spill_mb").set_value(300)
+    run_app(at)
+    press(at, "step_button")
+    at.sidebar.number_input(key="run_n").set_value(6)
+    press(at, "run_button")
+    log = at.session_state["app"].generation.trace.log
+    assert log.spill_bytes == 300 * 2**20 and log.spilled_bytes > 0 and log.peak_bytes_kept <= 2**20
+    trace = at.session_state["app"].generation.trace
+    assert all(trace.has_value(r) for r in trace.filter(step=0, kind="hook"))
