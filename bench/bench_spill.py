@@ -1,9 +1,10 @@
 """Keeping every value of a long run: ``python bench/bench_spill.py [--steps 200]``.
 
 GPT-2 small (124M, random weights, from a local directory), a 60-token prompt, the KV cache on, a budget of
-``--budget-mb`` (64 MiB: the default 512 MiB holds all of a 200-step run of this prompt), ``--steps`` steps, once with ``spill_bytes`` (every evicted value to disk) and once without,
-each in a fresh process. Reported: seconds, peak resident memory (VmHWM) over what the process held with the
-model loaded, bytes spilled, and records without a value (target: RSS ≤ budget + model + 500 MB, none lost).
+``--budget-mb`` (64 MiB: the default 512 MiB holds all of a 200-step run of this prompt), ``--steps`` steps,
+once with ``spill_bytes`` (every evicted value to disk) and once without, each in a fresh process. Reported:
+seconds, peak resident memory (VmHWM) over what the process held with the model loaded, bytes spilled, and
+records without a value (target: RSS ≤ budget + model + 500 MB, none lost).
 
 Figures go to ``bench/results/spill.json`` and docs/benchmarks.md, with the machine.
 """
