@@ -376,6 +376,11 @@ def explain_missing_values(trace: Trace, step: int, what: str) -> None:
     if trace.capture == "shapes":
         st.info(f"Capture is **shapes**: only shapes, dtypes and sizes were recorded, so there are no {what} to "
                 "draw. Choose **values** (or ops) under Tracing in the sidebar and Reset.")
+    elif trace.log.spill_bytes:
+        st.info(f"The values of step {step} were evicted by the memory budget (the oldest steps go first) after "
+                f"the disk spill had filled its {trace.log.spill_bytes / 2**20:,.0f} MB; its shapes and statistics "
+                f"are kept, its {what} are not. Raise “Keep every value on disk” and Reset, or view a later step.")
     else:
         st.info(f"The values of step {step} were evicted by the memory budget (the oldest steps go first); "
-                f"its shapes and statistics are kept, its {what} are not. Raise the budget, or view a later step.")
+                f"its shapes and statistics are kept, its {what} are not. Raise the budget, keep every value on "
+                "disk (under Tracing), or view a later step.")

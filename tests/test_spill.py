@@ -89,3 +89,28 @@ def test_the_app_keeps_every_value_on_disk_when_asked():
     assert log.spill_bytes == 300 * 2**20 and log.spilled_bytes > 0 and log.peak_bytes_kept <= 2**20
     trace = at.session_state["app"].generation.trace
     assert all(trace.has_value(r) for r in trace.filter(step=0, kind="hook"))
+
+
+def test_the_app_says_why_a_steps_values_are_missing_with_and_without_the_spill():
+    from tests.test_app import new_app, page_text, press, show_tab
+    from tests.test_app import run as run_app
+
+    for spill_mb, said in ((0, "Raise the budget, keep every value on disk (under Tracing), or view a later step"),
+                           (1, "after the disk spill had filled its 1 MB")):
+        at = new_app()
+        at.sidebar.number_input(key="budget_mb").set_value(1)
+        at.sidebar.number_input(key="spill_mb").set_value(spill_mb)
+        at.sidebar.text_area(key="prompt").set_value(" ".join([PROMPTS[0]] * 3))
+        run_app(at)
+        press(at, "step_button")
+        at.sidebar.number_input(key="run_n").set_value(12)
+        press(at, "run_button")
+        trace = at.session_state["app"].generation.trace
+        # the oldest values go first: to disk while the spill has room, then to their statistics
+        step = next(s for s in range(trace.n_steps) if trace.get("blocks.0.attn.hook_v_all", s) is None)
+        assert step == 0 if not spill_mb else step > 0
+        at.slider(key="step_view").set_value(step)
+        run_app(at)
+        show_tab(at, "Attention", ("attn_view", "O = A·V"))
+        assert f"The values of step {step} were evicted by the memory budget" in page_text(at)
+        assert said in page_text(at)
