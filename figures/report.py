@@ -1,4 +1,5 @@
-"""One step of a trace as one HTML file that opens offline in any browser: ``report_html(trace, step)``.
+"""A step of a trace, or a whole run, as one HTML file that opens offline in any browser:
+``report_html(trace, step)``, ``run_report_html(trace)``.
 
 For a colleague with nothing installed: the model and the text, the shape flow, the attention stages of the
 chosen heads, every head at once, the causal mask, the KV cache over the steps, the next-token distribution
@@ -45,20 +46,71 @@ def report_html(trace: Trace, step: int | None = None, heads: tuple[tuple[int, i
     if facts.step(step).sampling is not None:
         sections.append(("The next token", tokens.next_token_figure(trace, step, batch),
                          facts.info.sampling.describe()))
+    forward = facts.step(step).forward
+    header = (f"<h1>Step {step} of {trace.n_steps}</h1>{_who(trace)}<p>n = {forward.n} new position(s), "
+              f"t = {forward.t} key position(s); capture {trace.capture}.</p>")
+    return _page(f"step {step}", header, sections, "<h2>Every hook point of this step</h2>" + trace.html_table(step))
+
+
+def run_report_html(trace: Trace, heads: tuple[tuple[int, int], ...] = ((0, 0),), batch: int = 0) -> str:
+    """The whole run: the text with each chosen token's probability, every step's sizes and choices in one
+    table, the KV cache over the steps, the attention of the chosen heads row by row over the steps (with the
+    cache), the shape flow of the prefill and the next-token distribution of every step."""
+    facts = facts_of(trace)
+    if not trace.n_steps:
+        raise ValueError("the trace has no step to report")
+    last = trace.n_steps - 1
+    sections: list[tuple[str, go.Figure | None, str]] = [
+        ("The KV cache over the steps", cache.cache_steps_figure(trace, last), "")]
+    for layer, h in heads:
+        if facts.info.use_cache:
+            sections.append((f"Attention over the steps, layer {layer} head {h}: one new row per step",
+                             attention.attention_history_figure(trace, layer, h, last, batch), ""))
+        else:
+            sections.append((f"Attention over the steps, layer {layer} head {h}", None,
+                             "The run recomputed every position at every step (the cache off): each step's "
+                             "attention is in its own step report."))
+    sections.append(("The shapes, stage by stage (block 0), at the prefill", flow.shape_flow_figure(trace, 0, 0), ""))
+    for s in range(trace.n_steps):
+        if facts.step(s).sampling is not None:
+            sections.append((f"The next token at step {s}", tokens.next_token_figure(trace, s, batch), ""))
+    rows = []
+    for s in range(trace.n_steps):
+        step_facts = facts.step(s)
+        chosen = step_facts.sampling
+        picks = ", ".join(f"<code>{html.escape(label)}</code> (p = {p:.3f})"
+                          for label, p in zip(chosen.labels, chosen.probs)) if chosen is not None else "none"
+        rows.append(f"<tr><td>{s}</td><td>{step_facts.forward.n}</td><td>{step_facts.forward.t}</td>"
+                    f"<td>{step_facts.forward.cache_after if facts.info.use_cache else 0}</td><td>{picks}</td>"
+                    f"<td>{trace.steps[s].seconds * 1000:.1f}</td></tr>")
+    table = ("<table><tr><th>step</th><th>n</th><th>t</th><th>cached after</th><th>chosen (per sequence)</th>"
+             "<th>traced forward, ms</th></tr>" + "".join(rows) + "</table>")
+    texts = "".join(f"<h3>Sequence {r}</h3>{tokens.generated_text_html(trace, r)}" for r in range(facts.batch_size))
+    texts += tokens.text_legend()
+    header = (f"<h1>A run of {trace.n_steps} steps</h1>{_who(trace)}<p>{html.escape(facts.info.sampling.describe())}; "
+            f"the KV cache {'on' if facts.info.use_cache else 'off'}; capture {trace.capture}.</p>"
+              f"<h2>The text (each chosen token shaded by its probability)</h2>{texts}<h2>Every step</h2>{table}")
+    return _page(f"a run of {trace.n_steps} steps", header, sections, "")
+
+
+def _who(trace: Trace) -> str:
+    """The model and the prompts, escaped."""
+    facts = facts_of(trace)
     model = html.escape(trace.model.describe()) if trace.model is not None else "a model"
     texts = "".join(f"<li><code>{html.escape(facts.info.prompts[r])}</code></li>" for r in range(facts.batch_size))
-    forward = facts.step(step).forward
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>GPT shape tracer: step {step}</title>",
-             f"<script>{get_plotlyjs()}</script><style>{STYLE}</style></head><body>",
-             f"<h1>Step {step} of {trace.n_steps}</h1><p>{model}</p><p>prompts:</p><ol start='0'>{texts}</ol>",
-             f"<p>n = {forward.n} new position(s), t = {forward.t} key position(s); capture {trace.capture}.</p>"]
-    for title, figure, note in sections:
-        parts.append(f"<h2>{html.escape(title)}</h2>")
+    return f"<p>{model}</p><p>prompts:</p><ol start='0'>{texts}</ol>"
+
+
+def _page(title: str, head: str, sections: list[tuple[str, go.Figure | None, str]], tail: str) -> str:
+    """One self-contained page: plotly.js written in once, each section a title, a note and a figure."""
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>GPT shape tracer: {html.escape(title)}"
+             f"</title><script>{get_plotlyjs()}</script><style>{STYLE}</style></head><body>", head]
+    for name, figure, note in sections:
+        parts.append(f"<h2>{html.escape(name)}</h2>")
         if note:
             parts.append(f"<p class='note'>{html.escape(note)}</p>")
         if figure is not None:
             parts.append(figure.to_html(full_html=False, include_plotlyjs=False,
                                         config={"displaylogo": False, "responsive": True}))
-    parts.append("<h2>Every hook point of this step</h2>" + trace.html_table(step))
-    parts.append("<p class='note'>Written by GPT shape tracer; opens offline.</p></body></html>")
+    parts.append(tail + "<p class='note'>Written by GPT shape tracer; opens offline.</p></body></html>")
     return "".join(parts)

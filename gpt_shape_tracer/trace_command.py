@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show-step", type=int, default=None, help="step whose shape table to print (default: last)")
     ap.add_argument("--html", metavar="PATH",
                     help="also write a one-file HTML report of the shown step (opens offline)")
+    ap.add_argument("--html-run", metavar="PATH",
+                    help="also write a one-file HTML report of the whole run: the text, every step's sizes and "
+                    "choices, the KV cache and the attention over the steps, every step's next token")
     ap.add_argument("--all-records", action="store_true", help="print inputs/outputs too, not only hook points")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (the run, the texts and the shown step's records) instead of tables")
@@ -137,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         shown_step = args.show_step if args.show_step is not None else gen.n_steps - 1
         Path(args.html).write_text(report_html(gen.trace, shown_step), encoding="utf-8")
         print(f"wrote {args.html}: a report of step {shown_step}", file=sys.stderr if args.json else sys.stdout)
+    if args.html_run:
+        from figures.report import run_report_html
+
+        Path(args.html_run).write_text(run_report_html(gen.trace), encoding="utf-8")
+        print(f"wrote {args.html_run}: a report of the {gen.n_steps} steps",
+              file=sys.stderr if args.json else sys.stdout)
     gen.close()
 
     step = min(args.show_step if args.show_step is not None else gen.n_steps - 1, gen.n_steps - 1)

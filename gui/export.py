@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures.report import report_html
+from figures.report import report_html, run_report_html
 from gui.common import UPLOAD_MB, plain, read_uploaded_trace, reserve_memory, state
 from session import LoadedTrace
 from tracer import LIMITS, Trace, archive_bytes
@@ -17,6 +17,10 @@ def export_tab(trace: Trace | None, step: int = 0) -> None:
                            "5 MB, most of it plotly.js, written in once)",
                            data=lambda: report_html(trace, step).encode(), file_name=f"trace-step-{step}.html",
                            mime="text/html", key="download_report", on_click="ignore")
+        st.download_button(f"Download a one-file HTML report of the whole run ({trace.n_steps} steps: the text, every "
+                           "step's choices, the KV cache and attention over the steps)",
+                           data=lambda: run_report_html(trace).encode(), file_name="trace-run.html",
+                           mime="text/html", key="download_run_report", on_click="ignore")
         st.download_button("Download this trace (.zip: manifest.json, records.parquet, ops.parquet, "
                            "values.safetensors)", data=lambda: archive_bytes(trace),
                            file_name="trace.zip", mime="application/zip", key="download_trace", on_click="ignore")

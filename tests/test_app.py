@@ -523,6 +523,8 @@ def test_export_and_load_a_trace_back_labelled_with_its_own_model(stepped, hf_di
     theirs.step()
     at = show_tab(stepped, "Export")
     assert any(b.label.startswith("Download a one-file HTML report of step 2") for b in at.get("download_button"))
+    assert any(b.label.startswith("Download a one-file HTML report of the whole run (3 steps")
+               for b in at.get("download_button"))
     at.file_uploader(key="upload_trace").upload("theirs.zip", archive_bytes(theirs.trace), "application/zip")
     run(at)
     assert at.session_state["app"].viewing_file

@@ -43,3 +43,43 @@ def test_the_command_line_writes_the_report(tmp_path, capsys):
                  "--html", str(tmp_path / "r.html")])
     assert code == 0 and "a report of step 1" in capsys.readouterr().out
     assert (tmp_path / "r.html").read_text(encoding="utf-8").count('class="plotly-graph-div"') == 6
+
+
+def test_the_report_of_a_whole_run_opens_offline_with_every_figure(bundled, tmp_path):
+    from figures.report import run_report_html
+    from tests.browser import chromium
+
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, PROMPTS, temperature=0)
+    gen.run(20)
+    page = run_report_html(gen.trace, heads=((0, 0), (1, 2)))
+    figures = 1 + 2 + 1 + 20  # the cache over the steps, two heads over the steps, the prefill's flow, 20 next tokens
+    assert page.count(get_plotlyjs()) == 1 and page.count('class="plotly-graph-div"') == figures
+    assert len(page) < 8 * 2**20  # plotly.js (4.8 MB) once, the figures pooled
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "A run of 20 steps" in page
+    for s in range(20):  # every step's row: its sizes and what each sequence chose, with p
+        forward, chosen = gen.facts.step(s).forward, gen.facts.step(s).sampling
+        assert f"<tr><td>{s}</td><td>{forward.n}</td><td>{forward.t}</td><td>{forward.cache_after}</td>" in page
+        assert f"(p = {chosen.probs[1]:.3f})" in page
+    path = tmp_path / "run.html"
+    path.write_text(page, encoding="utf-8")
+    with chromium() as browser:
+        view = browser.new_page()
+        outside, errors = [], []
+        view.on("request", lambda r: outside.append(r.url) if not r.url.startswith("file://") else None)
+        view.on("pageerror", lambda e: errors.append(str(e)))
+        view.goto(path.as_uri())
+        view.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot').length === {figures}",
+                               timeout=60_000)
+        assert not outside and not errors
+
+
+def test_the_command_line_writes_the_report_of_the_run(tmp_path, capsys):
+    from gpt_shape_tracer.trace_command import main
+
+    code = main(["--prompt", "Tom had a kite.", "--steps", "3", "--out", str(tmp_path / "t.zip"),
+                 "--html-run", str(tmp_path / "run.html")])
+    assert code == 0 and "a report of the 3 steps" in capsys.readouterr().out
+    # the cache, one head over the steps, the flow, three next tokens
+    assert (tmp_path / "run.html").read_text(encoding="utf-8").count('class="plotly-graph-div"') == 6
