@@ -114,3 +114,25 @@ def test_the_app_says_why_a_steps_values_are_missing_with_and_without_the_spill(
         show_tab(at, "Attention", ("attn_view", "O = A·V"))
         assert f"The values of step {step} were evicted by the memory budget" in page_text(at)
         assert said in page_text(at)
+
+
+def test_exporting_a_spilled_run_reads_the_disk_one_value_at_a_time(bundled, tmp_path):
+    """save_trace writes each spilled value as its turn comes: memory grows by far less than what is on disk."""
+    from pathlib import Path
+
+    from tests.browser import status_kib
+
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, [" ".join([PROMPTS[0]] * 3)] * 4, temperature=0, budget_bytes=1 << 20,
+                           spill_bytes=1 << 32)
+    gen.run(60)
+    on_disk = gen.trace.log.spilled_bytes
+    assert on_disk > 100 * 2**20
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
+    before = status_kib("self", "VmRSS") * 1024
+    save_trace(gen.trace, tmp_path / "t.zip")
+    grew = status_kib("self", "VmHWM") * 1024 - before
+    assert grew < on_disk / 2, (grew, on_disk)
+    back = load_trace(tmp_path / "t.zip")
+    name = "blocks.2.attn.hook_pattern"
+    assert torch.equal(back.get(name, 0), gen.trace.get(name, 0))

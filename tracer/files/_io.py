@@ -129,14 +129,43 @@ def _sampling_record(fields: dict) -> SamplingRecord:
 
 
 # -- saving ---------------------------------------------------------------------------------------
-def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, int, tuple[int, ...]]],
+class _OnDisk:
+    """A value kept in the spill file, written into values.safetensors when its turn comes (read then, one at
+    a time: exporting a run that spilled gigabytes does not hold them in memory)."""
+
+    def __init__(self, trace: Trace, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.trace, self.index, self.dtype, self.shape = trace, index, dtype, shape
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def read(self) -> torch.Tensor:
+        value = self.trace.log.value(self.index)
+        if value is None:
+            raise TraceFileError(f"record {self.index}'s value left the spill file while the trace was written")
+        return value.reshape(-1)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _storages(trace: Trace) -> tuple[list[torch.Tensor | _OnDisk], dict[int, tuple[int, int, tuple[int, ...]]],
                                      dict[int, tuple[int, list[int]]]]:
-    """Each kept storage once, as a flat tensor over the span its views use; per record index
-    ``(storage number, offset in it, strides)``; and per digested record ``(storage number, shape)``."""
+    """Each kept storage once, as a flat tensor over the span its views use (a value on disk: read when it is
+    written); per record index ``(storage number, offset in it, strides)``; and per digested record
+    ``(storage number, shape)``."""
     groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for index, value in trace.log.kept_values():
         groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
-    flats: list[torch.Tensor] = []
+    flats: list[torch.Tensor | _OnDisk] = []
     views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
     for members in groups.values():
         spans = [_span(v) for _, v in members]
@@ -148,6 +177,9 @@ def _storages(trace: Trace) -> tuple[list[torch.Tensor], dict[int, tuple[int, in
         flats.append(flat)
         for index, value in members:
             views[index] = (number, int(value.storage_offset()) - lo, tuple(value.stride()))
+    for index, dtype, shape in trace.log.spilled():
+        views[index] = (len(flats), 0, _contiguous_strides(shape))
+        flats.append(_OnDisk(trace, index, dtype, shape))
     digests: dict[int, tuple[int, list[int]]] = {}
     for index in range(trace.log.n_records):
         digest = trace.log.digest(index)
@@ -207,7 +239,7 @@ def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict
     }
 
 
-def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor]) -> None:
+def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor | _OnDisk]) -> None:
     """The safetensors format, written one storage at a time (never the whole file in memory)."""
     header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
     offset = 0
@@ -222,7 +254,8 @@ def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor]) -> None:
     out.write(blob)
     for flat in flats:
         if flat.numel():
-            out.write(flat.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            tensor = flat.read() if isinstance(flat, _OnDisk) else flat
+            out.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _parquet(frame: pd.DataFrame) -> bytes:

@@ -208,12 +208,14 @@ class TraceLog:
         return self._values.get(index) is not None or (self._spill is not None and index in self._spill)
 
     def kept_values(self) -> list[tuple[int, torch.Tensor]]:
-        """Every kept value, those spilled to disk read back (in record order)."""
-        held = list(self._values.items())
+        """Every value held in memory (those spilled to disk: ``spilled``)."""
+        return list(self._values.items())
+
+    def spilled(self) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
+        """(record, dtype, shape) of every value kept on disk; ``value(index)`` reads one back."""
         if self._spill is None:
-            return held
-        spilled = [(i, v) for i in self._spill.indices() if (v := self._spill.get(i)) is not None]
-        return sorted(held + spilled, key=lambda item: item[0])
+            return []
+        return [(i, *self._spill.layout(i)) for i in self._spill.indices()]
 
     @property
     def spill_bytes(self) -> int:

@@ -39,6 +39,11 @@ class SpillFile:
     def indices(self) -> list[int]:
         return list(self._where)
 
+    def layout(self, index: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, shape) of a spilled value, without reading it."""
+        _, _, dtype, shape = self._where[index]
+        return dtype, shape
+
     def put(self, index: int, tensor: torch.Tensor) -> bool:
         """Write ``tensor``'s numbers for record ``index``; False (and nothing written) past the cap."""
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
