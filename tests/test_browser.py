@@ -42,7 +42,10 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 @pytest.fixture(scope="module")
 def url():
-    with streamlit_server() as address:
+    # every test opens a new session, and a closed one is counted until the server forgets it (30 s after it
+    # disconnects, then up to 10 s): nine tests in a minute can reach the default cap of 8 sessions, whose
+    # refusal page has no sidebar. The cap itself is tested in tests/test_server_limits.py.
+    with streamlit_server(env={"GPT_SHAPE_TRACER_MAX_SESSIONS": "64"}) as address:
         yield address
 
 
