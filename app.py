@@ -55,11 +55,10 @@ def run(app: AppState) -> None:
     elif action == "run":
         app.steps_owed = 0  # Run N goes on from wherever the Steps clicked before it had got
         advance(st.session_state.get("run_n", DEFAULT_RUN_N), settings, refused)
-    else:
+    elif app.steps_owed:
         # a Step is owed from its click (its callback counts it) until it has run: a click that interrupts the
         # run before its step (any click: Streamlit stops the old run at its next call) leaves it owed
-        if app.steps_owed:
-            advance(app.steps_owed, settings, refused, owed=True)
+        advance(app.steps_owed, settings, refused, owed=True)
     if not status(settings, refused):
         return
     trace = app.viewed_trace

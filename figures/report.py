@@ -88,7 +88,7 @@ def run_report_html(trace: Trace, heads: tuple[tuple[int, int], ...] = ((0, 0),)
     texts = "".join(f"<h3>Sequence {r}</h3>{tokens.generated_text_html(trace, r)}" for r in range(facts.batch_size))
     texts += tokens.text_legend()
     header = (f"<h1>A run of {trace.n_steps} steps</h1>{_who(trace)}<p>{html.escape(facts.info.sampling.describe())}; "
-            f"the KV cache {'on' if facts.info.use_cache else 'off'}; capture {trace.capture}.</p>"
+              f"the KV cache {'on' if facts.info.use_cache else 'off'}; capture {trace.capture}.</p>"
               f"<h2>The text (each chosen token shaded by its probability)</h2>{texts}<h2>Every step</h2>{table}")
     return _page(f"a run of {trace.n_steps} steps", header, sections, "")
 

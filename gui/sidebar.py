@@ -39,14 +39,15 @@ PADDINGS = list(PADDING_SIDES)
 
 
 def sidebar() -> tuple[str | None, dict[str, object]]:
-    """Draws the sidebar; returns the action pressed ("step", "run", "reset") or None, and the settings'
-    widget values by key (``session.settings_from`` reads them)."""
+    """Draws the sidebar; returns the action pressed ("run", "reset") or None, and the settings' widget values
+    by key (``session.settings_from`` reads them). Step is not an action: its click is counted by its callback
+    (``owe_a_step``), and whichever run comes next makes the steps owed."""
     sb = st.sidebar
     values: dict[str, object] = {}
     values["prompt"] = sb.text_area("Prompt (one line per sequence: several lines make a batch)",
                                     value=DEFAULTS.prompt, key="prompt", height=96)
     cols = sb.columns(3)
-    step = cols[0].button("Step", type="primary", key="step_button", width="stretch", on_click=owe_a_step)
+    cols[0].button("Step", type="primary", key="step_button", width="stretch", on_click=owe_a_step)
     run = cols[1].button("Run N", key="run_button", width="stretch")
     reset = cols[2].button("Reset", key="reset_button", width="stretch")
     sb.number_input(f"N for Run N (1…{MAX_RUN_STEPS})", value=DEFAULT_RUN_N, step=1, key="run_n")
@@ -125,7 +126,7 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
              "summarised, up to this many MB, and every view reads them back: real numbers at every step")
     if reset:
         return "reset", values
-    return ("step" if step else ("run" if run else None)), values
+    return ("run" if run else None), values
 
 
 @st.cache_data(show_spinner=False)

@@ -22,17 +22,23 @@ def test_the_report_holds_plotly_once_the_views_and_inert_text(bundled, tmp_path
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "<code>blocks.3.attn.hook_pattern</code>" in page and "Step 2 of 3" in page
     assert len(page) < len(get_plotlyjs()) + 2 * 2**20  # the figures are pooled: bounded by the views
-    path = tmp_path / "report.html"
-    path.write_text(page, encoding="utf-8")
+    opened_offline(page, tmp_path / "report.html", 7)
+
+
+def opened_offline(page: str, path, figures: int) -> None:
+    """Write ``page`` to ``path`` and open it in Chromium from the file: every one of ``figures`` charts draws,
+    nothing is fetched, no script error, and no planted script ran."""
     from tests.browser import chromium
 
+    path.write_text(page, encoding="utf-8")
     with chromium() as browser:
         view = browser.new_page()
         outside, errors = [], []
         view.on("request", lambda r: outside.append(r.url) if not r.url.startswith("file://") else None)
         view.on("pageerror", lambda e: errors.append(str(e)))
         view.goto(path.as_uri())
-        view.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length === 7", timeout=60_000)
+        view.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot').length === {figures}",
+                               timeout=60_000)
         assert not outside and not errors and view.evaluate("() => window.__xss === undefined")
 
 
@@ -47,7 +53,6 @@ def test_the_command_line_writes_the_report(tmp_path, capsys):
 
 def test_the_report_of_a_whole_run_opens_offline_with_every_figure(bundled, tmp_path):
     from figures.report import run_report_html
-    from tests.browser import chromium
 
     model, tok = bundled
     gen = TracedGeneration(model, tok, PROMPTS, temperature=0)
@@ -62,17 +67,7 @@ def test_the_report_of_a_whole_run_opens_offline_with_every_figure(bundled, tmp_
         forward, chosen = gen.facts.step(s).forward, gen.facts.step(s).sampling
         assert f"<tr><td>{s}</td><td>{forward.n}</td><td>{forward.t}</td><td>{forward.cache_after}</td>" in page
         assert f"(p = {chosen.probs[1]:.3f})" in page
-    path = tmp_path / "run.html"
-    path.write_text(page, encoding="utf-8")
-    with chromium() as browser:
-        view = browser.new_page()
-        outside, errors = [], []
-        view.on("request", lambda r: outside.append(r.url) if not r.url.startswith("file://") else None)
-        view.on("pageerror", lambda e: errors.append(str(e)))
-        view.goto(path.as_uri())
-        view.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot').length === {figures}",
-                               timeout=60_000)
-        assert not outside and not errors
+    opened_offline(page, tmp_path / "run.html", figures)
 
 
 def test_the_command_line_writes_the_report_of_the_run(tmp_path, capsys):

@@ -24,7 +24,6 @@ from typing import Literal
 
 import torch
 
-from model.gpt import HookPoint
 from model.hook_table import act_name
 from tracer.capture._hooks import module_table
 from tracer.generation._traced import TracedGeneration
@@ -81,12 +80,12 @@ def gradient_trace(generation: TracedGeneration, step: int, loss: str = GRADIENT
     Values are kept within ``budget_bytes`` (the generation's budget by default) and evicted to statistics past
     it, like a values trace; ``save_trace`` writes it in the same format."""
     model = generation.model
-    points = [path for path, module in model.named_modules() if isinstance(module, HookPoint)]
+    modules = module_table(model)
+    points = [info.path for info in modules if info.is_hook]
     started = time.perf_counter()
     _, got, value = _backward(generation, step, loss, set(points))
     seconds = time.perf_counter() - started
     log = TraceLog("gradients", generation.trace.log.budget_bytes if budget_bytes is None else budget_bytes)
-    modules = module_table(model)
     log.set_modules(modules)
     log.set_model(generation.trace.log.model)
     index_of = {info.path: i for i, info in enumerate(modules)}

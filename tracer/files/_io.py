@@ -140,21 +140,13 @@ class _OnDisk:
         return math.prod(self.shape)
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def read(self) -> torch.Tensor:
         value = self.trace.log.value(self.index)
         if value is None:
             raise TraceFileError(f"record {self.index}'s value left the spill file while the trace was written")
         return value.reshape(-1)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _storages(trace: Trace) -> tuple[list[torch.Tensor | _OnDisk], dict[int, tuple[int, int, tuple[int, ...]]],
@@ -178,7 +170,7 @@ def _storages(trace: Trace) -> tuple[list[torch.Tensor | _OnDisk], dict[int, tup
         for index, value in members:
             views[index] = (number, int(value.storage_offset()) - lo, tuple(value.stride()))
     for index, dtype, shape in trace.log.spilled():
-        views[index] = (len(flats), 0, _contiguous_strides(shape))
+        views[index] = (len(flats), 0, torch.empty(shape, device="meta").stride())  # spilled contiguous
         flats.append(_OnDisk(trace, index, dtype, shape))
     digests: dict[int, tuple[int, list[int]]] = {}
     for index in range(trace.log.n_records):

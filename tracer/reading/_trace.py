@@ -38,11 +38,14 @@ FRAME_COLUMNS = (
 )
 
 
+HOOK_VALUED = ("hook", "grad")  # records of a hook point's value x, or of ∂L/∂x: named and shaped like x
+
+
 def record_name(path: str, kind: str, slot: str, call: int) -> str:
     base = path or "model"
     if call:
         base = f"{base}#{call}"
-    if kind in ("hook", "grad"):  # a gradients trace names ∂L/∂x by its hook point x
+    if kind in HOOK_VALUED:
         return base + slot
     return f"{base}:{'in' if kind == 'input' else 'out'}{slot}"
 
@@ -159,7 +162,7 @@ class Trace:
         names = [record_name(modules[r.module].path, r.kind, r.slot, r.call) for r in raws]
         masks = {r.data_ptr for r, n in zip(raws, names) if r.data_ptr and hook_of(n) in NEG_INF_EXPECTED}
         resolver = AxisResolver(self.config)
-        axes = [resolver.axes(n, tuple(r.shape)) if r.kind in ("hook", "grad") or n.endswith("in[0]") else (None, "")
+        axes = [resolver.axes(n, tuple(r.shape)) if r.kind in HOOK_VALUED or n.endswith("in[0]") else (None, "")
                 for r, n in zip(raws, names)]
         # a module's input or output is usually the very tensor a hook point saw: it has that tensor's axes
         by_tensor = {(r.data_ptr, tuple(r.shape)): a for r, a in zip(raws, axes) if a[0] is not None and r.data_ptr}
@@ -221,7 +224,7 @@ class Trace:
         gradients trace: every ∂L/∂x). Values evicted past the budget are left out: ``get`` says None for them."""
         out: dict[str, torch.Tensor] = {}
         for rec in self.filter(step=step):
-            if rec.kind in ("hook", "grad"):
+            if rec.kind in HOOK_VALUED:
                 value = self.value(rec)
                 if value is not None:
                     out[rec.name] = value
