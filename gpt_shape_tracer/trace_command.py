@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="go on after every sequence has chosen an end-of-sequence token")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                     help="weights and activations of a --model-dir model (default: float32)")
+    ap.add_argument("--max-memory", metavar="SIZE",
+                    help="run a --model-dir model larger than SIZE of memory (e.g. 2GiB): transformers runs it and "
+                    "accelerate keeps the layers that do not fit on disk, reading them in for each forward")
     ap.add_argument("--out", required=True, help="where to write the trace (directory, or .zip)")
     ap.add_argument("--capture", choices=FORWARD_CAPTURES, default="values")
     ap.add_argument("--no-cache", action="store_true", help="recompute all positions at every step")
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--model {args.model!r}: bundled models are {', '.join(BUNDLED_MODELS)}")
         if args.tokenizer and not (args.model_dir or args.model_factory):
             raise ValueError("--tokenizer goes with --model-dir or --model-factory (a bundled model has its own)")
+        if args.max_memory and not args.model_dir:
+            raise ValueError("--max-memory goes with --model-dir (a Hugging Face directory to offload)")
         if args.model_dir and args.model_factory:
             raise ValueError("give --model-dir or --model-factory, not both")
         if args.model_factory:
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{args.model_factory} returned no tokenizer: return (model, tokenizer), or give "
                                  "--tokenizer")
         elif args.model_dir:
-            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer)
+            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer,
+                                          max_memory=args.max_memory)
             if tokenizer is None:
                 raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt): "
                                  "give one with --tokenizer")

@@ -34,6 +34,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +46,7 @@ from torch import nn
 
 from model.cache import KVCache, transaction
 from model.gpt import GPTConfig, HookPoint, attention, check_tokens, positions_and_keys
-from model.identity import ModelIdentity, computed_identity
+from model.identity import ModelIdentity, computed_identity, parameters_digest
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     from transformers import PreTrainedModel
@@ -311,6 +313,36 @@ def _first(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _accelerate_hooks(module: nn.Module) -> list[Any]:
+    """The accelerate hooks on a module (``dispatch_model`` attaches one, or a ``SequentialHook`` of several)."""
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else list(getattr(hook, "hooks", None) or [hook])
+
+
+def _materialized(module: nn.Module, attr: str) -> torch.Tensor:
+    """A module's parameter or buffer with its values: itself, or — when accelerate offloaded it and left a
+    ``meta`` placeholder — the copy its hook reads from the offload folder at each forward."""
+    tensor = getattr(module, attr)
+    if tensor.device.type != "meta":
+        return tensor
+    for hook in _accelerate_hooks(module):
+        weights = getattr(hook, "weights_map", None)
+        if weights is not None and attr in weights:
+            return weights[attr]
+    raise HFDecoderError(f"{type(module).__name__}.{attr} has no values in memory and no offloaded copy")
+
+
+def _state_items(hf: nn.Module):
+    """``(name, tensor)`` of the state dict with every offloaded tensor read back, one at a time (so hashing an
+    offloaded model never holds more than one of its tensors)."""
+    for name, tensor in hf.state_dict().items():
+        if tensor.device.type != "meta":
+            yield name, tensor
+        else:
+            path, _, attr = name.rpartition(".")
+            yield name, _materialized(hf.get_submodule(path), attr)
+
+
 class HFDecoder(nn.Module):
     """A transformers causal LM, run by transformers, with our hook points, cache and forward signature.
 
@@ -368,7 +400,7 @@ class HFDecoder(nn.Module):
     def _check_routing(self, blocks: list[_BlockHooks]) -> None:
         """One token through the model: every layer's attention must have gone through the traced function
         (a family that computes attention its own way would otherwise be shown without its patterns)."""
-        device = next(self.hf.parameters()).device
+        device = self.input_device
         with torch.no_grad():
             self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
         missed = [L for L, block in enumerate(blocks) if block.attn.calls == 0]
@@ -412,7 +444,8 @@ class HFDecoder(nn.Module):
     def identity(self) -> ModelIdentity:
         if self._identity is not None:
             return self._identity
-        return computed_identity(self, f"hf:{self.architecture.model_type}", self.config.to_dict(), weights=self.hf)
+        return computed_identity(self, f"hf:{self.architecture.model_type}", self.config.to_dict(), weights=self.hf,
+                                 digest=lambda: parameters_digest(self.hf, tensors=_state_items(self.hf)))
 
     @identity.setter
     def identity(self, value: ModelIdentity) -> None:
@@ -422,13 +455,33 @@ class HFDecoder(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.hf.parameters())
 
+    @property
+    def offloaded(self) -> dict[str, str]:
+        """Where accelerate placed each part of a model loaded with ``max_memory`` (``hf_device_map``: module
+        path → "cpu", a GPU index or "disk"); empty for a model wholly in memory."""
+        return {k: str(v) for k, v in (getattr(self.hf, "hf_device_map", None) or {}).items()}
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where token ids go: the device of the embedding, or accelerate's execution device when the embedding
+        is offloaded (its weight is then a ``meta`` placeholder)."""
+        embed = self.hf.get_input_embeddings()
+        weight = embed.weight
+        if weight.device.type != "meta":
+            return weight.device
+        for hook in _accelerate_hooks(embed):
+            if getattr(hook, "execution_device", None) is not None:
+                return torch.device(hook.execution_device)
+        return torch.device("cpu")
+
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         return KVCache(self.config.n_layer, batch_size, storage)
 
     @property
     def w_u(self) -> torch.Tensor:
-        """The unembedding as ``[V, d]``: lm_head's weight."""
-        return self.hf.get_output_embeddings().weight
+        """The unembedding as ``[V, d]``: lm_head's weight (read from the offload folder when accelerate
+        offloaded it)."""
+        return _materialized(self.hf.get_output_embeddings(), "weight")
 
     def unembed_residual(self, x: torch.Tensor) -> torch.Tensor:
         """Logits from a residual stream ``[..., d]``: the final norm, lm_head, and what the model's head does
@@ -450,6 +503,7 @@ class HFDecoder(nn.Module):
                 padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, n, V]`` for token ids ``[B, n]``, as ``GPT.forward`` (positions count real tokens)."""
         check_tokens(self.config, tokens, cache)
+        tokens = tokens.to(self.input_device)
         B, n = tokens.shape
         past = cache.length if cache is not None else 0
         if padding_mask is not None:
@@ -464,9 +518,38 @@ class HFDecoder(nn.Module):
         return logits
 
 
+MaxMemory = int | str | dict[int | str, int | str]  # bytes, "4GiB", or accelerate's {device: amount}
+
+
+def _max_memory(max_memory: MaxMemory) -> dict[int | str, int]:
+    """accelerate's ``{device: bytes}`` from what a person writes: an amount alone is the CPU's share; an
+    amount is bytes (an int, or a string of digits) or a size with its unit ("2GiB", "500MB")."""
+    from accelerate.utils import convert_file_size_to_int
+
+    spec = max_memory if isinstance(max_memory, dict) else {"cpu": max_memory}
+    sizes: dict[int | str, int] = {}
+    for device, amount in spec.items():
+        try:
+            size = int(amount) if isinstance(amount, str) and amount.strip().isdigit() else amount
+            sizes[device] = convert_file_size_to_int(size)
+            if isinstance(size, bool) or sizes[device] <= 0:
+                raise ValueError("not positive")
+        except (ValueError, TypeError, AttributeError):
+            raise HFDecoderError(f"max_memory for {device!r}: {amount!r} is not an amount of memory (bytes, or "
+                                 "a size with its unit such as '2GiB' or '500MB')") from None
+    return sizes
+
+
 def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str = "cpu", name: str | None = None) -> HFDecoder:
+                    device: torch.device | str = "cpu", name: str | None = None,
+                    max_memory: MaxMemory | None = None, offload_folder: str | os.PathLike | None = None) -> HFDecoder:
     """A local ``save_pretrained`` directory of any transformers causal LM, as an ``HFDecoder``.
+
+    ``max_memory`` (bytes, "4GiB", or accelerate's ``{0: "20GiB", "cpu": "30GiB"}``) loads a model larger than
+    the memory it is given: accelerate places each layer on a GPU, in CPU memory or on disk within those
+    amounts (``device_map="auto"``) and moves its weights in for its forward only. Disk-offloaded weights go
+    to ``offload_folder`` — by default a private temporary directory deleted with the model. The logits and
+    every record are the same as with every weight in memory; each forward reads the offloaded weights again.
 
     Never downloads (``local_files_only``), never runs code from the directory (``trust_remote_code`` off)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -481,18 +564,38 @@ def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None 
     model_type = getattr(hf_config, "model_type", "?")
     if model_type in REFUSED:
         raise HFDecoderError(f"{directory}: model_type {model_type!r} is {REFUSED[model_type]}")
+    placement: dict[str, Any] = {}
+    folder = None
+    if max_memory is not None:
+        if torch.device(device).type != "cpu":
+            raise HFDecoderError("with max_memory, accelerate places the model: name the GPUs in it "
+                                 "({0: '20GiB', 'cpu': '30GiB'}) instead of passing device")
+        if offload_folder is None:
+            folder = tempfile.mkdtemp(prefix="gpt-shape-tracer-offload-")  # 0700: only this user reads it
+        placement = {"device_map": "auto", "max_memory": _max_memory(max_memory),
+                     "offload_folder": str(offload_folder or folder)}
     _register()
     try:
         hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
-                                                  dtype=target, attn_implementation=ATTENTION)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+                                                  dtype=target, attn_implementation=ATTENTION, **placement)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
         raise HFDecoderError(f"{directory}: transformers cannot load it as a causal LM "
                              f"({type(e).__name__}: {str(e)[:500]})") from None
-    # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), whose typeshed type keeps the
-    # unbound method's self: mypy reads every call as one argument short
-    hf = hf.to(device)  # type: ignore[arg-type]
-    digest = _files_digest(directory)
-    model = HFDecoder(hf)
+    if not placement:
+        # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), whose typeshed type keeps
+        # the unbound method's self: mypy reads every call as one argument short
+        hf = hf.to(device)  # type: ignore[arg-type]
+    try:
+        digest = _files_digest(directory)
+        model = HFDecoder(hf)
+    except BaseException:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if folder is not None:
+        weakref.finalize(model, shutil.rmtree, folder, True)
     model.identity = ModelIdentity(name=name or directory.name, source=str(directory),
                                    family=f"hf:{model_type}", config=model.config.to_dict(), weights_digest=digest)
     return model
@@ -533,5 +636,5 @@ def is_hf_decoder_dir(directory: Path) -> bool:
     return isinstance(raw, dict) and isinstance(raw.get("model_type"), str)
 
 
-__all__ = ["ATTENTION", "Architecture", "HFDecoder", "HFDecoderError", "is_hf_decoder_dir", "load_hf_decoder",
-           "traced_attention", "weights_size"]
+__all__ = ["ATTENTION", "Architecture", "HFDecoder", "HFDecoderError", "MaxMemory", "is_hf_decoder_dir",
+           "load_hf_decoder", "traced_attention", "weights_size"]

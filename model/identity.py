@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -36,10 +37,11 @@ class ModelIdentity:
                 f"V = {c.get('vocab_size')}, n_ctx = {c.get('n_ctx')} · {self.weights_digest[:19]}")
 
 
-def parameters_digest(model: nn.Module) -> str:
-    """sha256 over every parameter and buffer, in state-dict order (for models built in code)."""
+def parameters_digest(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
+    """sha256 over every parameter and buffer, in state-dict order (for models built in code); ``tensors``
+    gives them instead of ``model.state_dict()`` (an offloaded model's, read back one at a time)."""
     h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict().items() if tensors is None else tensors):
         h.update(name.encode())
         t = tensor.detach().to("cpu").contiguous()
         h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
@@ -67,17 +69,19 @@ def _weights_key(weights: nn.Module, config: dict) -> tuple:
 
 
 def computed_identity(model: nn.Module, family: str, config: dict, weights: nn.Module | None = None, *,
-                      name: str = "unnamed", source: str = "built in code", refresh: bool = False) -> ModelIdentity:
+                      name: str = "unnamed", source: str = "built in code", refresh: bool = False,
+                      digest: Callable[[], str] | None = None) -> ModelIdentity:
     """The identity of a model no loader hashed the files of (by default "unnamed", "built in code"), its
     digest over the tensors of ``weights`` (the model itself by default), computed once per set of weights,
-    not per call: a Tracer asks on every entry."""
+    not per call: a Tracer asks on every entry. ``digest`` computes it where the tensors are not all in
+    memory (``parameters_digest(weights)`` otherwise)."""
     weights = model if weights is None else weights
     key = (name, source, *_weights_key(weights, config))
     cached = _COMPUTED.get(model)
     if cached is not None and cached[0] == key and not refresh:
         return cached[1]
     identity = ModelIdentity(name=name, source=source, family=family, config=config,
-                             weights_digest=parameters_digest(weights))
+                             weights_digest=digest() if digest is not None else parameters_digest(weights))
     _COMPUTED[model] = (key, identity)
     return identity
 

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 from model._json import read_json_object
 from model.gpt import GPT, GPTConfig, RopeScaling
-from model.hf_decoder import HFDecoder, HFDecoderError, load_hf_decoder
+from model.hf_decoder import HFDecoder, HFDecoderError, MaxMemory, load_hf_decoder
 from model.identity import ModelIdentity
 from model.tokenizer import TextTokenizer, TokenizerConfigError
 
@@ -774,6 +774,8 @@ def load_hf(
     device: torch.device | str = "cpu",
     name: str | None = None,
     implementation: str = "auto",
+    max_memory: MaxMemory | None = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
     """Load a local ``save_pretrained`` directory of a decoder-only causal LM.
 
@@ -781,6 +783,11 @@ def load_hf(
     "transformers" has transformers run it, seen through our hook points (any family whose attention
     goes through transformers' attention interface: model/hf_decoder.py); "auto" (the default) is
     "ours" for the four families and "transformers" for every other ``model_type``.
+
+    ``max_memory`` (bytes, "4GiB", or ``{0: "20GiB", "cpu": "30GiB"}``) runs a model larger than the memory
+    it is given: transformers runs it, and accelerate keeps what does not fit on disk (in ``offload_folder``,
+    by default a private temporary directory) and reads it in for each layer's forward
+    (``load_hf_decoder``). Our implementation holds every weight, so ``implementation="ours"`` refuses it.
 
     Returns the model (eval mode, no gradients, ``dtype`` — float32 unless asked for
     bfloat16/float16 —, on ``device``) carrying ``model.identity``, and its tokenizer,
@@ -793,11 +800,15 @@ def load_hf(
     directory = _check_dir(path)
     raw_config = _read_json(directory / "config.json", "a config") if (directory / "config.json").is_file() else {}
     model_type = raw_config.get("model_type") if isinstance(raw_config, dict) else None
-    if implementation == "transformers" or (implementation == "auto" and isinstance(model_type, str)
-                                            and model_type not in SUPPORTED_MODEL_TYPES
-                                            and known_to_transformers(model_type)):
+    if max_memory is not None and implementation == "ours":
+        raise ModelLoadError("max_memory offloads weights with accelerate, which needs transformers to run the "
+                             "model: use implementation='transformers' (or 'auto')")
+    if implementation == "transformers" or max_memory is not None or (
+            implementation == "auto" and isinstance(model_type, str) and model_type not in SUPPORTED_MODEL_TYPES
+            and known_to_transformers(model_type)):
         try:
-            generic = load_hf_decoder(directory, dtype=target_dtype, device=target_device, name=name)
+            generic = load_hf_decoder(directory, dtype=target_dtype, device=target_device, name=name,
+                                      max_memory=max_memory, offload_folder=offload_folder)
         except HFDecoderError as e:
             raise ModelLoadError(str(e)) from None
         return generic, _load_tokenizer(directory, generic.config.vocab_size)
@@ -916,20 +927,25 @@ def load_model(
     device: torch.device | str = "cpu",
     name: str | None = None,
     tokenizer: str | os.PathLike | None = None,
+    max_memory: MaxMemory | None = None,
 ) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
     """Load a model however it is named (``model.resolve.resolve_model_path``): a local directory, a Hugging
     Face cache folder (``models--org--name`` or one of its ``snapshots/<hash>``), a repo id ``org/name`` found in
     the local cache (never downloaded), or a nanoGPT ``ckpt.pt`` (the file or its out_dir).
 
     ``tokenizer`` (a path) replaces the one the checkpoint carries; a nanoGPT checkpoint needs one beside it or
-    here. Returns what ``load_hf`` / ``load_nanogpt`` return."""
+    here. ``max_memory`` offloads what does not fit (``load_hf``; not for a nanoGPT checkpoint, which is one
+    pickle-free file read whole). Returns what ``load_hf`` / ``load_nanogpt`` return."""
     from model.nanogpt import is_nanogpt_path, load_nanogpt
     from model.resolve import resolve_model_path
 
     path = resolve_model_path(spec)
     if is_nanogpt_path(path):
+        if max_memory is not None:
+            raise ModelLoadError(f"{path}: a nanoGPT checkpoint is loaded whole; max_memory (offloading with "
+                                 "accelerate) needs a Hugging Face directory")
         return load_nanogpt(path, tokenizer=tokenizer, dtype=dtype, device=device, name=name)
-    model, tok = load_hf(path, dtype=dtype, device=device, name=name)
+    model, tok = load_hf(path, dtype=dtype, device=device, name=name, max_memory=max_memory)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer, model.config.vocab_size)
     return model, tok

@@ -427,3 +427,27 @@ def test_a_failed_step_whose_values_were_not_kept_is_discarded_and_retried(gpt):
             gpt(tokens)
         assert [r.name for r in tr.trace.records] == [r.name for r in clean.trace.records], capture
         assert tr.trace.n_steps == 1 and tr.trace.bytes_kept == 0
+
+
+@pytest.mark.parametrize("capture", ["shapes", "values", "ops"])
+def test_a_finished_trace_goes_with_its_last_reference_not_at_the_next_collection(gpt, capture):
+    """A notebook traces cell after cell: each finished trace (up to the budget of values) must be freed when
+    nothing refers to it, not wait for the cyclic collector (which left several budgets alive at once)."""
+    import gc
+    import weakref
+
+    tokens = torch.randint(0, gpt.config.vocab_size, (1, 6))
+    gc.collect()
+    gc.disable()
+    try:
+        with Tracer(gpt, capture=capture) as tracer:
+            gpt(tokens)
+        kept = tracer.trace.get("blocks.0.attn.hook_pattern")
+        assert (kept is None) == (capture == "shapes")
+        log, value = weakref.ref(tracer.trace.log), weakref.ref(kept if kept is not None else tokens)
+        del tracer, kept
+        assert log() is None
+        if capture != "shapes":
+            assert value() is None  # the kept value went too
+    finally:
+        gc.enable()

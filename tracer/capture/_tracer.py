@@ -230,12 +230,19 @@ class Tracer:
                                                         f"recorded: at most {MAX_TENSORS} per call")
 
     def _flagged(self, method):
+        # through a weak reference: the wrapper is stored on this instance, and a closure over self (or the
+        # bound method) would be a cycle that keeps a finished trace alive until the cyclic collector runs
+        func, me = method.__func__, weakref.ref(self)
+
         def flagged(*args):
-            self.in_hook = True
+            tracer = me()
+            if tracer is None:
+                return None
+            tracer.in_hook = True
             try:
-                return method(*args)
+                return func(tracer, *args)
             finally:
-                self.in_hook = False
+                tracer.in_hook = False
 
         return flagged
 

@@ -20,8 +20,9 @@ nowhere else:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -81,6 +82,18 @@ class RawOp(NamedTuple):
     first_record: int
 
 
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method``, called through a weak reference to its object (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
 class TraceLog:
     """Append-only storage of one trace, with the only methods that write it."""
 
@@ -91,7 +104,10 @@ class TraceLog:
         self._capture = capture
         self._keep_values = capture != "shapes"
         self._copy_all = copy_all
-        self._values = ValueStore(budget_bytes, on_evict=self._evicted, on_release=self._released)
+        # the store calls back through weak references: a bound method would make log → store → log a cycle,
+        # and a finished trace (hundreds of MB of values) would then wait for the cyclic collector instead of
+        # going when its last reference does — a notebook tracing cell after cell piled them up
+        self._values = ValueStore(budget_bytes, on_evict=_weakly(self._evicted), on_release=_weakly(self._released))
         # "keep every value": what the budget evicts goes to disk, up to spill_bytes (tracer/storage/_spill.py)
         self._spill = SpillFile(spill_bytes) if spill_bytes and self._keep_values else None
         self._modules: tuple[ModuleInfo, ...] = ()
