@@ -62,6 +62,8 @@ with torch.no_grad():
                 logits = model(tokens)
                 untraced.append(time.perf_counter() - started)
 torch.save(logits[0, -4:].clone(), {logits_out!r})
+import json
+print("PLACEMENT", json.dumps(model.offloaded))
 print("RESULT", load_s, *untraced, "|", *traced, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       peak_anon, "disk" in model.offloaded.values())
 """
@@ -77,10 +79,12 @@ def measure(directory, max_memory, tokens: int, repeats: int, logits_out: str) -
     untraced = [float(x) for x in line[1:bar]]
     traced = [float(x) for x in line[bar + 1:bar + 1 + repeats]]
     peak, anon, on_disk = int(line[-3]), int(line[-2]), line[-1] == "True"
+    placement = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("PLACEMENT"))[len("PLACEMENT "):])
     return {"load_seconds": load_s, "untraced_seconds": median(untraced), "traced_seconds": median(traced),
             "traced_over_untraced": median(traced) / median(untraced), "peak_rss_gib": peak / 2**30,
-            "peak_anon_gib": anon / 2**30, "some_weights_on_disk": on_disk, "untraced_runs": untraced,
-            "traced_runs": traced}
+            "peak_anon_gib": anon / 2**30, "some_weights_on_disk": on_disk, "placement": placement,
+            "layers_on_disk": sum(1 for k, v in placement.items() if ".layers." in k and v == "disk"),
+            "untraced_runs": untraced, "traced_runs": traced}
 
 
 def main() -> None:

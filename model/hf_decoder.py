@@ -31,11 +31,14 @@ layers, encoder-decoders.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -394,6 +397,7 @@ class HFDecoder(nn.Module):
                 self._handles.append(mlp_norm.register_forward_pre_hook(
                     lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:])))
         self._identity = identity
+        self._pending_identity: tuple[concurrent.futures.Future[str], dict[str, Any]] | None = None
         self._check_routing(block_hooks)
         self.config = self._config(cfg, block_hooks[0].attn)
 
@@ -442,6 +446,14 @@ class HFDecoder(nn.Module):
     # -- what our GPT offers too ----------------------------------------------------------------------
     @property
     def identity(self) -> ModelIdentity:
+        if self._identity is None and self._pending_identity is not None:
+            digest, fields = self._pending_identity
+            try:
+                self._identity = ModelIdentity(**fields, weights_digest=digest.result())
+            except OSError as e:
+                raise HFDecoderError(f"{fields['source']}: its files could not be read for the model's identity "
+                                     f"({e}); were they moved or changed after loading?") from None
+            self._pending_identity = None
         if self._identity is not None:
             return self._identity
         return computed_identity(self, f"hf:{self.architecture.model_type}", self.config.to_dict(), weights=self.hf,
@@ -449,7 +461,15 @@ class HFDecoder(nn.Module):
 
     @identity.setter
     def identity(self, value: ModelIdentity) -> None:
-        self._identity = value
+        self._identity, self._pending_identity = value, None
+
+    def identity_when_hashed(self, digest: concurrent.futures.Future[str], *, name: str, source: str,
+                             family: str) -> None:
+        """The identity of a model whose files are still being hashed (``load_hf_decoder``): the load returns
+        before the hash is done, and the first reader of ``identity`` — the first traced step — waits for it."""
+        self._identity = None
+        self._pending_identity = (digest, {"name": name, "source": source, "family": family,
+                                           "config": self.config.to_dict()})
 
     @property
     def num_parameters(self) -> int:
@@ -552,9 +572,28 @@ def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None 
     every record are the same as with every weight in memory; each forward reads the offloaded weights again.
 
     Never downloads (``local_files_only``), never runs code from the directory (``trust_remote_code`` off)."""
+    directory = Path(path)
+    # the identity's hash of every file runs on a second thread while transformers is imported and loads
+    # (reading and hashing release the GIL), and goes on after the load returns: the first traced step waits
+    # for what is left of it, if anything (bench_big_load.py)
+    abandon = threading.Event()
+    hashing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-digest")
+    digest_future = hashing.submit(_files_digest, directory, abandon)
+    hashing.shutdown(wait=False)
+    try:
+        model = _load_hf_decoder(directory, digest_future, dtype, device, name, max_memory, offload_folder)
+    except BaseException:
+        abandon.set()  # a refused or failed load leaves no thread reading a large directory for nothing
+        raise
+    weakref.finalize(model, abandon.set)  # nor does a model dropped before its hash is done
+    return model
+
+
+def _load_hf_decoder(directory: Path, digest_future: concurrent.futures.Future[str], dtype: torch.dtype | str | None,
+                     device: torch.device | str, name: str | None, max_memory: MaxMemory | None,
+                     offload_folder: str | os.PathLike | None) -> HFDecoder:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    directory = Path(path)
     dtypes = {None: torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     target = dtypes.get(dtype, dtype) if not isinstance(dtype, torch.dtype) else dtype
     try:
@@ -588,7 +627,6 @@ def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None 
         # the unbound method's self: mypy reads every call as one argument short
         hf = hf.to(device)  # type: ignore[arg-type]
     try:
-        digest = _files_digest(directory)
         model = HFDecoder(hf)
     except BaseException:
         if folder is not None:
@@ -596,8 +634,8 @@ def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None 
         raise
     if folder is not None:
         weakref.finalize(model, shutil.rmtree, folder, True)
-    model.identity = ModelIdentity(name=name or directory.name, source=str(directory),
-                                   family=f"hf:{model_type}", config=model.config.to_dict(), weights_digest=digest)
+    model.identity_when_hashed(digest_future, name=name or directory.name, source=str(directory),
+                               family=f"hf:{model_type}")
     return model
 
 
@@ -615,15 +653,32 @@ def weights_size(directory: str | os.PathLike, dtype: torch.dtype | str = "float
     return count, count * itemsize
 
 
-def _files_digest(directory: Path) -> str:
+class _Abandoned(Exception):
+    """The load the digest was for failed: nothing more to read."""
+
+
+def _files_digest(directory: Path, abandon: threading.Event | None = None) -> str:
     """sha256 over the config and every weight file's bytes, in name order: two directories with the same
-    weights agree, a changed weight anywhere changes it."""
+    weights agree, a changed weight anywhere changes it. Read through one 16 MiB buffer (a memory map would
+    count the file's pages in the process's resident memory a second time), the GIL released while it reads
+    and hashes, so ``load_hf_decoder`` runs it beside transformers' loading; it stops at the next buffer once
+    ``abandon`` is set."""
+    if abandon is not None:  # hashing beside a load: the load's own threads come first where cores are few
+        with contextlib.suppress(AttributeError, OSError):  # Linux: a thread's own nice value
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     h = hashlib.sha256()
+    buffer = bytearray(1 << 24)
+    view = memoryview(buffer)
     for file in sorted(directory.iterdir()):
         if file.name == "config.json" or file.suffix in (".safetensors", ".bin"):
             h.update(file.name.encode())
-            with file.open("rb") as f:
-                h.update(hashlib.file_digest(f, "sha256").digest())
+            one = hashlib.sha256()
+            with file.open("rb", buffering=0) as f:
+                while n := f.readinto(buffer):
+                    if abandon is not None and abandon.is_set():
+                        raise _Abandoned
+                    one.update(view[:n])
+            h.update(one.digest())
     return "sha256:" + h.hexdigest()
 
 

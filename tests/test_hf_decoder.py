@@ -246,3 +246,25 @@ def test_a_forward_that_fails_leaves_the_cache_as_it_was(directories):
     with torch.no_grad():
         want = reference(directories["qwen3"])(torch.cat([ids, ids[:, -1:]], dim=1)).logits[0, -1]
     assert (again - want).abs().max() <= 1e-4
+
+
+def test_the_identity_of_a_loaded_directory_is_the_hash_of_its_files(directories, tmp_path):
+    """load_hf hashes the files on a second thread while transformers loads: the digest is still sha256 over
+    each file's name and sha256, in name order (the format every saved trace carries), and it changes with one
+    byte of one weight."""
+    import hashlib
+    import shutil
+
+    source = directories["qwen3"]
+    model, _ = load_hf(source, implementation="transformers")
+    h = hashlib.sha256()
+    for file in sorted(source.iterdir()):
+        if file.name == "config.json" or file.suffix == ".safetensors":
+            h.update(file.name.encode() + hashlib.sha256(file.read_bytes()).digest())
+    assert model.identity.weights_digest == "sha256:" + h.hexdigest()
+    changed = shutil.copytree(source, tmp_path / "changed")
+    weights = changed / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1  # the last byte of the last tensor
+    weights.write_bytes(bytes(raw))
+    assert load_hf(changed, implementation="transformers")[0].identity.weights_digest != model.identity.weights_digest
