@@ -21,7 +21,7 @@ from figures.common import (
     score_scale,
     shape_text,
 )
-from figures.heatmap import Grid, add, grid, pool, style_axes
+from figures.heatmap import Grid, add, grid, pool, short_number, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
 from model.hook_table import act_name
@@ -140,6 +140,9 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     lo = min((float(v.min()) for v in score_values if v.numel()), default=0.0)
     hi = max((float(v.max()) for v in score_values if v.numel()), default=1.0)
     pooled_note = ""
+    # four or five panels in one row: a cell is a quarter of a single heatmap's, so at most 8 (6) columns
+    # carry numbers, short ones ("-22.9", "0.89"), which fit a cell at 1280 px
+    numbers = {"numbers_up_to": 32 // len(stages), "number": short_number}
     for i, stage in enumerate(stages, start=1):
         if stage.matrix is None:
             fig.add_annotation(text="values not kept", showarrow=False, row=1, col=i, x=0.5, y=0.5,
@@ -151,14 +154,14 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain[1]
         bar = {"x": right + 0.003, "len": 0.9, "thickness": 8, "nticks": 5, "tickfont": {"size": 9}, "xpad": 0}
         if stage.hook == "pattern":
-            add(fig, g, "amount", row=1, col=i, colorbar="A", bar=bar)
+            add(fig, g, "amount", row=1, col=i, colorbar="A", bar=bar, **numbers)
         elif shared_scale:
             top = max(abs(lo), abs(hi))
             last = len(stages) - 1  # the last score stage (+ M) carries the shared colour bar
             add(fig, g, "signed", row=1, col=i, zmin=-top, zmax=top, colorbar="score" if i == last else "",
-                showscale=i == last, bar=bar)
+                showscale=i == last, bar=bar, **numbers)
         else:
-            add(fig, g, "signed", row=1, col=i, colorbar="score", bar=bar)
+            add(fig, g, "signed", row=1, col=i, colorbar="score", bar=bar, **numbers)
         style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
     height = max(380, min(760, 220 + 16 * min(len(ys), 36)))  # room for the colour bars even with one row
     note = "pooled digest of evicted values" if any(s.pooled_only for s in stages) else pooled_note
@@ -260,6 +263,9 @@ def attention_history_figure(trace: Trace, layer: int, head: int, upto_step: int
 
 
 # -- every head ------------------------------------------------------------------------------------
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
 @dataclass(frozen=True)
 class HeadsGrid:
     figure: go.Figure
@@ -267,11 +273,15 @@ class HeadsGrid:
     cells: tuple[int, int]  # rows and columns one head is drawn with
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        """A notebook shows the grid's figure, not the wrapper: plotly's own JSON mime type, which JupyterLab,
+        """A notebook shows the grid's figure, not the wrapper, as it shows any plotly figure: the figure's own
+        bundle, so it follows plotly's renderer setting (the inlined page of ``pio.renderers.default =
+        "notebook"`` is what an HTML export keeps), and always plotly's JSON mime type, which JupyterLab,
         Notebook 7 and VS Code draw (offline: their plotly.js ships with them)."""
-        return {"application/vnd.plotly.v1+json": {**self.figure.to_plotly_json(), "config": {}},
-                "text/plain": f"HeadsGrid({self.cells[0]} × {self.cells[1]} cells per head"
-                              + (f"; {self.note})" if self.note else ")")}
+        bundle = dict(self.figure._repr_mimebundle_(include, exclude) or {})
+        bundle.setdefault(PLOTLY_MIME, {**self.figure.to_plotly_json(), "config": {}})  # with no renderer set
+        bundle["text/plain"] = (f"HeadsGrid({self.cells[0]} × {self.cells[1]} cells per head"
+                                + (f"; {self.note})" if self.note else ")"))
+        return bundle
 
 
 @fitted

@@ -247,7 +247,11 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
     fig.update_yaxes(title_text="KiB", rangemode="tozero", showgrid=False, row=1, col=1, secondary_y=True)
     fig.update_yaxes(title_text="query rows", rangemode="tozero", row=2, col=1)
     dtick = 1 if len(table) <= 30 else None
+    # the steps there are, and no more: plotly's padding around the bars would otherwise tick a step −1 and
+    # one after the last
     fig.update_xaxes(dtick=dtick, showticklabels=True)
+    if len(table):
+        fig.update_xaxes(range=[float(table["step"].min()) - 0.5, float(table["step"].max()) + 0.5])
     fig.update_xaxes(title_text="step", row=rows, col=1)
     fig.update_annotations(font_size=13, xanchor="left", x=0)
     fig.update_layout(barmode="group", height=260 * rows + 60, margin={"t": 90, "l": 10, "r": 10, "b": 10},

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,12 +91,24 @@ def grid(matrix: torch.Tensor, x_labels: list[str] | None, y_labels: list[str] |
                 (-(-rows // r), -(-cols // c)), (rows, cols))
 
 
+def short_number(v: float) -> str:
+    """At most 5 characters below 10 000 ("-22.9", "-8.15", "0.89", "123"): two decimals under 10, one under
+    100, none above — what a narrow cell holds."""
+    if math.isinf(v):
+        return "−∞" if v < 0 else "∞"
+    a = abs(v)
+    return f"{v:.2f}" if a < 10 else f"{v:.1f}" if a < 100 else f"{v:.0f}"
+
+
 def heatmap(g: Grid, kind: str = "signed", zmin: float | None = None, zmax: float | None = None,
             colorbar: str = "", coloraxis: str | None = None, showscale: bool = True,
-            bar: dict | None = None) -> go.Heatmap:
-    """A plotly heatmap of ``g``. ``kind``: "amount" (0 … 1) or "signed" (centred on 0)."""
-    small = len(g.z) <= NUMBERS_UP_TO and len(g.x) <= NUMBERS_UP_TO
-    text = [[("" if math.isnan(v) else f"{v:.3f}") for v in row] for row in g.z.tolist()] if small else None
+            bar: dict | None = None, numbers_up_to: int = NUMBERS_UP_TO,
+            number: Callable[[float], str] = "{:.3f}".format) -> go.Heatmap:
+    """A plotly heatmap of ``g``. ``kind``: "amount" (0 … 1) or "signed" (centred on 0). Its numbers are
+    written (by ``number``) when it has at most ``numbers_up_to`` rows and columns: a figure of several
+    panels side by side has narrower cells, so it asks for fewer and shorter numbers (``short_number``)."""
+    small = len(g.z) <= numbers_up_to and len(g.x) <= numbers_up_to
+    text = [[("" if math.isnan(v) else number(v)) for v in row] for row in g.z.tolist()] if small else None
     amount = kind == "amount"
     trace = go.Heatmap(
         z=g.z, x=g.x, y=g.y, text=text, texttemplate="%{text}" if small else None, textfont={"size": 11},

@@ -463,6 +463,7 @@ def test_a_real_comparison_counts_what_each_path_computes(bundled):
     assert list(with_cache.y) == [n0, 1, 1] and list(without.y) == [n0, n0 + 1, n0 + 2]
     assert list(cached_macs.x) == [0, 1] and list(cached_macs.y) == [c0.cached.macs, c1.cached.macs]
     assert list(full_macs.y) == [c0.full.macs, c1.full.macs] and cached_macs.yaxis == "y4"
+    assert all(tuple(fig.layout[a].range) == (-0.5, 2.5) for a in ("xaxis", "xaxis2", "xaxis3"))  # no step −1
     fresh = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)
     fresh.step()
     assert len(cache.cache_steps_figure(fresh.trace).data) == 4  # nothing compared: no multiply-adds panel
@@ -829,6 +830,18 @@ def test_a_notebook_shows_traces_generations_and_the_heads_grid(batch_gen):
     grid = attention.all_heads_figure(batch_gen.trace, 0)
     bundle = grid._repr_mimebundle_()
     assert bundle["application/vnd.plotly.v1+json"]["data"] == grid.figure.to_plotly_json()["data"]
+    assert bundle["text/plain"].startswith("HeadsGrid(")
+    import plotly.io as pio
+
+    default = pio.renderers.default
+    try:  # the renderer a person chose is followed, as for any figure: "notebook" writes the plot into the page
+        pio.renderers.default = "notebook"
+        bundle = grid._repr_mimebundle_()
+        own = grid.figure._repr_mimebundle_()
+    finally:
+        pio.renderers.default = default
+    assert "plotly-graph-div" in bundle["text/html"]
+    assert set(bundle) == {*own, "application/vnd.plotly.v1+json", "text/plain"}
 
 
 def test_the_attention_views_draw_a_plain_tracers_trace_and_the_others_say_what_they_need(bundled):
@@ -856,3 +869,24 @@ def test_the_attention_views_draw_a_plain_tracers_trace_and_the_others_say_what_
                  lambda: attention.attention_history_figure(trace, 1, 2, 0)):
         with pytest.raises(ValueError, match="this view shows a generation .* made by a plain Tracer"):
             view()
+
+
+def test_the_stages_write_short_numbers_only_where_four_panels_leave_room(bundled):
+    """Four panels side by side: a prompt of up to 8 tokens has its numbers written short (each fits a cell at
+    1280 px), a longer one none; a single heatmap keeps 3 decimals up to 12."""
+    from tracer import Tracer
+
+    model, tok = bundled
+    for n, written in ((8, True), (9, False)):
+        ids = torch.arange(1, n + 1)[None]
+        with Tracer(model, capture="values") as tr:
+            model(ids)
+        fig = attention.attention_stages_figure(tr.trace, 0, 1, 0)
+        maps = [d for d in fig.data if d.type == "heatmap" and d.text is not None]
+        assert len(maps) == (4 if written else 0), n
+        if written:
+            pattern = tr.trace.get("blocks.1.attn.hook_pattern", 0)[0, 0]
+            assert list(maps[-1].text[n - 1]) == [f"{float(v):.2f}" for v in pattern[n - 1]]
+            assert max(len(t) for m in maps for row in m.text for t in row) <= 5
+    assert [heatmap.short_number(v) for v in (-22.86, -8.147, 0.8871, 123.4, 0.0)] == ["-22.9", "-8.15", "0.89",
+                                                                                          "123", "0.00"]

@@ -41,3 +41,7 @@ def test_the_notebook_runs_and_every_view_displays():
     heatmaps = [t for t in stages["data"] if t["type"] == "heatmap"]
     assert len(heatmaps) >= 4
     assert "max_abs_delta" in data("diff[diff.max_abs_delta > 0].head()")["text/html"]
+    grid = data("attention.all_heads_figure(trace, step=0, scores=scores)  # layers × heads, a clear role written "
+                "on its head")[PLOTLY]
+    written = " ".join(a.get("text", "") for a in grid["layout"].get("annotations", []))
+    assert "prev" in written and "induction" in written, written[:300]  # the cell's comment is true
