@@ -47,6 +47,7 @@ from tracer import (
 
 MAX_BUDGET_MB = 8192
 MAX_SPILL_MB = 65536  # "keep every value on disk": at most 64 GiB of one session's temporary file
+MAX_WEIGHTS_GIB = 4096.0  # "memory for the weights": any amount a machine has
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She had a red ball."
 DEFAULT_RUN_N = 8  # the sidebar's "N for Run N"
 AUTO_RECOMPUTE_PARAMS = 20_000_000  # below this, every step is checked against a full recompute (one timing)
@@ -225,8 +226,9 @@ FACTORY = "factory"  # the "dtype" slot of a model key that names your own modul
 
 def parse_model_key(key: str) -> tuple[str, str | None]:
     """A model key as (bundled model's name, None) for ``bundled:<name>``, (spec, "factory") for
-    ``factory:<package.module:function>``, or (path, dtype) for ``dir:<dtype>:<path>`` (the path last: it may
-    hold colons)."""
+    ``factory:<package.module:function>``, or (path, how) for ``dir:<how>:<path>`` (the path last: it may
+    hold colons), where ``how`` is the dtype, and ``@<GiB>`` after it when the weights may take only that
+    much memory (``directory_load``)."""
     if key.startswith("bundled:"):
         return key.split(":", 1)[1], None
     if key.startswith("factory:"):
@@ -235,8 +237,25 @@ def parse_model_key(key: str) -> tuple[str, str | None]:
     return path, dtype
 
 
-def directory_key(path: str, dtype: str) -> str:
-    return f"dir:{dtype}:{path}"
+def load_how(dtype: str, memory_gib: float = 0) -> str:
+    """How a directory is loaded, as its key says: in ``dtype``, its weights given ``memory_gib`` GiB of memory
+    (0: all of it)."""
+    return f"{dtype}@{memory_gib:g}" if memory_gib else dtype
+
+
+def directory_key(path: str, dtype: str, memory_gib: float = 0) -> str:
+    return f"dir:{load_how(dtype, memory_gib)}:{path}"
+
+
+def directory_load(how: str) -> tuple[str, str | None]:
+    """A directory key's ``how`` as (dtype, ``max_memory`` for ``load_model``: None for all in memory)."""
+    dtype, _, gib = how.partition("@")
+    return dtype, f"{gib}GiB" if gib else None
+
+
+def describe_load(how: str) -> str:
+    dtype, memory = directory_load(how)
+    return dtype if memory is None else f"{dtype}, weights beyond {memory[:-3]} GiB on disk"
 
 
 def factory_key(spec: str) -> str:
@@ -248,7 +267,7 @@ def describe_model_key(key: str) -> str:
     where, dtype = parse_model_key(key)
     if dtype is None:
         return f"the bundled {where}"
-    return f"your module {where}" if dtype == FACTORY else f"the directory {where} ({dtype})"
+    return f"your module {where}" if dtype == FACTORY else f"the directory {where} ({describe_load(dtype)})"
 
 
 def checkpoint_path(raw: str) -> str:
@@ -269,8 +288,11 @@ def describe_model(model) -> str:
     c = model.config
     kv = f" sharing {c.n_kv_heads} key/value heads" if c.n_kv_heads != c.n_head else ""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    placed = getattr(model, "offloaded", None) or {}
+    on_disk = sum(1 for where in placed.values() if where == "disk")
+    offload = f"; {on_disk} of its {len(placed)} parts on disk, read at every forward" if on_disk else ""
     return (f"{c.n_layer} layers × {c.n_head} heads{kv}, d = {c.d_model}, d_head = {c.d_head}, V = {c.vocab_size}, "
-            f"n_ctx = {c.n_ctx} — {model.num_parameters / 1e6:.1f}M parameters, {dtype}")
+            f"n_ctx = {c.n_ctx} — {model.num_parameters / 1e6:.1f}M parameters, {dtype}{offload}")
 
 
 def adopt_model(trace: Trace, model):

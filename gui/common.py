@@ -30,6 +30,7 @@ from session import (
     adopt_model,
     describe_model,
     describe_model_key,
+    directory_load,
     parse_model_key,
 )
 from tracer import Finite, Trace, TraceFileError, load_trace
@@ -144,8 +145,10 @@ def bundled_model(name: str):
 
 
 @st.cache_resource(show_spinner="Loading the model from the local directory…", max_entries=2)
-def directory_model(path: str, dtype: str):
-    return load_model(path, dtype=dtype)
+def directory_model(path: str, how: str):
+    """The directory's model loaded as a key's ``how`` says: its dtype, and the memory its weights may take."""
+    dtype, max_memory = directory_load(how)
+    return load_model(path, dtype=dtype, max_memory=max_memory)
 
 
 @st.cache_resource(show_spinner="Running your factory…", max_entries=2)

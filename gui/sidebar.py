@@ -16,6 +16,7 @@ from session import (
     FACTORY,
     MAX_BUDGET_MB,
     MAX_SPILL_MB,
+    MAX_WEIGHTS_GIB,
     Settings,
     SettingsError,
     checkpoint_path,
@@ -23,6 +24,7 @@ from session import (
     describe_model_key,
     directory_key,
     factory_key,
+    load_how,
     parse_model_key,
     parse_run_steps,
     run_steps,
@@ -69,11 +71,17 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
         dtype = sb.selectbox("Compute dtype", ["float32", "bfloat16"], key="model_dtype",
                              help="float32 by default; bfloat16 halves the memory of a bf16 checkpoint (tolerances "
                                   "in the cache comparison follow the dtype)")
-        size = weights_size_of(path, dtype)
+        memory = sb.number_input(
+            "Memory for the weights (GiB, 0 = all in memory)", value=0.0, min_value=0.0, max_value=MAX_WEIGHTS_GIB,
+            step=0.5, key="model_memory_gib",
+            help="For a model larger than this machine's memory: transformers runs it and Hugging Face "
+                 "accelerate keeps the layers beyond this amount on disk, reading them in, memory-mapped from "
+                 "the directory's own files, for each forward — slower, with the same logits and records")
+        size = weights_size_of(path, dtype, memory)
         if size:
             sb.caption(size)
         if sb.button("Load", key="load_model"):
-            load_directory(path, dtype)
+            load_directory(path, dtype, memory)
     elif chosen == "factory":
         spec = sb.text_input("Factory", key="model_factory", placeholder="my_package.my_model:make",
                              help="A function returning the model, or (model, tokenizer or a tokenizer.json path). "
@@ -134,8 +142,9 @@ def bundled_available() -> list[str]:
     return [name for name in BUNDLED_MODELS if (ASSETS / name / "config.json").is_file()]
 
 
-def weights_size_of(path: str, dtype: str) -> str:
-    """What loading will hold, read from the safetensors headers before anything is loaded ("" when unknown)."""
+def weights_size_of(path: str, dtype: str, memory_gib: float = 0) -> str:
+    """What loading will hold, read from the safetensors headers before anything is loaded ("" when unknown),
+    and the part of it that stays on disk when its weights are given ``memory_gib``."""
     try:
         directory = resolve_model_path(checkpoint_path(path))
         count, nbytes = weights_size(directory, dtype) if directory.is_dir() else (0, 0)
@@ -144,7 +153,11 @@ def weights_size_of(path: str, dtype: str) -> str:
     if not count:
         return ""
     size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-    return f"Loading holds {count / 1e6:,.1f}M parameters: {size} in {dtype}."
+    held = f"Loading holds {count / 1e6:,.1f}M parameters: {size} in {dtype}."
+    if memory_gib and nbytes > memory_gib * 2**30:
+        return (f"{count / 1e6:,.1f}M parameters: {size} in {dtype}, of which at most {memory_gib:g} GiB is held "
+                "in memory; the rest stays on disk and is read at every forward.")
+    return held
 
 
 def load_own_module(spec: str) -> None:
@@ -162,7 +175,7 @@ def load_own_module(spec: str) -> None:
     choose_model(factory_key(spec.strip()), f"Loaded {plain(spec)}: {describe_model(model)}.")
 
 
-def load_directory(path: str, dtype: str) -> None:
+def load_directory(path: str, dtype: str, memory_gib: float = 0) -> None:
     app = state()
     try:
         resolved = checkpoint_path(path)
@@ -170,7 +183,7 @@ def load_directory(path: str, dtype: str) -> None:
         app.notices = [("error", str(e))]
         return
     try:
-        model, tok = directory_model(resolved, dtype)
+        model, tok = directory_model(resolved, load_how(dtype, memory_gib))
     except ModelLoadError as e:
         app.notices = [("error", f"Could not load that model, the previous one stays loaded: {plain(e)}")]
         return
@@ -181,7 +194,7 @@ def load_directory(path: str, dtype: str) -> None:
         app.notices = [("error", f"{plain(resolved)} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); "
                                  "the previous model stays loaded.")]
         return
-    choose_model(directory_key(resolved, dtype), f"Loaded {plain(resolved)}: {describe_model(model)}.")
+    choose_model(directory_key(resolved, dtype, memory_gib), f"Loaded {plain(resolved)}: {describe_model(model)}.")
 
 
 def choose_model(key: str, loaded: str) -> None:

@@ -50,3 +50,39 @@ def test_every_tab_renders_for(app, model_type):
     assert any(f"{model_type} (hf:{model_type})" in unescape(c.value) for c in at.caption)  # the model it runs
     gen = at.session_state["app"].generation
     assert gen.n_steps == 2 and gen.model.identity.family == f"hf:{model_type}"
+
+
+def test_a_directory_given_less_memory_than_its_weights_runs_with_them_on_disk(app):
+    """"Memory for the weights" below the model's size: the caption says how much stays on disk before Load, the
+    load message says what went there, every tab renders, and the steps are the in-memory model's exactly."""
+    import torch
+
+    from model import load_hf
+    from model.hf_decoder import weights_size
+    from tracer import TracedGeneration
+
+    directory = build("llama", Path(tempfile.mkdtemp(prefix="app-offload-")) / "llama", BUNDLED_DIR / "tokenizer.json")
+    gib = weights_size(directory)[1] / 3 / 2**30
+    at = app
+    show_tab(at, "Shapes")
+    at.sidebar.radio(key="source").set_value("Local Hugging Face directory")
+    run(at)
+    at.sidebar.text_input(key="model_dir").set_value(str(directory))
+    at.sidebar.number_input(key="model_memory_gib").set_value(gib)
+    run(at)
+    assert any("the rest stays on disk and is read at every forward" in c.value for c in at.sidebar.caption)
+    press(at, "load_model")
+    assert any("parts on disk, read at every forward" in s.value for s in at.success), [s.value for s in at.success]
+    press(at, "reset_button")
+    press(at, "step_button")
+    press(at, "step_button")
+    for tab in TABS:
+        show_tab(at, tab)
+        assert not at.error, (tab, [e.value for e in at.error])
+    gen = at.session_state["app"].generation
+    assert "disk" in gen.model.offloaded.values()
+    in_memory, tok = load_hf(directory, implementation="transformers")
+    ref = TracedGeneration(in_memory, tok, list(gen.info.prompts), temperature=0)
+    ref.run(2)
+    for step in range(2):
+        assert torch.equal(gen.trace.get("hook_logits", step), ref.trace.get("hook_logits", step))

@@ -159,6 +159,11 @@ def test_model_keys_and_directories():
     assert session.parse_model_key("bundled:story-llama") == ("story-llama", None)
     key = session.directory_key("/tmp/a:b", "bfloat16")
     assert session.parse_model_key(key) == ("/tmp/a:b", "bfloat16")
+    assert session.directory_load("bfloat16") == ("bfloat16", None)
+    offloaded = session.directory_key("/tmp/a:b", "float32", 1.5)
+    where, how = session.parse_model_key(offloaded)
+    assert where == "/tmp/a:b" and session.directory_load(how) == ("float32", "1.5GiB")
+    assert session.describe_model_key(offloaded) == "the directory /tmp/a:b (float32, weights beyond 1.5 GiB on disk)"
     for raw, message in (("  ", "Type the directory"), ("/a\x00b", "NUL character")):
         with pytest.raises(SettingsError, match=message):
             session.checkpoint_path(raw)
