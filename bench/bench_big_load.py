@@ -3,7 +3,8 @@
 A TinyLlama-1.1B-shaped directory (22 layers, d = 2048, 32 query heads sharing 4 key/value heads,
 d_ff = 5632, V = 32000; random weights written by transformers, float32, 4.1 GiB; built once in the temp
 directory, nothing downloaded). Each load runs in a fresh process, ours and transformers' alternated:
-``model.load_hf`` (checks every header, hashes every byte for the model's identity, builds our GPT) against
+``model.load_hf`` (checks every header, hashes every byte for the model's identity on a second thread, builds
+our GPT) against
 ``AutoModelForCausalLM.from_pretrained`` — which maps the file and reads a weight only when it is first used,
 so it is also timed with every weight read once. Reported: seconds and the process's peak resident memory
 (ru_maxrss) over the weights' bytes (targets: time ≤ 1.2× from_pretrained's, peak ≤ 1.15× the weights).

@@ -2,7 +2,7 @@
 ``python bench/bench_built_in_python.py [--repeats 7]``.
 
 A notebook user writes ``with Tracer(model) as tr: model(tokens)`` in every cell. A model loaded from a
-directory carries its identity (the files' hash, taken while reading them); a model built in Python has none,
+directory carries its identity (the files' hash, taken beside the load); a model built in Python has none,
 so its weights digest is computed from its tensors — once per set of weights (model/identity.py), not on every
 ``Tracer``. GPT-2-small shape (124M, random weights), a 128-token prefill, untraced and under a fresh Tracer at
 shapes and values, interleaved; ratios against the untraced forward of the same model in the same run.

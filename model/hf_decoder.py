@@ -31,14 +31,10 @@ layers, encoder-decoders.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +45,7 @@ from torch import nn
 
 from model.cache import KVCache, transaction
 from model.gpt import GPTConfig, HookPoint, attention, check_tokens, positions_and_keys
-from model.identity import ModelIdentity, computed_identity, parameters_digest
+from model.identity import BackgroundDigest, ModelIdentity, computed_identity, parameters_digest
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     from transformers import PreTrainedModel
@@ -397,7 +393,7 @@ class HFDecoder(nn.Module):
                 self._handles.append(mlp_norm.register_forward_pre_hook(
                     lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:])))
         self._identity = identity
-        self._pending_identity: tuple[concurrent.futures.Future[str], dict[str, Any]] | None = None
+        self._pending_identity: tuple[BackgroundDigest, dict[str, Any]] | None = None
         self._check_routing(block_hooks)
         self.config = self._config(cfg, block_hooks[0].attn)
 
@@ -463,7 +459,7 @@ class HFDecoder(nn.Module):
     def identity(self, value: ModelIdentity) -> None:
         self._identity, self._pending_identity = value, None
 
-    def identity_when_hashed(self, digest: concurrent.futures.Future[str], *, name: str, source: str,
+    def identity_when_hashed(self, digest: BackgroundDigest, *, name: str, source: str,
                              family: str) -> None:
         """The identity of a model whose files are still being hashed (``load_hf_decoder``): the load returns
         before the hash is done, and the first reader of ``identity`` — the first traced step — waits for it."""
@@ -573,23 +569,22 @@ def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None 
 
     Never downloads (``local_files_only``), never runs code from the directory (``trust_remote_code`` off)."""
     directory = Path(path)
-    # the identity's hash of every file runs on a second thread while transformers is imported and loads
-    # (reading and hashing release the GIL), and goes on after the load returns: the first traced step waits
-    # for what is left of it, if anything (bench_big_load.py)
-    abandon = threading.Event()
-    hashing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-digest")
-    digest_future = hashing.submit(_files_digest, directory, abandon)
-    hashing.shutdown(wait=False)
+    # the identity's hash of every file runs on a second thread while transformers is imported and loads,
+    # and goes on after the load returns: the first traced step waits for what is left of it, if anything
     try:
-        model = _load_hf_decoder(directory, digest_future, dtype, device, name, max_memory, offload_folder)
+        digest = BackgroundDigest(_digest_files(directory), by_name=True)
+    except OSError as e:
+        raise HFDecoderError(f"{directory}: cannot be read ({e})") from None
+    try:
+        model = _load_hf_decoder(directory, digest, dtype, device, name, max_memory, offload_folder)
     except BaseException:
-        abandon.set()  # a refused or failed load leaves no thread reading a large directory for nothing
+        digest.abandon()  # a refused or failed load leaves no thread reading a large directory for nothing
         raise
-    weakref.finalize(model, abandon.set)  # nor does a model dropped before its hash is done
+    weakref.finalize(model, digest.abandon)  # nor does a model dropped before its hash is done
     return model
 
 
-def _load_hf_decoder(directory: Path, digest_future: concurrent.futures.Future[str], dtype: torch.dtype | str | None,
+def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dtype | str | None,
                      device: torch.device | str, name: str | None, max_memory: MaxMemory | None,
                      offload_folder: str | os.PathLike | None) -> HFDecoder:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -634,7 +629,7 @@ def _load_hf_decoder(directory: Path, digest_future: concurrent.futures.Future[s
         raise
     if folder is not None:
         weakref.finalize(model, shutil.rmtree, folder, True)
-    model.identity_when_hashed(digest_future, name=name or directory.name, source=str(directory),
+    model.identity_when_hashed(digest, name=name or directory.name, source=str(directory),
                                family=f"hf:{model_type}")
     return model
 
@@ -653,33 +648,10 @@ def weights_size(directory: str | os.PathLike, dtype: torch.dtype | str = "float
     return count, count * itemsize
 
 
-class _Abandoned(Exception):
-    """The load the digest was for failed: nothing more to read."""
-
-
-def _files_digest(directory: Path, abandon: threading.Event | None = None) -> str:
-    """sha256 over the config and every weight file's bytes, in name order: two directories with the same
-    weights agree, a changed weight anywhere changes it. Read through one 16 MiB buffer (a memory map would
-    count the file's pages in the process's resident memory a second time), the GIL released while it reads
-    and hashes, so ``load_hf_decoder`` runs it beside transformers' loading; it stops at the next buffer once
-    ``abandon`` is set."""
-    if abandon is not None:  # hashing beside a load: the load's own threads come first where cores are few
-        with contextlib.suppress(AttributeError, OSError):  # Linux: a thread's own nice value
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    h = hashlib.sha256()
-    buffer = bytearray(1 << 24)
-    view = memoryview(buffer)
-    for file in sorted(directory.iterdir()):
-        if file.name == "config.json" or file.suffix in (".safetensors", ".bin"):
-            h.update(file.name.encode())
-            one = hashlib.sha256()
-            with file.open("rb", buffering=0) as f:
-                while n := f.readinto(buffer):
-                    if abandon is not None and abandon.is_set():
-                        raise _Abandoned
-                    one.update(view[:n])
-            h.update(one.digest())
-    return "sha256:" + h.hexdigest()
+def _digest_files(directory: Path) -> list[Path]:
+    """What the identity of a directory run by transformers hashes: its config and weight files, by name."""
+    return [file for file in sorted(directory.iterdir())
+            if (file.name == "config.json" or file.suffix in (".safetensors", ".bin")) and file.is_file()]
 
 
 def is_hf_decoder_dir(directory: Path) -> bool:

@@ -25,7 +25,6 @@ refused, never executed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import math
@@ -41,7 +40,7 @@ from safetensors.torch import save_file
 from model._json import read_json_object
 from model.gpt import GPT, GPTConfig, RopeScaling
 from model.hf_decoder import HFDecoder, HFDecoderError, MaxMemory, load_hf_decoder
-from model.identity import ModelIdentity
+from model.identity import BackgroundDigest, ModelIdentity
 from model.tokenizer import TextTokenizer, TokenizerConfigError
 
 # the bundled checkpoints: assets/ in a checkout, model/bundled/ once installed (pyproject.toml maps one to the other)
@@ -616,14 +615,14 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 class SafetensorsFile:
     """One safetensors file, read by hand: the header first (names, dtypes, shapes — checkable before any
-    allocation), then the data straight into the tensors, every byte passing through ``hasher`` once.
+    allocation), then the data straight into the tensors. (The identity's hash of the file is taken on a
+    thread of its own, ``model.identity.BackgroundDigest``.)
 
     Format: 8 bytes little-endian header length N, N bytes of JSON ``{name: {dtype, shape,
     data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data (offsets relative to its start)."""
 
-    def __init__(self, path: Path, hasher) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self.hasher = hasher
         try:
             self._f = open(path, "rb")  # noqa: SIM115 — closed by read_all / close
             size = os.fstat(self._f.fileno()).st_size
@@ -636,7 +635,6 @@ class SafetensorsFile:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             self._fail(f"the header claims {n:,} bytes but the file has {size:,}")
         header_bytes = self._f.read(n)
-        self._prefix = first + header_bytes  # hashed in read_all, so shards hash as their concatenation
         try:
             header = json.loads(header_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -667,10 +665,9 @@ class SafetensorsFile:
         raise ModelLoadError(f"{self.path}: not a readable safetensors file ({problem})")
 
     def read_all(self) -> dict[str, torch.Tensor]:
-        """Every tensor, reading the data region once, in file order, hashing as it goes."""
+        """Every tensor, reading the data region once, in file order."""
         tensors: dict[str, torch.Tensor] = {}
         pos = 0
-        self.hasher.update(self._prefix)
         try:
             for name, (dtype, shape, begin, end) in sorted(self.entries.items(), key=lambda kv: kv[1][2]):
                 if begin < pos:
@@ -681,7 +678,6 @@ class SafetensorsFile:
                 got = self._f.readinto(view) if end > begin else 0
                 if got != end - begin:
                     self._fail(f"tensor {name!r} is cut short")
-                self.hasher.update(view)
                 tensors[name] = buf.view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
                 pos = end
             self._skip(self.data_size - pos)
@@ -692,25 +688,23 @@ class SafetensorsFile:
         return tensors
 
     def _skip(self, count: int) -> None:
-        """Read (and hash) bytes that belong to no tensor, so the digest covers the whole file."""
+        """Read past bytes that belong to no tensor (checking the file holds them)."""
         while count > 0:
             chunk = self._f.read(min(count, READ_CHUNK))
             if not chunk:
                 self._fail("the data ends early")
-            self.hasher.update(chunk)
             count -= len(chunk)
 
     def close(self) -> None:
         self._f.close()
 
 
-def _read_bin(file: Path, hasher) -> dict[str, torch.Tensor]:
-    """``pytorch_model.bin``: read (and hashed) once into memory, unpickled with ``weights_only=True``."""
+def _read_bin(file: Path) -> dict[str, torch.Tensor]:
+    """``pytorch_model.bin``: read once into memory, unpickled with ``weights_only=True``."""
     try:
         data = io.BytesIO()
         with open(file, "rb") as f:
             while chunk := f.read(READ_CHUNK):
-                hasher.update(chunk)
                 data.write(chunk)
         data.seek(0)
         state = torch.load(data, map_location="cpu", weights_only=True)
@@ -813,15 +807,44 @@ def load_hf(
             raise ModelLoadError(str(e)) from None
         return generic, _load_tokenizer(directory, generic.config.vocab_size)
     config = read_config(directory)
-    cfg_path = directory / "config.json"
-    hasher = hashlib.sha256()
     files = safetensors_files(directory)
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"{file}: missing (listed by the index)")
     bin_file = directory / "pytorch_model.bin"
+    weight_files = files or ([bin_file] if bin_file.is_file() else [])  # regular files only: a FIFO never ends
+    # the identity's hash of the weight files (their bytes, shards in order) runs on a second thread while
+    # they are read and built into our layout; the load waits for it at the end (bench/bench_big_load.py)
+    try:
+        digest = BackgroundDigest(weight_files, by_name=False) if weight_files else None
+    except OSError as e:
+        raise ModelLoadError(f"{directory}: cannot be read ({e})") from None
+    try:
+        model = _build_ours(directory, config, files, bin_file, target_dtype, target_device)
+    except BaseException:
+        if digest is not None:
+            digest.abandon()
+        raise
+    try:
+        weights_digest = digest.result() if digest is not None else ""
+    except OSError as e:  # the weights were read, then could not be hashed: moved or changed meanwhile
+        raise ModelLoadError(f"{directory}: its weight files could not be read again for the model's identity "
+                             f"({e})") from None
+    model.identity = ModelIdentity(
+        name=name or _display_name(directory), source=str(directory), family=config.family,
+        config=model.config.to_dict(), weights_digest=weights_digest,
+    )
+    tokenizer = _load_tokenizer(directory, model.config.vocab_size)
+    return model, tokenizer
+
+
+def _build_ours(directory: Path, config: GPTConfig, files: list[Path], bin_file: Path, target_dtype: torch.dtype,
+                target_device: torch.device) -> GPT:
+    """Our GPT from a directory's weights: every header checked first, then the data read once and moved into
+    our layout (``hf_to_state``), each source let go once its copy exists."""
+    cfg_path = directory / "config.json"
     if files:
-        for file in files:
-            if not file.is_file():
-                raise ModelLoadError(f"{file}: missing (listed by the index)")
-        opened = [SafetensorsFile(file, hasher) for file in files]  # headers only
+        opened = [SafetensorsFile(file) for file in files]  # headers only
         held: dict[str, tuple[tuple[int, ...], Path]] = {}
         for st in opened:
             for tensor_name, (_, shape, _, _) in st.entries.items():
@@ -836,7 +859,7 @@ def load_hf(
         for st in opened:
             raw.update({_canonical(k, config.family): v for k, v in st.read_all().items()})
     elif bin_file.exists():
-        raw = {_canonical(k, config.family): v for k, v in _read_bin(bin_file, hasher).items()}
+        raw = {_canonical(k, config.family): v for k, v in _read_bin(bin_file).items()}
         check_weights({k: (tuple(v.shape), bin_file) for k, v in raw.items()}, config, cfg_path)
     else:
         raise ModelLoadError(
@@ -857,13 +880,7 @@ def load_hf(
     with torch.device("meta"):
         model = GPT(config)
     model.load_state_dict(state, assign=True)
-    model.eval().requires_grad_(False)
-    model.identity = ModelIdentity(
-        name=name or _display_name(directory), source=str(directory), family=config.family,
-        config=config.to_dict(), weights_digest="sha256:" + hasher.hexdigest(),
-    )
-    tokenizer = _load_tokenizer(directory, config.vocab_size)
-    return model, tokenizer
+    return model.eval().requires_grad_(False)
 
 
 def _untied_if_distinct(config: GPTConfig, raw: dict[str, torch.Tensor], directory: Path) -> GPTConfig:
