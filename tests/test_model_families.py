@@ -287,3 +287,40 @@ def test_the_sliding_window_hides_keys_exactly_window_slots_back():
     allowed = ~torch.isinf(m)
     for q in range(6):
         assert allowed[q].tolist() == [q - 3 < j <= q for j in range(6)]  # at most 3 keys, itself included
+
+
+def test_the_weights_digest_is_taken_beside_the_load_and_stops_when_asked(tmp_path, monkeypatch):
+    """The identity's hash runs on a thread of its own (model.identity.BackgroundDigest): the same digest as
+    hashing the bytes in order (by_name=False: our loader's) or each file's name and sha256 (True: the
+    transformers path's), on a daemon thread, and it stops at its next buffer once abandoned."""
+    import threading
+
+    from model.identity import BackgroundDigest, DigestAbandoned, files_digest
+
+    files = []
+    for i, size in enumerate((0, 5, (16 << 20) + 3)):  # empty, tiny, and more than one 16 MiB buffer
+        path = tmp_path / f"part-{i}.safetensors"
+        path.write_bytes(bytes((j * 7 + i) % 251 for j in range(size)) if size < 1000 else
+                         torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes())
+        files.append(path)
+    whole = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    named = hashlib.sha256()
+    for f in files:
+        named.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
+    assert files_digest(files, by_name=False) == "sha256:" + whole
+    assert files_digest(files, by_name=True) == "sha256:" + named.hexdigest()
+    started = []
+
+    class Watched(threading.Thread):
+        def start(self) -> None:
+            started.append((self.name, self.daemon))
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Watched)
+    background = BackgroundDigest(files, by_name=False)
+    assert started == [("weights-digest", True)]  # a stalled read never keeps the process alive
+    assert background.result() == "sha256:" + whole
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(DigestAbandoned):
+        files_digest(files, by_name=False, abandon=stop)
