@@ -230,3 +230,25 @@ def test_mean_ablation_at_a_decode_step_averages_every_position_fed_so_far(bundl
     again = replay(plain, 2, [ablate(name, 0, "mean")])  # one decode step alone, seeded with the run's values
     seen = torch.cat([plain.trace.get(name, s)[:, 0] for s in range(3)], dim=1)  # [1, t, d_head]
     assert torch.allclose(again.trace.get(name, 0)[:, 0, -1], seen.mean(dim=1), atol=1e-5)
+
+
+def test_head_scores_stop_the_probe_after_the_last_pattern_and_score_what_a_full_forward_shows(bundled):
+    """The probe stops once the last layer's pattern is recorded (the unembedding after it was most of its
+    time): the scores equal those read off a whole forward under a plain Tracer, the model keeps no tap of it,
+    and the next forward runs to its logits."""
+    from model.heads import HEAD_ROLES, role_scores
+    from model.hook_table import act_name
+    from tracer import head_scores
+
+    model, tok = bundled
+    scores = head_scores(model, first_token=tok.eos_id)
+    length = 50
+    tokens = repeated_random_tokens(model.config.vocab_size, length, 4, seed=7, prefix=tok.eos_id)
+    with torch.no_grad(), Tracer(model, capture="values", budget_bytes=2**31) as tr:
+        logits = model(tokens)
+    assert logits.shape == (4, 2 * length + 1, model.config.vocab_size)
+    for role in HEAD_ROLES:
+        want = torch.stack([role_scores(tr.trace.get(act_name("pattern", L), 0).double(), length)[role]
+                            for L in range(model.config.n_layer)]).float()
+        assert torch.equal(scores[role], want), role
+    assert not any(getattr(m, "_taps", ()) for m in model.modules())  # the probe's stop is gone

@@ -7,6 +7,8 @@ Each runs real forwards of the model (untraced unless a trace is asked for) with
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.gpt import HookPoint
 from model.heads import HEAD_ROLES, repeated_random_tokens, role_scores
 from model.hook_table import act_name
 from tracer.capture._interventions import Intervention, applied, check, patch, running_means_before
@@ -148,6 +151,35 @@ def activation_patching(model: Decoder, clean: Sequence[int], corrupted: Sequenc
     return PatchingResult(kind, restored, clean_diff, corrupt_diff, a, b)
 
 
+class _ProbeDone(Exception):
+    """Raised on the probe's own thread once the last layer's pattern has been recorded."""
+
+
+@contextlib.contextmanager
+def _stop_after(model: nn.Module, n_layer: int):
+    """While inside: a forward of ``model`` on this thread stops right after the last layer's attention pattern
+    (its hook point's tap, added after the tracer's, so the pattern is recorded first). Other threads' forwards
+    of a shared model pass; a model without that hook point runs to the end."""
+    try:
+        point = model.get_submodule(act_name("pattern", n_layer - 1))
+    except AttributeError:
+        point = None
+    if not isinstance(point, HookPoint):
+        yield
+        return
+    me = threading.get_ident()
+
+    def stop(_value: torch.Tensor) -> None:
+        if threading.get_ident() == me:
+            raise _ProbeDone
+
+    handle = point.add_tap(stop)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
 def head_scores(model: Decoder, first_token: int = 0, length: int = 50, seed: int = 7) -> dict[str, torch.Tensor]:
     """What each head does, ``name → [n_layer, n_head]``, measured on a probe of 4 random token sequences
@@ -163,7 +195,10 @@ def head_scores(model: Decoder, first_token: int = 0, length: int = 50, seed: in
     config = model.config
     length = max(2, min(length, (config.n_ctx - 1) // 2))
     tokens = repeated_random_tokens(config.vocab_size, length, 4, seed=seed, prefix=first_token)
-    with Tracer(model, capture="values", budget_bytes=2**31) as tr:
+    # stopped once the last pattern is recorded: the last MLP and the unembedding after it (404 rows × V
+    # logits) were most of the probe's time, for nothing it reads
+    with Tracer(model, capture="values", budget_bytes=2**31) as tr, _stop_after(model, config.n_layer), \
+            contextlib.suppress(_ProbeDone):
         model(tokens)
     out: dict[str, list[torch.Tensor]] = {role: [] for role in HEAD_ROLES}
     for layer in range(config.n_layer):
