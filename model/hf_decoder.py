@@ -610,20 +610,18 @@ def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dty
                      "offload_folder": str(offload_folder or folder)}
     _register()
     try:
-        hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
-                                                  dtype=target, attn_implementation=ATTENTION, **placement)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise HFDecoderError(f"{directory}: transformers cannot load it as a causal LM "
-                             f"({type(e).__name__}: {str(e)[:500]})") from None
-    if not placement:
-        # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), whose typeshed type keeps
-        # the unbound method's self: mypy reads every call as one argument short
-        hf = hf.to(device)  # type: ignore[arg-type]
-    try:
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
+                                                      dtype=target, attn_implementation=ATTENTION, **placement)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise HFDecoderError(f"{directory}: transformers cannot load it as a causal LM "
+                                 f"({type(e).__name__}: {str(e)[:500]})") from None
+        if not placement:
+            # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), whose typeshed type
+            # keeps the unbound method's self: mypy reads every call as one argument short
+            hf = hf.to(device)  # type: ignore[arg-type]
         model = HFDecoder(hf)
-    except BaseException:
+    except BaseException:  # a failed load leaves no offload folder behind
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         raise

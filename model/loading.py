@@ -815,10 +815,7 @@ def load_hf(
     weight_files = files or ([bin_file] if bin_file.is_file() else [])  # regular files only: a FIFO never ends
     # the identity's hash of the weight files (their bytes, shards in order) runs on a second thread while
     # they are read and built into our layout; the load waits for it at the end (bench/bench_big_load.py)
-    try:
-        digest = BackgroundDigest(weight_files, by_name=False) if weight_files else None
-    except OSError as e:
-        raise ModelLoadError(f"{directory}: cannot be read ({e})") from None
+    digest = BackgroundDigest(weight_files, by_name=False) if weight_files else None
     try:
         model = _build_ours(directory, config, files, bin_file, target_dtype, target_device)
     except BaseException:

@@ -23,23 +23,32 @@ def app():
     return new_app()
 
 
+def choose_directory(at, directory: Path) -> None:
+    """"Local Hugging Face directory" chosen in the sidebar and ``directory`` typed, as a person does."""
+    show_tab(at, "Shapes")
+    at.sidebar.radio(key="source").set_value("Local Hugging Face directory")
+    run(at)
+    at.sidebar.text_input(key="model_dir").set_value(str(directory))
+
+
+def every_tab_without_error(at) -> None:
+    for tab in TABS:
+        show_tab(at, tab)
+        assert not at.error, (tab, [e.value for e in at.error])
+
+
 @pytest.mark.parametrize("model_type", NOT_OURS)
 def test_every_tab_renders_for(app, model_type):
     directory = build(model_type, Path(tempfile.mkdtemp(prefix="app-arch-")) / model_type,
                       BUNDLED_DIR / "tokenizer.json")
     at = app
-    show_tab(at, "Shapes")
-    at.sidebar.radio(key="source").set_value("Local Hugging Face directory")
-    run(at)
-    at.sidebar.text_input(key="model_dir").set_value(str(directory))
+    choose_directory(at, directory)
     press(at, "load_model")
     press(at, "reset_button")
     press(at, "step_button")
     show_tab(at, "Attention")
     press(at, "step_button")
-    for tab in TABS:
-        show_tab(at, tab)
-        assert not at.error, (tab, [e.value for e in at.error])
+    every_tab_without_error(at)
     for sub in ("Switch heads off", "Activation patching", "Logit attribution", "Logit lens"):
         show_tab(at, "What if", ("whatif_view", sub))  # run() fails on any exception the page raised
         assert not at.error, (sub, [e.value for e in at.error])
@@ -64,10 +73,7 @@ def test_a_directory_given_less_memory_than_its_weights_runs_with_them_on_disk(a
     directory = build("llama", Path(tempfile.mkdtemp(prefix="app-offload-")) / "llama", BUNDLED_DIR / "tokenizer.json")
     gib = weights_size(directory)[1] / 3 / 2**30
     at = app
-    show_tab(at, "Shapes")
-    at.sidebar.radio(key="source").set_value("Local Hugging Face directory")
-    run(at)
-    at.sidebar.text_input(key="model_dir").set_value(str(directory))
+    choose_directory(at, directory)
     at.sidebar.number_input(key="model_memory_gib").set_value(gib)
     run(at)
     assert any("the rest stays on disk and is read at every forward" in c.value for c in at.sidebar.caption)
@@ -76,9 +82,7 @@ def test_a_directory_given_less_memory_than_its_weights_runs_with_them_on_disk(a
     press(at, "reset_button")
     press(at, "step_button")
     press(at, "step_button")
-    for tab in TABS:
-        show_tab(at, tab)
-        assert not at.error, (tab, [e.value for e in at.error])
+    every_tab_without_error(at)
     gen = at.session_state["app"].generation
     assert "disk" in gen.model.offloaded.values()
     in_memory, tok = load_hf(directory, implementation="transformers")
