@@ -140,9 +140,9 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     lo = min((float(v.min()) for v in score_values if v.numel()), default=0.0)
     hi = max((float(v.max()) for v in score_values if v.numel()), default=1.0)
     pooled_note = ""
-    # four or five panels in one row: a cell is a quarter of a single heatmap's, so at most 8 (6) columns
-    # carry numbers, short ones ("-22.9", "0.89"), which fit a cell at 1280 px
-    numbers = {"numbers_up_to": 32 // len(stages), "number": short_number}
+    # four or five panels in one row: in the app's page at 1280 px a panel is about 140 px wide, so at most 5
+    # (4) columns carry numbers, short ones ("-22.9", "0.89"); 7 overlapped there (seen in a screenshot)
+    numbers = {"numbers_up_to": 20 // len(stages), "number": short_number}
     for i, stage in enumerate(stages, start=1):
         if stage.matrix is None:
             fig.add_annotation(text="values not kept", showarrow=False, row=1, col=i, x=0.5, y=0.5,

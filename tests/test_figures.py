@@ -872,12 +872,12 @@ def test_the_attention_views_draw_a_plain_tracers_trace_and_the_others_say_what_
 
 
 def test_the_stages_write_short_numbers_only_where_four_panels_leave_room(bundled):
-    """Four panels side by side: a prompt of up to 8 tokens has its numbers written short (each fits a cell at
-    1280 px), a longer one none; a single heatmap keeps 3 decimals up to 12."""
+    """Four panels side by side: a prompt of up to 5 tokens has its numbers written short (each fits a cell of
+    the app's page at 1280 px), a longer one none; a single heatmap keeps 3 decimals up to 12."""
     from tracer import Tracer
 
     model, tok = bundled
-    for n, written in ((8, True), (9, False)):
+    for n, written in ((5, True), (6, False)):
         ids = torch.arange(1, n + 1)[None]
         with Tracer(model, capture="values") as tr:
             model(ids)
