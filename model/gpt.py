@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from model.cache import KVCache, transaction
-from model.identity import ModelIdentity, computed_identity
+from model.identity import ModelIdentity, PendingIdentity, computed_identity
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families this file implements
 HF_FAMILY = "hf"  # any other transformers decoder, run by transformers (model/hf_decoder.py): a description only
@@ -763,18 +763,21 @@ class GPT(nn.Module):
         if config.positions == "learned":
             self.hook_pos_embed = HookPoint()  # [B, n, d], position embeddings W_pos[positions]
         self.hook_logits = HookPoint()  # [B, n, V]
-        self._identity: ModelIdentity | None = None
+        self._identity: ModelIdentity | PendingIdentity | None = None
 
     @property
     def identity(self) -> ModelIdentity:
-        """Name, source and weights digest: set by the loaders; for a model built in code, "unnamed",
-        "built in code" and a digest of the parameters as they are now."""
+        """Name, source and weights digest: set by the loaders (a ``PendingIdentity`` until the files' hash is
+        done); for a model built in code, "unnamed", "built in code" and a digest of the parameters as they
+        are now."""
+        if isinstance(self._identity, PendingIdentity):
+            self._identity = self._identity.result()
         if self._identity is not None:
             return self._identity
         return computed_identity(self, self.config.family, self.config.to_dict())
 
     @identity.setter
-    def identity(self, value: ModelIdentity) -> None:
+    def identity(self, value: ModelIdentity | PendingIdentity) -> None:
         self._identity = value
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:

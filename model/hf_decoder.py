@@ -45,7 +45,7 @@ from torch import nn
 
 from model.cache import KVCache, transaction
 from model.gpt import GPTConfig, HookPoint, attention, check_tokens, positions_and_keys
-from model.identity import BackgroundDigest, ModelIdentity, computed_identity, parameters_digest
+from model.identity import BackgroundDigest, ModelIdentity, PendingIdentity, computed_identity, parameters_digest
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     from transformers import PreTrainedModel
@@ -392,8 +392,7 @@ class HFDecoder(nn.Module):
             if mlp_norm is not None:
                 self._handles.append(mlp_norm.register_forward_pre_hook(
                     lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:])))
-        self._identity = identity
-        self._pending_identity: tuple[BackgroundDigest, dict[str, Any]] | None = None
+        self._identity: ModelIdentity | PendingIdentity | None = identity
         self._check_routing(block_hooks)
         self.config = self._config(cfg, block_hooks[0].attn)
 
@@ -442,30 +441,16 @@ class HFDecoder(nn.Module):
     # -- what our GPT offers too ----------------------------------------------------------------------
     @property
     def identity(self) -> ModelIdentity:
-        if self._identity is None and self._pending_identity is not None:
-            digest, fields = self._pending_identity
-            try:
-                self._identity = ModelIdentity(**fields, weights_digest=digest.result())
-            except OSError as e:
-                raise HFDecoderError(f"{fields['source']}: its files could not be read for the model's identity "
-                                     f"({e}); were they moved or changed after loading?") from None
-            self._pending_identity = None
+        if isinstance(self._identity, PendingIdentity):  # set by load_hf_decoder: the files' hash may go on
+            self._identity = self._identity.result()
         if self._identity is not None:
             return self._identity
         return computed_identity(self, f"hf:{self.architecture.model_type}", self.config.to_dict(), weights=self.hf,
                                  digest=lambda: parameters_digest(self.hf, tensors=_state_items(self.hf)))
 
     @identity.setter
-    def identity(self, value: ModelIdentity) -> None:
-        self._identity, self._pending_identity = value, None
-
-    def identity_when_hashed(self, digest: BackgroundDigest, *, name: str, source: str,
-                             family: str) -> None:
-        """The identity of a model whose files are still being hashed (``load_hf_decoder``): the load returns
-        before the hash is done, and the first reader of ``identity`` — the first traced step — waits for it."""
-        self._identity = None
-        self._pending_identity = (digest, {"name": name, "source": source, "family": family,
-                                           "config": self.config.to_dict()})
+    def identity(self, value: ModelIdentity | PendingIdentity) -> None:
+        self._identity = value
 
     @property
     def num_parameters(self) -> int:
@@ -627,8 +612,8 @@ def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dty
         raise
     if folder is not None:
         weakref.finalize(model, shutil.rmtree, folder, True)
-    model.identity_when_hashed(digest, name=name or directory.name, source=str(directory),
-                               family=f"hf:{model_type}")
+    model.identity = PendingIdentity(digest, name=name or directory.name, source=str(directory),
+                                     family=f"hf:{model_type}", config=model.config.to_dict())
     return model
 
 

@@ -107,6 +107,32 @@ class BackgroundDigest:
         self._stop.set()
 
 
+class IdentityUnavailable(OSError):
+    """A loaded model's weight files could not be hashed for its identity (moved or changed after loading)."""
+
+
+@dataclass
+class PendingIdentity:
+    """The identity of a model loaded while its files were still being hashed: the load returns without
+    waiting, and the first reader of ``model.identity`` — in practice the first traced step — waits for
+    whatever is left of the hash (bench/bench_big_load.py measures both points)."""
+
+    digest: BackgroundDigest
+    name: str
+    source: str
+    family: str
+    config: dict
+
+    def result(self) -> ModelIdentity:
+        try:
+            weights_digest = self.digest.result()
+        except OSError as e:
+            raise IdentityUnavailable(f"{self.source}: its weight files could not be read again for the model's "
+                                      f"identity ({e}); were they moved or changed after loading?") from None
+        return ModelIdentity(name=self.name, source=self.source, family=self.family, config=self.config,
+                             weights_digest=weights_digest)
+
+
 def config_dict(config) -> dict:
     """A config dataclass as plain JSON values (nested dataclasses included)."""
     raw = asdict(config)

@@ -11,9 +11,10 @@ and Hugging Face's own ``from_pretrained`` can read them.
 Order of work, so that a hostile or mistaken directory costs milliseconds:
 read config.json → validate its numbers (``GPTConfig``) → read the safetensors
 *headers* (names, dtypes, shapes; no data) → compare them with the shapes the
-config implies → only then read the data, straight into the tensors, hashing
-the bytes as they stream past (``ModelIdentity.weights_digest``) → build the
-model on the ``meta`` device and ``load_state_dict(assign=True)``. A config
+config implies → only then map the files and copy each tensor once into our
+layout (while a second thread hashes the files for ``ModelIdentity.weights_digest``,
+which the model's first reader of ``identity`` waits for) → build the model on
+the ``meta`` device and ``load_state_dict(assign=True)``. A config
 that claims 20 000 layers over weights for 4 is refused before anything is
 allocated, with a message saying what the weights hold.
 
@@ -24,13 +25,17 @@ refused, never executed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import math
+import mmap
 import os
 import pickle
 import re
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +45,7 @@ from safetensors.torch import save_file
 from model._json import read_json_object
 from model.gpt import GPT, GPTConfig, RopeScaling
 from model.hf_decoder import HFDecoder, HFDecoderError, MaxMemory, load_hf_decoder
-from model.identity import BackgroundDigest, ModelIdentity
+from model.identity import BackgroundDigest, ModelIdentity, PendingIdentity
 from model.tokenizer import TextTokenizer, TokenizerConfigError
 
 # the bundled checkpoints: assets/ in a checkout, model/bundled/ once installed (pyproject.toml maps one to the other)
@@ -420,52 +425,87 @@ def _ranges(xs: list[int]) -> str:
     return shown + (f" … ({len(xs)} in all)" if len(xs) > 8 else "")
 
 
-def hf_to_state(tensors: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors (canonical names, checked) → our state dict, every tensor contiguous.
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One Hugging Face tensor inside one of ours."""
 
-    Llama-family ``nn.Linear`` weights ``[d_out, d_in]`` are transposed to our ``[d_in, d_out]``, and
-    q/k/v and gate/up concatenated side by side into W_QKV and [W_gate | W_up]. ``tensors`` is emptied as it
-    is converted: each source is let go once its copy exists, so loading holds the weights about once, not
-    twice (measured on a 1.1B model: bench/bench_big_load.py)."""
-    state: dict[str, torch.Tensor] = {}
-    take = tensors.pop
+    source: str  # its Hugging Face name (canonical)
+    transposed: bool  # an ``nn.Linear`` weight [d_out, d_in], which we store as [d_in, d_out]
+
+
+def our_layout(config: GPTConfig) -> dict[str, tuple[_Part, ...]]:
+    """Each tensor of our state dict as the Hugging Face tensors it is made of, side by side along its last
+    dimension: W_QKV = [W_Q | W_K | W_V] and [W_gate | W_up], Llama-family ``nn.Linear`` weights transposed
+    to our ``[d_in, d_out]`` (``model/gpt.py``'s ``Projection`` says why), GPT-2's tensors as they are."""
+    layout: dict[str, tuple[_Part, ...]] = {}
     if config.family == "gpt2":
-        for name in list(tensors):
-            t = take(name).contiguous()
+        for name in hf_shapes(config):
             parts = name.removeprefix("transformer.").split(".")
-            if parts[0] == "wte":
-                state["embed." + parts[1]] = t
-            elif parts[0] == "wpe":
-                state["pos_embed." + parts[1]] = t
-            elif parts[0] == "ln_f":
-                state["ln_final." + parts[1]] = t
-            elif parts[0] == "h":
+            ours = {"wte": "embed", "wpe": "pos_embed", "ln_f": "ln_final"}.get(parts[0])
+            if ours is None:  # h.{i}.<module>.…
                 sub = {"ln_1": "ln1", "ln_2": "ln2"}.get(parts[2], parts[2])
-                state[".".join(["blocks", parts[1], sub, *parts[3:]])] = t
-        return state
+                ours = ".".join(["blocks", parts[1], sub, *parts[3:-1]])
+            layout[f"{ours}.{parts[-1]}"] = (_Part(name, False),)
+        return layout
 
-    def w(name: str) -> torch.Tensor:
-        return take(name).t()  # [d_out, d_in] -> [d_in, d_out], a view: cat or contiguous copies it once
+    def linear(*names: str) -> tuple[_Part, ...]:
+        return tuple(_Part(n, True) for n in names)
 
-    state["embed.weight"] = take("model.embed_tokens.weight")
-    state["ln_final.weight"] = take("model.norm.weight")
+    def vector(*names: str) -> tuple[_Part, ...]:
+        return tuple(_Part(n, False) for n in names)
+
+    layout["embed.weight"] = vector("model.embed_tokens.weight")
+    layout["ln_final.weight"] = vector("model.norm.weight")
     if not config.tie_embeddings:
-        state["unembed.weight"] = w("lm_head.weight").contiguous()  # W_U: [d, V]
+        layout["unembed.weight"] = linear("lm_head.weight")  # W_U: [d, V]
     for i in range(config.n_layer):
         p, o = f"model.layers.{i}.", f"blocks.{i}."
-        state[o + "ln1.weight"] = take(p + "input_layernorm.weight")
-        state[o + "ln2.weight"] = take(p + "post_attention_layernorm.weight")
-        state[o + "attn.c_attn.weight"] = torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=1)
+        layout[o + "ln1.weight"] = vector(p + "input_layernorm.weight")
+        layout[o + "ln2.weight"] = vector(p + "post_attention_layernorm.weight")
+        layout[o + "attn.c_attn.weight"] = linear(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
         if config.qkv_bias:
-            state[o + "attn.c_attn.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        state[o + "attn.c_proj.weight"] = w(p + "self_attn.o_proj.weight").contiguous()
+            layout[o + "attn.c_attn.bias"] = vector(*(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
+        layout[o + "attn.c_proj.weight"] = linear(p + "self_attn.o_proj.weight")
         if config.attn_out_bias:
-            state[o + "attn.c_proj.bias"] = take(p + "self_attn.o_proj.bias")
-        state[o + "mlp.c_fc.weight"] = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=1)
-        state[o + "mlp.c_proj.weight"] = w(p + "mlp.down_proj.weight").contiguous()
+            layout[o + "attn.c_proj.bias"] = vector(p + "self_attn.o_proj.bias")
+        layout[o + "mlp.c_fc.weight"] = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        layout[o + "mlp.c_proj.weight"] = linear(p + "mlp.down_proj.weight")
         if config.mlp_bias:
-            state[o + "mlp.c_fc.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-            state[o + "mlp.c_proj.bias"] = take(p + "mlp.down_proj.bias")
+            layout[o + "mlp.c_fc.bias"] = vector(p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+            layout[o + "mlp.c_proj.bias"] = vector(p + "mlp.down_proj.bias")
+    return layout
+
+
+def hf_to_state(source: Callable[[str], torch.Tensor], config: GPTConfig, *, dtype: torch.dtype,
+                device: torch.device, done: Callable[[str], None] = lambda name: None) -> dict[str, torch.Tensor]:
+    """Our state dict (``our_layout``) from Hugging Face tensors, each read by ``source(name)`` and copied
+    once, straight into its place in a fresh contiguous tensor of ``dtype`` on ``device``: the copy transposes,
+    converts and concatenates in one pass, so loading writes the weights once. ``done(name)`` is told when a
+    source has been copied (the loader then lets its file pages go: peak memory about the weights once,
+    bench/bench_big_load.py)."""
+    state: dict[str, torch.Tensor] = {}
+    scratch = torch.empty(0, dtype=dtype, device=device)
+    for ours, parts in our_layout(config).items():
+        views = [source(p.source).t() if p.transposed else source(p.source) for p in parts]
+        width = sum(v.shape[-1] for v in views)
+        out = torch.empty((*views[0].shape[:-1], width), dtype=dtype, device=device)
+        at = 0
+        for part, view in zip(parts, views):
+            place = out.narrow(-1, at, view.shape[-1])
+            if part.transposed and len(parts) > 1:
+                # a transposing copy into a contiguous tensor takes PyTorch's blocked path, about twice as fast
+                # as one into columns of a wider tensor (measured on 5632 × 2048): transpose into a reused
+                # scratch tensor, then copy its rows into place
+                scratch = scratch if scratch.numel() >= view.numel() else torch.empty(view.numel(), dtype=dtype,
+                                                                                        device=device)
+                place.copy_(scratch[:view.numel()].view(view.shape).copy_(view))
+            else:
+                place.copy_(view)
+            at += view.shape[-1]
+        del views
+        state[ours] = out
+        for p in parts:
+            done(p.source)
     return state
 
 
@@ -615,32 +655,37 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 class SafetensorsFile:
     """One safetensors file, read by hand: the header first (names, dtypes, shapes — checkable before any
-    allocation), then the data straight into the tensors. (The identity's hash of the file is taken on a
-    thread of its own, ``model.identity.BackgroundDigest``.)
+    allocation), then the data mapped, not read: ``tensor(name)`` is a view of the file's pages (the page
+    cache, shared with the identity's hash on its own thread, ``model.identity.BackgroundDigest``), copied
+    once into our layout (``hf_to_state``), after which ``release(name)`` lets those pages go.
 
     Format: 8 bytes little-endian header length N, N bytes of JSON ``{name: {dtype, shape,
     data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data (offsets relative to its start)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._map: mmap.mmap | None = None
         try:
-            self._f = open(path, "rb")  # noqa: SIM115 — closed by read_all / close
-            size = os.fstat(self._f.fileno()).st_size
-            first = self._f.read(8)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                first = f.read(8)
+                if len(first) < 8:
+                    self._fail("shorter than the 8-byte header length")
+                n = int.from_bytes(first, "little")
+                if n > MAX_HEADER_BYTES or 8 + n > size:
+                    self._fail(f"the header claims {n:,} bytes but the file has {size:,}")
+                header_bytes = f.read(n)
+                # copy-on-write: torch.frombuffer wants a writable buffer, and nothing is ever written
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except OSError as e:
             raise ModelLoadError(f"{path}: cannot be read ({e})") from None
-        if len(first) < 8:
-            self._fail("shorter than the 8-byte header length")
-        n = int.from_bytes(first, "little")
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            self._fail(f"the header claims {n:,} bytes but the file has {size:,}")
-        header_bytes = self._f.read(n)
         try:
             header = json.loads(header_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             self._fail(f"the header is not JSON ({e})")
         if not isinstance(header, dict):
             self._fail("the header is not a JSON object")
+        self._data_start = 8 + n
         self.data_size = size - 8 - n
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
@@ -659,44 +704,40 @@ class SafetensorsFile:
                 self._fail(f"tensor {name!r} declares bytes {begin}–{end} for {nbytes:,} bytes of data, "
                            f"in {self.data_size:,} bytes")
             self.entries[name] = (dtype, shape, begin, end)
+        pos = 0
+        for name, (_, _, begin, end) in sorted(self.entries.items(), key=lambda kv: kv[1][2]):
+            if begin < pos:
+                self._fail(f"tensor {name!r} overlaps the one before it")
+            pos = end
 
     def _fail(self, problem: str):
         self.close()
         raise ModelLoadError(f"{self.path}: not a readable safetensors file ({problem})")
 
-    def read_all(self) -> dict[str, torch.Tensor]:
-        """Every tensor, reading the data region once, in file order."""
-        tensors: dict[str, torch.Tensor] = {}
-        pos = 0
-        try:
-            for name, (dtype, shape, begin, end) in sorted(self.entries.items(), key=lambda kv: kv[1][2]):
-                if begin < pos:
-                    self._fail(f"tensor {name!r} overlaps the one before it")
-                self._skip(begin - pos)
-                buf = torch.empty(end - begin, dtype=torch.uint8)
-                view = buf.numpy().data  # a memoryview of the buffer
-                got = self._f.readinto(view) if end > begin else 0
-                if got != end - begin:
-                    self._fail(f"tensor {name!r} is cut short")
-                tensors[name] = buf.view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
-                pos = end
-            self._skip(self.data_size - pos)
-        except OSError as e:
-            raise ModelLoadError(f"{self.path}: cannot be read ({e})") from None
-        finally:
-            self.close()
-        return tensors
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, a view of the mapped file (no copy; its pages are read when first touched)."""
+        dtype, shape, begin, end = self.entries[name]
+        if end == begin or self._map is None:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin, offset=self._data_start + begin)
+        return raw.view(dtype).view(shape)
 
-    def _skip(self, count: int) -> None:
-        """Read past bytes that belong to no tensor (checking the file holds them)."""
-        while count > 0:
-            chunk = self._f.read(min(count, READ_CHUNK))
-            if not chunk:
-                self._fail("the data ends early")
-            count -= len(chunk)
+    def release(self, name: str) -> None:
+        """Unmap tensor ``name``'s pages once its copy exists, so that the process holds the weights once, not
+        twice. The mapping is private and never written, so a page touched again is read again from the file:
+        releasing is always safe, only ever slower."""
+        _, _, begin, end = self.entries[name]
+        if self._map is None or end == begin or not hasattr(self._map, "madvise"):  # madvise: not on Windows
+            return
+        start = (self._data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, self._data_start + end - start)
 
     def close(self) -> None:
-        self._f.close()
+        """Unmap the file (a view still alive — an error's traceback — keeps it mapped until it is collected)."""
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
 
 
 def _read_bin(file: Path) -> dict[str, torch.Tensor]:
@@ -814,66 +855,66 @@ def load_hf(
     bin_file = directory / "pytorch_model.bin"
     weight_files = files or ([bin_file] if bin_file.is_file() else [])  # regular files only: a FIFO never ends
     # the identity's hash of the weight files (their bytes, shards in order) runs on a second thread while
-    # they are read and built into our layout; the load waits for it at the end (bench/bench_big_load.py)
+    # they are copied into our layout, and goes on after the load returns: the first reader of model.identity
+    # (the first traced step) waits for what is left of it (bench/bench_big_load.py)
     digest = BackgroundDigest(weight_files, by_name=False) if weight_files else None
     try:
         model = _build_ours(directory, config, files, bin_file, target_dtype, target_device)
     except BaseException:
         if digest is not None:
-            digest.abandon()
+            digest.abandon()  # a refused or failed load leaves no thread reading a large directory for nothing
         raise
-    try:
-        weights_digest = digest.result() if digest is not None else ""
-    except OSError as e:  # the weights were read, then could not be hashed: moved or changed meanwhile
-        raise ModelLoadError(f"{directory}: its weight files could not be read again for the model's identity "
-                             f"({e})") from None
-    model.identity = ModelIdentity(
-        name=name or _display_name(directory), source=str(directory), family=config.family,
-        config=model.config.to_dict(), weights_digest=weights_digest,
-    )
+    display_name = name or _display_name(directory)
+    if digest is None:
+        model.identity = ModelIdentity(name=display_name, source=str(directory), family=config.family,
+                                       config=model.config.to_dict(), weights_digest="")
+    else:
+        model.identity = PendingIdentity(digest, name=display_name, source=str(directory), family=config.family,
+                                         config=model.config.to_dict())
+        weakref.finalize(model, digest.abandon)  # nor does a model dropped before its hash is done
     tokenizer = _load_tokenizer(directory, model.config.vocab_size)
     return model, tokenizer
 
 
 def _build_ours(directory: Path, config: GPTConfig, files: list[Path], bin_file: Path, target_dtype: torch.dtype,
                 target_device: torch.device) -> GPT:
-    """Our GPT from a directory's weights: every header checked first, then the data read once and moved into
-    our layout (``hf_to_state``), each source let go once its copy exists."""
+    """Our GPT from a directory's weights: every header checked first, then each tensor copied once from the
+    mapped files into our layout (``hf_to_state``), its file pages let go as soon as its copy exists."""
     cfg_path = directory / "config.json"
-    if files:
-        opened = [SafetensorsFile(file) for file in files]  # headers only
-        held: dict[str, tuple[tuple[int, ...], Path]] = {}
+    opened: list[SafetensorsFile] = []
+    try:
+        if files:
+            opened = [SafetensorsFile(file) for file in files]  # headers only
+            where: dict[str, tuple[SafetensorsFile, str]] = {
+                _canonical(tensor_name, config.family): (st, tensor_name)
+                for st in opened for tensor_name in st.entries}
+            check_weights({k: (st.entries[n][1], st.path) for k, (st, n) in where.items()}, config, cfg_path)
+            raw = {k: st.tensor(n) for k, (st, n) in where.items()}  # views of the mapped files: nothing read yet
+
+            def release(name: str) -> None:
+                st, tensor_name = where[name]
+                st.release(tensor_name)
+        elif bin_file.exists():
+            raw = {_canonical(k, config.family): v for k, v in _read_bin(bin_file).items()}
+            check_weights({k: (tuple(v.shape), bin_file) for k, v in raw.items()}, config, cfg_path)
+
+            def release(name: str) -> None:
+                raw.pop(name)  # the only copy besides ours: let it go
+        else:
+            raise ModelLoadError(
+                f"{directory}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
+                "pytorch_model.bin)"
+            )
+        config = _untied_if_distinct(config, raw, directory)
+        for tensor_name in hf_shapes(config):
+            if not raw[tensor_name].is_floating_point():
+                raise ModelLoadError(f"{directory}: tensor {tensor_name!r} is {raw[tensor_name].dtype}, "
+                                     "not floating point")
+        state = hf_to_state(raw.__getitem__, config, dtype=target_dtype, device=target_device, done=release)
+        raw.clear()  # the views of the mapped files go before the files are unmapped
+    finally:
         for st in opened:
-            for tensor_name, (_, shape, _, _) in st.entries.items():
-                held[_canonical(tensor_name, config.family)] = (shape, st.path)
-        try:
-            check_weights(held, config, cfg_path)
-        except ModelLoadError:
-            for st in opened:
-                st.close()
-            raise
-        raw: dict[str, torch.Tensor] = {}
-        for st in opened:
-            raw.update({_canonical(k, config.family): v for k, v in st.read_all().items()})
-    elif bin_file.exists():
-        raw = {_canonical(k, config.family): v for k, v in _read_bin(bin_file).items()}
-        check_weights({k: (tuple(v.shape), bin_file) for k, v in raw.items()}, config, cfg_path)
-    else:
-        raise ModelLoadError(
-            f"{directory}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
-            "pytorch_model.bin)"
-        )
-    config = _untied_if_distinct(config, raw, directory)
-    expected = hf_shapes(config)
-    tensors = {}
-    for tensor_name, tensor in raw.items():
-        if tensor_name not in expected:
-            continue  # ignorable (checked): attention-mask buffers, a tied lm_head, old inv_freq buffers
-        if not tensor.is_floating_point():
-            raise ModelLoadError(f"{directory}: tensor {tensor_name!r} is {tensor.dtype}, not floating point")
-        tensors[tensor_name] = tensor.to(device=target_device, dtype=target_dtype)
-    del raw
-    state = hf_to_state(tensors, config)  # empties tensors as it goes
+            st.close()
     with torch.device("meta"):
         model = GPT(config)
     model.load_state_dict(state, assign=True)

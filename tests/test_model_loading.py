@@ -407,8 +407,62 @@ def test_inconsistent_safetensors_headers_are_refused(llama_dir, header, expecte
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(32))
 
     with pytest.raises(ModelLoadError, match="not a readable safetensors file") as info:
-        SafetensorsFile(path).read_all()
+        SafetensorsFile(path)
     assert expected in str(info.value)
+
+
+def test_our_gpt_is_returned_before_its_files_are_hashed_and_its_identity_waits_for_the_hash(llama_dir,
+                                                                                             monkeypatch):
+    """load_hf does not wait for the identity's hash of the weight files: the first reader of model.identity
+    does, and gets the sha256 of the files' bytes. A hash that fails (files moved or changed after the load)
+    is a clear error naming the directory, raised where the identity is asked for."""
+    import hashlib
+    import threading
+
+    import model.identity as identity_module
+    from model import load_hf
+    from model.identity import IdentityUnavailable
+
+    real = identity_module.files_digest
+    gate, waited_out = threading.Event(), []
+
+    def held_back(files, **kwargs):  # the hash cannot finish before the test lets it
+        waited_out.append(not gate.wait(30))
+        return real(files, **kwargs)
+
+    monkeypatch.setattr(identity_module, "files_digest", held_back)
+    model, _ = load_hf(llama_dir)  # would wait out the 30 s if it waited for the hash
+    gate.set()
+    digest = model.identity.weights_digest
+    assert waited_out == [False]
+    assert digest == "sha256:" + hashlib.sha256((llama_dir / "model.safetensors").read_bytes()).hexdigest()
+
+    def unreadable(files, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", str(files[0]))
+
+    monkeypatch.setattr(identity_module, "files_digest", unreadable)
+    model, _ = load_hf(llama_dir)
+    with pytest.raises(IdentityUnavailable, match=f"{llama_dir}: its weight files could not be read again"):
+        model.identity  # noqa: B018 - the read is the test
+
+
+def test_a_released_tensor_reads_the_file_again(tmp_path):
+    """The loader lets a weight's mapped pages go once its copy exists (SafetensorsFile.release): the mapping
+    is private and never written, so a tensor read after its release still holds the file's values."""
+    from safetensors.torch import save_file
+
+    from model.loading import SafetensorsFile
+
+    tensors = {"a": torch.randn(1000, 37), "b": torch.arange(5000, dtype=torch.float32)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    st = SafetensorsFile(tmp_path / "w.safetensors")
+    try:
+        for name, expected in tensors.items():
+            assert torch.equal(st.tensor(name), expected)
+            st.release(name)
+            assert torch.equal(st.tensor(name), expected)
+    finally:
+        st.close()
 
 
 def test_qwen2_sliding_window_on_some_layers_only_is_refused(tmp_path):
