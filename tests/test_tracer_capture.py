@@ -87,6 +87,46 @@ def test_a_user_hook_that_patches_a_hook_point_is_traced_as_patched(gpt):
     assert torch.equal(merged[..., 16:24], torch.zeros_like(merged[..., 16:24]))
 
 
+def test_user_hooks_on_modules_still_run_in_their_order_and_the_trace_shows_what_they_made(gpt):
+    """Tracing a model that carries a user's hooks: their pre-hooks and forward hooks still run, in the order
+    they were registered; the trace's input of a module is what it was called with and its output what its
+    caller got back (a hook's replacement included); the logits are those of the same hooked model untraced;
+    and nothing is left on the modules afterwards but the user's own hooks."""
+    order: list[str] = []
+    block, proj = gpt.blocks[0], gpt.blocks[1].mlp.c_fc
+    handles = [
+        block.register_forward_pre_hook(lambda m, args: order.append("pre a")),
+        block.register_forward_hook(lambda m, args, out: (order.append("post a"), out * 2)[1]),
+        block.register_forward_pre_hook(lambda m, args: order.append("pre b")),
+        block.register_forward_hook(lambda m, args, out: (order.append("post b"), out + 1)[1]),
+        proj.register_forward_hook(lambda m, args, out: (order.append("proj"), out.neg())[1]),
+    ]
+    tokens = torch.randint(0, 64, (1, 6))
+    try:
+        with torch.no_grad():
+            untraced = gpt(tokens)
+        assert order == ["pre a", "pre b", "post a", "post b", "proj"]
+        order.clear()
+        with torch.no_grad(), Tracer(gpt, capture="values") as tr:
+            logits = gpt(tokens)
+        assert order == ["pre a", "pre b", "post a", "post b", "proj"]
+        assert torch.equal(logits, untraced)
+        trace = tr.trace
+        embedded = trace.get("blocks.0.hook_resid_pre")
+        assert torch.equal(trace.get("blocks.0:in[0]"), embedded)  # what the block was called with
+        out0 = trace.get("blocks.0:out")  # (block(x) * 2) + 1: what the next block received
+        assert torch.equal(out0, trace.get("blocks.1:in[0]"))
+        assert torch.equal(out0, (trace.get("blocks.0.hook_resid_post") * 2) + 1)
+        fc_out = trace.get("blocks.1.mlp.c_fc:out")  # negated by the user's hook: what the MLP went on with
+        assert torch.equal(fc_out, trace.get("blocks.1.mlp.hook_pre"))
+        assert torch.allclose(fc_out, -(trace.get("blocks.1.mlp.c_fc:in[0]") @ proj.weight + proj.bias))
+        assert len(block._forward_hooks) == 2 and len(proj._forward_hooks) == 1  # the user's, and no more
+    finally:
+        for h in handles:
+            h.remove()
+    assert no_hooks_left(gpt)
+
+
 def test_nested_inputs_and_outputs_get_readable_slots():
     class Fancy(nn.Module):
         def __init__(self):
