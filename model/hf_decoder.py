@@ -589,10 +589,10 @@ def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dty
         if torch.device(device).type != "cpu":
             raise HFDecoderError("with max_memory, accelerate places the model: name the GPUs in it "
                                  "({0: '20GiB', 'cpu': '30GiB'}) instead of passing device")
+        amounts = _max_memory(max_memory)  # before the folder: a refused amount leaves nothing behind
         if offload_folder is None:
             folder = tempfile.mkdtemp(prefix="gpt-shape-tracer-offload-")  # 0700: only this user reads it
-        placement = {"device_map": "auto", "max_memory": _max_memory(max_memory),
-                     "offload_folder": str(offload_folder or folder)}
+        placement = {"device_map": "auto", "max_memory": amounts, "offload_folder": str(offload_folder or folder)}
     _register()
     try:
         try:

@@ -27,6 +27,18 @@ settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session", autouse=True)
+def temporary_files_under_pytests_own_directory(tmp_path_factory):
+    """Every ``tempfile.mkdtemp`` of the tests (model directories built once per module) and of the code they
+    run (offload folders, spill files) goes under pytest's temporary directory, which pytest prunes to its
+    last three runs: in /tmp, each full run left some 150 directories behind."""
+    import tempfile
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("tempfile")))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def apptest_does_once_what_a_server_does_once():
     """A server compiles app.py once and scans the installed packages for Streamlit components once. AppTest
     does both for every AppTest (the scan) and every run (the compile, through a new script cache each time):

@@ -128,9 +128,11 @@ def test_offloaded_weights_are_read_from_the_directory_and_the_offload_folder_is
 
 
 @pytest.mark.parametrize("amount", ["lots", "-1GB", 0, True, {"cpu": "2 parsecs"}])
-def test_an_amount_that_is_not_memory_is_refused_by_name(directory, amount):
+def test_an_amount_that_is_not_memory_is_refused_by_name(directory, amount, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the private offload folder would go
     with pytest.raises(ModelLoadError, match="is not an amount of memory"):
         load_hf(directory, max_memory=amount)
+    assert list(tmp_path.iterdir()) == []  # refused before any offload folder was made
 
 
 def test_offloading_is_refused_where_it_cannot_happen(directory, tmp_path):
