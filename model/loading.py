@@ -657,7 +657,9 @@ class SafetensorsFile:
     """One safetensors file, read by hand: the header first (names, dtypes, shapes — checkable before any
     allocation), then the data mapped, not read: ``tensor(name)`` is a view of the file's pages (the page
     cache, shared with the identity's hash on its own thread, ``model.identity.BackgroundDigest``), copied
-    once into our layout (``hf_to_state``), after which ``release(name)`` lets those pages go.
+    once into our layout (``hf_to_state``), after which ``release(name)`` lets those pages go. (As with any
+    memory-mapped load, transformers' included, a file cut short by another process *while* it is being
+    copied would stop the process with SIGBUS; the sizes are checked against the header before.)
 
     Format: 8 bytes little-endian header length N, N bytes of JSON ``{name: {dtype, shape,
     data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data (offsets relative to its start)."""
