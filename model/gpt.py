@@ -272,9 +272,11 @@ class Projection(nn.Module):
     GPT-2's ``Conv1D``. Llama-family checkpoints store ``nn.Linear`` weights
     transposed, ``[d_out, d_in]``; the loader transposes them once. The reason
     is speed: for a decode step (one row x) ``x·W`` with W ``[d_in, d_out]``
-    runs about 1.8× faster on CPU than ``F.linear`` with ``[d_out, d_in]``
-    (the same MKL, measured for d = 576 → 3072; no difference at 128 rows), and
-    a decode step is almost all such products."""
+    ran about 1.8× faster than ``F.linear`` with ``[d_out, d_in]`` on an Intel
+    Xeon (d = 576 → 3072), and 1.0× at GPT-2 small's sizes but 1.12–1.49× at a
+    1.1B model's on an AMD EPYC (no gain at 128 rows); a decode step is almost
+    all such products. The price is one transposing copy at load
+    (docs/benchmarks.md, loading a 1.1B model)."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = True) -> None:
         super().__init__()
