@@ -19,7 +19,7 @@ from figures.common import inert as plain  # everything the app did not write pa
 from gpt_shape_tracer.memory import return_freed_memory, reuse_freed_memory
 from gpt_shape_tracer.server_limits import SessionLedger
 from model import ModelLoadError, TextTokenizer, load_bundled, load_model
-from model.identity import identity_of
+from model.identity import IdentityUnavailable, identity_of
 from model.own_module import load_factory
 from session import (
     DEFAULT_MODEL_KEY,
@@ -148,7 +148,12 @@ def bundled_model(name: str):
 def directory_model(path: str, how: str):
     """The directory's model loaded as a key's ``how`` says: its dtype, and the memory its weights may take."""
     dtype, max_memory = directory_load(how)
-    return load_model(path, dtype=dtype, max_memory=max_memory)
+    model, tokenizer = load_model(path, dtype=dtype, max_memory=max_memory)
+    try:  # the app names the model by its identity at once: files that cannot be hashed are a failed load,
+        identity_of(model)  # shown as one and not cached (model.identity waits for the loader's hash)
+    except IdentityUnavailable as e:
+        raise ModelLoadError(str(e)) from None
+    return model, tokenizer
 
 
 @st.cache_resource(show_spinner="Running your factory…", max_entries=2)

@@ -772,10 +772,11 @@ class GPT(nn.Module):
         """Name, source and weights digest: set by the loaders (a ``PendingIdentity`` until the files' hash is
         done); for a model built in code, "unnamed", "built in code" and a digest of the parameters as they
         are now."""
-        if isinstance(self._identity, PendingIdentity):
-            self._identity = self._identity.result()
-        if self._identity is not None:
-            return self._identity
+        known = self._identity  # read once: another thread may resolve it meanwhile
+        if isinstance(known, PendingIdentity):  # set by the loaders: the files' hash may still be going on
+            known = self._identity = known.result()
+        if known is not None:
+            return known
         return computed_identity(self, self.config.family, self.config.to_dict())
 
     @identity.setter

@@ -441,10 +441,11 @@ class HFDecoder(nn.Module):
     # -- what our GPT offers too ----------------------------------------------------------------------
     @property
     def identity(self) -> ModelIdentity:
-        if isinstance(self._identity, PendingIdentity):  # set by load_hf_decoder: the files' hash may go on
-            self._identity = self._identity.result()
-        if self._identity is not None:
-            return self._identity
+        known = self._identity  # read once: another thread may resolve it meanwhile
+        if isinstance(known, PendingIdentity):  # set by the loaders: the files' hash may still be going on
+            known = self._identity = known.result()
+        if known is not None:
+            return known
         return computed_identity(self, f"hf:{self.architecture.model_type}", self.config.to_dict(), weights=self.hf,
                                  digest=lambda: parameters_digest(self.hf, tensors=_state_items(self.hf)))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import hashlib
 import os
 import threading
@@ -107,8 +108,9 @@ class BackgroundDigest:
         self._stop.set()
 
 
-class IdentityUnavailable(OSError):
-    """A loaded model's weight files could not be hashed for its identity (moved or changed after loading)."""
+class IdentityUnavailable(ValueError):
+    """A loaded model's weight files could not be hashed for its identity (moved or changed after loading):
+    a failed load, like the loaders' own errors (``ModelLoadError``, ``HFDecoderError``)."""
 
 
 @dataclass
@@ -131,6 +133,13 @@ class PendingIdentity:
                                       f"identity ({e}); were they moved or changed after loading?") from None
         return ModelIdentity(name=self.name, source=self.source, family=self.family, config=self.config,
                              weights_digest=weights_digest)
+
+    # a copied or pickled model carries its identity, resolved (the hash's thread and lock cannot be copied)
+    def __deepcopy__(self, memo: dict) -> ModelIdentity:
+        return copy.deepcopy(self.result(), memo)
+
+    def __reduce__(self):
+        return copy.copy(self.result()).__reduce__()
 
 
 def config_dict(config) -> dict:

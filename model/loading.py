@@ -732,14 +732,14 @@ class SafetensorsFile:
         if self._map is None or end == begin or not hasattr(self._map, "madvise"):  # madvise: not on Windows
             return
         start = (self._data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, start, self._data_start + end - start)
+        with contextlib.suppress(OSError):  # e.g. locked pages: they stay, and only memory is spent
+            self._map.madvise(mmap.MADV_DONTNEED, start, self._data_start + end - start)
 
     def close(self) -> None:
-        """Unmap the file (a view still alive — an error's traceback — keeps it mapped until it is collected)."""
-        if self._map is not None:
-            with contextlib.suppress(BufferError):
-                self._map.close()
-            self._map = None
+        """Let go of the mapping: the file is unmapped when the last view of it goes too. Not ``mmap.close()``,
+        which unmaps at once even while views made by ``torch.frombuffer`` live on (it keeps the object, not
+        its buffer, alive): a view left in an error's traceback would then read unmapped memory and crash."""
+        self._map = None
 
 
 def _read_bin(file: Path) -> dict[str, torch.Tensor]:

@@ -210,6 +210,34 @@ def test_bad_model_directories_leave_the_loaded_model_working(stepped, bad_dirs,
     assert_kept(at, 3)
 
 
+def test_files_that_cannot_be_hashed_are_a_failed_load_that_is_not_kept(stepped, hf_dir_with_tokenizer, tmp_path,
+                                                                         monkeypatch):
+    """The model's identity is its files' hash, taken beside the load: files that cannot be read for it make a
+    failed Load with the reason, the previous model and its steps stay, and the next Load tries again (the
+    failed model was not kept in the server's cache)."""
+    import model.identity as identity_module
+
+    directory = tmp_path / "model"  # a path no other test loaded: the server's model cache has not seen it
+    shutil.copytree(hf_dir_with_tokenizer, directory)
+    real = identity_module.files_digest
+
+    def unreadable(files, **kwargs):
+        raise PermissionError(13, "Permission denied", str(files[0]))
+
+    monkeypatch.setattr(identity_module, "files_digest", unreadable)
+    at = _load_dir(stepped, str(directory))
+    said = messages(at)
+    assert "Could not load that model, the previous one stays loaded" in said
+    assert "its weight files could not be read again" in said and "Permission denied" in said
+    assert at.session_state["app"].model_key == "bundled:story-gpt"
+    press(at, "step_button")
+    assert_kept(at, 3)
+    monkeypatch.setattr(identity_module, "files_digest", real)
+    at.sidebar.button(key="load_model").click()
+    run(at)
+    assert "Loaded" in messages(at)
+
+
 def test_a_real_local_directory_loads_and_steps(hf_dir_with_tokenizer):
     at = _load_dir(new_app(), str(hf_dir_with_tokenizer))
     assert "Loaded" in messages(at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -433,9 +434,12 @@ def test_our_gpt_is_returned_before_its_files_are_hashed_and_its_identity_waits_
     monkeypatch.setattr(identity_module, "files_digest", held_back)
     model, _ = load_hf(llama_dir)  # would wait out the 30 s if it waited for the hash
     gate.set()
+    copied = copy.deepcopy(model)  # copied (and pickled) while the identity is pending: it comes resolved
+    unpickled = pickle.loads(pickle.dumps(model))
     digest = model.identity.weights_digest
     assert waited_out == [False]
     assert digest == "sha256:" + hashlib.sha256((llama_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert copied.identity == unpickled.identity == model.identity
 
     def unreadable(files, **kwargs):
         raise FileNotFoundError(2, "No such file or directory", str(files[0]))
@@ -463,6 +467,25 @@ def test_a_released_tensor_reads_the_file_again(tmp_path):
             assert torch.equal(st.tensor(name), expected)
     finally:
         st.close()
+
+
+def test_a_view_of_a_closed_file_still_reads_its_values(tmp_path):
+    """A view can outlive the loader's close() (kept in an error's traceback, for one): reading it must give
+    the file's values, not crash the process on unmapped memory. Run in a child process: a crash there is a
+    failed test here, not a dead test run."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.arange(70000, dtype=torch.float32)}, tmp_path / "w.safetensors")
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from model.loading import SafetensorsFile; "
+            "st = SafetensorsFile(__import__('pathlib').Path(sys.argv[2])); view = st.tensor('a'); st.close(); "
+            "del st; import gc; gc.collect(); print(float(view.double().sum()))")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent.parent),
+                           str(tmp_path / "w.safetensors")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert float(done.stdout.split()[-1]) == float(torch.arange(70000, dtype=torch.float64).sum())
 
 
 def test_qwen2_sliding_window_on_some_layers_only_is_refused(tmp_path):

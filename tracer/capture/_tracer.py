@@ -104,7 +104,6 @@ class Tracer:
         self._log = self.trace.log
         self._record = self._log.add_record
         self._hooks: hooks.InstalledHooks | None = None
-        self._in_place: frozenset[int] = frozenset()  # modules flagged inplace=True, where values are kept
         self._finalizer: weakref.finalize | None = None
         self._stack: list[tuple[int, int, Any, Any]] = []
         self._calls: dict[int, int] = {}
@@ -127,9 +126,6 @@ class Tracer:
             installed = hooks.acquire(self.model)
             self._finalizer = weakref.finalize(self, hooks.release, id(self.model))
             self._hooks = installed
-            if self.keeps_values:  # read once: nn.Module's attribute lookup costs a microsecond per call
-                self._in_place = frozenset(i for i, (_, m) in enumerate(self.model.named_modules())
-                                           if getattr(m, "inplace", False) is True)
             self._log.set_modules(installed.modules, flagged=flagged_modules(installed.modules))
             if isinstance(getattr(self.model, "config", None), GPTConfig):
                 self._log.set_model(identity_of(self.model))
@@ -190,7 +186,7 @@ class Tracer:
         call = calls.get(index, 0)
         calls[index] = call + 1
         stack.append((index, call, args, kwargs))
-        if index in self._in_place:
+        if self.keeps_values and getattr(module, "inplace", False) is True:
             for a in args:
                 if isinstance(a, torch.Tensor):
                     self._log.protect(a)
