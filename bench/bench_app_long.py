@@ -60,6 +60,21 @@ def timed(at: AppTest) -> float:
     return elapsed
 
 
+def app_with_directory(directory, prompt: str) -> AppTest:
+    """The real app under AppTest as a person drives it: ``prompt`` typed, "Local Hugging Face directory"
+    chosen, ``directory`` typed, Load clicked; ready for its first Step."""
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=900)
+    at.run()
+    at.sidebar.text_area(key="prompt").set_value(prompt)
+    at.sidebar.radio(key="source").set_value("Local Hugging Face directory")
+    at.run()
+    at.sidebar.text_input(key="model_dir").set_value(str(directory))
+    at.run()
+    at.sidebar.button(key="load_model").click()
+    timed(at)
+    return at
+
+
 def prompt_of(tokenizer, tokens: int) -> str:
     text = SENTENCE
     while len(tokenizer.encode(text)) < tokens:
@@ -161,15 +176,7 @@ def main() -> None:
     untraced_forward(model, ids, 1)  # warm
     floor = untraced_forward(model, ids, args.repeats)
 
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=900)
-    at.run()
-    at.sidebar.text_area(key="prompt").set_value(prompt)
-    at.sidebar.radio(key="source").set_value("Local Hugging Face directory")
-    at.run()
-    at.sidebar.text_input(key="model_dir").set_value(str(directory))
-    at.run()
-    at.sidebar.button(key="load_model").click()
-    timed(at)
+    at = app_with_directory(directory, prompt)
 
     out: dict = {"machine": machine(), "tokens": int(ids.shape[1]), "untraced_forward_s": floor}
     at.sidebar.button(key="step_button").click()

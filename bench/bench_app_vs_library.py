@@ -26,8 +26,8 @@ PROBE = r"""
 import json, statistics, sys, time
 sys.path.insert(0, {root!r}); sys.path.insert(0, {bench!r})
 import torch
-from bench_app_long import prompt_of, untraced_forward
-from common import ROOT, gpt2_small_dir
+from bench_app_long import app_with_directory, prompt_of, untraced_forward
+from common import gpt2_small_dir
 from gpt_shape_tracer.memory import reuse_freed_memory
 from model import load_model
 
@@ -39,16 +39,7 @@ reuse_freed_memory()
 untraced_forward(model, ids, 1)
 floor = statistics.median(untraced_forward(model, ids, 3))
 if {mode!r} == "app":
-    from streamlit.testing.v1 import AppTest
-    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=900)
-    at.run()
-    at.sidebar.text_area(key="prompt").set_value(prompt)
-    at.sidebar.radio(key="source").set_value("Local Hugging Face directory")
-    at.run()
-    at.sidebar.text_input(key="model_dir").set_value(str(directory))
-    at.run()
-    at.sidebar.button(key="load_model").click()
-    at.run()
+    at = app_with_directory(directory, prompt)
     at.sidebar.button(key="step_button").click()
     started = time.perf_counter()
     at.run()
