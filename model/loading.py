@@ -666,7 +666,6 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._map: mmap.mmap | None = None
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -677,7 +676,10 @@ class SafetensorsFile:
                 if n > MAX_HEADER_BYTES or 8 + n > size:
                     self._fail(f"the header claims {n:,} bytes but the file has {size:,}")
                 header_bytes = f.read(n)
-                # copy-on-write: torch.frombuffer wants a writable buffer, and nothing is ever written
+                # copy-on-write: torch.frombuffer wants a writable buffer, and nothing is ever written. Never
+                # mmap.close()d: that unmaps at once even while views made by torch.frombuffer live on (they
+                # keep the object, not its buffer, alive), and a view left in an error's traceback would then
+                # read unmapped memory and crash; the file is unmapped when the last view of it goes
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except OSError as e:
             raise ModelLoadError(f"{path}: cannot be read ({e})") from None
@@ -713,13 +715,12 @@ class SafetensorsFile:
             pos = end
 
     def _fail(self, problem: str):
-        self.close()
         raise ModelLoadError(f"{self.path}: not a readable safetensors file ({problem})")
 
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name``, a view of the mapped file (no copy; its pages are read when first touched)."""
         dtype, shape, begin, end = self.entries[name]
-        if end == begin or self._map is None:
+        if end == begin:
             return torch.empty(shape, dtype=dtype)
         raw = torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin, offset=self._data_start + begin)
         return raw.view(dtype).view(shape)
@@ -729,17 +730,11 @@ class SafetensorsFile:
         twice. The mapping is private and never written, so a page touched again is read again from the file:
         releasing is always safe, only ever slower."""
         _, _, begin, end = self.entries[name]
-        if self._map is None or end == begin or not hasattr(self._map, "madvise"):  # madvise: not on Windows
+        if end == begin or not hasattr(self._map, "madvise"):  # madvise: not on Windows
             return
         start = (self._data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
         with contextlib.suppress(OSError):  # e.g. locked pages: they stay, and only memory is spent
             self._map.madvise(mmap.MADV_DONTNEED, start, self._data_start + end - start)
-
-    def close(self) -> None:
-        """Let go of the mapping: the file is unmapped when the last view of it goes too. Not ``mmap.close()``,
-        which unmaps at once even while views made by ``torch.frombuffer`` live on (it keeps the object, not
-        its buffer, alive): a view left in an error's traceback would then read unmapped memory and crash."""
-        self._map = None
 
 
 def _read_bin(file: Path) -> dict[str, torch.Tensor]:
@@ -883,40 +878,32 @@ def _build_ours(directory: Path, config: GPTConfig, files: list[Path], bin_file:
     """Our GPT from a directory's weights: every header checked first, then each tensor copied once from the
     mapped files into our layout (``hf_to_state``), its file pages let go as soon as its copy exists."""
     cfg_path = directory / "config.json"
-    opened: list[SafetensorsFile] = []
-    try:
-        if files:
-            opened = [SafetensorsFile(file) for file in files]  # headers only
-            where: dict[str, tuple[SafetensorsFile, str]] = {
-                _canonical(tensor_name, config.family): (st, tensor_name)
-                for st in opened for tensor_name in st.entries}
-            check_weights({k: (st.entries[n][1], st.path) for k, (st, n) in where.items()}, config, cfg_path)
-            raw = {k: st.tensor(n) for k, (st, n) in where.items()}  # views of the mapped files: nothing read yet
+    if files:
+        opened = [SafetensorsFile(file) for file in files]  # headers only
+        where: dict[str, tuple[SafetensorsFile, str]] = {
+            _canonical(tensor_name, config.family): (st, tensor_name) for st in opened for tensor_name in st.entries}
+        check_weights({k: (st.entries[n][1], st.path) for k, (st, n) in where.items()}, config, cfg_path)
+        raw = {k: st.tensor(n) for k, (st, n) in where.items()}  # views of the mapped files: nothing read yet
 
-            def release(name: str) -> None:
-                st, tensor_name = where[name]
-                st.release(tensor_name)
-        elif bin_file.exists():
-            raw = {_canonical(k, config.family): v for k, v in _read_bin(bin_file).items()}
-            check_weights({k: (tuple(v.shape), bin_file) for k, v in raw.items()}, config, cfg_path)
+        def release(name: str) -> None:
+            st, tensor_name = where[name]
+            st.release(tensor_name)
+    elif bin_file.exists():
+        raw = {_canonical(k, config.family): v for k, v in _read_bin(bin_file).items()}
+        check_weights({k: (tuple(v.shape), bin_file) for k, v in raw.items()}, config, cfg_path)
 
-            def release(name: str) -> None:
-                raw.pop(name)  # the only copy besides ours: let it go
-        else:
-            raise ModelLoadError(
-                f"{directory}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
-                "pytorch_model.bin)"
-            )
-        config = _untied_if_distinct(config, raw, directory)
-        for tensor_name in hf_shapes(config):
-            if not raw[tensor_name].is_floating_point():
-                raise ModelLoadError(f"{directory}: tensor {tensor_name!r} is {raw[tensor_name].dtype}, "
-                                     "not floating point")
-        state = hf_to_state(raw.__getitem__, config, dtype=target_dtype, device=target_device, done=release)
-        raw.clear()  # the views of the mapped files go before the files are unmapped
-    finally:
-        for st in opened:
-            st.close()
+        def release(name: str) -> None:
+            raw.pop(name)  # the only copy besides ours: let it go
+    else:
+        raise ModelLoadError(
+            f"{directory}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
+            "pytorch_model.bin)"
+        )
+    config = _untied_if_distinct(config, raw, directory)
+    for tensor_name in hf_shapes(config):
+        if not raw[tensor_name].is_floating_point():
+            raise ModelLoadError(f"{directory}: tensor {tensor_name!r} is {raw[tensor_name].dtype}, not floating point")
+    state = hf_to_state(raw.__getitem__, config, dtype=target_dtype, device=target_device, done=release)
     with torch.device("meta"):
         model = GPT(config)
     model.load_state_dict(state, assign=True)
