@@ -130,6 +130,7 @@ def browser_timings(steps: int) -> dict:
     from tests.browser import (
         chromium_page,
         click,
+        load_directory,
         open_app,
         open_tab,
         runs_finished,
@@ -169,14 +170,7 @@ def browser_timings(steps: int) -> dict:
         with chromium_page(1600, 1000) as page:
             open_app(page, url)
             set_prompt(page, PROMPT)
-            before = runs_finished(page)
-            page.get_by_label("Weights").get_by_text("Local Hugging Face directory").click()
-            wait_idle(page, after=before)
-            before = runs_finished(page)
-            page.get_by_label("Directory", exact=True).fill(str(gpt2_small_dir()))
-            page.get_by_label("Directory", exact=True).press("Enter")
-            wait_idle(page, after=before)
-            click(page, "Load")
+            load_directory(page, gpt2_small_dir())
             # the tabs appear with the first step: this one draws Shapes
             out["gpt2_prefill_shapes_s"] = clicks(page, "Step", "gpt2 prefill / Shapes", times=1)[0]
             open_tab(page, "Attention")

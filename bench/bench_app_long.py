@@ -120,9 +120,9 @@ def browser_timings(directory, prompt: str) -> dict[str, float]:
     from tests.browser import (
         chromium_page,
         click,
+        load_directory,
         open_app,
         open_tab,
-        runs_finished,
         set_prompt,
         streamlit_server,
         wait_idle,
@@ -131,14 +131,7 @@ def browser_timings(directory, prompt: str) -> dict[str, float]:
     out: dict[str, float] = {}
     with streamlit_server() as url, chromium_page(1600, 1000) as page:
         open_app(page, url)
-        before = runs_finished(page)
-        page.get_by_label("Weights").get_by_text("Local Hugging Face directory").click()
-        wait_idle(page, after=before)
-        before = runs_finished(page)
-        page.get_by_label("Directory", exact=True).fill(str(directory))
-        page.get_by_label("Directory", exact=True).press("Enter")
-        wait_idle(page, after=before)
-        click(page, "Load")
+        load_directory(page, directory)
         set_prompt(page, prompt)
 
         def timed_click(label: str, action) -> None:

@@ -148,18 +148,11 @@ def in_the_browser(env: dict[str, str], prompt: str) -> dict:
     """One fresh server of the real app in ``env``: the directory loaded, the prompt set, Step clicked; the
     traced forward time the page shows, the click, and the CPU the server and Chromium spent during it."""
     sys.path.insert(0, str(ROOT))
-    from tests.browser import chromium_page, click, open_app, runs_finished, set_prompt, streamlit_server, wait_idle
+    from tests.browser import chromium_page, click, load_directory, open_app, set_prompt, streamlit_server
 
     with streamlit_server(env=env) as url, chromium_page(1600, 1000) as page:
         open_app(page, url)
-        before = runs_finished(page)
-        page.get_by_label("Weights").get_by_text("Local Hugging Face directory").click()
-        wait_idle(page, after=before)
-        before = runs_finished(page)
-        page.get_by_label("Directory", exact=True).fill(str(gpt2_small_dir()))
-        page.get_by_label("Directory", exact=True).press("Enter")
-        wait_idle(page, after=before)
-        click(page, "Load")
+        load_directory(page, gpt2_small_dir())
         set_prompt(page, prompt)
         server, chromium = cpu_seconds(b"streamlit"), cpu_seconds(b"chrom")
         started = time.perf_counter()
@@ -205,7 +198,6 @@ def main() -> None:
             print(f"  {case}: Step {m[f'{which}_step_s']:.2f} s, ×{ratio:.2f} the library's (target ≤ 1.15), "
                   f"{m[f'{which}_system_cpu_s']:.2f} s in the kernel, {m[f'{which}_faulted_mib']:.0f} MiB")
     if args.browser:
-        sys.path.insert(0, str(ROOT / "bench"))
         from bench_app_long import prompt_of
 
         from model import load_model

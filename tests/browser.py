@@ -230,6 +230,19 @@ def set_prompt(page, text: str) -> None:
     wait_idle(page, after=before)
 
 
+def load_directory(page, directory) -> None:
+    """Choose "Local Hugging Face directory", type ``directory``, commit it and click Load (each a rerun)."""
+    before = runs_finished(page)
+    page.get_by_label("Weights").get_by_text("Local Hugging Face directory").click()
+    wait_idle(page, after=before)
+    box = page.get_by_role("textbox", name="Directory")
+    before = runs_finished(page)
+    box.fill(str(directory))
+    box.press("Enter")
+    wait_idle(page, after=before)
+    click(page, "Load")
+
+
 def click(page, name: str, settle_ms: int = 0) -> None:
     before = runs_finished(page)
     page.get_by_role("button", name=name, exact=True).click()

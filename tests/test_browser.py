@@ -24,6 +24,7 @@ from tests.browser import (
     chromium,
     click,
     clipped_labels,
+    load_directory,
     open_app,
     open_tab,
     plotly_data,
@@ -416,14 +417,7 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
         errors, outside = watch(page, url)
         open_app(page, url)
         set_prompt(page, PROMPT)
-        before = runs_finished(page)
-        page.get_by_label("Weights").get_by_text("Local Hugging Face directory").click()
-        wait_idle(page, after=before)
-        box = page.get_by_role("textbox", name="Directory")
-        box.fill(str(directory))
-        box.press("Enter")
-        wait_idle(page)
-        click(page, "Load")
+        load_directory(page, directory)
         # the page names the model and its family (the server's first transformers model: its import and the
         # load take long on a loaded machine)
         page.get_by_text("hf:gemma2").first.wait_for(timeout=180_000)
