@@ -40,6 +40,15 @@ CAPTURES = list(FORWARD_CAPTURES)  # gradients: a backward pass, from Attention 
 PADDINGS = list(PADDING_SIDES)
 
 
+def _end_of_sequence_ids() -> tuple[int, ...]:
+    """The ids the loaded model's files declare as ending a sequence (empty: none, or no model loads)."""
+    try:
+        _, tokenizer = current_model()
+    except (ModelLoadError, OwnModuleError, OSError, ValueError):
+        return ()
+    return tuple(getattr(tokenizer, "eos_ids", ()) or ())
+
+
 def sidebar() -> tuple[str | None, dict[str, object]]:
     """Draws the sidebar; returns the action pressed ("run", "reset") or None, and the settings' widget values
     by key (``session.settings_from`` reads them). Step is not an action: its click is counted by its callback
@@ -115,9 +124,13 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     values["chat"] = sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
                                help="Wrap each prompt in the model's chat template as a user message, as "
                                     "transformers' apply_chat_template(add_generation_prompt=True) does")
-    values["stop_at_eos"] = sb.toggle("stop at EOS", value=DEFAULTS.stop_at_eos, key="stop_at_eos",
-                                      help="Stop once every sequence has chosen an end-of-sequence token (the ids "
-                                           "the model's files declare; the bundled models declare none)")
+    declared = _end_of_sequence_ids()
+    values["stop_at_eos"] = sb.toggle(
+        "stop at EOS", value=DEFAULTS.stop_at_eos, key="stop_at_eos", disabled=not declared,
+        help=f"Stop once every sequence has chosen an end-of-sequence token: this model declares "
+             f"{', '.join(map(str, declared))} (the bundled models: <|endoftext|>, which ends each of their stories)"
+        if declared else "This model's files declare no end-of-sequence token, so generation never stops on a token "
+                         "and this switch would change nothing")
     values["capture"] = sb.selectbox(
         "Capture", CAPTURES, index=CAPTURES.index(DEFAULTS.capture), key="capture",
         help="shapes: shape/dtype only (NaN/∞ checked on the residual stream and logits) · values: + "

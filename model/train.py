@@ -394,7 +394,9 @@ def main(argv: list[str] | None = None) -> dict:
         "history": history,
         "ablation_delta_repeat_loss": [[round(float(v), 3) for v in row] for row in effects],
     }
-    out = save_hf(model, out_dir, tokenizer)
+    # each story ends with <|endoftext|> (token_stream): the config declares it, so generation stops there
+    ends = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
+    out = save_hf(model, out_dir, tokenizer, extra=ends)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(json.dumps({k: report[k] for k in ("heldout_loss", "unigram_loss", "previous_token_head",
                                              "induction_head")}, indent=2))

@@ -652,3 +652,19 @@ def test_the_gradients_of_every_hook_point_are_recorded_and_saved(stepped):
     assert "Press the button to record step 2's gradients for L = −log p(chosen token)" in page_text(at)
     press(at, "reset_button")
     assert at.session_state["app"].gradient_trace is None
+
+
+def test_the_app_stops_a_bundled_story_at_its_end():
+    """The bundled models declare <|endoftext|>: Run N stops there, says so, and the switch says which id."""
+    at = new_app()
+    at.sidebar.radio(key="source").set_value("Bundled Llama-style story model")
+    at.sidebar.text_area(key="prompt").set_value("Once upon a time, Tom had a red ball. He")
+    at.sidebar.selectbox(key="capture").set_value("shapes")
+    run(at)
+    switch = at.sidebar.toggle(key="stop_at_eos")
+    assert not switch.disabled and "declares 0" in switch.help
+    at.sidebar.number_input(key="run_n").set_value(200)
+    press(at, "run_button")
+    gen = gen_of(at)
+    assert gen.n_steps < 200 and "end-of-sequence" in gen.stopped
+    assert any("end-of-sequence" in w.value for w in at.warning)

@@ -160,3 +160,19 @@ def test_the_induction_heads_depend_on_the_previous_token_head(bundle):
         broken_loss, broken_score = repeat_loss(model, tokens, 50), induction_scores(model, tokens, 50).max().item()
     assert broken_score < 0.5 * intact_score, (intact_score, broken_score)
     assert broken_loss > intact_loss + 2.0, (intact_loss, broken_loss)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_bundled_models_stop_where_their_stories_end(name):
+    """Every training story ends with <|endoftext|> (model.train.token_stream), and the config declares it as
+    end-of-sequence: "stop at EOS" (on by default) stops a generation there, and off goes on past it."""
+    from tracer import TracedGeneration
+
+    model, tok = load_bundled(name)
+    assert tok.eos_ids == (tok.encode("<|endoftext|>")[0],) == (0,)
+    gen = TracedGeneration(model, tok, ["Once upon a time, Tom had a red ball. He"], temperature=0, capture="shapes")
+    steps = gen.run(250)
+    assert steps < 250 and "end-of-sequence" in gen.stopped and gen.text(0).endswith("<|endoftext|>")
+    going_on = TracedGeneration(model, tok, ["Once upon a time, Tom had a red ball. He"], temperature=0,
+                                capture="shapes", stop_at_eos=False)
+    assert going_on.run(steps + 3) == steps + 3 and not going_on.stopped

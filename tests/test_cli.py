@@ -179,3 +179,15 @@ def test_a_report_over_the_trace_or_into_a_missing_folder_is_refused_first(capsy
     assert code == 2 and "does not exist" in stderr and not out.exists()
     code, _, stderr = run(capsys, "--prompt", "Lily", "--html", str(tmp_path))
     assert code == 2 and "is a directory" in stderr
+
+
+def test_a_bundled_model_stops_at_the_end_of_its_story_unless_told_to_go_on(capsys):
+    code, stdout, stderr = run(capsys, "--prompt", "Once upon a time, Tom had a red ball. He", "--steps", "250",
+                               "--capture", "shapes", "--json", "--model", "story-llama")
+    import json
+
+    steps = json.loads(stdout)["steps"]
+    assert code == 0 and steps < 250 and "end-of-sequence" in stderr
+    code, stdout, _ = run(capsys, "--prompt", "Once upon a time, Tom had a red ball. He", "--steps",
+                          str(steps + 2), "--capture", "shapes", "--json", "--model", "story-llama", "--no-stop-at-eos")
+    assert code == 0 and json.loads(stdout)["steps"] == steps + 2
