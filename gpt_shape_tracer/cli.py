@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         watch = ["--server.fileWatcherType=auto"] if "--dev" in rest else []
         rest = [arg for arg in rest if arg != "--dev"]
         # the server replaces this process: Ctrl+C and a terminating parent reach Streamlit itself
-        command = [sys.executable, "-m", "streamlit", "run", str(script), *server_flags(), *watch, *rest]
+        # -P: the working directory is not put on sys.path, so a user's own model.py there does not replace ours
+        command = [sys.executable, "-P", "-m", "streamlit", "run", str(script), *server_flags(), *watch, *rest]
         os.execv(sys.executable, command)
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2

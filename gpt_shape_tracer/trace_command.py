@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
     import pandas as pd
 
+    from gpt_shape_tracer import room
+
+    for name in ("model", "tracer", "figures", "session"):  # ours, not a same-named file of the working directory
+        room(name)
     from model import ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
     from model.own_module import OwnModuleError, load_factory
     from session import build_settings, new_generation

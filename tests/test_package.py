@@ -103,3 +103,78 @@ def test_the_app_command_serves_the_page(installed):
     finally:
         server.terminate()
         server.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def shadowing(installed):
+    """A working directory holding a user's own model.py, tracer.py, figures.py, session.py, gui.py and app.py,
+    each of which fails loudly if it is ever imported in place of ours."""
+    _, _, elsewhere = installed
+    folder = elsewhere.parent / "users-own-files"
+    folder.mkdir(exist_ok=True)
+    for name in ("model", "tracer", "figures", "session", "gui", "app"):
+        (folder / f"{name}.py").write_text(f"raise ImportError('the user\\'s own {name}.py was imported')\n")
+    return folder
+
+
+def test_import_gpt_shape_tracer_beside_a_users_own_model_py(installed, shadowing):
+    python, bin_dir, _ = installed
+    code = ("import gpt_shape_tracer as gst\n"
+            "model, tok = gst.load_bundled('story-gpt')\n"
+            "gen = gst.TracedGeneration(model, tok, ['Once upon a time'])\n"
+            "gen.run(2)\n"
+            "print(gen.trace.n_steps, gst.figures.__file__, gst.Tracer.__module__)")
+    out = subprocess.run([str(python), "-c", code], cwd=shadowing, env=clean_env(bin_dir), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    steps, figures_file, _ = out.stdout.split()
+    assert steps == "2" and "site-packages" in figures_file
+
+
+def test_the_commands_beside_a_users_own_model_py(installed, shadowing):
+    python, bin_dir, _ = installed
+    for command in ([str(bin_dir / "gpt-shape-tracer")], [str(python), "-m", "gpt_shape_tracer"]):
+        done = subprocess.run([*command, "trace", "--prompt", "Once upon a time", "--steps", "2"], cwd=shadowing,
+                              env=clean_env(bin_dir), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "hook_logits" in done.stdout, (command, done.stderr)
+
+
+def test_the_app_beside_a_users_own_model_py_runs_its_page(installed, shadowing):
+    """The page itself runs (a session executes app.py, which imports the rooms), not only the server."""
+    from tests.browser import chromium_page, click, open_app, page_state
+
+    _, bin_dir, _ = installed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(bin_dir / "gpt-shape-tracer"), "app", "--server.port", str(port)], cwd=shadowing,
+                              env=clean_env(bin_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        with chromium_page() as page:
+            open_app(page, f"http://127.0.0.1:{port}")
+            click(page, "Step")
+            state = page_state(page)
+            assert "imported" not in state and page.get_by_text("Step 0, the prefill").count(), state
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+
+
+def test_pip_show_names_the_authors_and_the_classifiers(installed):
+    python, bin_dir, elsewhere = installed
+    code = ("import importlib.metadata as m, json; d = m.metadata('gpt-shape-tracer'); "
+            "print(json.dumps({'author': d['Author-email'], 'classifiers': d.get_all('Classifier'), "
+            "'summary': d['Summary']}))")
+    import json
+
+    out = json.loads(subprocess.run([str(python), "-c", code], cwd=elsewhere, env=clean_env(bin_dir),
+                                    capture_output=True, text=True, check=True).stdout)
+    assert "maintainers" in out["author"] and "shape-tracing debugger" in out["summary"]
+    assert any(c.startswith("Topic :: Scientific/Engineering") for c in out["classifiers"])
