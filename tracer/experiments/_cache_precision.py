@@ -83,20 +83,21 @@ def cache_precision(generation: TracedGeneration, storage: str, steps: int = 16)
     width = facts.info.prompt_width
     if width + steps > model.config.n_ctx:
         raise ValueError(f"{steps} steps after a {width}-column prompt pass the model's n_ctx of {model.config.n_ctx}")
-    columns = torch.tensor([facts.columns(r, 0) for r in range(batch)])
-    real = torch.tensor([facts.is_token(r, 0) for r in range(batch)])
+    device = generation.device  # every tensor fed to the model is made where its weights are
+    columns = torch.tensor([facts.columns(r, 0) for r in range(batch)], device=device)
+    real = torch.tensor([facts.is_token(r, 0) for r in range(batch)], device=device)
     mask = real if not bool(real.all()) else None
-    last = torch.tensor([facts.last_token_column(r, 0) for r in range(batch)])  # where the prefill chooses from
+    last = torch.tensor([facts.last_token_column(r, 0) for r in range(batch)], device=device)  # the prefill's row
     reference, cheaper = model.new_cache(batch), model.new_cache(batch, storage)
     feed, rows = columns, last
     out = []
     for step in range(steps):
-        ref = model(feed, cache=reference, padding_mask=mask)[torch.arange(batch), rows].float()
-        got = model(feed, cache=cheaper, padding_mask=mask)[torch.arange(batch), rows].float()
+        ref = model(feed, cache=reference, padding_mask=mask)[torch.arange(batch, device=device), rows].float()
+        got = model(feed, cache=cheaper, padding_mask=mask)[torch.arange(batch, device=device), rows].float()
         fed = ref.argmax(dim=-1)
         out.append(PrecisionStep(step, float((ref - got).abs().max()), tuple(fed.tolist()),
                                  tuple(got.argmax(dim=-1).tolist())))
-        feed, rows, mask = fed[:, None], torch.zeros(batch, dtype=torch.long), None  # one new column each
+        feed, rows, mask = fed[:, None], torch.zeros(batch, dtype=torch.long, device=device), None  # one column
     keys = reference.keys[0]
     assert keys is not None  # every layer holds rows after a step
     return CachePrecisionRun(storage, tuple(out), reference.nbytes, cheaper.stored_nbytes, model.config.n_layer,

@@ -115,8 +115,9 @@ def _backward(generation: TracedGeneration, step: int, loss: str,
     model, facts = generation.model, generation.facts
     if not 0 <= step < facts.n_steps:
         raise ValueError(f"the generation has no step {step}")
-    columns = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
-    real = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)])
+    device = generation.device  # the columns go where the weights are; the results come back to the host
+    columns = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)], device=device)
+    real = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)], device=device)
     seen: dict[str, torch.Tensor] = {}
     me = threading.get_ident()
 
@@ -152,8 +153,8 @@ def _backward(generation: TracedGeneration, step: int, loss: str,
     finally:
         for handle in handles:
             handle.remove()
-    got = {n: g for n, g in zip(wanted, grads) if g is not None}
-    return {n: t.detach() for n, t in seen.items()}, got, float(value.detach())
+    got = {n: g.cpu() for n, g in zip(wanted, grads) if g is not None}
+    return {n: t.detach().cpu() for n, t in seen.items()}, got, float(value.detach())
 
 
 def _loss(logits: torch.Tensor, columns: torch.Tensor, real: torch.Tensor, facts, step: int, loss: str) -> torch.Tensor:

@@ -71,7 +71,8 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
     model = _model(trace, model)
     label = label or (lambda i: f"⟨{i}⟩")
     n_layer = model.config.n_layer
-    lens = [model.unembed_residual(_value(trace, act_name("resid_post", L), step)[row]).float()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # recorded values are on the host
+    lens = [model.unembed_residual(_value(trace, act_name("resid_post", L), step)[row].to(device)).float().cpu()
             for L in range(n_layer)]  # n_layer × [n, V]
     recorded = _value(trace, act_name("logits"), step)[row].float()
     if not torch.allclose(lens[-1], recorded, atol=1e-3, rtol=1e-3):  # the lens must end at the model's logits
@@ -121,27 +122,32 @@ def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int |
             raise ValueError("give token=…: this step chose no token")
         token = choice.tokens[row]
     p = sampled_position(trace, step, row)
+    device = next((q.device for q in model.parameters()), torch.device("cpu"))
+
+    def on_model(name: str, at: int) -> torch.Tensor:  # a recorded value (on the host) where the weights are
+        return _value(trace, name, at).to(device)
+
     w = model.w_u[token].float()  # [d]: W_U's column for the token
     n_layer = model.config.n_layer
-    final = _value(trace, act_name("resid_post", n_layer - 1), step)[row, p].float()
+    final = on_model(act_name("resid_post", n_layer - 1), step)[row, p].float()
     linear, constant = model.ln_final.linearized(final)
 
     def share(c: torch.Tensor) -> float:
         return float((linear(c.float()) * w).sum())
 
     parts: list[tuple[str, int | None, int | None, str, torch.Tensor]] = [
-        ("embeddings", None, None, "embed", _value(trace, act_name("embed"), step)[row, p])]
+        ("embeddings", None, None, "embed", on_model(act_name("embed"), step)[row, p])]
     if trace.has(act_name("pos_embed"), step):
-        parts[0] = ("embeddings", None, None, "embed", parts[0][4] + _value(trace, act_name("pos_embed"), step)[row, p])
+        parts[0] = ("embeddings", None, None, "embed", parts[0][4] + on_model(act_name("pos_embed"), step)[row, p])
     for layer in range(n_layer):
         attn = block_attention(model, layer)
-        z = _value(trace, act_name("z", layer), step)[row:row + 1].float()
+        z = on_model(act_name("z", layer), step)[row:row + 1].float()
         heads = attn.head_outputs(z)[0, :, p]  # [H, d]
         for h in range(heads.shape[0]):
             parts.append((f"L{layer} H{h}", layer, h, "head", heads[h]))
         if attn.c_proj.bias is not None:
             parts.append((f"L{layer} W_O bias", layer, None, "bias", attn.c_proj.bias))
-        parts.append((f"L{layer} MLP", layer, None, "mlp", _value(trace, act_name("mlp_out", layer), step)[row, p]))
+        parts.append((f"L{layer} MLP", layer, None, "mlp", on_model(act_name("mlp_out", layer), step)[row, p]))
     frame = pd.DataFrame([{"component": name, "layer": layer, "head": head, "kind": kind, "contribution": share(c)}
                           for name, layer, head, kind, c in parts])
     const = float((constant.float() * w).sum()) if constant is not None else 0.0

@@ -270,14 +270,22 @@ class TracedGeneration:
         cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
         padded = facts.info.padded
         mask = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)]) if padded else None
+        device = self.device  # the ids go where the model is: an embedding on a GPU reads ids on the GPU
+        cols = cols.to(device)
+        mask = mask.to(device) if mask is not None else None
         if step == 0:
             last = None
             if padded and facts.info.padding_side == "right":
-                last = torch.tensor([len(r) for r in facts.info.prompt_tokens]) - 1
+                last = torch.tensor([len(r) for r in facts.info.prompt_tokens], device=device) - 1
             return cols, mask, last
         if self.use_cache:
             return cols[:, -1:], None, None
         return cols, mask, None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (the first parameter's device; the CPU for a model without any)."""
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
     def step(self) -> GenerationStep:
         """One forward pass (traced) and one chosen token per row."""
@@ -298,14 +306,17 @@ class TracedGeneration:
         rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0)), last]  # [B, V]
         forward = ForwardFacts(n=n, t=before + n if self.use_cache else n, cache_before=before,
                                cache_after=self.cache_length, fed_tokens=tuple(map(tuple, tokens.tolist())))
-        bad = [r for r in range(rows.size(0)) if not _choosable(rows[r])]
+        # the choice is made on the host from [B, V] (one copy per step, whatever the device): the same seed then
+        # picks the same tokens on a CPU and a GPU wherever their logits agree, and no per-row sync is made
+        host_rows = rows.detach().float().cpu()
+        bad = [r for r in range(host_rows.size(0)) if not _choosable(host_rows[r])]
         if bad:
             self.stopped = (f"step {step}: the logits of sequence {bad[0]} hold NaN or +∞, so no token can be "
                             "chosen; generation stops here (the step's tensors are kept: the first bad record "
                             "is named above)")
             choice = None
         else:
-            choice = self._sampling_record(sample(rows, self.sampling, self.generator))
+            choice = self._sampling_record(sample(host_rows, self.sampling, self.generator))
         self.trace.log.add_generation_step(GenerationStep(step=step, forward=forward, sampling=choice))
         self._last = (tokens, mask, last, before, rows)
         if choice is not None and self.stop_ids and all(
@@ -375,8 +386,9 @@ class TracedGeneration:
         facts = self.facts
         step = facts.n_steps - 1
         width = facts.width(step)  # the columns that existed when the latest step ran
-        cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
-        mask = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)]) if self.padded else None
+        cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)], device=self.device)
+        mask = (torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)], device=self.device)
+                if self.padded else None)
         tokens, _, last, _, run_rows = self._last
         pick = (lambda lg: lg[:, -1, :]) if last is None else (lambda lg: lg[torch.arange(lg.size(0)), last])
 
