@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
 
     from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
-    from model.own_module import OwnModuleError, load_factory
+    from model.sources import OwnModuleError, load_factory
     from session import build_settings, new_generation
 
     try:

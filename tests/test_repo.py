@@ -63,7 +63,7 @@ def test_dependencies_point_one_way():
 # torch's own private attributes we read on purpose, each for a reason a test pins
 ALLOWED_PRIVATE = {
     "_version": "the in-place version counter that catches a kept value changed later (tracer/storage/_store.py)",
-    "_global_forward_hooks": "lets an unhooked hook point skip nn.Module.__call__ (model/gpt.py, pinned by a test)",
+    "_global_forward_hooks": "lets an unhooked hook point skip nn.Module.__call__ (model/gpt/_gpt.py; a test pins it)",
     "_global_forward_pre_hooks": "as above",
     "_repr_mimebundle_": "IPython's display protocol, public in all but name: the heads grid shows its figure "
                          "as plotly shows it (figures/attention.py)",

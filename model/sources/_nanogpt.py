@@ -30,10 +30,9 @@ from pathlib import Path
 
 import torch
 
-from model.gpt import GPT, GPTConfig
-from model.identity import ModelIdentity
-from model.loading import READ_CHUNK, ModelLoadError, _check_dir, _device, _dtype, load_tokenizer
-from model.tokenizer import TextTokenizer
+from model.gpt import GPT, GPTConfig, ModelIdentity
+from model.sources._common import READ_CHUNK, ModelLoadError, check_dir, parse_device, parse_dtype
+from model.sources._tokenizer import TextTokenizer, load_tokenizer
 
 CHECKPOINT_NAME = "ckpt.pt"  # what nanoGPT's train.py writes into out_dir
 COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper puts this before every parameter name
@@ -66,7 +65,7 @@ def load_nanogpt(
     GPT-2 BPE is not available offline). Returns the model (eval mode, no gradients, ``dtype``, on ``device``)
     carrying ``model.identity`` (its digest is the checkpoint file's sha256), and the tokenizer. Raises
     ``ModelLoadError`` naming the file and the problem."""
-    target_dtype, target_device = _dtype(dtype), _device(device)
+    target_dtype, target_device = parse_dtype(dtype), parse_device(device)
     file = _checkpoint_file(path)
     hasher = hashlib.sha256()
     ckpt = _read_checkpoint(file, hasher)
@@ -101,7 +100,7 @@ def _checkpoint_file(path: str | os.PathLike) -> Path:
         raise ModelLoadError(f"{path!r}: a checkpoint path must be a string or a path, not {type(path).__name__}")
     p = Path(path).expanduser()
     if p.is_dir():
-        directory = _check_dir(p)  # resolved, and no file in it links out of it
+        directory = check_dir(p)  # resolved, and no file in it links out of it
         if not (directory / CHECKPOINT_NAME).is_file():
             raise ModelLoadError(f"{p}: holds no {CHECKPOINT_NAME} (nanoGPT's train.py writes one into out_dir)")
         return directory / CHECKPOINT_NAME

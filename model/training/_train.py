@@ -1,6 +1,6 @@
-"""Train a bundled story model: ``python -m model.train [--family llama]`` (seeded; ~15 min on 2 CPU cores).
+"""Train a bundled story model: ``python -m model.training [--family llama]`` (seeded; ~15 min on 2 CPU cores).
 
-1. draw stories from ``model.corpus`` (train and held-out sets from different seeds);
+1. draw stories from ``model.training`` (train and held-out sets from different seeds);
 2. train a byte-level BPE tokenizer on the training stories with ``tokenizers``
    (``--family llama`` loads ``assets/story-gpt/tokenizer.json`` instead, so both
    bundled models share token ids);
@@ -29,11 +29,10 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.corpus import stories
+from model.analysis import ablation_effects, induction_scores, previous_token_scores, repeated_random_tokens
 from model.gpt import GPT, GPTConfig, block_attention, rope_inv_freq
-from model.heads import ablation_effects, induction_scores, previous_token_scores, repeated_random_tokens
-from model.loading import ASSETS, BUNDLED_DIR, save_hf
-from model.tokenizer import END_OF_TEXT, TextTokenizer
+from model.sources import ASSETS, BUNDLED_DIR, END_OF_TEXT, TextTokenizer, load_hf, save_hf
+from model.training._corpus import stories
 
 TRAIN_SEED, HELDOUT_SEED = 1, 2
 
@@ -178,7 +177,6 @@ def seed_previous_token_head_(model: GPT, layer: int, head: int, pairs: int = 16
         k_block[2 * f + 1, 2 * m] = math.sin(w)
         k_block[2 * f, 2 * m + 1] = -math.sin(w)
         k_block[2 * f + 1, 2 * m + 1] = math.cos(w)
-    from model.heads import previous_token_scores
 
     probe = torch.randint(1, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
     strength, weight = 0.5, 0.0
@@ -223,7 +221,6 @@ def seed_rope_previous_token_head_(model: GPT, layer: int, head: int, pairs: int
     q_cols = [head * dh + m for m in range(pairs)] + [head * dh + half + m for m in range(pairs)]
     k_base = H * dh + kv_head * dh
     k_cols = [k_base + m for m in range(pairs)] + [k_base + half + m for m in range(pairs)]
-    from model.heads import previous_token_scores
 
     probe = torch.randint(1, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
     strength, weight = 0.5, 0.0
@@ -310,7 +307,6 @@ def main(argv: list[str] | None = None) -> dict:
     model = GPT(config)
     continued = None
     if args.init_from is not None:  # go on training an earlier run's weights (a fresh optimizer and schedule)
-        from model.loading import load_hf
 
         earlier, _ = load_hf(args.init_from)
         model.load_state_dict(earlier.state_dict())  # strict: the same names and shapes as this run's model
