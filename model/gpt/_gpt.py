@@ -640,13 +640,8 @@ class Block(nn.Module):
         self.hook_mlp_out = HookPoint()  # [B, n, d]
         self.hook_resid_post = HookPoint()  # [B, n, d]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: KVCache | None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
         attn_out = self.hook_attn_out(self.attn(self.ln1(x), mask, cache, rope))
         x = self.hook_resid_mid(x + attn_out)

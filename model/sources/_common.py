@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -134,3 +135,31 @@ def display_name_of(directory: Path) -> str:
     if directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--"):
         return directory.parent.parent.name.removeprefix("models--").replace("--", "/")
     return directory.name
+
+
+def unpickling_error(file: Path, error: Exception, what: str) -> ModelLoadError:
+    """The load error for ``torch.load(file, weights_only=True)`` that raised ``error``, ``file`` being a ``what``
+    ("PyTorch checkpoint"): a pickle that names a class or function is refused before anything in it runs, and
+    one the weights-only unpickler cannot read is not readable; any other error is a malformed file (weights_only runs
+    no code of the file's, but a crafted pickle can call an allowed rebuild function with wrong arguments:
+    TypeError, IndexError, …)."""
+    if isinstance(error, pickle.UnpicklingError):
+        reason = _unpickler_reason(str(error))
+        if "global" not in reason.lower():  # no class or function named: bytes it cannot read as tensors
+            return ModelLoadError(f"{file}: not a readable {what} — the weights-only unpickler refused it "
+                                  f"({reason}), so nothing in it ran")
+        return ModelLoadError(
+            f"{file}: refused — the pickle names Python classes or functions, not only tensors, numbers, strings "
+            f"and containers, and it is only loaded with torch.load(weights_only=True), so nothing in it ran "
+            f"({reason})"
+        )
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ModelLoadError(f"{file}: not a readable {what} ({type(error).__name__}: {first})")
+
+
+def _unpickler_reason(message: str) -> str:
+    """The one line of torch's weights-only refusal that says what was refused ("Unsupported global: GLOBAL
+    __main__.X was not an allowed global by default"), without its advice to load with weights_only=False."""
+    text = message.split("WeightsUnpickler error:", 1)[-1].split("Check the documentation", 1)[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0].split(". Please use")[0] if lines else "the unpickler refused it"

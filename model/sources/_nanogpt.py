@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +30,14 @@ from pathlib import Path
 import torch
 
 from model.gpt import GPT, GPTConfig, ModelIdentity
-from model.sources._common import READ_CHUNK, ModelLoadError, check_dir, parse_device, parse_dtype
+from model.sources._common import (
+    READ_CHUNK,
+    ModelLoadError,
+    check_dir,
+    parse_device,
+    parse_dtype,
+    unpickling_error,
+)
 from model.sources._tokenizer import TextTokenizer, load_tokenizer
 
 CHECKPOINT_NAME = "ckpt.pt"  # what nanoGPT's train.py writes into out_dir
@@ -122,27 +128,8 @@ def _read_checkpoint(file: Path, hasher) -> object:
             if "mmap" not in str(e):
                 raise
             return torch.load(file, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
-    except pickle.UnpicklingError as e:
-        reason = _unpickler_reason(str(e))
-        if "global" not in reason.lower():  # not a class or function: bytes that are no pickle at all
-            raise ModelLoadError(f"{file}: not a readable PyTorch checkpoint ({reason})") from None
-        raise ModelLoadError(
-            f"{file}: refused — the pickle names Python classes or functions, not only tensors, numbers, strings "
-            f"and containers, and checkpoints are only loaded with torch.load(weights_only=True), so nothing in "
-            f"it ran ({reason})"
-        ) from None
     except Exception as e:  # noqa: BLE001 - weights_only runs no code of the file's: any error is a malformed file
-        # (a crafted pickle can call an allowed rebuild function with wrong arguments: TypeError, IndexError, …)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{file}: not a readable PyTorch checkpoint ({type(e).__name__}: {first})") from None
-
-
-def _unpickler_reason(message: str) -> str:
-    """The one line of torch's weights-only refusal that says what was refused ("Unsupported global: GLOBAL
-    __main__.X was not an allowed global by default"), without its advice to load with weights_only=False."""
-    text = message.split("WeightsUnpickler error:", 1)[-1].split("Check the documentation", 1)[0]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0].split(". Please use")[0] if lines else "the unpickler refused it"
+        raise unpickling_error(file, e, "PyTorch checkpoint") from None
 
 
 def _parts(ckpt: object, file: Path) -> tuple[dict[str, torch.Tensor], Mapping]:

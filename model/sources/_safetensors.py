@@ -10,12 +10,11 @@ import json
 import math
 import mmap
 import os
-import pickle
 from pathlib import Path
 
 import torch
 
-from model.sources._common import READ_CHUNK, ModelLoadError, check_link, read_json
+from model.sources._common import READ_CHUNK, ModelLoadError, check_link, read_json, unpickling_error
 
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header is JSON names and shapes: 100 MB is far beyond any real one
 SAFETENSORS_DTYPES = {
@@ -153,16 +152,8 @@ def read_bin(file: Path) -> dict[str, torch.Tensor]:
                 data.write(chunk)
         data.seek(0)
         state = torch.load(data, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(
-            f"{file}: refused — it holds Python objects other than tensors, and pickles are only "
-            f"loaded with weights_only=True ({first})"
-        ) from None
     except Exception as e:  # noqa: BLE001 - weights_only runs no code of the file's: any error is a malformed file
-        # (a crafted pickle can call an allowed rebuild function with wrong arguments: TypeError, IndexError, …)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{file}: not a readable PyTorch weights file ({type(e).__name__}: {first})") from None
+        raise unpickling_error(file, e, "PyTorch weights file") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ModelLoadError(f"{file}: expected a dictionary of tensors")

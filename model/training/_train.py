@@ -23,6 +23,7 @@ import json
 import math
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -178,20 +179,15 @@ def seed_previous_token_head_(model: GPT, layer: int, head: int, pairs: int = 16
         k_block[2 * f, 2 * m + 1] = -math.sin(w)
         k_block[2 * f + 1, 2 * m + 1] = math.cos(w)
 
-    probe = torch.randint(1, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-    strength, weight = 0.5, 0.0
-    while strength < 64:
+    def place(strength: float) -> None:
         attn.c_attn.weight[:, head * dh : (head + 1) * dh] = q_block * strength
         attn.c_attn.weight[:, d + head * dh : d + (head + 1) * dh] = k_block * strength
         bias = attn.c_attn.bias  # b_Q, b_K of the head set to 0 (a config without qkv_bias has none to set)
         if bias is not None:
             bias[head * dh : (head + 1) * dh] = 0
             bias[d + head * dh : d + (head + 1) * dh] = 0
-        weight = previous_token_scores(model, probe)[layer, head].item()
-        if weight >= target:
-            break
-        strength *= 1.25
-    return weight
+
+    return _strengthen_until(model, layer, head, target, place)
 
 
 @torch.no_grad()
@@ -222,14 +218,23 @@ def seed_rope_previous_token_head_(model: GPT, layer: int, head: int, pairs: int
     k_base = H * dh + kv_head * dh
     k_cols = [k_base + m for m in range(pairs)] + [k_base + half + m for m in range(pairs)]
 
-    probe = torch.randint(1, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-    strength, weight = 0.5, 0.0
-    while strength < 64:
+    def place(strength: float) -> None:
         w[:, q_cols + k_cols] = 0.0
         for m in range(pairs):
             w[0, head * dh + m] = strength  # q: (s, 0) on pair m, at every position
             w[0, k_base + m] = strength * math.cos(omega[m].item())  # k = R(ω_m)·q
             w[0, k_base + half + m] = strength * math.sin(omega[m].item())
+
+    return _strengthen_until(model, layer, head, target, place)
+
+
+def _strengthen_until(model: GPT, layer: int, head: int, target: float, place: Callable[[float], None]) -> float:
+    """``place`` the head's weights at strength 0.5, then ×1.25 each time (below 64), until the head puts
+    ``target`` of its weight on position i − 1 of a fixed random probe; that weight."""
+    probe = torch.randint(1, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    strength, weight = 0.5, 0.0
+    while strength < 64:
+        place(strength)
         weight = previous_token_scores(model, probe)[layer, head].item()
         if weight >= target:
             break
