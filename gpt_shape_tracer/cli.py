@@ -23,6 +23,8 @@ USAGE = """usage: gpt-shape-tracer {app,trace} [options]
   app    serve the app in a browser (options after `app` go to `streamlit run`, e.g. --server.port 8600);
          --server-budget-mb N: MiB of traces for all sessions together (default: half the machine's memory)
          --max-sessions N: sessions served at once (default 8)
+         --dev: watch the source files and offer a rerun when they change (off by default: an idle
+                server then costs nothing)
   trace  trace a generation headless and write the trace file (`gpt-shape-tracer trace --help`)"""
 
 
@@ -87,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        watch = ["--server.fileWatcherType=auto"] if "--dev" in rest else []
+        rest = [arg for arg in rest if arg != "--dev"]
         # the server replaces this process: Ctrl+C and a terminating parent reach Streamlit itself
-        os.execv(sys.executable, [sys.executable, "-m", "streamlit", "run", str(script), *server_flags(), *rest])
+        command = [sys.executable, "-m", "streamlit", "run", str(script), *server_flags(), *watch, *rest]
+        os.execv(sys.executable, command)
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2

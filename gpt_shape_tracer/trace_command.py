@@ -1,23 +1,51 @@
-"""Headless tracing: ``gpt-shape-tracer trace --prompt "…" --steps N [--model NAME | --model-dir DIR] --out PATH``.
+"""Headless tracing: ``gpt-shape-tracer trace --prompt "…" --steps N [--model NAME | --model-dir DIR] [--out PATH]``.
 
 Writes the trace (a directory, or a .zip when PATH ends in .zip) and prints the
-shape table of the chosen step (or, with ``--json``, one JSON object). Every argument is checked before the
-model runs. A run of several steps shows its progress on stderr when stderr is a terminal (not with --quiet).
+shape table of the chosen step (or, with ``--json``, one JSON object). The arguments are read and checked
+before torch is imported (a mistyped option is answered at once, not after seconds of imports); what only
+the model can check is checked before it runs. A run of several steps shows its progress on stderr when
+stderr is a terminal (not with --quiet).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
-import pandas as pd
+# The library's limits and defaults, written here as plain numbers so that the arguments are checked without
+# importing torch (which takes seconds). tests/test_cli.py checks that each equals the library's own.
+MAX_RUN_STEPS = 256  # tracer.MAX_RUN_STEPS
+MAX_BATCH = 16  # tracer.MAX_BATCH
+FORWARD_CAPTURES = ("shapes", "values", "ops")  # tracer.FORWARD_CAPTURES
+DEFAULT_BUDGET_MB = 512.0  # tracer.DEFAULT_BUDGET_BYTES / 2**20
+MAX_BUDGET_MB = 8192  # session.MAX_BUDGET_MB
+MAX_SPILL_MB = 65536  # session.MAX_SPILL_MB
+BUNDLED = ("story-gpt", "story-llama")  # model.BUNDLED_MODELS
+TABLE_WIDTH = 120  # the shape table fits a 120-column terminal unless --wide
 
-from gpt_shape_tracer.memory import reuse_freed_memory
-from model.sampling import SamplingConfig
-from tracer import DEFAULT_BUDGET_BYTES, FORWARD_CAPTURES, MAX_RUN_STEPS, save_trace
+EXAMPLES = """examples:
+  gpt-shape-tracer trace --prompt "Once upon a time" --steps 8 --out trace.zip
+  gpt-shape-tracer trace --prompt "Lily had" --prompt "Tom" --model story-llama --json
+  gpt-shape-tracer trace --prompt "Hello" --model-dir ~/models/Qwen3-0.6B --dtype bfloat16 --steps 4
+  gpt-shape-tracer trace --prompt "Hi" --steps 3 --html report.html --out run.zip"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' lines and writes each option's default after its help; an option off by default
+    (a flag, or one whose absence means something) says in its own words what happens without it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is False or action.default == argparse.SUPPRESS or action.required or "(default:" in text:
+            return text
+        if action.default is None:
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
 
 
 def _checked_out(raw: str) -> Path:
@@ -41,16 +69,19 @@ def _checked_out(raw: str) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gpt-shape-tracer trace", description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gpt-shape-tracer trace", description=__doc__.splitlines()[0],
+                                 epilog=EXAMPLES, formatter_class=_HelpFormatter)
     ap.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     ap.add_argument("--steps", type=int, default=1, help=f"generation steps (1…{MAX_RUN_STEPS}); step 0 is the prefill")
-    ap.add_argument("--model", default="story-gpt", help="a bundled model (default: story-gpt); see --model-dir")
-    ap.add_argument("--model-dir", help="a local Hugging Face directory (GPT-2, Llama, Mistral, Qwen2, …), a Hugging "
+    ap.add_argument("--model", default="story-gpt", help=f"a bundled model ({', '.join(BUNDLED)}); see --model-dir")
+    ap.add_argument("--model-dir", help="instead of a bundled model: a local Hugging Face directory (GPT-2, Llama, "
+                    "Mistral, Qwen2, …), a Hugging "
                     "Face cache folder (models--org--name or its snapshots/<hash>), a repo id org/name already in "
                     "the local cache (nothing is downloaded), or a nanoGPT ckpt.pt (the file or its out_dir)")
     ap.add_argument("--model-factory", metavar="PACKAGE.MODULE:FUNCTION",
-                    help="your own module: a function returning the model, or (model, tokenizer); imported from "
+                    help="instead of a bundled model, your own module: a function returning the model, or "
+                    "(model, tokenizer); imported from "
                     "the Python path and this directory, only from files nobody else can write")
     ap.add_argument("--tokenizer", help="a tokenizer.json (or a directory with one, or vocab.json + merges.txt) "
                     "for --model-dir: needed by a nanoGPT ckpt.pt without one beside it")
@@ -60,23 +91,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stop-at-eos", action="store_true",
                     help="go on after every sequence has chosen an end-of-sequence token")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                    help="weights and activations of a --model-dir model (default: float32)")
+                    help="weights and activations of a --model-dir model")
     ap.add_argument("--max-memory", metavar="SIZE",
                     help="run a --model-dir model larger than SIZE of memory (e.g. 2GiB): transformers runs it and "
                     "accelerate keeps the layers that do not fit on disk, reading them in for each forward")
-    ap.add_argument("--out", required=True, help="where to write the trace (directory, or .zip)")
-    ap.add_argument("--capture", choices=FORWARD_CAPTURES, default="values")
+    ap.add_argument("--out", help="where to write the trace: a directory, or a .zip (default: none, nothing is "
+                    "written)")
+    ap.add_argument("--capture", choices=FORWARD_CAPTURES, default="values",
+                    help="shapes: names, shapes and dtypes only; values: also every tensor's values within the "
+                    "budget; ops: also every torch operation inside each module")
     ap.add_argument("--no-cache", action="store_true", help="recompute all positions at every step")
-    ap.add_argument("--temperature", type=float, default=SamplingConfig().temperature,
-                    help="0 = greedy (the default, as in Python and in the app)")
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--top-p", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_BYTES / 2**20)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="τ of the sampling softmax; 0 = greedy, as in Python and in the app")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="sample among the k most probable tokens (default: off, all of them)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="sample among the fewest tokens whose probability reaches p, 0 < p ≤ 1 (default: off)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampler's seed: the same seed chooses the same tokens")
+    ap.add_argument("--budget-mb", type=float, default=DEFAULT_BUDGET_MB,
+                    help=f"MB of tensor values kept in memory (1…{MAX_BUDGET_MB}); beyond it the oldest values keep "
+                    "only their statistics")
     ap.add_argument("--spill-mb", type=float, default=0,
                     help="keep every value: what the budget evicts goes to a private temporary file, up to this "
-                    "many MB, and is saved with the trace (default 0: evicted values keep their statistics)")
-    ap.add_argument("--show-step", type=int, default=None, help="step whose shape table to print (default: last)")
+                    "many MB, and is saved with the trace (0: evicted values keep their statistics)")
+    ap.add_argument("--show-step", type=int, default=None,
+                    help="the step whose shape table is printed (default: the last)")
     ap.add_argument("--html", metavar="PATH",
                     help="also write a one-file HTML report of the shown step (opens offline)")
     ap.add_argument("--html-run", metavar="PATH",
@@ -85,33 +124,85 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-records", action="store_true", help="print inputs/outputs too, not only hook points")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (the run, the texts and the shown step's records) instead of tables")
+    ap.add_argument("--wide", action="store_true",
+                    help=f"print the shape table's summaries whole (default: cut to fit {TABLE_WIDTH} columns)")
     ap.add_argument("--quiet", action="store_true", help="no progress on stderr (it is shown only on a terminal)")
-    args = ap.parse_args(argv)
-    reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
+    return ap
 
-    from model import BUNDLED_MODELS, ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
+
+def check_arguments(args: argparse.Namespace) -> Path | None:
+    """What can be checked without the model, checked before torch is imported: a ``ValueError`` naming the
+    argument. Returns the output path (None: write no file). The library checks again, with the same rules."""
+    for i, text in enumerate(args.prompt):
+        which = f"prompt {i + 1}" if len(args.prompt) > 1 else "the prompt"
+        if not text.strip():
+            raise ValueError(f"--prompt: {which} is empty" if not text else f"--prompt: {which} is only whitespace")
+    if len(args.prompt) > MAX_BATCH:
+        raise ValueError(f"{len(args.prompt)} prompts: at most {MAX_BATCH} fit in one batch")
+    if not 1 <= args.steps <= MAX_RUN_STEPS:
+        raise ValueError(f"--steps takes 1 … {MAX_RUN_STEPS}, got {args.steps}")
+    if args.show_step is not None and not 0 <= args.show_step < args.steps:
+        raise ValueError(f"--show-step must name one of the steps 0 … {args.steps - 1}, got {args.show_step}")
+    if not 1 <= args.budget_mb <= MAX_BUDGET_MB:  # also refuses NaN
+        raise ValueError(f"the value budget must be between 1 and {MAX_BUDGET_MB} MB, got {args.budget_mb:g}")
+    if not 0 <= args.spill_mb <= MAX_SPILL_MB:
+        raise ValueError(f"keeping values on disk takes 0 (off) to {MAX_SPILL_MB} MB, got {args.spill_mb:g}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"temperature must be ≥ 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer or None (0 = off), got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {args.top_p}")
+    if args.model not in BUNDLED:
+        raise ValueError(f"--model {args.model!r}: bundled models are {', '.join(BUNDLED)}")
+    if args.tokenizer and not (args.model_dir or args.model_factory):
+        raise ValueError("--tokenizer goes with --model-dir or --model-factory (a bundled model has its own)")
+    if args.max_memory and not args.model_dir:
+        raise ValueError("--max-memory goes with --model-dir (a Hugging Face directory to offload)")
+    if args.model_dir and args.model_factory:
+        raise ValueError("give --model-dir or --model-factory, not both")
+    out = _checked_out(args.out) if args.out is not None else None
+    for flag, report in (("--html", args.html), ("--html-run", args.html_run)):
+        if report is not None:
+            _check_report_path(flag, report, out)
+    return out
+
+
+def _check_report_path(flag: str, raw: str, out: Path | None) -> None:
+    path = Path(raw).expanduser()
+    if out is not None and path.resolve() == out.resolve():
+        raise ValueError(f"{flag} {raw!r} is the path of --out: the report would overwrite the trace")
+    if path.is_dir():
+        raise ValueError(f"{flag} {raw!r} is a directory: give the report's file name")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {raw!r}: the directory {path.parent} does not exist")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        out = check_arguments(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from gpt_shape_tracer.memory import reuse_freed_memory
+
+    reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
+    import pandas as pd
+
+    from model import ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
     from model.sources import OwnModuleError, load_factory
     from session import build_settings, new_generation
+    from tracer import save_trace
 
     try:
-        out = _checked_out(args.out)
         settings = build_settings(  # the app's rules, limits and defaults
             tuple(args.prompt), greedy=args.temperature == 0, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, capture=args.capture,
             padding_side="left", budget_mb=args.budget_mb, chat=args.chat, stop_at_eos=not args.no_stop_at_eos,
             spill_mb=args.spill_mb)
-        if not 1 <= args.steps <= MAX_RUN_STEPS:
-            raise ValueError(f"--steps takes 1 … {MAX_RUN_STEPS}, got {args.steps}")
-        if args.show_step is not None and not 0 <= args.show_step < args.steps:
-            raise ValueError(f"--show-step must name one of the steps 0 … {args.steps - 1}, got {args.show_step}")
-        if args.model not in BUNDLED_MODELS:
-            raise ValueError(f"--model {args.model!r}: bundled models are {', '.join(BUNDLED_MODELS)}")
-        if args.tokenizer and not (args.model_dir or args.model_factory):
-            raise ValueError("--tokenizer goes with --model-dir or --model-factory (a bundled model has its own)")
-        if args.max_memory and not args.model_dir:
-            raise ValueError("--max-memory goes with --model-dir (a Hugging Face directory to offload)")
-        if args.model_dir and args.model_factory:
-            raise ValueError("give --model-dir or --model-factory, not both")
         if args.model_factory:
             model, tokenizer = load_factory(args.model_factory)
             if args.tokenizer or isinstance(tokenizer, (str, Path)):
@@ -139,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if gen.stopped or done < args.steps:
         print(f"note: stopped after {gen.n_steps} step(s): {gen.stopped or 'the context is full'}", file=sys.stderr)
-    save_trace(gen.trace, out)
+    if out is not None:
+        save_trace(gen.trace, out)
     if args.html:
         from figures.report import report_html
 
@@ -161,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     forward = gen.facts.step(step).forward
     if args.json:
         print(json.dumps({
-            "out": str(out), "steps": gen.n_steps, "stopped": gen.stopped or None,
+            "out": str(out) if out is not None else None, "steps": gen.n_steps, "stopped": gen.stopped or None,
             "records": len(gen.trace.records), "bytes_kept": gen.trace.bytes_kept,
             "texts": [gen.text(row) for row in range(gen.batch_size)],
             "shown_step": {"step": step, "n": forward.n, "t": forward.t,
@@ -170,13 +262,12 @@ def main(argv: list[str] | None = None) -> int:
                                             step=step, kind=None if args.all_records else "hook")]},
         }, ensure_ascii=False))
         return 0
-    with pd.option_context("display.max_rows", None, "display.max_colwidth", 90, "display.width", 200):
-        print(f"step {step}: n = {forward.n}, t = {forward.t}")
-        print(shown.to_string(index=False))
+    print(f"step {step}: n = {forward.n}, t = {forward.t}")
+    print(_table(shown, wide=args.wide, pd=pd))
     for row in range(gen.batch_size):
         print(f"text[{row}]: {gen.text(row)!r}")
-    print(f"wrote {out}: {gen.n_steps} steps, {len(gen.trace.records)} records, "
-          f"{gen.trace.bytes_kept} bytes of values")
+    written = f"wrote {out}" if out is not None else "nothing written (no --out)"
+    print(f"{written}: {gen.n_steps} steps, {len(gen.trace.records)} records, {gen.trace.bytes_kept} bytes of values")
     return 0
 
 
@@ -192,3 +283,21 @@ def _progress(total: int, quiet: bool):
         return True
 
     return show
+
+
+def _table(shown, wide: bool, pd) -> str:
+    """The shape table as text: within ``TABLE_WIDTH`` columns, the summary column cut with "…" to what is left
+    (every other column is short); ``wide``: every summary whole."""
+    if wide:
+        with pd.option_context("display.max_rows", None, "display.max_colwidth", None, "display.width", None):
+            return shown.to_string(index=False)
+    shown = shown.copy()
+    # the summary opens with the shape and dtype again ("tensor[1, 4, 1, 6] f32 n=24 …"): the columns say them
+    shown["summary"] = shown["summary"].astype(str).str.replace(r"^tensor\[[^\]]*\] \S+ ", "", regex=True)
+    others = [c for c in shown.columns if c != "summary"]
+    used = sum(max(len(c), int(shown[c].astype(str).str.len().max() or 0)) + 2 for c in others)
+    room = max(12, TABLE_WIDTH - used - 2)
+    shown["summary"] = [text if len(text) <= room else textwrap.shorten(text, room, placeholder=" …")
+                        if " " in text[:room] else text[:room - 1] + "…" for text in shown["summary"].astype(str)]
+    with pd.option_context("display.max_rows", None, "display.max_colwidth", None, "display.width", None):
+        return shown.to_string(index=False, justify="left")

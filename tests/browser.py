@@ -35,22 +35,23 @@ SERVER_LOGS: list[Path] = []  # of the servers running now: a test that times ou
 
 
 @contextmanager
-def streamlit_server(env: dict | None = None, timeout: float = 90.0):
-    """Start ``streamlit run app.py`` on a free localhost port; yield its URL; stop it."""
+def streamlit_server(env: dict | None = None, timeout: float = 90.0, checkout: Path = ROOT):
+    """Start ``streamlit run app.py`` in ``checkout`` (its settings from its ``.streamlit/``) on a free localhost
+    port; yield its URL; stop it."""
     port = free_port()
     log = open(ROOT / f".streamlit-test-{port}.log", "w")  # noqa: SIM115 - closed below
     SERVER_LOGS.append(Path(log.name))
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
          "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        cwd=checkout, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"streamlit exited early: {(ROOT / log.name).read_text()[-2000:]}")
+                raise RuntimeError(f"streamlit exited early: {Path(log.name).read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(url + "/_stcore/health", timeout=2) as r:
                     if r.status == 200:

@@ -103,3 +103,79 @@ def test_progress_shows_on_a_terminal_only(tmp_path):
     assert "\rstep 1 of 4" in shown and "\rstep 4 of 4" in shown
     assert "step 1 of 4" not in stderr_of(terminal=False)
     assert "step 1 of 4" not in stderr_of("--quiet", terminal=True)
+
+
+def test_a_bad_argument_is_refused_before_torch_is_imported():
+    """The arguments are read and checked first: a mistyped option is answered without the seconds torch,
+    transformers and pandas take to import (the check: none of them is imported when it is refused)."""
+    import subprocess
+    import sys
+
+    from tests.browser import ROOT
+
+    script = ("import sys\nfrom gpt_shape_tracer.trace_command import main\ncode = main(ARGS)\n"
+              "print(code, sorted(m for m in ('torch', 'transformers', 'pandas', 'numpy') if m in sys.modules))")
+    for args in (["--prompt", ""], ["--prompt", "Lily", "--steps", "0"], ["--prompt", "x", "--model", "gpt-5"],
+                 ["--prompt", "x", "--top-p", "2"], ["--prompt", "x", "--budget-mb", "nan"]):
+        out = subprocess.run([sys.executable, "-c", script.replace("ARGS", repr(args))], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.split() == ["2", "[]"], (args, out.stdout, out.stderr)
+        assert out.stderr.startswith("error: "), out.stderr
+
+
+def test_the_early_checks_use_the_librarys_own_limits():
+    import session
+    import tracer
+    from gpt_shape_tracer import trace_command as cli
+    from model import BUNDLED_MODELS, SamplingConfig
+
+    assert cli.MAX_RUN_STEPS == tracer.MAX_RUN_STEPS and tuple(tracer.FORWARD_CAPTURES) == cli.FORWARD_CAPTURES
+    assert cli.MAX_BATCH == session.MAX_BATCH and cli.DEFAULT_BUDGET_MB == tracer.DEFAULT_BUDGET_BYTES / 2**20
+    assert (cli.MAX_BUDGET_MB, cli.MAX_SPILL_MB) == (session.MAX_BUDGET_MB, session.MAX_SPILL_MB)
+    assert tuple(BUNDLED_MODELS) == cli.BUNDLED
+    assert cli.parser().get_default("temperature") == SamplingConfig().temperature
+
+
+def test_every_option_says_what_it_does_and_its_default_and_the_help_shows_examples():
+    from gpt_shape_tracer.trace_command import parser
+
+    ap = parser()
+    options = [a for a in ap._actions if a.option_strings and a.dest != "help"]
+    assert options and all(a.help and len(a.help) > 10 for a in options), [a.dest for a in options if not a.help]
+    formatter = ap._get_formatter()
+    for action in options:  # a flag is off by default; every other option names its default
+        if not (action.required or action.nargs == 0):
+            assert "(default:" in formatter._get_help_string(action), action.dest
+    text = ap.format_help()
+    assert "examples:" in text and "--prompt" in text.split("examples:")[1]
+
+
+def test_json_without_out_prints_the_run_and_writes_nothing(capsys, tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = run(capsys, "--prompt", "Lily had", "--steps", "2", "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert result["out"] is None and result["steps"] == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_the_shape_table_fits_120_columns_unless_wide(capsys):
+    code, stdout, stderr = run(capsys, "--prompt", "Once upon a time", "--steps", "2", "--all-records",
+                               "--model", "story-llama")
+    assert code == 0, stderr
+    table = [line for line in stdout.splitlines() if not line.startswith(("text[", "nothing written"))]
+    assert max(map(len, table)) <= 120 and any("…" in line for line in table)
+    code, wide, _ = run(capsys, "--prompt", "Once upon a time", "--steps", "2", "--all-records", "--model",
+                        "story-llama", "--wide")
+    assert code == 0 and max(map(len, wide.splitlines())) > 120 and "…" not in wide.split("text[")[0]
+
+
+def test_a_report_over_the_trace_or_into_a_missing_folder_is_refused_first(capsys, tmp_path):
+    out = tmp_path / "t.zip"
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--out", str(out), "--html", str(out))
+    assert code == 2 and "would overwrite the trace" in stderr and not out.exists()
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--out", str(out), "--html-run", str(tmp_path / "no" / "r.html"))
+    assert code == 2 and "does not exist" in stderr and not out.exists()
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--html", str(tmp_path))
+    assert code == 2 and "is a directory" in stderr

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load as load_safetensors
 
+from tests.tolerance import assert_close_across_cpus
 from tracer import TracedGeneration, save_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,4 +117,6 @@ def test_a_file_of_format_version_2_still_loads(bundled):
     mask = old.record("blocks.0.attn.hook_mask", 0)
     assert old.finite_flag(mask) == again.trace.finite_flag(again.trace.record("blocks.0.attn.hook_mask", 0))
     kept = [r for r in old.filter(step=1) if old.value(r) is not None]
-    assert kept and all(torch.allclose(old.value(r), again.trace.get(r.name, 1), atol=1e-6) for r in kept)
+    assert kept
+    for r in kept:  # written on another machine: equal up to that CPU's float32 rounding (tests/tolerance.py)
+        assert_close_across_cpus(again.trace.get(r.name, 1), old.value(r), r.name)

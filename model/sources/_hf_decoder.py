@@ -537,7 +537,11 @@ MaxMemory = int | str | dict[int | str, int | str]  # bytes, "4GiB", or accelera
 def _max_memory(max_memory: MaxMemory) -> dict[int | str, int]:
     """accelerate's ``{device: bytes}`` from what a person writes: an amount alone is the CPU's share; an
     amount is bytes (an int, or a string of digits) or a size with its unit ("2GiB", "500MB")."""
-    from accelerate.utils import convert_file_size_to_int
+    try:
+        from accelerate.utils import convert_file_size_to_int
+    except ModuleNotFoundError:
+        raise HFDecoderError("max_memory needs Hugging Face accelerate, which is not installed: "
+                             "pip install 'gpt-shape-tracer[offload]' (or pip install accelerate)") from None
 
     spec = max_memory if isinstance(max_memory, dict) else {"cpu": max_memory}
     sizes: dict[int | str, int] = {}
