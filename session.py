@@ -17,12 +17,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from model.heads import repeated_random_tokens
-from model.hook_table import act_name
-from model.identity import identity_of
-from model.own_module import OwnDecoder
+from model.analysis import repeated_random_tokens
+from model.gpt import act_name, identity_of
 from model.sampling import SamplingConfig, SamplingError
-from model.tokenizer import TokenizerConfigError
+from model.sources import OwnDecoder, TokenizerConfigError
 from tracer import (
     DEFAULT_BUDGET_BYTES,
     FORWARD_CAPTURES,

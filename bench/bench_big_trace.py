@@ -23,7 +23,7 @@ from common import machine, save
 
 from gpt_shape_tracer.memory import reuse_freed_memory
 from model import load_hf
-from model.loading import BUNDLED_DIR
+from model.sources import BUNDLED_DIR
 from tracer import TracedGeneration
 
 

@@ -3,7 +3,7 @@
 
 A notebook user writes ``with Tracer(model) as tr: model(tokens)`` in every cell. A model loaded from a
 directory carries its identity (the files' hash, taken beside the load); a model built in Python has none,
-so its weights digest is computed from its tensors — once per set of weights (model/identity.py), not on every
+so its weights digest is computed from its tensors — once per set of weights (model/gpt/_identity.py), not on every
 ``Tracer``. GPT-2-small shape (124M, random weights), a 128-token prefill, untraced and under a fresh Tracer at
 shapes and values, interleaved; ratios against the untraced forward of the same model in the same run.
 """

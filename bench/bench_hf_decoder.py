@@ -27,7 +27,7 @@ import torch
 from common import interleaved, machine, median, save
 
 from model import load_hf
-from model.hf_decoder import HFDecoder
+from model.sources import HFDecoder
 from tracer import Tracer
 
 SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,

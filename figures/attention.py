@@ -24,7 +24,7 @@ from figures.common import (
 from figures.heatmap import Grid, add, grid, pool, short_number, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
-from model.hook_table import act_name
+from model.gpt import act_name
 from tracer import Trace
 
 STAGES = ("qk", "attn_scores", "masked_scores", "pattern")

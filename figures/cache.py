@@ -10,7 +10,7 @@ from figures.common import facts_of, gen_step, key_labels, shape_text
 from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, NEUTRAL
 from figures.plot import figure, fitted, subplots
-from model.hook_table import act_name
+from model.gpt import act_name
 from tracer import CachePrecisionRun, RecomputeComparison, Trace
 
 CACHE_COLOUR = "#f4b6b6"  # the shape flow's colour for the cache, a shade stronger
@@ -287,7 +287,7 @@ def growth_figure(config, t_now: int, itemsize: int = 4) -> tuple[go.Figure, str
     part (left), and the bytes the staged attention's n × n scores of one layer take against the KV cache of
     all layers and the weights (right), for n from 1 to n_ctx on log axes; this step's t marked. Returns the
     figure and a sentence with the crossing where attention overtakes the MLP."""
-    from model.costs import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
+    from model.analysis import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
 
     n_ctx = int(config.n_ctx)
     ns = sorted({max(1, round(n_ctx ** (i / 40))) for i in range(41)} | {t_now})

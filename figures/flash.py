@@ -23,7 +23,7 @@ from figures.common import key_labels, query_labels, score_scale
 from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, NEUTRAL
 from figures.plot import fitted, subplots
-from model.hook_table import act_name
+from model.gpt import act_name
 from tracer import Trace
 
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # tile widths offered (FlashAttention's own are 64–128 on a GPU)

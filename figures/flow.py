@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from figures.common import safe_text, shape_text
 from figures.plot import arrow_trace, figure, fitted, text_trace
-from model.hook_table import act_name
+from model.gpt import act_name
 from tracer import Trace
 
 GROUP_COLORS = {
@@ -164,7 +164,7 @@ def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode]
     what the trace holds: block ``layer``'s hook points and the outputs of the model's own leaf modules
     inside that block, in the order the forward ran them, then the logits. Nothing is assumed about the
     architecture: a stage it adds (QK-norm, a soft-cap, a router) is drawn because it was recorded."""
-    from model.hook_table import spec_for
+    from model.gpt import spec_for
 
     config = trace.config
     records = trace.filter(step=step)

@@ -12,7 +12,7 @@ import torch
 from figures.common import facts_of, gen_step, key_labels, query_labels, scores_formula, shape_text
 from figures.heatmap import add, grid, masked_layer, style_axes
 from figures.plot import figure, fitted, subplots
-from model.hook_table import act_name
+from model.gpt import act_name
 from tracer import Trace
 
 ALLOWED = "#e3f1e5"  # a cell M lets through (0); masked cells are the palette's MASKED grey

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("model", "tracer", "figures", "session"):  # ours, not a same-named file of the working directory
         room(name)
     from model import ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
-    from model.own_module import OwnModuleError, load_factory
+    from model.sources import OwnModuleError, load_factory
     from session import build_settings, new_generation
     from tracer import save_trace
 

@@ -19,8 +19,7 @@ from gui.common import (
     state,
     values_kept,
 )
-from model.hook_table import act_name
-from model.identity import identity_of
+from model.gpt import act_name, identity_of
 from session import first_token
 from tracer import GRADIENT_LOSSES, Trace, archive_bytes, attention_gradients, gradient_trace, head_scores
 

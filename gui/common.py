@@ -19,8 +19,8 @@ from figures.common import inert as plain  # everything the app did not write pa
 from gpt_shape_tracer.memory import return_freed_memory, reuse_freed_memory
 from gpt_shape_tracer.server_limits import SessionLedger
 from model import ModelLoadError, TextTokenizer, load_bundled, load_model
-from model.identity import IdentityUnavailable, identity_of
-from model.own_module import load_factory
+from model.gpt import IdentityUnavailable, identity_of
+from model.sources import load_factory
 from session import (
     DEFAULT_MODEL_KEY,
     FACTORY,
@@ -158,7 +158,7 @@ def directory_model(path: str, how: str):
 
 @st.cache_resource(show_spinner="Running your factory…", max_entries=2)
 def factory_model(spec: str):
-    """Your module from ``package.module:function`` (model.own_module.load_factory: only from files nobody
+    """Your module from ``package.module:function`` (model.load_factory: only from files nobody
     else can write), with its tokenizer: what it returned, a tokenizer.json path it returned, or none."""
     model, tokenizer = load_factory(spec)
     if isinstance(tokenizer, (str, Path)):

@@ -8,7 +8,7 @@ import torch
 from figures import inspector as inspect_views
 from figures.common import shape_with_axes
 from gui.common import chart, explain_missing_values, plain, state
-from model.hook_table import act_name
+from model.gpt import act_name
 from session import ops_module
 from tracer import Trace
 

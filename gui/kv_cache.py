@@ -9,7 +9,7 @@ from figures import attention as attn_views
 from figures import cache as cache_views
 from figures.common import facts_of
 from gui.common import chart, layer_head_batch, plain, remembered_tabs, state, values_kept
-from model.hook_table import act_name
+from model.gpt import act_name
 from session import caches
 from tracer import Trace, cache_precision
 

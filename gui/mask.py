@@ -6,7 +6,7 @@ import streamlit as st
 
 from figures import mask as mask_views
 from gui.common import chart, layer_head_batch, plain, values_kept
-from model.hook_table import act_name
+from model.gpt import act_name
 from tracer import Trace
 
 

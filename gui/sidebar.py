@@ -6,10 +6,7 @@ import streamlit as st
 
 from gui.common import current_model, directory_model, factory_model, plain, reserve_memory, state
 from model import BUNDLED_MODELS, ModelLoadError
-from model.hf_decoder import weights_size
-from model.loading import ASSETS
-from model.own_module import OwnModuleError
-from model.resolve import resolve_model_path
+from model.sources import ASSETS, OwnModuleError, resolve_model_path, weights_size
 from session import (
     DEFAULT_RUN_N,
     DEFAULTS,

@@ -1,5 +1,5 @@
 """Tiny random-weight Hugging Face decoders of many families, built with transformers' own config classes
-(never downloaded): the architectures the generic path (model/hf_decoder.py) is tested on."""
+(never downloaded): the architectures the generic path (model/sources/_hf_decoder.py) is tested on."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model.loading import BUNDLED_DIR
+from model.sources import BUNDLED_DIR
 from tests.hf_architectures import ARCHITECTURES, build
 from tests.test_app import TABS, new_app, press, run, show_tab
 
@@ -67,7 +67,7 @@ def test_a_directory_given_less_memory_than_its_weights_runs_with_them_on_disk(a
     import torch
 
     from model import load_hf
-    from model.hf_decoder import weights_size
+    from model.sources import weights_size
     from tracer import TracedGeneration
 
     directory = build("llama", Path(tempfile.mkdtemp(prefix="app-offload-")) / "llama", BUNDLED_DIR / "tokenizer.json")

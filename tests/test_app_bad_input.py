@@ -215,7 +215,7 @@ def test_files_that_cannot_be_hashed_are_a_failed_load_that_is_not_kept(stepped,
     """The model's identity is its files' hash, taken beside the load: files that cannot be read for it make a
     failed Load with the reason, the previous model and its steps stay, and the next Load tries again (the
     failed model was not kept in the server's cache)."""
-    import model.identity as identity_module
+    import model.gpt._identity as identity_module
 
     directory = tmp_path / "model"  # a path no other test loaded: the server's model cache has not seen it
     shutil.copytree(hf_dir_with_tokenizer, directory)

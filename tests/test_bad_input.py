@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from model import GPT, GPTConfig, SamplingConfig, SamplingError, TextTokenizer, sample
-from model.hook_table import dims_of, resolve, spec_for
+from model.gpt import dims_of, resolve, spec_for
 from tracer import Tracer
 from tracer.generation._traced import TracedGeneration
 
@@ -205,7 +205,7 @@ def test_a_token_that_is_a_control_or_invisible_character_is_labelled_visibly():
     a right-to-left override that would reverse the text after it) as \\uNNNN; printable text is left alone."""
     from tokenizers import Tokenizer, models
 
-    from model.tokenizer import _unicode_to_byte
+    from model.sources._tokenizer import _unicode_to_byte
 
     to_symbol = {b: ch for ch, b in _unicode_to_byte().items()}
     texts = ["\x07", "\x1b", "\u200b", "\u202e", "\u00a0", "a b", "é", "\U0001F642"]

@@ -404,7 +404,7 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
     score scale, soft-capped scores, sliding-window layers, four norms per block), run by transformers.
     Its KV cache is [B, G, t, d_head], the attention stages are five (the soft-cap is one), the shape flow
     is read from its records, and every tab draws without a JavaScript error."""
-    from model.loading import BUNDLED_DIR
+    from model.sources import BUNDLED_DIR
     from tests.hf_architectures import build
 
     directory = build("gemma2", tmp_path / "gemma2", BUNDLED_DIR / "tokenizer.json")

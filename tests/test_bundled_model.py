@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from model import BUNDLED_MODELS, SamplingConfig, generate, load_bundled
-from model.corpus import lexicon, stories
-from model.heads import (
+from model.analysis import (
     ablated,
     ablation_effects,
     induction_scores,
@@ -26,7 +25,7 @@ from model.heads import (
     repeat_loss,
     repeated_random_tokens,
 )
-from model.train import HELDOUT_SEED, TRAIN_SEED, token_stream, unigram_loss
+from model.training import HELDOUT_SEED, TRAIN_SEED, lexicon, stories, token_stream, unigram_loss
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 NAMES = list(BUNDLED_MODELS)
@@ -73,7 +72,7 @@ def test_both_bundled_models_share_one_tokenizer():
 def test_hugging_face_reads_the_bundled_llama():
     from transformers import LlamaForCausalLM
 
-    from model.loading import ASSETS
+    from model.sources import ASSETS
 
     ours, _ = load_bundled("story-llama")
     hf = LlamaForCausalLM.from_pretrained(ASSETS / "story-llama", dtype=torch.float32).eval()

@@ -1,4 +1,4 @@
-"""A KV cache stored at a lower precision (model/cache.py ``storage``) and the experiment that measures it
+"""A KV cache stored at a lower precision (model/gpt/_cache.py ``storage``) and the experiment that measures it
 (tracer.cache_precision): the rounding is what each format does, the reference run is the generation's own
 greedy run, the bytes are the formula's, and the differences are measured, never assumed."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.cache import KVCache, stored
+from model.gpt import KVCache, stored
 from tracer import TracedGeneration, cache_precision
 
 PROMPT = "Tom had a big red kite. One day, Tom went to the park with his friend Lily."

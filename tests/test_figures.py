@@ -17,7 +17,7 @@ from figures import attention, cache, flow, heatmap, inspector, mask, tokens, wh
 from figures.common import key_labels, query_labels, safe_text
 from figures.palette import ACCENT
 from model import GPT, GPTConfig, apply_rope, rope_cos_sin
-from model.hook_table import act_name
+from model.gpt import act_name
 from tracer import PathCost, RecomputeComparison
 from tracer.generation._traced import TracedGeneration
 
@@ -627,7 +627,7 @@ def test_the_lens_and_attribution_figures(gen, batch_gen):
 
 
 def test_what_grows_with_n_is_counted_from_the_models_widths(gen, llama_gen):
-    from model.costs import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
+    from model.analysis import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
 
     for g in (gen, llama_gen):
         config = g.model.config

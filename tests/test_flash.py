@@ -55,7 +55,7 @@ def test_a_rotated_grouped_query_model_and_its_bytes(llama_gen):
 
 def test_a_model_run_by_transformers(tmp_path):
     from model import load_hf
-    from model.loading import ASSETS
+    from model.sources import ASSETS
     from tests.hf_architectures import build
 
     directory = build("qwen3", tmp_path / "qwen3", ASSETS / "story-gpt" / "tokenizer.json")

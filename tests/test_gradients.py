@@ -58,7 +58,7 @@ def test_the_figures_draw_the_formulas_with_their_shapes(bundled):
 
 def test_a_model_run_by_transformers(tmp_path):
     from model import load_hf
-    from model.loading import ASSETS
+    from model.sources import ASSETS
     from tests.hf_architectures import build
 
     directory = build("qwen3", tmp_path / "qwen3", ASSETS / "story-gpt" / "tokenizer.json")
@@ -86,7 +86,7 @@ def transformers_gradients(directory, tokens: list[int]):
 
 
 def test_gradient_trace_equals_transformers_backward_pass(tmp_path):
-    from model.loading import ASSETS
+    from model.sources import ASSETS
     from tracer import load_trace, save_trace
 
     model, tok = load_bundled("story-gpt")
@@ -122,7 +122,7 @@ def test_gradient_trace_equals_transformers_backward_pass(tmp_path):
 
 def test_gradient_trace_of_a_decode_step_and_a_model_run_by_transformers(tmp_path):
     from model import load_hf
-    from model.loading import ASSETS
+    from model.sources import ASSETS
     from tests.hf_architectures import build
 
     directory = build("qwen3", tmp_path / "qwen3", ASSETS / "story-gpt" / "tokenizer.json")

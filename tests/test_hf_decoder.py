@@ -1,4 +1,4 @@
-"""Any Hugging Face decoder, run by transformers, through our hook points (model/hf_decoder.py): for each
+"""Any Hugging Face decoder, run by transformers, through our hook points (model/sources/_hf_decoder.py): for each
 architecture the logits equal transformers' own at the prefill and at cached decode steps, the patterns are
 distributions over the keys the mask allows, and the KV cache grows one position per step."""
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from model import load_hf
-from model.hf_decoder import HFDecoder, HFDecoderError
-from model.loading import BUNDLED_DIR
+from model.sources import BUNDLED_DIR, HFDecoder, HFDecoderError
 from tests.hf_architectures import ARCHITECTURES, build
 from tracer import TracedGeneration
 
@@ -141,8 +140,7 @@ def test_the_shape_flow_of_an_unseen_architecture_is_read_from_its_records(trace
 
 
 def test_bfloat16_through_transformers_and_the_size_stated_before_loading(directories):
-    from model.hf_decoder import weights_size
-    from model.loading import logit_tolerance
+    from model.sources import logit_tolerance, weights_size
 
     directory = directories["qwen3"]
     ref = reference(directory)

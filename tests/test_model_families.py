@@ -163,7 +163,7 @@ def test_a_model_built_in_code_has_an_identity_that_follows_its_weights():
 def test_the_digest_of_a_model_built_in_code_is_computed_once_per_set_of_weights(monkeypatch):
     """Entering a Tracer asks for the model's identity; a model built in code hashes its weights the first time
     and again only after they change (a tiny change too: every byte is hashed, nothing is elided)."""
-    import model.identity as identity_module
+    import model.gpt._identity as identity_module
     from tracer import Tracer
 
     calls = []
@@ -226,7 +226,7 @@ def test_a_trained_model_in_half_precision_matches_hugging_face_within_the_toler
     """Random weights give logits near 0, where bf16 rounding vanishes; the bundled model's reach ±22."""
     import transformers
 
-    from model.loading import BUNDLED_DIR
+    from model.sources import BUNDLED_DIR
 
     ours, _ = load_hf(BUNDLED_DIR, dtype=dtype)
     hf = transformers.GPT2LMHeadModel.from_pretrained(BUNDLED_DIR, dtype=dtype, attn_implementation="eager").eval()
@@ -290,12 +290,12 @@ def test_the_sliding_window_hides_keys_exactly_window_slots_back():
 
 
 def test_the_weights_digest_is_taken_beside_the_load_and_stops_when_asked(tmp_path, monkeypatch):
-    """The identity's hash runs on a thread of its own (model.identity.BackgroundDigest): the same digest as
+    """The identity's hash runs on a thread of its own (model.gpt.BackgroundDigest): the same digest as
     hashing the bytes in order (by_name=False: our loader's) or each file's name and sha256 (True: the
     transformers path's), on a daemon thread, and it stops at its next buffer once abandoned."""
     import threading
 
-    from model.identity import BackgroundDigest, DigestAbandoned, files_digest
+    from model.gpt import BackgroundDigest, DigestAbandoned, files_digest
 
     files = []
     for i, size in enumerate((0, 5, (16 << 20) + 3)):  # empty, tiny, and more than one 16 MiB buffer

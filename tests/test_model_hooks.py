@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, HookPoint, additive_mask
-from model.hook_table import HOOKS, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
+from model.gpt import HOOKS, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
 
 CONFIG = GPTConfig(vocab_size=97, n_ctx=32, d_model=48, n_layer=2, n_head=3)
 # grouped-query Llama: 6 query heads share 2 key/value heads, head_dim ≠ d/H, a sliding window, untied W_U
@@ -70,7 +70,7 @@ def test_every_row_belongs_to_gpt2_or_llama_and_together_they_cover_the_table():
 
 
 def _rows_of(config):
-    from model.hook_table import _has
+    from model.gpt._hook_table import _has
 
     return [s for s in HOOKS if _has(s, config)]
 

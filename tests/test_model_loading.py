@@ -401,7 +401,7 @@ def test_dtype_and_device_are_checked(llama_dir):
       "y": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, "overlaps"),
 ])
 def test_inconsistent_safetensors_headers_are_refused(llama_dir, header, expected):
-    from model.loading import SafetensorsFile
+    from model.sources import SafetensorsFile
 
     raw = json.dumps(header).encode()
     path = llama_dir / "model.safetensors"
@@ -420,9 +420,9 @@ def test_our_gpt_is_returned_before_its_files_are_hashed_and_its_identity_waits_
     import hashlib
     import threading
 
-    import model.identity as identity_module
+    import model.gpt._identity as identity_module
     from model import load_hf
-    from model.identity import IdentityUnavailable
+    from model.gpt import IdentityUnavailable
 
     real = identity_module.files_digest
     gate, waited_out = threading.Event(), []
@@ -455,7 +455,7 @@ def test_a_released_tensor_reads_the_file_again(tmp_path):
     is private and never written, so a tensor read after its release still holds the file's values."""
     from safetensors.torch import save_file
 
-    from model.loading import SafetensorsFile
+    from model.sources import SafetensorsFile
 
     tensors = {"a": torch.randn(1000, 37), "b": torch.arange(5000, dtype=torch.float32)}
     save_file(tensors, tmp_path / "w.safetensors")
@@ -476,7 +476,7 @@ def test_a_view_that_outlives_its_file_object_still_reads_its_values(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"a": torch.arange(70000, dtype=torch.float32)}, tmp_path / "w.safetensors")
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from model.loading import SafetensorsFile; "
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from model.sources import SafetensorsFile; "
             "st = SafetensorsFile(__import__('pathlib').Path(sys.argv[2])); view = st.tensor('a'); "
             "del st; import gc; gc.collect(); print(float(view.double().sum()))")
     done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent.parent),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from model import ModelLoadError, hub_cache_dir, load_hf, load_model, resolve_model_path
-from model.loading import ASSETS
+from model.sources import ASSETS
 
 REPO_ID = "acme/tiny-gpt2"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

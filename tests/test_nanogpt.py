@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from model import ModelLoadError, load_model, load_nanogpt, save_hf
-from model.loading import ASSETS
-from model.nanogpt import COMPILED_PREFIX
+from model.sources import ASSETS, COMPILED_PREFIX
 from tracer import TracedGeneration
 
 BUNDLED_TOKENIZER = ASSETS / "story-gpt" / "tokenizer.json"  # vocab 1024, GPT-2-style byte-level BPE

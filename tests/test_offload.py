@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from model import ModelLoadError, load_hf
-from model.hf_decoder import HFDecoder, weights_size
-from model.loading import BUNDLED_DIR
+from model.sources import BUNDLED_DIR, HFDecoder, weights_size
 from tests.hf_architectures import build
 from tracer import GRADIENT_LOSSES, TracedGeneration, gradient_trace, load_trace, logit_lens, save_trace
 

@@ -1,4 +1,4 @@
-"""Your own module (model/own_module.py): a hand-written GPT that calls F.scaled_dot_product_attention gets its
+"""Your own module (model/sources/_own_module.py): a hand-written GPT that calls F.scaled_dot_product_attention gets its
 attention recorded where it calls it, equal to softmax(QKᵀ·scale + M) recomputed here from its own weights."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.own_module import OwnDecoder, OwnModuleError, load_factory
+from model.sources import OwnDecoder, OwnModuleError, load_factory
 from tracer import TracedGeneration, Tracer, ablate
 
 GPT_SOURCE = '''
@@ -179,7 +179,7 @@ def test_a_bad_factory_spec_says_what_to_give(user_code, spec):
 
 def test_the_command_line_traces_your_module_from_its_factory(user_code, capsys):
     from gpt_shape_tracer.trace_command import main
-    from model.loading import BUNDLED_DIR
+    from model.sources import BUNDLED_DIR
     from tracer import load_trace
 
     out = user_code / "mine.zip"
@@ -197,7 +197,7 @@ def test_the_app_opens_your_module_from_its_factory_and_every_tab_renders(user_c
     the page runs it without the KV cache, says so, and every tab renders without an error."""
     from html import unescape
 
-    from model.loading import BUNDLED_DIR
+    from model.sources import BUNDLED_DIR
     from tests.test_app import TABS, new_app, press, run, show_tab
 
     (user_code / "my_tiny_app_gpt.py").write_text(

@@ -60,7 +60,7 @@ def clean_env(bin_dir: Path) -> dict[str, str]:
 
 def test_import_tracer_from_another_directory_finds_the_installed_package(installed):
     python, bin_dir, elsewhere = installed
-    code = "import tracer, model.loading as m; print(tracer.__file__); print(m.ASSETS)"
+    code = "import tracer, model.sources as m; print(tracer.__file__); print(m.ASSETS)"
     out = subprocess.run([str(python), "-c", code],
                          cwd=elsewhere, env=clean_env(bin_dir), capture_output=True, text=True, check=True)
     tracer_file, assets = out.stdout.splitlines()

@@ -60,10 +60,109 @@ def test_dependencies_point_one_way():
     assert not bad, bad
 
 
+
+# model/ in rooms: model.gpt (our GPT), model.sources (where models come from), model.sampling, model.analysis,
+# model.training; each a package whose __init__.py is its front door, and model/__init__.py the front door of all
+MODEL_ROOMS = sorted(p.parent.name for p in (ROOT / "model").glob("*/__init__.py"))
+MODEL_MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+                 for p in (ROOT / "model").rglob("*.py")}
+
+
+def _model_room(module: str) -> str | None:
+    """The room of model/ a dotted module name lies in (``model.sources._load`` -> "sources"), or None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "model" and len(parts) > 1 and parts[1] in MODEL_ROOMS else None
+
+
+def _imported_names(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, module, name or None) for every import at any depth: ``from m import a`` gives (…, "m", "a")."""
+    out: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(node.lineno, node.module, alias.name) for alias in node.names]
+    return out
+
+
+def test_the_model_has_rooms():
+    assert {"gpt", "sources", "sampling", "analysis", "training"} <= set(MODEL_ROOMS)
+    assert not [p.name for p in (ROOT / "model").glob("*.py") if p.name != "__init__.py"], \
+        "model/ holds rooms (packages) and its front door only"
+
+
+def test_nothing_outside_a_room_of_model_imports_its_private_modules_or_names():
+    """Outside a room of model/ — another room, tracer, figures, the GUI, session, app, the CLI, bench — only the
+    room's public names are imported (``from model.sources import load_hf``): no ``model.<room>._module`` and no
+    ``_name``, so a room can rearrange its modules without breaking anyone. Tests may open a room to test its
+    internals; nothing else may."""
+    bad = []
+    for path in [*SOURCES, *(ROOT / "bench").rglob("*.py")]:
+        mine = _model_room(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for line, module, name in _imported_names(path):
+            if module.split(".")[0] != "model" or (mine is not None and _model_room(module) == mine):
+                continue
+            if any(part.startswith("_") for part in module.split(".")) or (name or "").startswith("_"):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}{f' {name}' if name else ''}")
+    assert not bad, bad
+
+
+def _model_import_graph() -> dict[str, set[str]]:
+    """module -> the modules of model/ it imports by name, at any depth (imports inside functions and under
+    TYPE_CHECKING count: a circle there is still a circle a reader has to follow). ``from a.b import c`` is an
+    edge to ``a.b.c`` when that is a module, else to ``a.b``. The parent packages Python runs first are not
+    edges: every module would otherwise import model/__init__.py, which imports the rooms."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODEL_MODULES.items():
+        edges = graph.setdefault(module, set())
+        for _, imported, name in _imported_names(path):
+            target = f"{imported}.{name}" if f"{imported}.{name}" in MODEL_MODULES else imported
+            if target in MODEL_MODULES and target != module:
+                edges.add(target)
+    return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once every path from it is searched
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_import_graph_of_model_has_no_circle():
+    graph = _model_import_graph()
+    assert graph["model.sources._load"] >= {"model.sources._nanogpt", "model.sources._resolve"}  # edges are read
+    circle = _circle(graph)
+    assert circle is None, " -> ".join(circle or [])
+
+
+def test_the_circle_finder_finds_a_circle():
+    """The check above could fail: the finder reports the circle loading/nanogpt/resolve once formed on main."""
+    graph = {"model.loading": {"model.nanogpt", "model.resolve"}, "model.nanogpt": {"model.loading"},
+             "model.resolve": set()}
+    assert _circle(graph) == ["model.loading", "model.nanogpt", "model.loading"]
+    assert _circle({"a": {"b"}, "b": set()}) is None
+
 # torch's own private attributes we read on purpose, each for a reason a test pins
 ALLOWED_PRIVATE = {
     "_version": "the in-place version counter that catches a kept value changed later (tracer/storage/_store.py)",
-    "_global_forward_hooks": "lets an unhooked hook point skip nn.Module.__call__ (model/gpt.py, pinned by a test)",
+    "_global_forward_hooks": "lets an unhooked hook point skip nn.Module.__call__ (model/gpt/_gpt.py; a test pins it)",
     "_global_forward_pre_hooks": "as above",
     "_repr_mimebundle_": "IPython's display protocol, public in all but name: the heads grid shows its figure "
                          "as plotly shows it (figures/attention.py)",

@@ -15,8 +15,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, processors
 
 from model import GPT, GPTConfig, ModelLoadError, TextTokenizer, load_bundled, load_hf, save_hf
-from model.loading import ASSETS
-from model.tokenizer import TokenizerConfigError
+from model.sources import ASSETS, TokenizerConfigError
 from tracer import GenerationStopped, TracedGeneration
 
 BOS, EOS = "<s>", "</s>"

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from model import GPT, GPTConfig, HookPoint
-from model.hook_table import dims_of, resolve, spec_for
+from model.gpt import dims_of, resolve, spec_for
 from tracer import Tracer, hooks_installed, tensor_stats
 
 CONFIG = GPTConfig(vocab_size=64, n_ctx=24, d_model=32, n_layer=2, n_head=4)

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from model.gpt import HookPoint
-from model.hook_table import dims_of, resolve, spec_for
+from model.gpt import HookPoint, dims_of, resolve, spec_for
 from tracer.storage.records import ABLATIONS, InterventionRecord
 
 if TYPE_CHECKING:

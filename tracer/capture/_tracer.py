@@ -35,8 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from model.gpt import GPTConfig
-from model.identity import identity_of
+from model.gpt import GPTConfig, identity_of
 from tracer.capture import _hooks as hooks
 from tracer.capture._forensics import describe_failure
 from tracer.capture._interventions import Intervention, RunningMeans, _Applied, applied, check

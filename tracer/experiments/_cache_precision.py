@@ -2,7 +2,7 @@
 
 The same prompt is run twice, greedily, side by side: once with a cache in the model's own precision (the
 reference) and once with a cache that rounds every row it stores to ``storage`` (bfloat16, float16, or int8
-with one absmax scale per row of each head: model/cache.py). Both are fed the reference's tokens, so every
+with one absmax scale per row of each head: model/gpt/_cache.py). Both are fed the reference's tokens, so every
 step compares the same context: the largest |Δ logits| of the row a token is chosen from, and whether the
 cheaper cache's own argmax would have chosen another token. What each cache holds is counted from its rows:
 2·L·B·G·t·d_head numbers at the storage's size (plus int8's scales), and for a grouped-query model what the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.cache import STORAGES
+from model.gpt import STORAGES
 from tracer.generation._traced import TracedGeneration
 
 
@@ -76,7 +76,7 @@ def cache_precision(generation: TracedGeneration, storage: str, steps: int = 16)
         raise ValueError(f"steps must be a whole number ≥ 1, got {steps!r}")
     model, facts = generation.model, generation.facts
     batch = facts.batch_size
-    from model.own_module import OwnDecoder
+    from model.sources import OwnDecoder
 
     if isinstance(model, OwnDecoder):
         raise ValueError("this model runs its own forward without our KV cache: there is no cache to store cheaper")

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from model.hook_table import act_name
+from model.gpt import act_name
 from tracer.capture._hooks import module_table
 from tracer.generation._traced import TracedGeneration
 from tracer.reading import Trace

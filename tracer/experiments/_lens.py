@@ -11,10 +11,8 @@ from typing import overload
 import pandas as pd
 import torch
 
-from model.gpt import GPT, block_attention
-from model.hf_decoder import HFDecoder
-from model.hook_table import act_name
-from model.identity import identity_of
+from model.gpt import GPT, act_name, block_attention, identity_of
+from model.sources import HFDecoder
 from tracer.reading._trace import Trace
 
 LENS_COLUMNS = ("layer", "position", "input", "top_token", "top_label", "top_prob", "final_token", "final_label",

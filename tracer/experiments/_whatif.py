@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.gpt import HookPoint
-from model.heads import HEAD_ROLES, repeated_random_tokens, role_scores
-from model.hook_table import act_name
+from model.analysis import HEAD_ROLES, repeated_random_tokens, role_scores
+from model.gpt import HookPoint, act_name
 from tracer.capture._interventions import Intervention, applied, check, patch, running_means_before
 from tracer.capture._tracer import Tracer
 from tracer.experiments._diff import diff_steps
@@ -27,7 +26,7 @@ from tracer.generation._traced import TracedGeneration
 from tracer.reading._trace import Trace
 
 if TYPE_CHECKING:
-    from model.decoders import Decoder
+    from model.sources import Decoder
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 
-from model.gpt import FAMILIES, GPTConfig
-from model.identity import ModelIdentity
+from model.gpt import FAMILIES, GPTConfig, ModelIdentity
 from model.sampling import SamplingConfig
 from tracer.files._schema import Bool, Float, Int, ListOf, Maybe, Obj, OneOf, Str, Then, TraceFileError, TupleOf
 from tracer.reading._trace import Trace

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from model.costs import forward_cost
-from model.identity import identity_of
+from model.analysis import forward_cost
+from model.gpt import identity_of
 from model.sampling import SamplingConfig, sample
-from model.tokenizer import TextTokenizer
+from model.sources import TextTokenizer
 from tracer.capture._interventions import Intervention, check, check_shapes
 from tracer.capture._tracer import Tracer
 from tracer.reading._facts import GenerationFacts
@@ -42,7 +42,7 @@ from tracer.storage.records import (
 )
 
 if TYPE_CHECKING:
-    from model.decoders import Decoder
+    from model.sources import Decoder
 
 MAX_RUN_STEPS = 256  # most steps one run() call may take
 MAX_BATCH = 16  # most prompts in one batch

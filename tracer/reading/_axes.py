@@ -1,6 +1,6 @@
 """Symbolic axes for records: ``[1, 4, 1, 21]`` is ``[B, H, n, t]``, checked against the numbers.
 
-The hook table (``model.hook_table``) says what each hook point holds in
+The hook table (``model/gpt/_hook_table.py``) says what each hook point holds in
 symbols; the model's config gives d, H, G, d_head, V, the MLP width; B, n and t
 are bound by the first record of a step that uses them and must agree after.
 A record whose sizes do not fit its row gets no axes rather than wrong ones.
@@ -8,7 +8,7 @@ A record whose sizes do not fit its row gets no axes rather than wrong ones.
 
 from __future__ import annotations
 
-from model.hook_table import dims_of, resolve, spec_for
+from model.gpt import dims_of, resolve, spec_for
 
 FREE = ("B", "n", "t")  # bound per step, by the records themselves
 

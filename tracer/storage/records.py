@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from model.identity import ModelIdentity
+from model.gpt import ModelIdentity
 from model.sampling import SamplingConfig
 
 # The allowed values, declared once as types; the tuples (what code and the file schema check against) are

@@ -37,12 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from model.cache import KVCache, transaction
-from model.identity import ModelIdentity, PendingIdentity, computed_identity
+from model.gpt._cache import KVCache, transaction
+from model.gpt._identity import ModelIdentity, PendingIdentity, computed_identity
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families this file implements
-HF_FAMILY = "hf"  # any other transformers decoder, run by transformers (model/hf_decoder.py): a description only
-MODULE_FAMILY = "module"  # a user's own module, run by its own code (model/own_module.py): a description only
+HF_FAMILY = "hf"  # any other transformers decoder, run by transformers (model/sources/_hf_decoder.py): a description
+MODULE_FAMILY = "module"  # a user's own module, run by its own code (model/sources/_own_module.py): a description
 EXTERNAL_FAMILIES = (HF_FAMILY, MODULE_FAMILY)  # described by a GPTConfig, never built from one
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
@@ -640,13 +640,8 @@ class Block(nn.Module):
         self.hook_mlp_out = HookPoint()  # [B, n, d]
         self.hook_resid_post = HookPoint()  # [B, n, d]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: KVCache | None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
         attn_out = self.hook_attn_out(self.attn(self.ln1(x), mask, cache, rope))
         x = self.hook_resid_mid(x + attn_out)
@@ -749,8 +744,8 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if config.family in EXTERNAL_FAMILIES:
-            raise ValueError(f"family {config.family!r} describes a model run by its own code (model.hf_decoder, "
-                             "model.own_module); it cannot be built here")
+            raise ValueError(f"family {config.family!r} describes a model run by its own code "
+                             "(model.sources: HFDecoder, OwnDecoder); it cannot be built here")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)  # W_E: [V, d]
         nn.init.normal_(self.embed.weight, std=0.02)
@@ -785,7 +780,7 @@ class GPT(nn.Module):
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         """An empty KV cache for ``batch_size`` sequences, to pass to ``forward`` (``storage``: the precision
-        its rows are rounded to as they are written, model/cache.py)."""
+        its rows are rounded to as they are written, model/gpt/_cache.py)."""
         return KVCache(self.config.n_layer, batch_size, storage)
 
     def forward(

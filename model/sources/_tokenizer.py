@@ -25,6 +25,7 @@ is read as its ``tokenizer.json`` says, which is what such repositories ship.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -33,7 +34,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from model._json import read_json_object
+from model.sources._common import ModelLoadError, read_json_object
 
 END_OF_TEXT = "<|endoftext|>"
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES): what a chat template sees
@@ -420,3 +421,48 @@ def _escape_char(ch: str) -> str:
     if not ch.isprintable():  # format and separator characters: zero-width, bidi overrides, no-break space …
         return f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
     return ch
+
+
+def directory_tokenizer(directory: Path, vocab_size: int) -> TextTokenizer | None:
+    """The directory's tokenizer as transformers reads it (special tokens, end-of-sequence ids, chat template:
+    ``TextTokenizer.from_directory``), or None when it has none."""
+    tok_json = directory / "tokenizer.json"
+    try:
+        tok = TextTokenizer.from_directory(directory)
+    except TokenizerConfigError as e:
+        raise ModelLoadError(str(e)) from None
+    except Exception as e:  # tokenizers raises plain Exception subclasses from Rust
+        source = tok_json if tok_json.is_file() else directory / "vocab.json"
+        raise ModelLoadError(f"{source}: not a readable tokenizer ({e})") from None
+    if tok is None:
+        return None
+    if tok.vocab_size > vocab_size:
+        raise ModelLoadError(
+            f"{tok.source}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {vocab_size}"
+        )
+    return tok
+
+
+
+def load_tokenizer(path: str | os.PathLike, vocab_size: int, *, required: bool = True) -> TextTokenizer | None:
+    """A tokenizer from ``path``: a directory (its tokenizer.json or vocab.json + merges.txt, and the config files
+    beside them), a ``tokenizer.json`` / ``vocab.json`` (read with its directory's config files), or any other
+    ``tokenizers`` JSON file. None when a directory has none and ``required`` is False; a ``ModelLoadError`` when
+    it is required, or when the tokenizer knows more ids than the model's ``vocab_size``."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.name not in ("tokenizer.json", "vocab.json"):
+        try:
+            tok = TextTokenizer.from_file(p)
+        except Exception as e:  # tokenizers raises plain Exception subclasses from Rust
+            raise ModelLoadError(f"{p}: not a readable tokenizer ({e})") from None
+        if tok.vocab_size > vocab_size:
+            raise ModelLoadError(f"{p}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                                 f"{vocab_size}")
+        return tok
+    directory = p.parent if p.is_file() else p
+    if not directory.is_dir():
+        raise ModelLoadError(f"{p}: no such tokenizer file or directory")
+    found = directory_tokenizer(directory.resolve(), vocab_size)
+    if found is None and required:
+        raise ModelLoadError(f"{p}: no tokenizer here (looked for tokenizer.json, and vocab.json + merges.txt)")
+    return found

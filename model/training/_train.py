@@ -1,6 +1,6 @@
-"""Train a bundled story model: ``python -m model.train [--family llama]`` (seeded; ~15 min on 2 CPU cores).
+"""Train a bundled story model: ``python -m model.training [--family llama]`` (seeded; ~15 min on 2 CPU cores).
 
-1. draw stories from ``model.corpus`` (train and held-out sets from different seeds);
+1. draw stories from ``model.training`` (train and held-out sets from different seeds);
 2. train a byte-level BPE tokenizer on the training stories with ``tokenizers``
    (``--family llama`` loads ``assets/story-gpt/tokenizer.json`` instead, so both
    bundled models share token ids);
@@ -23,17 +23,17 @@ import json
 import math
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.corpus import stories
+from model.analysis import ablation_effects, induction_scores, previous_token_scores, repeated_random_tokens
 from model.gpt import GPT, GPTConfig, block_attention, rope_inv_freq
-from model.heads import ablation_effects, induction_scores, previous_token_scores, repeated_random_tokens
-from model.loading import ASSETS, BUNDLED_DIR, save_hf
-from model.tokenizer import END_OF_TEXT, TextTokenizer
+from model.sources import ASSETS, BUNDLED_DIR, END_OF_TEXT, TextTokenizer, load_hf, save_hf
+from model.training._corpus import stories
 
 TRAIN_SEED, HELDOUT_SEED = 1, 2
 
@@ -178,22 +178,16 @@ def seed_previous_token_head_(model: GPT, layer: int, head: int, pairs: int = 16
         k_block[2 * f + 1, 2 * m] = math.sin(w)
         k_block[2 * f, 2 * m + 1] = -math.sin(w)
         k_block[2 * f + 1, 2 * m + 1] = math.cos(w)
-    from model.heads import previous_token_scores
 
-    probe = torch.randint(1, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-    strength, weight = 0.5, 0.0
-    while strength < 64:
+    def place(strength: float) -> None:
         attn.c_attn.weight[:, head * dh : (head + 1) * dh] = q_block * strength
         attn.c_attn.weight[:, d + head * dh : d + (head + 1) * dh] = k_block * strength
         bias = attn.c_attn.bias  # b_Q, b_K of the head set to 0 (a config without qkv_bias has none to set)
         if bias is not None:
             bias[head * dh : (head + 1) * dh] = 0
             bias[d + head * dh : d + (head + 1) * dh] = 0
-        weight = previous_token_scores(model, probe)[layer, head].item()
-        if weight >= target:
-            break
-        strength *= 1.25
-    return weight
+
+    return _strengthen_until(model, layer, head, target, place)
 
 
 @torch.no_grad()
@@ -223,16 +217,24 @@ def seed_rope_previous_token_head_(model: GPT, layer: int, head: int, pairs: int
     q_cols = [head * dh + m for m in range(pairs)] + [head * dh + half + m for m in range(pairs)]
     k_base = H * dh + kv_head * dh
     k_cols = [k_base + m for m in range(pairs)] + [k_base + half + m for m in range(pairs)]
-    from model.heads import previous_token_scores
 
-    probe = torch.randint(1, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-    strength, weight = 0.5, 0.0
-    while strength < 64:
+    def place(strength: float) -> None:
         w[:, q_cols + k_cols] = 0.0
         for m in range(pairs):
             w[0, head * dh + m] = strength  # q: (s, 0) on pair m, at every position
             w[0, k_base + m] = strength * math.cos(omega[m].item())  # k = R(ω_m)·q
             w[0, k_base + half + m] = strength * math.sin(omega[m].item())
+
+    return _strengthen_until(model, layer, head, target, place)
+
+
+def _strengthen_until(model: GPT, layer: int, head: int, target: float, place: Callable[[float], None]) -> float:
+    """``place`` the head's weights at strength 0.5, then ×1.25 each time (below 64), until the head puts
+    ``target`` of its weight on position i − 1 of a fixed random probe; that weight."""
+    probe = torch.randint(1, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    strength, weight = 0.5, 0.0
+    while strength < 64:
+        place(strength)
         weight = previous_token_scores(model, probe)[layer, head].item()
         if weight >= target:
             break
@@ -310,7 +312,6 @@ def main(argv: list[str] | None = None) -> dict:
     model = GPT(config)
     continued = None
     if args.init_from is not None:  # go on training an earlier run's weights (a fresh optimizer and schedule)
-        from model.loading import load_hf
 
         earlier, _ = load_hf(args.init_from)
         model.load_state_dict(earlier.state_dict())  # strict: the same names and shapes as this run's model

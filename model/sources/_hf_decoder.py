@@ -43,9 +43,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from model.cache import KVCache, transaction
-from model.gpt import GPTConfig, HookPoint, attention, check_tokens, positions_and_keys
-from model.identity import BackgroundDigest, ModelIdentity, PendingIdentity, computed_identity, parameters_digest
+from model.gpt import (
+    BackgroundDigest,
+    GPTConfig,
+    HookPoint,
+    KVCache,
+    ModelIdentity,
+    PendingIdentity,
+    attention,
+    check_tokens,
+    computed_identity,
+    parameters_digest,
+    positions_and_keys,
+    transaction,
+)
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     from transformers import PreTrainedModel

@@ -3,7 +3,7 @@
 model/README.md shows this table (a test checks the two agree, and another
 that every hook point of a GPT-2 and of a grouped-query Llama config is here
 with exactly this shape, at prefill and decode). ``{L}`` is the block index.
-Symbols follow the legend in ``model/gpt.py``; the table writes the general
+Symbols follow the legend in ``model/gpt/_gpt.py``; the table writes the general
 form, and ``spec_for(name, config)`` / ``hooks_for(config)`` write it for one
 model: for GPT-2 (G = H) the key/value heads read ``H``, the QKV width ``3d``,
 the merged heads ``d`` and the MLP width ``4d``, exactly as before the Llama
@@ -104,12 +104,12 @@ _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
 def _default_config():
-    from model.gpt import GPTConfig  # here, not at import: model.gpt does not need this module
+    from model.gpt._gpt import GPTConfig  # here, not at import: model.gpt does not need this module
 
     return GPTConfig()
 
 
-# The rows a transformers-run model (family "hf", model/hf_decoder.py) has: the ones its forward passes through
+# The rows a transformers-run model (family "hf", model/sources/_hf_decoder.py) has: the ones its forward passes through
 # hook points; the rest of its tensors are module records under its own names (``hf.model.layers.0.…``).
 HF_ROWS = frozenset({
     "hook_embed", "blocks.{L}.hook_resid_pre", "blocks.{L}.attn.hook_q", "blocks.{L}.attn.hook_k",
@@ -135,7 +135,7 @@ HF_MEANINGS = {  # what a row means there, where that differs from our GPT
 def _has(spec: HookSpec, config) -> bool:
     """Whether a model with ``config`` has this row (a config without the new fields is GPT-2)."""
     family = getattr(config, "family", "gpt2")
-    if family == "module":  # only its attention is seen (model/own_module.py), and the logits
+    if family == "module":  # only its attention is seen (model/sources/_own_module.py), and the logits
         return spec.name in MODULE_ROWS
     if family == "hf":
         return spec.name in HF_ROWS and (spec.needs != "softcap" or getattr(config, "attn_softcap", None) is not None)

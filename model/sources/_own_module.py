@@ -28,10 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.cache import KVCache
-from model.gpt import GPT, GPTConfig, HookPoint, attention, check_tokens
-from model.hf_decoder import HFDecoder, _AttentionHooks
-from model.identity import ModelIdentity, computed_identity
+from model.gpt import GPT, GPTConfig, HookPoint, KVCache, ModelIdentity, attention, check_tokens, computed_identity
+from model.sources._hf_decoder import HFDecoder, _AttentionHooks
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _routing = threading.local()  # .decoder: the OwnDecoder whose forward runs on this thread, .call: SDPA calls so far

@@ -23,17 +23,22 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from model.gpt import GPT, GPTConfig
-from model.identity import ModelIdentity
-from model.loading import READ_CHUNK, ModelLoadError, _check_dir, _device, _dtype, load_tokenizer
-from model.tokenizer import TextTokenizer
+from model.gpt import GPT, GPTConfig, ModelIdentity
+from model.sources._common import (
+    READ_CHUNK,
+    ModelLoadError,
+    check_dir,
+    parse_device,
+    parse_dtype,
+    unpickling_error,
+)
+from model.sources._tokenizer import TextTokenizer, load_tokenizer
 
 CHECKPOINT_NAME = "ckpt.pt"  # what nanoGPT's train.py writes into out_dir
 COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper puts this before every parameter name
@@ -66,7 +71,7 @@ def load_nanogpt(
     GPT-2 BPE is not available offline). Returns the model (eval mode, no gradients, ``dtype``, on ``device``)
     carrying ``model.identity`` (its digest is the checkpoint file's sha256), and the tokenizer. Raises
     ``ModelLoadError`` naming the file and the problem."""
-    target_dtype, target_device = _dtype(dtype), _device(device)
+    target_dtype, target_device = parse_dtype(dtype), parse_device(device)
     file = _checkpoint_file(path)
     hasher = hashlib.sha256()
     ckpt = _read_checkpoint(file, hasher)
@@ -101,7 +106,7 @@ def _checkpoint_file(path: str | os.PathLike) -> Path:
         raise ModelLoadError(f"{path!r}: a checkpoint path must be a string or a path, not {type(path).__name__}")
     p = Path(path).expanduser()
     if p.is_dir():
-        directory = _check_dir(p)  # resolved, and no file in it links out of it
+        directory = check_dir(p)  # resolved, and no file in it links out of it
         if not (directory / CHECKPOINT_NAME).is_file():
             raise ModelLoadError(f"{p}: holds no {CHECKPOINT_NAME} (nanoGPT's train.py writes one into out_dir)")
         return directory / CHECKPOINT_NAME
@@ -123,27 +128,8 @@ def _read_checkpoint(file: Path, hasher) -> object:
             if "mmap" not in str(e):
                 raise
             return torch.load(file, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
-    except pickle.UnpicklingError as e:
-        reason = _unpickler_reason(str(e))
-        if "global" not in reason.lower():  # not a class or function: bytes that are no pickle at all
-            raise ModelLoadError(f"{file}: not a readable PyTorch checkpoint ({reason})") from None
-        raise ModelLoadError(
-            f"{file}: refused — the pickle names Python classes or functions, not only tensors, numbers, strings "
-            f"and containers, and checkpoints are only loaded with torch.load(weights_only=True), so nothing in "
-            f"it ran ({reason})"
-        ) from None
     except Exception as e:  # noqa: BLE001 - weights_only runs no code of the file's: any error is a malformed file
-        # (a crafted pickle can call an allowed rebuild function with wrong arguments: TypeError, IndexError, …)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{file}: not a readable PyTorch checkpoint ({type(e).__name__}: {first})") from None
-
-
-def _unpickler_reason(message: str) -> str:
-    """The one line of torch's weights-only refusal that says what was refused ("Unsupported global: GLOBAL
-    __main__.X was not an allowed global by default"), without its advice to load with weights_only=False."""
-    text = message.split("WeightsUnpickler error:", 1)[-1].split("Check the documentation", 1)[0]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0].split(". Please use")[0] if lines else "the unpickler refused it"
+        raise unpickling_error(file, e, "PyTorch checkpoint") from None
 
 
 def _parts(ckpt: object, file: Path) -> tuple[dict[str, torch.Tensor], Mapping]:

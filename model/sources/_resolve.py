@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from model.loading import ModelLoadError
+from model.sources._common import ModelLoadError
 
 REPO_PREFIX = "models--"  # huggingface_hub's folder for a model repo: models--{org}--{name}
 # a Hub repo id: one optional namespace and a name, of letters, digits, '-', '_', '.' (no '--' or '..' anywhere)
