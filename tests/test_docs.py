@@ -189,9 +189,11 @@ def test_the_table_of_contents_links_every_docs_page():
 
 
 def test_the_python_examples_use_the_one_import_name():
-    """``import gpt_shape_tracer as gst`` in every example; no example imports a room by its bare name first
+    """``import gpt_shape_tracer as gst`` in every example and the notebook; none imports a room by its bare name first
     (a user's own model.py would shadow it), except after ``gst.room`` has imported it from the package."""
-    for page, index, code in PYTHON:
+    notebook = json.loads(text(ROOT / "docs" / "notebook.ipynb"))
+    cells = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
+    for page, index, code in [*PYTHON, (ROOT / "docs" / "notebook.ipynb", 0, cells)]:
         if name(page) in CONTEXTS:
             continue
         assert "import gpt_shape_tracer as gst" in code, (name(page), index)
