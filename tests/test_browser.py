@@ -2,8 +2,8 @@
 module; each test loads the app into the page anew, which is a new Streamlit session (reusing the page keeps
 the browser's compiled scripts: about 1 s per test instead of 2.5 s for a new browser context).
 
-``SAVE_SCREENSHOTS=1 python -m pytest tests/test_browser.py -k "every_tab or llama"`` also writes the README's
-screenshots (assets/screenshots/).
+``SAVE_SCREENSHOTS=1 python -m pytest tests/test_browser.py -k "every_tab or llama"`` also writes the screenshots
+the README and docs/ show (assets/screenshots/); ``SAVE_SCREENSHOTS=front,shapes`` writes only those named.
 """
 
 from __future__ import annotations
@@ -38,7 +38,14 @@ from tests.browser import (
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tom had a big red kite. One day, Tom went to the park."
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+# the pages that show screenshots: only what they show is written
+PAGES = "".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
+def saving(name: str) -> bool:
+    """Whether SAVE_SCREENSHOTS asks for this screenshot: ``1`` for every one a page shows, or a comma list."""
+    wanted = os.environ.get("SAVE_SCREENSHOTS", "")
+    return f"assets/screenshots/{name}.png" in PAGES and (wanted == "1" or name in wanted.split(","))
 
 
 @pytest.fixture(scope="module")
@@ -111,23 +118,28 @@ def values(chart: list[dict]) -> list[dict]:
 def test_type_step_three_times_and_look_at_every_tab(url, visit):
     """Type a prompt, Step three times, then the shapes of the attention, history and KV-cache charts as
     the browser holds them, and every tab drawn without a JavaScript error. With SAVE_SCREENSHOTS=1 it
-    also writes the README's screenshots (assets/screenshots/)."""
+    also writes the screenshots the README and docs/ show (assets/screenshots/), and the README's front picture:
+    the top of the Attention tab, from the title to the stages' heatmaps."""
     from model import load_bundled
 
     _, tok = load_bundled()
     n0 = len(tok.encode(PROMPT))
     t = n0 + 2  # key positions at the third step
-    save = bool(os.environ.get("SAVE_SCREENSHOTS"))
     out = ROOT / "assets" / "screenshots"
 
     clipped: dict[str, list[str]] = {}
 
     def shot(name: str) -> None:
         clipped[name] = clipped_labels(page)  # every view drawn below is checked for labels cut off
-        if save and f"assets/screenshots/{name}.png" in README:  # only what the README shows is kept
+        if saving(name):
             out.mkdir(parents=True, exist_ok=True)
             page.wait_for_timeout(300)  # fonts and the data grid's canvas settle after the charts are drawn
             page.screenshot(path=str(out / f"{name}.png"))
+        if name == "attention" and saving("front"):  # 1600 px wide, from the title down to the stages' heatmaps
+            top = page.get_by_role("heading", name="GPT shape tracer").bounding_box()["y"] - 24
+            chart = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
+            page.screenshot(path=str(out / "front.png"), clip={"x": 0, "y": top, "width": 1600,
+                                                               "height": chart["y"] + chart["height"] + 16 - top})
 
     with visit(1600, 2200) as page:
         errors, outside = watch(page, url)
@@ -308,12 +320,12 @@ def test_the_llama_model_shows_its_key_value_groups_and_rope(url, visit):
         grid = [t for t in plotly_data(page)[0] if t["type"] == "heatmap"]
         assert len(grid) == 1 and grid[0]["rows"] and grid[0]["cols"]  # one heatmap, the heads tiled into it
         assert page.locator(".js-plotly-plot").first.get_by_text("K/V head 1").count() >= 1
-        if os.environ.get("SAVE_SCREENSHOTS"):
+        if saving("llama_all_heads"):
             page.wait_for_timeout(300)
             page.screenshot(path=str(ROOT / "assets" / "screenshots" / "llama_all_heads.png"))
         open_tab(page, "RoPE")
         assert len(plotly_data(page)) >= 1
-        if os.environ.get("SAVE_SCREENSHOTS"):
+        if saving("llama_rope"):
             page.wait_for_timeout(300)
             page.screenshot(path=str(ROOT / "assets" / "screenshots" / "llama_rope.png"))
         assert not errors, errors
@@ -412,7 +424,6 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
 
     _, tok = load_bundled()
     n0 = len(tok.encode(PROMPT))
-    save = os.environ.get("SAVE_SCREENSHOTS")
     with visit(1600, 2200) as page:
         errors, outside = watch(page, url)
         open_app(page, url)
@@ -425,14 +436,14 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
         click(page, "Step")
         open_tab(page, "Shapes")
         page.get_by_text("soft-cap").first.wait_for(state="attached", timeout=60_000)
-        if save:
+        if saving("gemma2_shapes"):
             page.wait_for_timeout(300)
             page.screenshot(path=str(ROOT / "assets" / "screenshots" / "gemma2_shapes.png"))
         open_tab(page, "Attention")
         open_tab(page, "Stages")
         stages = values(plotly_data(page)[0])
         assert len(stages) == 5 and all((s["rows"], s["cols"]) == (1, n0 + 1) for s in stages)
-        if save:
+        if saving("gemma2_attention"):
             page.wait_for_timeout(300)
             page.screenshot(path=str(ROOT / "assets" / "screenshots" / "gemma2_attention.png"))
         open_tab(page, "KV cache")

@@ -3,7 +3,7 @@
 Both bundled models — ``story-gpt`` (GPT-2) and ``story-llama`` (Llama: RoPE,
 RMSNorm, SwiGLU, 4 query heads sharing 2 key/value heads) — are measured here,
 on stories drawn with the held-out seed (never in the training set): nothing is
-read back from training.json. The ablation tables below are the ones the README
+read back from training.json. The ablation tables below are the ones docs/bundled-models.md
 prints; the test recomputes every entry.
 """
 
@@ -27,11 +27,11 @@ from model.analysis import (
 )
 from model.training import HELDOUT_SEED, TRAIN_SEED, lexicon, stories, token_stream, unigram_loss
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "bundled-models.md"
 NAMES = list(BUNDLED_MODELS)
 
 # What zeroing each head's z does to the loss on the second half of 16 random 50-token sequences repeated
-# twice (seed 321), in nats, [layer][head]; and the intact loss. The README prints these tables.
+# twice (seed 321), in nats, [layer][head]; and the intact loss. docs/bundled-models.md prints these tables.
 ABLATION = {
     "story-gpt": (2.373, [[6.52, 0.117, 0.201, 0.01],
                           [0.083, 0.007, 0.607, 0.096],
@@ -42,7 +42,7 @@ ABLATION = {
                             [0.008, 0.066, 0.049, 1.04],
                             [0.0, -0.007, 4.395, 0.051]]),
 }
-# (layer, head, lowest score the README's figure rounds from): story-gpt's was seeded, story-llama's grew by itself
+# (layer, head, lowest score the page's figure rounds from): story-gpt's was seeded, story-llama's grew by itself
 PREVIOUS_TOKEN_HEAD = {"story-gpt": (0, 0, 0.99), "story-llama": (1, 2, 0.75)}
 INDUCTION_HEADS = {"story-gpt": [(3, 0), (3, 1)], "story-llama": [(3, 2)]}
 
@@ -135,18 +135,18 @@ def test_sampled_continuations_stay_in_the_corpus_language(bundle):
         assert sum(w.lower() in known for w in words) / max(1, len(words)) >= 0.8, out
 
 
-def test_every_heads_ablation_effect_is_the_readme_table(bundle):
-    """Each entry of the README's table, recomputed: zero one head, measure the loss on the repeat."""
+def test_every_heads_ablation_effect_is_the_documented_table(bundle):
+    """Each entry of docs/bundled-models.md's table, recomputed: zero one head, measure the loss on the repeat."""
     name, model, tok = bundle
     tokens = repeated_random_tokens(tok.vocab_size, 50, 16, seed=321, prefix=tok.eos_id)
     intact, effects = ablation_effects(model, tokens, 50)
     table_intact, table = ABLATION[name]
     assert intact == pytest.approx(table_intact, abs=0.01)
     assert (effects - torch.tensor(table)).abs().max().item() < 0.01, effects
-    readme = README.read_text(encoding="utf-8")
+    page = PAGE.read_text(encoding="utf-8")
     for layer, row in enumerate(table):
         cells = " | ".join(f"{v:+.2f}" for v in row)
-        assert f"| {name} L{layer} | {cells} |" in readme, (name, layer)
+        assert f"| {name} L{layer} | {cells} |" in page, (name, layer)
 
 
 def test_the_induction_heads_depend_on_the_previous_token_head(bundle):

@@ -109,7 +109,7 @@ WRITES = {"mul_": lambda y: y.mul_(-5.0), "index": lambda y: y.__setitem__(0, 7.
 
 @pytest.mark.parametrize("write", list(WRITES))
 def test_a_value_changed_in_place_in_a_normal_forward_is_dropped_with_a_note(write):
-    """Each write the README lists as caught (the tensor's version counter counts it)."""
+    """Each write docs/security.md lists as caught (the tensor's version counter counts it)."""
     model = Wrap(nn.Identity())
     with Tracer(model) as tracer:
         out = model(torch.ones(2, 4) - 2)
@@ -121,7 +121,7 @@ def test_a_value_changed_in_place_in_a_normal_forward_is_dropped_with_a_note(wri
 
 def test_a_write_through_dot_data_is_not_caught_as_the_docs_say():
     """``.data`` has a version counter of its own, so the tracer cannot see such a write; the capture
-    module's documentation and the README say so. This pins that limitation: if it ever starts failing,
+    module's documentation and docs/security.md say so. This pins that limitation: if it ever starts failing,
     the writes are caught and the documentation must change."""
     import tracer.capture._tracer
 

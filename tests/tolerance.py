@@ -1,7 +1,7 @@
 """How close two float tensors must be when they were computed on different CPUs.
 
 One rule for every test that compares values computed here with values stored from another run or machine
-(the trace files in tests/data/, the numbers the README prints, figures in training.json).
+(the trace files in tests/data/, the numbers the docs print, figures in training.json).
 
 Why not a fixed ``atol``: PyTorch picks its CPU kernels by instruction set (AVX-512, AVX2 or plain code;
 ``ATEN_CPU_CAPABILITY`` forces one) and each sums a dot product's products in a different order. In float32
