@@ -400,8 +400,11 @@ class HFDecoder(nn.Module):
         """One token through the model: every layer's attention must have gone through the traced function
         (a family that computes attention its own way would otherwise be shown without its patterns)."""
         device = self.input_device
+        # on the meta device (a dry run) a mask of ones is given: without one, transformers asks the position ids
+        # whether several sequences are packed together, a question about values that a meta tensor cannot answer
+        mask = torch.ones(1, 1, dtype=torch.long, device=device) if device.type == "meta" else None
         with torch.no_grad():
-            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), attention_mask=mask, use_cache=False)
         missed = [L for L, block in enumerate(blocks) if block.attn.calls == 0]
         if missed:
             raise HFDecoderError(
@@ -471,10 +474,11 @@ class HFDecoder(nn.Module):
         weight = embed.weight
         if weight.device.type != "meta":
             return weight.device
-        for hook in _accelerate_hooks(embed):
+        hooks = _accelerate_hooks(embed)
+        for hook in hooks:
             if getattr(hook, "execution_device", None) is not None:
                 return torch.device(hook.execution_device)
-        return torch.device("cpu")
+        return torch.device("cpu") if hooks else weight.device  # no hook: a dry run, wholly on meta
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         return KVCache(self.config.n_layer, batch_size, storage)

@@ -972,6 +972,7 @@ def load_model(
     name: str | None = None,
     tokenizer: str | os.PathLike | None = None,
     max_memory: MaxMemory | None = None,
+    weights: bool = True,
 ) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
     """Load a model however it is named (``model.resolve.resolve_model_path``): a local directory, a Hugging
     Face cache folder (``models--org--name`` or one of its ``snapshots/<hash>``), a repo id ``org/name`` found in
@@ -979,9 +980,26 @@ def load_model(
 
     ``tokenizer`` (a path) replaces the one the checkpoint carries; a nanoGPT checkpoint needs one beside it or
     here. ``max_memory`` offloads what does not fit (``load_hf``; not for a nanoGPT checkpoint, which is one
-    pickle-free file read whole). Returns what ``load_hf`` / ``load_nanogpt`` return."""
+    pickle-free file read whole). Returns what ``load_hf`` / ``load_nanogpt`` return.
+
+    ``weights=False``: a dry run (model/dry_run.py): the model built on the meta device from its config alone —
+    also from ``shapes:NAME`` (a shipped config) or a bare ``config.json`` — with its tokenizer when it has one."""
     from model.nanogpt import is_nanogpt_path, load_nanogpt
     from model.resolve import resolve_model_path
+
+    if not weights:
+        from model.dry_run import DryRunError, build_dry
+
+        if max_memory is not None or str(device) != "cpu":
+            raise ModelLoadError("a dry run (weights=False) builds the model on the meta device: no device or "
+                                 "max_memory to place it on")
+        try:
+            dry, tok = build_dry(spec, dtype=dtype, name=name)
+        except DryRunError as e:
+            raise ModelLoadError(str(e)) from None
+        if tokenizer is not None:
+            tok = load_tokenizer(tokenizer, dry.config.vocab_size)
+        return dry, tok  # a GPT or an HFDecoder, on the meta device
 
     path = resolve_model_path(spec)
     if is_nanogpt_path(path):

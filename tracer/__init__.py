@@ -44,6 +44,7 @@ from tracer.generation import (
     GenerationStopped,
     PromptError,
     TracedGeneration,
+    dry_run,
 )
 from tracer.reading import GenerationFacts, Trace
 from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
@@ -80,7 +81,8 @@ __all__ = [
     "PADDING_SIDES", "PaddingSide", "PatchingResult", "PathCost", "PromptError", "RecomputeComparison", "Replay",
     "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorKind", "TensorRecord", "TensorStats", "Trace",
     "TraceErrorInfo", "TraceFileError", "TraceLog", "TracedGeneration", "Tracer", "ablate", "activation_patching",
-    "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores",
+    "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "dry_run",
+    "head_scores",
     "hooks_installed",
     "load_trace", "logit_lens", "patch", "pattern_changes", "replay", "replay_diff", "save_trace", "summarize",
     "tensor_stats", "text_loss",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 
 from model.costs import forward_cost
+from model.dry_run import on_meta
 from model.identity import identity_of
 from model.sampling import SamplingConfig, sample
 from model.tokenizer import TextTokenizer
@@ -149,11 +150,12 @@ class TracedGeneration:
         self.trace = self.tracer.trace
         self.trace.log.begin_generation(info)
         self.cache = model.new_cache(len(rows)) if use_cache else None
+        self.dry_run = on_meta(model)  # a model on the meta device: shapes only, no sampling (model/dry_run.py)
         self.generator = sampling.generator()
         self.stopped: str = ""
         # the ids that end a sequence; empty: never stop on a token
         declared = getattr(tokenizer, "eos_ids", ()) or ()
-        self.stop_ids: frozenset[int] = frozenset(declared) if stop_at_eos else frozenset()
+        self.stop_ids: frozenset[int] = frozenset(declared) if stop_at_eos and not self.dry_run else frozenset()
         self._last: tuple | None = None  # (tokens, padding mask, last index, cache length before, logits rows)
 
     # -- prompts -------------------------------------------------------------------------------
@@ -293,13 +295,20 @@ class TracedGeneration:
         before = self.cache_length
         n = tokens.size(1)
         check_shapes(self.interventions, self.model, tokens.size(0), n, before + n, step)
+        fed = tuple(map(tuple, tokens.tolist()))
+        if self.dry_run:  # the meta device: ids, masks and positions there too (their values are never read)
+            tokens = tokens.to("meta")
+            mask = mask.to("meta") if mask is not None else None
+            last = last.to("meta") if last is not None else None
         with torch.no_grad(), self.tracer.active():
             logits = self.model(tokens, self.cache, padding_mask=mask)  # [B, n, V]
-        rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0)), last]  # [B, V]
+        rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0), device=logits.device), last]
         forward = ForwardFacts(n=n, t=before + n if self.use_cache else n, cache_before=before,
-                               cache_after=self.cache_length, fed_tokens=tuple(map(tuple, tokens.tolist())))
-        bad = [r for r in range(rows.size(0)) if not _choosable(rows[r])]
-        if bad:
+                               cache_after=self.cache_length, fed_tokens=fed)
+        bad = [] if self.dry_run else [r for r in range(rows.size(0)) if not _choosable(rows[r])]
+        if self.dry_run:  # no logits to sample from: a placeholder id, labelled as one
+            choice = placeholder_choice(rows.size(0))
+        elif bad:
             self.stopped = (f"step {step}: the logits of sequence {bad[0]} hold NaN or +∞, so no token can be "
                             "chosen; generation stops here (the step's tensors are kept: the first bad record "
                             "is named above)")
@@ -368,6 +377,9 @@ class TracedGeneration:
         cache on, the cached side is this run's own logits; with it off, the run *is* the full recompute,
         so the cached side is an untraced cached re-run. Each path is also timed once untraced (the
         fastest of ``timing_repeats``): an estimate on a shared machine. The result is stored in the trace."""
+        if self.dry_run:
+            raise ValueError("a dry run has no logits to compare: the costs of both paths are counted from the shapes "
+                             "(model.costs.forward_cost)")
         if self._last is None:
             raise ValueError("no step has run yet")
         if isinstance(timing_repeats, bool) or not isinstance(timing_repeats, int) or timing_repeats < 1:
@@ -428,6 +440,19 @@ class TracedGeneration:
 
     def close(self) -> None:
         self.tracer.close()
+
+
+PLACEHOLDER_ID = 0  # what a dry run "chooses": there are no logits to choose from
+PLACEHOLDER_LABEL = "⟨placeholder: a dry run samples nothing⟩"
+
+
+def placeholder_choice(batch: int) -> SamplingRecord:
+    """The sampling record of a dry-run step: id 0 for every sequence, labelled as a placeholder, no probabilities
+    (NaN), no candidates but the placeholder."""
+    return SamplingRecord(tokens=(PLACEHOLDER_ID,) * batch, labels=(PLACEHOLDER_LABEL,) * batch,
+                          probs=(math.nan,) * batch, candidates=((PLACEHOLDER_ID,),) * batch,
+                          candidate_labels=((PLACEHOLDER_LABEL,),) * batch, stage_probs=(((math.nan,),),) * batch,
+                          kept=((0,),) * batch)
 
 
 def _max_delta_on(a: torch.Tensor | None, b: torch.Tensor | None, real: torch.Tensor, past: int) -> float:

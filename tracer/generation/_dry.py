@@ -1,0 +1,77 @@
+"""A dry-run generation: the prefill of a prompt and ``k`` decode steps of a model on the meta device
+(model/dry_run.py), every record's name, shape, axes and dtype as a run with weights would record them.
+
+The prompt is tokenized when the model has a tokenizer; otherwise it is ``n`` placeholder ids. Each decode step
+feeds one new token and the KV cache grows by one row per layer; nothing is sampled (there are no logits), and the
+"chosen" ids are placeholders, labelled as such (``PLACEHOLDER_LABEL``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from model.dry_run import MAX_DRY_RECORDS, on_meta
+from model.gpt import HookPoint
+from tracer.generation._traced import MAX_BATCH, PLACEHOLDER_ID, PLACEHOLDER_LABEL, TracedGeneration
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from model.decoders import Decoder
+    from model.tokenizer import TextTokenizer
+
+DEFAULT_PROMPT_TOKENS = 16
+
+
+class PlaceholderTokenizer:
+    """What a tokenizer-less model is fed in a dry run: ``n`` placeholder ids (id 0) for any prompt."""
+
+    eos_id = None
+    eos_ids: tuple[int, ...] = ()
+
+    def __init__(self, n: int, vocab_size: int) -> None:
+        self.n = n
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [PLACEHOLDER_ID] * self.n
+
+    def token_label(self, token_id: int) -> str:
+        return PLACEHOLDER_LABEL
+
+    def decode(self, ids: list[int]) -> str:
+        return f"⟨{len(ids)} placeholder id(s)⟩"
+
+
+def records_per_step(model: nn.Module) -> int:
+    """A lower bound of the records one forward makes: one per hook point, an input and an output per module."""
+    return sum(1 if isinstance(m, HookPoint) else 2 for m in model.modules())
+
+
+def dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
+            n: int = DEFAULT_PROMPT_TOKENS, steps: int = 4, batch: int = 1) -> TracedGeneration:
+    """Trace a dry run of ``model`` (on the meta device): the prefill of ``prompt`` (with ``tokenizer``), or of
+    ``n`` placeholder ids, then ``steps`` decode steps; returns the ``TracedGeneration`` (shapes captured)."""
+    if not on_meta(model):
+        raise ValueError("a dry run needs a model on the meta device: load_model(spec, weights=False)")
+    for what, value, low in (("n", n, 1), ("steps", steps, 0), ("batch", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{what} must be a whole number ≥ {low}, got {value!r}")
+    if batch > MAX_BATCH:
+        raise ValueError(f"batch = {batch}: at most {MAX_BATCH} sequences")
+    estimate = records_per_step(model) * (1 + steps)
+    if estimate > MAX_DRY_RECORDS:
+        raise ValueError(f"this dry run would make at least {estimate:,} records ({records_per_step(model):,} per "
+                         f"step × {1 + steps} steps); a dry-run trace holds at most {MAX_DRY_RECORDS:,}")
+    if tokenizer is None or prompt is None:
+        limit = model.config.n_ctx - 1 - steps
+        if n > limit:
+            raise ValueError(f"n = {n} placeholder ids and {steps} decode steps do not fit this model's n_ctx = "
+                             f"{model.config.n_ctx}")
+        tok = PlaceholderTokenizer(n, model.config.vocab_size)
+        prompt = f"⟨{n} placeholder ids⟩"
+        gen = TracedGeneration(model, tok, [prompt] * batch, capture="shapes", stop_at_eos=False)  # type: ignore[arg-type]
+    else:
+        gen = TracedGeneration(model, tokenizer, [prompt] * batch, capture="shapes", stop_at_eos=False)
+    gen.run(1 + steps)
+    return gen
