@@ -516,6 +516,8 @@ class HFDecoder(nn.Module):
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
         positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
+        if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
+            attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
         with transaction(cache, n, key_is_token):
             out = self.hf(input_ids=tokens, attention_mask=attention_mask, position_ids=positions.expand(B, n),
                           past_key_values=_cache_view(cache, self.config.n_layer) if cache is not None else None,

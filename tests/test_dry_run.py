@@ -129,3 +129,42 @@ def test_a_config_transformers_refuses_gives_its_message(tmp_path):
     with pytest.raises(Exception) as theirs:  # noqa: B017, PT011 (whatever transformers raises)
         CONFIG_MAPPING["qwen3"].from_dict(raw)
     assert str(theirs.value) in str(err.value)
+
+
+# the total parameters each model's authors state (billions, as they round them): a mistyped number in a shipped
+# config would move its count off the published one
+PUBLISHED_PARAMETERS = {"llama-3.1-8b": 8.0, "llama-3.1-70b": 70.6, "llama-3.1-405b": 405.9, "mixtral-8x22b": 140.6,
+                        "qwen3-235b-a22b": 235.1, "gemma-3-27b": 27.0, "gpt2": 0.124, "gpt2-xl": 1.56,
+                        "deepseek-v3": 671.0}
+
+
+def test_every_shipped_shape_config_builds_with_its_published_size():
+    from model.dry_run import parameters_by_dtype, shapes_available
+
+    assert set(shapes_available()) == set(PUBLISHED_PARAMETERS)
+    for name, billions in PUBLISHED_PARAMETERS.items():
+        model, tok = load_model(f"shapes:{name}", weights=False)
+        assert tok is None and on_meta(model)
+        total = sum(parameters_by_dtype(model).values())
+        assert total / 1e9 == pytest.approx(billions, rel=0.02), name
+
+
+def test_a_405b_dry_run_prefill_and_decode():
+    """Correctness at scale (no timing): Llama 3.1 405B, an 8,192-token prefill and 4 decode steps."""
+    model, _ = load_model("shapes:llama-3.1-405b", weights=False)
+    gen = dry_run(model, n=8192, steps=4)
+    trace = gen.trace
+    assert trace.n_steps == 5
+    assert trace.record("blocks.125.attn.hook_pattern", step=0).shape == (1, 128, 8192, 8192)
+    assert trace.record("blocks.125.attn.hook_k_all", step=4).shape == (1, 8, 8196, 128)
+    assert trace.record("hook_logits", step=4).shape == (1, 1, 128256)
+    assert trace.record("blocks.0.mlp.hook_post", step=0).dtype == "bfloat16"
+
+
+def test_latent_attention_without_a_cache():
+    model, _ = load_model("shapes:deepseek-v3", weights=False)
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        dry_run(model, n=4, steps=1)
+    gen = dry_run(model, n=4, steps=1, use_cache=False)
+    assert gen.trace.record("blocks.60.attn.hook_q", step=1).shape == (1, 128, 5, 192)
+    assert gen.trace.record("blocks.60.attn.hook_v", step=1).shape == (1, 128, 5, 128)

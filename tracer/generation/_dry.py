@@ -48,12 +48,26 @@ def records_per_step(model: nn.Module) -> int:
     return sum(1 if isinstance(m, HookPoint) else 2 for m in model.modules())
 
 
+def latent_cache(model: nn.Module) -> bool:
+    """Whether the model caches a compressed latent instead of keys and values (DeepSeek's multi-head latent
+    attention: transformers hands the cache c_KV ``[B,1,t,kv_lora_rank]`` and the rotary key ``[B,1,t,d_rope]`` as
+    "keys" and "values" of different widths, which our ``KVCache`` (one width for both) does not hold)."""
+    hf = getattr(model, "hf", None)
+    return getattr(getattr(hf, "config", None), "kv_lora_rank", None) is not None
+
+
 def dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
-            n: int = DEFAULT_PROMPT_TOKENS, steps: int = 4, batch: int = 1) -> TracedGeneration:
+            n: int = DEFAULT_PROMPT_TOKENS, steps: int = 4, batch: int = 1, use_cache: bool = True) -> TracedGeneration:
     """Trace a dry run of ``model`` (on the meta device): the prefill of ``prompt`` (with ``tokenizer``), or of
-    ``n`` placeholder ids, then ``steps`` decode steps; returns the ``TracedGeneration`` (shapes captured)."""
+    ``n`` placeholder ids, then ``steps`` decode steps; returns the ``TracedGeneration`` (shapes captured).
+    ``use_cache=False``: every step recomputes all positions (the only way a latent-caching model runs here)."""
     if not on_meta(model):
         raise ValueError("a dry run needs a model on the meta device: load_model(spec, weights=False)")
+    if use_cache and latent_cache(model):
+        raise ValueError("this model uses multi-head latent attention: transformers caches a compressed latent "
+                         "[B, 1, t, kv_lora_rank] and a rotary key [B, 1, t, d_rope] in place of keys and values, "
+                         "which the KV cache here (one width for both) does not hold yet; dry_run(..., "
+                         "use_cache=False) traces it recomputing every position at each step")
     for what, value, low in (("n", n, 1), ("steps", steps, 0), ("batch", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{what} must be a whole number ≥ {low}, got {value!r}")
@@ -70,8 +84,10 @@ def dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str 
                              f"{model.config.n_ctx}")
         tok = PlaceholderTokenizer(n, model.config.vocab_size)
         prompt = f"⟨{n} placeholder ids⟩"
-        gen = TracedGeneration(model, tok, [prompt] * batch, capture="shapes", stop_at_eos=False)  # type: ignore[arg-type]
+        gen = TracedGeneration(model, tok, [prompt] * batch, capture="shapes", stop_at_eos=False,
+                               use_cache=use_cache)  # type: ignore[arg-type]
     else:
-        gen = TracedGeneration(model, tokenizer, [prompt] * batch, capture="shapes", stop_at_eos=False)
+        gen = TracedGeneration(model, tokenizer, [prompt] * batch, capture="shapes", stop_at_eos=False,
+                               use_cache=use_cache)
     gen.run(1 + steps)
     return gen
