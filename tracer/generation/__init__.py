@@ -2,7 +2,7 @@
 
 Private: ``_traced``, ``_dry`` (a dry run: a meta-device model's prefill and decode steps, shapes only)."""
 
-from tracer.generation._dry import PlaceholderTokenizer, dry_run
+from tracer.generation._dry import PlaceholderTokenizer, dry_run, latent_cache, prepare_dry_run
 from tracer.generation._traced import (
     MAX_BATCH,
     MAX_RUN_STEPS,
@@ -13,4 +13,4 @@ from tracer.generation._traced import (
 )
 
 __all__ = ["MAX_BATCH", "MAX_RUN_STEPS", "ContextFullError", "GenerationStopped", "PlaceholderTokenizer", "PromptError",
-           "TracedGeneration", "dry_run"]
+           "TracedGeneration", "dry_run", "latent_cache", "prepare_dry_run"]

@@ -61,6 +61,15 @@ def dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str 
     """Trace a dry run of ``model`` (on the meta device): the prefill of ``prompt`` (with ``tokenizer``), or of
     ``n`` placeholder ids, then ``steps`` decode steps; returns the ``TracedGeneration`` (shapes captured).
     ``use_cache=False``: every step recomputes all positions (the only way a latent-caching model runs here)."""
+    gen = prepare_dry_run(model, tokenizer, prompt, n=n, steps=steps, batch=batch, use_cache=use_cache)
+    gen.run(1 + steps)
+    return gen
+
+
+def prepare_dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
+                    n: int = DEFAULT_PROMPT_TOKENS, steps: int = 4, batch: int = 1,
+                    use_cache: bool = True) -> TracedGeneration:
+    """``dry_run``'s generation, checked and ready, before its first step (``tracer.costs`` steps it itself)."""
     if not on_meta(model):
         raise ValueError("a dry run needs a model on the meta device: load_model(spec, weights=False)")
     if use_cache and latent_cache(model):
@@ -84,10 +93,9 @@ def dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str 
                              f"{model.config.n_ctx}")
         tok = PlaceholderTokenizer(n, model.config.vocab_size)
         prompt = f"⟨{n} placeholder ids⟩"
-        gen = TracedGeneration(model, tok, [prompt] * batch, capture="shapes", stop_at_eos=False,
-                               use_cache=use_cache)  # type: ignore[arg-type]
+        gen = TracedGeneration(model, tok, [prompt] * batch,  # type: ignore[arg-type]  # what it reads of one
+                               capture="shapes", stop_at_eos=False, use_cache=use_cache)
     else:
         gen = TracedGeneration(model, tokenizer, [prompt] * batch, capture="shapes", stop_at_eos=False,
                                use_cache=use_cache)
-    gen.run(1 + steps)
     return gen

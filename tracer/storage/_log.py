@@ -76,7 +76,7 @@ def _meta_address(t: torch.Tensor) -> int:
     offset, so that records viewing one tensor are known as one, as in a run with values (0: not meta)."""
     if not t.is_meta:
         return 0
-    return id(t.untyped_storage()) + t.storage_offset() * t.element_size()  # the storage object is kept with it
+    return id(t.untyped_storage()) + int(t.storage_offset()) * t.element_size()  # the storage object is kept with it
 
 
 class RawOp(NamedTuple):

@@ -181,9 +181,9 @@ def finite_flag(t: torch.Tensor) -> int:
     """``Finite.CLEAN`` / ``NEG_INF`` / ``BAD`` with one reduction: Σx is finite exactly when every
     element is (barring an overflow of the sum, which is then reported as BAD — the statistics,
     taken when a value is kept, settle it)."""
-    x = t.detach()
-    if x.is_meta:
+    if t.is_meta:
         return Finite.UNKNOWN  # a dry run: a meta tensor has a shape and a dtype, no values to check
+    x = t.detach()
     if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:
         return Finite.CLEAN
     s = float(x.sum())

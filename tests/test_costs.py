@@ -1,0 +1,93 @@
+"""Op costs (tracer/costs): the multiply-adds a dry run counts on the meta device equal what PyTorch's own
+FlopCounterMode counts on the real run of the same model, module by module and op by op; the totals equal
+model/costs.py's formula for our GPT."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from hf_architectures import build
+from torch.utils.flop_counter import FlopCounterMode
+
+from model import load_model
+from model.costs import forward_cost
+from model.loading import ASSETS
+from tracer.costs import costed_dry_run, costs_frame, kv_cache_bytes
+
+PROMPT = "Once upon a time"
+
+
+def _flop_counter_view(model, tokens) -> dict[str, dict[str, int]]:
+    """FlopCounterMode on the real model: per module (inclusive, named from the root's class), per op."""
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(tokens)
+    # a module reachable at two paths (HFDecoder's w_o is the model's o_proj) is named by its first path, as in
+    # named_modules and the trace
+    root = type(model).__name__
+    canonical = {id(m): path for path, m in model.named_modules()}
+
+    def path(name: str) -> str:
+        inner = name.removeprefix(root).removeprefix(".")
+        return ".".join(filter(None, [root, canonical[id(model.get_submodule(inner))]]))
+
+    return {path(name): {str(op): int(n) for op, n in ops.items() if n}
+            for name, ops in counter.get_flop_counts().items() if name != "Global" and any(ops.values())}
+
+
+def _our_view(costs, model) -> dict[str, dict[str, int]]:
+    """Our ops' FLOPs in FlopCounterMode's naming: every module that ran around the op (a ModuleList never runs)."""
+    root = type(model).__name__
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for op in costs.ops:
+        if not op.macs:
+            continue
+        parts = op.module.split(".") if op.module else []
+        for i in range(len(parts) + 1):
+            if isinstance(model.get_submodule(".".join(parts[:i])), torch.nn.ModuleList):
+                continue
+            name = ".".join([root, *parts[:i]])
+            out[name][op.op] += op.flops
+    return {k: dict(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("source", ["story-gpt", "story-llama", "qwen3", "mixtral"])
+def test_dry_run_flops_equal_flop_counter_mode_on_the_real_run(source, tmp_path):
+    if source.startswith("story"):
+        directory = ASSETS / source
+    else:
+        directory = build(source, tmp_path / source, ASSETS / "story-gpt" / "tokenizer.json")
+    real, tok = load_model(directory)
+    if source == "mixtral":
+        # transformers runs the experts with torch._grouped_mm here, which flop_counter has no formula for (it
+        # counts 0); the dry run runs them as batched matrix products (model/dry_run.py): compared like for like
+        real.hf.set_experts_implementation("batched_mm")
+    dry, dry_tok = load_model(directory, weights=False)
+    gen, costs = costed_dry_run(dry, dry_tok, PROMPT, steps=2)
+    prefill = torch.tensor([tok.encode(PROMPT)])
+    assert _our_view(costs[0], dry) == _flop_counter_view(real, prefill)
+    # a decode step with the cache: one new row over t = n + 1 keys, counted the same way
+    cache = real.new_cache(1)
+    real(prefill, cache)
+    with FlopCounterMode(display=False) as counter:
+        real(torch.tensor([[0]]), cache)
+    assert sum(op.flops for op in costs[1].ops) == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["story-gpt", "story-llama"])
+def test_totals_equal_the_formula_for_our_gpt(name):
+    dry, tok = load_model(ASSETS / name, weights=False)
+    gen, costs = costed_dry_run(dry, tok, PROMPT, steps=2)
+    n = gen.facts.steps[0].forward.n
+    assert costs[0].macs == forward_cost(dry.config, 1, n, n).macs
+    assert costs[2].macs == forward_cost(dry.config, 1, 1, n + 2, cached=n + 1).macs
+    # the KV cache grows by one row per layer and step: 2 (K, V) · L · G · d_head · itemsize bytes
+    c = dry.config
+    row = 2 * c.n_layer * (c.n_kv_head or c.n_head) * c.d_head * 4
+    assert kv_cache_bytes(gen.trace, 2) - kv_cache_bytes(gen.trace, 1) == row
+    assert kv_cache_bytes(gen.trace, 0) == n * row
+    # a decode step reads every weight matrix once: at least the formula's weight bytes (which leaves out norms)
+    assert costs[1].weight_bytes >= forward_cost(c, 1, 1, n + 1).weight_bytes
+    frame = costs_frame(costs[0])
+    assert frame["multiply-adds"].sum() == costs[0].macs
