@@ -91,3 +91,36 @@ def test_totals_equal_the_formula_for_our_gpt(name):
     assert costs[1].weight_bytes >= forward_cost(c, 1, 1, n + 1).weight_bytes
     frame = costs_frame(costs[0])
     assert frame["multiply-adds"].sum() == costs[0].macs
+
+
+def test_roofline_decode_is_memory_bound_and_floors_are_the_max_of_two_terms():
+    from tracer.costs import ACCELERATORS, op_floors, step_floor
+
+    dry, _ = load_model("shapes:llama-3.1-8b", weights=False)
+    _, costs = costed_dry_run(dry, n=512, steps=1)
+    for acc in ACCELERATORS.values():
+        decode = step_floor(costs[1].ops, acc, "bfloat16")
+        assert decode.bound == "memory" and decode.memory_seconds > 0.9 * decode.seconds
+        # reading every weight once at the memory's bandwidth is the least a decode step can take
+        assert decode.seconds >= costs[1].weight_bytes / acc.bandwidth
+        for f in op_floors(costs[0].ops[:50], acc, "bfloat16"):
+            assert f.seconds == max(f.op.flops / acc.peak("bfloat16"),
+                                    (f.op.read_bytes + f.op.written_bytes) / acc.bandwidth)
+        assert all(acc.source.startswith("https://") for acc in ACCELERATORS.values())
+
+
+def test_placement_by_accelerate_and_the_longest_context():
+    from model.dry_run import parameters_by_dtype
+    from tracer.costs import place
+
+    dry, _ = load_model("shapes:llama-3.1-70b", weights=False)
+    placed = place(dry, {0: "80GiB", 1: "80GiB", "cpu": "200GiB"})
+    total = sum(parameters_by_dtype(dry).values()) * 2  # bfloat16
+    assert sum(placed.weights_by_device.values()) == total
+    assert sum(placed.layers_by_device.values()) == 80
+    c = dry.config
+    assert placed.kv_bytes_per_token == 2 * c.n_layer * c.n_kv_head * c.d_head * 2
+    per_layer = placed.kv_bytes_per_token // c.n_layer
+    expected = min(placed.free_by_device[d] // (per_layer * n) for d, n in placed.layers_by_device.items())
+    assert placed.longest_context == min(expected, c.n_ctx)
+    assert f"{placed.longest_context:,} tokens" in placed.describe()
