@@ -59,8 +59,15 @@ def main(argv: list[str] | None = None) -> int:
                     "apply_chat_template with add_generation_prompt=True)")
     ap.add_argument("--no-stop-at-eos", action="store_true",
                     help="go on after every sequence has chosen an end-of-sequence token")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                    help="weights and activations of a --model-dir model (default: float32)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="weights and activations of a --model-dir model (default: float32; with --dry-run, the "
+                         "config's torch_dtype)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="config only, no weights: build the --model-dir model (a directory with config.json, a "
+                         "config.json, or shapes:NAME such as shapes:llama-3.1-405b) on the meta device and trace "
+                         "its shapes; without a tokenizer the prompt is --dry-run-tokens placeholder ids")
+    ap.add_argument("--dry-run-tokens", type=int, default=16, help="placeholder prompt ids of a --dry-run without "
+                                                                    "a tokenizer (default: 16)")
     ap.add_argument("--max-memory", metavar="SIZE",
                     help="run a --model-dir model larger than SIZE of memory (e.g. 2GiB): transformers runs it and "
                     "accelerate keeps the layers that do not fit on disk, reading them in for each forward")
@@ -119,6 +126,21 @@ def main(argv: list[str] | None = None) -> int:
             if tokenizer is None:
                 raise ValueError(f"{args.model_factory} returned no tokenizer: return (model, tokenizer), or give "
                                  "--tokenizer")
+        elif args.dry_run:
+            from tracer import prepare_dry_run
+
+            if not args.model_dir:
+                raise ValueError("--dry-run goes with --model-dir (a directory with config.json, a config.json, "
+                                 "or shapes:NAME)")
+            if args.max_memory:
+                raise ValueError("--dry-run builds the model on the meta device: no --max-memory to place it in")
+            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer, weights=False)
+            if tokenizer is None and not args.quiet:
+                print(f"note: {args.model_dir} has no tokenizer: the prompt is {args.dry_run_tokens} placeholder ids",
+                      file=sys.stderr)
+            gen = prepare_dry_run(model, tokenizer, args.prompt[0] if tokenizer is not None else None,
+                                  n=args.dry_run_tokens, steps=args.steps - 1, batch=len(args.prompt),
+                                  use_cache=not args.no_cache)
         elif args.model_dir:
             model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer,
                                           max_memory=args.max_memory)
@@ -127,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "give one with --tokenizer")
         else:
             model, tokenizer = load_bundled(args.model)
-        gen = new_generation(model, tokenizer, settings)  # the chat template and a module without a cache, too
+        if not args.dry_run:
+            gen = new_generation(model, tokenizer, settings)  # the chat template and a module without a cache, too
         for warning in gen.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         progress = _progress(args.steps, quiet=args.quiet)

@@ -168,3 +168,28 @@ def test_latent_attention_without_a_cache():
     gen = dry_run(model, n=4, steps=1, use_cache=False)
     assert gen.trace.record("blocks.60.attn.hook_q", step=1).shape == (1, 128, 5, 192)
     assert gen.trace.record("blocks.60.attn.hook_v", step=1).shape == (1, 128, 5, 128)
+
+
+def test_a_dry_run_trace_saved_and_loaded_says_it_is_one(tmp_path):
+    from tracer import load_trace, save_trace
+
+    model, _ = load_model("shapes:gpt2", weights=False)
+    gen = dry_run(model, n=5, steps=1)
+    save_trace(gen.trace, tmp_path / "t")
+    back = load_trace(tmp_path / "t")
+    assert back.dry_run and back.model.weights_digest == NO_WEIGHTS
+    rec = back.record("blocks.11.attn.hook_pattern", step=1)
+    assert rec.shape == (1, 12, 1, 6) and back.summary(rec).endswith("no values (dry run)")
+    assert "placeholder" in back.generation.steps[0].sampling.labels[0]
+
+
+def test_cli_dry_run(tmp_path, capsys):
+    from gpt_shape_tracer.cli import main
+
+    code = main(["trace", "--dry-run", "--model-dir", "shapes:llama-3.1-8b", "--prompt", "x", "--steps", "3",
+                 "--dry-run-tokens", "20", "--out", str(tmp_path / "t"), "--json", "--quiet"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 3 and out["shown_step"]["t"] == 22
+    k_all = next(r for r in out["shown_step"]["records"] if r["name"] == "blocks.31.attn.hook_k_all")
+    assert k_all["shape"] == [1, 8, 22, 128] and k_all["dtype"] == "bfloat16"

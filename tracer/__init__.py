@@ -45,6 +45,7 @@ from tracer.generation import (
     PromptError,
     TracedGeneration,
     dry_run,
+    prepare_dry_run,
 )
 from tracer.reading import GenerationFacts, Trace
 from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
@@ -84,6 +85,6 @@ __all__ = [
     "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "dry_run",
     "head_scores",
     "hooks_installed",
-    "load_trace", "logit_lens", "patch", "pattern_changes", "replay", "replay_diff", "save_trace", "summarize",
+    "load_trace", "logit_lens", "patch", "prepare_dry_run", "pattern_changes", "replay", "replay_diff", "save_trace", "summarize",
     "tensor_stats", "text_loss",
 ]
