@@ -85,6 +85,7 @@ __all__ = [
     "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "dry_run",
     "head_scores",
     "hooks_installed",
-    "load_trace", "logit_lens", "patch", "prepare_dry_run", "pattern_changes", "replay", "replay_diff", "save_trace", "summarize",
+    "load_trace", "logit_lens", "patch", "prepare_dry_run", "pattern_changes", "replay", "replay_diff", "save_trace",
+    "summarize",
     "tensor_stats", "text_loss",
 ]
