@@ -14,9 +14,17 @@ import streamlit as st
 from gui.common import plain
 from model import ModelLoadError, load_model
 from model.dry_run import parameters_by_dtype, shapes_available
-from tracer import Trace
-from tracer.costs import ACCELERATORS, StepCosts, costed_dry_run, costs_frame, kv_cache_bytes, place, step_floor
-from tracer.generation import latent_cache
+from tracer import (
+    ACCELERATORS,
+    StepCosts,
+    Trace,
+    costed_dry_run,
+    costs_frame,
+    kv_cache_bytes,
+    latent_cache,
+    place,
+    step_floor,
+)
 
 LABEL = "Config only (no weights)"
 RESULT = "dry_run_result"  # st.session_state key: this session's dry run
@@ -127,9 +135,10 @@ def describe_parameters(by_dtype: dict[str, int]) -> str:
 
 def growth_frame(result: DryRun) -> pd.DataFrame:
     rows = []
-    for s, costs in enumerate(result.costs):
-        forward = result.trace.generation.step(s).forward if result.trace.generation else None
-        rows.append({"step": s, "n": forward.n if forward else None, "t": forward.t if forward else None,
+    facts = result.trace.generation.steps if result.trace.generation else ()
+    for s, (costs, fact) in enumerate(zip(result.costs, facts)):
+        forward = fact.forward
+        rows.append({"step": s, "n": forward.n, "t": forward.t,
                      "KV cache bytes": kv_cache_bytes(result.trace, s), "multiply-adds": costs.macs,
                      "weight bytes read": costs.weight_bytes, "peak activation bytes": costs.peak_activation_bytes})
     return pd.DataFrame(rows)
