@@ -193,3 +193,12 @@ def test_cli_dry_run(tmp_path, capsys):
     assert out["steps"] == 3 and out["shown_step"]["t"] == 22
     k_all = next(r for r in out["shown_step"]["records"] if r["name"] == "blocks.31.attn.hook_k_all")
     assert k_all["shape"] == [1, 8, 22, 128] and k_all["dtype"] == "bfloat16"
+
+
+def test_a_repo_id_from_the_local_cache(tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_bytes((ASSETS / "story-llama" / "config.json").read_bytes())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    model, tok = load_model("org/tiny", weights=False)
+    assert on_meta(model) and tok is None and model.identity.name == "org/tiny"
