@@ -12,6 +12,8 @@ import streamlit as st
 from gui.attention import attention_tab
 from gui.common import admitted, freed_memory_reused, header, remembered_tabs, state, status, viewed_step
 from gui.compare import compare_tab
+from gui.dry_run import LABEL as DRY_LABEL
+from gui.dry_run import dry_run_page
 from gui.export import export_tab
 from gui.inspector import inspector_tab
 from gui.kv_cache import cache_tab
@@ -45,6 +47,9 @@ def main() -> None:
 def run(app: AppState) -> None:
     action, values = sidebar()
     st.title("GPT shape tracer")
+    if st.session_state.get("source") == DRY_LABEL:  # config only: its own page (gui/dry_run.py)
+        dry_run_page()
+        return
     try:  # the widgets' values, read once: every use below sees the same settings or the same refusal
         settings, refused = settings_from(values), None
     except SettingsError as e:

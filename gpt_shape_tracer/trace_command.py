@@ -90,8 +90,15 @@ def parser() -> argparse.ArgumentParser:
                     "apply_chat_template with add_generation_prompt=True)")
     ap.add_argument("--no-stop-at-eos", action="store_true",
                     help="go on after every sequence has chosen an end-of-sequence token")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                    help="weights and activations of a --model-dir model")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="weights and activations of a --model-dir model (default: float32; with --dry-run, the "
+                         "config's torch_dtype)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="config only, no weights: build the --model-dir model (a directory with config.json, a "
+                         "config.json, or shapes:NAME such as shapes:llama-3.1-405b) on the meta device and trace "
+                         "its shapes; without a tokenizer the prompt is --dry-run-tokens placeholder ids")
+    ap.add_argument("--dry-run-tokens", type=int, default=16,
+                    help="placeholder prompt ids of a --dry-run without a tokenizer")
     ap.add_argument("--max-memory", metavar="SIZE",
                     help="run a --model-dir model larger than SIZE of memory (e.g. 2GiB): transformers runs it and "
                     "accelerate keeps the layers that do not fit on disk, reading them in for each forward")
@@ -161,6 +168,13 @@ def check_arguments(args: argparse.Namespace) -> Path | None:
         raise ValueError("--max-memory goes with --model-dir (a Hugging Face directory to offload)")
     if args.model_dir and args.model_factory:
         raise ValueError("give --model-dir or --model-factory, not both")
+    if args.dry_run and not args.model_dir:
+        raise ValueError("--dry-run goes with --model-dir (a directory with config.json, a config.json, or "
+                         "shapes:NAME)")
+    if args.dry_run and args.max_memory:
+        raise ValueError("--dry-run builds the model on the meta device: no --max-memory to place it in")
+    if not 1 <= args.dry_run_tokens <= 1 << 20:
+        raise ValueError(f"--dry-run-tokens takes 1 … {1 << 20}, got {args.dry_run_tokens}")
     out = _checked_out(args.out) if args.out is not None else None
     for flag, report in (("--html", args.html), ("--html-run", args.html_run)):
         if report is not None:
@@ -214,6 +228,16 @@ def main(argv: list[str] | None = None) -> int:
             if tokenizer is None:
                 raise ValueError(f"{args.model_factory} returned no tokenizer: return (model, tokenizer), or give "
                                  "--tokenizer")
+        elif args.dry_run:
+            from tracer import prepare_dry_run
+
+            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer, weights=False)
+            if tokenizer is None and not args.quiet:
+                print(f"note: {args.model_dir} has no tokenizer: the prompt is {args.dry_run_tokens} placeholder ids",
+                      file=sys.stderr)
+            gen = prepare_dry_run(model, tokenizer, args.prompt[0] if tokenizer is not None else None,
+                                  n=args.dry_run_tokens, steps=args.steps - 1, batch=len(args.prompt),
+                                  use_cache=not args.no_cache)
         elif args.model_dir:
             model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer,
                                           max_memory=args.max_memory)
@@ -222,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "give one with --tokenizer")
         else:
             model, tokenizer = load_bundled(args.model)
-        gen = new_generation(model, tokenizer, settings)  # the chat template and a module without a cache, too
+        if not args.dry_run:
+            gen = new_generation(model, tokenizer, settings)  # the chat template and a module without a cache, too
         for warning in gen.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         progress = _progress(args.steps, quiet=args.quiet)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import streamlit as st
 
 from gui.common import current_model, directory_model, factory_model, plain, reserve_memory, state
+from gui.dry_run import LABEL as DRY_LABEL
+from gui.dry_run import dry_run_sidebar
 from model import BUNDLED_MODELS, ModelLoadError
 from model.sources import ASSETS, OwnModuleError, resolve_model_path, weights_size
 from session import (
@@ -31,7 +33,8 @@ from tracer import FORWARD_CAPTURES, MAX_RUN_STEPS, PADDING_SIDES
 SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
            "Bundled Llama-style story model": "bundled:story-llama",
            "Local Hugging Face directory": "dir",
-           "Your own module (package.module:function)": "factory"}
+           "Your own module (package.module:function)": "factory",
+           DRY_LABEL: "dry"}
 DECODINGS = ["greedy", "sample"]
 CAPTURES = list(FORWARD_CAPTURES)  # gradients: a backward pass, from Attention → Gradients
 PADDINGS = list(PADDING_SIDES)
@@ -70,7 +73,9 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
                           "transformers through our hook points. A Hugging Face cache folder (models--org--name, or "
                           "its snapshots/<hash>), a repo id found in the local cache (org/name), or a nanoGPT "
                           "ckpt.pt work too. Your own module: a function in your own code on this machine that "
-                          "returns (model, tokenizer). Nothing is downloaded.")
+                          "returns (model, tokenizer). Config only: a config.json (or a shipped shape config such as "
+                          "Llama 3.1 405B) built on the meta device, no weights: shapes and costs. Nothing is "
+                          "downloaded.")
     chosen = available[label]
     if chosen == "dir":
         path = sb.text_input("Directory", key="model_dir", placeholder="/path/to/model, org/name or ckpt.pt")
@@ -96,6 +101,8 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
                                   "torch.nn.functional.scaled_dot_product_attention.")
         if sb.button("Load", key="load_factory"):
             load_own_module(spec)
+    elif chosen == "dry":
+        dry_run_sidebar(sb)
     elif state().model_key != chosen:
         choose_model(chosen, "")
 

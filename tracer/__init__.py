@@ -5,7 +5,8 @@ the command line (``gpt-shape-tracer trace``) is another.
 
 * ``Tracer`` captures (``tracer.capture``, with ``hooks``, ``ops``, ``forensics``);
 * ``TraceLog`` is the write side of a trace, ``Trace`` the read side;
-* ``TracedGeneration`` drives a generation step by step and records its facts;
+* ``TracedGeneration`` drives a generation step by step and records its facts; ``dry_run`` one of a model on the
+  meta device (config only, no weights); ``tracer.costs`` counts what every op costs and where it would run;
 * ``save_trace`` / ``load_trace`` write and check files (``tracer.io``, ``tracer.schema``);
 * ``ablate`` / ``patch`` change a forward (``tracer.interventions``); ``logit_lens``,
   ``direct_logit_attribution`` (``tracer.lens``), ``diff_traces`` (``tracer.diff``) and the
@@ -13,6 +14,20 @@ the command line (``gpt-shape-tracer trace``) is another.
 """
 
 from tracer.capture import HOWS, Intervention, InterventionError, Tracer, ablate, hooks_installed, patch
+from tracer.costs import (
+    ACCELERATORS,
+    Accelerator,
+    OpCost,
+    Placement,
+    StepCosts,
+    StepFloor,
+    costed_dry_run,
+    costs_frame,
+    count_forward,
+    kv_cache_bytes,
+    place,
+    step_floor,
+)
 from tracer.experiments import (
     GRADIENT_LOSSES,
     HEAD_ROLES,
@@ -44,6 +59,9 @@ from tracer.generation import (
     GenerationStopped,
     PromptError,
     TracedGeneration,
+    dry_run,
+    latent_cache,
+    prepare_dry_run,
 )
 from tracer.reading import GenerationFacts, Trace
 from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
@@ -71,6 +89,8 @@ from tracer.storage.records import (
 )
 
 __all__ = [
+    "ACCELERATORS", "Accelerator", "OpCost", "Placement", "StepCosts", "StepFloor", "costed_dry_run", "costs_frame",
+    "count_forward", "kv_cache_bytes", "latent_cache", "place", "step_floor",
     "ABLATIONS", "CAPTURE_LEVELS", "FORWARD_CAPTURES", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES",
     "Finite",
     "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",
@@ -80,8 +100,10 @@ __all__ = [
     "PADDING_SIDES", "PaddingSide", "PatchingResult", "PathCost", "PromptError", "RecomputeComparison", "Replay",
     "SamplingRecord", "StepRecord", "TENSOR_KINDS", "TensorKind", "TensorRecord", "TensorStats", "Trace",
     "TraceErrorInfo", "TraceFileError", "TraceLog", "TracedGeneration", "Tracer", "ablate", "activation_patching",
-    "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "head_scores",
+    "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "dry_run",
+    "head_scores",
     "hooks_installed",
-    "load_trace", "logit_lens", "patch", "pattern_changes", "replay", "replay_diff", "save_trace", "summarize",
+    "load_trace", "logit_lens", "patch", "prepare_dry_run", "pattern_changes", "replay", "replay_diff", "save_trace",
+    "summarize",
     "tensor_stats", "text_loss",
 ]

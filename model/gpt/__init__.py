@@ -9,6 +9,8 @@ from model.gpt._gpt import (
     FAMILIES,
     GPT,
     HF_FAMILY,
+    MAX_VOCAB,
+    MAX_WIDTH,
     MODULE_FAMILY,
     AttentionHooks,
     GPTConfig,
@@ -49,7 +51,8 @@ from model.gpt._identity import (
 __all__ = [
     "ACTIVATIONS", "EXTERNAL_FAMILIES", "FAMILIES", "GPT", "HF_FAMILY", "HF_ROWS", "HOOKS", "MIN_CAPACITY",
     "MODULE_FAMILY", "STORAGES", "AttentionHooks", "BackgroundDigest", "DigestAbandoned", "GPTConfig", "HookPoint",
-    "HookSpec", "IdentityUnavailable", "KVCache", "ModelIdentity", "PendingIdentity", "RopeScaling", "act_name",
+    "HookSpec", "IdentityUnavailable", "MAX_VOCAB", "MAX_WIDTH",
+    "KVCache", "ModelIdentity", "PendingIdentity", "RopeScaling", "act_name",
     "additive_mask", "apply_rope", "attention", "block_attention", "check_tokens", "computed_identity", "dims_of",
     "files_digest", "hooks_for", "identity_of", "markdown_table", "parameters_digest", "positions_and_keys",
     "resolve", "rope_cos_sin", "rope_inv_freq", "spec_for", "stored", "transaction",

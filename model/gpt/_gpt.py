@@ -707,7 +707,7 @@ def check_tokens(config: GPTConfig, tokens: torch.Tensor, cache: KVCache | None)
             f"sequence too long: {past} cached + {n} new = {t} positions, but this model's "
             f"n_ctx is {config.n_ctx} ({table})"
         )
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
+    if tokens.numel() and not tokens.is_meta and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
         raise ValueError(
             f"token ids must lie in [0, {config.vocab_size}); got min {int(tokens.min())}, "
             f"max {int(tokens.max())}"

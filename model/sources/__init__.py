@@ -7,6 +7,18 @@ dtype/device). ``load_model`` (``_load.py``) resolves a spec once and hands it t
 
 from model.sources._common import LOGIT_TOLERANCE, MODEL_FILE_SUFFIXES, ModelLoadError, check_link, logit_tolerance
 from model.sources._decoders import Decoder
+from model.sources._dry_run import (
+    MAX_DRY_LAYERS,
+    MAX_DRY_RECORDS,
+    NO_WEIGHTS,
+    SHAPES_PREFIX,
+    DryRunError,
+    build_dry,
+    dry_config,
+    on_meta,
+    parameters_by_dtype,
+    shapes_available,
+)
 from model.sources._hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, read_config
 from model.sources._hf_decoder import (
     ATTENTION,
@@ -47,6 +59,8 @@ from model.sources._safetensors import SafetensorsFile, safetensors_files
 from model.sources._tokenizer import END_OF_TEXT, TextTokenizer, TokenizerConfigError, load_tokenizer
 
 __all__ = [
+    "MAX_DRY_LAYERS", "MAX_DRY_RECORDS", "NO_WEIGHTS", "SHAPES_PREFIX", "DryRunError", "build_dry", "dry_config",
+    "on_meta", "parameters_by_dtype", "shapes_available",
     "ASSETS", "ATTENTION", "BUNDLED_DIR", "BUNDLED_MODELS", "CHECKPOINT_NAME", "COMPILED_PREFIX", "END_OF_TEXT",
     "IMPLEMENTATIONS", "LOGIT_TOLERANCE", "MODEL_FILE_SUFFIXES", "REPO_PREFIX", "SUPPORTED_MODEL_TYPES",
     "Architecture", "Decoder", "HFDecoder", "HFDecoderError", "MaxMemory", "ModelLoadError", "OwnDecoder",

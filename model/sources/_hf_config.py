@@ -9,6 +9,16 @@ from typing import Any
 from model.gpt import GPTConfig, RopeScaling
 from model.sources._common import ModelLoadError, read_json
 
+IMPLEMENTATIONS = ("auto", "ours", "transformers")  # load_hf: who runs the model
+
+
+def known_to_transformers(model_type: str) -> bool:
+    """Whether the installed transformers has a config class for ``model_type`` (then it can run it)."""
+    from transformers import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")  # re-implemented here (model/gpt/_gpt.py)
 SUPPORTED_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 

@@ -411,8 +411,11 @@ class HFDecoder(nn.Module):
         """One token through the model: every layer's attention must have gone through the traced function
         (a family that computes attention its own way would otherwise be shown without its patterns)."""
         device = self.input_device
+        # on the meta device (a dry run) a mask of ones is given: without one, transformers asks the position ids
+        # whether several sequences are packed together, a question about values that a meta tensor cannot answer
+        mask = torch.ones(1, 1, dtype=torch.long, device=device) if device.type == "meta" else None
         with torch.no_grad():
-            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), attention_mask=mask, use_cache=False)
         missed = [L for L, block in enumerate(blocks) if block.attn.calls == 0]
         if missed:
             raise HFDecoderError(
@@ -482,10 +485,11 @@ class HFDecoder(nn.Module):
         weight = embed.weight
         if weight.device.type != "meta":
             return weight.device
-        for hook in _accelerate_hooks(embed):
+        hooks = _accelerate_hooks(embed)
+        for hook in hooks:
             if getattr(hook, "execution_device", None) is not None:
                 return torch.device(hook.execution_device)
-        return torch.device("cpu")
+        return torch.device("cpu") if hooks else weight.device  # no hook: a dry run, wholly on meta
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         return KVCache(self.config.n_layer, batch_size, storage)
@@ -523,6 +527,8 @@ class HFDecoder(nn.Module):
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
         positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
+        if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
+            attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
         with transaction(cache, n, key_is_token):
             out = self.hf(input_ids=tokens, attention_mask=attention_mask, position_ids=positions.expand(B, n),
                           past_key_values=_cache_view(cache, self.config.n_layer) if cache is not None else None,

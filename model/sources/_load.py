@@ -15,7 +15,7 @@ import torch
 
 from model.gpt import GPT
 from model.sources._common import ModelLoadError, check_dir, parse_device, parse_dtype, read_json
-from model.sources._hf_config import SUPPORTED_MODEL_TYPES
+from model.sources._hf_config import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES, known_to_transformers
 from model.sources._hf_decoder import HFDecoder, HFDecoderError, MaxMemory, load_hf_decoder
 from model.sources._hf_ours import load_hf_ours
 from model.sources._nanogpt import is_nanogpt_path, load_nanogpt
@@ -31,14 +31,6 @@ BUNDLED_MODELS: dict[str, str] = {
     "story-llama": "Llama architecture, 4 layers × 4 query heads sharing 2 key/value heads, d=128, RoPE, RMSNorm, "
                    "SwiGLU, untied W_U",
 }
-IMPLEMENTATIONS = ("auto", "ours", "transformers")  # load_hf: who runs the model
-
-
-def known_to_transformers(model_type: str) -> bool:
-    """Whether the installed transformers has a config class for ``model_type`` (then it can run it)."""
-    from transformers import CONFIG_MAPPING
-
-    return model_type in CONFIG_MAPPING
 
 
 def load_hf(
@@ -112,6 +104,7 @@ def load_model(
     name: str | None = None,
     tokenizer: str | os.PathLike | None = None,
     max_memory: MaxMemory | None = None,
+    weights: bool = True,
 ) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
     """Load a model however it is named (``resolve_model_path``): a local directory, a Hugging
     Face cache folder (``models--org--name`` or one of its ``snapshots/<hash>``), a repo id ``org/name`` found in
@@ -119,7 +112,24 @@ def load_model(
 
     ``tokenizer`` (a path) replaces the one the checkpoint carries; a nanoGPT checkpoint needs one beside it or
     here. ``max_memory`` offloads what does not fit (``load_hf``; not for a nanoGPT checkpoint, which is one
-    pickle-free file read whole). Returns what ``load_hf`` / ``load_nanogpt`` return."""
+    pickle-free file read whole). Returns what ``load_hf`` / ``load_nanogpt`` return.
+
+    ``weights=False``: a dry run (``sources/_dry_run.py``): the model built on the meta device from its config
+    alone — also from ``shapes:NAME`` (a shipped config) or a bare ``config.json`` — with its tokenizer when it
+    has one."""
+    if not weights:
+        from model.sources._dry_run import DryRunError, build_dry
+
+        if max_memory is not None or str(device) != "cpu":
+            raise ModelLoadError("a dry run (weights=False) builds the model on the meta device: no device or "
+                                 "max_memory to place it on")
+        try:
+            dry, tok = build_dry(spec, dtype=dtype, name=name)
+        except DryRunError as e:
+            raise ModelLoadError(str(e)) from None
+        if tokenizer is not None:
+            tok = load_tokenizer(tokenizer, dry.config.vocab_size)
+        return dry, tok  # a GPT or an HFDecoder, on the meta device
     path = resolve_model_path(spec)
     if is_nanogpt_path(path):
         if max_memory is not None:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from model.gpt import GPTConfig, identity_of
+from model.sources import on_meta
 from tracer.capture import _hooks as hooks
 from tracer.capture._forensics import describe_failure
 from tracer.capture._interventions import Intervention, RunningMeans, _Applied, applied, check
@@ -89,6 +90,9 @@ class Tracer:
             raise TypeError(f"Tracer needs an nn.Module, got {type(model).__name__}")
         if trace is not None and trace.capture != capture:
             raise ValueError(f"the trace to continue was captured at {trace.capture!r}, not {capture!r}")
+        if capture != "shapes" and on_meta(model):
+            raise ValueError(f"this model's weights are on the meta device (a dry run): it has shapes but no values "
+                             f"to keep, so it is traced with capture='shapes', not {capture!r}")
         check(interventions, model)
         self.interventions = tuple(interventions)
         # a "mean" ablation averages over every position the run has fed, across steps (not one step's)

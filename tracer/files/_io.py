@@ -426,11 +426,12 @@ def _schemas(limits: Limits, version: int = VERSION) -> Obj:
         "sampling": sampling, "n_ctx": Int(1, limits.n_ctx), "warnings": ListOf(Str(10_000), 100),
     })
     k_list = ListOf(Int(0, 2**31), 256)
+    prob = Float(0, 1, finite=False)  # NaN: a dry run's placeholder choice, made from no distribution
     choice = Then(Obj({
         "tokens": ListOf(Int(0, 2**31), limits.batch), "labels": ListOf(Str(1000), limits.batch),
-        "probs": ListOf(Float(0, 1), limits.batch), "candidates": ListOf(k_list, limits.batch),
+        "probs": ListOf(prob, limits.batch), "candidates": ListOf(k_list, limits.batch),
         "candidate_labels": ListOf(ListOf(Str(1000), 256), limits.batch),
-        "stage_probs": ListOf(ListOf(ListOf(Float(0, 1), 256), 8), limits.batch),
+        "stage_probs": ListOf(ListOf(ListOf(prob, 256), 8), limits.batch),
         "kept": ListOf(ListOf(Int(0, 2**31), 8), limits.batch),
     }), _sampling_record)
     forward = Then(Obj({"n": Int(1, limits.n_ctx), "t": Int(1, limits.n_ctx), "cache_before": Int(0, limits.n_ctx),

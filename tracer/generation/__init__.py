@@ -1,7 +1,8 @@
 """Generation: ``TracedGeneration`` drives a generation one traced forward and one chosen token per step.
 
-Private: ``_traced``."""
+Private: ``_traced``, ``_dry`` (a dry run: a meta-device model's prefill and decode steps, shapes only)."""
 
+from tracer.generation._dry import PlaceholderTokenizer, dry_run, latent_cache, prepare_dry_run
 from tracer.generation._traced import (
     MAX_BATCH,
     MAX_RUN_STEPS,
@@ -11,4 +12,5 @@ from tracer.generation._traced import (
     TracedGeneration,
 )
 
-__all__ = ["MAX_BATCH", "MAX_RUN_STEPS", "ContextFullError", "GenerationStopped", "PromptError", "TracedGeneration"]
+__all__ = ["MAX_BATCH", "MAX_RUN_STEPS", "ContextFullError", "GenerationStopped", "PlaceholderTokenizer", "PromptError",
+           "TracedGeneration", "dry_run", "latent_cache", "prepare_dry_run"]

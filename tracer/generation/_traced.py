@@ -26,7 +26,7 @@ import torch
 from model.analysis import forward_cost
 from model.gpt import identity_of
 from model.sampling import SamplingConfig, sample
-from model.sources import TextTokenizer
+from model.sources import TextTokenizer, on_meta
 from tracer.capture._interventions import Intervention, check, check_shapes
 from tracer.capture._tracer import Tracer
 from tracer.reading._facts import GenerationFacts
@@ -149,11 +149,12 @@ class TracedGeneration:
         self.trace = self.tracer.trace
         self.trace.log.begin_generation(info)
         self.cache = model.new_cache(len(rows)) if use_cache else None
+        self.dry_run = on_meta(model)  # a model on the meta device: shapes only, no sampling (a dry run)
         self.generator = sampling.generator()
         self.stopped: str = ""
         # the ids that end a sequence; empty: never stop on a token
         declared = getattr(tokenizer, "eos_ids", ()) or ()
-        self.stop_ids: frozenset[int] = frozenset(declared) if stop_at_eos else frozenset()
+        self.stop_ids: frozenset[int] = frozenset(declared) if stop_at_eos and not self.dry_run else frozenset()
         self._last: tuple | None = None  # (tokens, padding mask, last index, cache length before, logits rows)
 
     # -- prompts -------------------------------------------------------------------------------
@@ -270,7 +271,9 @@ class TracedGeneration:
         cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
         padded = facts.info.padded
         mask = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)]) if padded else None
-        device = self.device  # the ids go where the model is: an embedding on a GPU reads ids on the GPU
+        # the ids go where the model is (an embedding on a GPU reads ids on the GPU); a dry run's go to the meta
+        # device in step(), once their values are written down
+        device = torch.device("cpu") if self.dry_run else self.device
         cols = cols.to(device)
         mask = mask.to(device) if mask is not None else None
         if step == 0:
@@ -301,21 +304,29 @@ class TracedGeneration:
         before = self.cache_length
         n = tokens.size(1)
         check_shapes(self.interventions, self.model, tokens.size(0), n, before + n, step)
+        fed = tuple(map(tuple, tokens.tolist()))
+        if self.dry_run:  # the meta device: ids, masks and positions there too (their values are never read)
+            tokens = tokens.to("meta")
+            mask = mask.to("meta") if mask is not None else None
+            last = last.to("meta") if last is not None else None
         with torch.no_grad(), self.tracer.active():
             logits = self.model(tokens, self.cache, padding_mask=mask)  # [B, n, V]
-        rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0)), last]  # [B, V]
+        rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0), device=logits.device), last]
         forward = ForwardFacts(n=n, t=before + n if self.use_cache else n, cache_before=before,
-                               cache_after=self.cache_length, fed_tokens=tuple(map(tuple, tokens.tolist())))
+                               cache_after=self.cache_length, fed_tokens=fed)
         # the choice is made on the host from [B, V] (one copy per step, whatever the device): the same seed then
         # picks the same tokens on a CPU and a GPU wherever their logits agree, and no per-row sync is made
-        host_rows = rows.detach().float().cpu()
-        bad = [r for r in range(host_rows.size(0)) if not _choosable(host_rows[r])]
-        if bad:
+        host_rows = None if self.dry_run else rows.detach().float().cpu()
+        bad = [] if host_rows is None else [r for r in range(host_rows.size(0)) if not _choosable(host_rows[r])]
+        if self.dry_run:  # no logits to sample from: a placeholder id, labelled as one
+            choice = placeholder_choice(rows.size(0))
+        elif bad:
             self.stopped = (f"step {step}: the logits of sequence {bad[0]} hold NaN or +∞, so no token can be "
                             "chosen; generation stops here (the step's tensors are kept: the first bad record "
                             "is named above)")
             choice = None
         else:
+            assert host_rows is not None  # not a dry run
             choice = self._sampling_record(sample(host_rows, self.sampling, self.generator))
         self.trace.log.add_generation_step(GenerationStep(step=step, forward=forward, sampling=choice))
         self._last = (tokens, mask, last, before, rows)
@@ -379,6 +390,9 @@ class TracedGeneration:
         cache on, the cached side is this run's own logits; with it off, the run *is* the full recompute,
         so the cached side is an untraced cached re-run. Each path is also timed once untraced (the
         fastest of ``timing_repeats``): an estimate on a shared machine. The result is stored in the trace."""
+        if self.dry_run:
+            raise ValueError("a dry run has no logits to compare: the costs of both paths are counted from the shapes "
+                             "(model.costs.forward_cost)")
         if self._last is None:
             raise ValueError("no step has run yet")
         if isinstance(timing_repeats, bool) or not isinstance(timing_repeats, int) or timing_repeats < 1:
@@ -440,6 +454,19 @@ class TracedGeneration:
 
     def close(self) -> None:
         self.tracer.close()
+
+
+PLACEHOLDER_ID = 0  # what a dry run "chooses": there are no logits to choose from
+PLACEHOLDER_LABEL = "⟨placeholder: a dry run samples nothing⟩"
+
+
+def placeholder_choice(batch: int) -> SamplingRecord:
+    """The sampling record of a dry-run step: id 0 for every sequence, labelled as a placeholder, no probabilities
+    (NaN), no candidates but the placeholder."""
+    return SamplingRecord(tokens=(PLACEHOLDER_ID,) * batch, labels=(PLACEHOLDER_LABEL,) * batch,
+                          probs=(math.nan,) * batch, candidates=((PLACEHOLDER_ID,),) * batch,
+                          candidate_labels=((PLACEHOLDER_LABEL,),) * batch, stage_probs=(((math.nan,),),) * batch,
+                          kept=((0,),) * batch)
 
 
 def _max_delta_on(a: torch.Tensor | None, b: torch.Tensor | None, real: torch.Tensor, past: int) -> float:

@@ -93,6 +93,11 @@ class Trace:
         return self._log.capture
 
     @property
+    def dry_run(self) -> bool:
+        """Whether this trace was recorded on the meta device (a dry run): shapes and dtypes, no values."""
+        return self._log.n_records > 0 and self._log.raw(0).device == "meta"
+
+    @property
     def budget_bytes(self) -> int:
         return self._log.budget_bytes
 
@@ -254,7 +259,8 @@ class Trace:
 
     def summary(self, name_or_record: str | TensorRecord, step: int | None = None) -> str:
         rec = name_or_record if isinstance(name_or_record, TensorRecord) else self.record(name_or_record, step)
-        return summarize(rec.shape, rec.dtype, self.stats(rec), rec.neg_inf_expected, self.finite_flag(rec))
+        return summarize(rec.shape, rec.dtype, self.stats(rec), rec.neg_inf_expected, self.finite_flag(rec),
+                         dry_run=rec.device == "meta")
 
     def filter(self, *, step: int | None = None, layer: int | None = None, module: str | None = None,
                kind: str | None = None, name: str | None = None) -> list[TensorRecord]:
@@ -352,7 +358,7 @@ class Trace:
                 "min": s.min if s else math.nan, "max": s.max if s else math.nan,
                 "mean": s.mean if s else math.nan, "std": s.std if s else math.nan,
                 "nan": s.nan if s else 0, "pos_inf": s.pos_inf if s else 0, "neg_inf": s.neg_inf if s else 0,
-                "summary": summarize(rec.shape, rec.dtype, s, rec.neg_inf_expected, flag),
+                "summary": summarize(rec.shape, rec.dtype, s, rec.neg_inf_expected, flag, dry_run=rec.device == "meta"),
             })
         frame = pd.DataFrame(rows, columns=list(FRAME_COLUMNS))
         frame["layer"] = frame["layer"].astype("Int64")

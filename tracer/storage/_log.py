@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tracer.storage._spill import SpillFile
-from tracer.storage._stats import dtype_name, finite_flag, tensor_stats
+from tracer.storage._stats import DRY_RUN, dtype_name, finite_flag, tensor_stats
 from tracer.storage._store import DEFAULT_BUDGET_BYTES, MUTATED, ValueStore, storage_key, version_of, view_key
 from tracer.storage.records import (
     CAPTURE_LEVELS,
@@ -68,7 +68,15 @@ class RawRecord(NamedTuple):
     data_ptr: int  # where the first element lived: equal pointers within a step mean one tensor
 
 
-STEP, MODULE, DATA_PTR = (RawRecord._fields.index(f) for f in ("step", "module", "data_ptr"))
+STEP, MODULE, DEVICE, DATA_PTR = (RawRecord._fields.index(f) for f in ("step", "module", "device", "data_ptr"))
+
+
+def _meta_address(t: torch.Tensor) -> int:
+    """A meta tensor's stand-in for ``data_ptr`` (which is 0 for all of them): its storage's identity plus its
+    offset, so that records viewing one tensor are known as one, as in a run with values (0: not meta)."""
+    if not t.is_meta:
+        return 0
+    return id(t.untyped_storage()) + int(t.storage_offset()) * t.element_size()  # the storage object is kept with it
 
 
 class RawOp(NamedTuple):
@@ -253,7 +261,10 @@ class TraceLog:
             self._spill.close()
 
     def note(self, index: int) -> str:
-        return self._notes.get(index, "")
+        note = self._notes.get(index, "")
+        if not note and self._raw[index][DEVICE] == "meta":
+            return DRY_RUN
+        return note
 
     def stats(self, index: int) -> TensorStats | None:
         """Statistics of record ``index``: computed from its kept value the first time they are asked
@@ -335,7 +346,7 @@ class TraceLog:
             self._add_unusual(index, step, module, kind, slot, call, t)
             return
         raw.append((index, step, module, kind, slot, call, tuple(t.shape), dtype_name(t.dtype),
-                    "cpu" if t.is_cpu else t.device.type, t.data_ptr()))
+                    "cpu" if t.is_cpu else t.device.type, t.data_ptr() or _meta_address(t)))
         if module in self._flag_modules:
             self._flags[index] = finite_flag(t)
         if self._keep_values:

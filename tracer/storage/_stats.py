@@ -181,6 +181,8 @@ def finite_flag(t: torch.Tensor) -> int:
     """``Finite.CLEAN`` / ``NEG_INF`` / ``BAD`` with one reduction: Σx is finite exactly when every
     element is (barring an overflow of the sum, which is then reported as BAD — the statistics,
     taken when a value is kept, settle it)."""
+    if t.is_meta:
+        return Finite.UNKNOWN  # a dry run: a meta tensor has a shape and a dtype, no values to check
     x = t.detach()
     if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:
         return Finite.CLEAN
@@ -210,11 +212,17 @@ def anomalies(stats: TensorStats, neg_inf_expected: bool = False) -> list[str]:
     return out
 
 
+DRY_RUN = "no values (dry run)"  # what a record of a meta-device run says where a value or statistic would be
+
+
 def summarize(shape: tuple[int, ...], dtype: str, stats: TensorStats | None, neg_inf_expected: bool = False,
-              flag: int = Finite.UNKNOWN) -> str:
-    """The one-line summary. Without statistics (values not kept) it still shouts a non-finite flag."""
+              flag: int = Finite.UNKNOWN, dry_run: bool = False) -> str:
+    """The one-line summary. Without statistics (values not kept) it still shouts a non-finite flag; a record of
+    a dry run (a model on the meta device) says it has no values."""
     numel = math.prod(shape)
     head = f"tensor[{', '.join(map(str, shape))}] {short_dtype(dtype)} n={numel}"
+    if dry_run:
+        return f"{head}, {DRY_RUN}"
     if stats is None:
         loud = " NaN/+∞ present!" if flag == Finite.BAD else (
             " −∞ present!" if flag == Finite.NEG_INF and not neg_inf_expected else "")

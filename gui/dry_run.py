@@ -1,0 +1,157 @@
+"""The "Config only (no weights)" source: a model built from its config.json alone on the meta device
+(model.sources), traced for a prefill and a few decode steps with every op's cost counted (tracer.costs), and
+shown as its shapes, its KV cache's growth, its costs, its time floor on each accelerator of the table and where
+accelerate would place it. Every number shown is computed from the dry run; every sentence with a number comes
+from a function of those numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import streamlit as st
+
+from gui.common import plain
+from model import ModelLoadError, load_model
+from model.sources import parameters_by_dtype, shapes_available
+from tracer import (
+    ACCELERATORS,
+    StepCosts,
+    Trace,
+    costed_dry_run,
+    costs_frame,
+    kv_cache_bytes,
+    latent_cache,
+    place,
+    step_floor,
+)
+
+LABEL = "Config only (no weights)"
+RESULT = "dry_run_result"  # st.session_state key: this session's dry run
+MAX_PROMPT_TOKENS = 32768
+MAX_DECODE_STEPS = 16
+
+
+@dataclass
+class DryRun:
+    name: str
+    model: object  # the meta model (kept for accelerate's placement: it holds no weights)
+    trace: Trace
+    costs: list[StepCosts]
+    parameters: dict[str, int]
+    dtype: str
+    cache_note: str
+
+
+def dry_run_sidebar(sb) -> None:
+    """The source's inputs and its button (the result is this session's, in ``st.session_state``)."""
+    shipped = list(shapes_available())
+    choice = sb.selectbox("Shipped shape config", shipped, key="dry_shapes",
+                          index=shipped.index("llama-3.1-8b") if "llama-3.1-8b" in shipped else 0,
+                          help="config.json files written from the published hyperparameters (assets/shapes/README.md "
+                               "cites each number); or give your own below")
+    path = sb.text_input("…or a config.json, or a directory holding one", key="dry_path",
+                         placeholder="/path/to/config.json, a directory, or org/name in the local cache")
+    cols = sb.columns(2)
+    n = cols[0].number_input("Prompt tokens", value=512, min_value=1, max_value=MAX_PROMPT_TOKENS, key="dry_tokens")
+    steps = cols[1].number_input("Decode steps", value=2, min_value=0, max_value=MAX_DECODE_STEPS, key="dry_steps")
+    if sb.button("Trace shapes", key="dry_trace", type="primary"):
+        spec = path.strip() or f"shapes:{choice}"
+        with st.spinner(f"building {spec} on the meta device and tracing {int(n)} tokens + {int(steps)} step(s)"):
+            st.session_state[RESULT] = run_dry(spec, int(n), int(steps))
+
+
+def run_dry(spec: str, n: int, steps: int) -> DryRun | str:
+    """The dry run of ``spec``, or the reason it could not be made (shown as an error)."""
+    try:
+        model, tok = load_model(spec, weights=False)
+        use_cache = not latent_cache(model)
+        n = min(n, model.config.n_ctx - 1 - steps)
+        gen, costs = costed_dry_run(model, n=n, steps=steps, use_cache=use_cache)
+    except (ModelLoadError, ValueError, RuntimeError, OSError) as e:
+        return f"Could not build a dry run of {plain(spec)}: {plain(e)}"
+    note = "" if use_cache else ("This model uses multi-head latent attention, whose compressed cache the KV cache "
+                                 "here does not hold yet: every step recomputes all positions (no cache).")
+    dtype = next(iter(parameters_by_dtype(model)), "float32")
+    return DryRun(model.identity.name, model, gen.trace, costs, parameters_by_dtype(model), dtype, note)
+
+
+def dry_run_page() -> None:
+    result = st.session_state.get(RESULT)
+    if result is None:
+        st.info("Choose a shape config (or a config.json) in the sidebar and press **Trace shapes**: the model is "
+                "built on the meta device — no weights, no memory — and its prefill and decode steps are traced, "
+                "every op's cost counted.")
+        return
+    if isinstance(result, str):
+        st.error(result)
+        return
+    trace = result.trace
+    st.subheader(f"{result.name}: a dry run")
+    st.caption(describe_parameters(result.parameters) + " No values exist in a dry run: every shape, dtype and "
+               "cost below is what the real run would have, and no view shows a number of a tensor.")
+    if result.cache_note:
+        st.warning(result.cache_note)
+    step = st.select_slider("Step", options=list(range(trace.n_steps)), value=0, key="dry_step",
+                            format_func=lambda s: f"{s} (prefill)" if s == 0 else str(s))
+    tabs = st.tabs(["Shapes", "KV cache", "Costs", "Where it would run"])
+    with tabs[0]:
+        frame = trace.to_frame(step=step, kind="hook", stats=False)
+        shown = frame[["name", "shape", "axes", "dtype", "summary"]].copy()
+        shown["shape"] = ["[" + ", ".join(map(str, s)) + "]" for s in shown["shape"]]
+        st.dataframe(shown, hide_index=True, width="stretch")
+    with tabs[1]:
+        st.markdown("**What grows with n**: per step, the positions fed (n), the keys attended over (t), the cache's "
+                    "bytes after the step, the multiply-adds and the weight bytes read.")
+        st.dataframe(growth_frame(result), hide_index=True, width="stretch")
+        st.caption(describe_cache(result, step))
+    with tabs[2]:
+        costs = result.costs[step]
+        st.caption(describe_costs(costs))
+        st.dataframe(costs_frame(costs).sort_values("multiply-adds", ascending=False), hide_index=True,
+                     width="stretch")
+    with tabs[3]:
+        costs = result.costs[step]
+        for acc in ACCELERATORS.values():
+            st.markdown("- " + step_floor(costs.ops, acc, result.dtype).describe())
+        st.caption("Sources: " + " · ".join(f"{a.name}: {a.source}" for a in ACCELERATORS.values()))
+        gpus = st.number_input("GPUs", value=2, min_value=0, max_value=64, key="dry_gpus")
+        gib = st.number_input("GiB per GPU", value=80.0, min_value=1.0, key="dry_gib")
+        cpu = st.number_input("CPU GiB", value=200.0, min_value=0.0, key="dry_cpu")
+        memory: dict[int | str, str] = {i: f"{gib}GiB" for i in range(int(gpus))}
+        if cpu:
+            memory["cpu"] = f"{cpu}GiB"
+        if memory:
+            try:
+                st.markdown(place(result.model, memory).describe())  # type: ignore[arg-type]
+            except (ValueError, RuntimeError) as e:
+                st.error(f"accelerate could not place it: {plain(e)}")
+
+
+def describe_parameters(by_dtype: dict[str, int]) -> str:
+    parts = ", ".join(f"{n / 1e9:,.2f}B in {dtype}" for dtype, n in by_dtype.items())
+    return f"Parameters: {parts}."
+
+
+def growth_frame(result: DryRun) -> pd.DataFrame:
+    rows = []
+    facts = result.trace.generation.steps if result.trace.generation else ()
+    for s, (costs, fact) in enumerate(zip(result.costs, facts)):
+        forward = fact.forward
+        rows.append({"step": s, "n": forward.n, "t": forward.t,
+                     "KV cache bytes": kv_cache_bytes(result.trace, s), "multiply-adds": costs.macs,
+                     "weight bytes read": costs.weight_bytes, "peak activation bytes": costs.peak_activation_bytes})
+    return pd.DataFrame(rows)
+
+
+def describe_cache(result: DryRun, step: int) -> str:
+    held = kv_cache_bytes(result.trace, step)
+    if not held:
+        return f"Step {step} keeps no KV cache."
+    return f"After step {step} the KV cache holds {held:,} bytes ({held / 2**20:,.1f} MiB)."
+
+
+def describe_costs(costs: StepCosts) -> str:
+    return (f"Step {costs.step}: {costs.macs:,} multiply-adds in {len(costs.ops):,} ops, {costs.weight_bytes:,} "
+            f"bytes of weights read, {costs.written_bytes:,} bytes written, at most "
+            f"{costs.peak_activation_bytes:,} bytes of activations alive at once.")

@@ -1,0 +1,126 @@
+"""Op costs (tracer/costs): the multiply-adds a dry run counts on the meta device equal what PyTorch's own
+FlopCounterMode counts on the real run of the same model, module by module and op by op; the totals equal
+model/costs.py's formula for our GPT."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from hf_architectures import build
+from torch.utils.flop_counter import FlopCounterMode
+
+from model import load_model
+from model.analysis import forward_cost
+from model.sources import ASSETS
+from tracer.costs import costed_dry_run, costs_frame, kv_cache_bytes
+
+PROMPT = "Once upon a time"
+
+
+def _flop_counter_view(model, tokens) -> dict[str, dict[str, int]]:
+    """FlopCounterMode on the real model: per module (inclusive, named from the root's class), per op."""
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(tokens)
+    # a module reachable at two paths (HFDecoder's w_o is the model's o_proj) is named by its first path, as in
+    # named_modules and the trace
+    root = type(model).__name__
+    canonical = {id(m): path for path, m in model.named_modules()}
+
+    def path(name: str) -> str:
+        inner = name.removeprefix(root).removeprefix(".")
+        return ".".join(filter(None, [root, canonical[id(model.get_submodule(inner))]]))
+
+    return {path(name): {str(op): int(n) for op, n in ops.items() if n}
+            for name, ops in counter.get_flop_counts().items() if name != "Global" and any(ops.values())}
+
+
+def _our_view(costs, model) -> dict[str, dict[str, int]]:
+    """Our ops' FLOPs in FlopCounterMode's naming: every module that ran around the op (a ModuleList never runs)."""
+    root = type(model).__name__
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for op in costs.ops:
+        if not op.macs:
+            continue
+        parts = op.module.split(".") if op.module else []
+        for i in range(len(parts) + 1):
+            if isinstance(model.get_submodule(".".join(parts[:i])), torch.nn.ModuleList):
+                continue
+            name = ".".join([root, *parts[:i]])
+            out[name][op.op] += op.flops
+    return {k: dict(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("source", ["story-gpt", "story-llama", "qwen3", "mixtral"])
+def test_dry_run_flops_equal_flop_counter_mode_on_the_real_run(source, tmp_path):
+    if source.startswith("story"):
+        directory = ASSETS / source
+    else:
+        directory = build(source, tmp_path / source, ASSETS / "story-gpt" / "tokenizer.json")
+    real, tok = load_model(directory)
+    if source == "mixtral":
+        # transformers runs the experts with torch._grouped_mm here, which flop_counter has no formula for (it
+        # counts 0); the dry run runs them as batched matrix products (sources/_dry_run.py): compared like for like
+        real.hf.set_experts_implementation("batched_mm")
+    dry, dry_tok = load_model(directory, weights=False)
+    gen, costs = costed_dry_run(dry, dry_tok, PROMPT, steps=2)
+    prefill = torch.tensor([tok.encode(PROMPT)])
+    assert _our_view(costs[0], dry) == _flop_counter_view(real, prefill)
+    # a decode step with the cache: one new row over t = n + 1 keys, counted the same way
+    cache = real.new_cache(1)
+    real(prefill, cache)
+    with FlopCounterMode(display=False) as counter:
+        real(torch.tensor([[0]]), cache)
+    assert sum(op.flops for op in costs[1].ops) == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["story-gpt", "story-llama"])
+def test_totals_equal_the_formula_for_our_gpt(name):
+    dry, tok = load_model(ASSETS / name, weights=False)
+    gen, costs = costed_dry_run(dry, tok, PROMPT, steps=2)
+    n = gen.facts.steps[0].forward.n
+    assert costs[0].macs == forward_cost(dry.config, 1, n, n).macs
+    assert costs[2].macs == forward_cost(dry.config, 1, 1, n + 2, cached=n + 1).macs
+    # the KV cache grows by one row per layer and step: 2 (K, V) · L · G · d_head · itemsize bytes
+    c = dry.config
+    row = 2 * c.n_layer * (c.n_kv_head or c.n_head) * c.d_head * 4
+    assert kv_cache_bytes(gen.trace, 2) - kv_cache_bytes(gen.trace, 1) == row
+    assert kv_cache_bytes(gen.trace, 0) == n * row
+    # a decode step reads every weight matrix once: at least the formula's weight bytes (which leaves out norms)
+    assert costs[1].weight_bytes >= forward_cost(c, 1, 1, n + 1).weight_bytes
+    frame = costs_frame(costs[0])
+    assert frame["multiply-adds"].sum() == costs[0].macs
+
+
+def test_roofline_decode_is_memory_bound_and_floors_are_the_max_of_two_terms():
+    from tracer.costs import ACCELERATORS, op_floors, step_floor
+
+    dry, _ = load_model("shapes:llama-3.1-8b", weights=False)
+    _, costs = costed_dry_run(dry, n=512, steps=1)
+    for acc in ACCELERATORS.values():
+        decode = step_floor(costs[1].ops, acc, "bfloat16")
+        assert decode.bound == "memory" and decode.memory_seconds > 0.9 * decode.seconds
+        # reading every weight once at the memory's bandwidth is the least a decode step can take
+        assert decode.seconds >= costs[1].weight_bytes / acc.bandwidth
+        for f in op_floors(costs[0].ops[:50], acc, "bfloat16"):
+            assert f.seconds == max(f.op.flops / acc.peak("bfloat16"),
+                                    (f.op.read_bytes + f.op.written_bytes) / acc.bandwidth)
+        assert all(acc.source.startswith("https://") for acc in ACCELERATORS.values())
+
+
+def test_placement_by_accelerate_and_the_longest_context():
+    from model.sources import parameters_by_dtype
+    from tracer.costs import place
+
+    dry, _ = load_model("shapes:llama-3.1-70b", weights=False)
+    placed = place(dry, {0: "80GiB", 1: "80GiB", "cpu": "200GiB"})
+    total = sum(parameters_by_dtype(dry).values()) * 2  # bfloat16
+    assert sum(placed.weights_by_device.values()) == total
+    assert sum(placed.layers_by_device.values()) == 80
+    c = dry.config
+    assert placed.kv_bytes_per_token == 2 * c.n_layer * c.n_kv_head * c.d_head * 2
+    per_layer = placed.kv_bytes_per_token // c.n_layer
+    expected = min(placed.free_by_device[d] // (per_layer * n) for d, n in placed.layers_by_device.items())
+    assert placed.longest_context == min(expected, c.n_ctx)
+    assert f"{placed.longest_context:,} tokens" in placed.describe()

@@ -1,0 +1,23 @@
+"""Costs: what every op of a forward costs (multiply-adds, bytes of weights read, bytes written), counted as it
+runs — on the meta device too — per op, module and step; the peak activation memory of a step; where a model would
+run (an accelerator's roofline, accelerate's device map).
+
+Private: ``_counter`` (the op counter), ``_steps`` (steps, modules, a costed dry run), ``_roofline`` (the
+accelerator table, time floors), ``_placement`` (accelerate's device map, the KV cache's room)."""
+
+from tracer.costs._counter import OpCost, OpCounter
+from tracer.costs._placement import Placement, place
+from tracer.costs._roofline import (
+    ACCELERATORS,
+    Accelerator,
+    OpFloor,
+    StepFloor,
+    measure_this_cpu,
+    op_floors,
+    step_floor,
+)
+from tracer.costs._steps import StepCosts, costed_dry_run, costs_frame, count_forward, kv_cache_bytes
+
+__all__ = ["ACCELERATORS", "Accelerator", "OpCost", "OpCounter", "OpFloor", "Placement", "StepCosts", "StepFloor",
+           "costed_dry_run", "costs_frame", "count_forward", "kv_cache_bytes", "measure_this_cpu", "op_floors",
+           "place", "step_floor"]

@@ -1,0 +1,96 @@
+"""Costs of whole steps: every op (``OpCounter``) of one forward, summed per module, with the step's peak
+activation memory; a costed dry run; the KV cache's bytes at each step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+from torch import nn
+
+from tracer.costs._counter import OpCost, OpCounter
+from tracer.generation import prepare_dry_run
+
+if TYPE_CHECKING:
+    from model.sources import Decoder, TextTokenizer
+    from tracer.generation import TracedGeneration
+    from tracer.reading import Trace
+
+CACHE_HOOKS = ("hook_k_all", "hook_v_all")  # [B, G, t, d_head] each: what the cache holds after the step
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What one forward costs, op by op."""
+
+    step: int
+    ops: tuple[OpCost, ...]
+    peak_activation_bytes: int  # the most bytes of new tensors alive at once during the forward
+
+    @property
+    def macs(self) -> int:
+        return sum(op.macs for op in self.ops)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(op.weight_bytes for op in self.ops)
+
+    @property
+    def written_bytes(self) -> int:
+        return sum(op.written_bytes for op in self.ops)
+
+    def by_module(self, inclusive: bool = False) -> dict[str, dict[str, int]]:
+        """Per module path: macs, weight_bytes, written_bytes, ops — of its own ops, or (``inclusive``) of every op
+        inside it (its children's too; "" is then the whole forward)."""
+        out: dict[str, dict[str, int]] = {}
+        for op in self.ops:
+            paths = [op.module]
+            if inclusive:
+                parts = op.module.split(".") if op.module else []
+                paths = [""] + [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            for path in paths:
+                row = out.setdefault(path, {"macs": 0, "weight_bytes": 0, "written_bytes": 0, "ops": 0})
+                row["macs"] += op.macs
+                row["weight_bytes"] += op.weight_bytes
+                row["written_bytes"] += op.written_bytes
+                row["ops"] += 1
+        return out
+
+
+def count_forward(model: nn.Module, forward: Callable[[], Any], step: int = 0) -> tuple[Any, StepCosts]:
+    """Run ``forward()`` (a call of ``model``) with every op counted; returns its result and the costs."""
+    with OpCounter(model, step) as counter:
+        result = forward()
+    return result, StepCosts(step, tuple(counter.ops), counter.peak_bytes)
+
+
+def costed_dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
+                   n: int = 16, steps: int = 4, batch: int = 1,
+                   use_cache: bool = True) -> tuple[TracedGeneration, list[StepCosts]]:
+    """``tracer.dry_run`` with every step's ops counted (``OpCounter``)."""
+    gen = prepare_dry_run(model, tokenizer, prompt, n=n, steps=steps, batch=batch, use_cache=use_cache)
+    costs = []
+    for step in range(1 + steps):
+        _, cost = count_forward(model, gen.step, step)
+        costs.append(cost)
+    return gen, costs
+
+
+def kv_cache_bytes(trace: Trace, step: int) -> int:
+    """Bytes of keys and values the cache holds after ``step`` (every layer's ``hook_k_all`` + ``hook_v_all``)."""
+    return sum(rec.nbytes for rec in trace.filter(step=step, kind="hook")
+               if rec.name.rsplit(".", 1)[-1] in CACHE_HOOKS)
+
+
+def costs_frame(costs: StepCosts, modules: bool = True) -> pd.DataFrame:
+    """One row per module (its own ops) or per op: what the costs table shows."""
+    if not modules:
+        return pd.DataFrame([{"module": op.module or "model", "op": op.op, "output": list(op.output_shape),
+                              "multiply-adds": op.macs, "weight bytes": op.weight_bytes,
+                              "bytes written": op.written_bytes} for op in costs.ops])
+    rows = [{"module": path or "model", "ops": row["ops"], "multiply-adds": row["macs"],
+             "weight bytes": row["weight_bytes"], "bytes written": row["written_bytes"]}
+            for path, row in costs.by_module().items()]
+    return pd.DataFrame(rows)

@@ -1,0 +1,100 @@
+"""A dry-run generation: the prefill of a prompt and ``k`` decode steps of a model on the meta device
+(model/sources/_dry_run.py), every record's name, shape, axes and dtype as a run with weights would record them.
+
+The prompt is tokenized when the model has a tokenizer; otherwise it is ``n`` placeholder ids. Each decode step
+feeds one new token and the KV cache grows by one row per layer; nothing is sampled (there are no logits), and the
+"chosen" ids are placeholders, labelled as such (``PLACEHOLDER_LABEL``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from model.gpt import HookPoint
+from model.sources import MAX_DRY_RECORDS, on_meta
+from tracer.generation._traced import MAX_BATCH, PLACEHOLDER_ID, PLACEHOLDER_LABEL, TracedGeneration
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from model.sources import Decoder, TextTokenizer
+
+DEFAULT_PROMPT_TOKENS = 16
+
+
+class PlaceholderTokenizer:
+    """What a tokenizer-less model is fed in a dry run: ``n`` placeholder ids (id 0) for any prompt."""
+
+    eos_id = None
+    eos_ids: tuple[int, ...] = ()
+
+    def __init__(self, n: int, vocab_size: int) -> None:
+        self.n = n
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [PLACEHOLDER_ID] * self.n
+
+    def token_label(self, token_id: int) -> str:
+        return PLACEHOLDER_LABEL
+
+    def decode(self, ids: list[int]) -> str:
+        return f"⟨{len(ids)} placeholder id(s)⟩"
+
+
+def records_per_step(model: nn.Module) -> int:
+    """A lower bound of the records one forward makes: one per hook point, an input and an output per module."""
+    return sum(1 if isinstance(m, HookPoint) else 2 for m in model.modules())
+
+
+def latent_cache(model: nn.Module) -> bool:
+    """Whether the model caches a compressed latent instead of keys and values (DeepSeek's multi-head latent
+    attention: transformers hands the cache c_KV ``[B,1,t,kv_lora_rank]`` and the rotary key ``[B,1,t,d_rope]`` as
+    "keys" and "values" of different widths, which our ``KVCache`` (one width for both) does not hold)."""
+    hf = getattr(model, "hf", None)
+    return getattr(getattr(hf, "config", None), "kv_lora_rank", None) is not None
+
+
+def dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
+            n: int = DEFAULT_PROMPT_TOKENS, steps: int = 4, batch: int = 1, use_cache: bool = True) -> TracedGeneration:
+    """Trace a dry run of ``model`` (on the meta device): the prefill of ``prompt`` (with ``tokenizer``), or of
+    ``n`` placeholder ids, then ``steps`` decode steps; returns the ``TracedGeneration`` (shapes captured).
+    ``use_cache=False``: every step recomputes all positions (the only way a latent-caching model runs here)."""
+    gen = prepare_dry_run(model, tokenizer, prompt, n=n, steps=steps, batch=batch, use_cache=use_cache)
+    gen.run(1 + steps)
+    return gen
+
+
+def prepare_dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
+                    n: int = DEFAULT_PROMPT_TOKENS, steps: int = 4, batch: int = 1,
+                    use_cache: bool = True) -> TracedGeneration:
+    """``dry_run``'s generation, checked and ready, before its first step (``tracer.costs`` steps it itself)."""
+    if not on_meta(model):
+        raise ValueError("a dry run needs a model on the meta device: load_model(spec, weights=False)")
+    if use_cache and latent_cache(model):
+        raise ValueError("this model uses multi-head latent attention: transformers caches a compressed latent "
+                         "[B, 1, t, kv_lora_rank] and a rotary key [B, 1, t, d_rope] in place of keys and values, "
+                         "which the KV cache here (one width for both) does not hold yet; dry_run(..., "
+                         "use_cache=False) traces it recomputing every position at each step")
+    for what, value, low in (("n", n, 1), ("steps", steps, 0), ("batch", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{what} must be a whole number ≥ {low}, got {value!r}")
+    if batch > MAX_BATCH:
+        raise ValueError(f"batch = {batch}: at most {MAX_BATCH} sequences")
+    estimate = records_per_step(model) * (1 + steps)
+    if estimate > MAX_DRY_RECORDS:
+        raise ValueError(f"this dry run would make at least {estimate:,} records ({records_per_step(model):,} per "
+                         f"step × {1 + steps} steps); a dry-run trace holds at most {MAX_DRY_RECORDS:,}")
+    if tokenizer is None or prompt is None:
+        limit = model.config.n_ctx - 1 - steps
+        if n > limit:
+            raise ValueError(f"n = {n} placeholder ids and {steps} decode steps do not fit this model's n_ctx = "
+                             f"{model.config.n_ctx}")
+        tok = PlaceholderTokenizer(n, model.config.vocab_size)
+        prompt = f"⟨{n} placeholder ids⟩"
+        gen = TracedGeneration(model, tok, [prompt] * batch,  # type: ignore[arg-type]  # what it reads of one
+                               capture="shapes", stop_at_eos=False, use_cache=use_cache)
+    else:
+        gen = TracedGeneration(model, tokenizer, [prompt] * batch, capture="shapes", stop_at_eos=False,
+                               use_cache=use_cache)
+    return gen
