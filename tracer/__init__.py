@@ -45,7 +45,19 @@ from tracer.generation import (
     PromptError,
     TracedGeneration,
 )
-from tracer.reading import GenerationFacts, Trace
+from tracer.reading import (
+    GenerationFacts,
+    HeadStatistics,
+    Overview,
+    RegionError,
+    Trace,
+    attention_overview,
+    attention_region,
+    check_output,
+    head_statistics,
+    is_derived,
+    query_row,
+)
 from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
 from tracer.storage.records import (
     ABLATIONS,
@@ -71,6 +83,8 @@ from tracer.storage.records import (
 )
 
 __all__ = [
+    "HeadStatistics", "Overview", "RegionError", "attention_overview", "attention_region", "check_output",
+    "head_statistics", "is_derived", "query_row",
     "ABLATIONS", "CAPTURE_LEVELS", "FORWARD_CAPTURES", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES",
     "Finite",
     "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",
