@@ -25,7 +25,7 @@ from figures.heatmap import Grid, add, grid, pool, short_number, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
 from model.hook_table import act_name
-from tracer import Trace
+from tracer import RegionError, Trace, attention_region
 
 STAGES = ("qk", "attn_scores", "masked_scores", "pattern")
 GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pooling each head to fit)
@@ -231,9 +231,13 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
         n_rows = len(queries)
         block = torch.full((len(new), t), math.nan)
         padding = [False] * len(new)
-        pattern = trace.get(act_name("pattern", layer), s)
+        try:  # only the rows shown: sliced from a kept pattern, or recomputed from Q and K where it is derived
+            pattern = attention_region(trace, act_name("pattern", layer), s, rows=(n_rows - len(new), n_rows),
+                                       heads=[head])
+        except RegionError:
+            pattern = None  # Q or K of a derived pattern not kept
         if pattern is not None:
-            values = pattern[batch, head, n_rows - len(new):].float()  # [new rows, t_s]
+            values = pattern[batch, 0].float()  # [new rows, t_s]
             t_s = values.shape[-1]
             positions = torch.arange(t_s - len(new), t_s)  # each new query's own key column
             seen = torch.arange(t_s)[None, :] <= positions[:, None]  # later keys: masked, or not there yet

@@ -294,3 +294,19 @@ def test_a_long_prompt_is_traced_viewed_and_saved_without_an_n_by_t_allocation()
     assert kept < n * n * 4  # the trace holds Q, K, V, O and the rest, no pattern
     assert viewing <= kept + slack, (viewing, kept)
     assert saving <= kept + slack, (saving, kept)
+
+
+def test_the_values_budget_holds_q_k_v_and_o_of_a_fused_layer_first():
+    """A budget far smaller than one forward's values: everything else is evicted before the records the derived
+    patterns are recomputed from, so every layer's regions can still be recomputed and checked against O."""
+    torch.manual_seed(0)
+    config = GPTConfig.for_family("llama", vocab_size=64, n_ctx=2048, d_model=64, n_layer=2, n_head=4, n_kv_head=2)
+    model = GPT(config).eval()
+    with torch.no_grad(), attention_path("fused"), Tracer(model, budget_bytes=5 * 2**20) as tr:
+        model(torch.randint(0, 64, (1, 1024)))
+    trace = tr.trace
+    assert trace.log.evicted_count > 0 and not trace.has_value(trace.record("blocks.0.mlp.hook_post", 0))
+    for layer in (0, 1):
+        for hook in ("hook_rot_q", "hook_k_all", "hook_v_all", "hook_z"):
+            assert trace.has_value(trace.record(f"blocks.{layer}.attn.{hook}", 0)), (layer, hook)
+        assert check_output(trace, f"blocks.{layer}.attn.hook_pattern", 0) <= TOL

@@ -173,6 +173,18 @@ def attention_overview(trace: Trace, name_or_record: str | TensorRecord, step: i
     return Overview(mean.float(), peak.float(), r_edges, c_edges)
 
 
+def derived_digest(trace: Trace, rec: TensorRecord, side: int = 128) -> torch.Tensor | None:
+    """``[B, H, R, C]`` block means (R, C ≤ ``side``) of a derived pattern, every sequence and head, tile by tile:
+    what the views draw where a kept pattern would be pooled. None when Q or K is not kept."""
+    B, H, n, t = rec.shape
+    try:
+        src = attention_source(trace, rec)
+    except RegionError:
+        return None
+    blocks = [[block_pool(src.q, src.k, src.spec, h, b, side)[0] for h in range(H)] for b in range(B)]
+    return torch.stack([torch.stack(row) for row in blocks])
+
+
 def query_row(trace: Trace, name_or_record: str | TensorRecord, step: int | None = None, *, row: int, head: int = 0,
               batch: int = 0, top: int = 10) -> tuple[torch.Tensor, list[tuple[int, float]]]:
     """One query row's exact weights over all t keys ``[t]`` and its ``top`` keys as (key, weight), heaviest

@@ -47,6 +47,7 @@ from tracer.storage.records import (
 
 DERIVED_NOTE = ("derived: the fused attention never held it; any region is recomputed exactly from this layer's Q "
                 "and K and the mask description (tracer.attention_region)")
+DERIVED_SOURCES = ("hook_q", "hook_rot_q", "hook_k_all", "hook_v_all")  # what a derived record is recomputed from
 DIGESTED = "hook_pattern"  # attention weights: when evicted, a pooled summary per head stays
 DIGEST_SIDE = 128  # the summary's most rows and columns per head
 
@@ -134,6 +135,7 @@ class TraceLog:
         self._comparisons: dict[int, RecomputeComparison] = {}
         # records of a fused attention's [B,H,n,t] stages: (stage, mask description), values recomputed on demand
         self._derived: dict[int, tuple[str, MaskSpec]] = {}
+        self._prefer_next: set[int] = set()  # the module whose next record the budget prefers (a fused layer's O)
         self._epoch = 0  # bumped whenever records are discarded: readers' caches of them are stale
 
     # -- read side (everything public is read-only) --------------------------------------------
@@ -359,6 +361,9 @@ class TraceLog:
                 value = value.clone()
             assert step is not None  # records arrive inside a step: the tracer begins one when the model is called
             reason = self._values.put(index, step, value)
+            if self._prefer_next and module in self._prefer_next:  # the O of a fused layer
+                self._values.prefer(index)
+                self._prefer_next = set()
             if reason:  # larger than the whole budget: summarised now, like an evicted value
                 self._evicted(index, value, reason, True)
                 self._released(storage_key(value))
@@ -371,6 +376,17 @@ class TraceLog:
         self._raw.append((index, self._current, module, "hook", "", call, tuple(shape), dtype_name(dtype), "cpu", 0))
         self._derived[index] = (stage, spec)
         self._notes[index] = DERIVED_NOTE
+        if stage == "pattern" and self._keep_values:  # the budget holds what the derived records are made from
+            parent = self._modules[module].path.rsplit(".", 1)[0]
+            sources = {f"{parent}.{hook}" for hook in DERIVED_SOURCES}
+            first = self._steps[-1].end_record if self._steps else 0
+            found: set[str] = set()
+            for i in range(index - 1, first - 1, -1):
+                path = self._modules[self._raw[i][MODULE]].path
+                if path in sources and path not in found:
+                    found.add(path)
+                    self._values.prefer(i)
+            self._prefer_next = {m for m, info in enumerate(self._modules) if info.path == f"{parent}.hook_z"}
 
     def _add_unusual(self, index: int, step: int | None, module: int, kind: str, slot: str, call: int,
                      t: torch.Tensor) -> None:
