@@ -310,3 +310,31 @@ def test_the_values_budget_holds_q_k_v_and_o_of_a_fused_layer_first():
         for hook in ("hook_rot_q", "hook_k_all", "hook_v_all", "hook_z"):
             assert trace.has_value(trace.record(f"blocks.{layer}.attn.{hook}", 0)), (layer, hook)
         assert check_output(trace, f"blocks.{layer}.attn.hook_pattern", 0) <= TOL
+
+
+def test_the_zoom_views_read_a_derived_pattern_exactly_and_send_at_most_256_by_256_cells():
+    from figures import long_attention as views
+
+    model = _llama(n_ctx=512)
+    tokens = torch.randint(0, 64, (1, 400))
+    traces = {}
+    for mode in ("eager", "fused"):
+        with torch.no_grad(), attention_path(mode), Tracer(model) as tr:
+            model(tokens)
+        traces[mode] = tr.trace
+    fused, eager = traces["fused"], traces["eager"]
+    over = views.overview(fused, 0, 1, 2, 0)
+    fig = views.overview_figure(over, "max")
+    assert fig.data[0].z.shape == (100, 100)  # blocks of ⌈400 / 128⌉ = 4 rows and 4 keys
+    assert "block max: block mean / block max over up to 4 queries × 4 keys per cell" in fig.layout.title.text
+    matrix, exact = views.zoom(fused, 0, 1, 2, 0, (100, 356), (0, 256))
+    assert exact and matrix.shape == (256, 256)
+    want = eager.get("blocks.1.attn.hook_pattern", 0)[0, 2, 100:356, :256].numpy()
+    assert abs(matrix - want).max() <= TOL
+    matrix, exact = views.zoom(fused, 0, 1, 2, 0, (0, 400), (0, 300))
+    assert not exact and matrix.shape[0] <= 256 and matrix.shape[1] <= 256
+    strip = views.row_strip_figure(fused, 0, 1, 2, 0, 399, top=5)
+    assert len(strip.data[0].y) == 400 and len(strip.data[1].x) == 5
+    table = views.statistics_frame(head_statistics(fused, "blocks.1.attn.hook_pattern", 0))
+    assert list(table["head"]) == [0, 1, 2, 3]
+    assert "recomputed from the recorded Q and K" in views.derived_sentence(fused, 0, 1)

@@ -53,6 +53,7 @@ from tracer.reading import (
     Trace,
     attention_overview,
     attention_region,
+    attention_source,
     check_output,
     head_statistics,
     is_derived,
@@ -83,8 +84,8 @@ from tracer.storage.records import (
 )
 
 __all__ = [
-    "HeadStatistics", "Overview", "RegionError", "attention_overview", "attention_region", "check_output",
-    "head_statistics", "is_derived", "query_row",
+    "HeadStatistics", "Overview", "RegionError", "attention_overview", "attention_region", "attention_source",
+    "check_output", "head_statistics", "is_derived", "query_row",
     "ABLATIONS", "CAPTURE_LEVELS", "FORWARD_CAPTURES", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES",
     "Finite",
     "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",

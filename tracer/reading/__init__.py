@@ -11,6 +11,7 @@ from tracer.reading._regions import (
     RegionError,
     attention_overview,
     attention_region,
+    attention_source,
     check_output,
     head_statistics,
     is_derived,
@@ -19,4 +20,4 @@ from tracer.reading._regions import (
 from tracer.reading._trace import Trace
 
 __all__ = ["GenerationFacts", "HeadStatistics", "Overview", "RegionError", "Trace", "attention_overview",
-           "attention_region", "check_output", "head_statistics", "is_derived", "query_row"]
+           "attention_region", "attention_source", "check_output", "head_statistics", "is_derived", "query_row"]
