@@ -175,10 +175,13 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
 def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: int, batch: int = 0) -> str:
     """The key tokens on the ``AMOUNT`` colour of the weight query row ``query`` gives them; the query's own
     token outlined in the accent; a legend. Token text is made inert."""
-    pattern = trace.get(act_name("pattern", layer), step)
-    if pattern is None:
+    try:  # the one row: sliced from a kept pattern, or recomputed from Q and K where it is derived
+        row = attention_region(trace, act_name("pattern", layer), step, rows=(query, query + 1), heads=[head])
+    except RegionError:
+        row = None
+    if row is None:
         return "<i>values not kept for this step</i>"
-    weights = pattern[batch, head, query]
+    weights = row[batch, 0, 0]
     keys = key_labels(trace, step, batch)
     own = len(keys) - positions(trace, step)[0] + query
     spans = [amount_span(inert(keys[j].split(" · ", 1)[-1]), w, f"key {j}: weight {w:.3f}", outline=j == own)
