@@ -438,10 +438,16 @@ def region(q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, stage: str, heads: 
         return x
     if norm is None:
         norm = row_norm(q, k, spec, heads, rows)
+    return pattern_from(x, norm, spec.t).to(q.dtype)
+
+
+def pattern_from(x: torch.Tensor, norm: RowNorm, t: int) -> torch.Tensor:
+    """The weights ``[B,h,r,c]`` (float32) of masked scores ``x`` ``[B,h,r,c]`` given their rows' ``norm``:
+    ``exp(x − m) / total``, and 1/t on a row that sees nothing."""
     p = torch.exp(x.float() - norm.m[..., None]) / norm.total.float()[..., None]
     if norm.empty is not None:
-        p = p.masked_fill(norm.empty[:, None, :, None], 1.0 / spec.t)
-    return p.to(q.dtype)
+        p = p.masked_fill(norm.empty[:, None, :, None], 1.0 / t)
+    return p
 
 
 @torch.no_grad()

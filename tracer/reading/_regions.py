@@ -19,6 +19,7 @@ from model.long_attention import (
     MaskSpec,
     block_pool,
     grid_edges,
+    pattern_from,
     pattern_times_v,
     region,
     row_norm,
@@ -255,9 +256,9 @@ def head_statistics(trace: Trace, name_or_record: str | TensorRecord, step: int 
         first, end = (0, t) if norm is None or norm.empty is not None else spec.key_range(rows)
         for c0 in range(first, end, KEY_TILE):
             cols = range(c0, min(end, c0 + KEY_TILE))
-            if src is not None:
-                p = region(q, k, spec, "pattern", None, rows, cols, norm=norm)[0].float()  # [H, r, c]
-                x = region(q, k, spec, "masked_scores", None, rows, cols)[0].float()
+            if src is not None and norm is not None:
+                x = region(q, k, spec, "masked_scores", None, rows, cols)[0].float()  # [H, r, c]
+                p = pattern_from(x[None], norm, spec.t)[0]  # one QKᵀ per tile, not two
                 entropy -= torch.where(p > 0, p * x, 0.0).sum((1, 2), dtype=torch.float64)
             else:
                 assert value is not None
