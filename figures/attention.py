@@ -25,7 +25,7 @@ from figures.heatmap import Grid, add, grid, pool, short_number, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
 from model.gpt import act_name
-from tracer import Trace
+from tracer import RegionError, Trace, attention_region
 
 STAGES = ("qk", "attn_scores", "masked_scores", "pattern")
 GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pooling each head to fit)
@@ -175,10 +175,13 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
 def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: int, batch: int = 0) -> str:
     """The key tokens on the ``AMOUNT`` colour of the weight query row ``query`` gives them; the query's own
     token outlined in the accent; a legend. Token text is made inert."""
-    pattern = trace.get(act_name("pattern", layer), step)
-    if pattern is None:
+    try:  # the one row: sliced from a kept pattern, or recomputed from Q and K where it is derived
+        row = attention_region(trace, act_name("pattern", layer), step, rows=(query, query + 1), heads=[head])
+    except RegionError:
+        row = None
+    if row is None:
         return "<i>values not kept for this step</i>"
-    weights = pattern[batch, head, query]
+    weights = row[batch, 0, 0]
     keys = key_labels(trace, step, batch)
     own = len(keys) - positions(trace, step)[0] + query
     spans = [amount_span(inert(keys[j].split(" · ", 1)[-1]), w, f"key {j}: weight {w:.3f}", outline=j == own)
@@ -231,9 +234,13 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
         n_rows = len(queries)
         block = torch.full((len(new), t), math.nan)
         padding = [False] * len(new)
-        pattern = trace.get(act_name("pattern", layer), s)
+        try:  # only the rows shown: sliced from a kept pattern, or recomputed from Q and K where it is derived
+            pattern = attention_region(trace, act_name("pattern", layer), s, rows=(n_rows - len(new), n_rows),
+                                       heads=[head])
+        except RegionError:
+            pattern = None  # Q or K of a derived pattern not kept
         if pattern is not None:
-            values = pattern[batch, head, n_rows - len(new):].float()  # [new rows, t_s]
+            values = pattern[batch, 0].float()  # [new rows, t_s]
             t_s = values.shape[-1]
             positions = torch.arange(t_s - len(new), t_s)  # each new query's own key column
             seen = torch.arange(t_s)[None, :] <= positions[:, None]  # later keys: masked, or not there yet

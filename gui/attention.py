@@ -1,4 +1,5 @@
-"""Attention: the stages of one head, O = A·V, the pitfalls, RoPE, all heads at once and the history."""
+"""Attention: the stages of one head, O = A·V, the pitfalls, RoPE, all heads at once, the history, and a zoom
+that works at any length."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import streamlit as st
 from figures import attention as attn_views
 from figures import flash as flash_views
 from figures import gradients as grad_views
+from figures import long_attention as long_views
 from figures.common import facts_of, key_labels, query_labels, scores_formula
 from gui.common import (
     chart,
@@ -21,7 +23,19 @@ from gui.common import (
 )
 from model.gpt import act_name, identity_of
 from session import first_token
-from tracer import GRADIENT_LOSSES, Trace, archive_bytes, attention_gradients, gradient_trace, head_scores
+from tracer import (
+    GRADIENT_LOSSES,
+    RegionError,
+    Trace,
+    archive_bytes,
+    attention_gradients,
+    attention_source,
+    check_output,
+    gradient_trace,
+    head_scores,
+    head_statistics,
+    is_derived,
+)
 
 
 def attention_tab(trace: Trace, step: int) -> None:
@@ -38,9 +52,9 @@ def attention_tab(trace: Trace, step: int) -> None:
     rope = trace.has(act_name("rot_q", layer), step)
     rope_elsewhere = attn_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
     parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope or rope_elsewhere else []) + [
-        "All heads", "History", "Gradients", "FlashAttention"]
+        "All heads", "History", "Gradients", "FlashAttention", "Zoom"]
     sub = dict(zip(parts, remembered_tabs(parts, "attn_view")))
-    pattern_kept = trace.get(act_name("pattern", layer), step) is not None
+    pattern_kept = trace.get(act_name("pattern", layer), step) is not None or recomputable(trace, step, layer)
     with sub["Stages"]:
         if sub["Stages"].open:
             stages = attn_views.attention_stages(trace, step, layer, head, batch)
@@ -98,6 +112,57 @@ def attention_tab(trace: Trace, step: int) -> None:
     with sub["FlashAttention"]:
         if sub["FlashAttention"].open:
             flash_section(trace, step, layer, head, batch)
+    with sub["Zoom"]:
+        if sub["Zoom"].open:
+            zoom_section(trace, step, layer, head, batch)
+
+
+def recomputable(trace: Trace, step: int, layer: int) -> bool:
+    """Whether this layer's pattern is derived (the fused kernel ran) and its Q and K are kept."""
+    name = act_name("pattern", layer)
+    if not is_derived(trace, name, step):
+        return False
+    try:
+        attention_source(trace, name, step)
+    except RegionError:
+        return False
+    return True
+
+
+def zoom_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
+    """One head at any length: the overview (block mean / max, computed tile by tile), a zoomed region exact down
+    to single cells, one query row over every key, and the layer's long-context statistics."""
+    name = act_name("pattern", layer)
+    if trace.get(name, step) is None and not recomputable(trace, step, layer):
+        explain_missing_values(trace, step, "attention weights")
+        return
+    _, _, n, t = trace.record(name, step).shape
+    st.caption(long_views.derived_sentence(trace, step, layer))
+    if is_derived(trace, name, step) and st.toggle("check A·V against the kernel's O", key="zoom_check",
+                                                   persist_state="page"):
+        try:
+            st.caption(f"max |A·V − O| over this layer = {check_output(trace, name, step):.2e}")
+        except RegionError as e:
+            st.caption(str(e))
+    statistic = st.radio("overview cells", ["mean", "max"], horizontal=True, key="zoom_stat",
+                         persist_state="page")
+    chart(long_views.overview_figure(long_views.overview(trace, step, layer, head, batch), statistic),
+          key="zoom_overview")
+    c1, c2, c3, c4 = st.columns(4)
+    r0 = c1.number_input("first query row", 0, n - 1, max(0, n - 64), key="zoom_r0")
+    r1 = c2.number_input("last query row", 0, n - 1, n - 1, key="zoom_r1")
+    k0 = c3.number_input("first key", 0, t - 1, max(0, t - 64), key="zoom_k0")
+    k1 = c4.number_input("last key", 0, t - 1, t - 1, key="zoom_k1")
+    rows, cols = (int(min(r0, r1)), int(max(r0, r1)) + 1), (int(min(k0, k1)), int(max(k0, k1)) + 1)
+    matrix, exact = long_views.zoom(trace, step, layer, head, batch, rows, cols)
+    chart(long_views.zoom_figure(matrix, rows, cols, exact), key="zoom_region")
+    row = st.number_input("query row for the strip", 0, n - 1, n - 1, key="zoom_row")
+    chart(long_views.row_strip_figure(trace, step, layer, head, batch, int(row)), key="zoom_strip")
+    if st.toggle("long-context statistics of this layer (entropy, sinks, distance, top keys)", key="zoom_stats",
+                 persist_state="page"):
+        stats = head_statistics(trace, name, step, batch=batch)
+        st.dataframe(long_views.statistics_frame(stats).round(4), hide_index=True, key="zoom_stats_table")
+        chart(long_views.distance_figure(stats), key="zoom_distance")
 
 
 def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:

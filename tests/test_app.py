@@ -263,6 +263,18 @@ def test_the_attention_subviews(stepped):
     assert len(history["z"]) == n0 + 2 and len(history["z"][0]) == n0 + 2
 
 
+def test_the_zoom_reads_one_head_at_any_length(stepped):
+    at = show_tab(stepped, "Attention", ("attn_view", "Zoom"))
+    assert "ran eager: the numbers are read from its recorded pattern" in page_text(at)
+    overview, region, strip = charts(at)[:3]
+    assert "exact weights" in overview["layout"]["title"]["text"]  # a short prompt: one cell per query × key
+    assert "exact weights" in region["layout"]["title"]["text"]
+    assert "its weight on each of" in strip["layout"]["title"]["text"]
+    at.toggle(key="zoom_stats").set_value(True)
+    run(at)
+    assert "entropy (nats)" in frame_with(at, "entropy (nats)").columns
+
+
 def test_flash_attention_tile_by_tile_ends_at_the_models_output(stepped):
     at = show_tab(stepped, "Attention", ("attn_view", "FlashAttention"))
     text = page_text(at)

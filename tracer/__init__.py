@@ -63,7 +63,20 @@ from tracer.generation import (
     latent_cache,
     prepare_dry_run,
 )
-from tracer.reading import GenerationFacts, Trace
+from tracer.reading import (
+    GenerationFacts,
+    HeadStatistics,
+    Overview,
+    RegionError,
+    Trace,
+    attention_overview,
+    attention_region,
+    attention_source,
+    check_output,
+    head_statistics,
+    is_derived,
+    query_row,
+)
 from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
 from tracer.storage.records import (
     ABLATIONS,
@@ -91,6 +104,8 @@ from tracer.storage.records import (
 __all__ = [
     "ACCELERATORS", "Accelerator", "OpCost", "Placement", "StepCosts", "StepFloor", "costed_dry_run", "costs_frame",
     "count_forward", "kv_cache_bytes", "latent_cache", "place", "step_floor",
+    "HeadStatistics", "Overview", "RegionError", "attention_overview", "attention_region", "attention_source",
+    "check_output", "head_statistics", "is_derived", "query_row",
     "ABLATIONS", "CAPTURE_LEVELS", "FORWARD_CAPTURES", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES",
     "Finite",
     "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",

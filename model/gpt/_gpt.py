@@ -39,6 +39,7 @@ from torch.nn.modules import module as _torch_module
 
 from model.gpt._cache import KVCache, transaction
 from model.gpt._identity import ModelIdentity, PendingIdentity, computed_identity
+from model.gpt._long_attention import MaskSpec, choose_path, fused_attention
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families this file implements
 HF_FAMILY = "hf"  # any other transformers decoder, run by transformers (model/sources/_hf_decoder.py): a description
@@ -256,6 +257,22 @@ class HookPoint(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def tell(self, what: object) -> None:
+        """Hand the taps a description instead of a tensor: a fused attention announces its ``[B,H,n,t]``
+        records this way (``DerivedAttention``), and a tracer records them as derived (no value)."""
+        for tap in self._taps:
+            tap(what)
+
+    @property
+    def listened(self) -> bool:
+        """Whether taps read this point."""
+        return bool(self._taps)
+
+    @property
+    def written(self) -> bool:
+        """Whether forward hooks (which may replace the value) sit on this point, or on every module."""
+        return bool(self._forward_hooks or self._forward_pre_hooks) or _global_module_hooks()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._forward_hooks or self._forward_pre_hooks or _global_module_hooks():
@@ -514,6 +531,60 @@ def attention(
     return weights @ v, weights  # [B,H,n,t] @ [B,H,t,d_head] -> [B,H,n,d_head]
 
 
+@dataclass(frozen=True)
+class DerivedAttention:
+    """What a fused attention tells an ``[B,H,n,t]`` hook point instead of a tensor: the record's stage, shape
+    and dtype, and the mask description; its values are recomputed from the layer's Q and K records
+    (``model.gpt.region``)."""
+
+    stage: str  # "qk" | "scores" | "softcapped" | "mask" | "masked_scores" | "pattern"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    spec: MaskSpec
+
+
+@dataclass(frozen=True)
+class PathNote:
+    """Told to ``hook_pattern`` when a layer that the settings would run fused runs eager because a forward hook
+    may write one of its n × t hook points: a tracer notes it on the pattern record."""
+
+    text: str
+
+
+def attention_points(hooks: nn.Module) -> list[tuple[str, HookPoint]]:
+    """The ``[B,H,n,t]`` hook points of an attention module (the mask's ``[B|1,1,n,t]`` too), by stage."""
+    names = (("qk", "hook_qk"), ("scores", "hook_attn_scores"), ("softcapped", "hook_softcapped"),
+             ("mask", "hook_mask"), ("masked_scores", "hook_masked_scores"), ("pattern", "hook_pattern"))
+    return [(stage, point) for stage, name in names if isinstance(point := getattr(hooks, name, None), HookPoint)]
+
+
+def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec,
+                  hooks: nn.Module | None) -> torch.Tensor:
+    """A layer's attention ``[B,H,n,d_v]``: eager through the hook points (``attention``) or fused
+    (``model.gpt.fused_attention``), as ``choose_path`` decides from the settings, whether a forward
+    hook may write an n × t hook point, and the size of ``[B,H,n,t]``. Fused, each n × t hook point is told a
+    ``DerivedAttention`` instead of a tensor."""
+    B, H, n, _ = q.shape
+    points = attention_points(hooks) if hooks is not None else []
+    written = [name for name, p in points if p.written]
+    path = choose_path(bool(written), B * H * n * spec.t)
+    if path == "eager":
+        mask = spec.full_additive(q.dtype, q.device)
+        z, _ = attention(q, k, v, mask, cast(AttentionHooks | None, hooks), scale=spec.scale, softcap=spec.softcap)
+        if written and choose_path(False, B * H * n * spec.t) == "fused":
+            for stage, point in points:
+                if stage == "pattern" and point.listened:
+                    point.tell(PathNote(f"this layer ran eager, not fused: a hook may write its {', '.join(written)} "
+                                        f"(an intervention on the {'/'.join(written)} needs the whole n × t tensor)"))
+        return z
+    z = fused_attention(q, k, v, spec)
+    for stage, point in points:
+        if point.listened:
+            shape = (spec.batch, 1, n, spec.t) if stage == "mask" else (B, H, n, spec.t)
+            point.tell(DerivedAttention(stage, shape, q.dtype, spec))
+    return z
+
+
 class MultiHeadAttention(nn.Module):
     """X·W_QKV → split → view [B,n,H|G,d_head] → transpose [B,H|G,n,d_head] → (RoPE) →
     attention → merge heads [B,n,H·d_head] → ·W_O.
@@ -549,7 +620,7 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: torch.Tensor,
+        mask: MaskSpec,
         cache: KVCache | None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
@@ -568,7 +639,7 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.append(self.layer, k, v)  # [B,G,t−n,d_head] ++ [B,G,n,d_head] -> [B,G,t,d_head]
         k = self.hook_k_all(k)
         v = self.hook_v_all(v)
-        z, _ = attention(q, k, v, mask, hooks=self)  # [B,H,n,d_head]
+        z = run_attention(q, k, v, mask, self)  # [B,H,n,d_head], eager or fused (run_attention)
         z = self.hook_z(z)
         z = z.transpose(1, 2).contiguous()  # [B,H,n,d_head] -> [B,n,H,d_head]
         merged = self.hook_merged(z.view(B, n, H * dh))  # [B,n,H,d_head] -> [B,n,H·d_head]: heads side by side
@@ -640,8 +711,13 @@ class Block(nn.Module):
         self.hook_mlp_out = HookPoint()  # [B, n, d]
         self.hook_resid_post = HookPoint()  # [B, n, d]
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: KVCache | None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: MaskSpec,
+        cache: KVCache | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         x = self.hook_resid_pre(x)
         attn_out = self.hook_attn_out(self.attn(self.ln1(x), mask, cache, rope))
         x = self.hook_resid_mid(x + attn_out)
@@ -816,7 +892,9 @@ class GPT(nn.Module):
             x = x + self.hook_pos_embed(self.pos_embed(positions).expand(B, n, -1))  # [B|1,n] -> [B,n,d]
         else:
             rope = rope_cos_sin(self.config, positions)  # 2 × [B|1,n,d_head], shared by every layer
-        mask = additive_mask(n, past, key_is_token, tokens.device, x.dtype, self.config.sliding_window)  # [B|1,1,n,t]
+        # the mask described, not built: the eager path builds [B|1,1,n,t] once for all layers, the fused never
+        mask = MaskSpec(n=n, t=past + n, scale=None, window=self.config.sliding_window,
+                        key_is_token=key_is_token)
         with transaction(cache, n, key_is_token):
             for block in self.blocks:
                 x = block(x, mask, cache, rope)

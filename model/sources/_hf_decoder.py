@@ -35,7 +35,9 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,13 +50,16 @@ from model.gpt import (
     GPTConfig,
     HookPoint,
     KVCache,
+    MaskSpec,
     ModelIdentity,
     PendingIdentity,
     attention,
+    attention_path_settings,
     check_tokens,
     computed_identity,
     parameters_digest,
     positions_and_keys,
+    run_attention,
     transaction,
 )
 
@@ -137,8 +142,9 @@ class _AttentionHooks(nn.Module):
 
 def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' attention interface, stage by stage through the layer's hook points.
+                     softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention interface, stage by stage through the layer's hook points (or fused, where
+    ``model.gpt.choose_path`` says so: then no weights are returned, as transformers' SDPA returns none).
 
     ``query [B,H,n,d_head]``, ``key``/``value`` ``[B,G,t,d_head]``; returns ``(output [B,n,H,d_head],
     weights [B,H,n,t])`` as transformers' eager function does."""
@@ -147,13 +153,34 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     hooks = _HOOKS.get(module)
     if hooks is not None:
         query, key, value = hooks.receive(query, key, value)
-    t = key.shape[2]
+    n, t = query.shape[2], key.shape[2]
     mask = attention_mask[:, :, :, :t] if attention_mask is not None else None  # [B|1,1,n,t]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_head]
+    forward = getattr(_forward, "keys", None)  # (key_is_token,) while HFDecoder.forward runs on this thread
+    window = kwargs.get("sliding_window")
+    if forward is None or dropout > 0.0:
+        z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_head]
+    else:
+        # the mask described as transformers' eager mask writes it (a row that sees nothing stays finfo.min)
+        spec = MaskSpec(n=n, t=t, scale=scale, window=int(window) if isinstance(window, int) and window > 0 else None,
+                        key_is_token=forward[0], empty_rows="uniform", softcap=softcap)
+        if mask is not None:
+            spec.use_mask(mask)  # an eager layer uses transformers' own mask, as before
+        z, weights = run_attention(query, key, value, spec, hooks), None
     if hooks is not None:
         z = hooks.hook_z(z)
     return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_head], as transformers expects
+
+
+_forward = threading.local()  # .keys: (key_is_token [B,t] | None,) while HFDecoder.forward runs on this thread
+
+
+@contextmanager
+def _restored(before: tuple | None):
+    try:
+        yield
+    finally:
+        _forward.keys = before
 
 
 def traced_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -162,6 +189,12 @@ def traced_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     sees nothing (a padding query) keeps ``finfo.min``, so its softmax stays finite, as transformers' does."""
     from transformers.masking_utils import eager_mask
 
+    if getattr(_forward, "keys", None) is not None:  # our forward: the attention can work from a description
+        mode, threshold = attention_path_settings()
+        batch, n, t = kwargs.get("batch_size", 1), kwargs.get("q_length", 0), kwargs.get("kv_length", 0)
+        if isinstance(n, int) and isinstance(t, int) and isinstance(batch, int) and (
+                mode == "fused" or (mode == "auto" and batch * n * t >= threshold)):
+            return None  # not built: no [B,1,n,t] tensor; an eager layer builds it from MaskSpec
     mask = eager_mask(*args, **kwargs)
     if mask is None or not mask.is_floating_point():
         return mask
@@ -529,7 +562,9 @@ class HFDecoder(nn.Module):
         attention_mask = key_is_token.long() if key_is_token is not None else None
         if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
             attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
-        with transaction(cache, n, key_is_token):
+        before = getattr(_forward, "keys", None)
+        _forward.keys = (key_is_token,)
+        with transaction(cache, n, key_is_token), _restored(before):
             out = self.hf(input_ids=tokens, attention_mask=attention_mask, position_ids=positions.expand(B, n),
                           past_key_values=_cache_view(cache, self.config.n_layer) if cache is not None else None,
                           use_cache=cache is not None, return_dict=True)

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from model.gpt import GPTConfig, identity_of
+from model.gpt import DerivedAttention, GPTConfig, PathNote, identity_of
 from model.sources import on_meta
 from tracer.capture import _hooks as hooks
 from tracer.capture._forensics import describe_failure
@@ -208,6 +208,11 @@ class Tracer:
         calls[index] = call + 1
         if type(value) is torch.Tensor:
             self._record(index, "hook", "", call, value)
+        elif type(value) is DerivedAttention:  # a fused attention's [B,H,n,t] record: no value, recomputed on demand
+            self._log.add_derived(index, call, value.stage, value.shape, value.dtype, value.spec)
+        elif type(value) is PathNote:  # said after the eager attention recorded this hook point's value
+            calls[index] = call  # not a call of the hook point
+            self._log.note_latest(index, value.text)
         else:
             self._record_all(index, "hook", call, value, "")
 

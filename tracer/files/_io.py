@@ -44,7 +44,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 
-from model.gpt import FAMILIES, GPTConfig, ModelIdentity
+from model.gpt import FAMILIES, GPTConfig, MaskSpec, ModelIdentity
 from model.sampling import SamplingConfig
 from tracer.files._schema import Bool, Float, Int, ListOf, Maybe, Obj, OneOf, Str, Then, TraceFileError, TupleOf
 from tracer.reading._trace import Trace
@@ -207,6 +207,9 @@ def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tup
     frame["strides"] = [list(views[i][2]) if i in views else [] for i in frame["index"]]
     frame["digest_storage"] = [digests[i][0] if i in digests else -1 for i in frame["index"]]
     frame["digest_shape"] = [digests[i][1] if i in digests else [] for i in frame["index"]]
+    derived = log.derived_records()  # a fused attention's n × t stages: how a reader recomputes them
+    frame["derived"] = [json.dumps({"stage": derived[i][0], "mask": derived[i][1].to_json()}) if i in derived else ""
+                        for i in frame["index"]]
     return frame
 
 
@@ -729,6 +732,10 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
             if isinstance(e, TraceFileError):
                 raise
             raise TraceFileError(str(e), f"{RECORDS} record {i}") from None
+    if "derived" in records.columns:  # optional: files written before derived records load as they were
+        for i, text in enumerate(records["derived"].tolist()):
+            if text:
+                _restore_derived(log, i, text)
     digest_shapes = records["digest_shape"].tolist()
     for rec in np.flatnonzero(digest_of >= 0):
         where = f"{RECORDS} record {rec} digest"
@@ -747,6 +754,23 @@ def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flat
     if manifest["error"] is not None:
         log.restore_failure(manifest["error"])
     return Trace(log)
+
+
+MAX_DERIVED_CHARS = 1 << 20  # one record's mask description (its key padding as run lengths)
+
+
+def _restore_derived(log: TraceLog, index: int, text: object) -> None:
+    where = f"{RECORDS} record {index} derived"
+    if not isinstance(text, str) or len(text) > MAX_DERIVED_CHARS:
+        raise TraceFileError(f"a mask description must be a JSON string of at most {MAX_DERIVED_CHARS:,} characters",
+                             where)
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("stage"), str):
+            raise ValueError("expected {\"stage\": …, \"mask\": {…}}")
+        log.restore_derived(index, data["stage"], MaskSpec.from_json(data.get("mask")))
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise TraceFileError(str(e)[:300], where) from None
 
 
 def _check_steps(steps: tuple[StepRecord, ...], n: int, limits: Limits) -> None:

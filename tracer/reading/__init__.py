@@ -1,9 +1,23 @@
 """Reading: ``Trace``, the read side — records, values, statistics and tables built on demand — and
 ``GenerationFacts``, a generation as the views read it.
 
-Private: ``_trace``, ``_facts``, ``_axes`` (symbolic axes checked against the numbers)."""
+Private: ``_trace``, ``_regions`` (attention regions at any length), ``_facts``, ``_axes`` (symbolic axes
+checked against the numbers)."""
 
 from tracer.reading._facts import GenerationFacts
+from tracer.reading._regions import (
+    HeadStatistics,
+    Overview,
+    RegionError,
+    attention_overview,
+    attention_region,
+    attention_source,
+    check_output,
+    head_statistics,
+    is_derived,
+    query_row,
+)
 from tracer.reading._trace import Trace
 
-__all__ = ["GenerationFacts", "Trace"]
+__all__ = ["GenerationFacts", "HeadStatistics", "Overview", "RegionError", "Trace", "attention_overview",
+           "attention_region", "attention_source", "check_output", "head_statistics", "is_derived", "query_row"]

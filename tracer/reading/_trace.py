@@ -68,6 +68,7 @@ class Trace:
         self._log = log
         self._records: list[TensorRecord] = []
         self._by_name: dict[tuple[int, str], int] = {}
+        self._derived_digests: dict[tuple[int, int], torch.Tensor | None] = {}
         self._epoch = log.epoch
         self._config = None
         self._config_for: ModelIdentity | None = None
@@ -251,8 +252,18 @@ class Trace:
         return self._log.stats(rec.index)
 
     def digest(self, rec: TensorRecord) -> torch.Tensor | None:
-        """The pooled summary kept of an evicted attention-weights record (``TraceLog.digest``)."""
-        return self._log.digest(rec.index)
+        """The pooled summary kept of an evicted attention-weights record (``TraceLog.digest``); for a pattern a
+        fused attention left derived, the same summary (``[B, H, ≤128, ≤128]`` block means) computed tile by
+        tile from Q and K the first time it is asked for (None when Q or K is not kept)."""
+        kept = self._log.digest(rec.index)
+        if kept is not None or self._log.derived(rec.index) is None or hook_of(rec.name) != "hook_pattern":
+            return kept
+        key = (self._log.epoch, rec.index)
+        if key not in self._derived_digests:
+            from tracer.reading._regions import derived_digest  # _regions imports this module
+
+            self._derived_digests[key] = derived_digest(self, rec)
+        return self._derived_digests[key]
 
     def finite_flag(self, rec: TensorRecord) -> int:
         return self._log.finite_flag(rec.index)

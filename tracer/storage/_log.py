@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from model.gpt import ATTENTION_STAGES as STAGES
+from model.gpt import MaskSpec
 from tracer.storage._spill import SpillFile
 from tracer.storage._stats import DRY_RUN, dtype_name, finite_flag, tensor_stats
 from tracer.storage._store import DEFAULT_BUDGET_BYTES, MUTATED, ValueStore, storage_key, version_of, view_key
@@ -44,6 +46,9 @@ from tracer.storage.records import (
     TraceErrorInfo,
 )
 
+DERIVED_NOTE = ("derived: the fused attention never held it; any region is recomputed exactly from this layer's Q "
+                "and K and the mask description (tracer.attention_region)")
+DERIVED_SOURCES = ("hook_q", "hook_rot_q", "hook_k_all", "hook_v_all")  # what a derived record is recomputed from
 DIGESTED = "hook_pattern"  # attention weights: when evicted, a pooled summary per head stays
 DIGEST_SIDE = 128  # the summary's most rows and columns per head
 
@@ -137,6 +142,9 @@ class TraceLog:
         self._generation: GenerationInfo | None = None
         self._generation_steps: list[GenerationStep] = []
         self._comparisons: dict[int, RecomputeComparison] = {}
+        # records of a fused attention's [B,H,n,t] stages: (stage, mask description), values recomputed on demand
+        self._derived: dict[int, tuple[str, MaskSpec]] = {}
+        self._prefer_next: set[int] = set()  # the module whose next record the budget prefers (a fused layer's O)
         self._epoch = 0  # bumped whenever records are discarded: readers' caches of them are stale
 
     # -- read side (everything public is read-only) --------------------------------------------
@@ -226,6 +234,14 @@ class TraceLog:
         if value is None and self._spill is not None:
             value = self._spill.get(index)
         return value
+
+    def derived(self, index: int) -> tuple[str, MaskSpec] | None:
+        """(stage, mask description) of a record a fused attention announced instead of computing it; None for
+        every other record. Its values are ``model.gpt.region`` of the layer's Q and K records."""
+        return self._derived.get(index)
+
+    def derived_records(self) -> dict[int, tuple[str, MaskSpec]]:
+        return dict(self._derived)
 
     def has_value(self, index: int) -> bool:
         """Whether ``value(index)`` would return a tensor (without reading a spilled one back)."""
@@ -357,9 +373,32 @@ class TraceLog:
                 value = value.clone()
             assert step is not None  # records arrive inside a step: the tracer begins one when the model is called
             reason = self._values.put(index, step, value)
+            if self._prefer_next and module in self._prefer_next:  # the O of a fused layer
+                self._values.prefer(index)
+                self._prefer_next = set()
             if reason:  # larger than the whole budget: summarised now, like an evicted value
                 self._evicted(index, value, reason, True)
                 self._released(storage_key(value))
+
+    def add_derived(self, module: int, call: int, stage: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    spec: MaskSpec) -> None:
+        """Record an attention stage the fused kernel never materialised: its shape and dtype, no value (the
+        readers recompute any region of it from the layer's Q and K), no statistics."""
+        index = len(self._raw)
+        self._raw.append((index, self._current, module, "hook", "", call, tuple(shape), dtype_name(dtype), "cpu", 0))
+        self._derived[index] = (stage, spec)
+        self._notes[index] = DERIVED_NOTE
+        if stage == "pattern" and self._keep_values:  # the budget holds what the derived records are made from
+            parent = self._modules[module].path.rsplit(".", 1)[0]
+            sources = {f"{parent}.{hook}" for hook in DERIVED_SOURCES}
+            first = self._steps[-1].end_record if self._steps else 0
+            found: set[str] = set()
+            for i in range(index - 1, first - 1, -1):
+                path = self._modules[self._raw[i][MODULE]].path
+                if path in sources and path not in found:
+                    found.add(path)
+                    self._values.prefer(i)
+            self._prefer_next = {m for m, info in enumerate(self._modules) if info.path == f"{parent}.hook_z"}
 
     def _add_unusual(self, index: int, step: int | None, module: int, kind: str, slot: str, call: int,
                      t: torch.Tensor) -> None:
@@ -379,6 +418,14 @@ class TraceLog:
 
     def add_note(self, index: int, note: str) -> None:
         self._notes[index] = note
+
+    def note_latest(self, module: int, note: str) -> None:
+        """Note ``note`` on the latest record of ``module`` in the step in progress (searched from the end)."""
+        first = self._steps[-1].end_record if self._steps else 0
+        for index in range(len(self._raw) - 1, first - 1, -1):
+            if self._raw[index][MODULE] == module:
+                self._notes[index] = note
+                return
 
     def add_op(self, name: str, module: int, input_shapes: tuple, output_shapes: tuple, dtype: str,
                error: str = "") -> None:
@@ -427,6 +474,7 @@ class TraceLog:
             self._stats.pop(index, None)
             self._flags.pop(index, None)
             self._values.drop_digest(index)
+            self._derived.pop(index, None)
         del self._raw[cut:]
         self._ops = [op for op in self._ops if op[0] < step]
         del self._steps[step:]
@@ -488,6 +536,13 @@ class TraceLog:
             self._notes[raw.number] = note
         if flag != Finite.UNKNOWN:
             self._flags[raw.number] = flag
+
+    def restore_derived(self, index: int, stage: str, spec: MaskSpec) -> None:
+        raw = self.raw(index)
+        if stage not in STAGES or raw.shape[-2:] != (spec.n, spec.t):
+            raise ValueError(f"record {index}: a derived {stage!r} of shape {list(raw.shape)} does not match its "
+                             f"mask description (n = {spec.n}, t = {spec.t})")
+        self._derived[index] = (stage, spec)
 
     def restore_value(self, index: int, value: torch.Tensor) -> None:
         raw = self.raw(index)

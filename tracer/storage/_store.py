@@ -104,6 +104,7 @@ class ValueStore:
         self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
         # index → (summary, step, bytes): pooled digests of evicted values, charged to the same budget
         self._digests: dict[int, tuple[torch.Tensor, int, int]] = {}
+        self._preferred: set[int] = set()  # evicted only when nothing else is left (a fused layer's Q, K, V, O)
         self._nbytes = 0
         self._peak_nbytes = 0
         self._evicted = 0
@@ -174,8 +175,15 @@ class ValueStore:
         if reason and self._on_evict is not None:
             self._on_evict(index, tensor, reason, True)
 
+    def prefer(self, index: int) -> None:
+        """Evict ``index`` only after every value not so preferred: a derived attention record is recomputed from
+        it (a fused layer's Q, K, V and O), so the budget holds those first."""
+        if index in self._entries:
+            self._preferred.add(index)
+
     def drop(self, index: int, *, note: str | None, stats: bool = True) -> None:
         """Forget a value; ``note`` (if any) tells the owner why, and whether its stats can still be taken."""
+        self._preferred.discard(index)
         entry = self._entries.pop(index, None)
         if entry is None:
             return
@@ -197,7 +205,11 @@ class ValueStore:
         """Drop the oldest kept value, or the oldest summary when it belongs to an earlier step. Value by value
         rather than whole steps: a decode step needs a few MB, and making room by dropping the whole prefill
         would cost the statistics of all of it and leave nothing of it to look at."""
-        oldest_value = next(iter(self._entries.items()), None)
+        preferred = self._preferred
+        oldest_value = next(((i, e) for i, e in self._entries.items() if i not in preferred), None) if preferred \
+            else None
+        if oldest_value is None:
+            oldest_value = next(iter(self._entries.items()), None)
         oldest_digest = next(iter(self._digests.items()), None)
         if oldest_digest is not None and (oldest_value is None or oldest_digest[1][1] < oldest_value[1][1]):
             self.drop_digest(oldest_digest[0])
