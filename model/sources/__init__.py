@@ -6,7 +6,7 @@ them, finding a model (``_resolve.py``), reading tokenizers (``_tokenizer.py``) 
 dtype/device). ``load_model`` (``_load.py``) resolves a spec once and hands it to exactly one source."""
 
 from model.sources._common import LOGIT_TOLERANCE, MODEL_FILE_SUFFIXES, ModelLoadError, check_link, logit_tolerance
-from model.sources._decoders import Decoder
+from model.sources._decoders import Decoder, input_device_of
 from model.sources._dry_run import (
     MAX_DRY_LAYERS,
     MAX_DRY_RECORDS,
@@ -60,7 +60,7 @@ from model.sources._tokenizer import END_OF_TEXT, TextTokenizer, TokenizerConfig
 
 __all__ = [
     "MAX_DRY_LAYERS", "MAX_DRY_RECORDS", "NO_WEIGHTS", "SHAPES_PREFIX", "DryRunError", "build_dry", "dry_config",
-    "on_meta", "parameters_by_dtype", "shapes_available",
+    "on_meta", "parameters_by_dtype", "shapes_available", "input_device_of",
     "ASSETS", "ATTENTION", "BUNDLED_DIR", "BUNDLED_MODELS", "CHECKPOINT_NAME", "COMPILED_PREFIX", "END_OF_TEXT",
     "IMPLEMENTATIONS", "LOGIT_TOLERANCE", "MODEL_FILE_SUFFIXES", "REPO_PREFIX", "SUPPORTED_MODEL_TYPES",
     "Architecture", "Decoder", "HFDecoder", "HFDecoderError", "MaxMemory", "ModelLoadError", "OwnDecoder",

@@ -11,10 +11,24 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
+import torch
+from torch import nn
+
 from model.gpt import GPT
 from model.sources._hf_decoder import HFDecoder
 from model.sources._own_module import OwnDecoder
 
 Decoder: TypeAlias = GPT | HFDecoder | OwnDecoder
 
-__all__ = ["Decoder"]
+
+def input_device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` reads its inputs (token ids, a residual to unembed): its own ``input_device`` where it has
+    one (a model run by transformers, whose offloaded weights are ``meta`` placeholders that accelerate fills at
+    each forward), else its first parameter not on the meta device; the CPU for a model without any."""
+    where = getattr(model, "input_device", None)
+    if isinstance(where, torch.device):
+        return where
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
+__all__ = ["Decoder", "input_device_of"]

@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 
 from model.gpt import GPT, act_name, block_attention, identity_of
-from model.sources import HFDecoder
+from model.sources import HFDecoder, input_device_of
 from tracer.reading._trace import Trace
 
 LENS_COLUMNS = ("layer", "position", "input", "top_token", "top_label", "top_prob", "final_token", "final_label",
@@ -69,7 +69,7 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
     model = _model(trace, model)
     label = label or (lambda i: f"⟨{i}⟩")
     n_layer = model.config.n_layer
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))  # recorded values are on the host
+    device = input_device_of(model)  # recorded values are on the host; the final norm and W_U may not be
     lens = [model.unembed_residual(_value(trace, act_name("resid_post", L), step)[row].to(device)).float().cpu()
             for L in range(n_layer)]  # n_layer × [n, V]
     recorded = _value(trace, act_name("logits"), step)[row].float()
@@ -120,7 +120,7 @@ def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int |
             raise ValueError("give token=…: this step chose no token")
         token = choice.tokens[row]
     p = sampled_position(trace, step, row)
-    device = next((q.device for q in model.parameters()), torch.device("cpu"))
+    device = input_device_of(model)
 
     def on_model(name: str, at: int) -> torch.Tensor:  # a recorded value (on the host) where the weights are
         return _value(trace, name, at).to(device)

@@ -26,7 +26,7 @@ import torch
 from model.analysis import forward_cost
 from model.gpt import identity_of
 from model.sampling import SamplingConfig, sample
-from model.sources import TextTokenizer, on_meta
+from model.sources import TextTokenizer, input_device_of, on_meta
 from tracer.capture._interventions import Intervention, check, check_shapes
 from tracer.capture._tracer import Tracer
 from tracer.reading._facts import GenerationFacts
@@ -287,8 +287,8 @@ class TracedGeneration:
 
     @property
     def device(self) -> torch.device:
-        """Where the model's weights are (the first parameter's device; the CPU for a model without any)."""
-        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        """Where the model reads its token ids (``model.sources.input_device_of``)."""
+        return input_device_of(self.model)
 
     def step(self) -> GenerationStep:
         """One forward pass (traced) and one chosen token per row."""
