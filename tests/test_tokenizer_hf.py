@@ -110,7 +110,7 @@ def test_a_bos_tokenizer_puts_bos_first_and_the_bundled_ones_do_not(tmp_path):
     ours = TextTokenizer.from_directory(write_dir(tmp_path / "llama", post="bos", config=LLAMA_CONFIG))
     assert ours.encode("Lily") [0] == 1024 and ours.without_special_tokens().encode("Lily")[0] != 1024
     assert ours.special_tokens == {"bos_token": BOS, "eos_token": EOS} and ours.eos_ids == (1025,)
-    for name in ("story-gpt", "story-llama"):  # the bundled models: the same ids as before, no BOS, no EOS
+    for name in ("story-gpt", "story-llama"):  # the bundled models: the same ids as before, no BOS added
         from transformers import AutoTokenizer
 
         _, tok = load_bundled(name)
@@ -118,7 +118,8 @@ def test_a_bos_tokenizer_puts_bos_first_and_the_bundled_ones_do_not(tmp_path):
         reference = AutoTokenizer.from_pretrained(str(ASSETS / name), local_files_only=True)
         for text in TEXTS:
             assert tok.encode(text) == raw.encode(text, add_special_tokens=False).ids == reference(text)["input_ids"]
-        assert tok.eos_ids == () and tok.eos_id == 0  # <|endoftext|>, to pad with; config.json declares no EOS
+        # <|endoftext|> (id 0) ends every training story: config.json declares it as end-of-sequence (and pads with it)
+        assert tok.eos_ids == (0,) and tok.eos_id == 0
 
 
 def test_end_of_sequence_ids_come_from_every_file_that_declares_them(tmp_path):
