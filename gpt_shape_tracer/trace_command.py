@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 import textwrap
@@ -99,6 +100,9 @@ def parser() -> argparse.ArgumentParser:
                          "its shapes; without a tokenizer the prompt is --dry-run-tokens placeholder ids")
     ap.add_argument("--dry-run-tokens", type=int, default=16,
                     help="placeholder prompt ids of a --dry-run without a tokenizer")
+    ap.add_argument("--device", default="cpu",
+                    help="where the model runs: cpu, cuda or cuda:N (refused with a message where PyTorch sees no "
+                    "such device); the trace's values come back to the host")
     ap.add_argument("--max-memory", metavar="SIZE",
                     help="run a --model-dir model larger than SIZE of memory (e.g. 2GiB): transformers runs it and "
                     "accelerate keeps the layers that do not fit on disk, reading them in for each forward")
@@ -168,6 +172,11 @@ def check_arguments(args: argparse.Namespace) -> Path | None:
         raise ValueError("--max-memory goes with --model-dir (a Hugging Face directory to offload)")
     if args.model_dir and args.model_factory:
         raise ValueError("give --model-dir or --model-factory, not both")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device {args.device!r}: give cpu, cuda or cuda:N")
+    if args.device != "cpu" and (args.dry_run or args.max_memory or args.model_factory):
+        raise ValueError("--device goes with a bundled model or --model-dir (a dry run runs on the meta device, "
+                         "--max-memory places the layers itself, and your own factory places its module)")
     if args.dry_run and not args.model_dir:
         raise ValueError("--dry-run goes with --model-dir (a directory with config.json, a config.json, or "
                          "shapes:NAME)")
@@ -180,6 +189,21 @@ def check_arguments(args: argparse.Namespace) -> Path | None:
         if report is not None:
             _check_report_path(flag, report, out)
     return out
+
+
+def _check_device(device: str) -> None:
+    """A CUDA device that PyTorch can see, or a ``ValueError`` saying what it sees (after torch is imported)."""
+    import torch
+
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: PyTorch sees no CUDA device on this machine (torch {torch.__version__}"
+                         f"{', a CPU-only build' if torch.version.cuda is None else ''}): use --device cpu")
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: PyTorch sees {torch.cuda.device_count()} CUDA device(s), 0 … "
+                         f"{torch.cuda.device_count() - 1}")
 
 
 def _check_report_path(flag: str, raw: str, out: Path | None) -> None:
@@ -216,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     from tracer import save_trace
 
     try:
+        _check_device(args.device)
         settings = build_settings(  # the app's rules, limits and defaults
             tuple(args.prompt), greedy=args.temperature == 0, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, capture=args.capture,
@@ -240,12 +265,13 @@ def main(argv: list[str] | None = None) -> int:
                                   use_cache=not args.no_cache)
         elif args.model_dir:
             model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer,
-                                          max_memory=args.max_memory)
+                                          max_memory=args.max_memory, device=args.device)
             if tokenizer is None:
                 raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt): "
                                  "give one with --tokenizer")
         else:
             model, tokenizer = load_bundled(args.model)
+            model = model.to(args.device)
         if not args.dry_run:
             gen = new_generation(model, tokenizer, settings)  # the chat template and a module without a cache, too
         for warning in gen.warnings:

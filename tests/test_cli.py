@@ -191,3 +191,22 @@ def test_a_bundled_model_stops_at_the_end_of_its_story_unless_told_to_go_on(caps
     code, stdout, _ = run(capsys, "--prompt", "Once upon a time, Tom had a red ball. He", "--steps",
                           str(steps + 2), "--capture", "shapes", "--json", "--model", "story-llama", "--no-stop-at-eos")
     assert code == 0 and json.loads(stdout)["steps"] == steps + 2
+
+
+def test_the_device_is_checked_and_cpu_runs(capsys, tmp_path):
+    """--device cpu traces as before; a device PyTorch cannot see is refused with a message, nothing written."""
+    import torch
+
+    code, stdout, stderr = run(capsys, "--prompt", "Lily had", "--steps", "2", "--device", "cpu", "--json")
+    assert code == 0 and '"steps": 2' in stdout, stderr
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--device", "tpu")
+    assert code == 2 and "give cpu, cuda or cuda:N" in stderr
+    if not torch.cuda.is_available():  # CI's machines: the refusal names what is missing
+        out = tmp_path / "t.zip"
+        code, _, stderr = run(capsys, "--prompt", "Lily", "--device", "cuda", "--out", str(out))
+        assert code == 2 and "sees no CUDA device" in stderr and not out.exists()
+    else:  # a machine with a GPU: the same greedy tokens as on the CPU
+        code, on_gpu, _ = run(capsys, "--prompt", "Lily had", "--steps", "3", "--device", "cuda", "--json")
+        _, on_cpu, _ = run(capsys, "--prompt", "Lily had", "--steps", "3", "--json")
+        import json
+        assert code == 0 and json.loads(on_gpu)["texts"] == json.loads(on_cpu)["texts"]
