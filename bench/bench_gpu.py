@@ -139,6 +139,23 @@ def transformers_checks(device: str) -> None:
         check(f"transformers {arch}/{device}", run)
 
 
+def cli_on_cuda() -> str:
+    import contextlib
+    import io
+
+    from gpt_shape_tracer.trace_command import main as trace
+
+    texts = []
+    for device in ("cuda", "cpu"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = trace(["--prompt", "Lily had", "--steps", "4", "--device", device, "--json"])
+        assert code == 0, device
+        texts.append(json.loads(out.getvalue())["texts"])
+    assert texts[0] == texts[1], texts
+    return repr(texts[0])
+
+
 def synced(fn, repeats: int = 5, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
@@ -236,6 +253,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--checks-only", action="store_true", help="the checks and the CLI's --device cuda, no bench")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "no CUDA device"
     print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
@@ -252,6 +270,10 @@ def main() -> None:
 
             check(f"{name}/cuda bfloat16: values trace", bf16_run)
         transformers_checks("cuda")
+        check("CLI --device cuda: the CPU's greedy text", cli_on_cuda)
+    if args.checks_only:
+        print(json.dumps(RESULTS, indent=1, default=str))
+        return
     gpt2_small = GPTConfig(vocab_size=50257, n_ctx=2048, d_model=768, n_layer=12, n_head=12)
     tiny_llama = GPTConfig(vocab_size=32000, n_ctx=2048, d_model=2048, n_layer=22, n_head=32, n_kv_head=4,
                            d_mlp=5632, family="llama", norm="rmsnorm", positions="rope", mlp="swiglu",
