@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from tests.browser import free_port
 from tracer import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,12 +81,12 @@ def test_the_trace_command_traces_a_bundled_model_from_another_directory(install
     assert trace.n_steps == 2 and trace.model.name == "story-gpt"
 
 
-def test_the_app_command_serves_the_page(installed):
-    _, bin_dir, elsewhere = installed
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([str(bin_dir / "gpt-shape-tracer"), "app", "--server.port", str(port)], cwd=elsewhere,
+@contextmanager
+def installed_app(bin_dir: Path, cwd: Path) -> Iterator[str]:
+    """``gpt-shape-tracer app`` of the installed package, started in ``cwd`` on a free port; yields its URL once
+    its health check answers "ok" (or fails with what the server printed); stops it."""
+    port = free_port()
+    server = subprocess.Popen([str(bin_dir / "gpt-shape-tracer"), "app", "--server.port", str(port)], cwd=cwd,
                               env=clean_env(bin_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline, body = time.time() + 90, ""
@@ -98,11 +100,16 @@ def test_the_app_command_serves_the_page(installed):
                     break
                 time.sleep(0.5)
         assert body == "ok", server.stdout.read() if server.poll() is not None else "no answer"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
-            assert "<title>Streamlit</title>" in r.read().decode() or r.status == 200
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(timeout=20)
+
+
+def test_the_app_command_serves_the_page(installed):
+    _, bin_dir, elsewhere = installed
+    with installed_app(bin_dir, elsewhere) as url, urllib.request.urlopen(url + "/", timeout=5) as r:
+        assert "<title>Streamlit</title>" in r.read().decode() or r.status == 200
 
 
 @pytest.fixture(scope="module")
@@ -144,27 +151,11 @@ def test_the_app_beside_a_users_own_model_py_runs_its_page(installed, shadowing)
     from tests.browser import chromium_page, click, open_app, page_state
 
     _, bin_dir, _ = installed
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([str(bin_dir / "gpt-shape-tracer"), "app", "--server.port", str(port)], cwd=shadowing,
-                              env=clean_env(bin_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).close()
-                break
-            except OSError:
-                time.sleep(0.5)
-        with chromium_page() as page:
-            open_app(page, f"http://127.0.0.1:{port}")
-            click(page, "Step")
-            state = page_state(page)
-            assert "imported" not in state and page.get_by_text("Step 0, the prefill").count(), state
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    with installed_app(bin_dir, shadowing) as url, chromium_page() as page:
+        open_app(page, url)
+        click(page, "Step")
+        state = page_state(page)
+        assert "imported" not in state and page.get_by_text("Step 0, the prefill").count(), state
 
 
 def test_pip_show_names_the_authors_and_the_classifiers(installed):
