@@ -377,7 +377,9 @@ def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
     Computed exactly as Hugging Face's ``modeling_rope_utils`` does (same dtype,
     same order), so our angles are bit-for-bit theirs."""
     dim = config.d_head
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    # on the host, as transformers computes its buffer (a GPU's pow could round differently); callers move it
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32)
+    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
     s = config.rope_scaling
     if s is None:
         return inv_freq

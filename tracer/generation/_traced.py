@@ -268,9 +268,10 @@ class TracedGeneration:
         """What ``step`` feeds the model: token ids ``[B, n]``, the padding mask (or None), and per sequence
         the position whose logits choose its token (None: the last)."""
         facts = self.facts
-        cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)])
+        host = torch.device("cpu")  # built from Python lists on the host, moved below
+        cols = torch.tensor([facts.columns(r, step) for r in range(facts.batch_size)], device=host)
         padded = facts.info.padded
-        mask = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)]) if padded else None
+        mask = torch.tensor([facts.is_token(r, step) for r in range(facts.batch_size)], device=host) if padded else None
         # the ids go where the model is (an embedding on a GPU reads ids on the GPU); a dry run's go to the meta
         # device in step(), once their values are written down
         device = torch.device("cpu") if self.dry_run else self.device
