@@ -39,7 +39,8 @@ API: dict[str, str] = {
     **dict.fromkeys(("Tracer", "TracedGeneration", "Trace", "save_trace", "load_trace", "TraceFileError", "ablate",
                      "patch", "logit_lens", "direct_logit_attribution", "diff_traces", "attention_gradients",
                      "gradient_trace", "head_scores", "activation_patching", "dry_run", "costed_dry_run", "costs_frame",
-                     "step_floor", "place", "kv_cache_bytes", "ACCELERATORS"), "tracer"),
+                     "step_floor", "place", "kv_cache_bytes", "ACCELERATORS", "collectives", "collectives_sentence"),
+                    "tracer"),
 }
 __all__ = [*API, "figures", "room"]
 

@@ -98,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
                     help="config only, no weights: build the --model-dir model (a directory with config.json, a "
                          "config.json, or shapes:NAME such as shapes:llama-3.1-405b) on the meta device and trace "
                          "its shapes; without a tokenizer the prompt is --dry-run-tokens placeholder ids")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="K",
+                    help="with --dry-run: trace one rank of K, split by transformers' own tensor-parallel plan "
+                         "(each record's shape on one GPU, and the all-reduces each forward sends)")
     ap.add_argument("--dry-run-tokens", type=int, default=16,
                     help="placeholder prompt ids of a --dry-run without a tokenizer")
     ap.add_argument("--device", default="cpu",
@@ -182,6 +185,10 @@ def check_arguments(args: argparse.Namespace) -> Path | None:
                          "shapes:NAME)")
     if args.dry_run and args.max_memory:
         raise ValueError("--dry-run builds the model on the meta device: no --max-memory to place it in")
+    if args.tensor_parallel != 1 and not args.dry_run:
+        raise ValueError("--tensor-parallel goes with --dry-run (one rank's shapes and costs, from the config)")
+    if not 1 <= args.tensor_parallel <= 1024:
+        raise ValueError(f"--tensor-parallel takes 1 … 1024 ranks, got {args.tensor_parallel}")
     if not 1 <= args.dry_run_tokens <= 1 << 20:
         raise ValueError(f"--dry-run-tokens takes 1 … {1 << 20}, got {args.dry_run_tokens}")
     out = _checked_out(args.out) if args.out is not None else None
@@ -256,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.dry_run:
             from tracer import prepare_dry_run
 
-            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer, weights=False)
+            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer, weights=False,
+                                          tensor_parallel=args.tensor_parallel)
             if tokenizer is None and not args.quiet:
                 print(f"note: {args.model_dir} has no tokenizer: the prompt is {args.dry_run_tokens} placeholder ids",
                       file=sys.stderr)
@@ -306,6 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     shown = frame[["name", "shape", "axes", "dtype", "summary"]].copy()
     shown["shape"] = ["[" + ", ".join(map(str, s)) + "]" for s in shown["shape"]]
     forward = gen.facts.step(step).forward
+    plan = getattr(model, "tensor_parallel", None)
+    parallel = None
+    if plan is not None:
+        from tracer.costs import collectives, collectives_sentence
+
+        sent = collectives(gen.trace, step, plan)
+        parallel = {"ranks": plan.ranks, "plan": plan.source, "sentence": collectives_sentence(plan, sent),
+                    "collectives": [{"module": c.module, "kind": c.kind, "shape": list(c.shape), "bytes": c.bytes}
+                                    for c in sent]}
     if args.json:
         print(json.dumps({
             "out": str(out) if out is not None else None, "steps": gen.n_steps, "stopped": gen.stopped or None,
@@ -315,10 +332,13 @@ def main(argv: list[str] | None = None) -> int:
                            "records": [{"name": r.name, "shape": list(r.shape), "axes": list(r.axes or ()),
                                         "dtype": r.dtype} for r in gen.trace.filter(
                                             step=step, kind=None if args.all_records else "hook")]},
+            **({"tensor_parallel": parallel} if parallel is not None else {}),
         }, ensure_ascii=False))
         return 0
     print(f"step {step}: n = {forward.n}, t = {forward.t}")
     print(_table(shown, wide=args.wide, pd=pd))
+    if parallel is not None:
+        print(parallel["sentence"])
     for row in range(gen.batch_size):
         print(f"text[{row}]: {gen.text(row)!r}")
     written = f"wrote {out}" if out is not None else "nothing written (no --out)"

@@ -18,6 +18,8 @@ from tracer import (
     ACCELERATORS,
     StepCosts,
     Trace,
+    collectives,
+    collectives_sentence,
     costed_dry_run,
     costs_frame,
     kv_cache_bytes,
@@ -41,6 +43,7 @@ class DryRun:
     parameters: dict[str, int]
     dtype: str
     cache_note: str
+    ranks: int = 1
 
 
 def dry_run_sidebar(sb) -> None:
@@ -55,16 +58,19 @@ def dry_run_sidebar(sb) -> None:
     cols = sb.columns(2)
     n = cols[0].number_input("Prompt tokens", value=512, min_value=1, max_value=MAX_PROMPT_TOKENS, key="dry_tokens")
     steps = cols[1].number_input("Decode steps", value=2, min_value=0, max_value=MAX_DECODE_STEPS, key="dry_steps")
+    ranks = sb.number_input("Tensor-parallel ranks", value=1, min_value=1, max_value=1024, key="dry_ranks",
+                            help="trace one GPU's share of the model, split as transformers' own tensor-parallel "
+                                 "plan splits it (1: the whole model)")
     if sb.button("Trace shapes", key="dry_trace", type="primary"):
         spec = path.strip() or f"shapes:{choice}"
         with st.spinner(f"building {spec} on the meta device and tracing {int(n)} tokens + {int(steps)} step(s)"):
-            st.session_state[RESULT] = run_dry(spec, int(n), int(steps))
+            st.session_state[RESULT] = run_dry(spec, int(n), int(steps), int(ranks))
 
 
-def run_dry(spec: str, n: int, steps: int) -> DryRun | str:
-    """The dry run of ``spec``, or the reason it could not be made (shown as an error)."""
+def run_dry(spec: str, n: int, steps: int, ranks: int = 1) -> DryRun | str:
+    """The dry run of ``spec`` (one rank of ``ranks``), or the reason it could not be made (shown as an error)."""
     try:
-        model, tok = load_model(spec, weights=False)
+        model, tok = load_model(spec, weights=False, tensor_parallel=ranks)
         use_cache = not latent_cache(model)
         n = min(n, model.config.n_ctx - 1 - steps)
         gen, costs = costed_dry_run(model, n=n, steps=steps, use_cache=use_cache)
@@ -73,7 +79,7 @@ def run_dry(spec: str, n: int, steps: int) -> DryRun | str:
     note = "" if use_cache else ("This model uses multi-head latent attention, whose compressed cache the KV cache "
                                  "here does not hold yet: every step recomputes all positions (no cache).")
     dtype = next(iter(parameters_by_dtype(model)), "float32")
-    return DryRun(model.identity.name, model, gen.trace, costs, parameters_by_dtype(model), dtype, note)
+    return DryRun(model.identity.name, model, gen.trace, costs, parameters_by_dtype(model), dtype, note, ranks)
 
 
 def dry_run_page() -> None:
@@ -87,9 +93,11 @@ def dry_run_page() -> None:
         st.error(result)
         return
     trace = result.trace
-    st.subheader(f"{result.name}: a dry run")
-    st.caption(describe_parameters(result.parameters) + " No values exist in a dry run: every shape, dtype and "
-               "cost below is what the real run would have, and no view shows a number of a tensor.")
+    plan = getattr(result.model, "tensor_parallel", None)
+    st.subheader(f"{result.name}: a dry run" + (f", one rank of {result.ranks}" if plan is not None else ""))
+    share = " (this rank's share)" if plan is not None else ""
+    st.caption(describe_parameters(result.parameters)[:-1] + share + ". No values exist in a dry run: every shape, "
+               "dtype and cost below is what the real run would have, and no view shows a number of a tensor.")
     if result.cache_note:
         st.warning(result.cache_note)
     step = st.select_slider("Step", options=list(range(trace.n_steps)), value=0, key="dry_step",
@@ -108,6 +116,8 @@ def dry_run_page() -> None:
     with tabs[2]:
         costs = result.costs[step]
         st.caption(describe_costs(costs))
+        if plan is not None:
+            st.markdown(collectives_sentence(plan, collectives(trace, step, plan)))
         st.dataframe(costs_frame(costs).sort_values("multiply-adds", ascending=False), hide_index=True,
                      width="stretch")
     with tabs[3]:

@@ -58,3 +58,26 @@ def test_config_only_source_says_why_it_refuses():
     at.sidebar.button(key="dry_trace").click()
     _run(at)
     assert at.error and "Could not build a dry run" in at.error[0].value
+
+
+def test_config_only_source_traces_one_tensor_parallel_rank():
+    """One rank of 8 of Llama 3.1 70B, as transformers' plan splits it: 64/8 query heads, 8/8 KV heads per rank,
+    the KV cache an eighth, and what each forward sends, summed from the records shown."""
+    at = _run(AppTest.from_file(APP, default_timeout=300))
+    at.sidebar.radio(key="source").set_value(LABEL)
+    _run(at)
+    at.sidebar.selectbox(key="dry_shapes").set_value("llama-3.1-70b")
+    at.sidebar.number_input(key="dry_tokens").set_value(16)
+    at.sidebar.number_input(key="dry_steps").set_value(1)
+    at.sidebar.number_input(key="dry_ranks").set_value(8)
+    at.sidebar.button(key="dry_trace").click()
+    _run(at)
+    assert any("llama-3.1-70b: a dry run, one rank of 8" in s.value for s in at.subheader)
+    frames = [d.value for d in at.dataframe]
+    shapes = frames[0]
+    assert shapes[shapes["name"] == "blocks.79.attn.hook_pattern"].iloc[0]["shape"] == "[1, 8, 16, 16]"
+    growth = frames[1]
+    assert list(growth["KV cache bytes"].diff().dropna()) == [2 * 80 * 1 * 128 * 2]  # one KV head per rank
+    sentence = next(m.value for m in at.markdown if "one rank of 8" in m.value)
+    # 80 layers × (attention out + MLP down) + the embedding; each [1, 16, 8192] bf16 at the prefill
+    assert f"161 all-reduces of {161 * 16 * 8192 * 2:,} B in all" in sentence

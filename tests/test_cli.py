@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gpt_shape_tracer.trace_command import main
@@ -210,3 +212,18 @@ def test_the_device_is_checked_and_cpu_runs(capsys, tmp_path):
         _, on_cpu, _ = run(capsys, "--prompt", "Lily had", "--steps", "3", "--json")
         import json
         assert code == 0 and json.loads(on_gpu)["texts"] == json.loads(on_cpu)["texts"]
+
+
+def test_cli_dry_run_of_one_tensor_parallel_rank(capsys):
+    assert main(["--prompt", "x", "--model-dir", "shapes:llama-3.1-8b", "--dry-run", "--tensor-parallel", "4",
+                 "--dry-run-tokens", "8", "--steps", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    shapes = {r["name"]: r["shape"] for r in out["shown_step"]["records"]}
+    assert shapes["blocks.0.attn.hook_q"] == [1, 32 // 4, 8, 128]
+    assert shapes["blocks.0.attn.hook_k"] == [1, 8 // 4, 8, 128]
+    parallel = out["tensor_parallel"]
+    assert parallel["ranks"] == 4 and "LlamaForCausalLM" in parallel["plan"]
+    reduces = [c for c in parallel["collectives"] if c["kind"] == "all-reduce"]
+    assert len(reduces) == 2 * 32 + 1 and all(c["bytes"] == 8 * 4096 * 2 for c in reduces)
+    assert main(["--prompt", "x", "--model-dir", "shapes:llama-3.1-8b", "--tensor-parallel", "4"]) == 2
+    assert "--tensor-parallel goes with --dry-run" in capsys.readouterr().err

@@ -21,6 +21,8 @@ from tracer.costs import (
     Placement,
     StepCosts,
     StepFloor,
+    collectives,
+    collectives_sentence,
     costed_dry_run,
     costs_frame,
     count_forward,
@@ -102,7 +104,8 @@ from tracer.storage.records import (
 )
 
 __all__ = [
-    "ACCELERATORS", "Accelerator", "OpCost", "Placement", "StepCosts", "StepFloor", "costed_dry_run", "costs_frame",
+    "ACCELERATORS", "Accelerator", "OpCost", "Placement", "StepCosts", "StepFloor", "collectives",
+    "collectives_sentence", "costed_dry_run", "costs_frame",
     "count_forward", "kv_cache_bytes", "latent_cache", "place", "step_floor",
     "HeadStatistics", "Overview", "RegionError", "attention_overview", "attention_region", "attention_source",
     "check_output", "head_statistics", "is_derived", "query_row",

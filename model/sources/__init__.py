@@ -56,6 +56,7 @@ from model.sources._nanogpt import (
 from model.sources._own_module import OwnDecoder, OwnModuleError, load_factory, traced_sdpa
 from model.sources._resolve import REPO_PREFIX, hub_cache_dir, is_repo_folder, resolve_model_path, snapshot_of
 from model.sources._safetensors import SafetensorsFile, safetensors_files
+from model.sources._tensor_parallel import ShardedModule, TensorParallelError, TensorParallelPlan
 from model.sources._tokenizer import END_OF_TEXT, TextTokenizer, TokenizerConfigError, load_tokenizer
 
 __all__ = [
@@ -70,5 +71,5 @@ __all__ = [
     "load_factory", "load_hf", "load_hf_decoder", "load_hf_gpt2", "load_hf_ours", "load_model", "load_nanogpt",
     "load_tokenizer", "logit_tolerance", "nanogpt_shapes", "nanogpt_to_state", "our_layout", "read_config",
     "resolve_model_path", "safetensors_files", "save_hf", "save_hf_gpt2", "snapshot_of", "state_to_hf",
-    "traced_attention", "traced_sdpa", "weights_size",
+    "traced_attention", "traced_sdpa", "weights_size", "ShardedModule", "TensorParallelError", "TensorParallelPlan",
 ]

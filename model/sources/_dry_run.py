@@ -142,8 +142,12 @@ def check_sizes(raw: dict, source: Path) -> None:
 
 
 def build_dry(spec: str | os.PathLike, *, dtype: torch.dtype | str | None = None, name: str | None = None,
-              implementation: str = "auto") -> tuple[GPT | HFDecoder, TextTokenizer | None]:
-    """The model ``spec`` names, on the meta device (module doc), and its tokenizer when its directory has one."""
+              implementation: str = "auto", tensor_parallel: int = 1) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
+    """The model ``spec`` names, on the meta device (module doc), and its tokenizer when its directory has one.
+
+    ``tensor_parallel=k`` (k > 1): one rank of k, as transformers' own plan splits the model
+    (``sources/_tensor_parallel.py``); built by transformers whatever the family, since the plan is its; the plan
+    is ``model.tensor_parallel``."""
     from model.sources._hf_config import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES
     from model.sources._tokenizer import directory_tokenizer as _load_tokenizer
 
@@ -157,7 +161,10 @@ def build_dry(spec: str | os.PathLike, *, dtype: torch.dtype | str | None = None
     check_sizes(raw, cfg)
     target = config_dtype(raw, dtype)
     headers = _headers(cfg.parent) if cfg.name == "config.json" else {}
-    ours = implementation == "ours" or (implementation == "auto" and model_type in SUPPORTED_MODEL_TYPES)
+    if tensor_parallel != 1 and implementation == "ours":
+        raise ValueError("tensor parallelism follows transformers' plan: implementation 'ours' has none")
+    ours = implementation == "ours" or (implementation == "auto" and model_type in SUPPORTED_MODEL_TYPES
+                                        and tensor_parallel == 1)
     if ours:
         model: GPT | HFDecoder = _build_ours(raw, cfg, target, headers)
     else:
@@ -167,7 +174,7 @@ def build_dry(spec: str | os.PathLike, *, dtype: torch.dtype | str | None = None
             raise DryRunError(f"{cfg}: model_type {model_type!r} is unknown: neither one of the families "
                               f"re-implemented here ({', '.join(SUPPORTED_MODEL_TYPES)}) nor a model type this "
                               "transformers knows")
-        model = _build_transformers(raw, cfg, target, headers)
+        model = _build_transformers(raw, cfg, target, headers, tensor_parallel)
     config = model.config
     family = config.family if config.family != "hf" else f"hf:{model_type}"
     model.identity = ModelIdentity(name=name or display, source=str(cfg), family=family, config=config.to_dict(),
@@ -229,7 +236,7 @@ def _swapped_init():
         nn.init.normal_ = real
 
 
-def _build_transformers(raw: dict, cfg: Path, target: torch.dtype, headers: dict) -> HFDecoder:
+def _build_transformers(raw: dict, cfg: Path, target: torch.dtype, headers: dict, ranks: int = 1) -> HFDecoder:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from model.sources._hf_decoder import ATTENTION, HFDecoderError, _register
@@ -253,8 +260,18 @@ def _build_transformers(raw: dict, cfg: Path, target: torch.dtype, headers: dict
             if n in held and tuple(held[n]) != tuple(shape):
                 raise DryRunError(f"{cfg.parent}: tensor {n!r} has shape {list(shape)} in the safetensors header, "
                                   f"but config.json implies {list(held[n])}")
+    plan = None
+    if ranks != 1:
+        from model.sources._tensor_parallel import TensorParallelError, shard
+
+        try:
+            plan = shard(hf, ranks)
+        except TensorParallelError as e:
+            raise DryRunError(f"{cfg}: {e}") from None
     try:
-        return HFDecoder(hf)
+        model = HFDecoder(hf)
+        model.tensor_parallel = plan
+        return model
     except HFDecoderError as e:
         raise DryRunError(f"{cfg}: {e}") from None
     except RuntimeError as e:  # an op of this family that the meta device cannot run

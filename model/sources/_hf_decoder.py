@@ -62,6 +62,7 @@ from model.gpt import (
     run_attention,
     transaction,
 )
+from model.sources._tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     from transformers import PreTrainedModel
@@ -439,6 +440,7 @@ class HFDecoder(nn.Module):
         self._identity: ModelIdentity | PendingIdentity | None = identity
         self._check_routing(block_hooks)
         self.config = self._config(cfg, block_hooks[0].attn)
+        self.tensor_parallel: TensorParallelPlan | None = None  # one rank of k (a dry run): sources/_tensor_parallel.py
 
     def _check_routing(self, blocks: list[_BlockHooks]) -> None:
         """One token through the model: every layer's attention must have gone through the traced function

@@ -105,6 +105,7 @@ def load_model(
     tokenizer: str | os.PathLike | None = None,
     max_memory: MaxMemory | None = None,
     weights: bool = True,
+    tensor_parallel: int = 1,
 ) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
     """Load a model however it is named (``resolve_model_path``): a local directory, a Hugging
     Face cache folder (``models--org--name`` or one of its ``snapshots/<hash>``), a repo id ``org/name`` found in
@@ -116,7 +117,11 @@ def load_model(
 
     ``weights=False``: a dry run (``sources/_dry_run.py``): the model built on the meta device from its config
     alone — also from ``shapes:NAME`` (a shipped config) or a bare ``config.json`` — with its tokenizer when it
-    has one."""
+    has one. ``tensor_parallel=k`` with ``weights=False``: one rank of k, split by transformers' own plan
+    (``sources/_tensor_parallel.py``)."""
+    if tensor_parallel != 1 and weights:
+        raise ModelLoadError("tensor_parallel is for a dry run (weights=False): one rank's shapes and costs; to run "
+                             "a model split across GPUs, use transformers' tp_plan under torchrun")
     if not weights:
         from model.sources._dry_run import DryRunError, build_dry
 
@@ -124,7 +129,7 @@ def load_model(
             raise ModelLoadError("a dry run (weights=False) builds the model on the meta device: no device or "
                                  "max_memory to place it on")
         try:
-            dry, tok = build_dry(spec, dtype=dtype, name=name)
+            dry, tok = build_dry(spec, dtype=dtype, name=name, tensor_parallel=tensor_parallel)
         except DryRunError as e:
             raise ModelLoadError(str(e)) from None
         if tokenizer is not None:

@@ -3,9 +3,11 @@ runs — on the meta device too — per op, module and step; the peak activation
 run (an accelerator's roofline, accelerate's device map).
 
 Private: ``_counter`` (the op counter), ``_steps`` (steps, modules, a costed dry run), ``_roofline`` (the
-accelerator table, time floors), ``_placement`` (accelerate's device map, the KV cache's room)."""
+accelerator table, time floors), ``_placement`` (accelerate's device map, the KV cache's room),
+``_parallel`` (what one rank of a tensor-parallel dry run sends)."""
 
 from tracer.costs._counter import OpCost, OpCounter
+from tracer.costs._parallel import Collective, collectives, collectives_sentence
 from tracer.costs._placement import Placement, place
 from tracer.costs._roofline import (
     ACCELERATORS,
@@ -18,6 +20,7 @@ from tracer.costs._roofline import (
 )
 from tracer.costs._steps import StepCosts, costed_dry_run, costs_frame, count_forward, kv_cache_bytes
 
-__all__ = ["ACCELERATORS", "Accelerator", "OpCost", "OpCounter", "OpFloor", "Placement", "StepCosts", "StepFloor",
+__all__ = ["ACCELERATORS", "Accelerator", "Collective", "collectives", "collectives_sentence",
+            "OpCost", "OpCounter", "OpFloor", "Placement", "StepCosts", "StepFloor",
            "costed_dry_run", "costs_frame", "count_forward", "kv_cache_bytes", "measure_this_cpu", "op_floors",
            "place", "step_floor"]

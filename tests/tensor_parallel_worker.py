@@ -1,0 +1,38 @@
+"""Run by tests/test_tensor_parallel.py under ``torch.distributed.run`` (2 processes, gloo, CPU): transformers' own
+tensor parallelism on a saved model, one prefill, and every module's input and output shapes on this rank,
+written as JSON to ``OUT/rank{R}.json``. Not a test module itself."""
+
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def main(directory: str, n: int, out: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", attn_implementation="eager")
+    shapes: dict[str, dict[str, list[int]]] = {}
+
+    def record(name):
+        def hook(module, args, output):
+            entry = {}
+            if args and isinstance(args[0], torch.Tensor):
+                entry["in[0]"] = list(args[0].shape)
+            if isinstance(output, torch.Tensor):
+                entry["out"] = list(output.shape)
+            shapes[name] = entry
+        return hook
+
+    for name, module in model.named_modules():
+        if name:
+            module.register_forward_hook(record(name))
+    with torch.no_grad():
+        logits = model(torch.arange(1, n + 1)[None]).logits
+    shapes[""] = {"out": list(logits.shape)}
+    with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(shapes, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
