@@ -5,6 +5,7 @@ makes; and the multi-head reshape op by op, with what each op does to memory.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -226,17 +227,45 @@ def flow_nodes(trace: Trace, step: int, layer: int = 0) -> tuple[list[FlowNode],
     return nodes, [(index[a], index[b]) for a, b in edges_by_name if a in index and b in index]
 
 
-def repeat_note(layer: int, n_layer: int | None) -> str:
-    """Which blocks the drawn one stands for (blocks are numbered from 0, as in the hook names)."""
-    if n_layer is None:
-        return f"block {layer} shown; every block has the same shapes"
-    if n_layer == 1:
-        return "block 0 is the only block"
-    others = [b for b in range(n_layer) if b != layer]
-    span = f"block {others[0]}" if len(others) == 1 else (
-        f"blocks {others[0]} … {others[-1]}" if others == list(range(others[0], others[-1] + 1))
-        else f"blocks 0 … {n_layer - 1} except {layer}")
-    return f"block {layer} shown; {span} repeat{'s' if len(others) == 1 else ''} the same shapes"
+def block_shapes(trace: Trace, step: int) -> dict[int, tuple]:
+    """Each block's recorded shapes at ``step``: block → its (name within the block, shape) pairs, in order."""
+    out: dict[int, list] = {}
+    for rec in trace.filter(step=step):  # our hook points (blocks.L.…) and the modules' own (….layers.L.…)
+        found = _BLOCK_INDEX.match(rec.name)
+        if found:
+            out.setdefault(int(found[2]), []).append((found[1] + "*" + found[3], tuple(rec.shape)))
+    return {b: tuple(v) for b, v in out.items()}
+
+
+_BLOCK_INDEX = re.compile(r"^(.*?\b(?:blocks|layers|h)\.)(\d+)([.:].*)?$")
+
+
+def measured_repeat_note(trace: Trace, step: int, layer: int) -> str:
+    """Which blocks have exactly the drawn block's recorded shapes, and which do not (a model whose first layers
+    are dense and the rest mixture-of-experts, or whose sliding-window layers keep fewer keys, has both)."""
+    shapes = block_shapes(trace, step)
+    if layer not in shapes:
+        return f"block {layer} shown"
+    same = [b for b, v in shapes.items() if b != layer and v == shapes[layer]]
+    other = [b for b in shapes if b != layer and b not in same]
+
+    def listed(blocks: list[int]) -> str:
+        runs, start = [], None
+        for i, b in enumerate(blocks):
+            start = b if start is None else start
+            if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+                runs.append(str(start) if start == b else f"{start} … {b}")
+                start = None
+        return ", ".join(runs)
+
+    if not same and not other:
+        return f"block {layer} is the only block"
+    text = f"block {layer} shown"
+    if same:
+        text += f"; block{'s' if len(same) > 1 else ''} {listed(same)} record the same shapes"
+    if other:
+        text += f"; block{'s' if len(other) > 1 else ''} {listed(other)} differ (choose one to see it)"
+    return text
 
 
 @fitted
@@ -298,7 +327,6 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
         if node.weight:
             text += f"<br><span style='color:#6b5b95'>{node.weight}</span>"
         labels.append(text)
-    config = trace.config
     fig = figure([
         arrow_trace(arrows),
         text_trace([n.x for n in nodes], [n.y for n in nodes], labels),
@@ -306,7 +334,7 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
                    [text for _, _, text in skip_labels], color=SKIP_COLOUR),
         text_trace([4.6] if not recorded_flow(trace) else [2.6],
                    [6] if not recorded_flow(trace) else [max(n.y for n in nodes) + 1.0],
-                   [repeat_note(layer, config.n_layer if config is not None else None)
+                   [measured_repeat_note(trace, step, layer)
                     + (" — the stages as this model's forward ran them, read from the trace" if recorded_flow(trace)
                        else "")], color="#666"),
         # invisible points carry the hover: record name and one-line summary

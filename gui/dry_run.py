@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
-from gui.common import plain
+from figures.flow import shape_flow_figure
+from gui.common import chart, plain
 from model import ModelLoadError, load_model
 from model.sources import parameters_by_dtype, shapes_available
 from tracer import (
@@ -104,6 +105,10 @@ def dry_run_page() -> None:
                             format_func=lambda s: f"{s} (prefill)" if s == 0 else str(s))
     tabs = st.tabs(["Shapes", "KV cache", "Costs", "Where it would run"])
     with tabs[0]:
+        n_layer = result.model.config.n_layer  # type: ignore[attr-defined]
+        layer = st.number_input("Layer", value=0, min_value=0, max_value=n_layer - 1, key="dry_layer",
+                                help="the shape flow of one block (every block has the same shapes)")
+        chart(shape_flow_figure(trace, step, int(layer)), key="dry_flow")
         frame = trace.to_frame(step=step, kind="hook", stats=False)
         shown = frame[["name", "shape", "axes", "dtype", "summary"]].copy()
         shown["shape"] = ["[" + ", ".join(map(str, s)) + "]" for s in shown["shape"]]

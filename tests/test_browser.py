@@ -452,3 +452,41 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
             open_tab(page, tab)
         assert not errors, errors
         assert not outside, outside
+
+
+def test_config_only_opens_llama_405b_with_its_shape_flow_and_costs(url, visit):
+    """A 405B model from its config alone, in the browser: the dry run's shape flow of one block, the note that
+    every other block records the same shapes, the costs table and the time floor on each accelerator."""
+    for width, height in ((1600, 1000), (1280, 800)):
+        with visit(width, height) as page:
+            errors, outside = watch(page, url)
+            open_app(page, url)
+            before = runs_finished(page)
+            page.get_by_label("Weights").get_by_text("Config only (no weights)").click()
+            wait_idle(page, after=before)
+            box = page.get_by_role("combobox", name="Shipped shape config")  # Streamlit's selectbox
+            box.click()
+            before = runs_finished(page)
+            page.get_by_role("option", name="llama-3.1-405b", exact=True).click()
+            wait_idle(page, after=before)
+            tokens = page.get_by_label("Prompt tokens")
+            before = runs_finished(page)
+            tokens.fill("64")
+            tokens.press("Enter")
+            wait_idle(page, after=before)
+            before = runs_finished(page)
+            page.get_by_role("button", name="Trace shapes", exact=True).click()
+            wait_idle(page, timeout=600, after=before)  # building and tracing 405B: a minute or more when busy
+            page.get_by_text("llama-3.1-405b: a dry run").first.wait_for()
+            page.get_by_text("blocks 1 … 125 record the same shapes").first.wait_for(state="attached")
+            flow = page.locator(".js-plotly-plot").first.text_content() or ""
+            assert "[1, 128, 64, 64]" in flow and "[1, 8, 64, 128]" in flow, flow[:500]  # H = 128, G = 8
+            if saving(f"dry_run_405b_{width}"):
+                page.wait_for_timeout(500)
+                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"dry_run_405b_{width}.png"))
+            open_tab(page, "Costs")
+            page.get_by_text("multiply-adds in").first.wait_for(state="attached")
+            open_tab(page, "Where it would run")
+            page.get_by_text("H100 SXM: at least").first.wait_for(state="attached")
+            assert not errors, errors
+            assert not outside, outside

@@ -201,3 +201,23 @@ def test_a_repo_id_from_the_local_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     model, tok = load_model("org/tiny", weights=False)
     assert on_meta(model) and tok is None and model.identity.name == "org/tiny"
+
+
+def test_the_flow_says_which_blocks_record_the_drawn_blocks_shapes():
+    """DeepSeek-V3's first ``first_k_dense_replace`` blocks have a dense MLP, the rest mixture-of-experts: the note
+    under the shape flow says which blocks repeat the drawn one and which differ, from the recorded shapes."""
+    from figures.flow import measured_repeat_note
+
+    model, _ = load_model("shapes:deepseek-v3", weights=False)
+    dense, n_layer = model.hf.config.first_k_dense_replace, model.config.n_layer
+    gen = dry_run(model, n=4, steps=0, use_cache=False)
+    assert measured_repeat_note(gen.trace, 0, 0) == (
+        f"block 0 shown; blocks 1 … {dense - 1} record the same shapes; blocks {dense} … {n_layer - 1} differ "
+        "(choose one to see it)")
+    assert measured_repeat_note(gen.trace, 0, n_layer - 1) == (
+        f"block {n_layer - 1} shown; blocks {dense} … {n_layer - 2} record the same shapes; blocks 0 … {dense - 1} "
+        "differ (choose one to see it)")
+    gpt2, _ = load_model("shapes:gpt2", weights=False)
+    same = dry_run(gpt2, n=4, steps=0)
+    last = gpt2.config.n_layer - 1
+    assert measured_repeat_note(same.trace, 0, 3) == f"block 3 shown; blocks 0 … 2, 4 … {last} record the same shapes"
