@@ -181,6 +181,25 @@ def test_tracing_never_changes_the_path_so_never_the_logits():
     assert not is_derived(tr.trace, "blocks.0.attn.hook_pattern", 1)
 
 
+def test_an_untraced_forward_runs_fused_at_every_length_and_a_traced_one_follows_the_threshold():
+    """Under "auto", nothing reads an untraced forward's n × t hook points, so it runs the fused kernel even far
+    below the threshold; a traced forward there stays eager (its stages real tensors) and agrees to rounding."""
+    model = _llama()
+    tokens = torch.randint(0, 64, (1, 100))  # 4 · 100² cells, far below the threshold
+    with torch.no_grad():
+        with attention_path("fused"):
+            fused = model(tokens)
+        with attention_path("eager"):
+            eager = model(tokens)
+        assert not torch.equal(fused, eager)  # the two kernels round differently, so the paths can be told apart
+        untraced = model(tokens)
+        with Tracer(model) as tr:
+            traced = model(tokens)
+    assert torch.equal(untraced, fused) and torch.equal(traced, eager)
+    assert not is_derived(tr.trace, "blocks.0.attn.hook_pattern", 0)
+    assert (untraced - traced).abs().max() <= 1e-5
+
+
 def test_the_views_read_a_derived_record_as_they_read_a_kept_one():
     model = _llama()
     tokens = torch.randint(0, 64, (1, 150))
