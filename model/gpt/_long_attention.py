@@ -2,10 +2,10 @@
 the pattern is recomputed exactly, tile by tile, from Q, K and a compact description of the mask.
 
 Seed 002 §10.2 (FlashAttention): a row's softmax needs only its normaliser, the log-sum-exp
-``lse_i = log Σ_j exp(s_ij)`` over the keys the row may see. It is computed one tile of key columns at a
-time with a running max m and a running sum ℓ = Σ exp(s − m), rescaled by exp(m_old − m_new) whenever a
-tile raises the max ("online softmax"); then any cell of the pattern is ``A_ij = exp(s_ij − lse_i)`` — the
-same number the eager softmax gives, without ever holding a row block of n × t.
+``lse_i = log Σ_j exp(s_ij)`` over the keys the row may see (kept as the row's max m and Σ exp(s − m)); then any
+cell of the pattern is ``A_ij = exp(s_ij − m_i) / Σ_i`` — the same number the eager softmax gives. The readers
+(``ScoreSweep``) compute it in chunks of whole rows, a few query rows × every key they see (≤ ``SWEEP_CELLS``),
+one BLAS call each: the chunk's own max and sum, no running rescale, never n × t.
 
 * ``MaskSpec`` describes the mask: causal with ``past`` cached keys, a sliding window, which key slots are
   padding (``key_is_token`` ``[B, t]``), what a query that may see no key does, the scale and the soft-cap.
@@ -14,7 +14,8 @@ same number the eager softmax gives, without ever holding a row block of n × t.
 * ``fused_attention`` is the forward: PyTorch's ``scaled_dot_product_attention`` (one call when the mask is
   plain causal; otherwise over blocks of query rows with that block's mask, so at most ``ROW_BLOCK_ELEMENTS``
   mask cells exist at once). A soft-capped model (Gemma 2) runs the eager formula on the same row blocks.
-* ``region``, ``row_logsumexp``, ``block_pool``, ``pattern_times_v`` read what the kernel computed.
+* ``region``, ``row_norm``, ``pool_pattern`` (the overview: block mean and max), ``pattern_times_v`` read what
+  the kernel computed.
 
 Shape legend as in model/gpt.py: B batch, H query heads, G key/value heads, n new positions (queries),
 t key positions (cache included), d_head.
@@ -22,6 +23,7 @@ t key positions (cache included), d_head.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -421,6 +423,11 @@ class ScoreSweep:
             self.k = self.k.expand(self.q.size(0), *self.k.shape[1:])
         self.batch = max(self.q.size(0), spec.batch)
         self.d = q.size(-1)
+        # scaling by a power of two (1/√64 = 1/8) is exact, so Q·2⁻ᵏ·Kᵀ is QKᵀ·2⁻ᵏ bit for bit: fold it into Q
+        scale = 1 / math.sqrt(self.d) if spec.scale is None else spec.scale
+        self.folded = scale > 0 and math.frexp(scale)[0] == 0.5 and q.dtype == torch.float32
+        if self.folded:
+            self.q = self.q * scale
         self._buffer = torch.empty(0, dtype=torch.float32, device=q.device)
 
     def visible(self, rows: range) -> range:
@@ -431,7 +438,10 @@ class ScoreSweep:
         return range(*self.spec.key_range(rows))
 
     def rows_per_chunk(self, width: int) -> int:
-        return max(1, SWEEP_CELLS // max(1, self.batch * len(self.heads) * width))
+        """Rows of a chunk reading ``width`` keys: ≤ ``SWEEP_CELLS`` cells, and at most width/8 rows (≥ 64), so
+        the triangle the causal mask hides in the chunk's corner (r²/2 cells computed for nothing) stays small."""
+        budget = SWEEP_CELLS // max(1, self.batch * len(self.heads) * width)
+        return max(1, min(budget, max(64, width // 8)))
 
     def chunks(self, rows: range) -> Iterator[range]:
         """Row chunks of ``rows``, each with ≤ ``SWEEP_CELLS`` cells over every key its last row may see."""
@@ -451,12 +461,17 @@ class ScoreSweep:
         x = self._buffer[:size].view(shape)
         q_rows = self.q[:, :, rows.start:rows.stop]
         k_cols = self.k[:, :, cols.start:cols.stop]
-        if q_rows.dtype == torch.float32:
-            torch.matmul(q_rows, k_cols.transpose(-2, -1), out=x)
-        else:
-            x.copy_(q_rows @ k_cols.transpose(-2, -1))
         spec = self.spec
-        if spec.scale is None:
+        if q_rows.dtype != torch.float32:  # bf16 / fp16: the scores in that dtype, as attention() computes them
+            y = q_rows @ k_cols.transpose(-2, -1)
+            y = y / math.sqrt(self.d) if spec.scale is None else y * spec.scale
+            if spec.softcap is not None:
+                y = torch.tanh(y / spec.softcap) * spec.softcap
+            return _mask_(x.copy_(y), spec, rows, cols)
+        torch.matmul(q_rows, k_cols.transpose(-2, -1), out=x)
+        if self.folded:
+            pass
+        elif spec.scale is None:
             x.div_(math.sqrt(self.d))  # as attention() scales: QKᵀ / √d_head
         else:
             x.mul_(spec.scale)
@@ -472,16 +487,26 @@ def _mask_(x: torch.Tensor, spec: MaskSpec, rows: range, cols: range) -> torch.T
         if x.size(0) < spec.batch:
             return x + spec.additive(rows, cols, x.dtype, x.device)
         return x.add_(spec.additive(rows, cols, x.dtype, x.device))
+    r = len(rows)
     above = max(cols.start, spec.past + rows.start + 1)  # from here some row has keys above its diagonal
-    if above < cols.stop:
-        hidden = ~spec.allowed(rows, range(above, cols.stop), x.device)  # [1, r, c']
-        x[..., above - cols.start:].masked_fill_(hidden[:, None], float("-inf"))
+    if above < cols.stop:  # cell (i, j) hidden when j > past + rows.start + i: a band above a diagonal
+        x[..., above - cols.start:].masked_fill_(
+            _band(r, cols.stop - above, spec.past + rows.start + 1 - above, True, x.device), float("-inf"))
     if spec.window is not None:
         behind = min(cols.stop, spec.past + rows.stop - spec.window)  # before here some row's window has passed
-        if behind > cols.start:
-            hidden = ~spec.allowed(rows, range(cols.start, behind), x.device)
-            x[..., :behind - cols.start].masked_fill_(hidden[:, None], float("-inf"))
+        if behind > cols.start:  # hidden when j ≤ past + rows.start + i − window
+            x[..., :behind - cols.start].masked_fill_(
+                _band(r, behind - cols.start, spec.past + rows.start - spec.window - cols.start, False, x.device),
+                float("-inf"))
     return x
+
+
+@functools.lru_cache(maxsize=16)
+def _band(r: int, c: int, diagonal: int, upper: bool, device: torch.device) -> torch.Tensor:
+    """``[r, c]`` bool: True at j ≥ i + diagonal (``upper``) or j ≤ i + diagonal — the hidden cells of a chunk's
+    corner, built once per shape (a sweep's chunks mostly share one height)."""
+    ones = torch.ones(r, c, dtype=torch.bool, device=device)
+    return ones.triu(diagonal) if upper else ones.tril(diagonal)
 
 
 def _normalise_(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
