@@ -2,16 +2,18 @@
 ``python bench/bench_long_views.py [--n 8192] [--old REV] [--rounds 2] [--threads 2]``.
 
 A Llama-style GPT with random weights (2 layers, d = 256, 4 heads of d_head 64, d_ff 688, V = 1024), built in
-Python from ``GPTConfig`` (no files). In one child process per run: the untraced forward of ``--n`` tokens (our GPT
-runs it fused), the same forward traced with values (fused: every n × t record derived), then on layer 1's pattern,
-timed one after the other as a user meets them: the first overview of head 0 (128 × 128 blocks, mean and max), the
-same overview again (a Streamlit rerun), a 256 × 256 exact region of head 0, the query-row strip of the last row,
-an overview of head 0 zoomed to 1/8 of the rows, a region of head 1 (no overview of it yet), and one layer's
-long-context statistics (4 heads). Each view is also printed as a multiple of the untraced forward measured in the
-same process, which is what a loaded shared machine can compare.
+Python from ``GPTConfig`` (no files). In one child process per run: the untraced forward of ``--n`` tokens (our
+GPT runs it fused), the same forward traced with values (fused: every n × t record derived), then on layer 1's
+pattern: a floor (every visible QKᵀ cell of head 0 computed once and exponentiated, in 128-row chunks: the least
+an exact overview must do), then the views timed one after the other as a user meets them: the first overview
+of head 0 (128 × 128 blocks, mean and max), the same overview again (a Streamlit rerun), a 256 × 256 exact
+region of head 0, the query-row strip of the last row, an overview of head 0 zoomed to 1/8 of the rows, a
+region of head 1 (no overview of it yet), and one layer's long-context statistics (4 heads). Each is also
+printed as a multiple of the untraced forward measured in the same process, which is what a loaded shared
+machine can compare.
 
 ``--old REV`` runs the same child on that revision (a temporary ``git worktree``) alternately with the working
-tree, ``--rounds`` times each; the views the old revision lacks are skipped. Writes
+tree, ``--rounds`` times each (the floor needs ``attention_source``, which both have). Writes
 ``bench/results/long_views.json`` with the machine and the load average.
 """
 
@@ -35,7 +37,7 @@ sys.path.insert(0, root)
 torch.set_num_threads(threads)
 from model import GPT, GPTConfig
 from model.gpt import attention_path
-from tracer import Tracer, attention_overview, attention_region, head_statistics, query_row
+from tracer import Tracer, attention_overview, attention_region, attention_source, head_statistics, query_row
 torch.manual_seed(0)
 config = GPTConfig.for_family("llama", vocab_size=1024, n_ctx=n, d_model=256, n_layer=2, n_head=4, n_kv_head=4,
                               d_mlp=688)
@@ -62,6 +64,13 @@ views = (
                                                     cols=(n // 2 - 128, n // 2 + 128), heads=[1])),
     ("statistics_s", lambda: head_statistics(trace, name, 0)),
 )
+def floor():  # the least an exact overview of head 0 must do: every visible QKᵀ cell once, and its exponential
+    src = attention_source(trace, name, 0)
+    q, k = src.q[0, 0], src.k[0, 0]
+    for r0 in range(0, n, 128):
+        x = q[r0:r0 + 128] @ k[:r0 + 128].T
+        x.exp_()
+views = (("floor_s", floor),) + views
 for what, call in views:
     t0 = time.perf_counter()
     call()
