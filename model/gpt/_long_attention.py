@@ -626,9 +626,9 @@ def pool_pattern(q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, heads: list[i
                  bins: int = 128, rows: range | None = None, cols: range | None = None,
                  norm: RowNorm | None = None) -> Pooled:
     """The pattern of ``heads`` of sequence ``batch`` pooled into ≤ ``bins`` × ``bins`` blocks (mean and max) over
-    ``rows`` × ``cols`` (default: all), in one pass over QKᵀ by chunks of whole rows: each chunk's scores are
-    reduced to per-row block maxima (before the exponential: max exp = exp max) and, after ``exp(s − m)``, per-row
-    block sums; the row's ``1/Σ`` then weighs those ``[r, C]`` numbers, never a cell. ``norm`` (``[1, h, n]``, every
+    ``rows`` × ``cols`` (default: all), in one pass over QKᵀ by chunks of whole rows: each chunk's ``exp(s − m)``
+    is reduced to per-row block sums and block maxima; the row's ``1/Σ`` then weighs those ``[r, C]`` numbers,
+    never a cell. ``norm`` (``[1, h, n]``, every
     row of the sequence) lets a pass over a few columns skip the rest of each row; without it every visible key is
     read and the normaliser computed on the way is returned."""
     rows = _as_range(rows, spec.n, "rows")
@@ -655,29 +655,37 @@ def pool_pattern(q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, heads: list[i
         x = sweep.scores(chunk, range(first, end))[0]  # [h, r, c]
         # the pooled columns [lo, hi): the grid's blocks they cross, the first and last perhaps cut short
         lo, hi = max(first, cols.start), min(end, cols.stop)
-        x_pool = x[..., lo - first:hi - first]  # [h, r, c'], still scores
-        j0 = (lo - cols.start) // wc
-        block_max = _blocks(x_pool, lo - cols.start, wc, "amax")  # [h, r, nb]
-        if whole:  # the row's max: of its block maxima when the blocks cover the row
-            m = block_max.amax(-1) if x_pool.size(-1) == x.size(-1) else x.amax(-1)  # [h, r]
-            x.sub_(m[..., None]).exp_()
+        covers = whole and lo == first and hi == end  # the pooled blocks hold every key these rows see
+        if whole and not covers:
+            m, row_total = _normalise_(x)  # [h, r]: the row's max and Σ exp(s − m) over every key it sees
+        if lo >= hi:
+            pass  # none of these rows' visible keys lies in the pooled columns
+        elif covers:  # the row's max from its block maxima, its Σ from its block sums: no extra pass
+            block_max = _blocks(x, lo - cols.start, wc, "amax")  # [h, r, nb] of scores
+            m = block_max.amax(-1)
+            block_max = torch.exp(block_max - m[..., None])  # max exp = exp max
+            block_sum = _blocks(x.sub_(m[..., None]).exp_(), lo - cols.start, wc, "sum")
+            row_total = block_sum.sum(-1)
         else:
-            assert norm is not None
-            part = norm.rows(chunk)
-            m = part.m[0]
-            x_pool.sub_(m[..., None]).exp_()
-        block_sum = _blocks(x_pool, lo - cols.start, wc, "sum")  # [h, r, nb] of exp(s − m)
+            e_pool = x[..., lo - first:hi - first]  # [h, r, c']
+            if not whole:
+                assert norm is not None
+                part = norm.rows(chunk)
+                m, row_total = part.m[0], part.total[0].float()
+                e_pool.sub_(m[..., None]).exp_()
+            block_sum = _blocks(e_pool, lo - cols.start, wc, "sum")  # [h, r, nb] of exp(s − m)
+            block_max = _blocks(e_pool, lo - cols.start, wc, "amax")
         if whole:
-            row_total = block_sum.sum(-1) if x_pool.size(-1) == x.size(-1) else x.sum(-1)  # [h, r]
             m_all[0, :, chunk.start - rows.start:chunk.stop - rows.start] = m
             total_all[0, :, chunk.start - rows.start:chunk.stop - rows.start] = row_total
-        else:
-            row_total = part.total[0].float()
+        if lo >= hi:
+            continue
+        j0 = (lo - cols.start) // wc
         inv = (1.0 / row_total)[..., None]  # [h, r, 1]
         nb = block_sum.size(-1)
         per_row = (block_sum * inv).unflatten(1, (g, -1))  # [h, g, r/g, nb]: g block rows of the grid
         total[:, i:i + g, j0:j0 + nb] += per_row.sum(2, dtype=torch.float64)
-        top = (torch.exp(block_max - m[..., None]) * inv).unflatten(1, (g, -1)).amax(2)  # [h, g, nb]
+        top = (block_max * inv).unflatten(1, (g, -1)).amax(2)  # [h, g, nb]
         peak[:, i:i + g, j0:j0 + nb] = torch.maximum(peak[:, i:i + g, j0:j0 + nb], top)
     sizes = torch.tensor(r_edges).diff()[:, None] * torch.tensor(c_edges).diff()[None, :]
     made = RowNorm(m_all, total_all, spec1.sees_nothing(rows)) if whole else None
