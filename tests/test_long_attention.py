@@ -181,6 +181,25 @@ def test_tracing_never_changes_the_path_so_never_the_logits():
     assert not is_derived(tr.trace, "blocks.0.attn.hook_pattern", 1)
 
 
+def test_an_untraced_forward_runs_fused_at_every_length_and_a_traced_one_follows_the_threshold():
+    """Under "auto", nothing reads an untraced forward's n × t hook points, so it runs the fused kernel even far
+    below the threshold; a traced forward there stays eager (its stages real tensors) and agrees to rounding."""
+    model = _llama()
+    tokens = torch.randint(0, 64, (1, 100))  # 4 · 100² cells, far below the threshold
+    with torch.no_grad():
+        with attention_path("fused"):
+            fused = model(tokens)
+        with attention_path("eager"):
+            eager = model(tokens)
+        assert not torch.equal(fused, eager)  # the two kernels round differently, so the paths can be told apart
+        untraced = model(tokens)
+        with Tracer(model) as tr:
+            traced = model(tokens)
+    assert torch.equal(untraced, fused) and torch.equal(traced, eager)
+    assert not is_derived(tr.trace, "blocks.0.attn.hook_pattern", 0)
+    assert (untraced - traced).abs().max() <= 1e-5
+
+
 def test_the_views_read_a_derived_record_as_they_read_a_kept_one():
     model = _llama()
     tokens = torch.randint(0, 64, (1, 150))
@@ -337,3 +356,42 @@ def test_the_zoom_views_read_a_derived_pattern_exactly_and_send_at_most_256_by_2
     table = views.statistics_frame(head_statistics(fused, "blocks.1.attn.hook_pattern", 0))
     assert list(table["head"]) == [0, 1, 2, 3]
     assert "recomputed from the recorded Q and K" in views.derived_sentence(fused, 0, 1)
+
+
+@pytest.mark.parametrize("n, t, window, padded, empty_rows", [(300, 300, None, False, "self"),
+                                                               (200, 330, 50, False, "self"),
+                                                               (257, 257, None, True, "self"),
+                                                               (150, 180, 40, True, "uniform")])
+def test_the_pooled_overview_of_any_range_equals_pooling_the_whole_pattern(n, t, window, padded, empty_rows):
+    """The one-pass overview (block mean and max of whole or zoomed ranges, with and without each row's normaliser
+    known beforehand) against the block means and maxima of the full recomputed pattern (which the tests above
+    hold equal to the eager one); a zoomed range whose rows see none of its columns included (the window)."""
+    from model.gpt import grid_edges, pool_pattern, row_norm
+
+    torch.manual_seed(0)
+    key_is_token = None
+    if padded:
+        key_is_token = torch.ones(2, t, dtype=torch.bool)
+        key_is_token[1, :37] = False
+    spec = MaskSpec(n=n, t=t, scale=0.3 if window else None, window=window, key_is_token=key_is_token,
+                    empty_rows=empty_rows)
+    B = 2 if padded else 1
+    q, k = torch.randn(B, 4, n, 16), torch.randn(B, 2, t, 16)
+    full = region(q, k, spec, "pattern")  # [B, 4, n, t]
+    for b in range(B):
+        one = MaskSpec(n=n, t=t, scale=spec.scale, window=window, empty_rows=empty_rows,
+                       key_is_token=None if key_is_token is None else key_is_token[b:b + 1])
+        norm = row_norm(q[b:b + 1], k[b:b + 1], one, [1, 3])
+        for rows, cols in ((range(n), range(t)), (range(20, 120), range(5, 170))):
+            r_edges = [rows.start + e for e in grid_edges(len(rows), 16)]
+            c_edges = [cols.start + e for e in grid_edges(len(cols), 16)]
+            for known in (None, norm):
+                got = pool_pattern(q, k, spec, [1, 3], b, 16, rows, cols, norm=known)
+                assert got.row_edges == r_edges and got.col_edges == c_edges
+                for j, h in enumerate((1, 3)):
+                    p = full[b, h]
+                    for i, (r0, r1) in enumerate(zip(r_edges, r_edges[1:])):
+                        for jj, (c0, c1) in enumerate(zip(c_edges, c_edges[1:])):
+                            block = p[r0:r1, c0:c1]
+                            assert abs(float(got.mean[j, i, jj]) - float(block.double().mean())) <= TOL
+                            assert abs(float(got.peak[j, i, jj]) - float(block.max())) <= TOL

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from model import GPT, GPTConfig, HookPoint
-from model.gpt import dims_of, resolve, spec_for
+from model.gpt import attention_path, dims_of, resolve, spec_for
 from tracer import Tracer, hooks_installed, tensor_stats
 
 CONFIG = GPTConfig(vocab_size=64, n_ctx=24, d_model=32, n_layer=2, n_head=4)
@@ -103,11 +103,13 @@ def test_user_hooks_on_modules_still_run_in_their_order_and_the_trace_shows_what
     ]
     tokens = torch.randint(0, 64, (1, 6))
     try:
-        with torch.no_grad():
+        # one attention path both ways (under "auto" an untraced forward runs the fused kernel, a traced one this
+        # short the eager stages: the same logits to rounding, not bit for bit), so the hooks' work is compared
+        with torch.no_grad(), attention_path("eager"):
             untraced = gpt(tokens)
         assert order == ["pre a", "pre b", "post a", "post b", "proj"]
         order.clear()
-        with torch.no_grad(), Tracer(gpt, capture="values") as tr:
+        with torch.no_grad(), attention_path("eager"), Tracer(gpt, capture="values") as tr:
             logits = gpt(tokens)
         assert order == ["pre a", "pre b", "post a", "post b", "proj"]
         assert torch.equal(logits, untraced)
@@ -428,7 +430,7 @@ def test_a_step_retried_after_a_failure_shows_the_statistics_of_the_retry(gpt):
         h1.remove()
         h2.remove()
     clean = gpt.blocks[0].hook_resid_post  # the retry's real value, recomputed without hooks
-    with torch.no_grad():
+    with torch.no_grad(), attention_path("eager"):  # the path the traced forward took (untraced runs fused)
         expected = []
         h = clean.register_forward_hook(lambda m, a, o: expected.append(o.clone()))
         gpt(tokens)

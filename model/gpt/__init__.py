@@ -53,9 +53,11 @@ from model.gpt._identity import (
 )
 from model.gpt._long_attention import (
     ATTENTION_MODES,
-    KEY_TILE,
+    SWEEP_CELLS,
     MaskSpec,
+    Pooled,
     RowNorm,
+    ScoreSweep,
     attention_bytes,
     attention_path,
     attention_path_settings,
@@ -65,6 +67,7 @@ from model.gpt._long_attention import (
     grid_edges,
     pattern_from,
     pattern_times_v,
+    pool_pattern,
     region,
     row_logsumexp,
     row_norm,
@@ -73,9 +76,10 @@ from model.gpt._long_attention import (
 from model.gpt._long_attention import STAGES as ATTENTION_STAGES
 
 __all__ = [
-    "ATTENTION_MODES", "ATTENTION_STAGES", "KEY_TILE", "MaskSpec", "RowNorm", "attention_bytes", "attention_path",
-    "attention_path_settings", "block_pool", "choose_path", "fused_attention", "grid_edges", "pattern_from",
-    "pattern_times_v", "region", "row_logsumexp", "row_norm", "set_attention_path", "DerivedAttention", "PathNote",
+    "ATTENTION_MODES", "ATTENTION_STAGES", "SWEEP_CELLS", "MaskSpec", "Pooled", "RowNorm", "ScoreSweep",
+    "attention_bytes", "attention_path", "attention_path_settings", "block_pool", "choose_path", "fused_attention",
+    "grid_edges", "pattern_from", "pattern_times_v", "pool_pattern", "region", "row_logsumexp", "row_norm",
+    "set_attention_path", "DerivedAttention", "PathNote",
     "run_attention",
     "ACTIVATIONS", "EXTERNAL_FAMILIES", "FAMILIES", "GPT", "HF_FAMILY", "HF_ROWS", "HOOKS", "MIN_CAPACITY",
     "MODULE_FAMILY", "STORAGES", "AttentionHooks", "BackgroundDigest", "DigestAbandoned", "GPTConfig", "HookPoint",

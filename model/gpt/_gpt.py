@@ -569,7 +569,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskS
     B, H, n, _ = q.shape
     points = attention_points(hooks) if hooks is not None else []
     written = [name for name, p in points if p.written]
-    path = choose_path(bool(written), B * H * n * spec.t)
+    path = choose_path(bool(written), B * H * n * spec.t, any(p.listened for _, p in points))
     if path == "eager":
         mask = spec.full_additive(q.dtype, q.device)
         z, _ = attention(q, k, v, mask, cast(AttentionHooks | None, hooks), scale=spec.scale, softcap=spec.softcap)

@@ -2,10 +2,10 @@
 the pattern is recomputed exactly, tile by tile, from Q, K and a compact description of the mask.
 
 Seed 002 §10.2 (FlashAttention): a row's softmax needs only its normaliser, the log-sum-exp
-``lse_i = log Σ_j exp(s_ij)`` over the keys the row may see. It is computed one tile of key columns at a
-time with a running max m and a running sum ℓ = Σ exp(s − m), rescaled by exp(m_old − m_new) whenever a
-tile raises the max ("online softmax"); then any cell of the pattern is ``A_ij = exp(s_ij − lse_i)`` — the
-same number the eager softmax gives, without ever holding a row block of n × t.
+``lse_i = log Σ_j exp(s_ij)`` over the keys the row may see (kept as the row's max m and Σ exp(s − m)); then any
+cell of the pattern is ``A_ij = exp(s_ij − m_i) / Σ_i`` — the same number the eager softmax gives. The readers
+(``ScoreSweep``) compute it in chunks of whole rows, a few query rows × every key they see (≤ ``SWEEP_CELLS``),
+one BLAS call each: the chunk's own max and sum, no running rescale, never n × t.
 
 * ``MaskSpec`` describes the mask: causal with ``past`` cached keys, a sliding window, which key slots are
   padding (``key_is_token`` ``[B, t]``), what a query that may see no key does, the scale and the soft-cap.
@@ -14,7 +14,8 @@ same number the eager softmax gives, without ever holding a row block of n × t.
 * ``fused_attention`` is the forward: PyTorch's ``scaled_dot_product_attention`` (one call when the mask is
   plain causal; otherwise over blocks of query rows with that block's mask, so at most ``ROW_BLOCK_ELEMENTS``
   mask cells exist at once). A soft-capped model (Gemma 2) runs the eager formula on the same row blocks.
-* ``region``, ``row_logsumexp``, ``block_pool``, ``pattern_times_v`` read what the kernel computed.
+* ``region``, ``row_norm``, ``pool_pattern`` (the overview: block mean and max), ``pattern_times_v`` read what
+  the kernel computed.
 
 Shape legend as in model/gpt.py: B batch, H query heads, G key/value heads, n new positions (queries),
 t key positions (cache included), d_head.
@@ -22,6 +23,7 @@ t key positions (cache included), d_head.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,8 +42,9 @@ EmptyRows = Literal["self", "uniform"]
 # runs fused from 2,048
 DEFAULT_THRESHOLD = 1 << 24
 ROW_BLOCK_ELEMENTS = 1 << 22  # mask or score cells per row block of the fused forward / the readers (16 MiB)
-KEY_TILE = 2048  # key columns per tile when a reader sweeps a row block
-POOL_BLOCK_CELLS = 1 << 19  # cells of one tile of the overview's sweep (2 MiB float32: a few such at once)
+# score cells the readers hold at once (16 MiB float32): a chunk of query rows × every key they may see; large
+# enough that QKᵀ is one efficient BLAS call per chunk, small enough for the memory probe's bound
+SWEEP_CELLS = 1 << 22
 
 
 @dataclass
@@ -54,11 +57,11 @@ _settings = _Settings()
 
 
 def set_attention_path(mode: AttentionMode, threshold: int | None = None) -> None:
-    """How every attention layer runs, traced or not (the same rule both ways, so a traced forward's logits
-    equal the untraced forward's bit for bit).
+    """How every attention layer runs, traced or not.
 
-    "auto": fused when one ``[B,H,n,t]`` tensor holds at least ``threshold`` elements, else eager (every hook
-    point holds a real tensor); "eager": always eager; "fused": always fused. Fused, the scores, the mask
+    "auto": fused when one ``[B,H,n,t]`` tensor holds at least ``threshold`` elements or when nothing reads or
+    writes the layer's n × t hook points (an untraced forward), else eager (every hook point holds a real
+    tensor); "eager": always eager; "fused": always fused. Fused, the scores, the mask
     and the pattern are derived records for a tracer, recomputed on demand. A forward hook on one of those
     hook points (an intervention that writes the pattern or the scores) always makes its layer eager."""
     if mode not in ATTENTION_MODES:
@@ -85,13 +88,18 @@ def attention_path(mode: AttentionMode, threshold: int | None = None) -> Iterato
         _settings.mode, _settings.threshold = before
 
 
-def choose_path(writers: bool, elements: int) -> Literal["eager", "fused"]:
+def choose_path(writers: bool, elements: int, listened: bool = True) -> Literal["eager", "fused"]:
     """Eager or fused for one layer: ``writers`` (forward hooks on an n × t hook point: they may change it),
-    ``elements`` of one ``[B,H,n,t]`` tensor. Whether a tracer listens does not matter: tracing never changes
-    the path, so never the numbers."""
+    ``elements`` of one ``[B,H,n,t]`` tensor, ``listened`` (a tracer's taps read an n × t hook point).
+
+    Under "auto" a layer nobody reads or writes an n × t tensor of runs fused at every length: nothing needs its
+    scores or pattern, and the fused kernel is the faster (×1.9 at 1,024 tokens of a 4-head model,
+    docs/benchmarks.md). A listened layer follows the threshold, so a traced forward below it keeps today's
+    eager hook points; its logits then equal the untraced forward's to float32 rounding, not bit for bit (a
+    forced "eager" or "fused" gives the same path, so the same bits, both ways)."""
     if writers or _settings.mode == "eager":
         return "eager"
-    if _settings.mode == "fused":
+    if _settings.mode == "fused" or not listened:
         return "fused"
     return "fused" if elements >= _settings.threshold else "eager"
 
@@ -278,9 +286,11 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
     """``softmax(QKᵀ·scale + M)·V`` ``[B,H,n,d_v]`` without an ``[n, t]`` tensor: q ``[B,H,n,d_head]``,
     k ``[B,G,t,d_head]``, v ``[B,G,t,d_v]`` (G divides H, Hugging Face's ``repeat_kv`` order)."""
     gqa = k.size(-3) != q.size(-3)
+    n = q.size(-2)
     if spec.softcap is None and spec.plain_causal:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=gqa)
-    n = q.size(-2)
+    if spec.softcap is None and spec.all_visible(range(n), range(spec.t)):  # a decode step reading every key
+        return F.scaled_dot_product_attention(q, k, v, scale=spec.scale, enable_gqa=gqa)
     out = q.new_empty(*q.shape[:-1], v.size(-1))  # [B,H,n,d_v]
     for rows in _row_blocks(n, spec.t, q.size(-3) if spec.softcap is not None else 1):
         first, end = spec.key_range(rows)
@@ -385,27 +395,145 @@ class RowNorm(NamedTuple):
         lse = self.m.double() + torch.log(self.total)
         return lse if self.empty is None else lse.masked_fill(self.empty[:, None, :], float("inf"))
 
+    def rows(self, rows: range, offset: int = 0) -> RowNorm:
+        """The normaliser of ``rows`` (positions counted from ``offset``, the first row this one holds)."""
+        a, b = rows.start - offset, rows.stop - offset
+        return RowNorm(self.m[..., a:b], self.total[..., a:b], None if self.empty is None else self.empty[:, a:b])
+
+    def heads(self, index: list[int]) -> RowNorm:
+        return RowNorm(self.m[:, index], self.total[:, index], self.empty)
+
+
+class ScoreSweep:
+    """The masked scores ``[B,h,r,c]`` of any rows × key columns of ``heads``, written into one buffer that is
+    reused from call to call (a fresh ``[B,h,r,c]`` tensor per tile would fault its pages in each time).
+
+    The sweeps below read whole rows at once — a chunk of query rows × every key they may see, at most
+    ``SWEEP_CELLS`` cells — so that a row's normaliser is that chunk's own max and sum, computed exactly as the
+    eager softmax computes it (``m = max_j s_j``, ``Σ_j exp(s_j − m)``) in one pass over QKᵀ, with no running
+    rescale. The matmul is one large BLAS call per chunk; the mask is written only into the columns the diagonal
+    or the window cross (the rest is visible), as −∞ exactly where the eager additive mask adds −∞."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, heads: list[int]) -> None:
+        H = q.size(-3)
+        self.spec, self.heads = spec, heads
+        self.q = _select(q, heads)  # [B,h,n,d]
+        self.k = _head_k(k, heads, H)  # [B,h,t,d]: each query head's key head (a copy only for GQA subsets)
+        if self.k.size(0) != self.q.size(0):
+            self.k = self.k.expand(self.q.size(0), *self.k.shape[1:])
+        self.batch = max(self.q.size(0), spec.batch)
+        self.d = q.size(-1)
+        # scaling by a power of two (1/√64 = 1/8) is exact, so Q·2⁻ᵏ·Kᵀ is QKᵀ·2⁻ᵏ bit for bit: fold it into Q
+        scale = 1 / math.sqrt(self.d) if spec.scale is None else spec.scale
+        self.folded = scale > 0 and math.frexp(scale)[0] == 0.5 and q.dtype == torch.float32
+        if self.folded:
+            self.q = self.q * scale
+        self._buffer = torch.empty(0, dtype=torch.float32, device=q.device)
+
+    def visible(self, rows: range) -> range:
+        """The key columns a chunk of rows reads: those any of its rows may see (every key for a chunk holding a
+        row that sees nothing, whose weights are 1/t over all of them)."""
+        if self.spec.empty_rows == "uniform" and self.spec.sees_nothing(rows) is not None:
+            return range(self.spec.t)
+        return range(*self.spec.key_range(rows))
+
+    def rows_per_chunk(self, width: int) -> int:
+        """Rows of a chunk reading ``width`` keys: ≤ ``SWEEP_CELLS`` cells, and at most width/8 rows (≥ 64), so
+        the triangle the causal mask hides in the chunk's corner (r²/2 cells computed for nothing) stays small."""
+        budget = SWEEP_CELLS // max(1, self.batch * len(self.heads) * width)
+        return max(1, min(budget, max(64, width // 8)))
+
+    def chunks(self, rows: range) -> Iterator[range]:
+        """Row chunks of ``rows``, each with ≤ ``SWEEP_CELLS`` cells over every key its last row may see."""
+        start = rows.start
+        while start < rows.stop:
+            stop = min(rows.stop, start + self.rows_per_chunk(len(self.visible(range(start, rows.stop)))))
+            yield range(start, stop)
+            start = stop
+
+    def scores(self, rows: range, cols: range) -> torch.Tensor:
+        """``[B,h,r,c]`` masked scores, float32, a view of the reused buffer (valid until the next call)."""
+        shape = (self.q.size(0), len(self.heads), len(rows), len(cols))
+        size = math.prod(shape)
+        if self._buffer.numel() < size:
+            self._buffer = torch.empty(max(size, min(SWEEP_CELLS, 4 * size)), dtype=torch.float32,
+                                       device=self.q.device)
+        x = self._buffer[:size].view(shape)
+        q_rows = self.q[:, :, rows.start:rows.stop]
+        k_cols = self.k[:, :, cols.start:cols.stop]
+        spec = self.spec
+        if q_rows.dtype != torch.float32:  # bf16 / fp16: the scores in that dtype, as attention() computes them
+            y = q_rows @ k_cols.transpose(-2, -1)
+            y = y / math.sqrt(self.d) if spec.scale is None else y * spec.scale
+            if spec.softcap is not None:
+                y = torch.tanh(y / spec.softcap) * spec.softcap
+            return _mask_(x.copy_(y), spec, rows, cols)
+        torch.matmul(q_rows, k_cols.transpose(-2, -1), out=x)
+        if self.folded:
+            pass
+        elif spec.scale is None:
+            x.div_(math.sqrt(self.d))  # as attention() scales: QKᵀ / √d_head
+        else:
+            x.mul_(spec.scale)
+        if spec.softcap is not None:
+            x.div_(spec.softcap).tanh_().mul_(spec.softcap)
+        return _mask_(x, spec, rows, cols)
+
+
+def _mask_(x: torch.Tensor, spec: MaskSpec, rows: range, cols: range) -> torch.Tensor:
+    """Add the mask of rows × cols to the scores ``x`` ``[B,h,r,c]`` in place; without padding only the columns the
+    diagonal or the window cross are touched (−∞ written where hidden: x + −∞ = −∞, x + 0 = x)."""
+    if spec.key_is_token is not None:
+        if x.size(0) < spec.batch:
+            return x + spec.additive(rows, cols, x.dtype, x.device)
+        return x.add_(spec.additive(rows, cols, x.dtype, x.device))
+    r = len(rows)
+    above = max(cols.start, spec.past + rows.start + 1)  # from here some row has keys above its diagonal
+    if above < cols.stop:  # cell (i, j) hidden when j > past + rows.start + i: a band above a diagonal
+        x[..., above - cols.start:].masked_fill_(
+            _band(r, cols.stop - above, spec.past + rows.start + 1 - above, True, x.device), float("-inf"))
+    if spec.window is not None:
+        behind = min(cols.stop, spec.past + rows.stop - spec.window)  # before here some row's window has passed
+        if behind > cols.start:  # hidden when j ≤ past + rows.start + i − window
+            x[..., :behind - cols.start].masked_fill_(
+                _band(r, behind - cols.start, spec.past + rows.start - spec.window - cols.start, False, x.device),
+                float("-inf"))
+    return x
+
+
+@functools.lru_cache(maxsize=16)
+def _band(r: int, c: int, diagonal: int, upper: bool, device: torch.device) -> torch.Tensor:
+    """``[r, c]`` bool: True at j ≥ i + diagonal (``upper``) or j ≤ i + diagonal — the hidden cells of a chunk's
+    corner, built once per shape (a sweep's chunks mostly share one height)."""
+    ones = torch.ones(r, c, dtype=torch.bool, device=device)
+    return ones.triu(diagonal) if upper else ones.tril(diagonal)
+
+
+def _normalise_(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn masked scores ``x`` ``[B,h,r,c]`` (every key the rows may see) into ``e = exp(x − m)`` in place;
+    returns (m ``[B,h,r]``, total ``[B,h,r]`` float32) — the eager softmax's own max and sum."""
+    m = x.amax(-1)
+    x.sub_(m[..., None]).exp_()
+    return m, x.sum(-1)
+
 
 @torch.no_grad()
 def row_norm(q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, heads: list[int] | None = None,
              rows: range | None = None) -> RowNorm:
-    """The normaliser of each of ``rows`` for ``heads``, computed one key tile at a time with FlashAttention's
-    running max and rescaled running sum (seed 002 §10.2); only the keys a row may see are read."""
+    """The normaliser of each of ``rows`` for ``heads``: one pass over QKᵀ in chunks of whole rows (every key a
+    row may see), max and sum as the eager softmax takes them (seed 002 §10.2: the log-sum-exp of each row is
+    all a region of the pattern needs, ``A_ij = exp(s_ij − lse_i)``)."""
     H = q.size(-3)
     heads = list(range(H)) if heads is None else heads
     rows = _as_range(rows, spec.n, "rows")
-    B = max(q.size(0), spec.batch)
-    m = torch.full((B, len(heads), len(rows)), float("-inf"), dtype=torch.float32)
-    total = torch.zeros(m.shape, dtype=torch.float64)
-    first, end = spec.key_range(rows)
-    for start in range(first, end, KEY_TILE):
-        cols = range(start, min(end, start + KEY_TILE))
-        x = _stage_tile(q, k, spec, "masked_scores", rows, cols, heads).float()  # [B,h,r,c]
-        m_new = torch.maximum(m, x.amax(-1))
-        seen = torch.isfinite(m_new)  # a row that has read only masked keys so far has m = −∞ and sum 0
-        rescale = torch.where(seen, torch.exp((m - m_new).double()), torch.zeros_like(total))
-        total = total * rescale + torch.exp(x - torch.where(seen, m_new, 0.0)[..., None]).sum(-1).double()
-        m = m_new
+    sweep = ScoreSweep(q, k, spec, heads)
+    m = torch.empty(sweep.batch, len(heads), len(rows), dtype=torch.float32)
+    total = torch.empty(m.shape, dtype=torch.float64)
+    for chunk in sweep.chunks(rows):
+        x = sweep.scores(chunk, sweep.visible(chunk))
+        cm, ct = _normalise_(x)
+        m[..., chunk.start - rows.start:chunk.stop - rows.start] = cm
+        total[..., chunk.start - rows.start:chunk.stop - rows.start] = ct
     return RowNorm(m, total, spec.sees_nothing(rows))
 
 
@@ -452,22 +580,19 @@ def pattern_from(x: torch.Tensor, norm: RowNorm, t: int) -> torch.Tensor:
 
 @torch.no_grad()
 def pattern_times_v(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
-    """A·V ``[B,H,n,d_v]`` from the recomputed pattern, one row block and key tile at a time (float64): the
-    check that the pattern the views show is the attention the kernel ran (compare with its O)."""
+    """A·V ``[B,H,n,d_v]`` from the recomputed pattern, one chunk of whole rows at a time (the products in
+    float64): the check that the pattern the views show is the attention the kernel ran (compare with its O)."""
     H = q.size(-3)
-    B = max(q.size(0), spec.batch)
-    out = torch.zeros(B, H, spec.n, v.size(-1), dtype=torch.float64)
     heads = list(range(H))
-    vh = _head_k(v, heads, H).double()
-    for rows in _row_blocks(spec.n, KEY_TILE, H):
-        norm = row_norm(q, k, spec, heads, rows)
-        first, end = spec.key_range(rows)
-        if norm.empty is not None:
-            first, end = 0, spec.t
-        for start in range(first, end, KEY_TILE):
-            cols = range(start, min(end, start + KEY_TILE))
-            p = region(q, k, spec, "pattern", heads, rows, cols, norm=norm).double()
-            out[:, :, rows.start:rows.stop] += p @ vh[:, :, cols.start:cols.stop]
+    sweep = ScoreSweep(q, k, spec, heads)
+    out = torch.zeros(sweep.batch, H, spec.n, v.size(-1), dtype=torch.float64)
+    vh = _head_k(v, heads, H)
+    for chunk in sweep.chunks(range(spec.n)):
+        cols = sweep.visible(chunk)
+        e = sweep.scores(chunk, cols)
+        _, total = _normalise_(e)
+        p = e / total[..., None]  # the weights, as pattern_from writes them
+        out[:, :, chunk.start:chunk.stop] = p.double() @ vh[:, :, cols.start:cols.stop].double()
     return out
 
 
@@ -483,47 +608,135 @@ def grid_edges(size: int, bins: int) -> list[int]:
     return [*range(0, size, width), size]
 
 
+@dataclass(frozen=True)
+class Pooled:
+    """The pattern of ``heads`` pooled into blocks: ``mean`` / ``peak`` ``[h, R, C]`` over query rows
+    ``row_edges[i] … row_edges[i+1]−1`` × keys ``col_edges[j] … col_edges[j+1]−1`` (a masked cell is weight 0),
+    and the rows' normaliser ``norm`` ``[1, h, r]`` when this pass computed it (every visible key was read)."""
+
+    mean: torch.Tensor
+    peak: torch.Tensor
+    row_edges: list[int]
+    col_edges: list[int]
+    norm: RowNorm | None
+
+
 @torch.no_grad()
-def block_pool(q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, head: int, batch: int = 0, bins: int = 128,
-               rows: range | None = None, cols: range | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                list[int], list[int]]:
-    """The pattern of one head pooled into ≤ ``bins`` × ``bins`` blocks, tile by tile: (block mean
-    ``[R, C]``, block max ``[R, C]``, row edges, column edges) over ``rows`` × ``cols`` (default: all).
-    A masked cell counts as weight 0. Tiles are whole blocks, so each is pooled by a reshape."""
+def pool_pattern(q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, heads: list[int], batch: int = 0,
+                 bins: int = 128, rows: range | None = None, cols: range | None = None,
+                 norm: RowNorm | None = None) -> Pooled:
+    """The pattern of ``heads`` of sequence ``batch`` pooled into ≤ ``bins`` × ``bins`` blocks (mean and max) over
+    ``rows`` × ``cols`` (default: all), in one pass over QKᵀ by chunks of whole rows: each chunk's ``exp(s − m)``
+    is reduced to per-row block sums and block maxima; the row's ``1/Σ`` then weighs those ``[r, C]`` numbers,
+    never a cell. ``norm`` (``[1, h, n]``, every
+    row of the sequence) lets a pass over a few columns skip the rest of each row; without it every visible key is
+    read and the normaliser computed on the way is returned."""
     rows = _as_range(rows, spec.n, "rows")
     cols = _as_range(cols, spec.t, "cols")
     r_edges = [rows.start + e for e in grid_edges(len(rows), bins)]
     c_edges = [cols.start + e for e in grid_edges(len(cols), bins)]
-    wr, wc = r_edges[1] - r_edges[0], c_edges[1] - c_edges[0]
-    R, C = len(r_edges) - 1, len(c_edges) - 1
-    total = torch.zeros(R, C, dtype=torch.float64)
-    peak = torch.zeros(R, C, dtype=torch.float32)
-    q1, k1 = q[batch:batch + 1], k[batch:batch + 1] if k.size(0) > 1 else k
+    wc = c_edges[1] - c_edges[0]
+    h, R, C = len(heads), len(r_edges) - 1, len(c_edges) - 1
+    total = torch.zeros(h, R, C, dtype=torch.float64)
+    peak = torch.zeros(h, R, C, dtype=torch.float32)
     spec1 = _one_sequence(spec, batch)
-    tile_cols = wc * max(1, KEY_TILE // wc)
-    block_rows = wr * max(1, POOL_BLOCK_CELLS // (tile_cols * wr))
-    for r0 in range(rows.start, rows.stop, block_rows):
-        block = range(r0, min(rows.stop, r0 + block_rows))
-        i = (r0 - rows.start) // wr
-        norm = row_norm(q1, k1, spec1, [head], block)
-        first, end = spec1.key_range(block)
-        if norm.empty is not None:
-            first, end = 0, spec1.t
-        first, end = max(first, cols.start), min(end, cols.stop)
+    sweep = ScoreSweep(q[batch:batch + 1], k[batch:batch + 1] if k.size(0) > 1 else k, spec1, heads)
+    whole = norm is None
+    if whole:
+        m_all = torch.empty(1, h, len(rows), dtype=torch.float32)
+        total_all = torch.empty(1, h, len(rows), dtype=torch.float64)
+    for i, g, chunk in _pool_chunks(sweep, r_edges):
+        visible = sweep.visible(chunk)
+        first, end = max(visible.start, cols.start), min(visible.stop, cols.stop)
+        if whole:
+            first, end = visible.start, visible.stop  # the normaliser needs every key the rows see
         if first >= end:
             continue
-        first = cols.start + (first - cols.start) // wc * wc  # aligned to a block edge
-        for c0 in range(first, end, tile_cols):
-            tile = range(c0, min(end, c0 + tile_cols))
-            j = (c0 - cols.start) // wc
-            p = region(q1, k1, spec1, "pattern", [head], block, tile, norm=norm)[0, 0].float()  # [r, c]
-            nr, nc = math.ceil(p.shape[0] / wr), math.ceil(p.shape[1] / wc)
-            p = F.pad(p, (0, nc * wc - p.shape[1], 0, nr * wr - p.shape[0]))  # zeros: no weight, no max
-            blocks = p.view(nr, wr, nc, wc)
-            total[i:i + nr, j:j + nc] += blocks.sum((1, 3)).double()
-            peak[i:i + nr, j:j + nc] = torch.maximum(peak[i:i + nr, j:j + nc], blocks.amax((1, 3)))
+        x = sweep.scores(chunk, range(first, end))[0]  # [h, r, c]
+        # the pooled columns [lo, hi): the grid's blocks they cross, the first and last perhaps cut short
+        lo, hi = max(first, cols.start), min(end, cols.stop)
+        covers = whole and lo == first and hi == end  # the pooled blocks hold every key these rows see
+        if whole and not covers:
+            m, row_total = _normalise_(x)  # [h, r]: the row's max and Σ exp(s − m) over every key it sees
+        if lo >= hi:
+            pass  # none of these rows' visible keys lies in the pooled columns
+        elif covers:  # the row's max from its block maxima, its Σ from its block sums: no extra pass
+            block_max = _blocks(x, lo - cols.start, wc, "amax")  # [h, r, nb] of scores
+            m = block_max.amax(-1)
+            block_max = torch.exp(block_max - m[..., None])  # max exp = exp max
+            block_sum = _blocks(x.sub_(m[..., None]).exp_(), lo - cols.start, wc, "sum")
+            row_total = block_sum.sum(-1)
+        else:
+            e_pool = x[..., lo - first:hi - first]  # [h, r, c']
+            if not whole:
+                assert norm is not None
+                part = norm.rows(chunk)
+                m, row_total = part.m[0], part.total[0].float()
+                e_pool.sub_(m[..., None]).exp_()
+            block_sum = _blocks(e_pool, lo - cols.start, wc, "sum")  # [h, r, nb] of exp(s − m)
+            block_max = _blocks(e_pool, lo - cols.start, wc, "amax")
+        if whole:
+            m_all[0, :, chunk.start - rows.start:chunk.stop - rows.start] = m
+            total_all[0, :, chunk.start - rows.start:chunk.stop - rows.start] = row_total
+        if lo >= hi:
+            continue
+        j0 = (lo - cols.start) // wc
+        inv = (1.0 / row_total)[..., None]  # [h, r, 1]
+        nb = block_sum.size(-1)
+        per_row = (block_sum * inv).unflatten(1, (g, -1))  # [h, g, r/g, nb]: g block rows of the grid
+        total[:, i:i + g, j0:j0 + nb] += per_row.sum(2, dtype=torch.float64)
+        top = (block_max * inv).unflatten(1, (g, -1)).amax(2)  # [h, g, nb]
+        peak[:, i:i + g, j0:j0 + nb] = torch.maximum(peak[:, i:i + g, j0:j0 + nb], top)
     sizes = torch.tensor(r_edges).diff()[:, None] * torch.tensor(c_edges).diff()[None, :]
-    return (total / sizes).float(), peak, r_edges, c_edges
+    made = RowNorm(m_all, total_all, spec1.sees_nothing(rows)) if whole else None
+    return Pooled((total / sizes).float(), peak, r_edges, c_edges, made)
+
+
+def _pool_chunks(sweep: ScoreSweep, r_edges: list[int]) -> Iterator[tuple[int, int, range]]:
+    """(first block row i, block rows g, query rows) of each chunk of a pooling sweep: as many whole block rows of
+    the grid as fit ``SWEEP_CELLS`` (g ≥ 1, all of one height), or one block row in several chunks (g = 1)."""
+    R = len(r_edges) - 1
+    height = r_edges[1] - r_edges[0]
+    i = 0
+    while i < R:
+        g = 1
+        while (i + g < R and r_edges[i + g + 1] - r_edges[i + g] == height
+               and (g + 1) * height <= sweep.rows_per_chunk(len(sweep.visible(range(r_edges[i], r_edges[i + g + 1]))))):
+            g += 1
+        if g > 1 or height <= sweep.rows_per_chunk(len(sweep.visible(range(r_edges[i], r_edges[i + 1])))):
+            yield i, g, range(r_edges[i], r_edges[i + g])
+        else:
+            for chunk in sweep.chunks(range(r_edges[i], r_edges[i + 1])):
+                yield i, 1, chunk
+        i += g
+
+
+def _blocks(x: torch.Tensor, offset: int, width: int, how: Literal["amax", "sum"]) -> torch.Tensor:
+    """Reduce ``x`` ``[h, r, c]`` over the grid's column blocks ``[h, r, nb]``: x's first column sits ``offset``
+    columns into the grid; a first block cut short (the visible range starts inside it) and a last one are
+    reduced on their own, the whole blocks between by one reshape."""
+    parts = []
+    c = x.size(-1)
+    head = min(c, (-offset) % width)  # columns before the first block edge
+    if head:
+        parts.append(getattr(x[..., :head], how)(-1, keepdim=True))
+    body = (c - head) // width * width
+    if body:
+        whole = x[..., head:head + body].unflatten(-1, (body // width, width))
+        parts.append(getattr(whole, how)(-1))
+    if head + body < c:
+        parts.append(getattr(x[..., head + body:], how)(-1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
+@torch.no_grad()
+def block_pool(q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, head: int, batch: int = 0, bins: int = 128,
+               rows: range | None = None, cols: range | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                list[int], list[int]]:
+    """The pattern of one head pooled into ≤ ``bins`` × ``bins`` blocks: (block mean ``[R, C]``, block max
+    ``[R, C]``, row edges, column edges) over ``rows`` × ``cols`` (default: all); ``pool_pattern`` for one head."""
+    pooled = pool_pattern(q, k, spec, [head], batch, bins, rows, cols)
+    return pooled.mean[0], pooled.peak[0], pooled.row_edges, pooled.col_edges
 
 
 def _one_sequence(spec: MaskSpec, batch: int) -> MaskSpec:
@@ -534,6 +747,6 @@ def _one_sequence(spec: MaskSpec, batch: int) -> MaskSpec:
                     softcap=spec.softcap)
 
 
-__all__ = ["ATTENTION_MODES", "DEFAULT_THRESHOLD", "STAGES", "MaskSpec", "attention_path",
-           "attention_path_settings", "block_pool", "choose_path", "fused_attention", "pattern_times_v",
-           "RowNorm", "region", "row_logsumexp", "row_norm", "set_attention_path"]
+__all__ = ["ATTENTION_MODES", "DEFAULT_THRESHOLD", "STAGES", "SWEEP_CELLS", "MaskSpec", "Pooled", "RowNorm",
+           "ScoreSweep", "attention_path", "attention_path_settings", "block_pool", "choose_path", "fused_attention",
+           "pattern_times_v", "pool_pattern", "region", "row_logsumexp", "row_norm", "set_attention_path"]

@@ -10,24 +10,26 @@ sliced. Either way the caller asks the same question and gets the same numbers (
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from model.gpt import (
-    KEY_TILE,
+    SWEEP_CELLS,
     MaskSpec,
-    block_pool,
+    RowNorm,
+    ScoreSweep,
     grid_edges,
-    pattern_from,
     pattern_times_v,
+    pool_pattern,
     region,
-    row_norm,
 )
 from tracer.reading._trace import Trace, hook_of, record_name
 from tracer.storage.records import TensorRecord
 
-STATS_BLOCK_CELLS = 1 << 20  # cells of one tile of the statistics' sweep, all heads together
+MEMO_ENTRIES = 64  # row normalisers (12 bytes × n each), overviews and statistics a trace remembers
 MAX_REGION_CELLS = 1 << 24  # cells of one region the library hands back (the app asks for ≤ 256 × 256 per head)
 STAGE_OF_HOOK = {"hook_qk": "qk", "hook_attn_scores": "scores", "hook_softcapped": "softcapped", "hook_mask": "mask",
                  "hook_masked_scores": "masked_scores", "hook_pattern": "pattern"}
@@ -52,6 +54,33 @@ class AttentionSource:
 
 def _record(trace: Trace, name_or_record: str | TensorRecord, step: int | None) -> TensorRecord:
     return name_or_record if isinstance(name_or_record, TensorRecord) else trace.record(name_or_record, step)
+
+
+T = TypeVar("T")
+
+
+def _memo(trace: Trace, key: tuple, compute: Callable[[], T]) -> T:
+    """``compute()`` once per key (the log's epoch included, so discarded records are never answered from it);
+    the least recently used entries are forgotten past ``MEMO_ENTRIES``."""
+    memo = trace.attention_memo
+    key = (trace.log.epoch, *key)
+    if key in memo:
+        memo.move_to_end(key)
+        return memo[key]  # type: ignore[return-value]
+    value = compute()
+    memo[key] = value
+    while len(memo) > MEMO_ENTRIES:
+        memo.popitem(last=False)
+    return value
+
+
+def _known_norm(trace: Trace, rec: TensorRecord, batch: int, head: int) -> RowNorm | None:
+    """The normaliser of every row of one head, when a view already computed it (``[1, 1, n]``)."""
+    return trace.attention_memo.get((trace.log.epoch, "norm", rec.index, batch, head))  # type: ignore[return-value]
+
+
+def _remember_norm(trace: Trace, rec: TensorRecord, batch: int, head: int, norm: RowNorm) -> None:
+    _memo(trace, ("norm", rec.index, batch, head), lambda: norm)
 
 
 def is_derived(trace: Trace, name_or_record: str | TensorRecord, step: int | None = None) -> bool:
@@ -117,7 +146,14 @@ def attention_region(trace: Trace, name_or_record: str | TensorRecord, step: int
             heads = [0]
         return value[:, heads, rows.start:rows.stop, cols.start:cols.stop]
     src = attention_source(trace, rec)
-    return region(src.q, src.k, src.spec, src.stage, None if src.stage == "mask" else heads, rows, cols)
+    norm = None
+    if src.stage == "pattern" and B == 1:
+        known = [_known_norm(trace, rec, 0, h) for h in heads]
+        if all(x is not None for x in known):  # every row's max and sum already computed: read only these cells
+            norm = RowNorm(torch.cat([x.m for x in known], 1)[..., rows.start:rows.stop],  # type: ignore[union-attr]
+                           torch.cat([x.total for x in known], 1)[..., rows.start:rows.stop],  # type: ignore[union-attr]
+                           None if known[0].empty is None else known[0].empty[:, rows.start:rows.stop])  # type: ignore[union-attr]
+    return region(src.q, src.k, src.spec, src.stage, None if src.stage == "mask" else heads, rows, cols, norm=norm)
 
 
 @dataclass(frozen=True)
@@ -158,9 +194,8 @@ def attention_overview(trace: Trace, name_or_record: str | TensorRecord, step: i
         raise RegionError(f"head {head} / sequence {batch} outside the record's {H} heads / {B} sequences")
     rows, cols = _range(rows, n, "rows"), _range(cols, t, "cols")
     if trace.log.derived(rec.index) is not None:
-        src = attention_source(trace, rec)
-        mean, peak, r_edges, c_edges = block_pool(src.q, src.k, src.spec, head, batch, bins, rows, cols)
-        return Overview(mean, peak, r_edges, c_edges)
+        return _memo(trace, ("overview", rec.index, head, batch, bins, rows, cols),
+                     lambda: _derived_overview(trace, rec, head, batch, bins, rows, cols))
     value = trace.value(rec)
     if value is None:
         raise RegionError(f"{rec.name} was computed eagerly and its value is no longer kept")
@@ -174,6 +209,19 @@ def attention_overview(trace: Trace, name_or_record: str | TensorRecord, step: i
     return Overview(mean.float(), peak.float(), r_edges, c_edges)
 
 
+def _derived_overview(trace: Trace, rec: TensorRecord, head: int, batch: int, bins: int, rows: range,
+                      cols: range) -> Overview:
+    """One pass over the head's QKᵀ (``model.gpt.pool_pattern``); the rows' normaliser it computes on the way is
+    remembered, so a later overview of a zoomed range, a region or a query row of this head reads only its cells."""
+    src = attention_source(trace, rec)
+    norm = _known_norm(trace, rec, batch, head)
+    whole_rows = rows == range(rec.shape[2])
+    pooled = pool_pattern(src.q, src.k, src.spec, [head], batch, bins, rows, cols, norm=norm)
+    if pooled.norm is not None and whole_rows:
+        _remember_norm(trace, rec, batch, head, pooled.norm)
+    return Overview(pooled.mean[0], pooled.peak[0], pooled.row_edges, pooled.col_edges)
+
+
 def derived_digest(trace: Trace, rec: TensorRecord, side: int = 128) -> torch.Tensor | None:
     """``[B, H, R, C]`` block means (R, C ≤ ``side``) of a derived pattern, every sequence and head, tile by tile:
     what the views draw where a kept pattern would be pooled. None when Q or K is not kept."""
@@ -182,8 +230,14 @@ def derived_digest(trace: Trace, rec: TensorRecord, side: int = 128) -> torch.Te
         src = attention_source(trace, rec)
     except RegionError:
         return None
-    blocks = [[block_pool(src.q, src.k, src.spec, h, b, side)[0] for h in range(H)] for b in range(B)]
-    return torch.stack([torch.stack(row) for row in blocks])
+    means = []
+    for b in range(B):  # every head of a sequence in one pass over QKᵀ
+        pooled = pool_pattern(src.q, src.k, src.spec, list(range(H)), b, side)
+        if pooled.norm is not None:
+            for h in range(H):
+                _remember_norm(trace, rec, b, h, pooled.norm.heads([h]))
+        means.append(pooled.mean)
+    return torch.stack(means)
 
 
 def query_row(trace: Trace, name_or_record: str | TensorRecord, step: int | None = None, *, row: int, head: int = 0,
@@ -225,15 +279,23 @@ class HeadStatistics:
 
 def head_statistics(trace: Trace, name_or_record: str | TensorRecord, step: int | None = None, *, batch: int = 0,
                     sink: int = 4, top: int = 10) -> list[HeadStatistics]:
-    """``HeadStatistics`` for every head of one pattern record, one row block and key tile at a time (for a
-    derived record nothing of n × t is held; a kept value is read the same way). Entropy per row is
-    ``lse − Σ_j p_j·s_j``; the mass by distance comes from each tile's running sums along the keys."""
+    """``HeadStatistics`` for every head of one pattern record. A derived record is read in one pass over QKᵀ, all
+    heads together, by chunks of whole rows (``model.gpt.ScoreSweep``): with ``e = exp(s − m)`` and the row's
+    ``Σ = Σ_j e_j``, the weights are ``e/Σ``, so each statistic is a sum over e weighed per row by 1/Σ — the
+    entropy ``log Σ − Σ_j e_j (s_j − m) / Σ``, the column sums one ``(1/Σ)ᵀ·e`` product, the mass by distance
+    from each row's running sum along the keys. A kept value is read the same way, chunk by chunk."""
     rec = _record(trace, name_or_record, step)
     if hook_of(rec.name) != "hook_pattern":
         raise RegionError(f"statistics are of attention weights (hook_pattern), not {rec.name}")
-    B, H, n, t = rec.shape
+    B = rec.shape[0]
     if not 0 <= batch < B:
         raise RegionError(f"sequence {batch} outside the record's {B}")
+    return _memo(trace, ("statistics", rec.index, batch, sink, top),
+                 lambda: _head_statistics(trace, rec, batch, sink, top))
+
+
+def _head_statistics(trace: Trace, rec: TensorRecord, batch: int, sink: int, top: int) -> list[HeadStatistics]:
+    B, H, n, t = rec.shape
     past = t - n
     src = attention_source(trace, rec) if trace.log.derived(rec.index) is not None else None
     value = trace.value(rec) if src is None else None
@@ -245,36 +307,52 @@ def head_statistics(trace: Trace, name_or_record: str | TensorRecord, step: int 
     sink_mass = torch.zeros(H, dtype=torch.float64)
     at_least = torch.zeros(H, len(edges), dtype=torch.float64)  # weight at distance ≥ edges[e], summed over rows
     column = torch.zeros(H, t, dtype=torch.float64)
+
+    def add(e: torch.Tensor, inv: torch.Tensor, rows: range, cols: range, scratch: torch.Tensor) -> None:
+        """Weights ``e·inv`` (``e`` [H, r, c], ``inv`` [H, r]) of rows × cols into the sums."""
+        if cols.start < sink:
+            sink_mass.add_((e[..., :sink - cols.start].sum(-1) * inv).sum(-1, dtype=torch.float64))
+        column[:, cols.start:cols.stop] += torch.bmm(inv[:, None, :], e)[:, 0].double()  # Σ_i e_ij / Σ_i
+        running = torch.cumsum(e, -1, out=scratch)  # [H, r, c]
+        q_pos = past + torch.arange(rows.start, rows.stop)  # [r]
+        last = q_pos[:, None] - edge_t[None, :] - cols.start  # [r, E]: last column at distance ≥ edge
+        got = running.gather(-1, last.clamp(0, len(cols) - 1)[None].expand(H, -1, -1)) * inv[..., None]
+        at_least.add_(torch.where((last >= 0)[None], got, 0.0).sum(1, dtype=torch.float64))
+
     if src is not None:
         q, k, spec = src.q[batch:batch + 1], src.k[batch:batch + 1] if src.k.size(0) > 1 else src.k, \
             _one(src.spec, batch)
-    step_rows = max(1, STATS_BLOCK_CELLS // (KEY_TILE * H))
-    for r0 in range(0, n, step_rows):
-        rows = range(r0, min(n, r0 + step_rows))
-        q_pos = past + torch.arange(rows.start, rows.stop)  # [r]
-        norm = row_norm(q, k, spec, None, rows) if src is not None else None
-        first, end = (0, t) if norm is None or norm.empty is not None else spec.key_range(rows)
-        for c0 in range(first, end, KEY_TILE):
-            cols = range(c0, min(end, c0 + KEY_TILE))
-            if src is not None and norm is not None:
-                x = region(q, k, spec, "masked_scores", None, rows, cols)[0].float()  # [H, r, c]
-                p = pattern_from(x[None], norm, spec.t)[0]  # one QKᵀ per tile, not two
-                entropy -= torch.where(p > 0, p * x, 0.0).sum((1, 2), dtype=torch.float64)
-            else:
-                assert value is not None
-                p = value[batch, :, rows.start:rows.stop, cols.start:cols.stop].float()
-                entropy -= torch.where(p > 0, p * torch.log(p), 0.0).sum((1, 2), dtype=torch.float64)
-            if cols.start < sink:
-                sink_mass += p[:, :, :sink - cols.start].sum((1, 2), dtype=torch.float64)
-            running = p.cumsum(-1)  # [H, r, c]
-            last = q_pos[:, None] - edge_t[None, :] - cols.start  # [r, E]: last column at distance ≥ edge
-            inside = last >= 0
-            got = running.gather(-1, last.clamp(0, len(cols) - 1)[None].expand(H, -1, -1))
-            at_least += torch.where(inside[None], got, 0.0).sum(1, dtype=torch.float64)
-            column[:, cols.start:cols.stop] += p.sum(1, dtype=torch.float64)
-        if norm is not None:  # −Σ p log p = lse − Σ p·s (a row seeing nothing: log t)
-            lse = norm.lse[0]
-            entropy += torch.where(torch.isfinite(lse), lse, math.log(t)).sum(-1)
+        sweep = ScoreSweep(q, k, spec, list(range(H)))
+        m_all = torch.empty(1, H, n, dtype=torch.float32)
+        total_all = torch.empty(1, H, n, dtype=torch.float64)
+        spare = torch.empty(SWEEP_CELLS, dtype=torch.float32)
+        for rows in sweep.chunks(range(n)):
+            cols = sweep.visible(rows)
+            y = sweep.scores(rows, cols)[0]  # [H, r, c] masked scores
+            m = y.amax(-1)  # [H, r]
+            y.sub_(m[..., None])  # s − m, −∞ where masked
+            if spare.numel() < y.numel():
+                spare = torch.empty(y.numel(), dtype=torch.float32)
+            e = torch.exp(y, out=spare[:y.numel()].view(y.shape))  # [H, r, c]
+            row_total = e.sum(-1)  # [H, r], the eager softmax's sum
+            inv = 1.0 / row_total
+            # −Σ p log p = log Σ − Σ_j e_j (s_j − m) / Σ  (a masked key: e = 0, its −∞ clamped so 0·x = 0)
+            e_times_y = torch.mul(e, y.clamp_(min=torch.finfo(y.dtype).min), out=y).sum(-1)
+            entropy.add_((torch.log(row_total.double()) - e_times_y.double() * inv.double()).sum(-1))
+            add(e, inv, rows, cols, y)
+            m_all[0, :, rows.start:rows.stop] = m
+            total_all[0, :, rows.start:rows.stop] = row_total
+        empty = spec.sees_nothing(range(n))
+        for h in range(H):
+            _remember_norm(trace, rec, batch, h, RowNorm(m_all[:, h:h + 1], total_all[:, h:h + 1], empty))
+    else:
+        assert value is not None
+        step_rows = max(1, SWEEP_CELLS // (H * t))
+        for r0 in range(0, n, step_rows):
+            rows = range(r0, min(n, r0 + step_rows))
+            p = value[batch, :, rows.start:rows.stop].float()  # [H, r, t]
+            entropy.sub_(torch.special.xlogy(p, p).sum((1, 2), dtype=torch.float64))
+            add(p, torch.ones(p.shape[:2]), rows, range(t), torch.empty_like(p))
     out = []
     for h in range(H):
         values, keys = column[h].topk(min(top, t))

@@ -12,6 +12,7 @@ import difflib
 import fnmatch
 import math
 import weakref
+from collections import OrderedDict
 
 import pandas as pd
 import torch
@@ -69,6 +70,9 @@ class Trace:
         self._records: list[TensorRecord] = []
         self._by_name: dict[tuple[int, str], int] = {}
         self._derived_digests: dict[tuple[int, int], torch.Tensor | None] = {}
+        # tracer.reading._regions' memo of derived patterns: each row's softmax normaliser (n numbers per head,
+        # so that a second view of a head reads only the cells it shows), overviews and statistics; bounded
+        self.attention_memo: OrderedDict[tuple, object] = OrderedDict()
         self._epoch = log.epoch
         self._config = None
         self._config_for: ModelIdentity | None = None
