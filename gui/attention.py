@@ -21,6 +21,7 @@ from gui.common import (
     state,
     values_kept,
 )
+from gui.takeaway import takeaway
 from model.gpt import act_name, identity_of
 from session import first_token
 from tracer import (
@@ -253,35 +254,49 @@ def gradient_capture(gen, step: int, loss: str) -> None:
 
 
 def flash_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
-    st.markdown("FlashAttention (Dao et al., 2022) computes the same O = softmax(S)·V without ever holding the n × t "
-                "scores S: it reads K and V one tile of keys at a time and keeps, for each query row, a running max "
-                "m, a running sum ℓ = Σ exp(s − m) and an unnormalised output. When a tile raises a row's max, what "
-                "was summed so far is multiplied by exp(m_old − m_new) (the online softmax); after the last tile, "
-                "output / ℓ is the softmax-weighted sum exactly. Below, this head's own Q, K, V and M, tile by tile.")
     cols = st.columns(3)
     block = cols[0].selectbox("tile size (keys per tile, rows per query block)", list(flash_views.BLOCK_SIZES),
                               index=1, key="flash_block", persist_state="page")
     n = trace.record(act_name("q", layer), step).shape[2]
-    first = facts_of(trace).step(step).forward.t - n  # this step's query rows are the last n positions
+    first = facts_of(trace).step(step).forward.t - n  # this step's query rows are the last n columns
     blocks = -(-n // block)
+    default = flash_views.default_query_block(trace, step, batch, block)  # the last real row's block
     query_block = cols[1].selectbox(  # keyed by the size: the blocks differ
         "query block", list(range(blocks)),
-        format_func=lambda i: f"positions {first + i * block}…{first + min(n, (i + 1) * block) - 1}",
-        index=blocks - 1, key=f"flash_rows_{block}") if blocks > 1 else 0
+        format_func=lambda i: f"columns {first + i * block}…{first + min(n, (i + 1) * block) - 1}",
+        index=default, key=f"flash_rows_{block}") if blocks > 1 else 0
     run = flash_views.flash_attention(trace, step, layer, head, batch, block=block, query_block=query_block)
     if run is None:
         explain_missing_values(trace, step, "Q, K, V, M and O values")
         return
+    sentence, metrics = flash_views.flash_takeaway(run)
+    takeaway(sentence, metrics, details=(
+        "FlashAttention (Dao et al., 2022) computes the same O = softmax(S)·V without ever holding the n × t "
+        "scores S: it reads K and V one tile of keys at a time and keeps, for each query row, a running max m, a "
+        "running sum ℓ = Σ exp(s − m) and an unnormalised output. When a tile raises a row's max, what was summed "
+        "so far is multiplied by exp(m_old − m_new) (the online softmax); after the last tile, output / ℓ is the "
+        "softmax-weighted sum exactly. A tile whose every cell is masked (above the causal diagonal, or all "
+        "padding) is skipped, as FlashAttention-2 does. Below, this head's own Q, K, V and M, tile by tile, "
+        "recomputed in float64.\n\n" + flash_views.memory_sentence(run)))
+    padding = flash_views.padding_rows_note(trace, step, batch, run)
+    if padding:
+        st.caption(padding)
     last = len(run.tiles) - 1
     tile = cols[2].slider("tiles read", 0, last, last, key=f"flash_tile_{block}_{query_block}") if last else 0
     chart(flash_views.flash_figure(trace, step, run, tile), key="flash_chart")
-    current = run.tiles[tile]
-    done = (f"Every tile read: max |O(tiles) − O(model)| = {run.max_abs_delta:.2e}, the model's own output to "
-            "rounding." if tile == last else f"{last - tile} tile(s) still to read: the output so far covers keys "
-            f"0…{current.keys[1] - 1} only.")
-    st.caption(f"After tile {tile} (keys {current.keys[0]}…{current.keys[1] - 1}): {current.rescaled} row(s) found a "
-               f"larger max in it, and their sums so far were rescaled. {done}")
-    st.caption(flash_views.memory_sentence(run))
+    st.caption(flash_views.tile_sentence(run, tile))
+    rows = run.rows[1] - run.rows[0]
+    labels = query_labels(trace, step, batch)[run.rows[0]:run.rows[1]]
+    row = st.selectbox("follow one query row, tile by tile", list(range(rows)), index=rows - 1,
+                       format_func=lambda i: f"column {first + run.rows[0] + i}: {labels[i]}",
+                       key=f"flash_follow_{block}_{query_block}") if rows > 1 else 0
+    st.dataframe(flash_views.row_table(run, row), hide_index=True, key="flash_row_table",
+                 column_config={name: st.column_config.NumberColumn(format="%.4g") for name in (
+                     "m_old", "m_new", "exp(m_old − m_new)", "ℓ before", "Σ exp(s − m_new) of the tile", "ℓ after",
+                     "max |Δ output|")})
+    st.caption("Each read tile: m_new = max(m_old, the tile's largest score); ℓ after = exp(m_old − m_new)·ℓ before "
+               "+ Σ exp(s − m_new) over the tile; the output so far is rescaled by the same factor and the tile's "
+               "exp(s − m_new)·v added, then divided by ℓ.")
 
 
 def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, show: bool = True) -> int:

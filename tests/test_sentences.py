@@ -1,0 +1,137 @@
+"""Every sentence the new views state with a number or a comparison, run over the settings matrix
+(tests/settings_matrix.py: prefill and decode, the cache off, left and right padding, a batch, a sliding window
+and a soft-cap, a loaded trace, both bundled models) and checked against the numbers recomputed here from the
+trace's own records. One test per statement of issue 41 (2–16); each failed on the text before its fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from figures import flash
+from model.gpt import act_name
+from tests.settings_matrix import STEPS, build_matrix
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return build_matrix()
+
+
+def cases(matrix, steps=range(STEPS)):
+    """(name, generation or None, trace, step, batch) over the matrix."""
+    for name, (gen, trace) in matrix.items():
+        for step in steps:
+            for batch in range(trace.generation.batch_size):
+                yield name, gen, trace, step, batch
+
+
+# -- 3 and 4: FlashAttention's tile sentence and its memory sentence --------------------------------------------
+def mask_rows(trace, step, layer, batch, rows):
+    mask = trace.get(act_name("mask", layer), step)
+    return mask[min(batch, mask.shape[0] - 1), 0, rows[0]:rows[1]]  # [r, t]
+
+
+def test_3_the_tile_sentence_counts_rows_still_waiting_and_rescaled_rows(matrix):
+    checked = 0
+    for name, _, trace, step, batch in cases(matrix):
+        layer = trace.config.n_layer - 1
+        n = trace.record(act_name("q", layer), step).shape[2]
+        for block in (4, 8):
+            for query_block in range(math.ceil(n / block)):
+                run = flash.flash_attention(trace, step, layer, 0, batch, block=block, query_block=query_block)
+                visible = torch.isfinite(mask_rows(trace, step, layer, batch, run.rows))  # [r, t]
+                rows = run.rows[1] - run.rows[0]
+                last_key = [max((j for j in range(visible.shape[1]) if visible[r, j]), default=-1)
+                            for r in range(rows)]
+                for tile in run.tiles:
+                    text = flash.tile_sentence(run, tile.index)
+                    end = tile.keys[1]
+                    waiting = [r for r in range(rows) if last_key[r] >= end]
+                    if waiting:
+                        later = sum(1 for t in run.tiles[tile.index + 1:]
+                                    if visible[waiting, t.keys[0]:t.keys[1]].any())
+                        assert f"{len(waiting)} of the {rows} row(s) still have unmasked keys in {later} later" \
+                            in text, (name, step, batch, block, tile.index, text)
+                    else:
+                        assert "still" not in text and "Every row's output is final" in text, (name, text)
+                        gap = float((tile.output - run.reference.double()).abs().max())
+                        assert gap < 1e-5, (name, step, batch, tile.index)  # final means final
+                    all_masked = not bool(visible[:, tile.keys[0]:end].any())
+                    assert tile.skipped == all_masked
+                    if all_masked:
+                        assert "skipped" in text
+                    before = run.tiles[tile.index - 1].m if tile.index else torch.full((rows,), -math.inf)
+                    rose = int((torch.isfinite(before) & (tile.m > before)).sum())
+                    if rose:
+                        assert f"{rose} of the {rows} row(s) found a larger max" in text
+                    else:
+                        assert "found a larger max" not in text
+                    checked += 1
+    assert checked > 300
+
+
+def test_3_masked_cells_are_drawn_apart_from_unread_ones(matrix):
+    _, trace = matrix["left padding"]
+    n = trace.record(act_name("q", 0), 0).shape[2]
+    run = flash.flash_attention(trace, 0, 0, 0, 1, block=4, query_block=(n - 1) // 4)  # padding keys first
+    fig = flash.flash_figure(trace, 0, run, 1)
+    masked = next(d for d in fig.data if d.name == "masked")
+    unread = next(d for d in fig.data if d.name == "not read yet")
+    drawn_masked = torch.tensor([[v == v and v is not None for v in row] for row in masked.z])
+    assert torch.equal(drawn_masked, torch.isinf(run.scores))
+    drawn_unread = torch.tensor([[v == v and v is not None for v in row] for row in unread.z])
+    expected = torch.zeros_like(drawn_unread)
+    expected[:, run.tiles[1].keys[1]:] = True
+    assert torch.equal(drawn_unread, expected & ~torch.isinf(run.scores))
+
+
+def test_4_the_memory_sentence_compares_like_with_like_and_says_where_tiles_win(matrix):
+    for name, _, trace, step, batch in cases(matrix):
+        for block in (4, 16):
+            run = flash.flash_attention(trace, step, 0, 0, batch, block=block, query_block=0)
+            rows, t, size = run.rows[1] - run.rows[0], run.scores.shape[1], run.itemsize
+            assert run.tile_bytes == (rows * min(block, t) + 2 * rows) * size  # the output is on neither side
+            assert run.full_bytes == rows * t * size
+            text = flash.memory_sentence(run)
+            win = block + 3  # rows·b + 2·rows < rows·t  ⇔  t > b + 2
+            assert f"hold fewer from t = {win} on" in text
+            assert ("fewer here" in text) == (t >= win), (name, step, text)
+            if run.n == 1:
+                assert f"one row of t = {t}" in text and "grow linearly" in text, (name, step)
+                assert "the n × t matrix grows with the square" not in text
+            else:
+                assert f"n × t = {run.n} × {t}" in text
+
+
+def test_5_the_default_query_block_holds_the_last_real_row(matrix):
+    for name, _, trace, step, batch in cases(matrix):
+        real = trace.generation.is_token(batch, step)
+        n = trace.record(act_name("q", 0), step).shape[2]
+        last = max(i for i, r in enumerate(real[-n:]) if r)
+        for block in (4, 8):
+            assert flash.default_query_block(trace, step, batch, block) == last // block, name
+            run = flash.flash_attention(trace, step, 0, 0, batch, block=block,
+                                        query_block=last // block)
+            note = flash.padding_rows_note(trace, step, batch, run)
+            padding = sum(not r for r in real[-n:][run.rows[0]:run.rows[1]])
+            assert (f"{padding} of the" in note) if padding else note == ""
+
+
+def test_5_the_row_table_follows_the_online_softmax(matrix):
+    _, trace = matrix["story-gpt"]
+    run = flash.flash_attention(trace, 0, 1, 2, 0, block=4, query_block=2)
+    table = flash.row_table(run, 3)
+    s = run.scores[3]
+    for _, r in table.iterrows():
+        read = s[: int(r["keys"].split("…")[1]) + 1]
+        assert r["m_new"] == pytest.approx(float(read.max()))
+        assert r["ℓ after"] == pytest.approx(float(torch.exp(read - read.max()).sum()))
+        if math.isfinite(r["m_old"]):
+            assert r["exp(m_old − m_new)"] == pytest.approx(math.exp(r["m_old"] - r["m_new"]))
+            assert r["ℓ after"] == pytest.approx(r["exp(m_old − m_new)"] * r["ℓ before"]
+                                                 + r["Σ exp(s − m_new) of the tile"])
+    with pytest.raises(ValueError, match="row 9"):
+        flash.row_table(run, 9)
