@@ -652,9 +652,10 @@ def test_what_grows_with_n_is_counted_from_the_models_widths(gen, llama_gen):
         inside = crossing <= config.n_ctx
         assert (f"attention passes the MLP: n ≈ {crossing:,.0f}" in lines) == inside
         assert (f"from n ≈ {crossing:,.0f} on, inside" in sentence) == inside
-        assert f"at this step's t = {t}" in sentence
+        assert f"H × n × t = {config.n_head} × {t} × {t}" in sentence  # no n given: a full forward of t
         passes = 2 * config.n_layer * (config.n_kv_head or config.n_head) * config.d_head / config.n_head
-        assert f"from n = 2·L·G·d_head/H = {passes:,.0f} on" in sentence
+        first = int(passes) + 1  # the first whole n past equality (test_sentences checks every setting)
+        assert f"from n = {first:,} on" in sentence or (passes == config.n_ctx and "never larger" in sentence)
     wide = GPTConfig(vocab_size=64, n_ctx=1024, d_model=32, n_layer=1, n_head=4)  # n* = 2·32·128 / (2·4·8) = 128
     fig, sentence = cache.growth_figure(wide, 300)
     assert attention_overtakes_mlp(wide) == 128 and "from n ≈ 128 on, inside this model's n_ctx of 1,024" in sentence

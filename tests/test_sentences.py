@@ -135,3 +135,79 @@ def test_5_the_row_table_follows_the_online_softmax(matrix):
                                                  + r["Σ exp(s − m_new) of the tile"])
     with pytest.raises(ValueError, match="row 9"):
         flash.row_table(run, 9)
+
+
+# -- 5, 6, 7: what grows with n ---------------------------------------------------------------------------------
+def test_5_6_7_what_grows_with_n_at_this_step_and_window(matrix):
+    from figures import cache
+
+    for name, gen, trace, step, _ in cases(matrix):
+        config = trace.config
+        forward = trace.generation.step(step).forward
+        layers = cache.window_layers(trace, step)
+        fig, text = cache.growth_figure(config, forward.t, 4, forward.n, layers)
+        H, G, L = config.n_head, config.n_kv_head or config.n_head, config.n_layer
+        # 5: this step's scores are H × n × t (n = 1 at a cached decode step), not H·t²
+        numbers = H * forward.n * forward.t
+        assert f"H × {'1' if forward.n == 1 and forward.t > 1 else 'n'} × t = {H} × {forward.n} × {forward.t}" \
+            in text, (name, step, text)
+        assert f"{cache._size(numbers * 4)}, against" in text
+        # 6: the first whole n at which H·n² > 2·L·G·n·d_head, counted
+        n = 1
+        while H * n * n <= 2 * L * G * n * config.d_head:
+            n += 1
+        if n <= config.n_ctx:
+            assert f"from n = {n:,} on" in text
+        else:
+            assert "from n =" not in text.split("outgrow")[-1] or "never larger" in text or "stay below" in text
+        # 7: a sliding window, read from the masks, agrees with the model's own layer types
+        hf = getattr(gen.model, "hf", None) if gen is not None else None
+        types = getattr(getattr(hf, "config", None), "layer_types", None)
+        if types is not None and config.sliding_window and forward.t > config.sliding_window:
+            assert layers == [i for i, kind in enumerate(types) if kind == "sliding_attention"], (name, step)
+        if layers:
+            assert "not quadratic" in text and f"window of {config.sliding_window} keys" in text
+            assert any(d.name.startswith("scores a windowed layer needs") for d in fig.data)
+        else:
+            assert "not quadratic" not in text
+    gpt = matrix["story-gpt"][1].config
+    assert 2 * gpt.n_layer * gpt.n_head * gpt.d_head / gpt.n_head == gpt.n_ctx  # story-gpt: equal at n_ctx…
+    text = cache.growth_sentence(gpt, 10)
+    assert f"only at n = {gpt.n_ctx:,} = n_ctx, and are never larger inside it" in text  # …never larger
+    assert cache.window_layers(matrix["gemma2 (window, soft-cap)"][1], 2)  # the matrix has a window to show
+
+
+# -- 8: a cheaper cache -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("storage", ["int8", "bfloat16"])
+def test_8_sharing_and_quantizing_each_say_their_own_saving(matrix, storage):
+    from figures import cache
+    from tracer import cache_precision
+
+    for name in ("story-llama", "story-gpt"):
+        gen = matrix[name][0]
+        run = cache_precision(gen, storage, 3)
+        text = cache.sharing_sentence(run)
+        assert "saves again" not in text
+        if run.kv_heads < run.query_heads:
+            multi = run.reference_bytes * run.query_heads // run.kv_heads
+            assert f"{1 - run.reference_bytes / multi:.0%} less" in text
+            assert f"{1 - run.stored_bytes / run.reference_bytes:.0%} less" in text
+            assert f"Together, {1 - run.stored_bytes / multi:.0%} less" in text
+        else:
+            assert text == run.formula() + "."
+
+
+# -- 15: the timing warning states no unmeasured cause as fact ------------------------------------------------
+def test_15_the_timing_warning_does_not_state_an_unmeasured_cause(matrix):
+    import dataclasses
+
+    from figures import cache
+
+    gen = matrix["story-gpt"][0]
+    comparison = gen.compare_with_recompute(timing_repeats=1)
+    slow = dataclasses.replace(comparison, cached=dataclasses.replace(comparison.cached, seconds=1.0),
+                               full=dataclasses.replace(comparison.full, seconds=0.001))
+    assert slow.timing_contradicts_count
+    text = cache.timing_warning(slow)
+    assert "another program was running" not in text and "Why was not measured" in text
+    assert "1000.0 ms cached vs 1.0 ms full" in text
