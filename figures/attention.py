@@ -462,21 +462,34 @@ def pitfall_patterns(trace: Trace, step: int, layer: int, head: int, batch: int 
     }
 
 
+def real_query_rows(trace: Trace, step: int, batch: int, n: int) -> torch.Tensor:
+    """[n] which of the step's query rows hold a token of sequence ``batch`` (not padding: no one reads a padding
+    row's output). Every row of a plain Tracer's trace (it records no padding)."""
+    facts = trace.generation
+    if facts is None:
+        return torch.ones(n, dtype=torch.bool)
+    return torch.tensor(facts.is_token(batch, step)[-n:], dtype=torch.bool)
+
+
 def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> pd.DataFrame | None:
-    """Per variant: the mean over query rows of the largest weight, of the entropy (nats), of the weight on
-    keys the mask forbids, and of the row sums."""
+    """Per variant: the mean over the real (non-padding) query rows of the largest weight, of the entropy (nats),
+    of the weight on keys the mask forbids, and of the row sums."""
     variants = pitfall_patterns(trace, step, layer, head, batch)
     if variants is None:
         return None
     mask = trace.get(act_name("mask", layer), step)
     assert mask is not None  # pitfall_patterns read it
     forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])
+    real = real_query_rows(trace, step, batch, forbidden.shape[0])
+    if not bool(real.any()):  # no real row at all: the means are over every row rather than none
+        real = torch.ones_like(real)
     rows = []
     for name, a in variants.items():
+        a, forbidden_rows = a[real], forbidden[real]
         p = a.clamp_min(1e-300)
         rows.append({"variant": name, "max weight (mean over rows)": float(a.max(-1).values.mean()),
                      "entropy, nats (mean over rows)": float(-(a * p.log()).sum(-1).mean()),
-                     "weight on forbidden keys": float((a * forbidden).sum(-1).mean()),
+                     "weight on forbidden keys": float((a * forbidden_rows).sum(-1).mean()),
                      "row sum": float(a.sum(-1).mean())})
     return pd.DataFrame(rows)
 
@@ -492,21 +505,34 @@ def pitfall_sentence(trace: Trace, step: int, layer: int, head: int, batch: int 
         return ""
     forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
     n_rows, t = forbidden.shape  # [n, t]
+    real = real_query_rows(trace, step, batch, n_rows)
+    if not bool(real.any()):  # as pitfall_table: every row, rather than none
+        real = torch.ones_like(real)
     query_col = torch.arange(t - n_rows, t)[:, None]  # each query row's own column
     later = torch.arange(t)[None, :] > query_col
-    future, padding = int((forbidden & later).sum()), int((forbidden & ~later).sum())
+    forbidden = forbidden & real[:, None]  # a padding row's output is never read: its leaks matter to no one
+    facts = trace.generation
+    real_keys = (torch.tensor(facts.is_token(batch, step)[:t], dtype=torch.bool) if facts is not None
+                 else torch.ones(t, dtype=torch.bool))[None, :]
+    future = int((forbidden & later).sum())
+    padding = int((forbidden & ~later & ~real_keys).sum())
+    window = int((forbidden & ~later & real_keys).sum())  # an earlier real key hidden: a sliding window
     first = (f"Without {scaling} the scores are larger and the softmax far peakier (a larger max weight, a lower "
              "entropy).")
-    if not future and not padding:
+    if not future and not padding and not window:
         return (first + " At this step M forbids nothing: its query row is the newest position, with no key after "
                 "it and no padding, so leaving M out or masking after the softmax gives exactly the model's weights "
                 "(the table shows no leak and row sums of 1). The other two pitfalls show on the prefill, step 0, "
                 "or on any step with the KV cache off.")
     leaks = [f"the {future:,} (query, key) pairs where the key comes after its query"] if future else []
     leaks += [f"the {padding:,} pairs where the key is padding"] if padding else []
+    leaks += [f"the {window:,} pairs where the key is earlier than the sliding window reaches"] if window else []
     after = table.set_index("variant").loc["mask after the softmax", "row sum"]
+    skipped = n_rows - int(real.sum())
+    padding_rows = f"; the {skipped} padding rows, which no one reads, left out" if skipped else ""
     return (first + " Without M, weight leaks onto " + " and onto ".join(leaks) + " that M forbids here. "
-            + (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum {after:.3f})."
+            + (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum {after:.3f} over the "
+               f"{int(real.sum())} real query rows{padding_rows})."
                if after < 1 - 1e-9 else "Masking after the softmax leaves the row sums at 1 here: the forbidden "
                "keys held no weight."))
 
@@ -564,9 +590,19 @@ def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) 
     for i, m in enumerate(mats.values(), start=1):
         g = grid(m, [f"d{j}" for j in range(m.shape[1])], ys)
         add(fig, g, "signed", row=1, col=i, zmin=-top, zmax=top, showscale=i == 4, colorbar="value")
-        style_axes(fig, g, row=1, col=i, max_ticks=8, y_ticks=i == 1, x_title="d_head", y_title="position")
+        style_axes(fig, g, row=1, col=i, max_ticks=8, y_ticks=i == 1, x_title="d_head", y_title="column · token")
     fig.update_layout(height=max(260, min(700, 140 + 16 * len(ys))), margin={"t": 40, "l": 10, "r": 10, "b": 10})
     return fig
+
+
+def rope_title(query_col: int, key_col: int, m: int, n: int) -> str:
+    """The RoPE check's title: the columns (as every other view counts them) and the positions the rotation uses
+    (real tokens before it: padding does not move a token's position), said apart where they differ."""
+    if (query_col, key_col) == (m, n):
+        return (f"query in column {query_col}, key in column {key_col}, rotated as positions m = {m}, n = {n}: "
+                f"m − n = {m - n}")
+    return (f"query in column {query_col} → position m = {m}, key in column {key_col} → position n = {n} (RoPE "
+            f"counts real tokens, not padding): m − n = {m - n}")
 
 
 @fitted
@@ -606,8 +642,8 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
         go.Scatter(x=shifts.tolist(), y=key_only.tolist(), mode="lines", name="key alone moved: R(m)q·R(n+s)k",
                    line={"dash": "dot"}),
     ])
-    fig.update_layout(height=320, margin={"t": 70, "l": 10, "r": 10, "b": 10}, xaxis_title_text="shift s (positions)",
+    fig.update_layout(height=340, margin={"t": 90, "l": 10, "r": 10, "b": 10}, xaxis_title_text="shift s (positions)",
                       yaxis_title_text="qᵀk after rotation",
                       legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"}, title_font_size=13,
-                      title_text=f"query at position {m_pos}, key at position {n_pos}: m − n = {m_pos - n_pos}")
+                      title_text=rope_title(query_col, key_col, m_pos, n_pos))
     return fig

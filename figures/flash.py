@@ -133,7 +133,7 @@ def flash_attention(trace: Trace, step: int, layer: int, head: int, batch: int =
     m = torch.full((qh.shape[0],), -math.inf, dtype=torch.float64)
     l = torch.zeros(qh.shape[0], dtype=torch.float64)  # noqa: E741 - the paper's ℓ
     acc = torch.zeros(qh.shape[0], vh.shape[-1], dtype=torch.float64)
-    tiles = []
+    tiles: list[Tile] = []
     for index, start in enumerate(range(0, t, block)):
         end = min(t, start + block)
         s = scores[:, start:end]  # one tile of S: the only scores held

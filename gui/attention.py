@@ -166,6 +166,9 @@ def zoom_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
         chart(long_views.distance_figure(stats), key="zoom_distance")
 
 
+GRADIENTS_KEPT = 32  # backward passes kept per session, per (step, layer, head, sequence, loss): small [t, t] tensors
+
+
 def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
     app = state()
     gen = app.live_generation
@@ -173,10 +176,6 @@ def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int
         st.info("The backward pass runs the live model on this generation's tokens: Step once (or leave the file "
                 "view).")
         return
-    st.markdown("Backpropagation through attention: from a loss L, the gradient of every stage of this head, "
-                "O = P·V, P = softmax(S), S = s·QKᵀ + M. Given G_O = ∂L/∂O: G_V = Pᵀ·G_O, G_P = G_O·Vᵀ, row by row "
-                "G_S,r = (diag(P_r) − P_r P_rᵀ)·G_P,r (the softmax's Jacobian), G_Q = s·G_S·K and G_K = s·G_Sᵀ·Q. "
-                "Each is computed here from its formula and compared with autograd's on the same forward.")
     loss = st.radio("loss L", list(GRADIENT_LOSSES), horizontal=True, key="grad_loss", persist_state="page",
                     help="next-token cross-entropy: the mean over every position that has a next token · "
                          "−log p(chosen token): of the token this step chose")
@@ -185,33 +184,53 @@ def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int
 
 
 def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: int, loss: str) -> None:
+    """Computed when the view opens (one forward and backward, about a second on the bundled models) and kept
+    per (step, layer, head, sequence, loss): coming back to a head shows it again at once."""
     app = state()
     wanted = (step, layer, head, batch, loss)
-    if st.button("Run the backward pass", key="grad_run", type="primary"):
+    kept = app.gradients
+    if wanted not in kept:
         try:
             with st.spinner("forward and backward…"):
-                app.gradients = (wanted, attention_gradients(gen, step, layer, head, batch, loss))
+                result = attention_gradients(gen, step, layer, head, batch, loss)
         except ValueError as e:
             st.error(plain(e))
             return
-    if app.gradients is None or app.gradients[0] != wanted:
-        st.caption("Press the button: one forward of this step's tokens with gradients on, then the backward pass "
-                   f"of L, read at layer {layer}, head {head}. The generation itself is not touched.")
-        return
-    result = app.gradients[1]
-    worst = max(result.max_abs_delta(name) for name in result.formula)
-    if worst <= 1e-5:
-        st.success(f"L = {result.loss:.4f} ({loss}). All six gradients computed from their formulas equal autograd's "
-                   f"within {worst:.1e}.")
-    else:
-        st.error(f"L = {result.loss:.4f}. A formula differs from autograd by {worst:.2e}: see the titles.")
+        while len(kept) >= GRADIENTS_KEPT:
+            kept.pop(next(iter(kept)))  # the oldest first
+        kept[wanted] = result
+    result = kept[wanted]
+    level, text = grad_views.agreement(result)
+    keys = key_labels(trace, step, batch)
+    takeaway(text, [("loss L", f"{result.loss:.4f}"),
+                    ("largest |formula − autograd|", f"{max(result.max_abs_delta(n) for n in result.computed):.1e}"),
+                    ("query rows", str(result.formula["G_P"].shape[0]))],
+             details=("Backpropagation through attention: from a loss L, the gradient of every stage of this head, "
+                      "O = P·V, P = softmax(S), S = s·QKᵀ + M. Given G_O = ∂L/∂O (autograd's: everything after O is "
+                      "the rest of the model): G_V = Pᵀ·G_O, G_P = G_O·Vᵀ, row by row G_S,r = (diag(P_r) − "
+                      "P_r P_rᵀ)·G_P,r (the softmax's Jacobian), G_Q = s·G_S·K and G_K = s·G_Sᵀ·Q"
+                      + (" — with a soft-cap S = c·tanh(s·QKᵀ/c) + M, G_S is first multiplied element by element by "
+                         "the cap's derivative 1 − tanh²(s·QKᵀ/c)" if result.softcap else "")
+                      + ". Each is computed here from its formula and compared with autograd's on the same forward. "
+                      + grad_views.scope_sentence(gen.facts, step)))
+    if level == "error":
+        st.error(text)
+    if step > 0 and gen.facts.step(step).forward.n < gen.facts.width(step):
+        st.caption(grad_views.scope_sentence(gen.facts, step))
     H, G = trace.config.n_head, trace.config.n_kv_head or trace.config.n_head
     if G < H:
         st.caption(f"K and V serve {H // G} query heads each here, so G_K and G_V are the sums over those heads, as "
                    "autograd's are.")
-    chart(grad_views.gradients_figure(result, key_labels(trace, step, batch)), key="grad_chart")
-    st.caption("‖∂L/∂x‖ of every layer: a line falling or rising by decades with depth is a vanishing or "
-               "exploding gradient.")
+    chart(grad_views.gradients_figure(result, keys), key="grad_chart")
+    rows = result.formula["G_P"].shape[0]
+    row = st.selectbox("follow one query row: G_O → G_P → G_S", list(range(rows)), index=rows - 1,
+                       format_func=lambda i: keys[i] if i < len(keys) else str(i), key=f"grad_follow_{step}")
+    st.caption(grad_views.row_sentence(result, row, keys))
+    st.dataframe(grad_views.row_table(result, row, keys), hide_index=True, key="grad_row_table",
+                 column_config={c: st.column_config.NumberColumn(format="%.3e") for c in (
+                     "G_P,rj = G_O,r·v_j", "G_P,rj − Σ P·G_P", "G_S,rj = P_rj·(G_P,rj − Σ P·G_P)",
+                     "G_S,rj (autograd)")})
+    st.caption(grad_views.norms_sentence(result))
     chart(grad_views.gradient_norms_figure(result), key="grad_norms_chart")
 
 

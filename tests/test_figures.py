@@ -256,14 +256,16 @@ def test_rope_in_numbers_picks_real_tokens_of_a_padded_sequence(llama_gen, side)
     short, width = len(tok.encode(prompts[1])), max(len(tok.encode(p)) for p in prompts)
     real_cols = list(range(width - short, width)) if side == "left" else list(range(short))
     fig = attention.rope_relative_figure(g.trace, 0, 1, 4, batch=1)
-    assert fig.layout.title.text.startswith(f"query at position {short - 1}, key at position 0:")
+    title = fig.layout.title.text  # the columns as every view counts them, and the positions RoPE rotates with
+    assert f"query in column {real_cols[-1]}" in title and f"key in column {real_cols[0]}" in title
+    assert f"m = {short - 1}" in title and "n = 0" in title
     q, k = g.trace.get("blocks.1.attn.hook_q", 0)[1, 4], g.trace.get("blocks.1.attn.hook_k", 0)[1, 4 // 3]
     cos, sin = rope_cos_sin(model.config, torch.arange(short)[None])
     rq = apply_rope(q[real_cols[-1]].expand(1, 1, short, -1), cos, sin)[0, 0, short - 1]
     rk = apply_rope(k[real_cols[0]].expand(1, 1, short, -1), cos, sin)[0, 0, 0]
     assert fig.data[0].y[0] == pytest.approx(float(rq.double() @ rk.double()), rel=1e-4, abs=1e-5)
     decode = attention.rope_relative_figure(g.trace, 1, 1, 4, batch=1)  # the one new row: the token just chosen
-    assert decode.layout.title.text.startswith(f"query at position {short}, key at position {short}:")
+    assert f"m = {short}, " in decode.layout.title.text and f"n = {short}" in decode.layout.title.text
 
 
 # -- the flow -------------------------------------------------------------------------------------------

@@ -211,3 +211,198 @@ def test_15_the_timing_warning_does_not_state_an_unmeasured_cause(matrix):
     text = cache.timing_warning(slow)
     assert "another program was running" not in text and "Why was not measured" in text
     assert "1000.0 ms cached vs 1.0 ms full" in text
+
+
+# -- 16: what a padding query row attends to, as the docs say it ---------------------------------------------
+def test_16_padding_query_rows_attend_where_the_docs_say(matrix):
+    from pathlib import Path
+
+    limits = " ".join((Path(__file__).parents[1] / "docs" / "limits.md").read_text().split())
+    assert "attend only to themselves" not in limits
+    assert "With left padding a padding row comes before every real token" in limits
+    assert "With right padding a padding row comes after the real tokens, and attends to them and to itself" in limits
+    assert "a transformers-run model gives it the weight 1/t on every key" in limits
+    for name in ("left padding", "right padding", "gemma2 (window, soft-cap)"):
+        gen, trace = matrix[name]
+        facts = trace.generation
+        real = facts.is_token(1, 0)  # "Tom ran": the short, padded sequence, at the prefill
+        pattern = trace.get(act_name("pattern", 0), 0)[1, 0]  # [t, t]
+        t = len(real)
+        for row in (i for i in range(t) if not real[i]):
+            weights = pattern[row]
+            if facts.info.padding_side == "right":
+                seen = {j for j in range(t) if weights[j] > 0}
+                assert seen == {j for j in range(row + 1) if real[j]} | {row}, (name, row)
+            elif gen.model.config.family == "hf":
+                assert torch.allclose(weights, torch.full_like(weights, 1 / t)), (name, row)
+            else:
+                assert weights[row] == pytest.approx(1.0) and float(weights.sum()) == pytest.approx(1.0)
+
+
+# -- 2: the logit lens labels its columns as every other view does ------------------------------------------------
+def test_2_the_logit_lens_labels_each_column_by_its_own_position(matrix):
+    from figures import whatif
+    from figures.common import key_labels, safe_text
+    from tracer import logit_lens
+
+    live = matrix["left padding"][0].model
+    for name, gen, trace, step, batch in cases(matrix):
+        model = gen.model if gen is not None else live
+        frame = logit_lens(trace, step, batch, model=model)
+        fig, _ = whatif.lens_figure(frame, model.config.n_layer)
+        n = trace.record(act_name("q", 0), step).shape[2]
+        heat = fig.data[-1]
+        wanted = [safe_text(label) for label in key_labels(trace, step, batch)[-n:]][-len(heat.x):]
+        assert [x.split(" · ")[0] for x in heat.x] == [w.split(" · ")[0] for w in wanted], (name, step, batch)
+
+
+# -- 9, 10, 11, 12: the gradients' sentences -----------------------------------------------------------------------
+def gradient_cases(matrix):
+    for name in ("story-gpt", "cache off", "left padding", "right padding", "story-llama",
+                 "gemma2 (window, soft-cap)"):
+        gen = matrix[name][0]
+        for step in (0, 2):
+            yield name, gen, step
+
+
+def test_9_10_11_the_gradients_say_what_they_cover_and_what_they_compute(matrix):
+    from figures import gradients as grad_views
+    from tracer import attention_gradients
+
+    for _, gen, step in gradient_cases(matrix):
+        batch = gen.facts.batch_size - 1  # the short, padded sequence of a batch
+        result = attention_gradients(gen, step, gen.model.config.n_layer - 1, 1, batch)
+        forward, t = gen.facts.step(step).forward, gen.facts.width(step)
+        # 9: a cached decode step's one row is the last of the t rows the fresh forward computes
+        scope = grad_views.scope_sentence(gen.facts, step)
+        assert result.formula["G_P"].shape == (t, t)
+        if forward.n < t:
+            assert f"fresh forward of all {t} positions without the cache" in scope and "cached decode step" in scope
+        else:
+            assert f"show its {t} query rows" in scope
+        # 10: G_O is autograd's own, named so; the five others are compared
+        level, text = grad_views.agreement(result)
+        assert level == "success" and "All six" not in text
+        assert "Starting from autograd's G_O = ∂L/∂O, the 5 gradients computed from their formulas" in text
+        assert result.computed == ("G_V", "G_P", "G_S", "G_Q", "G_K")
+        fig = grad_views.gradients_figure(result, [str(j) for j in range(t)])
+        titles = [a.text for a in fig.layout.annotations]
+        assert titles[0].endswith("autograd's own") and all("|Δ| ≤" in x for x in titles[1:])
+        # item 5: one colour bar per panel
+        bars = [d for d in fig.data if d.type == "heatmap" and d.showscale is not False and d.colorbar.title.text]
+        assert sorted(b.colorbar.title.text for b in bars) == sorted(result.formula)
+        # 11: the norms' sentence states the factors and calls a trend only when there is one
+        norms = result.norms["resid_pre"]
+        factors = [norms[i] / norms[i + 1] for i in range(len(norms) - 1)]
+        sentence = grad_views.norms_sentence(result)
+        for i, f in enumerate(factors):
+            assert f"block {i + 1} → {i}: ×{f:.3g}" in sentence
+        vanishing, exploding = all(f <= 0.1 for f in factors), all(f >= 10 for f in factors)
+        if len(factors) < 2:
+            assert "one change, not a trend" in sentence
+        else:
+            assert ("vanishing toward the input" in sentence) == vanishing
+            assert ("exploding toward the input" in sentence) == exploding
+            assert ("shows neither" in sentence) == (not vanishing and not exploding)
+
+
+def test_11_a_steady_fall_is_called_vanishing():
+    import dataclasses
+
+    from figures import gradients as grad_views
+    from tracer import HeadGradients
+
+    base = HeadGradients("x", 1.0, 0, 0, 0, {}, {}, {"resid_pre": [1e-6, 1e-4, 1e-2, 1.0]})
+    assert "vanishing toward the input" in grad_views.norms_sentence(base)
+    rising = dataclasses.replace(base, norms={"resid_pre": [1e6, 1e4, 1e2, 1.0]})
+    assert "exploding toward the input" in grad_views.norms_sentence(rising)
+    two = dataclasses.replace(base, norms={"resid_pre": [10.7, 1.0]})
+    assert "one change, not a trend" in grad_views.norms_sentence(two)
+
+
+def test_12_a_soft_capped_head_gets_its_gradients_with_the_caps_factor(tmp_path):
+    """Gemma 2 with a small cap, so that the factor 1 − tanh²(s·QKᵀ/c) is far from 1: the formulas with it equal
+    autograd's; without it (G_Q = s·G_S·K) they would not."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from model import load_hf
+    from model.sources import ASSETS
+    from tests.hf_architectures import ARCHITECTURES
+    from tracer import TracedGeneration, attention_gradients
+
+    kwargs = dict(ARCHITECTURES["gemma2"][1], attn_logit_softcapping=0.5)
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(transformers.Gemma2Config(**kwargs)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(4.0)  # scores large against the cap
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((ASSETS / "story-gpt" / "tokenizer.json").read_bytes())
+    model, tok = load_hf(tmp_path)
+    assert model.config.attn_softcap == 0.5
+    gen = TracedGeneration(model, tok, ["Once upon a time, there was a little girl named Lily.", "Tom ran"],
+                           temperature=0)
+    gen.run(2)
+    for step in (0, 1):
+        for layer in (0, 1):
+            result = attention_gradients(gen, step, layer, 2, 0)
+            assert result.softcap == 0.5
+            scale = model.config.attn_scale
+            q, k = gen.trace.get(act_name("q", layer), step)[0, 2].double(), None
+            k_all = gen.trace.get(act_name("k_all", layer), step)[0].double()
+            k = k_all[2 // (model.config.n_head // model.config.n_kv_head)]
+            for name in ("G_Q", "G_K"):
+                top = float(result.autograd[name].abs().max())
+                assert top > 0
+                assert result.max_abs_delta(name) <= 1e-6 * max(1.0, top), (step, layer, name)
+            plain_q = scale * result.formula["G_S"] @ k  # without the cap's factor
+            assert float((plain_q - result.autograd["G_Q"]).abs().max()) > 1e-3 * top, (step, layer)
+            del q
+
+
+# -- 13: a column is a column; RoPE names the position it rotates with -----------------------------------------
+def test_13_rope_says_column_and_rotation_position_apart(matrix):
+    from figures import attention
+
+    for name in ("left padding", "right padding", "story-llama", "loaded trace"):
+        _, trace = matrix[name]
+        if trace.config.positions != "rope":
+            continue
+        for step in range(STEPS):
+            for batch in range(trace.generation.batch_size):
+                fig = attention.rope_relative_figure(trace, step, 0, 0, batch)
+                if fig is None:
+                    continue
+                title = fig.layout.title.text
+                forward = trace.generation.step(step).forward
+                real = trace.generation.is_token(batch, step)
+                new = [j for j in range(forward.t - forward.n, forward.t) if real[j]]
+                query_col, key_col = new[-1], new[0]
+                m, n = sum(real[:query_col]), sum(real[:key_col])
+                assert f"query in column {query_col}" in title and f"m = {m}" in title, (name, step, batch, title)
+                assert f"key in column {key_col}" in title and f"n = {n}" in title
+                assert ("not padding" in title) == ((query_col, key_col) != (m, n))
+        fig = attention.rope_figure(trace, 0, 0, 0, 0)
+        assert fig.layout.yaxis.title.text == "column · token"
+
+
+# -- 14: the pitfalls' means are over the real query rows --------------------------------------------------------
+def test_14_the_pitfalls_average_the_real_query_rows_only(matrix):
+    from figures import attention
+
+    for name, _, trace, step, batch in cases(matrix):
+        for layer in (0, trace.config.n_layer - 1):
+            variants = attention.pitfall_patterns(trace, step, layer, 0, batch)
+            n = variants["as the model does it"].shape[0]
+            real = torch.tensor(trace.generation.is_token(batch, step)[-n:])
+            table = attention.pitfall_table(trace, step, layer, 0, batch).set_index("variant")
+            after = variants["mask after the softmax"][real]
+            assert table.loc["mask after the softmax", "row sum"] == pytest.approx(float(after.sum(-1).mean()))
+            text = attention.pitfall_sentence(trace, step, layer, 0, batch)
+            if "mean row sum" in text:
+                assert f"mean row sum {float(after.sum(-1).mean()):.3f} over the {int(real.sum())} real query" in text
+                padding = n - int(real.sum())
+                assert (f"the {padding} padding rows" in text) == (padding > 0)
+            if name.startswith("gemma2") and step > 0:
+                assert "where the key is padding" not in text or batch == 1  # the window is not padding
