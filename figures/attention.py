@@ -647,3 +647,35 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
                       legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"}, title_font_size=13,
                       title_text=rope_title(query_col, key_col, m_pos, n_pos))
     return fig
+
+
+def stages_takeaway(trace: Trace, step: int, layer: int, head: int, batch: int = 0
+                    ) -> tuple[str, list[tuple[str, str]]] | None:
+    """The Stages view's takeaway, from the head's recorded weights: where the last real query row puts most of
+    its weight, and how many (query, key) pairs M hides; None when the weights were not kept."""
+    pattern = trace.get(act_name("pattern", layer), step)
+    mask = trace.get(act_name("mask", layer), step)
+    if pattern is None:
+        return None
+    a = pattern[batch, head].double()  # [n, t]
+    n, t = a.shape
+    real = real_query_rows(trace, step, batch, n)
+    row = int(real.nonzero().max()) if bool(real.any()) else n - 1
+    keys, queries = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    top = int(a[row].argmax())
+    hidden = int((~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])).sum()) if mask is not None else 0
+    sentence = (f"Scores, scaled, masked, softmaxed: the last real query, {inert(queries[row])}, puts "
+                f"{float(a[row, top]):.0%} of its weight on key {inert(keys[top])}.")  # markdown: labels made inert
+    return sentence, [("query rows × keys", f"{n} × {t}"), ("largest weight of that row", f"{float(a[row, top]):.3f}"),
+                      ("pairs M hides", f"{hidden:,}")]
+
+
+def rope_takeaway(figure: go.Figure) -> str:
+    """RoPE's takeaway, read from the relative figure's own numbers: moving both q and k leaves their score as it
+    was (to rounding), moving the key alone does not."""
+    together = [float(v) for v in figure.data[0].y]
+    alone = [float(v) for v in figure.data[1].y]
+    drift = max(abs(v - together[0]) for v in together)
+    change = max(abs(v - alone[0]) for v in alone)
+    return (f"Moving query and key together by up to {len(together) - 1} positions changes their score by at most "
+            f"{drift:.1e}; moving the key alone changes it by up to {change:.3g}: the score depends on m − n only.")

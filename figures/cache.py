@@ -436,3 +436,33 @@ def sharing_sentence(run: CachePrecisionRun) -> str:
             f"{run.reference_bytes:,} B instead of {multi:,} B in the model's precision: {sharing:.0%} less. "
             f"Storing as {run.storage} holds {run.stored_bytes:,} B of those {run.reference_bytes:,} B: "
             f"{quantizing:.0%} less. Together, {both:.0%} less than a multi-head cache in the model's precision.")
+
+
+def growth_takeaway(config, t_now: int, itemsize: int = 4,
+                    n_now: int | None = None) -> tuple[str, list[tuple[str, str]]]:
+    """The view's takeaway: at this step's t, what attention's products and the MLP cost, and what this step's
+    scores hold against the whole cache, counted from the model's widths."""
+    from model.analysis import forward_parts
+
+    n_now = t_now if n_now is None else n_now
+    parts = forward_parts(config, 1, n_now, t_now)
+    attention, mlp = parts["QKᵀ and A·V"], parts["MLP"]
+    H, G = config.n_head, getattr(config, "n_kv_head", None) or config.n_head
+    scores = H * n_now * t_now * itemsize
+    cache = 2 * config.n_layer * G * t_now * config.d_head * itemsize
+    verb = "more than" if attention > mlp else "less than" if attention < mlp else "as much as"
+    sentence = (f"At t = {t_now}, attention's products cost {verb} the MLP ({attention:,} against {mlp:,} "
+                f"multiply-adds at this step): attention grows with n·t, the MLP with n.")
+    return sentence, [("attention ÷ MLP (multiply-adds)", f"{attention / mlp:.3g}×"),
+                      ("this step's scores, one layer", _size(scores)), ("KV cache, all layers", _size(cache))]
+
+
+def precision_takeaway(run: CachePrecisionRun) -> str:
+    """The cheaper cache's takeaway, from the run: how much less it holds and whether any step's choice changed."""
+    saved = 1 - run.stored_bytes / run.reference_bytes
+    first = run.first_difference
+    worst = max(s.max_abs_delta for s in run.steps)
+    return (f"Stored as {run.storage}, the cache holds {saved:.0%} less"
+            + (f", and no step's own choice differs in {len(run.steps)} steps (largest |Δ logits| {worst:.3g})."
+               if first is None else f"; from step {first} its own choice would differ (largest |Δ logits| "
+               f"{worst:.3g})."))

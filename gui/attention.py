@@ -63,6 +63,9 @@ def attention_tab(trace: Trace, step: int) -> None:
                 explain_missing_values(trace, step, "attention heatmaps")
                 st.markdown("\n".join(f"- **{s.title}**: `{s.shapes}`" for s in stages))
             else:
+                said = attn_views.stages_takeaway(trace, step, layer, head, batch)
+                if said is not None:
+                    takeaway(said[0], said[1])
                 shared = st.toggle("one colour scale for the scores" if not usual else
                                    "one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared", persist_state="page",
                                    help="With one scale, the scaling shows as what it does: every score "
@@ -338,18 +341,23 @@ def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
     if reason is not None:
         st.info(reason)
         return
-    st.markdown("RoPE turns position into rotation: q at position m becomes R(m)q and k at position n becomes "
-                "R(n)k, rotating each pair of dimensions i by the angle m·θᵢ. Since R(m)ᵀR(n) = R(n − m), the "
-                "score R(m)q · R(n)k depends on the positions only through m − n (Su et al., 2021, RoFormer). "
-                "This model, like Hugging Face's Llama, pairs dimension i with i + d_head/2 (the two halves); the "
-                "RoFormer paper writes the rotation on consecutive pairs (2i, 2i + 1) — the same rotations on "
-                "a permuted order of dimensions.")
+    details = ("RoPE turns position into rotation: q at position m becomes R(m)q and k at position n becomes "
+               "R(n)k, rotating each pair of dimensions i by the angle m·θᵢ. Since R(m)ᵀR(n) = R(n − m), the "
+               "score R(m)q · R(n)k depends on the positions only through m − n (Su et al., 2021, RoFormer). "
+               "This model, like Hugging Face's Llama, pairs dimension i with i + d_head/2 (the two halves); the "
+               "RoFormer paper writes the rotation on consecutive pairs (2i, 2i + 1) — the same rotations on "
+               "a permuted order of dimensions. Rows are labelled by column, as in every view; the position a "
+               "token is rotated with counts the real tokens before it (padding does not move it).")
+    relative = attn_views.rope_relative_figure(trace, step, layer, head, batch)
+    if relative is not None:
+        takeaway(attn_views.rope_takeaway(relative), details=details)
+    else:
+        st.markdown(details)
     figure = attn_views.rope_figure(trace, step, layer, head, batch)
     if figure is None:
         explain_missing_values(trace, step, "Q and K before and after the rotation")
         return
     chart(figure, key="rope_chart")
-    relative = attn_views.rope_relative_figure(trace, step, layer, head, batch)
     if relative is not None:
         chart(relative, key="rope_relative_chart")
     else:

@@ -9,6 +9,7 @@ from figures import attention as attn_views
 from figures import cache as cache_views
 from figures.common import facts_of
 from gui.common import chart, layer_head_batch, plain, remembered_tabs, state, values_kept
+from gui.takeaway import takeaway
 from model.gpt import act_name
 from session import caches
 from tracer import Trace, cache_precision
@@ -44,11 +45,12 @@ def cache_tab(trace: Trace, step: int) -> None:
             forward = facts_of(trace).step(step).forward
             figure, sentence = cache_views.growth_figure(trace.config, forward.t, itemsize, forward.n,
                                                          cache_views.window_layers(trace, step))
-            st.caption("Counted from this model's widths for a full forward of n positions (no cache), n from 1 to its "
-                       "n_ctx, both axes logarithmic: the time of attention is O(n²·d), of everything else O(n·d²); "
-                       "its memory O(n²) for the scores against O(n·d) for the cache (Vaswani et al., 2017).")
+            line, metrics = cache_views.growth_takeaway(trace.config, forward.t, itemsize, forward.n)
+            takeaway(line, metrics, details=(
+                "Counted from this model's widths for a full forward of n positions (no cache), n from 1 to its n_ctx, "
+                "both axes logarithmic: the time of attention is O(n²·d), of everything else O(n·d²); its memory "
+                "O(n²) for the scores against O(n·d) for the cache (Vaswani et al., 2017).\n\n" + sentence))
             chart(figure, key="growth_chart")
-            st.caption(sentence)
 
 
 def cheaper_cache() -> None:
@@ -82,6 +84,7 @@ def cheaper_cache() -> None:
         st.caption("Choose a format and the number of steps, then run.")
         return
     first = run.first_difference
+    st.markdown(f"**{cache_views.precision_takeaway(run)}**")
     metrics = st.columns(3)
     metrics[0].metric(f"{run.storage} cache after {len(run.steps)} steps", f"{run.stored_bytes:,} B",
                       f"{run.stored_bytes / run.reference_bytes - 1:+.0%} against {run.reference_bytes:,} B",

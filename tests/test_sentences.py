@@ -406,3 +406,43 @@ def test_14_the_pitfalls_average_the_real_query_rows_only(matrix):
                 assert (f"the {padding} padding rows" in text) == (padding > 0)
             if name.startswith("gemma2") and step > 0:
                 assert "where the key is padding" not in text or batch == 1  # the window is not padding
+
+
+# -- say it first: each view's takeaway, from its own numbers ----------------------------------------------------
+def test_the_takeaways_state_their_own_numbers(matrix):
+    from figures import attention, cache, whatif
+    from figures.common import inert, key_labels
+    from model.analysis import forward_parts
+    from tracer import direct_logit_attribution, logit_lens
+
+    live = matrix["left padding"][0].model
+    for name, gen, trace, step, batch in cases(matrix):
+        layer = trace.config.n_layer - 1
+        a = trace.get(act_name("pattern", layer), step)[batch, 0].double()
+        real = trace.generation.is_token(batch, step)[-a.shape[0]:]
+        row = max(i for i, r in enumerate(real) if r)
+        top = int(a[row].argmax())
+        sentence, metrics = attention.stages_takeaway(trace, step, layer, 0, batch)
+        assert f"puts {float(a[row, top]):.0%} of its weight on key {inert(key_labels(trace, step, batch)[top])}" \
+            in sentence, (name, step, batch)
+        forward = trace.generation.step(step).forward
+        parts = forward_parts(trace.config, 1, forward.n, forward.t)
+        line, numbers = cache.growth_takeaway(trace.config, forward.t, 4, forward.n)
+        assert f"({parts['QKᵀ and A·V']:,} against {parts['MLP']:,} multiply-adds" in line
+        assert dict(numbers)["this step's scores, one layer"] == cache._size(trace.config.n_head * forward.n
+                                                                             * forward.t * 4)
+        model = gen.model if gen is not None else live
+        lens = logit_lens(trace, step, batch, model=model)
+        said, _ = whatif.lens_takeaway(lens)
+        last = lens[lens["position"] == lens.loc[lens["is_token"], "position"].max()].sort_values("layer")
+        assert f"p = {float(last['final_prob'].iloc[0]):.3f} after block 0" in said
+        if model.config.family != "hf":  # attribution needs our own final norm (it refuses the others, saying so)
+            frame = direct_logit_attribution(trace, step, batch, model=model)
+            said, _ = whatif.attribution_takeaway(frame, "x")
+            best = frame.loc[frame["contribution"].idxmax()]
+            assert said.startswith(f"{best['component']} adds the most") and f"{best['contribution']:+.3f}" in said
+        if trace.config.positions == "rope" and trace.config.family != "hf":
+            fig = attention.rope_relative_figure(trace, step, 0, 0, batch)
+            said = attention.rope_takeaway(fig)
+            drift = float(said.split("at most ")[1].split(";")[0])
+            assert drift < 1e-3  # together: the same score to rounding
