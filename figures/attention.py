@@ -92,7 +92,7 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
     d_k = q[-1]
     kt = (*k[:-2], k[-1], k[-2])
     grouped = k[1] != q[1]
-    share = f" (each of the {k[1]} K heads serves {q[1] // k[1]} query heads)" if grouped else ""
+    share = f" ({q[1] // k[1]} query heads per K head)" if grouped else ""
     config = trace.config
     scale = getattr(config, "attn_scale", None)
     if scale is None or math.isclose(scale, d_k**-0.5, rel_tol=1e-6):
@@ -131,9 +131,11 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     the division by √d_k shows as what it is — the same picture, its colours √d_k times fainter."""
     stages = attention_stages(trace, step, layer, head, batch)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    wrap = len(stages) > 4  # five panels (a soft-capped model): the shapes line breaks before its result
+    # five panels (a soft-capped model), or a grouped model's longer QKᵀ line: the shapes line breaks before its
+    # result (at 1280 px the grouped line ran into its neighbour's, issue 41)
+    wrap = len(stages) > 4 or any(" query heads per K head)" in s.shapes for s in stages)
     titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>"
-              f"{s.shapes.replace(' → ', '<br>→ ').replace(' (each', '<br>(each') if wrap else s.shapes}</span>"
+              f"{s.shapes.replace(' → ', '<br>→ ').replace(' (', '<br>(') if wrap else s.shapes}</span>"
               for s in stages]
     fig = subplots(rows=1, cols=len(stages), subplot_titles=titles, horizontal_spacing=0.075)
     score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:-1] if s.matrix is not None]
@@ -554,7 +556,6 @@ def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 
 
 
 # -- RoPE -----------------------------------------------------------------------------------------------
-@fitted
 def rope_not_drawn(trace: Trace) -> str | None:
     """Why the RoPE views are not drawn for this trace's model, or None when they are. A transformers-run
     model rotates Q and K inside its own attention module, with its own variant (partial rotary, scaled
@@ -573,6 +574,7 @@ def rope_not_drawn(trace: Trace) -> str | None:
     return None
 
 
+@fitted
 def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
     """Q and K of one head before and after the rotation (query rows / key rows × d_head)."""
     if rope_not_drawn(trace) is not None:
