@@ -167,8 +167,10 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
     height = max(380, min(760, 220 + 16 * min(len(ys), 36)))  # room for the colour bars even with one row
     note = "pooled digest of evicted values" if any(s.pooled_only for s in stages) else pooled_note
-    fig.update_layout(height=height, margin={"t": 135 if wrap else 95, "l": 10, "r": 30, "b": 10},
-                      title_text=f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
+    # the figure's title at the very top, above the subplot titles (four lines when wrapped: they reached it)
+    fig.update_layout(height=height + (20 if wrap else 0), margin={"t": 155 if wrap else 95, "l": 10, "r": 30, "b": 10},
+                      title={"text": f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
+                             "y": 0.995, "yref": "container", "yanchor": "top"},
                       title_font_size=13)
     fig.update_annotations(font_size=12)
     return fig

@@ -150,15 +150,26 @@ def row_table(result: HeadGradients, row: int, keys: list[str]) -> pd.DataFrame:
 def row_sentence(result: HeadGradients, row: int, keys: list[str]) -> str:
     """One query row's walk from G_O to G_S, with its numbers."""
     table = row_table(result, row, keys)
+    label = keys[row] if row < len(keys) else row
+    if not bool(result.formula["G_O"][row].any()):
+        return (f"Row {label}: G_O,r = 0 — this position's output does not reach L (the last position has no next "
+                "token; −log p(chosen) reads only the chosen position), so G_P,r and G_S,r are zero too.")
     p, v = result.values["P"], result.values["V"]
     g_p = v @ result.formula["G_O"][row]
     mean = float((p[row] * g_p).sum())
     visible = table["P_rj"] > 0
     top = table.loc[table["G_S,rj = P_rj·(G_P,rj − Σ P·G_P)"].abs().idxmax()]
     delta = float((table["G_S,rj = P_rj·(G_P,rj − Σ P·G_P)"] - table["G_S,rj (autograd)"]).abs().max())
-    return (f"Row {keys[row] if row < len(keys) else row}: ‖G_O,r‖ = {float(result.formula['G_O'][row].norm()):.3g}. "
+    return (f"Row {label}: ‖G_O,r‖ = {float(result.formula['G_O'][row].norm()):.3g}. "
             f"G_P,r = G_O,r·Vᵀ gives one number per key ({int(visible.sum())} keys with weight > 0). The softmax's "
             f"Jacobian subtracts their P-weighted mean Σ_k P_rk·G_P,rk = {mean:.3g} and multiplies by P_r: keys "
             f"with no weight get no gradient, and the row of G_S sums to {float(table.iloc[:, 4].sum()):.1e} (zero: "
             f"shifting every score of a row changes no weight). The largest |G_S,rj| is at key {top['key']} "
             f"(P = {top['P_rj']:.3f}); autograd's row agrees within {delta:.1e}.")
+
+
+def default_row(result: HeadGradients) -> int:
+    """The last query row whose G_O is not zero (the last position has none under the next-token loss)."""
+    nonzero = result.formula["G_O"].abs().sum(dim=-1) > 0
+    rows = nonzero.nonzero()
+    return int(rows.max()) if rows.numel() else nonzero.shape[0] - 1

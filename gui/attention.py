@@ -226,7 +226,7 @@ def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: i
                    "autograd's are.")
     chart(grad_views.gradients_figure(result, keys), key="grad_chart")
     rows = result.formula["G_P"].shape[0]
-    row = st.selectbox("follow one query row: G_O → G_P → G_S", list(range(rows)), index=rows - 1,
+    row = st.selectbox("follow one query row: G_O → G_P → G_S", list(range(rows)), index=grad_views.default_row(result),
                        format_func=lambda i: keys[i] if i < len(keys) else str(i), key=f"grad_follow_{step}")
     st.caption(grad_views.row_sentence(result, row, keys))
     st.dataframe(grad_views.row_table(result, row, keys), hide_index=True, key="grad_row_table",

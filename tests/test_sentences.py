@@ -446,3 +446,20 @@ def test_the_takeaways_state_their_own_numbers(matrix):
             said = attention.rope_takeaway(fig)
             drift = float(said.split("at most ")[1].split(";")[0])
             assert drift < 1e-3  # together: the same score to rounding
+
+
+def test_5_following_one_row_opens_on_a_row_the_loss_reaches(matrix):
+    from figures import gradients as grad_views
+    from tracer import GRADIENT_LOSSES, attention_gradients
+
+    gen = matrix["left padding"][0]
+    for loss in GRADIENT_LOSSES:
+        result = attention_gradients(gen, 2, 1, 0, 0, loss)
+        row = grad_views.default_row(result)
+        assert result.formula["G_O"][row].abs().sum() > 0
+        assert not result.formula["G_O"][row + 1:].any()
+        keys = [str(j) for j in range(result.formula["G_P"].shape[0])]
+        table = grad_views.row_table(result, row, keys)
+        assert (table["G_S,rj = P_rj·(G_P,rj − Σ P·G_P)"] - table["G_S,rj (autograd)"]).abs().max() < 1e-6
+        if row + 1 < len(keys):
+            assert "G_O,r = 0" in grad_views.row_sentence(result, row + 1, keys)
