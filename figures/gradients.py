@@ -165,7 +165,7 @@ def row_sentence(result: HeadGradients, row: int, keys: list[str]) -> str:
             f"Jacobian subtracts their P-weighted mean Σ_k P_rk·G_P,rk = {mean:.3g} and multiplies by P_r: keys "
             f"with no weight get no gradient, and the row of G_S sums to {float(table.iloc[:, 4].sum()):.1e} (zero: "
             f"shifting every score of a row changes no weight). The largest |G_S,rj| is at key {top['key']} "
-            f"(P = {top['P_rj']:.3f}); autograd's row agrees within {delta:.1e}.")
+            f"(P = {top['P_rj']:.3g}); autograd's row agrees within {delta:.1e}.")
 
 
 def default_row(result: HeadGradients) -> int:
