@@ -477,7 +477,8 @@ class AppState:
     patching: PatchingRun | None = None
     comparison: Comparison | None = None
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
-    gradients: tuple[tuple, HeadGradients] | None = None  # (step, layer, head, sequence, loss), the backward pass
+    # (step, layer, head, sequence, loss) → the backward pass, kept so that returning to a head shows it at once
+    gradients: dict[tuple, HeadGradients] = field(default_factory=dict)
     gradient_trace: tuple[tuple, Trace] | None = None  # (step, loss), ∂L/∂x at every hook point
     last_compare_upload_id: str | None = None
     # Held by a script run for as long as it reads or changes this state. Streamlit answers a click that comes
@@ -530,7 +531,7 @@ class AppState:
         self.patching = None
         self.comparison = None
         self.precision = None
-        self.gradients = None
+        self.gradients = {}
         self.gradient_trace = None
 
     def open_file(self, loaded: LoadedTrace) -> None:

@@ -92,7 +92,7 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
     d_k = q[-1]
     kt = (*k[:-2], k[-1], k[-2])
     grouped = k[1] != q[1]
-    share = f" (each of the {k[1]} K heads serves {q[1] // k[1]} query heads)" if grouped else ""
+    share = f" ({q[1] // k[1]} query heads per K head)" if grouped else ""
     config = trace.config
     scale = getattr(config, "attn_scale", None)
     if scale is None or math.isclose(scale, d_k**-0.5, rel_tol=1e-6):
@@ -131,9 +131,11 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     the division by √d_k shows as what it is — the same picture, its colours √d_k times fainter."""
     stages = attention_stages(trace, step, layer, head, batch)
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
-    wrap = len(stages) > 4  # five panels (a soft-capped model): the shapes line breaks before its result
+    # five panels (a soft-capped model), or a grouped model's longer QKᵀ line: the shapes line breaks before its
+    # result (at 1280 px the grouped line ran into its neighbour's, issue 41)
+    wrap = len(stages) > 4 or any(" query heads per K head)" in s.shapes for s in stages)
     titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>"
-              f"{s.shapes.replace(' → ', '<br>→ ').replace(' (each', '<br>(each') if wrap else s.shapes}</span>"
+              f"{s.shapes.replace(' → ', '<br>→ ').replace(' (', '<br>(') if wrap else s.shapes}</span>"
               for s in stages]
     fig = subplots(rows=1, cols=len(stages), subplot_titles=titles, horizontal_spacing=0.075)
     score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:-1] if s.matrix is not None]
@@ -165,8 +167,10 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
     height = max(380, min(760, 220 + 16 * min(len(ys), 36)))  # room for the colour bars even with one row
     note = "pooled digest of evicted values" if any(s.pooled_only for s in stages) else pooled_note
-    fig.update_layout(height=height, margin={"t": 135 if wrap else 95, "l": 10, "r": 30, "b": 10},
-                      title_text=f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
+    # the figure's title at the very top, above the subplot titles (four lines when wrapped: they reached it)
+    fig.update_layout(height=height + (20 if wrap else 0), margin={"t": 155 if wrap else 95, "l": 10, "r": 30, "b": 10},
+                      title={"text": f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
+                             "y": 0.995, "yref": "container", "yanchor": "top"},
                       title_font_size=13)
     fig.update_annotations(font_size=12)
     return fig
@@ -462,21 +466,34 @@ def pitfall_patterns(trace: Trace, step: int, layer: int, head: int, batch: int 
     }
 
 
+def real_query_rows(trace: Trace, step: int, batch: int, n: int) -> torch.Tensor:
+    """[n] which of the step's query rows hold a token of sequence ``batch`` (not padding: no one reads a padding
+    row's output). Every row of a plain Tracer's trace (it records no padding)."""
+    facts = trace.generation
+    if facts is None:
+        return torch.ones(n, dtype=torch.bool)
+    return torch.tensor(facts.is_token(batch, step)[-n:], dtype=torch.bool)
+
+
 def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> pd.DataFrame | None:
-    """Per variant: the mean over query rows of the largest weight, of the entropy (nats), of the weight on
-    keys the mask forbids, and of the row sums."""
+    """Per variant: the mean over the real (non-padding) query rows of the largest weight, of the entropy (nats),
+    of the weight on keys the mask forbids, and of the row sums."""
     variants = pitfall_patterns(trace, step, layer, head, batch)
     if variants is None:
         return None
     mask = trace.get(act_name("mask", layer), step)
     assert mask is not None  # pitfall_patterns read it
     forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])
+    real = real_query_rows(trace, step, batch, forbidden.shape[0])
+    if not bool(real.any()):  # no real row at all: the means are over every row rather than none
+        real = torch.ones_like(real)
     rows = []
     for name, a in variants.items():
+        a, forbidden_rows = a[real], forbidden[real]
         p = a.clamp_min(1e-300)
         rows.append({"variant": name, "max weight (mean over rows)": float(a.max(-1).values.mean()),
                      "entropy, nats (mean over rows)": float(-(a * p.log()).sum(-1).mean()),
-                     "weight on forbidden keys": float((a * forbidden).sum(-1).mean()),
+                     "weight on forbidden keys": float((a * forbidden_rows).sum(-1).mean()),
                      "row sum": float(a.sum(-1).mean())})
     return pd.DataFrame(rows)
 
@@ -492,21 +509,34 @@ def pitfall_sentence(trace: Trace, step: int, layer: int, head: int, batch: int 
         return ""
     forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
     n_rows, t = forbidden.shape  # [n, t]
+    real = real_query_rows(trace, step, batch, n_rows)
+    if not bool(real.any()):  # as pitfall_table: every row, rather than none
+        real = torch.ones_like(real)
     query_col = torch.arange(t - n_rows, t)[:, None]  # each query row's own column
     later = torch.arange(t)[None, :] > query_col
-    future, padding = int((forbidden & later).sum()), int((forbidden & ~later).sum())
+    forbidden = forbidden & real[:, None]  # a padding row's output is never read: its leaks matter to no one
+    facts = trace.generation
+    real_keys = (torch.tensor(facts.is_token(batch, step)[:t], dtype=torch.bool) if facts is not None
+                 else torch.ones(t, dtype=torch.bool))[None, :]
+    future = int((forbidden & later).sum())
+    padding = int((forbidden & ~later & ~real_keys).sum())
+    window = int((forbidden & ~later & real_keys).sum())  # an earlier real key hidden: a sliding window
     first = (f"Without {scaling} the scores are larger and the softmax far peakier (a larger max weight, a lower "
              "entropy).")
-    if not future and not padding:
+    if not future and not padding and not window:
         return (first + " At this step M forbids nothing: its query row is the newest position, with no key after "
                 "it and no padding, so leaving M out or masking after the softmax gives exactly the model's weights "
                 "(the table shows no leak and row sums of 1). The other two pitfalls show on the prefill, step 0, "
                 "or on any step with the KV cache off.")
     leaks = [f"the {future:,} (query, key) pairs where the key comes after its query"] if future else []
     leaks += [f"the {padding:,} pairs where the key is padding"] if padding else []
+    leaks += [f"the {window:,} pairs where the key is earlier than the sliding window reaches"] if window else []
     after = table.set_index("variant").loc["mask after the softmax", "row sum"]
+    skipped = n_rows - int(real.sum())
+    padding_rows = f"; the {skipped} padding rows, which no one reads, left out" if skipped else ""
     return (first + " Without M, weight leaks onto " + " and onto ".join(leaks) + " that M forbids here. "
-            + (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum {after:.3f})."
+            + (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum {after:.3f} over the "
+               f"{int(real.sum())} real query rows{padding_rows})."
                if after < 1 - 1e-9 else "Masking after the softmax leaves the row sums at 1 here: the forbidden "
                "keys held no weight."))
 
@@ -528,7 +558,6 @@ def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 
 
 
 # -- RoPE -----------------------------------------------------------------------------------------------
-@fitted
 def rope_not_drawn(trace: Trace) -> str | None:
     """Why the RoPE views are not drawn for this trace's model, or None when they are. A transformers-run
     model rotates Q and K inside its own attention module, with its own variant (partial rotary, scaled
@@ -547,6 +576,7 @@ def rope_not_drawn(trace: Trace) -> str | None:
     return None
 
 
+@fitted
 def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> go.Figure | None:
     """Q and K of one head before and after the rotation (query rows / key rows × d_head)."""
     if rope_not_drawn(trace) is not None:
@@ -564,9 +594,19 @@ def rope_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0) 
     for i, m in enumerate(mats.values(), start=1):
         g = grid(m, [f"d{j}" for j in range(m.shape[1])], ys)
         add(fig, g, "signed", row=1, col=i, zmin=-top, zmax=top, showscale=i == 4, colorbar="value")
-        style_axes(fig, g, row=1, col=i, max_ticks=8, y_ticks=i == 1, x_title="d_head", y_title="position")
+        style_axes(fig, g, row=1, col=i, max_ticks=8, y_ticks=i == 1, x_title="d_head", y_title="column · token")
     fig.update_layout(height=max(260, min(700, 140 + 16 * len(ys))), margin={"t": 40, "l": 10, "r": 10, "b": 10})
     return fig
+
+
+def rope_title(query_col: int, key_col: int, m: int, n: int) -> str:
+    """The RoPE check's title: the columns (as every other view counts them) and the positions the rotation uses
+    (real tokens before it: padding does not move a token's position), said apart where they differ."""
+    if (query_col, key_col) == (m, n):
+        return (f"query in column {query_col}, key in column {key_col}, rotated as positions m = {m}, n = {n}: "
+                f"m − n = {m - n}")
+    return (f"query in column {query_col} → position m = {m}, key in column {key_col} → position n = {n} (RoPE "
+            f"counts real tokens, not padding): m − n = {m - n}")
 
 
 @fitted
@@ -606,8 +646,40 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
         go.Scatter(x=shifts.tolist(), y=key_only.tolist(), mode="lines", name="key alone moved: R(m)q·R(n+s)k",
                    line={"dash": "dot"}),
     ])
-    fig.update_layout(height=320, margin={"t": 70, "l": 10, "r": 10, "b": 10}, xaxis_title_text="shift s (positions)",
+    fig.update_layout(height=340, margin={"t": 90, "l": 10, "r": 10, "b": 10}, xaxis_title_text="shift s (positions)",
                       yaxis_title_text="qᵀk after rotation",
                       legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"}, title_font_size=13,
-                      title_text=f"query at position {m_pos}, key at position {n_pos}: m − n = {m_pos - n_pos}")
+                      title_text=rope_title(query_col, key_col, m_pos, n_pos))
     return fig
+
+
+def stages_takeaway(trace: Trace, step: int, layer: int, head: int, batch: int = 0
+                    ) -> tuple[str, list[tuple[str, str]]] | None:
+    """The Stages view's takeaway, from the head's recorded weights: where the last real query row puts most of
+    its weight, and how many (query, key) pairs M hides; None when the weights were not kept."""
+    pattern = trace.get(act_name("pattern", layer), step)
+    mask = trace.get(act_name("mask", layer), step)
+    if pattern is None:
+        return None
+    a = pattern[batch, head].double()  # [n, t]
+    n, t = a.shape
+    real = real_query_rows(trace, step, batch, n)
+    row = int(real.nonzero().max()) if bool(real.any()) else n - 1
+    keys, queries = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    top = int(a[row].argmax())
+    hidden = int((~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])).sum()) if mask is not None else 0
+    sentence = (f"Scores, scaled, masked, softmaxed: the last real query, {inert(queries[row])}, puts "
+                f"{float(a[row, top]):.0%} of its weight on key {inert(keys[top])}.")  # markdown: labels made inert
+    return sentence, [("query rows × keys", f"{n} × {t}"), ("largest weight of that row", f"{float(a[row, top]):.3f}"),
+                      ("pairs M hides", f"{hidden:,}")]
+
+
+def rope_takeaway(figure: go.Figure) -> str:
+    """RoPE's takeaway, read from the relative figure's own numbers: moving both q and k leaves their score as it
+    was (to rounding), moving the key alone does not."""
+    together = [float(v) for v in figure.data[0].y]
+    alone = [float(v) for v in figure.data[1].y]
+    drift = max(abs(v - together[0]) for v in together)
+    change = max(abs(v - alone[0]) for v in alone)
+    return (f"Moving query and key together by up to {len(together) - 1} positions changes their score by at most "
+            f"{drift:.1e}; moving the key alone changes it by up to {change:.3g}: the score depends on m − n only.")

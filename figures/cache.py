@@ -3,8 +3,11 @@ cached path against a full recompute — counted (rows, multiply-adds, bytes), w
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
+import torch
 
 from figures.common import facts_of, gen_step, key_labels, shape_text
 from figures.heatmap import add, grid, style_axes
@@ -196,8 +199,9 @@ def timing_warning(c: RecomputeComparison) -> str:
     if not c.timing_contradicts_count or cached is None or full is None:  # (a contradiction has both timings)
         return ""
     return (f"On this machine the measured times ({cached * 1000:.1f} ms cached vs "
-            f"{full * 1000:.1f} ms full) contradict the count of multiply-adds: another program was "
-            "running. Wall time on a shared machine is an estimate; the counts above are the evidence.")
+            f"{full * 1000:.1f} ms full) contradict the count of multiply-adds. Why was not measured: times this "
+            "short are easily swayed by whatever else the machine does, by caches warming, or by a fixed cost per "
+            "call that outweighs the saved work. Wall time is an estimate; the counts above are the evidence.")
 
 
 @fitted
@@ -281,8 +285,31 @@ def precision_figure(run: CachePrecisionRun) -> go.Figure:
     return fig
 
 
+def window_layers(trace: Trace, step: int) -> list[int]:
+    """The layers whose recorded mask at ``step`` hides a real key at or before a real query's own column: a
+    sliding window at work (read from the masks, not assumed from the config; empty when no mask shows one)."""
+    facts = facts_of(trace)
+    forward = facts.step(step).forward
+    layers = []
+    for layer in range(trace.config.n_layer):
+        mask = trace.get(act_name("mask", layer), step)
+        if mask is None:
+            continue
+        for b in range(facts.batch_size):
+            real = torch.tensor(facts.is_token(b, step)[:forward.t])  # [t]
+            hidden = ~torch.isfinite(mask[min(b, mask.shape[0] - 1), 0]) | (mask[min(b, mask.shape[0] - 1), 0] <=
+                                                                           torch.finfo(mask.dtype).min)  # [n, t]
+            column = torch.arange(forward.t - forward.n, forward.t)[:, None]  # each query's own column
+            earlier = torch.arange(forward.t)[None, :] <= column
+            if bool((hidden & earlier & real[None, :] & real[-forward.n:][:, None]).any()):
+                layers.append(layer)
+                break
+    return layers
+
+
 @fitted
-def growth_figure(config, t_now: int, itemsize: int = 4) -> tuple[go.Figure, str]:
+def growth_figure(config, t_now: int, itemsize: int = 4, n_now: int | None = None,
+                  windowed: tuple[int, ...] | list[int] = ()) -> tuple[go.Figure, str]:
     """What grows with n, on this model's widths: the multiply-adds of a full forward of n positions part by
     part (left), and the bytes the staged attention's n × n scores of one layer take against the KV cache of
     all layers and the weights (right), for n from 1 to n_ctx on log axes; this step's t marked. Returns the
@@ -316,6 +343,11 @@ def growth_figure(config, t_now: int, itemsize: int = 4) -> tuple[go.Figure, str
                              line={"color": NEUTRAL, "width": 3}), row=1, col=2)
     fig.add_trace(go.Scatter(x=[ns[0], ns[-1]], y=[weights, weights], mode="lines", name="weights",
                              line={"color": NEUTRAL, "dash": "dot"}), row=1, col=2)
+    window = getattr(config, "sliding_window", None)
+    if windowed and window:
+        fig.add_trace(go.Scatter(x=ns, y=[H * n * min(n, window) * itemsize for n in ns], mode="lines",
+                                 name=f"scores a windowed layer needs, [H, n, min(n, {window})]",
+                                 line={"color": ACCENT, "dash": "dash", "width": 2}), row=1, col=2)
     # vertical marks as two-point lines: a layout shape on a log axis would need its x in log10 units
     low_macs = min(min(v) for v in parts.values())
     high_macs = forward_cost(config, 1, ns[-1], ns[-1]).macs
@@ -333,15 +365,104 @@ def growth_figure(config, t_now: int, itemsize: int = 4) -> tuple[go.Figure, str
                                  line={"color": "#444", "dash": "dot", "width": 1}), row=1, col=1)
     fig.update_layout(height=420, legend={"orientation": "h", "y": -0.22}, title_font_size=13,
                       margin={"t": 40, "l": 10, "r": 10, "b": 10})
+    return fig, growth_sentence(config, t_now, itemsize, n_now, windowed)
+
+
+def growth_sentence(config, t_now: int, itemsize: int = 4, n_now: int | None = None,
+                    windowed: tuple[int, ...] | list[int] = ()) -> str:
+    """What grows with n, from this model's widths and this step's n and t: attention's cost against the MLP's,
+    this step's scores (H × n × t: n = 1 at a cached decode step) against the whole cache, the first whole n at
+    which one layer's scores outgrow the cache (equal at 2·L·G·d_head/H), and what a sliding window changes."""
+    from model.analysis import attention_overtakes_mlp
+
+    n_ctx = int(config.n_ctx)
+    n_now = t_now if n_now is None else n_now
+    H, G, dh, L = config.n_head, getattr(config, "n_kv_head", None) or config.n_head, config.d_head, config.n_layer
+    crossing = attention_overtakes_mlp(config)
     per_token_mlp = (3 if getattr(config, "mlp", "gelu") == "swiglu" else 2) * config.d_model * config.d_ff
-    passes = 2 * L * G * dh / H  # H·n² = 2·L·G·n·d_head
     where = (f"from n ≈ {crossing:,.0f} on, inside this model's n_ctx of {n_ctx:,} (dotted line)" if crossing <= n_ctx
              else f"only from n ≈ {crossing:,.0f}, beyond this model's n_ctx of {n_ctx:,}")
-    sentence = (f"Attention's two products cost 2·H·n²·d_head = 2·{H}·n²·{dh} multiply-adds per layer, quadratic in n; "
-                f"the MLP costs {per_token_mlp:,}·n, linear. Attention costs more {where}. The scores of one layer "
-                f"take H·n² numbers, {scores[ns.index(t_now)] / 2**10:,.1f} KiB at this step's t = {t_now}, against "
-                f"{cache[ns.index(t_now)] / 2**10:,.1f} KiB for the whole KV cache; they grow as n² against n, and "
-                f"one layer's scores outgrow the cache of every layer from n = 2·L·G·d_head/H = {passes:,.0f} on"
-                + (" (inside n_ctx)" if passes <= n_ctx else f" (beyond this model's n_ctx of {n_ctx:,})")
-                + ". FlashAttention never holds them.")
-    return fig, sentence
+    scores_now = H * n_now * t_now * itemsize
+    cache_now = 2 * L * G * t_now * dh * itemsize
+    step_kind = (f"this cached decode step computes one query row, so its scores are H × 1 × t = {H} × 1 × {t_now}"
+                 if n_now == 1 and t_now > 1 else f"this step's scores are H × n × t = {H} × {n_now} × {t_now}")
+    equal = 2 * L * G * dh / H  # H·n² = 2·L·G·n·d_head
+    first = math.floor(equal) + 1  # the first whole n with H·n² > 2·L·G·n·d_head
+    if first <= n_ctx:
+        outgrow = (f"one layer's scores of a full forward (H·n²) outgrow the cache of every layer (2·L·G·n·d_head) "
+                   f"from n = {first:,} on" + (f" (equal at n = {equal:,.0f})" if equal == int(equal) else "")
+                   + f", inside n_ctx = {n_ctx:,}")
+    elif equal <= n_ctx:
+        outgrow = (f"one layer's scores of a full forward (H·n²) reach the cache of every layer (2·L·G·n·d_head) "
+                   f"only at n = {equal:,.0f} = n_ctx, and are never larger inside it")
+    else:
+        outgrow = (f"one layer's scores of a full forward (H·n²) stay below the cache of every layer "
+                   f"(2·L·G·n·d_head) inside n_ctx = {n_ctx:,}: they would pass it from n = {first:,}")
+    sentence = (f"Attention's two products cost 2·H·n²·d_head = 2·{H}·n²·{dh} multiply-adds per layer for a forward "
+                f"of n positions, quadratic in n; the MLP costs {per_token_mlp:,}·n, linear. Attention costs more "
+                f"{where}. In bytes, {step_kind} numbers, {_size(scores_now)}, against {_size(cache_now)} for the "
+                f"whole KV cache at t = {t_now}; {outgrow}. FlashAttention never holds them.")
+    window = getattr(config, "sliding_window", None)
+    if window and windowed:
+        names = ", ".join(str(x) for x in windowed)
+        sentence += (f" Layer{'s' if len(windowed) > 1 else ''} {names} slide a window of {window} keys: each query "
+                     f"sees at most {window}, so what such a layer needs is at most H·n·{window} scores and "
+                     f"2·H·n·{window}·d_head multiply-adds — linear in n from n = {window} on, not quadratic. The "
+                     "staged path drawn here still forms all n × t scores and masks the rest; a windowed kernel "
+                     "does only the linear part.")
+    elif window:
+        sentence += (f" The config names a sliding window of {window} keys, which no layer's mask at this step shows"
+                     + (f" (t = {t_now} ≤ {window}: nothing to hide yet)." if t_now <= window else
+                        ": this model does not use it here."))
+    return sentence
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**20:,.2f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB" if b >= 2**10 else f"{b:,.0f} B"
+
+
+def sharing_sentence(run: CachePrecisionRun) -> str:
+    """The cheaper cache's formula, and — for a model whose query heads share key/value heads — what sharing
+    saves and what quantizing saves, each as its own share, from this run's bytes."""
+    text = run.formula()
+    if run.kv_heads >= run.query_heads:
+        return text + "."
+    multi = run.reference_bytes * run.query_heads // run.kv_heads  # the model's precision with G = H
+    sharing = 1 - run.reference_bytes / multi
+    quantizing = 1 - run.stored_bytes / run.reference_bytes
+    both = 1 - run.stored_bytes / multi
+    return (text + f". Two savings multiply here. Sharing K and V among query heads (G = {run.kv_heads} key/value "
+            f"heads for H = {run.query_heads} query heads; multi-query is G = 1, Shazeer 2019) holds "
+            f"{run.reference_bytes:,} B instead of {multi:,} B in the model's precision: {sharing:.0%} less. "
+            f"Storing as {run.storage} holds {run.stored_bytes:,} B of those {run.reference_bytes:,} B: "
+            f"{quantizing:.0%} less. Together, {both:.0%} less than a multi-head cache in the model's precision.")
+
+
+def growth_takeaway(config, t_now: int, itemsize: int = 4,
+                    n_now: int | None = None) -> tuple[str, list[tuple[str, str]]]:
+    """The view's takeaway: at this step's t, what attention's products and the MLP cost, and what this step's
+    scores hold against the whole cache, counted from the model's widths."""
+    from model.analysis import forward_parts
+
+    n_now = t_now if n_now is None else n_now
+    parts = forward_parts(config, 1, n_now, t_now)
+    attention, mlp = parts["QKᵀ and A·V"], parts["MLP"]
+    H, G = config.n_head, getattr(config, "n_kv_head", None) or config.n_head
+    scores = H * n_now * t_now * itemsize
+    cache = 2 * config.n_layer * G * t_now * config.d_head * itemsize
+    verb = "more than" if attention > mlp else "less than" if attention < mlp else "as much as"
+    sentence = (f"At t = {t_now}, attention's products cost {verb} the MLP ({attention:,} against {mlp:,} "
+                f"multiply-adds at this step): attention grows with n·t, the MLP with n.")
+    return sentence, [("attention ÷ MLP (multiply-adds)", f"{attention / mlp:.3g}×"),
+                      ("this step's scores, one layer", _size(scores)), ("KV cache, all layers", _size(cache))]
+
+
+def precision_takeaway(run: CachePrecisionRun) -> str:
+    """The cheaper cache's takeaway, from the run: how much less it holds and whether any step's choice changed."""
+    saved = 1 - run.stored_bytes / run.reference_bytes
+    first = run.first_difference
+    worst = max(s.max_abs_delta for s in run.steps)
+    return (f"Stored as {run.storage}, the cache holds {saved:.0%} less"
+            + (f", and no step's own choice differs in {len(run.steps)} steps (largest |Δ logits| {worst:.3g})."
+               if first is None else f"; from step {first} its own choice would differ (largest |Δ logits| "
+               f"{worst:.3g})."))

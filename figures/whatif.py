@@ -3,6 +3,8 @@ logit attribution, the logit lens, and the difference of two runs."""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 import torch
@@ -86,12 +88,49 @@ def attribution_figure(frame: pd.DataFrame, token_label: str, top: int = 16) -> 
     fig.update_yaxes(autorange="reversed")
     counted = (f"the {len(shown)} largest of {len(frame)} components and the other {len(rest)} together"
                if len(rest) else f"all {len(frame)} components")
-    fig.update_layout(height=max(260, 40 + 22 * len(names)), margin={"t": 60, "l": 10, "r": 10, "b": 10},
+    # the title in two short lines: one long line was cut off at the page's width (issue 41)
+    fig.update_layout(height=max(280, 60 + 22 * len(names)), margin={"t": 70, "l": 10, "r": 10, "b": 10},
                       xaxis_title_text="share of the logit", title_font_size=13,
-                      title_text=(f"direct logit attribution for {safe_text(token_label)!s}: {counted}; the shares "
-                                  f"add up to {attrs['total']:.3f} (logit {attrs['logit']:.3f}, the norm's constant "
-                                  f"{attrs['norm_constant']:+.3f} included)"))
+                      title_text=(f"direct logit attribution for {safe_text(token_label)!s}: {counted}<br>"
+                                  f"the shares add up to {attrs['total']:.3f} (logit {attrs['logit']:.3f}, the norm's "
+                                  f"constant {attrs['norm_constant']:+.3f} included)"))
     return fig
+
+
+def attribution_takeaway(frame: pd.DataFrame, token_label: str) -> tuple[str, list[tuple[str, str]]]:
+    """The attribution's takeaway: which component adds most to the chosen logit, and its share, from the frame."""
+    attrs = frame.attrs
+    top = frame.loc[frame["contribution"].idxmax()]
+    against = frame.loc[frame["contribution"].idxmin()]
+    share = float(top["contribution"]) / attrs["logit"] if attrs["logit"] else math.nan
+    part = f" ({share:.0%})" if math.isfinite(share) and attrs["logit"] > 0 else ""
+    sentence = (f"{top['component']} adds the most to the logit of {inert(token_label)}: "
+                f"{float(top['contribution']):+.3f} of {attrs['logit']:.3f}{part}"
+                + (f"; {against['component']} takes the most away ({float(against['contribution']):+.3f})."
+                   if float(against["contribution"]) < 0 else "."))
+    return sentence, [("logit z", f"{attrs['logit']:.3f}"), (f"largest: {top['component']}",
+                                                              f"{float(top['contribution']):+.3f}"),
+                      ("components", str(len(frame)))]
+
+
+def lens_takeaway(frame: pd.DataFrame) -> tuple[str, list[tuple[str, str]]]:
+    """The lens's takeaway at the last real position (where the step's token was chosen, for a sequence that is
+    not right-padded at the prefill): the first layer from which the finally chosen token stays the top one."""
+    real = frame[frame["is_token"]] if "is_token" in frame else frame
+    position = int(real["position"].max())
+    at = frame[frame["position"] == position].sort_values("layer")
+    label = inert(str(at["final_label"].iloc[-1]))  # for markdown
+    tops = list(at["top_token"] == at["final_token"])
+    first = next((i for i in range(len(tops)) if all(tops[i:])), None)
+    p0, p_last = float(at["final_prob"].iloc[0]), float(at["final_prob"].iloc[-1])
+    if first is None:
+        sentence = (f"At column {position}, the token finally chosen, {label}, is the top token of no layer (it was "
+                    f"sampled): p = {p0:.3f} after block 0, {p_last:.3f} after the last.")
+    else:
+        sentence = (f"At column {position}, the token finally chosen, {label}, is each layer's top token from block "
+                    f"{first} on: p = {p0:.3f} after block 0, {p_last:.3f} after the last.")
+    return sentence, [("column", str(position)), ("p after block 0", f"{p0:.3f}"),
+                      ("top from block", "—" if first is None else str(first))]
 
 
 @fitted
@@ -123,8 +162,8 @@ def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     fig.update_xaxes(type="category", tickangle=-60, title_text="position · input token")
     fig.update_yaxes(type="category", autorange="reversed")
     fig.update_layout(height=max(260, 90 + 48 * n_layer), margin={"t": 40, "l": 10, "r": 10, "b": 10},
-                      title_text="logit lens: each layer's residual stream through the final norm and W_U"
-                                 + ("; padding positions grey" if padding else ""),
+                      title_text="logit lens: each layer's residual stream, through the final norm and W_U"
+                                 + ("<br>padding columns grey" if padding else ""),
                       title_font_size=13)
     note = f"the last {len(shown)} of {len(positions)} positions" if len(shown) < len(positions) else ""
     return fig, note

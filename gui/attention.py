@@ -21,6 +21,7 @@ from gui.common import (
     state,
     values_kept,
 )
+from gui.takeaway import takeaway
 from model.gpt import act_name, identity_of
 from session import first_token
 from tracer import (
@@ -62,6 +63,9 @@ def attention_tab(trace: Trace, step: int) -> None:
                 explain_missing_values(trace, step, "attention heatmaps")
                 st.markdown("\n".join(f"- **{s.title}**: `{s.shapes}`" for s in stages))
             else:
+                said = attn_views.stages_takeaway(trace, step, layer, head, batch)
+                if said is not None:
+                    takeaway(said[0], said[1])
                 shared = st.toggle("one colour scale for the scores" if not usual else
                                    "one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared", persist_state="page",
                                    help="With one scale, the scaling shows as what it does: every score "
@@ -165,6 +169,9 @@ def zoom_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
         chart(long_views.distance_figure(stats), key="zoom_distance")
 
 
+GRADIENTS_KEPT = 32  # backward passes kept per session, per (step, layer, head, sequence, loss): small [t, t] tensors
+
+
 def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
     app = state()
     gen = app.live_generation
@@ -172,10 +179,6 @@ def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int
         st.info("The backward pass runs the live model on this generation's tokens: Step once (or leave the file "
                 "view).")
         return
-    st.markdown("Backpropagation through attention: from a loss L, the gradient of every stage of this head, "
-                "O = P·V, P = softmax(S), S = s·QKᵀ + M. Given G_O = ∂L/∂O: G_V = Pᵀ·G_O, G_P = G_O·Vᵀ, row by row "
-                "G_S,r = (diag(P_r) − P_r P_rᵀ)·G_P,r (the softmax's Jacobian), G_Q = s·G_S·K and G_K = s·G_Sᵀ·Q. "
-                "Each is computed here from its formula and compared with autograd's on the same forward.")
     loss = st.radio("loss L", list(GRADIENT_LOSSES), horizontal=True, key="grad_loss", persist_state="page",
                     help="next-token cross-entropy: the mean over every position that has a next token · "
                          "−log p(chosen token): of the token this step chose")
@@ -184,33 +187,53 @@ def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int
 
 
 def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: int, loss: str) -> None:
+    """Computed when the view opens (one forward and backward, about a second on the bundled models) and kept
+    per (step, layer, head, sequence, loss): coming back to a head shows it again at once."""
     app = state()
     wanted = (step, layer, head, batch, loss)
-    if st.button("Run the backward pass", key="grad_run", type="primary"):
+    kept = app.gradients
+    if wanted not in kept:
         try:
             with st.spinner("forward and backward…"):
-                app.gradients = (wanted, attention_gradients(gen, step, layer, head, batch, loss))
+                result = attention_gradients(gen, step, layer, head, batch, loss)
         except ValueError as e:
             st.error(plain(e))
             return
-    if app.gradients is None or app.gradients[0] != wanted:
-        st.caption("Press the button: one forward of this step's tokens with gradients on, then the backward pass "
-                   f"of L, read at layer {layer}, head {head}. The generation itself is not touched.")
-        return
-    result = app.gradients[1]
-    worst = max(result.max_abs_delta(name) for name in result.formula)
-    if worst <= 1e-5:
-        st.success(f"L = {result.loss:.4f} ({loss}). All six gradients computed from their formulas equal autograd's "
-                   f"within {worst:.1e}.")
-    else:
-        st.error(f"L = {result.loss:.4f}. A formula differs from autograd by {worst:.2e}: see the titles.")
+        while len(kept) >= GRADIENTS_KEPT:
+            kept.pop(next(iter(kept)))  # the oldest first
+        kept[wanted] = result
+    result = kept[wanted]
+    level, text = grad_views.agreement(result)
+    keys = key_labels(trace, step, batch)
+    takeaway(text, [("loss L", f"{result.loss:.4f}"),
+                    ("largest |formula − autograd|", f"{max(result.max_abs_delta(n) for n in result.computed):.1e}"),
+                    ("query rows", str(result.formula["G_P"].shape[0]))],
+             details=("Backpropagation through attention: from a loss L, the gradient of every stage of this head, "
+                      "O = P·V, P = softmax(S), S = s·QKᵀ + M. Given G_O = ∂L/∂O (autograd's: everything after O is "
+                      "the rest of the model): G_V = Pᵀ·G_O, G_P = G_O·Vᵀ, row by row G_S,r = (diag(P_r) − "
+                      "P_r P_rᵀ)·G_P,r (the softmax's Jacobian), G_Q = s·G_S·K and G_K = s·G_Sᵀ·Q"
+                      + (" — with a soft-cap S = c·tanh(s·QKᵀ/c) + M, G_S is first multiplied element by element by "
+                         "the cap's derivative 1 − tanh²(s·QKᵀ/c)" if result.softcap else "")
+                      + ". Each is computed here from its formula and compared with autograd's on the same forward. "
+                      + grad_views.scope_sentence(gen.facts, step)))
+    if level == "error":
+        st.error(text)
+    if step > 0 and gen.facts.step(step).forward.n < gen.facts.width(step):
+        st.caption(grad_views.scope_sentence(gen.facts, step))
     H, G = trace.config.n_head, trace.config.n_kv_head or trace.config.n_head
     if G < H:
         st.caption(f"K and V serve {H // G} query heads each here, so G_K and G_V are the sums over those heads, as "
                    "autograd's are.")
-    chart(grad_views.gradients_figure(result, key_labels(trace, step, batch)), key="grad_chart")
-    st.caption("‖∂L/∂x‖ of every layer: a line falling or rising by decades with depth is a vanishing or "
-               "exploding gradient.")
+    chart(grad_views.gradients_figure(result, keys), key="grad_chart")
+    rows = result.formula["G_P"].shape[0]
+    row = st.selectbox("follow one query row: G_O → G_P → G_S", list(range(rows)), index=grad_views.default_row(result),
+                       format_func=lambda i: keys[i] if i < len(keys) else str(i), key=f"grad_follow_{step}")
+    st.caption(grad_views.row_sentence(result, row, keys))
+    st.dataframe(grad_views.row_table(result, row, keys), hide_index=True, key="grad_row_table",
+                 column_config={c: st.column_config.NumberColumn(format="%.3e") for c in (
+                     "G_P,rj = G_O,r·v_j", "G_P,rj − Σ P·G_P", "G_S,rj = P_rj·(G_P,rj − Σ P·G_P)",
+                     "G_S,rj (autograd)")})
+    st.caption(grad_views.norms_sentence(result))
     chart(grad_views.gradient_norms_figure(result), key="grad_norms_chart")
 
 
@@ -253,35 +276,49 @@ def gradient_capture(gen, step: int, loss: str) -> None:
 
 
 def flash_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
-    st.markdown("FlashAttention (Dao et al., 2022) computes the same O = softmax(S)·V without ever holding the n × t "
-                "scores S: it reads K and V one tile of keys at a time and keeps, for each query row, a running max "
-                "m, a running sum ℓ = Σ exp(s − m) and an unnormalised output. When a tile raises a row's max, what "
-                "was summed so far is multiplied by exp(m_old − m_new) (the online softmax); after the last tile, "
-                "output / ℓ is the softmax-weighted sum exactly. Below, this head's own Q, K, V and M, tile by tile.")
     cols = st.columns(3)
     block = cols[0].selectbox("tile size (keys per tile, rows per query block)", list(flash_views.BLOCK_SIZES),
                               index=1, key="flash_block", persist_state="page")
     n = trace.record(act_name("q", layer), step).shape[2]
-    first = facts_of(trace).step(step).forward.t - n  # this step's query rows are the last n positions
+    first = facts_of(trace).step(step).forward.t - n  # this step's query rows are the last n columns
     blocks = -(-n // block)
+    default = flash_views.default_query_block(trace, step, batch, block)  # the last real row's block
     query_block = cols[1].selectbox(  # keyed by the size: the blocks differ
         "query block", list(range(blocks)),
-        format_func=lambda i: f"positions {first + i * block}…{first + min(n, (i + 1) * block) - 1}",
-        index=blocks - 1, key=f"flash_rows_{block}") if blocks > 1 else 0
+        format_func=lambda i: f"columns {first + i * block}…{first + min(n, (i + 1) * block) - 1}",
+        index=default, key=f"flash_rows_{block}") if blocks > 1 else 0
     run = flash_views.flash_attention(trace, step, layer, head, batch, block=block, query_block=query_block)
     if run is None:
         explain_missing_values(trace, step, "Q, K, V, M and O values")
         return
+    sentence, metrics = flash_views.flash_takeaway(run)
+    takeaway(sentence, metrics, details=(
+        "FlashAttention (Dao et al., 2022) computes the same O = softmax(S)·V without ever holding the n × t "
+        "scores S: it reads K and V one tile of keys at a time and keeps, for each query row, a running max m, a "
+        "running sum ℓ = Σ exp(s − m) and an unnormalised output. When a tile raises a row's max, what was summed "
+        "so far is multiplied by exp(m_old − m_new) (the online softmax); after the last tile, output / ℓ is the "
+        "softmax-weighted sum exactly. A tile whose every cell is masked (above the causal diagonal, or all "
+        "padding) is skipped, as FlashAttention-2 does. Below, this head's own Q, K, V and M, tile by tile, "
+        "recomputed in float64.\n\n" + flash_views.memory_sentence(run)))
+    padding = flash_views.padding_rows_note(trace, step, batch, run)
+    if padding:
+        st.caption(padding)
     last = len(run.tiles) - 1
     tile = cols[2].slider("tiles read", 0, last, last, key=f"flash_tile_{block}_{query_block}") if last else 0
     chart(flash_views.flash_figure(trace, step, run, tile), key="flash_chart")
-    current = run.tiles[tile]
-    done = (f"Every tile read: max |O(tiles) − O(model)| = {run.max_abs_delta:.2e}, the model's own output to "
-            "rounding." if tile == last else f"{last - tile} tile(s) still to read: the output so far covers keys "
-            f"0…{current.keys[1] - 1} only.")
-    st.caption(f"After tile {tile} (keys {current.keys[0]}…{current.keys[1] - 1}): {current.rescaled} row(s) found a "
-               f"larger max in it, and their sums so far were rescaled. {done}")
-    st.caption(flash_views.memory_sentence(run))
+    st.caption(flash_views.tile_sentence(run, tile))
+    rows = run.rows[1] - run.rows[0]
+    labels = query_labels(trace, step, batch)[run.rows[0]:run.rows[1]]
+    row = st.selectbox("follow one query row, tile by tile", list(range(rows)), index=rows - 1,
+                       format_func=lambda i: f"column {first + run.rows[0] + i}: {labels[i]}",
+                       key=f"flash_follow_{block}_{query_block}") if rows > 1 else 0
+    st.dataframe(flash_views.row_table(run, row), hide_index=True, key="flash_row_table",
+                 column_config={name: st.column_config.NumberColumn(format="%.4g") for name in (
+                     "m_old", "m_new", "exp(m_old − m_new)", "ℓ before", "Σ exp(s − m_new) of the tile", "ℓ after",
+                     "max |Δ output|")})
+    st.caption("Each read tile: m_new = max(m_old, the tile's largest score); ℓ after = exp(m_old − m_new)·ℓ before "
+               "+ Σ exp(s − m_new) over the tile; the output so far is rescaled by the same factor and the tile's "
+               "exp(s − m_new)·v added, then divided by ℓ.")
 
 
 def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, show: bool = True) -> int:
@@ -304,18 +341,23 @@ def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
     if reason is not None:
         st.info(reason)
         return
-    st.markdown("RoPE turns position into rotation: q at position m becomes R(m)q and k at position n becomes "
-                "R(n)k, rotating each pair of dimensions i by the angle m·θᵢ. Since R(m)ᵀR(n) = R(n − m), the "
-                "score R(m)q · R(n)k depends on the positions only through m − n (Su et al., 2021, RoFormer). "
-                "This model, like Hugging Face's Llama, pairs dimension i with i + d_head/2 (the two halves); the "
-                "RoFormer paper writes the rotation on consecutive pairs (2i, 2i + 1) — the same rotations on "
-                "a permuted order of dimensions.")
+    details = ("RoPE turns position into rotation: q at position m becomes R(m)q and k at position n becomes "
+               "R(n)k, rotating each pair of dimensions i by the angle m·θᵢ. Since R(m)ᵀR(n) = R(n − m), the "
+               "score R(m)q · R(n)k depends on the positions only through m − n (Su et al., 2021, RoFormer). "
+               "This model, like Hugging Face's Llama, pairs dimension i with i + d_head/2 (the two halves); the "
+               "RoFormer paper writes the rotation on consecutive pairs (2i, 2i + 1) — the same rotations on "
+               "a permuted order of dimensions. Rows are labelled by column, as in every view; the position a "
+               "token is rotated with counts the real tokens before it (padding does not move it).")
+    relative = attn_views.rope_relative_figure(trace, step, layer, head, batch)
+    if relative is not None:
+        takeaway(attn_views.rope_takeaway(relative), details=details)
+    else:
+        st.markdown(details)
     figure = attn_views.rope_figure(trace, step, layer, head, batch)
     if figure is None:
         explain_missing_values(trace, step, "Q and K before and after the rotation")
         return
     chart(figure, key="rope_chart")
-    relative = attn_views.rope_relative_figure(trace, step, layer, head, batch)
     if relative is not None:
         chart(relative, key="rope_relative_chart")
     else:

@@ -9,6 +9,7 @@ from figures import attention as attn_views
 from figures import cache as cache_views
 from figures.common import facts_of
 from gui.common import chart, layer_head_batch, plain, remembered_tabs, state, values_kept
+from gui.takeaway import takeaway
 from model.gpt import act_name
 from session import caches
 from tracer import Trace, cache_precision
@@ -41,12 +42,15 @@ def cache_tab(trace: Trace, step: int) -> None:
         if growth.open and trace.config is not None:
             q = trace.record(act_name("q", 0), step)
             itemsize = q.nbytes // max(1, q.numel)  # the model's dtype: 4 B in float32, 2 in bfloat16
-            figure, sentence = cache_views.growth_figure(trace.config, facts_of(trace).step(step).forward.t, itemsize)
-            st.caption("Counted from this model's widths for a full forward of n positions (no cache), n from 1 to its "
-                       "n_ctx, both axes logarithmic: the time of attention is O(n²·d), of everything else O(n·d²); "
-                       "its memory O(n²) for the scores against O(n·d) for the cache (Vaswani et al., 2017).")
+            forward = facts_of(trace).step(step).forward
+            figure, sentence = cache_views.growth_figure(trace.config, forward.t, itemsize, forward.n,
+                                                         cache_views.window_layers(trace, step))
+            line, metrics = cache_views.growth_takeaway(trace.config, forward.t, itemsize, forward.n)
+            takeaway(line, metrics, details=(
+                "Counted from this model's widths for a full forward of n positions (no cache), n from 1 to its n_ctx, "
+                "both axes logarithmic: the time of attention is O(n²·d), of everything else O(n·d²); its memory "
+                "O(n²) for the scores against O(n·d) for the cache (Vaswani et al., 2017).\n\n" + sentence))
             chart(figure, key="growth_chart")
-            st.caption(sentence)
 
 
 def cheaper_cache() -> None:
@@ -80,16 +84,14 @@ def cheaper_cache() -> None:
         st.caption("Choose a format and the number of steps, then run.")
         return
     first = run.first_difference
+    st.markdown(f"**{cache_views.precision_takeaway(run)}**")
     metrics = st.columns(3)
     metrics[0].metric(f"{run.storage} cache after {len(run.steps)} steps", f"{run.stored_bytes:,} B",
                       f"{run.stored_bytes / run.reference_bytes - 1:+.0%} against {run.reference_bytes:,} B",
                       delta_color="inverse")
     metrics[1].metric("largest |Δ logits|", f"{max(s.max_abs_delta for s in run.steps):.3g}")
     metrics[2].metric("first step whose choice differs", "none" if first is None else str(first))
-    st.caption(run.formula() + (f". The same cache with one key/value head per query head (G = H = {run.query_heads}"
-                                f") would hold {run.as_multi_head_bytes:,} B: sharing K and V among query heads "
-                                "(multi-query, Shazeer 2019; grouped-query in between) saves what quantizing "
-                                "saves again." if run.kv_heads < run.query_heads else "."))
+    st.caption(cache_views.sharing_sentence(run))
     chart(cache_views.precision_figure(run), key="precision_chart")
 
 

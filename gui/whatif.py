@@ -7,6 +7,7 @@ import streamlit as st
 from figures import whatif as whatif_views
 from figures.common import facts_of, strong
 from gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
+from gui.takeaway import takeaway
 from session import ablation_run, all_heads, head_ablations, head_label, patching_run
 from tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
 
@@ -133,8 +134,9 @@ def attribution_section(trace: Trace, step: int, model) -> None:
     except ValueError as e:
         st.info(plain(e))
         return
-    st.caption("How much each head (through W_O), each MLP and the embeddings add directly to the chosen token's "
-               "logit z, reading the final norm with its scale frozen at this position.")
+    sentence, metrics = whatif_views.attribution_takeaway(frame, choice.labels[row])
+    takeaway(sentence, metrics, details="How much each head (through W_O), each MLP and the embeddings add directly "
+             "to the chosen token's logit z, reading the final norm with its scale frozen at this position.")
     chart(whatif_views.attribution_figure(frame, choice.labels[row]), key="dla_chart")
 
 
@@ -149,7 +151,9 @@ def lens_section(trace: Trace, step: int, model) -> None:
         st.info(plain(e))
         return
     figure, note = whatif_views.lens_figure(frame, model.config.n_layer)
-    st.caption("What each layer already predicts: its residual stream put through the final norm and W_U. Colour: "
-               "the probability of the token the model finally chose there; text: that layer's own top token."
-               + (f" Showing {note}." if note else ""))
+    sentence, metrics = whatif_views.lens_takeaway(frame)
+    takeaway(sentence, metrics, details="What each layer already predicts: its residual stream put through the final "
+             "norm and W_U. Colour: the probability of the token the model finally chose there; text: that layer's "
+             "own top token. Columns are numbered as in every other view (the step's own columns)."
+             + (f" Showing {note}." if note else ""))
     chart(figure, key="lens_chart")

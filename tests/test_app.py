@@ -278,7 +278,7 @@ def test_the_zoom_reads_one_head_at_any_length(stepped):
 def test_flash_attention_tile_by_tile_ends_at_the_models_output(stepped):
     at = show_tab(stepped, "Attention", ("attn_view", "FlashAttention"))
     text = page_text(at)
-    assert "Every tile read: max |O(tiles) − O(model)| = " in text and "one tile of S (1 × 8)" in text
+    assert "Every row's output is final — max |O(tiles) − O(model)| = " in text and "one tile of S (1 × 8)" in text
     delta = float(text.split("max |O(tiles) − O(model)| = ")[1].split(",")[0])
     assert delta < 1e-5
     at.slider(key="step_view").set_value(0)  # the prefill: several query blocks, several tiles
@@ -287,7 +287,7 @@ def test_flash_attention_tile_by_tile_ends_at_the_models_output(stepped):
     run(at)
     at.slider(key="flash_tile_4_" + str(at.selectbox(key="flash_rows_4").value)).set_value(0)
     run(at)
-    assert "tile(s) still to read" in page_text(at)
+    assert "row(s) still have unmasked keys in" in page_text(at)
     assert any(d.get("name") == "m (running max)" for d in charts(at)[0]["data"])
 
 
@@ -307,15 +307,19 @@ def test_a_cheaper_cache_is_measured_on_the_live_model(stepped):
 
 
 def test_the_gradients_of_a_head_equal_autograds_in_the_app(stepped):
-    at = show_tab(stepped, "Attention", ("attn_view", "Gradients"))
-    assert "Press the button" in page_text(at)
-    at.button(key="grad_run").click()
+    at = show_tab(stepped, "Attention", ("attn_view", "Gradients"))  # computed as the view opens
+    text = page_text(at)
+    assert "Starting from autograd's G_O = ∂L/∂O, the 5 gradients computed from their formulas" in text
+    assert "equal autograd's within" in text and len(charts(at)) == 2
+    kept = at.session_state["app"].gradients
+    assert len(kept) == 1
+    first = next(iter(kept.values()))
+    at.radio(key="grad_loss").set_value("−log p(chosen token)")  # another loss: its own backward pass
     run(at)
-    assert any("All six gradients computed from their formulas equal autograd's" in s.value for s in at.success)
-    assert len(charts(at)) == 2
-    at.radio(key="grad_loss").set_value("−log p(chosen token)")  # another loss: asks for its own run
+    assert len(kept) == 2 and "−log p(chosen token)" in page_text(at)
+    at.radio(key="grad_loss").set_value("next-token cross-entropy")  # back: the kept one, not a new pass
     run(at)
-    assert "Press the button" in page_text(at)
+    assert len(kept) == 2 and next(iter(kept.values())) is first
 
 
 def test_kv_cache_tab_reports_the_recompute_check(stepped):

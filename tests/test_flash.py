@@ -47,10 +47,11 @@ def test_a_rotated_grouped_query_model_and_its_bytes(llama_gen):
     run = flash.flash_attention(llama_gen.trace, 0, 1, 4, 0, block=8)  # query head 4 reads K/V head 1
     assert run.max_abs_delta < 1e-5
     rows = run.rows[1] - run.rows[0]
-    assert run.tile_bytes == (rows * 8 + 2 * rows + rows * run.reference.shape[-1]) * 4
-    assert run.full_bytes == rows * run.scores.shape[1] * 4
+    t = run.scores.shape[1]
+    assert run.tile_bytes == (rows * min(8, t) + 2 * rows) * 4  # the output rows, held by both, on neither side
+    assert run.full_bytes == rows * t * 4 and run.output_bytes == rows * run.reference.shape[-1] * 4
     text = flash.memory_sentence(run)
-    assert f"one tile of S ({rows} × 8)" in text and f"{run.n} × {run.scores.shape[1]}" in text
+    assert f"one tile of S ({rows} × {min(8, t)})" in text and f"{run.n} × {t}" in text
 
 
 def test_a_model_run_by_transformers(tmp_path):
@@ -69,7 +70,7 @@ def test_a_model_run_by_transformers(tmp_path):
 def test_the_figure_draws_the_tiles_read_so_far(batch_gen):
     run = flash.flash_attention(batch_gen.trace, 0, 0, 0, 0, block=4)
     fig = flash.flash_figure(batch_gen.trace, 0, run, 1)
-    heat = next(d for d in fig.data if d.type == "heatmap" and d.hoverinfo != "skip")
+    heat = next(d for d in fig.data if d.type == "heatmap" and d.colorbar.title.text == "S")
     read_through = run.tiles[1].keys[1]
     assert all(v is None or v != v for row in heat.z for v in row[read_through:])  # later tiles: not read yet
     gaps = next(d for d in fig.data if d.name == "max |O so far − O|")

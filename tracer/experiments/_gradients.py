@@ -8,9 +8,11 @@ formula (O = P·V, P = softmax(S), S = s·QKᵀ + M, s = 1/√d_k unless the mod
     G_V = Pᵀ·G_O        G_P = G_O·Vᵀ        G_S,r = (diag(P_r) − P_r P_rᵀ)·G_P,r
     G_Q = s·G_S·K       G_K = s·G_Sᵀ·Q
 
-For a grouped-query model K and V serve H/G query heads, so autograd's ∂L/∂K and ∂L/∂V of a key/value head are
-the sums over those heads; the formulas are summed the same way before they are compared. A soft-capped model
-(Gemma 2) has one more factor inside G_S; it is refused rather than drawn without it. Also returned: ‖∂L/∂x‖
+G_O itself is autograd's (the formulas start from it: what comes after O is the rest of the model). For a
+grouped-query model K and V serve H/G query heads, so autograd's ∂L/∂K and ∂L/∂V of a key/value head are the
+sums over those heads; the formulas are summed the same way before they are compared. A soft-capped model
+(Gemma 2: S = c·tanh(s·QKᵀ/c) + M) has one more factor between QKᵀ and the capped scores, the derivative of the
+cap, so there G_Q = s·(G_S ⊙ (1 − tanh²(s·QKᵀ/c)))·K and G_K likewise. Also returned: ‖∂L/∂x‖
 of the residual stream, the attention and the MLP outputs of every layer, where vanishing or exploding
 gradients show. The generation is not touched: the forward runs untraced, on this thread only.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -47,18 +49,24 @@ class HeadGradients:
     formula: dict[str, torch.Tensor]  # "G_O", "G_V", "G_P", "G_S", "G_Q", "G_K"
     autograd: dict[str, torch.Tensor]  # the same names, read from the backward pass
     norms: dict[str, list[float]]  # NORMED name → ‖∂L/∂x‖ per layer
+    softcap: float | None = None  # c of a soft-capped model: its G_Q and G_K carry the cap's derivative
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # the forward's "P" [t, t] and "V" [t, d_head]
+
+    GIVEN = ("G_O",)  # taken from autograd: the formulas start there
 
     def max_abs_delta(self, name: str) -> float:
         return float((self.formula[name] - self.autograd[name]).abs().max())
+
+    @property
+    def computed(self) -> tuple[str, ...]:
+        """The gradients computed from their formulas (all but G_O, which is autograd's own)."""
+        return tuple(name for name in self.formula if name not in self.GIVEN)
 
 
 def attention_gradients(generation: TracedGeneration, step: int, layer: int, head: int, batch: int = 0,
                         loss: str = GRADIENT_LOSSES[0]) -> HeadGradients:
     """The backward pass of ``loss`` over the token columns step ``step`` saw, read at one head."""
     config = generation.model.config
-    if getattr(config, "attn_softcap", None):
-        raise ValueError("this model soft-caps its scores (c·tanh(S/c)): G_S has one more factor there, which these "
-                         "formulas leave out, so they are not drawn for it")
     rope = config.positions == "rope" and getattr(config, "family", "") not in ("hf", "module")
     names = {"Q": act_name("rot_q" if rope else "q", layer), "K": act_name("k_all", layer),
              "V": act_name("v_all", layer), "S": act_name("masked_scores", layer), "P": act_name("pattern", layer),
@@ -179,6 +187,7 @@ def _head(seen, got, names, normed, config, layer: int, head: int, batch: int, l
     q, k, v = (seen[names[x]][batch].double() for x in ("Q", "K", "V"))  # [H|G, t, d]
     p = seen[names["P"]][batch].double()  # [H, n, t]
     scale = getattr(config, "attn_scale", None) or q.shape[-1] ** -0.5
+    cap = getattr(config, "attn_softcap", None)
     grad = {x: got[names[x]][batch].double() for x in names}
     members = range(g * group, (g + 1) * group)  # the query heads sharing key/value head g
 
@@ -186,8 +195,11 @@ def _head(seen, got, names, normed, config, layer: int, head: int, batch: int, l
         g_o = grad["O"][h]
         g_p = g_o @ v[g].T  # G_P = G_O·Vᵀ
         g_s = p[h] * (g_p - (p[h] * g_p).sum(dim=-1, keepdim=True))  # (diag(P_r) − P_r P_rᵀ)·G_P,r, row by row
-        return {"G_O": g_o, "G_V": p[h].T @ g_o, "G_P": g_p, "G_S": g_s, "G_Q": scale * g_s @ k[g],
-                "G_K": scale * g_s.T @ q[h]}
+        g_raw = g_s  # the gradient at s·QKᵀ: G_S itself, unless a soft-cap sits between
+        if cap:  # S = c·tanh(s·QKᵀ/c) + M: ∂S/∂(s·QKᵀ) = 1 − tanh²(s·QKᵀ/c), element by element
+            g_raw = g_s * (1 - torch.tanh(scale * (q[h] @ k[g].T) / cap) ** 2)
+        return {"G_O": g_o, "G_V": p[h].T @ g_o, "G_P": g_p, "G_S": g_s, "G_Q": scale * g_raw @ k[g],
+                "G_K": scale * g_raw.T @ q[h]}
 
     mine = per_head(head)
     shared = [per_head(h) for h in members]
@@ -200,4 +212,5 @@ def _head(seen, got, names, normed, config, layer: int, head: int, batch: int, l
     for (kind, _), name in sorted(normed.items(), key=lambda item: (item[0][0], item[0][1])):
         g_x = got.get(name)
         norms[kind].append(float(g_x.norm()) if g_x is not None else float("nan"))
-    return HeadGradients(loss, value, layer, head, batch, formula, autograd, norms)
+    return HeadGradients(loss, value, layer, head, batch, formula, autograd, norms, softcap=cap,
+                         values={"P": p[head], "V": v[g]})

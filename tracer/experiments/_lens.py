@@ -87,6 +87,7 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
     n = final.numel()
     inputs = facts.labels(row, step)[-n:] if facts is not None else [""] * n
     is_token = facts.is_token(row, step)[-n:] if facts is not None else (True,) * n  # False: a padding position
+    first = facts.step(step).forward.t - n if facts is not None else 0  # the rows are the step's last n columns
     rows = []
     for layer, logits in enumerate(lens):
         probs = torch.softmax(logits, dim=-1)  # [n, V]
@@ -94,7 +95,7 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
         final_p = probs.gather(1, final[:, None])[:, 0]
         final_rank = (probs > final_p[:, None]).sum(dim=-1)
         for p in range(n):
-            rows.append({"layer": layer, "position": p, "input": inputs[p], "top_token": int(top[p]),
+            rows.append({"layer": layer, "position": first + p, "input": inputs[p], "top_token": int(top[p]),
                          "top_label": label(int(top[p])), "top_prob": float(top_p[p]), "final_token": int(final[p]),
                          "final_label": label(int(final[p])), "final_prob": float(final_p[p]),
                          "final_rank": int(final_rank[p]), "is_token": bool(is_token[p])})

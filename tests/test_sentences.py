@@ -1,0 +1,465 @@
+"""Every sentence the new views state with a number or a comparison, run over the settings matrix
+(tests/settings_matrix.py: prefill and decode, the cache off, left and right padding, a batch, a sliding window
+and a soft-cap, a loaded trace, both bundled models) and checked against the numbers recomputed here from the
+trace's own records. One test per statement of issue 41 (2–16); each failed on the text before its fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from figures import flash
+from model.gpt import act_name
+from tests.settings_matrix import STEPS, build_matrix
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return build_matrix()
+
+
+def cases(matrix, steps=range(STEPS)):
+    """(name, generation or None, trace, step, batch) over the matrix."""
+    for name, (gen, trace) in matrix.items():
+        for step in steps:
+            for batch in range(trace.generation.batch_size):
+                yield name, gen, trace, step, batch
+
+
+# -- 3 and 4: FlashAttention's tile sentence and its memory sentence --------------------------------------------
+def mask_rows(trace, step, layer, batch, rows):
+    mask = trace.get(act_name("mask", layer), step)
+    return mask[min(batch, mask.shape[0] - 1), 0, rows[0]:rows[1]]  # [r, t]
+
+
+def test_3_the_tile_sentence_counts_rows_still_waiting_and_rescaled_rows(matrix):
+    checked = 0
+    for name, _, trace, step, batch in cases(matrix):
+        layer = trace.config.n_layer - 1
+        n = trace.record(act_name("q", layer), step).shape[2]
+        for block in (4, 8):
+            for query_block in range(math.ceil(n / block)):
+                run = flash.flash_attention(trace, step, layer, 0, batch, block=block, query_block=query_block)
+                visible = torch.isfinite(mask_rows(trace, step, layer, batch, run.rows))  # [r, t]
+                rows = run.rows[1] - run.rows[0]
+                last_key = [max((j for j in range(visible.shape[1]) if visible[r, j]), default=-1)
+                            for r in range(rows)]
+                for tile in run.tiles:
+                    text = flash.tile_sentence(run, tile.index)
+                    end = tile.keys[1]
+                    waiting = [r for r in range(rows) if last_key[r] >= end]
+                    if waiting:
+                        later = sum(1 for t in run.tiles[tile.index + 1:]
+                                    if visible[waiting, t.keys[0]:t.keys[1]].any())
+                        assert f"{len(waiting)} of the {rows} row(s) still have unmasked keys in {later} later" \
+                            in text, (name, step, batch, block, tile.index, text)
+                    else:
+                        assert "still" not in text and "Every row's output is final" in text, (name, text)
+                        gap = float((tile.output - run.reference.double()).abs().max())
+                        assert gap < 1e-5, (name, step, batch, tile.index)  # final means final
+                    all_masked = not bool(visible[:, tile.keys[0]:end].any())
+                    assert tile.skipped == all_masked
+                    if all_masked:
+                        assert "skipped" in text
+                    before = run.tiles[tile.index - 1].m if tile.index else torch.full((rows,), -math.inf)
+                    rose = int((torch.isfinite(before) & (tile.m > before)).sum())
+                    if rose:
+                        assert f"{rose} of the {rows} row(s) found a larger max" in text
+                    else:
+                        assert "found a larger max" not in text
+                    checked += 1
+    assert checked > 300
+
+
+def test_3_masked_cells_are_drawn_apart_from_unread_ones(matrix):
+    _, trace = matrix["left padding"]
+    n = trace.record(act_name("q", 0), 0).shape[2]
+    run = flash.flash_attention(trace, 0, 0, 0, 1, block=4, query_block=(n - 1) // 4)  # padding keys first
+    fig = flash.flash_figure(trace, 0, run, 1)
+    masked = next(d for d in fig.data if d.name == "masked")
+    unread = next(d for d in fig.data if d.name == "not read yet")
+    drawn_masked = torch.tensor([[v == v and v is not None for v in row] for row in masked.z])
+    assert torch.equal(drawn_masked, torch.isinf(run.scores))
+    drawn_unread = torch.tensor([[v == v and v is not None for v in row] for row in unread.z])
+    expected = torch.zeros_like(drawn_unread)
+    expected[:, run.tiles[1].keys[1]:] = True
+    assert torch.equal(drawn_unread, expected & ~torch.isinf(run.scores))
+
+
+def test_4_the_memory_sentence_compares_like_with_like_and_says_where_tiles_win(matrix):
+    for name, _, trace, step, batch in cases(matrix):
+        for block in (4, 16):
+            run = flash.flash_attention(trace, step, 0, 0, batch, block=block, query_block=0)
+            rows, t, size = run.rows[1] - run.rows[0], run.scores.shape[1], run.itemsize
+            assert run.tile_bytes == (rows * min(block, t) + 2 * rows) * size  # the output is on neither side
+            assert run.full_bytes == rows * t * size
+            text = flash.memory_sentence(run)
+            win = block + 3  # rows·b + 2·rows < rows·t  ⇔  t > b + 2
+            assert f"hold fewer from t = {win} on" in text
+            assert ("fewer here" in text) == (t >= win), (name, step, text)
+            if run.n == 1:
+                assert f"one row of t = {t}" in text and "grow linearly" in text, (name, step)
+                assert "the n × t matrix grows with the square" not in text
+            else:
+                assert f"n × t = {run.n} × {t}" in text
+
+
+def test_5_the_default_query_block_holds_the_last_real_row(matrix):
+    for name, _, trace, step, batch in cases(matrix):
+        real = trace.generation.is_token(batch, step)
+        n = trace.record(act_name("q", 0), step).shape[2]
+        last = max(i for i, r in enumerate(real[-n:]) if r)
+        for block in (4, 8):
+            assert flash.default_query_block(trace, step, batch, block) == last // block, name
+            run = flash.flash_attention(trace, step, 0, 0, batch, block=block,
+                                        query_block=last // block)
+            note = flash.padding_rows_note(trace, step, batch, run)
+            padding = sum(not r for r in real[-n:][run.rows[0]:run.rows[1]])
+            assert (f"{padding} of the" in note) if padding else note == ""
+
+
+def test_5_the_row_table_follows_the_online_softmax(matrix):
+    _, trace = matrix["story-gpt"]
+    run = flash.flash_attention(trace, 0, 1, 2, 0, block=4, query_block=2)
+    table = flash.row_table(run, 3)
+    s = run.scores[3]
+    for _, r in table.iterrows():
+        read = s[: int(r["keys"].split("…")[1]) + 1]
+        assert r["m_new"] == pytest.approx(float(read.max()))
+        assert r["ℓ after"] == pytest.approx(float(torch.exp(read - read.max()).sum()))
+        if math.isfinite(r["m_old"]):
+            assert r["exp(m_old − m_new)"] == pytest.approx(math.exp(r["m_old"] - r["m_new"]))
+            assert r["ℓ after"] == pytest.approx(r["exp(m_old − m_new)"] * r["ℓ before"]
+                                                 + r["Σ exp(s − m_new) of the tile"])
+    with pytest.raises(ValueError, match="row 9"):
+        flash.row_table(run, 9)
+
+
+# -- 5, 6, 7: what grows with n ---------------------------------------------------------------------------------
+def test_5_6_7_what_grows_with_n_at_this_step_and_window(matrix):
+    from figures import cache
+
+    for name, gen, trace, step, _ in cases(matrix):
+        config = trace.config
+        forward = trace.generation.step(step).forward
+        layers = cache.window_layers(trace, step)
+        fig, text = cache.growth_figure(config, forward.t, 4, forward.n, layers)
+        H, G, L = config.n_head, config.n_kv_head or config.n_head, config.n_layer
+        # 5: this step's scores are H × n × t (n = 1 at a cached decode step), not H·t²
+        numbers = H * forward.n * forward.t
+        assert f"H × {'1' if forward.n == 1 and forward.t > 1 else 'n'} × t = {H} × {forward.n} × {forward.t}" \
+            in text, (name, step, text)
+        assert f"{cache._size(numbers * 4)}, against" in text
+        # 6: the first whole n at which H·n² > 2·L·G·n·d_head, counted
+        n = 1
+        while H * n * n <= 2 * L * G * n * config.d_head:
+            n += 1
+        if n <= config.n_ctx:
+            assert f"from n = {n:,} on" in text
+        else:
+            assert "from n =" not in text.split("outgrow")[-1] or "never larger" in text or "stay below" in text
+        # 7: a sliding window, read from the masks, agrees with the model's own layer types
+        hf = getattr(gen.model, "hf", None) if gen is not None else None
+        types = getattr(getattr(hf, "config", None), "layer_types", None)
+        if types is not None and config.sliding_window and forward.t > config.sliding_window:
+            assert layers == [i for i, kind in enumerate(types) if kind == "sliding_attention"], (name, step)
+        if layers:
+            assert "not quadratic" in text and f"window of {config.sliding_window} keys" in text
+            assert any(d.name.startswith("scores a windowed layer needs") for d in fig.data)
+        else:
+            assert "not quadratic" not in text
+    gpt = matrix["story-gpt"][1].config
+    assert 2 * gpt.n_layer * gpt.n_head * gpt.d_head / gpt.n_head == gpt.n_ctx  # story-gpt: equal at n_ctx…
+    text = cache.growth_sentence(gpt, 10)
+    assert f"only at n = {gpt.n_ctx:,} = n_ctx, and are never larger inside it" in text  # …never larger
+    assert cache.window_layers(matrix["gemma2 (window, soft-cap)"][1], 2)  # the matrix has a window to show
+
+
+# -- 8: a cheaper cache -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("storage", ["int8", "bfloat16"])
+def test_8_sharing_and_quantizing_each_say_their_own_saving(matrix, storage):
+    from figures import cache
+    from tracer import cache_precision
+
+    for name in ("story-llama", "story-gpt"):
+        gen = matrix[name][0]
+        run = cache_precision(gen, storage, 3)
+        text = cache.sharing_sentence(run)
+        assert "saves again" not in text
+        if run.kv_heads < run.query_heads:
+            multi = run.reference_bytes * run.query_heads // run.kv_heads
+            assert f"{1 - run.reference_bytes / multi:.0%} less" in text
+            assert f"{1 - run.stored_bytes / run.reference_bytes:.0%} less" in text
+            assert f"Together, {1 - run.stored_bytes / multi:.0%} less" in text
+        else:
+            assert text == run.formula() + "."
+
+
+# -- 15: the timing warning states no unmeasured cause as fact ------------------------------------------------
+def test_15_the_timing_warning_does_not_state_an_unmeasured_cause(matrix):
+    import dataclasses
+
+    from figures import cache
+
+    gen = matrix["story-gpt"][0]
+    comparison = gen.compare_with_recompute(timing_repeats=1)
+    slow = dataclasses.replace(comparison, cached=dataclasses.replace(comparison.cached, seconds=1.0),
+                               full=dataclasses.replace(comparison.full, seconds=0.001))
+    assert slow.timing_contradicts_count
+    text = cache.timing_warning(slow)
+    assert "another program was running" not in text and "Why was not measured" in text
+    assert "1000.0 ms cached vs 1.0 ms full" in text
+
+
+# -- 16: what a padding query row attends to, as the docs say it ---------------------------------------------
+def test_16_padding_query_rows_attend_where_the_docs_say(matrix):
+    from pathlib import Path
+
+    limits = " ".join((Path(__file__).parents[1] / "docs" / "limits.md").read_text().split())
+    assert "attend only to themselves" not in limits
+    assert "With left padding a padding row comes before every real token" in limits
+    assert "With right padding a padding row comes after the real tokens, and attends to them and to itself" in limits
+    assert "a transformers-run model gives it the weight 1/t on every key" in limits
+    for name in ("left padding", "right padding", "gemma2 (window, soft-cap)"):
+        gen, trace = matrix[name]
+        facts = trace.generation
+        real = facts.is_token(1, 0)  # "Tom ran": the short, padded sequence, at the prefill
+        pattern = trace.get(act_name("pattern", 0), 0)[1, 0]  # [t, t]
+        t = len(real)
+        for row in (i for i in range(t) if not real[i]):
+            weights = pattern[row]
+            if facts.info.padding_side == "right":
+                seen = {j for j in range(t) if weights[j] > 0}
+                assert seen == {j for j in range(row + 1) if real[j]} | {row}, (name, row)
+            elif gen.model.config.family == "hf":
+                assert torch.allclose(weights, torch.full_like(weights, 1 / t)), (name, row)
+            else:
+                assert weights[row] == pytest.approx(1.0) and float(weights.sum()) == pytest.approx(1.0)
+
+
+# -- 2: the logit lens labels its columns as every other view does ------------------------------------------------
+def test_2_the_logit_lens_labels_each_column_by_its_own_position(matrix):
+    from figures import whatif
+    from figures.common import key_labels, safe_text
+    from tracer import logit_lens
+
+    live = matrix["left padding"][0].model
+    for name, gen, trace, step, batch in cases(matrix):
+        model = gen.model if gen is not None else live
+        frame = logit_lens(trace, step, batch, model=model)
+        fig, _ = whatif.lens_figure(frame, model.config.n_layer)
+        n = trace.record(act_name("q", 0), step).shape[2]
+        heat = fig.data[-1]
+        wanted = [safe_text(label) for label in key_labels(trace, step, batch)[-n:]][-len(heat.x):]
+        assert [x.split(" · ")[0] for x in heat.x] == [w.split(" · ")[0] for w in wanted], (name, step, batch)
+
+
+# -- 9, 10, 11, 12: the gradients' sentences -----------------------------------------------------------------------
+def gradient_cases(matrix):
+    for name in ("story-gpt", "cache off", "left padding", "right padding", "story-llama",
+                 "gemma2 (window, soft-cap)"):
+        gen = matrix[name][0]
+        for step in (0, 2):
+            yield name, gen, step
+
+
+def test_9_10_11_the_gradients_say_what_they_cover_and_what_they_compute(matrix):
+    from figures import gradients as grad_views
+    from tracer import attention_gradients
+
+    for _, gen, step in gradient_cases(matrix):
+        batch = gen.facts.batch_size - 1  # the short, padded sequence of a batch
+        result = attention_gradients(gen, step, gen.model.config.n_layer - 1, 1, batch)
+        forward, t = gen.facts.step(step).forward, gen.facts.width(step)
+        # 9: a cached decode step's one row is the last of the t rows the fresh forward computes
+        scope = grad_views.scope_sentence(gen.facts, step)
+        assert result.formula["G_P"].shape == (t, t)
+        if forward.n < t:
+            assert f"fresh forward of all {t} positions without the cache" in scope and "cached decode step" in scope
+        else:
+            assert f"show its {t} query rows" in scope
+        # 10: G_O is autograd's own, named so; the five others are compared
+        level, text = grad_views.agreement(result)
+        assert level == "success" and "All six" not in text
+        assert "Starting from autograd's G_O = ∂L/∂O, the 5 gradients computed from their formulas" in text
+        assert result.computed == ("G_V", "G_P", "G_S", "G_Q", "G_K")
+        fig = grad_views.gradients_figure(result, [str(j) for j in range(t)])
+        titles = [a.text for a in fig.layout.annotations]
+        assert titles[0].endswith("autograd's own") and all("|Δ| ≤" in x for x in titles[1:])
+        # item 5: one colour bar per panel
+        bars = [d for d in fig.data if d.type == "heatmap" and d.showscale is not False and d.colorbar.title.text]
+        assert sorted(b.colorbar.title.text for b in bars) == sorted(result.formula)
+        # 11: the norms' sentence states the factors and calls a trend only when there is one
+        norms = result.norms["resid_pre"]
+        factors = [norms[i] / norms[i + 1] for i in range(len(norms) - 1)]
+        sentence = grad_views.norms_sentence(result)
+        for i, f in enumerate(factors):
+            assert f"block {i + 1} → {i}: ×{f:.3g}" in sentence
+        vanishing, exploding = all(f <= 0.1 for f in factors), all(f >= 10 for f in factors)
+        if len(factors) < 2:
+            assert "one change, not a trend" in sentence
+        else:
+            assert ("vanishing toward the input" in sentence) == vanishing
+            assert ("exploding toward the input" in sentence) == exploding
+            assert ("shows neither" in sentence) == (not vanishing and not exploding)
+
+
+def test_11_a_steady_fall_is_called_vanishing():
+    import dataclasses
+
+    from figures import gradients as grad_views
+    from tracer import HeadGradients
+
+    base = HeadGradients("x", 1.0, 0, 0, 0, {}, {}, {"resid_pre": [1e-6, 1e-4, 1e-2, 1.0]})
+    assert "vanishing toward the input" in grad_views.norms_sentence(base)
+    rising = dataclasses.replace(base, norms={"resid_pre": [1e6, 1e4, 1e2, 1.0]})
+    assert "exploding toward the input" in grad_views.norms_sentence(rising)
+    two = dataclasses.replace(base, norms={"resid_pre": [10.7, 1.0]})
+    assert "one change, not a trend" in grad_views.norms_sentence(two)
+
+
+def test_12_a_soft_capped_head_gets_its_gradients_with_the_caps_factor(tmp_path):
+    """Gemma 2 with a small cap, so that the factor 1 − tanh²(s·QKᵀ/c) is far from 1: the formulas with it equal
+    autograd's; without it (G_Q = s·G_S·K) they would not."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from model import load_hf
+    from model.sources import ASSETS
+    from tests.hf_architectures import ARCHITECTURES
+    from tracer import TracedGeneration, attention_gradients
+
+    kwargs = dict(ARCHITECTURES["gemma2"][1], attn_logit_softcapping=0.5)
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(transformers.Gemma2Config(**kwargs)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(4.0)  # scores large against the cap
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((ASSETS / "story-gpt" / "tokenizer.json").read_bytes())
+    model, tok = load_hf(tmp_path)
+    assert model.config.attn_softcap == 0.5
+    gen = TracedGeneration(model, tok, ["Once upon a time, there was a little girl named Lily.", "Tom ran"],
+                           temperature=0)
+    gen.run(2)
+    for step in (0, 1):
+        for layer in (0, 1):
+            result = attention_gradients(gen, step, layer, 2, 0)
+            assert result.softcap == 0.5
+            scale = model.config.attn_scale
+            q, k = gen.trace.get(act_name("q", layer), step)[0, 2].double(), None
+            k_all = gen.trace.get(act_name("k_all", layer), step)[0].double()
+            k = k_all[2 // (model.config.n_head // model.config.n_kv_head)]
+            for name in ("G_Q", "G_K"):
+                top = float(result.autograd[name].abs().max())
+                assert top > 0
+                assert result.max_abs_delta(name) <= 1e-6 * max(1.0, top), (step, layer, name)
+            plain_q = scale * result.formula["G_S"] @ k  # without the cap's factor
+            assert float((plain_q - result.autograd["G_Q"]).abs().max()) > 1e-3 * top, (step, layer)
+            del q
+
+
+# -- 13: a column is a column; RoPE names the position it rotates with -----------------------------------------
+def test_13_rope_says_column_and_rotation_position_apart(matrix):
+    from figures import attention
+
+    for name in ("left padding", "right padding", "story-llama", "loaded trace"):
+        _, trace = matrix[name]
+        if trace.config.positions != "rope":
+            continue
+        for step in range(STEPS):
+            for batch in range(trace.generation.batch_size):
+                fig = attention.rope_relative_figure(trace, step, 0, 0, batch)
+                if fig is None:
+                    continue
+                title = fig.layout.title.text
+                forward = trace.generation.step(step).forward
+                real = trace.generation.is_token(batch, step)
+                new = [j for j in range(forward.t - forward.n, forward.t) if real[j]]
+                query_col, key_col = new[-1], new[0]
+                m, n = sum(real[:query_col]), sum(real[:key_col])
+                assert f"query in column {query_col}" in title and f"m = {m}" in title, (name, step, batch, title)
+                assert f"key in column {key_col}" in title and f"n = {n}" in title
+                assert ("not padding" in title) == ((query_col, key_col) != (m, n))
+        fig = attention.rope_figure(trace, 0, 0, 0, 0)
+        assert fig.layout.yaxis.title.text == "column · token"
+
+
+# -- 14: the pitfalls' means are over the real query rows --------------------------------------------------------
+def test_14_the_pitfalls_average_the_real_query_rows_only(matrix):
+    from figures import attention
+
+    for name, _, trace, step, batch in cases(matrix):
+        for layer in (0, trace.config.n_layer - 1):
+            variants = attention.pitfall_patterns(trace, step, layer, 0, batch)
+            n = variants["as the model does it"].shape[0]
+            real = torch.tensor(trace.generation.is_token(batch, step)[-n:])
+            table = attention.pitfall_table(trace, step, layer, 0, batch).set_index("variant")
+            after = variants["mask after the softmax"][real]
+            assert table.loc["mask after the softmax", "row sum"] == pytest.approx(float(after.sum(-1).mean()))
+            text = attention.pitfall_sentence(trace, step, layer, 0, batch)
+            if "mean row sum" in text:
+                assert f"mean row sum {float(after.sum(-1).mean()):.3f} over the {int(real.sum())} real query" in text
+                padding = n - int(real.sum())
+                assert (f"the {padding} padding rows" in text) == (padding > 0)
+            if name.startswith("gemma2") and step > 0:
+                assert "where the key is padding" not in text or batch == 1  # the window is not padding
+
+
+# -- say it first: each view's takeaway, from its own numbers ----------------------------------------------------
+def test_the_takeaways_state_their_own_numbers(matrix):
+    from figures import attention, cache, whatif
+    from figures.common import inert, key_labels
+    from model.analysis import forward_parts
+    from tracer import direct_logit_attribution, logit_lens
+
+    live = matrix["left padding"][0].model
+    for name, gen, trace, step, batch in cases(matrix):
+        layer = trace.config.n_layer - 1
+        a = trace.get(act_name("pattern", layer), step)[batch, 0].double()
+        real = trace.generation.is_token(batch, step)[-a.shape[0]:]
+        row = max(i for i, r in enumerate(real) if r)
+        top = int(a[row].argmax())
+        sentence, metrics = attention.stages_takeaway(trace, step, layer, 0, batch)
+        assert f"puts {float(a[row, top]):.0%} of its weight on key {inert(key_labels(trace, step, batch)[top])}" \
+            in sentence, (name, step, batch)
+        forward = trace.generation.step(step).forward
+        parts = forward_parts(trace.config, 1, forward.n, forward.t)
+        line, numbers = cache.growth_takeaway(trace.config, forward.t, 4, forward.n)
+        assert f"({parts['QKᵀ and A·V']:,} against {parts['MLP']:,} multiply-adds" in line
+        assert dict(numbers)["this step's scores, one layer"] == cache._size(trace.config.n_head * forward.n
+                                                                             * forward.t * 4)
+        model = gen.model if gen is not None else live
+        lens = logit_lens(trace, step, batch, model=model)
+        said, _ = whatif.lens_takeaway(lens)
+        last = lens[lens["position"] == lens.loc[lens["is_token"], "position"].max()].sort_values("layer")
+        assert f"p = {float(last['final_prob'].iloc[0]):.3f} after block 0" in said
+        if model.config.family != "hf":  # attribution needs our own final norm (it refuses the others, saying so)
+            frame = direct_logit_attribution(trace, step, batch, model=model)
+            said, _ = whatif.attribution_takeaway(frame, "x")
+            best = frame.loc[frame["contribution"].idxmax()]
+            assert said.startswith(f"{best['component']} adds the most") and f"{best['contribution']:+.3f}" in said
+        if trace.config.positions == "rope" and trace.config.family != "hf":
+            fig = attention.rope_relative_figure(trace, step, 0, 0, batch)
+            said = attention.rope_takeaway(fig)
+            drift = float(said.split("at most ")[1].split(";")[0])
+            assert drift < 1e-3  # together: the same score to rounding
+
+
+def test_5_following_one_row_opens_on_a_row_the_loss_reaches(matrix):
+    from figures import gradients as grad_views
+    from tracer import GRADIENT_LOSSES, attention_gradients
+
+    gen = matrix["left padding"][0]
+    for loss in GRADIENT_LOSSES:
+        result = attention_gradients(gen, 2, 1, 0, 0, loss)
+        row = grad_views.default_row(result)
+        assert result.formula["G_O"][row].abs().sum() > 0
+        assert not result.formula["G_O"][row + 1:].any()
+        keys = [str(j) for j in range(result.formula["G_P"].shape[0])]
+        table = grad_views.row_table(result, row, keys)
+        assert (table["G_S,rj = P_rj·(G_P,rj − Σ P·G_P)"] - table["G_S,rj (autograd)"]).abs().max() < 1e-6
+        if row + 1 < len(keys):
+            assert "G_O,r = 0" in grad_views.row_sentence(result, row + 1, keys)
