@@ -312,3 +312,19 @@ def test_summaries_count_against_the_budget_and_go_oldest_first():
         model(torch.randint(0, 64, (1, 256)))  # its summary alone (128 KiB) is larger than the budget
     assert tiny.trace.digest(tiny.trace.record("blocks.0.attn.hook_pattern")) is None
     assert tiny.trace.log.peak_bytes_kept <= 96 * 1024
+
+
+def test_the_bytes_of_cached_keys_and_values_read_are_the_cache_tensors_own_bytes():
+    """A grouped-query model (story-llama: 4 query heads share 2 key/value heads) caches G heads, not H: the
+    bytes the cached path reads are those of the K and V tensors the step started from, as they were recorded."""
+    from model import load_bundled
+
+    model, tok = load_bundled("story-llama")
+    c = model.config
+    assert c.n_kv_head < c.n_head
+    gen = TracedGeneration(model, tok, ["Tom had a big red kite.", "Lily ran"], temperature=0)
+    gen.run(3)
+    held = sum(gen.trace.get(f"blocks.{layer}.attn.hook_{kind}_all", 1).nbytes  # [B, G, t − 1, d_head] each
+               for layer in range(c.n_layer) for kind in "kv")
+    comparison = gen.compare_with_recompute()
+    assert comparison.cached.kv_bytes == held and comparison.full.kv_bytes == 0
