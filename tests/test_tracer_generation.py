@@ -328,3 +328,19 @@ def test_the_bytes_of_cached_keys_and_values_read_are_the_cache_tensors_own_byte
                for layer in range(c.n_layer) for kind in "kv")
     comparison = gen.compare_with_recompute()
     assert comparison.cached.kv_bytes == held and comparison.full.kv_bytes == 0
+
+
+def test_the_cached_rows_survive_the_cache_buffer_growing(bundled):
+    """The cache's buffers start at 32 positions and grow by copying what they hold: a generation that passes 32
+    positions still reads the same K and V as a full recompute (both of them: a growth that copied K into V
+    would leave the keys right)."""
+    from model.gpt import MIN_CAPACITY
+
+    model, tok = bundled
+    prompt = "Once upon a time, there was a little girl named Lily. She had a red ball and a big dog named Max."
+    n0 = len(tok.encode(prompt))
+    gen = TracedGeneration(model, tok, prompt, temperature=0, capture="shapes")
+    gen.run(MIN_CAPACITY - n0 + 3 if n0 < MIN_CAPACITY else 3)
+    assert gen.cache_length > MIN_CAPACITY
+    comparison = gen.compare_with_recompute()
+    assert comparison.equal and comparison.cached_rows_equal
