@@ -69,6 +69,19 @@ def _whole(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _advice(free: int, fixed: int, budget_times: int) -> str:
+    """What would fit: the largest Budget (MB) whose ``budget_times`` shares, beside the ``fixed`` bytes that do
+    not follow the budget (an opened file, a gradients trace already recorded), fit in ``free``."""
+    wait = "wait for another session to reset or close."
+    if budget_times < 1 or fixed >= free:
+        return wait[0].upper() + wait[1:]
+    largest = (free - fixed) // budget_times // MiB
+    if budget_times > 1:  # a running generation's budget changes only with a Reset
+        return (f"Reset with Budget (MB) in the sidebar at most {largest:,} (it is counted {budget_times} times here: "
+                f"the generation's values and its gradients'), or {wait}")
+    return f"Lower Budget (MB) in the sidebar to at most {largest:,}, or {wait}"
+
+
 class SessionLedger:
     """Which sessions the server serves and what each has reserved, under one lock (sessions run in threads
     of their own)."""
@@ -95,9 +108,11 @@ class SessionLedger:
             self._reserved[session] = 0
             return ""
 
-    def reserve(self, session: str, nbytes: int) -> str:
+    def reserve(self, session: str, nbytes: int, budget_times: int = 1, fixed: int = 0) -> str:
         """Set ``session``'s reservation to ``nbytes``: "" when the server's total allows it (then it is
-        held), else why not, with the numbers (and the session keeps what it held)."""
+        held), else why not, with the numbers (and the session keeps what it held). ``nbytes`` is ``budget_times``
+        times the sidebar's Budget (MB) (a generation: once; a generation and the gradients trace being recorded:
+        twice) plus ``fixed`` bytes that do not follow it, so that the budget advised is one that fits."""
         limits = self._limits()
         with self._lock:
             others = sum(held for s, held in self._reserved.items() if s != session)
@@ -106,8 +121,8 @@ class SessionLedger:
                 busy = sum(1 for s, held in self._reserved.items() if s != session and held)
                 return (f"This server keeps at most {limits.budget_bytes // MiB:,} MiB of traces for all its sessions "
                         f"together ({BUDGET_ENV}); {busy} other session(s) hold {others // MiB:,} MiB, so this one "
-                        f"can have {free // MiB:,} MiB, not {nbytes // MiB:,}. Lower Budget (MB) in the sidebar to "
-                        f"at most {free // MiB:,}, or wait for another session to reset or close.")
+                        f"can have {free // MiB:,} MiB, not {nbytes // MiB:,}. "
+                        + _advice(free, fixed, budget_times))
             self._reserved[session] = nbytes
             return ""
 

@@ -126,14 +126,20 @@ def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None =
     """Reserve this session's share of the server's trace memory: the budget of its generation, the values of
     its opened file and of its gradients trace (each as it is now unless given); "" when granted, else why not."""
     app = state()
+    asked_gradients = gradient_bytes is not None
     if generation_bytes is None:
         generation_bytes = app.started_with.budget_bytes if app.generation is not None and app.started_with else 0
     if file_bytes is None:
         file_bytes = app.loaded.trace.log.bytes_kept if app.loaded is not None else 0
     if gradient_bytes is None:
         gradient_bytes = app.gradient_trace[1].log.bytes_kept if app.gradient_trace is not None else 0
+    # what follows the sidebar's Budget (MB): the generation's share, and a gradients recording asked for now (at
+    # most the budget); an opened file and a gradients trace already recorded do not
+    budget_times = int(generation_bytes > 0) + int(asked_gradients and gradient_bytes > 0)
+    fixed = file_bytes + (0 if asked_gradients else gradient_bytes)
     try:
-        return session_ledger().reserve(this_session(), generation_bytes + file_bytes + gradient_bytes)
+        return session_ledger().reserve(this_session(), generation_bytes + file_bytes + gradient_bytes,
+                                        budget_times=budget_times, fixed=fixed)
     except ValueError as e:
         return f"The server's limits are set wrongly: {plain(e)}"
 

@@ -108,6 +108,7 @@ NOT_RUN = {
                    "pyproject.toml declare",
     "python -m pip install mutmut": "installs a package (the network), for mutation testing by hand",
     "python -m mutmut": "mutation testing by hand: most of an hour on two cores, not in CI",
+    "python bench/mutants.py": "mutation testing by hand without mutmut: a test run per mutant, not in CI",
     "ATEN_CPU_CAPABILITY=": "the whole suite again, under another instruction set (minutes; run by hand before a "
                             "change to a tolerance: docs/testing.md)",
     "gpt-shape-tracer app": "serves the app until stopped; tests/test_package.py starts the installed command, "

@@ -84,3 +84,22 @@ def test_nothing_to_recompute_from_with_shapes_capture(bundled):
     g = TracedGeneration(model, tok, PROMPT, temperature=0, capture="shapes")
     g.step()
     assert flash.flash_attention(g.trace, 0, 0, 0) is None
+
+
+def test_after_each_tile_the_output_is_the_softmax_of_the_keys_read_times_their_values(batch_gen):
+    """The running output is rescaled with the running sum: after tile j it is softmax(S[:, :end_j])·V[:end_j]
+    exactly, checked on rows whose running max rises at a later tile (where a missing rescale shows)."""
+    trace = batch_gen.trace
+    rises = 0
+    for layer, head in ((0, 1), (1, 2)):
+        n = trace.record(f"blocks.{layer}.attn.hook_q", 0).shape[2]
+        run = flash.flash_attention(trace, 0, layer, head, 0, block=4, query_block=(n - 1) // 4)
+        g = flash.kv_head(trace, layer, head, 0)
+        v = trace.get(f"blocks.{layer}.attn.hook_v_all", 0)[0, g].double()  # [t, d_head]
+        for before, tile in zip(run.tiles, run.tiles[1:]):
+            read = run.scores[:, : tile.keys[1]]  # [rows, keys read so far]
+            seen = torch.isfinite(read.max(dim=-1).values)
+            want = torch.softmax(read[seen], dim=-1) @ v[: tile.keys[1]]
+            assert torch.allclose(tile.output[seen], want, atol=1e-12), (layer, head, tile.index)
+            rises += int((torch.isfinite(before.m) & (tile.m > before.m)).sum())
+    assert rises > 0  # some row's max rose after its first tile: the rescale was exercised

@@ -154,3 +154,55 @@ def test_gradient_trace_of_a_decode_step_and_a_model_run_by_transformers(tmp_pat
         from tracer import Tracer
 
         Tracer(model, capture="gradients")
+
+
+# -- the two losses against transformers on padded batches (left and right padding, prefill and decode) ---------
+def real_tokens(gen, row: int, step: int) -> list[int]:
+    """Sequence ``row``'s real tokens as step ``step`` saw them, in order, its padding left out."""
+    return [c for c, real in zip(gen.facts.columns(row, step), gen.facts.is_token(row, step)) if real]
+
+
+def transformers_losses(reference, rows: list[list[int]], chosen: list[int]) -> tuple[float, float]:
+    """transformers' own numbers for the two losses over ``rows`` (each sequence's real tokens):
+    the next-token cross-entropy is its ``labels=`` loss over the rows right-padded, −100 on the padding (so every
+    real token predicts the next real one, and nothing predicts or is predicted by padding); −log p(chosen) is
+    computed by hand from each row's own unpadded forward, at its last position."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        cross_entropy = float(reference(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        nll = [-float(torch.log_softmax(reference(input_ids=torch.tensor([r])).logits[0, -1].double(), -1)[c])
+               for r, c in zip(rows, chosen)]
+    return cross_entropy, sum(nll) / len(nll)
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_both_losses_of_a_padded_batch_equal_transformers(tmp_path, padding_side):
+    """Left padding puts the padding before each prompt; right padding puts it between a short prompt and its
+    first generated token. Either way the cross-entropy is the mean over every pair of consecutive real tokens
+    (as many pairs however the batch is padded), and −log p is read at each row's last real token, not at the
+    last column."""
+    from transformers import AutoModelForCausalLM
+
+    from model import load_hf
+    from model.sources import ASSETS
+    from tests.hf_architectures import build
+
+    directory = build("llama", tmp_path / "llama", ASSETS / "story-gpt" / "tokenizer.json")
+    model, tok = load_hf(directory)
+    reference = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
+    gen = TracedGeneration(model, tok, PROMPTS, temperature=0, padding_side=padding_side)
+    gen.run(3)
+    for step in (0, 2):
+        rows = [real_tokens(gen, r, step) for r in range(2)]
+        assert len(rows[0]) != len(rows[1])  # a padded batch: the short row has padding
+        choice = gen.facts.step(step).sampling
+        cross_entropy, nll = transformers_losses(reference, rows, list(choice.tokens))
+        ours = {loss: attention_gradients(gen, step, 0, 0, 1, loss).loss for loss in GRADIENT_LOSSES}
+        assert ours[GRADIENT_LOSSES[0]] == pytest.approx(cross_entropy, abs=1e-5), (padding_side, step)
+        assert ours[GRADIENT_LOSSES[1]] == pytest.approx(nll, abs=1e-5), (padding_side, step)
+        grads = gradient_trace(gen, step)  # the capture level's backward pass is of the same loss
+        said = re.search(r"L = next-token cross-entropy = ([-0-9.e]+),", grads.value_note(grads.records[0]))
+        assert said and float(said.group(1)) == pytest.approx(cross_entropy, abs=1e-5)

@@ -266,3 +266,36 @@ def test_the_identity_of_a_loaded_directory_is_the_hash_of_its_files(directories
     raw[-1] ^= 1  # the last byte of the last tensor
     weights.write_bytes(bytes(raw))
     assert load_hf(changed, implementation="transformers")[0].identity.weights_digest != model.identity.weights_digest
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_the_new_values_are_transformers_own_value_projections_not_the_keys(directories, model_type):
+    """``hook_v`` holds the values of the new positions: transformers' own ``v_proj`` output (V has no rotation)
+    at those positions, the last n rows of ``hook_v_all``, and not the keys (the views show and files keep it,
+    so a swap must not pass unseen)."""
+    model, tok = load_hf(directories[model_type], implementation="transformers")
+    ref = reference(directories[model_type])
+    gen = TracedGeneration(model, tok, PROMPTS, temperature=0, padding_side="left")
+    gen.run(3)
+    B, G, dh = len(PROMPTS), model.config.n_kv_heads, model.config.d_head
+    seen: dict[int, torch.Tensor] = {}
+    handles = [layer.self_attn.v_proj.register_forward_hook(
+        lambda m, a, out, L=L: seen.__setitem__(L, out.view(out.shape[0], out.shape[1], G, dh).transpose(1, 2)))
+        for L, layer in enumerate(ref.model.layers)]  # [B, t, G·d_head] -> [B, G, t, d_head]
+    try:
+        for step in (0, 2):
+            ids = torch.tensor([gen.facts.columns(r, step) for r in range(B)])
+            real = torch.tensor([gen.facts.is_token(r, step) for r in range(B)])
+            with torch.no_grad():  # one uncached forward of transformers' own model over the columns step saw
+                ref(input_ids=ids, attention_mask=real.long(), position_ids=(real.long().cumsum(-1) - 1).clamp(min=0))
+            for layer in range(model.config.n_layer):
+                v = gen.trace.get(f"blocks.{layer}.attn.hook_v", step)  # [B, G, n, d_head]
+                n = v.shape[2]
+                rows = real[:, -n:]  # the new positions' real ones (padding rows hold no token's value)
+                want = seen[layer][:, :, -n:]
+                assert (v - want).abs().amax(dim=(1, 3))[rows].max() <= 1e-5, (model_type, step, layer)
+                assert torch.equal(v, gen.trace.get(f"blocks.{layer}.attn.hook_v_all", step)[:, :, -n:])
+                assert not torch.allclose(v, gen.trace.get(f"blocks.{layer}.attn.hook_k", step), atol=1e-3)
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -78,3 +78,31 @@ def test_the_command_line_writes_the_report_of_the_run(tmp_path, capsys):
     assert code == 0 and "a report of the 3 steps" in capsys.readouterr().out
     # the cache, one head over the steps, the flow, three next tokens
     assert (tmp_path / "run.html").read_text(encoding="utf-8").count('class="plotly-graph-div"') == 6
+
+
+HOSTILE = "<img src=x onerror=window.__xss=1>"
+
+
+def test_a_label_a_trace_file_carries_appears_only_escaped_in_both_reports(bundled):
+    """Anyone can write a trace file: a chosen token's label (and a candidate's) is text from the file, and both
+    reports write it escaped, never as markup."""
+    import json
+
+    from figures.report import run_report_html
+    from tests.test_tracer_io import archive_bytes, member, rewrite
+    from tracer import load_trace
+
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, PROMPTS[0], temperature=0)
+    gen.run(3)
+    archive = archive_bytes(gen.trace)
+    manifest = json.loads(member(archive, "manifest.json"))
+    for step in manifest["generation"]["steps"]:
+        step["sampling"]["labels"] = [HOSTILE]
+        step["sampling"]["candidate_labels"][0][0] = HOSTILE
+    crafted = load_trace(rewrite(archive, "manifest.json", json.dumps(manifest).encode()))
+    assert crafted.generation.steps[1].sampling.labels == (HOSTILE,)
+
+    for page in (report_html(crafted, 1), run_report_html(crafted)):
+        assert HOSTILE not in page and "<img" not in page
+        assert "&lt;img src=x onerror=window.__xss=1&gt;" in page  # shown, as text

@@ -50,6 +50,21 @@ def test_a_reservation_past_the_servers_total_is_refused_with_the_numbers_and_ke
     assert book.held() == 300 * MiB  # an ended session's reservation goes with it
 
 
+def test_the_budget_advised_fits_beside_what_does_not_follow_it():
+    """A refusal advises the largest Budget (MB) that fits: counted as often as the request holds it, beside the
+    bytes that do not follow it (an opened file's values); nothing to advise when those alone do not fit."""
+    book = ledger(budget_mb=1000)
+    book.admit("a")
+    book.admit("b")
+    assert book.reserve("a", 600 * MiB) == ""
+    refusal = book.reserve("b", 2 * 300 * MiB + 100 * MiB, budget_times=2, fixed=100 * MiB)
+    assert "can have 400 MiB, not 700" in refusal and "at most 150 (it is counted 2 times here" in refusal
+    assert book.reserve("b", 2 * 150 * MiB + 100 * MiB) == ""  # what it advised fits
+    book.reserve("b", 0)
+    refusal = book.reserve("b", 500 * MiB, fixed=450 * MiB)
+    assert "can have 400 MiB, not 500. Wait for another session" in refusal and "Budget" not in refusal.split(".")[-2]
+
+
 def test_the_limits_come_from_the_environment_with_defaults_from_the_machine():
     memory = machine_memory_bytes()
     assert memory and memory > 0
@@ -91,6 +106,31 @@ def test_the_app_refuses_a_generation_past_the_servers_budget_and_keeps_the_sett
     assert session_ledger().held() >= 200 * MiB
     press(at, "reset_button")
     assert session_ledger().held() == 0  # Reset gives the generation's share back
+
+
+def test_the_app_refuses_recording_gradients_past_the_servers_budget(monkeypatch):
+    """"Record ∂L/∂x at every hook point" keeps up to the generation's budget again: on a 300 MiB server, a
+    200 MiB generation and 200 MiB of gradients are refused, with the numbers and a budget that would fit, and
+    the session holds what it held before."""
+    from gui.common import session_ledger
+    from tests.test_app import show_tab
+
+    monkeypatch.setenv(BUDGET_ENV, "300")
+    at = AppTest.from_file(APP, default_timeout=240)
+    run(at)
+    at.sidebar.number_input(key="budget_mb").set_value(200)
+    press(at, "step_button")
+    held = session_ledger().held()
+    assert at.session_state["app"].generation is not None and held >= 200 * MiB
+    show_tab(at, "Attention", ("attn_view", "Gradients"))
+    at.button(key="grad_capture").click()
+    run(at)
+    errors = " ".join(e.value for e in at.error)
+    assert "Not recorded: This server keeps at most 300 MiB of traces" in errors
+    assert "can have 300 MiB, not 400" in errors
+    assert "Reset with Budget (MB) in the sidebar at most 150 (it is counted 2 times here" in errors  # 2 × 150 fits
+    assert at.session_state["app"].gradient_trace is None and session_ledger().held() == held
+    press(at, "reset_button")
 
 
 def test_a_real_server_serves_up_to_its_cap_and_admits_again_once_a_tab_closes():

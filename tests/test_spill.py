@@ -136,3 +136,52 @@ def test_exporting_a_spilled_run_reads_the_disk_one_value_at_a_time(bundled, tmp
     back = load_trace(tmp_path / "t.zip")
     name = "blocks.2.attn.hook_pattern"
     assert torch.equal(back.get(name, 0), gen.trace.get(name, 0))
+
+
+def test_a_failed_step_retried_with_the_spill_on_saves_a_file_holding_the_retrys_values(tmp_path):
+    """A step that fails part-way has spilled some of its values already; the retry reuses their record numbers.
+    Here the retry feeds fewer tokens (the failed prompt shortened), so it keeps in memory records whose numbers
+    the failed attempt had spilled: what is saved must be the retry's values, one per record, and it must load."""
+    import pytest
+
+    from model import GPT, GPTConfig
+    from tracer import Tracer
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=64, n_ctx=24, d_model=32, n_layer=2, n_head=4)).eval()
+    tokens = torch.randint(0, 64, (1, 12))
+    attempts: list[str] = []
+
+    def shift_then_fail(module, args, out):  # the failed attempt's block-1 input is far off, then it raises
+        if not attempts:
+            attempts.append("shifted")
+            return out + 100.0
+        return out
+
+    def fail_once(module, args, out):  # at the last hook point: the failed attempt spilled all it could
+        if attempts == ["shifted"]:
+            attempts.append("raised")
+            raise RuntimeError("boom")
+        return out
+
+    with torch.no_grad(), Tracer(gpt, capture="values", budget_bytes=1 << 30) as whole:
+        gpt(tokens[:, :8])
+        gpt(tokens[:, :3])
+    handles = []
+    try:
+        with torch.no_grad(), Tracer(gpt, capture="values", budget_bytes=16384, spill_bytes=1 << 30) as tr:
+            gpt(tokens[:, :8])
+            handles = [gpt.blocks[0].hook_resid_post.register_forward_hook(shift_then_fail),
+                       gpt.hook_logits.register_forward_hook(fail_once)]
+            with pytest.raises(RuntimeError, match="boom"):
+                gpt(tokens)
+            gpt(tokens[:, :3])  # the retry
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert attempts == ["shifted", "raised"] and tr.trace.log.spilled_bytes > 0
+    back = load_trace(save_trace(tr.trace, tmp_path / "retried.zip"))
+    expected = whole.trace
+    assert [r.name for r in back.records] == [r.name for r in expected.records]
+    for r in expected.records:
+        assert torch.equal(back.value(back.records[r.index]), expected.value(r)), (r.step, r.name)

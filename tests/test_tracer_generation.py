@@ -312,3 +312,35 @@ def test_summaries_count_against_the_budget_and_go_oldest_first():
         model(torch.randint(0, 64, (1, 256)))  # its summary alone (128 KiB) is larger than the budget
     assert tiny.trace.digest(tiny.trace.record("blocks.0.attn.hook_pattern")) is None
     assert tiny.trace.log.peak_bytes_kept <= 96 * 1024
+
+
+def test_the_bytes_of_cached_keys_and_values_read_are_the_cache_tensors_own_bytes():
+    """A grouped-query model (story-llama: 4 query heads share 2 key/value heads) caches G heads, not H: the
+    bytes the cached path reads are those of the K and V tensors the step started from, as they were recorded."""
+    from model import load_bundled
+
+    model, tok = load_bundled("story-llama")
+    c = model.config
+    assert c.n_kv_head < c.n_head
+    gen = TracedGeneration(model, tok, ["Tom had a big red kite.", "Lily ran"], temperature=0)
+    gen.run(3)
+    held = sum(gen.trace.get(f"blocks.{layer}.attn.hook_{kind}_all", 1).nbytes  # [B, G, t − 1, d_head] each
+               for layer in range(c.n_layer) for kind in "kv")
+    comparison = gen.compare_with_recompute()
+    assert comparison.cached.kv_bytes == held and comparison.full.kv_bytes == 0
+
+
+def test_the_cached_rows_survive_the_cache_buffer_growing(bundled):
+    """The cache's buffers start at 32 positions and grow by copying what they hold: a generation that passes 32
+    positions still reads the same K and V as a full recompute (both of them: a growth that copied K into V
+    would leave the keys right)."""
+    from model.gpt import MIN_CAPACITY
+
+    model, tok = bundled
+    prompt = "Once upon a time, there was a little girl named Lily. She had a red ball and a big dog named Max."
+    n0 = len(tok.encode(prompt))
+    gen = TracedGeneration(model, tok, prompt, temperature=0, capture="shapes")
+    gen.run(MIN_CAPACITY - n0 + 3 if n0 < MIN_CAPACITY else 3)
+    assert gen.cache_length > MIN_CAPACITY
+    comparison = gen.compare_with_recompute()
+    assert comparison.equal and comparison.cached_rows_equal

@@ -262,3 +262,15 @@ def test_a_1024_token_prefill_round_trips_at_every_capture_level(bundled, tmp_pa
 def test_load_trace_of_something_that_is_not_a_path_says_so(what):
     with pytest.raises(TraceFileError, match="takes a path or the bytes of a .zip"):
         load_trace(what)
+
+
+@pytest.mark.parametrize("field, value", [("probs", [1.5]), ("probs", [-0.25]), ("stage_probs", [[[1.5] * 20]])])
+def test_a_probability_outside_0_to_1_is_refused_naming_the_field(archive, field, value):
+    """A chosen token's probability of 1.5 (or a candidate's) is no probability: the file is refused, and the
+    refusal says which field of which step."""
+    manifest = json.loads(member(archive, "manifest.json"))
+    sampling = manifest["generation"]["steps"][1]["sampling"]
+    sampling[field] = value * len(sampling[field]) if field == "probs" else value + sampling[field][1:]
+    where = rf"generation\.steps\[1\]\.sampling\.{field}\[0\]"
+    with pytest.raises(TraceFileError, match=where + r".*: -?[0-9.]+ is outside \[0, 1\]"):
+        load_trace(rewrite(archive, "manifest.json", json.dumps(manifest).encode()))

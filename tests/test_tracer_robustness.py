@@ -329,3 +329,40 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
         out[mode] = (took == "True", int(mib))  # MiB the second pass had the kernel map
     assert out["reuse"][0] and not out["default"][0]
     assert out["default"][1] > 100 and out["reuse"][1] < out["default"][1] / 4, out
+
+
+def one_rounding_step(archive: bytes, steps: int = 1) -> bytes:
+    """The trace file ``archive`` with every finite floating value moved ``steps`` rounding steps of its own dtype
+    away from zero (the next representable number: the bit pattern + steps), each stored number once."""
+    from safetensors.torch import load, save
+
+    from tests.test_tracer_io import member, rewrite
+
+    as_int = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    values = load(member(archive, "values.safetensors"))
+    for value in values.values():
+        if value.dtype in as_int:
+            bits = value.view(as_int[value.dtype])
+            bits += torch.isfinite(value).to(bits.dtype) * steps  # ±∞ of the masks stay as they are
+    return rewrite(archive, "values.safetensors", save(values))
+
+
+def test_two_bfloat16_runs_a_rounding_step_apart_do_not_diverge():
+    """bfloat16 keeps 8 significant bits: two runs that differ by one rounding step everywhere are the same run
+    within bfloat16's tolerance (float32's would call most records diverged); 20 steps apart they diverge."""
+    from model import load_bundled
+    from tests.test_tracer_io import archive_bytes
+    from tracer import TracedGeneration, diff_traces, load_trace
+
+    model, tok = load_bundled()
+    model = model.to(torch.bfloat16)  # a model of its own: load_bundled loads anew each time
+    gen = TracedGeneration(model, tok, "Tom had a big red kite.", temperature=0)
+    gen.run(2)
+    archive = archive_bytes(gen.trace)
+    assert {r.dtype for r in gen.trace.records if gen.trace.value(r) is not None} >= {"bfloat16"}
+    near = diff_traces(load_trace(archive), load_trace(one_rounding_step(archive)))
+    bf16 = near[near.name.isin({r.name for r in gen.trace.records if r.dtype == "bfloat16"})]
+    assert bf16.compared.all() and (bf16.max_abs_delta > 0).any()  # compared, and not equal
+    assert not near.diverged.any(), near[near.diverged][["step", "name", "max_abs_delta", "tolerance"]]
+    far = diff_traces(load_trace(archive), load_trace(one_rounding_step(archive, 20)))
+    assert far[far.name.isin(set(bf16.name))].diverged.any()

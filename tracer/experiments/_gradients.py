@@ -167,10 +167,14 @@ def _backward(generation: TracedGeneration, step: int, loss: str,
 
 def _loss(logits: torch.Tensor, columns: torch.Tensor, real: torch.Tensor, facts, step: int, loss: str) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)  # [B, t, V]
-    if loss == GRADIENT_LOSSES[0]:  # every real position predicting the next real one
-        pairs = real[:, :-1] & real[:, 1:]
-        picked = logp[:, :-1].gather(-1, columns[:, 1:, None])[..., 0]  # [B, t − 1]
-        return -(picked[pairs]).mean()
+    if loss == GRADIENT_LOSSES[0]:  # every real token predicting the next real token of its row
+        # the next real token, not the next column: right padding puts a short prompt's padding between its
+        # last token and the first generated one, and that pair is one of the sequence's next-token pairs
+        picked = []
+        for r in range(columns.shape[0]):
+            where = real[r].nonzero()[:, 0]  # [k] the row's real columns, in order
+            picked.append(logp[r, where[:-1], columns[r, where[1:]]])  # [k − 1]
+        return -torch.cat(picked).mean()
     choice = facts.step(step).sampling
     if choice is None:
         raise ValueError(f"step {step} chose no token: there is no log-probability to differentiate")
