@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 
+import pytest
 import torch
 
 from tracer import TracedGeneration, load_trace, save_trace
@@ -136,3 +137,11 @@ def test_exporting_a_spilled_run_reads_the_disk_one_value_at_a_time(bundled, tmp
     back = load_trace(tmp_path / "t.zip")
     name = "blocks.2.attn.hook_pattern"
     assert torch.equal(back.get(name, 0), gen.trace.get(name, 0))
+
+
+@pytest.mark.parametrize("spill", [float("nan"), True, 1e21, 10**21, -1, 2.5, "64"])
+def test_a_spill_size_that_is_not_a_whole_number_of_bytes_is_refused_naming_the_range(spill):
+    from tracer.storage._log import TraceLog
+
+    with pytest.raises(ValueError, match=r"spill_bytes must be a whole number of bytes from 0 \(off\) to "):
+        TraceLog("values", spill_bytes=spill)
