@@ -56,10 +56,10 @@ def attention_gradients(generation: TracedGeneration, step: int, layer: int, hea
                         loss: str = GRADIENT_LOSSES[0]) -> HeadGradients:
     """The backward pass of ``loss`` over the token columns step ``step`` saw, read at one head."""
     config = generation.model.config
-    for what, value, count in (("step", step, generation.n_steps), ("layer", layer, config.n_layer),
+    for what, index, count in (("step", step, generation.n_steps), ("layer", layer, config.n_layer),
                                ("head", head, config.n_head), ("batch", batch, len(generation.info.prompts))):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
-            raise ValueError(f"{what} {value!r} is outside 0 … {count - 1}")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ValueError(f"{what} {index!r} is outside 0 … {count - 1}")
     if getattr(config, "attn_softcap", None):
         raise ValueError("this model soft-caps its scores (c·tanh(S/c)): G_S has one more factor there, which these "
                          "formulas leave out, so they are not drawn for it")
