@@ -108,6 +108,12 @@ def flash_attention(trace: Trace, step: int, layer: int, head: int, batch: int =
     tile over its keys; None when the step kept no Q, K, V, M or O values to recompute from."""
     if block < 1:
         raise ValueError(f"the block size must be at least 1, got {block}")
+    config = trace.config
+    for what, value, count in (("step", step, trace.n_steps),
+                               ("layer", layer, config.n_layer if config is not None else 1 << 62),
+                               ("head", head, config.n_head if config is not None else 1 << 62)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+            raise ValueError(f"{what} {value!r} is outside 0 … {count - 1}")
     rope = trace.has(act_name("rot_q", layer), step)
     names = {"q": "rot_q" if rope else "q", "k": "k_all", "v": "v_all", "mask": "mask", "z": "z"}
     values = {key: trace.get(act_name(kind, layer), step) for key, kind in names.items()}
@@ -115,6 +121,8 @@ def flash_attention(trace: Trace, step: int, layer: int, head: int, batch: int =
         return None
     q, k, v, mask, z = (values[key] for key in ("q", "k", "v", "mask", "z"))
     assert q is not None and k is not None and v is not None and mask is not None and z is not None
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 0 <= batch < q.shape[0]:
+        raise ValueError(f"batch {batch!r} is outside 0 … {q.shape[0] - 1}")
     n = q.shape[2]
     first = query_block * block
     if not 0 <= first < n:

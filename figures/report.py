@@ -31,6 +31,14 @@ def report_html(trace: Trace, step: int | None = None, heads: tuple[tuple[int, i
     step = trace.n_steps - 1 if step is None else step
     if not 0 <= step < trace.n_steps:
         raise ValueError(f"the trace has steps 0…{trace.n_steps - 1}, not {step}")
+    config = trace.config
+    for layer, head in heads if config is not None else ():
+        if not (0 <= layer < config.n_layer and 0 <= head < config.n_head):
+            raise ValueError(f"(layer {layer}, head {head}) is outside layers 0 … {config.n_layer - 1}, heads 0 … "
+                             f"{config.n_head - 1}")
+    rows = trace.record("hook_logits", step).shape[0] if trace.has("hook_logits", step) else None
+    if rows is not None and not 0 <= batch < rows:
+        raise ValueError(f"batch {batch} is outside 0 … {rows - 1}")
     sections: list[tuple[str, go.Figure | None, str]] = [
         ("The shapes, stage by stage (block 0)", flow.shape_flow_figure(trace, step, 0), "")]
     for layer, head in heads:

@@ -195,6 +195,10 @@ def check_arguments(args: argparse.Namespace) -> Path | None:
     for flag, report in (("--html", args.html), ("--html-run", args.html_run)):
         if report is not None:
             _check_report_path(flag, report, out)
+    if args.html is not None and args.html_run is not None and \
+            Path(args.html).expanduser().resolve() == Path(args.html_run).expanduser().resolve():
+        raise ValueError(f"--html and --html-run name one file ({args.html!r}): the second report would overwrite "
+                         "the first")
     return out
 
 
@@ -217,6 +221,9 @@ def _check_report_path(flag: str, raw: str, out: Path | None) -> None:
     path = Path(raw).expanduser()
     if out is not None and path.resolve() == out.resolve():
         raise ValueError(f"{flag} {raw!r} is the path of --out: the report would overwrite the trace")
+    if out is not None and out.suffix != ".zip" and out.resolve() in path.resolve().parents:
+        raise ValueError(f"{flag} {raw!r} is inside the trace directory --out {str(out)!r}: the report would "
+                         "overwrite or join the trace's own files")
     if path.is_dir():
         raise ValueError(f"{flag} {raw!r} is a directory: give the report's file name")
     if not path.parent.is_dir():
@@ -294,7 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     if gen.stopped or done < args.steps:
         print(f"note: stopped after {gen.n_steps} step(s): {gen.stopped or 'the context is full'}", file=sys.stderr)
     if out is not None:
-        save_trace(gen.trace, out)
+        try:
+            save_trace(gen.trace, out)  # refuses, before writing, a trace load_trace would not read back
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            gen.close()
+            return 2
     if args.html:
         from figures.report import report_html
 

@@ -213,3 +213,42 @@ def test_a_token_that_is_a_control_or_invisible_character_is_labelled_visibly():
     tok = TextTokenizer(Tokenizer(models.WordLevel(vocab, unk_token=next(iter(vocab)))))
     labels = [tok.token_label(i) for i in range(len(texts))]
     assert labels == ["\\x07", "\\x1b", "\\u200b", "\\u202e", "\\u00a0", "a b", "é", "\U0001F642"]
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "mlp_bias"])
+def test_a_boolean_written_as_a_string_in_a_llama_config_is_refused(tmp_path, key):
+    """"false" is a non-empty string, so bool("false") is True: the embeddings were tied (or biases added)
+    by a config that says the opposite."""
+    from pathlib import Path
+
+    from model import ModelLoadError
+    from model.sources._hf_config import config_from_hf
+
+    raw = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 32}
+    assert config_from_hf(raw, Path("config.json")).tie_embeddings is False
+    with pytest.raises(ModelLoadError, match=f"{key} must be true or false, got 'false'"):
+        config_from_hf({**raw, key: "false"}, Path("config.json"))
+
+
+def test_an_out_of_range_layer_head_or_batch_is_a_value_error_naming_the_range(bundled):
+    """These were IndexError / KeyError from deep inside (or, for a batch, a wrong row silently)."""
+    from figures.flash import flash_attention
+    from figures.report import report_html
+    from tracer import TracedGeneration
+    from tracer.experiments._gradients import attention_gradients
+
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, "Lily had", temperature=0)
+    gen.run(1)
+    last = model.config.n_layer - 1
+    cases = [(attention_gradients, dict(generation=gen, step=0, layer=99, head=0), f"layer 99 is outside 0 … {last}"),
+             (attention_gradients, dict(generation=gen, step=0, layer=0, head=0, batch=3), "batch 3 is outside 0 … 0"),
+             (flash_attention, dict(trace=gen.trace, step=0, layer=0, head=99), "head 99 is outside 0 … "),
+             (flash_attention, dict(trace=gen.trace, step=0, layer=0, head=0, batch=5), "batch 5 is outside 0 … 0"),
+             (report_html, dict(trace=gen.trace, step=0, heads=((0, 99),)), "(layer 0, head 99) is outside"),
+             (report_html, dict(trace=gen.trace, step=0, batch=4), "batch 4 is outside 0 … 0")]
+    for function, arguments, message in cases:
+        with pytest.raises(ValueError) as info:
+            function(**arguments)
+        assert message in str(info.value), (function.__name__, str(info.value))

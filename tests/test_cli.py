@@ -181,6 +181,25 @@ def test_a_report_over_the_trace_or_into_a_missing_folder_is_refused_first(capsy
     assert code == 2 and "does not exist" in stderr and not out.exists()
     code, _, stderr = run(capsys, "--prompt", "Lily", "--html", str(tmp_path))
     assert code == 2 and "is a directory" in stderr
+    folder = tmp_path / "run"
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--out", str(folder), "--html", str(folder / "manifest.json"))
+    assert code == 2 and "inside the trace directory" in stderr and not folder.exists()
+    report = tmp_path / "r.html"
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--html", str(report), "--html-run", str(report))
+    assert code == 2 and "name one file" in stderr and not report.exists()
+
+
+def test_a_trace_too_large_to_load_back_is_refused_by_the_command_before_anything_is_written(capsys, tmp_path,
+                                                                                            monkeypatch):
+    import dataclasses
+
+    import tracer.files._io as io_module
+
+    monkeypatch.setattr(io_module, "LIMITS", dataclasses.replace(io_module.LIMITS, records=10))
+    out = tmp_path / "t.zip"
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--out", str(out))
+    assert code == 2 and "cannot be saved as one that loads back" in stderr and "limit of 10 " in stderr
+    assert not out.exists()
 
 
 def test_a_bundled_model_stops_at_the_end_of_its_story_unless_told_to_go_on(capsys):

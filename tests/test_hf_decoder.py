@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import load_hf
+from model import ModelLoadError, load_hf
 from model.sources import BUNDLED_DIR, HFDecoder, HFDecoderError
 from tests.hf_architectures import ARCHITECTURES, build
 from tracer import TracedGeneration
@@ -299,3 +299,24 @@ def test_the_new_values_are_transformers_own_value_projections_not_the_keys(dire
     finally:
         for handle in handles:
             handle.remove()
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"num_hidden_layers": 600, "layer_types": ["full_attention"] * 600},
+     "num_hidden_layers = 600, but the weights hold 2 layer(s) (0 … 1)"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive whole number, got 0"),
+    ({"tie_word_embeddings": "false"}, "Field 'tie_word_embeddings' expected bool, got str"),
+    ({"layer_types": ["full_attention"] * 3}, "transformers cannot read its config"),
+])
+def test_a_config_the_weights_do_not_back_is_refused_before_building(tmp_path, change, expected):
+    """A config claiming 600 layers over weights holding 2 was built (598 random layers, about a minute); no heads
+    was a ZeroDivisionError; "false" as a string is truthy and tied the embeddings; each is refused by name."""
+    import json
+    import re
+
+    directory = build("qwen3", tmp_path / "m", BUNDLED_DIR / "tokenizer.json")
+    config = json.loads((directory / "config.json").read_text())
+    config.update(change)
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises((HFDecoderError, ModelLoadError), match=re.escape(expected)):
+        load_hf(directory)

@@ -39,6 +39,20 @@ def test_loads_pytorch_model_bin_with_weights_only(checkpoint, hf_pair):
     assert torch.allclose(model(tokens), ours(tokens), atol=1e-6)
 
 
+def test_a_small_bin_of_stride_0_views_declaring_16_gib_is_refused_before_allocating(checkpoint, hf_pair):
+    """A few kilobytes of pytorch_model.bin whose embedding is one float expanded (stride 0) to 2³² elements: its
+    copy would allocate 16 GiB (an untyped RuntimeError, or the memory); refused naming the tensor and the bytes."""
+    hf, _, _ = hf_pair
+    (checkpoint / "model.safetensors").unlink()
+    state = dict(hf.state_dict())
+    state["transformer.wte.weight"] = torch.zeros(1).expand(2**20, 2**12)
+    torch.save(state, checkpoint / "pytorch_model.bin")
+    assert (checkpoint / "pytorch_model.bin").stat().st_size < 2**20
+    with pytest.raises(ModelLoadError, match=r"transformer.wte.weight declares shape \[1048576, 4096\] "
+                                             r"\(17179869184 bytes\) over 4 bytes"):
+        load_hf_gpt2(checkpoint)
+
+
 def test_loads_tokenizer_json_and_vocab_merges(hf_dir_with_tokenizer, bundled, tmp_path):
     _, tok = bundled
     checkpoint = tmp_path / "with-tokenizer"

@@ -95,6 +95,27 @@ def test_refs_main_chooses_the_snapshot_else_the_newest(hub, tmp_path):
         resolve_model_path(REPO_ID)
 
 
+@pytest.mark.parametrize("kind", ["sparse 2 GiB file", "fifo", "/dev/zero"])
+def test_a_refs_main_that_is_huge_a_fifo_or_endless_is_refused_without_reading_it(hub, kind):
+    """A ref holds one commit hash: a sparse 2 GiB file was read whole (2.3 GiB peak); a FIFO would block the
+    open or the read; /dev/zero never ends. Each is refused by what it is, reading at most a few hundred bytes."""
+    ref = hub / "models--acme--tiny-gpt2" / "refs" / "main"
+    ref.unlink()
+    if kind == "fifo":
+        os.mkfifo(ref)
+        expected = "not a regular file"
+    elif kind == "/dev/zero":
+        ref.symlink_to("/dev/zero")
+        expected = "not a regular file"
+    else:
+        with open(ref, "wb") as f:
+            f.write(COMMIT.encode())
+            f.truncate(2 * 2**30)  # sparse: no disk used
+        expected = f"holds {2 * 2**30} bytes"
+    with pytest.raises(ModelLoadError, match=expected):
+        resolve_model_path(REPO_ID)
+
+
 def test_the_cache_is_found_where_huggingface_hub_looks(tmp_path, monkeypatch):
     for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(variable, raising=False)

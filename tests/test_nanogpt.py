@@ -216,6 +216,10 @@ def test_a_pickle_that_breaks_an_allowed_call_is_a_load_error(tmp_path):
     (lambda c: c["model"].pop("transformer.h.1.mlp.c_fc.weight"), "lacks 1 tensor(s)"),
     (lambda c: c["model"].update({"transformer.h.0.attn.c_attn.weight": torch.zeros(3 * D, D, dtype=torch.int32)}),
      "not floating point"),
+    (lambda c: c["model"].update({"transformer.wte.weight": torch.zeros(1).expand(2**20, 2**12)}),
+     "transformer.wte.weight declares shape [1048576, 4096] (17179869184 bytes) over 4 bytes"),  # 16 GiB, stride 0
+    (lambda c: c["model"].update({COMPILED_PREFIX + "transformer.wte.weight": torch.ones(V, D)}),
+     "holds 'transformer.wte.weight' both with and without '_orig_mod.'"),
 ])
 def test_broken_checkpoints_are_refused_by_name(tmp_path, change, expected):
     ckpt = nanogpt_checkpoint(bias=True)

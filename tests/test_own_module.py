@@ -152,6 +152,108 @@ def test_code_others_can_write_is_never_run(user_code):
     assert "my_tiny_gpt" not in sys.modules  # refused before it was imported
 
 
+FACTORY = "from my_tiny_gpt import make\n"
+MARKER = "import pathlib\npathlib.Path({!r}).write_text('ran')\n"
+
+
+def _write(path, text, mode):
+    path.write_text(text)
+    os.chmod(path, mode)
+
+
+def _package(root, name, *, folder_mode=0o755, init_mode=0o644, marker=None):
+    """``root/name/`` with an ``__init__.py`` (that writes ``marker`` when it runs) and ``sub.py`` (the factory)."""
+    folder = root / name
+    folder.mkdir()
+    _write(folder / "__init__.py", MARKER.format(str(marker)) if marker else "", init_mode)
+    _write(folder / "sub.py", FACTORY, 0o644)
+    os.chmod(folder, folder_mode)
+    return folder
+
+
+@pytest.fixture()
+def forget_modules():
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("pkg", "linked_pkg", "linked_mod", "open_pkg", "my_tiny_gpt", "loose_mod"):
+            sys.modules.pop(name)
+
+
+def test_a_private_package_chain_loads(user_code, forget_modules):
+    _package(user_code, "pkg", marker=user_code / "ran")
+    model, _ = load_factory("pkg.sub:make")
+    assert isinstance(model, OwnDecoder) and (user_code / "ran").exists()  # its __init__ ran, as import runs it
+
+
+def test_a_world_writable_parent_package_is_refused_before_its_init_runs(user_code, forget_modules):
+    marker = user_code / "ran"
+    _package(user_code, "open_pkg", folder_mode=0o777, marker=marker)
+    with pytest.raises(OwnModuleError, match="open_pkg can be written by others"):
+        load_factory("open_pkg.sub:make")
+    assert not marker.exists() and "open_pkg" not in sys.modules
+
+
+def test_a_world_writable_folder_on_the_path_is_refused(user_code, forget_modules):
+    shared = user_code / "shared"
+    shared.mkdir()
+    _write(shared / "loose_mod.py", FACTORY, 0o644)
+    os.chmod(shared, 0o777)
+    sys.path.insert(0, str(shared))
+    try:
+        with pytest.raises(OwnModuleError, match="shared can be written by others"):
+            load_factory("loose_mod:make")
+    finally:
+        sys.path.remove(str(shared))
+    assert "loose_mod" not in sys.modules
+
+
+def test_a_0666_init_in_a_private_package_is_refused_before_it_runs(user_code, forget_modules):
+    marker = user_code / "ran"
+    _package(user_code, "pkg", init_mode=0o666, marker=marker)
+    with pytest.raises(OwnModuleError, match="__init__.py can be written by others"):
+        load_factory("pkg.sub:make")
+    assert not marker.exists() and "pkg" not in sys.modules
+
+
+def test_a_module_linked_to_a_file_in_a_world_writable_folder_is_refused(user_code, forget_modules):
+    shared = user_code / "shared"
+    shared.mkdir()
+    _write(shared / "real.py", MARKER.format(str(user_code / "ran")) + FACTORY, 0o644)
+    os.chmod(shared, 0o777)
+    (user_code / "linked_mod.py").symlink_to(shared / "real.py")
+    with pytest.raises(OwnModuleError, match="shared can be written by others"):
+        load_factory("linked_mod:make")
+    assert not (user_code / "ran").exists() and "linked_mod" not in sys.modules
+
+
+def test_a_package_folder_linked_into_a_world_writable_folder_is_refused(user_code, forget_modules):
+    shared = user_code / "shared"
+    shared.mkdir()
+    _package(shared, "pkg", marker=user_code / "ran")  # private itself, but its folder's folder is open
+    os.chmod(shared, 0o777)
+    (user_code / "linked_pkg").symlink_to(shared / "pkg")
+    with pytest.raises(OwnModuleError, match="shared can be written by others"):
+        load_factory("linked_pkg.sub:make")
+    assert not (user_code / "ran").exists() and "linked_pkg" not in sys.modules
+
+
+def test_a_world_writable_bytecode_cache_is_refused(user_code, forget_modules):
+    import importlib.util
+    import py_compile
+
+    cache = py_compile.compile(str(user_code / "my_tiny_gpt.py"),
+                               importlib.util.cache_from_source(str(user_code / "my_tiny_gpt.py")))
+    os.chmod(cache, 0o666)  # Python runs this instead of the source while its timestamp matches
+    with pytest.raises(OwnModuleError, match="pyc can be written by others"):
+        load_factory("my_tiny_gpt:make")
+
+
+def test_a_built_in_module_is_refused_by_name():
+    with pytest.raises(OwnModuleError, match="sys is built into Python"):
+        load_factory("sys:getrecursionlimit")
+
+
 def test_a_module_that_hides_its_attention_is_refused_by_name():
     class Hidden(nn.Module):
         config = type("C", (), {"block_size": 16})()

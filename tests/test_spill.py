@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 
+import pytest
 import torch
 
 from tracer import TracedGeneration, load_trace, save_trace
@@ -185,3 +186,11 @@ def test_a_failed_step_retried_with_the_spill_on_saves_a_file_holding_the_retrys
     assert [r.name for r in back.records] == [r.name for r in expected.records]
     for r in expected.records:
         assert torch.equal(back.value(back.records[r.index]), expected.value(r)), (r.step, r.name)
+
+
+@pytest.mark.parametrize("spill", [float("nan"), True, 1e21, 10**21, -1, 2.5, "64"])
+def test_a_spill_size_that_is_not_a_whole_number_of_bytes_is_refused_naming_the_range(spill):
+    from tracer.storage._log import TraceLog
+
+    with pytest.raises(ValueError, match=r"spill_bytes must be a whole number of bytes from 0 \(off\) to "):
+        TraceLog("values", spill_bytes=spill)

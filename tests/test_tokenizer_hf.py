@@ -228,6 +228,26 @@ def test_a_template_cannot_reach_python_internals(tmp_path):
         load_bundled()[1].apply_chat_template("hi")
 
 
+@pytest.mark.parametrize(("template", "bound"), [
+    ("{{ 'x' * 5*10**9 }}", "more than 1024 MiB of memory"),
+    ("{{ messages|tojson(indent=10**9) }}", "(more than 1024 MiB of memory|did not finish within)"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "did not finish within"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
+     "passed 100000 characters"),
+])
+def test_a_template_that_asks_for_gigabytes_or_hours_is_stopped_by_its_bound(tmp_path, monkeypatch, template, bound):
+    """The sandbox keeps a template from Python's internals, not from work: each of these raised an untyped
+    MemoryError or never returned. The render runs in a child process bounded in memory, time and output, and the
+    bound it passed is a TokenizerConfigError (the time and output bounds shortened here, so that the test is quick)."""
+    import model.sources._chat_render as chat_render
+
+    monkeypatch.setattr(chat_render, "RENDER_SECONDS", 3.0)
+    monkeypatch.setattr(chat_render, "RENDER_MAX_CHARS", 100_000)
+    directory = write_dir(tmp_path / "t", config={"chat_template": template})
+    with pytest.raises(TokenizerConfigError, match=f"the chat template failed: .*{bound}"):
+        TextTokenizer.from_directory(directory).apply_chat_template("hi")
+
+
 def test_load_hf_reads_the_tokenizer_config_beside_the_weights(tmp_path):
     directory = tmp_path / "model"
     save_hf(GPT(GPTConfig(vocab_size=1026, n_ctx=32, d_model=32, n_layer=1, n_head=2)), directory)

@@ -274,3 +274,53 @@ def test_a_probability_outside_0_to_1_is_refused_naming_the_field(archive, field
     where = rf"generation\.steps\[1\]\.sampling\.{field}\[0\]"
     with pytest.raises(TraceFileError, match=where + r".*: -?[0-9.]+ is outside \[0, 1\]"):
         load_trace(rewrite(archive, "manifest.json", json.dumps(manifest).encode()))
+
+
+@pytest.mark.parametrize("field", ["records", "records_per_step", "ops", "steps", "modules", "value_bytes",
+                                   "table_bytes", "manifest_bytes"])
+def test_every_trace_the_writer_saves_loads_back_and_the_rest_is_refused_before_writing(generation, tmp_path,
+                                                                                       monkeypatch, field):
+    """Whatever the limits (here swept from 1 up, one field at a time), save_trace either refuses with the numbers
+    and writes nothing, or writes a file load_trace reads back under the same limits: never a saved run its own
+    reader refuses (a 48-layer, 150-step shapes run held 318,600 records against a 300,000 limit; a 4 GiB spill
+    against a 2 GiB values limit)."""
+    import dataclasses
+
+    import tracer.files._io as io_module
+
+    outcomes = []
+    for k, limit in enumerate(10**e for e in range(0, 10)):
+        limits = dataclasses.replace(Limits(), **{field: limit})
+        monkeypatch.setattr(io_module, "LIMITS", limits)
+        path = tmp_path / f"t{k}.zip"
+        try:
+            save_trace(generation.trace, path)
+        except TraceFileError as e:
+            assert "cannot be saved as one that loads back" in str(e) and f"limit of {limit} " in str(e)
+            assert not path.exists()  # refused before the file was created
+            outcomes.append("refused")
+            continue
+        back = load_trace(path, limits=limits)
+        assert back.log.n_records == generation.trace.log.n_records
+        outcomes.append("loads")
+    assert "refused" in outcomes and "loads" in outcomes, outcomes  # the sweep crossed this trace's own size
+
+
+def test_the_default_limits_load_a_48_layer_model_traced_for_150_steps(bundled):
+    """The records a step holds grow by a fixed number per layer: measured here on 1- and 2-layer models (shapes
+    only, 3 steps), a 48-layer run of 150 steps must fit the reader's default limits (it held 318,600 records
+    against a limit of 300,000, and its own reader refused it)."""
+    from model.gpt import GPT, GPTConfig
+
+    _, tok = bundled
+    per_step = []
+    for n_layer in (1, 2):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_ctx=64, d_model=8, n_layer=n_layer, n_head=2)).eval()
+        gen = TracedGeneration(model, tok, "Lily", capture="shapes", temperature=0, stop_at_eos=False)
+        gen.run(3)
+        steps = gen.trace.log.steps
+        per_step.append(max(s.end_record - s.first_record for s in steps[1:]))  # a decode step
+    per_layer = per_step[1] - per_step[0]
+    at_48 = per_step[0] + 47 * per_layer
+    assert per_layer > 0 and Limits().records >= 150 * at_48 and Limits().records_per_step >= at_48

@@ -137,6 +137,24 @@ def display_name_of(directory: Path) -> str:
     return directory.name
 
 
+def check_tensors_fit(state: dict[str, torch.Tensor], file: Path) -> None:
+    """Refuse a tensor that declares more than its storage holds — a stride-0 (expanded) view of a few bytes can
+    declare a 16 GiB embedding, and copying it would allocate all of it — or that reaches past its storage's end.
+    Checked on the unpickled views, before anything is copied or compared."""
+    for name, t in state.items():
+        if t.layout != torch.strided:
+            raise ModelLoadError(f"{file}: {name} is a {t.layout} tensor; weights are dense")
+        storage = t.untyped_storage().nbytes()
+        declared = t.numel() * t.element_size()
+        span = (t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) \
+            * t.element_size() if t.numel() else 0
+        if declared > storage or span > storage or any(st < 0 for st in t.stride()):
+            raise ModelLoadError(
+                f"{file}: {name} declares shape {list(t.shape)} ({declared} bytes) over {storage} bytes of storage "
+                f"(strides {list(t.stride())}): a view that claims more than the file holds is refused before "
+                "anything is allocated")
+
+
 def unpickling_error(file: Path, error: Exception, what: str) -> ModelLoadError:
     """The load error for ``torch.load(file, weights_only=True)`` that raised ``error``, ``file`` being a ``what``
     ("PyTorch checkpoint"): a pickle that names a class or function is refused before anything in it runs, and

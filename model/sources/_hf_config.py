@@ -28,6 +28,14 @@ def _get(raw: dict, key: str, default=None):
     return default if value is None else value
 
 
+def _flag(raw: dict, key: str, source: Path) -> bool:
+    """A true/false field: ``"false"`` (a string, truthy) would turn it on, so anything but a boolean is refused."""
+    value = _get(raw, key, False)
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
+
+
 def config_from_hf(raw: dict, source: Path) -> GPTConfig:
     """A ``GPTConfig`` from a Hugging Face ``config.json`` dictionary (any supported ``model_type``)."""
     model_type = raw.get("model_type")
@@ -80,9 +88,9 @@ def _llama_config(raw: dict, source: Path, family: str) -> GPTConfig:
     n_ctx = _get(raw, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[family])
     rope_theta, rope_scaling = _rope_from_hf(raw, source, n_ctx)
     if family == "llama":
-        attention_bias = bool(_get(raw, "attention_bias", False))
+        attention_bias = _flag(raw, "attention_bias", source)
         qkv_bias = attn_out_bias = attention_bias
-        mlp_bias = bool(_get(raw, "mlp_bias", False))
+        mlp_bias = _flag(raw, "mlp_bias", source)
     elif family == "mistral":
         qkv_bias = attn_out_bias = mlp_bias = False
     else:  # qwen2: b_Q, b_K, b_V but no b_O and no MLP biases (Qwen2Attention, Qwen2MLP)
@@ -106,7 +114,7 @@ def _llama_config(raw: dict, source: Path, family: str) -> GPTConfig:
         layer_norm_eps=_get(raw, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        tie_embeddings=bool(_get(raw, "tie_word_embeddings", False)),
+        tie_embeddings=_flag(raw, "tie_word_embeddings", source),
         qkv_bias=qkv_bias,
         attn_out_bias=attn_out_bias,
         mlp_bias=mlp_bias,

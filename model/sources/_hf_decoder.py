@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -637,11 +638,14 @@ def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dty
     target = dtypes.get(dtype, dtype) if not isinstance(dtype, torch.dtype) else dtype
     try:
         hf_config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as e:
-        raise HFDecoderError(f"{directory}: transformers cannot read its config ({e})") from None
+    except Exception as e:  # noqa: BLE001 - no code of the directory's runs: any error is a config it refuses
+        # (huggingface_hub's StrictDataclassClassValidationError, for one, is no ValueError)
+        raise HFDecoderError(f"{directory}: transformers cannot read its config ({type(e).__name__}: "
+                             f"{str(e)[:500]})") from None
     model_type = getattr(hf_config, "model_type", "?")
     if model_type in REFUSED:
         raise HFDecoderError(f"{directory}: model_type {model_type!r} is {REFUSED[model_type]}")
+    _check_config_against_weights(directory, hf_config)  # before anything is built
     placement: dict[str, Any] = {}
     folder = None
     if max_memory is not None:
@@ -674,6 +678,56 @@ def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dty
     model.identity = PendingIdentity(digest, name=name or directory.name, source=str(directory),
                                      family=f"hf:{model_type}", config=model.config.to_dict())
     return model
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def _check_config_against_weights(directory: Path, hf_config: Any) -> None:
+    """What transformers would build without complaint but should not: a config whose sizes the weights do not
+    back (600 layers over weights holding 2: 598 layers of random numbers, built for a minute), no attention
+    heads (a division by zero later), a boolean written as a string (``"false"`` is truthy and ties). The layer
+    count is read from the safetensors headers' names only."""
+    try:  # transformers has just read it
+        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = {}
+    raw = raw if isinstance(raw, dict) else {}
+    for flag in ("tie_word_embeddings", "use_cache", "attention_bias", "mlp_bias"):
+        if flag in raw and not isinstance(raw[flag], bool):
+            raise HFDecoderError(f"{directory / 'config.json'}: {flag} must be true or false, got {raw[flag]!r}")
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    for name in ("num_attention_heads", "num_hidden_layers", "hidden_size", "vocab_size"):
+        value = getattr(text, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise HFDecoderError(f"{directory / 'config.json'}: {name} must be a positive whole number, got "
+                                 f"{value!r}")
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None)
+    if isinstance(kv_heads, int) and isinstance(heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise HFDecoderError(f"{directory / 'config.json'}: num_key_value_heads = {kv_heads} does not divide "
+                             f"num_attention_heads = {heads}")
+    layer_types = getattr(text, "layer_types", None)
+    n_layer = getattr(text, "num_hidden_layers", None)
+    if isinstance(layer_types, (list, tuple)) and isinstance(n_layer, int) and len(layer_types) != n_layer:
+        raise HFDecoderError(f"{directory / 'config.json'}: layer_types lists {len(layer_types)} layers, "
+                             f"num_hidden_layers says {n_layer}")
+    files = sorted(directory.glob("*.safetensors"))
+    if not isinstance(n_layer, int) or not files:
+        return
+    from safetensors import safe_open
+
+    held: set[int] = set()
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                held.update(int(m.group(1)) for key in f.keys() if (m := _LAYER_KEY.search(key)))  # noqa: SIM118
+    except (OSError, ValueError, RuntimeError) as e:  # safetensors raises its own SafetensorError (a RuntimeError)
+        raise HFDecoderError(f"{directory}: the weights' headers cannot be read ({e})") from None
+    if held and n_layer > len(held):
+        raise HFDecoderError(f"{directory / 'config.json'}: num_hidden_layers = {n_layer}, but the weights hold "
+                             f"{len(held)} layer(s) ({min(held)} … {max(held)}): refused before building the "
+                             "model (the rest would be random numbers)")
 
 
 def weights_size(directory: str | os.PathLike, dtype: torch.dtype | str = "float32") -> tuple[int, int]:

@@ -34,6 +34,7 @@ from model.sources._common import (
     READ_CHUNK,
     ModelLoadError,
     check_dir,
+    check_tensors_fit,
     parse_device,
     parse_dtype,
     unpickling_error,
@@ -144,7 +145,12 @@ def _parts(ckpt: object, file: Path) -> tuple[dict[str, torch.Tensor], Mapping]:
     for key, value in ckpt["model"].items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
             raise ModelLoadError(f"{file}: 'model' must map names to tensors, got {key!r}: {type(value).__name__}")
-        state[key.removeprefix(COMPILED_PREFIX)] = value
+        name = key.removeprefix(COMPILED_PREFIX)
+        if name in state:  # torch.compile's prefix on one copy only: which one the model means is unknowable
+            raise ModelLoadError(f"{file}: 'model' holds {name!r} both with and without {COMPILED_PREFIX!r}: "
+                                 "refused rather than let one silently win")
+        state[name] = value
+    check_tensors_fit(state, file)
     return state, ckpt["model_args"]
 
 

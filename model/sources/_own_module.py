@@ -11,12 +11,13 @@ the module used are recorded, and an ablation or patch of a head changes what th
 The module runs without a KV cache (it has its own API for one, or none): every step recomputes all positions.
 
 ``load_factory("package.module:factory")`` imports a factory from the user's own code — on their machine,
-from a module file nobody else can write — and wraps what it returns.
+from an import chain (parent packages, module file, links) nobody else can write — and wraps what it returns.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import stat
@@ -192,24 +193,25 @@ def load_factory(spec: str) -> tuple[nn.Module, Any]:
     """``"package.module:factory"`` → ``(model, tokenizer or None)``: the factory returns a model, or a
     ``(model, tokenizer)`` pair. A model that is not ours (GPT) or transformers' is wrapped in ``OwnDecoder``.
 
-    The module is imported from ``sys.path`` and the working directory; its file, and the folder holding it,
-    must not be writable by anyone but their owner (code others can change is never run)."""
+    The module is found on ``sys.path`` and in the working directory without importing anything; then its whole
+    import chain — every parent package's folder and ``__init__.py``, the module file, its cached bytecode, every
+    symbolic link on the way and the real file and folders it leads to — is checked (``_check_writers``) before
+    a line of it runs, and the chain is imported from exactly the files checked (code others can change is never
+    run)."""
     import sys
 
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise OwnModuleError(f"{spec!r}: give the factory as package.module:function")
     module_name, attr = spec.split(":")
+    if not all(part.isidentifier() for part in module_name.split(".")) or not attr.isidentifier():
+        raise OwnModuleError(f"{spec!r}: give the factory as package.module:function (Python names)")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    found = importlib.util.find_spec(module_name)
-    if found is None or found.origin is None:
-        raise OwnModuleError(f"{module_name}: no such module on the Python path or in {os.getcwd()}")
-    for path in (Path(found.origin), Path(found.origin).parent):
-        mode = path.stat().st_mode
-        if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise OwnModuleError(f"{path} can be written by others (mode {stat.filemode(mode)}): refusing to run "
-                                 "code from it (chmod go-w it first)")
-    module = importlib.import_module(module_name)
+    chain = _import_chain(module_name)  # [(name, spec)] from the top package down; nothing imported yet
+    for _, found in chain:
+        for path in _code_paths(found):
+            _check_writers(path)
+    module = _import_checked(chain)
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise OwnModuleError(f"{module_name} has no function {attr!r}")
@@ -223,4 +225,112 @@ def load_factory(spec: str) -> tuple[nn.Module, Any]:
 
     if isinstance(model, PreTrainedModel):
         return HFDecoder(model), tokenizer
-    return OwnDecoder(model, name=spec, source=str(found.origin)), tokenizer
+    return OwnDecoder(model, name=spec, source=str(chain[-1][1].origin)), tokenizer
+
+
+def _import_chain(module_name: str) -> list[tuple[str, importlib.machinery.ModuleSpec]]:
+    """Every package from the top one down to the module, found the way ``import`` finds it but without
+    running any of it (``importlib.util.find_spec`` of a dotted name would import the parents first)."""
+    import sys
+
+    chain: list[tuple[str, importlib.machinery.ModuleSpec]] = []
+    parts = module_name.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        loaded = sys.modules.get(name)
+        if loaded is not None and getattr(loaded, "__spec__", None) is not None:
+            found = loaded.__spec__
+        elif depth == 1:
+            found = importlib.util.find_spec(name)  # the finders only: nothing of the module runs
+        else:
+            search = chain[-1][1].submodule_search_locations
+            if search is None:
+                raise OwnModuleError(f"{chain[-1][0]} is a module, not a package: {module_name} cannot be in it")
+            found = importlib.machinery.PathFinder.find_spec(name, list(search))
+        if found is None:
+            raise OwnModuleError(f"{name}: no such module on the Python path or in {os.getcwd()}")
+        if found.origin in ("built-in", "frozen") or (found.origin is None and not found.submodule_search_locations):
+            raise OwnModuleError(f"{name} is built into Python ({found.origin or 'no file'}), not a file of your "
+                                 "own: give your module's package.module:function")
+        chain.append((name, found))
+    return chain
+
+
+def _code_paths(found: importlib.machinery.ModuleSpec) -> list[Path]:
+    """The files and folders whose contents become this module's code: its file (a package's ``__init__.py``)
+    and the folder holding it, a namespace package's folders, and the cached bytecode Python would run instead of
+    the source when its timestamp matches."""
+    paths: list[Path] = []
+    if found.origin is not None and found.has_location:
+        origin = Path(found.origin)
+        paths += [origin, origin.parent]
+        cached = getattr(found, "cached", None)
+        if cached and os.path.lexists(cached):
+            paths += [Path(cached), Path(cached).parent]
+    paths += [Path(p) for p in (found.submodule_search_locations or ())]
+    return paths
+
+
+def _check_writers(path: Path, *, holds_code: bool = True, depth: int = 0) -> None:
+    """Refuse ``path`` if anyone but its owner (you, or root) could change what it leads to: the path is walked
+    folder by folder from ``/``; every folder on the way must be owned by you or root and not writable by group
+    or others — unless it has the sticky bit (like /tmp: others may add entries, not rename or replace yours),
+    allowed above the code's own folder only (a sticky folder holding the module would let anyone add a
+    ``__pycache__`` beside it). A symbolic link is followed and its target walked the same way. The last
+    component (the file, or the code's own folder) is checked strictly."""
+    if depth > 40:
+        raise OwnModuleError(f"{path}: too many symbolic links")
+    path = Path(os.path.abspath(path))
+    current = Path(path.anchor)
+    parts = path.parts[1:]
+    _check_one(current, strict=not parts and holds_code)
+    for k, part in enumerate(parts):
+        step = current / part
+        last = k == len(parts) - 1
+        if step.is_symlink():
+            target = Path(os.readlink(step))
+            resolved = target if target.is_absolute() else current / target
+            rest = Path(*parts[k + 1:]) if not last else None
+            _check_writers(resolved / rest if rest is not None else resolved, holds_code=holds_code, depth=depth + 1)
+            return
+        _check_one(step, strict=last and holds_code)
+        current = step
+
+
+def _check_one(path: Path, *, strict: bool) -> None:
+    try:
+        info = path.lstat()
+    except OSError as e:
+        raise OwnModuleError(f"{path}: cannot be checked ({e.strerror}): refusing to run code from it") from None
+    mode = info.st_mode
+    if info.st_uid not in (0, os.getuid()):
+        raise OwnModuleError(f"{path} belongs to user id {info.st_uid}, not to you or root: refusing to run code "
+                             "from it (its owner can change it)")
+    others_write = bool(mode & (stat.S_IWGRP | stat.S_IWOTH))
+    if others_write and (strict or not (stat.S_ISDIR(mode) and mode & stat.S_ISVTX)):
+        raise OwnModuleError(f"{path} can be written by others (mode {stat.filemode(mode)}): refusing to run "
+                             "code from it (chmod go-w it first)")
+
+
+def _import_checked(chain: list[tuple[str, importlib.machinery.ModuleSpec]]) -> Any:
+    """Import the chain from exactly the specs checked (not a new search of ``sys.path``, which a file added
+    meanwhile to an earlier folder could answer)."""
+    import sys
+
+    module: Any = None
+    for name, found in chain:
+        if name in sys.modules:
+            module = sys.modules[name]
+            continue
+        child = importlib.util.module_from_spec(found)
+        sys.modules[name] = child
+        try:
+            assert found.loader is not None
+            found.loader.exec_module(child)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        if module is not None:
+            setattr(module, name.rpartition(".")[2], child)
+        module = sys.modules[name]
+    return module

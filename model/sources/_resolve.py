@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 from model.sources._common import ModelLoadError
@@ -49,17 +50,39 @@ def snapshot_of(repo: Path) -> Path:
     the most recently written (a repository downloaded at several revisions without a ``main`` ref)."""
     snapshots = repo / "snapshots"
     ref = repo / "refs" / "main"
-    if ref.is_file():
-        try:
-            commit = ref.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{ref}: cannot be read ({e})") from None
+    if os.path.lexists(ref):
+        commit = _read_ref(ref)
         if _SNAPSHOT.fullmatch(commit) and (snapshots / commit).is_dir():
             return snapshots / commit
     candidates = [d for d in snapshots.iterdir() if d.is_dir()]
     if not candidates:
         raise ModelLoadError(f"{repo}: the cache folder holds no snapshot in snapshots/ (an interrupted download?)")
     return max(candidates, key=lambda d: (d.stat().st_mtime, d.name))
+
+
+_REF_BYTES = 256  # a ref holds one commit hash (40 or 64 hex digits) and a newline
+
+
+def _read_ref(ref: Path) -> str:
+    """The commit a ``refs/main`` names: read from a regular file only (a FIFO would block, /dev/zero never
+    ends), and at most ``_REF_BYTES`` of it (a sparse 2 GiB file is not read whole)."""
+    try:
+        fd = os.open(ref, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # opening a FIFO must not wait for a writer
+    except OSError as e:
+        raise ModelLoadError(f"{ref}: cannot be read ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())  # of what was opened, not of a name that could change meanwhile
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelLoadError(f"{ref} is not a regular file ({stat.filemode(info.st_mode)}): a ref holds one "
+                                 "commit hash")
+        if info.st_size > _REF_BYTES:
+            raise ModelLoadError(f"{ref} holds {info.st_size} bytes; a ref holds one commit hash (at most "
+                                 f"{_REF_BYTES} bytes): refused without reading it")
+        data = f.read(_REF_BYTES + 1)
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{ref}: cannot be read ({e})") from None
 
 
 def resolve_model_path(spec: str | os.PathLike) -> Path:

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import torch
 
-from model.sources._common import READ_CHUNK, ModelLoadError, check_link, read_json, unpickling_error
+from model.sources._common import (
+    READ_CHUNK,
+    ModelLoadError,
+    check_link,
+    check_tensors_fit,
+    read_json,
+    unpickling_error,
+)
 
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header is JSON names and shapes: 100 MB is far beyond any real one
 SAFETENSORS_DTYPES = {
@@ -157,4 +164,5 @@ def read_bin(file: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ModelLoadError(f"{file}: expected a dictionary of tensors")
+    check_tensors_fit(state, file)
     return state

@@ -27,13 +27,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from model.sources._chat_render import ChatTemplateError, render_chat_template
 from model.sources._common import ModelLoadError, read_json_object
 
 END_OF_TEXT = "<|endoftext|>"
@@ -160,7 +160,8 @@ class TextTokenizer:
         """The model's chat template rendered for ``messages`` (a list of ``{"role", "content"}``, or one user
         text), as ``transformers``' ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)``
         writes it. The template is code from the model's author: it runs in jinja2's immutable sandbox, with the
-        same globals transformers gives it (``raise_exception``, ``strftime_now``, ``namespace``, ``tojson``)."""
+        same globals transformers gives it (``raise_exception``, ``strftime_now``, ``namespace``, ``tojson``), in a
+        separate process bounded in time, memory and output (``render_chat_template``)."""
         if self.chat_template is None:
             raise TokenizerConfigError(
                 f"{self.source or 'this tokenizer'}: no chat template (looked for chat_template.jinja and "
@@ -172,14 +173,11 @@ class TextTokenizer:
             if not isinstance(message, Mapping):
                 raise TypeError(f"a chat message is a mapping with 'role' and 'content', got {message!r}")
             chat.append({str(k): _plain(v) for k, v in message.items() if v is not None})
-        import jinja2
-
+        variables = {**self.special_tokens, **{k: _plain(v) for k, v in variables.items()}}
         try:
-            template = _compiled_template(self.chat_template)
-            return template.render(messages=chat, tools=None, documents=None,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **{**self.special_tokens, **{k: _plain(v) for k, v in variables.items()}})
-        except jinja2.TemplateError as e:
+            return render_chat_template(self.chat_template, messages=chat, tools=None, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **variables)
+        except ChatTemplateError as e:
             raise TokenizerConfigError(f"{self.source}: the chat template failed: {e}") from None
 
     def decode(self, ids: list[int]) -> str:
@@ -346,69 +344,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return f"<{type(value).__name__}>"
-
-
-@lru_cache(maxsize=8)
-def _compiled_template(source: str):
-    """The template compiled in an ``ImmutableSandboxedEnvironment`` set up as transformers sets up its own
-    (trim_blocks, lstrip_blocks, loop controls, a ``{% generation %}`` tag that only renders its body)."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):
-            return caller()
-
-    def refuse_private(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a chat template may not set {name!r} on a namespace")
-
-    class Namespace(jinja2.utils.Namespace):
-        """``namespace()`` that refuses underscore-prefixed names, the way into CPython internals."""
-
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                refuse_private(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            refuse_private(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    class TemplateDict:
-        """``dict(…)`` in a template, without the class itself (no attribute access to type internals)."""
-
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = Namespace
-    return env.from_string(source)
 
 
 def _escape_char(ch: str) -> str:

@@ -67,6 +67,10 @@ def attention_gradients(generation: TracedGeneration, step: int, layer: int, hea
                         loss: str = GRADIENT_LOSSES[0]) -> HeadGradients:
     """The backward pass of ``loss`` over the token columns step ``step`` saw, read at one head."""
     config = generation.model.config
+    for what, index, count in (("step", step, generation.n_steps), ("layer", layer, config.n_layer),
+                               ("head", head, config.n_head), ("batch", batch, len(generation.info.prompts))):
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ValueError(f"{what} {index!r} is outside 0 … {count - 1}")
     rope = config.positions == "rope" and getattr(config, "family", "") not in ("hf", "module")
     names = {"Q": act_name("rot_q" if rope else "q", layer), "K": act_name("k_all", layer),
              "V": act_name("v_all", layer), "S": act_name("masked_scores", layer), "P": act_name("pattern", layer),

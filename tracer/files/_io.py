@@ -34,7 +34,6 @@ import os
 import struct
 import tempfile
 import zipfile
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -92,7 +91,9 @@ class Limits:
     table_bytes: int = 256 * 2**20  # records.parquet / ops.parquet, inflated
     value_bytes: int = 2 * 2**30  # values.safetensors, inflated
     ratio: int = 200  # most bytes out per compressed byte in a deflated member
-    records: int = 300_000  # a GPT-2-small generation of about 550 steps
+    # 2,124 records a step for 48 layers: a 48-layer run of 940 steps, an 80-layer one of about 560 (the tables'
+    # bytes, not this count, bound what loading them costs; save_trace refuses what these limits would)
+    records: int = 2_000_000
     records_per_step: int = 100_000
     ops: int = 2_000_000
     modules: int = 100_000
@@ -233,8 +234,7 @@ def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict
     }
 
 
-def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor | _OnDisk]) -> None:
-    """The safetensors format, written one storage at a time (never the whole file in memory)."""
+def _safetensors_header(flats: list[torch.Tensor | _OnDisk]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
     offset = 0
     for k, flat in enumerate(flats):
@@ -243,7 +243,12 @@ def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor | _OnDisk]) -> N
                            "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    return blob + b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+
+
+def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor | _OnDisk]) -> None:
+    """The safetensors format, written one storage at a time (never the whole file in memory)."""
+    blob = _safetensors_header(flats)
     out.write(struct.pack("<Q", len(blob)))
     out.write(blob)
     for flat in flats:
@@ -258,8 +263,10 @@ def _parquet(frame: pd.DataFrame) -> bytes:
     return buf.getvalue()
 
 
-def _members(trace: Trace) -> Iterator[tuple[str, Any]]:
-    """(member name, bytes or a writer of a file object), in archive order."""
+def _members(trace: Trace) -> list[tuple[str, Any]]:
+    """(member name, bytes or a writer of a file object), in archive order — once every member is known to be
+    within what ``load_trace`` reads back (``_check_loadable``): nothing is written for a trace that would not
+    load."""
     flats, views, digests = _storages(trace)
     records = _records_table(trace, views, digests)
     ops = trace.ops_frame()
@@ -269,10 +276,35 @@ def _members(trace: Trace) -> Iterator[tuple[str, Any]]:
     ops["module_index"] = [op.module for op in raw_ops]
     ops["first_record"] = [op.first_record for op in raw_ops]
     manifest = _manifest(trace, len(records), len(ops), len(flats))
-    yield MANIFEST, json.dumps(_plain(manifest), indent=1, allow_nan=False).encode("utf-8")
-    yield RECORDS, _parquet(records)
-    yield OPS, _parquet(ops)
-    yield VALUES, lambda out: _write_safetensors(out, flats)
+    members = [(MANIFEST, json.dumps(_plain(manifest), indent=1, allow_nan=False).encode("utf-8")),
+               (RECORDS, _parquet(records)), (OPS, _parquet(ops))]
+    _check_loadable(trace, dict(members), len(records), len(ops), flats)
+    return [*members, (VALUES, lambda out: _write_safetensors(out, flats))]
+
+
+def _check_loadable(trace: Trace, data: dict[str, bytes], n_records: int, n_ops: int,
+                    flats: list[torch.Tensor | _OnDisk]) -> None:
+    """The reader's limits (``LIMITS``, what ``load_trace`` uses unless told otherwise), checked by the writer
+    with the same numbers the reader will compute: a trace that ``load_trace`` would refuse is refused here,
+    before anything is written, saying which limit and by how much."""
+    limits = LIMITS
+    per_step = max((s.end_record - s.first_record for s in trace.log.steps), default=0)
+    value_bytes = sum(f.numel() * f.element_size() for f in flats)
+    checks = [("records", n_records, limits.records), ("records in one step", per_step, limits.records_per_step),
+              ("ops", n_ops, limits.ops), ("modules", len(trace.log.modules), limits.modules),
+              ("steps", len(trace.log.steps), limits.steps), ("values bytes", value_bytes, limits.value_bytes),
+              (f"{MANIFEST} bytes", len(data[MANIFEST]), limits.manifest_bytes),
+              (f"{VALUES} header bytes", len(_safetensors_header(flats)), limits.manifest_bytes)]
+    for name in (RECORDS, OPS):
+        meta = pq.ParquetFile(io.BytesIO(data[name])).metadata
+        inflated = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        checks += [(f"{name} bytes", len(data[name]), limits.table_bytes),
+                   (f"{name} bytes once decoded", inflated, limits.table_bytes)]
+    for what, number, limit in checks:
+        if number > limit:
+            raise TraceFileError(f"this trace cannot be saved as one that loads back: {number} {what}, over the "
+                                 f"limit of {limit} (tracer.files.Limits) by {number - limit}; nothing was written "
+                                 "(trace fewer steps, a lower capture level, or a smaller spill)")
 
 
 def _plain(value: Any) -> Any:
@@ -293,20 +325,21 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
     path = Path(path)
     if str(path) in ("", "."):
         raise ValueError("give a file or directory name to save the trace to")
+    members = _members(trace)  # checked before the file is created
     if path.suffix == ".zip":
         path.parent.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(path, "w") as zf:
-            _write_zip(zf, trace)
+            _write_zip(zf, members)
     else:
         path.mkdir(parents=True, exist_ok=True)
-        for name, data in _members(trace):
+        for name, data in members:
             with open(path / name, "wb") as f:
                 f.write(data) if isinstance(data, bytes) else data(f)
     return path
 
 
-def _write_zip(zf: zipfile.ZipFile, trace: Trace) -> None:
-    for name, data in _members(trace):
+def _write_zip(zf: zipfile.ZipFile, members: list[tuple[str, Any]]) -> None:
+    for name, data in members:
         # Parquet and float tensors barely compress: store them, and deflate the JSON
         compress = zipfile.ZIP_DEFLATED if name == MANIFEST else zipfile.ZIP_STORED
         info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
@@ -316,9 +349,10 @@ def _write_zip(zf: zipfile.ZipFile, trace: Trace) -> None:
 
 
 def write_archive(trace: Trace, out: IO[bytes]) -> None:
-    """The ``.zip`` archive into an open binary file."""
+    """The ``.zip`` archive into an open binary file (nothing written to it if the trace would not load back)."""
+    members = _members(trace)
     with zipfile.ZipFile(out, "w") as zf:
-        _write_zip(zf, trace)
+        _write_zip(zf, members)
 
 
 def archive_bytes(trace: Trace) -> bytes:

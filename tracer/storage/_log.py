@@ -107,6 +107,9 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
     return call
 
 
+MAX_SPILL_BYTES = 2**50  # 1 PiB: beyond any disk a spill file could be written to
+
+
 class TraceLog:
     """Append-only storage of one trace, with the only methods that write it."""
 
@@ -114,6 +117,10 @@ class TraceLog:
                  copy_all: bool = False, spill_bytes: int = 0) -> None:
         if capture not in CAPTURE_LEVELS:
             raise ValueError(f"capture must be one of {CAPTURE_LEVELS}, got {capture!r}")
+        # NaN, True and 1e21 were taken (NaN and floats as "no cap", True as one byte): a whole number only
+        if isinstance(spill_bytes, bool) or not isinstance(spill_bytes, int) or not 0 <= spill_bytes <= MAX_SPILL_BYTES:
+            raise ValueError(f"spill_bytes must be a whole number of bytes from 0 (off) to {MAX_SPILL_BYTES} "
+                             f"(1 PiB), got {spill_bytes!r}")
         self._capture = capture
         self._keep_values = capture != "shapes"
         self._copy_all = copy_all
