@@ -57,6 +57,10 @@ def cache_table(trace: Trace, step: int) -> pd.DataFrame:
             c_kv, k_r = latent
             row = {**row, "cache holds: c_KV": shape_text(c_kv.shape), "k_R": shape_text(k_r.shape),
                    "bytes held (c_KV+k_R)": c_kv.nbytes + k_r.nbytes}
+        states = state_records(trace, step, layer)
+        if states:  # a hybrid layer: its state-space mixer's state, kept by transformers' own cache
+            row = {**row, "state": " + ".join(shape_text(rec.shape) for rec in states),
+                   "state bytes": sum(rec.nbytes for rec in states)}
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -112,12 +116,39 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     return latex, sentence
 
 
+STATE_HOOKS = ("hook_conv_state", "hook_ssm_state")  # a hybrid model's per-layer state (model/sources/_hf_decoder.py)
+
+
+def state_records(trace: Trace, step: int, layer: int) -> list[TensorRecord]:
+    """The convolution and state-space state a hybrid model's layer keeps after ``step`` (Falcon-H1's Mamba-2
+    mixer: conv ``[B, channels, kernel]``, SSM ``[B, heads, d_head, d_state]``), in transformers' own cache;
+    empty for a layer (or model) without."""
+    names = [f"blocks.{layer}.{hook}" for hook in STATE_HOOKS]
+    return [trace.record(name, step) for name in names if trace.has(name, step)]
+
+
 def held_bytes(trace: Trace, step: int, layer: int) -> int:
-    """Bytes one layer's cache holds after ``step``: K + V, or c_KV + k_R for latent attention."""
+    """Bytes one layer's cache holds after ``step``: K + V, or c_KV + k_R for latent attention, plus the state
+    of a hybrid model's state-space layer."""
     latent = latent_records(trace, step, layer)
     records = latent if latent is not None else [trace.record(act_name(kind, layer), step)
                                                  for kind in ("k_all", "v_all")]
-    return sum(rec.nbytes for rec in records)
+    return sum(rec.nbytes for rec in (*records, *state_records(trace, step, layer)))
+
+
+def state_sentence(trace: Trace, step: int) -> str | None:
+    """What a hybrid model's state layers hold beside K and V at ``step``, counted from the records; None when
+    no layer keeps state."""
+    layers = [(layer, state_records(trace, step, layer)) for layer in range(_n_layer(trace, step))]
+    layers = [(layer, records) for layer, records in layers if records]
+    if not layers:
+        return None
+    total = sum(rec.nbytes for _, records in layers for rec in records)
+    shapes = " and ".join(f"{rec.name.rsplit('.', 1)[-1].removeprefix('hook_').replace('_', ' ')} "
+                          f"{shape_text(rec.shape)}" for rec in layers[0][1])
+    return (f"Beside K and V, {len(layers)} layer(s) keep a state-space mixer's state in transformers' own cache — "
+            f"per layer {shapes} — {total / 1024:,.1f} KiB in all after step {step}. That state has a fixed size: "
+            "each step overwrites it instead of adding a row, so it does not grow with t as K and V do.")
 
 
 def cache_growth(trace: Trace) -> pd.DataFrame:
@@ -267,7 +298,7 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
     use_cache = _ran_with_cache(trace)
     if use_cache:
         bars = ("cache length", "cache length (positions)")
-        line = ("K+V bytes (all layers)", "KiB held (K+V, all layers)")
+        line = ("K+V bytes (all layers)", "KiB the cache holds (all layers)")
         title = "the KV cache grows by one row per step"
     else:  # nothing is held between steps: show the work that replaces the cache
         bars = ("t (keys attended)", "K, V rows recomputed (t), none cached")

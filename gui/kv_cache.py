@@ -101,6 +101,9 @@ def cache_this_step(trace: Trace, step: int) -> None:
         latex, sentence = cache_views.memory_formula(trace, step)
         st.latex(latex)
         st.caption(sentence)
+        held_state = cache_views.state_sentence(trace, step)
+        if held_state is not None:
+            st.caption(held_state)
     cols = st.columns([3, 1])
     with cols[0]:
         layer, head, batch = layer_head_batch(trace, "kv")

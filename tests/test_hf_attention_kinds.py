@@ -1,6 +1,7 @@
 """Attention that is not one K and one V of one width and one softmax over the keys (issue 40): multi-head latent
 attention (DeepSeek-V2/V3, MiniCPM3), whose cache holds a compressed latent and whose value heads are narrower than
-its query/key heads; attention sinks (gpt-oss), a learned logit per head that joins every softmax row.
+its query/key heads; attention sinks (gpt-oss), a learned logit per head that joins every softmax row; hybrid
+models (Falcon-H1), whose layers keep a state-space mixer's state beside K and V.
 Tiny random-weight models built with transformers' own config classes; each is traced for a prefill and 3 cached
 decode steps and compared with transformers' eager forward on the same weights, and its cache with the cache
 transformers itself fills."""
@@ -31,6 +32,7 @@ KINDS: dict[str, tuple[str, dict]] = {
                                      rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
                                                           truncate=False, original_max_position_embeddings=4,
                                                           rope_theta=150000.0))),
+    "falcon_h1": ("FalconH1Config", dict(COMMON, head_dim=16)),  # attention beside a Mamba-2 mixer in every layer
 }
 LATENT = ("deepseek_v3", "deepseek_v2", "minicpm3")
 
@@ -173,7 +175,7 @@ def app():
     return new_app()
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss", "falcon_h1"])
 def test_every_tab_renders_for(app, directories, model_type):
     """As tests/test_app_architectures.py: load, step twice, every tab and every What-if view without an error."""
     from html import unescape
@@ -201,6 +203,12 @@ def test_every_tab_renders_for(app, directories, model_type):
         show_tab(at, "KV cache")
         _, sentence = memory_formula(gen.trace, 1)
         assert any(c.value == sentence for c in at.caption), [c.value for c in at.caption]
+    if "falcon_h1" in model_type:  # the KV cache view says what the state layers hold, from the numbers
+        from figures.cache import state_sentence
+
+        show_tab(at, "KV cache")
+        sentence = state_sentence(gen.trace, 1)
+        assert sentence and any(c.value == sentence for c in at.caption), [c.value for c in at.caption]
     if gen.model.config.attn_sinks:  # the Attention tab says how much went to the sink, from the numbers
         from figures.attention import sink_sentence
 
@@ -266,3 +274,50 @@ def test_attention_sinks_are_a_stage_of_their_own(directories):
     real = torch.tensor(gen.facts.is_token(1, 0))
     w0 = trace.get("blocks.1.attn.hook_sink_weight", 0)[1, 2, :, 0].double()[real]
     assert f"over its {int(real.sum())} query rows" in prefill and f"took {float(w0.mean()):.1%}" in prefill
+
+
+def test_a_hybrid_model_keeps_its_state_in_transformers_cache_beside_our_k_and_v(directories):
+    """Falcon-H1 (attention and a Mamba-2 mixer in every layer): logits equal transformers' at the prefill and 3
+    cached steps; the state recorded after the last step is the state transformers' own cache holds after one
+    forward of the same columns; the KV cache view counts it; a copy of the cache at an earlier length replays a
+    step exactly (the what-if experiments start from such copies)."""
+    from transformers import DynamicCache
+
+    from figures import cache
+
+    gen = traced(directories["falcon_h1"])
+    ref = reference(directories["falcon_h1"])
+    deltas = logit_deltas(gen, ref)
+    print("falcon_h1 max |Δ logits| per step:", [f"{d:.1e}" for d in deltas])
+    assert max(deltas) <= 1e-4, deltas
+    trace, last, B = gen.trace, gen.n_steps - 1, len(PROMPTS)
+    ids = torch.tensor([gen.facts.columns(r, last) for r in range(B)])
+    real = torch.tensor([gen.facts.is_token(r, last) for r in range(B)])
+    theirs = DynamicCache(config=ref.config)
+    with torch.no_grad():
+        ref(input_ids=ids, attention_mask=real.long(), position_ids=(real.long().cumsum(-1) - 1).clamp(min=0),
+            past_key_values=theirs, use_cache=True)
+    for layer in range(gen.model.config.n_layer):
+        conv = trace.get(f"blocks.{layer}.hook_conv_state", last)
+        ssm = trace.get(f"blocks.{layer}.hook_ssm_state", last)
+        held = theirs.layers[layer]
+        assert conv.shape == held.conv_states[0].shape and ssm.shape == held.recurrent_states[0].shape
+        assert (conv - held.conv_states[0]).abs().max() <= 1e-4
+        assert (ssm - held.recurrent_states[0]).abs().max() <= 1e-4
+        assert trace.record(f"blocks.{layer}.hook_ssm_state", 0).shape == ssm.shape  # fixed: it does not grow
+    table = cache.cache_table(trace, last)
+    state = [sum(rec.nbytes for rec in cache.state_records(trace, last, L)) for L in range(2)]
+    assert list(table["state bytes"]) == state and state[0] > 0
+    sentence = cache.state_sentence(trace, last)
+    assert f"{sum(state) / 1024:,.1f} KiB in all after step {last}" in sentence and "2 layer(s)" in sentence
+    kv = sum(trace.record(f"blocks.{L}.attn.hook_{k}_all", last).nbytes for L in range(2) for k in "kv")
+    assert cache.cache_growth(trace)["K+V bytes (all layers)"].iloc[last] == kv + sum(state)
+    # replay step 2 from a copy of the cache as it was before it: the same logits, to the bit
+    before = gen.facts.step(2).forward.cache_before
+    copy = gen.cache.copy(before)
+    fed = torch.tensor([[gen.facts.columns(r, 2)[-1]] for r in range(B)])
+    with torch.no_grad():
+        again = gen.model(fed, cache=copy)
+    assert torch.equal(again, trace.get("hook_logits", 2))
+    with pytest.raises(ValueError, match="a copy can hold"):
+        gen.cache.copy(before + 99)

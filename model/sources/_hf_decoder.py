@@ -293,7 +293,112 @@ def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | Non
         def get_max_length(self) -> int:
             return -1
 
-    return Cache(layers=[_CacheLayer(i) for i in range(n_layer)])
+    states = cache.states if isinstance(cache, StateCache) else {}  # a hybrid model's persistent state layers
+    return Cache(layers=[states.get(i) or _CacheLayer(i) for i in range(n_layer)])
+
+
+def state_templates(hf: nn.Module) -> list[Any]:
+    """Per decoder layer, transformers' own cache layer where that layer keeps convolution / state-space state
+    (a hybrid model: Falcon-H1's Mamba-2 mixer beside its attention, …), else None — read from the
+    ``DynamicCache`` transformers builds for the model's config."""
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+    try:
+        layers = DynamicCache(config=getattr(hf, "config", None)).layers
+    except (ValueError, KeyError, TypeError, AttributeError):  # a config whose cache transformers builds lazily
+        return []
+    return [layer if isinstance(layer, LinearAttentionCacheLayerMixin) else None for layer in layers]
+
+
+_STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                 "is_recurrent_states_initialized", "conv_kernel_size")
+
+
+class StateCache(KVCache):
+    """Our ``KVCache`` for the attention, plus — for the layers of a hybrid model that keep convolution /
+    state-space state — transformers' own cache layer for that state, unchanged (``state_layer``): our cache does
+    not reimplement it. The state does not grow with t and is overwritten in place at every step, so a copy of it
+    is kept after every committed step: a failed forward rolls it back, and ``copy(length)`` starts from the
+    state as it was at ``length`` positions."""
+
+    def __init__(self, n_layer: int, batch_size: int, storage: str, templates: list[Any]) -> None:
+        super().__init__(n_layer, batch_size, storage)
+        self.templates = templates
+        self.states = {layer: _state_layer(self, layer, template) for layer, template in enumerate(templates)
+                       if template is not None}
+        # layers with state and no attention (a pure Mamba layer) append no K, V: they count as updated
+        self._stateless_attention = {layer for layer, template in enumerate(templates)
+                                     if template is not None and not hasattr(template, "get_seq_length")}
+        self._snapshots: dict[int, dict[int, dict[str, dict]]] = {0: self._save()}
+
+    def _save(self) -> dict[int, dict[str, dict]]:
+        return {layer: {name: {i: v.clone() if isinstance(v, torch.Tensor) else v
+                               for i, v in getattr(state, name).items()} for name in _STATE_FIELDS}
+                for layer, state in self.states.items()}
+
+    def _restore(self, saved: dict[int, dict[str, dict]]) -> None:
+        for layer, fields in saved.items():  # clones again: the state is updated in place (copy_) by transformers
+            for name, values in fields.items():
+                setattr(self.states[layer], name, {i: v.clone() if isinstance(v, torch.Tensor) else v
+                                                   for i, v in values.items()})
+
+    def commit(self, n: int, key_is_token: torch.Tensor | None) -> None:
+        self._staged |= self._stateless_attention
+        super().commit(n, key_is_token)
+        self._snapshots[self.length] = self._save()
+
+    def rollback(self) -> None:
+        super().rollback()
+        self._restore(self._snapshots[self.length])
+
+    def copy(self, length: int | None = None) -> StateCache:
+        length = self.length if length is None else length
+        held = KVCache.copy(self, length)  # checks length
+        if length not in self._snapshots:
+            raise ValueError(f"the convolution / state-space state at {length} positions was not kept")
+        twin = StateCache(self.n_layer, self.batch_size, self.storage, self.templates)
+        twin._buffers, twin._length, twin.key_is_token = held._buffers, held._length, held.key_is_token
+        twin._snapshots = {k: v for k, v in self._snapshots.items() if k <= length}
+        twin._restore(self._snapshots[length])
+        return twin
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the convolution and state-space state of every layer that keeps one (fixed: it does not grow)."""
+        return sum(int(v.numel() * v.element_size()) for state in self.states.values()
+                   for name in ("conv_states", "recurrent_states") for v in getattr(state, name).values()
+                   if isinstance(v, torch.Tensor))
+
+
+def _state_layer(cache: StateCache, layer: int, template: Any) -> Any:
+    """transformers' ``LinearAttentionLayer`` (its conv / recurrent state machinery, unchanged) whose attention
+    part, where the layer has one (``template`` is then an attention cache layer too), is our ``cache``."""
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
+
+    class _StateLayer(LinearAttentionLayer):
+        is_sliding = False
+
+        def __init__(self) -> None:
+            LinearAttentionLayer.__init__(self, number_of_states=template.number_of_states)
+            self.keys = self.values = None
+            self.is_initialized = True
+
+        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+            if kwargs:  # the state's own initialisation (conv_states= / recurrent_states=); K, V need none
+                LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            return cache.append(layer, key_states, value_states)  # -> [B,G,t,d_head] twice
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return cache.length + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return cache.length
+
+    if isinstance(template, CacheLayerMixin):  # attention beside the state (Falcon-H1): transformers asks it for t
+        return type("_StateAttentionLayer", (_StateLayer, CacheLayerMixin), {})()
+    return _StateLayer()
 
 
 def latent_widths(attn: nn.Module) -> tuple[int, int] | None:
@@ -474,6 +579,7 @@ class HFDecoder(nn.Module):
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
         self._latent = [latent_widths(attn) for attn in attns]  # (d_c, d_R) per latent-attention layer, else None
         self._sinks = [isinstance(getattr(attn, "sinks", None), torch.Tensor) for attn in attns]  # gpt-oss
+        self._state_templates = state_templates(hf)  # hybrid models: the layers whose state transformers keeps
         block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks)
                        for norm, latent, sinks in zip(mlp_norms, self._latent, self._sinks)]
         self.blocks = nn.ModuleList(block_hooks)
@@ -487,6 +593,10 @@ class HFDecoder(nn.Module):
         self._handles = []
         embed = hf.get_input_embeddings()
         self._handles.append(embed.register_forward_hook(lambda m, a, out: self.hook_embed(out)))
+        for hooks, template in zip(block_hooks, self._state_templates):
+            if template is not None:  # what the layer's state holds after each step, [B, …] (hybrid models)
+                hooks.hook_conv_state = HookPoint()
+                hooks.hook_ssm_state = HookPoint()
         for layer, attn, hooks, mlp_norm in zip(layers, attns, block_hooks, mlp_norms):
             _HOOKS[attn] = hooks.attn
             hooks.attn.w_o = _child(attn, _NAMES_OUT)
@@ -594,6 +704,8 @@ class HFDecoder(nn.Module):
         return torch.device("cpu") if hooks else weight.device  # no hook: a dry run, wholly on meta
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
+        if any(t is not None for t in self._state_templates):  # a hybrid model: its state layers' cache too
+            return StateCache(self.config.n_layer, batch_size, storage, self._state_templates)
         return KVCache(self.config.n_layer, batch_size, storage)
 
     @property
@@ -638,7 +750,19 @@ class HFDecoder(nn.Module):
                           past_key_values=self._cache_view(cache) if cache is not None else None,
                           use_cache=cache is not None, return_dict=True)
             logits = self.hook_logits(out.logits)
+            if isinstance(cache, StateCache):
+                self._record_states(cache)
         return logits
+
+    def _record_states(self, cache: StateCache) -> None:
+        """A hybrid model's convolution and state-space state after this forward, through each state layer's
+        ``hook_conv_state`` / ``hook_ssm_state`` (copies: transformers overwrites the state in place next step)."""
+        for layer, state in cache.states.items():
+            block = self.blocks[layer]
+            for name, values in (("hook_conv_state", state.conv_states), ("hook_ssm_state", state.recurrent_states)):
+                value = values.get(0)
+                if isinstance(value, torch.Tensor) and isinstance(getattr(block, name, None), HookPoint):
+                    getattr(block, name)(value.clone())
 
     def _cache_view(self, cache: KVCache) -> Any:
         """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""
