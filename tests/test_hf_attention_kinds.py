@@ -16,7 +16,7 @@ import torch
 
 from model import load_hf
 from model.sources import BUNDLED_DIR, HFDecoder
-from tests.hf_architectures import COMMON
+from tests.hf_architectures import ARCHITECTURES, COMMON
 from tracer import TracedGeneration
 
 PROMPTS = ["Lily had a red kite.", "Tom said"]
@@ -24,15 +24,13 @@ MLA = dict(COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_ro
            v_head_dim=8)
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
            first_k_dense_replace=1, n_shared_experts=1)
+# deepseek_v3, gpt_oss and falcon_h1 are in tests/hf_architectures.py (every architecture test runs them too)
 KINDS: dict[str, tuple[str, dict]] = {
-    "deepseek_v3": ("DeepseekV3Config", dict(MLA, **MOE)),
+    "deepseek_v3": ARCHITECTURES["deepseek_v3"],
     "deepseek_v2": ("DeepseekV2Config", dict(MLA, **MOE)),
     "minicpm3": ("MiniCPM3Config", dict(MLA)),
-    "gpt_oss": ("GptOssConfig", dict(COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-                                     rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                                                          truncate=False, original_max_position_embeddings=4,
-                                                          rope_theta=150000.0))),
-    "falcon_h1": ("FalconH1Config", dict(COMMON, head_dim=16)),  # attention beside a Mamba-2 mixer in every layer
+    "gpt_oss": ARCHITECTURES["gpt_oss"],
+    "falcon_h1": ARCHITECTURES["falcon_h1"],
 }
 LATENT = ("deepseek_v3", "deepseek_v2", "minicpm3")
 

@@ -30,6 +30,10 @@ What the records mean for such a model (the hook table's rows, specialised):
   instead of K and V — the compressed latent c_KV and the rotary key k_R — from which K ``[B,H,t,d_qk]`` and V
   ``[B,H,t,d_v]`` (d_v ≠ d_qk) are expanded at every step.
 
+* ``blocks.{L}.hook_conv_state``, ``blocks.{L}.hook_ssm_state`` (hybrid models: Falcon-H1): the convolution and
+  state-space state a layer's mixer keeps after each step, as transformers' own cache layer holds it (fixed-size,
+  overwritten every step; ``StateCache``). Not in the hook table: their widths are the mixer's, not the legend's.
+
 Refused by name: models whose attention does not go through the interface (the check is that every
 layer's attention module calls it in a test forward), linear-attention and state-space layers,
 encoder-decoders.
