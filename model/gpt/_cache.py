@@ -48,8 +48,9 @@ class _LayerBuffer:
     def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, capacity: int) -> None:
         # K and V may differ in width (and head count): latent attention (DeepSeek-V2/V3) caches its compressed
         # latent [B,1,t,r] and its rotated key [B,1,t,d_rope] in the two slots
-        self.keys = like_k.new_empty(*like_k.shape[:2], capacity, like_k.shape[3])
-        self.values = like_v.new_empty(*like_v.shape[:2], capacity, like_v.shape[3])
+        (B, G, _, d_k), (_, G_v, _, d_v) = like_k.shape, like_v.shape
+        self.keys = torch.empty(B, G, capacity, d_k, dtype=like_k.dtype, device=like_k.device)
+        self.values = torch.empty(B, G_v, capacity, d_v, dtype=like_v.dtype, device=like_v.device)
         # .data: the same storage, a separate version counter (see the module docstring)
         self._k_write = self.keys.data
         self._v_write = self.values.data
