@@ -289,7 +289,11 @@ def describe_model(model) -> str:
     placed = getattr(model, "offloaded", None) or {}
     on_disk = sum(1 for where in placed.values() if where == "disk")
     offload = f"; {on_disk} of its {len(placed)} parts on disk, read at every forward" if on_disk else ""
-    return (f"{c.n_layer} layers × {c.n_head} heads{kv}, d = {c.d_model}, d_head = {c.d_head}, V = {c.vocab_size}, "
+    heads = (f"d_head = {c.d_head}" if getattr(c, "d_v", c.d_head) == c.d_head else
+             f"d_qk = {c.d_head}, d_v = {c.d_v}")  # latent attention: the value heads are narrower
+    if getattr(c, "kv_latent_dim", None) is not None:
+        heads += f", cache per position d_c + d_R = {c.kv_latent_dim} + {c.rope_key_dim}"
+    return (f"{c.n_layer} layers × {c.n_head} heads{kv}, d = {c.d_model}, {heads}, V = {c.vocab_size}, "
             f"n_ctx = {c.n_ctx} — {model.num_parameters / 1e6:.1f}M parameters, {dtype}{offload}")
 
 

@@ -79,6 +79,9 @@ def attention_latex(trace: Trace, step: int, layer: int) -> str:
         scores = rf"c\,\tanh\!\left({scores} / c\right)"
         constants.append(f"c = {cap:g}")
     tail = "".join(rf", \quad {c}" for c in constants)
+    if getattr(trace.config, "attn_sinks", False):  # the sink's logit s_h is one more column; its weight is dropped
+        return (rf"\left[A \;\middle|\; a_{{\text{{sink}}}}\right] = \operatorname{{softmax}}\!\left(\left["
+                rf"{scores} + M \;\middle|\; s_h\right]\right), \qquad O = A\,V{tail}")
     return rf"A = \operatorname{{softmax}}\!\left({scores} + M\right), \qquad O = A\,V{tail}"
 
 
@@ -111,10 +114,23 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
         stages.append(Stage("softcapped", f"c·tanh({scaled}/c)   (c = {c})",
                             f"soft-capped: every score inside (−{c}, {c}) → {shape_text(qk)}", None))
         scaled = f"c·tanh({scaled}/c)"
-    stages += [
-        Stage("masked_scores", f"{scaled} + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None),
-        Stage("pattern", f"A = softmax({scaled} + M)", f"row-wise over t = {qk[-1]} keys → {shape_text(qk)}", None),
-    ]
+    stages.append(
+        Stage("masked_scores", f"{scaled} + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None))
+    if trace.has(act_name("sink_logits", layer), step):  # gpt-oss: the sink is a stage of its own
+        sink = trace.record(act_name("sink_logits", layer), step).shape
+        with_sink = (*qk[:-1], qk[-1] + 1)
+        stages += [
+            Stage("sink_logits", "s_h, the sink's logit", f"one learned logit per head, a column beside the scores: "
+                                                          f"{shape_text(qk)} ++ {shape_text(sink)} → "
+                                                          f"{shape_text(with_sink)}", None),
+            Stage("pattern", f"A = softmax([{scaled} + M | s_h]) without the sink's column",
+                  f"row-wise over t = {qk[-1]} keys and the sink, its column dropped → {shape_text(qk)}: rows sum "
+                  "to < 1", None),
+            Stage("sink_weight", "a_sink = 1 − Σ_t A", f"the sink's share of each row → {shape_text(sink)}", None),
+        ]
+    else:
+        stages.append(Stage("pattern", f"A = softmax({scaled} + M)", f"row-wise over t = {qk[-1]} keys → "
+                                                                     f"{shape_text(qk)}", None))
     for stage in stages:
         matrix, pooled = head_matrix(trace, act_name(stage.hook, layer), step, batch, head)
         stage.matrix, stage.pooled_only = matrix, pooled
@@ -455,13 +471,20 @@ def pitfall_patterns(trace: Trace, step: int, layer: int, head: int, batch: int 
     cap = getattr(trace.config, "attn_softcap", None)
     if cap:  # the model soft-caps after scaling: recomputed as it does
         scaled = torch.tanh(scaled / cap) * cap
+    sink = sink_logits(trace, step, layer, head, batch)
+    if trace.has(act_name("sink_logits", layer), step) and sink is None:
+        return None  # the model has a sink, whose values were not kept: the recomputation would leave it out
+
+    def softmax(x: torch.Tensor) -> torch.Tensor:  # over the keys, and the sink where the model has one
+        return torch.softmax(x, dim=-1) if sink is None else softmax_with_sink(x, sink)
+
     allowed = torch.isfinite(m)
-    after = torch.softmax(scaled, dim=-1) * allowed
+    after = softmax(scaled) * allowed
     unscaled = "without ÷√d_k" if math.isclose(scale, qh.shape[-1] ** -0.5, rel_tol=1e-6) else "without the scale s"
     return {
-        "as the model does it": torch.softmax(scaled + m, dim=-1),
-        unscaled: torch.softmax(raw + m, dim=-1),
-        "without the mask M": torch.softmax(scaled, dim=-1),
+        "as the model does it": softmax(scaled + m),
+        unscaled: softmax(raw + m),
+        "without the mask M": softmax(scaled),
         "mask after the softmax": after,
     }
 
@@ -473,6 +496,41 @@ def real_query_rows(trace: Trace, step: int, batch: int, n: int) -> torch.Tensor
     if facts is None:
         return torch.ones(n, dtype=torch.bool)
     return torch.tensor(facts.is_token(batch, step)[-n:], dtype=torch.bool)
+
+
+def sink_logits(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> torch.Tensor | None:
+    """The learned sink logit beside each query row of one head, ``[n]`` (gpt-oss); None for a model without
+    sinks, or when its values were not kept."""
+    name = act_name("sink_logits", layer)
+    value = trace.get(name, step) if trace.has(name, step) else None
+    return None if value is None else value[batch, head, :, 0].double()  # [B,H,n,1] -> [n]
+
+
+def softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """The keys' weights ``[n, t]`` of a softmax over the t keys and one sink logit per row ``[n]``: rows sum to
+    less than 1, the rest is the sink's."""
+    return torch.softmax(torch.cat([scores, sink[:, None]], dim=-1), dim=-1)[:, :-1]
+
+
+def sink_sentence(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> str | None:
+    """How much of each query row's weight went to the sink at this head (from ``hook_sink_weight``), and so
+    what the rows of A sum to; None for a model without sinks or without their values."""
+    name = act_name("sink_weight", layer)
+    weight = trace.get(name, step) if trace.has(name, step) else None
+    if weight is None:
+        return None
+    w = weight[batch, head, :, 0].double()  # [n]
+    if trace.generation is not None:  # a padding query row sees no key: the sink takes all of it, which says nothing
+        real = trace.generation.is_token(batch, step)[-len(w):]
+        w = w[torch.tensor(real, dtype=torch.bool)] if len(real) == len(w) else w
+    if not len(w):
+        return None
+    mean, low, high = float(w.mean()), float(w.min()), float(w.max())
+    spread = (f"{low:.1%} to {high:.1%} over its {len(w)} query rows" if len(w) > 1 else "at its one query row")
+    return (f"This model adds a learned sink to every softmax: one more logit per head (s_h), beside the keys, "
+            f"whose weight is dropped after the softmax. In layer {layer}, head {head}, the sink took {mean:.1%} of "
+            f"the weight on average ({spread}), so the rows of A sum to {1 - high:.3f}…{1 - low:.3f} instead of 1: "
+            "the output O = A·V is that much smaller than a weighted mean of the values.")
 
 
 def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> pd.DataFrame | None:
@@ -523,22 +581,30 @@ def pitfall_sentence(trace: Trace, step: int, layer: int, head: int, batch: int 
     window = int((forbidden & ~later & real_keys).sum())  # an earlier real key hidden: a sliding window
     first = (f"Without {scaling} the scores are larger and the softmax far peakier (a larger max weight, a lower "
              "entropy).")
+    sinks = trace.has(act_name("sink_logits", layer), step)  # gpt-oss: the model's own rows sum to less than 1
+    own = float(table.set_index("variant").loc["as the model does it", "row sum"])
+    sums = (f"the model's own row sums, {own:.3f} on average: the rest is the sink's" if sinks else "row sums of 1")
     if not future and not padding and not window:
         return (first + " At this step M forbids nothing: its query row is the newest position, with no key after "
                 "it and no padding, so leaving M out or masking after the softmax gives exactly the model's weights "
-                "(the table shows no leak and row sums of 1). The other two pitfalls show on the prefill, step 0, "
+                f"(the table shows no leak and {sums}). The other two pitfalls show on the prefill, step 0, "
                 "or on any step with the KV cache off.")
     leaks = [f"the {future:,} (query, key) pairs where the key comes after its query"] if future else []
     leaks += [f"the {padding:,} pairs where the key is padding"] if padding else []
     leaks += [f"the {window:,} pairs where the key is earlier than the sliding window reaches"] if window else []
-    after = table.set_index("variant").loc["mask after the softmax", "row sum"]
+    after = float(table.set_index("variant").loc["mask after the softmax", "row sum"])
     skipped = n_rows - int(real.sum())
-    padding_rows = f"; the {skipped} padding rows, which no one reads, left out" if skipped else ""
-    return (first + " Without M, weight leaks onto " + " and onto ".join(leaks) + " that M forbids here. "
-            + (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum {after:.3f} over the "
-               f"{int(real.sum())} real query rows{padding_rows})."
-               if after < 1 - 1e-9 else "Masking after the softmax leaves the row sums at 1 here: the forbidden "
-               "keys held no weight."))
+    over = f" over the {int(real.sum())} real query rows" + (
+        f"; the {skipped} padding rows, which no one reads, left out" if skipped else "")
+    if sinks:
+        ending = (f"Masking after the softmax leaves rows summing to less than the model's own (mean row sum "
+                  f"{after:.3f} against {own:.3f}{over})." if after < own - 1e-9 else
+                  "Masking after the softmax leaves the model's own row sums here: the forbidden keys held no weight.")
+    else:
+        ending = (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum {after:.3f}{over})."
+                  if after < 1 - 1e-9 else "Masking after the softmax leaves the row sums at 1 here: the forbidden "
+                  "keys held no weight.")
+    return first + " Without M, weight leaks onto " + " and onto ".join(leaks) + " that M forbids here. " + ending
 
 
 @fitted

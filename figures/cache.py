@@ -14,9 +14,11 @@ from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, NEUTRAL
 from figures.plot import figure, fitted, subplots
 from model.gpt import act_name
-from tracer import CachePrecisionRun, RecomputeComparison, Trace
+from tracer import CachePrecisionRun, RecomputeComparison, TensorRecord, Trace
 
 CACHE_COLOUR = "#f4b6b6"  # the shape flow's colour for the cache, a shade stronger
+# what the heat map can show: K, V, and a latent-attention cache's c_KV and k_R (one head: index 0)
+HEATMAP_HOOKS = {"K": "k_all", "V": "v_all", "c_KV": "kv_latent_all", "k_R": "k_rope_all"}
 
 
 def _ran_with_cache(trace: Trace) -> bool:
@@ -27,28 +29,74 @@ def _n_layer(trace: Trace, step: int) -> int:
     return len(trace.filter(step=step, name="*attn.hook_k_all"))
 
 
+def latent_records(trace: Trace, step: int, layer: int) -> tuple[TensorRecord, TensorRecord] | None:
+    """A latent-attention layer's cache at ``step`` (DeepSeek-V2/V3): the compressed latent c_KV ``[B,1,t,d_c]``
+    and the rotary key k_R ``[B,1,t,d_R]`` it holds in place of K and V; None for any other layer."""
+    names = act_name("kv_latent_all", layer), act_name("k_rope_all", layer)
+    if not all(trace.has(name, step) for name in names):
+        return None
+    return trace.record(names[0], step), trace.record(names[1], step)
+
+
 def cache_table(trace: Trace, step: int) -> pd.DataFrame:
-    """One row per layer: K and V [B, G, t, d_head] at ``step``, rows new this step, bytes."""
+    """One row per layer: K and V [B, G, t, d_head] at ``step``, rows new this step, bytes. A latent-attention
+    model adds what its cache holds instead — c_KV [B,1,t,d_c] and k_R [B,1,t,d_R] — with their bytes."""
     use_cache = _ran_with_cache(trace)
     rows = []
     for layer in range(_n_layer(trace, step)):
         k = trace.record(act_name("k_all", layer), step)
         v = trace.record(act_name("v_all", layer), step)
         k_new = trace.record(act_name("k", layer), step)
-        rows.append({
+        row = {
             "layer": layer,
             "K": shape_text(k.shape),
             "V": shape_text(v.shape),
             "rows from the cache": k.shape[2] - k_new.shape[2] if use_cache else 0,
             "rows computed this step": k_new.shape[2],
             "bytes (K+V)": k.nbytes + v.nbytes,
-        })
+        }
+        latent = latent_records(trace, step, layer)
+        if latent is not None:
+            c_kv, k_r = latent
+            row = {**row, "cache holds: c_KV": shape_text(c_kv.shape), "k_R": shape_text(k_r.shape),
+                   "bytes held (c_KV+k_R)": c_kv.nbytes + k_r.nbytes}
+        states = state_records(trace, step, layer)
+        if states:  # a hybrid layer: its state-space mixer's state, kept by transformers' own cache
+            row = {**row, "state": " + ".join(shape_text(rec.shape) for rec in states),
+                   "state bytes": sum(rec.nbytes for rec in states)}
+        rows.append(row)
     return pd.DataFrame(rows)
+
+
+def latent_memory_sentence(n_layer: int, B: int, H: int, t: int, d_c: int, d_r: int, d_qk: int, d_v: int,
+                           itemsize: int, step: int) -> tuple[str, str]:
+    """(LaTeX, sentence) for a latent-attention cache: B·t·(d_c + d_R) numbers per layer held, against the
+    B·H·t·(d_qk + d_v) that K and V expanded from them would take."""
+    held = B * t * (d_c + d_r)
+    full = B * H * t * (d_qk + d_v)
+    latex = (rf"B\cdot t\cdot (d_c + d_R) = {B}\cdot {t}\cdot ({d_c} + {d_r}) = {held:,}"
+             rf"\ \text{{numbers per layer}}")
+    sentence = (f"{n_layer} layers × {held:,} numbers × {itemsize} bytes = {n_layer * held * itemsize / 1024:,.1f} "
+                f"KiB at step {step}: this model uses multi-head latent attention (DeepSeek-V2), and its cache holds "
+                f"per position the compressed latent c_KV (d_c = {d_c}) and the rotary key k_R (d_R = {d_r}), shared "
+                f"by all {H} heads. K and V are expanded from them at every step; held instead, B·H·t·(d_qk + d_v) "
+                f"= {B}·{H}·{t}·({d_qk} + {d_v}) = {full:,} numbers per layer, they would take "
+                f"{n_layer * full * itemsize / 1024:,.1f} KiB, {full / held:.1f}× as much. transformers' own cache "
+                "for this model holds the same two tensors.")
+    return latex, sentence
 
 
 def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     """(LaTeX, sentence): the cache's size per layer, 2·B·G·t·d_k, with this step's numbers, against the
-    2·B·H·t·d_k a cache with one key/value head per query head would hold."""
+    2·B·H·t·d_k a cache with one key/value head per query head would hold (latent attention: what its cache
+    holds against K and V, ``latent_memory_sentence``)."""
+    latent = latent_records(trace, step, 0)
+    if latent is not None:
+        c_kv, k_r = latent
+        k, v = trace.record(act_name("k_all", 0), step), trace.record(act_name("v_all", 0), step)
+        B, H, t, d_qk = k.shape
+        return latent_memory_sentence(_n_layer(trace, step), B, H, t, c_kv.shape[-1], k_r.shape[-1], d_qk,
+                                      v.shape[-1], c_kv.nbytes // max(1, c_kv.numel), step)
     k = trace.record(act_name("k_all", 0), step)
     q = trace.record(act_name("q", 0), step)
     B, G, t, dk = k.shape
@@ -71,14 +119,48 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     return latex, sentence
 
 
+STATE_HOOKS = ("hook_conv_state", "hook_ssm_state")  # a hybrid model's per-layer state (model/sources/_hf_decoder.py)
+
+
+def state_records(trace: Trace, step: int, layer: int) -> list[TensorRecord]:
+    """The convolution and state-space state a hybrid model's layer keeps after ``step`` (Falcon-H1's Mamba-2
+    mixer: conv ``[B, channels, kernel]``, SSM ``[B, heads, d_head, d_state]``), in transformers' own cache;
+    empty for a layer (or model) without."""
+    names = [f"blocks.{layer}.{hook}" for hook in STATE_HOOKS]
+    return [trace.record(name, step) for name in names if trace.has(name, step)]
+
+
+def held_bytes(trace: Trace, step: int, layer: int) -> int:
+    """Bytes one layer's cache holds after ``step``: K + V, or c_KV + k_R for latent attention, plus the state
+    of a hybrid model's state-space layer."""
+    latent = latent_records(trace, step, layer)
+    records = latent if latent is not None else [trace.record(act_name(kind, layer), step)
+                                                 for kind in ("k_all", "v_all")]
+    return sum(rec.nbytes for rec in (*records, *state_records(trace, step, layer)))
+
+
+def state_sentence(trace: Trace, step: int) -> str | None:
+    """What a hybrid model's state layers hold beside K and V at ``step``, counted from the records; None when
+    no layer keeps state."""
+    layers = [(layer, state_records(trace, step, layer)) for layer in range(_n_layer(trace, step))]
+    layers = [(layer, records) for layer, records in layers if records]
+    if not layers:
+        return None
+    total = sum(rec.nbytes for _, records in layers for rec in records)
+    shapes = " and ".join(f"{rec.name.rsplit('.', 1)[-1].removeprefix('hook_').replace('_', ' ')} "
+                          f"{shape_text(rec.shape)}" for rec in layers[0][1])
+    return (f"Beside K and V, {len(layers)} layer(s) keep a state-space mixer's state in transformers' own cache — "
+            f"per layer {shapes} — {total / 1024:,.1f} KiB in all after step {step}. That state has a fixed size: "
+            "each step overwrites it instead of adding a row, so it does not grow with t as K and V do.")
+
+
 def cache_growth(trace: Trace) -> pd.DataFrame:
     """Per step: cache length after the step and bytes of K+V held (or computed) over all layers."""
     rows = []
     facts = facts_of(trace)
     use_cache = facts.info.use_cache
     for gs in facts.steps:
-        total = sum(trace.record(act_name(kind, layer), gs.step).nbytes
-                    for layer in range(_n_layer(trace, gs.step)) for kind in ("k_all", "v_all"))
+        total = sum(held_bytes(trace, gs.step, layer) for layer in range(_n_layer(trace, gs.step)))
         rows.append({"step": gs.step, "cache length": gs.forward.cache_after if use_cache else 0,
                      "t (keys attended)": gs.forward.t, "K+V bytes (all layers)": total if use_cache else 0,
                      "K+V bytes computed": total})
@@ -88,7 +170,7 @@ def cache_growth(trace: Trace) -> pd.DataFrame:
 @fitted
 def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0, which: str = "K") -> go.Figure:
     """One key/value head's cached keys (or values): positions × d_head, the rows added at ``step`` outlined."""
-    value = trace.get(act_name("k_all" if which == "K" else "v_all", layer), step)
+    value = trace.get(act_name(HEATMAP_HOOKS[which], layer), step)
     fig = figure()
     if value is None:
         fig.add_annotation(text=f"{which} values not kept for this step", showarrow=False)
@@ -98,7 +180,8 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
     use_cache = _ran_with_cache(trace)
     g = grid(m, [f"d{j}" for j in range(d_head)], key_labels(trace, step, batch))
     add(fig, g, "signed", colorbar=which)
-    style_axes(fig, g, x_title="d_head", y_title="position", max_ticks=32)
+    width = {"c_KV": "d_c", "k_R": "d_R"}.get(which, "d_head")
+    style_axes(fig, g, x_title=width, y_title="position", max_ticks=32)
     new = gen_step(trace, step).forward.n if use_cache else t
     cells = len(g.y)
     top = cells - max(1, round(new * cells / t))
@@ -106,8 +189,10 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
                   line={"color": ACCENT, "width": 3})
     rows = f"row {t - 1}" if new == 1 else f"rows {t - new}…{t - 1}"
     what = f"{rows} added at step {step}" if use_cache else f"all {t} rows recomputed at step {step}, no cache"
-    fig.update_layout(title_text=f"{which} of layer {layer}, key/value head {head}: {shape_text(tuple(m.shape))} = "
-                                 f"[t, d_head] — {what} (outlined)" + (f" — {g.caption()}" if g.pooled else ""),
+    whose = f"{which} of layer {layer}" + (", one for all heads" if which in ("c_KV", "k_R")
+                                          else f", key/value head {head}")
+    fig.update_layout(title_text=f"{whose}: {shape_text(tuple(m.shape))} = "
+                                 f"[t, {width}] — {what} (outlined)" + (f" — {g.caption()}" if g.pooled else ""),
                       title_font_size=13, height=max(300, min(900, 120 + 16 * cells)),
                       margin={"t": 50, "l": 10, "r": 10, "b": 10})
     return fig
@@ -217,7 +302,7 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
     use_cache = _ran_with_cache(trace)
     if use_cache:
         bars = ("cache length", "cache length (positions)")
-        line = ("K+V bytes (all layers)", "KiB held (K+V, all layers)")
+        line = ("K+V bytes (all layers)", "KiB the cache holds (all layers)")
         title = "the KV cache grows by one row per step"
     else:  # nothing is held between steps: show the work that replaces the cache
         bars = ("t (keys attended)", "K, V rows recomputed (t), none cached")

@@ -19,7 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.attention import kv_head
+from figures.attention import kv_head, sink_logits
 from figures.common import key_labels, query_labels, score_scale
 from figures.heatmap import grid, heatmap, style_axes
 from figures.palette import ACCENT, MASKED, NEUTRAL
@@ -140,6 +140,11 @@ def flash_attention(trace: Trace, step: int, layer: int, head: int, batch: int =
     t = kh.shape[0]
     m = torch.full((qh.shape[0],), -math.inf, dtype=torch.float64)
     l = torch.zeros(qh.shape[0], dtype=torch.float64)  # noqa: E741 - the paper's ℓ
+    if trace.has(act_name("sink_logits", layer), step):  # gpt-oss: the sink is one more key, of value 0, read first
+        sink = sink_logits(trace, step, layer, head, batch)
+        if sink is None:
+            return None
+        m, l = sink[rows[0]:rows[1]].clone(), torch.ones(qh.shape[0], dtype=torch.float64)  # noqa: E741
     acc = torch.zeros(qh.shape[0], vh.shape[-1], dtype=torch.float64)
     tiles: list[Tile] = []
     for index, start in enumerate(range(0, t, block)):

@@ -72,6 +72,9 @@ def attention_tab(trace: Trace, step: int) -> None:
                                         "shrinks by the same factor")
                 chart(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
                       key="stages_chart")
+            sink = attn_views.sink_sentence(trace, step, layer, head, batch)
+            if sink is not None:
+                st.caption(sink)
             if pattern_kept:
                 query_picker(trace, step, layer, head, batch)
     with sub["O = A·V"]:

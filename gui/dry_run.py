@@ -72,13 +72,13 @@ def run_dry(spec: str, n: int, steps: int, ranks: int = 1) -> DryRun | str:
     """The dry run of ``spec`` (one rank of ``ranks``), or the reason it could not be made (shown as an error)."""
     try:
         model, tok = load_model(spec, weights=False, tensor_parallel=ranks)
-        use_cache = not latent_cache(model)
         n = min(n, model.config.n_ctx - 1 - steps)
-        gen, costs = costed_dry_run(model, n=n, steps=steps, use_cache=use_cache)
+        gen, costs = costed_dry_run(model, n=n, steps=steps)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as e:
         return f"Could not build a dry run of {plain(spec)}: {plain(e)}"
-    note = "" if use_cache else ("This model uses multi-head latent attention, whose compressed cache the KV cache "
-                                 "here does not hold yet: every step recomputes all positions (no cache).")
+    note = ("This model uses multi-head latent attention: its cache holds the compressed latent c_KV and the rotary "
+            "key k_R of every position, and K and V are expanded from them at every step."
+            if latent_cache(model) else "")
     dtype = next(iter(parameters_by_dtype(model)), "float32")
     return DryRun(model.identity.name, model, gen.trace, costs, parameters_by_dtype(model), dtype, note, ranks)
 

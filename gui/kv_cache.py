@@ -103,12 +103,18 @@ def cache_this_step(trace: Trace, step: int) -> None:
         latex, sentence = cache_views.memory_formula(trace, step)
         st.latex(latex)
         st.caption(sentence)
+        held_state = cache_views.state_sentence(trace, step)
+        if held_state is not None:
+            st.caption(held_state)
     cols = st.columns([3, 1])
     with cols[0]:
         layer, head, batch = layer_head_batch(trace, "kv")
-    which = cols[1].radio("tensor", ["K", "V"], horizontal=True, key="kv_which", persist_state="page")
-    kv = attn_views.kv_head(trace, layer, head, step)
-    if values_kept(trace, step, act_name("k_all" if which == "K" else "v_all", layer), f"{which} values"):
+    latent = cache_views.latent_records(trace, step, layer) is not None
+    tensors = ["K", "V", "c_KV", "k_R"] if latent else ["K", "V"]  # latent attention: what its cache holds too
+    which = cols[1].radio("tensor", tensors, horizontal=True, key="kv_which", persist_state="page")
+    which = which if which in tensors else "K"
+    kv = 0 if which in ("c_KV", "k_R") else attn_views.kv_head(trace, layer, head, step)
+    if values_kept(trace, step, act_name(cache_views.HEATMAP_HOOKS[which], layer), f"{which} values"):
         chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
     st.subheader("Cache on vs off")
     comparisons = facts.comparisons

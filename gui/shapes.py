@@ -12,15 +12,30 @@ LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_mod
          "heads · d_head = d_k · V vocab"
 
 
+def legend(config) -> str:
+    """The shapes legend for one model: a model whose value heads differ from its query/key heads (latent
+    attention) names the two sizes, d_qk and d_v, with their values, and what its cache holds (d_c, d_R)."""
+    d_v = getattr(config, "d_v", None)
+    if config is None or d_v is None or d_v == config.d_head:
+        return LEGEND
+    text = LEGEND.replace("d_head = d_k", f"d_qk = d_k = {config.d_head} query/key head size · d_v = {d_v} value "
+                                           "head size")
+    if getattr(config, "kv_latent_dim", None) is not None:
+        text += (f" · d_c = {config.kv_latent_dim} width of the compressed KV latent c_KV · d_R = "
+                 f"{config.rope_key_dim} width of the rotary key k_R (the cache holds c_KV and k_R)")
+    return text
+
+
 def shapes_tab(trace: Trace, step: int) -> None:
     n_layer, _ = n_layer_head(trace)
+    symbols = legend(trace.config)
     layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page")
     if flow_views.recorded_flow(trace):
-        st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}. This model runs its own "
+        st.caption(f"Live shapes at step {step}, numerically and in symbols — {symbols}. This model runs its own "
                    "code, so the flow is read from the trace: the block's hook points and the model's own modules "
                    "(named as in the model, with their class), in the order the forward ran them.")
     else:
-        st.caption(f"Live shapes at step {step}, numerically and in symbols — {LEGEND}. In purple, the weight a "
+        st.caption(f"Live shapes at step {step}, numerically and in symbols — {symbols}. In purple, the weight a "
                    "stage multiplies by (the per-head W_Q^i, W_K^i, W_V^i of [d, d_k] are W_QKV's column blocks, "
                    "d_k columns per head).")
     chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")

@@ -160,13 +160,21 @@ def test_a_405b_dry_run_prefill_and_decode():
     assert trace.record("blocks.0.mlp.hook_post", step=0).dtype == "bfloat16"
 
 
-def test_latent_attention_without_a_cache():
+def test_latent_attention_dry_run_holds_the_latent_in_its_cache():
+    """DeepSeek-V3 with its cache: the cache holds c_KV [B,1,t,512] and k_R [B,1,t,64] per layer (what
+    transformers' own cache holds), K and V are expanded from them to [B,H,t,192] and [B,H,t,128]."""
     model, _ = load_model("shapes:deepseek-v3", weights=False)
-    with pytest.raises(ValueError, match="multi-head latent attention"):
-        dry_run(model, n=4, steps=1)
-    gen = dry_run(model, n=4, steps=1, use_cache=False)
-    assert gen.trace.record("blocks.60.attn.hook_q", step=1).shape == (1, 128, 5, 192)
-    assert gen.trace.record("blocks.60.attn.hook_v", step=1).shape == (1, 128, 5, 128)
+    gen = dry_run(model, n=4, steps=1)
+    trace = gen.trace
+    assert [s.forward.cache_after for s in gen.facts.steps] == [4, 5]
+    assert trace.record("blocks.60.attn.hook_q", step=1).shape == (1, 128, 1, 192)
+    assert trace.record("blocks.60.attn.hook_v", step=1).shape == (1, 128, 1, 128)
+    assert trace.record("blocks.60.attn.hook_kv_latent_all", step=1).shape == (1, 1, 5, 512)
+    assert trace.record("blocks.60.attn.hook_k_rope_all", step=1).shape == (1, 1, 5, 64)
+    assert trace.record("blocks.60.attn.hook_v_all", step=1).axes == ("B", "H", "t", "d_v")
+    assert trace.record("blocks.60.attn.hook_kv_latent_all", step=1).axes == ("B", "1", "t", "d_c")
+    recomputed = dry_run(model, n=4, steps=1, use_cache=False)  # the same shapes without the cache
+    assert recomputed.trace.record("blocks.60.attn.hook_v", step=1).shape == (1, 128, 5, 128)
 
 
 def test_a_dry_run_trace_saved_and_loaded_says_it_is_one(tmp_path):

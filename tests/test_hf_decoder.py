@@ -56,7 +56,9 @@ def test_logits_equal_transformers_and_the_records_hold_their_meaning(directorie
             assert k_all.shape == (B, G, t, model.config.d_head)
             pattern = gen.trace.get(f"blocks.{layer}.attn.hook_pattern", step)  # [B, H, n, t]
             mask = gen.trace.get(f"blocks.{layer}.attn.hook_mask", step)  # [B|1, 1, n, t]
-            assert torch.allclose(pattern.sum(-1), torch.ones(()), atol=1e-5)
+            sink = gen.trace.get(f"blocks.{layer}.attn.hook_sink_weight", step) if model.config.attn_sinks else None
+            rows = pattern.sum(-1) + (sink[..., 0] if sink is not None else 0)  # gpt-oss: the sink takes the rest
+            assert torch.allclose(rows, torch.ones(()), atol=1e-5)
             hidden = torch.isinf(mask).expand_as(pattern)
             assert hidden.any() and (pattern[hidden] == 0).all()
 

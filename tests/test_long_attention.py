@@ -146,15 +146,17 @@ def test_transformers_run_regions_equal_the_eager_records(hf_directories, model_
                 gen.run(3)
             gens[mode] = gen.trace
         eager, fused = gens["eager"], gens["fused"]
+        derived = not model.config.attn_sinks  # a sink's column is computed eager in any mode: recorded, not derived
         for step in range(3):
             assert (eager.get("hook_logits", step) - fused.get("hook_logits", step)).abs().max() <= 1e-5
             for layer in range(model.config.n_layer):
                 for hook in ("hook_attn_scores", "hook_mask", "hook_masked_scores", "hook_pattern"):
                     name = f"blocks.{layer}.attn.{hook}"
-                    assert is_derived(fused, name, step)
-                    assert_same(eager.get(name, step), attention_region(fused, name, step),
-                                f"{model_type} {side} {name} step {step}")
-                assert check_output(fused, f"blocks.{layer}.attn.hook_pattern", step) <= TOL
+                    assert is_derived(fused, name, step) == derived
+                    got = attention_region(fused, name, step) if derived else fused.get(name, step)
+                    assert_same(eager.get(name, step), got, f"{model_type} {side} {name} step {step}")
+                if derived:  # A·V recomputed from the derived pattern = the fused kernel's O
+                    assert check_output(fused, f"blocks.{layer}.attn.hook_pattern", step) <= TOL
 
 
 def _llama(n_ctx: int = 256, d_model: int = 64) -> GPT:

@@ -45,10 +45,12 @@ MIN_CAPACITY = 32
 class _LayerBuffer:
     __slots__ = ("keys", "values", "_k_write", "_v_write")
 
-    def __init__(self, like: torch.Tensor, capacity: int) -> None:
-        B, H, _, d_head = like.shape
-        self.keys = torch.empty(B, H, capacity, d_head, dtype=like.dtype, device=like.device)
-        self.values = torch.empty_like(self.keys)
+    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, capacity: int) -> None:
+        # K and V may differ in width (and head count): latent attention (DeepSeek-V2/V3) caches its compressed
+        # latent [B,1,t,r] and its rotated key [B,1,t,d_rope] in the two slots
+        (B, G, _, d_k), (_, G_v, _, d_v) = like_k.shape, like_v.shape
+        self.keys = torch.empty(B, G, capacity, d_k, dtype=like_k.dtype, device=like_k.device)
+        self.values = torch.empty(B, G_v, capacity, d_v, dtype=like_v.dtype, device=like_v.device)
         # .data: the same storage, a separate version counter (see the module docstring)
         self._k_write = self.keys.data
         self._v_write = self.values.data
@@ -123,7 +125,7 @@ class KVCache:
         end = start + k.shape[2]
         buf = self._buffers[layer]
         if buf is None or end > buf.capacity:
-            grown = _LayerBuffer(k, max(MIN_CAPACITY, end, 2 * (buf.capacity if buf else 0)))
+            grown = _LayerBuffer(k, v, max(MIN_CAPACITY, end, 2 * (buf.capacity if buf else 0)))
             if buf is not None and start:
                 grown.write(0, buf.keys[:, :, :start], buf.values[:, :, :start])
             self._buffers[layer] = buf = grown
@@ -153,7 +155,7 @@ class KVCache:
         if length:
             for layer, buf in enumerate(self._buffers):
                 assert buf is not None  # every layer has rows once length > 0
-                own = _LayerBuffer(buf.keys, buf.capacity)
+                own = _LayerBuffer(buf.keys, buf.values, buf.capacity)
                 own.write(0, buf.keys[:, :, :length], buf.values[:, :, :length])
                 twin._buffers[layer] = own
         twin._length = length

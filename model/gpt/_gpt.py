@@ -15,6 +15,10 @@ Shape legend, used in every comment below and everywhere in the project:
     d  d_model, width of the residual V       vocabulary size
        stream                         d_ff    MLP hidden width (4d for GPT-2: "4d" in its hook table)
 
+Latent attention (DeepSeek-V2/V3, run by transformers) adds: d_qk and d_v, the query/key and the value head
+sizes where they differ (d_head is then d_qk), d_c the width of the compressed KV latent c_KV and d_R that of
+the decoupled rotary key k_R, which are what its cache holds.
+
 The math follows the seed documents (../shared/seeds): row vectors, matrices
 multiply on the right (``X·W``), the combined ``W_QKV`` is ``[d, (H+2G)·d_head]``
 (``[d, 3d]`` for GPT-2), and heads are laid out ``[B, H, n, d_head]``
@@ -130,6 +134,10 @@ class GPTConfig:
     hf_model_type: str | None = None  # family "hf": transformers' model_type ("qwen3", …); "module": its class
     attn_scale: float | None = None  # the scores' scale; None is the usual 1/√d_head (Gemma, Granite set their own)
     attn_softcap: float | None = None  # family "hf": c in c·tanh(scores/c) before the mask (Gemma 2), else None
+    v_head_dim: int | None = None  # family "hf": d_v where the values' head size differs from d_head (= d_qk)
+    kv_latent_dim: int | None = None  # family "hf", latent attention: d_c, the compressed KV latent's width
+    rope_key_dim: int | None = None  # family "hf", latent attention: d_R, the decoupled rotary key's width
+    attn_sinks: bool = False  # family "hf": a learned sink logit per head joins every softmax row (gpt-oss)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from ModelIdentity.config / JSON
@@ -158,13 +166,16 @@ class GPTConfig:
             )
         if self.d_mlp is not None:
             _check_positive_int("d_mlp", self.d_mlp, MAX_WIDTH)
+        for name in ("v_head_dim", "kv_latent_dim", "rope_key_dim"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name), MAX_WIDTH)
         _check_positive_float("layer_norm_eps", self.layer_norm_eps)
         _check_positive_float("rope_theta", self.rope_theta)
         for name, allowed in (("family", (*FAMILIES, *EXTERNAL_FAMILIES)), ("norm", NORMS), ("positions", POSITIONS),
                               ("mlp", MLPS), ("activation", ACTIVATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        for name in ("tie_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias"):
+        for name in ("tie_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias", "attn_sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -194,6 +205,24 @@ class GPTConfig:
     @property
     def d_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
+
+    @property
+    def d_v(self) -> int:
+        """The values' head size: d_head unless the model's differs (latent attention)."""
+        return self.v_head_dim if self.v_head_dim is not None else self.d_head
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether the cache holds a compressed latent and a rotary key instead of K and V (DeepSeek-V2/V3)."""
+        return self.kv_latent_dim is not None
+
+    @property
+    def cache_width(self) -> int:
+        """Numbers one layer's KV cache holds per position of one sequence: G·(d_head + d_v) — 2·G·d_head for K
+        and V of one width — or d_c + d_R, the latent and the rotary key, for latent attention."""
+        if self.kv_latent_dim is not None:
+            return self.kv_latent_dim + (self.rope_key_dim or 0)
+        return self.n_kv_heads * (self.d_head + self.d_v)
 
     @property
     def d_ff(self) -> int:

@@ -29,6 +29,8 @@ NEEDS = {
     "gelu": "GPT-2 (GELU MLP)",
     "swiglu": "Llama-style (SwiGLU MLP)",
     "softcap": "transformers-run, soft-capped (Gemma 2)",
+    "latent": "transformers-run, latent attention (DeepSeek-V2/V3, MiniCPM3)",
+    "sinks": "transformers-run, attention sinks (gpt-oss)",
 }
 
 
@@ -65,6 +67,12 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("blocks.{L}.attn.hook_k_all", ("B", "G", "t", "d_head"), "all keys K: cache ++ new", "—", note=GQA_NOTE),
     HookSpec("blocks.{L}.attn.hook_v_all", ("B", "G", "t", "d_head"), "all values V: cache ++ new", "—",
              note=GQA_NOTE),
+    HookSpec("blocks.{L}.attn.hook_kv_latent_all", ("B", "1", "t", "d_c"),
+             "the compressed KV latent c_KV = RMSNorm(x·W_DKV) of every position: cache ++ new (the cache holds it, "
+             "and K's unrotated part and V are expanded from it at every step)", "—", needs="latent"),
+    HookSpec("blocks.{L}.attn.hook_k_rope_all", ("B", "1", "t", "d_R"),
+             "the decoupled rotary key k_R (after RoPE), one for all heads: cache ++ new (the cache holds it)", "—",
+             needs="latent"),
     HookSpec("blocks.{L}.attn.hook_qk", ("B", "H", "n", "t"), "QKᵀ", "—", note=GQA_NOTE),
     HookSpec("blocks.{L}.attn.hook_attn_scores", ("B", "H", "n", "t"), "QKᵀ/√d_k",
              "hook_attn_scores is scaled *and* masked"),
@@ -73,8 +81,12 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("blocks.{L}.attn.hook_mask", ("B|1", "1", "n", "t"),
              "additive mask M: 0 or −∞ (B rows only with padding; a sliding window hides keys ≥ window back)", "—"),
     HookSpec("blocks.{L}.attn.hook_masked_scores", ("B", "H", "n", "t"), "QKᵀ/√d_k + M", "≈ hook_attn_scores"),
+    HookSpec("blocks.{L}.attn.hook_sink_logits", ("B", "H", "n", "1"),
+             "the learned sink logit s_h of each head, one more column beside the t scores + M", "—", needs="sinks"),
     HookSpec("blocks.{L}.attn.hook_pattern", ("B", "H", "n", "t"), "A = softmax(QKᵀ/√d_k + M)",
              "hook_pattern, same layout"),
+    HookSpec("blocks.{L}.attn.hook_sink_weight", ("B", "H", "n", "1"),
+             "the weight the softmax over the keys and the sink gives the sink: 1 − Σ_t A", "—", needs="sinks"),
     HookSpec("blocks.{L}.attn.hook_z", ("B", "H", "n", "d_head"), "A·V per head", "hook_z [batch, pos, head, d_head]"),
     HookSpec("blocks.{L}.attn.hook_merged", ("B", "n", "H·d_head"), "heads concatenated, before W_O", "—"),
     HookSpec("blocks.{L}.hook_attn_out", ("B", "n", "d"), "attention output ·W_O (+ b)", "same"),
@@ -117,8 +129,13 @@ HF_ROWS = frozenset({
     "blocks.{L}.attn.hook_attn_scores", "blocks.{L}.attn.hook_softcapped", "blocks.{L}.attn.hook_mask",
     "blocks.{L}.attn.hook_masked_scores", "blocks.{L}.attn.hook_pattern", "blocks.{L}.attn.hook_z",
     "blocks.{L}.hook_attn_out", "blocks.{L}.hook_resid_mid", "blocks.{L}.hook_mlp_out", "blocks.{L}.hook_resid_post",
-    "hook_logits"})
-MODULE_ROWS = frozenset(r for r in HF_ROWS if ".attn." in r and "softcapped" not in r) | {"hook_logits"}
+    "hook_logits", "blocks.{L}.attn.hook_kv_latent_all", "blocks.{L}.attn.hook_k_rope_all",
+    "blocks.{L}.attn.hook_sink_logits", "blocks.{L}.attn.hook_sink_weight"})
+HF_ONLY_NEEDS = ("softcap", "latent", "sinks")  # the features only a transformers-run model has
+LATENT_ROWS = frozenset({"blocks.{L}.attn.hook_kv_latent_all", "blocks.{L}.attn.hook_k_rope_all",
+                         "blocks.{L}.attn.hook_sink_logits", "blocks.{L}.attn.hook_sink_weight"})  # hf only
+MODULE_ROWS = frozenset(r for r in HF_ROWS - LATENT_ROWS if ".attn." in r and "softcapped" not in r) | {"hook_logits"}
+V_ROWS = ("blocks.{L}.attn.hook_v", "blocks.{L}.attn.hook_v_all", "blocks.{L}.attn.hook_z", "blocks.{L}.attn.hook_merged")
 HF_MEANINGS = {  # what a row means there, where that differs from our GPT
     "blocks.{L}.attn.hook_q": "queries Q as the attention receives them (after RoPE and QK-norm where the model has them)",
     "blocks.{L}.attn.hook_k": "keys of the new positions, as the cache keeps them (after RoPE and QK-norm if any)",
@@ -138,11 +155,17 @@ def _has(spec: HookSpec, config) -> bool:
     if family == "module":  # only its attention is seen (model/sources/_own_module.py), and the logits
         return spec.name in MODULE_ROWS
     if family == "hf":
-        return spec.name in HF_ROWS and (spec.needs != "softcap" or getattr(config, "attn_softcap", None) is not None)
+        if spec.needs == "softcap":
+            return spec.name in HF_ROWS and getattr(config, "attn_softcap", None) is not None
+        if spec.needs == "latent":
+            return getattr(config, "kv_latent_dim", None) is not None
+        if spec.needs == "sinks":
+            return bool(getattr(config, "attn_sinks", False))
+        return spec.name in HF_ROWS
     needs = spec.needs
     if not needs:
         return True
-    if needs == "softcap":
+    if needs in HF_ONLY_NEEDS:
         return False
     if needs in ("learned_positions", "rope"):
         return getattr(config, "positions", "learned") == ("rope" if needs == "rope" else "learned")
@@ -165,6 +188,8 @@ def _specialise(spec: HookSpec, config) -> HookSpec:
         names["H·d_head"] = "d"
     if getattr(config, "mlp", "gelu") == "gelu":
         names["d_ff"] = "4d"  # GPT-2's name for its MLP width (n_inner when a checkpoint sets it)
+    if getattr(config, "d_v", dh) != dh:  # latent attention: the two head sizes get their own names
+        names.update({"d_head": "d_v", "H·d_head": "H·d_v"} if spec.name in V_ROWS else {"d_head": "d_qk"})
     shape = tuple(names.get(s, s) for s in spec.shape)
     external = getattr(config, "family", "gpt2") in ("hf", "module")
     meaning = HF_MEANINGS.get(spec.name, spec.meaning) if external else spec.meaning
@@ -246,11 +271,16 @@ def dims_of(config, batch: int, new: int, keys: int) -> dict[str, int]:
     defaults to ``n_head`` (GPT-2), so a config object from before grouped-query attention still works."""
     H, dh = config.n_head, config.d_head
     G = getattr(config, "n_kv_heads", H)
-    return {
+    dv = getattr(config, "d_v", dh)
+    dims = {
         "B": batch, "n": new, "t": keys, "d": config.d_model, "H": H, "G": G,
         "d_head": dh, "V": config.vocab_size, "4d": config.d_ff, "d_ff": config.d_ff,
-        "d_qkv": (H + 2 * G) * dh, "H·d_head": H * dh,
+        "d_qkv": (H + 2 * G) * dh, "H·d_head": H * dh, "d_qk": dh, "d_v": dv, "H·d_v": H * dv,
     }
+    for symbol, field in (("d_c", "kv_latent_dim"), ("d_R", "rope_key_dim")):
+        if getattr(config, field, None) is not None:
+            dims[symbol] = getattr(config, field)
+    return dims
 
 
 def markdown_table() -> str:
@@ -261,8 +291,8 @@ def markdown_table() -> str:
     ]
     for spec in HOOKS:
         meaning = spec.meaning + (f" — *{spec.note}*" if spec.note else "")
-        models = NEEDS[spec.needs] + ("; any transformers-run decoder" if spec.name in HF_ROWS and spec.needs != "softcap"
-                                      else "")
+        models = NEEDS[spec.needs] + ("; any transformers-run decoder"
+                                      if spec.name in HF_ROWS and spec.needs not in HF_ONLY_NEEDS else "")
         lines.append(f"| `{spec.name}` | [{', '.join(spec.shape)}] | {meaning} | {models} | "
                      f"{spec.transformer_lens} |")
     return "\n".join(lines)

@@ -243,7 +243,11 @@ def _build_transformers(raw: dict, cfg: Path, target: torch.dtype, headers: dict
 
     model_type = raw["model_type"]
     try:
-        hf_config = CONFIG_MAPPING[model_type].from_dict(raw)
+        config_class = CONFIG_MAPPING[model_type]
+        # transformers writes a float JSON cannot hold (Falcon-H1's time_step_limit of ∞) as {"__float__": …} and
+        # reads it back in from_pretrained, not in from_dict
+        decode = getattr(config_class, "_decode_special_floats", None)
+        hf_config = config_class.from_dict(decode(raw) if decode is not None else raw)
     except Exception as e:  # noqa: BLE001 (transformers validates with its own error classes: its message is passed on)
         raise DryRunError(f"{cfg}: transformers refuses this config ({type(e).__name__}: {e})") from None
     _register()

@@ -24,9 +24,19 @@ What the records mean for such a model (the hook table's rows, specialised):
   front of the MLP); a parallel block (GPT-NeoX, GPT-J, Phi, Falcon, Cohere) adds attention and MLP to
   the same stream and has none.
 
+* ``hook_sink_logits``, ``hook_sink_weight`` (gpt-oss): the learned sink logit of each head, one more column of
+  the softmax, and the weight it took; ``hook_pattern`` is then the keys' share, rows summing to less than 1.
+* ``hook_kv_latent_all``, ``hook_k_rope_all`` (latent attention: DeepSeek-V2/V3, MiniCPM3): what the cache holds
+  instead of K and V — the compressed latent c_KV and the rotary key k_R — from which K ``[B,H,t,d_qk]`` and V
+  ``[B,H,t,d_v]`` (d_v ≠ d_qk) are expanded at every step.
+
+* ``blocks.{L}.hook_conv_state``, ``blocks.{L}.hook_ssm_state`` (hybrid models: Falcon-H1): the convolution and
+  state-space state a layer's mixer keeps after each step, as transformers' own cache layer holds it (fixed-size,
+  overwritten every step; ``StateCache``). Not in the hook table: their widths are the mixer's, not the legend's.
+
 Refused by name: models whose attention does not go through the interface (the check is that every
-layer's attention module calls it in a test forward), sinks (gpt-oss), linear-attention and state-space
-layers, encoder-decoders.
+layer's attention module calls it in a test forward), linear-attention and state-space layers,
+encoder-decoders.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -77,10 +87,7 @@ _NAMES_MLP = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "fc2")  # fc2: O
 _NAMES_MLP_NORM = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2", "ffn_norm", "final_layer_norm")
 PARALLEL_BLOCKS = ("gptj", "phi", "cohere", "cohere2")  # attention and MLP read the same stream (also: a
 # config's use_parallel_residual, Falcon's parallel_attn)
-REFUSED = {
-    "gpt_oss": "a model whose attention adds learned sinks to every softmax row, which the traced attention "
-               "does not model",
-}
+REFUSED: dict[str, str] = {}
 ENCODERS = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie", "data2vec-text",
             "bert-generation", "rembert", "roc_bert", "megatron-bert", "xmod", "big_bird", "roformer")
 for _encoder in ENCODERS:
@@ -96,34 +103,41 @@ class HFDecoderError(ValueError):
 class _AttentionHooks(nn.Module):
     """One layer's attention hook points, under ``blocks.{L}.attn`` (shapes as in model/gpt.py)."""
 
-    def __init__(self, softcap: bool) -> None:
+    def __init__(self, softcap: bool, latent: bool = False, sinks: bool = False) -> None:
         super().__init__()
-        self.hook_q = HookPoint()  # [B, H, n, d_head], as the attention receives it (position-encoded)
-        self.hook_k = HookPoint()  # [B, G, n, d_head], the new keys
-        self.hook_v = HookPoint()  # [B, G, n, d_head], the new values
-        self.hook_k_all = HookPoint()  # [B, G, t, d_head], cache + new
-        self.hook_v_all = HookPoint()  # [B, G, t, d_head], cache + new
+        self.hook_q = HookPoint()  # [B, H, n, d_qk], as the attention receives it (position-encoded)
+        self.hook_k = HookPoint()  # [B, G, n, d_qk], the new keys
+        self.hook_v = HookPoint()  # [B, G, n, d_v], the new values
+        if latent:  # latent attention: what the cache holds, from which K and V are expanded at every step
+            self.hook_kv_latent_all = HookPoint()  # [B, 1, t, d_c], c_KV: cache + new
+            self.hook_k_rope_all = HookPoint()  # [B, 1, t, d_R], k_R after RoPE: cache + new
+        self.hook_k_all = HookPoint()  # [B, G, t, d_qk], cache + new
+        self.hook_v_all = HookPoint()  # [B, G, t, d_v], cache + new
         self.hook_qk = HookPoint()  # [B, H, n, t]
         self.hook_attn_scores = HookPoint()  # [B, H, n, t], QKᵀ × scale
         if softcap:
             self.hook_softcapped = HookPoint()  # [B, H, n, t], c·tanh(scores / c)
         self.hook_mask = HookPoint()  # [B|1, 1, n, t], additive 0 / −∞
         self.hook_masked_scores = HookPoint()  # [B, H, n, t]
-        self.hook_pattern = HookPoint()  # [B, H, n, t], A
-        self.hook_z = HookPoint()  # [B, H, n, d_head], A·V per head
+        if sinks:  # gpt-oss: one learned logit per head joins every row's softmax as an extra column
+            self.hook_sink_logits = HookPoint()  # [B, H, n, 1], s_h beside the t scores + M
+        self.hook_pattern = HookPoint()  # [B, H, n, t], A (the keys' weights; with a sink, rows sum to < 1)
+        if sinks:
+            self.hook_sink_weight = HookPoint()  # [B, H, n, 1], the sink's weight: 1 − Σ_t A
+        self.hook_z = HookPoint()  # [B, H, n, d_v], A·V per head
         self.w_o: nn.Module | None = None  # the model's own output projection (not a submodule here)
         self.calls = 0  # forwards that reached the traced attention (HFDecoder checks each layer's once)
-        self.seen: tuple[int, int, int] = (0, 0, 0)  # (H, G, d_head) as the last call received them
+        self.seen: tuple[int, int, int, int] = (0, 0, 0, 0)  # (H, G, d_qk, d_v) as the last call received them
 
     def receive(self, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q ``[B,H,n,d_head]``, K and V ``[B,G,t,d_head]`` as the attention receives them, through ``hook_q``,
-        ``hook_k``/``hook_v`` (the n rows this forward added: a cache appends them last) and
-        ``hook_k_all``/``hook_v_all``; counts the call and the head counts it saw."""
+        """Q ``[B,H,n,d_qk]``, K ``[B,G,t,d_qk]`` and V ``[B,G,t,d_v]`` as the attention receives them, through
+        ``hook_q``, ``hook_k``/``hook_v`` (the n rows this forward added: a cache appends them last) and
+        ``hook_k_all``/``hook_v_all``; counts the call and the head counts and sizes it saw."""
         H, n, dh = query.shape[-3], query.shape[-2], query.shape[-1]
         G, t = key.shape[-3], key.shape[-2]
         self.calls += 1
-        self.seen = (H, G, dh)
+        self.seen = (H, G, dh, value.shape[-1])
         self.hook_k(key[..., t - n:, :])
         self.hook_v(value[..., t - n:, :])
         return self.hook_q(query), self.hook_k_all(key), self.hook_v_all(value)
@@ -148,11 +162,13 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """transformers' attention interface, stage by stage through the layer's hook points (or fused, where
     ``model.gpt.choose_path`` says so: then no weights are returned, as transformers' SDPA returns none).
 
-    ``query [B,H,n,d_head]``, ``key``/``value`` ``[B,G,t,d_head]``; returns ``(output [B,n,H,d_head],
-    weights [B,H,n,t])`` as transformers' eager function does."""
-    if kwargs.get("s_aux") is not None:
-        raise HFDecoderError("attention sinks (s_aux) are not traced")
+    ``query [B,H,n,d_qk]``, ``key [B,G,t,d_qk]``, ``value [B,G,t,d_v]`` (d_v = d_qk but in latent attention);
+    returns ``(output [B,n,H,d_v], weights [B,H,n,t])`` as transformers' eager function does."""
+    sinks = kwargs.get("s_aux")  # [H]: gpt-oss's learned sink logits
     hooks = _HOOKS.get(module)
+    if sinks is not None and hooks is not None and not hasattr(hooks, "hook_sink_logits"):
+        raise HFDecoderError(f"{type(module).__name__} passes attention sinks (s_aux) but has no sinks parameter "
+                             "of its own, so its sink logits cannot be shown")
     if hooks is not None:
         query, key, value = hooks.receive(query, key, value)
     n, t = query.shape[2], key.shape[2]
@@ -160,7 +176,13 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     forward = getattr(_forward, "keys", None)  # (key_is_token,) while HFDecoder.forward runs on this thread
     window = kwargs.get("sliding_window")
-    if forward is None or dropout > 0.0:
+    if sinks is not None:  # eager always: the sink is a column no fused kernel here computes
+        if mask is None and forward is not None:  # not built (the settings chose fused): built from its description
+            spec = MaskSpec(n=n, t=t, scale=scale, key_is_token=forward[0], empty_rows="uniform", softcap=softcap,
+                            window=int(window) if isinstance(window, int) and window > 0 else None)
+            mask = spec.full_additive(query.dtype, query.device)
+        z, weights = attention_with_sinks(query, key, value, mask, hooks, scale, sinks), None
+    elif forward is None or dropout > 0.0:
         z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_head]
     else:
         # the mask described as transformers' eager mask writes it (a row that sees nothing stays finfo.min)
@@ -171,7 +193,33 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         z, weights = run_attention(query, key, value, spec, hooks), None
     if hooks is not None:
         z = hooks.hook_z(z)
-    return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_head], as transformers expects
+    return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_v], as transformers expects
+
+
+def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         hooks: _AttentionHooks | None, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learned sink per head (gpt-oss), stage by stage as transformers' eager path computes it:
+    the sink logit s_h joins each row of scores + M as one more column, the softmax runs over the t keys and the
+    sink, and the sink's column is dropped — so A's rows sum to less than 1, and what is missing went to the sink
+    (``hook_sink_weight``). ``query [B,H,n,d_head]``, ``key``/``value`` ``[B,G,t,d_head]``, ``sinks [H]``;
+    returns ``z [B,H,n,d_head]``."""
+    def through(name: str, x: torch.Tensor) -> torch.Tensor:
+        point = getattr(hooks, name, None) if hooks is not None else None
+        return point(x) if point is not None else x
+
+    B, H, n, _ = query.shape
+    group = H // key.shape[1]  # query head h reads key/value head h // (H/G), as transformers' repeat_kv
+    keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)  # [B,H,t,d_head]
+    qk = through("hook_qk", query @ keys.transpose(-2, -1))  # [B,H,n,d_head] @ [B,H,d_head,t] -> [B,H,n,t]
+    scores = through("hook_attn_scores", qk * scale)
+    if mask is not None:
+        scores = through("hook_masked_scores", scores + through("hook_mask", mask))  # + [B|1,1,n,t]
+    sink = through("hook_sink_logits", sinks.reshape(1, H, 1, 1).to(scores.dtype).expand(B, H, n, 1))
+    logits = torch.cat([scores, sink], dim=-1)  # [B,H,n,t+1]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(scores.dtype)  # rows sum to 1 over keys + sink
+    pattern = through("hook_pattern", probs[..., :-1])  # [B,H,n,t]: the keys' share, rows sum to < 1
+    through("hook_sink_weight", probs[..., -1:])  # [B,H,n,1]
+    return pattern @ values  # [B,H,n,t] @ [B,H,t,d_head] -> [B,H,n,d_head]
 
 
 _forward = threading.local()  # .keys: (key_is_token [B,t] | None,) while HFDecoder.forward runs on this thread
@@ -214,9 +262,14 @@ def _register() -> None:
 
 
 # -- the KV cache -----------------------------------------------------------------------------------------
-def _cache_view(cache: KVCache, n_layer: int):
+def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | None] | None = None):
     """transformers' ``Cache`` over our ``KVCache``: ``update`` appends to our buffers (transactionally:
-    our model commits after the forward), sizes come from our length."""
+    our model commits after the forward), sizes come from our length.
+
+    A latent-attention layer (DeepSeek-V2/V3: ``latent[layer]`` holds its hooks) hands ``update`` its compressed
+    latent c_KV ``[B,1,n,d_c]`` and its rotary key k_R ``[B,1,n,d_R]`` in place of K and V — transformers' own
+    cache holds those too — and expands K and V from what comes back: both go through the layer's
+    ``hook_kv_latent_all`` / ``hook_k_rope_all`` on the way."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     class _CacheLayer(CacheLayerMixin):
@@ -226,12 +279,16 @@ def _cache_view(cache: KVCache, n_layer: int):
             super().__init__()
             self.layer = layer
             self.is_initialized = True
+            self.latent = latent[layer] if latent is not None else None
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.is_initialized = True
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            return cache.append(self.layer, key_states, value_states)  # -> [B,G,t,d_head] twice
+            keys, values = cache.append(self.layer, key_states, value_states)  # -> [B,G,t,d_qk], [B,G,t,d_v]
+            if self.latent is not None:  # -> c_KV [B,1,t,d_c], k_R [B,1,t,d_R]
+                return self.latent.hook_kv_latent_all(keys), self.latent.hook_k_rope_all(values)
+            return keys, values
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
             return cache.length + query_length, 0
@@ -242,7 +299,122 @@ def _cache_view(cache: KVCache, n_layer: int):
         def get_max_length(self) -> int:
             return -1
 
-    return Cache(layers=[_CacheLayer(i) for i in range(n_layer)])
+    states = cache.states if isinstance(cache, StateCache) else {}  # a hybrid model's persistent state layers
+    return Cache(layers=[states.get(i) or _CacheLayer(i) for i in range(n_layer)])
+
+
+def state_templates(hf: nn.Module) -> list[Any]:
+    """Per decoder layer, transformers' own cache layer where that layer keeps convolution / state-space state
+    (a hybrid model: Falcon-H1's Mamba-2 mixer beside its attention, …), else None — read from the
+    ``DynamicCache`` transformers builds for the model's config."""
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+    try:
+        layers = DynamicCache(config=getattr(hf, "config", None)).layers
+    except (ValueError, KeyError, TypeError, AttributeError):  # a config whose cache transformers builds lazily
+        return []
+    return [layer if isinstance(layer, LinearAttentionCacheLayerMixin) else None for layer in layers]
+
+
+_STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                 "is_recurrent_states_initialized", "conv_kernel_size")
+
+
+class StateCache(KVCache):
+    """Our ``KVCache`` for the attention, plus — for the layers of a hybrid model that keep convolution /
+    state-space state — transformers' own cache layer for that state, unchanged (``state_layer``): our cache does
+    not reimplement it. The state does not grow with t and is overwritten in place at every step, so a copy of it
+    is kept after every committed step: a failed forward rolls it back, and ``copy(length)`` starts from the
+    state as it was at ``length`` positions."""
+
+    def __init__(self, n_layer: int, batch_size: int, storage: str, templates: list[Any]) -> None:
+        super().__init__(n_layer, batch_size, storage)
+        self.templates = templates
+        self.states = {layer: _state_layer(self, layer, template) for layer, template in enumerate(templates)
+                       if template is not None}
+        # layers with state and no attention (a pure Mamba layer) append no K, V: they count as updated
+        self._stateless_attention = {layer for layer, template in enumerate(templates)
+                                     if template is not None and not hasattr(template, "get_seq_length")}
+        self._snapshots: dict[int, dict[int, dict[str, dict]]] = {0: self._save()}
+
+    def _save(self) -> dict[int, dict[str, dict]]:
+        return {layer: {name: {i: v.clone() if isinstance(v, torch.Tensor) else v
+                               for i, v in getattr(state, name).items()} for name in _STATE_FIELDS}
+                for layer, state in self.states.items()}
+
+    def _restore(self, saved: dict[int, dict[str, dict]]) -> None:
+        for layer, fields in saved.items():  # clones again: the state is updated in place (copy_) by transformers
+            for name, values in fields.items():
+                setattr(self.states[layer], name, {i: v.clone() if isinstance(v, torch.Tensor) else v
+                                                   for i, v in values.items()})
+
+    def commit(self, n: int, key_is_token: torch.Tensor | None) -> None:
+        self._staged |= self._stateless_attention
+        super().commit(n, key_is_token)
+        self._snapshots[self.length] = self._save()
+
+    def rollback(self) -> None:
+        super().rollback()
+        self._restore(self._snapshots[self.length])
+
+    def copy(self, length: int | None = None) -> StateCache:
+        length = self.length if length is None else length
+        held = KVCache.copy(self, length)  # checks length
+        if length not in self._snapshots:
+            raise ValueError(f"the convolution / state-space state at {length} positions was not kept")
+        twin = StateCache(self.n_layer, self.batch_size, self.storage, self.templates)
+        twin._buffers, twin._length, twin.key_is_token = held._buffers, held._length, held.key_is_token
+        twin._snapshots = {k: v for k, v in self._snapshots.items() if k <= length}
+        twin._restore(self._snapshots[length])
+        return twin
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the convolution and state-space state of every layer that keeps one (fixed: it does not grow)."""
+        return sum(int(v.numel() * v.element_size()) for state in self.states.values()
+                   for name in ("conv_states", "recurrent_states") for v in getattr(state, name).values()
+                   if isinstance(v, torch.Tensor))
+
+
+def _state_layer(cache: StateCache, layer: int, template: Any) -> Any:
+    """transformers' ``LinearAttentionLayer`` (its conv / recurrent state machinery, unchanged) whose attention
+    part, where the layer has one (``template`` is then an attention cache layer too), is our ``cache``."""
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
+
+    class _StateLayer(LinearAttentionLayer):
+        is_sliding = False
+
+        def __init__(self) -> None:
+            LinearAttentionLayer.__init__(self, number_of_states=template.number_of_states)
+            self.keys = self.values = None
+            self.is_initialized = True
+
+        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+            if kwargs:  # the state's own initialisation (conv_states= / recurrent_states=); K, V need none
+                LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            return cache.append(layer, key_states, value_states)  # -> [B,G,t,d_head] twice
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return cache.length + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return cache.length
+
+    if isinstance(template, CacheLayerMixin):  # attention beside the state (Falcon-H1): transformers asks it for t
+        return type("_StateAttentionLayer", (_StateLayer, CacheLayerMixin), {})()
+    return _StateLayer()
+
+
+def latent_widths(attn: nn.Module) -> tuple[int, int] | None:
+    """``(d_c, d_R)`` of a latent-attention module (DeepSeek-V2/V3, MiniCPM3 …: it compresses K and V into a
+    latent of ``kv_lora_rank`` numbers per position, which the cache holds with a rotary key of
+    ``qk_rope_head_dim``), None for any other attention."""
+    d_c, d_r = getattr(attn, "kv_lora_rank", None), getattr(attn, "qk_rope_head_dim", None)
+    if isinstance(d_c, int) and isinstance(d_r, int) and isinstance(getattr(attn, "kv_b_proj", None), nn.Module):
+        return d_c, d_r
+    return None
 
 
 # -- finding the parts ----------------------------------------------------------------------------------
@@ -315,9 +487,9 @@ def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module, model_
 
 # -- the model ------------------------------------------------------------------------------------------
 class _BlockHooks(nn.Module):
-    def __init__(self, softcap: bool, has_mid: bool) -> None:
+    def __init__(self, softcap: bool, has_mid: bool, latent: bool = False, sinks: bool = False) -> None:
         super().__init__()
-        self.attn = _AttentionHooks(softcap)
+        self.attn = _AttentionHooks(softcap, latent, sinks)
         self.hook_resid_pre = HookPoint()  # [B, n, d]
         self.hook_attn_out = HookPoint()  # [B, n, d]
         if has_mid:
@@ -411,7 +583,11 @@ class HFDecoder(nn.Module):
         self.architecture = _guess_architecture(hf, layers[0], attns[0], model_type)
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
-        block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None) for norm in mlp_norms]
+        self._latent = [latent_widths(attn) for attn in attns]  # (d_c, d_R) per latent-attention layer, else None
+        self._sinks = [isinstance(getattr(attn, "sinks", None), torch.Tensor) for attn in attns]  # gpt-oss
+        self._state_templates = state_templates(hf)  # hybrid models: the layers whose state transformers keeps
+        block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks)
+                       for norm, latent, sinks in zip(mlp_norms, self._latent, self._sinks)]
         self.blocks = nn.ModuleList(block_hooks)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
         self.hook_logits = HookPoint()  # [B, n, V]
@@ -423,6 +599,10 @@ class HFDecoder(nn.Module):
         self._handles = []
         embed = hf.get_input_embeddings()
         self._handles.append(embed.register_forward_hook(lambda m, a, out: self.hook_embed(out)))
+        for hooks, template in zip(block_hooks, self._state_templates):
+            if template is not None:  # what the layer's state holds after each step, [B, …] (hybrid models)
+                hooks.hook_conv_state = HookPoint()
+                hooks.hook_ssm_state = HookPoint()
         for layer, attn, hooks, mlp_norm in zip(layers, attns, block_hooks, mlp_norms):
             _HOOKS[attn] = hooks.attn
             hooks.attn.w_o = _child(attn, _NAMES_OUT)
@@ -474,7 +654,8 @@ class HFDecoder(nn.Module):
         width are the ones the attention received in the routing check, not read from the config (whose
         names differ by family, and which keeps keys a family ignores)."""
         arch = self.architecture
-        H, G, d_head = first.seen
+        H, G, d_head, d_v = first.seen
+        latent = next((widths for widths in self._latent if widths is not None), None)
         d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
         n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
         window = getattr(cfg, "sliding_window", None)
@@ -486,6 +667,8 @@ class HFDecoder(nn.Module):
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             sliding_window=int(window) if isinstance(window, int) and window > 0 else None,
             hf_model_type=arch.model_type, attn_scale=arch.scale, attn_softcap=arch.softcap,
+            v_head_dim=d_v if d_v != d_head else None, kv_latent_dim=latent[0] if latent else None,
+            rope_key_dim=latent[1] if latent else None, attn_sinks=any(self._sinks),
         )
 
     # -- what our GPT offers too ----------------------------------------------------------------------
@@ -528,6 +711,8 @@ class HFDecoder(nn.Module):
         return torch.device("cpu") if hooks else weight.device  # no hook: a dry run, wholly on meta
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
+        if any(t is not None for t in self._state_templates):  # a hybrid model: its state layers' cache too
+            return StateCache(self.config.n_layer, batch_size, storage, self._state_templates)
         return KVCache(self.config.n_layer, batch_size, storage)
 
     @property
@@ -569,10 +754,28 @@ class HFDecoder(nn.Module):
         _forward.keys = (key_is_token,)
         with transaction(cache, n, key_is_token), _restored(before):
             out = self.hf(input_ids=tokens, attention_mask=attention_mask, position_ids=positions.expand(B, n),
-                          past_key_values=_cache_view(cache, self.config.n_layer) if cache is not None else None,
+                          past_key_values=self._cache_view(cache) if cache is not None else None,
                           use_cache=cache is not None, return_dict=True)
             logits = self.hook_logits(out.logits)
+            if isinstance(cache, StateCache):
+                self._record_states(cache)
         return logits
+
+    def _record_states(self, cache: StateCache) -> None:
+        """A hybrid model's convolution and state-space state after this forward, through each state layer's
+        ``hook_conv_state`` / ``hook_ssm_state`` (copies: transformers overwrites the state in place next step)."""
+        for layer, state in cache.states.items():
+            block = self.blocks[layer]
+            for name, values in (("hook_conv_state", state.conv_states), ("hook_ssm_state", state.recurrent_states)):
+                value = values.get(0)
+                if isinstance(value, torch.Tensor) and isinstance(getattr(block, name, None), HookPoint):
+                    getattr(block, name)(value.clone())
+
+    def _cache_view(self, cache: KVCache) -> Any:
+        """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""
+        latent: list[_AttentionHooks | None] = [cast(_BlockHooks, block).attn if widths is not None else None
+                                                 for block, widths in zip(self.blocks, self._latent)]
+        return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None)
 
 
 MaxMemory = int | str | dict[int | str, int | str]  # bytes, "4GiB", or accelerate's {device: amount}

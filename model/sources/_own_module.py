@@ -142,10 +142,11 @@ class OwnDecoder(nn.Module):
         self.blocks.extend(blocks)
         with torch.no_grad(), _Routed(self):  # now with hook points: learn each layer's head counts
             module(torch.zeros(1, 1, dtype=torch.long, device=device))
-        H, G, d_head = blocks[0].attn.seen
+        H, G, d_head, d_v = blocks[0].attn.seen
         d_model = int(getattr(cfg, "n_embd", None) or getattr(cfg, "d_model", None) or H * d_head)
         self.config = GPTConfig(vocab_size=int(logits.shape[-1]), n_ctx=int(n_ctx), d_model=d_model, n_layer=calls,
                                 n_head=H, n_kv_head=G, head_dim=d_head, family="module",
+                                v_head_dim=d_v if d_v != d_head else None,
                                 hf_model_type=type(module).__name__)
         self._named = (name, source)
         self._identity: ModelIdentity | None = None  # set only to override the computed one

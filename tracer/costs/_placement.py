@@ -63,7 +63,7 @@ def place(model: nn.Module, max_memory: dict, batch: int = 1) -> Placement:
         if owner is not None:
             layers[owner] = layers.get(owner, 0) + 1
     itemsize = next(target.parameters()).element_size()
-    per_layer_token = 2 * (config.n_kv_head or config.n_head) * config.d_head * itemsize * batch
+    per_layer_token = config.cache_width * itemsize * batch
     free = {str(d): max(0, int(m) - weights.get(str(d), 0)) for d, m in memory.items()}
     fits = [free.get(d, 0) // (per_layer_token * n) for d, n in layers.items() if n and d != "disk"]
     longest = min([config.n_ctx, *fits]) if fits else 0

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from tracer.reading import Trace
 
 CACHE_HOOKS = ("hook_k_all", "hook_v_all")  # [B, G, t, d_head] each: what the cache holds after the step
+LATENT_HOOKS = ("hook_kv_latent_all", "hook_k_rope_all")  # [B, 1, t, d_c], [B, 1, t, d_R]: what it holds instead
+STATE_HOOKS = ("hook_conv_state", "hook_ssm_state")  # a hybrid model's state-space layers: a fixed-size state
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,17 @@ def costed_dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, promp
 
 
 def kv_cache_bytes(trace: Trace, step: int) -> int:
-    """Bytes of keys and values the cache holds after ``step`` (every layer's ``hook_k_all`` + ``hook_v_all``)."""
-    return sum(rec.nbytes for rec in trace.filter(step=step, kind="hook")
-               if rec.name.rsplit(".", 1)[-1] in CACHE_HOOKS)
+    """Bytes the cache holds after ``step``: every layer's ``hook_k_all`` + ``hook_v_all``, or — in a
+    latent-attention layer (DeepSeek-V2/V3), whose cache holds no K and V — its ``hook_kv_latent_all`` +
+    ``hook_k_rope_all``; plus a hybrid model's convolution / state-space state (``hook_conv_state``,
+    ``hook_ssm_state``)."""
+    records = [rec for rec in trace.filter(step=step, kind="hook")
+               if rec.name.rsplit(".", 1)[-1] in CACHE_HOOKS + LATENT_HOOKS]
+    latent = {rec.name.rsplit(".", 2)[0] for rec in records if rec.name.rsplit(".", 1)[-1] in LATENT_HOOKS}
+    state = sum(rec.nbytes for rec in trace.filter(step=step, kind="hook")
+                if rec.name.rsplit(".", 1)[-1] in STATE_HOOKS)  # a hybrid model's fixed-size state
+    return state + sum(rec.nbytes for rec in records
+                       if rec.name.rsplit(".", 1)[-1] in LATENT_HOOKS or rec.name.rsplit(".", 2)[0] not in latent)
 
 
 def costs_frame(costs: StepCosts, modules: bool = True) -> pd.DataFrame:

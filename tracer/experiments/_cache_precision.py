@@ -80,6 +80,9 @@ def cache_precision(generation: TracedGeneration, storage: str, steps: int = 16)
 
     if isinstance(model, OwnDecoder):
         raise ValueError("this model runs its own forward without our KV cache: there is no cache to store cheaper")
+    if getattr(model.config, "latent_attention", False):
+        raise ValueError("this model uses multi-head latent attention: its cache holds a compressed latent and a "
+                         "rotary key, not K and V, and this experiment counts and stores K and V")
     width = facts.info.prompt_width
     if width + steps > model.config.n_ctx:
         raise ValueError(f"{steps} steps after a {width}-column prompt pass the model's n_ctx of {model.config.n_ctx}")

@@ -49,17 +49,16 @@ def records_per_step(model: nn.Module) -> int:
 
 def latent_cache(model: nn.Module) -> bool:
     """Whether the model caches a compressed latent instead of keys and values (DeepSeek's multi-head latent
-    attention: transformers hands the cache c_KV ``[B,1,t,kv_lora_rank]`` and the rotary key ``[B,1,t,d_rope]`` as
-    "keys" and "values" of different widths, which our ``KVCache`` (one width for both) does not hold)."""
-    hf = getattr(model, "hf", None)
-    return getattr(getattr(hf, "config", None), "kv_lora_rank", None) is not None
+    attention: transformers hands the cache c_KV ``[B,1,t,d_c]`` and the rotary key ``[B,1,t,d_R]`` in place of K
+    and V, and our ``KVCache`` holds them as they are)."""
+    return bool(getattr(getattr(model, "config", None), "latent_attention", False))
 
 
 def dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
             n: int = DEFAULT_PROMPT_TOKENS, steps: int = 4, batch: int = 1, use_cache: bool = True) -> TracedGeneration:
     """Trace a dry run of ``model`` (on the meta device): the prefill of ``prompt`` (with ``tokenizer``), or of
     ``n`` placeholder ids, then ``steps`` decode steps; returns the ``TracedGeneration`` (shapes captured).
-    ``use_cache=False``: every step recomputes all positions (the only way a latent-caching model runs here)."""
+    ``use_cache=False``: every step recomputes all positions."""
     gen = prepare_dry_run(model, tokenizer, prompt, n=n, steps=steps, batch=batch, use_cache=use_cache)
     gen.run(1 + steps)
     return gen
@@ -71,11 +70,6 @@ def prepare_dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prom
     """``dry_run``'s generation, checked and ready, before its first step (``tracer.costs`` steps it itself)."""
     if not on_meta(model):
         raise ValueError("a dry run needs a model on the meta device: load_model(spec, weights=False)")
-    if use_cache and latent_cache(model):
-        raise ValueError("this model uses multi-head latent attention: transformers caches a compressed latent "
-                         "[B, 1, t, kv_lora_rank] and a rotary key [B, 1, t, d_rope] in place of keys and values, "
-                         "which the KV cache here (one width for both) does not hold yet; dry_run(..., "
-                         "use_cache=False) traces it recomputing every position at each step")
     for what, value, low in (("n", n, 1), ("steps", steps, 0), ("batch", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{what} must be a whole number ≥ {low}, got {value!r}")
