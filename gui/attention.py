@@ -189,15 +189,19 @@ def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: i
     if st.button("Run the backward pass", key="grad_run", type="primary"):
         try:
             with st.spinner("forward and backward…"):
-                app.gradients = (wanted, attention_gradients(gen, step, layer, head, batch, loss))
+                app.gradients.keep(wanted, attention_gradients(gen, step, layer, head, batch, loss))
         except ValueError as e:
             st.error(plain(e))
             return
-    if app.gradients is None or app.gradients[0] != wanted:
+    result = app.gradients.get(wanted)  # kept per (step, layer, head, sequence, loss): a Step loses none
+    if result is None:
         st.caption("Press the button: one forward of this step's tokens with gradients on, then the backward pass "
                    f"of L, read at layer {layer}, head {head}. The generation itself is not touched.")
+        kept = sorted({k[0] for k in app.gradients.computed_for()})
+        if kept:
+            st.caption(f"Results kept for step(s) {', '.join(map(str, kept))}: move the step slider there (with the "
+                       "same layer, head, sequence and loss) to see them again.")
         return
-    result = app.gradients[1]
     worst = max(result.max_abs_delta(name) for name in result.formula)
     if worst <= 1e-5:
         st.success(f"L = {result.loss:.4f} ({loss}). All six gradients computed from their formulas equal autograd's "
