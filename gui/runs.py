@@ -189,7 +189,8 @@ def save_run(app: AppState, values: dict[str, object]) -> None:
     if app.run_id is None:
         app.run_id = new_run_id()
         app.run_widgets = {key: values[key] for key in SETTING_KEYS if key in values}
-    st.query_params[PARAM] = app.run_id
+    if st.query_params.get(PARAM) != app.run_id:  # each change of the address is a history entry
+        st.query_params[PARAM] = app.run_id
     step = min(st.session_state.get("step_view", gen.n_steps - 1), gen.n_steps - 1)
     view = view_on_screen(app)
     record = RunRecord(app.run_id, app.started_model_key or app.model_key, dict(app.run_widgets), gen.n_steps,

@@ -257,11 +257,11 @@ def reset_confirmation(sb) -> bool:
         app.confirm_reset = False
         return False
     box = sb.container(border=True, key="reset_question")
-    kept = (" It stays under **Recent runs** (below), where one click opens it again." if app.run_id else "")
+    kept = (" It stays under **Recent runs** (below), one click away." if app.run_id else "")
     box.warning(f"Reset discards this page's generation ({gen.n_steps} step{'s' if gen.n_steps != 1 else ''}) and "
-                f"its experiment results.{kept} Reset now?")
+                f"its experiment results.{kept}")
     cols = box.columns(2)
-    cols[0].button("Discard and reset", key="reset_confirm", type="primary", width="stretch",
+    cols[0].button("Discard", key="reset_confirm", type="primary", width="stretch",
                    on_click=confirm_reset, args=(True,))
     cols[1].button("Cancel", key="reset_cancel", width="stretch", on_click=confirm_reset, args=(False,))
     return False

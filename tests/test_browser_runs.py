@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from tests.browser import (
     wait_idle,
     wait_settled,
 )
+from tracer import MAX_RUN_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "docs" / "images"
@@ -65,11 +65,18 @@ def saved(runs: Path, run_id: str) -> dict:
 def generated_text(page) -> str:
     """The generated text above the tabs, as shown (prompt and the tokens chosen up to the viewed step)."""
     shown = page.locator('[data-testid="stMain"] [data-testid="stMarkdownContainer"]').filter(has_text="Once upon")
+    shown = shown.filter(has_not_text="Restored run")  # the notice quotes the prompt too
     return shown.first.inner_text()
 
 
 def slider_value(page) -> int:
-    return int(page.get_by_role("slider").first.get_attribute("aria-valuenow"))
+    """The step slider's value as the browser holds it (its range input's value)."""
+    return int(page.get_by_role("slider").first.evaluate("el => el.value"))
+
+
+def metric_value(page, label: str) -> str:
+    metric = page.locator('[data-testid="stMetric"]').filter(has_text=label)
+    return metric.locator('[data-testid="stMetricValue"]').inner_text().strip()
 
 
 def alive(page) -> None:
@@ -79,13 +86,16 @@ def alive(page) -> None:
     assert page.get_by_text("Is Streamlit still running?").count() == 0, page_state(page)
 
 
-def screenshot(page, name: str, width: int, height: int) -> None:
+def screenshot(page, name: str, width: int, height: int, shown: str) -> None:
+    """The sidebar at ``width`` × ``height``, scrolled to the text ``shown``, as docs/images/<name>-<width>.png."""
     if "runs" not in os.environ.get("SAVE_SCREENSHOTS", "").split(","):
         return
     page.set_viewport_size({"width": width, "height": height})
     wait_idle(page, settle_ms=300)
+    page.get_by_text(shown).last.scroll_into_view_if_needed()
+    page.wait_for_timeout(300)
     IMAGES.mkdir(exist_ok=True)
-    page.screenshot(path=str(IMAGES / f"{name}-{width}.png"))
+    page.locator('[data-testid="stSidebar"]').screenshot(path=str(IMAGES / f"{name}-{width}.png"))
 
 
 def test_a_reload_and_a_restarted_server_give_the_run_back(page, tmp_path):
@@ -121,8 +131,8 @@ def test_a_reload_and_a_restarted_server_give_the_run_back(page, tmp_path):
         assert generated_text(page) == text
         click(page, "Step")  # it goes on from where it was
         assert steps_shown(page) == 5 and saved(runs, run_id)["n_steps"] == 5
-        screenshot(page, "recent-runs", 1600, 1000)
-        screenshot(page, "recent-runs", 1280, 800)
+        screenshot(page, "recent-runs", 1600, 1000, "(this page)")
+        screenshot(page, "recent-runs", 1280, 800, "(this page)")
 
 
 def expected_after(start: int, last: int, keys: list[str]) -> int:
@@ -137,22 +147,24 @@ def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_righ
     runs = tmp_path / "runs"
     with streamlit_server(env=server_env(runs)) as url:
         open_app(page, url)
-        page.get_by_label(re.compile("N for Run N")).fill("24")
-        page.get_by_label(re.compile("N for Run N")).press("Enter")
+        page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).fill("24")
+        page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).press("Enter")
         wait_idle(page)
         click(page, "Run N")
         wait_settled(page)
         assert steps_shown(page) == 24
         run_id = address_run(page)
+        t_last = int(metric_value(page, "key positions t"))  # t at step 23; the cache is on: t grows by 1 a step
         keys = (["ArrowLeft"] * 15 + ["ArrowRight"] * 10) * 8  # 200 keys, net 40 steps back, past the start
         target = expected_after(23, 23, keys)
         slider = page.get_by_role("slider").first
         slider.focus()
         for key in keys:
-            slider.press(key)  # no wait between keys: as fast as the browser takes them
+            page.keyboard.press(key)  # no wait between keys: as fast as the browser takes them
         wait_settled(page, quiet_s=3.0)
         alive(page)
         assert slider_value(page) == target
+        assert int(metric_value(page, "key positions t")) == t_last - (23 - target)  # the page shows that step
         assert saved(runs, run_id)["step"] == target  # the server drew (and wrote) the step the slider shows
         click(page, "Step")  # and it still answers
         alive(page)
@@ -167,11 +179,11 @@ def test_reset_asks_before_it_discards_a_generation(page, tmp_path):
         click(page, "Reset")
         question = page.get_by_text("Reset discards this page's generation (2 steps)")
         assert question.count() == 1 and steps_shown(page) == 2  # asked; nothing discarded
-        screenshot(page, "reset-question", 1600, 1000)
-        screenshot(page, "reset-question", 1280, 800)
+        screenshot(page, "reset-question", 1600, 1000, "Discard")
+        screenshot(page, "reset-question", 1280, 800, "Discard")
         click(page, "Cancel")
-        assert steps_shown(page) == 2 and page.get_by_role("button", name="Discard and reset").count() == 0
+        assert steps_shown(page) == 2 and page.get_by_role("button", name="Discard").count() == 0
         click(page, "Reset")
-        click(page, "Discard and reset")
+        click(page, "Discard")
         assert steps_shown(page) == 0
         assert "run=" not in page.url
