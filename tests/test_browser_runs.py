@@ -92,7 +92,7 @@ def screenshot(page, name: str, width: int, height: int, shown: str) -> None:
         return
     page.set_viewport_size({"width": width, "height": height})
     wait_idle(page, settle_ms=300)
-    page.get_by_text(shown).last.scroll_into_view_if_needed()
+    page.locator('[data-testid="stSidebar"] button').filter(has_text=shown).last.scroll_into_view_if_needed()
     page.wait_for_timeout(300)
     IMAGES.mkdir(exist_ok=True)
     page.locator('[data-testid="stSidebar"]').screenshot(path=str(IMAGES / f"{name}-{width}.png"))
