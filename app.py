@@ -19,6 +19,7 @@ from gui.inspector import inspector_tab
 from gui.kv_cache import cache_tab
 from gui.mask import mask_tab
 from gui.next_token import next_token_tab
+from gui.runs import finish_restoring, follow_the_address, recent_runs, save_run, save_view
 from gui.shapes import shapes_tab
 from gui.sidebar import advance, reset, sidebar
 from gui.whatif import whatif_tab
@@ -45,6 +46,7 @@ def main() -> None:
 
 
 def run(app: AppState) -> None:
+    follow_the_address()  # a run id in the address this session does not hold: restore it (gui/runs.py)
     action, values = sidebar()
     st.title("GPT shape tracer")
     if st.session_state.get("source") == DRY_LABEL:  # config only: its own page (gui/dry_run.py)
@@ -64,6 +66,9 @@ def run(app: AppState) -> None:
         # a Step is owed from its click (its callback counts it) until it has run: a click that interrupts the
         # run before its step (any click: Streamlit stops the old run at its next call) leaves it owed
         advance(app.steps_owed, settings, refused, owed=True)
+    finish_restoring(app)
+    save_run(app, values)  # the run's record and trace, when it has new steps
+    recent_runs()  # at the foot of the sidebar, drawn after the action it may reflect
     if not status(settings, refused):
         return
     trace = app.viewed_trace
@@ -76,7 +81,7 @@ def run(app: AppState) -> None:
         with tabs[1]:
             export_tab(None)
         return
-    header(trace)  # the step slider: each tab reads the step it set (viewed_step)
+    save_view(app, header(trace))  # the step slider: each tab reads the step it set (viewed_step)
     tabs = remembered_tabs(TABS, "view")  # Reset → Step returns to the same view
     for tab, name in zip(tabs, TABS):
         with tab:

@@ -30,7 +30,6 @@ from tracer import (
     CachePrecisionRun,
     ContextFullError,
     GenerationStopped,
-    HeadGradients,
     Intervention,
     PromptError,
     Trace,
@@ -461,6 +460,37 @@ class Comparison:
     frame: object  # pandas DataFrame from tracer.diff_traces
 
 
+GRADIENTS_KEPT = 32  # backward passes kept per session: small [t, t] tensors each
+
+
+class Kept:
+    """Experiment results by what they were computed for (step and settings), the newest ``size`` of them: a
+    result comes back when its person returns to its step and settings (a Step or another choice between
+    does not throw it away). Bounded, as every result holds tensors."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._results: dict[tuple, Any] = {}
+
+    def keep(self, key: tuple, result: Any) -> None:
+        self._results.pop(key, None)
+        self._results[key] = result
+        while len(self._results) > self.size:
+            del self._results[next(iter(self._results))]  # the oldest
+
+    def get(self, key: tuple) -> Any:
+        return self._results.get(key)
+
+    def computed_for(self) -> list[tuple]:
+        return list(self._results)
+
+    def clear(self) -> None:
+        self._results.clear()
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+
 @dataclass
 class AppState:
     """Everything one browser session keeps between reruns (widget values aside, which Streamlit keeps)."""
@@ -477,12 +507,12 @@ class AppState:
     open_tabs: dict[str, str] = field(default_factory=dict)  # tabs' key → the open one, kept while none are drawn
     last_upload_id: str | None = None
     pending_head: tuple[int, int] | None = None  # a head clicked on the grid, applied before the pickers draw
-    ablation: AblationResult | None = None
+    ablations: Kept = field(default_factory=Kept)  # (step, heads, how, loss text) → AblationResult
     patching: PatchingRun | None = None
     comparison: Comparison | None = None
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
-    # (step, layer, head, sequence, loss) → the backward pass, kept so that returning to a head shows it at once
-    gradients: dict[tuple, HeadGradients] = field(default_factory=dict)
+    # (step, layer, head, sequence, loss) → HeadGradients, kept so that returning to a head shows it at once
+    gradients: Kept = field(default_factory=lambda: Kept(GRADIENTS_KEPT))
     gradient_trace: tuple[tuple, Trace] | None = None  # (step, loss), ∂L/∂x at every hook point
     last_compare_upload_id: str | None = None
     # Held by a script run for as long as it reads or changes this state. Streamlit answers a click that comes
@@ -492,6 +522,16 @@ class AppState:
     # takes it again inside a full run.
     run_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     steps_owed: int = 0  # Step clicks not yet stepped: a click that interrupts a run before its step loses none
+    # the run this session's generation is kept under (gui/runs.py, gpt_shape_tracer/runs.py)
+    run_id: str | None = None
+    run_widgets: dict[str, Any] = field(default_factory=dict)  # the settings' widget values it started with
+    saved_view: tuple[int, str] | None = None  # (step, tab) last written to its record
+    saved_steps: int = 0  # steps of the generation last written
+    slider_moved_at: float = 0.0  # time.monotonic() of the step slider's last change (gui/common.py)
+    restoring: Any = None  # gpt_shape_tracer.runs.RunRecord whose steps are being run again
+    runs_refused: bool = False  # the runs folder's settings were refused (said once)
+    confirm_reset: bool = False  # Reset was pressed with a generation to discard: the sidebar asks first
+    reset_confirmed: bool = False  # …and the person said yes
 
     @property
     def viewing_file(self) -> bool:
@@ -531,12 +571,13 @@ class AppState:
         self.started_with = None
         self.started_model_key = None
         self.query_picks = {}
-        self.ablation = None
+        self.ablations.clear()
         self.patching = None
         self.comparison = None
         self.precision = None
-        self.gradients = {}
+        self.gradients.clear()
         self.gradient_trace = None
+        self.confirm_reset = self.reset_confirmed = False
 
     def open_file(self, loaded: LoadedTrace) -> None:
         self.loaded = loaded

@@ -99,6 +99,9 @@ if {mode!r} == "app":
     def reset():
         at.sidebar.button(key="reset_button").click()
         at.run()
+        if any(b.key == "reset_confirm" for b in at.sidebar.button):  # Reset asks when there are steps to discard
+            at.sidebar.button(key="reset_confirm").click()
+        at.run()
 else:
     from tracer import TracedGeneration
     gen = None

@@ -14,6 +14,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from gpt_shape_tracer.runs import KEEP_RUNS_ENV, RUNS_DIR_ENV, RUNS_MB_ENV, RunError, RunsSettings
 from gpt_shape_tracer.server_limits import BUDGET_ENV, SESSIONS_ENV, ServerLimits
 
 SERVER_SETTINGS = Path(__file__).with_name("server.toml")
@@ -23,6 +24,9 @@ USAGE = """usage: gpt-shape-tracer {app,trace} [options]
   app    serve the app in a browser (options after `app` go to `streamlit run`, e.g. --server.port 8600);
          --server-budget-mb N: MiB of traces for all sessions together (default: half the machine's memory)
          --max-sessions N: sessions served at once (default 8)
+         --runs-dir DIR: where each session's run is kept, owner-only, for a reload or a restart
+                (default ~/.local/share/gpt-shape-tracer/runs); --keep-runs N (default 20) and
+                --runs-mb N (default 2048) bound it, the oldest runs going first
          --dev: watch the source files and offer a rerun when they change (off by default: an idle
                 server then costs nothing)
   trace  trace a generation headless and write the trace file (`gpt-shape-tracer trace --help`)"""
@@ -48,12 +52,14 @@ def server_flags(settings: Path = SERVER_SETTINGS) -> list[str]:
     return flags
 
 
-LIMIT_FLAGS = {"--server-budget-mb": BUDGET_ENV, "--max-sessions": SESSIONS_ENV}
+LIMIT_FLAGS = {"--server-budget-mb": BUDGET_ENV, "--max-sessions": SESSIONS_ENV, "--runs-dir": RUNS_DIR_ENV,
+               "--keep-runs": KEEP_RUNS_ENV, "--runs-mb": RUNS_MB_ENV}
 
 
 def server_limit_flags(args: list[str]) -> list[str]:
-    """Take ``--server-budget-mb N`` / ``--max-sessions N`` (or ``--flag=N``) out of ``args`` into the
-    environment (gpt_shape_tracer/server_limits.py reads them there); the rest go to Streamlit."""
+    """Take ``--server-budget-mb N`` / ``--max-sessions N`` / the runs folder's flags (or ``--flag=N``) out of
+    ``args`` into the environment (gpt_shape_tracer/server_limits.py and runs.py read them there); the rest go to
+    Streamlit."""
     rest: list[str] = []
     settings: dict[str, str] = {}
     values = iter(args)
@@ -64,6 +70,10 @@ def server_limit_flags(args: list[str]) -> list[str]:
             continue
         settings[LIMIT_FLAGS[flag]] = inline or next(values, "")
     ServerLimits.from_environment({**os.environ, **settings})  # a bad value is refused here, not in the browser
+    try:
+        RunsSettings.from_environment({**os.environ, **settings})
+    except RunError as e:
+        raise ValueError(str(e)) from None
     os.environ.update(settings)
     return rest
 

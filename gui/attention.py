@@ -172,7 +172,6 @@ def zoom_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
         chart(long_views.distance_figure(stats), key="zoom_distance")
 
 
-GRADIENTS_KEPT = 32  # backward passes kept per session, per (step, layer, head, sequence, loss): small [t, t] tensors
 
 
 def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
@@ -195,17 +194,14 @@ def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: i
     app = state()
     wanted = (step, layer, head, batch, loss)
     kept = app.gradients
-    if wanted not in kept:
+    if kept.get(wanted) is None:
         try:
             with st.spinner("forward and backward…"):
-                result = attention_gradients(gen, step, layer, head, batch, loss)
+                kept.keep(wanted, attention_gradients(gen, step, layer, head, batch, loss))
         except ValueError as e:
             st.error(plain(e))
             return
-        while len(kept) >= GRADIENTS_KEPT:
-            kept.pop(next(iter(kept)))  # the oldest first
-        kept[wanted] = result
-    result = kept[wanted]
+    result = kept.get(wanted)  # kept per (step, layer, head, sequence, loss): a Step loses none
     level, text = grad_views.agreement(result)
     keys = key_labels(trace, step, batch)
     takeaway(text, [("loss L", f"{result.loss:.4f}"),

@@ -322,12 +322,14 @@ def banners(trace: Trace, step: int) -> None:
 
 def header(trace: Trace) -> int:
     """The step slider, the generated text and the step's sizes; returns the step every tab shows."""
+    settle_the_slider(state())  # a burst of slider changes draws once, for its last value
     n_steps = trace.n_steps
     if "pending_step_view" in st.session_state:
         st.session_state["step_view"] = st.session_state.pop("pending_step_view")
     if n_steps > 1:
         st.session_state["step_view"] = viewed_step(trace)
-        step = st.slider("Step (time travel: every view shows this step)", 0, n_steps - 1, key="step_view")
+        step = st.slider("Step (time travel: every view shows this step)", 0, n_steps - 1, key="step_view",
+                         on_change=slider_moved)
     else:
         step = 0
         st.caption("Step 0, the prefill" + (": the file holds this one step." if state().viewing_file else
@@ -348,6 +350,27 @@ def header(trace: Trace) -> int:
                    help="wall time of the traced forward on this (shared) machine: an estimate")
     banners(trace, step)
     return step
+
+
+SLIDER_SETTLE_S = 0.3  # a slider change this recent may be one of a burst (arrow keys held or pressed fast)
+
+
+def slider_moved() -> None:
+    """The step slider's callback (run before the rerun's script): when it moved."""
+    state().slider_moved_at = time.monotonic()
+
+
+def settle_the_slider(app: AppState) -> None:
+    """Coalesce a burst of step-slider changes into one drawn rerun, for the last value. Each arrow key is a
+    value the browser sends, and each starts a rerun that draws every chart of the open tab; 200 keys pressed
+    fast made 200 reruns in flight, and the page died (issue 41). Here a rerun that starts within
+    ``SLIDER_SETTLE_S`` of a slider change waits until the slider has been still that long before it draws:
+    a newer change meanwhile stops this rerun at its next Streamlit call (Streamlit merges the queued changes
+    into one rerun, which waits in turn), so only the rerun for the last value draws the tabs."""
+    placeholder = st.empty()
+    while (wait := SLIDER_SETTLE_S - (time.monotonic() - app.slider_moved_at)) > 0:
+        time.sleep(min(wait, 0.05))
+        placeholder.empty()  # a Streamlit call: where a newer rerun stops this one
 
 
 def viewed_step(trace: Trace) -> int:

@@ -7,6 +7,7 @@ import streamlit as st
 from gui.common import current_model, directory_model, factory_model, plain, reserve_memory, state
 from gui.dry_run import LABEL as DRY_LABEL
 from gui.dry_run import dry_run_sidebar
+from gui.runs import forget_run
 from model import BUNDLED_MODELS, ModelLoadError
 from model.sources import ASSETS, OwnModuleError, resolve_model_path, weights_size
 from session import (
@@ -60,7 +61,8 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     cols = sb.columns(3)
     cols[0].button("Step", type="primary", key="step_button", width="stretch", on_click=owe_a_step)
     run = cols[1].button("Run N", key="run_button", width="stretch")
-    reset = cols[2].button("Reset", key="reset_button", width="stretch")
+    cols[2].button("Reset", key="reset_button", width="stretch", on_click=ask_reset)
+    reset = reset_confirmation(sb)
     sb.number_input(f"N for Run N (1…{MAX_RUN_STEPS})", value=DEFAULT_RUN_N, step=1, key="run_n")
 
     sb.header("Model")
@@ -229,12 +231,49 @@ def choose_model(key: str, loaded: str) -> None:
     app.notices = [("success" if loaded else "info", (loaded + " " if loaded else "") + waiting)]
 
 
+def ask_reset() -> None:
+    """Reset's callback: with steps to discard it asks first (``reset_confirmation``), else it resets."""
+    app = state()
+    gen = app.generation
+    if gen is not None and gen.n_steps:
+        app.confirm_reset = True
+    else:
+        app.reset_confirmed = True
+
+
+def confirm_reset(answer: bool) -> None:
+    app = state()
+    app.confirm_reset, app.reset_confirmed = False, answer
+
+
+def reset_confirmation(sb) -> bool:
+    """The question Reset asks before it discards a generation; True when a reset is to be made now."""
+    app = state()
+    if app.reset_confirmed:
+        app.reset_confirmed = False
+        return True
+    gen = app.generation
+    if not app.confirm_reset or gen is None or not gen.n_steps:
+        app.confirm_reset = False
+        return False
+    box = sb.container(border=True, key="reset_question")
+    kept = (" It stays under **Recent runs** (below), one click away." if app.run_id else "")
+    box.warning(f"Reset discards this page's generation ({gen.n_steps} step{'s' if gen.n_steps != 1 else ''}) and "
+                f"its experiment results.{kept}")
+    cols = box.columns(2)
+    cols[0].button("Discard", key="reset_confirm", type="primary", width="stretch",
+                   on_click=confirm_reset, args=(True,))
+    cols[1].button("Cancel", key="reset_cancel", width="stretch", on_click=confirm_reset, args=(False,))
+    return False
+
+
 def reset(refused: SettingsError | None) -> None:
     """Reset, unless the settings are refused: then nothing is thrown away."""
     if refused is not None:
         state().notices = [("error", f"Reset refused, nothing was discarded: {refused}")]
         return
     state().reset()
+    forget_run()  # the address names no run now; the old one stays in Recent runs
     reserve_memory()  # the generation's share goes back to the server
     state().notices = [("info", "Reset: the next Step starts from the prompt with these settings and "
                                 f"{plain(describe_model_key(state().model_key))}.")]

@@ -53,12 +53,13 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
     if gen is None:
         st.info("Re-running a step needs the live generation (Step once, or leave the file view).")
         return
+    wanted = (step, tuple(chosen), how, text)
     if st.button("Re-run this step with these heads switched off", key="ablate_run", disabled=not chosen,
                  type="primary"):
         with st.spinner("re-running…"):
-            app.ablation = ablation_run(gen, step, model, interventions, on_prompt=text == "the prompt")
-    res = app.ablation
-    if res is None or res.step != step:
+            app.ablations.keep(wanted, ablation_run(gen, step, model, interventions, on_prompt=text == "the prompt"))
+    res = app.ablations.get(wanted)  # kept per (step, heads, how, text): returning to them brings it back
+    if res is None:
         st.caption("Pick heads, then re-run: the step runs again from the same cache with them switched off, and "
                    "the loss on a text is measured with and without. Nothing in the generation changes.")
         return

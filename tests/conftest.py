@@ -39,6 +39,18 @@ def temporary_files_under_pytests_own_directory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def runs_under_pytests_own_directory(tmp_path_factory):
+    """The app keeps every generation in a runs folder (gpt_shape_tracer/runs.py), by default in the user's data
+    directory: the tests' runs (AppTest's and the servers' they start, which inherit the environment) go under
+    pytest's temporary directory instead."""
+    from gpt_shape_tracer.runs import RUNS_DIR_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(RUNS_DIR_ENV, str(tmp_path_factory.mktemp("runs")))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def apptest_does_once_what_a_server_does_once():
     """A server compiles app.py once and scans the installed packages for Streamlit components once. AppTest
     does both for every AppTest (the scan) and every run (the compile, through a new script cache each time):

@@ -41,6 +41,14 @@ def press(at: AppTest, key: str) -> AppTest:
     return run(at)
 
 
+def press_reset(at: AppTest) -> AppTest:
+    """Reset, and yes when it asks (it asks when there are steps to discard: tests/test_runs.py)."""
+    press(at, "reset_button")
+    if any(b.key == "reset_confirm" for b in at.sidebar.button):
+        press(at, "reset_confirm")
+    return at
+
+
 def charts(at: AppTest) -> list[dict]:
     """Each chart's figure as JSON, with plotly's packed arrays (numpy data is sent as base64) unpacked to lists."""
     return [unpack(json.loads(c.proto.spec)) for c in at.get("plotly_chart")]
@@ -302,7 +310,7 @@ def test_a_cheaper_cache_is_measured_on_the_live_model(stepped):
     assert metric(at, "int8 cache after 4 steps") == f"{result.stored_bytes:,} B"
     assert result.formula() in page_text(at) and len(charts(at)) == 1
     assert gen_of(at).n_steps == 3  # the generation itself is untouched
-    press(at, "reset_button")
+    press_reset(at)
     assert at.session_state["app"].precision is None
 
 
@@ -430,7 +438,9 @@ def test_what_if_switching_off_the_previous_token_head_breaks_induction(stepped)
     run(at)
     at.button(key="ablate_run").click()
     run(at)
-    result = at.session_state["app"].ablation
+    app = at.session_state["app"]
+    (key,) = app.ablations.computed_for()
+    result = app.ablations.get(key)
     assert result.loss_after - result.loss_before > 2.0
     assert "Loss measured on the second half of a random" in page_text(at)
     assert float(metric(at, "loss with these heads off").split()[0]) == pytest.approx(result.loss_after, abs=1e-3)
@@ -577,7 +587,7 @@ def test_choosing_a_model_discards_nothing_and_a_file_stays_open_until_closed(st
     at.button(key="show_file").click()
     run(at)
     assert app.viewing_file and app.viewed_trace.n_steps == 3
-    press(at, "reset_button")
+    press_reset(at)
     assert app.viewing_file and gen_of(at) is None  # Reset forgets the generation, not the file
     press(at, "step_button")
     assert gen_of(at).model.config.family == "llama" and not app.viewing_file and app.loaded is not None
@@ -597,7 +607,7 @@ def test_reset_lets_the_trace_go(stepped):
     for tab in ("Attention", "KV cache", "What if", "Inspector"):  # each tab drawn once, as fragments
         show_tab(at, tab)
     trace = weakref.ref(gen_of(at).trace)
-    press(at, "reset_button")
+    press_reset(at)
     gc.collect()
     assert trace() is None
 
@@ -666,7 +676,7 @@ def test_the_gradients_of_every_hook_point_are_recorded_and_saved(stepped):
     at.radio(key="grad_loss").set_value("−log p(chosen token)")  # another loss: asks for its own recording
     run(at)
     assert "Press the button to record step 2's gradients for L = −log p(chosen token)" in page_text(at)
-    press(at, "reset_button")
+    press_reset(at)
     assert at.session_state["app"].gradient_trace is None
 
 

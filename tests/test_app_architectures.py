@@ -12,7 +12,7 @@ import pytest
 
 from model.sources import BUNDLED_DIR
 from tests.hf_architectures import ARCHITECTURES, build
-from tests.test_app import TABS, new_app, press, run, show_tab
+from tests.test_app import TABS, new_app, press, press_reset, run, show_tab
 
 NOT_OURS = [name for name in ARCHITECTURES if name not in ("gpt2", "llama", "mistral", "qwen2")]
 
@@ -44,7 +44,7 @@ def test_every_tab_renders_for(app, model_type):
     at = app
     choose_directory(at, directory)
     press(at, "load_model")
-    press(at, "reset_button")
+    press_reset(at)
     press(at, "step_button")
     show_tab(at, "Attention")
     press(at, "step_button")
@@ -79,7 +79,7 @@ def test_a_directory_given_less_memory_than_its_weights_runs_with_them_on_disk(a
     assert any("the rest stays on disk and is read at every forward" in c.value for c in at.sidebar.caption)
     press(at, "load_model")
     assert any("parts on disk, read at every forward" in s.value for s in at.success), [s.value for s in at.success]
-    press(at, "reset_button")
+    press_reset(at)
     press(at, "step_button")
     press(at, "step_button")
     every_tab_without_error(at)

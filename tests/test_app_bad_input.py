@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.test_app import charts, heatmaps, metric, new_app, press, run, show_tab
+from tests.test_app import charts, heatmaps, metric, new_app, press, press_reset, run, show_tab
 from tracer.files._io import archive_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_empty_prompts_are_refused_and_the_generation_survives(stepped, prompt, 
     at.sidebar.text_area(key="prompt").set_value(prompt)
     run(at)
     assert expected in messages(at)  # shown as soon as it is typed
-    press(at, "reset_button")
+    press_reset(at)
     assert "Reset refused, nothing was discarded" in messages(at) and expected in messages(at)
     press(at, "step_button")  # Step continues the existing generation
     assert_kept(at, 3)
@@ -113,7 +113,7 @@ def test_bad_sampling_settings_get_a_clear_message(stepped, widget, value, expec
         at.sidebar.number_input(key=widget).set_value(value)
     run(at)
     assert expected in messages(at)
-    press(at, "reset_button")
+    press_reset(at)
     assert "Reset refused" in messages(at)
     assert_kept(at, 2)
 
@@ -123,7 +123,7 @@ def test_top_k_zero_and_above_the_vocabulary_are_accepted(stepped):
     at.sidebar.radio(key="decoding").set_value("sample")
     run(at)
     at.sidebar.number_input(key="top_k").set_value(100_000)
-    press(at, "reset_button")
+    press_reset(at)
     press(at, "step_button")
     assert at.session_state["app"].generation.sampling.top_k == 100_000 and not at.error
 
@@ -367,7 +367,7 @@ def test_text_the_app_did_not_write_is_never_markdown_or_html(stepped, tmp_path)
     """A prompt, a file name, a directory: all shown as plain text — no image, link or element can open."""
     at = stepped
     at.sidebar.text_area(key="prompt").set_value(MARKDOWN_BAIT)
-    press(at, "reset_button")
+    press_reset(at)
     press(at, "step_button")
     bait_dir = tmp_path / "![x](http:"
     _load_dir(at, str(bait_dir))

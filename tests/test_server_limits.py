@@ -19,7 +19,7 @@ from gpt_shape_tracer.server_limits import (
     SessionLedger,
     machine_memory_bytes,
 )
-from tests.test_app import APP, press, run
+from tests.test_app import APP, press, press_reset, run
 
 
 def ledger(budget_mb: int = 1000, sessions: int = 3) -> SessionLedger:
@@ -104,7 +104,7 @@ def test_the_app_refuses_a_generation_past_the_servers_budget_and_keeps_the_sett
     from gui.common import session_ledger
 
     assert session_ledger().held() >= 200 * MiB
-    press(at, "reset_button")
+    press_reset(at)
     assert session_ledger().held() == 0  # Reset gives the generation's share back
 
 

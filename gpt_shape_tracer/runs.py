@@ -1,0 +1,310 @@
+"""The app's runs folder: each browser session's generation, kept on disk under an unguessable run id so that a
+reload, a dropped connection or a server restart loses nothing.
+
+A run is a folder ``<runs dir>/<run id>/`` holding ``run.json`` (what to start again: the model's key, the
+sidebar's settings as their widgets hold them, how many steps ran, the step and the view on screen) and
+``trace.zip`` (the generation's trace in the project's file format, ``tracer.save_trace``; read back with
+``tracer.load_trace``, which checks every field: nothing in the folder is ever unpickled). The run id is
+``secrets.token_urlsafe(16)`` (128 random bits) and is checked against its alphabet before it names a path.
+
+The folder is private: created owner-only (0700), every file written owner-only (0600) to a temporary name
+and moved into place, so a reader never sees half a file. It is bounded: the newest ``keep`` runs are kept
+and at most ``budget`` bytes of them (the oldest go first); a trace larger than the whole budget is not
+written (``run.json`` is, and the run is started again from its settings).
+
+Settings, read from the environment each time (``gpt-shape-tracer app --runs-dir … --keep-runs …`` sets them):
+
+- ``GPT_SHAPE_TRACER_RUNS_DIR``: the folder; default ``$XDG_DATA_HOME/gpt-shape-tracer/runs``
+  (``~/.local/share/gpt-shape-tracer/runs``). Never inside the checkout (refused): a run holds the prompts.
+- ``GPT_SHAPE_TRACER_KEEP_RUNS``: runs kept; default 20.
+- ``GPT_SHAPE_TRACER_RUNS_MB``: MiB of runs kept together; default 2048.
+
+Pure Python, no Streamlit; ``tracer`` is imported only when a trace is written or read (``gpt-shape-tracer
+--help`` imports this module for its flags without torch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+RUNS_DIR_ENV = "GPT_SHAPE_TRACER_RUNS_DIR"
+KEEP_RUNS_ENV = "GPT_SHAPE_TRACER_KEEP_RUNS"
+RUNS_MB_ENV = "GPT_SHAPE_TRACER_RUNS_MB"
+DEFAULT_KEEP_RUNS = 20
+DEFAULT_RUNS_MB = 2048
+MiB = 2**20
+CHECKOUT = Path(__file__).resolve().parent.parent  # the folder holding app.py: runs never go in here
+RUN_FILE = "run.json"
+TRACE_FILE = "trace.zip"
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{22}")  # secrets.token_urlsafe(16): 16 bytes as 22 base64url characters
+MAX_RUN_FILE_BYTES = 256 * 1024  # run.json holds settings and a prompt: anything larger is not one of ours
+MAX_TEXT = 64 * 1024  # one setting's text (the prompt box) at most
+
+
+class RunError(ValueError):
+    """A run id, a runs folder or a run file that cannot be used; the message says why."""
+
+
+def new_run_id() -> str:
+    return secrets.token_urlsafe(16)
+
+
+def checked_run_id(raw: object) -> str:
+    """``raw`` when it has the form of a run id (so it names no other path), else a ``RunError``."""
+    if not isinstance(raw, str) or not RUN_ID.fullmatch(raw):
+        raise RunError("that is not a run id of this app (22 letters, digits, - or _)")
+    return raw
+
+
+def default_runs_dir(env: Mapping[str, str]) -> Path:
+    data = env.get("XDG_DATA_HOME", "").strip()
+    base = Path(data) if data and Path(data).is_absolute() else Path.home() / ".local" / "share"
+    return base / "gpt-shape-tracer" / "runs"
+
+
+@dataclass(frozen=True)
+class RunsSettings:
+    directory: Path
+    keep: int  # runs kept
+    budget_bytes: int  # their files together
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> RunsSettings:
+        """The settings the environment gives, the defaults elsewhere; a ``RunError`` naming a bad one."""
+        env = os.environ if env is None else env
+        raw = env.get(RUNS_DIR_ENV, "").strip()
+        directory = Path(raw).expanduser() if raw else default_runs_dir(env)
+        if not directory.is_absolute():
+            raise RunError(f"{RUNS_DIR_ENV}={raw!r}: give an absolute path")
+        resolved = directory.resolve()
+        if resolved == CHECKOUT or resolved.is_relative_to(CHECKOUT):
+            raise RunError(f"{RUNS_DIR_ENV}={raw!r} is inside the app's own folder {CHECKOUT}: runs hold your "
+                           "prompts and traces; choose a folder outside it")
+        return cls(resolved, _whole(env, KEEP_RUNS_ENV, DEFAULT_KEEP_RUNS),
+                   _whole(env, RUNS_MB_ENV, DEFAULT_RUNS_MB) * MiB)
+
+
+def _whole(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise RunError(f"{name}={raw!r}: expected a whole number") from None
+    if value < 1:
+        raise RunError(f"{name}={raw!r}: must be at least 1")
+    return value
+
+
+Scalar = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """``run.json``: what a run is and where its person was looking."""
+
+    run_id: str
+    model_key: str  # session.AppState.model_key: "bundled:<name>", "dir:<how>:<path>", "factory:<spec>"
+    widgets: dict[str, Scalar]  # the sidebar's settings by widget key (session.SETTING_KEYS)
+    n_steps: int  # steps the generation had when it was last written
+    step: int  # the step on screen
+    view: str  # the tab on screen
+    updated: float  # time.time() of the last write
+    trace_saved: bool = True  # False: the trace was larger than the runs folder's budget
+
+    @property
+    def title(self) -> str:
+        """The run as a list shows it: the prompt's first line, shortened."""
+        prompt = str(self.widgets.get("prompt", "")).strip().split("\n")[0]
+        return prompt if len(prompt) <= 48 else prompt[:47] + "…"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, run_id: str) -> RunRecord:
+        """The record in ``text``, every field checked; a ``RunError`` saying which is wrong."""
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RunError(f"run {run_id}: {RUN_FILE} is not JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise RunError(f"run {run_id}: {RUN_FILE} is not an object")
+
+        def get(name: str, kind: type | tuple[type, ...]) -> Any:
+            value = raw.get(name)
+            if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+                raise RunError(f"run {run_id}: {RUN_FILE} field {name!r} is missing or of the wrong type")
+            return value
+
+        record = cls(
+            run_id=get("run_id", str), model_key=get("model_key", str), widgets=_scalars(get("widgets", dict), run_id),
+            n_steps=get("n_steps", int), step=get("step", int), view=get("view", str),
+            updated=float(get("updated", (int, float))), trace_saved=get("trace_saved", bool),
+        )
+        if record.run_id != run_id:
+            raise RunError(f"run {run_id}: {RUN_FILE} names another run")
+        if not 0 <= record.step < max(1, record.n_steps) or record.n_steps < 0 or not math.isfinite(record.updated):
+            raise RunError(f"run {run_id}: {RUN_FILE} holds a step outside its steps")
+        if len(record.model_key) > MAX_TEXT or len(record.view) > 200:
+            raise RunError(f"run {run_id}: {RUN_FILE} holds a name too long")
+        return record
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _scalars(raw: object, run_id: str) -> dict[str, Scalar]:
+    if not isinstance(raw, dict):
+        raise RunError(f"run {run_id}: {RUN_FILE} holds settings that are not an object")
+    out: dict[str, Scalar] = {}
+    for key, value in raw.items():
+        ok = isinstance(value, (str, int, float, bool)) and (not isinstance(value, float) or math.isfinite(value))
+        if not ok or len(key) > 64 or (isinstance(value, str) and len(value) > MAX_TEXT):
+            raise RunError(f"run {run_id}: {RUN_FILE} setting {key[:64]!r} is not a plain value")
+        out[key] = value
+    return out
+
+
+class RunStore:
+    """The runs folder (``RunsSettings``): write, read, list and bound the runs."""
+
+    def __init__(self, settings: RunsSettings) -> None:
+        self.settings = settings
+
+    @property
+    def directory(self) -> Path:
+        return self.settings.directory
+
+    def _folder(self) -> Path:
+        """The runs folder, created owner-only; refused when another user owns it."""
+        d = self.directory
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = d.stat()
+        if info.st_uid != os.getuid():
+            raise RunError(f"the runs folder {d} belongs to another user: choose your own ({RUNS_DIR_ENV})")
+        if info.st_mode & 0o077:
+            d.chmod(0o700)  # ours, but readable by others (made by hand): make it private
+        return d
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.directory / checked_run_id(run_id)
+
+    def _write_private(self, folder: Path, name: str, write) -> None:
+        """``write(path)`` into a temporary owner-only file in ``folder``, then moved to ``name`` in one step."""
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".writing-", suffix=Path(name).suffix)
+        os.close(fd)
+        try:
+            write(Path(tmp))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, folder / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def save(self, record: RunRecord, trace=None) -> list[str]:
+        """Write ``record`` (and ``trace``, the generation's, when given and within the budget), then bound the
+        folder. Returns the ids of the runs removed to keep within its bounds."""
+        from tracer import save_trace
+
+        folder = self.run_dir(record.run_id)
+        self._folder()
+        folder.mkdir(exist_ok=True, mode=0o700)
+        if trace is not None:
+            if trace.log.bytes_kept <= self.settings.budget_bytes:
+                self._write_private(folder, TRACE_FILE, lambda p: save_trace(trace, p))
+            else:
+                (folder / TRACE_FILE).unlink(missing_ok=True)
+                record = RunRecord(**{**asdict(record), "trace_saved": False})
+        self._write_private(folder, RUN_FILE, lambda p: p.write_text(record.to_json(), encoding="utf-8"))
+        return self.prune(keep=record.run_id)
+
+    def update_view(self, run_id: str, step: int, view: str) -> None:
+        """Rewrite where the person is looking (a small file: the slider and the tabs call this)."""
+        record = self.record(run_id)
+        if record is None or (record.step, record.view) == (step, view):
+            return
+        updated = RunRecord(**{**asdict(record), "step": step, "view": view, "updated": time.time()})
+        self._write_private(self.run_dir(run_id), RUN_FILE, lambda p: p.write_text(updated.to_json(),
+                                                                                    encoding="utf-8"))
+
+    def record(self, run_id: str) -> RunRecord | None:
+        """The run's record, None when there is no such run; a ``RunError`` when its file is not one of ours."""
+        path = self.run_dir(run_id) / RUN_FILE
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_RUN_FILE_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RunError(f"run {run_id}: {e.strerror}") from None
+        if len(data) > MAX_RUN_FILE_BYTES:
+            raise RunError(f"run {run_id}: {RUN_FILE} is larger than {MAX_RUN_FILE_BYTES // 1024} KiB")
+        return RunRecord.from_json(data, run_id)
+
+    def trace(self, run_id: str):
+        """The run's trace (``tracer.load_trace``: every field checked), or None when none was written."""
+        from tracer import load_trace
+
+        path = self.run_dir(run_id) / TRACE_FILE
+        return load_trace(path) if path.is_file() else None
+
+    def recent(self, limit: int | None = None) -> list[RunRecord]:
+        """The runs whose record reads, newest first."""
+        records = []
+        for run_id in self._ids():
+            try:
+                record = self.record(run_id)
+            except RunError:
+                continue
+            if record is not None:
+                records.append(record)
+        records.sort(key=lambda r: r.updated, reverse=True)
+        return records[:limit] if limit is not None else records
+
+    def _ids(self) -> list[str]:
+        if not self.directory.is_dir():
+            return []
+        return [p.name for p in self.directory.iterdir() if p.is_dir() and RUN_ID.fullmatch(p.name)]
+
+    def size(self, run_id: str) -> int:
+        folder = self.run_dir(run_id)
+        return sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) if folder.is_dir() else 0
+
+    def prune(self, keep: str | None = None) -> list[str]:
+        """Remove the oldest runs beyond the newest ``settings.keep`` and beyond ``settings.budget_bytes``
+        together (``keep``, the run just written, is never removed). A folder without a readable record is
+        removed first: it is not a run this app can open."""
+        by_age: list[tuple[float, str]] = []
+        for run_id in self._ids():
+            try:
+                record = self.record(run_id)
+            except RunError:
+                record = None
+            by_age.append((record.updated if record is not None else -math.inf, run_id))
+        by_age.sort(reverse=True)  # newest first
+        removed, total, kept = [], 0, 0
+        for _, run_id in by_age:
+            size = self.size(run_id)
+            if run_id == keep or (kept < self.settings.keep and total + size <= self.settings.budget_bytes):
+                kept, total = kept + 1, total + size
+                continue
+            self.delete(run_id)
+            removed.append(run_id)
+        return removed
+
+    def delete(self, run_id: str) -> None:
+        shutil.rmtree(self.run_dir(run_id), ignore_errors=True)

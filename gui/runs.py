@@ -1,0 +1,276 @@
+"""Nothing lost by a reload: each session's generation is a run, kept under an unguessable id in the page's
+address (``?run=…``) and written to the server's private runs folder as it goes (gpt_shape_tracer/runs.py).
+
+Opening an address with a run id this session does not hold — a reload, a reconnect after the server dropped
+the session, a restarted server, a click in "Recent runs" — starts that run again: its model and settings go
+back into the sidebar and its steps are run again (the bundled models take ~20 ms a decode step), which gives
+a live generation that Step continues and the experiments run on; the tokens are then checked against the
+trace written at the time. Where the run cannot be made again (its model is gone, or it gives other tokens),
+the written trace is opened as a file instead, so what was seen is still there.
+"""
+
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from figures.common import inert as plain
+from gpt_shape_tracer.runs import RunError, RunRecord, RunsSettings, RunStore, checked_run_id, new_run_id
+from gui.common import current_model, state
+from session import FACTORY, SETTING_KEYS, AppState, LoadedTrace, SettingsError, parse_model_key, settings_from
+from tracer import TraceFileError
+
+PARAM = "run"  # the address's query parameter
+RECENT_SHOWN = 8
+LABELS = {"bundled:story-gpt": "Bundled GPT-2-style story model",  # gui/sidebar.py SOURCES, by key
+          "bundled:story-llama": "Bundled Llama-style story model",
+          "dir": "Local Hugging Face directory", "factory": "Your own module (package.module:function)"}
+
+
+def run_store() -> RunStore | None:
+    """The runs folder the server's settings name, or None (with the reason, once per session) when they are
+    wrong: the app then works as before, without keeping runs."""
+    try:
+        return RunStore(RunsSettings.from_environment())
+    except RunError as e:
+        app = state()
+        if not app.runs_refused:
+            app.runs_refused = True
+            app.notices.append(("error", f"Runs are not kept: {plain(e)}"))
+        return None
+
+
+def follow_the_address() -> None:
+    """Before the sidebar is drawn: open the run the address names, when this session does not hold it; put
+    this session's own run id back in the address when it is missing there."""
+    app = state()
+    wanted = st.query_params.get(PARAM)
+    if wanted == app.run_id:
+        return
+    if wanted is None:
+        if app.run_id is not None:
+            st.query_params[PARAM] = app.run_id
+        return
+    store = run_store()
+    if store is None:
+        return
+    try:
+        record = store.record(checked_run_id(wanted))
+    except RunError as e:
+        app.notices.append(("error", f"The run in the address cannot be opened: {plain(e)}. Nothing else changed."))
+        record = None
+    else:
+        if record is None:
+            app.notices.append(("warning", f"This server keeps no run {plain(wanted)}: it keeps the newest "
+                                           f"{store.settings.keep} runs (and at most "
+                                           f"{store.settings.budget_bytes // 2**20:,} MiB of them) in "
+                                           f"{plain(store.directory)}. Nothing else changed."))
+    if record is None:
+        if app.run_id is not None:
+            st.query_params[PARAM] = app.run_id
+        else:
+            del st.query_params[PARAM]
+        return
+    restore(app, record, store)
+
+
+def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
+    """Make ``record``'s run this session's: the current generation (already written under its own id) is let
+    go, the run's model and settings go into the sidebar, and its steps are owed (the next part of this rerun
+    makes them; ``finish_restoring`` then checks them)."""
+    widgets = {key: record.widgets[key] for key in SETTING_KEYS if key in record.widgets}
+    app.reset()
+    app.close_file()
+    app.run_id, app.run_widgets = record.run_id, widgets
+    app.saved_view = (record.step, record.view)
+    try:
+        settings_from(widgets)
+    except SettingsError as e:
+        return open_written_trace(app, record, store, f"its settings are refused ({e})")
+    previous_key = app.model_key
+    app.model_key = record.model_key
+    try:
+        current_model()
+    except Exception as e:  # noqa: BLE001 - a directory gone, a module that no longer imports: show the file
+        app.model_key = previous_key
+        return open_written_trace(app, record, store, f"its model cannot be loaded ({type(e).__name__}: {e})")
+    set_model_widgets(record.model_key)
+    for key, value in widgets.items():
+        st.session_state[key] = value
+    st.session_state["view"] = app.open_tabs["view"] = record.view
+    app.restoring = record
+    app.steps_owed = record.n_steps
+
+
+def set_model_widgets(key: str) -> None:
+    """The sidebar's model widgets as they were when ``key`` was chosen."""
+    where, how = parse_model_key(key)
+    if how is None:
+        st.session_state["source"] = LABELS.get(key, LABELS["bundled:story-gpt"])
+    elif how == FACTORY:
+        st.session_state["source"] = LABELS["factory"]
+        st.session_state["model_factory"] = where
+    else:
+        dtype, _, gib = how.partition("@")
+        st.session_state["source"] = LABELS["dir"]
+        st.session_state["model_dir"] = where
+        st.session_state["model_dtype"] = dtype
+        st.session_state["model_memory_gib"] = float(gib or 0)
+
+
+def open_written_trace(app: AppState, record: RunRecord, store: RunStore, why: str) -> None:
+    """Show the run's written trace as an opened file, saying why it was not run again."""
+    try:
+        trace = store.trace(record.run_id)
+    except (TraceFileError, OSError) as e:
+        trace, why = None, f"{why}, and its trace file cannot be read ({e})"
+    if trace is None:
+        app.notices.append(("error", f"Run {record.run_id} cannot be restored: {plain(why)}."))
+        return
+    app.open_file(LoadedTrace(trace, f"run {record.run_id} ({record.title})", f"run:{record.run_id}"))
+    st.session_state["pending_step_view"] = min(record.step, trace.n_steps - 1)
+    app.notices.append(("warning", f"Run “{plain(record.title)}” is shown from the trace written at the time, not "
+                                   f"run again: {plain(why)}."))
+
+
+def tokens_of(trace) -> tuple:
+    """Every token a traced generation holds: its prompts' and each step's choice."""
+    facts = trace.generation
+    if facts is None:
+        return ()
+    return facts.info.prompt_tokens, tuple(s.sampling.tokens if s.sampling else None for s in facts.steps)
+
+
+def finish_restoring(app: AppState) -> None:
+    """After the owed steps of a restored run: back to its step and view, its tokens checked against the trace
+    written at the time."""
+    record = app.restoring
+    if record is None or app.steps_owed:
+        return
+    app.restoring = None
+    gen = app.generation
+    store = run_store()
+    if store is None:
+        return
+    try:
+        written = store.trace(record.run_id) if record.trace_saved else None
+    except (TraceFileError, OSError):
+        written = None
+    if gen is None or gen.n_steps < record.n_steps:
+        done = gen.n_steps if gen is not None else 0
+        app.reset()
+        app.run_id = record.run_id
+        open_written_trace(app, record, store, f"running it again stopped after {done} of its {record.n_steps} "
+                                               "steps")
+        return
+    if written is not None and tokens_of(written) != tokens_of(gen.trace):
+        app.reset()
+        app.run_id = record.run_id
+        open_written_trace(app, record, store, "run again, it chose other tokens than it did then (other weights "
+                                               "under the same name?)")
+        return
+    st.session_state["pending_step_view"] = record.step
+    app.saved_steps = record.n_steps  # the run folder holds these steps already
+    checked = ("; every token equals the trace written then" if written is not None else
+               "; its trace was larger than the runs folder's budget and was not written, so nothing was compared")
+    app.notices.append(("success", f"Restored run “{plain(record.title)}”: its {record.n_steps} step(s) were run "
+                                   f"again from its model and settings{checked}."))
+
+
+def save_run(app: AppState, values: dict[str, object]) -> None:
+    """After steps: write the generation under its run id (a new id, put in the address, for a new one)."""
+    gen = app.generation
+    if gen is None or not gen.n_steps or gen.n_steps == app.saved_steps or app.restoring is not None:
+        return
+    store = run_store()
+    if store is None:
+        return
+    if app.run_id is None:
+        app.run_id = new_run_id()
+        app.run_widgets = {key: values[key] for key in SETTING_KEYS if key in values}
+    if st.query_params.get(PARAM) != app.run_id:  # each change of the address is a history entry
+        st.query_params[PARAM] = app.run_id
+    step = min(st.session_state.get("step_view", gen.n_steps - 1), gen.n_steps - 1)
+    view = view_on_screen(app)
+    record = RunRecord(app.run_id, app.started_model_key or app.model_key, dict(app.run_widgets), gen.n_steps,
+                       step, view, time.time())
+    try:
+        store.save(record, gen.trace)
+    except (RunError, OSError) as e:
+        app.notices.append(("warning", f"This run could not be written to the runs folder: {plain(e)}"))
+        return
+    app.saved_view, app.saved_steps = (step, view), gen.n_steps
+
+
+def view_on_screen(app: AppState) -> str:
+    """The tab open now (the tabs' widget holds it from the start of the rerun that opened it)."""
+    view = st.session_state.get("view")
+    return view if isinstance(view, str) else app.open_tabs.get("view", "Shapes")
+
+
+def save_view(app: AppState, step: int) -> None:
+    """Where the person is looking, written when it changed (a reload comes back to it)."""
+    view = view_on_screen(app)
+    if app.run_id is None or app.viewing_file or app.saved_view == (step, view):
+        return
+    store = run_store()
+    if store is None:
+        return
+    try:
+        store.update_view(app.run_id, step, view)
+    except (RunError, OSError):
+        return  # the next Step writes the whole run again
+    app.saved_view = (step, view)
+
+
+def forget_run() -> None:
+    """After Reset: the address names no run (the old one stays in Recent runs)."""
+    app = state()
+    app.run_id, app.saved_view, app.saved_steps = None, None, 0
+    if PARAM in st.query_params:
+        del st.query_params[PARAM]
+
+
+def open_run(run_id: str) -> None:
+    """A Recent runs button's callback: the address names the run, which this rerun then opens."""
+    st.query_params[PARAM] = run_id
+
+
+def ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return "just now"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f} min ago"
+    if seconds < 86400:
+        return f"{seconds // 3600:.0f} h ago"
+    return f"{seconds // 86400:.0f} d ago"
+
+
+def recent_runs() -> None:
+    """The sidebar's list of the newest runs this server kept: a click opens one (this session's own run is
+    kept under its id, so nothing is lost by opening another)."""
+    store = run_store()
+    if store is None:
+        return
+    app = state()
+    sb = st.sidebar
+    sb.header("Recent runs", help=f"Kept in {plain(store.directory)}, which only you can read "
+                                  "(GPT_SHAPE_TRACER_RUNS_DIR sets another folder)")
+    records = store.recent(RECENT_SHOWN)
+    if not records:
+        sb.caption("None yet: each generation is kept here, under the run id in the page's address, from its "
+                   "first Step.")
+        return
+    sb.caption(f"This server keeps the newest {store.settings.keep} runs, at most "
+               f"{store.settings.budget_bytes // 2**20:,} MiB of them, in a folder only you can read. A reload or a "
+               "restart reopens the run in the page's address.")
+    now = time.time()
+    for record in records:
+        model = parse_model_key(record.model_key)[0].rsplit("/", 1)[-1]
+        this = record.run_id == app.run_id
+        label = f"{plain(record.title)} · {record.n_steps} step{'s' if record.n_steps != 1 else ''} · " \
+                f"{plain(model)} · {ago(now - record.updated)}" + (" (this page)" if this else "")
+        sb.button(label, key=f"open_run_{record.run_id}", disabled=this, width="stretch", on_click=open_run,
+                  args=(record.run_id,), help=f"run {record.run_id}, step {record.step} on view {record.view}")

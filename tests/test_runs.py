@@ -1,0 +1,251 @@
+"""Nothing lost (issue 41 item 1): the runs folder (gpt_shape_tracer/runs.py) and the app's use of it under
+AppTest — a reload restores the run, Reset asks, experiment results are kept per step. The browser tests
+(a real reload, 200 fast slider keys, Reset in a real page) are in tests/test_browser_runs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from dataclasses import replace
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from gpt_shape_tracer.runs import (
+    CHECKOUT,
+    RUN_FILE,
+    TRACE_FILE,
+    RunError,
+    RunRecord,
+    RunsSettings,
+    RunStore,
+    checked_run_id,
+    new_run_id,
+)
+from gui.runs import tokens_of
+from tests.test_app import APP, page_text, press, run, show_tab
+from tracer import TracedGeneration, load_trace
+
+
+def record(run_id: str, updated: float = 1.0, **changes) -> RunRecord:
+    base = RunRecord(run_id, "bundled:story-gpt", {"prompt": "Lily had a ball.", "seed": "0", "use_cache": True,
+                                                   "temperature": 1.0, "top_k": 0}, 2, 1, "Attention", updated)
+    return replace(base, **changes)
+
+
+@pytest.fixture
+def store(tmp_path) -> RunStore:
+    return RunStore(RunsSettings(tmp_path / "runs", keep=3, budget_bytes=64 * 2**20))
+
+
+@pytest.fixture(scope="module")
+def small_trace(bundled):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, "Tom had a kite.", temperature=0)
+    gen.run(2)
+    return gen.trace
+
+
+# -- the folder --------------------------------------------------------------------------------------------
+def test_run_ids_are_unguessable_and_name_no_other_path():
+    ids = {new_run_id() for _ in range(100)}
+    assert len(ids) == 100 and all(checked_run_id(i) == i for i in ids)
+    for bad in ("../../etc/passwd", "a" * 21, "a" * 23, "a/" + "b" * 20, "", None, 7, "a" * 21 + "."):
+        with pytest.raises(RunError, match="not a run id"):
+            checked_run_id(bad)
+
+
+def test_a_run_is_written_owner_only_and_read_back(store, small_trace):
+    run_id = new_run_id()
+    store.save(record(run_id), small_trace)
+    folder = store.run_dir(run_id)
+    assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for name in (RUN_FILE, TRACE_FILE):
+        assert stat.S_IMODE((folder / name).stat().st_mode) == 0o600
+    assert sorted(p.name for p in folder.iterdir()) == [RUN_FILE, TRACE_FILE]  # no temporary file left
+    assert store.record(run_id) == record(run_id)
+    back = store.trace(run_id)
+    assert tokens_of(back) == tokens_of(small_trace) and back.n_steps == small_trace.n_steps
+
+
+def test_a_folder_made_readable_by_others_is_made_private_again(store, small_trace):
+    store.directory.mkdir(parents=True, mode=0o755)
+    os.chmod(store.directory, 0o755)
+    store.save(record(new_run_id()), small_trace)
+    assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
+
+
+def test_the_view_is_rewritten_alone(store, small_trace):
+    run_id = new_run_id()
+    store.save(record(run_id), small_trace)
+    before = (store.run_dir(run_id) / TRACE_FILE).stat().st_mtime_ns
+    store.update_view(run_id, 0, "KV cache")
+    assert (store.record(run_id).step, store.record(run_id).view) == (0, "KV cache")
+    assert (store.run_dir(run_id) / TRACE_FILE).stat().st_mtime_ns == before
+
+
+def test_the_folder_keeps_the_newest_runs_within_its_count_and_bytes(store, small_trace):
+    ids = [new_run_id() for _ in range(5)]
+    for age, run_id in enumerate(ids):
+        removed = store.save(record(run_id, updated=float(age)), small_trace)
+    assert removed == [ids[1]]  # the fifth write removes the oldest still there (keep = 3)
+    assert [r.run_id for r in store.recent()] == ids[:1:-1]
+    one_run = store.size(ids[-1])
+    small = RunStore(RunsSettings(store.directory, keep=10, budget_bytes=2 * one_run + one_run // 2))
+    small.save(record(new_run_id(), updated=10.0), small_trace)
+    assert len(small.recent()) == 2  # bytes bound it now: two runs fit, not three
+
+
+def test_a_trace_larger_than_the_whole_budget_is_not_written(tmp_path, small_trace):
+    tiny = RunStore(RunsSettings(tmp_path / "runs", keep=3, budget_bytes=1024))
+    run_id = new_run_id()
+    tiny.save(record(run_id), small_trace)
+    assert not tiny.record(run_id).trace_saved and tiny.trace(run_id) is None
+
+
+@pytest.mark.parametrize("field, value", [("n_steps", "2"), ("step", 5), ("widgets", [1]), ("run_id", "x" * 22),
+                                          ("updated", True), ("view", None)])
+def test_a_run_file_that_is_not_ours_is_refused_by_field(store, small_trace, field, value):
+    run_id = new_run_id()
+    store.save(record(run_id), small_trace)
+    path = store.run_dir(run_id) / RUN_FILE
+    raw = json.loads(path.read_text())
+    raw[field] = value
+    path.write_text(json.dumps(raw))
+    with pytest.raises(RunError, match=RUN_FILE):
+        store.record(run_id)
+    assert run_id not in [r.run_id for r in store.recent()]
+
+
+def test_the_runs_folder_is_never_inside_the_checkout(tmp_path):
+    with pytest.raises(RunError, match="inside the app's own folder"):
+        RunsSettings.from_environment({"GPT_SHAPE_TRACER_RUNS_DIR": str(CHECKOUT / "runs")})
+    with pytest.raises(RunError, match="absolute"):
+        RunsSettings.from_environment({"GPT_SHAPE_TRACER_RUNS_DIR": "runs"})
+    with pytest.raises(RunError, match="KEEP_RUNS"):
+        RunsSettings.from_environment({"GPT_SHAPE_TRACER_RUNS_DIR": str(tmp_path), "GPT_SHAPE_TRACER_KEEP_RUNS": "0"})
+    default = RunsSettings.from_environment({"XDG_DATA_HOME": str(tmp_path)})
+    assert default.directory == tmp_path.resolve() / "gpt-shape-tracer" / "runs" and default.keep == 20
+
+
+# -- the app -----------------------------------------------------------------------------------------------
+def app_at(run_id: str | None = None) -> AppTest:
+    """A new session, as a reload or another tab opens it: with ``run_id`` in its address."""
+    at = AppTest.from_file(APP, default_timeout=240)
+    if run_id is not None:
+        at.query_params["run"] = run_id
+    return run(at)
+
+
+def address_run(at: AppTest) -> str | None:
+    value = at.query_params.get("run")
+    return value[0] if isinstance(value, list) else value
+
+
+def runs_store() -> RunStore:
+    return RunStore(RunsSettings.from_environment())
+
+
+def test_a_reload_restores_the_run_its_step_model_and_view():
+    at = app_at()
+    at.sidebar.radio(key="source").set_value("Bundled Llama-style story model")
+    at.sidebar.text_area(key="prompt").set_value("Mia had a small blue boat.")
+    run(at)
+    for _ in range(4):
+        press(at, "step_button")
+    run_id = address_run(at)
+    assert run_id and checked_run_id(run_id) == run_id
+    at.slider(key="step_view").set_value(1)
+    run(at)
+    show_tab(at, "KV cache")
+    saved = runs_store().record(run_id)
+    assert (saved.n_steps, saved.step, saved.view) == (4, 1, "KV cache")
+    before = tokens_of(at.session_state["app"].generation.trace)
+
+    again = app_at(run_id)  # the reload: a new session with the same address
+    app = again.session_state["app"]
+    assert app.run_id == run_id and app.model_key == "bundled:story-llama"
+    assert app.generation.n_steps == 4 and tokens_of(app.generation.trace) == before
+    assert again.slider(key="step_view").value == 1 and again.session_state["view"] == "KV cache"
+    assert again.sidebar.text_area(key="prompt").value == "Mia had a small blue boat."
+    assert any("Restored run" in s.value and "every token equals the trace written then" in s.value
+               for s in again.success)
+    press(again, "step_button")  # Step continues the restored run, under the same id
+    assert app.generation.n_steps == 5 and address_run(again) == run_id
+    assert runs_store().record(run_id).n_steps == 5
+
+
+def test_reset_asks_first_and_cancel_discards_nothing():
+    at = app_at()
+    press(at, "step_button")
+    press(at, "step_button")
+    run_id = address_run(at)
+    press(at, "reset_button")
+    app = at.session_state["app"]
+    assert app.generation is not None and app.generation.n_steps == 2  # nothing discarded yet
+    question = " ".join(w.value for w in at.sidebar.warning)
+    assert "Reset discards this page's generation (2 steps)" in question and "Recent runs" in question
+    press(at, "reset_cancel")
+    assert app.generation.n_steps == 2 and not any(b.key == "reset_confirm" for b in at.sidebar.button)
+    press(at, "reset_button")
+    press(at, "reset_confirm")
+    assert app.generation is None and address_run(at) is None
+    assert runs_store().record(run_id).n_steps == 2  # still kept: Recent runs opens it again
+    recent = [b for b in at.sidebar.button if b.key == f"open_run_{run_id}"]
+    assert recent and not recent[0].disabled
+    recent[0].click()
+    run(at)
+    assert app.generation.n_steps == 2 and app.run_id == run_id
+
+
+def test_reset_with_nothing_to_discard_asks_nothing():
+    at = app_at()
+    press(at, "reset_button")
+    assert not any(b.key == "reset_confirm" for b in at.sidebar.button)
+    assert any("Reset: the next Step starts from the prompt" in i.value for i in at.info)
+
+
+def test_an_unknown_or_malformed_run_in_the_address_changes_nothing():
+    at = app_at(new_run_id())
+    assert any("This server keeps no run" in w.value for w in at.warning)
+    assert at.session_state["app"].generation is None and address_run(at) is None
+    at = app_at("../../etc")
+    assert any("not a run id" in e.value for e in at.error) and address_run(at) is None
+
+
+def test_a_run_whose_model_is_gone_opens_its_written_trace(tmp_path, small_trace):
+    run_id = new_run_id()
+    runs_store().save(record(run_id, model_key=f"dir:float32:{tmp_path / 'gone'}", n_steps=2, step=1), small_trace)
+    at = app_at(run_id)
+    app = at.session_state["app"]
+    assert app.viewing_file and tokens_of(app.loaded.trace) == tokens_of(small_trace)
+    assert any("shown from the trace written at the time" in w.value and "cannot be loaded" in w.value
+               for w in at.warning)
+    assert app.model_key == "bundled:story-gpt"  # the sidebar's model is left as it was
+
+
+def test_a_gradients_result_comes_back_after_a_step():
+    at = app_at()
+    press(at, "step_button")
+    press(at, "step_button")
+    show_tab(at, "Attention", ("attn_view", "Gradients"))
+    at.button(key="grad_run").click()
+    run(at)
+    assert any("gradients computed from their formulas" in s.value for s in at.success)
+    press(at, "step_button")  # the slider moves to step 2: no result there yet, and it says where one is
+    assert "Results kept for step(s) 1" in page_text(at)
+    at.slider(key="step_view").set_value(1)
+    run(at)
+    assert any("gradients computed from their formulas" in s.value for s in at.success)
+
+
+def test_a_written_trace_is_the_projects_trace_format():
+    at = app_at()
+    press(at, "step_button")
+    run_id = address_run(at)
+    path = runs_store().run_dir(run_id) / TRACE_FILE
+    assert tokens_of(load_trace(path)) == tokens_of(at.session_state["app"].generation.trace)
+    assert time.time() - runs_store().record(run_id).updated < 600
