@@ -21,6 +21,7 @@ from gui.mask import mask_tab
 from gui.next_token import next_token_tab
 from gui.shapes import shapes_tab
 from gui.sidebar import advance, reset, sidebar
+from gui.tour import tour_bar
 from gui.whatif import whatif_tab
 from gui.worked import worked_tab
 from session import DEFAULT_RUN_N, AppState, SettingsError, settings_from
@@ -77,6 +78,7 @@ def run(app: AppState) -> None:
             export_tab(None)
         return
     header(trace)  # the step slider: each tab reads the step it set (viewed_step)
+    tour_bar(trace)  # the guided tour: its stop opens the tabs below (gui/tour.py)
     tabs = remembered_tabs(TABS, "view")  # Reset → Step returns to the same view
     for tab, name in zip(tabs, TABS):
         with tab:
