@@ -67,13 +67,20 @@ def clearest_head(scores: Mapping[str, torch.Tensor], role: str) -> HeadPick | N
     return HeadPick(role, layer, head, float(table[layer, head]))
 
 
-def weight_on_previous_key(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> float | None:
-    """The weight the step's last query row puts on the key just before it, read from the kept pattern
-    ``[B, H, n, t]`` (None when the pattern was not kept or the row has no key before it)."""
+def weight_on_previous_key(trace: Trace, step: int, layer: int, head: int,
+                           batch: int = 0) -> tuple[int, float] | None:
+    """(the step's last real query row (not padding), the weight it puts on the key just before it), read from
+    the kept pattern ``[B, H, n, t]``; None when the pattern was not kept or that key is not a real token."""
     pattern = trace.get(act_name("pattern", layer), step)
-    if pattern is None or pattern.shape[-1] < 2:
+    if pattern is None:
         return None
-    return float(pattern[batch, head, -1, -2])
+    n, t = pattern.shape[-2:]
+    real = facts_of(trace).is_token(batch, step)  # the t key positions: a token, or padding
+    rows = [i for i in range(n) if real[t - n + i]]
+    if not rows or t - n + rows[-1] < 1 or not real[t - n + rows[-1] - 1]:
+        return None
+    row = rows[-1]
+    return row, float(pattern[batch, head, row, t - n + row - 1])
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,8 @@ class TourContext:
     chosen_p: float | None
     previous: HeadPick | None  # measured on the model (None: no live model to probe)
     induction: HeadPick | None
-    previous_weight: float | None  # the previous-token head's weight on the key before, last prefill row
+    previous_weight: tuple[int, float] | None  # (the last real prefill row, its weight on the key before), for
+    # the previous-token head
 
 
 def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: bool, caches: bool) -> TourContext:
@@ -136,6 +144,7 @@ class Stop:
     sub: tuple[str, str] | None = None  # (the tabs' key, the sub-view's label)
     step: int | None = None  # the step to show (None: leave the slider where it is)
     head: tuple[int, int] | None = None  # (layer, head) to open
+    query: int | None = None  # the query row (of the step's rows, sequence 0) to pick
     skipped: str = ""
     waiting: str = ""
 
@@ -177,8 +186,9 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
         step=0, head=prev_head))
 
     if prev is not None and ctx.previous_weight is not None:
-        share = (f"here the last query puts {ctx.previous_weight:.2f} of its weight on the key before it, so its "
-                 "output row o is " + ("mostly" if ctx.previous_weight >= 0.5 else "only partly")
+        row, weight = ctx.previous_weight
+        share = (f"here query {row} of sequence 0 (its last token) puts {weight:.2f} of its weight on the key before "
+                 "it, so its output row o is " + ("mostly" if weight >= 0.5 else "only partly")
                  + " that key's value row")
         av_look = (f"Each output row is o = Σᵢ αᵢ vᵢ, the value rows weighted by one row of A; with {prev.label}, "
                    f"{share}.")
@@ -186,6 +196,7 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
         av_look = "Each output row is o = Σᵢ αᵢ vᵢ: the value rows vᵢ weighted by one row of A, summed."
     stops.append(Stop(
         "av", "O = A·V", "Attention", av_look, sub=("attn_view", "O = A·V"), step=0, head=prev_head,
+        query=ctx.previous_weight[0] if ctx.previous_weight else None,
         skipped="" if ctx.values else no_values))
 
     if not decoded:

@@ -75,6 +75,8 @@ def go(index: int, stop: Stop) -> None:
         layer, head = stop.head
         if stop.tab == "Attention":
             app.pending_head = (layer, head)  # applied by the Attention tab's pickers
+            if stop.query is not None and stop.step is not None:
+                app.query_picks[(stop.step, 0)] = stop.query  # the query picker's remembered pick (sequence 0)
         elif stop.tab == "Causal mask":
             st.session_state["mask_layer"], st.session_state["mask_head"] = layer, head
 
