@@ -236,10 +236,10 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
         token_look = f"Step {last} chose no token: its logits were not finite."
     elif ctx.greedy:
         token_look = (f"The bars are the top candidates of z = h·W_U after the softmax; greedy decoding took the "
-                      f"most probable, {ctx.chosen!r} (p = {ctx.chosen_p:.3f}).")
+                      f"most probable, “{ctx.chosen}” (p = {ctx.chosen_p:.3f}).")
     else:
         token_look = (f"The bars are the top candidates after temperature, top-k and top-p; step {last} sampled "
-                      f"{ctx.chosen!r} (p = {ctx.chosen_p:.3f} under the final distribution).")
+                      f"“{ctx.chosen}” (p = {ctx.chosen_p:.3f} under the final distribution).")
     stops.append(Stop("next", "Next-token sampling", "Next token", token_look, step=last))
 
     stops.append(Stop(

@@ -33,15 +33,15 @@ def tour_bar(trace: Trace) -> None:
         st.markdown(plain(stop.look))
         if stop.waiting:
             st.info(stop.waiting)
-        cols = st.columns([1.1, 1.1, 1.2, 6.6])
-        cols[0].button("← Back", key="tour_back", disabled=index == 0,
-                       on_click=go, args=(index - 1, shown[index - 1]) if index else (0, stop))
-        last = index == len(shown) - 1
-        cols[1].button("Next →", key="tour_next", disabled=last, type="primary",
-                       on_click=go, args=(index + 1, shown[index + 1]) if not last else (index, stop))
-        cols[2].button("End the tour", key="tour_end", on_click=end)
-        cols[3].caption(" · ".join(f"**{i + 1} {s.title}**" if i == index else f"{i + 1} {s.title}"
-                                   for i, s in enumerate(shown)))
+        with st.container(horizontal=True, key="tour_buttons"):
+            st.button("← Back", key="tour_back", disabled=index == 0,
+                      on_click=go, args=(index - 1, shown[index - 1]) if index else (0, stop))
+            last = index == len(shown) - 1
+            st.button("Next →", key="tour_next", disabled=last, type="primary",
+                      on_click=go, args=(index + 1, shown[index + 1]) if not last else (index, stop))
+            st.button("End the tour", key="tour_end", on_click=end)
+        st.caption(" · ".join(f"**{i + 1} {s.title}**" if i == index else f"{i + 1} {s.title}"
+                              for i, s in enumerate(shown)))
         skipped = skipped_sentence(stops)
         if skipped:
             st.caption(plain(skipped))

@@ -6,7 +6,16 @@ import streamlit as st
 
 from figures import whatif as whatif_views
 from figures.common import facts_of, strong
+from figures.view_takeaways import (
+    ablation_takeaway,
+    attribution_takeaway,
+    chosen_from,
+    first_query,
+    lens_takeaway,
+)
 from gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
+from gui.hover import crosshair
+from gui.takeaway import takeaway
 from session import ablation_run, all_heads, head_ablations, head_label, patching_run
 from tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
 
@@ -61,13 +70,11 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
         st.caption("Pick heads, then re-run: the step runs again from the same cache with them switched off, and "
                    "the loss on a text is measured with and without. Nothing in the generation changes.")
         return
-    st.markdown(f"Re-ran step {res.step} with: " + "; ".join(plain(d) for d in res.described))
-    st.caption(f"Loss measured on {plain(res.loss_text)}.")
-    cols = st.columns(3)
-    cols[0].metric("loss with these heads off", f"{res.loss_after:.3f} nats",
-                   f"{res.loss_after - res.loss_before:+.3f}", delta_color="inverse")
-    cols[1].metric("loss as the model is", f"{res.loss_before:.3f} nats")
-    cols[2].metric("heads whose pattern moved", f"{len(res.moved)} of {len(res.changes)}")
+    said = ablation_takeaway(res.loss_before, res.loss_after, tuple(res.described), res.loss_text, len(res.moved),
+                             len(res.changes))
+    takeaway(said.sentence, said.metrics, f"Re-ran step {res.step} from the same cache with: "
+             + "; ".join(plain(d) for d in res.described) + f". Loss measured on {plain(res.loss_text)}. Below: how "
+             "the next token's candidates moved, and how far each head's pattern moved.")
     frame = whatif_views.next_token_change(res.replay.original[0], res.replay.logits[0], gen.tokenizer.token_label)
     chart(whatif_views.next_token_change_figure(frame, f"next token at step {res.step}, sequence 0"),
           key="ablate_next_chart")
@@ -133,8 +140,10 @@ def attribution_section(trace: Trace, step: int, model) -> None:
     except ValueError as e:
         st.info(plain(e))
         return
-    st.caption("How much each head (through W_O), each MLP and the embeddings add directly to the chosen token's "
-               "logit z, reading the final norm with its scale frozen at this position.")
+    said = attribution_takeaway(frame, choice.labels[row])
+    takeaway(said.sentence, said.metrics,
+             "How much each head (through W_O), each MLP and the embeddings add directly to the chosen token's "
+             "logit z, reading the final norm with its scale frozen at this position.")
     chart(whatif_views.attribution_figure(frame, choice.labels[row]), key="dla_chart")
 
 
@@ -149,7 +158,10 @@ def lens_section(trace: Trace, step: int, model) -> None:
         st.info(plain(e))
         return
     figure, note = whatif_views.lens_figure(frame, model.config.n_layer)
+    said = lens_takeaway(frame, chosen_from(trace, step, row), first_query(trace, step))
+    if said is not None:
+        takeaway(said.sentence, said.metrics)
     st.caption("What each layer already predicts: its residual stream put through the final norm and W_U. Colour: "
                "the probability of the token the model finally chose there; text: that layer's own top token."
                + (f" Showing {note}." if note else ""))
-    chart(figure, key="lens_chart")
+    chart(crosshair(figure), key="lens_chart")

@@ -4,6 +4,8 @@ numbers; a stop a model or generation cannot show is skipped with its reason, ov
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from model.analysis import repeated_random_tokens
 from session import first_token
 from tracer import TracedGeneration, head_scores
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tom had a big red kite. One day, Tom went to the park."
 
 
@@ -53,6 +56,8 @@ def test_the_tours_heads_are_the_best_scoring_and_their_scores_are_transformers(
         assert pick.score == pytest.approx(float(reference[role].flatten()[best]), abs=1e-4)
         assert pick.clear  # each bundled model has a clear example of both (what the tour presets)
         assert f"{pick.score:.2f}" in pick.sentence() and pick.label in pick.sentence()
+        # docs/views.md quotes each bundled model's heads and scores
+        assert f"{pick.label} ({role}, {pick.score:.2f})" in (ROOT / "docs" / "views.md").read_text(encoding="utf-8")
 
 
 def test_a_head_below_the_bar_is_not_called_clear():
@@ -109,7 +114,7 @@ def test_every_stop_says_the_traces_numbers_and_skips_only_with_a_reason(setting
     else:
         assert by_key["step"].waiting.startswith("Press Step")
     chosen = trace.generation.step(last).sampling
-    assert repr(chosen.labels[0]) in by_key["next"].look and f"p = {chosen.probs[0]:.3f}" in by_key["next"].look
+    assert f"“{chosen.labels[0]}”" in by_key["next"].look and f"p = {chosen.probs[0]:.3f}" in by_key["next"].look
     assert ("greedy" in by_key["next"].look) == info.sampling.greedy
     if info.use_cache:
         assert f"holds {width + last} positions" in by_key["cache"].look
@@ -192,3 +197,22 @@ def test_the_tour_in_the_app_opens_each_stops_view_step_and_head():
     run(at)
     assert not [m for m in at.markdown if m.value.startswith("**Guided tour")]
     assert at.button(key="tour_start")
+
+
+def test_a_soft_capped_transformers_model_skips_gradients_with_its_reason(tmp_path):
+    """Gemma 2, run by transformers: its scores are soft-capped, and the Gradients view has no backward through
+    the cap, so that stop is skipped and says why; every other stop is shown."""
+    from model import load_model
+    from model.sources import BUNDLED_DIR
+    from session import caches
+    from tests.hf_architectures import build
+
+    model, tokenizer = load_model(str(build("gemma2", tmp_path / "gemma2", BUNDLED_DIR / "tokenizer.json")))
+    gen = TracedGeneration(model, tokenizer, PROMPT)
+    gen.step()
+    gen.step()
+    scores = head_scores(model, first_token=first_token(tokenizer))
+    stops = tour_stops(tour_context(gen.trace, scores, live=True, caches=caches(model)))
+    assert [s.key for s in stops if s.skipped] == ["gradients"]
+    assert "soft-caps its scores" in stops[-1].skipped
+    assert skipped_sentence(stops).startswith("1 of 10 stops skipped for this model and generation: Gradients — ")
