@@ -19,13 +19,13 @@ TOUR_KEY = "tour_stop"  # the index, among the shown stops, of the stop on view;
 def tour_bar(trace: Trace) -> None:
     """The tour's start button, or, during the tour, the stop on view and the way on."""
     index = st.session_state.get(TOUR_KEY)
+    if index is None:  # the plan (its heads measured on the model) is made only once the tour is asked for
+        st.button("Guided tour →", key="tour_start", on_click=start,
+                  help="A path through the views for someone who has read the math: numbered stops, each "
+                       "opening its view and saying in one sentence what to look at.")
+        return
     stops = plan(trace)
     shown = shown_stops(stops)
-    if index is None or not shown:
-        st.button(f"Guided tour ({len(shown)} stops) →", key="tour_start", on_click=go, args=(0, shown[0]),
-                  help="A path through the views for someone who has read the math: each stop opens its view and "
-                       "says in one sentence what to look at.", disabled=not shown)
-        return
     index = min(index, len(shown) - 1)
     stop = shown[index]
     with st.container(border=True, key="tour_bar"):
@@ -56,8 +56,8 @@ def plan(trace: Trace) -> tuple[Stop, ...]:
 
         try:
             scores = scores_for(model)
-        except ValueError:  # the probe's patterns were not kept: no head is named
-            scores = None
+        except Exception:  # noqa: BLE001 - a model the probe cannot score (its patterns not kept, a module of
+            scores = None  # your own without our hook points): the tour names no head rather than failing
     return tour_stops(tour_context(trace, scores, live=model is not None, caches=model is not None and caches(model)))
 
 
@@ -79,6 +79,13 @@ def go(index: int, stop: Stop) -> None:
                 app.query_picks[(stop.step, 0)] = stop.query  # the query picker's remembered pick (sequence 0)
         elif stop.tab == "Causal mask":
             st.session_state["mask_layer"], st.session_state["mask_head"] = layer, head
+
+
+def start() -> None:
+    """Open the first stop (a callback: the trace is the one on view)."""
+    trace = state().viewed_trace
+    if trace is not None:
+        go(0, shown_stops(plan(trace))[0])  # the shape flow: every model and generation has it
 
 
 def end() -> None:
