@@ -174,7 +174,8 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
 
     stops.append(Stop(
         "stages", "The attention stages", "Attention",
-        "Read the heatmaps left to right — the scores QKᵀ, scaled, plus the mask M, then the softmax A — at the "
+        "Read the heatmaps left to right — the scores QKᵀ, scaled"
+        + (", soft-capped" if ctx.softcap else "") + ", plus the mask M, then the softmax A — at the "
         f"prefill, where row i is query i.{head_note}",
         sub=("attn_view", "Stages"), step=0, head=prev_head,
         skipped="" if ctx.values else no_values))

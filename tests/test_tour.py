@@ -215,4 +215,5 @@ def test_a_soft_capped_transformers_model_skips_gradients_with_its_reason(tmp_pa
     stops = tour_stops(tour_context(gen.trace, scores, live=True, caches=caches(model)))
     assert [s.key for s in stops if s.skipped] == ["gradients"]
     assert "soft-caps its scores" in stops[-1].skipped
+    assert "QKᵀ, scaled, soft-capped, plus the mask M" in stops[1].look
     assert skipped_sentence(stops).startswith("1 of 10 stops skipped for this model and generation: Gradients — ")
