@@ -22,6 +22,7 @@ from gui.next_token import next_token_tab
 from gui.runs import finish_restoring, follow_the_address, recent_runs, save_run, save_view
 from gui.shapes import shapes_tab
 from gui.sidebar import advance, reset, sidebar
+from gui.tour import tour_bar
 from gui.whatif import whatif_tab
 from gui.worked import worked_tab
 from session import DEFAULT_RUN_N, AppState, SettingsError, settings_from
@@ -82,6 +83,7 @@ def run(app: AppState) -> None:
             export_tab(None)
         return
     save_view(app, header(trace))  # the step slider: each tab reads the step it set (viewed_step)
+    tour_bar(trace)  # the guided tour: its stop opens the tabs below (gui/tour.py)
     tabs = remembered_tabs(TABS, "view")  # Reset → Step returns to the same view
     for tab, name in zip(tabs, TABS):
         with tab:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import whatif as whatif_views
+from figures.view_takeaways import compare_takeaway
 from gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, state
+from gui.hover import crosshair
+from gui.takeaway import takeaway
 from session import Comparison, caches, rerun_and_compare
 from tracer import Trace, aligned_values, diff_traces
 
@@ -41,16 +44,10 @@ def compare_tab(trace: Trace, step: int) -> None:
     if comparison is None:
         return
     frame = comparison.frame
-    compared = frame[frame["compared"]]
     first = frame[frame["first_divergence"]]
-    st.markdown(f"Compared with {plain(comparison.label)}: {len(compared)} of {len(frame)} records compared; "
-                f"largest |Δ| {compared['max_abs_delta'].max():.3g}." if len(compared) else
-                f"Compared with {plain(comparison.label)}: no record could be compared value by value.")
-    if len(first):
-        row = first.iloc[0]
-        st.error(whatif_views.divergence_sentence(row))
-    elif len(compared):
-        st.success("No record diverges beyond its dtype's tolerance.")
+    said = compare_takeaway(frame, comparison.label,
+                            whatif_views.divergence_sentence(first.iloc[0]).replace("**", "") if len(first) else None)
+    takeaway(said.sentence, said.metrics)
     at_step = frame[frame["step"] == step].copy()
     at_step["shape_a"] = [str(list(s)) if s is not None else "" for s in at_step["shape_a"]]
     at_step["shape_b"] = [str(list(s)) if s is not None else "" for s in at_step["shape_b"]]
@@ -77,5 +74,5 @@ def compare_tab(trace: Trace, step: int) -> None:
                        f"KV cache computes only the new ones): compared on {where}.")
             longer = max(trace.record(name, step).shape[-2], comparison.trace.record(name, step).shape[-2])
             first_row = longer - a.shape[-2]  # the rows drawn are the last positions
-        chart(whatif_views.difference_figure(a[index], b[index], f"{name} at step {step}", first_row=first_row),
-              key="diff_chart")
+        chart(crosshair(whatif_views.difference_figure(a[index], b[index], f"{name} at step {step}",
+                                                       first_row=first_row)), key="diff_chart")

@@ -7,7 +7,10 @@ import torch
 
 from figures import inspector as inspect_views
 from figures.common import shape_with_axes
+from figures.view_takeaways import inspector_takeaway
 from gui.common import chart, explain_missing_values, plain, state
+from gui.hover import crosshair
+from gui.takeaway import takeaway
 from model.gpt import act_name
 from session import ops_module
 from tracer import Trace
@@ -20,6 +23,8 @@ def inspector_tab(trace: Trace, step: int) -> None:
     name = st.selectbox("record", names, index=index, key="inspect_select")  # kept in the app state
     state().inspect_name = name
     rec = trace.record(name, step)
+    said = inspector_takeaway(trace, step, name)
+    takeaway(said.sentence, said.metrics)
     st.code(trace.summary(rec), language=None)
     note = trace.value_note(rec)
     st.caption(f"record {rec.index_in_step} of step {step} · {plain(rec.module_type)} {plain(rec.module or 'model')} · "
@@ -72,7 +77,7 @@ def show_tensor(value: torch.Tensor, name: str, dim_symbols: list[str] | None = 
                              persist_state="page")
             if full:
                 matrix, offset = matrix[r0:r0 + 256, c0:c0 + 256], (int(r0), int(c0))
-        chart(inspect_views.tensor_heatmap_figure(matrix, name, offset=offset), key="insp_heatmap")
+        chart(crosshair(inspect_views.tensor_heatmap_figure(matrix, name, offset=offset)), key="insp_heatmap")
     every = value.numel() > inspect_views.HISTOGRAM_SAMPLE and st.toggle(
         f"count all {value.numel():,} values in the histogram (slower)", key=f"insp_every_{name}", persist_state="page")
     chart(inspect_views.histogram_figure(value, f"values of {name}", every_value=every), key="insp_hist")

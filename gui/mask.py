@@ -5,7 +5,10 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import mask as mask_views
+from figures.view_takeaways import mask_takeaway
 from gui.common import chart, layer_head_batch, plain, values_kept
+from gui.hover import crosshair
+from gui.takeaway import takeaway
 from model.gpt import act_name
 from tracer import Trace
 
@@ -13,11 +16,14 @@ from tracer import Trace
 def mask_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "mask")
     facts = mask_views.mask_facts(trace, step, layer, batch)
-    st.markdown(plain_paragraphs(facts.explanation()))
+    said = mask_takeaway(facts)
+    takeaway(said.sentence, said.metrics, plain_paragraphs(said.details or ""),
+             details_label="Every −∞ cell by its cause, and why a cached step needs (almost) no mask")
     if not values_kept(trace, step, act_name("mask", layer), "mask and score heatmaps"):
         return
-    chart(mask_views.mask_figure(trace, step, layer, batch), key="mask_chart")
-    chart(mask_views.scores_before_after_figure(trace, step, layer, head, batch), key="before_after_chart")
+    st.caption("Hover a cell: the lines through it mark its query row and its key column.")
+    chart(crosshair(mask_views.mask_figure(trace, step, layer, batch)), key="mask_chart")
+    chart(crosshair(mask_views.scores_before_after_figure(trace, step, layer, head, batch)), key="before_after_chart")
 
 
 def plain_paragraphs(text: str) -> str:

@@ -6,7 +6,9 @@ import streamlit as st
 
 from figures import tokens as token_views
 from figures.common import facts_of
+from figures.view_takeaways import next_token_takeaway
 from gui.common import chart
+from gui.takeaway import takeaway
 from tracer import Trace
 
 
@@ -14,10 +16,14 @@ def next_token_tab(trace: Trace, step: int) -> None:
     facts = facts_of(trace)
     row = st.selectbox("sequence", list(range(facts.batch_size)), key="next_row",
                        persist_state="page") if facts.batch_size > 1 else 0
-    st.caption("Sampling: " + facts.info.sampling.describe())
-    if facts.step(step).sampling is None:
+    said = next_token_takeaway(trace, step, row)
+    if said is None:
         st.error(f"No token was chosen at step {step}: the logits held NaN or +∞ (see the banner above).")
         return
+    takeaway(said.sentence, said.metrics,
+             "Sampling: " + facts.info.sampling.describe() + ". The bars are the candidates with the highest "
+             "probability, the chosen one marked; “tokens left to choose from” counts the vocabulary after the "
+             "last filter (top-k, top-p), all V of it when none applies.")
     log_scale = st.toggle("log scale (every candidate visible, however small)", key="next_log",
                           persist_state="page")
     chart(token_views.next_token_figure(trace, step, row, log_scale=log_scale), key="next_chart")

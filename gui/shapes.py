@@ -5,7 +5,9 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import flow as flow_views
+from figures.view_takeaways import shapes_takeaway
 from gui.common import chart, n_layer_head, plain, state
+from gui.takeaway import takeaway
 from tracer import TENSOR_KINDS, Trace
 
 LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_model · H query heads · G key/value " \
@@ -29,15 +31,17 @@ def legend(config) -> str:
 def shapes_tab(trace: Trace, step: int) -> None:
     n_layer, _ = n_layer_head(trace)
     symbols = legend(trace.config)
-    layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page")
+    said = shapes_takeaway(trace, step)
     if flow_views.recorded_flow(trace):
-        st.caption(f"Live shapes at step {step}, numerically and in symbols — {symbols}. This model runs its own "
+        details = (f"Live shapes at step {step}, numerically and in symbols — {symbols}. This model runs its own "
                    "code, so the flow is read from the trace: the block's hook points and the model's own modules "
                    "(named as in the model, with their class), in the order the forward ran them.")
     else:
-        st.caption(f"Live shapes at step {step}, numerically and in symbols — {symbols}. In purple, the weight a "
+        details = (f"Live shapes at step {step}, numerically and in symbols — {symbols}. In purple, the weight a "
                    "stage multiplies by (the per-head W_Q^i, W_K^i, W_V^i of [d, d_k] are W_QKV's column blocks, "
                    "d_k columns per head).")
+    takeaway(said.sentence, said.metrics, details)
+    layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page")
     chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
     st.subheader("The multi-head reshape, op by op")
     st.caption("How Q is split into heads and the heads' outputs merged back; green boxes are views (the same "

@@ -6,7 +6,11 @@ import streamlit as st
 
 from figures import whatif as whatif_views
 from figures.common import facts_of, strong
+from figures.view_takeaways import (
+    ablation_takeaway,
+)
 from gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
+from gui.hover import crosshair
 from gui.takeaway import takeaway
 from session import ablation_run, all_heads, head_ablations, head_label, patching_run
 from tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
@@ -63,13 +67,11 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
         st.caption("Pick heads, then re-run: the step runs again from the same cache with them switched off, and "
                    "the loss on a text is measured with and without. Nothing in the generation changes.")
         return
-    st.markdown(f"Re-ran step {res.step} with: " + "; ".join(plain(d) for d in res.described))
-    st.caption(f"Loss measured on {plain(res.loss_text)}.")
-    cols = st.columns(3)
-    cols[0].metric("loss with these heads off", f"{res.loss_after:.3f} nats",
-                   f"{res.loss_after - res.loss_before:+.3f}", delta_color="inverse")
-    cols[1].metric("loss as the model is", f"{res.loss_before:.3f} nats")
-    cols[2].metric("heads whose pattern moved", f"{len(res.moved)} of {len(res.changes)}")
+    said = ablation_takeaway(res.loss_before, res.loss_after, tuple(res.described), res.loss_text, len(res.moved),
+                             len(res.changes))
+    takeaway(said.sentence, said.metrics, f"Re-ran step {res.step} from the same cache with: "
+             + "; ".join(plain(d) for d in res.described) + f". Loss measured on {plain(res.loss_text)}. Below: how "
+             "the next token's candidates moved, and how far each head's pattern moved.")
     frame = whatif_views.next_token_change(res.replay.original[0], res.replay.logits[0], gen.tokenizer.token_label)
     chart(whatif_views.next_token_change_figure(frame, f"next token at step {res.step}, sequence 0"),
           key="ablate_next_chart")
@@ -157,4 +159,4 @@ def lens_section(trace: Trace, step: int, model) -> None:
              "norm and W_U. Colour: the probability of the token the model finally chose there; text: that layer's "
              "own top token. Columns are numbered as in every other view (the step's own columns)."
              + (f" Showing {note}." if note else ""))
-    chart(figure, key="lens_chart")
+    chart(crosshair(figure), key="lens_chart")

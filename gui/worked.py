@@ -5,12 +5,16 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import worked as worked_views
+from figures.view_takeaways import worked_takeaway
 from gui.common import chart, plain
+from gui.hover import crosshair
+from gui.takeaway import takeaway
 from tracer import Trace
 
 
 @st.fragment
 def worked_tab(trace: Trace | None = None, step: int = 0) -> None:
+    said_here = st.container()  # the takeaway goes first, once the tables below give its numbers
     st.markdown("A two-token attention you can check by hand (edit any number). Every stage runs through the "
                 "same `attention` function the model runs; the gradient ∂L/∂V = Aᵀ·∂L/∂O is checked against "
                 "autograd's.")
@@ -26,7 +30,10 @@ def worked_tab(trace: Trace | None = None, step: int = 0) -> None:
     except worked_views.WorkedInputError as e:
         st.error(plain(e))
         return
-    chart(worked_views.forward_figure(w), key="worked_forward")
+    said = worked_takeaway(w)
+    with said_here:
+        takeaway(said.sentence, said.metrics)
+    chart(crosshair(worked_views.forward_figure(w)), key="worked_forward")
     st.markdown(f"Row q0 of A (the first query): e^{w.scores[0, 0]:.3f} and e^{w.scores[0, 1]:.3f} normalised to "
                 f"{w.a[0, 0]:.3f} and {w.a[0, 1]:.3f}." if w.a.shape[1] >= 2 and not causal else "")
-    chart(worked_views.backward_figure(w), key="worked_backward")
+    chart(crosshair(worked_views.backward_figure(w)), key="worked_backward")

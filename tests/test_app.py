@@ -487,7 +487,7 @@ def test_compare_runs_cache_off_agrees_and_an_ablation_diverges(stepped):
     run(at)
     at.button(key="compare_run").click()
     run(at)
-    assert any("No record diverges" in s.value for s in at.success)
+    assert any(m.value.startswith("**Compared with") and "no record diverges" in m.value for m in at.markdown)
     frame = at.session_state["app"].comparison.frame
     assert frame["compared"].all() and frame["max_abs_delta"].max() < 1e-4
     ids = frame[frame["name"] == "model:in[0]"]  # token ids: equal or not, never a numeric |Δ|
@@ -512,8 +512,8 @@ def test_compare_runs_cache_off_agrees_and_an_ablation_diverges(stepped):
     at.button(key="compare_run").click()
     run(at)
     assert not any("Choose heads under What if" in w.value for w in at.warning)
-    verdict = next(unescape(e.value) for e in at.error if "first diverge" in e.value)
-    assert "first diverge at step 0 in **blocks.2.attn.hook_z** (max |Δ|" in verdict and "; )" not in verdict
+    verdict = next(unescape(m.value) for m in at.markdown if "first diverge" in m.value)  # the takeaway, bold
+    assert "first diverge at step 0 in blocks.2.attn.hook_z (max |Δ|" in verdict and "; )" not in verdict
 
 
 def test_typed_inputs_and_sub_tabs_survive_a_round_trip(stepped):

@@ -326,3 +326,17 @@ def test_the_app_opens_your_module_from_its_factory_and_every_tab_renders(user_c
     show_tab(at, "Compare runs")
     options = at.radio(key="compare_with").options
     assert not any("KV cache" in o for o in options) and any("switched off" in o for o in options)  # no cached run
+    # the guided tour walks it: the stops that need our KV cache are skipped, each with its reason
+    at.button(key="tour_start").click()
+    run(at)
+    seen = []
+    while True:
+        seen += [unescape(m.value) for m in at.markdown if m.value.startswith("**Guided tour")]
+        following = at.button(key="tour_next")
+        if following.disabled:
+            break
+        following.click()
+        run(at)
+    assert len(seen) == 8 and seen[-1].startswith("**Guided tour · stop 8 of 8: Gradients")
+    skipped = next(unescape(c.value) for c in at.caption if "stops skipped" in unescape(c.value))
+    assert "The KV cache — this model runs its own forward, without our KV cache" in skipped and "History" in skipped

@@ -1,0 +1,214 @@
+"""Say it first: the one-line takeaway and the two or three key numbers of the Shapes, Causal mask, Next token, What
+if, Compare runs, Worked example and Inspector views (``gui.takeaway.takeaway`` shows them). Each is a function of
+the numbers it is about, so what the line says holds at every step and setting; text from outside the app
+(token labels, record names) is made inert for markdown."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from figures.common import facts_of, inert, shape_text
+from figures.mask import MaskFacts
+from figures.worked import Worked
+from tracer import Trace
+
+
+@dataclass(frozen=True)
+class Takeaway:
+    sentence: str  # markdown, shown bold
+    metrics: tuple[tuple[str, str], ...] = ()  # (label, value), plain text
+    details: str | None = None  # the longer explanation, folded
+
+
+def quoted(label: str) -> str:
+    return f"“{inert(label)}”"
+
+
+def size_text(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+# -- Shapes ----------------------------------------------------------------------------------------------
+def shapes_takeaway(trace: Trace, step: int) -> Takeaway:
+    """What step ``step`` fed and produced, in [B, n, d] terms, and what its records hold."""
+    facts = facts_of(trace)
+    forward = facts.step(step).forward
+    config = trace.config
+    B, n, t = facts.batch_size, forward.n, forward.t
+    records = trace.filter(step=step)
+    largest = max(records, key=lambda r: r.nbytes, default=None)
+    sentence = (f"Step {step} runs n = {n} new position{'s' if n != 1 else ''} of each of B = {B} "
+                f"sequence{'s' if B != 1 else ''} through {config.n_layer} blocks: every block takes and gives back "
+                f"[B, n, d] = {shape_text((B, n, config.d_model))}, its attention weighs t = {t} key positions, "
+                f"and the logits are [B, n, V] = {shape_text((B, n, config.vocab_size))}.")
+    metrics: list[tuple[str, str]] = [("records at this step", f"{len(records):,}"),
+                                      ("their size", size_text(sum(r.nbytes for r in records)))]
+    if largest is not None:
+        metrics.append(("the largest", f"{largest.name} · {size_text(largest.nbytes)}"))
+    return Takeaway(inert(sentence), tuple(metrics))
+
+
+# -- Causal mask -----------------------------------------------------------------------------------------
+def mask_takeaway(facts: MaskFacts) -> Takeaway:
+    """What M does at this step, from its counted cells (``figures.mask.mask_facts``)."""
+    cells = facts.n * facts.t
+    if not facts.counted:
+        return Takeaway(f"M is {shape_text(facts.shape)} at this step; its values were not kept, so its cells are "
+                        "not counted.", (("query rows n", str(facts.n)), ("key columns t", str(facts.t))))
+    if facts.decode:
+        sentence = (f"A cached decode step computes one query row, the newest position: causality hides none of its "
+                    f"t = {facts.t} keys")
+        others = facts.padding_key + facts.window
+        sentence += f"; {others} of them are −∞ for padding or the sliding window." if others else "."
+    elif facts.future:
+        sentence = (f"{facts.future} of the {cells} scores are −∞ because the key comes after the query: row i "
+                    "weighs keys up to its own position only.")
+    else:
+        sentence = f"No score of these {cells} is hidden for coming after its query."
+    metrics = [("−∞ cells", f"{facts.masked} of {cells}"), ("future keys", str(facts.future))]
+    if facts.padding_key:
+        metrics.append(("padding keys", str(facts.padding_key)))
+    if facts.window:
+        metrics.append(("outside the window", str(facts.window)))
+    return Takeaway(sentence, tuple(metrics[:3]), facts.explanation())
+
+
+# -- Next token ------------------------------------------------------------------------------------------
+def next_token_takeaway(trace: Trace, step: int, row: int) -> Takeaway | None:
+    """What step ``step`` chose for sequence ``row``, how sure the final distribution was, and the runner-up;
+    None when it chose nothing (its logits were not finite)."""
+    facts = facts_of(trace)
+    choice = facts.step(step).sampling
+    if choice is None:
+        return None
+    chosen, p = choice.labels[row], choice.probs[row]
+    final = choice.stage_probs[row][-1]  # [K] under the final distribution, the candidates' order
+    others = [(prob, label) for token, label, prob in zip(choice.candidates[row], choice.candidate_labels[row], final)
+              if token != choice.tokens[row]]
+    runner = max(others, default=None)
+    how = "greedy decoding took the most probable" if facts.info.sampling.greedy else "sampling drew"
+    sentence = f"At step {step} {how}: {quoted(chosen)} with p = {p:.3f}"
+    sentence += f"; the runner-up {quoted(runner[1])} had {runner[0]:.3f}." if runner else "."
+    metrics = [("p of the chosen token", f"{p:.3f}")]
+    if runner:
+        metrics.append(("p of the runner-up", f"{runner[0]:.3f}"))
+    metrics.append(("tokens left to choose from", f"{choice.kept[row][-1]:,}"))
+    return Takeaway(sentence, tuple(metrics))
+
+
+# -- What if ---------------------------------------------------------------------------------------------
+def attribution_takeaway(frame: pd.DataFrame, chosen: str) -> Takeaway:
+    """The component that adds most to the chosen token's logit, of ``tracer.direct_logit_attribution``'s frame."""
+    top = frame.loc[frame["contribution"].idxmax()]
+    heads = frame[frame["kind"] == "head"]
+    logit = float(frame.attrs["logit"])
+    sentence = (f"The largest direct push to the logit of {quoted(chosen)} ({logit:.2f}) comes from "
+                f"{inert(top['component'])}: {top['contribution']:+.2f}.")
+    metrics = [("logit z", f"{logit:.2f}"), ("largest share", f"{top['component']} {top['contribution']:+.2f}")]
+    if len(heads):
+        metrics.append(("all heads together", f"{heads['contribution'].sum():+.2f}"))
+    return Takeaway(sentence, tuple(metrics))
+
+
+def chosen_from(trace: Trace, step: int, row: int) -> int:
+    """The position, among the step's n query rows, whose logits chose sequence ``row``'s token: its last real
+    token (before any right padding)."""
+    return facts_of(trace).last_token_column(row, step) - first_query(trace, step)
+
+
+def first_query(trace: Trace, step: int) -> int:
+    """The position of the step's first query row: t − n."""
+    forward = facts_of(trace).step(step).forward
+    return forward.t - forward.n
+
+
+def lens_takeaway(frame: pd.DataFrame, position: int, first: int = 0) -> Takeaway | None:
+    """From which layer on the lens' top guess at ``position`` (a row of the step's n; ``first``: the position of
+    the step's row 0) is the token the model finally chose there."""
+    at = frame[frame["position"] == position].sort_values("layer")
+    if at.empty:
+        return None
+    hits = at["top_token"] == at["final_token"]
+    n_layer = int(at["layer"].max()) + 1
+    final = at.iloc[-1]
+    settled = n_layer  # the first layer from which every later layer agrees
+    for layer in reversed(range(n_layer)):
+        if not hits.iloc[layer]:
+            break
+        settled = layer
+    label = quoted(final["final_label"])
+    if settled == n_layer:
+        sentence = f"At position {first + position} no layer's top guess is the chosen token {label}."
+    else:
+        sentence = (f"At position {first + position} the lens' top guess is the chosen token {label} from layer "
+                    f"{settled} on (of {n_layer}).")
+    return Takeaway(sentence, (("layers agreeing", f"{int(hits.sum())} of {n_layer}"),
+                               ("p at the first layer", f"{float(at.iloc[0]['final_prob']):.3f}"),
+                               ("p at the last layer", f"{float(final['final_prob']):.3f}")))
+
+
+def ablation_takeaway(loss_before: float, loss_after: float, described: tuple[str, ...], loss_text: str,
+                      moved: int, heads: int) -> Takeaway:
+    change = loss_after - loss_before
+    verb = "raises" if change > 0 else "lowers" if change < 0 else "leaves"
+    sentence = (f"With {inert('; '.join(described))}, the loss on {inert(loss_text)} {verb} "
+                + (f"from {loss_before:.3f} to {loss_after:.3f} nats ({change:+.3f})." if change else
+                   f"unchanged at {loss_before:.3f} nats."))
+    return Takeaway(sentence, (("loss with these heads off", f"{loss_after:.3f} nats"),
+                               ("loss as the model is", f"{loss_before:.3f} nats"),
+                               ("heads whose pattern moved", f"{moved} of {heads}")))
+
+
+# -- Compare runs ----------------------------------------------------------------------------------------
+def compare_takeaway(frame: pd.DataFrame, label: str, first_divergence: str | None) -> Takeaway:
+    """``tracer.diff_traces``'s frame in one line: where the runs first part, or that none does."""
+    compared = frame[frame["compared"]]
+    diverged = int(compared["diverged"].sum()) if len(compared) else 0
+    largest = float(compared["max_abs_delta"].max()) if len(compared) else float("nan")
+    if not len(compared):
+        sentence = f"Compared with {inert(label)}: no record could be compared value by value."
+    elif first_divergence is not None:
+        sentence = f"Compared with {inert(label)}: {first_divergence}"
+    else:
+        sentence = (f"Compared with {inert(label)}: no record diverges beyond its dtype's tolerance (largest |Δ| "
+                    f"{largest:.3g}).")
+    return Takeaway(sentence, (("records compared", f"{len(compared)} of {len(frame)}"),
+                               ("diverged", str(diverged)),
+                               ("largest |Δ|", f"{largest:.3g}" if len(compared) else "—")))
+
+
+# -- Worked example --------------------------------------------------------------------------------------
+def worked_takeaway(w: Worked) -> Takeaway:
+    """Row q0 of A, and the gradient formula against autograd."""
+    row = ", ".join(f"{x:.3f}" for x in w.a[0].tolist())
+    delta = float((w.grad_v - w.grad_v_autograd).abs().max())
+    sentence = (f"Query q0 weighs the keys ({row}): the softmax of its scores"
+                + (" after the mask" if w.causal else "")
+                + f"; ∂L/∂V = Aᵀ·∂L/∂O equals autograd's within {delta:.1e}.")
+    return Takeaway(sentence, (("A row q0", row), ("o row q0", ", ".join(f"{x:.3f}" for x in w.o[0].tolist())),
+                               ("max |formula − autograd|", f"{delta:.1e}")))
+
+
+# -- Inspector -------------------------------------------------------------------------------------------
+def inspector_takeaway(trace: Trace, step: int, name: str) -> Takeaway:
+    rec = trace.record(name, step)
+    stats = trace.stats(rec)
+    shape = shape_text(rec.shape) + (f" = [{', '.join(rec.axes)}]" if rec.axes else "")
+    sentence = f"{inert(name)} at step {step}: {shape}, {rec.numel:,} {rec.dtype} values"
+    if stats is None:
+        return Takeaway(sentence + "; its values were not kept, so only its shape is known.",
+                        (("shape", shape_text(rec.shape)), ("size", size_text(rec.nbytes))))
+    others = [f"{count:,} {what}" for count, what in ((stats.neg_inf, "−∞"), (stats.pos_inf, "+∞"),
+                                                       (stats.nan, "NaN")) if count]
+    finite = rec.numel - stats.neg_inf - stats.pos_inf - stats.nan
+    if finite:
+        sentence += ("; the " + (f"{finite:,} finite ones" if others else "values") + f" run from {stats.min:.4g} to "
+                     f"{stats.max:.4g}, mean {stats.mean:.4g}")
+    sentence += ("; " + ", ".join(others) if others else "") + "."
+    return Takeaway(sentence, (("shape", shape_text(rec.shape)), ("mean ± std", f"{stats.mean:.4g} ± {stats.std:.4g}"),
+                               ("size", size_text(rec.nbytes))))
