@@ -36,7 +36,7 @@ _SIZES: dict[str, int] = {
     "head_dim": 16, "kv_channels": 16, "rotary_dim": 8,
     # latent attention (DeepSeek-V2/V3 and descendants)
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 32,
-    "num_kv_shared_layers": 1,
+    "num_kv_shared_layers": 0,
     # experts
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
     "moe_k": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1,

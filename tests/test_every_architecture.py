@@ -25,6 +25,7 @@ REPRESENTATIVE = [
     "gemma3", "got_ocr2",  # a vision tower as deep as the text stack, not run for text
     "bert", "roberta",  # BERT family configured as a causal decoder (is_decoder = true)
     "moshi",  # transformers' own cached path differs from its uncached forward
+    "gemma3n_text",  # one feed-forward width per layer
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]
 

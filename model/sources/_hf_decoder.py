@@ -24,9 +24,13 @@ What the records mean for such a model (the hook table's rows, specialised):
   front of the MLP); a parallel block (GPT-NeoX, GPT-J, Phi, Falcon, Cohere) adds attention and MLP to
   the same stream and has none.
 
-Refused by name: models whose attention does not go through the interface (the check is that every
-layer's attention module calls it in a test forward), sinks (gpt-oss), linear-attention and state-space
-layers, encoder-decoders.
+The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
+the attention function inside which element of which list of layers; the list the calls come from is the
+decoder stack (a vision tower not run for text never is), each layer's one caller its attention.
+Refused, with a ``RefusalReason``: models whose attention does not go through the interface, sinks, latent
+attention, linear-attention and state-space layers, several attention calls per layer, encoders and
+encoder-decoders; and, after loading, a model whose cached decode step is not transformers' own forward
+(``guard_against_transformers``).
 """
 
 from __future__ import annotations
@@ -412,7 +416,7 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
             f"linear-attention state ({', '.join(kinds[:4])}) beside or instead of softmax attention, which the "
             "traced KV cache does not keep", reason="state layers")
     first = per_layer[0][0].mask
-    if first is not None and first.shape[-1] >= 2 and first.shape[-2] >= 2:
+    if first is not None and first.device.type != "meta" and first.shape[-1] >= 2 and first.shape[-2] >= 2:
         hidden = first[0, 0] <= torch.finfo(first.dtype).min / 2 if first.is_floating_point() else ~first[0, 0]
         if not bool(hidden[0, 1]):  # the first position sees the second: not causal
             raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, "
@@ -652,6 +656,8 @@ class HFDecoder(nn.Module):
         arch = self.architecture
         H, G, d_head = first.seen
         d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
+        if isinstance(d_ff, (list, tuple)):  # one width per layer (Gemma 3n): one number only where they agree
+            d_ff = d_ff[0] if len(set(d_ff)) == 1 else None
         n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
         window = getattr(cfg, "sliding_window", None)
         return GPTConfig(
