@@ -79,6 +79,8 @@ def _shrunk(values: dict[str, Any], layers_before: int | None) -> dict[str, Any]
             out[key] = _SIZES["qk_rope_head_dim"]  # the head size the rotary embedding is built for
         elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             out[key] = min(value, _SIZES[key])
+        elif "vocab" in key and isinstance(value, int) and not isinstance(value, bool) and value > vocab:
+            out[key] = vocab  # any other table indexed by ids (BLT's hash n-gram vocabularies: 500 002 rows)
         elif key in _WINDOW_NAMES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             out[key] = WINDOW
         elif isinstance(value, (list, str)) and depth and len(value) == depth and depth > 2 and key not in (

@@ -376,7 +376,8 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
         raise HFDecoderError(f"{model_type}: its attention adds learned sinks (s_aux) to every softmax row, which "
                              "the traced attention does not model", reason="attention sinks")
     latent = next((c for c in calls if c.q_head != c.v_head), None)
-    if latent is not None:
+    on_meta = any(p.device.type == "meta" for p in hf.parameters())  # a dry run: shapes only, no KV cache held
+    if latent is not None and not on_meta:
         raise HFDecoderError(f"{model_type}: its value heads ({latent.v_head}) are not as wide as its query/key "
                              f"heads ({latent.q_head}) (multi-head latent attention), which the traced cache does "
                              "not hold", reason="latent attention")
