@@ -621,6 +621,9 @@ class HFDecoder(nn.Module):
         # set by guard_against_transformers where transformers' own cached and uncached forwards disagree: which
         # one the trace follows, with the numbers (None: they agree, or the guard has not run)
         self.reference_note: str | None = None
+        # RoBERTa-style embeddings: positions from padding_idx + 1 onwards, computed from the ids
+        self._own_positions = any(hasattr(m, "padding_idx") and hasattr(m, "position_embeddings")
+                                  for m in hf.modules() if not isinstance(m, nn.Embedding))
         self._check_routing(block_hooks)
         self.config = self._config(cfg, block_hooks[0].attn)
 
@@ -751,10 +754,11 @@ class HFDecoder(nn.Module):
         before = getattr(_forward, "keys", None)
         _forward.keys = (key_is_token,)
         with transaction(cache, n, key_is_token), _restored(before):
-            # positions are given only with padding (they then count real tokens); otherwise the model's own
-            # default applies — past + 0, 1, … for most, padding_idx + 1 + … for the RoBERTa family
+            # positions count real tokens; a family whose embeddings derive positions from the ids themselves
+            # (RoBERTa's padding_idx + 1 + …) gets them only with padding, else its own default applies
+            own = self._own_positions and key_is_token is None
             out = self.hf(input_ids=tokens, attention_mask=attention_mask,
-                          position_ids=positions.expand(B, n) if key_is_token is not None else None,
+                          position_ids=None if own else positions.expand(B, n),
                           past_key_values=_cache_view(cache, self.config.n_layer) if cache is not None else None,
                           use_cache=cache is not None, return_dict=True)
             logits = self.hook_logits(out.logits)
