@@ -349,7 +349,8 @@ def _state_layers(hf: nn.Module) -> list[int]:
     try:
         from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
-        layers = DynamicCache(config=hf.config).layers
+        config: Any = getattr(hf, "config", None)
+        layers = DynamicCache(config=config).layers
     except Exception:  # noqa: BLE001 (a config whose cache transformers cannot describe: no state layers known)
         return []
     return [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
@@ -400,17 +401,17 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
                  if repeated else f"{len(elsewhere)} attention call(s) come from outside its list of layers")
         raise HFDecoderError(f"{model_type}: {where} (several attentions, or layers run more than once); the trace "
                              "holds one attention per layer", reason="several attentions per layer")
-    state = _state_layers(hf)
+    state_layers = _state_layers(hf)
     missing = [L for L, cs in enumerate(per_layer) if not cs]
-    if missing and not set(missing) <= set(state) and not any(any(w in type(m).__name__.lower() for w in _STATE_WORDS)
-                                                              for L in missing for m in layers[L].modules()):
+    stateful = any(any(w in type(m).__name__.lower() for w in _STATE_WORDS) for L in missing for m in layers[L].modules())
+    if missing and not set(missing) <= set(state_layers) and not stateful:
         raise HFDecoderError(
             f"{model_type}: the attention of layer(s) {', '.join(map(str, missing))} does not go through "
             "transformers' attention interface, so its Q, K, V and pattern cannot be recorded; this family cannot "
             "be traced (the re-implemented families gpt2, llama, mistral, qwen2 can)",
             reason="attention outside the interface")
-    if state or missing:
-        which = sorted(set(state) | set(missing))
+    if state_layers or missing:
+        which = sorted(set(state_layers) | set(missing))
         kinds = sorted({type(m).__name__ for L in which[:4] for m in layers[L].children()})
         raise HFDecoderError(
             f"{model_type}: layer(s) {', '.join(map(str, which[:12]))} hold state-space, convolution or "

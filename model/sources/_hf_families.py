@@ -48,7 +48,7 @@ def _install_router() -> None:
     current = torch.nn.functional.scaled_dot_product_attention
     if current is not _falcon_sdpa:
         _falcon_sdpa.previous = current  # type: ignore[attr-defined]
-        torch.nn.functional.scaled_dot_product_attention = _falcon_sdpa
+        torch.nn.functional.scaled_dot_product_attention = _falcon_sdpa  # type: ignore[assignment]
 
 
 def _eager(module: Any) -> bool:
