@@ -403,7 +403,8 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
                              "holds one attention per layer", reason="several attentions per layer")
     state_layers = _state_layers(hf)
     missing = [L for L, cs in enumerate(per_layer) if not cs]
-    stateful = any(any(w in type(m).__name__.lower() for w in _STATE_WORDS) for L in missing for m in layers[L].modules())
+    stateful = any(any(w in type(m).__name__.lower() for w in _STATE_WORDS)
+                   for L in missing for m in layers[L].modules())
     if missing and not set(missing) <= set(state_layers) and not stateful:
         raise HFDecoderError(
             f"{model_type}: the attention of layer(s) {', '.join(map(str, missing))} does not go through "
