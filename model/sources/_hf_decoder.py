@@ -34,9 +34,13 @@ What the records mean for such a model (the hook table's rows, specialised):
   state-space state a layer's mixer keeps after each step, as transformers' own cache layer holds it (fixed-size,
   overwritten every step; ``StateCache``). Not in the hook table: their widths are the mixer's, not the legend's.
 
-Refused by name: models whose attention does not go through the interface (the check is that every
-layer's attention module calls it in a test forward), linear-attention and state-space layers,
-encoder-decoders.
+The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
+the attention function inside which element of which list of layers; the list the calls come from is the
+decoder stack (a vision tower not run for text never is), each layer's one caller its attention.
+Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
+state-space layers our cache cannot hold beside K and V, several attention calls per layer, encoders and
+encoder-decoders; and, after loading, a model whose cached decode step is not transformers' own forward
+(``guard_against_transformers``).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -87,16 +91,35 @@ _NAMES_MLP = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "fc2")  # fc2: O
 _NAMES_MLP_NORM = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2", "ffn_norm", "final_layer_norm")
 PARALLEL_BLOCKS = ("gptj", "phi", "cohere", "cohere2")  # attention and MLP read the same stream (also: a
 # config's use_parallel_residual, Falcon's parallel_attn)
-REFUSED: dict[str, str] = {}
+RefusalReason = Literal[
+    "encoder-decoder",  # a separate encoder feeds the decoder through cross-attention
+    "encoder",  # bidirectional self-attention: position i sees positions after it
+    "no softmax attention",  # state-space, recurrent or linear-attention layers only
+    "attention outside the interface",  # softmax attention computed by the family's own code
+    "state layers",  # some layers hold state-space / convolution / linear-attention state beside the KV cache
+    "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
+    "attention sinks",  # a learned sink logit in every softmax row
+    "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
+    "alibi",  # a per-head linear bias added to the scores
+    "differs from transformers",  # the guard: our cached step is not transformers' own forward
+    "cannot load",  # transformers itself cannot build or run it from this directory
+]
+REFUSAL_REASONS: tuple[str, ...] = RefusalReason.__args__  # type: ignore[attr-defined]
+REFUSED: dict[str, tuple[RefusalReason, str]] = {}  # by model_type, before anything runs (none at present)
+# BERT-family types: transformers maps them to a causal LM (…ForCausalLM / LMHeadModel), which is causal only when
+# the config says is_decoder = true; otherwise every position attends to every other
 ENCODERS = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie", "data2vec-text",
-            "bert-generation", "rembert", "roc_bert", "megatron-bert", "xmod", "big_bird", "roformer")
-for _encoder in ENCODERS:
-    REFUSED[_encoder] = ("an encoder (every position attends to every other): only decoder-only causal LMs, "
-                         "whose position i sees positions ≤ i, are traced")
+            "bert-generation", "rembert", "roc_bert", "megatron-bert", "xmod", "big_bird", "roformer",
+            "roberta-prelayernorm")
 
 
 class HFDecoderError(ValueError):
-    """A Hugging Face model that cannot be traced: the message says what, why and what would work."""
+    """A Hugging Face model that cannot be traced: the message says what, why and what would work;
+    ``reason`` names the category (None for a problem with the request rather than with the model)."""
+
+    def __init__(self, message: str, reason: RefusalReason | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # -- the attention function -----------------------------------------------------------------------------
@@ -164,6 +187,9 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     ``query [B,H,n,d_qk]``, ``key [B,G,t,d_qk]``, ``value [B,G,t,d_v]`` (d_v = d_qk but in latent attention);
     returns ``(output [B,n,H,d_v], weights [B,H,n,t])`` as transformers' eager function does."""
+    record = getattr(_probing, "record", None)
+    if record is not None:  # HFDecoder's probe: which module called, inside which layer, with what
+        record(module, query, key, value, attention_mask, kwargs)
     sinks = kwargs.get("s_aux")  # [H]: gpt-oss's learned sink logits
     hooks = _HOOKS.get(module)
     if sinks is not None and hooks is not None and not hasattr(hooks, "hook_sink_logits"):
@@ -222,6 +248,7 @@ def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return pattern @ values  # [B,H,n,t] @ [B,H,t,d_head] -> [B,H,n,d_head]
 
 
+_probing = threading.local()  # .record: HFDecoder's probe's callback while it runs on this thread
 _forward = threading.local()  # .keys: (key_is_token [B,t] | None,) while HFDecoder.forward runs on this thread
 
 
@@ -257,8 +284,11 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from model.sources._hf_families import register_families
+
     AttentionInterface.register(ATTENTION, traced_attention)
     AttentionMaskInterface.register(ATTENTION, traced_mask)
+    register_families()  # GPT-J, GPT-Neo, Falcon, GIT: their own tables of attention classes
 
 
 # -- the KV cache -----------------------------------------------------------------------------------------
@@ -426,21 +456,162 @@ def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
     return None
 
 
-def _decoder_layers(hf: nn.Module, n_layer: int) -> nn.ModuleList:
-    lists = [m for m in hf.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layer]
-    if not lists:
-        raise HFDecoderError(f"no list of {n_layer} decoder layers found in {type(hf).__name__}")
-    return lists[0]
+@dataclass(frozen=True)
+class _Call:
+    """One call of the attention function during the probe."""
+
+    layer: tuple[int, int] | None  # (id of the outermost ModuleList running, index in it); None: outside any
+    module: nn.Module
+    q_head: int  # d_head of the queries/keys
+    v_head: int  # d_head of the values
+    sinks: bool
+    mask: torch.Tensor | None  # [B|1,1,n,t] as the attention received it
 
 
-def _attention_module(layer: nn.Module) -> nn.Module:
-    """The layer's self-attention: the child whose class is named for attention (GPT-NeoX's
-    ``post_attention_layernorm`` is named for it too, but is a norm)."""
-    found = [m for m in layer.children() if "attention" in type(m).__name__.lower()
-             and "norm" not in type(m).__name__.lower()]
-    if not found:
-        raise HFDecoderError(f"no attention module in {type(layer).__name__}")
-    return found[0]
+_STATE_WORDS = ("mamba", "ssm", "conv", "rwkv", "recurrent", "lstm", "linear_attn", "linearattention", "mixer",
+                "retention", "deltanet", "gated_delta", "lightning", "hyena", "short_conv")
+
+
+def _module_words(hf: nn.Module) -> set[str]:
+    return {type(m).__name__.lower() for m in hf.modules()}
+
+
+def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
+    """Two tokens through the model, recording every call of the attention function and which element of which
+    ModuleList was running (the outermost one) when it came — the layers are found by what they call, not by
+    their class names or where they sit: a vision tower that is not run is never mistaken for the text stack."""
+    frames: list[tuple[int, int]] = []
+    calls: list[_Call] = []
+    lists = {id(m): m for m in hf.modules() if isinstance(m, nn.ModuleList)}
+    handles = []
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:  # returns None: the output stays as it is
+        if frames:
+            frames.pop()
+
+    for key, modules in lists.items():
+        for i, layer in enumerate(modules):
+            handles.append(layer.register_forward_pre_hook(lambda m, a, k=key, i=i: frames.append((k, i))))
+            handles.append(layer.register_forward_hook(leave))
+
+    def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, kwargs: dict) -> None:
+        calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-1]), int(value.shape[-1]),
+                           kwargs.get("s_aux") is not None, mask))
+
+    device = next((p.device for p in hf.parameters()), torch.device("cpu"))
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    _probing.record = record
+    try:
+        with torch.no_grad():
+            hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False)
+    except HFDecoderError:
+        pass  # raised by traced_attention (sinks): the calls recorded so far say what the model is
+    except Exception as e:  # noqa: BLE001 (transformers' own forward failing is a refusal, never a crash)
+        raise HFDecoderError(f"transformers' own forward of this model fails on a two-token input "
+                             f"({type(e).__name__}: {str(e)[:300]})", reason="cannot load") from None
+    finally:
+        _probing.record = None
+        for handle in handles:
+            handle.remove()
+    return calls, lists
+
+
+def _state_layers(hf: nn.Module) -> list[int]:
+    """The layers whose cache holds convolution / state-space / linear-attention state (transformers' own cache
+    for this config says so), which our KV cache does not keep."""
+    try:
+        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+        config: Any = getattr(hf, "config", None)
+        layers = DynamicCache(config=config).layers
+    except Exception:  # noqa: BLE001 (a config whose cache transformers cannot describe: no state layers known)
+        return []
+    return [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[nn.Module]]:
+    """The decoder layers and each one's self-attention module, found by which module calls the attention
+    function inside which layer; refuses, with the true reason, a model that does not fit one call per layer."""
+    calls, lists = _probe_calls(hf)
+    words = _module_words(hf)
+    if not calls:
+        attention_named = [w for w in words if ("attention" in w or "attn" in w) and "norm" not in w]
+        state = [w for w in words if any(s in w for s in _STATE_WORDS)]
+        if attention_named and not (state and all(any(s in w for s in _STATE_WORDS) for w in attention_named)):
+            raise HFDecoderError(
+                f"{model_type}: its attention ({', '.join(sorted(attention_named)[:3])}) is computed by the family's "
+                "own code, not through transformers' attention interface, so its Q, K, V and pattern cannot be "
+                "recorded (the re-implemented families gpt2, llama, mistral, qwen2 and every family whose attention "
+                "calls the interface can)", reason="attention outside the interface")
+        raise HFDecoderError(f"{model_type}: no layer computes softmax attention (its mixers: "
+                             f"{', '.join(sorted(state)[:3]) or 'none named'}): there is no attention pattern to "
+                             "trace", reason="no softmax attention")
+    counts: dict[int, int] = {}
+    for c in calls:
+        if c.layer is not None:
+            counts[c.layer[0]] = counts.get(c.layer[0], 0) + 1
+    if not counts:
+        raise HFDecoderError(f"{model_type}: its attention runs outside any list of layers",
+                             reason="attention outside the interface")
+    layers = lists[max(counts, key=lambda k: counts[k])]
+    per_layer: list[list[_Call]] = [[] for _ in layers]
+    for c in calls:
+        if c.layer is not None and c.layer[0] == id(layers):
+            per_layer[c.layer[1]].append(c)
+    elsewhere = [c for c in calls if c.layer is None or c.layer[0] != id(layers)]
+    repeated = [L for L, cs in enumerate(per_layer) if len(cs) > 1]
+    if repeated or elsewhere:
+        where = (f"layer(s) {', '.join(map(str, repeated[:8]))} call attention more than once per forward"
+                 if repeated else f"{len(elsewhere)} attention call(s) come from outside its list of layers")
+        raise HFDecoderError(f"{model_type}: {where} (several attentions, or layers run more than once); the trace "
+                             "holds one attention per layer", reason="several attentions per layer")
+    state_layers = _state_layers(hf)
+    missing = [L for L, cs in enumerate(per_layer) if not cs]
+    stateful = any(any(w in type(m).__name__.lower() for w in _STATE_WORDS)
+                   for L in missing for m in layers[L].modules())
+    if missing and not set(missing) <= set(state_layers) and not stateful:
+        raise HFDecoderError(
+            f"{model_type}: the attention of layer(s) {', '.join(map(str, missing))} does not go through "
+            "transformers' attention interface, so its Q, K, V and pattern cannot be recorded; this family cannot "
+            "be traced (the re-implemented families gpt2, llama, mistral, qwen2 can)",
+            reason="attention outside the interface")
+    if missing:  # a layer with state beside its attention (Falcon-H1) is traced: StateCache keeps that state
+        kinds = sorted({type(m).__name__ for L in missing[:4] for m in layers[L].children()})
+        raise HFDecoderError(
+            f"{model_type}: layer(s) {', '.join(map(str, missing[:12]))} hold state-space, convolution or "
+            f"linear-attention state ({', '.join(kinds[:4])}) instead of softmax attention; the trace holds one "
+            "attention per layer, so a layer without one cannot be traced yet", reason="state layers")
+    first = per_layer[0][0].mask
+    if first is not None and first.device.type != "meta" and first.shape[-1] >= 2 and first.shape[-2] >= 2:
+        hidden = first[0, 0] <= torch.finfo(first.dtype).min / 2 if first.is_floating_point() else ~first[0, 0]
+        if not bool(hidden[0, 1]):  # the first position sees the second: not causal
+            raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, "
+                                 "an encoder): only causal decoders, whose position i sees positions ≤ i, are "
+                                 "traced", reason="encoder")
+    return layers, [cs[0].module for cs in per_layer]
+
+
+def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
+    """What the config alone says cannot be traced (before anything is loaded)."""
+    if model_type in REFUSED:
+        reason, why = REFUSED[model_type]
+        return HFDecoderError(f"model_type {model_type!r} is {why}", reason=reason)
+    if getattr(config, "is_encoder_decoder", False):
+        return HFDecoderError(f"{model_type} is an encoder-decoder (its decoder reads a separate encoder through "
+                              "cross-attention); only decoder-only causal LMs are traced", reason="encoder-decoder")
+    if getattr(config, "add_cross_attention", False):
+        return HFDecoderError(f"{model_type} is configured with cross-attention (add_cross_attention = true): its "
+                              "layers read an encoder's output; only decoder-only causal LMs are traced",
+                              reason="encoder-decoder")
+    if model_type in ENCODERS and not getattr(config, "is_decoder", False):
+        return HFDecoderError(f"{model_type} is configured as an encoder (is_decoder = false): every position "
+                              "attends to every other; configured with is_decoder = true it is a causal decoder",
+                              reason="encoder")
+    if getattr(config, "alibi", False):
+        return HFDecoderError(f"{model_type} adds ALiBi position biases to the attention scores, which the traced "
+                              "attention does not model", reason="alibi")
+    return None
 
 
 def _text_config(hf_config: Any) -> Any:
@@ -570,16 +741,18 @@ class HFDecoder(nn.Module):
         super().__init__()
         _register()
         model_type = str(getattr(hf.config, "model_type", type(hf).__name__))
-        if model_type in REFUSED:
-            raise HFDecoderError(f"model_type {model_type!r} is {REFUSED[model_type]}")
-        if getattr(hf.config, "is_encoder_decoder", False):
-            raise HFDecoderError(f"{model_type} is an encoder-decoder; only decoder-only causal LMs are traced")
-        hf.set_attn_implementation(ATTENTION)  # to every sub-model too; the routing check below verifies it
+        refusal = refusal_by_config(hf.config, model_type)
+        if refusal is not None:
+            raise refusal
+        try:
+            hf.set_attn_implementation(ATTENTION)  # to every sub-model too; the routing check below verifies it
+        except (ValueError, KeyError) as e:
+            raise HFDecoderError(f"{model_type}: transformers cannot give it another attention implementation "
+                                 f"({type(e).__name__}: {str(e)[:300]})",
+                                 reason="attention outside the interface") from None
         self.hf = hf.eval().requires_grad_(False)
         cfg = _text_config(hf.config)
-        n_layer = int(cfg.num_hidden_layers)
-        layers = _decoder_layers(hf, n_layer)
-        attns = [_attention_module(layer) for layer in layers]
+        layers, attns = _find_attention(hf, model_type)
         self.architecture = _guess_architecture(hf, layers[0], attns[0], model_type)
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
@@ -619,6 +792,12 @@ class HFDecoder(nn.Module):
                 self._handles.append(mlp_norm.register_forward_pre_hook(
                     lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:])))
         self._identity: ModelIdentity | PendingIdentity | None = identity
+        # set by guard_against_transformers where transformers' own cached and uncached forwards disagree: which
+        # one the trace follows, with the numbers (None: they agree, or the guard has not run)
+        self.reference_note: str | None = None
+        # RoBERTa-style embeddings: positions from padding_idx + 1 onwards, computed from the ids
+        self._own_positions = any(hasattr(m, "padding_idx") and hasattr(m, "position_embeddings")
+                                  for m in hf.modules() if not isinstance(m, nn.Embedding))
         self._check_routing(block_hooks)
         self.config = self._config(cfg, block_hooks[0].attn)
         self.tensor_parallel: TensorParallelPlan | None = None  # one rank of k (a dry run): sources/_tensor_parallel.py
@@ -657,11 +836,13 @@ class HFDecoder(nn.Module):
         H, G, d_head, d_v = first.seen
         latent = next((widths for widths in self._latent if widths is not None), None)
         d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
+        if isinstance(d_ff, (list, tuple)):  # one width per layer (Gemma 3n): one number only where they agree
+            d_ff = d_ff[0] if len(set(d_ff)) == 1 else None
         n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
         window = getattr(cfg, "sliding_window", None)
         return GPTConfig(
             vocab_size=int(cfg.vocab_size), n_ctx=n_ctx, d_model=int(cfg.hidden_size),
-            n_layer=int(cfg.num_hidden_layers),
+            n_layer=len(self.blocks),
             n_head=H, n_kv_head=G, head_dim=d_head, d_mlp=int(d_ff) if d_ff else None, family="hf",
             norm=arch.norm, positions=arch.positions, mlp="swiglu" if arch.mlp == "swiglu" else "gelu",
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -753,7 +934,11 @@ class HFDecoder(nn.Module):
         before = getattr(_forward, "keys", None)
         _forward.keys = (key_is_token,)
         with transaction(cache, n, key_is_token), _restored(before):
-            out = self.hf(input_ids=tokens, attention_mask=attention_mask, position_ids=positions.expand(B, n),
+            # positions count real tokens; a family whose embeddings derive positions from the ids themselves
+            # (RoBERTa's padding_idx + 1 + …) gets them only with padding, else its own default applies
+            own = self._own_positions and key_is_token is None
+            out = self.hf(input_ids=tokens, attention_mask=attention_mask,
+                          position_ids=None if own else positions.expand(B, n),
                           past_key_values=self._cache_view(cache) if cache is not None else None,
                           use_cache=cache is not None, return_dict=True)
             logits = self.hook_logits(out.logits)
@@ -804,6 +989,67 @@ def _max_memory(max_memory: MaxMemory) -> dict[int | str, int]:
     return sizes
 
 
+GUARD_PROMPT = 6  # tokens before the guard's decode step (more where a short sliding window must be passed)
+
+
+@contextmanager
+def _transformers_eager(hf: nn.Module):
+    """transformers' own eager attention for the duration (our function again after); if the model cannot switch,
+    our function stays (it computes transformers' eager numbers by construction, with our hook points idle)."""
+    try:
+        hf.set_attn_implementation("eager")  # type: ignore[operator]
+    except (ValueError, KeyError, AttributeError, TypeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        hf.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+
+
+def guard_against_transformers(model: HFDecoder) -> None:
+    """No silent difference: one decode step with our cache, compared with transformers' own forward on the same
+    tokens — without a cache (what the model computes) and with its own cache (what its generate() runs).
+
+    Ours differs from both: refused with the numbers. Ours equals the uncached forward but transformers' own
+    cached path differs (moshi past its sliding window): loaded, and ``model.reference_note`` says which one the
+    trace follows and by how much the other differs."""
+    from model.sources._common import logit_tolerance
+
+    hf = model.hf
+    window = model.config.sliding_window
+    n = window + 2 if window is not None and window + 2 <= 64 else GUARD_PROMPT
+    n = min(n, model.config.n_ctx - 1)
+    tokens = (torch.arange(n + 1, device=model.input_device) * 7 + 3)[None] % model.config.vocab_size  # [1, n+1]
+    tolerance = logit_tolerance(next(hf.parameters()).dtype)
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(tokens[:, :n], cache)
+        ours = model(tokens[:, n:], cache)[0, -1].float()  # [V]
+        with _transformers_eager(hf):
+            uncached = hf(input_ids=tokens, use_cache=False).logits[0, -1].float()
+            past = hf(input_ids=tokens[:, :n], use_cache=True).past_key_values
+            cached = hf(input_ids=tokens[:, n:], past_key_values=past, use_cache=True).logits[0, -1].float()
+    to_uncached = float((ours - uncached).abs().max())
+    to_cached = float((ours - cached).abs().max())
+    name = model.architecture.model_type
+    if to_uncached > tolerance and to_cached > tolerance:
+        raise HFDecoderError(
+            f"{name}: a decode step after {n} tokens differs from transformers' own forward on the same tokens by "
+            f"{to_uncached:.3g} (without a cache) and {to_cached:.3g} (with its cache), beyond {tolerance:g}: the "
+            "trace would not show what this model computes", reason="differs from transformers")
+    if to_cached > tolerance:
+        model.reference_note = (
+            f"transformers' own cached forward of {name} differs from its uncached forward (by {to_cached:.3g} in the "
+            f"logits of a decode step after {n} tokens); the trace follows the uncached forward (within "
+            f"{to_uncached:.1g}), what the model computes for the whole text")
+    elif to_uncached > tolerance:
+        model.reference_note = (
+            f"transformers' own uncached forward of {name} differs from its cached forward (by {to_uncached:.3g} in "
+            f"the logits of a decode step after {n} tokens); the trace follows the cached forward (within "
+            f"{to_cached:.1g}), what its generate() runs")
+
+
 def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                     device: torch.device | str = "cpu", name: str | None = None,
                     max_memory: MaxMemory | None = None, offload_folder: str | os.PathLike | None = None) -> HFDecoder:
@@ -846,8 +1092,9 @@ def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dty
         raise HFDecoderError(f"{directory}: transformers cannot read its config ({type(e).__name__}: "
                              f"{str(e)[:500]})") from None
     model_type = getattr(hf_config, "model_type", "?")
-    if model_type in REFUSED:
-        raise HFDecoderError(f"{directory}: model_type {model_type!r} is {REFUSED[model_type]}")
+    refusal = refusal_by_config(hf_config, model_type)
+    if refusal is not None:
+        raise HFDecoderError(f"{directory}: {refusal}", reason=refusal.reason)
     _check_config_against_weights(directory, hf_config)  # before anything is built
     placement: dict[str, Any] = {}
     folder = None
@@ -864,14 +1111,17 @@ def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dty
         try:
             hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
                                                       dtype=target, attn_implementation=ATTENTION, **placement)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError, AssertionError,
+                ImportError, IndexError) as e:  # transformers' own code failing on this directory: a refusal
             raise HFDecoderError(f"{directory}: transformers cannot load it as a causal LM "
-                                 f"({type(e).__name__}: {str(e)[:500]})") from None
+                                 f"({type(e).__name__}: {str(e)[:500]})", reason="cannot load") from None
         if not placement:
             # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), whose typeshed type
             # keeps the unbound method's self: mypy reads every call as one argument short
             hf = hf.to(device)  # type: ignore[arg-type]
         model = HFDecoder(hf)
+        if model.input_device.type != "meta":
+            guard_against_transformers(model)
     except BaseException:  # a failed load leaves no offload folder behind
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)

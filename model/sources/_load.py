@@ -76,7 +76,7 @@ def load_hf(
             generic = load_hf_decoder(directory, dtype=target_dtype, device=target_device, name=name,
                                       max_memory=max_memory, offload_folder=offload_folder)
         except HFDecoderError as e:
-            raise ModelLoadError(str(e)) from None
+            raise ModelLoadError(str(e), reason=e.reason) from None
         return generic, directory_tokenizer(directory, generic.config.vocab_size)
     return load_hf_ours(directory, target_dtype, target_device, name)
 

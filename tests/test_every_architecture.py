@@ -1,0 +1,171 @@
+"""Every causal-LM model_type of the installed transformers (tests/hf_every_architecture.py builds each from its
+own config class): traced types equal transformers at the prefill and 3 cached decode steps (≤ 1e-4, float32);
+refused types are refused with a reason category whose truth the test checks on its own; nothing crashes.
+
+The full sweep is marked ``every_architecture`` (minutes; run it with ``pytest -m every_architecture``); a
+representative subset — one type per outcome and mechanism — runs unmarked."""
+
+from __future__ import annotations
+
+import inspect
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.sources._hf_decoder import ENCODERS, REFUSAL_REASONS
+from tests.hf_every_architecture import TOLERANCE, Result, build, causal_lm_types, check, run
+
+# one type per mechanism and outcome (the outcome itself is not written here: each is checked for what it is)
+REPRESENTATIVE = [
+    "llama",  # our own GPT runs it
+    "qwen3", "gemma2",  # the attention interface
+    "gptj", "gpt_neo", "falcon", "git",  # their own tables of attention classes
+    "gemma3", "got_ocr2",  # a vision tower as deep as the text stack, not run for text
+    "bert", "roberta",  # BERT family configured as a causal decoder (is_decoder = true)
+    "moshi",  # transformers' own cached path differs from its uncached forward
+    "gemma3n_text",  # one feed-forward width per layer
+    "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
+]
+
+
+def _source_calls_the_interface(model_type: str) -> bool:
+    """Whether the family's modeling file looks its attention up in transformers' attention interface."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    import transformers
+
+    module = importlib.import_module(getattr(transformers, cls_name).__module__)
+    source = inspect.getsource(module)
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+def _reason_is_true(result: Result, directory: Path) -> bool:
+    """The refusal's category checked independently of the code that refused (from the config, transformers'
+    own cache, the family's source, or transformers failing on its own)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    reason = result.reason
+    if reason == "encoder-decoder":
+        return bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False))
+    if reason == "encoder":
+        return result.model_type in ENCODERS and not getattr(config, "is_decoder", False)
+    if reason == "attention outside the interface":
+        return not _source_calls_the_interface(result.model_type) or "layer(s)" in result.message
+    if reason == "no softmax attention":
+        return not any("attention" in type(m).__name__.lower() and "norm" not in type(m).__name__.lower()
+                       for m in AutoModelForCausalLM.from_config(config).modules()) or \
+            not _source_calls_the_interface(result.model_type)
+    if reason == "state layers":
+        layers = DynamicCache(config=config).layers
+        model = AutoModelForCausalLM.from_config(config)
+        return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers) or any(
+            k in type(m).__name__.lower() for m in model.modules() for k in ("mamba", "conv", "lightning", "delta"))
+    if reason == "attention sinks":
+        model = AutoModelForCausalLM.from_config(config)
+        return any("sink" in name for name, _ in model.named_parameters())
+    if reason == "latent attention":
+        return any(isinstance(getattr(config, k, None), int) for k in ("kv_lora_rank", "v_head_dim"))
+    if reason == "several attentions per layer":
+        return True  # the message names the layers; the probe counted the calls (test_probe_counts_calls below)
+    if reason == "alibi":
+        return bool(getattr(config, "alibi", False))
+    if reason == "cannot load":
+        try:  # transformers itself fails on the directory
+            hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+            hf(input_ids=torch.zeros(1, 2, dtype=torch.long), attention_mask=torch.ones(1, 2, dtype=torch.long))
+        except Exception:  # noqa: BLE001
+            return True
+        return False
+    return False
+
+
+def _assert_outcome(result: Result, directory: Path | None) -> None:
+    if result.outcome == "traced":
+        assert len(result.deltas) == 4 and max(result.deltas) <= TOLERANCE, result
+    elif result.outcome == "follows uncached":
+        assert max(result.uncached) <= TOLERANCE and result.note and "uncached" in result.note, result
+    elif result.outcome == "refused":
+        assert result.reason in REFUSAL_REASONS, result
+        assert result.reason != "differs from transformers", result
+        assert directory is not None and _reason_is_true(result, directory), result
+    else:
+        assert result.outcome == "not built", result  # crash and differs fail here
+
+
+def _check_in(model_type: str, root: Path) -> tuple[Result, Path | None]:
+    directory = root / model_type
+    try:
+        build(model_type, directory)
+    except Exception:  # noqa: BLE001 (reported as not built, with its reason, by run())
+        return run(model_type), None
+    return check(model_type, directory), directory
+
+
+@pytest.mark.parametrize("model_type", REPRESENTATIVE)
+def test_representative_type_traced_exactly_or_refused_for_a_true_reason(model_type, tmp_path):
+    result, directory = _check_in(model_type, tmp_path)
+    print(f"{model_type}: {result.outcome} {result.reason} {result.deltas or result.message[:200]}")
+    _assert_outcome(result, directory)
+    assert result.outcome != "not built", result  # every representative type builds offline
+
+
+def test_dbrx_its_attention_found_in_a_class_named_for_norms(tmp_path):
+    """DBRX (its default config cannot build: transformers reads attn_config.rope_theta, which it does not set;
+    and clip_qkv None fails its forward), with both given: its attention sits in DbrxNormAttentionNorm."""
+    from transformers import AutoModelForCausalLM, DbrxConfig
+
+    config = DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256,
+                        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": 64})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    result = check("dbrx", tmp_path)
+    assert result.outcome == "traced" and max(result.deltas) <= TOLERANCE, result
+
+
+def test_the_family_tables_record_every_layer(tmp_path):
+    """GPT-J, GPT-Neo, Falcon, GIT: every layer's pattern goes through its hook point (a distribution over the
+    keys the causal mask allows), at the prefill and at a cached step — not only the logits right."""
+    from model import load_hf
+
+    for model_type in ("gptj", "gpt_neo", "falcon", "git"):
+        model, _ = load_hf(build(model_type, tmp_path / model_type))
+        patterns: dict[int, list[torch.Tensor]] = {L: [] for L in range(model.config.n_layer)}
+        for L, block in enumerate(model.blocks):
+            block.attn.hook_pattern.register_forward_hook(lambda m, a, out, seen=patterns[L]: seen.append(out))
+        cache = model.new_cache()
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3, 4, 5]]), cache)
+            model(torch.tensor([[6]]), cache)
+        for L, (prefill, step) in patterns.items():
+            assert prefill.shape[-2:] == (5, 5) and step.shape[-2:] == (1, 6), (model_type, L)
+            assert torch.allclose(prefill.sum(-1), torch.ones(())) and torch.allclose(step.sum(-1), torch.ones(()))
+            assert (prefill.triu(1) == 0).all(), (model_type, L)  # position i sees positions ≤ i
+
+
+@pytest.mark.every_architecture
+@pytest.mark.timeout(3600)  # one test for 189 types: ~6 min on a quiet 2-core machine, past the 900 s default when busy
+def test_every_causal_lm_type_traced_exactly_or_refused_for_a_true_reason():
+    types = causal_lm_types()
+    assert len(types) > 100  # transformers' own list, not a hand-picked one
+    counts: dict[str, int] = {}
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type in types:
+            result, directory = _check_in(model_type, Path(tmp))
+            counts[result.outcome] = counts.get(result.outcome, 0) + 1
+            print(f"{model_type:28s} {result.outcome:16s} {result.reason:30s} "
+                  f"{result.deltas or result.message[:160]}")
+            try:
+                _assert_outcome(result, directory)
+            except AssertionError as e:
+                failures.append(f"{model_type}: {e}")
+    print(f"{len(types)} causal-LM types:", counts)
+    assert not failures, "\n".join(failures)
