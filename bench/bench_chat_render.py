@@ -12,7 +12,7 @@ import time
 
 from common import machine, median, save
 
-import model.sources._chat_render as chat_render
+from model.sources import compile_chat_template, forget_rendered_chats, render_chat_template
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
             "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
@@ -27,11 +27,11 @@ def main() -> None:
     variables = {"messages": CHAT, "bos_token": "<s>", "eos_token": "</s>", "add_generation_prompt": True}
     in_process, bounded = [], []
     for _ in range(args.repeats):
-        chat_render._rendered.cache_clear()
+        forget_rendered_chats()
         t0 = time.perf_counter()
-        a = chat_render._compiled_template(TEMPLATE).render(**variables)
+        a = compile_chat_template(TEMPLATE).render(**variables)
         t1 = time.perf_counter()
-        b = chat_render.render_chat_template(TEMPLATE, **variables)
+        b = render_chat_template(TEMPLATE, **variables)
         t2 = time.perf_counter()
         assert a == b
         in_process.append(t1 - t0)

@@ -102,19 +102,6 @@ def next_token_takeaway(trace: Trace, step: int, row: int) -> Takeaway | None:
 
 
 # -- What if ---------------------------------------------------------------------------------------------
-def attribution_takeaway(frame: pd.DataFrame, chosen: str) -> Takeaway:
-    """The component that adds most to the chosen token's logit, of ``tracer.direct_logit_attribution``'s frame."""
-    top = frame.loc[frame["contribution"].idxmax()]
-    heads = frame[frame["kind"] == "head"]
-    logit = float(frame.attrs["logit"])
-    sentence = (f"The largest direct push to the logit of {quoted(chosen)} ({logit:.2f}) comes from "
-                f"{inert(top['component'])}: {top['contribution']:+.2f}.")
-    metrics = [("logit z", f"{logit:.2f}"), ("largest share", f"{top['component']} {top['contribution']:+.2f}")]
-    if len(heads):
-        metrics.append(("all heads together", f"{heads['contribution'].sum():+.2f}"))
-    return Takeaway(sentence, tuple(metrics))
-
-
 def chosen_from(trace: Trace, step: int, row: int) -> int:
     """The position, among the step's n query rows, whose logits chose sequence ``row``'s token: its last real
     token (before any right padding)."""
@@ -125,31 +112,6 @@ def first_query(trace: Trace, step: int) -> int:
     """The position of the step's first query row: t − n."""
     forward = facts_of(trace).step(step).forward
     return forward.t - forward.n
-
-
-def lens_takeaway(frame: pd.DataFrame, position: int, first: int = 0) -> Takeaway | None:
-    """From which layer on the lens' top guess at ``position`` (a row of the step's n; ``first``: the position of
-    the step's row 0) is the token the model finally chose there."""
-    at = frame[frame["position"] == position].sort_values("layer")
-    if at.empty:
-        return None
-    hits = at["top_token"] == at["final_token"]
-    n_layer = int(at["layer"].max()) + 1
-    final = at.iloc[-1]
-    settled = n_layer  # the first layer from which every later layer agrees
-    for layer in reversed(range(n_layer)):
-        if not hits.iloc[layer]:
-            break
-        settled = layer
-    label = quoted(final["final_label"])
-    if settled == n_layer:
-        sentence = f"At position {first + position} no layer's top guess is the chosen token {label}."
-    else:
-        sentence = (f"At position {first + position} the lens' top guess is the chosen token {label} from layer "
-                    f"{settled} on (of {n_layer}).")
-    return Takeaway(sentence, (("layers agreeing", f"{int(hits.sum())} of {n_layer}"),
-                               ("p at the first layer", f"{float(at.iloc[0]['final_prob']):.3f}"),
-                               ("p at the last layer", f"{float(final['final_prob']):.3f}")))
 
 
 def ablation_takeaway(loss_before: float, loss_after: float, described: tuple[str, ...], loss_text: str,

@@ -163,7 +163,7 @@ def lens_figure(frame: pd.DataFrame, n_layer: int) -> tuple[go.Figure, str]:
     fig.update_yaxes(type="category", autorange="reversed")
     fig.update_layout(height=max(260, 90 + 48 * n_layer), margin={"t": 40, "l": 10, "r": 10, "b": 10},
                       title_text="logit lens: each layer's residual stream, through the final norm and W_U"
-                                 + ("<br>padding columns grey" if padding else ""),
+                                 + ("<br>padding positions grey" if padding else ""),
                       title_font_size=13)
     note = f"the last {len(shown)} of {len(positions)} positions" if len(shown) < len(positions) else ""
     return fig, note

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = getattr(model, "tensor_parallel", None)
     parallel = None
     if plan is not None:
-        from tracer.costs import collectives, collectives_sentence
+        from tracer import collectives, collectives_sentence
 
         sent = collectives(gen.trace, step, plan)
         parallel = {"ranks": plan.ranks, "plan": plan.source, "sentence": collectives_sentence(plan, sent),

@@ -195,7 +195,7 @@ def bad_dirs(tmp_path, hf_pair):
     [
         ("missing", "no such directory"),
         ("file", "is a file, not a directory"),
-        ("unsupported", "model_type 'bert' is an encoder"),
+        ("unsupported", "bert is configured as an encoder (is_decoder = false)"),
         ("mismatch", "config.json implies"),
         ("truncated", "not a readable safetensors file"),
         ("pickle", "refused"),

@@ -178,13 +178,13 @@ def test_every_tab_renders_for(app, directories, model_type):
     """As tests/test_app_architectures.py: load, step twice, every tab and every What-if view without an error."""
     from html import unescape
 
-    from tests.test_app import press, show_tab
+    from tests.test_app import press, press_reset, show_tab
     from tests.test_app_architectures import choose_directory, every_tab_without_error
 
     at = app
     choose_directory(at, directories[model_type])
     press(at, "load_model")
-    press(at, "reset_button")
+    press_reset(at)  # confirms the discard when the previous type's generation is there
     press(at, "step_button")
     show_tab(at, "Attention")
     press(at, "step_button")

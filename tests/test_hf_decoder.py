@@ -305,7 +305,7 @@ def test_the_new_values_are_transformers_own_value_projections_not_the_keys(dire
 
 @pytest.mark.parametrize(("change", "expected"), [
     ({"num_hidden_layers": 600, "layer_types": ["full_attention"] * 600},
-     "num_hidden_layers = 600, but the weights hold 2 layer(s) (0 … 1)"),
+     "builds 600 layers (num_hidden_layers = 600), but the weights hold 2 (0 … 1)"),
     ({"num_attention_heads": 0}, "num_attention_heads must be a positive whole number, got 0"),
     ({"tie_word_embeddings": "false"}, "Field 'tie_word_embeddings' expected bool, got str"),
     ({"layer_types": ["full_attention"] * 3}, "transformers cannot read its config"),

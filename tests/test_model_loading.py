@@ -254,7 +254,8 @@ def test_unknown_model_type_lists_the_supported_ones(llama_dir, model_type):
 def test_an_encoder_is_refused_by_name(llama_dir):
     edit_config(llama_dir, model_type="bert")
     msg = load_error(llama_dir)
-    assert "model_type 'bert' is an encoder" in msg and "only decoder-only causal LMs" in msg
+    assert "bert is configured as an encoder (is_decoder = false)" in msg
+    assert "is_decoder = true it is a causal decoder" in msg
 
 
 def test_a_config_claiming_20000_layers_is_refused_before_anything_is_built(llama_dir):

@@ -164,6 +164,13 @@ ALLOWED_PRIVATE = {
     "_version": "the in-place version counter that catches a kept value changed later (tracer/storage/_store.py)",
     "_global_forward_hooks": "lets an unhooked hook point skip nn.Module.__call__ (model/gpt/_gpt.py; a test pins it)",
     "_global_forward_pre_hooks": "as above",
+    "_attn": "GPT-J's and GPT-Neo's own eager attention step, which model/sources/_hf_families.py overrides and "
+             "calls through super()",
+    "_attn_implementation": "transformers' config field naming the attention function: Falcon's module keeps a "
+                            "copy of its config that names SDPA (model/sources/_hf_families.py)",
+    "_buffers": "KVCache's rows: StateCache.copy (model/sources/_hf_decoder.py), a KVCache itself, moves the rows "
+                "of the KVCache.copy it has just made into its own twin",
+    "_length": "as _buffers",
     "_repr_mimebundle_": "IPython's display protocol, public in all but name: the heads grid shows its figure "
                          "as plotly shows it (figures/attention.py)",
 }

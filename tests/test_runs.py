@@ -228,18 +228,23 @@ def test_a_run_whose_model_is_gone_opens_its_written_trace(tmp_path, small_trace
 
 
 def test_a_gradients_result_comes_back_after_a_step():
+    """The Gradients view computes its backward pass when it opens and keeps it per (step, layer, head, sequence,
+    loss): after a Step the new step gets its own, and returning to the first shows the one kept, not a new one."""
     at = app_at()
     press(at, "step_button")
     press(at, "step_button")
     show_tab(at, "Attention", ("attn_view", "Gradients"))
-    at.button(key="grad_run").click()
-    run(at)
-    assert any("gradients computed from their formulas" in s.value for s in at.success)
-    press(at, "step_button")  # the slider moves to step 2: no result there yet, and it says where one is
-    assert "Results kept for step(s) 1" in page_text(at)
+    kept = at.session_state["app"].gradients
+    assert [key[0] for key in kept.computed_for()] == [1]
+    first = kept.get(kept.computed_for()[0])
+    assert "gradients computed from their formulas" in page_text(at)
+    press(at, "step_button")  # the slider moves to step 2: its own backward pass
+    assert sorted(key[0] for key in kept.computed_for()) == [1, 2]
     at.slider(key="step_view").set_value(1)
     run(at)
-    assert any("gradients computed from their formulas" in s.value for s in at.success)
+    assert sorted(key[0] for key in kept.computed_for()) == [1, 2]
+    assert kept.get(next(k for k in kept.computed_for() if k[0] == 1)) is first
+    assert "gradients computed from their formulas" in page_text(at)
 
 
 def test_a_written_trace_is_the_projects_trace_format():

@@ -14,12 +14,9 @@ from figures import worked as worked_views
 from figures.mask import mask_facts
 from figures.view_takeaways import (
     ablation_takeaway,
-    attribution_takeaway,
     chosen_from,
     compare_takeaway,
-    first_query,
     inspector_takeaway,
-    lens_takeaway,
     mask_takeaway,
     next_token_takeaway,
     shapes_takeaway,
@@ -27,7 +24,7 @@ from figures.view_takeaways import (
 )
 from model import load_bundled
 from model.gpt import act_name
-from tracer import TracedGeneration, diff_traces, direct_logit_attribution, logit_lens
+from tracer import TracedGeneration, diff_traces
 
 PROMPT = "Tom had a big red kite. One day, Tom went to the park."
 SHORT = "Lily saw a cat."
@@ -157,31 +154,6 @@ def test_the_next_token_line_is_the_sampled_distribution(gen):
                 assert token == int(probs.argmax())
 
 
-def test_attribution_and_lens_lines_read_their_frames():
-    gen = generation(steps=2)
-    trace, model = gen.trace, gen.model
-    for step in range(2):
-        frame = direct_logit_attribution(trace, step, 0, model=model)
-        chosen = trace.generation.step(step).sampling
-        said = attribution_takeaway(frame, chosen.labels[0])
-        top = frame["contribution"].idxmax()
-        assert f"comes from {frame.loc[top, 'component']}" in text(said.sentence)
-        z = float(trace.get(act_name("logits"), step)[0, chosen_from(trace, step, 0), chosen.tokens[0]])
-        assert dict(said.metrics)["logit z"] == f"{z:.2f}"
-        lens = logit_lens(trace, step, 0, model=model)
-        position = chosen_from(trace, step, 0)
-        said = lens_takeaway(lens, position, first_query(trace, step))
-        at = lens[lens["position"] == position].sort_values("layer")
-        agree = (at["top_token"] == at["final_token"]).tolist()
-        assert agree[-1]  # greedy: the last layer's top token is the one chosen
-        first_settled = next(i for i in range(len(agree)) if all(agree[i:]))
-        assert f"at position {first_query(trace, step) + position} " in text(said.sentence).lower()
-        assert f"from layer {first_settled} on (of {len(agree)})" in text(said.sentence)
-        # the lens's last layer is the model's own distribution
-        p = torch.softmax(trace.get(act_name("logits"), step)[0, position].double(), -1)[chosen.tokens[0]]
-        assert dict(said.metrics)["p at the last layer"] == f"{float(p):.3f}"
-
-
 def test_compare_line_says_where_runs_part_or_that_none_does():
     gen = generation(steps=2)
     off = generation(steps=2, use_cache=False)
@@ -245,8 +217,6 @@ def test_the_app_shows_each_takeaway_first():
         press(at, "step_button")
     for tab, sub, start in [("Shapes", None, "Step 1 runs"), ("Causal mask", None, "A cached decode step"),
                             ("Next token", None, "At step 1 greedy"),
-                            ("What if", ("whatif_view", "Logit attribution"), "The largest direct push"),
-                            ("What if", ("whatif_view", "Logit lens"), "At position"),
                             ("Worked example", None, "Query q0 weighs"),
                             ("Inspector", None, "blocks.0.attn.hook_pattern")]:
         show_tab(at, tab, sub)

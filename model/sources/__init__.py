@@ -5,6 +5,7 @@ them, finding a model (``_resolve.py``), reading tokenizers (``_tokenizer.py``) 
 (``_safetensors.py``), and what every source shares (``_common.py``: the typed error, directory checks,
 dtype/device). ``load_model`` (``_load.py``) resolves a spec once and hands it to exactly one source."""
 
+from model.sources._chat_render import compile_chat_template, forget_rendered_chats, render_chat_template
 from model.sources._common import LOGIT_TOLERANCE, MODEL_FILE_SUFFIXES, ModelLoadError, check_link, logit_tolerance
 from model.sources._decoders import Decoder, input_device_of
 from model.sources._dry_run import (
@@ -72,4 +73,5 @@ __all__ = [
     "load_tokenizer", "logit_tolerance", "nanogpt_shapes", "nanogpt_to_state", "our_layout", "read_config",
     "resolve_model_path", "safetensors_files", "save_hf", "save_hf_gpt2", "snapshot_of", "state_to_hf",
     "traced_attention", "traced_sdpa", "weights_size", "ShardedModule", "TensorParallelError", "TensorParallelPlan",
+    "compile_chat_template", "forget_rendered_chats", "render_chat_template",
 ]

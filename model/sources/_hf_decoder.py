@@ -103,6 +103,7 @@ RefusalReason = Literal[
     "alibi",  # a per-head linear bias added to the scores
     "differs from transformers",  # the guard: our cached step is not transformers' own forward
     "cannot load",  # transformers itself cannot build or run it from this directory
+    "weights missing",  # the config builds more layers than the weights hold
 ]
 REFUSAL_REASONS: tuple[str, ...] = RefusalReason.__args__  # type: ignore[attr-defined]
 REFUSED: dict[str, tuple[RefusalReason, str]] = {}  # by model_type, before anything runs (none at present)
@@ -288,7 +289,7 @@ def _register() -> None:
 
     AttentionInterface.register(ATTENTION, traced_attention)
     AttentionMaskInterface.register(ATTENTION, traced_mask)
-    register_families()  # GPT-J, GPT-Neo, Falcon, GIT: their own tables of attention classes
+    register_families(ATTENTION, traced_attention)  # GPT-J, GPT-Neo, Falcon, GIT: their own tables of classes
 
 
 # -- the KV cache -----------------------------------------------------------------------------------------
@@ -476,6 +477,20 @@ def _module_words(hf: nn.Module) -> set[str]:
     return {type(m).__name__.lower() for m in hf.modules()}
 
 
+def _token_device(hf: nn.Module) -> torch.device:
+    """Where token ids go: the device of the embedding, or accelerate's execution device when the embedding is
+    offloaded (its weight is then a ``meta`` placeholder)."""
+    embed = hf.get_input_embeddings()  # type: ignore[operator]
+    weight = embed.weight
+    if weight.device.type != "meta":
+        return weight.device
+    hooks = _accelerate_hooks(embed)
+    for hook in hooks:
+        if getattr(hook, "execution_device", None) is not None:
+            return torch.device(hook.execution_device)
+    return torch.device("cpu") if hooks else weight.device  # no hook: a dry run, wholly on meta
+
+
 def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
     """Two tokens through the model, recording every call of the attention function and which element of which
     ModuleList was running (the outermost one) when it came — the layers are found by what they call, not by
@@ -499,8 +514,10 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
         calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-1]), int(value.shape[-1]),
                            kwargs.get("s_aux") is not None, mask))
 
-    device = next((p.device for p in hf.parameters()), torch.device("cpu"))
-    tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    device = _token_device(hf)
+    # two tokens, so that the first's mask row shows whether it sees the second (causal or not); on the meta
+    # device one (no mask value can be read there, and a state-space mixer asks padding questions of two)
+    tokens = torch.zeros(1, 1 if device.type == "meta" else 2, dtype=torch.long, device=device)
     _probing.record = record
     try:
         with torch.no_grad():
@@ -879,17 +896,8 @@ class HFDecoder(nn.Module):
 
     @property
     def input_device(self) -> torch.device:
-        """Where token ids go: the device of the embedding, or accelerate's execution device when the embedding
-        is offloaded (its weight is then a ``meta`` placeholder)."""
-        embed = self.hf.get_input_embeddings()
-        weight = embed.weight
-        if weight.device.type != "meta":
-            return weight.device
-        hooks = _accelerate_hooks(embed)
-        for hook in hooks:
-            if getattr(hook, "execution_device", None) is not None:
-                return torch.device(hook.execution_device)
-        return torch.device("cpu") if hooks else weight.device  # no hook: a dry run, wholly on meta
+        """Where token ids go (``_token_device``)."""
+        return _token_device(self.hf)
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         if any(t is not None for t in self._state_templates):  # a hybrid model: its state layers' cache too
@@ -1177,10 +1185,24 @@ def _check_config_against_weights(directory: Path, hf_config: Any) -> None:
                 held.update(int(m.group(1)) for key in f.keys() if (m := _LAYER_KEY.search(key)))  # noqa: SIM118
     except (OSError, ValueError, RuntimeError) as e:  # safetensors raises its own SafetensorError (a RuntimeError)
         raise HFDecoderError(f"{directory}: the weights' headers cannot be read ({e})") from None
-    if held and n_layer > len(held):
-        raise HFDecoderError(f"{directory / 'config.json'}: num_hidden_layers = {n_layer}, but the weights hold "
-                             f"{len(held)} layer(s) ({min(held)} … {max(held)}): refused before building the "
-                             "model (the rest would be random numbers)")
+    if not held or n_layer <= len(held):
+        return
+    # the config claims more layers than the headers name: count the layers the config builds (on the meta device:
+    # no memory, no initialisation), named as the weights are — a family whose layers sit in several lists
+    # (hrm_text's H and L stacks) is compared list for list, not with num_hidden_layers
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(hf_config)
+    except Exception:  # noqa: BLE001 - transformers refusing the config is reported where the model is built
+        return
+    expected = {int(m.group(1)) for key in built.state_dict() if (m := _LAYER_KEY.search(key))}
+    if len(expected) > len(held):
+        raise HFDecoderError(f"{directory / 'config.json'}: the config builds {len(expected)} layers "
+                             f"(num_hidden_layers = {n_layer}), but the weights hold {len(held)} "
+                             f"({min(held)} … {max(held)}): refused before loading (the rest would be random "
+                             "numbers)", reason="weights missing")
 
 
 def weights_size(directory: str | os.PathLike, dtype: torch.dtype | str = "float32") -> tuple[int, int]:

@@ -19,11 +19,10 @@ from __future__ import annotations
 import copy
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from model.sources._hf_decoder import ATTENTION, traced_attention
 
 _done = False
 _falcon = threading.local()  # .module: the Falcon attention whose forward runs on this thread
@@ -38,8 +37,12 @@ def _falcon_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     if module is None:
         return _falcon_sdpa.previous(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,  # type: ignore[attr-defined]
                                      is_causal=is_causal, **kwargs)
-    z, _ = traced_attention(module, query, key, value, attn_mask, dropout=dropout_p,
-                            scaling=1.0 / math.sqrt(module.head_dim))
+    _falcon.module = None  # traced_attention's own fused path calls SDPA too: that call is not Falcon's
+    try:
+        z, _ = _traced_attention(module, query, key, value, attn_mask, dropout=dropout_p,
+                                scaling=1.0 / math.sqrt(module.head_dim))
+    finally:
+        _falcon.module = module
     return _head_first(z)
 
 
@@ -53,18 +56,31 @@ def _install_router() -> None:
 
 def _eager(module: Any) -> bool:
     """Whether the module runs as transformers' own eager code (the guard's reference forward sets ``eager``)."""
-    return getattr(getattr(module, "config", None), "_attn_implementation", ATTENTION) != ATTENTION
+    ours = _NAME[0]
+    return getattr(getattr(module, "config", None), "_attn_implementation", ours) != ours
 
 
 def _head_first(output: torch.Tensor) -> torch.Tensor:
     return output.transpose(1, 2)  # traced_attention's [B,n,H,d_head] -> the families' [B,H,n,d_head]
 
 
-def register_families() -> None:
-    """Add ``"shape_tracer"`` to the attention tables of GPT-J, GPT-Neo, Falcon and GIT (once per process)."""
+_FUNCTION: list[Callable[..., Any]] = []  # the traced attention function, given by register_families
+_NAME: list[str] = []  # the name it is registered under
+
+
+def _traced_attention(*args: Any, **kwargs: Any) -> Any:
+    """``model.sources._hf_decoder.traced_attention``, handed over by ``register_families`` (this module does not
+    import the decoder module, which imports it)."""
+    return _FUNCTION[0](*args, **kwargs)
+
+
+def register_families(name: str, traced: Callable[..., Any]) -> None:
+    """Add ``name`` (our attention, ``traced``) to the attention tables of GPT-J, GPT-Neo, Falcon and GIT (once
+    per process)."""
     global _done
     if _done:
         return
+    _FUNCTION[:], _NAME[:] = [traced], [name]
     from transformers.models.falcon import modeling_falcon
     from transformers.models.git import modeling_git
     from transformers.models.gpt_neo import modeling_gpt_neo
@@ -76,7 +92,7 @@ def register_families() -> None:
         def _attn(self, query, key, value, attention_mask=None):  # [B,H,n,d_head], [B,H,t,d_head] ×2
             if _eager(self):
                 return super()._attn(query, key, value, attention_mask)
-            z, weights = traced_attention(self, query.to(torch.float32), key.to(torch.float32), value, attention_mask,
+            z, weights = _traced_attention(self, query.to(torch.float32), key.to(torch.float32), value, attention_mask,
                                           scaling=1.0 / float(self.scale_attn))
             return _head_first(z).to(value.dtype), weights
 
@@ -93,8 +109,11 @@ def register_families() -> None:
                 ~allowed, float("-inf"))
             if attention_mask is not None:
                 mask = mask + attention_mask[:, :, :, :t]  # [B|1,1,n,t]
-            z, weights = traced_attention(self, query.to(torch.float32), key.to(torch.float32), value, mask,
-                                          scaling=1.0)
+            # the local window described too (not only written into the mask): a fused path builds its mask from
+            # the description, and must hide what the ``bias`` buffer hides
+            local = self.config.window_size if self.attention_type == "local" else None
+            z, weights = _traced_attention(self, query.to(torch.float32), key.to(torch.float32), value, mask,
+                                          scaling=1.0, sliding_window=local)
             return _head_first(z).to(value.dtype), weights
 
     class TracedFalconAttention(modeling_falcon.FalconAttention):
@@ -132,7 +151,7 @@ def register_families() -> None:
             value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
             if past_key_values is not None:
                 key, value = past_key_values.update(key, value, self.layer_idx)  # [B,H,t,d_head]
-            z, weights = traced_attention(self, query, key, value, attention_mask,
+            z, weights = _traced_attention(self, query, key, value, attention_mask,
                                           scaling=1.0 / math.sqrt(self.attention_head_size))
             return z.reshape(*hidden_states.shape[:-1], self.all_head_size), weights  # [B,n,H·d_head]
 
@@ -140,8 +159,8 @@ def register_families() -> None:
             super().__init__(config, layer_idx=layer_idx)
             self._traced_config = config
 
-    modeling_gptj.GPTJ_ATTENTION_CLASSES[ATTENTION] = TracedGPTJAttention
-    modeling_gpt_neo.GPT_NEO_ATTENTION_CLASSES[ATTENTION] = TracedGPTNeoSelfAttention
-    modeling_falcon.FALCON_ATTENTION_CLASSES[ATTENTION] = TracedFalconAttention
-    modeling_git.GIT_SELF_ATTENTION_CLASSES[ATTENTION] = TracedGitSelfAttention
+    modeling_gptj.GPTJ_ATTENTION_CLASSES[name] = TracedGPTJAttention
+    modeling_gpt_neo.GPT_NEO_ATTENTION_CLASSES[name] = TracedGPTNeoSelfAttention
+    modeling_falcon.FALCON_ATTENTION_CLASSES[name] = TracedFalconAttention
+    modeling_git.GIT_SELF_ATTENTION_CLASSES[name] = TracedGitSelfAttention
     _done = True
