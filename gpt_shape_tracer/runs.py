@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gpt_shape_tracer.server_limits import whole_from_env
+
 RUNS_DIR_ENV = "GPT_SHAPE_TRACER_RUNS_DIR"
 KEEP_RUNS_ENV = "GPT_SHAPE_TRACER_KEEP_RUNS"
 RUNS_MB_ENV = "GPT_SHAPE_TRACER_RUNS_MB"
@@ -91,21 +93,8 @@ class RunsSettings:
         if resolved == CHECKOUT or resolved.is_relative_to(CHECKOUT):
             raise RunError(f"{RUNS_DIR_ENV}={raw!r} is inside the app's own folder {CHECKOUT}: runs hold your "
                            "prompts and traces; choose a folder outside it")
-        return cls(resolved, _whole(env, KEEP_RUNS_ENV, DEFAULT_KEEP_RUNS),
-                   _whole(env, RUNS_MB_ENV, DEFAULT_RUNS_MB) * MiB)
-
-
-def _whole(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise RunError(f"{name}={raw!r}: expected a whole number") from None
-    if value < 1:
-        raise RunError(f"{name}={raw!r}: must be at least 1")
-    return value
+        return cls(resolved, whole_from_env(env, KEEP_RUNS_ENV, DEFAULT_KEEP_RUNS, RunError),
+                   whole_from_env(env, RUNS_MB_ENV, DEFAULT_RUNS_MB, RunError) * MiB)
 
 
 Scalar = str | int | float | bool

@@ -52,20 +52,23 @@ class ServerLimits:
         env = os.environ if env is None else env
         memory = machine_memory_bytes()
         default_mb = memory // 2 // MiB if memory else FALLBACK_BUDGET_MB
-        return cls(budget_bytes=_whole(env, BUDGET_ENV, default_mb) * MiB,
-                   max_sessions=_whole(env, SESSIONS_ENV, DEFAULT_MAX_SESSIONS))
+        return cls(budget_bytes=whole_from_env(env, BUDGET_ENV, default_mb) * MiB,
+                   max_sessions=whole_from_env(env, SESSIONS_ENV, DEFAULT_MAX_SESSIONS))
 
 
-def _whole(env: Mapping[str, str], name: str, default: int) -> int:
+def whole_from_env(env: Mapping[str, str], name: str, default: int,
+                   error: type[ValueError] = ValueError) -> int:
+    """The positive whole number the variable ``name`` holds (``default`` when unset or blank), else ``error``
+    naming the variable and what it holds (the server's limits and the runs folder read theirs alike)."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a whole number") from None
+        raise error(f"{name}={raw!r}: expected a whole number") from None
     if value < 1:
-        raise ValueError(f"{name}={raw!r}: must be at least 1")
+        raise error(f"{name}={raw!r}: must be at least 1")
     return value
 
 
