@@ -525,6 +525,8 @@ class AppState:
     # the run this session's generation is kept under (gui/runs.py, gpt_shape_tracer/runs.py)
     run_id: str | None = None
     run_widgets: dict[str, Any] = field(default_factory=dict)  # the settings' widget values it started with
+    run_foreign: bool = False  # the run was opened by its id but made by another page: a Step writes a new run
+    owner_token: str | None = None  # whose runs "Recent runs" lists: the address's ?owner= (gui/runs.py)
     saved_view: tuple[int, str] | None = None  # (step, tab) last written to its record
     saved_steps: int = 0  # steps of the generation last written
     slider_moved_at: float = 0.0  # time.monotonic() of the step slider's last change (gui/common.py)
@@ -532,6 +534,7 @@ class AppState:
     runs_refused: bool = False  # the runs folder's settings were refused (said once)
     confirm_reset: bool = False  # Reset was pressed with a generation to discard: the sidebar asks first
     reset_confirmed: bool = False  # …and the person said yes
+    confirm_close: bool = False  # "Close the file" was pressed: the page asks before it lets the file go
 
     @property
     def viewing_file(self) -> bool:
@@ -591,4 +594,5 @@ class AppState:
 
     def close_file(self) -> None:
         self.loaded = None
+        self.confirm_close = False
         self.show_file(False)

@@ -14,7 +14,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from gpt_shape_tracer.runs import KEEP_RUNS_ENV, RUNS_DIR_ENV, RUNS_MB_ENV, RunError, RunsSettings
+from gpt_shape_tracer.runs import KEEP_RUNS_ENV, LIST_ALL_RUNS_ENV, RUNS_DIR_ENV, RUNS_MB_ENV, RunError, RunsSettings
 from gpt_shape_tracer.server_limits import BUDGET_ENV, SESSIONS_ENV, ServerLimits
 
 SERVER_SETTINGS = Path(__file__).with_name("server.toml")
@@ -27,6 +27,8 @@ USAGE = """usage: gpt-shape-tracer {app,trace} [options]
          --runs-dir DIR: where each session's run is kept, owner-only, for a reload or a restart
                 (default ~/.local/share/gpt-shape-tracer/runs); --keep-runs N (default 20) and
                 --runs-mb N (default 2048) bound it, the oldest runs going first
+         --list-all-runs: every page's "Recent runs" lists every run of the server (for a server one
+                person uses; by default a page lists only the runs made under its own address)
          --dev: watch the source files and offer a rerun when they change (off by default: an idle
                 server then costs nothing)
   trace  trace a generation headless and write the trace file (`gpt-shape-tracer trace --help`)"""
@@ -52,12 +54,14 @@ def server_flags(settings: Path = SERVER_SETTINGS) -> list[str]:
     return flags
 
 
+SWITCH_FLAGS = {"--list-all-runs": LIST_ALL_RUNS_ENV}  # flags without a value: present means on
 LIMIT_FLAGS = {"--server-budget-mb": BUDGET_ENV, "--max-sessions": SESSIONS_ENV, "--runs-dir": RUNS_DIR_ENV,
                "--keep-runs": KEEP_RUNS_ENV, "--runs-mb": RUNS_MB_ENV}
 
 
 def server_limit_flags(args: list[str]) -> list[str]:
-    """Take ``--server-budget-mb N`` / ``--max-sessions N`` / the runs folder's flags (or ``--flag=N``) out of
+    """Take ``--server-budget-mb N`` / ``--max-sessions N`` / the runs folder's flags (or ``--flag=N``; and the
+    switch ``--list-all-runs``) out of
     ``args`` into the environment (gpt_shape_tracer/server_limits.py and runs.py read them there); the rest go to
     Streamlit."""
     rest: list[str] = []
@@ -65,6 +69,9 @@ def server_limit_flags(args: list[str]) -> list[str]:
     values = iter(args)
     for arg in values:
         flag, _, inline = arg.partition("=")
+        if arg in SWITCH_FLAGS:
+            settings[SWITCH_FLAGS[arg]] = "1"
+            continue
         if flag not in LIMIT_FLAGS:
             rest.append(arg)
             continue

@@ -18,6 +18,12 @@ Settings, read from the environment each time (``gpt-shape-tracer app --runs-dir
   (``~/.local/share/gpt-shape-tracer/runs``). Never inside the checkout (refused): a run holds the prompts.
 - ``GPT_SHAPE_TRACER_KEEP_RUNS``: runs kept; default 20.
 - ``GPT_SHAPE_TRACER_RUNS_MB``: MiB of runs kept together; default 2048.
+- ``GPT_SHAPE_TRACER_LIST_ALL_RUNS``: ``1`` lists every run of the folder in each page's "Recent runs" (a
+  single-user local server); default ``0``: a page lists only the runs made under its own owner token.
+
+Whose runs: every run records the owner tag (``owner_tag``: a SHA-256 of the owner token, which lives only in
+the page's address as ``?owner=…``), and a page's list holds only the runs whose tag is its own; a run id still
+opens its run for anyone who has it (the id is the capability).
 
 Pure Python, no Streamlit; ``tracer`` is imported only when a trace is written or read (``gpt-shape-tracer
 --help`` imports this module for its flags without torch).
@@ -25,6 +31,7 @@ Pure Python, no Streamlit; ``tracer`` is imported only when a trace is written o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -43,6 +50,7 @@ from gpt_shape_tracer.server_limits import whole_from_env
 RUNS_DIR_ENV = "GPT_SHAPE_TRACER_RUNS_DIR"
 KEEP_RUNS_ENV = "GPT_SHAPE_TRACER_KEEP_RUNS"
 RUNS_MB_ENV = "GPT_SHAPE_TRACER_RUNS_MB"
+LIST_ALL_RUNS_ENV = "GPT_SHAPE_TRACER_LIST_ALL_RUNS"
 DEFAULT_KEEP_RUNS = 20
 DEFAULT_RUNS_MB = 2048
 MiB = 2**20
@@ -50,6 +58,7 @@ CHECKOUT = Path(__file__).resolve().parent.parent  # the folder holding app.py: 
 RUN_FILE = "run.json"
 TRACE_FILE = "trace.zip"
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{22}")  # secrets.token_urlsafe(16): 16 bytes as 22 base64url characters
+OWNER_TAG = re.compile(r"[0-9a-f]{64}")  # owner_tag: a SHA-256 in hex
 MAX_RUN_FILE_BYTES = 256 * 1024  # run.json holds settings and a prompt: anything larger is not one of ours
 MAX_TEXT = 64 * 1024  # one setting's text (the prompt box) at most
 
@@ -69,6 +78,35 @@ def checked_run_id(raw: object) -> str:
     return raw
 
 
+def new_owner_token() -> str:
+    """A browser's owner token: as unguessable as a run id (it names the runs a page lists)."""
+    return secrets.token_urlsafe(16)
+
+
+def checked_owner_token(raw: object) -> str | None:
+    """``raw`` when it has the form of an owner token, else None (the page then makes itself a new one)."""
+    return raw if isinstance(raw, str) and RUN_ID.fullmatch(raw) else None
+
+
+def owner_tag(token: str) -> str:
+    """What a run records of its owner: a hash, so that the folder (and a run file read by mistake) never holds
+    the token that lists the owner's runs."""
+    return hashlib.sha256(token.encode("ascii")).hexdigest()
+
+
+def flag_from_env(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """The yes/no the variable ``name`` holds (1/0, true/false, yes/no, on/off; ``default`` when unset or blank),
+    else a ``RunError`` naming it."""
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise RunError(f"{name}={env.get(name)!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
 def default_runs_dir(env: Mapping[str, str]) -> Path:
     data = env.get("XDG_DATA_HOME", "").strip()
     base = Path(data) if data and Path(data).is_absolute() else Path.home() / ".local" / "share"
@@ -80,6 +118,7 @@ class RunsSettings:
     directory: Path
     keep: int  # runs kept
     budget_bytes: int  # their files together
+    list_all: bool = False  # every page lists every run (a single-user server), not only its own
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> RunsSettings:
@@ -94,7 +133,8 @@ class RunsSettings:
             raise RunError(f"{RUNS_DIR_ENV}={raw!r} is inside the app's own folder {CHECKOUT}: runs hold your "
                            "prompts and traces; choose a folder outside it")
         return cls(resolved, whole_from_env(env, KEEP_RUNS_ENV, DEFAULT_KEEP_RUNS, RunError),
-                   whole_from_env(env, RUNS_MB_ENV, DEFAULT_RUNS_MB, RunError) * MiB)
+                   whole_from_env(env, RUNS_MB_ENV, DEFAULT_RUNS_MB, RunError) * MiB,
+                   flag_from_env(env, LIST_ALL_RUNS_ENV, False))
 
 
 Scalar = str | int | float | bool
@@ -112,6 +152,7 @@ class RunRecord:
     view: str  # the tab on screen
     updated: float  # time.time() of the last write
     trace_saved: bool = True  # False: the trace was larger than the runs folder's budget
+    owner: str = ""  # owner_tag of the page that made it ("": written before runs had owners)
 
     @property
     def title(self) -> str:
@@ -142,7 +183,10 @@ class RunRecord:
             run_id=get("run_id", str), model_key=get("model_key", str), widgets=_scalars(get("widgets", dict), run_id),
             n_steps=get("n_steps", int), step=get("step", int), view=get("view", str),
             updated=float(get("updated", (int, float))), trace_saved=get("trace_saved", bool),
+            owner=get("owner", str) if "owner" in raw else "",
         )
+        if record.owner and not OWNER_TAG.fullmatch(record.owner):
+            raise RunError(f"run {run_id}: {RUN_FILE} field 'owner' is not an owner tag")
         if record.run_id != run_id:
             raise RunError(f"run {run_id}: {RUN_FILE} names another run")
         if not 0 <= record.step < max(1, record.n_steps) or record.n_steps < 0 or not math.isfinite(record.updated):
@@ -251,15 +295,17 @@ class RunStore:
         path = self.run_dir(run_id) / TRACE_FILE
         return load_trace(path) if path.is_file() else None
 
-    def recent(self, limit: int | None = None) -> list[RunRecord]:
-        """The runs whose record reads, newest first."""
+    def recent(self, limit: int | None = None, owner: str | None = None) -> list[RunRecord]:
+        """The runs whose record reads, newest first: those of the owner tag ``owner`` only, unless it is None or
+        the folder's settings list every run."""
+        mine = None if owner is None or self.settings.list_all else owner
         records = []
         for run_id in self._ids():
             try:
                 record = self.record(run_id)
             except RunError:
                 continue
-            if record is not None:
+            if record is not None and (mine is None or record.owner == mine):
                 records.append(record)
         records.sort(key=lambda r: r.updated, reverse=True)
         return records[:limit] if limit is not None else records

@@ -7,6 +7,14 @@ back into the sidebar and its steps are run again (the bundled models take ~20 m
 a live generation that Step continues and the experiments run on; the tokens are then checked against the
 trace written at the time. Where the run cannot be made again (its model is gone, or it gives other tokens),
 the written trace is opened as a file instead, so what was seen is still there.
+
+Whose runs "Recent runs" lists: the page's address also holds an owner token (``?owner=…``, made on the page's
+first rerun), and each run records its hash; the list shows only the runs of this owner, so on a shared server
+one person never sees another's prompts. The address is what survives a reload, a dropped connection and a
+restarted server, so the token does too (Streamlit keeps nothing in the browser a script can read back, and a
+cookie would need a component of our own). ``GPT_SHAPE_TRACER_LIST_ALL_RUNS=1`` (a single-user server) lists
+every run. A run opened by its id alone still opens — the id is the capability — and a Step on a run another
+page made writes a new run of this page's own, so one person never changes another's.
 """
 
 from __future__ import annotations
@@ -16,12 +24,23 @@ import time
 import streamlit as st
 
 from figures.common import inert as plain
-from gpt_shape_tracer.runs import RunError, RunRecord, RunsSettings, RunStore, checked_run_id, new_run_id
+from gpt_shape_tracer.runs import (
+    RunError,
+    RunRecord,
+    RunsSettings,
+    RunStore,
+    checked_owner_token,
+    checked_run_id,
+    new_owner_token,
+    new_run_id,
+    owner_tag,
+)
 from gui.common import current_model, state
 from session import FACTORY, SETTING_KEYS, AppState, LoadedTrace, SettingsError, parse_model_key, settings_from
 from tracer import TraceFileError
 
 PARAM = "run"  # the address's query parameter
+OWNER_PARAM = "owner"  # …and the one naming whose runs the page lists
 RECENT_SHOWN = 8
 LABELS = {"bundled:story-gpt": "Bundled GPT-2-style story model",  # gui/sidebar.py SOURCES, by key
           "bundled:story-llama": "Bundled Llama-style story model",
@@ -41,10 +60,21 @@ def run_store() -> RunStore | None:
         return None
 
 
+def owner_of_page(app: AppState) -> str:
+    """This page's owner token: the address's when it holds one (a reload, a reconnect, a restarted server),
+    else the session's, else a new one; put in the address, where the next reload finds it."""
+    token = checked_owner_token(st.query_params.get(OWNER_PARAM)) or app.owner_token or new_owner_token()
+    app.owner_token = token
+    if st.query_params.get(OWNER_PARAM) != token:
+        st.query_params[OWNER_PARAM] = token
+    return token
+
+
 def follow_the_address() -> None:
     """Before the sidebar is drawn: open the run the address names, when this session does not hold it; put
-    this session's own run id back in the address when it is missing there."""
+    this session's own run id (and owner token) back in the address when it is missing there."""
     app = state()
+    owner_of_page(app)
     wanted = st.query_params.get(PARAM)
     if wanted == app.run_id:
         return
@@ -83,6 +113,7 @@ def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
     app.reset()
     app.close_file()
     app.run_id, app.run_widgets = record.run_id, widgets
+    app.run_foreign = not store.settings.list_all and record.owner != owner_tag(owner_of_page(app))
     app.saved_view = (record.step, record.view)
     try:
         settings_from(widgets)
@@ -189,12 +220,14 @@ def save_run(app: AppState, values: dict[str, object]) -> None:
     if app.run_id is None:
         app.run_id = new_run_id()
         app.run_widgets = {key: values[key] for key in SETTING_KEYS if key in values}
+    elif app.run_foreign:  # another page's run, opened by its id: its steps go on in a run of this page's own
+        app.run_id, app.run_foreign = new_run_id(), False
     if st.query_params.get(PARAM) != app.run_id:  # each change of the address is a history entry
         st.query_params[PARAM] = app.run_id
     step = min(st.session_state.get("step_view", gen.n_steps - 1), gen.n_steps - 1)
     view = view_on_screen(app)
     record = RunRecord(app.run_id, app.started_model_key or app.model_key, dict(app.run_widgets), gen.n_steps,
-                       step, view, time.time())
+                       step, view, time.time(), owner=owner_tag(owner_of_page(app)))
     try:
         store.save(record, gen.trace)
     except (RunError, OSError) as e:
@@ -212,8 +245,8 @@ def view_on_screen(app: AppState) -> str:
 def save_view(app: AppState, step: int) -> None:
     """Where the person is looking, written when it changed (a reload comes back to it)."""
     view = view_on_screen(app)
-    if app.run_id is None or app.viewing_file or app.saved_view == (step, view):
-        return
+    if app.run_id is None or app.run_foreign or app.viewing_file or app.saved_view == (step, view):
+        return  # (another page's run is not changed by this one: its Step writes a run of this page's own)
     store = run_store()
     if store is None:
         return
@@ -227,7 +260,7 @@ def save_view(app: AppState, step: int) -> None:
 def forget_run() -> None:
     """After Reset: the address names no run (the old one stays in Recent runs)."""
     app = state()
-    app.run_id, app.saved_view, app.saved_steps = None, None, 0
+    app.run_id, app.saved_view, app.saved_steps, app.run_foreign = None, None, 0, False
     if PARAM in st.query_params:
         del st.query_params[PARAM]
 
@@ -249,23 +282,31 @@ def ago(seconds: float) -> str:
 
 
 def recent_runs() -> None:
-    """The sidebar's list of the newest runs this server kept: a click opens one (this session's own run is
-    kept under its id, so nothing is lost by opening another)."""
+    """The sidebar's list of the newest runs this page's owner made (every run of the server when its settings
+    say so): a click opens one (this session's own run is kept under its id, so nothing is lost by opening
+    another)."""
     store = run_store()
     if store is None:
         return
     app = state()
     sb = st.sidebar
-    sb.header("Recent runs", help=f"Kept in {plain(store.directory)}, which only you can read "
-                                  "(GPT_SHAPE_TRACER_RUNS_DIR sets another folder)")
-    records = store.recent(RECENT_SHOWN)
+    whose = ("every run of this server (GPT_SHAPE_TRACER_LIST_ALL_RUNS is on: a server for one person)"
+             if store.settings.list_all else
+             "only the runs made under this page's address (its owner=… part): another person's runs are not "
+             "listed, and yours are not listed on theirs")
+    sb.header("Recent runs", help=f"Kept in {plain(store.directory)}, a folder only the server's user can read "
+                                  f"(GPT_SHAPE_TRACER_RUNS_DIR sets another). Listed here: {whose}. To show one "
+                                  f"run to someone, send its ?{PARAM}=… alone: the {OWNER_PARAM}=… part lists "
+                                  "your runs.")
+    records = store.recent(RECENT_SHOWN, owner=owner_tag(owner_of_page(app)))
     if not records:
         sb.caption("None yet: each generation is kept here, under the run id in the page's address, from its "
                    "first Step.")
         return
-    sb.caption(f"This server keeps the newest {store.settings.keep} runs, at most "
-               f"{store.settings.budget_bytes // 2**20:,} MiB of them, in a folder only you can read. A reload or a "
-               "restart reopens the run in the page's address.")
+    listed = "this server's runs" if store.settings.list_all else "the runs of this page's address"
+    sb.caption(f"Listed: {listed}. The server keeps its newest {store.settings.keep} runs, at most "
+               f"{store.settings.budget_bytes // 2**20:,} MiB of them, in a folder only its user can read. A reload "
+               "or a restart reopens the run in the page's address.")
     now = time.time()
     for record in records:
         model = parse_model_key(record.model_key)[0].rsplit("/", 1)[-1]

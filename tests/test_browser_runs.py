@@ -23,6 +23,7 @@ from tests.browser import (
     open_app,
     page_state,
     runs_finished,
+    set_prompt,
     steps_shown,
     streamlit_server,
     wait_idle,
@@ -133,8 +134,51 @@ def test_a_reload_and_a_restarted_server_give_the_run_back(page, tmp_path):
         assert generated_text(page) == text
         click(page, "Step")  # it goes on from where it was
         assert steps_shown(page) == 5 and saved(runs, run_id)["n_steps"] == 5
-        screenshot(page, "recent-runs", 1600, 1000, "Recent runs")
-        screenshot(page, "recent-runs", 1280, 800, "Recent runs")
+        screenshot(page, "recent-runs", 1600, 1000, "(this page)")
+        screenshot(page, "recent-runs", 1280, 800, "(this page)")
+
+
+def recent_titles(page) -> list[str]:
+    """The labels of the sidebar's Recent runs buttons (each begins with its run's prompt)."""
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    return [t for t in sidebar.get_by_role("button").all_inner_texts() if " step" in t and " · " in t]
+
+
+def test_two_browsers_on_one_server_each_list_only_their_own_runs(browser, page, tmp_path):
+    """A shared server: each browser's Recent runs lists the runs it made and never the other's prompt; a reload
+    keeps the list (the owner token is in the address); the other's run still opens by its id alone."""
+    runs = tmp_path / "runs"
+    other_context = app_context(browser, 1600, 1000)
+    try:
+        other = other_context.new_page()
+        with streamlit_server(env=server_env(runs)) as url:
+            open_app(page, url)
+            open_app(other, url)
+            set_prompt(page, "Alice kept a secret diary.")
+            set_prompt(other, "Bob grew tall sunflowers.")
+            click(page, "Step")
+            click(other, "Step")
+            hers, his = address_run(page), address_run(other)
+            assert hers != his
+            for shown in (page, other):
+                shown.reload(wait_until="domcontentloaded")  # a new session: the list comes from the address
+                wait_settled(shown)
+                alive(shown)
+            assert [t.split(" · ")[0] for t in recent_titles(page)] == ["Alice kept a secret diary."]
+            assert [t.split(" · ")[0] for t in recent_titles(other)] == ["Bob grew tall sunflowers."]
+            assert page.get_by_text("Bob grew", exact=False).count() == 0
+            assert other.get_by_text("Alice kept", exact=False).count() == 0
+            page.goto(f"{url}/?run={his}", wait_until="domcontentloaded")  # his link, without his owner token
+            wait_settled(page)
+            alive(page)
+            assert address_run(page) == his and steps_shown(page) == 1
+            assert [t.split(" · ")[0] for t in recent_titles(page)] == []  # a new address: a new, empty list
+        with streamlit_server(env={**server_env(runs), "GPT_SHAPE_TRACER_LIST_ALL_RUNS": "1"}) as url:
+            open_app(other, url)  # a server for one person lists every run
+            assert sorted(t.split(" · ")[0] for t in recent_titles(other)) == ["Alice kept a secret diary.",
+                                                                              "Bob grew tall sunflowers."]
+    finally:
+        other_context.close()
 
 
 def expected_after(start: int, last: int, keys: list[str]) -> int:

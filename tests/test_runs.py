@@ -15,14 +15,18 @@ from streamlit.testing.v1 import AppTest
 
 from gpt_shape_tracer.runs import (
     CHECKOUT,
+    LIST_ALL_RUNS_ENV,
     RUN_FILE,
     TRACE_FILE,
     RunError,
     RunRecord,
     RunsSettings,
     RunStore,
+    checked_owner_token,
     checked_run_id,
+    new_owner_token,
     new_run_id,
+    owner_tag,
 )
 from gui.runs import tokens_of
 from tests.test_app import APP, page_text, press, run, show_tab
@@ -107,7 +111,7 @@ def test_a_trace_larger_than_the_whole_budget_is_not_written(tmp_path, small_tra
 
 
 @pytest.mark.parametrize("field, value", [("n_steps", "2"), ("step", 5), ("widgets", [1]), ("run_id", "x" * 22),
-                                          ("updated", True), ("view", None)])
+                                          ("updated", True), ("view", None), ("owner", "me"), ("owner", 7)])
 def test_a_run_file_that_is_not_ours_is_refused_by_field(store, small_trace, field, value):
     run_id = new_run_id()
     store.save(record(run_id), small_trace)
@@ -129,20 +133,73 @@ def test_the_runs_folder_is_never_inside_the_checkout(tmp_path):
         RunsSettings.from_environment({"GPT_SHAPE_TRACER_RUNS_DIR": str(tmp_path), "GPT_SHAPE_TRACER_KEEP_RUNS": "0"})
     default = RunsSettings.from_environment({"XDG_DATA_HOME": str(tmp_path)})
     assert default.directory == tmp_path.resolve() / "gpt-shape-tracer" / "runs" and default.keep == 20
+    assert not default.list_all  # a page lists its own runs unless the server says otherwise
+
+
+@pytest.mark.parametrize("raw, listed", [("1", True), ("yes", True), (" ON ", True), ("0", False), ("no", False),
+                                         ("", False)])
+def test_the_list_all_setting_is_read_as_yes_or_no(tmp_path, raw, listed):
+    env = {"GPT_SHAPE_TRACER_RUNS_DIR": str(tmp_path), LIST_ALL_RUNS_ENV: raw}
+    assert RunsSettings.from_environment(env).list_all is listed
+
+
+def test_a_list_all_setting_that_is_not_yes_or_no_is_refused(tmp_path):
+    with pytest.raises(RunError, match=LIST_ALL_RUNS_ENV):
+        RunsSettings.from_environment({"GPT_SHAPE_TRACER_RUNS_DIR": str(tmp_path), LIST_ALL_RUNS_ENV: "everyone"})
+
+
+def test_the_list_holds_only_the_owners_runs_unless_the_server_lists_all(store, small_trace):
+    alice, bob = new_owner_token(), new_owner_token()
+    assert alice != bob and checked_owner_token(alice) == alice and checked_owner_token("../x") is None
+    hers = [new_run_id() for _ in range(2)]
+    his = new_run_id()
+    for age, run_id in enumerate(hers):
+        store.save(record(run_id, updated=float(age), owner=owner_tag(alice)), small_trace)
+    store.save(record(his, updated=5.0, owner=owner_tag(bob)), small_trace)
+    assert [r.run_id for r in store.recent(owner=owner_tag(alice))] == hers[::-1]
+    assert [r.run_id for r in store.recent(owner=owner_tag(bob))] == [his]
+    assert store.recent(owner=owner_tag(new_owner_token())) == []
+    shared = RunStore(replace(store.settings, list_all=True))
+    assert [r.run_id for r in shared.recent(owner=owner_tag(alice))] == [his, *hers[::-1]]
+    # the folder holds the owner's hash, never the token that lists the runs
+    assert alice not in (store.run_dir(hers[0]) / RUN_FILE).read_text()
+
+
+def test_a_run_written_before_runs_had_owners_reads_and_belongs_to_no_page(store, small_trace):
+    run_id = new_run_id()
+    store.save(record(run_id), small_trace)
+    path = store.run_dir(run_id) / RUN_FILE
+    raw = json.loads(path.read_text())
+    del raw["owner"]
+    path.write_text(json.dumps(raw))
+    assert store.record(run_id).owner == ""
+    assert store.recent(owner=owner_tag(new_owner_token())) == [] and len(store.recent()) == 1
 
 
 # -- the app -----------------------------------------------------------------------------------------------
-def app_at(run_id: str | None = None) -> AppTest:
-    """A new session, as a reload or another tab opens it: with ``run_id`` in its address."""
+def app_at(run_id: str | None = None, owner: str | None = None) -> AppTest:
+    """A new session, as a reload or another browser opens it: with ``run_id`` and ``owner`` in its address."""
     at = AppTest.from_file(APP, default_timeout=240)
     if run_id is not None:
         at.query_params["run"] = run_id
+    if owner is not None:
+        at.query_params["owner"] = owner
     return run(at)
 
 
-def address_run(at: AppTest) -> str | None:
-    value = at.query_params.get("run")
+def address_run(at: AppTest, param: str = "run") -> str | None:
+    value = at.query_params.get(param)
     return value[0] if isinstance(value, list) else value
+
+
+def reload(at: AppTest) -> AppTest:
+    """The same address in a new session: what a reload, a dropped connection or a restarted server opens."""
+    return app_at(address_run(at), address_run(at, "owner"))
+
+
+def listed(at: AppTest) -> list[str]:
+    """The run ids the sidebar's Recent runs offers."""
+    return [b.key.removeprefix("open_run_") for b in at.sidebar.button if b.key and b.key.startswith("open_run_")]
 
 
 def runs_store() -> RunStore:
@@ -165,7 +222,7 @@ def test_a_reload_restores_the_run_its_step_model_and_view():
     assert (saved.n_steps, saved.step, saved.view) == (4, 1, "KV cache")
     before = tokens_of(at.session_state["app"].generation.trace)
 
-    again = app_at(run_id)  # the reload: a new session with the same address
+    again = reload(at)  # a new session with the same address
     app = again.session_state["app"]
     assert app.run_id == run_id and app.model_key == "bundled:story-llama"
     assert app.generation.n_steps == 4 and tokens_of(app.generation.trace) == before
@@ -254,3 +311,54 @@ def test_a_written_trace_is_the_projects_trace_format():
     path = runs_store().run_dir(run_id) / TRACE_FILE
     assert tokens_of(load_trace(path)) == tokens_of(at.session_state["app"].generation.trace)
     assert time.time() - runs_store().record(run_id).updated < 600
+
+
+# -- whose runs the list shows --------------------------------------------------------------------------------
+def test_two_pages_each_list_only_their_own_runs_and_a_reload_keeps_its_list():
+    alice, bob = app_at(), app_at()
+    alice.sidebar.text_area(key="prompt").set_value("Alice kept a secret diary.")
+    bob.sidebar.text_area(key="prompt").set_value("Bob grew tall sunflowers.")
+    for at in (alice, bob):
+        run(at)
+        press(at, "step_button")
+    hers, his = address_run(alice), address_run(bob)
+    assert address_run(alice, "owner") != address_run(bob, "owner")  # each page made its own owner token
+    assert checked_owner_token(address_run(alice, "owner"))
+    press(alice, "reset_button")
+    press(alice, "reset_confirm")  # her run is no longer the page's: the list is what finds it now
+    assert listed(alice) == [hers] and listed(bob) == [his]
+    assert "Bob grew" not in " ".join(b.label for b in alice.sidebar.button)
+    again = reload(alice)  # the address keeps the owner token: a reload lists her runs still
+    assert listed(again) == [hers] and address_run(again, "owner") == address_run(alice, "owner")
+    assert runs_store().record(hers).owner == owner_tag(address_run(alice, "owner"))
+
+
+def test_a_run_opened_by_its_id_opens_and_a_step_on_it_writes_a_run_of_the_openers_own():
+    alice = app_at()
+    press(alice, "step_button")
+    press(alice, "step_button")
+    hers = address_run(alice)
+    bob = app_at(hers)  # her address without her owner token: the run id alone opens it
+    app = bob.session_state["app"]
+    assert app.run_id == hers and app.generation.n_steps == 2
+    assert any("Restored run" in s.value for s in bob.success)
+    assert hers not in listed(bob)  # opened, not his: not in his list
+    bob.slider(key="step_view").set_value(0)
+    run(bob)
+    assert runs_store().record(hers).step == 1  # his slider does not rewrite her run
+    press(bob, "step_button")
+    his = address_run(bob)
+    assert his != hers and app.generation.n_steps == 3  # his Step went on in a run of his own
+    assert runs_store().record(hers).n_steps == 2 and runs_store().record(his).n_steps == 3
+    assert listed(bob) == [his]  # his own run, this page's (listed, its button disabled)
+    assert runs_store().record(his).owner == owner_tag(address_run(bob, "owner"))
+    assert his not in listed(alice.run())
+
+
+def test_a_single_user_server_lists_every_run(monkeypatch):
+    alice = app_at()
+    press(alice, "step_button")
+    monkeypatch.setenv(LIST_ALL_RUNS_ENV, "1")
+    bob = app_at()
+    assert address_run(alice) in listed(bob)
+    assert "every run of this server" in bob.sidebar.header[-1].help

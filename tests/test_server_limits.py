@@ -10,6 +10,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from gpt_shape_tracer.cli import server_limit_flags
+from gpt_shape_tracer.runs import LIST_ALL_RUNS_ENV, RUNS_DIR_ENV, RunsSettings
 from gpt_shape_tracer.server_limits import (
     BUDGET_ENV,
     DEFAULT_MAX_SESSIONS,
@@ -88,6 +89,17 @@ def test_the_command_line_sets_the_limits_and_refuses_bad_ones(monkeypatch):
     with pytest.raises(ValueError, match=SESSIONS_ENV):
         server_limit_flags(["--max-sessions", "none"])
     assert os.environ[SESSIONS_ENV] == "2"  # a refused value is not set
+
+
+def test_the_command_line_switches_the_list_of_every_run_on(monkeypatch, tmp_path):
+    import os
+
+    monkeypatch.setenv(LIST_ALL_RUNS_ENV, "")
+    monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path))
+    assert server_limit_flags(["--server.port", "8600"]) == ["--server.port", "8600"]
+    assert not RunsSettings.from_environment().list_all
+    assert server_limit_flags(["--list-all-runs", "--server.port", "8600"]) == ["--server.port", "8600"]
+    assert os.environ[LIST_ALL_RUNS_ENV] == "1" and RunsSettings.from_environment().list_all
 
 
 def test_the_app_refuses_a_generation_past_the_servers_budget_and_keeps_the_settings(monkeypatch):
