@@ -287,11 +287,39 @@ def file_controls(app: AppState) -> None:
         if cols[1].button("View the file", key="show_file"):
             app.show_file(True)
             st.rerun()
-    if cols[2].button("Close the file", key="close_file"):
-        app.close_file()
-        reserve_memory()  # the file's share goes back to the server
-        app.notices = [("info", f"Closed {name}.")]
-        st.rerun()
+    cols[2].button("Close the file", key="close_file", disabled=app.confirm_close, on_click=ask_close)
+    if app.confirm_close:
+        close_question(app, name)
+
+
+def ask_close() -> None:
+    """"Close the file"'s callback: the page asks first (``close_question``); the file is let go only on yes."""
+    state().confirm_close = True
+
+
+def answer_close(close: bool) -> None:
+    app = state()
+    app.confirm_close = False
+    if not close or app.loaded is None:
+        return
+    name = plain(app.loaded.file_name)
+    app.close_file()
+    reserve_memory()  # the file's share goes back to the server
+    app.notices = [("info", f"Closed {name}.")]
+
+
+def close_question(app: AppState, name: str) -> None:
+    """The question "Close the file" asks, as Reset asks before it discards a generation."""
+    assert app.loaded is not None
+    back = ("reloading the page (its address names the run)" if app.loaded.file_id.startswith("run:") else
+            "loading the file again (Export tab)")
+    box = st.container(border=True, key="close_question")
+    shown = "what the page shows now" if app.viewing_file else "the file kept beside the live generation"
+    box.warning(f"Close the file {name}? This lets go of {shown}; {back} brings it back.")
+    cols = box.columns([1, 1, 4])
+    cols[0].button("Close it", key="close_confirm", type="primary", width="stretch",
+                   on_click=answer_close, args=(True,))
+    cols[1].button("Cancel", key="close_cancel", width="stretch", on_click=answer_close, args=(False,))
 
 
 def banners(trace: Trace, step: int) -> None:

@@ -593,7 +593,21 @@ def test_choosing_a_model_discards_nothing_and_a_file_stays_open_until_closed(st
     assert gen_of(at).model.config.family == "llama" and not app.viewing_file and app.loaded is not None
     at.button(key="close_file").click()
     run(at)
-    assert app.loaded is None and "Closed mine.zip" in page_text(at)
+    assert app.loaded is not None and "Closed mine.zip" not in page_text(at)  # it asks first, as Reset does
+    question = unescape(" ".join(w.value for w in at.warning))
+    assert "Close the file mine.zip?" in question and "loading the file again (Export tab)" in question
+    at.button(key="close_cancel").click()
+    run(at)
+    assert app.loaded is not None and not any(b.key == "close_confirm" for b in at.button)
+    at.button(key="show_file").click()
+    run(at)
+    assert app.viewing_file  # Cancel left it as it was: still viewable
+    at.button(key="close_file").click()
+    run(at)
+    assert "lets go of what the page shows now" in unescape(" ".join(w.value for w in at.warning))
+    at.button(key="close_confirm").click()
+    run(at)
+    assert app.loaded is None and not app.viewing_file and "Closed mine.zip" in page_text(at)
 
 
 def test_reset_lets_the_trace_go(stepped):
