@@ -1,7 +1,7 @@
 """Say it first: the one-line takeaway and the two or three key numbers of the Shapes, Causal mask, Next token, What
-if, Compare runs, Worked example and Inspector views (``gui.takeaway.takeaway`` shows them). Each is a function of
-the numbers it is about, so what the line says holds at every step and setting; text from outside the app
-(token labels, record names) is made inert for markdown."""
+if (head ablation, activation patching), Compare runs, Worked example and Inspector views
+(``gui.takeaway.takeaway`` shows them). Each is a function of the numbers it is about, so what the line says holds
+at every step and setting; text from outside the app (token labels, record names) is made inert for markdown."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pandas as pd
 from figures.common import facts_of, inert, shape_text
 from figures.mask import MaskFacts
 from figures.worked import Worked
-from tracer import Trace
+from tracer import PatchingResult, Trace
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,39 @@ def ablation_takeaway(loss_before: float, loss_after: float, described: tuple[st
     return Takeaway(sentence, (("loss with these heads off", f"{loss_after:.3f} nats"),
                                ("loss as the model is", f"{loss_before:.3f} nats"),
                                ("heads whose pattern moved", f"{moved} of {heads}")))
+
+
+def patching_takeaway(result: PatchingResult, columns: tuple[str, ...] | list[str], clean_label: str,
+                      corrupted_label: str) -> Takeaway:
+    """Activation patching in one line, from its result: the cell whose clean activation restores the largest share
+    of the logit difference between the two answers, and how many cells restore at least half of it. ``columns``:
+    the result's columns (the clean prompt's positions, or the heads); the labels are the answers' tokens."""
+    clean, corrupted = quoted(clean_label), quoted(corrupted_label)
+    if result.clean_answer == result.corrupted_answer:
+        return Takeaway(f"Both prompts' top token is {clean}: there is no logit difference for patching to restore; "
+                        "change the corrupted prompt until its answer differs.",
+                        (("clean answer", clean_label), ("corrupted answer", corrupted_label)))
+    restored = result.restored.double()  # [n_layer, positions or heads]
+    width = restored.shape[1]
+    best = int(restored.argmax())
+    layer, column = divmod(best, width)
+    share = float(restored[layer, column])
+    cells = restored.numel()
+    half = int((restored >= 0.5).sum())
+    cell = (f"the residual stream entering block {layer} at position {inert(columns[column])}"
+            if result.kind == "resid_pre" else f"head L{layer} {inert(columns[column])}'s output")
+    span = (f"the logit difference z[{clean}] − z[{corrupted}] ({result.corrupted_diff:.2f} on the corrupted prompt, "
+            f"{result.clean_diff:.2f} on the clean one)")
+    if share > 0:
+        sentence = (f"Patching {cell} from the clean run restores {share:.0%} of {span}; no other of the {cells} "
+                    f"cells restores more, and {half} of them restore at least half.")
+    else:
+        sentence = (f"No single patch moves {span} towards the clean answer: of the {cells} cells, the largest share "
+                    f"restored is {share:.0%}, at {cell}.")
+    return Takeaway(sentence, (("largest share restored", f"{share:.0%}"),
+                               ("cells restoring half or more", f"{half} of {cells}"),
+                               ("logit difference, clean → corrupted",
+                                f"{result.clean_diff:.2f} → {result.corrupted_diff:.2f}")))
 
 
 # -- Compare runs ----------------------------------------------------------------------------------------

@@ -5,10 +5,8 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import whatif as whatif_views
-from figures.common import facts_of, strong
-from figures.view_takeaways import (
-    ablation_takeaway,
-)
+from figures.common import facts_of
+from figures.view_takeaways import ablation_takeaway, patching_takeaway
 from gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
 from gui.hover import crosshair
 from gui.takeaway import takeaway
@@ -114,13 +112,13 @@ def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
     if run is None:
         return
     res = run.result
+    said = patching_takeaway(res, run.labels, tok.token_label(res.clean_answer), tok.token_label(res.corrupted_answer))
     if res.clean_answer == res.corrupted_answer:
-        st.warning(f"Both prompts give the same top token ({plain(tok.token_label(res.clean_answer))}): there is no "
-                   "difference to restore. Change the prompt so that the answers differ.")
+        st.warning(said.sentence)
         return
-    st.markdown(f"Clean answer {strong(tok.token_label(res.clean_answer))}, corrupted answer "
-                f"{strong(tok.token_label(res.corrupted_answer))}; logit difference {res.clean_diff:.2f} clean, "
-                f"{res.corrupted_diff:.2f} corrupted.")
+    takeaway(said.sentence, said.metrics, details="Each cell runs the corrupted prompt with one activation taken from "
+             "the clean run, and measures (patched − corrupted) / (clean − corrupted) of the logit difference between "
+             "the two answers at the last position: 1 restores all of it, 0 none, below 0 pushes the wrong way.")
     chart(whatif_views.patching_figure(res.restored, list(run.labels), res.kind), key="patching_chart")
 
 

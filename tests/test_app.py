@@ -466,9 +466,13 @@ def test_what_if_patching_attribution_and_lens():
     at.button(key="patch_run").click()
     run(at)
     assert not at.get("progress")  # the bar went when patching ended
-    answers = next(m.value for m in at.markdown if m.value.startswith("Clean answer"))
-    spans = re.findall(r"\*\*(.+?)\*\*", answers)  # markdown makes no bold of "** Ben**": no edge spaces
-    assert len(spans) == 2 and all(span == span.strip() for span in spans)
+    # the takeaway first, in bold (figures/view_takeaways.patching_takeaway; its truth: tests/test_sentences.py)
+    said = next(unescape(m.value) for m in at.markdown if m.value.startswith(("**Patching", "**No single patch")))
+    spans = re.findall(r"\*\*(.+?)\*\*", said)  # markdown makes no bold of "** Ben**": no edge spaces
+    assert len(spans) == 1 and spans[0] == spans[0].strip()
+    res = at.session_state["app"].patching.result
+    assert f"{res.corrupted_diff:.2f} on the corrupted prompt, {res.clean_diff:.2f} on the clean one" in said
+    assert dict((m.label, m.value) for m in at.metric)["largest share restored"] == f"{float(res.restored.max()):.0%}"
     spec = charts(at)[0]
     n = prompt_tokens(at)
     assert len(heatmaps(spec)[0]["z"]) == 4 and len(heatmaps(spec)[0]["z"][0]) == n

@@ -6,6 +6,7 @@ trace's own records. One test per statement of issue 41 (2–16); each failed on
 from __future__ import annotations
 
 import math
+from html import unescape
 
 import pytest
 import torch
@@ -463,3 +464,90 @@ def test_5_following_one_row_opens_on_a_row_the_loss_reaches(matrix):
         assert (table["G_S,rj = P_rj·(G_P,rj − Σ P·G_P)"] - table["G_S,rj (autograd)"]).abs().max() < 1e-6
         if row + 1 < len(keys):
             assert "G_O,r = 0" in grad_views.row_sentence(result, row + 1, keys)
+
+
+# -- activation patching's takeaway (figures/view_takeaways.patching_takeaway) ------------------------------------
+def answers_and_diff(model, ids, a=None, b=None):
+    """The last position's top token and, given the two answers, z[a] − z[b]: a plain forward, nothing patched."""
+    with torch.no_grad():
+        z = model(ids)[0, -1].double()
+    return int(z.argmax()), (float(z[a] - z[b]) if a is not None else None)
+
+
+def patched_diff(model, clean_ids, corrupt_ids, kind, layer, column, a, b) -> float:
+    """z[a] − z[b] on the corrupted prompt with one clean activation put in by a torch forward hook written here
+    (not ``tracer.patch``): position ``column`` of the residual stream entering block ``layer`` ([B, n, d]), or
+    head ``column``'s output there ([B, H, n, d_head]) — dimension 1 either way."""
+    point = model.get_submodule(act_name(kind, layer))
+    kept = {}
+    handle = point.register_forward_hook(lambda module, args, out: kept.setdefault("clean", out.detach().clone()))
+    with torch.no_grad():
+        model(clean_ids)
+    handle.remove()
+
+    def put(module, args, out):
+        out = out.clone()
+        out[:, column] = kept["clean"][:, column]
+        return out
+
+    handle = point.register_forward_hook(put)
+    try:
+        return answers_and_diff(model, corrupt_ids, a, b)[1]
+    finally:
+        handle.remove()
+
+
+def test_the_patching_line_names_the_cell_that_restores_most(matrix):
+    from figures.view_takeaways import patching_takeaway
+    from session import patching_run
+
+    seen = set()
+    branches = {"restores": 0, "none": 0, "same answer": 0}
+    for name, (gen, _) in matrix.items():
+        if gen is None or id(gen.model) in seen:  # a loaded trace has no model; the same model once
+            continue
+        seen.add(id(gen.model))
+        model, tok = gen.model, gen.tokenizer
+        clean = gen.info.prompts[0]
+        clean_ids = torch.tensor([tok.encode(clean)])
+        corrupted = [clean.replace("Lily", other) for other in ("Tom", "Mia", "Ben")]
+        corrupted = [c for c in corrupted if len(tok.encode(c)) == clean_ids.shape[1]] + [clean]
+        for text in corrupted:
+            corrupt_ids = torch.tensor([tok.encode(text)])
+            a, _ = answers_and_diff(model, clean_ids)
+            b, _ = answers_and_diff(model, corrupt_ids)
+            for kind in ("resid_pre", "z"):
+                run = patching_run(model, tok, clean, text, kind)
+                res = run.result
+                said = patching_takeaway(res, run.labels, tok.token_label(res.clean_answer),
+                                         tok.token_label(res.corrupted_answer))
+                line = unescape(said.sentence)
+                assert (res.clean_answer, res.corrupted_answer) == (a, b), name
+                if a == b:
+                    assert line.startswith("Both prompts' top token is"), (name, line)
+                    branches["same answer"] += 1
+                    continue
+                _, clean_diff = answers_and_diff(model, clean_ids, a, b)
+                _, corrupt_diff = answers_and_diff(model, corrupt_ids, a, b)
+                assert abs(res.clean_diff - clean_diff) < 1e-4 and abs(res.corrupted_diff - corrupt_diff) < 1e-4
+                assert f"({res.corrupted_diff:.2f} on the corrupted prompt, {res.clean_diff:.2f} on the clean one)" \
+                    in line
+                restored = res.restored.double()
+                layer, column = divmod(int(restored.argmax()), restored.shape[1])
+                share = float(restored[layer, column])
+                # the named cell's share, recomputed by patching it here
+                again = (patched_diff(model, clean_ids, corrupt_ids, kind, layer, column, a, b) - corrupt_diff) \
+                    / (clean_diff - corrupt_diff)
+                assert abs(again - share) < 1e-3, (name, kind, again, share)
+                cell = (f"the residual stream entering block {layer} at position {run.labels[column]}"
+                        if kind == "resid_pre" else f"head L{layer} H{column}'s output")
+                assert cell in line, (name, line)
+                assert f"{share:.0%}" in line and (restored > share).sum() == 0
+                if share > 0:
+                    half = int((restored >= 0.5).sum())
+                    assert f"no other of the {restored.numel()} cells restores more, and {half} of them" in line
+                    branches["restores"] += 1
+                else:
+                    assert line.startswith("No single patch moves")
+                    branches["none"] += 1
+    assert branches["restores"] and branches["same answer"], branches
