@@ -21,6 +21,7 @@ from gui.common import (
     state,
     values_kept,
 )
+from gui.hover import crosshair
 from gui.takeaway import takeaway
 from model.gpt import act_name, identity_of
 from session import first_token
@@ -70,7 +71,9 @@ def attention_tab(trace: Trace, step: int) -> None:
                                    "one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared", persist_state="page",
                                    help="With one scale, the scaling shows as what it does: every score "
                                         "shrinks by the same factor")
-                chart(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
+                # hover: a cell's query row and key column drawn across its panel (the other panels and O = A·V
+                # cannot follow the pointer: Streamlit sends no hover events, gui/hover.py)
+                chart(crosshair(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared)),
                       key="stages_chart")
             sink = attn_views.sink_sentence(trace, step, layer, head, batch)
             if sink is not None:
@@ -84,7 +87,7 @@ def attention_tab(trace: Trace, step: int) -> None:
             if result is not None:
                 st.caption("For the picked query: each value row vᵢ times its weight αᵢ, and their sum "
                            "o = Σᵢ αᵢ vᵢ — one row of O = A·V.")
-                chart(result[0], key="av_chart")
+                chart(crosshair(result[0]), key="av_chart")  # a key row vᵢ under the pointer, across its panel
     with sub["Pitfalls"]:
         if sub["Pitfalls"].open:
             table = attn_views.pitfall_table(trace, step, layer, head, batch)

@@ -223,6 +223,14 @@ def test_attention_selectors_redraw_without_stepping(stepped):
     run(at)
     maps = heatmaps(charts(at)[0])
     assert maps[0]["zmax"] == maps[1]["zmax"] == maps[2]["zmax"]
+    assert crosshaired(charts(at)[0])  # hover: the cell's query row and key column, on every stage
+
+
+def crosshaired(spec: dict) -> bool:
+    """Whether every axis of a chart draws the hovered cell's row or column across its panel (gui/hover.py)."""
+    axes = [v for k, v in spec["layout"].items() if k.startswith(("xaxis", "yaxis"))]
+    return bool(axes) and all(a.get("showspikes") and a.get("spikemode") == "across" for a in axes) \
+        and spec["layout"].get("hovermode") == "closest"
 
 
 def query_pick_shown(at: AppTest) -> tuple[str, list[float]]:
@@ -257,7 +265,7 @@ def test_the_query_picker_follows_the_step_slider(stepped):
 
 def test_the_attention_subviews(stepped):
     at = show_tab(stepped, "Attention", ("attn_view", "O = A·V"))
-    assert len(charts(at)) == 1 and "o = Σᵢ αᵢ vᵢ" in page_text(at)
+    assert len(charts(at)) == 1 and "o = Σᵢ αᵢ vᵢ" in page_text(at) and crosshaired(charts(at)[0])
     at = show_tab(at, "Attention", ("attn_view", "Pitfalls"))
     table = frame_with(at, "variant").set_index("variant")
     assert table.loc["as the model does it", "row sum"] == pytest.approx(1.0)
