@@ -16,7 +16,11 @@
 It also keeps the bytes of every storage that is alive — created by an op of the forward, freed when its last
 tensor goes — and the peak of that sum: the activation memory the forward needs at once, as PyTorch's own
 allocator would see it without its caching (parameters and the KV cache buffers made before the step are not
-counted; the cache's new buffers are).
+counted; the cache's new buffers are). A storage an op reads before any op of the forward made it existed before
+(the tokens, the cache's buffers): an in-place write into it (the cache's ``copy_``) adds nothing. The copies of
+whole expert matrices that the dry run's ``batched_mm`` experts make are left out (``_copied_matrices``). Checked
+against the profiler's allocator events on the real run (tests/test_costs.py): within 1.2 % for our GPT, Llama,
+Qwen3, Mixtral and DeepSeek-V3, prefill and decode (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class OpCounter(TorchDispatchMode):
             self._param_storages[id(storage)] = storage.nbytes()
         self._tracked: dict[int, Any] = {}  # id(storage) → weakref with a callback that frees its bytes
         self._seen = {id(s) for s in self._param_storages}
+        self._existing: dict[int, Any] = {}  # id(storage) → weakref: memory made before the forward (_note_existing)
         for path, module in model.named_modules():
             if isinstance(module, HookPoint) or not path:
                 continue
@@ -108,6 +113,34 @@ class OpCounter(TorchDispatchMode):
             self._tracked.pop(key, None)
         return callback
 
+    def _note_existing(self, storage: Any) -> None:
+        """A storage an op reads that no op of this forward made: it existed before (the tokens, the KV cache's
+        buffers, which an in-place write would otherwise count as new), so it is never counted. Held by a weak
+        reference that forgets it when it is freed, so that a new storage given the same id is counted."""
+        key = id(storage)
+        if key in self._seen or key in self._tracked:
+            return
+        self._seen.add(key)
+        self._existing[key] = weakref.ref(storage, self._forget(key))
+
+    def _forget(self, key: int):
+        def callback(_ref):
+            self._seen.discard(key)
+            self._existing.pop(key, None)
+        return callback
+
+    def _copied_matrices(self, packet: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
+        """Whether the op copies whole weight matrices out of a parameter: ``gate_up_proj[expert_ids]``
+        ``[E, 2·d_ff, d] → [S, 2·d_ff, d]``, the chosen experts' matrices, one per token and choice. The dry run's
+        experts (transformers' ``batched_mm``, shapes fixed in advance: sources/_dry_run.py) make these copies;
+        the kernels a real run uses (``grouped_mm``, the experts loop) read the matrices in place, so the copies are
+        left out of the peak activation memory (their bytes stay in the op's weight bytes and bytes written). An
+        embedding's rows (``[V, d] → [B, n, d]``: vectors, not matrices) are activations and stay in."""
+        if packet not in (torch.ops.aten.index, torch.ops.aten.index_select):
+            return False
+        params = [t for t in inputs if t.dim() >= 3 and id(t.untyped_storage()) in self._param_storages]
+        return any(o.dim() == p.dim() and o.shape[1:] == p.shape[1:] for p in params for o in outputs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -119,6 +152,8 @@ class OpCounter(TorchDispatchMode):
         if counter is not None:
             flops = int(counter(*args, **kwargs, out_val=out))
         in_storages = {id(t.untyped_storage()) for t in inputs}
+        for t in inputs:  # memory that existed before the forward (the tokens, the KV cache's buffers): never new
+            self._note_existing(t.untyped_storage())
         weight = 0
         for t in inputs:
             held = self._param_storages.get(id(t.untyped_storage()))
@@ -127,12 +162,15 @@ class OpCounter(TorchDispatchMode):
                 weight += min(held, sum(_nbytes(o) for o in outputs)) if gathers else min(held, _nbytes(t))
         written = 0
         inplace = str(packet).endswith("_") or "out" in kwargs  # add_, copy_, index_put_ …: they write their output
+        copies = self._copied_matrices(packet, inputs, outputs)
         for o in outputs:
             storage = o.untyped_storage()
             key = id(storage)
             if key in in_storages and not inplace:
                 continue  # a view of an input: nothing written
             written += _nbytes(o)
+            if copies:
+                self._note_existing(storage)  # weights, not activations (_copied_matrices)
             if key not in self._seen and key not in self._tracked:  # new memory: alive until its last tensor goes
                 nbytes = storage.nbytes()
                 self._tracked[key] = weakref.ref(storage, self._freed(nbytes, key))
