@@ -134,3 +134,44 @@ def test_a_state_layer_records_its_mixer_and_an_attention_layer_its_attention(ro
     mid = trace.get("blocks.0.hook_resid_mid", step)
     assert torch.allclose(mid, trace.get("blocks.0.hook_resid_pre", step) + trace.get("blocks.0.hook_mixer_out", step),
                           atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def app():
+    from tests.test_app import new_app
+
+    return new_app()
+
+
+def test_every_tab_renders_at_an_attention_layer_and_at_a_state_layer(app, root):
+    """Qwen3-Next in the real app (AppTest): loaded, two steps, every tab and every What-if view rendered with
+    layer 1 (attention) and layer 0 (Gated DeltaNet) picked; at layer 0 the Attention, Causal mask and KV cache views
+    say what the layer is, in the model's own sentence, instead of drawing an empty chart."""
+    from html import unescape
+
+    from tests.test_app import TABS, press, press_reset, show_tab
+    from tests.test_app_architectures import choose_directory
+
+    at = app
+    choose_directory(at, build_hybrid("qwen3_next", root / "qwen3_next_app"))
+    press(at, "load_model")
+    press_reset(at)
+    press(at, "step_button")
+    press(at, "step_button")
+    gen = at.session_state["app"].generation
+    assert gen.n_steps == 2 and gen.model.identity.family == "hf:qwen3_next"
+    assert any("qwen3_next (hf:qwen3_next)" in unescape(c.value) for c in at.caption)
+    sentence = gen.model.config.no_attention_sentence(0)
+    assert sentence and gen.model.config.no_attention_sentence(1) is None
+    for layer in (1, 0):
+        for key in ("attn_layer", "mask_layer", "kv_layer", "flow_layer"):
+            at.session_state[key] = layer
+        for tab in TABS:
+            show_tab(at, tab)
+            assert not at.error, (layer, tab, [e.value for e in at.error])
+            if layer == 0 and tab in ("Attention", "Causal mask", "KV cache"):
+                shown = [unescape(i.value) for i in at.info]
+                assert any(sentence in text for text in shown), (tab, shown)
+        for sub in ("Switch heads off", "Activation patching", "Logit attribution", "Logit lens"):
+            show_tab(at, "What if", ("whatif_view", sub))
+            assert not at.error, (layer, sub, [e.value for e in at.error])
