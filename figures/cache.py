@@ -443,7 +443,8 @@ def growth_figure(config, t_now: int, itemsize: int = 4, n_now: int | None = Non
     ns = sorted({max(1, round(n_ctx ** (i / 40))) for i in range(41)} | {t_now})
     per_n = [forward_parts(config, 1, n, n) for n in ns]
     parts = {name: [counts[name] for counts in per_n] for name in PARTS}
-    H, G, dh, L = config.n_head, getattr(config, "n_kv_head", None) or config.n_head, config.d_head, config.n_layer
+    H, G, dh = config.n_head, getattr(config, "n_kv_head", None) or config.n_head, config.d_head
+    L = len(getattr(config, "attention_layers", None) or range(config.n_layer))  # the layers that hold K and V
     scores = [H * n * n * itemsize for n in ns]  # one layer's [H, n, n] scores (each stage as large)
     cache = [2 * L * G * n * dh * itemsize for n in ns]
     weights = forward_cost(config, 1, 1, 1, itemsize=itemsize).weight_bytes
@@ -572,7 +573,8 @@ def growth_takeaway(config, t_now: int, itemsize: int = 4,
     attention, mlp = parts["QKᵀ and A·V"], parts["MLP"]
     H, G = config.n_head, getattr(config, "n_kv_head", None) or config.n_head
     scores = H * n_now * t_now * itemsize
-    cache = 2 * config.n_layer * G * t_now * config.d_head * itemsize
+    L = len(getattr(config, "attention_layers", None) or range(config.n_layer))  # the layers that hold K and V
+    cache = 2 * L * G * t_now * config.d_head * itemsize
     verb = "more than" if attention > mlp else "less than" if attention < mlp else "as much as"
     sentence = (f"At t = {t_now}, attention's products cost {verb} the MLP ({attention:,} against {mlp:,} "
                 f"multiply-adds at this step): attention grows with n·t, the MLP with n.")

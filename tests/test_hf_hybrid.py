@@ -134,6 +134,46 @@ def test_a_state_layer_records_its_mixer_and_an_attention_layer_its_attention(ro
     mid = trace.get("blocks.0.hook_resid_mid", step)
     assert torch.allclose(mid, trace.get("blocks.0.hook_resid_pre", step) + trace.get("blocks.0.hook_mixer_out", step),
                           atol=1e-5)
+    assert trace.record("blocks.0.hook_mixer_in", step).axes == ("B", "n", "d")  # the hook table's row
+
+
+def test_the_cache_views_count_k_and_v_at_attention_layers_and_the_state_at_the_others(root):
+    from figures import cache
+    from model.gpt import spec_for
+    from tracer.costs import kv_cache_bytes
+
+    gen = traced(build_hybrid("qwen3_next", root / "qwen3_next_cache"))
+    trace, step, config = gen.trace, 3, gen.model.config
+    table = cache.cache_table(trace, step)
+    assert list(table["layer"]) == [0, 1] and table["K"][0] == "none (Gated DeltaNet)" and table["bytes (K+V)"][0] == 0
+    k, v = trace.record("blocks.1.attn.hook_k_all", step), trace.record("blocks.1.attn.hook_v_all", step)
+    assert table["bytes (K+V)"][1] == k.nbytes + v.nbytes
+    state = sum(rec.nbytes for rec in cache.state_records(trace, step, 0))
+    assert table["state bytes"][0] == state > 0 and gen.cache.state_nbytes == state  # what the cache holds
+    assert kv_cache_bytes(trace, step) == k.nbytes + v.nbytes + state
+    _, sentence = cache.memory_formula(trace, step)
+    assert sentence.startswith("1 layers ×") and "the other 1 layer(s) have no attention" in sentence
+    assert spec_for("blocks.0.hook_mixer_out", config) is not None
+    assert spec_for("blocks.0.hook_mixer_out", load_hf(root / "qwen3_next_cache")[0].config) is not None
+
+
+def test_a_head_at_a_state_layer_cannot_be_switched_off_or_patched(root):
+    """The intervention is refused before any forward, with what the layer is; activation patching of the heads
+    leaves the state layer's row empty (NaN: it has no heads) and fills the attention layer's."""
+    from tracer import InterventionError, ablate, activation_patching
+    from tracer.capture._interventions import check
+
+    model, tok = load_hf(build_hybrid("qwen3_next", root / "qwen3_next_whatif"), implementation="transformers")
+    sentence = model.config.no_attention_sentence(0)
+    with pytest.raises(InterventionError, match="no attention head to switch off or patch") as refused:
+        check([ablate("blocks.0.attn.hook_z", head=1)], model)
+    assert sentence is not None and sentence in str(refused.value)
+    check([ablate("blocks.1.attn.hook_z", head=1)], model)  # an attention layer's head: accepted
+    clean, corrupted = tok.encode("Lily had a red kite."), tok.encode("Tom had a red kite.")
+    corrupted = (corrupted + clean)[:len(clean)]
+    result = activation_patching(model, clean, corrupted, kind="z")
+    assert result.restored.shape == (2, model.config.n_head)
+    assert torch.isnan(result.restored[0]).all() and torch.isfinite(result.restored[1]).all()
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +193,7 @@ def test_every_tab_renders_at_an_attention_layer_and_at_a_state_layer(app, root)
     from tests.test_app_architectures import choose_directory
 
     at = app
-    choose_directory(at, build_hybrid("qwen3_next", root / "qwen3_next_app"))
+    choose_directory(at, build_hybrid("qwen3_next", root / "app" / "qwen3_next"))
     press(at, "load_model")
     press_reset(at)
     press(at, "step_button")
@@ -171,7 +211,8 @@ def test_every_tab_renders_at_an_attention_layer_and_at_a_state_layer(app, root)
             assert not at.error, (layer, tab, [e.value for e in at.error])
             if layer == 0 and tab in ("Attention", "Causal mask", "KV cache"):
                 shown = [unescape(i.value) for i in at.info]
-                assert any(sentence in text for text in shown), (tab, shown)
+                said = sentence[0].upper() + sentence[1:]  # the model's sentence, opening the message
+                assert any(text.startswith(said) for text in shown), (tab, shown)
         for sub in ("Switch heads off", "Activation patching", "Logit attribution", "Logit lens"):
             show_tab(at, "What if", ("whatif_view", sub))
             assert not at.error, (layer, sub, [e.value for e in at.error])
