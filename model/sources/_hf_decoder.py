@@ -96,7 +96,7 @@ RefusalReason = Literal[
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
     "attention outside the interface",  # softmax attention computed by the family's own code
-    "state layers",  # some layers hold state-space / convolution / linear-attention state beside the KV cache
+    "state layers",  # layers without attention keep their state in a cache class of the family's own (MiniMax)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
@@ -597,6 +597,15 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
             "transformers' attention interface, so its Q, K, V and pattern cannot be recorded; this family cannot "
             "be traced (the re-implemented families gpt2, llama, mistral, qwen2 can)",
             reason="attention outside the interface")
+    for L in missing:  # a layer that holds an attention module which never called the interface is not a state layer
+        silent = sorted({type(m).__name__ for m in layers[L].modules() if m is not layers[L]
+                         and any(w in type(m).__name__.lower() for w in ("attention", "attn"))
+                         and not any(w in type(m).__name__.lower() for w in ("norm", *_STATE_WORDS))})
+        if silent:
+            raise HFDecoderError(
+                f"{model_type}: layer(s) {L} hold attention ({', '.join(silent[:3])}) that does not go through "
+                "transformers' attention interface, so its Q, K, V and pattern cannot be recorded",
+                reason="attention outside the interface")
     # a layer without attention (a hybrid's state layer: Gated DeltaNet, Mamba …) is traced as its mixer's input
     # and output, its state kept by transformers' own cache layer inside StateCache
     shared = {id(cs[0].module) for cs in per_layer if cs}
