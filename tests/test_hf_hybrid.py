@@ -137,9 +137,11 @@ def test_a_state_layer_records_its_mixer_and_an_attention_layer_its_attention(ro
     assert trace.record("blocks.0.hook_mixer_in", step).axes == ("B", "n", "d")  # the hook table's row
 
 
-def test_the_cache_views_count_k_and_v_at_attention_layers_and_the_state_at_the_others(root):
+def test_the_cache_views_count_k_and_v_at_attention_layers_and_the_state_at_the_others(root, tmp_path):
     from figures import cache
+    from figures.common import no_attention
     from model.gpt import spec_for
+    from tracer import load_trace, save_trace
     from tracer.costs import kv_cache_bytes
 
     gen = traced(build_hybrid("qwen3_next", root / "qwen3_next_cache"))
@@ -154,7 +156,10 @@ def test_the_cache_views_count_k_and_v_at_attention_layers_and_the_state_at_the_
     _, sentence = cache.memory_formula(trace, step)
     assert sentence.startswith("1 layers ×") and "the other 1 layer(s) have no attention" in sentence
     assert spec_for("blocks.0.hook_mixer_out", config) is not None
-    assert spec_for("blocks.0.hook_mixer_out", load_hf(root / "qwen3_next_cache")[0].config) is not None
+    # a saved trace says the same of its layers
+    again = load_trace(save_trace(trace, tmp_path / "hybrid.gst"))
+    assert again.config is not None and again.config.mixers == config.mixers
+    assert no_attention(again, 0) == config.no_attention_sentence(0) and no_attention(again, 1) is None
 
 
 def test_a_head_at_a_state_layer_cannot_be_switched_off_or_patched(root):

@@ -275,8 +275,13 @@ class GPTConfig:
         return (self.n_head + 2 * self.n_kv_heads) * self.d_head
 
     def to_dict(self) -> dict:
-        """Plain JSON values (``GPTConfig(**config.to_dict())`` gives the config back)."""
-        return asdict(self)
+        """Plain JSON values (``GPTConfig(**config.to_dict())`` gives the config back): the per-layer tuples as
+        lists, as a file written and read again holds them."""
+        out = asdict(self)
+        for name in ("mixers", "state_layers"):
+            if isinstance(out[name], tuple):
+                out[name] = list(out[name])
+        return out
 
 
 def _global_module_hooks() -> bool:
