@@ -342,9 +342,10 @@ def run_steps(gen: TracedGeneration, n: int, on_step: Callable[[int], None] | No
 
 
 # -- what if -------------------------------------------------------------------------------------------
-def all_heads(n_layer: int, n_head: int) -> list[tuple[int, int]]:
-    """Every (layer, head), layer by layer: the options of a head picker."""
-    return [(layer, head) for layer in range(n_layer) for head in range(n_head)]
+def all_heads(n_layer: int, n_head: int, layers: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Every (layer, head), layer by layer — of ``layers`` only where given (a hybrid model's attention layers):
+    the options of a head picker."""
+    return [(layer, head) for layer in (range(n_layer) if layers is None else layers) for head in range(n_head)]
 
 
 def head_label(head: tuple[int, int]) -> str:

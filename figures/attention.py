@@ -320,9 +320,10 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
     bracketed; ``scores`` (name → [L, H]) are written under each head; ``picked`` is outlined. An invisible
     marker at each head's centre carries (layer, head), so a click can open it."""
     layers = trace.filter(step=step, name="*attn.hook_pattern")
-    n_layer = len(layers)
+    n_layer = len(layers)  # rows: the layers with attention (all of them but a hybrid model's state layers)
+    row_layer = [int(rec.name.split(".")[1]) for rec in layers]  # row i shows layer row_layer[i]
     H = layers[0].shape[1]
-    G = trace.record(act_name("k_all", 0), step).shape[1]
+    G = trace.record(act_name("k_all", row_layer[0]), step).shape[1]
     n, t = layers[0].shape[2], layers[0].shape[3]
     per_head = GRID_CELLS // max(1, n_layer * H)
     scale = min(1.0, math.sqrt(per_head / max(1, n * t)))
@@ -336,7 +337,7 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
     missing, pooled_any = 0, False
     for layer in range(n_layer):
         value, from_digest = None, False
-        rec = trace.record(act_name("pattern", layer), step)
+        rec = layers[layer]
         full = trace.value(rec)
         if full is None:
             digest = trace.digest(rec)
@@ -357,10 +358,10 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
     fig = figure(go.Heatmap(z=tiles.to(torch.float32).numpy(), colorscale=AMOUNT, zmin=0, zmax=1, hoverinfo="skip",
                             colorbar={"title": {"text": "A", "side": "top"}, "thickness": 10}))
     centres_x, centres_y, data = [], [], []
-    for layer in range(n_layer):
+    for row, layer in enumerate(row_layer):
         for head in range(H):
             centres_x.append(head * (rt + cgap) + (rt - 1) / 2)
-            centres_y.append(layer * (tall + rgap) + (tall - 1) / 2)
+            centres_y.append(row * (tall + rgap) + (tall - 1) / 2)
             text = f"L{layer} H{head}" + (f" (K/V head {head // (H // G)})" if G != H else "")
             if scores:
                 text += "<br>" + "<br>".join(f"{k}: {float(v[layer, head]):.2f}" for k, v in scores.items())
@@ -376,18 +377,18 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
             shapes.append({"type": "line", "x0": x0, "x1": x1, "y0": -1.5, "y1": -1.5, "line": {"color": "#555"}})
             fig.add_annotation(x=(x0 + x1) / 2, y=-2, text=f"K/V head {g}", showarrow=False, yanchor="bottom",
                                font={"size": 10, "color": "#555"})
-    if picked is not None:
+    if picked is not None and picked[0] in row_layer:
         layer, head = picked
-        x0, y0 = head * (rt + cgap) - 0.5, layer * (tall + rgap) - 0.5
+        x0, y0 = head * (rt + cgap) - 0.5, row_layer.index(layer) * (tall + rgap) - 0.5
         shapes.append({"type": "rect", "x0": x0, "x1": x0 + rt, "y0": y0, "y1": y0 + tall,
                        "line": {"color": ACCENT, "width": 3}})
     if scores:  # each tile names its clearest role (a score of at least ROLE_SHOWN) inside its lower edge, not
         # in the gap below, where it would cover the next layer's tile; the hover lists them all
-        for layer in range(n_layer):
+        for row, layer in enumerate(row_layer):
             for head in range(H):
                 role, score = max(((k, float(v[layer, head])) for k, v in scores.items()), key=lambda kv: kv[1])
                 if score >= ROLE_SHOWN:
-                    fig.add_annotation(x=head * (rt + cgap) + (rt - 1) / 2, y=layer * (tall + rgap) + tall - 0.5,
+                    fig.add_annotation(x=head * (rt + cgap) + (rt - 1) / 2, y=row * (tall + rgap) + tall - 0.5,
                                        text=f"{role} {score:.2f}", showarrow=False, yanchor="bottom",
                                        font={"size": 10, "color": "#111"}, bgcolor="rgba(255,255,255,0.8)")
     fig.update_layout(shapes=shapes, plot_bgcolor="white", margin={"t": 40, "l": 40, "r": 10, "b": 10},
@@ -395,7 +396,7 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
     fig.update_xaxes(tickvals=[h * (rt + cgap) + (rt - 1) / 2 for h in range(H)], ticktext=[f"H{h}" for h in range(H)],
                      side="top", showgrid=False, zeroline=False)
     fig.update_yaxes(tickvals=[layer * (tall + rgap) + (tall - 1) / 2 for layer in range(n_layer)],
-                     ticktext=[f"L{layer}" for layer in range(n_layer)], autorange="reversed", showgrid=False,
+                     ticktext=[f"L{layer}" for layer in row_layer], autorange="reversed", showgrid=False,
                      zeroline=False)
     if tall == rn:  # square cells: one query row is as tall as one key column is wide
         fig.update_yaxes(scaleanchor="x", scaleratio=1)

@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import facts_of, gen_step, key_labels, shape_text
+from figures.common import attention_layers, facts_of, gen_step, key_labels, no_attention, shape_text
 from figures.heatmap import add, grid, style_axes
 from figures.palette import ACCENT, NEUTRAL
 from figures.plot import figure, fitted, subplots
@@ -26,7 +26,19 @@ def _ran_with_cache(trace: Trace) -> bool:
 
 
 def _n_layer(trace: Trace, step: int) -> int:
+    """Layers that hold K and V (every layer but a hybrid model's state layers)."""
     return len(trace.filter(step=step, name="*attn.hook_k_all"))
+
+
+def _layers(trace: Trace, step: int) -> list[int]:
+    """Every layer of the model, attention or not (a hybrid model's state layers hold no K, V rows)."""
+    config = trace.config
+    return list(range(config.n_layer)) if config is not None else list(range(_n_layer(trace, step)))
+
+
+def _first_attention(trace: Trace) -> int:
+    attending = attention_layers(trace)
+    return attending[0] if attending else 0
 
 
 def latent_records(trace: Trace, step: int, layer: int) -> tuple[TensorRecord, TensorRecord] | None:
@@ -43,7 +55,18 @@ def cache_table(trace: Trace, step: int) -> pd.DataFrame:
     model adds what its cache holds instead — c_KV [B,1,t,d_c] and k_R [B,1,t,d_R] — with their bytes."""
     use_cache = _ran_with_cache(trace)
     rows = []
-    for layer in range(_n_layer(trace, step)):
+    for layer in _layers(trace, step):
+        states = state_records(trace, step, layer)
+        if no_attention(trace, layer) is not None:  # a hybrid model's state layer: no K, V rows at all
+            config = trace.config
+            mixer = config.mixers[layer] if config is not None and config.mixers is not None else "state"
+            row = {"layer": layer, "K": f"none ({mixer})", "V": "none", "rows from the cache": 0,
+                   "rows computed this step": 0, "bytes (K+V)": 0}
+            if states:
+                row = {**row, "state": " + ".join(shape_text(rec.shape) for rec in states),
+                       "state bytes": sum(rec.nbytes for rec in states)}
+            rows.append(row)
+            continue
         k = trace.record(act_name("k_all", layer), step)
         v = trace.record(act_name("v_all", layer), step)
         k_new = trace.record(act_name("k", layer), step)
@@ -60,7 +83,6 @@ def cache_table(trace: Trace, step: int) -> pd.DataFrame:
             c_kv, k_r = latent
             row = {**row, "cache holds: c_KV": shape_text(c_kv.shape), "k_R": shape_text(k_r.shape),
                    "bytes held (c_KV+k_R)": c_kv.nbytes + k_r.nbytes}
-        states = state_records(trace, step, layer)
         if states:  # a hybrid layer: its state-space mixer's state, kept by transformers' own cache
             row = {**row, "state": " + ".join(shape_text(rec.shape) for rec in states),
                    "state bytes": sum(rec.nbytes for rec in states)}
@@ -90,15 +112,16 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     """(LaTeX, sentence): the cache's size per layer, 2·B·G·t·d_k, with this step's numbers, against the
     2·B·H·t·d_k a cache with one key/value head per query head would hold (latent attention: what its cache
     holds against K and V, ``latent_memory_sentence``)."""
-    latent = latent_records(trace, step, 0)
+    first = _first_attention(trace)
+    latent = latent_records(trace, step, first)
     if latent is not None:
         c_kv, k_r = latent
-        k, v = trace.record(act_name("k_all", 0), step), trace.record(act_name("v_all", 0), step)
+        k, v = trace.record(act_name("k_all", first), step), trace.record(act_name("v_all", first), step)
         B, H, t, d_qk = k.shape
         return latent_memory_sentence(_n_layer(trace, step), B, H, t, c_kv.shape[-1], k_r.shape[-1], d_qk,
                                       v.shape[-1], c_kv.nbytes // max(1, c_kv.numel), step)
-    k = trace.record(act_name("k_all", 0), step)
-    q = trace.record(act_name("q", 0), step)
+    k = trace.record(act_name("k_all", first), step)
+    q = trace.record(act_name("q", first), step)
     B, G, t, dk = k.shape
     H = q.shape[1]
     n_layer = _n_layer(trace, step)
@@ -108,6 +131,10 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     latex = (rf"2\cdot B\cdot G\cdot t\cdot d_k = 2\cdot {B}\cdot {G}\cdot {t}\cdot {dk} = {per_layer:,}"
              rf"\ \text{{numbers per layer}}")
     held = f"{n_layer} layers × {per_layer:,} numbers × {size} bytes = {n_layer * per_layer * size / 1024:,.1f} KiB"
+    others = len(_layers(trace, step)) - n_layer
+    if others > 0:  # a hybrid model: only its attention layers hold K and V
+        held += (f" (its {n_layer} attention layer(s); the other {others} layer(s) have no attention and hold no K, "
+                 "V rows)")
     if G == H:
         sentence = (f"{held} at step {step}. This model has as many key/value heads as query heads (G = H = {H}), "
                     "so its cache is the full multi-head one; grouped-query models share each key/value head "
@@ -134,6 +161,8 @@ def held_bytes(trace: Trace, step: int, layer: int) -> int:
     """Bytes one layer's cache holds after ``step``: K + V, or c_KV + k_R for latent attention, plus the state
     of a hybrid model's state-space layer."""
     latent = latent_records(trace, step, layer)
+    if no_attention(trace, layer) is not None:  # a hybrid model's state layer: its state only
+        return sum(rec.nbytes for rec in state_records(trace, step, layer))
     records = latent if latent is not None else [trace.record(act_name(kind, layer), step)
                                                  for kind in ("k_all", "v_all")]
     return sum(rec.nbytes for rec in (*records, *state_records(trace, step, layer)))
@@ -142,14 +171,14 @@ def held_bytes(trace: Trace, step: int, layer: int) -> int:
 def state_sentence(trace: Trace, step: int) -> str | None:
     """What a hybrid model's state layers hold beside K and V at ``step``, counted from the records; None when
     no layer keeps state."""
-    layers = [(layer, state_records(trace, step, layer)) for layer in range(_n_layer(trace, step))]
+    layers = [(layer, state_records(trace, step, layer)) for layer in _layers(trace, step)]
     layers = [(layer, records) for layer, records in layers if records]
     if not layers:
         return None
     total = sum(rec.nbytes for _, records in layers for rec in records)
     shapes = " and ".join(f"{rec.name.rsplit('.', 1)[-1].removeprefix('hook_').replace('_', ' ')} "
                           f"{shape_text(rec.shape)}" for rec in layers[0][1])
-    return (f"Beside K and V, {len(layers)} layer(s) keep a state-space mixer's state in transformers' own cache — "
+    return (f"Beside K and V, {len(layers)} layer(s) keep their mixer's state in transformers' own cache — "
             f"per layer {shapes} — {total / 1024:,.1f} KiB in all after step {step}. That state has a fixed size: "
             "each step overwrites it instead of adding a row, so it does not grow with t as K and V do.")
 
@@ -160,7 +189,7 @@ def cache_growth(trace: Trace) -> pd.DataFrame:
     facts = facts_of(trace)
     use_cache = facts.info.use_cache
     for gs in facts.steps:
-        total = sum(held_bytes(trace, gs.step, layer) for layer in range(_n_layer(trace, gs.step)))
+        total = sum(held_bytes(trace, gs.step, layer) for layer in _layers(trace, gs.step))
         rows.append({"step": gs.step, "cache length": gs.forward.cache_after if use_cache else 0,
                      "t (keys attended)": gs.forward.t, "K+V bytes (all layers)": total if use_cache else 0,
                      "K+V bytes computed": total})
@@ -233,7 +262,13 @@ def evidence_table(c: RecomputeComparison) -> pd.DataFrame:
     return frame
 
 
-def verdict(c: RecomputeComparison) -> tuple[str, str]:
+def _rows_by_layer(c: RecomputeComparison, trace: Trace | None) -> dict[int, tuple[float, float]]:
+    """The cached-rows check per layer that holds K and V rows (a hybrid model's state layers hold none)."""
+    return {layer: d for layer, d in enumerate(c.cached_rows_delta)
+            if trace is None or no_attention(trace, layer) is None}
+
+
+def verdict(c: RecomputeComparison, trace: Trace | None = None) -> tuple[str, str]:
     """(level, text) for the comparison of one step: what it shows, computed from the comparison itself."""
     delta = f"max |Δ logits| = {c.max_abs_delta:.2e}"
     side = ("this run's own cached logits" if c.run_used_cache else
@@ -251,16 +286,18 @@ def verdict(c: RecomputeComparison) -> tuple[str, str]:
     why = ("Row i of K and V depends on tokens 0…i: in layer 0 on token i alone, in every later layer on all of "
            "them through the residual stream. It depends on nothing after i, because the causal mask keeps every "
            "earlier row from seeing later tokens, so a row made when its own step ran never changes afterwards")
-    rows = c.cached_rows_delta
+    rows = _rows_by_layer(c, trace)
     if rows and not c.cached_rows_equal:
-        layer = max(range(len(rows)), key=lambda i: max(rows[i]))
+        layer = max(rows, key=lambda i: max(rows[i]))
         return ("error", f"The logits agree ({delta}), but the cached K and V rows do NOT equal their recomputation "
                          f"from all {c.full.query_rows} tokens: layer {layer} differs by {max(rows[layer]):.2e}, above "
                          f"the tolerance {c.tolerance:g}. The cached side is {side}.")
     if rows:
-        layer = max(range(len(rows)), key=lambda i: max(rows[i]))
+        layer = max(rows, key=lambda i: max(rows[i]))
+        others = len(c.cached_rows_delta) - len(rows)
         shown = (f"Recomputed from all {c.full.query_rows} tokens, the {past} cached rows agree in every one of the "
-                 f"{len(rows)} layers (largest |Δ| {max(rows[layer]):.2e}, layer {layer}; table below).")
+                 f"{len(rows)} layers that hold K and V (largest |Δ| {max(rows[layer]):.2e}, layer {layer}; table "
+                 "below)" + (f"; the other {others} layer(s) have no attention and hold no rows." if others else "."))
     else:
         shown = "(This file holds no layer-by-layer check of the cached rows.)"
     text = (f"The cached path computed {c.cached.query_rows} query row(s) with {c.cached.macs:,} multiply-adds, "
@@ -270,12 +307,13 @@ def verdict(c: RecomputeComparison) -> tuple[str, str]:
     return ("success", text)
 
 
-def cached_rows_table(c: RecomputeComparison) -> pd.DataFrame:
-    """Per layer, the cached K and V rows against their recomputation from all tokens (empty when none)."""
+def cached_rows_table(c: RecomputeComparison, trace: Trace | None = None) -> pd.DataFrame:
+    """Per layer that holds K and V, the cached rows against their recomputation from all tokens (empty when
+    none)."""
     return pd.DataFrame([{"layer": layer, "max |ΔK| cached vs recomputed": f"{dk:.2e}",
                           "max |ΔV| cached vs recomputed": f"{dv:.2e}",
                           "equal": "yes" if max(dk, dv) <= c.tolerance else "NO"}
-                         for layer, (dk, dv) in enumerate(c.cached_rows_delta)])
+                         for layer, (dk, dv) in _rows_by_layer(c, trace).items()])
 
 
 def timing_warning(c: RecomputeComparison) -> str:
@@ -376,7 +414,7 @@ def window_layers(trace: Trace, step: int) -> list[int]:
     facts = facts_of(trace)
     forward = facts.step(step).forward
     layers = []
-    for layer in range(trace.config.n_layer):
+    for layer in attention_layers(trace):
         mask = trace.get(act_name("mask", layer), step)
         if mask is None:
             continue
@@ -405,7 +443,8 @@ def growth_figure(config, t_now: int, itemsize: int = 4, n_now: int | None = Non
     ns = sorted({max(1, round(n_ctx ** (i / 40))) for i in range(41)} | {t_now})
     per_n = [forward_parts(config, 1, n, n) for n in ns]
     parts = {name: [counts[name] for counts in per_n] for name in PARTS}
-    H, G, dh, L = config.n_head, getattr(config, "n_kv_head", None) or config.n_head, config.d_head, config.n_layer
+    H, G, dh = config.n_head, getattr(config, "n_kv_head", None) or config.n_head, config.d_head
+    L = len(getattr(config, "attention_layers", None) or range(config.n_layer))  # the layers that hold K and V
     scores = [H * n * n * itemsize for n in ns]  # one layer's [H, n, n] scores (each stage as large)
     cache = [2 * L * G * n * dh * itemsize for n in ns]
     weights = forward_cost(config, 1, 1, 1, itemsize=itemsize).weight_bytes
@@ -534,7 +573,8 @@ def growth_takeaway(config, t_now: int, itemsize: int = 4,
     attention, mlp = parts["QKᵀ and A·V"], parts["MLP"]
     H, G = config.n_head, getattr(config, "n_kv_head", None) or config.n_head
     scores = H * n_now * t_now * itemsize
-    cache = 2 * config.n_layer * G * t_now * config.d_head * itemsize
+    L = len(getattr(config, "attention_layers", None) or range(config.n_layer))  # the layers that hold K and V
+    cache = 2 * L * G * t_now * config.d_head * itemsize
     verb = "more than" if attention > mlp else "less than" if attention < mlp else "as much as"
     sentence = (f"At t = {t_now}, attention's products cost {verb} the MLP ({attention:,} against {mlp:,} "
                 f"multiply-adds at this step): attention grows with n·t, the MLP with n.")

@@ -54,6 +54,22 @@ def facts_of(trace: Trace) -> GenerationFacts:
     return facts
 
 
+def no_attention(trace: Trace, layer: int) -> str | None:
+    """What ``layer`` is when it computes no attention — a hybrid model's Gated DeltaNet, Mamba or convolution layer
+    ("layer 0 has no attention: it is a Gated DeltaNet layer whose state does not grow with t …", from the model's
+    config) — or None when it attends (every layer of every other model)."""
+    config = trace.config
+    if config is None or not 0 <= layer < config.n_layer:
+        return None
+    return config.no_attention_sentence(layer)
+
+
+def attention_layers(trace: Trace) -> list[int]:
+    """The layers that compute attention (all of them but in a hybrid model)."""
+    config = trace.config
+    return list(config.attention_layers) if config is not None else [0]
+
+
 def gen_step(trace: Trace, step: int) -> GenerationStep:
     return facts_of(trace).step(step)
 

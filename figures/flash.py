@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 import torch
 
 from figures.attention import kv_head, sink_logits
-from figures.common import key_labels, query_labels, score_scale
+from figures.common import attention_layers, key_labels, query_labels, score_scale
 from figures.heatmap import grid, heatmap, style_axes
 from figures.palette import ACCENT, MASKED, NEUTRAL
 from figures.plot import fitted, subplots
@@ -236,7 +236,7 @@ def default_query_block(trace: Trace, step: int, batch: int, block: int) -> int:
     """The query block holding the last real (non-padding) row of sequence ``batch`` at ``step``: a
     right-padded sequence's last rows are padding, which nobody reads."""
     facts = trace.generation
-    n = trace.record(act_name("q", 0), step).shape[2]
+    n = trace.record(act_name("q", attention_layers(trace)[0]), step).shape[2]
     if facts is None:
         return (n - 1) // block
     real = facts.is_token(batch, step)[-n:]

@@ -16,7 +16,8 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from figures import attention, cache, flow, mask, tokens
-from figures.common import facts_of
+from figures.common import attention_layers, facts_of
+from model.gpt import act_name
 from tracer import Trace
 
 STYLE = ("body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#1a1a1a}"
@@ -44,8 +45,9 @@ def report_html(trace: Trace, step: int | None = None, heads: tuple[tuple[int, i
     for layer, head in heads:
         sections.append((f"Attention, layer {layer} head {head}: QKᵀ, scaled, + M, softmax",
                          attention.attention_stages_figure(trace, step, layer, head, batch), ""))
-    grid = attention.all_heads_figure(trace, step, batch) if trace.get("blocks.0.attn.hook_pattern", step) is not None \
-        or trace.digest(trace.record("blocks.0.attn.hook_pattern", step)) is not None else None
+    first = act_name("pattern", attention_layers(trace)[0])  # a hybrid model's layer 0 may have no attention
+    grid = attention.all_heads_figure(trace, step, batch) if trace.get(first, step) is not None \
+        or trace.digest(trace.record(first, step)) is not None else None
     sections.append(("Every head at once", grid.figure if grid is not None else None, grid.note if grid else
                      "The attention patterns of this step were not kept (capture shapes, or evicted)."))
     sections.append(("The causal mask M", mask.mask_figure(trace, step, 0, batch),

@@ -138,10 +138,11 @@ def patching_takeaway(result: PatchingResult, columns: tuple[str, ...] | list[st
                         (("clean answer", clean_label), ("corrupted answer", corrupted_label)))
     restored = result.restored.double()  # [n_layer, positions or heads]
     width = restored.shape[1]
-    best = int(restored.argmax())
+    patched = ~restored.isnan()  # a hybrid model's layers without attention have no heads: their rows are NaN
+    best = int(restored.masked_fill(~patched, float("-inf")).argmax())
     layer, column = divmod(best, width)
     share = float(restored[layer, column])
-    cells = restored.numel()
+    cells = int(patched.sum())
     half = int((restored >= 0.5).sum())
     cell = (f"the residual stream entering block {layer} at position {inert(columns[column])}"
             if result.kind == "resid_pre" else f"head L{layer} {inert(columns[column])}'s output")

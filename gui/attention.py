@@ -9,7 +9,7 @@ from figures import attention as attn_views
 from figures import flash as flash_views
 from figures import gradients as grad_views
 from figures import long_attention as long_views
-from figures.common import facts_of, key_labels, query_labels, scores_formula
+from figures.common import attention_layers, facts_of, key_labels, query_labels, scores_formula
 from gui.common import (
     chart,
     explain_missing_values,
@@ -18,6 +18,7 @@ from gui.common import (
     plain,
     remembered_tabs,
     reserve_memory,
+    said_no_attention,
     state,
     values_kept,
 )
@@ -42,6 +43,11 @@ from tracer import (
 
 def attention_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "attn")
+    if said_no_attention(trace, layer, "Its mixer's input and output are recorded as blocks.{L}.hook_mixer_in and "
+                         "hook_mixer_out (Shapes and Inspector tabs); pick an attention layer "
+                         f"({', '.join(map(str, attention_layers(trace)))}) to see Q, K, V and the pattern."
+                         .replace("{L}", str(layer))):
+        return
     st.latex(attn_views.attention_latex(trace, step, layer))
     usual = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1]) == "QKᵀ/√d_k"
     if usual:
@@ -368,8 +374,8 @@ def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
 
 
 def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> None:
-    if trace.get(act_name("pattern", 0), step) is None and trace.digest(trace.record(act_name("pattern", 0), step)) \
-            is None:
+    first = act_name("pattern", attention_layers(trace)[0])  # a hybrid model's layer 0 may have no attention
+    if trace.get(first, step) is None and trace.digest(trace.record(first, step)) is None:
         explain_missing_values(trace, step, "attention patterns")
         return
     model = live_model_for(trace)

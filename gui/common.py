@@ -14,7 +14,7 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from figures import tokens as token_views
-from figures.common import facts_of
+from figures.common import facts_of, no_attention
 from figures.common import inert as plain  # everything the app did not write passes through this
 from gpt_shape_tracer.memory import return_freed_memory, reuse_freed_memory
 from gpt_shape_tracer.server_limits import SessionLedger
@@ -427,6 +427,17 @@ def layer_head_batch(trace: Trace, prefix: str, heads: bool = True) -> tuple[int
     batch = cols[2].selectbox("sequence", list(range(batch_size)), key=f"{prefix}_batch",
                               persist_state="page") if batch_size > 1 else 0
     return layer, head, batch
+
+
+def said_no_attention(trace: Trace, layer: int, instead: str = "") -> bool:
+    """Whether ``layer`` has no attention (a hybrid model's state layer); if so, say what it is — the model's own
+    sentence, "layer L has no attention: it is a <mixer> layer whose state does not grow with t …" — and what
+    this view shows ``instead``, rather than drawing an empty chart."""
+    sentence = no_attention(trace, layer)
+    if sentence is None:
+        return False
+    st.info(f"{sentence[0].upper()}{sentence[1:]}." + (f" {instead}" if instead else ""))
+    return True
 
 
 def values_kept(trace: Trace, step: int, name: str, what: str) -> bool:

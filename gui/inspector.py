@@ -6,7 +6,7 @@ import streamlit as st
 import torch
 
 from figures import inspector as inspect_views
-from figures.common import shape_with_axes
+from figures.common import attention_layers, shape_with_axes
 from figures.view_takeaways import inspector_takeaway
 from gui.common import chart, explain_missing_values, plain, state
 from gui.hover import crosshair
@@ -18,7 +18,7 @@ from tracer import Trace
 
 def inspector_tab(trace: Trace, step: int) -> None:
     names = trace.names(step)
-    default = state().inspect_name or act_name("pattern", 0)
+    default = state().inspect_name or act_name("pattern", attention_layers(trace)[0])
     index = names.index(default) if default in names else 0
     name = st.selectbox("record", names, index=index, key="inspect_select")  # kept in the app state
     state().inspect_name = name

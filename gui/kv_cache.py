@@ -7,8 +7,8 @@ import streamlit as st
 
 from figures import attention as attn_views
 from figures import cache as cache_views
-from figures.common import facts_of
-from gui.common import chart, layer_head_batch, plain, remembered_tabs, state, values_kept
+from figures.common import attention_layers, facts_of
+from gui.common import chart, layer_head_batch, plain, remembered_tabs, said_no_attention, state, values_kept
 from gui.takeaway import takeaway
 from model.gpt import act_name
 from session import caches
@@ -40,7 +40,7 @@ def cache_tab(trace: Trace, step: int) -> None:
             cheaper_cache()
     with growth:
         if growth.open and trace.config is not None:
-            q = trace.record(act_name("q", 0), step)
+            q = trace.record(act_name("q", attention_layers(trace)[0]), step)
             itemsize = q.nbytes // max(1, q.numel)  # the model's dtype: 4 B in float32, 2 in bfloat16
             forward = facts_of(trace).step(step).forward
             figure, sentence = cache_views.growth_figure(trace.config, forward.t, itemsize, forward.n,
@@ -95,6 +95,17 @@ def cheaper_cache() -> None:
     chart(cache_views.precision_figure(run), key="precision_chart")
 
 
+def key_heatmap(trace: Trace, step: int, layer: int, head: int, batch: int, column) -> None:
+    """One head's cached K or V (or a latent-attention layer's c_KV, k_R) at an attention layer."""
+    latent = cache_views.latent_records(trace, step, layer) is not None
+    tensors = ["K", "V", "c_KV", "k_R"] if latent else ["K", "V"]  # latent attention: what its cache holds too
+    which = column.radio("tensor", tensors, horizontal=True, key="kv_which", persist_state="page")
+    which = which if which in tensors else "K"
+    kv = 0 if which in ("c_KV", "k_R") else attn_views.kv_head(trace, layer, head, step)
+    if values_kept(trace, step, act_name(cache_views.HEATMAP_HOOKS[which], layer), f"{which} values"):
+        chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
+
+
 def cache_this_step(trace: Trace, step: int) -> None:
     app = state()
     facts = facts_of(trace)
@@ -109,13 +120,9 @@ def cache_this_step(trace: Trace, step: int) -> None:
     cols = st.columns([3, 1])
     with cols[0]:
         layer, head, batch = layer_head_batch(trace, "kv")
-    latent = cache_views.latent_records(trace, step, layer) is not None
-    tensors = ["K", "V", "c_KV", "k_R"] if latent else ["K", "V"]  # latent attention: what its cache holds too
-    which = cols[1].radio("tensor", tensors, horizontal=True, key="kv_which", persist_state="page")
-    which = which if which in tensors else "K"
-    kv = 0 if which in ("c_KV", "k_R") else attn_views.kv_head(trace, layer, head, step)
-    if values_kept(trace, step, act_name(cache_views.HEATMAP_HOOKS[which], layer), f"{which} values"):
-        chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
+    if not said_no_attention(trace, layer, "Its state's shapes and bytes are in the table above (state, state "
+                             "bytes): no K or V rows to draw."):
+        key_heatmap(trace, step, layer, head, batch, cols[1])
     st.subheader("Cache on vs off")
     comparisons = facts.comparisons
     gen = app.live_generation
@@ -130,13 +137,13 @@ def cache_this_step(trace: Trace, step: int) -> None:
         comparisons = facts_of(trace).comparisons
     if step in comparisons:
         c = comparisons[step]
-        level, text = cache_views.verdict(c)
+        level, text = cache_views.verdict(c, trace)
         getattr(st, level)(text)
         st.dataframe(cache_views.evidence_table(c), hide_index=True, key="evidence_table")
         if c.cached_rows_delta:
             st.caption("The rows the cache held, layer by layer, against the same rows recomputed from every token:")
             rows = len(c.cached_rows_delta)
-            st.dataframe(cache_views.cached_rows_table(c), hide_index=True, key="cached_rows_table",
+            st.dataframe(cache_views.cached_rows_table(c, trace), hide_index=True, key="cached_rows_table",
                          height=min(400, 38 + 35 * rows))  # as tall as its rows, scrolling past 10
         warning = cache_views.timing_warning(c)
         if warning:

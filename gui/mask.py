@@ -6,7 +6,7 @@ import streamlit as st
 
 from figures import mask as mask_views
 from figures.view_takeaways import mask_takeaway
-from gui.common import chart, layer_head_batch, plain, values_kept
+from gui.common import chart, layer_head_batch, plain, said_no_attention, values_kept
 from gui.hover import crosshair
 from gui.takeaway import takeaway
 from model.gpt import act_name
@@ -15,6 +15,9 @@ from tracer import Trace
 
 def mask_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "mask")
+    if said_no_attention(trace, layer, "There is no attention mask at this layer: its mixer reads the positions in "
+                         "order, each step updating its state from the new token only."):
+        return
     facts = mask_views.mask_facts(trace, step, layer, batch)
     said = mask_takeaway(facts)
     takeaway(said.sentence, said.metrics, plain_paragraphs(said.details or ""),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import flow as flow_views
+from figures.common import no_attention
 from figures.view_takeaways import shapes_takeaway
 from gui.common import chart, n_layer_head, plain, state
 from gui.takeaway import takeaway
@@ -44,10 +45,14 @@ def shapes_tab(trace: Trace, step: int) -> None:
     layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page")
     chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
     st.subheader("The multi-head reshape, op by op")
-    st.caption("How Q is split into heads and the heads' outputs merged back; green boxes are views (the same "
-               "numbers, new shape and strides), orange ones new memory"
-               + (", grey ones not measured (values not kept)." if flow_views.recorded_flow(trace) else "."))
-    chart(flow_views.reshape_figure(trace, step, layer), key="reshape_chart")
+    without = no_attention(trace, layer)
+    if without is not None:  # a hybrid model's state layer: no heads to split or merge
+        st.info(f"{without[0].upper()}{without[1:]}: no queries to split into heads, no heads' outputs to merge.")
+    else:
+        st.caption("How Q is split into heads and the heads' outputs merged back; green boxes are views (the same "
+                   "numbers, new shape and strides), orange ones new memory"
+                   + (", grey ones not measured (values not kept)." if flow_views.recorded_flow(trace) else "."))
+        chart(flow_views.reshape_figure(trace, step, layer), key="reshape_chart")
     st.subheader("Every record of this step")
     cols = st.columns([1, 2, 1, 2])
     layer_filter = cols[0].selectbox("layer", ["all"] + list(range(n_layer)), key="table_layer", persist_state="page")

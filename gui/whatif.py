@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from figures import whatif as whatif_views
-from figures.common import facts_of
+from figures.common import attention_layers, facts_of
 from figures.view_takeaways import ablation_takeaway, patching_takeaway
 from gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
 from gui.hover import crosshair
@@ -43,7 +43,9 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
     n_layer, n_head = n_layer_head(trace)
     cols = st.columns([3, 1, 2])
     # options are (layer, head) pairs, shown as "L3 H2": the choice is read as numbers, never parsed back
-    chosen = cols[0].multiselect("heads to switch off (their output O_h)", all_heads(n_layer, n_head),
+    # a hybrid model's layers without attention have no heads to offer
+    chosen = cols[0].multiselect("heads to switch off (their output O_h)",
+                                 all_heads(n_layer, n_head, attention_layers(trace)),
                                  format_func=head_label, key="ablate_heads", persist_state="page")
     how = cols[1].radio("how", list(ABLATIONS), key="ablate_how", persist_state="page",
                         help="zero: O_h = 0 · mean: O_h replaced by its mean over the positions seen so far")

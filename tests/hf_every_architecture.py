@@ -250,9 +250,10 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         "",
         "Reasons (`HFDecoderError.reason`, `ModelLoadError.reason`): *attention outside the interface* — the family "
         "computes softmax attention in its own code, so its Q, K, V and pattern cannot be recorded; *no softmax "
-        "attention* — state-space or recurrent layers only; *state layers* — some layers keep convolution / "
-        "state-space / linear-attention state beside the KV cache; *latent attention* — value heads narrower or "
-        "wider than query/key heads; *attention sinks* — a learned sink logit in every softmax row; *several "
+        "attention* — state-space or recurrent layers only; *state layers* — layers without attention keep their "
+        "state in a cache class of the family's own (MiniMax), not in transformers' shared cache layers; *latent "
+        "attention* — value heads narrower or wider than query/key heads; *attention sinks* — a learned sink logit "
+        "in every softmax row; *several "
         "attentions per layer* — a layer calls attention more than once per forward; *encoder-decoder*, *encoder* — "
         "not a causal decoder; *cannot load* — transformers itself fails on the directory or its forward.",
         "",

@@ -60,7 +60,9 @@ def test_every_row_belongs_to_gpt2_or_llama_and_together_they_cover_the_table():
     soft_capped = GPTConfig(family="hf", n_layer=1, d_model=64, n_head=4, attn_softcap=50.0)  # a Gemma 2, described
     latent = GPTConfig(family="hf", n_layer=1, d_model=64, n_head=4, head_dim=24, v_head_dim=8, kv_latent_dim=16,
                        rope_key_dim=8, attn_sinks=True)  # a DeepSeek-V3 with gpt-oss's sinks, described
-    covered = {(s.name, s.needs) for config in (*CONFIGS.values(), soft_capped, latent) for s in HOOKS
+    hybrid = GPTConfig(family="hf", n_layer=2, d_model=64, n_head=4, mixers=("Gated DeltaNet", ""),
+                       state_layers=(0,))  # a Qwen3-Next, described
+    covered = {(s.name, s.needs) for config in (*CONFIGS.values(), soft_capped, latent, hybrid) for s in HOOKS
                if s in _rows_of(config)}
     assert covered == rows
     # only the RoPE family has the rotated q/k and the linear half of SwiGLU; only GPT-2 the position table

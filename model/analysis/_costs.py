@@ -13,7 +13,10 @@ Counted (per forward, batch B, n new positions, t key positions):
 
 Layer norms, softmax, the mask, RoPE and the residual additions are O(B·n·d)
 or O(B·H·n·t) element-wise work without multiply-adds of weights; they are
-left out, and said to be.
+left out, and said to be. In a hybrid model only the layers with attention
+count the attention terms and hold K and V; the other layers' mixers (Gated
+DeltaNet, Mamba, convolutions) are left out too: their cost is the mixer's own,
+which the config does not describe.
 """
 
 from __future__ import annotations
@@ -36,18 +39,23 @@ def _dims(config) -> tuple[int, int, int, int, int, int, int, int]:
     return config.d_model, n_head, n_kv, d_head, config.d_ff, config.vocab_size, config.n_layer, 3 if gated else 2
 
 
+def _attending(config) -> int:
+    """How many layers compute attention: all of them but a hybrid model's state layers."""
+    layers = getattr(config, "attention_layers", None)
+    return len(layers) if layers is not None else config.n_layer
+
+
 def forward_cost(config, batch: int, new: int, keys: int, cached: int = 0, itemsize: int = 4) -> ForwardCost:
     """The cost of one forward of ``new`` positions attending over ``keys`` positions, ``cached`` of which
     come from a KV cache."""
     d, H, G, dh, d_ff, V, L, mlp_mats = _dims(config)
-    per_block = (batch * new * d * (H + 2 * G) * dh  # X·W_QKV
+    La = _attending(config)
+    attention = (batch * new * d * (H + 2 * G) * dh  # X·W_QKV
                  + 2 * batch * H * new * keys * dh  # QKᵀ and A·V
-                 + batch * new * H * dh * d  # ·W_O
-                 + mlp_mats * batch * new * d * d_ff)  # the MLP
-    macs = L * per_block + batch * new * d * V
-    block_weights = d * (H + 2 * G) * dh + H * dh * d + mlp_mats * d * d_ff
-    weight_bytes = (L * block_weights + d * V) * itemsize
-    kv_bytes = 2 * L * batch * G * cached * dh * itemsize
+                 + batch * new * H * dh * d)  # ·W_O
+    macs = La * attention + L * mlp_mats * batch * new * d * d_ff + batch * new * d * V
+    weight_bytes = (La * (d * (H + 2 * G) * dh + H * dh * d) + L * mlp_mats * d * d_ff + d * V) * itemsize
+    kv_bytes = 2 * La * batch * G * cached * dh * itemsize
     return ForwardCost(macs=macs, weight_bytes=weight_bytes, kv_cache_bytes=kv_bytes)
 
 
@@ -58,9 +66,10 @@ def forward_parts(config, batch: int, new: int, keys: int) -> dict[str, int]:
     """The multiply-adds of ``forward_cost`` part by part (all layers; they add up to its ``macs``): what grows
     with n·d² (the projections, the MLP, the unembedding) and what grows with n·t·d (attention's two products)."""
     d, H, G, dh, d_ff, V, L, mlp_mats = _dims(config)
-    return {"X·W_QKV": L * batch * new * d * (H + 2 * G) * dh,
-            "QKᵀ and A·V": L * 2 * batch * H * new * keys * dh,
-            "·W_O": L * batch * new * H * dh * d,
+    La = _attending(config)
+    return {"X·W_QKV": La * batch * new * d * (H + 2 * G) * dh,
+            "QKᵀ and A·V": La * 2 * batch * H * new * keys * dh,
+            "·W_O": La * batch * new * H * dh * d,
             "MLP": L * mlp_mats * batch * new * d * d_ff,
             "unembedding": batch * new * d * V}
 

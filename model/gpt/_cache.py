@@ -154,7 +154,8 @@ class KVCache:
         twin = KVCache(self.n_layer, self.batch_size, self.storage)
         if length:
             for layer, buf in enumerate(self._buffers):
-                assert buf is not None  # every layer has rows once length > 0
+                if buf is None:  # a layer without attention (a hybrid model's state layer) holds no rows
+                    continue
                 own = _LayerBuffer(buf.keys, buf.values, buf.capacity)
                 own.write(0, buf.keys[:, :, :length], buf.values[:, :, :length])
                 twin._buffers[layer] = own

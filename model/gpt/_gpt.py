@@ -138,6 +138,10 @@ class GPTConfig:
     kv_latent_dim: int | None = None  # family "hf", latent attention: d_c, the compressed KV latent's width
     rope_key_dim: int | None = None  # family "hf", latent attention: d_R, the decoupled rotary key's width
     attn_sinks: bool = False  # family "hf": a learned sink logit per head joins every softmax row (gpt-oss)
+    # family "hf", hybrid models: per layer "" where the layer computes softmax attention, else what mixes its
+    # positions instead ("Gated DeltaNet", "Mamba2 Mixer", …, named from the module's class); None: every layer attends
+    mixers: tuple[str, ...] | None = None
+    state_layers: tuple[int, ...] = ()  # family "hf": layers whose mixer keeps a fixed-size state (not K, V rows)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from ModelIdentity.config / JSON
@@ -184,6 +188,43 @@ class GPTConfig:
             _check_positive_int("sliding_window", self.sliding_window, MAX_POSITIONS)
         if self.positions == "rope" and self.d_head % 2:
             raise ValueError(f"RoPE rotates pairs of dimensions: d_head = {self.d_head} must be even")
+        self._check_mixers()
+
+    def _check_mixers(self) -> None:
+        if isinstance(self.mixers, list):  # from ModelIdentity.config / JSON
+            object.__setattr__(self, "mixers", tuple(self.mixers))
+        if isinstance(self.state_layers, list):
+            object.__setattr__(self, "state_layers", tuple(self.state_layers))
+        mixers = self.mixers
+        if mixers is not None and (len(mixers) != self.n_layer or not all(isinstance(m, str) for m in mixers)
+                                   or all(mixers)):
+            raise ValueError(f"GPTConfig.mixers must name one mixer per layer (n_layer = {self.n_layer}), \"\" for "
+                             f"at least one attention layer; got {mixers!r}")
+        if not all(isinstance(L, int) and not isinstance(L, bool) and 0 <= L < self.n_layer
+                   for L in self.state_layers):
+            raise ValueError(f"GPTConfig.state_layers must be layer numbers below {self.n_layer}, got "
+                             f"{self.state_layers!r}")
+
+    def has_attention(self, layer: int) -> bool:
+        """Whether ``layer`` computes softmax attention (every layer but a hybrid model's state / convolution ones)."""
+        return self.mixers is None or not self.mixers[layer]
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that compute softmax attention, in order."""
+        return tuple(L for L in range(self.n_layer) if self.has_attention(L))
+
+    def no_attention_sentence(self, layer: int) -> str | None:
+        """What ``layer`` is when it has no attention (None when it has): a hybrid model's state-space, convolution
+        or linear-attention layer, whose state is overwritten each step instead of growing by a row per position."""
+        if self.has_attention(layer):
+            return None
+        assert self.mixers is not None
+        mixer = self.mixers[layer]
+        if layer in self.state_layers:
+            return (f"layer {layer} has no attention: it is a {mixer} layer whose state does not grow with t (a "
+                    "fixed-size state, overwritten at every step, instead of K and V rows)")
+        return f"layer {layer} has no attention: it is a {mixer} layer, which keeps nothing from one step to the next"
 
     @classmethod
     def for_family(cls, family: str, **fields) -> GPTConfig:
@@ -234,8 +275,13 @@ class GPTConfig:
         return (self.n_head + 2 * self.n_kv_heads) * self.d_head
 
     def to_dict(self) -> dict:
-        """Plain JSON values (``GPTConfig(**config.to_dict())`` gives the config back)."""
-        return asdict(self)
+        """Plain JSON values (``GPTConfig(**config.to_dict())`` gives the config back): the per-layer tuples as
+        lists, as a file written and read again holds them."""
+        out = asdict(self)
+        for name in ("mixers", "state_layers"):
+            if isinstance(out[name], tuple):
+                out[name] = list(out[name])
+        return out
 
 
 def _global_module_hooks() -> bool:

@@ -31,6 +31,7 @@ NEEDS = {
     "softcap": "transformers-run, soft-capped (Gemma 2)",
     "latent": "transformers-run, latent attention (DeepSeek-V2/V3, MiniCPM3)",
     "sinks": "transformers-run, attention sinks (gpt-oss)",
+    "hybrid": "transformers-run, at a layer without attention (hybrid models: Qwen3-Next, Jamba …)",
 }
 
 
@@ -90,6 +91,12 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("blocks.{L}.attn.hook_z", ("B", "H", "n", "d_head"), "A·V per head", "hook_z [batch, pos, head, d_head]"),
     HookSpec("blocks.{L}.attn.hook_merged", ("B", "n", "H·d_head"), "heads concatenated, before W_O", "—"),
     HookSpec("blocks.{L}.hook_attn_out", ("B", "n", "d"), "attention output ·W_O (+ b)", "same"),
+    HookSpec("blocks.{L}.hook_mixer_in", ("B", "n", "d"),
+             "the input of the layer's mixer where it has no attention (a Gated DeltaNet, Mamba or convolution "
+             "mixer): the normed residual stream", "—", needs="hybrid"),
+    HookSpec("blocks.{L}.hook_mixer_out", ("B", "n", "d"),
+             "what that mixer adds to the residual stream, in place of an attention output (its state, fixed-size, "
+             "stays in transformers' cache)", "—", needs="hybrid"),
     HookSpec("blocks.{L}.hook_resid_mid", ("B", "n", "d"), "x + attention output", "same"),
     HookSpec("blocks.{L}.ln2.hook_normalized", ("B", "n", "d"), "LN of the mid residual", "same", needs="layernorm"),
     HookSpec("blocks.{L}.ln2.hook_normalized", ("B", "n", "d"), "RMSNorm of the mid residual", "same",
@@ -130,10 +137,12 @@ HF_ROWS = frozenset({
     "blocks.{L}.attn.hook_masked_scores", "blocks.{L}.attn.hook_pattern", "blocks.{L}.attn.hook_z",
     "blocks.{L}.hook_attn_out", "blocks.{L}.hook_resid_mid", "blocks.{L}.hook_mlp_out", "blocks.{L}.hook_resid_post",
     "hook_logits", "blocks.{L}.attn.hook_kv_latent_all", "blocks.{L}.attn.hook_k_rope_all",
-    "blocks.{L}.attn.hook_sink_logits", "blocks.{L}.attn.hook_sink_weight"})
-HF_ONLY_NEEDS = ("softcap", "latent", "sinks")  # the features only a transformers-run model has
+    "blocks.{L}.attn.hook_sink_logits", "blocks.{L}.attn.hook_sink_weight", "blocks.{L}.hook_mixer_in",
+    "blocks.{L}.hook_mixer_out"})
+HF_ONLY_NEEDS = ("softcap", "latent", "sinks", "hybrid")  # the features only a transformers-run model has
 LATENT_ROWS = frozenset({"blocks.{L}.attn.hook_kv_latent_all", "blocks.{L}.attn.hook_k_rope_all",
-                         "blocks.{L}.attn.hook_sink_logits", "blocks.{L}.attn.hook_sink_weight"})  # hf only
+                         "blocks.{L}.attn.hook_sink_logits", "blocks.{L}.attn.hook_sink_weight",
+                         "blocks.{L}.hook_mixer_in", "blocks.{L}.hook_mixer_out"})  # hf only
 MODULE_ROWS = frozenset(r for r in HF_ROWS - LATENT_ROWS if ".attn." in r and "softcapped" not in r) | {"hook_logits"}
 V_ROWS = ("blocks.{L}.attn.hook_v", "blocks.{L}.attn.hook_v_all", "blocks.{L}.attn.hook_z", "blocks.{L}.attn.hook_merged")
 HF_MEANINGS = {  # what a row means there, where that differs from our GPT
@@ -161,6 +170,8 @@ def _has(spec: HookSpec, config) -> bool:
             return getattr(config, "kv_latent_dim", None) is not None
         if spec.needs == "sinks":
             return bool(getattr(config, "attn_sinks", False))
+        if spec.needs == "hybrid":  # at the layers without attention only (GPTConfig.has_attention says which)
+            return getattr(config, "mixers", None) is not None
         return spec.name in HF_ROWS
     needs = spec.needs
     if not needs:

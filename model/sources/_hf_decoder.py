@@ -96,7 +96,7 @@ RefusalReason = Literal[
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
     "attention outside the interface",  # softmax attention computed by the family's own code
-    "state layers",  # some layers hold state-space / convolution / linear-attention state beside the KV cache
+    "state layers",  # layers without attention keep their state in a cache class of the family's own (MiniMax)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
@@ -358,14 +358,16 @@ class StateCache(KVCache):
     is kept after every committed step: a failed forward rolls it back, and ``copy(length)`` starts from the
     state as it was at ``length`` positions."""
 
-    def __init__(self, n_layer: int, batch_size: int, storage: str, templates: list[Any]) -> None:
+    def __init__(self, n_layer: int, batch_size: int, storage: str, templates: list[Any],
+                 attention_layers: set[int] | None = None) -> None:
         super().__init__(n_layer, batch_size, storage)
         self.templates = templates
+        self.attention_layers = set(range(n_layer)) if attention_layers is None else set(attention_layers)
         self.states = {layer: _state_layer(self, layer, template) for layer, template in enumerate(templates)
                        if template is not None}
-        # layers with state and no attention (a pure Mamba layer) append no K, V: they count as updated
-        self._stateless_attention = {layer for layer, template in enumerate(templates)
-                                     if template is not None and not hasattr(template, "get_seq_length")}
+        # layers without attention (a Gated DeltaNet, a Mamba layer, an MLP-only block) append no K, V: they count
+        # as updated
+        self._stateless_attention = set(range(n_layer)) - self.attention_layers
         self._snapshots: dict[int, dict[int, dict[str, dict]]] = {0: self._save()}
 
     def _save(self) -> dict[int, dict[str, dict]]:
@@ -393,7 +395,7 @@ class StateCache(KVCache):
         held = KVCache.copy(self, length)  # checks length
         if length not in self._snapshots:
             raise ValueError(f"the convolution / state-space state at {length} positions was not kept")
-        twin = StateCache(self.n_layer, self.batch_size, self.storage, self.templates)
+        twin = StateCache(self.n_layer, self.batch_size, self.storage, self.templates, self.attention_layers)
         twin._buffers, twin._length, twin.key_is_token = held._buffers, held._length, held.key_is_token
         twin._snapshots = {k: v for k, v in self._snapshots.items() if k <= length}
         twin._restore(self._snapshots[length])
@@ -547,9 +549,11 @@ def _state_layers(hf: nn.Module) -> list[int]:
     return [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
-def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[nn.Module]]:
+def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[nn.Module | None]]:
     """The decoder layers and each one's self-attention module, found by which module calls the attention
-    function inside which layer; refuses, with the true reason, a model that does not fit one call per layer."""
+    function inside which layer (None for a hybrid model's layer that mixes its positions with a state-space,
+    convolution or linear-attention mixer instead); refuses, with the true reason, a model that does not fit at
+    most one call per layer."""
     calls, lists = _probe_calls(hf)
     words = _module_words(hf)
     if not calls:
@@ -593,20 +597,78 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
             "transformers' attention interface, so its Q, K, V and pattern cannot be recorded; this family cannot "
             "be traced (the re-implemented families gpt2, llama, mistral, qwen2 can)",
             reason="attention outside the interface")
-    if missing:  # a layer with state beside its attention (Falcon-H1) is traced: StateCache keeps that state
-        kinds = sorted({type(m).__name__ for L in missing[:4] for m in layers[L].children()})
-        raise HFDecoderError(
-            f"{model_type}: layer(s) {', '.join(map(str, missing[:12]))} hold state-space, convolution or "
-            f"linear-attention state ({', '.join(kinds[:4])}) instead of softmax attention; the trace holds one "
-            "attention per layer, so a layer without one cannot be traced yet", reason="state layers")
-    first = per_layer[0][0].mask
+    for L in missing:  # a layer that holds an attention module which never called the interface is not a state layer
+        silent = sorted({type(m).__name__ for m in layers[L].modules() if m is not layers[L]
+                         and any(w in type(m).__name__.lower() for w in ("attention", "attn"))
+                         and not any(w in type(m).__name__.lower() for w in ("norm", *_STATE_WORDS))})
+        if silent:
+            raise HFDecoderError(
+                f"{model_type}: layer(s) {L} hold attention ({', '.join(silent[:3])}) that does not go through "
+                "transformers' attention interface, so its Q, K, V and pattern cannot be recorded",
+                reason="attention outside the interface")
+    # a layer without attention (a hybrid's state layer: Gated DeltaNet, Mamba …) is traced as its mixer's input
+    # and output, its state kept by transformers' own cache layer inside StateCache
+    shared = {id(cs[0].module) for cs in per_layer if cs}
+    if len(shared) < sum(1 for cs in per_layer if cs):  # one attention module run inside several layers (Zamba)
+        raise HFDecoderError(f"{model_type}: one attention module is shared by several layers (a shared block); the "
+                             "trace holds one attention module per layer", reason="several attentions per layer")
+    first = next(cs for cs in per_layer if cs)[0].mask
     if first is not None and first.device.type != "meta" and first.shape[-1] >= 2 and first.shape[-2] >= 2:
         hidden = first[0, 0] <= torch.finfo(first.dtype).min / 2 if first.is_floating_point() else ~first[0, 0]
         if not bool(hidden[0, 1]):  # the first position sees the second: not causal
             raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, "
                                  "an encoder): only causal decoders, whose position i sees positions ≤ i, are "
                                  "traced", reason="encoder")
-    return layers, [cs[0].module for cs in per_layer]
+    return layers, [cs[0].module if cs else None for cs in per_layer]
+
+
+def _own_cache_class(hf: nn.Module) -> str | None:
+    """The name of a cache class the model's own modeling file defines (MiniMax's ``MiniMaxCache``: its forward
+    accepts no other), None where the family uses transformers' shared cache."""
+    import sys
+
+    from transformers.cache_utils import Cache
+
+    module = sys.modules.get(type(hf).__module__)
+    for name, value in vars(module or object()).items():
+        if isinstance(value, type) and issubclass(value, Cache) and value.__module__ == type(hf).__module__:
+            return name
+    return None
+
+
+def mixer_of(layer: nn.Module) -> nn.Module:
+    """The module that mixes a layer's positions when the layer has no attention: the outermost module whose class
+    names a state-space / convolution / linear-attention mixer (Qwen3-Next's GatedDeltaNet, Jamba's MambaMixer,
+    LFM2's ShortConv …); else the one child that is not a norm or an MLP (Nemotron-H's MoE-only blocks)."""
+    mlp = _child(layer, _NAMES_MLP)
+    skipped = {id(m) for m in mlp.modules()} if mlp is not None else set()
+    for _, module in layer.named_modules():
+        name = type(module).__name__.lower()
+        if module is not layer and id(module) not in skipped and any(w in name for w in _STATE_WORDS) \
+                and "norm" not in name:
+            return module
+    children = [m for m in layer.children() if id(m) not in skipped
+                and not any(w in type(m).__name__.lower() for w in ("norm", "dropout"))]
+    if not children:
+        raise HFDecoderError(f"{type(layer).__name__}: a layer without attention whose mixer was not found")
+    return children[0]
+
+
+_JOINED = {"Delta Net": "DeltaNet", "Mo E": "MoE", "Lo RA": "LoRA"}  # words the camel-case split would tear apart
+_GENERIC = ("Mixer", "Layer", "Block", "Module")
+
+
+def mixer_name(mixer: nn.Module, family_prefix: str) -> str:
+    """A mixer's class name as words, without the family's prefix: ``Qwen3NextGatedDeltaNet`` → "Gated DeltaNet",
+    ``NemotronHMamba2Mixer`` → "Mamba2 Mixer"; a name left with one generic word keeps its family ("Bamba Mixer")."""
+    name = type(mixer).__name__
+    own = name[len(family_prefix):] if family_prefix and name.startswith(family_prefix) else name
+    if not own or own in _GENERIC:
+        own = name
+    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", own)
+    for torn, joined in _JOINED.items():
+        words = words.replace(torn, joined)
+    return words
 
 
 def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
@@ -675,11 +737,16 @@ def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module, model_
 
 # -- the model ------------------------------------------------------------------------------------------
 class _BlockHooks(nn.Module):
-    def __init__(self, softcap: bool, has_mid: bool, latent: bool = False, sinks: bool = False) -> None:
+    def __init__(self, softcap: bool, has_mid: bool, latent: bool = False, sinks: bool = False,
+                 attention: bool = True) -> None:
         super().__init__()
-        self.attn = _AttentionHooks(softcap, latent, sinks)
         self.hook_resid_pre = HookPoint()  # [B, n, d]
-        self.hook_attn_out = HookPoint()  # [B, n, d]
+        if attention:
+            self.attn = _AttentionHooks(softcap, latent, sinks)
+            self.hook_attn_out = HookPoint()  # [B, n, d]
+        else:  # a hybrid model's layer whose mixer is not attention: what goes in and what comes out
+            self.hook_mixer_in = HookPoint()  # [B, n, d], the mixer's input (the normed residual)
+            self.hook_mixer_out = HookPoint()  # [B, n, d], what the mixer adds to the residual stream
         if has_mid:
             self.hook_resid_mid = HookPoint()  # [B, n, d]
         self.hook_mlp_out = HookPoint()  # [B, n, d]
@@ -708,6 +775,16 @@ def _replace_first(output: Any, value: torch.Tensor) -> Any:
         output[next(iter(output.keys()))] = value
         return output
     return output
+
+
+def _through_first_input(point: HookPoint, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook's result with the module's first input (positional, or ``hidden_states=``) through
+    ``point``."""
+    if args:
+        return (point(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        kwargs["hidden_states"] = point(kwargs["hidden_states"])
+    return args, kwargs
 
 
 def _first(output: Any) -> torch.Tensor | None:
@@ -770,14 +847,27 @@ class HFDecoder(nn.Module):
         self.hf = hf.eval().requires_grad_(False)
         cfg = _text_config(hf.config)
         layers, attns = _find_attention(hf, model_type)
-        self.architecture = _guess_architecture(hf, layers[0], attns[0], model_type)
+        first = next(L for L, attn in enumerate(attns) if attn is not None)  # a hybrid's first may be a state layer
+        self.architecture = _guess_architecture(hf, layers[first], cast(nn.Module, attns[first]), model_type)
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
-        self._latent = [latent_widths(attn) for attn in attns]  # (d_c, d_R) per latent-attention layer, else None
+        self._latent = [latent_widths(attn) if attn is not None else None for attn in attns]  # (d_c, d_R) or None
         self._sinks = [isinstance(getattr(attn, "sinks", None), torch.Tensor) for attn in attns]  # gpt-oss
         self._state_templates = state_templates(hf)  # hybrid models: the layers whose state transformers keeps
-        block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks)
-                       for norm, latent, sinks in zip(mlp_norms, self._latent, self._sinks)]
+        if len(self._state_templates) != len(layers):
+            self._state_templates = [None] * len(layers)
+        own_cache = _own_cache_class(hf)
+        if own_cache is not None and any(attn is None for attn in attns):
+            raise HFDecoderError(
+                f"{model_type}: its layers without attention keep their state in a cache class of the family's own "
+                f"({own_cache}), which the traced KV cache cannot stand in for; only state that transformers' shared "
+                "cache layers hold (Qwen3-Next, Jamba, Nemotron-H, Falcon-H1 …) is traced", reason="state layers")
+        prefix = type(hf).__name__.split("For")[0]  # Qwen3NextForCausalLM -> Qwen3Next: the family's class prefix
+        self._mixers = [None if attn is not None else mixer_of(layer) for layer, attn in zip(layers, attns)]
+        self.mixer_names = tuple("" if m is None else mixer_name(m, prefix) for m in self._mixers)
+        block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks,
+                                   attention=attn is not None)
+                       for norm, latent, sinks, attn in zip(mlp_norms, self._latent, self._sinks, attns)]
         self.blocks = nn.ModuleList(block_hooks)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
         self.hook_logits = HookPoint()  # [B, n, V]
@@ -793,14 +883,21 @@ class HFDecoder(nn.Module):
             if template is not None:  # what the layer's state holds after each step, [B, …] (hybrid models)
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
-        for layer, attn, hooks, mlp_norm in zip(layers, attns, block_hooks, mlp_norms):
-            _HOOKS[attn] = hooks.attn
-            hooks.attn.w_o = _child(attn, _NAMES_OUT)
+        for layer, attn, mixer, hooks, mlp_norm in zip(layers, attns, self._mixers, block_hooks, mlp_norms):
             self._handles.append(layer.register_forward_pre_hook(self._pre_layer(hooks), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(
                 lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out)))))
-            self._handles.append(attn.register_forward_hook(
-                lambda m, a, out, h=hooks: _replace_first(out, h.hook_attn_out(_first(out)))))
+            if attn is not None:
+                _HOOKS[attn] = hooks.attn
+                hooks.attn.w_o = _child(attn, _NAMES_OUT)
+                self._handles.append(attn.register_forward_hook(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_attn_out(_first(out)))))
+            elif mixer is not None:
+                self._handles.append(mixer.register_forward_pre_hook(
+                    lambda m, args, kwargs, h=hooks: _through_first_input(h.hook_mixer_in, args, kwargs),
+                    with_kwargs=True))
+                self._handles.append(mixer.register_forward_hook(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mixer_out(_first(out)))))
             mlp = _child(layer, _NAMES_MLP)
             if mlp is not None:
                 self._handles.append(mlp.register_forward_hook(
@@ -816,7 +913,7 @@ class HFDecoder(nn.Module):
         self._own_positions = any(hasattr(m, "padding_idx") and hasattr(m, "position_embeddings")
                                   for m in hf.modules() if not isinstance(m, nn.Embedding))
         self._check_routing(block_hooks)
-        self.config = self._config(cfg, block_hooks[0].attn)
+        self.config = self._config(cfg, block_hooks[first].attn)
         self.tensor_parallel: TensorParallelPlan | None = None  # one rank of k (a dry run): sources/_tensor_parallel.py
 
     def _check_routing(self, blocks: list[_BlockHooks]) -> None:
@@ -828,7 +925,7 @@ class HFDecoder(nn.Module):
         mask = torch.ones(1, 1, dtype=torch.long, device=device) if device.type == "meta" else None
         with torch.no_grad():
             self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), attention_mask=mask, use_cache=False)
-        missed = [L for L, block in enumerate(blocks) if block.attn.calls == 0]
+        missed = [L for L, block in enumerate(blocks) if hasattr(block, "attn") and block.attn.calls == 0]
         if missed:
             raise HFDecoderError(
                 f"{self.architecture.model_type}: the attention of layer(s) {', '.join(map(str, missed))} does not "
@@ -867,6 +964,8 @@ class HFDecoder(nn.Module):
             hf_model_type=arch.model_type, attn_scale=arch.scale, attn_softcap=arch.softcap,
             v_head_dim=d_v if d_v != d_head else None, kv_latent_dim=latent[0] if latent else None,
             rope_key_dim=latent[1] if latent else None, attn_sinks=any(self._sinks),
+            mixers=self.mixer_names if any(self.mixer_names) else None,
+            state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None),
         )
 
     # -- what our GPT offers too ----------------------------------------------------------------------
@@ -900,8 +999,9 @@ class HFDecoder(nn.Module):
         return _token_device(self.hf)
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
-        if any(t is not None for t in self._state_templates):  # a hybrid model: its state layers' cache too
-            return StateCache(self.config.n_layer, batch_size, storage, self._state_templates)
+        if any(t is not None for t in self._state_templates) or any(self.mixer_names):  # a hybrid model
+            return StateCache(self.config.n_layer, batch_size, storage, self._state_templates,
+                              set(self.config.attention_layers))
         return KVCache(self.config.n_layer, batch_size, storage)
 
     @property
@@ -966,7 +1066,7 @@ class HFDecoder(nn.Module):
 
     def _cache_view(self, cache: KVCache) -> Any:
         """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""
-        latent: list[_AttentionHooks | None] = [cast(_BlockHooks, block).attn if widths is not None else None
+        latent: list[_AttentionHooks | None] = [cast(_AttentionHooks, block.attn) if widths is not None else None
                                                  for block, widths in zip(self.blocks, self._latent)]
         return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None)
 

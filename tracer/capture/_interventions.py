@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -97,6 +97,18 @@ def _axes(name: str, config) -> tuple[str, ...]:
     return spec.shape if spec is not None else ()
 
 
+def _no_attention(name: str, config: Any) -> str | None:
+    """For a hook point inside block L's attention (``blocks.L.attn.…``) where a hybrid model's layer L has no
+    attention, what that layer is (``GPTConfig.no_attention_sentence``); else None."""
+    parts = name.split(".")
+    if not (len(parts) >= 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] == "attn"):
+        return None
+    layer = int(parts[1])
+    if config is None or not hasattr(config, "no_attention_sentence") or layer >= config.n_layer:
+        return None
+    return config.no_attention_sentence(layer)
+
+
 def check(interventions: Sequence[Intervention], model: nn.Module) -> None:
     """Refuse, before any forward, what cannot apply to ``model``: unknown names, heads or positions
     on a hook without such an axis, heads out of range."""
@@ -108,6 +120,11 @@ def check(interventions: Sequence[Intervention], model: nn.Module) -> None:
         if not isinstance(iv, Intervention):
             raise InterventionError(f"expected an Intervention (from ablate or patch), got {type(iv).__name__}")
         rec = iv.record
+        said = _no_attention(rec.name, config)
+        if said is not None:  # a hybrid model's state layer: no heads, no Q, K, V or pattern to change
+            attending = ", ".join(map(str, getattr(config, "attention_layers", ())))
+            raise InterventionError(f"{rec.name}: {said}, so it has no attention head to switch off or patch; choose "
+                                    f"a layer with attention ({attending})")
         if rec.name not in points:
             import difflib
 

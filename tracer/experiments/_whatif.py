@@ -8,6 +8,7 @@ Each runs real forwards of the model (untraced unless a trace is asked for) with
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ def pattern_changes(gen: TracedGeneration, result: Replay) -> list[tuple[int, in
     first: which heads an intervention changed most."""
     config = gen.model.config
     out = []
-    for layer in range(config.n_layer):
+    for layer in _attention_layers(config):  # a hybrid model's state layers have no pattern
         a = gen.trace.get(act_name("pattern", layer), result.step)
         b = result.trace.get(act_name("pattern", layer), 0)
         if a is None or b is None:
@@ -135,6 +136,9 @@ def activation_patching(model: Decoder, clean: Sequence[int], corrupted: Sequenc
     total = config.n_layer * width
     for layer in range(config.n_layer):
         name = act_name(kind, layer)
+        if kind == "z" and layer not in _attention_layers(config):  # no heads here (a hybrid's state layer)
+            restored[layer] = math.nan
+            continue
         for j in range(width):
             if kind == "resid_pre":
                 iv = patch(name, tr.trace, positions=[j])
@@ -148,6 +152,12 @@ def activation_patching(model: Decoder, clean: Sequence[int], corrupted: Sequenc
             if progress is not None:
                 progress((layer * width + j + 1) / total)
     return PatchingResult(kind, restored, clean_diff, corrupt_diff, a, b)
+
+
+def _attention_layers(config) -> tuple[int, ...]:
+    """The layers with attention heads: all but a hybrid model's state layers (``GPTConfig.attention_layers``)."""
+    layers = getattr(config, "attention_layers", None)
+    return tuple(layers) if layers is not None else tuple(range(config.n_layer))
 
 
 class _ProbeDone(Exception):
@@ -196,11 +206,16 @@ def head_scores(model: Decoder, first_token: int = 0, length: int = 50, seed: in
     tokens = repeated_random_tokens(config.vocab_size, length, 4, seed=seed, prefix=first_token)
     # stopped once the last pattern is recorded: the last MLP and the unembedding after it (404 rows × V
     # logits) were most of the probe's time, for nothing it reads
-    with Tracer(model, capture="values", budget_bytes=2**31) as tr, _stop_after(model, config.n_layer), \
+    attending = _attention_layers(config)
+    with Tracer(model, capture="values", budget_bytes=2**31) as tr, _stop_after(model, attending[-1] + 1), \
             contextlib.suppress(_ProbeDone):
         model(tokens)
     out: dict[str, list[torch.Tensor]] = {role: [] for role in HEAD_ROLES}
     for layer in range(config.n_layer):
+        if layer not in attending:  # a hybrid model's layer without attention: no head to score
+            for role in HEAD_ROLES:
+                out[role].append(torch.full((config.n_head,), math.nan, dtype=torch.float64))
+            continue
         pattern = tr.trace.get(act_name("pattern", layer), 0)
         if pattern is None:
             raise ValueError(f"the probe's attention pattern of layer {layer} was not kept (over the budget)")

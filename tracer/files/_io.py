@@ -532,6 +532,9 @@ def _checked_config(raw: dict) -> dict:
             out[key] = Int(0, _CONFIG_BOUNDS.get(key, 2**31))(value, where)
         elif isinstance(value, float):
             out[key] = Float(0, 1e12)(value, where)
+        elif isinstance(value, list) and len(value) <= 1024 and all(
+                isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and len(v) <= 200 for v in value):
+            out[key] = value  # one entry per layer (a hybrid model's mixers, its state layers)
         elif isinstance(value, dict) and len(value) <= 32:
             out[key] = {str(k): v for k, v in value.items() if isinstance(v, (int, float, str, bool, type(None)))}
         else:

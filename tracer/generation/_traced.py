@@ -472,7 +472,9 @@ def placeholder_choice(batch: int) -> SamplingRecord:
 
 def _max_delta_on(a: torch.Tensor | None, b: torch.Tensor | None, real: torch.Tensor, past: int) -> float:
     """max |a − b| over the first ``past`` positions of ``[B, G, t, d_head]`` rows, those holding a token
-    (``real`` is [B, past])."""
+    (``real`` is [B, past]); 0 for a layer that holds no rows in either (a hybrid model's layer without attention)."""
+    if a is None and b is None:
+        return 0.0
     if a is None or b is None:
         return math.inf
     delta = (a[:, :, :past].float() - b[:, :, :past].float()).abs().amax(dim=(1, 3))  # [B, past]
