@@ -18,7 +18,17 @@ import streamlit as st
 from figures.common import inert as plain
 from gpt_shape_tracer.runs import RunError, RunRecord, RunsSettings, RunStore, checked_run_id, new_run_id
 from gui.common import current_model, state
-from session import FACTORY, SETTING_KEYS, AppState, LoadedTrace, SettingsError, parse_model_key, settings_from
+from session import (
+    FACTORY,
+    SETTING_KEYS,
+    AppState,
+    LoadedTrace,
+    SettingsError,
+    model_device,
+    model_key_of,
+    parse_model_key,
+    settings_from,
+)
 from tracer import TraceFileError
 
 PARAM = "run"  # the address's query parameter
@@ -106,8 +116,9 @@ def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
 def set_model_widgets(key: str) -> None:
     """The sidebar's model widgets as they were when ``key`` was chosen."""
     where, how = parse_model_key(key)
+    st.session_state["model_device"] = model_device(key)
     if how is None:
-        st.session_state["source"] = LABELS.get(key, LABELS["bundled:story-gpt"])
+        st.session_state["source"] = LABELS.get(model_key_of(key), LABELS["bundled:story-gpt"])
     elif how == FACTORY:
         st.session_state["source"] = LABELS["factory"]
         st.session_state["model_factory"] = where
