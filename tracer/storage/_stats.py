@@ -184,7 +184,7 @@ def finite_flag(t: torch.Tensor) -> int:
     taken when a value is kept, settle it). One host read: a step batches its flags instead
     (``flag_sum`` per record on the tensor's device, ``flags_of_sums`` once per step)."""
     s = flag_sum(t)
-    return s if isinstance(s, int) else flags_of_sums([s])[0]
+    return s if isinstance(s, int) else _flag_of(float(s))
 
 
 @torch.no_grad()
@@ -210,9 +210,12 @@ def flags_of_sums(sums: Sequence[torch.Tensor]) -> list[int]:
     flags = [Finite.UNKNOWN] * len(sums)
     for members in groups.values():
         for i, total in zip(members, torch.stack([sums[i] for i in members]).tolist()):
-            flags[i] = Finite.CLEAN if math.isfinite(total) else (
-                Finite.NEG_INF if total == -math.inf else Finite.BAD)
+            flags[i] = _flag_of(total)
     return flags
+
+
+def _flag_of(total: float) -> int:
+    return Finite.CLEAN if math.isfinite(total) else Finite.NEG_INF if total == -math.inf else Finite.BAD
 
 
 def _fmt(v: float) -> str:
