@@ -6,7 +6,9 @@ GPU a read per record waits for the device; on the CPU there is nothing to wait 
 batching costs the CPU path nothing. A bundled model (story-gpt), a prefill then cached decode steps, each
 configuration in turn within every repeat (untraced, batched, read per record), timed in this process's CPU time
 (``time.process_time``, every torch thread counted: what the step computed, less exposed than the wall clock to
-the other processes of a loaded machine); ratios of the medians.
+the other processes of a loaded machine); ratios of the medians. ``--flags-only``: the flags alone, 26 records
+(GPT-2 small's flagged records per step) of a decode step's and a 64-token prefill's shape, each way 400 times,
+interleaved; the minimum of the runs, the least disturbed on a shared machine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from common import machine, median, save
 
 from model import load_bundled
 from tracer import Tracer
+from tracer.storage._stats import finite_flag, flag_sum, flags_of_sums
 
 MODES = ("untraced", "batched", "read per record")
 
@@ -46,12 +49,37 @@ def decode_steps(model, prompt, feed, mode) -> tuple[float, list[float]]:
     return prefill, steps
 
 
+def flags_alone(repeats: int = 400, records: int = 26) -> dict[str, dict[str, float]]:
+    """µs for ``records`` flags read one by one (the tracer before) and batched (now), minimum of ``repeats``."""
+    torch.manual_seed(0)
+    out = {}
+    for n in (1, 64):
+        xs = [torch.randn(1, n, 768) for _ in range(records)]
+        took: dict[str, list[float]] = {"read per record": [], "batched": []}
+        for r in range(repeats):
+            for mode in tuple(took) if r % 2 == 0 else tuple(reversed(took)):
+                started = time.perf_counter()
+                if mode == "batched":
+                    flags_of_sums([flag_sum(x) for x in xs])
+                else:
+                    [finite_flag(x) for x in xs]
+                took[mode].append(time.perf_counter() - started)
+        out[f"[1, {n}, 768] x{records}"] = {m: round(min(t) * 1e6, 1) for m, t in took.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--flags-only", action="store_true")
     args = ap.parse_args()
+    if args.flags_only:
+        alone = flags_alone()
+        save("flags_alone", {"machine": machine(), "us_min_of_400": alone})
+        print(f"machine: {machine()['cpu']}; µs, minimum of 400: {alone}")
+        return
     torch.manual_seed(0)
     model, _ = load_bundled("story-gpt")
     tokens = torch.randint(0, model.config.vocab_size, (1, args.prompt + args.steps))
