@@ -9,6 +9,7 @@ compare with, a step replayed with heads off — is here, so that it can be test
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import threading
@@ -16,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from model.analysis import repeated_random_tokens
 from model.gpt import act_name, identity_of
@@ -217,15 +220,86 @@ def caches(model) -> bool:
     return not isinstance(model, OwnDecoder)
 
 
+# -- devices ------------------------------------------------------------------------------------------
+HOST = "cpu"
+DEVICE_NAME = re.compile(r"cpu|mps|cuda(:\d+)?")  # what a person may ask for (the sidebar, the address, the CLI)
+
+
+def available_devices() -> tuple[str, ...]:
+    """The devices this machine offers, as PyTorch sees them: the CPU always, each CUDA device, Apple's MPS."""
+    cuda = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+    mps = ("mps",) if torch.backends.mps.is_available() else ()
+    return (HOST, *cuda, *mps)
+
+
+def check_device(raw: object) -> str:
+    """The device ``raw`` names, as ``available_devices`` writes it ("cuda" is "cuda:0"), or a ``SettingsError``
+    saying what this machine offers instead."""
+    name = str(raw).strip()
+    if not DEVICE_NAME.fullmatch(name):
+        raise SettingsError(f"device {name!r}: give cpu, cuda, cuda:N or mps")
+    offered = available_devices()
+    name = "cuda:0" if name == "cuda" else name
+    if name in offered:
+        return name
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        build = ", a CPU-only build" if torch.version.cuda is None else ""
+        why = f"PyTorch sees no CUDA device on this machine (torch {torch.__version__}{build})"
+    elif name.startswith("cuda"):
+        why = f"PyTorch sees {torch.cuda.device_count()} CUDA device(s), cuda:0 … cuda:{torch.cuda.device_count() - 1}"
+    else:
+        why = "PyTorch sees no MPS device (Apple silicon with macOS 12.3 or later) on this machine"
+    raise SettingsError(f"device {name}: {why}; this machine offers {', '.join(offered)}")
+
+
+def compute_dtypes(device: str) -> tuple[tuple[str, ...], str]:
+    """The compute dtypes a model may be loaded in on ``device``, and why a half-precision one is not offered
+    ("" when both are)."""
+    if device.startswith("cuda"):
+        with torch.cuda.device(device):  # is_bf16_supported asks of the current device
+            bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        if bf16:
+            return ("float32", "bfloat16", "float16"), ""
+        major, minor = torch.cuda.get_device_capability(device)
+        return ("float32", "float16"), (f"bfloat16 is not offered: {torch.cuda.get_device_name(device)} (compute "
+                                        f"capability {major}.{minor}) has no bfloat16 arithmetic (it needs 8.0)")
+    if device == "mps":
+        if torch.backends.mps.is_macos_or_newer(14, 0):
+            return ("float32", "bfloat16", "float16"), ""
+        return ("float32", "float16"), "bfloat16 is not offered: MPS computes in bfloat16 from macOS 14 on"
+    return ("float32", "bfloat16", "float16"), ""
+
+
 # -- models -------------------------------------------------------------------------------------------
 FACTORY = "factory"  # the "dtype" slot of a model key that names your own module's factory
+
+
+def on_device(key: str, device: str) -> str:
+    """``key`` loaded on ``device``: ``<device>|<key>``, and the key itself on the CPU (the keys of runs saved
+    before there was a choice say nothing of a device, and still mean the CPU)."""
+    key = model_key_of(key)
+    return key if device == HOST else f"{device}|{key}"
+
+
+def model_device(key: str) -> str:
+    """The device a model key loads its model on (the CPU unless the key names another)."""
+    device, bar, _ = key.partition("|")
+    return device if bar and DEVICE_NAME.fullmatch(device) else HOST
+
+
+def model_key_of(key: str) -> str:
+    """``key`` without its device (a key begins with ``bundled:``, ``factory:`` or ``dir:``, never a device)."""
+    device, bar, rest = key.partition("|")
+    return rest if bar and DEVICE_NAME.fullmatch(device) else key
 
 
 def parse_model_key(key: str) -> tuple[str, str | None]:
     """A model key as (bundled model's name, None) for ``bundled:<name>``, (spec, "factory") for
     ``factory:<package.module:function>``, or (path, how) for ``dir:<how>:<path>`` (the path last: it may
     hold colons), where ``how`` is the dtype, and ``@<GiB>`` after it when the weights may take only that
-    much memory (``directory_load``)."""
+    much memory (``directory_load``). A key for another device than the CPU begins ``<device>|``
+    (``model_device``)."""
+    key = model_key_of(key)
     if key.startswith("bundled:"):
         return key.split(":", 1)[1], None
     if key.startswith("factory:"):
@@ -262,9 +336,11 @@ def factory_key(spec: str) -> str:
 def describe_model_key(key: str) -> str:
     """A model key as a person reads it: what they chose in the sidebar."""
     where, dtype = parse_model_key(key)
+    device = model_device(key)
+    on = "" if device == HOST else f" on {device}"
     if dtype is None:
-        return f"the bundled {where}"
-    return f"your module {where}" if dtype == FACTORY else f"the directory {where} ({describe_load(dtype)})"
+        return f"the bundled {where}{on}"
+    return f"your module {where}" if dtype == FACTORY else f"the directory {where} ({describe_load(dtype)}){on}"
 
 
 def checkpoint_path(raw: str) -> str:
@@ -284,7 +360,10 @@ def describe_model(model) -> str:
     """The live model's size and dtype in one line (beside its identity, which a file also carries)."""
     c = model.config
     kv = f" sharing {c.n_kv_heads} key/value heads" if c.n_kv_heads != c.n_head else ""
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    weight = next(model.parameters())
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if weight.device.type != HOST:
+        dtype += f" on {weight.device}"
     placed = getattr(model, "offloaded", None) or {}
     on_disk = sum(1 for where in placed.values() if where == "disk")
     offload = f"; {on_disk} of its {len(placed)} parts on disk, read at every forward" if on_disk else ""

@@ -28,9 +28,11 @@ from session import (
     Settings,
     SettingsError,
     adopt_model,
+    check_device,
     describe_model,
     describe_model_key,
     directory_load,
+    model_device,
     parse_model_key,
 )
 from tracer import Finite, Trace, TraceFileError, load_trace
@@ -146,15 +148,17 @@ def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None =
 
 # -- models (shared by every session; tracing and interventions route per thread, so sharing is safe) --
 @st.cache_resource(show_spinner="Loading the bundled model…")
-def bundled_model(name: str):
-    return load_bundled(name)
+def bundled_model(name: str, device: str = "cpu"):
+    model, tokenizer = load_bundled(name)
+    return (model if device == "cpu" else model.to(device)), tokenizer
 
 
 @st.cache_resource(show_spinner="Loading the model from the local directory…", max_entries=2)
-def directory_model(path: str, how: str):
-    """The directory's model loaded as a key's ``how`` says: its dtype, and the memory its weights may take."""
+def directory_model(path: str, how: str, device: str = "cpu"):
+    """The directory's model loaded as a key's ``how`` says: its dtype, and the memory its weights may take,
+    on ``device``."""
     dtype, max_memory = directory_load(how)
-    model, tokenizer = load_model(path, dtype=dtype, max_memory=max_memory)
+    model, tokenizer = load_model(path, dtype=dtype, max_memory=max_memory, device=device)
     try:  # the app names the model by its identity at once: files that cannot be hashed are a failed load,
         identity_of(model)  # shown as one and not cached (model.identity waits for the loader's hash)
     except IdentityUnavailable as e:
@@ -201,10 +205,15 @@ def state() -> AppState:
 
 def current_model():
     """(model, tokenizer) of the sidebar's choice, loaded once per process."""
-    where, dtype = parse_model_key(state().model_key)
+    key = state().model_key
+    where, dtype = parse_model_key(key)
+    try:  # a key naming a device this machine lacks (a run saved on another machine) is a model that cannot load
+        check_device(model_device(key))
+    except SettingsError as e:
+        raise ModelLoadError(str(e)) from None
     if dtype is None:
-        return bundled_model(where)
-    return factory_model(where) if dtype == FACTORY else directory_model(where, dtype)
+        return bundled_model(where, model_device(key))
+    return factory_model(where) if dtype == FACTORY else directory_model(where, dtype, model_device(key))
 
 
 def live_model_for(trace: Trace):

@@ -36,7 +36,17 @@ from gpt_shape_tracer.runs import (
     owner_tag,
 )
 from gui.common import current_model, state
-from session import FACTORY, SETTING_KEYS, AppState, LoadedTrace, SettingsError, parse_model_key, settings_from
+from session import (
+    FACTORY,
+    SETTING_KEYS,
+    AppState,
+    LoadedTrace,
+    SettingsError,
+    model_device,
+    model_key_of,
+    parse_model_key,
+    settings_from,
+)
 from tracer import TraceFileError
 
 PARAM = "run"  # the address's query parameter
@@ -137,8 +147,9 @@ def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
 def set_model_widgets(key: str) -> None:
     """The sidebar's model widgets as they were when ``key`` was chosen."""
     where, how = parse_model_key(key)
+    st.session_state["model_device"] = model_device(key)
     if how is None:
-        st.session_state["source"] = LABELS.get(key, LABELS["bundled:story-gpt"])
+        st.session_state["source"] = LABELS.get(model_key_of(key), LABELS["bundled:story-gpt"])
     elif how == FACTORY:
         st.session_state["source"] = LABELS["factory"]
         st.session_state["model_factory"] = where

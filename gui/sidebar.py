@@ -19,12 +19,17 @@ from session import (
     MAX_WEIGHTS_GIB,
     Settings,
     SettingsError,
+    available_devices,
+    check_device,
     checkpoint_path,
+    compute_dtypes,
     describe_model,
     describe_model_key,
     directory_key,
     factory_key,
     load_how,
+    model_device,
+    on_device,
     parse_model_key,
     parse_run_steps,
     run_steps,
@@ -79,11 +84,17 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
                           "Llama 3.1 405B) built on the meta device, no weights: shapes and costs. Nothing is "
                           "downloaded.")
     chosen = available[label]
+    device = device_choice(sb) if chosen == "dir" or chosen.startswith("bundled:") else "cpu"
     if chosen == "dir":
         path = sb.text_input("Directory", key="model_dir", placeholder="/path/to/model, org/name or ckpt.pt")
-        dtype = sb.selectbox("Compute dtype", ["float32", "bfloat16"], key="model_dtype",
-                             help="float32 by default; bfloat16 halves the memory of a bf16 checkpoint (tolerances "
-                                  "in the cache comparison follow the dtype)")
+        dtypes, not_offered = compute_dtypes(device)
+        if st.session_state.get("model_dtype") not in (None, *dtypes):
+            st.session_state["model_dtype"] = "float32"  # a half precision this device does not compute in
+        dtype = sb.selectbox("Compute dtype", list(dtypes), key="model_dtype",
+                             help="float32 by default; bfloat16 and float16 halve the memory of the weights "
+                                  "(tolerances in the cache comparison follow the dtype)")
+        if not_offered:
+            sb.caption(not_offered)
         memory = sb.number_input(
             "Memory for the weights (GiB, 0 = all in memory)", value=0.0, min_value=0.0, max_value=MAX_WEIGHTS_GIB,
             step=0.5, key="model_memory_gib",
@@ -94,7 +105,7 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
         if size:
             sb.caption(size)
         if sb.button("Load", key="load_model"):
-            load_directory(path, dtype, memory)
+            load_directory(path, dtype, memory, device)
     elif chosen == "factory":
         spec = sb.text_input("Factory", key="model_factory", placeholder="my_package.my_model:make",
                              help="A function returning the model, or (model, tokenizer or a tokenizer.json path). "
@@ -105,8 +116,8 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
             load_own_module(spec)
     elif chosen == "dry":
         dry_run_sidebar(sb)
-    elif state().model_key != chosen:
-        choose_model(chosen, "")
+    elif state().model_key != on_device(chosen, device):
+        choose_model(on_device(chosen, device), "")
 
     sb.header("Sampling")
     values["decoding"] = sb.radio("Decoding", DECODINGS, index=DECODINGS.index(DEFAULTS.decoding), key="decoding",
@@ -156,6 +167,31 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     return ("run" if run else None), values
 
 
+def device_choice(sb) -> str:
+    """The device the model is loaded on: one of those this machine offers. A device asked for otherwise — the
+    address's ``?device=``, a value put in the session's state — that this machine lacks is refused with a
+    message, and the choice stays where it was (nothing loaded or computed is touched)."""
+    app = state()
+    offered = available_devices()
+    asked = st.query_params.get("device")
+    if asked is not None:
+        del st.query_params["device"]  # asked once: a refusal is not repeated at every rerun
+        st.session_state["model_device"] = asked
+    requested = st.session_state.get("model_device")
+    if requested is not None and requested not in offered:
+        current = model_device(app.model_key)
+        try:
+            st.session_state["model_device"] = check_device(requested)  # "cuda" is "cuda:0"
+        except SettingsError as e:
+            st.session_state["model_device"] = current if current in offered else "cpu"
+            kept = "the current generation and its steps are kept" if app.generation is not None else "nothing changed"
+            app.notices.append(("error", f"Device refused — {plain(e)}. The model stays on "
+                                         f"{st.session_state['model_device']}; {kept}."))
+    return sb.selectbox("Device", list(offered), key="model_device",
+                        help="Where the model's weights live and its forward runs: the CPU, or each GPU PyTorch "
+                             "sees on this machine. The trace's values come back to the host as they are kept.")
+
+
 @st.cache_data(show_spinner=False)
 def bundled_available() -> list[str]:
     return [name for name in BUNDLED_MODELS if (ASSETS / name / "config.json").is_file()]
@@ -194,15 +230,20 @@ def load_own_module(spec: str) -> None:
     choose_model(factory_key(spec.strip()), f"Loaded {plain(spec)}: {describe_model(model)}.")
 
 
-def load_directory(path: str, dtype: str, memory_gib: float = 0) -> None:
+def load_directory(path: str, dtype: str, memory_gib: float = 0, device: str = "cpu") -> None:
     app = state()
     try:
         resolved = checkpoint_path(path)
     except SettingsError as e:
         app.notices = [("error", str(e))]
         return
+    if memory_gib and device != "cpu":
+        app.notices = [("error", "“Memory for the weights” lets accelerate place the layers (in memory and on disk): "
+                                 "it loads on the cpu device only. Set it to 0 to load on "
+                                 f"{device}; the previous model stays loaded.")]
+        return
     try:
-        model, tok = directory_model(resolved, load_how(dtype, memory_gib))
+        model, tok = directory_model(resolved, load_how(dtype, memory_gib), device)
     except ModelLoadError as e:
         app.notices = [("error", f"Could not load that model, the previous one stays loaded: {plain(e)}")]
         return
@@ -213,7 +254,8 @@ def load_directory(path: str, dtype: str, memory_gib: float = 0) -> None:
         app.notices = [("error", f"{plain(resolved)} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); "
                                  "the previous model stays loaded.")]
         return
-    choose_model(directory_key(resolved, dtype, memory_gib), f"Loaded {plain(resolved)}: {describe_model(model)}.")
+    choose_model(on_device(directory_key(resolved, dtype, memory_gib), device),
+                 f"Loaded {plain(resolved)}: {describe_model(model)}.")
 
 
 def choose_model(key: str, loaded: str) -> None:

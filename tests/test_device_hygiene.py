@@ -5,10 +5,16 @@ device — the CPU — and then mixes it with a model on a GPU: an error there, 
 machine such code runs, so a plain test cannot see it. Here the *default* device is the meta device for the whole
 step: a tensor created without a device lands on meta, and a dispatch mode writes down every operation that produced
 a meta tensor, with the line of our code that called it. A model on the CPU, whose code names its devices, produces
-none. (The meta device needs no GPU; the step's real values are still computed on the CPU.)"""
+none. (The meta device needs no GPU; the step's real values are still computed on the CPU.)
+
+A step also reads nothing back to the host per record: on a GPU each read (``float(t)``, ``.item()``, ``.tolist()``,
+``.cpu()``) waits for the device, and one per record of every layer would serialise the forward. The CPU stands in
+for the device here: a mode counts every host read a traced step makes, and a model with twice the layers (twice the
+records) must make the same number."""
 
 from __future__ import annotations
 
+import math
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,10 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import load_bundled
-from tracer import TracedGeneration, ablate
+from model import GPT, GPTConfig, load_bundled
+from tracer import Finite, TracedGeneration, ablate
 from tracer.experiments import (
     attention_gradients,
     cache_precision,
@@ -108,3 +115,113 @@ def test_the_check_sees_a_tensor_created_without_a_device(bundled_model):
 
     found = created_on_meta(forgetful)
     assert any("torch.ones(model.config.d_model)" in where for where in found)
+
+
+# -- host reads: a number per step, not per record ------------------------------------------------------
+class _HostReads(TorchFunctionMode):
+    """Counts what reads a tensor's numbers on the host: Python scalars (``float``, ``int``, ``bool``, ``.item()``:
+    ``aten._local_scalar_dense`` on every device), lists and arrays, and copies to the CPU from elsewhere — each one
+    a wait for the device on a GPU — with our line that asked for it."""
+
+    READS = frozenset({"tolist", "numpy", "item", "__float__", "__int__", "__bool__", "__index__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        to_host = name in ("cpu", "to") and isinstance(args[0], torch.Tensor) and not args[0].is_cpu and (
+            name == "cpu" or any(str(a).startswith("cpu") for a in (*args[1:], kwargs.get("device"))))
+        if name in self.READS or to_host:
+            ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(OURS)]
+            where = f"{ours[-1].filename[len(str(ROOT)) + 1:]}:{ours[-1].lineno}" if ours else "?"
+            self.where[f"{name} {where}"] = self.where.get(f"{name} {where}", 0) + 1
+        return func(*args, **kwargs)
+
+
+def host_reads(work: Callable[[], object]) -> dict[str, int]:
+    with _HostReads() as mode:
+        work()
+    return mode.where
+
+
+def _random_gpt(n_layer: int, vocab_size: int, **options) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab_size, n_ctx=128, d_model=32, n_layer=n_layer, n_head=4, **options)).eval()
+
+
+@pytest.mark.parametrize("capture", ["shapes", "values", "ops"])
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_a_traced_step_reads_to_the_host_per_step_not_per_record(capture, style):
+    """Prefill and a decode step of a 2-layer and a 4-layer model: the same host reads, where a read per record
+    (the NaN/∞ flag of each residual-stream record, before they were batched) adds one per record."""
+    _, tok = load_bundled("story-gpt")
+    options = {"family": "llama", "positions": "rope", "norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2,
+               "qkv_bias": False, "attn_out_bias": False, "mlp_bias": False,
+               "tie_embeddings": False} if style == "llama" else {}
+    reads, records = {}, {}
+    for n_layer in (2, 4):
+        gen = TracedGeneration(_random_gpt(n_layer, tok.vocab_size, **options), tok,
+                               ["Tom had a red kite.", "Lily ran."], capture=capture, seed=3)
+        reads[n_layer] = [host_reads(gen.step) for _ in range(2)]  # the prefill, then one decode step
+        records[n_layer] = len(gen.trace.filter(step=1))
+    assert records[4] > records[2]  # twice the layers: more records to flag and keep
+    assert reads[4] == reads[2]
+    assert sum(reads[2][1].values()) > 0  # the step does read its token back: the mode sees reads
+
+
+def test_the_count_sees_a_read_per_record():
+    """The check itself: a flag read per tensor is one read each, found where it is read."""
+    found = host_reads(lambda: [float(torch.randn(3).sum()) for _ in range(5)])
+    assert len(found) == 1 and next(iter(found)).startswith("__float__ tests/test_device_hygiene.py:")
+    assert sum(found.values()) == 5
+
+
+def _reference_flag(t: torch.Tensor) -> int:
+    x = torch.view_as_real(t) if t.is_complex() else t
+    if not (x.is_floating_point()) or bool(torch.isfinite(x).all()):
+        return Finite.CLEAN
+    return Finite.NEG_INF if bool((torch.isfinite(x) | torch.isneginf(x)).all()) else Finite.BAD
+
+
+def test_flags_read_together_are_each_tensors_own():
+    """Flags batched per (device, dtype) come back in order, each its own tensor's, for every dtype mixed."""
+    from tracer.storage._stats import flag_sum, flags_of_sums
+
+    tensors = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64):
+        clean = torch.randn(3, 5).to(dtype)
+        masked, bad, plus = clean.clone(), clean.clone(), clean.clone()
+        masked[0, 1] = -math.inf
+        bad[2, 2] = math.nan
+        plus[1, 0] = math.inf
+        tensors += [clean, masked, bad, plus]
+    tensors += [torch.arange(4), torch.empty(0)]
+    sums = [flag_sum(t) for t in tensors]
+    pending = [s for s in sums if isinstance(s, torch.Tensor)]
+    read = iter(flags_of_sums(pending))
+    got = [s if isinstance(s, int) else next(read) for s in sums]
+    assert got == [_reference_flag(t) for t in tensors]
+    assert {Finite.CLEAN, Finite.NEG_INF, Finite.BAD} <= set(got)
+
+
+def test_a_shapes_trace_flags_what_a_values_trace_measures():
+    """The residual stream of a model that makes NaN from layer 1 on: the flags batched at the step's end agree,
+    record by record, with the statistics of the same records' kept values — and a reader asking during the step
+    gets them too."""
+    _, tok = load_bundled("story-gpt")
+    model = _random_gpt(3, tok.vocab_size)
+    with torch.no_grad():
+        model.blocks[1].mlp.c_proj.weight[0, 0] = math.nan
+    flags = {}
+    for capture in ("shapes", "values"):
+        gen = TracedGeneration(model, tok, "Tom had a red kite.", capture=capture, seed=3)
+        gen.step()
+        trace = gen.trace
+        flags[capture] = {r.name: trace.finite_flag(r) for r in trace.filter(step=0)
+                          if trace.finite_flag(r) != Finite.UNKNOWN or capture == "shapes"}
+    checked = {name: flag for name, flag in flags["shapes"].items() if flag != Finite.UNKNOWN}
+    assert checked and {name: flags["values"][name] for name in checked} == checked
+    assert Finite.BAD in checked.values() and Finite.CLEAN in checked.values()

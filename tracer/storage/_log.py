@@ -29,7 +29,7 @@ import torch
 from model.gpt import ATTENTION_STAGES as STAGES
 from model.gpt import MaskSpec
 from tracer.storage._spill import SpillFile
-from tracer.storage._stats import DRY_RUN, dtype_name, finite_flag, tensor_stats
+from tracer.storage._stats import DRY_RUN, dtype_name, flag_sum, flags_of_sums, tensor_stats
 from tracer.storage._store import DEFAULT_BUDGET_BYTES, MUTATED, ValueStore, storage_key, version_of, view_key
 from tracer.storage.records import (
     CAPTURE_LEVELS,
@@ -142,6 +142,10 @@ class TraceLog:
         self._stats_by_view: dict[tuple, TensorStats] = {}
         self._views_of_storage: dict[tuple[int, int], list[tuple]] = {}
         self._flags: dict[int, int] = {}
+        # the step in progress's NaN/∞ reductions, (record, 0-d sum on the record's device), read to the host
+        # together when the step ends (_settle_flags): one transfer per step, where a read per record would
+        # make a GPU wait for every record of every layer
+        self._flag_sums: list[tuple[int, torch.Tensor]] = []
         self._steps: list[StepRecord] = []
         self._current: int | None = None
         self._error: TraceErrorInfo | None = None
@@ -328,6 +332,10 @@ class TraceLog:
         flag = self._flags.get(index)
         if flag is not None:
             return flag
+        if self._flag_sums:  # asked for during its step (a reader of the step in progress): read them now
+            self._settle_flags()
+            if index in self._flags:
+                return self._flags[index]
         stats = self.stats(index)
         return Finite.from_stats(stats) if stats is not None else Finite.UNKNOWN
 
@@ -371,7 +379,11 @@ class TraceLog:
         raw.append((index, step, module, kind, slot, call, tuple(t.shape), dtype_name(t.dtype),
                     "cpu" if t.is_cpu else t.device.type, t.data_ptr() or _meta_address(t)))
         if module in self._flag_modules:
-            self._flags[index] = finite_flag(t)
+            flag = flag_sum(t)
+            if isinstance(flag, int):
+                self._flags[index] = flag
+            else:
+                self._flag_sums.append((index, flag))
         if self._keep_values:
             value = t.detach() if t.requires_grad else t
             if not value.is_cpu:
@@ -450,6 +462,7 @@ class TraceLog:
     def end_step(self, seconds: float, interventions: tuple[InterventionRecord, ...] = ()) -> StepRecord:
         """The forward of the step in progress returned: the step is complete."""
         step = self._require_step()
+        self._settle_flags()
         first = self._steps[-1].end_record if self._steps else 0
         record = StepRecord(step=step, first_record=first, end_record=len(self._raw), seconds=seconds,
                             interventions=tuple(interventions))
@@ -461,6 +474,7 @@ class TraceLog:
         """The forward of the step in progress raised: keep what it recorded until the next step. ``error`` is
         None where nothing describes the failure (a forward raised and was caught inside the traced block; a
         failed attempt read from a file)."""
+        self._settle_flags()  # the records of a failed step are kept for forensics, their flags too
         self._current = None
         self._error = error
         self._exception = exception
@@ -472,6 +486,7 @@ class TraceLog:
         cut = self._steps[step].first_record if step < len(self._steps) else (
             self._steps[-1].end_record if self._steps and step >= len(self._steps) else 0)
         cut = min(cut, len(self._raw))
+        self._flag_sums = [(index, s) for index, s in self._flag_sums if index < cut]
         self._epoch += 1
         for index in range(cut, len(self._raw)):
             self._values.drop(index, note=None)
@@ -487,6 +502,12 @@ class TraceLog:
         del self._steps[step:]
         del self._generation_steps[step:]
         self._comparisons = {s: c for s, c in self._comparisons.items() if s < step}
+
+    def _settle_flags(self) -> None:
+        """The NaN/∞ flags of the records whose reductions wait on their device, read to the host at once."""
+        if self._flag_sums:
+            pending, self._flag_sums = self._flag_sums, []
+            self._flags.update(zip((index for index, _ in pending), flags_of_sums([s for _, s in pending])))
 
     def _require_step(self) -> int:
         if self._current is None:

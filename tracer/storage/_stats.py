@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -180,16 +181,41 @@ def _exact_stats(x: torch.Tensor) -> TensorStats:
 def finite_flag(t: torch.Tensor) -> int:
     """``Finite.CLEAN`` / ``NEG_INF`` / ``BAD`` with one reduction: Σx is finite exactly when every
     element is (barring an overflow of the sum, which is then reported as BAD — the statistics,
-    taken when a value is kept, settle it)."""
+    taken when a value is kept, settle it). One host read: a step batches its flags instead
+    (``flag_sum`` per record on the tensor's device, ``flags_of_sums`` once per step)."""
+    s = flag_sum(t)
+    return s if isinstance(s, int) else _flag_of(float(s))
+
+
+@torch.no_grad()
+def flag_sum(t: torch.Tensor) -> torch.Tensor | int:
+    """The one reduction ``finite_flag`` reads, left where ``t`` is (a 0-d tensor, no host read), or the flag
+    itself when no reduction is needed: ``UNKNOWN`` for a meta tensor (a dry run: a shape and a dtype, no
+    values), ``CLEAN`` for integers and empty tensors."""
     if t.is_meta:
-        return Finite.UNKNOWN  # a dry run: a meta tensor has a shape and a dtype, no values to check
+        return Finite.UNKNOWN
     x = t.detach()
     if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:
         return Finite.CLEAN
-    s = float(x.sum())
-    if math.isfinite(s):
-        return Finite.CLEAN
-    return Finite.NEG_INF if s == -math.inf else Finite.BAD
+    return (torch.view_as_real(x) if x.is_complex() else x).sum()
+
+
+@torch.no_grad()
+def flags_of_sums(sums: Sequence[torch.Tensor]) -> list[int]:
+    """The flags of ``flag_sum``'s reductions, in order, read to the host together: one stack and one transfer
+    per (device, dtype) among them — per step, not per record (on a GPU each read waits for the device)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, s in enumerate(sums):
+        groups.setdefault((s.device, s.dtype), []).append(i)
+    flags = [Finite.UNKNOWN] * len(sums)
+    for members in groups.values():
+        for i, total in zip(members, torch.stack([sums[i] for i in members]).tolist()):
+            flags[i] = _flag_of(total)
+    return flags
+
+
+def _flag_of(total: float) -> int:
+    return Finite.CLEAN if math.isfinite(total) else Finite.NEG_INF if total == -math.inf else Finite.BAD
 
 
 def _fmt(v: float) -> str:
