@@ -101,6 +101,8 @@ RefusalReason = Literal[
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
     "alibi",  # a per-head linear bias added to the scores
+    "indexed attention",  # a learned indexer picks each query's keys and keeps its own key cache (DeepSeek DSA)
+    "compressed attention",  # the family's own cache layers keep compressed keys/values (DeepSeek-V4)
     "differs from transformers",  # the guard: our cached step is not transformers' own forward
     "cannot load",  # transformers itself cannot build or run it from this directory
     "weights missing",  # the config builds more layers than the weights hold
@@ -628,7 +630,33 @@ def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
     if getattr(config, "alibi", False):
         return HFDecoderError(f"{model_type} adds ALiBi position biases to the attention scores, which the traced "
                               "attention does not model", reason="alibi")
+    indexed, own = _special_cache_layers(config)
+    if indexed:
+        return HFDecoderError(
+            f"{model_type}: layer(s) {', '.join(map(str, indexed[:12]))} use indexed (sparse) attention: a learned "
+            "indexer picks the keys each query attends to and keeps its own key cache beside K and V, which the "
+            "traced KV cache does not keep", reason="indexed attention")
+    if own:
+        return HFDecoderError(
+            f"{model_type}: its layers keep a cache of the family's own kind ({', '.join(own[:4])}: compressed keys "
+            "and values), not the K and V per position the traced KV cache keeps", reason="compressed attention")
     return None
+
+
+def _special_cache_layers(config: Any) -> tuple[list[int], list[str]]:
+    """From the ``DynamicCache`` transformers builds for the config: the layers whose cache holds an indexer's key
+    cache (DeepSeek-V3.2's sparse attention, GLM-5, ...), and the names of cache layer classes a family defines
+    for itself (DeepSeek-V4's compressed attention) other than state-space / linear-attention state."""
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, LinearAttentionCacheLayerMixin
+
+        layers = DynamicCache(config=config).layers
+    except Exception:  # noqa: BLE001 (a config whose cache transformers cannot describe: none known)
+        return [], []
+    indexed = [i for i, layer in enumerate(layers) if isinstance(layer, DynamicIndexedLayer)]
+    own = sorted({type(layer).__name__ for layer in layers if type(layer).__module__ != "transformers.cache_utils"
+                  and not isinstance(layer, LinearAttentionCacheLayerMixin)})
+    return indexed, own
 
 
 def _text_config(hf_config: Any) -> Any:
