@@ -342,6 +342,19 @@ _OUTCOME_WORDS = {
 }
 
 
+def failing(result: Result) -> bool:
+    """What the marked test counts as a failure: a crash, a difference, or the guard's refusal."""
+    return result.outcome in ("crash", "differs") or result.reason == "differs from transformers"
+
+
+def failing_sentence(results: list[Result]) -> str:
+    bad = [r.model_type for r in results if failing(r)]
+    if not bad:
+        return "No type crashed or differed from transformers: the test passed on this run."
+    return (f"The test failed on this run for {len(bad)} type(s), which crashed or differ from transformers: "
+            f"{', '.join(bad)}.")
+
+
 def markdown(results: list[Result], machine: str, seconds: float) -> str:
     """docs/architectures.md: one row per type, from the sweep's own results."""
     import transformers
@@ -374,14 +387,19 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         "",
         f"Run on {machine}: {seconds:.0f} s.",
         "",
+        failing_sentence(results),
+        "",
         "Reasons (`HFDecoderError.reason`, `ModelLoadError.reason`): *attention outside the interface* — the family "
         "computes softmax attention in its own code, so its Q, K, V and pattern cannot be recorded; *no softmax "
         "attention* — state-space or recurrent layers only; *state layers* — some layers keep convolution / "
         "state-space / linear-attention state beside the KV cache; *latent attention* — value heads narrower or "
         "wider than query/key heads; *attention sinks* — a learned sink logit in every softmax row; *several "
         "attentions per layer* — a layer calls attention more than once per forward; *indexed attention* — a "
-        "learned indexer picks each query's keys and keeps its own key cache; *encoder-decoder*, *encoder* — "
-        "not a causal decoder; *cannot load* — transformers itself fails on the directory or its forward.",
+        "learned indexer picks each query's keys and keeps its own key cache; *compressed attention* — the "
+        "family's own cache layers keep compressed keys and values; *differs from transformers* — load_hf's guard "
+        "found a cached decode step of ours differing from transformers' own forward (a failure of this sweep, not "
+        "a verdict on the family); *encoder-decoder*, *encoder* — not a causal decoder; *cannot load* — "
+        "transformers itself fails on the directory or its forward.",
         "",
         r"| model_type | outcome | reason | max \|Δ logits\| (prefill, 3 decode steps) or message |",
         "|---|---|---|---|",
