@@ -41,6 +41,7 @@ REPRESENTATIVE = [
     "deepseek_v32",  # an indexer's key cache beside K and V
     "deepseek_v4",  # the family's own cache layers (compressed keys and values)
     "gemma4_text",  # per-layer overrides (per_layer_config) of its global layers' head size
+    "doge",  # a learned per-head mask added to the scores (kept: it runs eager with transformers' own mask)
     "gemma3n_text",  # one feed-forward width per layer
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]

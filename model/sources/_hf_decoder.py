@@ -211,7 +211,9 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                             window=int(window) if isinstance(window, int) and window > 0 else None)
             mask = spec.full_additive(query.dtype, query.device)
         z, weights = attention_with_sinks(query, key, value, mask, hooks, scale, sinks), None
-    elif forward is None or dropout > 0.0:
+    elif forward is None or dropout > 0.0 or (mask is not None and _adds_a_bias(mask)):
+        # eager with transformers' own mask; always so for a mask that adds values to the scores (Doge's learned
+        # per-head dynamic mask), which a description of causal / window / padding slots cannot rebuild
         z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_head]
     else:
         # the mask described as transformers' eager mask writes it (a row that sees nothing stays finfo.min)
@@ -223,6 +225,13 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if hooks is not None:
         z = hooks.hook_z(z)
     return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_v], as transformers expects
+
+
+def _adds_a_bias(mask: torch.Tensor) -> bool:
+    """Whether an additive float mask holds values other than 0 (seen) and a large negative number (hidden)."""
+    if not mask.is_floating_point() or mask.device.type == "meta":
+        return False
+    return bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
 
 
 def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
