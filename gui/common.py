@@ -238,6 +238,14 @@ def read_uploaded_trace(upload) -> Trace | None:
 
 
 # -- above the tabs ------------------------------------------------------------------------------------
+def reference_note(model) -> None:
+    """Which of transformers' forwards the trace equals, where they disagree (``HFDecoder.reference_note``, written
+    by load_hf's guard from the numbers it measured)."""
+    note = getattr(model, "reference_note", None)
+    if note:
+        st.caption(f"Reference: {plain(note)}")
+
+
 def status(settings: Settings | None, refused: SettingsError | None) -> bool:
     """The notices of the last action, the model's line and what the settings mean for the generation;
     False when the selected model cannot be loaded (then nothing else is drawn)."""
@@ -251,10 +259,13 @@ def status(settings: Settings | None, refused: SettingsError | None) -> bool:
     if trace is not None and trace.model is not None:
         where = f" — from the file {plain(app.loaded.file_name)}" if app.viewing_file else ""
         st.caption(f"Model: **{plain(trace.model.describe())}**{where}")
+        if app.live_generation is not None:  # the live generation's model made the trace on view
+            reference_note(app.live_generation.model)
     else:
         try:
             model, _ = current_model()
             st.caption(f"Model: **{plain(identity_of(model).describe())}** — {describe_model(model)}")
+            reference_note(model)
         except ModelLoadError as e:
             st.error(f"The selected model cannot be loaded: {plain(e)}")
             app.model_key = DEFAULT_MODEL_KEY

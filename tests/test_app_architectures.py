@@ -90,3 +90,30 @@ def test_a_directory_given_less_memory_than_its_weights_runs_with_them_on_disk(a
     ref.run(2)
     for step in range(2):
         assert torch.equal(gen.trace.get("hook_logits", step), ref.trace.get("hook_logits", step))
+
+
+def test_a_model_whose_transformers_forwards_disagree_says_which_one_the_trace_follows(app):
+    """Moshi past its sliding window: transformers' own cached forward differs from its uncached one; the model's
+    reference_note (numbers from load_hf's guard) is shown under the model's line, as load_hf says it."""
+    import torch
+    from transformers import MoshiConfig, MoshiForCausalLM
+
+    from model import load_hf
+    from tests.hf_every_architecture import tiny_config
+
+    values = tiny_config("moshi").to_dict()
+    values["vocab_size"] = 1024  # the bundled tokenizer's ids
+    torch.manual_seed(0)
+    directory = Path(tempfile.mkdtemp(prefix="app-moshi-")) / "moshi"
+    MoshiForCausalLM(MoshiConfig(**values)).save_pretrained(directory)
+    (directory / "tokenizer.json").write_bytes((BUNDLED_DIR / "tokenizer.json").read_bytes())
+    note = load_hf(directory)[0].reference_note
+    assert note and "the trace follows the uncached forward" in note  # the case this test is about
+    at = app
+    choose_directory(at, directory)
+    press(at, "load_model")
+    press_reset(at)
+    assert f"Reference: {note}" in [unescape(c.value) for c in at.caption]  # the chosen model, before a step
+    press(at, "step_button")
+    every_tab_without_error(at)
+    assert f"Reference: {note}" in [unescape(c.value) for c in at.caption]  # the generation's model

@@ -455,6 +455,47 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
         assert not outside, outside
 
 
+def test_a_latent_attention_model_deepseek_v3_shows_its_cached_latent(url, visit, tmp_path):
+    """DeepSeek-V3 from a directory: multi-head latent attention, whose cache holds the compressed latent c_KV
+    [B,1,t,d_c] and the rotary key k_R instead of K and V. The KV cache tab says so with its bytes and draws c_KV
+    (t rows, d_c columns), the attention tab draws its stages, and no tab raises a JavaScript error."""
+    from model import load_bundled
+    from model.sources import BUNDLED_DIR
+    from tests.hf_architectures import ARCHITECTURES, build
+
+    directory = build("deepseek_v3", tmp_path / "deepseek_v3", BUNDLED_DIR / "tokenizer.json")
+    d_c = ARCHITECTURES["deepseek_v3"][1]["kv_lora_rank"]
+    _, tok = load_bundled()
+    n0 = len(tok.encode(PROMPT))
+    with visit(1600, 1000) as page:
+        errors, outside = watch(page, url)
+        open_app(page, url)
+        set_prompt(page, PROMPT)
+        load_directory(page, directory)
+        page.get_by_text("hf:deepseek_v3").first.wait_for(timeout=180_000)
+        click(page, "Step")
+        click(page, "Step")
+        open_tab(page, "Attention")
+        open_tab(page, "Stages")
+        assert values(plotly_data(page)[0])  # the stages' heat maps are drawn
+        open_tab(page, "KV cache")
+        page.get_by_text("multi-head latent attention").first.wait_for(state="attached", timeout=60_000)
+        before = runs_finished(page)
+        page.get_by_label("tensor").get_by_text("c_KV", exact=True).click()
+        wait_idle(page, after=before)
+        page.get_by_text("c_KV of layer 0, one for all heads").first.wait_for(state="attached", timeout=60_000)
+        drawn = [(t["rows"], t["cols"]) for chart in plotly_data(page) for t in values(chart)]
+        assert (n0 + 1, d_c) in drawn, drawn  # the latent's t positions × d_c
+        if saving("deepseek_v3_kv_cache"):
+            page.get_by_text("c_KV of layer 0, one for all heads").first.scroll_into_view_if_needed()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "deepseek_v3_kv_cache.png"))
+        for tab in ("Shapes", "Causal mask", "Next token", "What if", "Inspector", "Export"):
+            open_tab(page, tab)
+        assert not errors, errors
+        assert not outside, outside
+
+
 def test_config_only_opens_llama_405b_with_its_shape_flow_and_costs(url, visit):
     """A 405B model from its config alone, in the browser: the dry run's shape flow of one block, the note that
     every other block records the same shapes, the costs table and the time floor on each accelerator."""

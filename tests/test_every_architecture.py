@@ -8,14 +8,26 @@ representative subset — one type per outcome and mechanism — runs unmarked."
 from __future__ import annotations
 
 import inspect
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from model.sources._hf_decoder import ENCODERS, REFUSAL_REASONS
-from tests.hf_every_architecture import TOLERANCE, Result, build, causal_lm_types, check, run
+from tests.hf_every_architecture import (
+    TOLERANCE,
+    Result,
+    build,
+    causal_lm_types,
+    check,
+    machine,
+    markdown,
+    run,
+    tiny_config,
+)
 
 # one type per mechanism and outcome (the outcome itself is not written here: each is checked for what it is)
 REPRESENTATIVE = [
@@ -25,6 +37,11 @@ REPRESENTATIVE = [
     "gemma3", "got_ocr2",  # a vision tower as deep as the text stack, not run for text
     "bert", "roberta",  # BERT family configured as a causal decoder (is_decoder = true)
     "moshi",  # transformers' own cached path differs from its uncached forward
+    "deepseek_v3", "minicpm3",  # latent attention (value heads narrower than query/key heads)
+    "deepseek_v32",  # an indexer's key cache beside K and V
+    "deepseek_v4",  # the family's own cache layers (compressed keys and values)
+    "gemma4_text",  # per-layer overrides (per_layer_config) of its global layers' head size
+    "doge",  # a learned per-head mask added to the scores (kept: it runs eager with transformers' own mask)
     "gemma3n_text",  # one feed-forward width per layer
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]
@@ -74,6 +91,14 @@ def _reason_is_true(result: Result, directory: Path) -> bool:
         return any(isinstance(getattr(config, k, None), int) for k in ("kv_lora_rank", "v_head_dim"))
     if reason == "several attentions per layer":
         return True  # the message names the layers; the probe counted the calls (test_probe_counts_calls below)
+    if reason == "indexed attention":  # the config names indexed layers, or an indexer's sizes
+        text = getattr(config, "text_config", None) or config
+        return "indexed_attention" in (getattr(text, "layer_types", None) or []) or any(
+            key.startswith(("index_", "indexer_")) for key in text.to_dict())
+    if reason == "compressed attention":  # the config names compressed layers or a compressor
+        text = getattr(config, "text_config", None) or config
+        return any("compress" in kind for kind in getattr(text, "layer_types", None) or []) or any(
+            "compress" in key for key in text.to_dict())
     if reason == "alibi":
         return bool(getattr(config, "alibi", False))
     if reason == "cannot load":
@@ -105,7 +130,10 @@ def _check_in(model_type: str, root: Path) -> tuple[Result, Path | None]:
         build(model_type, directory)
     except Exception:  # noqa: BLE001 (reported as not built, with its reason, by run())
         return run(model_type), None
-    return check(model_type, directory), directory
+    try:
+        return check(model_type, directory), directory
+    except Exception as e:  # noqa: BLE001 (a crash is reported with the others, and fails the test at the end)
+        return Result(model_type, "crash", type(e).__name__, str(e)[:300]), directory
 
 
 @pytest.mark.parametrize("model_type", REPRESENTATIVE)
@@ -150,16 +178,37 @@ def test_the_family_tables_record_every_layer(tmp_path):
             assert (prefill.triu(1) == 0).all(), (model_type, L)  # position i sees positions ≤ i
 
 
+@pytest.mark.parametrize("model_type", ["jamba", "bamba", "recurrent_gemma", "granitemoehybrid", "gemma4_text",
+                                        "dots3_note_text", "gpt_neo"])
+def test_the_tiny_config_keeps_one_layer_of_each_kind(model_type):
+    """Shrunk to two layers, a model whose layers differ keeps two different ones — a hybrid an attention layer
+    and a state layer (transformers' own cache for the config says which is which), a model of local and global
+    attention one of each — and its per-layer overrides point at layers it has."""
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+    config = tiny_config(model_type)
+    text = getattr(config, "text_config", None) or config
+    kinds = getattr(text, "layer_types", None) or getattr(text, "attention_layers", None)
+    cache_kinds = {isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=config).layers}
+    assert len(set(kinds or [])) == 2 or cache_kinds == {True, False}, (kinds, cache_kinds)
+    overrides = text.to_dict().get("per_layer_config") or {}
+    assert all(0 <= int(k) < text.num_hidden_layers for k in overrides), overrides
+
+
 @pytest.mark.every_architecture
 @pytest.mark.timeout(3600)  # one test for 189 types: ~6 min on a quiet 2-core machine, past the 900 s default when busy
 def test_every_causal_lm_type_traced_exactly_or_refused_for_a_true_reason():
+    """With WRITE_ARCHITECTURES_MD=docs/architectures.md, this run also writes the page from its results."""
     types = causal_lm_types()
     assert len(types) > 100  # transformers' own list, not a hand-picked one
     counts: dict[str, int] = {}
     failures = []
+    results = []
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for model_type in types:
             result, directory = _check_in(model_type, Path(tmp))
+            results.append(result)
             counts[result.outcome] = counts.get(result.outcome, 0) + 1
             print(f"{model_type:28s} {result.outcome:16s} {result.reason:30s} "
                   f"{result.deltas or result.message[:160]}")
@@ -168,4 +217,7 @@ def test_every_causal_lm_type_traced_exactly_or_refused_for_a_true_reason():
             except AssertionError as e:
                 failures.append(f"{model_type}: {e}")
     print(f"{len(types)} causal-LM types:", counts)
+    page = os.environ.get("WRITE_ARCHITECTURES_MD")
+    if page:
+        Path(page).write_text(markdown(results, machine(), time.perf_counter() - start))
     assert not failures, "\n".join(failures)

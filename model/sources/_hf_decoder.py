@@ -101,6 +101,8 @@ RefusalReason = Literal[
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
     "alibi",  # a per-head linear bias added to the scores
+    "indexed attention",  # a learned indexer picks each query's keys and keeps its own key cache (DeepSeek DSA)
+    "compressed attention",  # the family's own cache layers keep compressed keys/values (DeepSeek-V4)
     "differs from transformers",  # the guard: our cached step is not transformers' own forward
     "cannot load",  # transformers itself cannot build or run it from this directory
     "weights missing",  # the config builds more layers than the weights hold
@@ -209,7 +211,9 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                             window=int(window) if isinstance(window, int) and window > 0 else None)
             mask = spec.full_additive(query.dtype, query.device)
         z, weights = attention_with_sinks(query, key, value, mask, hooks, scale, sinks), None
-    elif forward is None or dropout > 0.0:
+    elif forward is None or dropout > 0.0 or (mask is not None and _adds_a_bias(mask)):
+        # eager with transformers' own mask; always so for a mask that adds values to the scores (Doge's learned
+        # per-head dynamic mask), which a description of causal / window / padding slots cannot rebuild
         z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_head]
     else:
         # the mask described as transformers' eager mask writes it (a row that sees nothing stays finfo.min)
@@ -221,6 +225,13 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if hooks is not None:
         z = hooks.hook_z(z)
     return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_v], as transformers expects
+
+
+def _adds_a_bias(mask: torch.Tensor) -> bool:
+    """Whether an additive float mask holds values other than 0 (seen) and a large negative number (hidden)."""
+    if not mask.is_floating_point() or mask.device.type == "meta":
+        return False
+    return bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
 
 
 def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -690,7 +701,33 @@ def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
     if getattr(config, "alibi", False):
         return HFDecoderError(f"{model_type} adds ALiBi position biases to the attention scores, which the traced "
                               "attention does not model", reason="alibi")
+    indexed, own = _special_cache_layers(config)
+    if indexed:
+        return HFDecoderError(
+            f"{model_type}: layer(s) {', '.join(map(str, indexed[:12]))} use indexed (sparse) attention: a learned "
+            "indexer picks the keys each query attends to and keeps its own key cache beside K and V, which the "
+            "traced KV cache does not keep", reason="indexed attention")
+    if own:
+        return HFDecoderError(
+            f"{model_type}: its layers keep a cache of the family's own kind ({', '.join(own[:4])}: compressed keys "
+            "and values), not the K and V per position the traced KV cache keeps", reason="compressed attention")
     return None
+
+
+def _special_cache_layers(config: Any) -> tuple[list[int], list[str]]:
+    """From the ``DynamicCache`` transformers builds for the config: the layers whose cache holds an indexer's key
+    cache (DeepSeek-V3.2's sparse attention, GLM-5, ...), and the names of cache layer classes a family defines
+    for itself (DeepSeek-V4's compressed attention) other than state-space / linear-attention state."""
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, LinearAttentionCacheLayerMixin
+
+        layers = DynamicCache(config=config).layers
+    except Exception:  # noqa: BLE001 (a config whose cache transformers cannot describe: none known)
+        return [], []
+    indexed = [i for i, layer in enumerate(layers) if isinstance(layer, DynamicIndexedLayer)]
+    own = sorted({type(layer).__name__ for layer in layers if type(layer).__module__ != "transformers.cache_utils"
+                  and not isinstance(layer, LinearAttentionCacheLayerMixin)})
+    return indexed, own
 
 
 def _text_config(hf_config: Any) -> Any:
