@@ -184,5 +184,5 @@ def derived_sentence(trace: Trace, step: int, layer: int) -> str:
     name = act_name("pattern", layer)
     if is_derived(trace, name, step):
         return ("This layer ran the fused kernel: the pattern was never held whole; every number here is recomputed "
-                "from the recorded Q and K, each row normalised over all its keys in tiles.")
+                "from the recorded Q and K, each row normalised over all of its keys, a few rows at a time.")
     return "This layer ran eager: the numbers are read from its recorded pattern."
