@@ -65,16 +65,31 @@ def overview_figure(view: Overview, statistic: str = "mean") -> go.Figure:
     block, so a box drawn on it selects those positions."""
     z = (view.mean if statistic == "mean" else view.peak).numpy().astype(np.float32)
     what = "A" if view.exact else f"block {statistic}"
+    top, clip = colour_top(z)
     fig = figure(go.Heatmap(z=z, x=position_edges(view.col_edges), y=position_edges(view.row_edges),
-                            colorscale=AMOUNT, zmin=0, zmax=float(z.max()) if z.size else 1,
+                            colorscale=AMOUNT, zmin=0, zmax=top,
                             colorbar={"title": {"text": what, "side": "top"}, "thickness": 10, "tickformat": "~g"},
                             hovertemplate=("q %{y:,.0f} × k %{x:,.0f}" if view.exact else
                                            "block centred at q %{y:,.0f} × k %{x:,.0f}")
                             + f": {what} %{{z:.4g}}<extra></extra>"))
     position_axes(fig)
-    fig.update_layout(title={"text": overview_title(view, statistic), "font": {"size": 12}}, height=460,
+    fig.update_layout(title={"text": overview_title(view, statistic) + clip, "font": {"size": 12}}, height=460,
                       dragmode="select")
     return fig
+
+
+def colour_top(z: np.ndarray, share: float = 0.99) -> tuple[float, str]:
+    """The top of the colour scale, and what to say of it: the ``share`` quantile of the nonzero cells where
+    the largest cells are far above it (a causal pattern's first rows put weight 1 on one key, which would
+    leave every other cell dark), else the largest cell and nothing to say."""
+    shown = z[z > 0]
+    if not shown.size:
+        return 1.0, ""
+    largest, quantile = float(shown.max()), float(np.quantile(shown, share))
+    if largest <= 2 * quantile:
+        return largest, ""
+    return quantile, (f"; colours stop at {quantile:.3g}, the {share:.0%} quantile of the cells "
+                      f"(the largest is {largest:.3g})")
 
 
 def overview_title(view: Overview, statistic: str) -> str:
@@ -127,10 +142,18 @@ def row_strip_figure(trace: Trace, step: int, layer: int, head: int, batch: int,
     w = weights.numpy().astype(np.float32)
     fig = figure(go.Scattergl(x=np.arange(len(w)), y=w, mode="lines", line={"width": 1},
                               hovertemplate="key %{x}: %{y:.6f}<extra></extra>"))
+    # the key numbers alone, to the left and right by turns: the heaviest keys often sit side by side
     fig.add_trace(go.Scatter(x=[k for k, _ in best], y=[v for _, v in best], mode="markers+text",
-                             text=[f"k {k}" for k, _ in best], textposition="top center", showlegend=False,
+                             text=[f"{k:,}" for k, _ in best], showlegend=False,
+                             textposition=["top left" if i % 2 else "top right" for i in range(len(best))],
                              hovertemplate="key %{x}: %{y:.6f}<extra></extra>"))
-    fig.update_layout(title={"text": f"query {row}: its weight on each of {len(w):,} keys (top {len(best)} named)",
+    seen = np.flatnonzero(w)
+    last = int(seen[-1]) if seen.size else len(w) - 1
+    after = f"; keys after {last:,} have weight 0, not drawn" if last < len(w) - 1 else ""
+    if after:
+        fig.update_xaxes(range=[-0.5, last + 0.5])
+    fig.update_layout(title={"text": f"query {row}: its weight on each of {len(w):,} keys (its top {len(best)} "
+                                     f"keys numbered{after})",
                              "font": {"size": 12}}, height=300, showlegend=False)
     fig.update_xaxes(title="key position", tickformat=",d")
     fig.update_yaxes(title="A", tickformat="~g")
@@ -152,20 +175,27 @@ def statistics_frame(stats: list[HeadStatistics], sink: int = 4) -> pd.DataFrame
 
 def statistics_sentence(stats: list[HeadStatistics], n: int, t: int, sink: int = 4) -> str:
     """How to read the table, and what it says, from its numbers: each value is a mean over the ``n`` query rows
-    (of ``t`` keys); the head with the most weight on the first ``sink`` keys, and the most local and most
-    far-reaching heads."""
+    (of ``t`` keys); for the mass on the first ``sink`` keys, within 16 positions and 1,024 or more back, the head
+    with the most — or, where every head shows the same value at the three decimals written, that they agree."""
     frame = statistics_frame(stats, sink)
-    sinkiest = frame.iloc[int(frame[f"mass on keys 0–{sink - 1}"].to_numpy().argmax())]
-    local = frame.iloc[int(frame["mass at distance < 16"].to_numpy().argmax())]
-    far = frame.iloc[int(frame["mass at distance ≥ 1024"].to_numpy().argmax())]
     sentence = (f"Each number is a mean over this layer's {n:,} query rows (entropy in nats: a row spread evenly over "
-                f"{t:,} keys would have ln {t:,} = {math.log(t):.2f}). "
-                f"Head {int(sinkiest['head'])} puts the most on keys 0–{sink - 1}: "
-                f"{sinkiest[f'mass on keys 0–{sink - 1}']:.3f} of a row's weight; head {int(local['head'])} the "
-                f"most within 15 positions back ({local['mass at distance < 16']:.3f})")
-    if far["mass at distance ≥ 1024"] > 0:
-        sentence += f"; head {int(far['head'])} the most 1,024 or more back ({far['mass at distance ≥ 1024']:.3f})"
-    return sentence + "."
+                f"{t:,} keys would have ln {t:,} = {math.log(t):.2f}).")
+    alike, apart = [], []
+    for column, where in ((f"mass on keys 0–{sink - 1}", f"on keys 0–{sink - 1}"),
+                          ("mass at distance < 16", "within 15 positions back"),
+                          ("mass at distance ≥ 1024", "1,024 or more positions back")):
+        values = frame[column].to_numpy()
+        if f"{values.max():.3f}" == f"{values.min():.3f}":
+            alike.append(f"{values.max():.3f} {where}")
+        else:
+            top = frame.iloc[int(values.argmax())]
+            apart.append(f" Head {int(top['head'])} puts the most {where}: {top[column]:.3f} of a row's weight "
+                         f"(the least: {values.min():.3f}).")
+    if alike:
+        who = "Every head puts" if len(stats) > 1 else "The head puts"
+        listed = alike[0] if len(alike) == 1 else ", ".join(alike[:-1]) + " and " + alike[-1]
+        sentence += f" {who}, of a row's weight, {listed}."
+    return sentence + "".join(apart)
 
 
 def distance_figure(stats: list[HeadStatistics]) -> go.Figure:

@@ -171,18 +171,31 @@ def drive(page, url: str, directory: Path, n: int, shots: Path | None = None) ->
     open_app(page, url)
     box = page.get_by_label("Prompt (one line per sequence: several lines make a batch)")
     box.wait_for(timeout=180_000)  # a loaded machine draws the sidebar late
-    box.fill(text, timeout=180_000)
-    seconds["prompt"] = act(page, lambda: box.press("Control+Enter"))
-    print("prompt typed", flush=True)
+
+    def type_prompt(prompt: str) -> float:
+        box.fill(prompt, timeout=180_000)
+        return act(page, lambda: box.press("Control+Enter"))
+
+    # Attention opens on Stages; at 32k that view crashed Chromium's tab (docs/views.md). So the tabs are opened
+    # on a short prompt first — Attention → Zoom, which the app reopens after a Reset — and the long prompt's
+    # prefill then draws the Zoom directly
+    type_prompt(SENTENCES[0].strip())
     started = time.perf_counter()
     load_directory(page, directory)
     page.get_by_text(f"n_ctx = {n + 1}").first.wait_for(timeout=180_000)
     seconds["load"] = time.perf_counter() - started
-    seconds["prefill"] = act(page, lambda: page.get_by_role("button", name="Step", exact=True).click(), 1200)
-    seconds["attention tab"] = act(page, lambda: page.get_by_role("tab", name="Attention", exact=True).click(), 1200)
+    act(page, lambda: page.get_by_role("button", name="Step", exact=True).click())
+    act(page, lambda: page.get_by_role("tab", name="Attention", exact=True).click())
+    act(page, lambda: page.get_by_role("tab", name="Zoom", exact=True).click())
+    page.get_by_text("This layer ran eager").wait_for(timeout=60_000)
+    seconds["prompt"] = type_prompt(text)
+    act(page, lambda: page.get_by_role("button", name="Reset", exact=True).click())
+    act(page, lambda: page.get_by_role("button", name="Discard", exact=True).click())
+    seconds["prefill and zoom"] = act(page, lambda: page.get_by_role("button", name="Step", exact=True).click(),
+                                      1800)
     metric = page.locator('[data-testid="stMetric"]').filter(has_text="new positions n")
     assert metric.locator('[data-testid="stMetricValue"]').inner_text().replace(",", "") == str(n)
-    seconds["zoom tab"] = act(page, lambda: page.get_by_role("tab", name="Zoom", exact=True).click(), 1200)
+    assert page.get_by_role("tab", name="Zoom", exact=True).get_attribute("aria-selected") == "true"
     assert page.get_by_text("This layer ran the fused kernel").count() == 1
 
     # the overview: 128 × 128 blocks of 256 × 256 cells, labelled; then the same as block max
@@ -228,7 +241,7 @@ def drive(page, url: str, directory: Path, n: int, shots: Path | None = None) ->
     assert len(strip_y) == n
     named = page.evaluate("(i) => Array.from(document.querySelectorAll('.js-plotly-plot')[i]._fullData[1].text)",
                           strip)
-    assert len(named) == 8 and all(t.startswith("k ") for t in named)
+    assert len(named) == 8 and all(t.replace(",", "").isdigit() for t in named)
 
     # the layer's long-context statistics: one row per head, one line per head
     seconds["statistics"] = act(page, lambda: page.get_by_text("long-context statistics of this layer").click(),
