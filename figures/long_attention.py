@@ -88,8 +88,8 @@ def colour_top(z: np.ndarray, share: float = 0.99) -> tuple[float, str]:
     largest, quantile = float(shown.max()), float(np.quantile(shown, share))
     if largest <= 2 * quantile:
         return largest, ""
-    return quantile, (f"; colours stop at {quantile:.3g}, the {share:.0%} quantile of the cells "
-                      f"(the largest is {largest:.3g})")
+    return quantile, (f"<br>colours stop at {quantile:.3g}, the {share:.0%} quantile of the cells "
+                      f"(the largest is {largest:.3g})")  # a line of its own: the title does not wrap
 
 
 def overview_title(view: Overview, statistic: str) -> str:
@@ -152,6 +152,7 @@ def row_strip_figure(trace: Trace, step: int, layer: int, head: int, batch: int,
     after = f"; keys after {last:,} have weight 0, not drawn" if last < len(w) - 1 else ""
     if after:
         fig.update_xaxes(range=[-0.5, last + 0.5])
+    fig.update_yaxes(range=[0, 1.25 * float(w.max()) if w.size and w.max() > 0 else 1])  # room for the numbers
     fig.update_layout(title={"text": f"query {row}: its weight on each of {len(w):,} keys (its top {len(best)} "
                                      f"keys numbered{after})",
                              "font": {"size": 12}}, height=300, showlegend=False)
