@@ -153,6 +153,7 @@ def zoom_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
         explain_missing_values(trace, step, "attention weights")
         return
     _, _, n, t = trace.record(name, step).shape
+    zoom_defaults(n, t)
     st.caption(long_views.derived_sentence(trace, step, layer))
     if is_derived(trace, name, step) and st.toggle("check A·V against the kernel's O", key="zoom_check",
                                                    persist_state="page"):
@@ -162,25 +163,63 @@ def zoom_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
             st.caption(str(e))
     statistic = st.radio("overview cells", ["mean", "max"], horizontal=True, key="zoom_stat",
                          persist_state="page")
-    chart(long_views.overview_figure(long_views.overview(trace, step, layer, head, batch), statistic),
-          key="zoom_overview")
+    view = long_views.overview(trace, step, layer, head, batch)
+    picked = chart(long_views.overview_figure(view, statistic), key="zoom_overview", on_select="rerun",
+                   selection_mode="box")
+    if zoom_box(picked, "zoom_overview", n, t):
+        zoom_defaults(n, t)  # the inputs are drawn below: they can still take the box
     c1, c2, c3, c4 = st.columns(4)
-    r0 = c1.number_input("first query row", 0, n - 1, max(0, n - 64), key="zoom_r0")
-    r1 = c2.number_input("last query row", 0, n - 1, n - 1, key="zoom_r1")
-    k0 = c3.number_input("first key", 0, t - 1, max(0, t - 64), key="zoom_k0")
-    k1 = c4.number_input("last key", 0, t - 1, t - 1, key="zoom_k1")
+    r0 = c1.number_input("first query row", 0, n - 1, key="zoom_r0")
+    r1 = c2.number_input("last query row", 0, n - 1, key="zoom_r1")
+    k0 = c3.number_input("first key", 0, t - 1, key="zoom_k0")
+    k1 = c4.number_input("last key", 0, t - 1, key="zoom_k1")
     rows, cols = (int(min(r0, r1)), int(max(r0, r1)) + 1), (int(min(k0, k1)), int(max(k0, k1)) + 1)
     matrix, exact = long_views.zoom(trace, step, layer, head, batch, rows, cols)
-    chart(long_views.zoom_figure(matrix, rows, cols, exact), key="zoom_region")
+    picked = chart(long_views.zoom_figure(matrix, rows, cols, exact), key="zoom_region", on_select="rerun",
+                   selection_mode="box")
+    if zoom_box(picked, "zoom_region", n, t):
+        st.rerun()  # the inputs above were drawn before this box narrowed them
     row = st.number_input("query row for the strip", 0, n - 1, n - 1, key="zoom_row")
     chart(long_views.row_strip_figure(trace, step, layer, head, batch, int(row)), key="zoom_strip")
     if st.toggle("long-context statistics of this layer (entropy, sinks, distance, top keys)", key="zoom_stats",
                  persist_state="page"):
         stats = head_statistics(trace, name, step, batch=batch)
+        st.caption(long_views.statistics_sentence(stats, n, t))
         st.dataframe(long_views.statistics_frame(stats).round(4), hide_index=True, key="zoom_stats_table")
         chart(long_views.distance_figure(stats), key="zoom_distance")
 
 
+ZOOM_INPUTS = ("zoom_r0", "zoom_r1", "zoom_k0", "zoom_k1")
+
+
+def zoom_defaults(n: int, t: int) -> None:
+    """Before the region's inputs are drawn: a box drawn since is given to them; they start on the last 64
+    queries × the last 64 keys, and are kept inside a new trace's n × t (Streamlit refuses a number input whose
+    remembered value is out of its range)."""
+    boxed = st.session_state.pop("zoom_boxed", None)
+    limits = (n - 1, n - 1, t - 1, t - 1)
+    for i, (key, default, top) in enumerate(zip(ZOOM_INPUTS, (max(0, n - 64), n - 1, max(0, t - 64), t - 1),
+                                                limits)):
+        value = boxed[i] if boxed is not None else st.session_state.get(key)
+        st.session_state[key] = default if not isinstance(value, int | float) else min(int(value), top)
+
+
+def zoom_box(event, chart_key: str, n: int, t: int) -> bool:
+    """A box drawn on the overview or the region chart is the region's next rows and keys (once per box: the chart
+    keeps its selection over reruns, and the inputs may have been typed since); ``zoom_defaults`` gives it to the
+    inputs before they are drawn. Whether there is a new box."""
+    boxes = event.selection.box if event is not None and hasattr(event, "selection") else []
+    if not boxes:
+        return False
+    box = boxes[-1]
+    rows = long_views.box_range(*box["y"][:2], n) if len(box.get("y", ())) >= 2 else None
+    cols = long_views.box_range(*box["x"][:2], t) if len(box.get("x", ())) >= 2 else None
+    seen = (rows, cols)
+    if rows is None or cols is None or st.session_state.get(f"{chart_key}_applied") == seen:
+        return False
+    st.session_state[f"{chart_key}_applied"] = seen
+    st.session_state["zoom_boxed"] = (rows[0], rows[1] - 1, cols[0], cols[1] - 1)
+    return True
 
 
 def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:

@@ -346,7 +346,11 @@ def test_the_zoom_views_read_a_derived_pattern_exactly_and_send_at_most_256_by_2
     over = views.overview(fused, 0, 1, 2, 0)
     fig = views.overview_figure(over, "max")
     assert fig.data[0].z.shape == (100, 100)  # blocks of ⌈400 / 128⌉ = 4 rows and 4 keys
-    assert "block max: block mean / block max over up to 4 queries × 4 keys per cell" in fig.layout.title.text
+    assert fig.layout.title.text.startswith("block max of up to 4 queries × 4 keys per cell, 100 × 100 cells")
+    assert list(fig.data[0].x) == [e - 0.5 for e in range(0, 401, 4)]  # cell edges on an axis of key positions
+    assert views.box_range(99.6, 356.2, 400) == (100, 357)  # a box covers the cells whose centres it holds
+    assert views.box_range(10.2, 10.4, 400) == (10, 11) and views.box_range(-3, 1000, 400) == (0, 400)
+    assert views.box_range(400.6, 420, 400) is None
     matrix, exact = views.zoom(fused, 0, 1, 2, 0, (100, 356), (0, 256))
     assert exact and matrix.shape == (256, 256)
     want = eager.get("blocks.1.attn.hook_pattern", 0)[0, 2, 100:356, :256].numpy()
@@ -355,8 +359,16 @@ def test_the_zoom_views_read_a_derived_pattern_exactly_and_send_at_most_256_by_2
     assert not exact and matrix.shape[0] <= 256 and matrix.shape[1] <= 256
     strip = views.row_strip_figure(fused, 0, 1, 2, 0, 399, top=5)
     assert len(strip.data[0].y) == 400 and len(strip.data[1].x) == 5
-    table = views.statistics_frame(head_statistics(fused, "blocks.1.attn.hook_pattern", 0))
+    stats = head_statistics(fused, "blocks.1.attn.hook_pattern", 0)
+    table = views.statistics_frame(stats)
     assert list(table["head"]) == [0, 1, 2, 3]
+    said = views.statistics_sentence(stats, 400, 400)
+    sinkiest = max(stats, key=lambda s: s.sink_mass)  # the sentence's numbers are the table's
+    assert f"Head {sinkiest.head} puts the most on keys 0–3: {sinkiest.sink_mass:.3f}" in said \
+        or f"Every head puts, of a row's weight, {sinkiest.sink_mass:.3f} on keys 0–3" in said
+    one = views.statistics_sentence(stats[:1], 400, 400)
+    assert f"The head puts, of a row's weight, {stats[0].sink_mass:.3f} on keys 0–3" in one
+    assert "mean over this layer's 400 query rows" in said and "ln 400 = 5.99" in said
     assert "recomputed from the recorded Q and K" in views.derived_sentence(fused, 0, 1)
 
 
