@@ -43,6 +43,8 @@ REPRESENTATIVE = [
     "gemma4_text",  # per-layer overrides (per_layer_config) of its global layers' head size
     "doge",  # a learned per-head mask added to the scores (kept: it runs eager with transformers' own mask)
     "gemma3n_text",  # one feed-forward width per layer
+    "inkling2_text",  # a position bias and sinks handed to the attention function by names of its own: refused
+    "recurrent_gemma",  # its recurrent state kept inside its modules, no cache object: refused
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]
 
@@ -99,6 +101,12 @@ def _reason_is_true(result: Result, directory: Path) -> bool:
         text = getattr(config, "text_config", None) or config
         return any("compress" in kind for kind in getattr(text, "layer_types", None) or []) or any(
             "compress" in key for key in text.to_dict())
+    if reason == "score bias":  # the family's own code hands a bias to the attention function
+        import importlib
+        import inspect
+
+        source = inspect.getsource(importlib.import_module(type(AutoModelForCausalLM.from_config(config)).__module__))
+        return any(f"{k}=" in source for k in ("position_bias", "attention_bias"))
     if reason == "alibi":
         return bool(getattr(config, "alibi", False))
     if reason == "cannot load":

@@ -96,11 +96,12 @@ RefusalReason = Literal[
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
     "attention outside the interface",  # softmax attention computed by the family's own code
-    "state layers",  # layers without attention keep their state in a cache class of the family's own (MiniMax)
+    "state layers",  # state kept in a cache class of the family's own (MiniMax) or in its modules (RecurrentGemma)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
     "alibi",  # a per-head linear bias added to the scores
+    "score bias",  # another bias the attention function receives and adds to the scores (a learned position bias)
     "indexed attention",  # a learned indexer picks each query's keys and keeps its own key cache (DeepSeek DSA)
     "compressed attention",  # the family's own cache layers keep compressed keys/values (DeepSeek-V4)
     "differs from transformers",  # the guard: our cached step is not transformers' own forward
@@ -480,6 +481,13 @@ class _Call:
     v_head: int  # d_head of the values
     sinks: bool
     mask: torch.Tensor | None  # [B|1,1,n,t] as the attention received it
+    unmodelled: tuple[str, ...] = ()  # arguments given that change the scores and that traced_attention ignores
+
+
+# arguments of the attention interface that change the scores or the softmax and that traced_attention does not
+# model (its own sinks come as s_aux, gpt-oss's name): a family passing one of them is refused, not traced wrong
+_UNMODELLED = {"position_bias": "a learned position bias added to the scores", "sinks": "learned sink logits",
+               "score_mod": "a score modification function", "attention_bias": "a bias added to the scores"}
 
 
 _STATE_WORDS = ("mamba", "ssm", "conv", "rwkv", "recurrent", "lstm", "linear_attn", "linearattention", "mixer",
@@ -525,7 +533,8 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
     def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                mask: torch.Tensor | None, kwargs: dict) -> None:
         calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-1]), int(value.shape[-1]),
-                           kwargs.get("s_aux") is not None, mask))
+                           kwargs.get("s_aux") is not None, mask,
+                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None)))
 
     device = _token_device(hf)
     # two tokens, so that the first's mask row shows whether it sees the second (causal or not); on the meta
@@ -579,6 +588,12 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
         raise HFDecoderError(f"{model_type}: no layer computes softmax attention (its mixers: "
                              f"{', '.join(sorted(state)[:3]) or 'none named'}): there is no attention pattern to "
                              "trace", reason="no softmax attention")
+    unmodelled = sorted({k for c in calls for k in c.unmodelled})
+    if unmodelled:  # Inkling 2: a relative position bias and sinks by names of its own
+        given = "; ".join(f"{_UNMODELLED[k]} ({k})" for k in unmodelled)
+        raise HFDecoderError(f"{model_type}: its attention passes {given} to transformers' attention function, which "
+                             "the traced attention does not compute: its pattern would not be the one the model uses",
+                             reason="attention sinks" if "sinks" in unmodelled else "score bias")
     counts: dict[int, int] = {}
     for c in calls:
         if c.layer is not None:
@@ -1173,7 +1188,12 @@ def guard_against_transformers(model: HFDecoder) -> None:
         ours = model(tokens[:, n:], cache)[0, -1].float()  # [V]
         with _transformers_eager(hf):
             uncached = hf(input_ids=tokens, use_cache=False).logits[0, -1].float()
-            past = hf(input_ids=tokens[:, :n], use_cache=True).past_key_values
+            past = getattr(hf(input_ids=tokens[:, :n], use_cache=True), "past_key_values", None)
+            if past is None:  # RecurrentGemma: the state lives in its modules, set up by the forward itself
+                raise HFDecoderError(
+                    f"{model.architecture.model_type}: its forward returns no cache object — it keeps its recurrent "
+                    "state inside its own modules, where our cache can neither hold, copy nor roll it back, so a "
+                    "cached decode step cannot be traced", reason="state layers")
             cached = hf(input_ids=tokens[:, n:], past_key_values=past, use_cache=True).logits[0, -1].float()
     to_uncached = float((ours - uncached).abs().max())
     to_cached = float((ours - cached).abs().max())
