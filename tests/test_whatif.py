@@ -106,7 +106,7 @@ def test_direct_logit_attribution_adds_up_to_the_logit(bundled):
 
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()  # per test: a generation kept alive keeps its hooks on the shared model (head_scores' check)
 def two_rows(bundled):
     model, tok = bundled
     gen = TracedGeneration(model, tok, ["Tom had a big red kite.", "Mia said,"], temperature=0)
