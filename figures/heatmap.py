@@ -53,8 +53,13 @@ class Grid:
                 f"{self.shape[0]} × {self.shape[1]} matrix (masked cells left out)")
 
 
-def pool(m: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+WHOLE_UP_TO = 1 << 24  # elements: a larger matrix is pooled tile by tile (``_pool_by_tiles``)
+
+
+def pool(m: torch.Tensor, rows: int, cols: int, whole_up_to: int = WHOLE_UP_TO) -> torch.Tensor:
     """The mean of the finite values in each of rows × cols blocks (NaN where a block has none)."""
+    if m.numel() > whole_up_to:
+        return _pool_by_tiles(m.detach(), rows, cols, whole_up_to)
     x = m.detach()
     x = x.float() if x.dtype != torch.float64 else x
     if math.isfinite(float(x.sum())):  # one pass, no copy: the common case has nothing to leave out
@@ -63,6 +68,39 @@ def pool(m: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     sums = torch.nn.functional.adaptive_avg_pool2d(torch.where(finite, x, 0.0)[None], (rows, cols))[0]
     counts = torch.nn.functional.adaptive_avg_pool2d(finite.to(x.dtype)[None], (rows, cols))[0]
     return torch.where(counts > 0, sums / counts.clamp_min(1e-30), torch.full_like(sums, math.nan))
+
+
+def _pool_by_tiles(x: torch.Tensor, rows: int, cols: int, most: int) -> torch.Tensor:
+    """``pool`` of a matrix too large to copy whole (an Inspector slice of an 8 GiB record, or of a stride-0 view
+    claiming that much): for each block of rows, tiles of at most ``most`` elements are summed down their
+    rows (finite values and their count, in float64), then each column block's sum is read from the running
+    sums along the columns. Nothing larger than one tile is allocated; the blocks are adaptive pooling's."""
+    R, C = x.shape
+    out = torch.empty(rows, cols, dtype=torch.float64)
+    col_blocks = _ranges(C, cols)
+    starts = torch.tensor([a for a, _ in col_blocks])
+    ends = torch.tensor([b for _, b in col_blocks])
+    width = min(C, max(1, most))
+    for i, (a, b) in enumerate(_ranges(R, rows)):
+        sums, counts = torch.zeros(C + 1, dtype=torch.float64), torch.zeros(C + 1, dtype=torch.float64)
+        step = max(1, most // width)
+        for c0 in range(0, C, width):
+            for r0 in range(a, b, step):
+                tile = x[r0:min(b, r0 + step), c0:c0 + width]
+                tile = tile.float() if tile.dtype != torch.float64 else tile
+                where = slice(1 + c0, 1 + c0 + tile.shape[1])
+                down = tile.sum(dim=0)
+                if bool(torch.isfinite(down).all()):  # one pass, no flags: the common case has nothing to leave out
+                    sums[where] += down
+                    counts[where] += tile.shape[0]
+                    continue
+                finite = torch.isfinite(tile)
+                sums[where] += torch.where(finite, tile, 0.0).sum(dim=0)
+                counts[where] += finite.sum(dim=0)
+        sums, counts = sums.cumsum(0), counts.cumsum(0)  # a block's sum: the running sum at its end − at its start
+        block_sums, block_counts = sums[ends] - sums[starts], counts[ends] - counts[starts]
+        out[i] = torch.where(block_counts > 0, block_sums / block_counts.clamp_min(1), math.nan)
+    return out.to(torch.float32 if x.dtype != torch.float64 else torch.float64)
 
 
 def _ranges(count: int, cells: int) -> list[tuple[int, int]]:

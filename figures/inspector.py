@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 
 from figures.common import shape_text
-from figures.heatmap import MAX_SIDE, add, grid, style_axes
+from figures.heatmap import MAX_SIDE, WHOLE_UP_TO, add, grid, style_axes
 from figures.plot import figure, fitted
-from tracer import Trace
+from tracer import Trace, value_blocks
 
 MAX_RAW_ELEMENTS = 400  # tensors up to this size are shown number by number
 
@@ -43,7 +45,7 @@ def tensor_heatmap_figure(matrix: torch.Tensor, title: str, x_labels: list[str] 
     amount in [0, 1] on the ``AMOUNT`` scale, anything signed centred on 0. ``offset`` numbers the rows and
     columns of a window cut from a larger slice."""
     m = matrix.detach()
-    if not m.is_floating_point():
+    if not m.is_floating_point() and m.numel() <= WHOLE_UP_TO:  # a larger one is converted tile by tile (pool)
         m = m.double()
     # labels are made only for a side drawn cell by cell; a pooled side is labelled by its number ranges
     xs = x_labels if x_labels is not None and m.shape[1] <= MAX_SIDE else None
@@ -69,32 +71,44 @@ def histogram_figure(value: torch.Tensor, title: str, bins: int = 60, every_valu
     """The distribution of the finite values, counted here (only the bin counts go to the browser). A tensor
     of more than ``HISTOGRAM_SAMPLE`` values is counted over a random sample of that many unless
     ``every_value``; the title says which, and how many NaN/±∞ were left out."""
-    x = value.detach().flatten()
+    x = value.detach()
     total = x.numel()
     sampled = not every_value and total > HISTOGRAM_SAMPLE
-    if sampled:
+    if sampled:  # picked by their index in each dimension: flattening a strided or stride-0 view would copy it
         picks = torch.randint(total, (HISTOGRAM_SAMPLE,), generator=torch.Generator().manual_seed(0))
-        x = x[picks]
-    x = x.double() if not x.is_floating_point() else x.float()
-    finite = torch.isfinite(x)
-    values = x[finite] if not bool(finite.all()) else x
-    others = x.numel() - values.numel()
+        x = x[torch.unravel_index(picks, x.shape)] if x.dim() else x.reshape(1)[picks]
+    # counted block by block (a float copy and the flags of one block at a time): every value of a large tensor
+    # takes two passes, the range and then the counts, and no copy of the whole
+    count, lo, hi = 0, math.inf, -math.inf
+    for block in value_blocks(x, WHOLE_UP_TO):
+        finite = _finite_floats(block)
+        if finite.numel():
+            count += finite.numel()
+            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    others = (HISTOGRAM_SAMPLE if sampled else total) - count
     fig = figure()
-    if values.numel():
-        lo, hi = (float(v) for v in torch.aminmax(values))
+    if count:
         if lo == hi:
             lo, hi = lo - 0.5, hi + 0.5
-        counts = torch.histc(values.float(), bins=bins, min=lo, max=hi)
+        counts = sum((torch.histc(_finite_floats(block).float(), bins=bins, min=lo, max=hi)
+                      for block in value_blocks(x, WHOLE_UP_TO)), torch.zeros(bins))
         width = (hi - lo) / bins
         fig.add_trace(go.Bar(x=[lo + (i + 0.5) * width for i in range(bins)], y=counts.tolist(), width=width,
                              marker_color="#7a8ca3", hovertemplate="%{x:.4g}: %{y:,} values<extra></extra>"))
     what = (f"a random sample of {HISTOGRAM_SAMPLE:,} of its {total:,} values" if sampled
-            else f"all {values.numel():,} finite values")
+            else f"all {count:,} finite values")
     left_out = f" ({others:,} NaN/±∞{' in the sample' if sampled else ''} not drawn)" if others else ""
     fig.update_layout(title_text=f"{title}: {what}{left_out}", title_font_size=13, height=280,
                       bargap=0.02, margin={"t": 50, "l": 10, "r": 10, "b": 10}, xaxis_title_text="value",
                       yaxis_title_text="count")
     return fig
+
+
+def _finite_floats(block: torch.Tensor) -> torch.Tensor:
+    """The finite values of ``block``, flattened: float32, float64 for integers (their range read exactly)."""
+    x = block.reshape(-1)
+    x = x.double() if not x.is_floating_point() else x.float()
+    return x[torch.isfinite(x)]
 
 
 def raw_frame(value: torch.Tensor) -> pd.DataFrame | None:

@@ -184,6 +184,23 @@ def test_corrupt_tokenizer_json(checkpoint):
     assert "tokenizer.json" in msg and "not a readable tokenizer" in msg
 
 
+
+@pytest.mark.parametrize("implementation", ["ours", "transformers"])
+def test_a_corrupt_tokenizer_json_is_refused_before_any_weight_is_read(checkpoint, implementation, monkeypatch):
+    """A tokenizer.json beside gigabytes of weights: named before the weights are read, not after."""
+    import model.sources._hf_ours as ours
+    import model.sources._load as loading
+    from model import load_hf
+
+    def weights_read(*args, **kwargs):
+        raise AssertionError("the weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr(ours, "BackgroundDigest", weights_read)  # the first reader of the weight files
+    monkeypatch.setattr(loading, "load_hf_decoder", weights_read)
+    (checkpoint / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": [')  # cut short
+    with pytest.raises(ModelLoadError, match="tokenizer.json: not a readable tokenizer"):
+        load_hf(checkpoint, implementation=implementation)
+
 def test_tokenizer_larger_than_model_vocab(checkpoint, bundled):
     _, tok = bundled  # 1024 tokens, but this model knows only 211
     tok.save(checkpoint / "tokenizer.json")

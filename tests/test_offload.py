@@ -134,6 +134,53 @@ def test_an_amount_that_is_not_memory_is_refused_by_name(directory, amount, tmp_
     assert list(tmp_path.iterdir()) == []  # refused before any offload folder was made
 
 
+
+@pytest.mark.parametrize("amount, message", [
+    ("80XB", "'80XB' is not an amount of memory"),
+    ("-5GB", "'-5GB' is not an amount of memory"),
+    (-5, "-5 is not an amount of memory"),
+    (10**30, "is 1,000,000,000,000,000,000,000,000,000,000 bytes, more than the [0-9,]+ bytes of this machine"),
+    ({"gpu": "1GB"}, "keys are GPU numbers .* and 'cpu', not 'gpu'"),
+    ({4096: "1GB"}, "names GPU 4096, but this machine has"),
+])
+def test_max_memory_is_refused_with_the_reason_before_any_weight_is_read(directory, amount, message, monkeypatch):
+    import model.sources._load as loading
+    from model import load_model
+
+    def weights_read(*args, **kwargs):
+        raise AssertionError("the weights were read before max_memory was checked")
+
+    monkeypatch.setattr(loading, "load_hf_decoder", weights_read)
+    for load in (load_hf, load_model):
+        with pytest.raises(ModelLoadError, match=message):
+            load(directory, max_memory=amount)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("under a file", "is not a folder"),
+    ("a file", "is not a folder"),
+    ("read-only", "cannot be written"),
+    ("without max_memory", "give max_memory too"),
+])
+def test_an_offload_folder_that_cannot_be_used_is_refused_before_any_weight_is_read(directory, tmp_path, where,
+                                                                                    message, monkeypatch):
+    import model.sources._load as loading
+    from model import load_model
+
+    def weights_read(*args, **kwargs):
+        raise AssertionError("the weights were read before the offload folder was checked")
+
+    monkeypatch.setattr(loading, "load_hf_decoder", weights_read)
+    (tmp_path / "file").write_text("not a folder")
+    folder = {"under a file": tmp_path / "file" / "offload", "a file": tmp_path / "file",
+              "read-only": Path("/proc/gpt-shape-tracer-offload"),  # a read-only file system: root cannot either
+              "without max_memory": tmp_path / "offload"}[where]
+    amount = None if where == "without max_memory" else third_of_the_weights(directory)
+    for load in (load_hf, load_model):
+        with pytest.raises(ModelLoadError, match=message):
+            load(directory, max_memory=amount, offload_folder=folder)
+    assert not (tmp_path / "offload").exists()
+
 def test_offloading_is_refused_where_it_cannot_happen(directory, tmp_path):
     with pytest.raises(ModelLoadError, match="needs transformers to run the model"):
         load_hf(directory, max_memory="1GiB", implementation="ours")

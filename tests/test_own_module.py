@@ -279,6 +279,37 @@ def test_a_bad_factory_spec_says_what_to_give(user_code, spec):
 
 
 
+
+FAILING_FACTORY = "def make():\n    return {}['n_layer']\n"
+
+
+def test_a_factory_that_raises_is_refused_naming_its_error(user_code, forget_modules):
+    _write(user_code / "failing_mod.py", FAILING_FACTORY, 0o644)
+    with pytest.raises(OwnModuleError, match="failing_mod:make raised KeyError: 'n_layer'") as refused:
+        load_factory("failing_mod:make")
+    assert isinstance(refused.value.__cause__, KeyError)  # the factory's own error kept as the cause
+    sys.modules.pop("failing_mod", None)
+
+
+def test_the_app_shows_a_factory_that_raises_as_a_message_and_keeps_the_model(user_code, forget_modules):
+    from html import unescape
+
+    from tests.test_app import new_app, press, run
+
+    _write(user_code / "failing_mod.py", FAILING_FACTORY, 0o644)
+    at = new_app()
+    before = at.session_state["app"].model_key
+    at.sidebar.radio(key="source").set_value("Your own module (package.module:function)")
+    run(at)
+    at.sidebar.text_input(key="model_factory").set_value("failing_mod:make")
+    press(at, "load_factory")
+    assert not at.exception, [e.value for e in at.exception]  # no traceback on the page
+    messages = [unescape(e.value) for e in at.error]
+    assert any("Could not load that module, the previous model stays loaded" in m and
+               "failing_mod:make raised KeyError: 'n_layer'" in m for m in messages), messages
+    assert at.session_state["app"].model_key == before
+    sys.modules.pop("failing_mod", None)
+
 def test_the_command_line_traces_your_module_from_its_factory(user_code, capsys):
     from gpt_shape_tracer.trace_command import main
     from model.sources import BUNDLED_DIR

@@ -344,3 +344,33 @@ def test_the_cached_rows_survive_the_cache_buffer_growing(bundled):
     assert gen.cache_length > MIN_CAPACITY
     comparison = gen.compare_with_recompute()
     assert comparison.equal and comparison.cached_rows_equal
+
+
+def test_a_rollback_after_a_failed_forward_restores_the_cache_exactly_and_forgets_what_it_staged():
+    """A forward that fails part-way (after layer 0 wrote its rows, before layer 1 did) is rolled back: the
+    length and every cached row are as before, and what it staged is forgotten — the next forward that skips a
+    layer is refused by ``commit``, not taken for complete because the failed one wrote that layer."""
+    from model import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(n_layer=2, batch_size=1)
+    for layer in range(2):
+        cache.append(layer, torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 3, 4, generator=g))
+    cache.commit(3, None)
+    keys, values = [k.clone() for k in cache.keys], [v.clone() for v in cache.values]
+    cache.append(0, torch.randn(1, 2, 2, 4, generator=g), torch.randn(1, 2, 2, 4, generator=g))  # then it fails
+    cache.rollback()
+    assert cache.length == 3
+    for layer in range(2):
+        assert torch.equal(cache.keys[layer], keys[layer]) and torch.equal(cache.values[layer], values[layer])
+    cache.append(1, torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 2, 1, 4, generator=g))  # layer 0 skipped
+    with pytest.raises(RuntimeError, match=r"layers \[0\] not updated"):
+        cache.commit(1, None)
+    assert cache.length == 3
+    new_k, new_v = torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 2, 1, 4, generator=g)
+    for layer in range(2):  # a whole forward afterwards: its row follows the three kept ones
+        cache.append(layer, new_k, new_v)
+    cache.commit(1, None)
+    for layer in range(2):
+        assert torch.equal(cache.keys[layer], torch.cat([keys[layer], new_k], dim=2))
+        assert torch.equal(cache.values[layer], torch.cat([values[layer], new_v], dim=2))

@@ -105,6 +105,50 @@ def test_direct_logit_attribution_adds_up_to_the_logit(bundled):
         direct_logit_attribution(gen.trace, 0, model=GPT(model.config).eval())
 
 
+
+@pytest.fixture()  # per test: a generation kept alive keeps its hooks on the shared model (head_scores' check)
+def two_rows(bundled):
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, ["Tom had a big red kite.", "Mia said,"], temperature=0)
+    gen.run(2)
+    return gen
+
+
+@pytest.mark.parametrize("call", ["lens", "attribution"])
+@pytest.mark.parametrize("where, message", [
+    ({"step": 2}, r"step 2 is outside 0 … 1"),
+    ({"step": -1}, r"step -1 is outside 0 … 1"),
+    ({"row": 2}, r"row \(sequence\) 2 is outside 0 … 1"),
+    ({"row": -1}, r"row \(sequence\) -1 is outside 0 … 1"),  # Python would read the last row, silently
+    ({"row": 0.5}, r"row \(sequence\) must be a whole number in 0 … 1, got 0.5"),
+    ({"row": True}, r"row \(sequence\) must be a whole number"),
+    ({"step": "1"}, r"step must be a whole number in 0 … 1, got '1'"),
+])
+def test_the_lens_and_the_attribution_refuse_a_step_or_row_outside_the_trace_naming_the_range(
+        bundled, two_rows, call, where, message):
+    model, _ = bundled
+    args = {"step": 0, "row": 0, **where}
+    run = logit_lens if call == "lens" else direct_logit_attribution
+    with pytest.raises(ValueError, match=message):
+        run(two_rows.trace, args["step"], args["row"], model=model)
+
+
+@pytest.mark.parametrize("token, message", [
+    (-1, r"token -1 is outside 0 … (\d+)"),  # W_U[-1]: the last token's logit, without a word
+    ("vocab", r"token (\d+) is outside 0 … (\d+)"),
+    (2.0, r"token must be a whole number"),
+])
+def test_the_attribution_refuses_a_token_outside_the_vocabulary_naming_it(bundled, two_rows, token, message):
+    model, _ = bundled
+    V = model.w_u.shape[0]
+    with pytest.raises(ValueError, match=message) as refused:
+        direct_logit_attribution(two_rows.trace, 0, 0, V if token == "vocab" else token, model=model)
+    assert f"0 … {V - 1}" in str(refused.value)
+    import numpy as np
+
+    frame = direct_logit_attribution(two_rows.trace, 0, np.int64(1), np.int64(V - 1), model=model)  # NumPy ints do
+    assert frame.attrs["token"] == V - 1 and abs(frame.attrs["total"] - frame.attrs["logit"]) < 1e-4
+
 def test_the_diff_of_two_runs(bundled):
     model, tok = bundled
     a = TracedGeneration(model, tok, PROMPT, temperature=0)

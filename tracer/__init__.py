@@ -79,7 +79,7 @@ from tracer.reading import (
     is_derived,
     query_row,
 )
-from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats
+from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats, value_blocks
 from tracer.storage.records import (
     ABLATIONS,
     FORWARD_CAPTURES,
@@ -123,5 +123,5 @@ __all__ = [
     "hooks_installed",
     "load_trace", "logit_lens", "patch", "prepare_dry_run", "pattern_changes", "replay", "replay_diff", "save_trace",
     "summarize",
-    "tensor_stats", "text_loss",
+    "tensor_stats", "text_loss", "value_blocks",
 ]

@@ -1146,7 +1146,25 @@ def _max_memory(max_memory: MaxMemory) -> dict[int | str, int]:
         except (ValueError, TypeError, AttributeError):
             raise HFDecoderError(f"max_memory for {device!r}: {amount!r} is not an amount of memory (bytes, or "
                                  "a size with its unit such as '2GiB' or '500MB')") from None
+        has = _memory_of(device)
+        if sizes[device] > has:  # accelerate would plan for memory that is not there, and the load fail late
+            raise HFDecoderError(f"max_memory for {device!r}: {amount!r} is {sizes[device]:,} bytes, more than the "
+                                 f"{has:,} bytes " + ("of this machine's memory" if device == "cpu" else
+                                                      f"GPU {device} has"))
     return sizes
+
+
+def _memory_of(device: int | str) -> int:
+    """The bytes of memory ``device`` of max_memory has: "cpu" the machine's, an int a GPU's (refused when there
+    is no such GPU or key)."""
+    if device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if isinstance(device, int) and not isinstance(device, bool):
+        if not 0 <= device < torch.cuda.device_count():
+            raise HFDecoderError(f"max_memory names GPU {device}, but this machine has "
+                                 f"{torch.cuda.device_count()} GPU(s)")
+        return torch.cuda.get_device_properties(device).total_memory
+    raise HFDecoderError(f"max_memory's keys are GPU numbers (0, 1, …) and 'cpu', not {device!r}")
 
 
 GUARD_PROMPT = 6  # tokens before the guard's decode step (more where a short sliding window must be passed)

@@ -40,7 +40,7 @@ from model.sources._common import ModelLoadError, display_name_of
 from model.sources._hf_config import config_to_hf, read_config
 from model.sources._hf_weights import canonical, check_weights, hf_shapes, hf_to_state, state_to_hf
 from model.sources._safetensors import SafetensorsFile, read_bin, safetensors_files
-from model.sources._tokenizer import TextTokenizer, directory_tokenizer
+from model.sources._tokenizer import TextTokenizer, directory_tokenizer, fitting_vocab
 
 
 def load_hf_ours(directory: Path, target_dtype: torch.dtype, target_device: torch.device,
@@ -48,6 +48,7 @@ def load_hf_ours(directory: Path, target_dtype: torch.dtype, target_device: torc
     """Our GPT (GPT-2, Llama, Mistral, Qwen2: model/gpt/) from a checked checkpoint ``directory`` (``load_hf``
     chose this source), with its identity and its tokenizer."""
     config = read_config(directory)
+    tokenizer = directory_tokenizer(directory, None)  # a corrupt tokenizer.json refused before any weight is read
     files = safetensors_files(directory)
     for file in files:
         if not file.is_file():
@@ -72,8 +73,7 @@ def load_hf_ours(directory: Path, target_dtype: torch.dtype, target_device: torc
         model.identity = PendingIdentity(digest, name=display_name, source=str(directory), family=config.family,
                                          config=model.config.to_dict())
         weakref.finalize(model, digest.abandon)  # nor does a model dropped before its hash is done
-    tokenizer = directory_tokenizer(directory, model.config.vocab_size)
-    return model, tokenizer
+    return model, fitting_vocab(tokenizer, model.config.vocab_size)
 
 
 def _build_ours(directory: Path, config: GPTConfig, files: list[Path], bin_file: Path, target_dtype: torch.dtype,

@@ -9,6 +9,7 @@ Nothing here touches the network.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -16,11 +17,11 @@ import torch
 from model.gpt import GPT
 from model.sources._common import ModelLoadError, check_dir, parse_device, parse_dtype, read_json
 from model.sources._hf_config import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES, known_to_transformers
-from model.sources._hf_decoder import HFDecoder, HFDecoderError, MaxMemory, load_hf_decoder
+from model.sources._hf_decoder import HFDecoder, HFDecoderError, MaxMemory, _max_memory, load_hf_decoder
 from model.sources._hf_ours import load_hf_ours
 from model.sources._nanogpt import is_nanogpt_path, load_nanogpt
 from model.sources._resolve import resolve_model_path
-from model.sources._tokenizer import TextTokenizer, directory_tokenizer, load_tokenizer
+from model.sources._tokenizer import TextTokenizer, directory_tokenizer, fitting_vocab, load_tokenizer
 
 # the bundled checkpoints: assets/ in a checkout, model/bundled/ once installed (pyproject.toml maps one to the other)
 _HERE = Path(__file__).resolve().parent.parent  # model/
@@ -69,16 +70,46 @@ def load_hf(
     if max_memory is not None and implementation == "ours":
         raise ModelLoadError("max_memory offloads weights with accelerate, which needs transformers to run the "
                              "model: use implementation='transformers' (or 'auto')")
+    check_offload(max_memory, offload_folder)  # before any weight is read
     if implementation == "transformers" or max_memory is not None or (
             implementation == "auto" and isinstance(model_type, str) and model_type not in SUPPORTED_MODEL_TYPES
             and known_to_transformers(model_type)):
+        tokenizer = directory_tokenizer(directory, None)  # a corrupt tokenizer.json refused before the weights
         try:
             generic = load_hf_decoder(directory, dtype=target_dtype, device=target_device, name=name,
                                       max_memory=max_memory, offload_folder=offload_folder)
         except HFDecoderError as e:
             raise ModelLoadError(str(e), reason=e.reason) from None
-        return generic, directory_tokenizer(directory, generic.config.vocab_size)
+        return generic, fitting_vocab(tokenizer, generic.config.vocab_size)
     return load_hf_ours(directory, target_dtype, target_device, name)
+
+
+def check_offload(max_memory: MaxMemory | None, offload_folder: str | os.PathLike | None) -> None:
+    """``max_memory``'s amounts and ``offload_folder`` refused with the reason before anything is read: an amount
+    that is not memory, more than the device has, a device that is not there; a folder without ``max_memory``
+    (nothing would go there), one that is a file, or one this process cannot write (tried: a file made and
+    removed, so a read-only file system or a folder under a file is found, also for root)."""
+    if max_memory is not None:
+        try:
+            _max_memory(max_memory)
+        except HFDecoderError as e:
+            raise ModelLoadError(str(e)) from None
+    if offload_folder is None:
+        return
+    if max_memory is None:
+        raise ModelLoadError("offload_folder is where max_memory's offloaded weights go: give max_memory too "
+                             "(without it every weight is held in memory and the folder would stay empty)")
+    folder = Path(offload_folder).expanduser()
+    existing = folder
+    while not existing.exists() and existing != existing.parent:  # the nearest folder there is, to be written in
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ModelLoadError(f"offload_folder {folder}: {existing} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ModelLoadError(f"offload_folder {folder}: cannot be written ({e.strerror or e} in {existing})") from None
 
 
 def load_hf_gpt2(path: str | os.PathLike) -> tuple[GPT, TextTokenizer | None]:
@@ -104,6 +135,7 @@ def load_model(
     name: str | None = None,
     tokenizer: str | os.PathLike | None = None,
     max_memory: MaxMemory | None = None,
+    offload_folder: str | os.PathLike | None = None,
     weights: bool = True,
     tensor_parallel: int = 1,
 ) -> tuple[GPT | HFDecoder, TextTokenizer | None]:
@@ -113,7 +145,8 @@ def load_model(
 
     ``tokenizer`` (a path) replaces the one the checkpoint carries; a nanoGPT checkpoint needs one beside it or
     here. ``max_memory`` offloads what does not fit (``load_hf``; not for a nanoGPT checkpoint, which is one
-    pickle-free file read whole). Returns what ``load_hf`` / ``load_nanogpt`` return.
+    pickle-free file read whole), to ``offload_folder`` when given. Returns what ``load_hf`` / ``load_nanogpt``
+    return.
 
     ``weights=False``: a dry run (``sources/_dry_run.py``): the model built on the meta device from its config
     alone — also from ``shapes:NAME`` (a shipped config) or a bare ``config.json`` — with its tokenizer when it
@@ -125,7 +158,7 @@ def load_model(
     if not weights:
         from model.sources._dry_run import DryRunError, build_dry
 
-        if max_memory is not None or str(device) != "cpu":
+        if max_memory is not None or offload_folder is not None or str(device) != "cpu":
             raise ModelLoadError("a dry run (weights=False) builds the model on the meta device: no device or "
                                  "max_memory to place it on")
         try:
@@ -137,11 +170,12 @@ def load_model(
         return dry, tok  # a GPT or an HFDecoder, on the meta device
     path = resolve_model_path(spec)
     if is_nanogpt_path(path):
-        if max_memory is not None:
+        if max_memory is not None or offload_folder is not None:
             raise ModelLoadError(f"{path}: a nanoGPT checkpoint is loaded whole; max_memory (offloading with "
                                  "accelerate) needs a Hugging Face directory")
         return load_nanogpt(path, tokenizer=tokenizer, dtype=dtype, device=device, name=name)
-    model, tok = load_hf(path, dtype=dtype, device=device, name=name, max_memory=max_memory)
+    model, tok = load_hf(path, dtype=dtype, device=device, name=name, max_memory=max_memory,
+                         offload_folder=offload_folder)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer, model.config.vocab_size)
     return model, tok

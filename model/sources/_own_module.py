@@ -216,7 +216,10 @@ def load_factory(spec: str) -> tuple[nn.Module, Any]:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise OwnModuleError(f"{module_name} has no function {attr!r}")
-    made = factory()
+    try:
+        made = factory()
+    except Exception as e:  # noqa: BLE001 - your code's own failure, whatever its class: a refusal that says it
+        raise OwnModuleError(f"{spec} raised {type(e).__name__}: {str(e)[:500]}") from e
     model, tokenizer = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
     if not isinstance(model, nn.Module):
         raise OwnModuleError(f"{spec} returned {type(model).__name__}, not a torch module")

@@ -358,9 +358,10 @@ def _escape_char(ch: str) -> str:
     return ch
 
 
-def directory_tokenizer(directory: Path, vocab_size: int) -> TextTokenizer | None:
+def directory_tokenizer(directory: Path, vocab_size: int | None) -> TextTokenizer | None:
     """The directory's tokenizer as transformers reads it (special tokens, end-of-sequence ids, chat template:
-    ``TextTokenizer.from_directory``), or None when it has none."""
+    ``TextTokenizer.from_directory``), or None when it has none. ``vocab_size`` None: read before the weights
+    (a corrupt tokenizer.json is named before gigabytes are read), its size checked after (``fitting_vocab``)."""
     tok_json = directory / "tokenizer.json"
     try:
         tok = TextTokenizer.from_directory(directory)
@@ -369,9 +370,12 @@ def directory_tokenizer(directory: Path, vocab_size: int) -> TextTokenizer | Non
     except Exception as e:  # tokenizers raises plain Exception subclasses from Rust
         source = tok_json if tok_json.is_file() else directory / "vocab.json"
         raise ModelLoadError(f"{source}: not a readable tokenizer ({e})") from None
-    if tok is None:
-        return None
-    if tok.vocab_size > vocab_size:
+    return tok if vocab_size is None else fitting_vocab(tok, vocab_size)
+
+
+def fitting_vocab(tok: TextTokenizer | None, vocab_size: int) -> TextTokenizer | None:
+    """``tok``, refused when it knows more ids than the model's ``vocab_size``."""
+    if tok is not None and tok.vocab_size > vocab_size:
         raise ModelLoadError(
             f"{tok.source}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {vocab_size}"
         )

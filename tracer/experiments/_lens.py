@@ -5,6 +5,7 @@ norm and unembedding, so they need the model that made the trace (and check its 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import overload
 
@@ -43,6 +44,27 @@ def _model(trace: Trace, model: GPT | HFDecoder | None) -> GPT | HFDecoder:
     return model
 
 
+def _index(what: str, value: object, count: int) -> int:
+    """``value`` as an index in 0 … count − 1, else a ValueError naming the range: a negative row or token would
+    otherwise read another row's numbers (Python's index from the end) without a word."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a whole number in 0 … {count - 1}, got {value!r}")
+    try:
+        i = operator.index(value)  # type: ignore[arg-type]  # int, or NumPy's and torch's integer scalars
+    except TypeError:
+        raise ValueError(f"{what} must be a whole number in 0 … {count - 1}, got {value!r}") from None
+    if not 0 <= i < count:
+        raise ValueError(f"{what} {i} is outside 0 … {count - 1}" if count else f"there is no {what} {i}: none was "
+                         "recorded")
+    return i
+
+
+def _step_and_row(trace: Trace, step: object, row: object) -> tuple[int, int]:
+    """The step and the sequence, each checked against what the trace holds."""
+    step = _index("step", step, trace.n_steps)
+    return step, _index("row (sequence)", row, trace.record(act_name("logits"), step).shape[0])
+
+
 def _value(trace: Trace, name: str, step: int) -> torch.Tensor:
     value = trace.get(name, step)
     if value is None:
@@ -67,6 +89,7 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
     finally chose (the step's chosen token at the position it was chosen from; elsewhere the final layer's
     top token). The last layer is the model's own logits."""
     model = _model(trace, model)
+    step, row = _step_and_row(trace, step, row)
     label = label or (lambda i: f"⟨{i}⟩")
     n_layer = model.config.n_layer
     device = input_device_of(model)  # recorded values are on the host; the final norm and W_U may not be
@@ -114,7 +137,10 @@ def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int |
         raise ValueError("direct logit attribution freezes the final norm's scale at a position, which needs the "
                          "norm written out as ours are; this model's final norm is transformers' code "
                          "(the logit lens works on it)")
+    step, row = _step_and_row(trace, step, row)
     facts = trace.generation
+    if token is not None:
+        token = _index("token", token, model.w_u.shape[0])
     if token is None:
         choice = facts.step(step).sampling if facts is not None else None
         if choice is None:

@@ -1,11 +1,11 @@
 """Storage: the write side of a trace (``TraceLog``), values under a byte budget, statistics, and the
 plain frozen records everything else reads.
 
-Public: ``records`` (the record types), ``TraceLog``, ``tensor_stats``/``summarize``.
+Public: ``records`` (the record types), ``TraceLog``, ``tensor_stats``/``summarize``, ``value_blocks``.
 Private: ``_log``, ``_store`` (values under the budget), ``_stats``, ``_fused`` (the one-pass kernel)."""
 
 from tracer.storage._log import CAPTURE_LEVELS, TraceLog
-from tracer.storage._stats import summarize, tensor_stats
+from tracer.storage._stats import summarize, tensor_stats, value_blocks
 from tracer.storage._store import DEFAULT_BUDGET_BYTES
 
-__all__ = ["CAPTURE_LEVELS", "DEFAULT_BUDGET_BYTES", "TraceLog", "summarize", "tensor_stats"]
+__all__ = ["CAPTURE_LEVELS", "DEFAULT_BUDGET_BYTES", "TraceLog", "summarize", "tensor_stats", "value_blocks"]

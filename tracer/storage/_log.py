@@ -29,7 +29,7 @@ import torch
 from model.gpt import ATTENTION_STAGES as STAGES
 from model.gpt import MaskSpec
 from tracer.storage._spill import SpillFile
-from tracer.storage._stats import DRY_RUN, dtype_name, flag_sum, flags_of_sums, tensor_stats
+from tracer.storage._stats import DRY_RUN, WHOLE_UP_TO, dtype_name, flag_sum, flags_of_sums, tensor_stats
 from tracer.storage._store import DEFAULT_BUDGET_BYTES, MUTATED, ValueStore, storage_key, version_of, view_key
 from tracer.storage.records import (
     CAPTURE_LEVELS,
@@ -611,5 +611,15 @@ def pooled(tensor: torch.Tensor, side: int = DIGEST_SIDE) -> torch.Tensor:
     a masked −∞ cell averages the finite ones; for weights that is 0 anyway)."""
     B, H, n, t = tensor.shape
     out = (min(n, side), min(t, side))
-    x = tensor.float().reshape(B * H, n, t)
-    return torch.nn.functional.adaptive_avg_pool2d(x, out).reshape(B, H, *out)
+    if tensor.numel() <= WHOLE_UP_TO:
+        x = tensor.float().reshape(B * H, n, t)
+        return torch.nn.functional.adaptive_avg_pool2d(x, out).reshape(B, H, *out)
+    # a large record, block of rows by block of rows (the blocks adaptive pooling takes, which may overlap by a
+    # row): their mean [B, H, t] in float32, then its columns pooled. What is allocated is B·H·t floats, never
+    # a float32 copy of the whole record (nor the copy a stride-0 view would make)
+    rows = []
+    for i in range(out[0]):
+        a, b = (i * n) // out[0], -(-((i + 1) * n) // out[0])
+        mean = tensor[:, :, a:b, :].sum(dim=2, dtype=torch.float32) / (b - a)
+        rows.append(torch.nn.functional.adaptive_avg_pool1d(mean, out[1]))
+    return torch.stack(rows, dim=2)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -37,6 +37,10 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _CANCELLATION = 1e-2  # var/mean² below this: Σx²/n − mean² would lose too many digits in float32
 _CHUNK = 4096
 FUSED_NUMEL = 4096  # from here the one-pass kernel (tracer/storage/_fused.py), where it could be built, takes them
+# past this many elements a tensor is read block by block (``value_blocks``): a float32 copy of a bf16 value, the
+# contiguous copy of a strided one, a flag per element — each at most this many elements (64 MiB of float32),
+# however large the tensor (an 8 GiB record, or a stride-0 view claiming 8 GiB over a few bytes)
+WHOLE_UP_TO = 1 << 24
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,8 +68,50 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def value_blocks(t: torch.Tensor, most: int = WHOLE_UP_TO) -> Iterator[torch.Tensor]:
+    """Views of ``t`` that together hold each element once, each of at most ``most`` elements (``t`` itself
+    when it is that small): slices of the first dimension, or of one index of it and then of the next."""
+    if t.numel() <= most or t.dim() == 0:
+        yield t
+        return
+    if t.dim() == 1:
+        for a in range(0, t.shape[0], most):
+            yield t[a:a + most]
+        return
+    per_index = t[0].numel()
+    step = max(1, most // max(1, per_index))
+    for a in range(0, t.shape[0], step):
+        if step == 1:
+            yield from value_blocks(t[a], most)
+        else:
+            yield t[a:a + step]
+
+
+def _combined(parts: list[TensorStats], numels: list[int]) -> TensorStats:
+    """The statistics of a tensor from those of its blocks: extremes and counts added up; the mean and σ by
+    Chan's pairwise update (each block's Σ(x − x̄)² = n·σ², shifted to the common mean), exact in float64."""
+    nan = sum(p.nan for p in parts)
+    pos, neg = sum(p.pos_inf for p in parts), sum(p.neg_inf for p in parts)
+    finite = [(numel - p.nan - p.pos_inf - p.neg_inf, p) for p, numel in zip(parts, numels)]
+    finite = [(k, p) for k, p in finite if k > 0]
+    count = sum(k for k, _ in finite)
+    if count == 0:
+        return TensorStats(math.nan, math.nan, math.nan, math.nan, nan, pos, neg)
+    mean = math.fsum(k * p.mean for k, p in finite) / count
+    m2 = math.fsum(k * p.std * p.std + k * (p.mean - mean) ** 2 for k, p in finite)
+    return TensorStats(min(p.min for _, p in finite), max(p.max for _, p in finite), mean,
+                       math.sqrt(max(m2 / count, 0.0)), nan, pos, neg)
+
+
 @torch.no_grad()
 def tensor_stats(t: torch.Tensor) -> TensorStats:
+    if t.numel() > WHOLE_UP_TO:  # block by block: the copies below stay bounded whatever the tensor's size
+        parts = list(value_blocks(t.detach(), WHOLE_UP_TO))
+        return _combined([_block_stats(b) for b in parts], [b.numel() for b in parts])
+    return _block_stats(t)
+
+
+def _block_stats(t: torch.Tensor) -> TensorStats:
     x = _as_float(t)
     n = x.numel()
     if n == 0:
