@@ -25,7 +25,7 @@ from figures.heatmap import Grid, add, grid, pool, short_number, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
 from model.gpt import act_name
-from tracer import RegionError, Trace, attention_region
+from tracer import RegionError, Trace, attention_region, is_derived
 
 STAGES = ("qk", "attn_scores", "masked_scores", "pattern")
 GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pooling each head to fit)
@@ -163,9 +163,13 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     numbers = {"numbers_up_to": 20 // len(stages), "number": short_number}
     for i, stage in enumerate(stages, start=1):
         if stage.matrix is None:
-            fig.add_annotation(text="values not kept", showarrow=False, row=1, col=i, x=0.5, y=0.5,
-                               xref="x domain" if i == 1 else f"x{i} domain",
-                               yref="y domain" if i == 1 else f"y{i} domain")
+            # placed on the page (paper) at the middle of the panel's own domain: refs to an axis with no trace
+            # were drawn over the last panel in the browser (seen in a screenshot at 32k tokens)
+            left, right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain
+            derived = is_derived(trace, act_name(stage.hook, layer), step)
+            fig.add_annotation(text="not formed: the fused kernel ran<br>(Zoom recomputes any region)" if derived
+                               else "values not kept", showarrow=False, x=(left + right) / 2, y=0.5,
+                               xref="paper", yref="paper")
             continue
         g = grid(stage.matrix, xs, ys, max_side=STAGE_SIDE)
         pooled_note = pooled_note or g.caption()
@@ -182,7 +186,12 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
             add(fig, g, "signed", row=1, col=i, colorbar="score", bar=bar, **numbers)
         style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
     height = max(380, min(760, 220 + 16 * min(len(ys), 36)))  # room for the colour bars even with one row
-    note = "pooled digest of evicted values" if any(s.pooled_only for s in stages) else pooled_note
+    note = pooled_note
+    digested = [s for s in stages if s.pooled_only and s.matrix is not None]
+    if digested:  # block means: recomputed from Q and K where the fused kernel kept no pattern, else evicted values'
+        derived = all(is_derived(trace, act_name(s.hook, layer), step) for s in digested)
+        note = (f"{'the pattern recomputed from Q and K' if derived else 'a pooled digest of evicted values'}: "
+                f"{pooled_note}" if pooled_note else "")
     # the figure's title at the very top, above the subplot titles (four lines when wrapped: they reached it)
     fig.update_layout(height=height + (20 if wrap else 0), margin={"t": 155 if wrap else 95, "l": 10, "r": 30, "b": 10},
                       title={"text": f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
@@ -201,13 +210,43 @@ def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: 
         row = None
     if row is None:
         return "<i>values not kept for this step</i>"
-    weights = row[batch, 0, 0]
+    weights = row[batch, 0, 0]  # [t]
     keys = key_labels(trace, step, batch)
     own = len(keys) - positions(trace, step)[0] + query
-    spans = [amount_span(inert(keys[j].split(" · ", 1)[-1]), w, f"key {j}: weight {w:.3f}", outline=j == own)
-             for j, w in enumerate(weights.tolist())]
-    return ("<div style='line-height: 2.1; font-family: monospace'>" + "".join(spans) + "</div>"
+    shown = keys_to_show(weights, own)
+    spans, previous = [], -1
+    for j in shown:
+        if j > previous + 1:  # a gap: the keys between are not drawn
+            spans.append(f"<span style='color: #888'> … {j - previous - 1:,} keys … </span>")
+        w = float(weights[j])
+        spans.append(amount_span(inert(keys[j].split(" · ", 1)[-1]), w, f"key {j}: weight {w:.3f}", outline=j == own))
+        previous = j
+    if previous < len(weights) - 1:
+        spans.append(f"<span style='color: #888'> … {len(weights) - 1 - previous:,} keys</span>")
+    note = ""
+    if len(shown) < len(weights):  # a long row: a bounded page (32k spans crashed a browser tab)
+        mass = float(weights[shown].double().sum())
+        note = (f"<div style='font-size: 0.8rem; color: #555'>{len(shown):,} of the {len(weights):,} keys drawn: "
+                f"the {QUERY_ROW_TOP} this query weighs most and the {min(QUERY_ROW_RECENT, own + 1)} up to "
+                f"itself, together "
+                f"{mass:.1%} of its weight; the Zoom view's query-row strip plots every key.</div>")
+    return ("<div style='line-height: 2.1; font-family: monospace'>" + "".join(spans) + "</div>" + note
             + amount_legend("attention weight of each key", "the query itself"))
+
+
+QUERY_ROW_LIMIT = 1024  # keys drawn one by one as tokens; past it, the top and the most recent ones only
+QUERY_ROW_TOP, QUERY_ROW_RECENT = 64, 192
+
+
+def keys_to_show(weights: torch.Tensor, own: int) -> list[int]:
+    """The key positions a query's row draws as tokens, in order: every key of a row up to ``QUERY_ROW_LIMIT``;
+    past it the ``QUERY_ROW_TOP`` heaviest keys and the ``QUERY_ROW_RECENT`` keys up to the query itself."""
+    t = len(weights)
+    if t <= QUERY_ROW_LIMIT:
+        return list(range(t))
+    top = torch.topk(weights.float(), QUERY_ROW_TOP).indices.tolist()
+    recent = range(max(0, own - QUERY_ROW_RECENT + 1), own + 1)
+    return sorted(set(top) | set(recent))
 
 
 @fitted

@@ -116,6 +116,10 @@ def grid(matrix: torch.Tensor, x_labels: list[str] | None, y_labels: list[str] |
     rows, cols = matrix.shape
     r, c = min(rows, max_side), min(cols, max_side)
     values = matrix if (r, c) == (rows, cols) else pool(matrix, r, c)
+    # a digest (pooled already, ``Trace.digest``) comes with the labels of the whole matrix: each of its cells
+    # stands for a block of them (32,768 labels on a 128-column digest made a 1 MB figure that crashed a tab)
+    rows = len(y_labels) if y_labels is not None and len(y_labels) > rows else rows
+    cols = len(x_labels) if x_labels is not None and len(x_labels) > cols else cols
     z = values.detach().to(torch.float32).numpy(force=True).copy()
     z[~np.isfinite(z)] = np.nan  # ±∞ is drawn as a gap, like a masked cell
 

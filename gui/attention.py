@@ -374,9 +374,14 @@ def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, sho
     # per step is remembered in the app state, since Streamlit forgets a widget that was not drawn
     picks = state().query_picks
     remembered = picks.get((step, batch), len(queries) - 1)
-    pick = st.selectbox("query token: which keys does it attend to?", list(range(len(queries))),
-                        index=remembered if remembered < len(queries) else len(queries) - 1,
-                        format_func=lambda i: queries[i], key=f"attn_query_s{step}_b{batch}_{int(show)}")
+    index = remembered if remembered < len(queries) else len(queries) - 1
+    if len(queries) <= attn_views.QUERY_ROW_LIMIT:
+        pick = st.selectbox("query token: which keys does it attend to?", list(range(len(queries))), index=index,
+                            format_func=lambda i: queries[i], key=f"attn_query_s{step}_b{batch}_{int(show)}")
+    else:  # a long prompt: a list of every row would send each label to the browser; a number names one row
+        pick = int(st.number_input(f"query row (0 … {len(queries) - 1:,}): which keys does it attend to?", 0,
+                                   len(queries) - 1, index, key=f"attn_query_n{step}_b{batch}_{int(show)}"))
+        st.caption(f"query row {pick:,}: {queries[pick]}")
     picks[(step, batch)] = pick
     if show:
         st.markdown(attn_views.query_attention_html(trace, step, layer, head, pick, batch), unsafe_allow_html=True)

@@ -176,9 +176,8 @@ def drive(page, url: str, directory: Path, n: int, shots: Path | None = None) ->
         box.fill(prompt, timeout=180_000)
         return act(page, lambda: box.press("Control+Enter"))
 
-    # Attention opens on Stages; at 32k that view crashed Chromium's tab (docs/views.md). So the tabs are opened
-    # on a short prompt first — Attention → Zoom, which the app reopens after a Reset — and the long prompt's
-    # prefill then draws the Zoom directly
+    # the tabs are opened on a short prompt first — Attention → Zoom, which the app reopens after a Reset — so
+    # that the long prompt's prefill draws the Zoom directly (Stages is opened at the end)
     type_prompt(SENTENCES[0].strip())
     started = time.perf_counter()
     load_directory(page, directory)
@@ -254,6 +253,13 @@ def drive(page, url: str, directory: Path, n: int, shots: Path | None = None) ->
     assert lines == SHAPE["num_attention_heads"]
     shot("long_statistics", page.get_by_text("query row for the strip", exact=True))
     clipped = clipped_labels(page)
+
+    # Stages at 32k: its query row drawn bounded (a 32k-span row and a 32k-option list crashed the tab before)
+    seconds["stages"] = act(page, lambda: page.get_by_role("tab", name="Stages", exact=True).click(), 1200)
+    page.get_by_label(f"query row (0 … {n - 1:,}): which keys does it attend to?").wait_for(timeout=120_000)
+    page.get_by_text(f"of the {n:,} keys drawn").first.wait_for(timeout=60_000)
+    shot("long_stages", page.get_by_text("QKᵀ").first)
+    clipped += clipped_labels(page)
 
     # the exact cells and the strip against transformers' own eager weights of the first r1 + 1 tokens
     want = eager_rows(directory, ids, r1 + 1)

@@ -118,6 +118,25 @@ def test_one_colour_scale_shows_the_division_by_root_dk(gen):
     assert values(own)[0].zmin is None  # each stage its own scale unless asked
 
 
+def test_a_long_query_row_draws_its_heaviest_and_most_recent_keys_and_says_how_much_it_leaves_out(batch_gen,
+                                                                                                  monkeypatch):
+    """Past QUERY_ROW_LIMIT keys (a 32k row drawn as 32k spans crashed a browser tab) the row draws the keys the
+    query weighs most and those just before it; the note's count and share are the drawn keys' own."""
+    t = batch_gen.trace
+    row = t.get("blocks.1.attn.hook_pattern", 0)[1, 2, 5]  # [t]: query 5 of sequence 1, head 2
+    monkeypatch.setattr(attention, "QUERY_ROW_LIMIT", 3)
+    monkeypatch.setattr(attention, "QUERY_ROW_TOP", 2)
+    monkeypatch.setattr(attention, "QUERY_ROW_RECENT", 2)
+    html_ = attention.query_attention_html(t, 0, 1, 2, query=5, batch=1)
+    drawn = [int(j) for j in re.findall(r"title='key (\d+): weight", html_)]
+    expected = sorted(set(torch.topk(row, 2).indices.tolist()) | {4, 5})
+    assert drawn == expected and len(drawn) < len(row)
+    share = float(row[expected].double().sum())
+    assert f"{len(drawn):,} of the {len(row):,} keys drawn" in html_ and f"{share:.1%} of its weight" in html_
+    assert "the 2 up to itself" in html_
+    assert ("keys … " in html_) == (drawn != list(range(len(drawn))))  # a gap before a drawn key is marked
+
+
 def test_the_query_picker_colours_keys_by_weight_and_outlines_the_query(batch_gen):
     t = batch_gen.trace
     html_ = attention.query_attention_html(t, 0, 1, 2, query=3, batch=1)
@@ -893,3 +912,15 @@ def test_the_stages_write_short_numbers_only_where_four_panels_leave_room(bundle
             assert max(len(t) for m in maps for row in m.text for t in row) <= 5
     assert [heatmap.short_number(v) for v in (-22.86, -8.147, 0.8871, 123.4, 0.0)] == ["-22.9", "-8.15", "0.89",
                                                                                           "123", "0.00"]
+
+
+def test_a_digest_drawn_with_the_whole_matrix_labels_gets_one_label_per_block():
+    """A pooled digest (8 × 4 cells of a 32 × 16 matrix) given the whole matrix's labels: one label per cell, the
+    block each stands for, and a caption saying so (before, all 16 / 32 labels went into the figure: 32,768 of
+    them at 32k tokens, a 1 MB figure)."""
+    digest = torch.rand(8, 4)
+    xs, ys = [f"{j} · k" for j in range(16)], [f"{i} · q" for i in range(32)]
+    g = heatmap.grid(digest, xs, ys)
+    assert (len(g.x), len(g.y)) == (4, 8) and g.x[0] == "0…3" and g.y[-1] == "28…31"
+    assert g.block == (4, 4) and g.shape == (32, 16) and "4 × 4 cells of the 32 × 16 matrix" in g.caption()
+    assert np.allclose(g.z, digest.numpy())
