@@ -282,9 +282,14 @@ def test_head_scores_stop_the_probe_after_the_last_pattern_and_score_what_a_full
     and the next forward runs to its logits."""
     from model.analysis import HEAD_ROLES, role_scores
     from model.gpt import act_name
+    from model import GPT
     from tracer import head_scores
 
-    model, tok = bundled
+    shared, tok = bundled
+    # a model of its own: the shared one may carry the taps of other modules' live generations (their tracers
+    # stay attached while a module-scoped fixture keeps them), which this test's "no tap left" would count
+    model = GPT(shared.config).eval()
+    model.load_state_dict(shared.state_dict())
     scores = head_scores(model, first_token=tok.eos_id)
     length = 50
     tokens = repeated_random_tokens(model.config.vocab_size, length, 4, seed=7, prefix=tok.eos_id)
