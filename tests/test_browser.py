@@ -458,7 +458,7 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
 def test_a_latent_attention_model_deepseek_v3_shows_its_cached_latent(url, visit, tmp_path):
     """DeepSeek-V3 from a directory: multi-head latent attention, whose cache holds the compressed latent c_KV
     [B,1,t,d_c] and the rotary key k_R instead of K and V. The KV cache tab says so with its bytes and draws c_KV
-    (t rows, d_c columns), the attention tab draws its stages, and no tab raises a JavaScript error."""
+    (t rows, d_c columns), the attention tab draws its stages, and no view raises a JavaScript error."""
     from model import load_bundled
     from model.sources import BUNDLED_DIR
     from tests.hf_architectures import ARCHITECTURES, build
@@ -490,8 +490,7 @@ def test_a_latent_attention_model_deepseek_v3_shows_its_cached_latent(url, visit
             page.get_by_text("c_KV of layer 0, one for all heads").first.scroll_into_view_if_needed()
             page.wait_for_timeout(300)
             page.screenshot(path=str(ROOT / "assets" / "screenshots" / "deepseek_v3_kv_cache.png"))
-        for tab in ("Shapes", "Causal mask", "Next token", "What if", "Inspector", "Export"):
-            open_tab(page, tab)
+        open_tab(page, "Shapes")  # the other tabs are a family's common views, visited for other models above
         assert not errors, errors
         assert not outside, outside
 
