@@ -190,8 +190,8 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     digested = [s for s in stages if s.pooled_only and s.matrix is not None]
     if digested:  # block means: recomputed from Q and K where the fused kernel kept no pattern, else evicted values'
         derived = all(is_derived(trace, act_name(s.hook, layer), step) for s in digested)
-        note = (f"{'the pattern recomputed from Q and K' if derived else 'a pooled digest of evicted values'}: "
-                f"{pooled_note}" if pooled_note else "")
+        kind = "the pattern recomputed from Q and K" if derived else "a pooled digest of evicted values"
+        note = f"{kind}: {pooled_note}" if pooled_note else kind
     # the figure's title at the very top, above the subplot titles (four lines when wrapped: they reached it)
     fig.update_layout(height=height + (20 if wrap else 0), margin={"t": 155 if wrap else 95, "l": 10, "r": 30, "b": 10},
                       title={"text": f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
