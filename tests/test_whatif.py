@@ -280,9 +280,9 @@ def test_head_scores_stop_the_probe_after_the_last_pattern_and_score_what_a_full
     """The probe stops once the last layer's pattern is recorded (the unembedding after it was most of its
     time): the scores equal those read off a whole forward under a plain Tracer, the model keeps no tap of it,
     and the next forward runs to its logits."""
+    from model import GPT
     from model.analysis import HEAD_ROLES, role_scores
     from model.gpt import act_name
-    from model import GPT
     from tracer import head_scores
 
     shared, tok = bundled
