@@ -51,6 +51,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def _checked_out(raw: str) -> Path:
     """The output path, refused now (not after the whole generation ran) if it cannot be written."""
+    # The same nearest-folder-and-probe check as model.sources.check_offload's for offload_folder, written again
+    # on purpose: this one runs before torch is imported (an argument error in a second, not after 13 s of
+    # imports), and everything under model/ imports torch.
     if not raw.strip():
         raise ValueError("--out is empty: give a .zip file or a directory to write the trace to")
     path = Path(raw).expanduser()
