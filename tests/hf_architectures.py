@@ -47,12 +47,14 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build(model_type: str, directory: Path, tokenizer_file: Path | None = None, seed: int = 0) -> Path:
-    """Save a random-weight model of ``model_type`` (and the given tokenizer.json) into ``directory``."""
+def build(model_type: str, directory: Path, tokenizer_file: Path | None = None, seed: int = 0,
+          table: dict[str, tuple[str, dict]] | None = None) -> Path:
+    """Save a random-weight model of ``model_type`` (and the given tokenizer.json) into ``directory``; its config
+    class and arguments come from ``table`` (default: this file's ARCHITECTURES)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
-    config_class, kwargs = ARCHITECTURES[model_type]
+    config_class, kwargs = (ARCHITECTURES if table is None else table)[model_type]
     config = getattr(transformers, config_class)(**kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()

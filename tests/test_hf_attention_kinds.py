@@ -16,6 +16,7 @@ import torch
 
 from model import load_hf
 from model.sources import BUNDLED_DIR, HFDecoder
+from tests import hf_architectures
 from tests.hf_architectures import ARCHITECTURES, COMMON
 from tracer import TracedGeneration
 
@@ -36,21 +37,8 @@ LATENT = ("deepseek_v3", "deepseek_v2", "minicpm3")
 
 
 def build(model_type: str, directory: Path, seed: int = 0) -> Path:
-    """As tests/hf_architectures.build, from this file's table."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    config_class, kwargs = KINDS[model_type]
-    config = getattr(transformers, config_class)(**kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # norms and biases away from 1 and 0, so every term shows in the logits
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory)
-    (directory / "tokenizer.json").write_bytes((BUNDLED_DIR / "tokenizer.json").read_bytes())
-    return directory
+    """As tests/hf_architectures.build, from this file's table, with the bundled tokenizer."""
+    return hf_architectures.build(model_type, directory, BUNDLED_DIR / "tokenizer.json", seed, table=KINDS)
 
 
 @pytest.fixture(scope="module")
