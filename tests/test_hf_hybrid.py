@@ -20,18 +20,28 @@ from model.sources import BUNDLED_DIR, HFDecoder
 from tests.hf_every_architecture import PROMPT, TOLERANCE, build, check, tiny_config
 from tracer import TracedGeneration
 
+# The state mixers' own sizes, smaller than the generic shrinking leaves them: transformers' torch path of
+# Mamba-2 pads the prompt to a whole chunk and forms [chunk × chunk] blocks per head and state dimension, so 128
+# heads, a 256-wide state and 256-token chunks made Bamba the suite's slowest test (25 s quiet). A 16-token chunk
+# is still padded and scanned for an 8-token prompt.
+SMALL_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
+SMALL_DELTANET = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                      linear_num_value_heads=4)
+
 # the per-layer pattern each family's config reads, set so that the two layers are one of each kind (the generic
 # shrinking keeps two kinds where the default pattern has them within its first layers; these do not)
 PATTERNS: dict[str, dict] = {
-    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
-    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
-    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], **SMALL_DELTANET),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], **SMALL_DELTANET),
+    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"], **SMALL_DELTANET),
     "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
-    "bamba": dict(attn_layer_indices=[1]),
-    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
-    "nemotron_h": dict(hybrid_override_pattern="ME*-"),  # Mamba, MoE, attention, MLP: one mixer per block
-    "zamba2": dict(layer_types=["mamba", "hybrid"]),
+    "bamba": dict(attn_layer_indices=[1], **SMALL_MAMBA2),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], **SMALL_MAMBA2),
+    # Mamba, MoE, attention, MLP: one mixer per block
+    "nemotron_h": dict(hybrid_override_pattern="ME*-", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+                       n_groups=1, chunk_size=16),
+    "zamba2": dict(layer_types=["mamba", "hybrid"], mamba_d_state=16, chunk_size=16),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
 }
