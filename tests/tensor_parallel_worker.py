@@ -1,6 +1,7 @@
 """Run by tests/test_tensor_parallel.py under ``torch.distributed.run`` (2 processes, gloo, CPU): transformers' own
-tensor parallelism on a saved model, one prefill, and every module's input and output shapes on this rank,
-written as JSON to ``OUT/rank{R}.json``. Not a test module itself."""
+tensor parallelism on each saved model given, one prefill each, and every module's input and output shapes on this
+rank, written as JSON to ``OUT/<model folder name>/rank{R}.json``. Several models share one launch: starting the
+two processes and importing transformers in each costs more than the models' runs. Not a test module itself."""
 
 import json
 import os
@@ -11,6 +12,8 @@ from transformers import AutoModelForCausalLM
 
 
 def main(directory: str, n: int, out: str) -> None:
+    out = os.path.join(out, os.path.basename(os.path.normpath(directory)))
+    os.makedirs(out, exist_ok=True)
     model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", attn_implementation="eager")
     shapes: dict[str, dict[str, list[int]]] = {}
 
@@ -35,4 +38,5 @@ def main(directory: str, n: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    for directory in sys.argv[3:]:
+        main(directory, int(sys.argv[1]), sys.argv[2])

@@ -25,22 +25,33 @@ def tokenizer():
     return load_bundled("story-llama")[1]
 
 
-def real_tensor_parallel(directory: Path, n: int, out: Path) -> list[dict]:
-    """transformers' tensor parallelism, 2 ranks: each module's input and output shapes on each rank."""
+MODEL_TYPES = ("qwen3", "llama")
+
+
+def real_tensor_parallel(directories: list[Path], n: int, out: Path) -> dict[str, list[dict]]:
+    """transformers' tensor parallelism, 2 ranks, one launch for every model: per model folder name, each rank's
+    module input and output shapes."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), str(HERE / "tensor_parallel_worker.py"), str(directory), str(n),
-               str(out)]
+               "--master_port", str(free_port()), str(HERE / "tensor_parallel_worker.py"), str(n), str(out),
+               *map(str, directories)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return {d.name: [json.loads((out / d.name / f"rank{r}.json").read_text()) for r in range(2)]
+            for d in directories}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
-def test_one_rank_has_the_shapes_transformers_tensor_parallelism_gives_each_rank(model_type, tokenizer, tmp_path):
-    directory = build(model_type, tmp_path / model_type)
-    n = len(tokenizer.encode(PROMPT))
-    ranks = real_tensor_parallel(directory, n, tmp_path)
+@pytest.fixture(scope="module")
+def tensor_parallel_runs(tokenizer, tmp_path_factory) -> tuple[dict[str, Path], dict[str, list[dict]]]:
+    root = tmp_path_factory.mktemp("tensor-parallel")
+    directories = {t: build(t, root / t) for t in MODEL_TYPES}
+    return directories, real_tensor_parallel(list(directories.values()), len(tokenizer.encode(PROMPT)), root / "out")
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_one_rank_has_the_shapes_transformers_tensor_parallelism_gives_each_rank(model_type, tokenizer,
+                                                                                 tensor_parallel_runs):
+    directory, ranks = tensor_parallel_runs[0][model_type], tensor_parallel_runs[1][model_type]
     model, _ = load_model(directory, weights=False, tensor_parallel=2)
     gen = TracedGeneration(model, tokenizer, PROMPT, capture="shapes")
     gen.run(1)
