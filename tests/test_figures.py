@@ -459,6 +459,21 @@ def test_the_verdict_follows_the_comparison():
     assert table.iloc[-1, 0].startswith("wall time (estimate")
 
 
+def test_the_verdict_reports_cached_rows_that_differ_even_when_the_logits_agree():
+    """Logits within the tolerance do not vouch for the cache: a cached K or V row that differs from its
+    recomputation by more than the tolerance (here layer 1's V, by 0.3) makes the verdict an error naming that
+    layer and the difference, not "agree in every one of the layers"."""
+    agree = dataclasses.replace(comparison(3, 1, 10, 3e-6), cached_rows_delta=((2e-7, 1e-7), (1e-7, 0.3)))
+    assert agree.equal and not agree.cached_rows_equal
+    level, text = cache.verdict(agree)
+    assert level == "error" and "the cached K and V rows do NOT equal their recomputation" in text
+    assert "layer 1 differs by 3.00e-01, above the tolerance 0.0001" in text and "agree in every one" not in text
+    within = dataclasses.replace(agree, cached_rows_delta=((2e-7, 1e-7), (1e-7, 9e-5)))
+    level, text = cache.verdict(within)
+    assert level == "success" and "agree in every one of the 2 layers that hold K and V (largest |Δ| 9.00e-05, " \
+                                  "layer 1" in text
+
+
 def test_a_real_comparison_counts_what_each_path_computes(bundled):
     model, tok = bundled
     g = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)
