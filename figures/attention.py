@@ -33,7 +33,7 @@ MIN_TILE_ROWS = 6  # a head with fewer query rows has them drawn taller, up to t
 ROLE_SHOWN = 0.3  # a head's clearest role is written on its tile from this score up
 STAGE_SIDE = 128  # four stages side by side: each pooled to at most 128 × 128, under 1 MB together
 # each stage's short name in a pooled figure's caption (what its means left out)
-STAGE_NAMES = {"qk": "QKᵀ", "attn_scores": "scaled", "softcapped": "soft-capped", "masked_scores": "+ M",
+STAGE_NAMES = {"qk": "QKᵀ", "attn_scores": "scaled QKᵀ", "softcapped": "soft-capped", "masked_scores": "+ M",
                "sink_logits": "s_h", "pattern": "A", "sink_weight": "a_sink"}
 M_NOTE = ("Here M is added after the scaling; the formula is often written softmax((QKᵀ + M)/√d_k). The two are "
           "equal because M holds only 0 and −∞: (x + 0)/√d_k = x/√d_k, and −∞/√d_k = −∞.")
