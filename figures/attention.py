@@ -21,7 +21,7 @@ from figures.common import (
     score_scale,
     shape_text,
 )
-from figures.heatmap import Grid, add, grid, pool, short_number, style_axes
+from figures.heatmap import Grid, Pooling, add, grid, pool, pooled_caption, short_number, style_axes
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
 from model.gpt import act_name
@@ -32,6 +32,9 @@ GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pool
 MIN_TILE_ROWS = 6  # a head with fewer query rows has them drawn taller, up to this many rows
 ROLE_SHOWN = 0.3  # a head's clearest role is written on its tile from this score up
 STAGE_SIDE = 128  # four stages side by side: each pooled to at most 128 × 128, under 1 MB together
+# each stage's short name in a pooled figure's caption (what its means left out)
+STAGE_NAMES = {"qk": "QKᵀ", "attn_scores": "scaled QKᵀ", "softcapped": "soft-capped", "masked_scores": "+ M",
+               "sink_logits": "s_h", "pattern": "A", "sink_weight": "a_sink"}
 M_NOTE = ("Here M is added after the scaling; the formula is often written softmax((QKᵀ + M)/√d_k). The two are "
           "equal because M holds only 0 and −∞: (x + 0)/√d_k = x/√d_k, and −∞/√d_k = −∞.")
 
@@ -157,7 +160,8 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:-1] if s.matrix is not None]
     lo = min((float(v.min()) for v in score_values if v.numel()), default=0.0)
     hi = max((float(v.max()) for v in score_values if v.numel()), default=1.0)
-    pooled_note = ""
+    poolings: dict[str, Pooling] = {}
+    digests: list[str] = []
     # four or five panels in one row: in the app's page at 1280 px a panel is about 140 px wide, so at most 5
     # (4) columns carry numbers, short ones ("-22.9", "0.89"); 7 overlapped there (seen in a screenshot)
     numbers = {"numbers_up_to": 20 // len(stages), "number": short_number}
@@ -172,7 +176,13 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
                                xref="paper", yref="paper")
             continue
         g = grid(stage.matrix, xs, ys, max_side=STAGE_SIDE)
-        pooled_note = pooled_note or g.caption()
+        name = STAGE_NAMES.get(stage.hook, stage.hook)
+        if stage.pooled_only:  # block means: recomputed from Q and K where the fused kernel kept no pattern, else
+            # evicted values' digest — said beside its own panel's pooling, not of every panel
+            name += (" recomputed from Q and K" if is_derived(trace, act_name(stage.hook, layer), step)
+                     else ", a digest of evicted values")
+            digests.append(name)
+        poolings[name] = g.pooling  # what its means took in: one per panel
         right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain[1]
         bar = {"x": right + 0.003, "len": 0.9, "thickness": 8, "nticks": 5, "tickfont": {"size": 9}, "xpad": 0}
         if stage.hook == "pattern":
@@ -186,12 +196,10 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
             add(fig, g, "signed", row=1, col=i, colorbar="score", bar=bar, **numbers)
         style_axes(fig, g, row=1, col=i, max_ticks=12, y_ticks=i == 1, x_title="key (t)")
     height = max(380, min(760, 220 + 16 * min(len(ys), 36)))  # room for the colour bars even with one row
-    note = pooled_note
-    digested = [s for s in stages if s.pooled_only and s.matrix is not None]
-    if digested:  # block means: recomputed from Q and K where the fused kernel kept no pattern, else evicted values'
-        derived = all(is_derived(trace, act_name(s.hook, layer), step) for s in digested)
-        kind = "the pattern recomputed from Q and K" if derived else "a pooled digest of evicted values"
-        note = f"{kind}: {pooled_note}" if pooled_note else kind
+    note = pooled_caption(poolings)
+    # a digest drawn at its own size (not pooled, so not in the caption) still says what it is
+    unpooled = [name for name in digests if not poolings[name].pooled]
+    note = "; ".join([note] * bool(note) + unpooled)
     # the figure's title at the very top, above the subplot titles (four lines when wrapped: they reached it)
     fig.update_layout(height=height + (20 if wrap else 0), margin={"t": 155 if wrap else 95, "l": 10, "r": 30, "b": 10},
                       title={"text": f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),

@@ -1,10 +1,12 @@
 """The one heatmap builder: what a matrix becomes on the page, whatever its size.
 
 * A matrix larger than ``MAX_SIDE`` in either direction is pooled — each cell
-  the mean of a block of rows × columns, masked (−∞) cells left out of the mean —
-  so no figure sends more than ~256 × 256 numbers to the browser; the title says
-  how many rows and columns one cell stands for. A window at full resolution is
-  the caller's slice of the same matrix.
+  the mean of the finite numbers in a block of rows × columns — so no figure sends
+  more than ~256 × 256 numbers to the browser. The pooling reports what it did
+  (``Pooling``: the block sizes, and how many −∞, NaN and +∞ cells it left out of the
+  means), and the caption is read from that report: a masked score (−∞) is left out,
+  while a masked attention weight is a 0 like any other and counts. A window at full
+  resolution is the caller's slice of the same matrix.
 * Values travel as float32 NumPy arrays (NaN where a cell holds no number): plotly
   sends them as base64 typed arrays — 5⅓ characters a number, and no per-number
   validation in Python, which for a nested list costs ~10 µs a cell.
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import plotly.graph_objects as go
@@ -32,25 +35,100 @@ NUMBERS_UP_TO = 12
 
 
 @dataclass(frozen=True)
+class Pooling:
+    """What pooling did to a matrix, reported by the function that pooled it (``pool_reported``, or the tracer's
+    digest), so that the caption says only what happened.
+
+    ``rows``, ``cols``: the fewest and most rows (columns) of the matrix one cell's block spans — adaptive pooling's
+    blocks differ by one where the sizes do not divide, so "2 × 2" would be false for some cells (fewest 0: not
+    known, only the most). ``minus_inf``,
+    ``nan``, ``plus_inf``: the matrix's cells of each kind, left out of every mean (a block of none but those is a
+    gap). ``by``: "page" — pooled here for the page; "digest" — a summary the tracer pooled when it evicted the
+    values (``tracer.storage._log.pooled``) or recomputed them from Q and K (``model.gpt.pool_pattern``): both are
+    plain block means, every cell counted, and only attention weights are digested, whose masked cells are 0."""
+
+    shape: tuple[int, int]  # the original matrix's rows × columns
+    rows: tuple[int, int] = (1, 1)
+    cols: tuple[int, int] = (1, 1)
+    minus_inf: int = 0
+    nan: int = 0
+    plus_inf: int = 0
+    by: Literal["page", "digest"] = "page"
+
+    @property
+    def pooled(self) -> bool:
+        return (self.rows, self.cols) != ((1, 1), (1, 1))
+
+    @property
+    def left_out(self) -> int:
+        return self.minus_inf + self.nan + self.plus_inf
+
+    def blocks(self) -> str:
+        """ "each cell is the mean of 2 × 3 cells of the 600 × 700 matrix" (sizes as ranges where they vary)."""
+        def span(lo: int, hi: int) -> str:
+            return f"{lo}" if lo == hi else f"{lo}–{hi}"
+
+        where = "pooled for the page: " if self.by == "page" else ""  # a digest's caller says what it is
+        if self.rows[0] == 0 or self.cols[0] == 0:  # only the largest block is known
+            return (f"{where}each cell is the mean of a block of at most {self.rows[1]} × {self.cols[1]} cells "
+                    f"of the {self.shape[0]} × {self.shape[1]} matrix")
+        return (f"{where}each cell is the mean of {span(*self.rows)} × {span(*self.cols)} cells of the "
+                f"{self.shape[0]} × {self.shape[1]} matrix")
+
+    def what_counted(self) -> str:
+        """ "its 78 −∞ cells left out" or "every cell counted": what the means were taken over."""
+        if not self.left_out:
+            return "every cell counted"
+        kinds = [f"{count:,} {kind}" for count, kind in ((self.minus_inf, "−∞"), (self.nan, "NaN"),
+                                                         (self.plus_inf, "+∞")) if count]
+        return f"its {', '.join(kinds)} cell{'s' if self.left_out != 1 else ''} left out"
+
+    def caption(self) -> str:
+        return f"{self.blocks()} ({self.what_counted()})" if self.pooled else ""
+
+
+def pooled_caption(poolings: dict[str, Pooling]) -> str:
+    """One caption for panels drawn side by side (the stages of one head), by name: the blocks once when they are
+    pooled alike, then what each panel's means left out ("+ M: its 78 −∞ cells left out; every cell counted in
+    QKᵀ, A"); "" when none is pooled."""
+    pooled = {name: p for name, p in poolings.items() if p.pooled}
+    if not pooled:
+        return ""
+    heads = {p.blocks() for p in pooled.values()}
+    if len(heads) > 1:  # pooled differently (a digest beside kept values): each says its own
+        return "; ".join(f"{name}: {p.caption()}" for name, p in pooled.items())
+    parts = [f"{name}: {p.what_counted()}" for name, p in pooled.items() if p.left_out]
+    counted = [name for name, p in pooled.items() if not p.left_out]
+    if counted:
+        parts.append("every cell counted in " + ", ".join(counted))
+    return f"{heads.pop()} ({'; '.join(parts)})"
+
+
+@dataclass(frozen=True)
 class Grid:
     """A matrix ready to draw: values (float32, NaN = masked or absent), unique labels per row and column, and
-    its pooling."""
+    what its pooling did."""
 
     z: np.ndarray
     x: list[str]
     y: list[str]
-    block: tuple[int, int]  # (rows, columns) of the original matrix one cell stands for; (1, 1) unpooled
-    shape: tuple[int, int]  # the original matrix's rows × columns
+    pooling: Pooling = field(default_factory=lambda: Pooling((0, 0)))
 
     @property
     def pooled(self) -> bool:
-        return self.block != (1, 1)
+        return self.pooling.pooled
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(rows, columns) of the original matrix the largest cell stands for; (1, 1) unpooled."""
+        return self.pooling.rows[1], self.pooling.cols[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.pooling.shape
 
     def caption(self) -> str:
-        if not self.pooled:
-            return ""
-        return (f"pooled for the page: each cell is the mean of {self.block[0]} × {self.block[1]} cells of the "
-                f"{self.shape[0]} × {self.shape[1]} matrix (masked cells left out)")
+        return self.pooling.caption()
 
 
 WHOLE_UP_TO = 1 << 24  # elements: a larger matrix is pooled tile by tile (``_pool_by_tiles``)
@@ -58,19 +136,46 @@ WHOLE_UP_TO = 1 << 24  # elements: a larger matrix is pooled tile by tile (``_po
 
 def pool(m: torch.Tensor, rows: int, cols: int, whole_up_to: int = WHOLE_UP_TO) -> torch.Tensor:
     """The mean of the finite values in each of rows × cols blocks (NaN where a block has none)."""
+    return pool_reported(m, rows, cols, whole_up_to)[0]
+
+
+def pool_reported(m: torch.Tensor, rows: int, cols: int, whole_up_to: int = WHOLE_UP_TO
+                  ) -> tuple[torch.Tensor, Pooling]:
+    """``pool``, and what it did: the blocks' sizes and the non-finite cells it left out, counted on the way."""
+    R, C = m.shape
     if m.numel() > whole_up_to:
-        return _pool_by_tiles(m.detach(), rows, cols, whole_up_to)
+        values, gaps = _pool_by_tiles(m.detach(), rows, cols, whole_up_to)
+        return values, _report(R, C, rows, cols, gaps)
     x = m.detach()
     x = x.float() if x.dtype != torch.float64 else x
     if math.isfinite(float(x.sum())):  # one pass, no copy: the common case has nothing to leave out
-        return torch.nn.functional.adaptive_avg_pool2d(x[None], (rows, cols))[0]
+        return torch.nn.functional.adaptive_avg_pool2d(x[None], (rows, cols))[0], _report(R, C, rows, cols)
     finite = torch.isfinite(x)
-    sums = torch.nn.functional.adaptive_avg_pool2d(torch.where(finite, x, 0.0)[None], (rows, cols))[0]
-    counts = torch.nn.functional.adaptive_avg_pool2d(finite.to(x.dtype)[None], (rows, cols))[0]
-    return torch.where(counts > 0, sums / counts.clamp_min(1e-30), torch.full_like(sums, math.nan))
+    kept = torch.where(finite, x, 0.0)
+    # transformers masks with the smallest float32: a block of those overflows a float32 sum to −∞, and the mean
+    # of numbers would be drawn as a gap (grey, like a masked cell); such a matrix is pooled in float64
+    if kept.dtype != torch.float64 and max(float(kept.max()), -float(kept.min())) * -(-R // rows) * -(-C // cols) \
+            > torch.finfo(kept.dtype).max:  # (two reductions, no copy of the matrix)
+        kept = kept.double()
+    sums = torch.nn.functional.adaptive_avg_pool2d(kept[None], (rows, cols))[0]
+    counts = torch.nn.functional.adaptive_avg_pool2d(finite.to(kept.dtype)[None], (rows, cols))[0]
+    values = torch.where(counts > 0, sums / counts.clamp_min(1e-30), torch.full_like(sums, math.nan))
+    return values, _report(R, C, rows, cols, _gaps(x))
 
 
-def _pool_by_tiles(x: torch.Tensor, rows: int, cols: int, most: int) -> torch.Tensor:
+def _gaps(x: torch.Tensor) -> tuple[int, int, int]:
+    """(−∞, NaN, +∞) cells of ``x``."""
+    return int(torch.isneginf(x).sum()), int(torch.isnan(x).sum()), int(torch.isposinf(x).sum())
+
+
+def _report(R: int, C: int, rows: int, cols: int, gaps: tuple[int, int, int] = (0, 0, 0)) -> Pooling:
+    row_sizes = [b - a for a, b in _ranges(R, rows)]
+    col_sizes = [b - a for a, b in _ranges(C, cols)]
+    return Pooling((R, C), (min(row_sizes), max(row_sizes)), (min(col_sizes), max(col_sizes)), *gaps)
+
+
+def _pool_by_tiles(x: torch.Tensor, rows: int, cols: int, most: int
+                   ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``pool`` of a matrix too large to copy whole (an Inspector slice of an 8 GiB record, or of a stride-0 view
     claiming that much): for each block of rows, tiles of at most ``most`` elements are summed down their
     rows (finite values and their count, in float64), then each column block's sum is read from the running
@@ -81,6 +186,8 @@ def _pool_by_tiles(x: torch.Tensor, rows: int, cols: int, most: int) -> torch.Te
     starts = torch.tensor([a for a, _ in col_blocks])
     ends = torch.tensor([b for _, b in col_blocks])
     width = min(C, max(1, most))
+    gaps = [0, 0, 0]  # −∞, NaN, +∞ cells left out: each tile counted once, by the row block that starts there
+    counted_to = 0  # rows below this were counted (adaptive blocks may share a row)
     for i, (a, b) in enumerate(_ranges(R, rows)):
         sums, counts = torch.zeros(C + 1, dtype=torch.float64), torch.zeros(C + 1, dtype=torch.float64)
         step = max(1, most // width)
@@ -97,10 +204,13 @@ def _pool_by_tiles(x: torch.Tensor, rows: int, cols: int, most: int) -> torch.Te
                 finite = torch.isfinite(tile)
                 sums[where] += torch.where(finite, tile, 0.0).sum(dim=0)
                 counts[where] += finite.sum(dim=0)
+                fresh = tile[max(0, counted_to - r0):]  # rows an earlier block did not count
+                gaps = [g + n for g, n in zip(gaps, _gaps(fresh))]
+        counted_to = b
         sums, counts = sums.cumsum(0), counts.cumsum(0)  # a block's sum: the running sum at its end − at its start
         block_sums, block_counts = sums[ends] - sums[starts], counts[ends] - counts[starts]
         out[i] = torch.where(block_counts > 0, block_sums / block_counts.clamp_min(1), math.nan)
-    return out.to(torch.float32 if x.dtype != torch.float64 else torch.float64)
+    return out.to(torch.float32 if x.dtype != torch.float64 else torch.float64), (gaps[0], gaps[1], gaps[2])
 
 
 def _ranges(count: int, cells: int) -> list[tuple[int, int]]:
@@ -115,11 +225,19 @@ def grid(matrix: torch.Tensor, x_labels: list[str] | None, y_labels: list[str] |
     50 257 strings to be drawn in 256 columns."""
     rows, cols = matrix.shape
     r, c = min(rows, max_side), min(cols, max_side)
-    values = matrix if (r, c) == (rows, cols) else pool(matrix, r, c)
+    values, pooling = (matrix, Pooling((rows, cols))) if (r, c) == (rows, cols) else pool_reported(matrix, r, c)
     # a digest (pooled already, ``Trace.digest``) comes with the labels of the whole matrix: each of its cells
     # stands for a block of them (32,768 labels on a 128-column digest made a 1 MB figure that crashed a tab)
-    rows = len(y_labels) if y_labels is not None and len(y_labels) > rows else rows
-    cols = len(x_labels) if x_labels is not None and len(x_labels) > cols else cols
+    whole_rows = len(y_labels) if y_labels is not None and len(y_labels) > rows else rows
+    whole_cols = len(x_labels) if x_labels is not None and len(x_labels) > cols else cols
+    if (whole_rows, whole_cols) != (rows, cols):  # the tracer's block means: every cell counted (``Pooling``)
+        # its blocks: adaptive pooling's (an evicted value's digest) or one width ⌈R/r⌉ and a narrower last one
+        # (a pattern recomputed from Q and K): the same where the sizes divide, else only the largest is known
+        span = _report(whole_rows, whole_cols, r, c)
+        even = whole_rows % r == 0 and whole_cols % c == 0
+        pooling = Pooling((whole_rows, whole_cols), span.rows if even else (0, span.rows[1]),
+                          span.cols if even else (0, span.cols[1]), by="digest")
+    rows, cols = whole_rows, whole_cols
     z = values.detach().to(torch.float32).numpy(force=True).copy()
     z[~np.isfinite(z)] = np.nan  # ±∞ is drawn as a gap, like a masked cell
 
@@ -129,8 +247,7 @@ def grid(matrix: torch.Tensor, x_labels: list[str] | None, y_labels: list[str] |
         return [safe_text(f"{first + a}…{first + b - 1}" if b - a > 1 else f"{first + a}") if labels is None else
                 safe_text(f"{a}…{b - 1}" if b - a > 1 else f"{a}") for a, b in _ranges(count, cells)]
 
-    return Grid(z, spans(x_labels, cols, c, offset[1]), spans(y_labels, rows, r, offset[0]),
-                (-(-rows // r), -(-cols // c)), (rows, cols))
+    return Grid(z, spans(x_labels, cols, c, offset[1]), spans(y_labels, rows, r, offset[0]), pooling)
 
 
 def short_number(v: float) -> str:

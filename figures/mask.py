@@ -160,7 +160,9 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
         return fig
     block = mask[min(batch, mask.shape[0] - 1), 0]
     lowest = torch.finfo(block.dtype).min / 2 if block.is_floating_point() else -math.inf
-    allowed = torch.where(torch.isinf(block), torch.full_like(block, float("nan")), torch.zeros_like(block))
+    # 0 where allowed, −∞ where masked: pooled, a cell is allowed (0) when any cell of its block is — the −∞
+    # ones are left out of its mean, and the caption reads that from the pooling
+    allowed = torch.where(torch.isinf(block), torch.full_like(block, -math.inf), torch.zeros_like(block))
     g = grid(allowed, xs, ys)
     n, t = block.shape
     small = n * t <= 900  # few enough cells to carry each one's value in the hover text

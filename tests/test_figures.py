@@ -459,6 +459,21 @@ def test_the_verdict_follows_the_comparison():
     assert table.iloc[-1, 0].startswith("wall time (estimate")
 
 
+def test_the_verdict_reports_cached_rows_that_differ_even_when_the_logits_agree():
+    """Logits within the tolerance do not vouch for the cache: a cached K or V row that differs from its
+    recomputation by more than the tolerance (here layer 1's V, by 0.3) makes the verdict an error naming that
+    layer and the difference, not "agree in every one of the layers"."""
+    agree = dataclasses.replace(comparison(3, 1, 10, 3e-6), cached_rows_delta=((2e-7, 1e-7), (1e-7, 0.3)))
+    assert agree.equal and not agree.cached_rows_equal
+    level, text = cache.verdict(agree)
+    assert level == "error" and "the cached K and V rows do NOT equal their recomputation" in text
+    assert "layer 1 differs by 3.00e-01, above the tolerance 0.0001" in text and "agree in every one" not in text
+    within = dataclasses.replace(agree, cached_rows_delta=((2e-7, 1e-7), (1e-7, 9e-5)))
+    level, text = cache.verdict(within)
+    assert level == "success" and "agree in every one of the 2 layers that hold K and V (largest |Δ| 9.00e-05, " \
+                                  "layer 1" in text
+
+
 def test_a_real_comparison_counts_what_each_path_computes(bundled):
     model, tok = bundled
     g = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)
@@ -914,6 +929,33 @@ def test_the_stages_write_short_numbers_only_where_four_panels_leave_room(bundle
                                                                                           "123", "0.00"]
 
 
+def test_the_stages_title_says_an_evicted_patterns_digest_counted_its_masked_weights(bundled):
+    """A 200-token prefill under a 3 MiB budget: every pattern is evicted and a digest kept. The digest is the
+    plain mean of adaptive pooling's blocks of the pattern — its masked weights, 0, counted, not left out — and
+    the Stages title says just that, with the largest block (200 rows in 128 cells: blocks of 2 or 3)."""
+    from tracer import Tracer
+
+    model, _ = bundled
+    ids = torch.randint(0, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), Tracer(model, capture="values", budget_bytes=3 << 20) as small:
+        model(ids)
+    with torch.no_grad(), Tracer(model, capture="values") as whole:
+        model(ids)
+    rec = small.trace.record("blocks.0.attn.hook_pattern", 0)
+    digest, pattern = small.trace.digest(rec), whole.trace.get(rec.name, 0)
+    assert small.trace.value(rec) is None and digest is not None and tuple(digest.shape[2:]) == (128, 128)
+    edges = [((i * 200) // 128, -(-((i + 1) * 200) // 128)) for i in range(128)]
+    head = pattern[0, 0].double()
+    expected = torch.tensor([[float(head[a:b, c:d].mean()) for c, d in edges] for a, b in edges], dtype=torch.float64)
+    assert torch.allclose(digest[0, 0].double(), expected, atol=1e-6)  # every cell counted, the masked 0s too
+    assert float(expected.triu(2).abs().max()) == 0 and float(head[torch.isfinite(head)].min()) == 0
+    title = attention.attention_stages_figure(small.trace, 0, 0, 0).layout.title.text
+    largest = max(b - a for a, b in edges)
+    assert title.endswith(f"— each cell is the mean of a block of at most {largest} × {largest} cells of the "
+                          "200 × 200 matrix (every cell counted in A, a digest of evicted values)"), title
+    assert "left out" not in title
+
+
 def test_a_digest_drawn_with_the_whole_matrix_labels_gets_one_label_per_block():
     """A pooled digest (8 × 4 cells of a 32 × 16 matrix) given the whole matrix's labels: one label per cell, the
     block each stands for, and a caption saying so (before, all 16 / 32 labels went into the figure: 32,768 of
@@ -923,4 +965,6 @@ def test_a_digest_drawn_with_the_whole_matrix_labels_gets_one_label_per_block():
     g = heatmap.grid(digest, xs, ys)
     assert (len(g.x), len(g.y)) == (4, 8) and g.x[0] == "0…3" and g.y[-1] == "28…31"
     assert g.block == (4, 4) and g.shape == (32, 16) and "4 × 4 cells of the 32 × 16 matrix" in g.caption()
+    # the tracer pooled it, as plain block means (a masked weight counts as its 0): not "for the page"
+    assert g.caption().endswith("(every cell counted)") and "for the page" not in g.caption()
     assert np.allclose(g.z, digest.numpy())

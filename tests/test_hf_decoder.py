@@ -303,6 +303,31 @@ def test_the_new_values_are_transformers_own_value_projections_not_the_keys(dire
             handle.remove()
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_the_new_keys_are_the_last_n_rows_of_all_keys_the_ones_the_cache_keeps(directories, model_type):
+    """``hook_k`` holds the keys of this step's n new positions: the last n rows of ``hook_k_all`` (the cache
+    plus the new rows), which the next step's ``hook_k_all`` still holds at the same columns, for every real
+    token. At a decode step n = 1, so the first row (position 0's key) is not the new key."""
+    model, tok = load_hf(directories[model_type], implementation="transformers")
+    gen = TracedGeneration(model, tok, PROMPTS, temperature=0, padding_side="left")
+    gen.run(3)
+    B = len(PROMPTS)
+    for step in range(3):
+        real = torch.tensor([gen.facts.is_token(r, step) for r in range(B)])  # [B, t] of this step
+        for layer in range(model.config.n_layer):
+            k = gen.trace.get(f"blocks.{layer}.attn.hook_k", step)  # [B, G, n, d_head]
+            k_all = gen.trace.get(f"blocks.{layer}.attn.hook_k_all", step)  # [B, G, t, d_head]
+            n, t = k.shape[2], k_all.shape[2]
+            assert n == (t if step == 0 else 1), (model_type, step)
+            assert torch.equal(k, k_all[:, :, t - n:]), (model_type, step, layer)
+            if step < 2:  # the cache kept them: the next step reads the same rows at the same columns
+                later = gen.trace.get(f"blocks.{layer}.attn.hook_k_all", step + 1)[:, :, t - n:t]
+                rows = real[:, t - n:]  # padding columns hold no token's key
+                assert (k - later).abs().amax(dim=(1, 3))[rows].max() == 0, (model_type, step, layer)
+            if step > 0:
+                assert not torch.allclose(k, k_all[:, :, :1], atol=1e-3)  # the new key is not position 0's
+
+
 @pytest.mark.parametrize(("change", "expected"), [
     ({"num_hidden_layers": 600, "layer_types": ["full_attention"] * 600},
      "builds 600 layers (num_hidden_layers = 600), but the weights hold 2 (0 … 1)"),

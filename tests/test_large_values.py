@@ -77,10 +77,14 @@ def test_the_heatmap_of_a_large_slice_pooled_tile_by_tile_equals_the_whole_pooli
     if masked:  # a causal −∞ and a NaN: left out of their block's mean; a block of nothing but −∞ is NaN
         m = m.masked_fill(torch.ones(1031, 517, dtype=torch.bool).triu(1), -math.inf)
         m[500, 3] = math.nan
-    whole = heatmap.pool(m, 256, 256)
+    whole, report = heatmap.pool_reported(m, 256, 256)
+    # what the caption reads: the cells left out, each counted once (1031 rows in 256 blocks share rows)
+    assert (report.minus_inf, report.nan, report.plus_inf) == ((517 * 516 // 2, 1, 0) if masked
+                                                                else (0, 0, 0))
     for tile in (200, 517, 5000, 100_000):  # a tile narrower than a row, one row, several rows
-        tiled = heatmap.pool(m, 256, 256, whole_up_to=tile)
+        tiled, tiled_report = heatmap.pool_reported(m, 256, 256, whole_up_to=tile)
         torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert tiled_report == report, tile
 
 
 def test_a_histogram_of_every_value_counted_block_by_block_equals_numpys(monkeypatch):

@@ -553,3 +553,116 @@ def test_the_patching_line_names_the_cell_that_restores_most(matrix):
                     assert line.startswith("No single patch moves")
                     branches["none"] += 1
     assert branches["restores"] and branches["same answer"], branches
+
+
+# -- a pooled heatmap's caption: which cells its means took in (figures.heatmap.Pooling) --------------------------
+POOLED_SIDE = 5  # the matrix's heads are 1 … 16 rows × 11 … 16 keys: pooled to at most 5 × 5, every one is pooled
+
+
+def block_means(m: torch.Tensor, rows: int, cols: int, finite_only: bool) -> torch.Tensor:
+    """Adaptive average pooling written out: cell (i, j) is the mean over rows ⌊iR/r⌋ … ⌈(i+1)R/r⌉ − 1 and the
+    same for columns — of the block's finite cells (NaN when none), or of every cell."""
+    R, C = m.shape
+    out = torch.full((rows, cols), math.nan, dtype=torch.float64)
+    for i in range(rows):
+        a, b = (i * R) // rows, -(-((i + 1) * R) // rows)
+        for j in range(cols):
+            c, d = (j * C) // cols, -(-((j + 1) * C) // cols)
+            block = m[a:b, c:d].double()
+            block = block[torch.isfinite(block)] if finite_only else block.reshape(-1)
+            if block.numel():
+                out[i, j] = block.mean()
+    return out
+
+
+def block_sizes(count: int, cells: int) -> str:
+    sizes = {-(-((i + 1) * count) // cells) - (i * count) // cells for i in range(cells)}
+    return f"{min(sizes)}" if len(sizes) == 1 else f"{min(sizes)}–{max(sizes)}"
+
+
+def drawn_equal(z, expected: torch.Tensor) -> bool:
+    drawn = torch.tensor([[math.nan if v is None else float(v) for v in row] for row in z], dtype=torch.float64)
+    both_nan = drawn.isnan() & expected.isnan()
+    return bool((both_nan | ((drawn - expected).abs() <= 1e-5 * (1 + expected.abs()))).all())
+
+
+def test_41_a_pooled_stages_figure_says_which_cells_each_panels_means_left_out(matrix, monkeypatch):
+    """The Stages figure pooled (here to 5 × 5): its title says, panel by panel, whether a block's mean left cells
+    out — the −∞ of a masked score is left out (their count stated), a masked attention weight is a 0 and counts —
+    and each panel's drawn cells are those means, recomputed here. Before, one sentence, "(masked cells left
+    out)", was said of every panel: false for A, whose masked weights count."""
+    import re
+
+    from figures import attention as attention_figures
+
+    monkeypatch.setattr(attention_figures, "STAGE_SIDE", POOLED_SIDE)
+    masked_weights_counted = 0
+    for name, _, trace, step, batch in cases(matrix):
+        for layer in sorted({0, trace.config.n_layer - 1}):
+            stages = [s for s in attention_figures.attention_stages(trace, step, layer, 0, batch)
+                      if s.matrix is not None]
+            fig = attention_figures.attention_stages_figure(trace, step, layer, 0, batch)
+            title = fig.layout.title.text
+            drawn = [d for d in fig.data if d.type == "heatmap" and d.hoverinfo != "skip"]
+            assert len(drawn) == len(stages) == 4 + ("softcapped" in [s.hook for s in stages]), (name, title)
+            assert "masked cells left out" not in title
+            R, C = stages[0].matrix.shape
+            r, c = min(R, POOLED_SIDE), min(C, POOLED_SIDE)
+            assert (f"pooled for the page: each cell is the mean of {block_sizes(R, r)} × {block_sizes(C, c)} cells "
+                    f"of the {R} × {C} matrix (") in title, (name, step, title)
+            counted = re.search(r"every cell counted in ([^)]*)\)", title)
+            counted_names = counted[1].split(", ") if counted else []
+            for stage, heat in zip(stages, drawn):
+                m = stage.matrix.double()
+                short = attention_figures.STAGE_NAMES[stage.hook]
+                left_out = re.search(rf"{re.escape(short)}: its ([\d,]+) −∞ cells? left out", title)
+                minus_inf = int(torch.isneginf(m).sum())
+                assert not bool(m.isnan().any() or torch.isposinf(m).any())  # −∞ is the only gap a stage holds
+                if minus_inf:
+                    assert left_out and int(left_out[1].replace(",", "")) == minus_inf, (name, step, short, title)
+                    assert short not in counted_names
+                else:
+                    assert left_out is None and short in counted_names, (name, step, short, title)
+                assert drawn_equal(heat.z, block_means(m, r, c, finite_only=bool(minus_inf))), (name, step, short)
+                if stage.hook == "pattern":
+                    mask = trace.get(act_name("mask", layer), step)
+                    masked = torch.isneginf(mask[min(batch, mask.shape[0] - 1), 0])  # (a row of transformers'
+                    # smallest floats that sees nothing spreads its weight evenly: those are no zeros)
+                    assert bool((m[masked] == 0).all())  # a masked weight is a 0 …
+                    masked_weights_counted += int(masked.sum())  # … and counted in its block's mean
+    assert masked_weights_counted > 0
+
+
+@pytest.mark.parametrize("hook", ["mask", "masked_scores", "pattern", "history"])
+def test_41_a_pooled_grid_reports_what_its_means_left_out_for_each_kind_of_matrix(matrix, hook):
+    """The pooling's own report, over the matrix, for each kind of matrix a view pools: M (0 / −∞, as the mask
+    figure draws it), the masked scores (−∞ where masked, or transformers' smallest float, which is a number and
+    counts), the pattern (masked weights are 0: nothing left out) and the stacked rows of History (NaN where a
+    row saw no key): the counts it states are the matrix's, and its cells are the means it says."""
+    from figures import heatmap
+    from figures.attention import attention_history
+
+    for name, _, trace, step, batch in cases(matrix):
+        layer = trace.config.n_layer - 1
+        if hook == "history":
+            m = attention_history(trace, layer, 0, step, batch)[0].double()
+        else:
+            value = trace.get(act_name(hook, layer), step)
+            m = value[min(batch, value.shape[0] - 1), 0].double()
+            if hook == "mask":
+                m = torch.where(torch.isinf(m), -math.inf, 0.0)
+        g = heatmap.grid(m, None, None, max_side=POOLED_SIDE)
+        R, C = m.shape
+        r, c = min(R, POOLED_SIDE), min(C, POOLED_SIDE)
+        gaps = {"−∞": int(torch.isneginf(m).sum()), "NaN": int(m.isnan().sum()), "+∞": int(torch.isposinf(m).sum())}
+        said = [f"{count:,} {kind}" for kind, count in gaps.items() if count]
+        total = sum(gaps.values())
+        what = f"its {', '.join(said)} cell{'s' if total != 1 else ''} left out" if said else "every cell counted"
+        assert g.caption() == (f"pooled for the page: each cell is the mean of {block_sizes(R, r)} × "
+                               f"{block_sizes(C, c)} cells of the {R} × {C} matrix ({what})"), (name, step, hook)
+        assert (g.pooling.minus_inf, g.pooling.nan, g.pooling.plus_inf) == tuple(gaps.values())
+        if hook == "pattern":
+            assert what == "every cell counted"
+        if hook in ("mask", "history") and step == 0:
+            assert total > 0, (name, step)  # the causal mask leaves cells out at the prefill
+        assert drawn_equal(g.z.tolist(), block_means(m, r, c, finite_only=bool(total))), (name, step, hook)

@@ -276,6 +276,23 @@ def test_a_probability_outside_0_to_1_is_refused_naming_the_field(archive, field
         load_trace(rewrite(archive, "manifest.json", json.dumps(manifest).encode()))
 
 
+@pytest.mark.parametrize(("total", "loads"), [(1.5, False), (1.01, False), (1.0005, True)])
+def test_a_stage_whose_probabilities_add_up_to_more_than_1_is_refused_and_rounding_is_not(archive, total, loads):
+    """Each candidate's probability may lie in [0, 1] while their sum does not: a stage adding up to 1.5 (or 1.01)
+    is refused with its sum; 1.0005, within what float32 rounding over a vocabulary can add, loads."""
+    manifest = json.loads(member(archive, "manifest.json"))
+    stage = manifest["generation"]["steps"][1]["sampling"]["stage_probs"][0][0]  # sequence 0, first stage
+    assert len(stage) >= 2
+    stage[:] = [total / 2, total / 2] + [0.0] * (len(stage) - 2)  # each ≤ 1, the sum `total`
+    data = rewrite(archive, "manifest.json", json.dumps(manifest).encode())
+    if loads:
+        assert sum(load_trace(data).generation.steps[1].sampling.stage_probs[0][0]) == pytest.approx(total)
+    else:
+        with pytest.raises(TraceFileError, match=rf"sequence 0, stage 0: the probabilities add up to {total:g}, "
+                                                 "more than 1"):
+            load_trace(data)
+
+
 @pytest.mark.parametrize("field", ["records", "records_per_step", "ops", "steps", "modules", "value_bytes",
                                    "table_bytes", "manifest_bytes"])
 def test_every_trace_the_writer_saves_loads_back_and_the_rest_is_refused_before_writing(generation, tmp_path,

@@ -366,3 +366,30 @@ def test_two_bfloat16_runs_a_rounding_step_apart_do_not_diverge():
     assert not near.diverged.any(), near[near.diverged][["step", "name", "max_abs_delta", "tolerance"]]
     far = diff_traces(load_trace(archive), load_trace(one_rounding_step(archive, 20)))
     assert far[far.name.isin(set(bf16.name))].diverged.any()
+
+
+def test_diff_traces_flags_nan_in_different_places_and_not_in_the_same_places():
+    """Two runs whose numbers agree wherever both are finite, but with a NaN at different positions, have
+    diverged (the NaN moved): the row says so and is the first divergence. The same NaN in the same place is
+    no divergence."""
+    from tracer import diff_traces
+
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    def traced(values: list[float]):
+        model = Double()
+        with Tracer(model, capture="values") as tr, torch.no_grad():
+            model(torch.tensor(values))
+        return tr.trace
+
+    nan = float("nan")
+    a, moved, same = traced([1.0, nan, 3.0, 4.0]), traced([1.0, 2.0, nan, 4.0]), traced([1.0, nan, 3.0, 4.0])
+    frame = diff_traces(a, moved)
+    assert len(frame) == 2 and frame.compared.all()  # the input and the output
+    assert (frame.max_abs_delta == 0).all()  # where both are finite the numbers agree
+    assert frame.diverged.all() and frame.first_divergence.tolist() == [True, False]
+    assert all("NaN/±∞ in different places" in note for note in frame.note)
+    unchanged = diff_traces(a, same)
+    assert unchanged.compared.all() and not unchanged.diverged.any() and not unchanged.note.str.contains("NaN").any()

@@ -177,7 +177,9 @@ def _compare(a: Trace, b: Trace, ra, rb, fed: tuple[int, int] | None, row: dict)
         return
     x, y = (t.detach().double() for t in pair)
     finite = torch.isfinite(x) & torch.isfinite(y)
-    mismatch = bool((torch.isfinite(x) != torch.isfinite(y)).any() or (x[~finite] != y[~finite]).any())
+    gaps_x, gaps_y = x[~finite], y[~finite]  # where either is NaN or ±∞
+    same_gap = (gaps_x == gaps_y) | (gaps_x.isnan() & gaps_y.isnan())  # NaN ≠ NaN, yet the same NaN is no change
+    mismatch = bool((torch.isfinite(x) != torch.isfinite(y)).any() or not same_gap.all())
     delta = (x[finite] - y[finite]).abs()
     max_delta = float(delta.max()) if delta.numel() else 0.0
     scale = float(x[finite].abs().max()) if delta.numel() else 0.0

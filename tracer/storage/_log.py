@@ -607,8 +607,9 @@ def _digestible(path: str, tensor: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def pooled(tensor: torch.Tensor, side: int = DIGEST_SIDE) -> torch.Tensor:
-    """``[B, H, n, t]`` → ``[B, H, ≤side, ≤side]``: the mean over blocks of rows and columns (a block holding
-    a masked −∞ cell averages the finite ones; for weights that is 0 anyway)."""
+    """``[B, H, n, t]`` → ``[B, H, ≤side, ≤side]``: the mean over blocks of rows and columns, every cell counted —
+    a masked attention weight as its 0 (a −∞ or NaN cell would make its block's mean non-finite; only weights are
+    digested). ``figures.heatmap.Pooling`` says so in a digest's caption."""
     B, H, n, t = tensor.shape
     out = (min(n, side), min(t, side))
     if tensor.numel() <= WHOLE_UP_TO:
