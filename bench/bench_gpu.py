@@ -97,7 +97,8 @@ def generation_checks(name: str, model, tok, device: str) -> None:
         waits, start = [], log_module.wait_for_host_copies
 
         def counted(devices):
-            waits.append(len(list(devices)))
+            devices = set(devices)
+            waits.append(len(devices))
             start(devices)
 
         log_module.wait_for_host_copies = counted
@@ -108,7 +109,11 @@ def generation_checks(name: str, model, tok, device: str) -> None:
             log_module.wait_for_host_copies = start
         cpu = TracedGeneration(load_bundled(name)[0], tok, prompts, temperature=0, capture="values")
         cpu.run(3)
+        assert waits == [1, 1, 1], waits  # the prefill and two decode steps: one wait each
         worst, compared = 0.0, 0
+        if gpu.trace.log.n_records != cpu.trace.log.n_records:  # another attention path on the GPU: other records
+            return f"waits per step {waits}; records {gpu.trace.log.n_records} on the GPU, {cpu.trace.log.n_records} " \
+                   "on the CPU: values not compared"
         for index in range(gpu.trace.log.n_records):
             a, b = gpu.trace.log.value(index), cpu.trace.log.value(index)
             if a is not None and b is not None and a.is_floating_point():
@@ -116,7 +121,6 @@ def generation_checks(name: str, model, tok, device: str) -> None:
                 finite = torch.isfinite(b)
                 worst = max(worst, float((a[finite] - b[finite]).abs().max()) if finite.any() else 0.0)
                 compared += 1
-        assert waits == [1, 1, 1], waits
         return f"waits per step {waits}; {compared} values, largest |GPU − CPU| {worst:.2e}"
 
     def captures():
