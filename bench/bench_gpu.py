@@ -9,7 +9,12 @@ prints OK or its traceback; the greedy tokens are compared with the CPU's.
 Part 2 (bench): our GPT at GPT-2 small's shape and at a 1.1B Llama shape (TinyLlama's widths), random
 weights built in Python, on the GPU: the untraced forward, the same forward with a no-op forward hook on
 every module ("plain hooks", what TorchLens' minimal mode costs), and shapes / values capture, at 128 and
-2,048 tokens; and one decode step with the cache. Median of 5 after 2 warm-ups, synchronised.
+2,048 tokens — values twice: as the tracer copies them now (each copy queued ``non_blocking`` into pinned memory as
+its record is added, one wait per step) and as it did before (a blocking copy per record, swapped back in); and one
+decode step with the cache. Median of 5 after 2 warm-ups, synchronised.
+
+The per-step copies in finer detail (a sampled generation, decode steps, now against before in one process):
+``python bench/bench_copies.py --device cuda --model gpt2-small``.
 """
 
 from __future__ import annotations
@@ -71,11 +76,52 @@ def generation_checks(name: str, model, tok, device: str) -> None:
         return f"greedy tokens equal the CPU's: {same}"
 
     def sampled():
+        # the draw is made on the GPU with a CUDA generator (Philox): the same seed gives the same tokens run after
+        # run there, and other tokens than the CPU's generator (Mersenne Twister) gives on the CPU
         gpu = TracedGeneration(model, tok, prompts, temperature=1.0, seed=7)
         gpu.run(6)
+        again = TracedGeneration(model, tok, prompts, temperature=1.0, seed=7)
+        again.run(6)
+        assert gpu.generator is not None and gpu.generator.device.type == "cuda", gpu.generator
+        assert [gpu.generated(r) for r in range(2)] == [again.generated(r) for r in range(2)]
         cpu = TracedGeneration(load_bundled(name)[0], tok, prompts, temperature=1.0, seed=7)
         cpu.run(6)
-        return f"seed 7 sampled tokens equal the CPU's: {[gpu.generated(r) == cpu.generated(r) for r in range(2)]}"
+        return (f"seed 7 drawn on {gpu.generator.device}, the same tokens twice; equal to the CPU's (not expected): "
+                f"{[gpu.generated(r) == cpu.generated(r) for r in range(2)]}")
+
+    def values_copies():
+        # every kept value copied to the host as recorded (non_blocking, pinned), one wait per step; the values equal
+        # the CPU's trace's within float32's rounding across devices
+        import tracer.storage._log as log_module
+
+        waits, start = [], log_module.wait_for_host_copies
+
+        def counted(devices):
+            devices = set(devices)
+            waits.append(len(devices))
+            start(devices)
+
+        log_module.wait_for_host_copies = counted
+        try:
+            gpu = TracedGeneration(model, tok, prompts, temperature=0, capture="values")
+            gpu.run(3)
+        finally:
+            log_module.wait_for_host_copies = start
+        cpu = TracedGeneration(load_bundled(name)[0], tok, prompts, temperature=0, capture="values")
+        cpu.run(3)
+        assert waits == [1, 1, 1], waits  # the prefill and two decode steps: one wait each
+        worst, compared = 0.0, 0
+        if gpu.trace.log.n_records != cpu.trace.log.n_records:  # another attention path on the GPU: other records
+            return f"waits per step {waits}; records {gpu.trace.log.n_records} on the GPU, {cpu.trace.log.n_records} " \
+                   "on the CPU: values not compared"
+        for index in range(gpu.trace.log.n_records):
+            a, b = gpu.trace.log.value(index), cpu.trace.log.value(index)
+            if a is not None and b is not None and a.is_floating_point():
+                assert a.is_cpu and a.dtype == b.dtype and a.shape == b.shape, index
+                finite = torch.isfinite(b)
+                worst = max(worst, float((a[finite] - b[finite]).abs().max()) if finite.any() else 0.0)
+                compared += 1
+        return f"waits per step {waits}; {compared} values, largest |GPU − CPU| {worst:.2e}"
 
     def captures():
         out = []
@@ -91,6 +137,7 @@ def generation_checks(name: str, model, tok, device: str) -> None:
     check(f"{name}/{device}: greedy", greedy)
     check(f"{name}/{device}: sampled", sampled)
     check(f"{name}/{device}: every capture, cache on/off, left/right", captures)
+    check(f"{name}/{device}: values copied to the host once per step", values_copies)
 
     gen = TracedGeneration(model, tok, prompts, temperature=0)
     gen.run(3)
@@ -185,16 +232,25 @@ def bench_length(model, ids: torch.Tensor) -> dict:
             for h in handles:
                 h.remove()
 
-    def traced(capture):
+    def traced(capture, per_record=False):
         def go():
-            tracer = Tracer(model, capture=capture, budget_bytes=2**31)
-            with torch.no_grad(), tracer.active():
-                model(ids)
+            import tracer.storage._log as log_module
+
+            start = log_module.start_host_copy
+            if per_record:  # the tracer before: a blocking copy of each kept value as it is recorded
+                log_module.start_host_copy = lambda t: t.clone() if t.is_cpu else t.to("cpu")
+            try:
+                tracer = Tracer(model, capture=capture, budget_bytes=2**31)
+                with torch.no_grad(), tracer.active():
+                    model(ids)
+            finally:
+                log_module.start_host_copy = start
         return go
 
     base = synced(untraced)
     return {"untraced_s": base, "plain_hooks_x": synced(with_hooks) / base,
-            "shapes_x": synced(traced("shapes")) / base, "values_x": synced(traced("values")) / base}
+            "shapes_x": synced(traced("shapes")) / base, "values_x": synced(traced("values")) / base,
+            "values_copied_per_record_x": synced(traced("values", per_record=True)) / base}
 
 
 def bench_model(label: str, config: GPTConfig, dtype: torch.dtype) -> dict:

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import GPT, GPTConfig, load_bundled
-from tracer import Finite, TracedGeneration, ablate
+from tracer import Finite, TracedGeneration, ablate, tensor_stats
 from tracer.experiments import (
     attention_gradients,
     cache_precision,
@@ -170,6 +170,123 @@ def test_a_traced_step_reads_to_the_host_per_step_not_per_record(capture, style)
     assert records[4] > records[2]  # twice the layers: more records to flag and keep
     assert reads[4] == reads[2]
     assert sum(reads[2][1].values()) > 0  # the step does read its token back: the mode sees reads
+
+
+@contextmanager
+def counted_host_copies(monkeypatch) -> Iterator[list[str]]:
+    """Every kept value's copy to host memory ("copy") and every wait for such copies ("wait"), in order, through
+    the two functions the log calls for them (tracer/storage/_host.py), each still doing its work."""
+    import tracer.storage._log as log_module
+
+    events: list[str] = []
+    start, wait = log_module.start_host_copy, log_module.wait_for_host_copies
+
+    def counted_start(t: torch.Tensor) -> torch.Tensor:
+        events.append("copy")
+        return start(t)
+
+    def counted_wait(devices) -> None:
+        events.append("wait")
+        wait(devices)
+
+    monkeypatch.setattr(log_module, "start_host_copy", counted_start)
+    monkeypatch.setattr(log_module, "wait_for_host_copies", counted_wait)
+    yield events
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_a_step_waits_for_its_value_copies_once_not_per_record(monkeypatch, style):
+    """The values capture's copies to the host: one started per kept record, one wait per step — the same for a
+    2-layer and a 4-layer model, prefill and decode — where a blocking copy per record (the tracer before) is a wait
+    per record. On the CPU the copies are those of ``copy="all"`` (on a GPU: every kept value), through the same
+    code; they hold exactly the values a trace keeping the model's own tensors holds."""
+    _, tok = load_bundled("story-gpt")
+    options = {"family": "llama", "positions": "rope", "norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2,
+               "qkv_bias": False, "attn_out_bias": False, "mlp_bias": False,
+               "tie_embeddings": False} if style == "llama" else {}
+    prompts = ["Tom had a red kite.", "Lily ran."]
+    per_step: dict[int, list[dict[str, int]]] = {}
+    kept: dict[int, list[int]] = {}
+    for n_layer in (2, 4):
+        model = _random_gpt(n_layer, tok.vocab_size, **options)
+        copied = TracedGeneration(model, tok, prompts, copy="all", seed=3)
+        with counted_host_copies(monkeypatch) as events:
+            per_step[n_layer] = []
+            for _ in range(2):  # the prefill, then one decode step
+                events.clear()
+                copied.step()
+                assert events[-1] == "wait"  # the step ends by waiting: nothing is read before its copy landed
+                per_step[n_layer].append({"copy": events.count("copy"), "wait": events.count("wait")})
+        monkeypatch.undo()
+        referenced = TracedGeneration(model, tok, prompts, copy="auto", seed=3)
+        referenced.run(2)
+        log, reference = copied.trace.log, referenced.trace.log
+        assert log.n_records == reference.n_records
+        kept[n_layer] = [len(copied.trace.filter(step=s)) for s in range(2)]
+        for index in range(log.n_records):
+            value, expected = log.value(index), reference.value(index)
+            assert (value is None) == (expected is None), index
+            if value is not None and expected is not None:
+                assert value.dtype == expected.dtype and value.shape == expected.shape, index
+                assert torch.equal(value, expected), index
+    assert kept[4][0] > kept[2][0] and kept[4][1] > kept[2][1]  # twice the layers: more records to copy
+    for n_layer in (2, 4):
+        assert [s["copy"] for s in per_step[n_layer]] == kept[n_layer]  # every record's value copied, …
+    assert [s["wait"] for s in per_step[2]] == [s["wait"] for s in per_step[4]] == [1, 1]  # … and waited for once
+
+
+def test_a_reader_during_the_step_waits_for_the_copies_first(monkeypatch):
+    """A value read while its step is still running (a forward hook reading the trace) is read after a wait for
+    the copies so far, never while its copy may still be landing; the step's end waits for the rest."""
+    model, tok = load_bundled("story-gpt")
+    gen = TracedGeneration(model, tok, "Tom had a red kite.", copy="all", seed=3)
+    seen: list[torch.Tensor | None] = []
+
+    def read_the_first_record(module, args, output) -> None:
+        events.append("read")
+        seen.append(gen.trace.log.value(0))
+
+    handle = model.blocks[0].register_forward_hook(read_the_first_record)
+    try:
+        with counted_host_copies(monkeypatch) as events:
+            gen.step()
+    finally:
+        handle.remove()
+    read = events.index("read")
+    assert events[:read].count("copy") > 0 and events[read + 1] == "wait"  # copies in flight: waited for, then read
+    assert events[-1] == "wait" and events.count("wait") == 2 and seen[0] is not None
+
+
+def test_a_step_larger_than_the_budget_evicts_its_own_copies_after_they_land(monkeypatch):
+    """A budget smaller than one step: the step evicts values it copied itself, and their statistics are taken from
+    the copies once landed (a wait before the eviction), equal to those of the same values kept whole."""
+    model, tok = load_bundled("story-gpt")
+    small = TracedGeneration(model, tok, "Tom had a red kite.", copy="all", budget_bytes=64 * 2**10, seed=3)
+    with counted_host_copies(monkeypatch) as events:
+        small.step()
+    monkeypatch.undo()
+    whole = TracedGeneration(model, tok, "Tom had a red kite.", copy="all", seed=3)
+    whole.step()
+    log = small.trace.log
+    evicted = [i for i in range(log.n_records) if not log.has_value(i) and log.has_stats(i)]
+    assert len(evicted) > 10 and events.count("wait") > 1  # evicted within the step, each after a wait
+    for index in evicted:
+        value = whole.trace.log.value(index)
+        assert value is not None and log.stats(index) == tensor_stats(value), index
+
+
+def test_a_sampled_step_reads_to_the_host_per_step_not_per_row():
+    """The draw is made where the logits are, and the step reads back whether each row can give a token and what
+    its record keeps together: a batch of 3 makes the same host reads as a batch of 1 (a check or a probability
+    read per row — the tracer before — adds reads with every row)."""
+    _, tok = load_bundled("story-gpt")
+    model = _random_gpt(2, tok.vocab_size)
+    reads = {}
+    for prompts in (["Tom had a red kite."], ["Tom had a red kite.", "Lily ran.", "The sun"]):
+        gen = TracedGeneration(model, tok, prompts, capture="shapes", temperature=0.9, top_k=20, top_p=0.9, seed=3)
+        reads[len(prompts)] = [host_reads(gen.step) for _ in range(2)]
+        assert gen.generator is not None and gen.generator.device.type == "cpu"  # made where the logits are
+    assert reads[3] == reads[1]
 
 
 def test_the_count_sees_a_read_per_record():

@@ -131,3 +131,17 @@ def test_greedy_is_the_default_in_python_on_the_command_line_and_in_the_app(bund
     alone = TracedGeneration(model, tok, prompts[1], temperature=0)
     alone.run(6)
     assert json.loads(printed.getvalue())["texts"] == [alone.text(0)]
+
+
+def test_the_generator_is_made_where_the_logits_are_and_a_mismatch_is_refused():
+    """A draw is made on the logits' device: the generator is asked for there (the CPU's is today's, token for
+    token), and one on another device is refused with a message before anything is drawn (meta logits: no GPU
+    needed to see it)."""
+    cfg = SamplingConfig(temperature=1.0, seed=42)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    on_cpu = cfg.generator("cpu")
+    assert on_cpu.device.type == "cpu"
+    today = torch.Generator().manual_seed(42)  # the generator every run drew on before
+    assert sample(logits, cfg, on_cpu).token.tolist() == sample(logits, cfg, today).token.tolist()
+    with pytest.raises(ValueError, match="the generator draws on cpu but the logits are on meta"):
+        sample(logits.to("meta"), cfg, cfg.generator())

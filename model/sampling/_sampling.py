@@ -88,8 +88,12 @@ class SamplingConfig:
         parts.append(f"seed {self.seed}")
         return ", ".join(parts)
 
-    def generator(self) -> torch.Generator:
-        return torch.Generator().manual_seed(int(self.seed) % 2**64)
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The seeded generator that draws on ``device`` (where the logits are: a draw on a GPU then needs no copy
+        of them to the host). On the CPU the same tokens for a seed as ever; a CUDA generator is another algorithm
+        (Philox, not the CPU's Mersenne Twister), so a seed draws other tokens there than on the CPU (greedy picks
+        the same wherever the logits agree)."""
+        return torch.Generator(device=device).manual_seed(int(self.seed) % 2**64)
 
 
 STAGES = ("softmax(z)", "softmax(z/τ)", "top-k", "top-p")
@@ -135,6 +139,9 @@ def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Genera
     """Pick one token per row of ``logits`` ``[B, V]``."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {list(logits.shape)}")
+    if generator is not None and not config.greedy and generator.device.type != logits.device.type:
+        raise ValueError(f"the generator draws on {generator.device} but the logits are on {logits.device}: "
+                         f"make it where they are (SamplingConfig.generator(device))")
     z = logits.detach().float()
     base = torch.softmax(z, dim=-1)
     if config.greedy:

@@ -14,7 +14,9 @@
   ``.data`` (it has a version counter of its own), through a NumPy view from ``.numpy()``, or by native code
   writing the storage directly. Tensors made under
   ``torch.inference_mode`` have no version counter, so those are copied when
-  kept. ``copy="all"`` copies everything.
+  kept. ``copy="all"`` copies everything. A value off the CPU (a GPU's) is copied to the host as it is
+  recorded — started there, ``non_blocking`` on CUDA, and waited for once when the step ends, never once
+  per record (``tracer.storage._host``).
 * **NaN and ±∞ are flagged at every capture level.** With values, from the
   statistics of each value; with shapes only, one reduction per residual-stream
   hook point and the logits (a bad value shows there in the block where it

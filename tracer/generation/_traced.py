@@ -30,6 +30,7 @@ from model.sources import TextTokenizer, input_device_of, on_meta
 from tracer.capture._interventions import Intervention, check, check_shapes
 from tracer.capture._tracer import Tracer
 from tracer.reading._facts import GenerationFacts
+from tracer.storage._host import on_host
 from tracer.storage._store import DEFAULT_BUDGET_BYTES
 from tracer.storage.records import (
     PADDING_SIDES,
@@ -150,7 +151,9 @@ class TracedGeneration:
         self.trace.log.begin_generation(info)
         self.cache = model.new_cache(len(rows)) if use_cache else None
         self.dry_run = on_meta(model)  # a model on the meta device: shapes only, no sampling (a dry run)
-        self.generator = sampling.generator()
+        # the seeded generator, made where the logits come out at the first draw (on a GPU: there, so that a draw
+        # copies no logits to the host); None until then, and in a dry run
+        self.generator: torch.Generator | None = None
         self.stopped: str = ""
         # the ids that end a sequence; empty: never stop on a token
         declared = getattr(tokenizer, "eos_ids", ()) or ()
@@ -315,10 +318,9 @@ class TracedGeneration:
         rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0), device=logits.device), last]
         forward = ForwardFacts(n=n, t=before + n if self.use_cache else n, cache_before=before,
                                cache_after=self.cache_length, fed_tokens=fed)
-        # the choice is made on the host from [B, V] (one copy per step, whatever the device): the same seed then
-        # picks the same tokens on a CPU and a GPU wherever their logits agree, and no per-row sync is made
-        host_rows = None if self.dry_run else rows.detach().float().cpu()
-        bad = [] if host_rows is None else [r for r in range(host_rows.size(0)) if not _choosable(host_rows[r])]
+        # the choice is made where the logits are: one host read of whether each row can give a token, the draw on
+        # the device, and the few numbers the record keeps read back together — per step, never per row
+        bad = [] if self.dry_run else [r for r, ok in enumerate(_choosable(rows).tolist()) if not ok]
         if self.dry_run:  # no logits to sample from: a placeholder id, labelled as one
             choice = placeholder_choice(rows.size(0))
         elif bad:
@@ -327,8 +329,7 @@ class TracedGeneration:
                             "is named above)")
             choice = None
         else:
-            assert host_rows is not None  # not a dry run
-            choice = self._sampling_record(sample(host_rows, self.sampling, self.generator))
+            choice = self._sampling_record(sample(rows, self.sampling, self._generator_for(rows.device)))
         self.trace.log.add_generation_step(GenerationStep(step=step, forward=forward, sampling=choice))
         self._last = (tokens, mask, last, before, rows)
         if choice is not None and self.stop_ids and all(
@@ -349,18 +350,31 @@ class TracedGeneration:
                 f"{', '.join(map(str, ended))}, in batch order); generation stops here (stop_at_eos=False goes "
                 f"on; end-of-sequence ids: {names})")
 
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        """The run's seeded generator, on ``device`` (made there at the first draw)."""
+        if self.generator is None:
+            self.generator = self.sampling.generator(device)
+        elif self.generator.device.type != device.type and not self.sampling.greedy:
+            raise RuntimeError(f"this generation's seeded draws are made on {self.generator.device}, and its logits "
+                               f"are now on {device}: a generator cannot follow them there without drawing other "
+                               "tokens; start a new generation on this device")
+        return self.generator
+
     def _sampling_record(self, res) -> SamplingRecord:
         label = self.tokenizer.token_label
-        candidates = tuple(tuple(row) for row in res.candidates.tolist())
+        # [B], [B], [B, K], [B, stages, K], [B, stages]: read to the host together (one wait on a GPU)
+        tokens, token_probs, candidate_ids, stage_probs, kept = (t.tolist() for t in on_host(
+            (res.token, res.token_prob, res.candidates, res.stage_probs, res.kept)))
+        candidates = tuple(tuple(row) for row in candidate_ids)
         return SamplingRecord(
-            tokens=tuple(res.token.tolist()),
-            labels=tuple(label(i) for i in res.token.tolist()),
-            probs=tuple(round(float(p), 6) for p in res.token_prob),
+            tokens=tuple(tokens),
+            labels=tuple(label(i) for i in tokens),
+            probs=tuple(round(float(p), 6) for p in token_probs),
             candidates=candidates,
             candidate_labels=tuple(tuple(label(i) for i in row) for row in candidates),
             stage_probs=tuple(tuple(tuple(round(float(p), 6) for p in stage) for stage in row)
-                              for row in res.stage_probs.tolist()),
-            kept=tuple(tuple(row) for row in res.kept.tolist()),
+                              for row in stage_probs),
+            kept=tuple(tuple(row) for row in kept),
         )
 
     def run(self, n: int, on_step=None) -> int:
@@ -482,7 +496,8 @@ def _max_delta_on(a: torch.Tensor | None, b: torch.Tensor | None, real: torch.Te
     return float(picked.max()) if picked.numel() else 0.0
 
 
-def _choosable(logits: torch.Tensor) -> bool:
-    """Whether a row of logits can give a token: no NaN, no +∞, not everything −∞."""
-    return not bool(torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all())
+def _choosable(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` → ``[B]``: whether each row of logits can give a token (no NaN, no +∞, not everything −∞),
+    computed where the logits are."""
+    return ~(torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) | torch.isneginf(logits).all(dim=-1))
 

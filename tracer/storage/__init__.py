@@ -2,7 +2,8 @@
 plain frozen records everything else reads.
 
 Public: ``records`` (the record types), ``TraceLog``, ``tensor_stats``/``summarize``, ``value_blocks``.
-Private: ``_log``, ``_store`` (values under the budget), ``_stats``, ``_fused`` (the one-pass kernel)."""
+Private: ``_log``, ``_store`` (values under the budget), ``_stats``, ``_fused`` (the one-pass kernel), ``_host``
+(kept values copied to the host, waited for once per step)."""
 
 from tracer.storage._log import CAPTURE_LEVELS, TraceLog
 from tracer.storage._stats import summarize, tensor_stats, value_blocks

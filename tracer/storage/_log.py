@@ -28,6 +28,7 @@ import torch
 
 from model.gpt import ATTENTION_STAGES as STAGES
 from model.gpt import MaskSpec
+from tracer.storage._host import start_host_copy, wait_for_host_copies
 from tracer.storage._spill import SpillFile
 from tracer.storage._stats import DRY_RUN, WHOLE_UP_TO, dtype_name, flag_sum, flags_of_sums, tensor_stats
 from tracer.storage._store import DEFAULT_BUDGET_BYTES, MUTATED, ValueStore, storage_key, version_of, view_key
@@ -146,6 +147,10 @@ class TraceLog:
         # together when the step ends (_settle_flags): one transfer per step, where a read per record would
         # make a GPU wait for every record of every layer
         self._flag_sums: list[tuple[int, torch.Tensor]] = []
+        # devices with copies of kept values still landing in host memory (tracer/storage/_host.py): waited for
+        # once, when the step ends or something reads a kept value first — not once per record
+        self._copying: set[torch.device] = set()
+        self._copies_from = 0  # the first record whose copy may still be landing (those before it have landed)
         self._steps: list[StepRecord] = []
         self._current: int | None = None
         self._error: TraceErrorInfo | None = None
@@ -241,6 +246,8 @@ class TraceLog:
     def value(self, index: int) -> torch.Tensor | None:
         """Record ``index``'s kept value: held in memory, or read back from the spill file; None when only
         its statistics were kept."""
+        if self._copying and index >= self._copies_from:
+            self._wait_for_copies()
         value = self._values.get(index)
         if value is None and self._spill is not None:
             value = self._spill.get(index)
@@ -260,6 +267,8 @@ class TraceLog:
 
     def kept_values(self) -> list[tuple[int, torch.Tensor]]:
         """Every value held in memory (those spilled to disk: ``spilled``)."""
+        if self._copying:
+            self._wait_for_copies()
         return list(self._values.items())
 
     def spilled(self) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
@@ -300,6 +309,8 @@ class TraceLog:
         known = self._stats.get(index)
         if known is not None:
             return known
+        if self._copying and index >= self._copies_from:
+            self._wait_for_copies()
         value = self._values.get(index)
         if value is None:
             return None
@@ -386,10 +397,13 @@ class TraceLog:
                 self._flag_sums.append((index, flag))
         if self._keep_values:
             value = t.detach() if t.requires_grad else t
-            if not value.is_cpu:
-                value = value.to("cpu")
-            elif self._copy_all or value.is_inference():  # inference tensors have no version counter
-                value = value.clone()
+            # a value off the host is copied to it, a host one only when asked or when it has no version counter
+            # (inference tensors); either copy may still be landing: waited for once, at the step's end
+            if not value.is_cpu or self._copy_all or value.is_inference():
+                if not self._copying:
+                    self._copies_from = index
+                self._copying.add(value.device)
+                value = start_host_copy(value)
             assert step is not None  # records arrive inside a step: the tracer begins one when the model is called
             reason = self._values.put(index, step, value)
             if self._prefer_next and module in self._prefer_next:  # the O of a fused layer
@@ -454,7 +468,10 @@ class TraceLog:
     def protect(self, t: torch.Tensor) -> None:
         """``t`` is about to be changed in place: kept values with elements in it get a private copy."""
         store = self._values
-        for index in store.overlapping(t):
+        overlapping = store.overlapping(t)
+        if self._copying and any(index >= self._copies_from for index in overlapping):
+            self._wait_for_copies()
+        for index in overlapping:
             value = store.get(index)
             if value is not None:
                 store.replace(index, value.clone())
@@ -462,6 +479,7 @@ class TraceLog:
     def end_step(self, seconds: float, interventions: tuple[InterventionRecord, ...] = ()) -> StepRecord:
         """The forward of the step in progress returned: the step is complete."""
         step = self._require_step()
+        self._wait_for_copies()
         self._settle_flags()
         first = self._steps[-1].end_record if self._steps else 0
         record = StepRecord(step=step, first_record=first, end_record=len(self._raw), seconds=seconds,
@@ -474,6 +492,7 @@ class TraceLog:
         """The forward of the step in progress raised: keep what it recorded until the next step. ``error`` is
         None where nothing describes the failure (a forward raised and was caught inside the traced block; a
         failed attempt read from a file)."""
+        self._wait_for_copies()
         self._settle_flags()  # the records of a failed step are kept for forensics, their flags too
         self._current = None
         self._error = error
@@ -481,6 +500,7 @@ class TraceLog:
 
     def discard_from(self, step: int) -> None:
         """Forget every record, op, value and fact of ``step`` and later."""
+        self._wait_for_copies()  # what stays may be among the copies still landing
         if self._current is not None and self._current >= step:
             self._current = None
         cut = self._steps[step].first_record if step < len(self._steps) else (
@@ -503,6 +523,12 @@ class TraceLog:
         del self._generation_steps[step:]
         self._comparisons = {s: c for s, c in self._comparisons.items() if s < step}
 
+    def _wait_for_copies(self) -> None:
+        """The kept values' copies still landing in host memory, waited for together: one wait per device."""
+        if self._copying:
+            devices, self._copying = self._copying, set()
+            wait_for_host_copies(devices)
+
     def _settle_flags(self) -> None:
         """The NaN/∞ flags of the records whose reductions wait on their device, read to the host at once."""
         if self._flag_sums:
@@ -515,6 +541,8 @@ class TraceLog:
         return self._current
 
     def _evicted(self, index: int, tensor: torch.Tensor, note: str, stats_valid: bool) -> None:
+        if self._copying and index >= self._copies_from:  # a value of this step, evicted by a later one of it: a
+            self._wait_for_copies()  # step larger than the budget waits here, as its statistics read the copy
         if stats_valid and index not in self._stats:
             self._stats[index] = self._stats_of(tensor)
         if self._spill is not None and stats_valid and note != MUTATED:
