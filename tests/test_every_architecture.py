@@ -45,6 +45,7 @@ REPRESENTATIVE = [
     "gemma3n_text",  # one feed-forward width per layer
     "inkling2_text",  # a position bias and sinks handed to the attention function by names of its own: refused
     "recurrent_gemma",  # its recurrent state kept inside its modules, no cache object: refused
+    "minimax",  # lightning (linear) attention layers whose state its own cache class (MiniMaxCache) keeps
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]
 

@@ -96,7 +96,7 @@ RefusalReason = Literal[
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
     "attention outside the interface",  # softmax attention computed by the family's own code
-    "state layers",  # state kept in a cache class of the family's own (MiniMax) or in its modules (RecurrentGemma)
+    "state layers",  # state in a family's own cache class (MiniMax's is traced) or in its modules (RecurrentGemma)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
@@ -305,9 +305,14 @@ def _register() -> None:
 
 
 # -- the KV cache -----------------------------------------------------------------------------------------
-def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | None] | None = None):
+def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | None] | None = None,
+                own: type | None = None):
     """transformers' ``Cache`` over our ``KVCache``: ``update`` appends to our buffers (transactionally:
     our model commits after the forward), sizes come from our length.
+
+    ``own``: the family's own cache class where its forward accepts no other (MiniMax's ``MiniMaxCache``, whose
+    lightning-attention layers read and write their state through ``get_linear_cache`` / ``set_linear_cache``):
+    the view is then an instance of it, that state kept in the layer's ``StateCache`` state layer.
 
     A latent-attention layer (DeepSeek-V2/V3: ``latent[layer]`` holds its hooks) hands ``update`` its compressed
     latent c_KV ``[B,1,n,d_c]`` and its rotary key k_R ``[B,1,n,d_R]`` in place of K and V — transformers' own
@@ -343,7 +348,31 @@ def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | Non
             return -1
 
     states = cache.states if isinstance(cache, StateCache) else {}  # a hybrid model's persistent state layers
-    return Cache(layers=[states.get(i) or _CacheLayer(i) for i in range(n_layer)])
+    layers = [states.get(i) or _CacheLayer(i) for i in range(n_layer)]
+    if own is None:
+        return Cache(layers=layers)
+
+    class _OwnCacheView(own):  # type: ignore[misc, valid-type]
+        """The family's cache class over our cache: its linear-attention state ([B, H, d_head, d_head], the
+        decayed sum of K^T V) lives in the layer's state layer, so that StateCache copies and rolls it back."""
+
+        def __init__(self) -> None:
+            Cache.__init__(self, layers=layers)
+            self.linear_cache: list = []  # the class's own list, unused: the state is in the state layers
+
+        def __len__(self) -> int:
+            return n_layer
+
+        def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+            state = states.get(layer_idx)
+            return state.recurrent_states.get(0) if state is not None and state.has_previous_state[0] else None
+
+        def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+            state = states[layer_idx]
+            state.recurrent_states[0] = linear_cache
+            state.is_recurrent_states_initialized[0] = state.has_previous_state[0] = True
+
+    return _OwnCacheView()
 
 
 def state_templates(hf: nn.Module) -> list[Any]:
@@ -648,18 +677,28 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     return layers, [cs[0].module if cs else None for cs in per_layer]
 
 
-def _own_cache_class(hf: nn.Module) -> str | None:
-    """The name of a cache class the model's own modeling file defines (MiniMax's ``MiniMaxCache``: its forward
-    accepts no other), None where the family uses transformers' shared cache."""
+def _own_cache_class(hf: nn.Module) -> type | None:
+    """A cache class the model's own modeling file defines (MiniMax's ``MiniMaxCache``: its forward accepts no
+    other), None where the family uses transformers' shared cache."""
     import sys
 
     from transformers.cache_utils import Cache
 
     module = sys.modules.get(type(hf).__module__)
-    for name, value in vars(module or object()).items():
+    for value in vars(module or object()).values():
         if isinstance(value, type) and issubclass(value, Cache) and value.__module__ == type(hf).__module__:
-            return name
+            return value
     return None
+
+
+def _keeps_linear_state(own: type) -> bool:
+    """Whether a family's own cache class is MiniMax's kind: a ``DynamicCache`` for the softmax layers' K and V
+    plus one state tensor per linear-attention layer, read and written through ``get_linear_cache`` /
+    ``set_linear_cache`` — which the traced cache's view can stand in for (``_cache_view``)."""
+    from transformers.cache_utils import DynamicCache
+
+    return issubclass(own, DynamicCache) and all(callable(getattr(own, name, None)) for name in
+                                                 ("get_linear_cache", "set_linear_cache"))
 
 
 def mixer_of(layer: nn.Module) -> nn.Module:
@@ -909,11 +948,16 @@ class HFDecoder(nn.Module):
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
         own_cache = _own_cache_class(hf)
-        if own_cache is not None and any(attn is None for attn in attns):
+        # MiniMax: its forward accepts only its own cache class, whose linear-attention state our view keeps in the
+        # state layers transformers' shared cache describes for the config (one per layer without attention)
+        self._own_cache = own_cache if own_cache is not None and _keeps_linear_state(own_cache) and all(
+            template is not None for template, attn in zip(self._state_templates, attns) if attn is None) else None
+        if own_cache is not None and any(attn is None for attn in attns) and self._own_cache is None:
             raise HFDecoderError(
                 f"{model_type}: its layers without attention keep their state in a cache class of the family's own "
-                f"({own_cache}), which the traced KV cache cannot stand in for; only state that transformers' shared "
-                "cache layers hold (Qwen3-Next, Jamba, Nemotron-H, Falcon-H1 …) is traced", reason="state layers")
+                f"({own_cache.__name__}), which the traced KV cache cannot stand in for; only state that "
+                "transformers' shared cache layers hold (Qwen3-Next, Jamba, Nemotron-H, Falcon-H1 …) or MiniMax's "
+                "linear-attention cache is traced", reason="state layers")
         prefix = type(hf).__name__.split("For")[0]  # Qwen3NextForCausalLM -> Qwen3Next: the family's class prefix
         self._mixers = [None if attn is not None else mixer_of(layer) for layer, attn in zip(layers, attns)]
         self.mixer_names = tuple("" if m is None else mixer_name(m, prefix) for m in self._mixers)
@@ -1120,7 +1164,8 @@ class HFDecoder(nn.Module):
         """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""
         latent: list[_AttentionHooks | None] = [cast(_AttentionHooks, block.attn) if widths is not None else None
                                                  for block, widths in zip(self.blocks, self._latent)]
-        return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None)
+        return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None,
+                           self._own_cache)
 
 
 MaxMemory = int | str | dict[int | str, int | str]  # bytes, "4GiB", or accelerate's {device: amount}
