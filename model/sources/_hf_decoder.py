@@ -33,14 +33,17 @@ What the records mean for such a model (the hook table's rows, specialised):
 * ``blocks.{L}.hook_conv_state``, ``blocks.{L}.hook_ssm_state`` (hybrid models: Falcon-H1): the convolution and
   state-space state a layer's mixer keeps after each step, as transformers' own cache layer holds it (fixed-size,
   overwritten every step; ``StateCache``). Not in the hook table: their widths are the mixer's, not the legend's.
+  MiniMax's lightning attention keeps its state ([B, H, d_head, d_head]) in a cache class of its own, the only one
+  its forward accepts: the cache view is then an instance of that class whose ``get_linear_cache`` /
+  ``set_linear_cache`` read and write the layer's state in ``StateCache`` (``hook_ssm_state``).
 
 The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
 the attention function inside which element of which list of layers; the list the calls come from is the
 decoder stack (a vision tower not run for text never is), each layer's one caller its attention.
 Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
-state-space layers our cache cannot hold beside K and V, several attention calls per layer, encoders and
-encoder-decoders; and, after loading, a model whose cached decode step is not transformers' own forward
-(``guard_against_transformers``).
+state-space layers our cache cannot hold beside K and V, several attention calls per layer, attention in several
+stacks of layers (BLT), encoders and encoder-decoders; and, after loading, a model whose cached decode step is not
+transformers' own forward (``guard_against_transformers``).
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ RefusalReason = Literal[
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
+    "several stacks",  # attention runs in more than one list of layers (BLT's byte-level and patch-level stacks)
     "alibi",  # a per-head linear bias added to the scores
     "score bias",  # another bias the attention function receives and adds to the scores (a learned position bias)
     "indexed attention",  # a learned indexer picks each query's keys and keeps its own key cache (DeepSeek DSA)
@@ -637,6 +641,16 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
             per_layer[c.layer[1]].append(c)
     elsewhere = [c for c in calls if c.layer is None or c.layer[0] != id(layers)]
     repeated = [L for L, cs in enumerate(per_layer) if len(cs) > 1]
+    stacks = {c.layer[0] for c in calls if c.layer is not None}
+    if not repeated and len(stacks) > 1:  # BLT: byte-level stacks around a global transformer over patches
+        path = {id(m): name for name, m in hf.named_modules() if isinstance(m, nn.ModuleList)}
+        named = sorted(path.get(key, "?") for key in stacks)
+        cross = sorted({type(c.module).__name__ for c in calls if "cross" in type(c.module).__name__.lower()})
+        raise HFDecoderError(
+            f"{model_type}: its attention runs in {len(stacks)} lists of layers ({', '.join(named[:6])})"
+            + (f", cross-attention ({', '.join(cross[:2])}) among them: queries from one stack, keys and values from "
+               "another" if cross else "")
+            + "; the trace holds one stack of decoder layers, each with one attention", reason="several stacks")
     if repeated or elsewhere:
         where = (f"layer(s) {', '.join(map(str, repeated[:8]))} call attention more than once per forward"
                  if repeated else f"{len(elsewhere)} attention call(s) come from outside its list of layers")
