@@ -393,7 +393,8 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         "|---|---|",
         *[f"| {_OUTCOME_WORDS[k]} | {v} |" for k, v in sorted(counts.items())],
         "",
-        f"Run on {machine}: {seconds:.0f} s.",
+        f"Run on {machine}: {seconds:.0f} s (1-minute load average at the end of the run: {os.getloadavg()[0]:.1f}; "
+        "other processes sharing the cores slow it).",
         "",
         failing_sentence(results),
         "",
