@@ -133,8 +133,8 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     held = f"{n_layer} layers × {per_layer:,} numbers × {size} bytes = {n_layer * per_layer * size / 1024:,.1f} KiB"
     others = len(_layers(trace, step)) - n_layer
     if others > 0:  # a hybrid model: only its attention layers hold K and V
-        held += (f" (its {n_layer} attention layer(s); the other {others} layer(s) have no attention and hold no K, "
-                 "V rows)")
+        held += (f" (its {n_layer} attention layer(s); the other {others} layer(s) have no softmax attention and "
+                 "hold no K, V rows)")
     if G == H:
         sentence = (f"{held} at step {step}. This model has as many key/value heads as query heads (G = H = {H}), "
                     "so its cache is the full multi-head one; grouped-query models share each key/value head "
@@ -297,7 +297,8 @@ def verdict(c: RecomputeComparison, trace: Trace | None = None) -> tuple[str, st
         others = len(c.cached_rows_delta) - len(rows)
         shown = (f"Recomputed from all {c.full.query_rows} tokens, the {past} cached rows agree in every one of the "
                  f"{len(rows)} layers that hold K and V (largest |Δ| {max(rows[layer]):.2e}, layer {layer}; table "
-                 "below)" + (f"; the other {others} layer(s) have no attention and hold no rows." if others else "."))
+                 "below)" + (f"; the other {others} layer(s) have no softmax attention and hold no rows." if others
+                             else "."))
     else:
         shown = "(This file holds no layer-by-layer check of the cached rows.)"
     text = (f"The cached path computed {c.cached.query_rows} query row(s) with {c.cached.macs:,} multiply-adds, "

@@ -56,8 +56,8 @@ def facts_of(trace: Trace) -> GenerationFacts:
 
 def no_attention(trace: Trace, layer: int) -> str | None:
     """What ``layer`` is when it computes no attention — a hybrid model's Gated DeltaNet, Mamba or convolution layer
-    ("layer 0 has no attention: it is a Gated DeltaNet layer whose state does not grow with t …", from the model's
-    config) — or None when it attends (every layer of every other model)."""
+    ("layer 0 has no softmax attention: it is a Gated DeltaNet layer whose state does not grow with t …", from the
+    model's config) — or None when it attends (every layer of every other model)."""
     config = trace.config
     if config is None or not 0 <= layer < config.n_layer:
         return None

@@ -451,7 +451,7 @@ def layer_head_batch(trace: Trace, prefix: str, heads: bool = True) -> tuple[int
 
 def said_no_attention(trace: Trace, layer: int, instead: str = "") -> bool:
     """Whether ``layer`` has no attention (a hybrid model's state layer); if so, say what it is — the model's own
-    sentence, "layer L has no attention: it is a <mixer> layer whose state does not grow with t …" — and what
+    sentence, "layer L has no softmax attention: it is a <mixer> layer whose state does not grow with t …" — and what
     this view shows ``instead``, rather than drawing an empty chart."""
     sentence = no_attention(trace, layer)
     if sentence is None:

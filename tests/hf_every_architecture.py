@@ -24,6 +24,7 @@ _SIZES: dict[str, int] = {
     # widths
     "hidden_size": _WIDTH, "n_embd": _WIDTH, "d_model": _WIDTH, "embed_dim": _WIDTH, "dim": _WIDTH, "n_embed": _WIDTH,
     "word_embed_proj_dim": _WIDTH, "embedding_size": _WIDTH, "d_embed": _WIDTH, "embedding_dim": _WIDTH,
+    "hidden_size_global": _WIDTH,  # BLT: the width of its global transformer, which its byte-level stacks read
     # MLP widths
     "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "ffn_hidden_size": 128, "d_inner": 128,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
@@ -77,6 +78,13 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # one attention block shared by the hybrid layers: transformers ties it across them, so it needs two of them;
     # its config fixes the first three layers (state, state, hybrid) and derives the rest from period and offset
     "zamba": {"num_hidden_layers": 4, "attn_layer_period": 1, "attn_layer_offset": 0, "layers_block_type": None},
+    # the config's query/key width rounds hidden_size · qk_dim_factor (0.5) up to a multiple of 64 where its layers
+    # do not round it: the two agree only where that product is a multiple of 64 (at width 64 the state is built
+    # 16 wide per head for queries 8 wide, and the forward fails)
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128},
+    # its own cached forward fails on its own config (it builds DynamicCache(config=BltConfig), which has no
+    # num_hidden_layers: a top-level config over four stacks of layers); without a cache it runs
+    "blt": {"use_cache": False},
 }
 WINDOW = 4  # shorter than the prompt, so that sliding-window layers really slide in the check
 PROMPT = 8  # tokens in the prefill; then DECODE_STEPS cached steps of one token
@@ -385,18 +393,21 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         "|---|---|",
         *[f"| {_OUTCOME_WORDS[k]} | {v} |" for k, v in sorted(counts.items())],
         "",
-        f"Run on {machine}: {seconds:.0f} s.",
+        f"Run on {machine}: {seconds:.0f} s (1-minute load average at the end of the run: {os.getloadavg()[0]:.1f}; "
+        "other processes sharing the cores slow it).",
         "",
         failing_sentence(results),
         "",
         "Reasons (`HFDecoderError.reason`, `ModelLoadError.reason`): *attention outside the interface* — the family "
         "computes softmax attention in its own code, so its Q, K, V and pattern cannot be recorded; *no softmax "
         "attention* — state-space or recurrent layers only; *state layers* — layers without attention keep their "
-        "state in a cache class of the family's own (MiniMax) or inside its modules (RecurrentGemma), not in "
-        "transformers' shared cache layers; *latent "
+        "state in a cache class of the family's own other than MiniMax's (which is traced) or inside its modules "
+        "(RecurrentGemma), not in transformers' shared cache layers; *latent "
         "attention* — value heads narrower or wider than query/key heads; *attention sinks* — a learned sink logit "
         "in every softmax row; *several "
-        "attentions per layer* — a layer calls attention more than once per forward; *indexed attention* — a "
+        "attentions per layer* — a layer calls attention more than once per forward; *several stacks* — attention "
+        "runs in more than one list of layers (BLT: byte-level stacks around a transformer over patches, which "
+        "cross-attend); *indexed attention* — a "
         "learned indexer picks each query's keys and keeps its own key cache; *score bias* — a bias handed to the "
         "attention function beside the mask (a learned position bias); *compressed attention* — the "
         "family's own cache layers keep compressed keys and values; *differs from transformers* — load_hf's guard "

@@ -1,6 +1,7 @@
 """Hybrid causal LMs whose layers are not all softmax attention (issue 40, item 2): Qwen3-Next and Qwen3.5 (Gated
 DeltaNet + attention), Jamba, Bamba, Granite-MoE-hybrid, Nemotron-H, Zamba2 (Mamba + attention), OLMo-hybrid, LFM2
-(short convolutions + attention). Each is a tiny random-weight model built from transformers' own config class
+(short convolutions + attention), MiniMax (lightning attention + attention, its state in a cache class of its
+own). Each is a tiny random-weight model built from transformers' own config class
 (tests/hf_every_architecture.py shrinks it), with its per-layer pattern set so that it keeps at least one attention
 layer and one state layer; traced for a prefill and 3 cached decode steps and compared with transformers' eager
 forward on the same weights. The attention layers record Q, K, V, the pattern and O; a layer without attention
@@ -44,6 +45,13 @@ PATTERNS: dict[str, dict] = {
     "zamba2": dict(layer_types=["mamba", "hybrid"], mamba_d_state=16, chunk_size=16),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # lightning (linear) attention + softmax attention, its state in MiniMax's own cache class; blocks of 4 tokens,
+    # so that the prefill's chunked path crosses a block boundary before the cached steps' one-token recurrence; a
+    # lightning layer first, as in MiniMax-01 (a softmax layer after every seven lightning ones), where transformers'
+    # own cached steps restart the positions (test_minimax_transformers_own_cached_path_restarts_its_positions);
+    # weights drawn 5x wider than the default (0.02), so that the attention is sharp enough for that to show far
+    # above the tolerance rather than near it
+    "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4, initializer_range=0.1),
 }
 
 
@@ -102,7 +110,7 @@ def test_hybrid_logits_equal_transformers_at_the_prefill_and_three_cached_steps(
             assert rows is None  # no K, V rows: what such a layer keeps is fixed-size (StateCache.state_nbytes)
             assert config.mixers is not None and config.mixers[layer]
             sentence = config.no_attention_sentence(layer)
-            assert sentence is not None and sentence.startswith(f"layer {layer} has no attention: it is a "
+            assert sentence is not None and sentence.startswith(f"layer {layer} has no softmax attention: it is a "
                                                                 f"{config.mixers[layer]} layer")
     if config.state_layers:
         assert cache.state_nbytes > 0
@@ -165,7 +173,7 @@ def test_the_cache_views_count_k_and_v_at_attention_layers_and_the_state_at_the_
     assert table["state bytes"][0] == state > 0 and gen.cache.state_nbytes == state  # what the cache holds
     assert kv_cache_bytes(trace, step) == k.nbytes + v.nbytes + state
     _, sentence = cache.memory_formula(trace, step)
-    assert sentence.startswith("1 layers ×") and "the other 1 layer(s) have no attention" in sentence
+    assert sentence.startswith("1 layers ×") and "the other 1 layer(s) have no softmax attention" in sentence
     assert spec_for("blocks.0.hook_mixer_out", config) is not None
     # a saved trace says the same of its layers
     again = load_trace(save_trace(trace, tmp_path / "hybrid.gst"))
@@ -181,7 +189,7 @@ def test_a_head_at_a_state_layer_cannot_be_switched_off_or_patched(root):
 
     model, tok = load_hf(build_hybrid("qwen3_next", root / "qwen3_next_whatif"), implementation="transformers")
     sentence = model.config.no_attention_sentence(0)
-    with pytest.raises(InterventionError, match="no attention head to switch off or patch") as refused:
+    with pytest.raises(InterventionError, match="no softmax attention head to switch off or patch") as refused:
         check([ablate("blocks.0.attn.hook_z", head=1)], model)
     assert sentence is not None and sentence in str(refused.value)
     check([ablate("blocks.1.attn.hook_z", head=1)], model)  # an attention layer's head: accepted
@@ -210,24 +218,26 @@ def app():
     return new_app()
 
 
-def test_every_tab_renders_at_an_attention_layer_and_at_a_state_layer(app, root):
-    """Qwen3-Next in the real app (AppTest): loaded, two steps, every tab and every What-if view rendered with
-    layer 1 (attention) and layer 0 (Gated DeltaNet) picked; at layer 0 the Attention, Causal mask and KV cache views
-    say what the layer is, in the model's own sentence, instead of drawing an empty chart."""
+@pytest.mark.parametrize("model_type", ["qwen3_next", "minimax"])
+def test_every_tab_renders_at_an_attention_layer_and_at_a_state_layer(app, root, model_type):
+    """Qwen3-Next and MiniMax in the real app (AppTest): loaded, two steps, every tab and every What-if view
+    rendered with layer 1 (attention) and layer 0 (Gated DeltaNet; Lightning Attention) picked; at layer 0 the
+    Attention, Causal mask and KV cache views say what the layer is, in the model's own sentence, instead of drawing
+    an empty chart."""
     from html import unescape
 
     from tests.test_app import TABS, press, press_reset, show_tab
     from tests.test_app_architectures import choose_directory
 
     at = app
-    choose_directory(at, build_hybrid("qwen3_next", root / "app" / "qwen3_next"))
+    choose_directory(at, build_hybrid(model_type, root / "app" / model_type))
     press(at, "load_model")
     press_reset(at)
     press(at, "step_button")
     press(at, "step_button")
     gen = at.session_state["app"].generation
-    assert gen.n_steps == 2 and gen.model.identity.family == "hf:qwen3_next"
-    assert any("qwen3_next (hf:qwen3_next)" in unescape(c.value) for c in at.caption)
+    assert gen.n_steps == 2 and gen.model.identity.family == f"hf:{model_type}"
+    assert any(f"{model_type} (hf:{model_type})" in unescape(c.value) for c in at.caption)
     sentence = gen.model.config.no_attention_sentence(0)
     assert sentence and gen.model.config.no_attention_sentence(1) is None
     for layer in (1, 0):
@@ -243,3 +253,60 @@ def test_every_tab_renders_at_an_attention_layer_and_at_a_state_layer(app, root)
         for sub in ("Switch heads off", "Activation patching", "Logit attribution", "Logit lens"):
             show_tab(at, "What if", ("whatif_view", sub))
             assert not at.error, (layer, sub, [e.value for e in at.error])
+
+
+def test_minimax_lightning_state_is_what_its_own_cache_holds(root):
+    """MiniMax keeps its lightning (linear) attention's state — the decayed sum of K^T·V, [B, H, d_head, d_head] —
+    in a cache class of its own (MiniMaxCache, the only one its forward accepts). Traced, that state sits in the
+    layer's state layer of our cache: after the prefill (two blocks of 4 tokens) and after each one-token step it
+    equals what transformers' own MiniMaxCache holds for the same tokens, it does not grow with t, and a copy of
+    the cache at the prefill continues exactly as the original did."""
+    from transformers import AutoModelForCausalLM
+
+    directory = build_hybrid("minimax", root / "minimax_state")
+    model, _ = load_hf(directory, implementation="transformers")
+    config = model.config
+    assert config.mixers == ("Lightning Attention", "") and config.state_layers == (0,)
+    sentence = config.no_attention_sentence(0)
+    assert sentence is not None and sentence.startswith("layer 0 has no softmax attention: it is a Lightning Attention")
+    tokens = torch.randint(0, 200, (1, PROMPT + 3), generator=torch.Generator().manual_seed(2))
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, attn_implementation="eager").eval()
+    seen: list[torch.Tensor] = []
+    model.blocks[0].hook_ssm_state.register_forward_hook(lambda m, a, out: seen.append(out))
+    cache = model.new_cache()
+    with torch.no_grad():
+        ours = [model(tokens[:, :PROMPT], cache)]
+        copy = cache.copy(PROMPT)
+        theirs = hf(input_ids=tokens[:, :PROMPT], use_cache=True)
+        held = [theirs.past_key_values.linear_cache[0].clone()]
+        for i in range(PROMPT, PROMPT + 3):
+            ours.append(model(tokens[:, i:i + 1], cache))
+            theirs = hf(input_ids=tokens[:, i:i + 1], past_key_values=theirs.past_key_values, use_cache=True)
+            held.append(theirs.past_key_values.linear_cache[0].clone())
+        again = model(tokens[:, PROMPT:PROMPT + 1], copy)
+    H, d_head = config.n_head, config.head_dim
+    assert len(seen) == 5 and len(held) == 4  # the prefill, 3 steps, and the copy's step
+    for mine, its in zip(seen, held):
+        assert mine.shape == its.shape == (1, H, d_head, d_head)  # fixed-size: no axis grows with t
+        assert torch.allclose(mine, its, atol=1e-5), float((mine - its).abs().max())
+    assert cache.keys[0] is None and cache.keys[1] is not None and cache.keys[1].shape[2] == PROMPT + 3
+    assert cache.state_nbytes == seen[3].numel() * seen[3].element_size()
+    assert torch.equal(again, ours[1]) and torch.equal(seen[4], seen[1])  # the copy started from the prefill's state
+
+
+def test_minimax_transformers_own_cached_path_restarts_its_positions(root):
+    """Where MiniMax's first layer is a lightning layer (as in MiniMax-01), transformers' own MiniMaxCache
+    reports a length of 0 after the prefill — it asks its first cache layer, which holds no K, V — so its cached
+    decode steps give the softmax layers RoPE positions from 0 again. Our trace keeps the real positions: it equals
+    transformers' uncached forward at every step, and the model says so (reference_note) with the numbers."""
+    from transformers import AutoModelForCausalLM
+
+    directory = build_hybrid("minimax", root / "minimax_positions")
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, attn_implementation="eager").eval()
+    with torch.no_grad():
+        past = hf(input_ids=torch.arange(PROMPT)[None], use_cache=True).past_key_values
+    assert past.get_seq_length() == 0 and past.get_seq_length(1) == PROMPT  # the cause, read from transformers
+    result = check("minimax", directory)
+    assert result.outcome == "follows uncached" and max(result.uncached) <= TOLERANCE, result
+    assert max(result.deltas[1:]) > TOLERANCE  # transformers' cached steps differ (wrong positions) …
+    assert result.note and "uncached" in result.note and "minimax" in result.note  # … and the model says which

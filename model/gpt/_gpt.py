@@ -215,16 +215,19 @@ class GPTConfig:
         return tuple(L for L in range(self.n_layer) if self.has_attention(L))
 
     def no_attention_sentence(self, layer: int) -> str | None:
-        """What ``layer`` is when it has no attention (None when it has): a hybrid model's state-space, convolution
-        or linear-attention layer, whose state is overwritten each step instead of growing by a row per position."""
+        """What ``layer`` is when it has no softmax attention (None when it has): a hybrid model's state-space,
+        convolution or linear-attention layer, whose state is overwritten each step instead of growing by a row per
+        position. ("softmax": a linear attention, MiniMax's Lightning Attention or a Gated DeltaNet, attends too, but
+        with no pattern over the keys.)"""
         if self.has_attention(layer):
             return None
         assert self.mixers is not None
         mixer = self.mixers[layer]
         if layer in self.state_layers:
-            return (f"layer {layer} has no attention: it is a {mixer} layer whose state does not grow with t (a "
-                    "fixed-size state, overwritten at every step, instead of K and V rows)")
-        return f"layer {layer} has no attention: it is a {mixer} layer, which keeps nothing from one step to the next"
+            return (f"layer {layer} has no softmax attention: it is a {mixer} layer whose state does not grow with t "
+                    "(a fixed-size state, overwritten at every step, instead of K and V rows)")
+        return (f"layer {layer} has no softmax attention: it is a {mixer} layer, which keeps nothing from one step to "
+                "the next")
 
     @classmethod
     def for_family(cls, family: str, **fields) -> GPTConfig:

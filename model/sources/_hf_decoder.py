@@ -33,14 +33,17 @@ What the records mean for such a model (the hook table's rows, specialised):
 * ``blocks.{L}.hook_conv_state``, ``blocks.{L}.hook_ssm_state`` (hybrid models: Falcon-H1): the convolution and
   state-space state a layer's mixer keeps after each step, as transformers' own cache layer holds it (fixed-size,
   overwritten every step; ``StateCache``). Not in the hook table: their widths are the mixer's, not the legend's.
+  MiniMax's lightning attention keeps its state ([B, H, d_head, d_head]) in a cache class of its own, the only one
+  its forward accepts: the cache view is then an instance of that class whose ``get_linear_cache`` /
+  ``set_linear_cache`` read and write the layer's state in ``StateCache`` (``hook_ssm_state``).
 
 The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
 the attention function inside which element of which list of layers; the list the calls come from is the
 decoder stack (a vision tower not run for text never is), each layer's one caller its attention.
 Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
-state-space layers our cache cannot hold beside K and V, several attention calls per layer, encoders and
-encoder-decoders; and, after loading, a model whose cached decode step is not transformers' own forward
-(``guard_against_transformers``).
+state-space layers our cache cannot hold beside K and V, several attention calls per layer, attention in several
+stacks of layers (BLT), encoders and encoder-decoders; and, after loading, a model whose cached decode step is not
+transformers' own forward (``guard_against_transformers``).
 """
 
 from __future__ import annotations
@@ -96,10 +99,11 @@ RefusalReason = Literal[
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
     "attention outside the interface",  # softmax attention computed by the family's own code
-    "state layers",  # state kept in a cache class of the family's own (MiniMax) or in its modules (RecurrentGemma)
+    "state layers",  # state in a family's own cache class (MiniMax's is traced) or in its modules (RecurrentGemma)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
+    "several stacks",  # attention runs in more than one list of layers (BLT's byte-level and patch-level stacks)
     "alibi",  # a per-head linear bias added to the scores
     "score bias",  # another bias the attention function receives and adds to the scores (a learned position bias)
     "indexed attention",  # a learned indexer picks each query's keys and keeps its own key cache (DeepSeek DSA)
@@ -305,9 +309,14 @@ def _register() -> None:
 
 
 # -- the KV cache -----------------------------------------------------------------------------------------
-def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | None] | None = None):
+def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | None] | None = None,
+                own: type | None = None):
     """transformers' ``Cache`` over our ``KVCache``: ``update`` appends to our buffers (transactionally:
     our model commits after the forward), sizes come from our length.
+
+    ``own``: the family's own cache class where its forward accepts no other (MiniMax's ``MiniMaxCache``, whose
+    lightning-attention layers read and write their state through ``get_linear_cache`` / ``set_linear_cache``):
+    the view is then an instance of it, that state kept in the layer's ``StateCache`` state layer.
 
     A latent-attention layer (DeepSeek-V2/V3: ``latent[layer]`` holds its hooks) hands ``update`` its compressed
     latent c_KV ``[B,1,n,d_c]`` and its rotary key k_R ``[B,1,n,d_R]`` in place of K and V — transformers' own
@@ -343,7 +352,31 @@ def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | Non
             return -1
 
     states = cache.states if isinstance(cache, StateCache) else {}  # a hybrid model's persistent state layers
-    return Cache(layers=[states.get(i) or _CacheLayer(i) for i in range(n_layer)])
+    layers = [states.get(i) or _CacheLayer(i) for i in range(n_layer)]
+    if own is None:
+        return Cache(layers=layers)
+
+    class _OwnCacheView(own):  # type: ignore[misc, valid-type]
+        """The family's cache class over our cache: its linear-attention state ([B, H, d_head, d_head], the
+        decayed sum of K^T V) lives in the layer's state layer, so that StateCache copies and rolls it back."""
+
+        def __init__(self) -> None:
+            Cache.__init__(self, layers=layers)
+            self.linear_cache: list = []  # the class's own list, unused: the state is in the state layers
+
+        def __len__(self) -> int:
+            return n_layer
+
+        def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+            state = states.get(layer_idx)
+            return state.recurrent_states.get(0) if state is not None and state.has_previous_state[0] else None
+
+        def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+            state = states[layer_idx]
+            state.recurrent_states[0] = linear_cache
+            state.is_recurrent_states_initialized[0] = state.has_previous_state[0] = True
+
+    return _OwnCacheView()
 
 
 def state_templates(hf: nn.Module) -> list[Any]:
@@ -608,6 +641,16 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
             per_layer[c.layer[1]].append(c)
     elsewhere = [c for c in calls if c.layer is None or c.layer[0] != id(layers)]
     repeated = [L for L, cs in enumerate(per_layer) if len(cs) > 1]
+    stacks = {c.layer[0] for c in calls if c.layer is not None}
+    if not repeated and len(stacks) > 1:  # BLT: byte-level stacks around a global transformer over patches
+        path = {id(m): name for name, m in hf.named_modules() if isinstance(m, nn.ModuleList)}
+        named = sorted(path.get(key, "?") for key in stacks)
+        cross = sorted({type(c.module).__name__ for c in calls if "cross" in type(c.module).__name__.lower()})
+        raise HFDecoderError(
+            f"{model_type}: its attention runs in {len(stacks)} lists of layers ({', '.join(named[:6])})"
+            + (f", cross-attention ({', '.join(cross[:2])}) among them: queries from one stack, keys and values from "
+               "another" if cross else "")
+            + "; the trace holds one stack of decoder layers, each with one attention", reason="several stacks")
     if repeated or elsewhere:
         where = (f"layer(s) {', '.join(map(str, repeated[:8]))} call attention more than once per forward"
                  if repeated else f"{len(elsewhere)} attention call(s) come from outside its list of layers")
@@ -648,18 +691,28 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     return layers, [cs[0].module if cs else None for cs in per_layer]
 
 
-def _own_cache_class(hf: nn.Module) -> str | None:
-    """The name of a cache class the model's own modeling file defines (MiniMax's ``MiniMaxCache``: its forward
-    accepts no other), None where the family uses transformers' shared cache."""
+def _own_cache_class(hf: nn.Module) -> type | None:
+    """A cache class the model's own modeling file defines (MiniMax's ``MiniMaxCache``: its forward accepts no
+    other), None where the family uses transformers' shared cache."""
     import sys
 
     from transformers.cache_utils import Cache
 
     module = sys.modules.get(type(hf).__module__)
-    for name, value in vars(module or object()).items():
+    for value in vars(module or object()).values():
         if isinstance(value, type) and issubclass(value, Cache) and value.__module__ == type(hf).__module__:
-            return name
+            return value
     return None
+
+
+def _keeps_linear_state(own: type) -> bool:
+    """Whether a family's own cache class is MiniMax's kind: a ``DynamicCache`` for the softmax layers' K and V
+    plus one state tensor per linear-attention layer, read and written through ``get_linear_cache`` /
+    ``set_linear_cache`` — which the traced cache's view can stand in for (``_cache_view``)."""
+    from transformers.cache_utils import DynamicCache
+
+    return issubclass(own, DynamicCache) and all(callable(getattr(own, name, None)) for name in
+                                                 ("get_linear_cache", "set_linear_cache"))
 
 
 def mixer_of(layer: nn.Module) -> nn.Module:
@@ -909,11 +962,16 @@ class HFDecoder(nn.Module):
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
         own_cache = _own_cache_class(hf)
-        if own_cache is not None and any(attn is None for attn in attns):
+        # MiniMax: its forward accepts only its own cache class, whose linear-attention state our view keeps in the
+        # state layers transformers' shared cache describes for the config (one per layer without attention)
+        self._own_cache = own_cache if own_cache is not None and _keeps_linear_state(own_cache) and all(
+            template is not None for template, attn in zip(self._state_templates, attns) if attn is None) else None
+        if own_cache is not None and any(attn is None for attn in attns) and self._own_cache is None:
             raise HFDecoderError(
                 f"{model_type}: its layers without attention keep their state in a cache class of the family's own "
-                f"({own_cache}), which the traced KV cache cannot stand in for; only state that transformers' shared "
-                "cache layers hold (Qwen3-Next, Jamba, Nemotron-H, Falcon-H1 …) is traced", reason="state layers")
+                f"({own_cache.__name__}), which the traced KV cache cannot stand in for; only state that "
+                "transformers' shared cache layers hold (Qwen3-Next, Jamba, Nemotron-H, Falcon-H1 …) or MiniMax's "
+                "linear-attention cache is traced", reason="state layers")
         prefix = type(hf).__name__.split("For")[0]  # Qwen3NextForCausalLM -> Qwen3Next: the family's class prefix
         self._mixers = [None if attn is not None else mixer_of(layer) for layer, attn in zip(layers, attns)]
         self.mixer_names = tuple("" if m is None else mixer_name(m, prefix) for m in self._mixers)
@@ -1120,7 +1178,8 @@ class HFDecoder(nn.Module):
         """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""
         latent: list[_AttentionHooks | None] = [cast(_AttentionHooks, block.attn) if widths is not None else None
                                                  for block, widths in zip(self.blocks, self._latent)]
-        return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None)
+        return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None,
+                           self._own_cache)
 
 
 MaxMemory = int | str | dict[int | str, int | str]  # bytes, "4GiB", or accelerate's {device: amount}

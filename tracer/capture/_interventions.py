@@ -123,8 +123,8 @@ def check(interventions: Sequence[Intervention], model: nn.Module) -> None:
         said = _no_attention(rec.name, config)
         if said is not None:  # a hybrid model's state layer: no heads, no Q, K, V or pattern to change
             attending = ", ".join(map(str, getattr(config, "attention_layers", ())))
-            raise InterventionError(f"{rec.name}: {said}, so it has no attention head to switch off or patch; choose "
-                                    f"a layer with attention ({attending})")
+            raise InterventionError(f"{rec.name}: {said}, so it has no softmax attention head to switch off or patch; "
+                                    f"choose a layer with attention ({attending})")
         if rec.name not in points:
             import difflib
 
