@@ -95,7 +95,7 @@ class MetaOpCache(TorchDispatchMode):
             return False
         storage = out.untyped_storage()
         inputs = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-        if any(t.untyped_storage()._cdata == storage._cdata for t in inputs):
+        if any(t.untyped_storage() is storage for t in inputs):  # a storage keeps one Python object, as a tensor
             return False
         like = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
         return like.untyped_storage().nbytes() == storage.nbytes()
