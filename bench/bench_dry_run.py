@@ -7,10 +7,12 @@ and ``costed`` (``tracer.costed_dry_run``: every op's cost counted too). Issue 3
 
 transformers' own modules (``modeling_utils`` pulls in ``torch.distributed.tensor``, sympy, scipy) are imported on
 first use; the child imports them first and times that apart (``import_s``: once per process, whichever model),
-so ``build_s`` is the build itself: ``from_config`` on the meta device and ``HFDecoder``'s probe forwards, or our
-GPT. The machine's load (``/proc/loadavg``, 1-minute) is written beside each case, and each phase's CPU time
-(``*_cpu_s``: user + system) beside its wall time: the two cores are shared, and waiting for one is in the wall
-time only.
+so ``build_s`` is the build itself: ``from_config`` on the meta device and ``HFDecoder``'s probe forward (one: on
+the meta device the routing check is made by the first traced forward), or our GPT. Every forward on the meta
+device runs under ``model.sources.meta_op_cache`` (each op's output computed once per distinct input), the
+untraced reference's too. The machine's load (``/proc/loadavg``, 1-minute) is written beside each case, and each
+phase's CPU time (``*_cpu_s``: user + system) beside its wall time: the two cores are shared, and waiting for one
+is in the wall time only.
 
     python bench/bench_dry_run.py [--tokens 8192] [--steps 4] [--models llama-3.1-405b deepseek-v3 …]
     python bench/bench_dry_run.py --profile deepseek-v3 [--case traced]   # cProfile of one case, top functions
@@ -49,6 +51,7 @@ def one(model_name: str, case: str, tokens: int, steps: int) -> dict:
     import torch
 
     from model import load_model
+    from model.sources import meta_op_cache
     from tracer import costed_dry_run, dry_run
 
     imported = time.perf_counter()
@@ -64,7 +67,7 @@ def one(model_name: str, case: str, tokens: int, steps: int) -> dict:
     if case == "untraced":
         cache = model.new_cache(1) if use_cache else None
         ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-        with torch.no_grad():
+        with torch.no_grad(), meta_op_cache():  # as a dry run's steps are run (tracer.dry_run)
             model(ids, cache)
             for s in range(steps):
                 if use_cache:

@@ -160,6 +160,48 @@ def test_a_405b_dry_run_prefill_and_decode():
     assert trace.record("blocks.0.mlp.hook_post", step=0).dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-235b-a22b", "llama-3.1-8b"])
+def test_the_meta_op_cache_gives_every_op_the_output_its_kernel_gives(name):
+    """``meta_op_cache`` (a dry run's ops answered once per distinct input): every op of a forward — prefill and
+    a cached decode step — returns what it returns without the cache: shape, strides, dtype, storage offset and
+    storage size, in the same order; and most ops were answered from the cache."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from model.sources import MetaOpCache
+
+    class Outputs(TorchDispatchMode):  # pushed after the cache: sees every op first, as the costs' counter does
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((str(func), [(tuple(t.shape), t.stride(), t.dtype, t.device.type, t.storage_offset(),
+                                           t.untyped_storage().nbytes(), t.requires_grad)
+                                          for t in tree_leaves(out) if isinstance(t, torch.Tensor)]))
+            return out
+
+    model, _ = load_model(f"shapes:{name}", weights=False)
+
+    def run(cache):
+        kv = model.new_cache(1)
+        seen = []
+        with torch.no_grad(), cache if cache is not None else contextlib.nullcontext():
+            for n in (5, 1):
+                with Outputs() as outputs:
+                    model(torch.zeros(1, n, dtype=torch.long, device="meta"), kv)
+                seen.append(outputs.seen)
+        return seen
+
+    cache = MetaOpCache()
+    plain, cached = run(None), run(cache)
+    assert cached == plain
+    assert cache.hits > 5 * cache.misses, (cache.hits, cache.misses)
+
+
 def test_latent_attention_dry_run_holds_the_latent_in_its_cache():
     """DeepSeek-V3 with its cache: the cache holds c_KV [B,1,t,512] and k_R [B,1,t,64] per layer (what
     transformers' own cache holds), K and V are expanded from them to [B,H,t,192] and [B,H,t,128]."""

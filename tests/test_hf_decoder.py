@@ -95,6 +95,31 @@ def test_a_model_that_does_not_route_attention_through_the_interface_is_refused(
         HFDecoder(hf)
 
 
+def test_on_the_meta_device_the_routing_is_checked_by_the_first_forward():
+    """A dry run's build runs one probe forward, not two: the check that every layer's attention reaches its
+    hooks is made by the model's first forward instead — and still refuses a layer that computes its own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    model = HFDecoder(hf)
+    # the head counts come from what the probe's attention received: H = 4, G = 2, d_head = 8
+    assert (model.config.n_head, model.config.n_kv_head, model.config.head_dim) == (4, 2, 8)
+
+    def own_attention(self, hidden_states, *args, **kwargs):  # changed after the build: only a forward sees it
+        return self.o_proj(hidden_states), None
+
+    hf.model.layers[1].self_attn.forward = own_attention.__get__(hf.model.layers[1].self_attn)
+    tokens = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    with torch.no_grad(), pytest.raises(HFDecoderError, match=r"layer\(s\) 1 does not go through"):
+        model(tokens)
+    del hf.model.layers[1].self_attn.forward  # its own forward again: the next forward passes the check
+    with torch.no_grad():
+        assert model(tokens).shape == (1, 3, 64)
+
+
 @pytest.fixture(scope="module")
 def traced(directories):
     """Two decode steps of qwen3 (QK-norm) and gemma2 (its own scale, soft-capping, sliding layers)."""

@@ -45,6 +45,7 @@ from model.sources._load import (
     load_hf_gpt2,
     load_model,
 )
+from model.sources._meta_ops import MetaOpCache, meta_op_cache
 from model.sources._nanogpt import (
     CHECKPOINT_NAME,
     COMPILED_PREFIX,
@@ -73,5 +74,5 @@ __all__ = [
     "load_tokenizer", "logit_tolerance", "nanogpt_shapes", "nanogpt_to_state", "our_layout", "read_config",
     "resolve_model_path", "safetensors_files", "save_hf", "save_hf_gpt2", "snapshot_of", "state_to_hf",
     "traced_attention", "traced_sdpa", "weights_size", "ShardedModule", "TensorParallelError", "TensorParallelPlan",
-    "compile_chat_template", "forget_rendered_chats", "render_chat_template",
+    "compile_chat_template", "forget_rendered_chats", "render_chat_template", "MetaOpCache", "meta_op_cache",
 ]

@@ -48,6 +48,7 @@ transformers' own forward (``guard_against_transformers``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -80,6 +81,7 @@ from model.gpt import (
     run_attention,
     transaction,
 )
+from model.sources._meta_ops import meta_op_cache
 from model.sources._tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -510,6 +512,8 @@ class _Call:
 
     layer: tuple[int, int] | None  # (id of the outermost ModuleList running, index in it); None: outside any
     module: nn.Module
+    heads: int  # H, the query heads
+    kv_heads: int  # G, the key/value heads
     q_head: int  # d_head of the queries/keys
     v_head: int  # d_head of the values
     sinks: bool
@@ -565,7 +569,8 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
 
     def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                mask: torch.Tensor | None, kwargs: dict) -> None:
-        calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-1]), int(value.shape[-1]),
+        calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-3]), int(key.shape[-3]),
+                           int(query.shape[-1]), int(value.shape[-1]),
                            kwargs.get("s_aux") is not None, mask,
                            tuple(k for k in _UNMODELLED if kwargs.get(k) is not None)))
 
@@ -575,7 +580,8 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
     tokens = torch.zeros(1, 1 if device.type == "meta" else 2, dtype=torch.long, device=device)
     _probing.record = record
     try:
-        with torch.no_grad():
+        # on the meta device each op's output is computed once per distinct input (its layers are alike)
+        with torch.no_grad(), meta_op_cache() if device.type == "meta" else contextlib.nullcontext():
             hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False)
     except HFDecoderError:
         pass  # raised by traced_attention (sinks): the calls recorded so far say what the model is
@@ -602,11 +608,11 @@ def _state_layers(hf: nn.Module) -> list[int]:
     return [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
-def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[nn.Module | None]]:
-    """The decoder layers and each one's self-attention module, found by which module calls the attention
-    function inside which layer (None for a hybrid model's layer that mixes its positions with a state-space,
-    convolution or linear-attention mixer instead); refuses, with the true reason, a model that does not fit at
-    most one call per layer."""
+def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[_Call | None]]:
+    """The decoder layers and each one's call of the attention function in the probe — its ``module`` the
+    layer's self-attention — found by which module calls the attention function inside which layer (None for a
+    hybrid model's layer that mixes its positions with a state-space, convolution or linear-attention mixer
+    instead); refuses, with the true reason, a model that does not fit at most one call per layer."""
     calls, lists = _probe_calls(hf)
     words = _module_words(hf)
     if not calls:
@@ -688,7 +694,7 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
             raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, "
                                  "an encoder): only causal decoders, whose position i sees positions ≤ i, are "
                                  "traced", reason="encoder")
-    return layers, [cs[0].module if cs else None for cs in per_layer]
+    return layers, [cs[0] if cs else None for cs in per_layer]
 
 
 def _own_cache_class(hf: nn.Module) -> type | None:
@@ -951,7 +957,8 @@ class HFDecoder(nn.Module):
                                  reason="attention outside the interface") from None
         self.hf = hf.eval().requires_grad_(False)
         cfg = _text_config(hf.config)
-        layers, attns = _find_attention(hf, model_type)
+        layers, probed = _find_attention(hf, model_type)
+        attns = [call.module if call is not None else None for call in probed]
         first = next(L for L, attn in enumerate(attns) if attn is not None)  # a hybrid's first may be a state layer
         self.architecture = _guess_architecture(hf, layers[first], cast(nn.Module, attns[first]), model_type)
         arch = self.architecture
@@ -1022,7 +1029,17 @@ class HFDecoder(nn.Module):
         # RoBERTa-style embeddings: positions from padding_idx + 1 onwards, computed from the ids
         self._own_positions = any(hasattr(m, "padding_idx") and hasattr(m, "position_embeddings")
                                   for m in hf.modules() if not isinstance(m, nn.Embedding))
-        self._check_routing(block_hooks)
+        # the routing check: a forward with the hooks in place, every attention layer reached through its hooks.
+        # On the meta device (a dry run) that forward would be the probe's again — the same one token and mask of
+        # ones, and no value can steer a meta forward elsewhere — and it costs as much as a prefill (per op, not
+        # per token), so it is not run here: the first forward of the model checks the same (``forward``), and
+        # the head counts are the ones the attention received in the probe
+        self._routing_unchecked = self.input_device.type == "meta"
+        if self._routing_unchecked:
+            call = cast(_Call, probed[first])
+            block_hooks[first].attn.seen = (call.heads, call.kv_heads, call.q_head, call.v_head)
+        else:
+            self._check_routing(block_hooks)
         self.config = self._config(cfg, block_hooks[first].attn)
         self.tensor_parallel: TensorParallelPlan | None = None  # one rank of k (a dry run): sources/_tensor_parallel.py
 
@@ -1030,12 +1047,18 @@ class HFDecoder(nn.Module):
         """One token through the model: every layer's attention must have gone through the traced function
         (a family that computes attention its own way would otherwise be shown without its patterns)."""
         device = self.input_device
-        # on the meta device (a dry run) a mask of ones is given: without one, transformers asks the position ids
-        # whether several sequences are packed together, a question about values that a meta tensor cannot answer
-        mask = torch.ones(1, 1, dtype=torch.long, device=device) if device.type == "meta" else None
         with torch.no_grad():
-            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), attention_mask=mask, use_cache=False)
-        missed = [L for L, block in enumerate(blocks) if hasattr(block, "attn") and block.attn.calls == 0]
+            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+        self._routed(blocks, [0] * len(blocks))
+
+    @staticmethod
+    def _attention_calls(blocks: Any) -> list[int]:
+        return [block.attn.calls if hasattr(block, "attn") else 0 for block in blocks]
+
+    def _routed(self, blocks: Any, before: list[int]) -> None:
+        """Refuses the model unless every attention layer's hooks counted a call since ``before``."""
+        missed = [L for L, (block, calls) in enumerate(zip(blocks, before))
+                  if hasattr(block, "attn") and block.attn.calls == calls]
         if missed:
             raise HFDecoderError(
                 f"{self.architecture.model_type}: the attention of layer(s) {', '.join(map(str, missed))} does not "
@@ -1155,10 +1178,14 @@ class HFDecoder(nn.Module):
             # positions count real tokens; a family whose embeddings derive positions from the ids themselves
             # (RoBERTa's padding_idx + 1 + …) gets them only with padding, else its own default applies
             own = self._own_positions and key_is_token is None
+            calls = self._attention_calls(self.blocks) if self._routing_unchecked else None
             out = self.hf(input_ids=tokens, attention_mask=attention_mask,
                           position_ids=None if own else positions.expand(B, n),
                           past_key_values=self._cache_view(cache) if cache is not None else None,
                           use_cache=cache is not None, return_dict=True)
+            if calls is not None:  # a dry run's first forward: the routing check __init__ left to it
+                self._routed(self.blocks, calls)
+                self._routing_unchecked = False
             logits = self.hook_logits(out.logits)
             if isinstance(cache, StateCache):
                 self._record_states(cache)

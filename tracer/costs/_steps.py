@@ -3,6 +3,7 @@ activation memory; a costed dry run; the KV cache's bytes at each step."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from torch import nn
 
+from model.sources import meta_op_cache, on_meta
 from tracer.costs._counter import OpCost, OpCounter
 from tracer.generation import prepare_dry_run
 
@@ -63,7 +65,8 @@ class StepCosts:
 
 def count_forward(model: nn.Module, forward: Callable[[], Any], step: int = 0) -> tuple[Any, StepCosts]:
     """Run ``forward()`` (a call of ``model``) with every op counted; returns its result and the costs."""
-    with OpCounter(model, step) as counter:
+    # the meta-op cache first, so that the counter, pushed after it, sees every op (model.sources.meta_op_cache)
+    with meta_op_cache() if on_meta(model) else contextlib.nullcontext(), OpCounter(model, step) as counter:
         result = forward()
     return result, StepCosts(step, tuple(counter.ops), counter.peak_bytes)
 

@@ -16,6 +16,7 @@ This class only drives it; it keeps no second copy of them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ import torch
 from model.analysis import forward_cost
 from model.gpt import identity_of
 from model.sampling import SamplingConfig, sample
-from model.sources import TextTokenizer, input_device_of, on_meta
+from model.sources import TextTokenizer, input_device_of, meta_op_cache, on_meta
 from tracer.capture._interventions import Intervention, check, check_shapes
 from tracer.capture._tracer import Tracer
 from tracer.reading._facts import GenerationFacts
@@ -313,7 +314,8 @@ class TracedGeneration:
             tokens = tokens.to("meta")
             mask = mask.to("meta") if mask is not None else None
             last = last.to("meta") if last is not None else None
-        with torch.no_grad(), self.tracer.active():
+        # a dry run's ops answered once per distinct input (model.sources.meta_op_cache: its layers are alike)
+        with torch.no_grad(), self.tracer.active(), meta_op_cache() if self.dry_run else contextlib.nullcontext():
             logits = self.model(tokens, self.cache, padding_mask=mask)  # [B, n, V]
         rows = logits[:, -1, :] if last is None else logits[torch.arange(logits.size(0), device=logits.device), last]
         forward = ForwardFacts(n=n, t=before + n if self.use_cache else n, cache_before=before,
