@@ -149,7 +149,8 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     # five panels (a soft-capped model), or a grouped model's longer QKᵀ line: the shapes line breaks before its
     # result (at 1280 px the grouped line ran into its neighbour's, issue 41)
-    wrap = len(stages) > 4 or any(" query heads per K head)" in s.shapes for s in stages)
+    # a long prompt's shapes line too ("[1, 2, 32768, 64] @ [1, 2, 64, 32768] → …" ran into its neighbours at 1280)
+    wrap = len(stages) > 4 or any(" query heads per K head)" in s.shapes or len(s.shapes) > 50 for s in stages)
     grids = {s.hook: grid(s.matrix, xs, ys, max_side=STAGE_SIDE) for s in stages if s.matrix is not None}
     # the weights' colours: 0 … 1, or where that would draw them all dark (a long row's weights are ~1/t),
     # stopped at the 99% quantile of the cells drawn, said under the panel's title and on its colour bar
@@ -174,7 +175,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
             # were drawn over the last panel in the browser (seen in a screenshot at 32k tokens)
             left, right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain
             derived = is_derived(trace, act_name(stage.hook, layer), step)
-            fig.add_annotation(text="not formed: the fused kernel ran<br>(Zoom recomputes any region)" if derived
+            fig.add_annotation(text="not formed:<br>the fused kernel ran<br>(Zoom recomputes<br>any region)" if derived
                                else "values not kept", showarrow=False, x=(left + right) / 2, y=0.5,
                                xref="paper", yref="paper")
             continue

@@ -168,6 +168,8 @@ def test_the_stages_pattern_at_a_long_prompt_is_drawn_on_a_clipped_scale_that_it
     assert pattern.colorbar.title.text == "A<br>clipped" and pattern.colorbar.ticktext[-1] == f"≥{pattern.zmax:.3g}"
     title = next(a.text for a in fig.layout.annotations if "softmax" in a.text)
     assert f"colours stop at {pattern.zmax:.3g}, the 99% quantile" in title
+    # a long shapes line breaks before its result (at 1280 px it ran into its neighbours')
+    assert any("[1, 2, 1024, 32] @ [1, 2, 32, 1024]<br>→ [1, 2, 1024, 1024]" in a.text for a in fig.layout.annotations)
 
 
 def test_a_long_query_row_draws_its_heaviest_and_most_recent_keys_and_says_how_much_it_leaves_out(batch_gen,
