@@ -1,4 +1,5 @@
-"""Long prompts, side by side in one run: ``python bench/bench_long.py [--n 32768] [--upto 8192] [--quick]``.
+"""Long prompts, side by side in one run:
+``python bench/bench_long.py [--n 32768] [--upto 8192] [--repeats 3] [--profile 0] [--only-hf]``.
 
 A Llama-style model with random weights (2 layers, d = 256, 4 heads of d_head 64, d_ff 688, V = 1024, n_ctx
 32,768), built with transformers' ``LlamaConfig`` and saved locally (no download). Three parts:
@@ -9,10 +10,13 @@ A Llama-style model with random weights (2 layers, d = 256, 4 heads of d_head 64
    strip and one layer's long-context statistics, timed.
 2. Our GPT untraced against transformers' own ``LlamaForCausalLM`` (attn_implementation="sdpa") on the same
    weights, prefill, interleaved in one process, at 1,024 … ``--upto`` tokens (the median of 3, 1 beyond 8k).
-3. The same architecture run by transformers (``load_hf(..., implementation="transformers")``): its traced
-   prefill at 1,024 tokens (attention path "auto", and forced "fused") against transformers' untraced SDPA.
+3. The same architecture run by transformers (``load_hf(..., implementation="transformers")``): its prefill at
+   1,024 tokens untraced (fused, and forced eager) and traced (shapes and values on the "auto" path, values
+   forced fused) against transformers' untraced SDPA, the tracers installed once; ``--profile K`` then profiles
+   K forwards each of the traced "auto" one and the untraced one and prints where they differ.
+   ``--only-hf`` runs this part alone.
 
-Prints ratios; writes ``bench/results/long.json`` with the machine.
+Prints ratios; writes ``bench/results/long.json`` (``long_hf.json`` for ``--only-hf``) with the machine.
 """
 
 from __future__ import annotations
@@ -126,7 +130,14 @@ def ours_vs_sdpa(lengths: list[int]) -> list[dict]:
     return rows
 
 
-def hf_traced(n: int, repeats: int) -> dict:
+def hf_traced(n: int, repeats: int, profile: int = 0) -> dict:
+    """Part 3: a transformers-run Llama's prefill of ``n`` tokens, interleaved: transformers' own SDPA model,
+    ours untraced (the fused kernel: nothing reads an n × t hook point) and untraced forced eager, then traced
+    — shapes and values on the "auto" path (eager below the threshold, as a short prompt is traced) and values
+    forced fused. The tracers are installed once, as ``TracedGeneration`` does: each timed forward is one step.
+    Medians and minima (the least-disturbed run on a shared machine). With ``profile`` > 0, that many more
+    forwards of "values auto" and of "untraced" each under ``cProfile``, alternating; the functions whose own
+    time per forward differs most between the two are printed — where the traced eager forward's time goes."""
     from transformers import AutoModelForCausalLM
 
     from model import load_hf
@@ -136,21 +147,67 @@ def hf_traced(n: int, repeats: int) -> dict:
     model, _ = load_hf(llama_dir(), implementation="transformers")
     theirs = AutoModelForCausalLM.from_pretrained(llama_dir(), attn_implementation="sdpa").eval()
     tokens = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(1))
+    tracers = {c: Tracer(model, capture=c) for c in ("shapes", "values")}
 
-    def traced(mode: str):
-        def run():
-            with attention_path(mode), Tracer(model):
-                model(tokens)
-        return run
+    def run(mode: str, capture: str | None = None):
+        def go():
+            with attention_path(mode):
+                if capture is None:
+                    model(tokens)
+                else:
+                    with tracers[capture].active():
+                        model(tokens)
+        return go
 
+    fns = {"sdpa": lambda: theirs(tokens), "untraced": run("auto"), "untraced eager": run("eager"),
+           "shapes auto": run("auto", "shapes"), "values auto": run("auto", "values"),
+           "values fused": run("fused", "values")}
     with torch.no_grad():
-        times = interleaved({"sdpa": lambda: theirs(tokens), "traced auto": traced("auto"),
-                             "traced fused": traced("fused"), "traced eager": traced("eager")}, repeats)
-    out = {k: median(v) for k, v in times.items()}
-    for k in ("traced auto", "traced fused", "traced eager"):
-        print(f"  {n:,} tokens, transformers-run, {k}: {out[k]:.3f} s, ×{out[k] / out['sdpa']:.2f} "
-              f"transformers' untraced SDPA ({out['sdpa']:.3f} s)", flush=True)
+        times = interleaved(fns, repeats)
+    out: dict = {"n": n, "repeats": repeats, "median_s": {k: median(v) for k, v in times.items()},
+                 "min_s": {k: min(v) for k, v in times.items()}}
+    for k in fns:
+        med, low = out["median_s"][k], out["min_s"][k]
+        print(f"  {n:,} tokens, {k:15s} median {med:.3f} s ×{med / out['median_s']['untraced']:.2f} ours untraced, "
+              f"×{med / out['median_s']['sdpa']:.2f} transformers SDPA; min {low:.3f} s "
+              f"×{low / out['min_s']['untraced']:.2f} / ×{low / out['min_s']['sdpa']:.2f}", flush=True)
+    if profile:
+        out["profile"] = where_time_goes({"values auto": fns["values auto"], "untraced": fns["untraced"]}, profile)
+    for tracer in tracers.values():
+        tracer.close()
     return out
+
+
+def where_time_goes(fns: dict, forwards: int, shown: int = 18) -> list[dict]:
+    """Each function's own time (cProfile tottime) per forward under the first of ``fns`` minus under the
+    second, ``forwards`` of each alternating; the ``shown`` largest differences, printed and returned."""
+    import cProfile
+    import pstats
+
+    profiles = {k: cProfile.Profile() for k in fns}
+    with torch.no_grad():
+        for _ in range(forwards):
+            for k, fn in fns.items():
+                profiles[k].enable()
+                fn()
+                profiles[k].disable()
+    own = {}
+    for k, prof in profiles.items():
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        own[k] = {f"{Path(f).name}:{line}({name})": (tt / forwards, nc / forwards)
+                  for (f, line, name), (_, nc, tt, _, _) in stats.items()}
+    first, second = list(fns)
+    names = set(own[first]) | set(own[second])
+    rows = sorted(({"function": f, first: own[first].get(f, (0.0, 0))[0], second: own[second].get(f, (0.0, 0))[0],
+                    "calls": own[first].get(f, (0.0, 0))[1]} for f in names),
+                  key=lambda r: r[second] - r[first])[:shown]
+    total = {k: sum(t for t, _ in own[k].values()) for k in fns}
+    print(f"  profiled ({forwards} forwards each): {first} {total[first]:.3f} s, {second} {total[second]:.3f} s "
+          "per forward; own time per forward, largest differences:", flush=True)
+    for r in rows:
+        print(f"    {r[first] - r[second]:+.3f} s  {r['function'][:90]:90s} ({r[first]:.3f} vs {r[second]:.3f}; "
+              f"{r['calls']:.0f} calls)", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -158,17 +215,26 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=32768, help="tokens of the long prefill (part 1)")
     parser.add_argument("--upto", type=int, default=8192, help="longest prompt of part 2")
     parser.add_argument("--no-stats", action="store_true", help="skip the statistics of a layer in part 1")
+    parser.add_argument("--only-hf", action="store_true", help="part 3 alone (writes long_hf.json)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of part 3")
+    parser.add_argument("--profile", type=int, default=0, help="forwards profiled in part 3 (0: none)")
     args = parser.parse_args()
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}", flush=True)
     started = time.perf_counter()
+    if args.only_hf:
+        print("3. a transformers-run model traced vs untraced", flush=True)
+        hf = hf_traced(1024, args.repeats, args.profile)
+        save("long_hf", {"machine": info, "hf_traced_1024": hf, "seconds": time.perf_counter() - started,
+                         "loadavg": Path("/proc/loadavg").read_text().split()[:3]})
+        return
     print("1. long prefill, untraced fused vs traced with values (child processes)", flush=True)
     long = long_prefill(args.n, not args.no_stats)
     print("2. our GPT untraced vs transformers SDPA", flush=True)
     lengths = [n for n in (1024, 2048, 4096, 8192, 16384, 32768) if n <= args.upto]
     versus = ours_vs_sdpa(lengths)
     print("3. a transformers-run model traced vs its untraced SDPA", flush=True)
-    hf = hf_traced(1024, 3)
+    hf = hf_traced(1024, args.repeats, args.profile)
     save("long", {"machine": info, "long_prefill": long, "ours_vs_sdpa": versus, "hf_traced_1024": hf,
                   "seconds": time.perf_counter() - started, "rss_unit": "MB (ru_maxrss / 1024)"})
 

@@ -21,7 +21,7 @@ from figures.common import (
     score_scale,
     shape_text,
 )
-from figures.heatmap import Grid, Pooling, add, grid, pool, pooled_caption, short_number, style_axes
+from figures.heatmap import Grid, Pooling, add, grid, pool, pooled_caption, short_number, style_axes, weight_top
 from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from figures.plot import figure, fitted, subplots
 from model.gpt import act_name
@@ -152,9 +152,17 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
     # five panels (a soft-capped model), or a grouped model's longer QKᵀ line: the shapes line breaks before its
     # result (at 1280 px the grouped line ran into its neighbour's, issue 41)
-    wrap = len(stages) > 4 or any(" query heads per K head)" in s.shapes for s in stages)
+    # a long prompt's shapes line too ("[1, 2, 32768, 64] @ [1, 2, 64, 32768] → …" ran into its neighbours at 1280)
+    wrap = len(stages) > 4 or any(" query heads per K head)" in s.shapes or len(s.shapes) > 50 for s in stages)
+    grids = {s.hook: grid(s.matrix, xs, ys, max_side=STAGE_SIDE) for s in stages if s.matrix is not None}
+    # the weights' colours: 0 … 1, or where that would draw them all dark (a long row's weights are ~1/t),
+    # stopped at the 99% quantile of the cells drawn, said under the panel's title and on its colour bar
+    weights = weight_top(grids["pattern"].z) if "pattern" in grids else None
+    clip_line = (f"<br>colours stop at {weights.top:.3g}, the {weights.share:.0%} quantile"
+                 if weights is not None and weights.share is not None else "")
     titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>"
-              f"{s.shapes.replace(' → ', '<br>→ ').replace(' (', '<br>(') if wrap else s.shapes}</span>"
+              f"{s.shapes.replace(' → ', '<br>→ ').replace(' (', '<br>(') if wrap else s.shapes}"
+              f"{clip_line if s.hook == 'pattern' else ''}</span>"
               for s in stages]
     fig = subplots(rows=1, cols=len(stages), subplot_titles=titles, horizontal_spacing=0.075)
     score_values = [s.matrix[torch.isfinite(s.matrix)] for s in stages[:-1] if s.matrix is not None]
@@ -171,11 +179,11 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
             # were drawn over the last panel in the browser (seen in a screenshot at 32k tokens)
             left, right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain
             derived = is_derived(trace, act_name(stage.hook, layer), step)
-            fig.add_annotation(text="not formed: the fused kernel ran<br>(Zoom recomputes any region)" if derived
+            fig.add_annotation(text="not formed:<br>the fused kernel ran<br>(Zoom recomputes<br>any region)" if derived
                                else "values not kept", showarrow=False, x=(left + right) / 2, y=0.5,
                                xref="paper", yref="paper")
             continue
-        g = grid(stage.matrix, xs, ys, max_side=STAGE_SIDE)
+        g = grids[stage.hook]
         name = STAGE_NAMES.get(stage.hook, stage.hook)
         if stage.pooled_only:  # block means: recomputed from Q and K where the fused kernel kept no pattern, else
             # evicted values' digest — said beside its own panel's pooling, not of every panel
@@ -186,7 +194,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain[1]
         bar = {"x": right + 0.003, "len": 0.9, "thickness": 8, "nticks": 5, "tickfont": {"size": 9}, "xpad": 0}
         if stage.hook == "pattern":
-            add(fig, g, "amount", row=1, col=i, colorbar="A", bar=bar, **numbers)
+            add(fig, g, "amount", row=1, col=i, colorbar="A", bar=bar, scale=weights, **numbers)
         elif shared_scale:
             top = max(abs(lo), abs(hi))
             last = len(stages) - 1  # the last score stage (+ M) carries the shared colour bar
@@ -201,7 +209,11 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     unpooled = [name for name in digests if not poolings[name].pooled]
     note = "; ".join([note] * bool(note) + unpooled)
     # the figure's title at the very top, above the subplot titles (four lines when wrapped: they reached it)
-    fig.update_layout(height=height + (20 if wrap else 0), margin={"t": 155 if wrap else 95, "l": 10, "r": 30, "b": 10},
+    # the right margin holds the weights' colour bar and its ticks ("≥0.00249" where clipped)
+    margin_right = 75 if weights is not None and weights.clipped else 40
+    margin_top = (155 if wrap else 95) + (15 if clip_line else 0)
+    fig.update_layout(height=height + (20 if wrap else 0) + (15 if clip_line else 0),
+                      margin={"t": margin_top, "l": 10, "r": margin_right, "b": 10},
                       title={"text": f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
                              "y": 0.995, "yref": "container", "yanchor": "top"},
                       title_font_size=13)

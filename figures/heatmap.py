@@ -14,6 +14,8 @@
   the cells.
 * Amounts in [0, 1] use the ``AMOUNT`` scale from 0 to 1; anything signed uses
   ``SIGNED`` centred on 0; masked cells are ``MASKED`` grey (``add`` draws that layer).
+* Weights far below 1 everywhere (a long softmax row's are ~1/t) would leave 0 … 1 dark: ``weight_top`` stops the
+  colours at the 99% quantile of the cells instead, and the colour bar says so (``ColourTop.bar``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from figures.palette import AMOUNT, MASKED, SIGNED
 
 MAX_SIDE = 256
 NUMBERS_UP_TO = 12
+CLIP_SHARE = 0.99  # a clipped colour scale stops at this quantile of the nonzero cells
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,59 @@ def grid(matrix: torch.Tensor, x_labels: list[str] | None, y_labels: list[str] |
     return Grid(z, spans(x_labels, cols, c, offset[1]), spans(y_labels, rows, r, offset[0]), pooling)
 
 
+@dataclass(frozen=True)
+class ColourTop:
+    """The top of a colour scale that starts at 0: ``top``; ``share`` is set when the top is that quantile of the
+    nonzero cells and the cells above it (``largest`` the largest of them) are drawn in the top colour."""
+
+    top: float
+    largest: float
+    share: float | None = None  # None: nothing is clipped
+
+    @property
+    def clipped(self) -> bool:
+        return self.share is not None
+
+    def note(self) -> str:
+        """What a title says of a clipped scale ("" when nothing is clipped)."""
+        if self.share is None:
+            return ""
+        return (f"colours stop at {self.top:.3g}, the {self.share:.0%} quantile of the cells (the largest is "
+                f"{self.largest:.3g})")
+
+    def bar(self, title: str) -> dict:
+        """Colour bar options: ``title``, and where the scale is clipped, "clipped" under it and "≥" on its top
+        tick — the value from which a cell is drawn in the top colour."""
+        if self.share is None:
+            return {"title": {"text": title, "side": "top"}}
+        ticks = [0.0, self.top / 2, self.top]
+        return {"title": {"text": f"{title}<br>clipped", "side": "top"}, "tickvals": ticks,
+                "ticktext": ["0", f"{ticks[1]:.2g}", f"≥{self.top:.3g}"]}
+
+
+def colour_top(z: np.ndarray, share: float = CLIP_SHARE) -> ColourTop:
+    """The top of a colour scale from 0: the ``share`` quantile of the finite nonzero cells where the largest
+    cells are far above it (more than twice: a causal pattern's first rows put weight 1 on one key, which would
+    leave every other cell dark), else the largest cell; 1 when no cell is above 0."""
+    shown = z[np.isfinite(z) & (z > 0)]
+    if not shown.size:
+        return ColourTop(1.0, 0.0)
+    largest, quantile = float(shown.max()), float(np.quantile(shown, share))
+    if largest <= 2 * quantile:
+        return ColourTop(largest, largest)
+    return ColourTop(quantile, largest, share)
+
+
+def weight_top(z: np.ndarray, share: float = CLIP_SHARE) -> ColourTop:
+    """The top of a colour scale for attention weights (0 … 1): 1, a weight's own scale, where the weights fill
+    it (their ``share`` quantile is at least ½); else ``colour_top`` — the weights of a long row are ~1/t, and
+    their block means at 32k tokens ~1e-4, which 0 … 1 draws all dark."""
+    shown = z[np.isfinite(z) & (z > 0)]
+    if not shown.size or float(np.quantile(shown, share)) >= 0.5:
+        return ColourTop(1.0, float(shown.max()) if shown.size else 0.0)
+    return colour_top(z, share)
+
+
 def short_number(v: float) -> str:
     """At most 5 characters below 10 000 ("-22.9", "-8.15", "0.89", "123"): two decimals under 10, one under
     100, none above — what a narrow cell holds."""
@@ -262,20 +318,24 @@ def short_number(v: float) -> str:
 def heatmap(g: Grid, kind: str = "signed", zmin: float | None = None, zmax: float | None = None,
             colorbar: str = "", coloraxis: str | None = None, showscale: bool = True,
             bar: dict | None = None, numbers_up_to: int = NUMBERS_UP_TO,
-            number: Callable[[float], str] = "{:.3f}".format) -> go.Heatmap:
+            number: Callable[[float], str] = "{:.3f}".format, scale: ColourTop | None = None) -> go.Heatmap:
     """A plotly heatmap of ``g``. ``kind``: "amount" (0 … 1) or "signed" (centred on 0). Its numbers are
     written (by ``number``) when it has at most ``numbers_up_to`` rows and columns: a figure of several
-    panels side by side has narrower cells, so it asks for fewer and shorter numbers (``short_number``)."""
+    panels side by side has narrower cells, so it asks for fewer and shorter numbers (``short_number``). An amount's
+    ``scale`` (``weight_top``) sets the top of its colours and its colour bar's title and ticks."""
     small = len(g.z) <= numbers_up_to and len(g.x) <= numbers_up_to
     text = [[("" if math.isnan(v) else number(v)) for v in row] for row in g.z.tolist()] if small else None
     amount = kind == "amount"
+    if scale is not None:
+        zmax = scale.top
     trace = go.Heatmap(
         z=g.z, x=g.x, y=g.y, text=text, texttemplate="%{text}" if small else None, textfont={"size": 11},
         colorscale=None if coloraxis else (AMOUNT if amount else SIGNED),
         zmin=0.0 if amount and zmin is None else zmin, zmax=1.0 if amount and zmax is None else zmax,
         zmid=None if amount or zmin is not None or coloraxis else 0.0, coloraxis=coloraxis, showscale=showscale,
         hovertemplate="row %{y}<br>column %{x}<br>%{z:.4g}<extra></extra>", hoverongaps=False,
-        colorbar={"title": {"text": colorbar, "side": "top"}, "thickness": 10, **(bar or {})} if colorbar else None,
+        colorbar=({**(scale.bar(colorbar) if scale is not None else {"title": {"text": colorbar, "side": "top"}}),
+                   "thickness": 10, **(bar or {})} if colorbar else None),
     )
     return trace
 

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from figures.heatmap import colour_top
 from figures.palette import AMOUNT
 from figures.plot import figure
 from model.gpt import act_name, grid_edges
@@ -65,10 +66,11 @@ def overview_figure(view: Overview, statistic: str = "mean") -> go.Figure:
     block, so a box drawn on it selects those positions."""
     z = (view.mean if statistic == "mean" else view.peak).numpy().astype(np.float32)
     what = "A" if view.exact else f"block {statistic}"
-    top, clip = colour_top(z)
+    scale = colour_top(z)
+    clip = f"<br>{scale.note()}" if scale.clipped else ""  # a line of its own: the title does not wrap
     fig = figure(go.Heatmap(z=z, x=position_edges(view.col_edges), y=position_edges(view.row_edges),
-                            colorscale=AMOUNT, zmin=0, zmax=top,
-                            colorbar={"title": {"text": what, "side": "top"}, "thickness": 10, "tickformat": "~g"},
+                            colorscale=AMOUNT, zmin=0, zmax=scale.top,
+                            colorbar={**scale.bar(what), "thickness": 10, "tickformat": "~g"},
                             hovertemplate=("q %{y:,.0f} × k %{x:,.0f}" if view.exact else
                                            "block centred at q %{y:,.0f} × k %{x:,.0f}")
                             + f": {what} %{{z:.4g}}<extra></extra>"))
@@ -76,20 +78,6 @@ def overview_figure(view: Overview, statistic: str = "mean") -> go.Figure:
     fig.update_layout(title={"text": overview_title(view, statistic) + clip, "font": {"size": 12}}, height=460,
                       dragmode="select")
     return fig
-
-
-def colour_top(z: np.ndarray, share: float = 0.99) -> tuple[float, str]:
-    """The top of the colour scale, and what to say of it: the ``share`` quantile of the nonzero cells where
-    the largest cells are far above it (a causal pattern's first rows put weight 1 on one key, which would
-    leave every other cell dark), else the largest cell and nothing to say."""
-    shown = z[z > 0]
-    if not shown.size:
-        return 1.0, ""
-    largest, quantile = float(shown.max()), float(np.quantile(shown, share))
-    if largest <= 2 * quantile:
-        return largest, ""
-    return quantile, (f"<br>colours stop at {quantile:.3g}, the {share:.0%} quantile of the cells "
-                      f"(the largest is {largest:.3g})")  # a line of its own: the title does not wrap
 
 
 def overview_title(view: Overview, statistic: str) -> str:

@@ -8,7 +8,8 @@ strip against transformers' own eager attention weights.
 Minutes on a 2-core machine (the prefill alone is ~30 s, the first overview and the statistics each a pass over
 QKᵀ of 32k × 32k), so it is marked ``long_context`` and left out of a plain run:
 ``python -m pytest -m long_context tests/test_browser_long.py``. ``SAVE_SCREENSHOTS=1`` (or
-``long_overview,long_zoom,long_statistics,long_overview_1280``) also writes the screenshots docs/views.md shows.
+``long_overview,long_zoom,long_statistics,long_stages,long_stages_1280,long_overview_1280``)
+also writes the screenshots docs/views.md shows.
 """
 
 from __future__ import annotations
@@ -287,6 +288,12 @@ def test_the_app_at_32k_tokens_overview_box_zoom_row_and_statistics(directory):
         page.set_viewport_size({"width": 1280, "height": 800})  # the same views at the smaller size
         page.wait_for_timeout(500)
         assert not clipped_labels(page)
+        if saving("long_stages_1280"):  # Stages is the tab open last: the pattern panel's clipped colour scale
+            page.get_by_text("QKᵀ").first.evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.wait_for_timeout(400)
+            page.screenshot(path=str(shots / "long_stages_1280.png"))
+        if saving("long_overview_1280") or saving("long_zoom_1280"):
+            act(page, lambda: page.get_by_role("tab", name="Zoom", exact=True).click(), 1200)
         for name, top in (("long_overview_1280", "This layer ran the fused kernel"),
                           ("long_zoom_1280", "first query row")):
             if saving(name):

@@ -118,6 +118,60 @@ def test_one_colour_scale_shows_the_division_by_root_dk(gen):
     assert values(own)[0].zmin is None  # each stage its own scale unless asked
 
 
+def test_weights_far_below_one_have_their_colours_stop_at_the_99_percent_quantile_and_the_bar_says_so():
+    """A long causal row's weights are ~1/t: on 0 … 1 every cell would be dark. Where the 99% quantile of the
+    nonzero cells is below ½ and the largest cell is more than twice it, the scale stops at that quantile (numpy's)
+    and the colour bar says "clipped" and "≥ top"; weights that fill 0 … 1 keep it, and a scale nothing exceeds
+    twice over stops at the largest cell, clipping nothing."""
+    n = 400
+    uniform = np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None]  # each row spread evenly over its keys
+    scale = heatmap.weight_top(uniform)
+    nonzero = uniform[uniform > 0]
+    assert scale.clipped and scale.top == pytest.approx(np.quantile(nonzero, 0.99)) and scale.largest == 1.0
+    assert 0 < (nonzero > scale.top).sum() <= math.ceil(0.01 * nonzero.size)  # drawn in the top colour: ~1 in 100
+    bar = scale.bar("A")
+    assert bar["title"]["text"] == "A<br>clipped" and bar["tickvals"][-1] == scale.top
+    assert bar["ticktext"][-1] == f"≥{scale.top:.3g}" and bar["ticktext"][0] == "0"
+    assert scale.note() == (f"colours stop at {scale.top:.3g}, the 99% quantile of the cells (the largest is 1)")
+    small = np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None]  # four tokens: weights ¼ … 1 fill 0 … 1
+    assert heatmap.weight_top(small) == heatmap.ColourTop(1.0, 1.0) and heatmap.weight_top(small).bar("A") == {
+        "title": {"text": "A", "side": "top"}}
+    flat = np.full((8, 8), 0.2)  # nothing far above the rest: the top is the largest cell, nothing clipped
+    assert heatmap.weight_top(flat) == heatmap.ColourTop(0.2, 0.2) and not heatmap.weight_top(flat).note()
+    assert heatmap.colour_top(np.zeros((3, 3))).top == 1.0 and heatmap.colour_top(np.full((2, 2), np.nan)).top == 1.0
+
+
+def test_the_stages_pattern_at_a_long_prompt_is_drawn_on_a_clipped_scale_that_its_title_and_bar_state():
+    """The fused kernel at 1,024 tokens: the pattern panel draws the block means recomputed from Q and K (each
+    ~1/t, all below 0.1), its colours stop where the panel's title and colour bar say — the 99% quantile of the
+    cells drawn — and hovering a cell still reads its own mean, not the clipped value."""
+    from model.gpt import attention_path
+    from tracer import Tracer
+
+    torch.manual_seed(0)
+    config = GPTConfig.for_family("llama", vocab_size=64, n_ctx=1024, d_model=64, n_layer=1, n_head=2, n_kv_head=2,
+                                  d_mlp=128)
+    model = GPT(config).eval()
+    tokens = torch.randint(0, 64, (1, 1024), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), attention_path("fused"), Tracer(model) as tr:
+        model(tokens)
+    fig = attention.attention_stages_figure(tr.trace, 0, 0, 1)
+    drawn = [d for d in fig.data if d.type == "heatmap" and d.hoverinfo != "skip"]
+    assert len(drawn) == 1  # the score stages were never formed
+    pattern = drawn[0]
+    digest = tr.trace.digest(tr.trace.record("blocks.0.attn.hook_pattern", 0))[0, 1]
+    assert pattern.z.shape == (128, 128) and same(pattern.z, digest)
+    cells = np.asarray(pattern.z, dtype=np.float64)
+    cells = cells[np.isfinite(cells) & (cells > 0)]
+    assert cells.max() > 2 * pattern.zmax and pattern.zmax == pytest.approx(np.quantile(cells, 0.99), rel=1e-6)
+    assert 0 < (cells > pattern.zmax).sum() <= math.ceil(0.01 * cells.size) and pattern.zmin == 0
+    assert pattern.colorbar.title.text == "A<br>clipped" and pattern.colorbar.ticktext[-1] == f"≥{pattern.zmax:.3g}"
+    title = next(a.text for a in fig.layout.annotations if "softmax" in a.text)
+    assert f"colours stop at {pattern.zmax:.3g}, the 99% quantile" in title
+    # a long shapes line breaks before its result (at 1280 px it ran into its neighbours')
+    assert any("[1, 2, 1024, 32] @ [1, 2, 32, 1024]<br>→ [1, 2, 1024, 1024]" in a.text for a in fig.layout.annotations)
+
+
 def test_a_long_query_row_draws_its_heaviest_and_most_recent_keys_and_says_how_much_it_leaves_out(batch_gen,
                                                                                                   monkeypatch):
     """Past QUERY_ROW_LIMIT keys (a 32k row drawn as 32k spans crashed a browser tab) the row draws the keys the

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from model import load_hf
+from model.gpt import attention_path
 from model.sources import BUNDLED_DIR, HFDecoder
 from tests import hf_architectures
 from tests.hf_architectures import ARCHITECTURES, COMMON
@@ -298,11 +299,13 @@ def test_a_hybrid_model_keeps_its_state_in_transformers_cache_beside_our_k_and_v
     assert f"{sum(state) / 1024:,.1f} KiB in all after step {last}" in sentence and "2 layer(s)" in sentence
     kv = sum(trace.record(f"blocks.{L}.attn.hook_{k}_all", last).nbytes for L in range(2) for k in "kv")
     assert cache.cache_growth(trace)["K+V bytes (all layers)"].iloc[last] == kv + sum(state)
-    # replay step 2 from a copy of the cache as it was before it: the same logits, to the bit
+    # replay step 2 from a copy of the cache as it was before it: the same logits, to the bit. Untraced, the
+    # replay would run the fused kernel (nothing reads it) where the traced step ran eager (its stages kept):
+    # the same path is forced, so that only the cache can make a difference
     before = gen.facts.step(2).forward.cache_before
     copy = gen.cache.copy(before)
     fed = torch.tensor([[gen.facts.columns(r, 2)[-1]] for r in range(B)])
-    with torch.no_grad():
+    with torch.no_grad(), attention_path("eager"):
         again = gen.model(fed, cache=copy)
     assert torch.equal(again, trace.get("hook_logits", 2))
     with pytest.raises(ValueError, match="a copy can hold"):

@@ -197,7 +197,17 @@ def test_an_untraced_forward_runs_fused_at_every_length_and_a_traced_one_follows
         untraced = model(tokens)
         with Tracer(model) as tr:
             traced = model(tokens)
+        # a tracer installed but not active on this thread (TracedGeneration keeps its tracer installed between
+        # steps; another session may be tracing the same model) reads nothing: the forward is still untraced
+        installed = Tracer(model).install()
+        try:
+            untraced_beside = model(tokens)
+            with installed.active():
+                traced_again = model(tokens)
+        finally:
+            installed.close()
     assert torch.equal(untraced, fused) and torch.equal(traced, eager)
+    assert torch.equal(untraced_beside, fused) and torch.equal(traced_again, eager)
     assert not is_derived(tr.trace, "blocks.0.attn.hook_pattern", 0)
     assert (untraced - traced).abs().max() <= 1e-5
 

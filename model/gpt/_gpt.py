@@ -298,6 +298,10 @@ def _global_module_hooks() -> bool:
                 or getattr(_torch_module, "_global_forward_pre_hooks", True))
 
 
+def _always() -> bool:
+    return True
+
+
 class TapHandle:
     """Returned by ``HookPoint.add_tap``; ``remove()`` takes the tap off again (idempotent)."""
 
@@ -344,8 +348,10 @@ class HookPoint(nn.Module):
 
     @property
     def listened(self) -> bool:
-        """Whether taps read this point."""
-        return bool(self._taps)
+        """Whether a tap reads this point now. A tap may say it is idle: one with a ``listening()`` method that
+        returns False (a tracer's, installed on the model while no trace is active on this thread) reads
+        nothing, so a forward it would only pass through runs as one nobody reads (fused attention)."""
+        return any(getattr(tap, "listening", _always)() for tap in self._taps)
 
     @property
     def written(self) -> bool:

@@ -71,6 +71,29 @@ def module_table(model: nn.Module) -> list[ModuleInfo]:
                        isinstance(module, HookPoint)) for path, module in model.named_modules()]
 
 
+class _Tap:
+    """A hook point's tap: hands the value to the listener active on this thread for the model, if any. It says
+    whether it reads now (``listening``, ``HookPoint.listened``): with no listener active an attention layer
+    need not make its n × t stages real tensors (an untraced forward of a model a tracer is installed on runs
+    fused, as one with no tracer installed does)."""
+
+    __slots__ = ("index", "model_id")
+
+    def __init__(self, model_id: int, index: int) -> None:
+        self.model_id, self.index = model_id, index
+
+    def __call__(self, value: Any) -> None:
+        active = getattr(_thread, "active", None)
+        if active:
+            listener = active.get(self.model_id)
+            if listener is not None:
+                listener.on_hook_point(self.index, value)
+
+    def listening(self) -> bool:
+        active = getattr(_thread, "active", None)
+        return active is not None and active.get(self.model_id) is not None
+
+
 class InstalledHooks:
     """One pre-hook and one forward hook on every module of one model, a tap on every hook point."""
 
@@ -111,17 +134,8 @@ class InstalledHooks:
 
         return post_hook
 
-    def _tap(self, index: int):
-        model_id = self.model_id
-
-        def hook_point_tap(value):
-            active = getattr(_thread, "active", None)
-            if active:
-                listener = active.get(model_id)
-                if listener is not None:
-                    listener.on_hook_point(index, value)
-
-        return hook_point_tap
+    def _tap(self, index: int) -> _Tap:
+        return _Tap(self.model_id, index)
 
     def remove(self) -> None:
         for handle in self._handles:
