@@ -5,6 +5,7 @@ mask prevent, RoPE's rotation, every head at once, and the rows a cached generat
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 
 import pandas as pd
@@ -32,6 +33,8 @@ GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pool
 MIN_TILE_ROWS = 6  # a head with fewer query rows has them drawn taller, up to this many rows
 ROLE_SHOWN = 0.3  # a head's clearest role is written on its tile from this score up
 STAGE_SIDE = 128  # four stages side by side: each pooled to at most 128 × 128, under 1 MB together
+NOTE_LINE = ("<br><span style='font-size:11px'>", "</span>")  # how each line of that note is written
+NOTE_WIDTH = 110  # characters per line of the pooling note under the Stages title (one line ran off at 1280 px)
 # each stage's short name in a pooled figure's caption (what its means left out)
 STAGE_NAMES = {"qk": "QKᵀ", "attn_scores": "scaled QKᵀ", "softcapped": "soft-capped", "masked_scores": "+ M",
                "sink_logits": "s_h", "pattern": "A", "sink_weight": "a_sink"}
@@ -211,14 +214,23 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     # the figure's title at the very top, above the subplot titles (four lines when wrapped: they reached it)
     # the right margin holds the weights' colour bar and its ticks ("≥0.00249" where clipped)
     margin_right = 75 if weights is not None and weights.clipped else 40
-    margin_top = (155 if wrap else 95) + (15 if clip_line else 0)
-    fig.update_layout(height=height + (20 if wrap else 0) + (15 if clip_line else 0),
+    # the note on lines of its own under the title: on one line it ran under plotly's toolbar and past the
+    # figure's right edge at 1280 px (seen in a screenshot at 32k tokens)
+    note_lines = textwrap.wrap(note, NOTE_WIDTH, break_on_hyphens=False, break_long_words=False) if note else []
+    margin_top = (155 if wrap else 95) + (15 if clip_line else 0) + 15 * len(note_lines)
+    fig.update_layout(height=height + (20 if wrap else 0) + (15 if clip_line else 0) + 15 * len(note_lines),
                       margin={"t": margin_top, "l": 10, "r": margin_right, "b": 10},
-                      title={"text": f"layer {layer}, head {head}, step {step}" + (f" — {note}" if note else ""),
+                      title={"text": f"layer {layer}, head {head}, step {step}" + " —" * bool(note_lines)
+                                     + "".join(f"{NOTE_LINE[0]}{ln}{NOTE_LINE[1]}" for ln in note_lines),
                              "y": 0.995, "yref": "container", "yanchor": "top"},
                       title_font_size=13)
     fig.update_annotations(font_size=12)
     return fig
+
+
+def one_line_title(fig: go.Figure) -> str:
+    """The Stages figure's title as one line of text: its note's lines joined as the reader reads them."""
+    return fig.layout.title.text.replace(NOTE_LINE[1], "").replace(NOTE_LINE[0], " ")
 
 
 def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: int, batch: int = 0) -> str:

@@ -1003,7 +1003,7 @@ def test_the_stages_title_says_an_evicted_patterns_digest_counted_its_masked_wei
     expected = torch.tensor([[float(head[a:b, c:d].mean()) for c, d in edges] for a, b in edges], dtype=torch.float64)
     assert torch.allclose(digest[0, 0].double(), expected, atol=1e-6)  # every cell counted, the masked 0s too
     assert float(expected.triu(2).abs().max()) == 0 and float(head[torch.isfinite(head)].min()) == 0
-    title = attention.attention_stages_figure(small.trace, 0, 0, 0).layout.title.text
+    title = attention.one_line_title(attention.attention_stages_figure(small.trace, 0, 0, 0))
     largest = max(b - a for a, b in edges)
     assert title.endswith(f"— each cell is the mean of a block of at most {largest} × {largest} cells of the "
                           "200 × 200 matrix (every cell counted in A, a digest of evicted values)"), title

@@ -602,7 +602,7 @@ def test_41_a_pooled_stages_figure_says_which_cells_each_panels_means_left_out(m
             stages = [s for s in attention_figures.attention_stages(trace, step, layer, 0, batch)
                       if s.matrix is not None]
             fig = attention_figures.attention_stages_figure(trace, step, layer, 0, batch)
-            title = fig.layout.title.text
+            title = attention_figures.one_line_title(fig)
             drawn = [d for d in fig.data if d.type == "heatmap" and d.hoverinfo != "skip"]
             assert len(drawn) == len(stages) == 4 + ("softcapped" in [s.hook for s in stages]), (name, title)
             assert "masked cells left out" not in title
