@@ -666,3 +666,37 @@ def test_41_a_pooled_grid_reports_what_its_means_left_out_for_each_kind_of_matri
         if hook in ("mask", "history") and step == 0:
             assert total > 0, (name, step)  # the causal mask leaves cells out at the prefill
         assert drawn_equal(g.z.tolist(), block_means(m, r, c, finite_only=bool(total))), (name, step, hook)
+
+
+# -- none of the 16 statements' old texts remains anywhere a person reads ----------------------------------------
+OLD_TEXTS = {  # statement of issue 41 → its false text as the app or the docs printed it
+    1: "every position that has a next token",  # right padding dropped the prompt's last pair
+    3: "still to read",
+    4: "grows with the square of the context",
+    5: "The scores of one layer take H·n² numbers",
+    6: "outgrow the cache of every layer from n",
+    8: "saves what quantizing saves again",
+    10: "All six gradients computed from their formulas",
+    11: "by decades with depth is a vanishing",
+    15: "another program was running",
+    16: "attend only to themselves",
+}
+
+
+def test_none_of_the_old_false_texts_remains_in_the_code_or_the_docs():
+    """The tests above check each statement's function over the matrix; this one checks that no other place (a
+    widget's help, a docstring the docs quote, a docs page) still says the old text. Statement 1's text stayed in
+    the loss picker's help after the loss was fixed."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    places = [root / "README.md", root / "app.py", root / "session.py"]
+    for room in ("gui", "figures", "tracer", "model", "gpt_shape_tracer", "docs"):
+        places += [p for p in (root / room).rglob("*") if p.suffix in (".py", ".md", ".ipynb")]
+    found = []
+    for path in places:
+        said = " ".join(path.read_text(encoding="utf-8").split())  # a text broken over lines reads as one
+        said = re.sub(r"[\"']\s*[rbfRBF]{0,2}[\"']", "", said)  # Python's implicit concatenation of pieces
+        found += [f"{path.relative_to(root)}: statement {n}" for n, old in OLD_TEXTS.items() if old in said]
+    assert not found, found
