@@ -230,7 +230,8 @@ def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int
                 "view).")
         return
     loss = st.radio("loss L", list(GRADIENT_LOSSES), horizontal=True, key="grad_loss", persist_state="page",
-                    help="next-token cross-entropy: the mean over every position that has a next token · "
+                    help="next-token cross-entropy: the mean over every pair of consecutive real tokens of a row "
+                         "(padding skipped, on either side) · "
                          "−log p(chosen token): of the token this step chose")
     head_gradients(trace, gen, step, layer, head, batch, loss)
     gradient_capture(gen, step, loss)

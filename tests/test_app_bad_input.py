@@ -210,6 +210,29 @@ def test_bad_model_directories_leave_the_loaded_model_working(stepped, bad_dirs,
     assert_kept(at, 3)
 
 
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive whole number, got 0"),
+    ({"layer_types": ["full_attention"] * 3}, "transformers cannot read its config"),
+])
+def test_a_transformers_config_it_cannot_build_is_a_message_and_the_model_stays(stepped, tmp_path, change,
+                                                                                 expected):
+    """Issue 43: in the app, no heads was a ZeroDivisionError and layer_types of the wrong length transformers'
+    own validation traceback; each is a message naming the field, and the loaded model and its run go on."""
+    from model.sources import BUNDLED_DIR
+    from tests.hf_architectures import build
+
+    directory = build("qwen3", tmp_path / "qwen3", BUNDLED_DIR / "tokenizer.json")
+    config = json.loads((directory / "config.json").read_text())
+    config.update(change)
+    (directory / "config.json").write_text(json.dumps(config))
+    at = _load_dir(stepped, str(directory))
+    assert not at.exception, at.exception
+    assert "Could not load that model, the previous one stays loaded" in messages(at) and expected in messages(at)
+    assert at.session_state["app"].model_key == "bundled:story-gpt"
+    press(at, "step_button")
+    assert_kept(at, 3)
+
+
 def test_files_that_cannot_be_hashed_are_a_failed_load_that_is_not_kept(stepped, hf_dir_with_tokenizer, tmp_path,
                                                                          monkeypatch):
     """The model's identity is its files' hash, taken beside the load: files that cannot be read for it make a

@@ -3,7 +3,7 @@
 
 Each server here keeps its runs in the test's own folder (``GPT_SHAPE_TRACER_RUNS_DIR``), so a second server
 started on the same folder is the first one restarted. ``SAVE_SCREENSHOTS=runs`` also writes the screenshots
-docs/app-runs.md shows (docs/images/).
+docs/runs.md shows (docs/images/).
 """
 
 from __future__ import annotations

@@ -232,3 +232,27 @@ def test_every_relative_link_in_the_docs_points_to_a_file_that_exists():
             if "://" not in target and not (doc.parent / target).exists():
                 missing.append(f"{doc.relative_to(ROOT)} → {target}")
     assert not missing, missing
+
+
+def test_every_screenshot_kept_is_shown_by_a_page_and_every_picture_shown_is_kept():
+    """The pictures under assets/screenshots/ and docs/images/ are there for the README and docs/ to show: one no
+    page shows is stale weight in every clone (or a page lost its reference), and one a page shows must exist —
+    as an image (![…](…) or <img src>), not only as a link."""
+    import re
+
+    pages = [ROOT / "README.md", ROOT / "model" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    shown, missing = set(), []
+    for page in pages:
+        said = page.read_text(encoding="utf-8")
+        for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", said) + re.findall(r'<img[^>]*\ssrc="([^"]+)"', said):
+            if "://" in target:
+                continue
+            path = (page.parent / target).resolve()
+            shown.add(path)
+            if not path.is_file():
+                missing.append(f"{page.relative_to(ROOT)} → {target}")
+    assert not missing, missing
+    kept = [p.resolve() for folder in (ROOT / "assets" / "screenshots", ROOT / "docs" / "images")
+            for p in folder.iterdir() if p.suffix.lower() in (".png", ".gif", ".jpg", ".jpeg", ".webp", ".svg")]
+    assert kept
+    assert not [p for p in kept if p not in shown], sorted(str(p.relative_to(ROOT)) for p in kept if p not in shown)

@@ -304,6 +304,29 @@ def test_a_gradients_result_comes_back_after_a_step():
     assert "gradients computed from their formulas" in page_text(at)
 
 
+def test_a_what_if_result_comes_back_when_the_slider_returns_to_its_step():
+    """docs/runs.md: a What if re-run is kept per (step, heads, how, text) and comes back when the slider returns
+    to its step — after a Step moved the slider on, the same object is shown again, not a new run."""
+    at = app_at()
+    press(at, "step_button")
+    press(at, "step_button")
+    show_tab(at, "What if")
+    at.multiselect(key="ablate_heads").select((0, 0))
+    run(at)
+    at.button(key="ablate_run").click()
+    run(at)
+    app = at.session_state["app"]
+    (key,) = app.ablations.computed_for()
+    first = app.ablations.get(key)
+    assert key[0] == 1 and "Re-ran step 1" in page_text(at)
+    press(at, "step_button")  # the slider moves to step 2: no result there yet
+    assert at.slider(key="step_view").value == 2 and "Re-ran step" not in page_text(at)
+    at.slider(key="step_view").set_value(1)
+    run(at)
+    assert "Re-ran step 1" in page_text(at) and app.ablations.computed_for() == [key]
+    assert app.ablations.get(key) is first  # kept, not computed again
+
+
 def test_a_written_trace_is_the_projects_trace_format():
     at = app_at()
     press(at, "step_button")

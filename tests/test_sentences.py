@@ -666,3 +666,93 @@ def test_41_a_pooled_grid_reports_what_its_means_left_out_for_each_kind_of_matri
         if hook in ("mask", "history") and step == 0:
             assert total > 0, (name, step)  # the causal mask leaves cells out at the prefill
         assert drawn_equal(g.z.tolist(), block_means(m, r, c, finite_only=bool(total))), (name, step, hook)
+
+
+# -- none of the 16 statements' old texts remains anywhere a person reads ----------------------------------------
+OLD_TEXTS = {  # statement of issue 41 → its false text as the app or the docs printed it
+    1: "every position that has a next token",  # right padding dropped the prompt's last pair
+    3: "still to read",
+    4: "grows with the square of the context",
+    5: "The scores of one layer take H·n² numbers",
+    6: "outgrow the cache of every layer from n",
+    8: "saves what quantizing saves again",
+    10: "All six gradients computed from their formulas",
+    11: "by decades with depth is a vanishing",
+    15: "another program was running",
+    16: "attend only to themselves",
+}
+
+
+def test_none_of_the_old_false_texts_remains_in_the_code_or_the_docs():
+    """The tests above check each statement's function over the matrix; this one checks that no other place (a
+    widget's help, a docstring the docs quote, a docs page) still says the old text. Statement 1's text stayed in
+    the loss picker's help after the loss was fixed."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    places = [root / "README.md", root / "app.py", root / "session.py"]
+    for room in ("gui", "figures", "tracer", "model", "gpt_shape_tracer", "docs"):
+        places += [p for p in (root / room).rglob("*") if p.suffix in (".py", ".md", ".ipynb")]
+    found = []
+    for path in places:
+        said = " ".join(path.read_text(encoding="utf-8").split())  # a text broken over lines reads as one
+        said = re.sub(r"[\"']\s*[rbfRBF]{0,2}[\"']", "", said)  # Python's implicit concatenation of pieces
+        found += [f"{path.relative_to(root)}: statement {n}" for n, old in OLD_TEXTS.items() if old in said]
+    assert not found, found
+
+
+# -- FlashAttention's and the cheaper cache's takeaways: their numbers, recomputed -------------------------------
+def test_the_flash_takeaway_counts_the_tiles_read_and_compares_with_the_models_own_output(matrix):
+    """The bold line and its metrics: tiles read (those with an unmasked key for some row), tiles skipped, the
+    max |Δ| against the model's own output read here from its hook_z, and the bytes each side holds."""
+    checked = 0
+    for name, _, trace, step, batch in cases(matrix):
+        layer = trace.config.n_layer - 1
+        n = trace.record(act_name("q", layer), step).shape[2]
+        for block in (4, 8):
+            run = flash.flash_attention(trace, step, layer, 0, batch, block=block,
+                                        query_block=flash.default_query_block(trace, step, batch, block))
+            sentence, metrics = flash.flash_takeaway(run)
+            numbers = dict(metrics)
+            visible = torch.isfinite(mask_rows(trace, step, layer, batch, run.rows))  # [r, t]
+            t = visible.shape[1]
+            read = sum(bool(visible[:, s:s + block].any()) for s in range(0, t, block))
+            skipped = math.ceil(t / block) - read
+            key = "tiles read" + (" (skipped: all masked)" if skipped else "")
+            assert numbers[key] == f"{read}" + (f" (+{skipped} skipped)" if skipped else ""), (name, step, batch)
+            z = trace.get(act_name("z", layer), step)[batch, 0, run.rows[0]:run.rows[1]].double()  # [r, d_head]
+            delta = float((run.tiles[-1].output - z).abs().max())
+            assert f"(max |Δ| = {delta:.1e})" in sentence, (name, step, sentence)
+            assert ("the model's own output" in sentence) == (delta <= 1e-5)
+            rows = run.rows[1] - run.rows[0]
+            assert f"their {rows} × {t} scores" in sentence and rows <= min(block, n)
+            size = trace.get(act_name("z", layer), step).element_size()
+            assert numbers["held besides the output: tiles"] == flash.size_text((rows * min(block, t) + 2 * rows)
+                                                                                 * size)
+            assert numbers["staged: the rows' scores"] == flash.size_text(rows * t * size)
+            checked += 1
+    assert checked > 40
+
+
+@pytest.mark.parametrize("storage", ["int8", "bfloat16"])
+def test_the_cheaper_cache_takeaway_states_the_saving_and_the_first_changed_choice(matrix, storage):
+    from figures import cache
+    from tracer import cache_precision
+
+    for name in ("story-llama", "left padding"):
+        gen = matrix[name][0]
+        run = cache_precision(gen, storage, 3)
+        config = gen.model.config
+        G = getattr(config, "n_kv_head", None) or config.n_head
+        t = gen.facts.width(0) + len(run.steps) - 1  # the cache after the last step: the prompt and the tokens fed
+        assert run.reference_bytes == 2 * config.n_layer * gen.batch_size * G * t * config.d_head * 4, name
+        text = cache.precision_takeaway(run)
+        assert f"holds {1 - run.stored_bytes / run.reference_bytes:.0%} less" in text
+        worst = max(s.max_abs_delta for s in run.steps)
+        changed = [s.step for s in run.steps if s.own != s.fed]
+        if changed:
+            assert f"from step {changed[0]} its own choice would differ" in text
+        else:
+            assert f"no step's own choice differs in {len(run.steps)} steps" in text
+        assert f"(largest |Δ logits| {worst:.3g})" in text

@@ -315,3 +315,22 @@ def test_under_umask_000_the_cache_is_private_all_the_same(tmp_path):
     files = {p.suffix: stat.S_IMODE(p.lstat().st_mode) for p in cache.iterdir()}
     assert files == {".so": 0o500, ".sha256": 0o400}
     assert mapped == [str(next(cache.glob("*.so")))]
+
+
+def test_the_cache_key_follows_the_instruction_sets_a_native_build_uses():
+    """A ``-march=native`` library uses whatever extensions the CPU exposes: the same CPU model with AVX-512 hidden
+    (a virtual machine, another host of the same name) must not load it. The key holds the CPU's flags as well as
+    its name, and what the compiler's driver resolves ``-march=native`` to."""
+    same_name = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    wide = fused._cpu(same_name + "flags\t\t: fpu sse2 avx2 avx512f avx512bw amx_tile\n\nprocessor\t: 1\n")
+    narrow = fused._cpu(same_name + "flags\t\t: fpu sse2 avx2\n")
+    assert wide != narrow and "avx512f" in wide and "Xeon" in narrow
+    assert "processor\t: 1" not in wide  # the first CPU's lines only
+    arm = fused._cpu("processor\t: 0\nFeatures\t: fp asimd sve\nCPU part\t: 0xd40\n")
+    assert "sve" in arm
+    keys = {fused._cache_key("cc", "12", cpu, target) for cpu in (wide, narrow)
+            for target in ("-march=sapphirerapids -mavx512f", "-march=sapphirerapids -mno-avx512f")}
+    assert len(keys) == 4
+    if shutil.which("cc"):  # this machine's compiler says what -march=native means here, the same each time
+        target = fused._target(CC)
+        assert target and "-march=native" not in target.split() and target == fused._target(CC), target

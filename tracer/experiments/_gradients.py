@@ -1,9 +1,10 @@
 """Backpropagation through attention, on a real head: ``attention_gradients(generation, step, layer, head, loss)``.
 
 One forward of the step's token columns with gradients on, then the gradients of the loss the person picked:
-the next-token cross-entropy over every position that has a next token, or −log p of the token the step
-chose. Autograd's ∂L/∂x is read at the head's hook points, and each gradient is computed again from its
-formula (O = P·V, P = softmax(S), S = s·QKᵀ + M, s = 1/√d_k unless the model has its own):
+the next-token cross-entropy over every pair of consecutive real tokens of a row (padding skipped, on either
+side), or −log p of the token the step chose. Autograd's ∂L/∂x is read at the head's hook points, and each
+gradient is computed again from its formula (O = P·V, P = softmax(S), S = s·QKᵀ + M, s = 1/√d_k unless the
+model has its own):
 
     G_V = Pᵀ·G_O        G_P = G_O·Vᵀ        G_S,r = (diag(P_r) − P_r P_rᵀ)·G_P,r
     G_Q = s·G_S·K       G_K = s·G_Sᵀ·Q

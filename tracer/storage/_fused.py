@@ -7,10 +7,11 @@ everything in one pass — min, max, Σx, Σx² of the finite values and the NaN
 the threads PyTorch uses (ctypes lets go of the GIL during the call).
 
 Built once per machine into a cache directory (``$XDG_CACHE_HOME/gpt-shape-tracer`` or
-``~/.cache/gpt-shape-tracer``), named by a hash of the source, the compiler and the CPU, so a rebuilt
-source or another machine never loads a stale library. No compiler, a failed build, or a platform without
-one: ``available()`` is False, ``status()`` says why, and the statistics take the PyTorch path — the same
-numbers, slower. Nothing is downloaded.
+``~/.cache/gpt-shape-tracer``), named by a hash of the source, the compiler, the CPU's name and instruction-set
+flags, and what ``-march=native`` resolves to for that compiler, so a rebuilt source, another machine, or the
+same CPU model exposing other extensions (a virtual machine) never loads a stale library. No compiler, a failed
+build, or a platform without one: ``available()`` is False, ``status()`` says why, and the statistics take the
+PyTorch path — the same numbers, slower. Nothing is downloaded.
 
 Loading a library runs its code, so only a file this process can trust is loaded:
 
@@ -88,14 +89,43 @@ def _cache_dir() -> Path:
     return Path(base) / "gpt-shape-tracer"
 
 
-def _cpu() -> str:
+def _cpu(cpuinfo: str | None = None) -> str:
+    """The processor's name and its instruction-set flags (the first CPU's lines of ``/proc/cpuinfo``): two
+    machines, or two virtual machines on one model, that expose different extensions are different CPUs to a
+    ``-march=native`` build."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor()
+    found: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        field = line.split(":", 1)[0].strip()
+        if field in ("model name", "flags", "Features") and field not in found:  # Features: an ARM's flags
+            found[field] = line
+    return "\n".join(found.values()) or platform.processor()
+
+
+def _target(compiler: str) -> str:
+    """What ``-march=native`` stands for to this compiler on this machine: the target options its driver hands
+    the compiler proper (gcc: ``-march=znver3 -mavx2 -mno-avx512f …``; clang: ``-target-cpu``/``-target-feature``),
+    read from ``-###`` without compiling anything. "" when the driver does not say (the CPU's flags still key)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+        said = subprocess.run([compiler, *FLAGS, "-###", "-x", "c", os.devnull, "-o", os.devnull],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    words = [w.strip('"') for w in (said.stderr + said.stdout).split()]
+    kept = [w for i, w in enumerate(words)
+            if (w.startswith("-m") and not w.startswith("-mllvm")) or (i and words[i - 1] in ("-target-cpu",
+                                                                                              "-target-feature"))]
+    return " ".join(dict.fromkeys(kept))  # the order the driver gave, each once (temporary file names left out)
+
+
+def _cache_key(compiler: str, version: str, cpu: str, target: str) -> str:
+    """The name of a built library: the source, the compiler, its flags and what they resolve to on this CPU."""
+    return hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), cpu, target,
+                                     platform.machine()]).encode()).hexdigest()[:16]
 
 
 class _Doubt(Exception):
@@ -296,8 +326,7 @@ def _build() -> tuple[object | None, str]:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {compiler} did not run ({e}): statistics take the PyTorch path"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
+    key = _cache_key(compiler, version, _cpu(), _target(compiler))
     name = f"fused_stats-{key}.so"
     cache = _cache_dir()
     try:
