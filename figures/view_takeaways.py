@@ -48,8 +48,9 @@ def shapes_takeaway(trace: Trace, step: int) -> Takeaway:
                 f"and the logits are [B, n, V] = {shape_text((B, n, config.vocab_size))}.")
     metrics: list[tuple[str, str]] = [("records at this step", f"{len(records):,}"),
                                       ("their size", size_text(sum(r.nbytes for r in records)))]
-    if largest is not None:
-        metrics.append(("the largest", f"{largest.name} · {size_text(largest.nbytes)}"))
+    if largest is not None:  # its name in the sentence: as a metric's value it was cut short at 1600 px
+        sentence += f" The largest record is {largest.name} ({size_text(largest.nbytes)})."
+        metrics.append(("the largest record", size_text(largest.nbytes)))
     return Takeaway(inert(sentence), tuple(metrics))
 
 

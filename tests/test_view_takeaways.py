@@ -73,7 +73,10 @@ def test_shapes_says_the_recorded_shapes(gen):
         metrics = dict(said.metrics)
         assert metrics["records at this step"] == f"{len(records):,}"
         largest = records.loc[records["nbytes"].idxmax()]
-        assert metrics["the largest"].startswith(largest["name"])
+        size = next(f"{largest['nbytes'] / scale:.1f} {unit}" for unit, scale in
+                    (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if largest["nbytes"] >= scale)
+        assert f"The largest record is {largest['name']} ({size.replace('.0 B', ' B')})." in line
+        assert metrics["the largest record"] == size.replace(".0 B", " B")
 
 
 def reference_mask_counts(trace, step: int, batch: int) -> tuple[int, int]:
