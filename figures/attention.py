@@ -426,8 +426,10 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
             c0 = head * (rt + cgap)
             tiles[r0:r0 + tall, c0:c0 + rt] = m.repeat_interleave(stretch, dim=0)
         pooled_any = pooled_any or from_digest
-    fig = figure(go.Heatmap(z=tiles.to(torch.float32).numpy(), colorscale=AMOUNT, zmin=0, zmax=1, hoverinfo="skip",
-                            colorbar={"title": {"text": "A", "side": "top"}, "thickness": 10}))
+    z = tiles.to(torch.float32).numpy()
+    colours = weight_top(z)  # 0 … 1, or stopped at the 99% quantile where a long prompt's weights (~1/t) are all dark
+    fig = figure(go.Heatmap(z=z, colorscale=AMOUNT, zmin=0, zmax=colours.top, hoverinfo="skip",
+                            colorbar={**colours.bar("A"), "thickness": 10}))
     centres_x, centres_y, data = [], [], []
     for row, layer in enumerate(row_layer):
         for head in range(H):
@@ -478,6 +480,8 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
         notes.append(f"the {n} query row{'s' if n != 1 else ''} of each head drawn {stretch}× taller to be seen")
     if missing:
         notes.append(f"{missing} layer(s) have no kept values at this step")
+    if colours.clipped:
+        notes.append(colours.note())
     return HeadsGrid(fig, "; ".join(notes), (rn, rt))
 
 

@@ -141,6 +141,30 @@ def test_weights_far_below_one_have_their_colours_stop_at_the_99_percent_quantil
     assert heatmap.colour_top(np.zeros((3, 3))).top == 1.0 and heatmap.colour_top(np.full((2, 2), np.nan)).top == 1.0
 
 
+def test_the_all_heads_grid_of_a_long_prompt_stops_its_colours_where_its_note_and_bar_say(gen):
+    """512 tokens: each head's weights are ~1/t, so on 0 … 1 the whole grid was dark. Its colours stop at the 99%
+    quantile of the nonzero cells drawn (numpy's), the note and the colour bar say so; a short prompt's grid keeps
+    0 … 1 with nothing clipped."""
+    from tracer import Tracer
+
+    torch.manual_seed(0)
+    config = GPTConfig.for_family("llama", vocab_size=64, n_ctx=512, d_model=64, n_layer=2, n_head=2, n_kv_head=2,
+                                  d_mlp=128)
+    model = GPT(config).eval()
+    tokens = torch.randint(0, 64, (1, 512), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), Tracer(model, capture="values", budget_bytes=2**30) as tr:
+        model(tokens)
+    grid = attention.all_heads_figure(tr.trace, 0)
+    heat = grid.figure.data[0]
+    z = np.array(heat.z, dtype=float)
+    drawn = z[np.isfinite(z) & (z > 0)]
+    assert heat.zmax == pytest.approx(float(np.quantile(drawn, 0.99)), rel=1e-6) and heat.zmax < 0.5
+    assert f"colours stop at {heat.zmax:.3g}, the 99% quantile" in grid.note
+    assert heat.colorbar.title.text == "A<br>clipped" and heat.colorbar.ticktext[-1] == f"≥{heat.zmax:.3g}"
+    short = attention.all_heads_figure(gen.trace, 0)
+    assert short.figure.data[0].zmax == 1 and "colours stop" not in short.note
+
+
 def test_the_stages_pattern_at_a_long_prompt_is_drawn_on_a_clipped_scale_that_its_title_and_bar_state():
     """The fused kernel at 1,024 tokens: the pattern panel draws the block means recomputed from Q and K (each
     ~1/t, all below 0.1), its colours stop where the panel's title and colour bar say — the 99% quantile of the
