@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 
 from figures.common import safe_text, shape_text
 from figures.plot import arrow_trace, figure, fitted, text_trace
-from model.gpt import act_name
+from model.gpt import act_name, residual_sums
 from tracer import Trace
 
 GROUP_COLORS = {
@@ -82,8 +82,31 @@ def _weights(config) -> dict[str, str]:
     }
 
 
+def residual_label(kind: str, plain: bool | None, mixer: str = "", parallel: bool = False) -> str:
+    """The box of the stream after a sublayer (``kind`` "resid_mid" or "resid_post"): "x + attention" only where
+    the blocks were found to be plain residual sums (``residual_sums``); where they were found not to be, or
+    nothing was measured (a dry run), what the box is without a claim about how the block made it."""
+    sub = "attention" if not mixer else "mixer"
+    if kind == "resid_mid":
+        return f"x + {sub}" if plain else f"after {sub}" + (" (not a plain sum)" if plain is False else "")
+    if plain:
+        return f"x + {sub} + MLP" if parallel else "x + MLP"
+    return "after the MLP" + (" (not a plain sum)" if plain is False else "")
+
+
+def residual_note(plain: bool | None) -> str:
+    """The sentence under a flow whose blocks are not plain residual sums, or were not measured ("" when they are)."""
+    if plain:
+        return ""
+    if plain is False:
+        return ("this model's blocks do not simply add each sublayer's output to x: they mix the two their own way "
+                "(checked at load on the recorded tensors; see the model's code)")
+    return "whether each block adds its sublayers' outputs to x was not measured (no values on this device)"
+
+
 def _nodes(layer: int, n_layer: int, config, use_cache: bool) -> tuple[list[FlowNode], list[tuple[str, str]]]:
     arch, w = _architecture(config), _weights(config)
+    plain = residual_sums(config)
     norm = arch["norm"]
 
     def h(kind: str) -> str:
@@ -133,7 +156,7 @@ def _nodes(layer: int, n_layer: int, config, use_cache: bool) -> tuple[list[Flow
         FlowNode("O = A·V", h("z"), 1.5, 11 + y_rot, "attention"),
         FlowNode("merge heads", h("merged"), 1.5, 12 + y_rot, "attention"),
         FlowNode("·W_O", h("attn_out"), 1.5, 13 + y_rot, "attention", w.get("attn_out", "")),
-        FlowNode("x + attention", h("resid_mid"), 4.6, 0, "residual"),
+        FlowNode(residual_label("resid_mid", plain), h("resid_mid"), 4.6, 0, "residual"),
         FlowNode(f"{norm}₂(x)", h("ln2"), 4.6, 1, "mlp", w.get("norm", "")),
     ]
     chain += [(k_src, "k_all"), ("v", "v_all"), (q_src, "qk"), ("k_all", "qk"), ("qk", "attn_scores"),
@@ -152,7 +175,7 @@ def _nodes(layer: int, n_layer: int, config, use_cache: bool) -> tuple[list[Flow
         chain += [("ln2", "mlp_pre"), ("mlp_pre", "mlp_post")]
     nodes += [
         FlowNode("·W₂" if not arch["gated"] else "·W_down", h("mlp_out"), 4.6, 4, "mlp", w.get("mlp_out", "")),
-        FlowNode("x + MLP", h("resid_post"), 4.6, 5, "residual"),
+        FlowNode(residual_label("resid_post", plain), h("resid_post"), 4.6, 5, "residual"),
         FlowNode(f"× {n_layer} blocks → {norm}_f", h("ln_final"), 4.6, 7, "output", w.get("norm", "")),
         FlowNode("z = x·W_U (logits)", h("logits"), 4.6, 8, "output", w.get("logits", "")),
     ]
@@ -180,11 +203,17 @@ def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode]
     chain = [*head, *chosen, *tail]
     per_column = max(8, -(-len(chain) // 4))  # four columns, left to right, in the order the forward ran
     attn_end = next((r.index for r in chosen if r.name.endswith("hook_attn_out")), -1)
+    plain = residual_sums(config)
+    mixers = getattr(config, "mixers", None)
+    mixer = mixers[layer] if mixers is not None and layer < len(mixers) else ""
+    parallel = not any(r.name.endswith("hook_resid_mid") for r in hooks)
     nodes = []
     for i, r in enumerate(chain):
         spec = spec_for(r.name, config) if r.kind == "hook" else None
         if r.name == "model:in[0]":
             label, group = "token ids", "input"
+        elif r.kind == "hook" and r.name.endswith(("hook_resid_mid", "hook_resid_post")):
+            label, group = residual_label(r.name.rsplit("hook_", 1)[1], plain, mixer, parallel), "residual"
         elif spec is not None:
             label = spec.meaning.replace("block L", f"block {layer}")
             group = ("input" if r.name == "hook_embed" else "output" if r.name == "hook_logits"
@@ -314,7 +343,7 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
         else:
             arrows.append((a.x, a.y + H_BOX / 2, b.x, b.y - H_BOX / 2))
     skip_labels: list[tuple[float, float, str]] = []
-    if not recorded_flow(trace):
+    if not recorded_flow(trace) and residual_sums(trace.config):  # the skips are x itself, added: only where it is
         skip_labels = _residual_skips(nodes, layer, shapes, arrows)
     labels = []
     for node in nodes:
@@ -336,7 +365,9 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
                    [6] if not recorded_flow(trace) else [max(n.y for n in nodes) + 1.0],
                    [measured_repeat_note(trace, step, layer)
                     + (" — the stages as this model's forward ran them, read from the trace" if recorded_flow(trace)
-                       else "")], color="#666"),
+                       else "")
+                    + ("<br>" + residual_note(residual_sums(trace.config)) if not residual_sums(trace.config) else "")],
+                   color="#666"),
         # invisible points carry the hover: record name and one-line summary
         go.Scatter(x=[n.x for n in nodes], y=[n.y for n in nodes], mode="markers",
                    marker={"size": 40, "opacity": 0},

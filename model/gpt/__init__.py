@@ -37,6 +37,7 @@ from model.gpt._hook_table import (
     dims_of,
     hooks_for,
     markdown_table,
+    residual_sums,
     resolve,
     spec_for,
 )
@@ -87,5 +88,5 @@ __all__ = [
     "KVCache", "ModelIdentity", "PendingIdentity", "RopeScaling", "act_name",
     "additive_mask", "apply_rope", "attention", "block_attention", "check_tokens", "computed_identity", "dims_of",
     "files_digest", "hooks_for", "identity_of", "markdown_table", "parameters_digest", "positions_and_keys",
-    "resolve", "rope_cos_sin", "rope_inv_freq", "spec_for", "stored", "transaction",
+    "residual_sums", "resolve", "rope_cos_sin", "rope_inv_freq", "spec_for", "stored", "transaction",
 ]

@@ -142,6 +142,13 @@ class GPTConfig:
     # positions instead ("Gated DeltaNet", "Mamba2 Mixer", …, named from the module's class); None: every layer attends
     mixers: tuple[str, ...] | None = None
     state_layers: tuple[int, ...] = ()  # family "hf": layers whose mixer keeps a fixed-size state (not K, V rows)
+    # family "hf": whether every block is a plain residual sum — the stream after attention (or a hybrid layer's
+    # mixer) equal to the stream entering the block + hook_attn_out (hook_mixer_out), and the stream leaving it
+    # equal to that + hook_mlp_out (a parallel block: x + both) — measured on the load's forward within float
+    # rounding. False where some block mixes them its own way (MiniMax scales a *normed* x, Granite scales the
+    # sublayer's output); None where nothing was measured (the meta device, a trace saved before). Our own GPT's
+    # blocks are always plain sums, whatever this says (``residual_sums``).
+    plain_residual: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from ModelIdentity.config / JSON
@@ -179,6 +186,8 @@ class GPTConfig:
                               ("mlp", MLPS), ("activation", ACTIVATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.plain_residual is not None and not isinstance(self.plain_residual, bool):
+            raise ValueError(f"GPTConfig.plain_residual must be True, False or None, got {self.plain_residual!r}")
         for name in ("tie_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias", "attn_sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")

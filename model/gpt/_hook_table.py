@@ -95,9 +95,12 @@ HOOKS: tuple[HookSpec, ...] = (
              "the input of the layer's mixer where it has no attention (a Gated DeltaNet, Mamba or convolution "
              "mixer): the normed residual stream", "—", needs="hybrid"),
     HookSpec("blocks.{L}.hook_mixer_out", ("B", "n", "d"),
-             "what that mixer adds to the residual stream, in place of an attention output (its state, fixed-size, "
-             "stays in transformers' cache)", "—", needs="hybrid"),
-    HookSpec("blocks.{L}.hook_resid_mid", ("B", "n", "d"), "x + attention output", "same"),
+             "what that mixer returns, in place of an attention output (its state, fixed-size, stays in "
+             "transformers' cache)", "—", needs="hybrid",
+             note="added to x as it is only where the model's load measured each block a plain sum"),
+    HookSpec("blocks.{L}.hook_resid_mid", ("B", "n", "d"), "x + attention output", "same",
+             note="in a transformers-run model: the stream entering the MLP's norm, x + attention output only where "
+                  "its load measured each block a plain sum (GPTConfig.plain_residual)"),
     HookSpec("blocks.{L}.ln2.hook_normalized", ("B", "n", "d"), "LN of the mid residual", "same", needs="layernorm"),
     HookSpec("blocks.{L}.ln2.hook_normalized", ("B", "n", "d"), "RMSNorm of the mid residual", "same",
              needs="rmsnorm"),
@@ -158,6 +161,35 @@ HF_MEANINGS = {  # what a row means there, where that differs from our GPT
 }
 
 
+def residual_sums(config) -> bool | None:
+    """Whether each block of a model with ``config`` adds its sublayers' outputs to x as they are (x + attention,
+    then + MLP): always for our own GPT; for a transformers-run model what its load measured
+    (``GPTConfig.plain_residual``), None where nothing was measured (a dry run on the meta device)."""
+    if config is None or getattr(config, "family", "gpt2") not in ("hf", "module"):
+        return True
+    return getattr(config, "plain_residual", None)
+
+
+def _hf_meaning(name: str, config) -> str | None:
+    """A transformers-run model's row meaning where it depends on whether its blocks are plain residual sums."""
+    plain = residual_sums(config)
+    mixer = " (or mixer)" if getattr(config, "mixers", None) is not None else ""
+    if name == "blocks.{L}.hook_resid_mid":
+        if plain:
+            return f"x + attention{mixer} output: the stream entering the MLP's norm (absent in a parallel block)"
+        if plain is False:
+            return (f"the stream entering the MLP's norm: this model's own mix of x and the attention{mixer} output, "
+                    "not their plain sum (measured at load; see the model's code)")
+    if name == "blocks.{L}.hook_mixer_out":
+        if plain:
+            return ("what that mixer adds to the residual stream, in place of an attention output (its state, "
+                    "fixed-size, stays in transformers' cache)")
+        return ("what that mixer returns, in place of an attention output"
+                + (" (the block mixes it with x its own way, not a plain sum: measured at load)" if plain is False
+                   else "") + "; its state, fixed-size, stays in transformers' cache")
+    return HF_MEANINGS.get(name)
+
+
 def _has(spec: HookSpec, config) -> bool:
     """Whether a model with ``config`` has this row (a config without the new fields is GPT-2)."""
     family = getattr(config, "family", "gpt2")
@@ -203,7 +235,7 @@ def _specialise(spec: HookSpec, config) -> HookSpec:
         names.update({"d_head": "d_v", "H·d_head": "H·d_v"} if spec.name in V_ROWS else {"d_head": "d_qk"})
     shape = tuple(names.get(s, s) for s in spec.shape)
     external = getattr(config, "family", "gpt2") in ("hf", "module")
-    meaning = HF_MEANINGS.get(spec.name, spec.meaning) if external else spec.meaning
+    meaning = (_hf_meaning(spec.name, config) or spec.meaning) if external else spec.meaning
     return spec if (shape, meaning) == (spec.shape, spec.meaning) else replace(spec, shape=shape, meaning=meaning)
 
 

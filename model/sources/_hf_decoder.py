@@ -57,7 +57,7 @@ import tempfile
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -936,6 +936,47 @@ def _state_items(hf: nn.Module):
             yield name, _materialized(hf.get_submodule(path), attr)
 
 
+_RESIDUAL_POINTS = ("hook_resid_pre", "hook_attn_out", "hook_mixer_out", "hook_resid_mid", "hook_mlp_out",
+                    "hook_resid_post")
+
+
+def _sum_holds(total: torch.Tensor, parts: list[torch.Tensor]) -> bool | None:
+    """Whether ``total`` is the sum of ``parts`` within the rounding of their dtype (a few ulps of the largest
+    magnitude involved: the model may add in another order, or in its own dtype where we add in float64). None
+    where that cannot tell: a part that is all zeros (every mix of it is a sum) or a value that is not finite."""
+    eps = torch.finfo(total.dtype).eps if total.is_floating_point() else 0.0
+    parts64 = [p.to("cpu", torch.float64) for p in parts]
+    total64 = total.to("cpu", torch.float64)
+    if not all(bool(t.isfinite().all()) for t in [total64, *parts64]) or any(not bool(p.any()) for p in parts64):
+        return None
+    scale = max(float(t.abs().max()) for t in [total64, *parts64])
+    return float((total64 - sum(parts64)).abs().max()) <= 8 * eps * scale
+
+
+def _plain_residual(seen: dict[tuple[int, str], torch.Tensor], n_layer: int) -> bool | None:
+    """From one forward's block tensors: True where every block's stream after attention (or its mixer) is the
+    stream entering it + that output, and the stream leaving it is that + the MLP's output (a parallel block, with
+    no stream in between: x + both); False where some block is not; None where a block lacks a tensor to tell."""
+    verdicts: list[bool | None] = []
+    for L in range(n_layer):
+        pre, post, mlp, mid = (seen.get((L, k)) for k in ("hook_resid_pre", "hook_resid_post", "hook_mlp_out",
+                                                           "hook_resid_mid"))
+        mix = seen.get((L, "hook_attn_out"), seen.get((L, "hook_mixer_out")))
+        if pre is None or post is None or mlp is None or mix is None \
+                or any(t.shape != pre.shape for t in (post, mlp, mix)):
+            verdicts.append(None)
+        elif mid is None:
+            verdicts.append(_sum_holds(post, [pre, mix, mlp]))
+        elif mid.shape != pre.shape:
+            verdicts.append(None)
+        else:
+            halves = (_sum_holds(mid, [pre, mix]), _sum_holds(post, [mid, mlp]))
+            verdicts.append(False if False in halves else None if None in halves else True)
+    if False in verdicts:
+        return False
+    return None if None in verdicts else True
+
+
 class HFDecoder(nn.Module):
     """A transformers causal LM, run by transformers, with our hook points, cache and forward signature.
 
@@ -1038,18 +1079,35 @@ class HFDecoder(nn.Module):
         if self._routing_unchecked:
             call = cast(_Call, probed[first])
             block_hooks[first].attn.seen = (call.heads, call.kv_heads, call.q_head, call.v_head)
-        else:
-            self._check_routing(block_hooks)
-        self.config = self._config(cfg, block_hooks[first].attn)
+        plain: bool | None = None  # on the meta device there are no values to add up
+        if not self._routing_unchecked:
+            plain = self._check_routing(block_hooks)
+        self.config = replace(self._config(cfg, block_hooks[first].attn), plain_residual=plain)
         self.tensor_parallel: TensorParallelPlan | None = None  # one rank of k (a dry run): sources/_tensor_parallel.py
 
-    def _check_routing(self, blocks: list[_BlockHooks]) -> None:
+    def _check_routing(self, blocks: list[_BlockHooks]) -> bool | None:
         """One token through the model: every layer's attention must have gone through the traced function
-        (a family that computes attention its own way would otherwise be shown without its patterns)."""
+        (a family that computes attention its own way would otherwise be shown without its patterns). Returns
+        what the same forward shows of the blocks' residual sums (``_plain_residual``)."""
         device = self.input_device
-        with torch.no_grad():
-            self.hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+        seen: dict[tuple[int, str], torch.Tensor] = {}
+        taps = []
+        for L, block in enumerate(blocks):
+            for kind in _RESIDUAL_POINTS:
+                point = getattr(block, kind, None)
+                if isinstance(point, HookPoint):
+                    taps.append(point.add_tap(lambda x, key=(L, kind): seen.__setitem__(key, x.detach())))
+        # an ordinary token from the middle of the vocabulary: id 0 is often padding, whose embedding is zero (Gemma),
+        # and a stream of zeros is every sum of zeros
+        token = int(getattr(_text_config(self.hf.config), "vocab_size", 1) or 1) // 2
+        try:
+            with torch.no_grad():
+                self.hf(input_ids=torch.full((1, 1), token, dtype=torch.long, device=device), use_cache=False)
+        finally:
+            for tap in taps:
+                tap.remove()
         self._routed(blocks, [0] * len(blocks))
+        return _plain_residual(seen, len(blocks))
 
     @staticmethod
     def _attention_calls(blocks: Any) -> list[int]:
