@@ -99,6 +99,8 @@ def test_the_verdict_is_read_from_the_numbers(root):
     assert _plain_residual(seen(pre + 0.5 * attn, pre + 0.5 * attn + mlp), 1) is False  # Granite's kind
     normed = pre / pre.norm(dim=-1, keepdim=True)
     assert _plain_residual(seen(normed + attn, normed + attn + mlp), 1) is False  # MiniMax's kind
+    flat = {**seen(pre + attn, pre + attn + mlp), (0, "hook_mlp_out"): mlp.reshape(2, 8)}  # OPT: [B·n, d]
+    assert _plain_residual(flat, 1) is True
     zero = torch.zeros_like(attn)
     assert _plain_residual({**seen(pre, pre + mlp), (0, "hook_attn_out"): zero}, 1) is None
     parallel = {(0, "hook_resid_pre"): pre, (0, "hook_attn_out"): attn, (0, "hook_mlp_out"): mlp}

@@ -963,13 +963,15 @@ def _plain_residual(seen: dict[tuple[int, str], torch.Tensor], n_layer: int) -> 
                                                            "hook_resid_mid"))
         mix = seen.get((L, "hook_attn_out"), seen.get((L, "hook_mixer_out")))
         if pre is None or post is None or mlp is None or mix is None \
-                or any(t.shape != pre.shape for t in (post, mlp, mix)):
+                or any(t.numel() != pre.numel() for t in (post, mlp, mix, *([mid] if mid is not None else []))):
             verdicts.append(None)
-        elif mid is None:
+            continue
+        # [B, n, d] each (OPT's MLP and the norm before it see [B·n, d]: the same numbers, flattened)
+        post, mlp, mix = (t.reshape(pre.shape) for t in (post, mlp, mix))
+        if mid is None:
             verdicts.append(_sum_holds(post, [pre, mix, mlp]))
-        elif mid.shape != pre.shape:
-            verdicts.append(None)
         else:
+            mid = mid.reshape(pre.shape)
             halves = (_sum_holds(mid, [pre, mix]), _sum_holds(post, [mid, mlp]))
             verdicts.append(False if False in halves else None if None in halves else True)
     if False in verdicts:
