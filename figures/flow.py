@@ -101,7 +101,9 @@ def residual_note(plain: bool | None) -> str:
     if plain is False:
         return ("this model's blocks do not simply add each sublayer's output to x: they mix the two their own way "
                 "(checked at load on the recorded tensors; see the model's code)")
-    return "whether each block adds its sublayers' outputs to x was not measured (no values on this device)"
+    # a dry run (no values to add up) or a trace saved before the check: say so, without naming which
+    return ("whether each block adds its sublayers' outputs to x as they are was not measured for this trace, so no "
+            "box claims it")
 
 
 def _nodes(layer: int, n_layer: int, config, use_cache: bool) -> tuple[list[FlowNode], list[tuple[str, str]]]:

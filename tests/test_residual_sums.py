@@ -117,3 +117,4 @@ def test_a_dry_run_claims_no_sum(root, model_type):
     shown = texts(flow.shape_flow_figure(g.trace, 1, 0))
     assert not any("x + " in t for t in shown) and "skip: x" not in shown
     assert any(t.startswith("<b>after attention</b>") or t.startswith("<b>after mixer</b>") for t in shown)
+    assert any("was not measured for this trace" in t for t in shown)
