@@ -244,6 +244,18 @@ def load_directory(page, directory) -> None:
     click(page, "Load")
 
 
+def open_directory_and_step(page, url: str, prompt: str, directory, model_type: str, steps: int = 2) -> None:
+    """Open the app, type ``prompt``, load ``directory``, wait until the page names the model ("hf:<model_type>":
+    the server's first transformers model takes long to import and load on a loaded machine), then Step ``steps``
+    times."""
+    open_app(page, url)
+    set_prompt(page, prompt)
+    load_directory(page, directory)
+    page.get_by_text(f"hf:{model_type}").first.wait_for(timeout=180_000)
+    for _ in range(steps):
+        click(page, "Step")
+
+
 def click(page, name: str, settle_ms: int = 0) -> None:
     before = runs_finished(page)
     page.get_by_role("button", name=name, exact=True).click()

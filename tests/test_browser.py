@@ -24,8 +24,8 @@ from tests.browser import (
     chromium,
     click,
     clipped_labels,
-    load_directory,
     open_app,
+    open_directory_and_step,
     open_tab,
     plotly_data,
     runs_finished,
@@ -427,14 +427,7 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
     n0 = len(tok.encode(PROMPT))
     with visit(1600, 2200) as page:
         errors, outside = watch(page, url)
-        open_app(page, url)
-        set_prompt(page, PROMPT)
-        load_directory(page, directory)
-        # the page names the model and its family (the server's first transformers model: its import and the
-        # load take long on a loaded machine)
-        page.get_by_text("hf:gemma2").first.wait_for(timeout=180_000)
-        click(page, "Step")
-        click(page, "Step")
+        open_directory_and_step(page, url, PROMPT, directory, "gemma2")  # the page names the model and its family
         open_tab(page, "Shapes")
         page.get_by_text("soft-cap").first.wait_for(state="attached", timeout=60_000)
         if saving("gemma2_shapes"):
@@ -469,12 +462,7 @@ def test_a_latent_attention_model_deepseek_v3_shows_its_cached_latent(url, visit
     n0 = len(tok.encode(PROMPT))
     with visit(1600, 1000) as page:
         errors, outside = watch(page, url)
-        open_app(page, url)
-        set_prompt(page, PROMPT)
-        load_directory(page, directory)
-        page.get_by_text("hf:deepseek_v3").first.wait_for(timeout=180_000)
-        click(page, "Step")
-        click(page, "Step")
+        open_directory_and_step(page, url, PROMPT, directory, "deepseek_v3")
         open_tab(page, "Attention")
         open_tab(page, "Stages")
         assert values(plotly_data(page)[0])  # the stages' heat maps are drawn

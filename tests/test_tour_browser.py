@@ -16,8 +16,8 @@ from tests.browser import (
     chromium,
     chromium_page,
     click,
-    load_directory,
     open_app,
+    open_directory_and_step,
     runs_finished,
     set_prompt,
     streamlit_server,
@@ -131,12 +131,7 @@ def test_the_tour_walks_a_transformers_run_qwen3(url, browser, tmp_path):
         page.set_default_timeout(120_000)
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
-        open_app(page, url)
-        set_prompt(page, PROMPT)
-        load_directory(page, directory)
-        page.get_by_text("hf:qwen3").first.wait_for(timeout=180_000)
-        click(page, "Step")
-        click(page, "Step")
+        open_directory_and_step(page, url, PROMPT, directory, "qwen3")
         titles = walk(page)
         assert len(titles) == 10, titles  # every stop: it caches, keeps values, and has no soft-cap
         assert not errors, errors
