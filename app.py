@@ -9,23 +9,31 @@ from __future__ import annotations
 
 import streamlit as st
 
-from gui.attention import attention_tab
-from gui.common import admitted, freed_memory_reused, header, remembered_tabs, state, status, viewed_step
-from gui.compare import compare_tab
-from gui.dry_run import LABEL as DRY_LABEL
-from gui.dry_run import dry_run_page
-from gui.export import export_tab
-from gui.inspector import inspector_tab
-from gui.kv_cache import cache_tab
-from gui.mask import mask_tab
-from gui.next_token import next_token_tab
-from gui.runs import finish_restoring, follow_the_address, recent_runs, save_run, save_view
-from gui.shapes import shapes_tab
-from gui.sidebar import advance, reset, sidebar
-from gui.tour import tour_bar
-from gui.whatif import whatif_tab
-from gui.worked import worked_tab
-from session import DEFAULT_RUN_N, AppState, SettingsError, settings_from
+from gpt_shape_tracer.gui.attention import attention_tab
+from gpt_shape_tracer.gui.common import (
+    admitted,
+    freed_memory_reused,
+    header,
+    remembered_tabs,
+    state,
+    status,
+    viewed_step,
+)
+from gpt_shape_tracer.gui.compare import compare_tab
+from gpt_shape_tracer.gui.dry_run import LABEL as DRY_LABEL
+from gpt_shape_tracer.gui.dry_run import dry_run_page
+from gpt_shape_tracer.gui.export import export_tab
+from gpt_shape_tracer.gui.inspector import inspector_tab
+from gpt_shape_tracer.gui.kv_cache import cache_tab
+from gpt_shape_tracer.gui.mask import mask_tab
+from gpt_shape_tracer.gui.next_token import next_token_tab
+from gpt_shape_tracer.gui.runs import finish_restoring, follow_the_address, recent_runs, save_run, save_view
+from gpt_shape_tracer.gui.shapes import shapes_tab
+from gpt_shape_tracer.gui.sidebar import advance, reset, sidebar
+from gpt_shape_tracer.gui.tour import tour_bar
+from gpt_shape_tracer.gui.whatif import whatif_tab
+from gpt_shape_tracer.gui.worked import worked_tab
+from gpt_shape_tracer.session import DEFAULT_RUN_N, AppState, SettingsError, settings_from
 
 PANELS = {"Shapes": shapes_tab, "Attention": attention_tab, "Causal mask": mask_tab, "KV cache": cache_tab,
           "Next token": next_token_tab, "What if": whatif_tab, "Compare runs": compare_tab,

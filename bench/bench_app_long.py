@@ -28,7 +28,7 @@ import torch
 from common import ROOT, gpt2_small_dir, machine, save
 from streamlit.testing.v1 import AppTest
 
-from gpt_shape_tracer.memory import reuse_freed_memory
+from gpt_shape_tracer.session.memory import reuse_freed_memory
 
 SENTENCE = "Tom had a big red kite. One day, Tom went to the park with his friend Lily. "
 
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--browser", action="store_true", help="also time the page in headless Chromium")
     args = parser.parse_args()
 
-    from model import load_model
+    from gpt_shape_tracer.model import load_model
 
     directory = gpt2_small_dir()
     model, tokenizer = load_model(str(directory))

@@ -64,8 +64,8 @@ def wait_like_the_server(runner, timeout=3):  # AppTest's own, polling every 50 
 local_runner.require_widgets_deltas = wait_like_the_server
 from bench_app_long import app_with_directory, prompt_of, untraced_forward
 from common import gpt2_small_dir
-from gpt_shape_tracer.memory import reuse_freed_memory
-from model import load_model
+from gpt_shape_tracer.session.memory import reuse_freed_memory
+from gpt_shape_tracer.model import load_model
 
 directory = gpt2_small_dir()
 model, tokenizer = load_model(str(directory))
@@ -103,7 +103,7 @@ if {mode!r} == "app":
             at.sidebar.button(key="reset_confirm").click()
         at.run()
 else:
-    from tracer import TracedGeneration
+    from gpt_shape_tracer.tracer import TracedGeneration
     gen = None
 
     def prefill():
@@ -203,7 +203,7 @@ def main() -> None:
     if args.browser:
         from bench_app_long import prompt_of
 
-        from model import load_model
+        from gpt_shape_tracer.model import load_model
 
         prompt = prompt_of(load_model(str(gpt2_small_dir()))[1], 1000)
         served: dict[str, list[dict]] = {"one arena": [], "default arenas": []}

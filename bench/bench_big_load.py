@@ -24,15 +24,17 @@ from pathlib import Path
 from common import ROOT, machine, median, save
 
 LOADERS = {
-    "load_hf": "from model import load_hf; m, _ = load_hf(D)",
+    "load_hf": "from gpt_shape_tracer.model import load_hf; m, _ = load_hf(D)",
     # our GPT until its identity is known (the files' hash goes on on a second thread after the load returns)
-    "load_hf, identity": "from model import load_hf; m, _ = load_hf(D); m.identity",
+    "load_hf, identity": "from gpt_shape_tracer.model import load_hf; m, _ = load_hf(D); m.identity",
     # transformers runs the model, our hook points in place: its load, plus the identity's hash of the files
     # (on a second thread) and the one-token check that every layer's attention is routed through ours
-    "load_hf, transformers": "from model import load_hf; m, _ = load_hf(D, implementation='transformers')",
+    "load_hf, transformers": "from gpt_shape_tracer.model import load_hf; "
+                             "m, _ = load_hf(D, implementation='transformers')",
     # the same until its identity is known: what the first traced step waits for (the files' hash goes on
     # on a second thread after the load returns)
-    "load_hf, transformers, identity": "from model import load_hf; m, _ = load_hf(D, implementation='transformers');"
+    "load_hf, transformers, identity": "from gpt_shape_tracer.model import load_hf; "
+                                       "m, _ = load_hf(D, implementation='transformers');"
                                        " m.identity",
     "from_pretrained": "from transformers import AutoModelForCausalLM; m = AutoModelForCausalLM.from_pretrained(D)",
     # transformers maps the file and reads a weight when it is first used: the same load with every weight

@@ -21,10 +21,10 @@ from bench_big_load import tinyllama_dir
 from bench_scale import figure_costs, prompt_of
 from common import machine, save
 
-from gpt_shape_tracer.memory import reuse_freed_memory
-from model import load_hf
-from model.sources import BUNDLED_DIR
-from tracer import TracedGeneration
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.model.sources import BUNDLED_DIR
+from gpt_shape_tracer.session.memory import reuse_freed_memory
+from gpt_shape_tracer.tracer import TracedGeneration
 
 
 def main() -> None:

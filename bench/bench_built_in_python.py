@@ -15,8 +15,8 @@ import argparse
 import torch
 from common import gpt2_small_dir, interleaved, machine, median, save
 
-from model import GPT, GPTConfig, load_hf_gpt2
-from tracer import Tracer
+from gpt_shape_tracer.model import GPT, GPTConfig, load_hf_gpt2
+from gpt_shape_tracer.tracer import Tracer
 
 
 def cases(model, tokens: torch.Tensor) -> dict:

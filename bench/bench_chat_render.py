@@ -12,7 +12,7 @@ import time
 
 from common import machine, median, save
 
-from model.sources import compile_chat_template, forget_rendered_chats, render_chat_template
+from gpt_shape_tracer.model.sources import compile_chat_template, forget_rendered_chats, render_chat_template
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
             "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")

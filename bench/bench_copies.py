@@ -36,11 +36,11 @@ import time
 import torch
 from common import machine, median, save
 
-import tracer.storage._log as tracer_log
-from model import GPT, GPTConfig, SamplingConfig, load_bundled, sample
-from tracer import TracedGeneration
-from tracer.generation._traced import _choosable
-from tracer.storage._host import on_host
+import gpt_shape_tracer.tracer.storage._log as tracer_log
+from gpt_shape_tracer.model import GPT, GPTConfig, SamplingConfig, load_bundled, sample
+from gpt_shape_tracer.tracer import TracedGeneration
+from gpt_shape_tracer.tracer.generation._traced import _choosable
+from gpt_shape_tracer.tracer.storage._host import on_host
 
 MODES = ("untraced", "per step", "per record")
 START = tracer_log.start_host_copy  # the copy the log starts per kept value (now: waited for once per step)

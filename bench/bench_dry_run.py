@@ -50,9 +50,9 @@ def one(model_name: str, case: str, tokens: int, steps: int) -> dict:
     """Runs in the child process."""
     import torch
 
-    from model import load_model
-    from model.sources import meta_op_cache
-    from tracer import costed_dry_run, dry_run
+    from gpt_shape_tracer.model import load_model
+    from gpt_shape_tracer.model.sources import meta_op_cache
+    from gpt_shape_tracer.tracer import costed_dry_run, dry_run
 
     imported = time.perf_counter()
     import transformers

@@ -41,9 +41,9 @@ BUILDERS = {
 # run with a revision's tree as the working directory: builds its figures and prints them as JSON
 DUMP = """
 import json, sys
-from figures import attention, cache, flow, mask, tokens
-from model import load_bundled
-from tracer.generation._traced import TracedGeneration
+from gpt_shape_tracer.figures import attention, cache, flow, mask, tokens
+from gpt_shape_tracer.model import load_bundled
+from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
 model, tok = load_bundled()
 gen = TracedGeneration(model, tok, "Tom had a big red kite. One day, Tom went to the park.")
 gen.run(3)
@@ -109,10 +109,10 @@ def drawing(against: str | None, rounds: int = 3) -> dict:
 
 
 def building(repeats: int = 7) -> dict:
-    from figures import attention, cache, flow, mask, tokens  # noqa: F401 - the builders' namespace
-    from figures.plot import VALIDATE_ENV
-    from model import load_bundled
-    from tracer.generation._traced import TracedGeneration
+    from gpt_shape_tracer.figures import attention, cache, flow, mask, tokens  # noqa: F401 - the builders' namespace
+    from gpt_shape_tracer.figures.plot import VALIDATE_ENV
+    from gpt_shape_tracer.model import load_bundled
+    from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
 
     model, tok = load_bundled()
     gen = TracedGeneration(model, tok, "Tom had a big red kite. One day, Tom went to the park.")

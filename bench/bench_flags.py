@@ -21,9 +21,9 @@ import torch
 from bench_tracer import flags_read_per_record
 from common import machine, median, save
 
-from model import load_bundled
-from tracer import Tracer
-from tracer.storage._stats import finite_flag, flag_sum, flags_of_sums
+from gpt_shape_tracer.model import load_bundled
+from gpt_shape_tracer.tracer import Tracer
+from gpt_shape_tracer.tracer.storage._stats import finite_flag, flag_sum, flags_of_sums
 
 MODES = ("untraced", "batched", "read per record")
 

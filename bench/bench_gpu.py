@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model import GPT, GPTConfig, load_bundled  # noqa: E402
-from tracer import (  # noqa: E402
+from gpt_shape_tracer.model import GPT, GPTConfig, load_bundled  # noqa: E402
+from gpt_shape_tracer.tracer import (  # noqa: E402
     TracedGeneration,
     Tracer,
     ablate,
@@ -92,7 +92,7 @@ def generation_checks(name: str, model, tok, device: str) -> None:
     def values_copies():
         # every kept value copied to the host as recorded (non_blocking, pinned), one wait per step; the values equal
         # the CPU's trace's within float32's rounding across devices
-        import tracer.storage._log as log_module
+        import gpt_shape_tracer.tracer.storage._log as log_module
 
         waits, start = [], log_module.wait_for_host_copies
 
@@ -168,7 +168,7 @@ def generation_checks(name: str, model, tok, device: str) -> None:
 
 
 def transformers_checks(device: str) -> None:
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
     from tests.hf_architectures import ARCHITECTURES, build
 
     for arch in [a for a in ARCHITECTURES if a in ("qwen3", "gemma2", "phi3")][:3]:
@@ -234,7 +234,7 @@ def bench_length(model, ids: torch.Tensor) -> dict:
 
     def traced(capture, per_record=False):
         def go():
-            import tracer.storage._log as log_module
+            import gpt_shape_tracer.tracer.storage._log as log_module
 
             start = log_module.start_host_copy
             if per_record:  # the tracer before: a blocking copy of each kept value as it is recorded

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from common import interleaved, machine, median, save
 
-from model import load_hf
-from model.sources import HFDecoder
-from tracer import Tracer
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.model.sources import HFDecoder
+from gpt_shape_tracer.tracer import Tracer
 
 SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
              num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,

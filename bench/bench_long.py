@@ -49,8 +49,8 @@ def llama_dir() -> Path:
 CHILD = """
 import json, resource, sys, time, torch
 sys.path.insert(0, {root!r})
-from model import load_hf
-from tracer import Tracer, attention_overview, attention_region, head_statistics, query_row
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.tracer import Tracer, attention_overview, attention_region, head_statistics, query_row
 n, traced = int(sys.argv[1]), sys.argv[2] == "values"
 model, _ = load_hf({directory!r})
 tokens = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(0))
@@ -110,7 +110,7 @@ def long_prefill(n: int, stats: bool) -> dict:
 def ours_vs_sdpa(lengths: list[int]) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     ours, _ = load_hf(llama_dir())
     theirs = AutoModelForCausalLM.from_pretrained(llama_dir(), attn_implementation="sdpa").eval()
@@ -140,9 +140,9 @@ def hf_traced(n: int, repeats: int, profile: int = 0) -> dict:
     time per forward differs most between the two are printed — where the traced eager forward's time goes."""
     from transformers import AutoModelForCausalLM
 
-    from model import load_hf
-    from model.gpt import attention_path
-    from tracer import Tracer
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.gpt import attention_path
+    from gpt_shape_tracer.tracer import Tracer
 
     model, _ = load_hf(llama_dir(), implementation="transformers")
     theirs = AutoModelForCausalLM.from_pretrained(llama_dir(), attn_implementation="sdpa").eval()

@@ -35,9 +35,16 @@ import json, sys, time, torch
 root, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 sys.path.insert(0, root)
 torch.set_num_threads(threads)
-from model import GPT, GPTConfig
-from model.gpt import attention_path
-from tracer import Tracer, attention_overview, attention_region, attention_source, head_statistics, query_row
+from gpt_shape_tracer.model import GPT, GPTConfig
+from gpt_shape_tracer.model.gpt import attention_path
+from gpt_shape_tracer.tracer import (
+    Tracer,
+    attention_overview,
+    attention_region,
+    attention_source,
+    head_statistics,
+    query_row,
+)
 torch.manual_seed(0)
 config = GPTConfig.for_family("llama", vocab_size=1024, n_ctx=n, d_model=256, n_layer=2, n_head=4, n_kv_head=4,
                               d_mlp=688)

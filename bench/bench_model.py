@@ -31,8 +31,8 @@ import torch
 from common import gpt2_small_dir, interleaved, machine, median, save
 from torch import nn
 
-from model import load_hf
-from model.gpt import HookPoint
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.model.gpt import HookPoint
 
 SHAPES: dict[str, dict] = {
     "llama": dict(kind="Llama", label="SmolLM2-135M shape", hidden_size=576, intermediate_size=1536,

@@ -29,8 +29,8 @@ PROBE = """
 import resource, sys, threading, time
 sys.path.insert(0, {root!r})
 import torch
-from model import load_hf
-from tracer import Tracer
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.tracer import Tracer
 
 peak_anon = 0
 def anon():

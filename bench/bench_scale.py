@@ -20,11 +20,11 @@ import time
 import torch
 from common import gpt2_small_dir, machine, median, save
 
-import tracer.storage._log as tracer_log
-from figures import attention, cache, flow, inspector, mask, tokens
-from gpt_shape_tracer.memory import reuse_freed_memory
-from model import load_hf
-from tracer import TracedGeneration, Tracer
+import gpt_shape_tracer.tracer.storage._log as tracer_log
+from gpt_shape_tracer.figures import attention, cache, flow, inspector, mask, tokens
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.session.memory import reuse_freed_memory
+from gpt_shape_tracer.tracer import TracedGeneration, Tracer
 
 LENGTHS = (128, 512, 1024)
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with "

@@ -21,8 +21,8 @@ from common import ROOT, gpt2_small_dir, machine, save
 PROBE = """
 import sys, time
 sys.path.insert(0, {root!r})
-from model import load_hf
-from tracer import TracedGeneration
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.tracer import TracedGeneration
 from tests.browser import status_kib
 model, tok = load_hf({directory!r})
 loaded = status_kib("self", "VmRSS") * 1024

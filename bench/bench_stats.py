@@ -16,8 +16,8 @@ import time
 import torch
 from common import machine, save
 
-from tracer.storage import _fused as fused
-from tracer.storage import _stats as stats
+from gpt_shape_tracer.tracer.storage import _fused as fused
+from gpt_shape_tracer.tracer.storage import _stats as stats
 
 
 def main() -> None:

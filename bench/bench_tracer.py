@@ -21,11 +21,11 @@ import time
 import torch
 from common import gpt2_small_dir, machine, median, save
 
-import tracer.storage._log as tracer_log
-from gpt_shape_tracer.memory import reuse_freed_memory
-from model import load_hf_gpt2
-from tracer import Tracer
-from tracer.storage._stats import finite_flag, flag_sum
+import gpt_shape_tracer.tracer.storage._log as tracer_log
+from gpt_shape_tracer.model import load_hf_gpt2
+from gpt_shape_tracer.session.memory import reuse_freed_memory
+from gpt_shape_tracer.tracer import Tracer
+from gpt_shape_tracer.tracer.storage._stats import finite_flag, flag_sum
 
 MODES = (None, "shapes", "shapes/read", "values", "ops")
 READ_PER_RECORD = "shapes/read"  # the shapes capture, each flag read to the host as its record is added

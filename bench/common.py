@@ -62,7 +62,7 @@ def gpt2_small_dir() -> Path:
         return target
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(bos_token_id=0, eos_token_id=0)).eval()

@@ -12,7 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import (
+from gpt_shape_tracer.figures.common import (
     facts_of,
     gen_step,
     inert,
@@ -22,11 +22,21 @@ from figures.common import (
     score_scale,
     shape_text,
 )
-from figures.heatmap import Grid, Pooling, add, grid, pool, pooled_caption, short_number, style_axes, weight_top
-from figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
-from figures.plot import figure, fitted, subplots
-from model.gpt import act_name
-from tracer import RegionError, Trace, attention_region, is_derived
+from gpt_shape_tracer.figures.heatmap import (
+    Grid,
+    Pooling,
+    add,
+    grid,
+    pool,
+    pooled_caption,
+    short_number,
+    style_axes,
+    weight_top,
+)
+from gpt_shape_tracer.figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
+from gpt_shape_tracer.figures.plot import figure, fitted, subplots
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import RegionError, Trace, attention_region, is_derived
 
 STAGES = ("qk", "attn_scores", "masked_scores", "pattern")
 GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pooling each head to fit)
@@ -758,7 +768,7 @@ def rope_relative_figure(trace: Trace, step: int, layer: int, head: int, batch: 
     none for this sequence), rotated with the model's own functions to positions m + s and n + s for shifts s: the score
     R(m+s)q · R(n+s)k stays the same (it depends only on m − n), while moving the key alone, R(m)q · R(n+s)k,
     changes — the property RoFormer (Su et al., 2021) builds on."""
-    from model.gpt import apply_rope, rope_cos_sin
+    from gpt_shape_tracer.model.gpt import apply_rope, rope_cos_sin
 
     config = trace.config
     q = trace.get(act_name("q", layer), step)

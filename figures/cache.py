@@ -9,12 +9,12 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import attention_layers, facts_of, gen_step, key_labels, no_attention, shape_text
-from figures.heatmap import add, grid, style_axes
-from figures.palette import ACCENT, NEUTRAL
-from figures.plot import figure, fitted, subplots
-from model.gpt import act_name
-from tracer import CachePrecisionRun, RecomputeComparison, TensorRecord, Trace
+from gpt_shape_tracer.figures.common import attention_layers, facts_of, gen_step, key_labels, no_attention, shape_text
+from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
+from gpt_shape_tracer.figures.palette import ACCENT, NEUTRAL
+from gpt_shape_tracer.figures.plot import figure, fitted, subplots
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import CachePrecisionRun, RecomputeComparison, TensorRecord, Trace
 
 CACHE_COLOUR = "#f4b6b6"  # the shape flow's colour for the cache, a shade stronger
 # what the heat map can show: K, V, and a latent-attention cache's c_KV and k_R (one head: index 0)
@@ -438,7 +438,7 @@ def growth_figure(config, t_now: int, itemsize: int = 4, n_now: int | None = Non
     part (left), and the bytes the staged attention's n × n scores of one layer take against the KV cache of
     all layers and the weights (right), for n from 1 to n_ctx on log axes; this step's t marked. Returns the
     figure and a sentence with the crossing where attention overtakes the MLP."""
-    from model.analysis import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
+    from gpt_shape_tracer.model.analysis import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
 
     n_ctx = int(config.n_ctx)
     ns = sorted({max(1, round(n_ctx ** (i / 40))) for i in range(41)} | {t_now})
@@ -498,7 +498,7 @@ def growth_sentence(config, t_now: int, itemsize: int = 4, n_now: int | None = N
     """What grows with n, from this model's widths and this step's n and t: attention's cost against the MLP's,
     this step's scores (H × n × t: n = 1 at a cached decode step) against the whole cache, the first whole n at
     which one layer's scores outgrow the cache (equal at 2·L·G·d_head/H), and what a sliding window changes."""
-    from model.analysis import attention_overtakes_mlp
+    from gpt_shape_tracer.model.analysis import attention_overtakes_mlp
 
     n_ctx = int(config.n_ctx)
     n_now = t_now if n_now is None else n_now
@@ -567,7 +567,7 @@ def growth_takeaway(config, t_now: int, itemsize: int = 4,
                     n_now: int | None = None) -> tuple[str, list[tuple[str, str]]]:
     """The view's takeaway: at this step's t, what attention's products and the MLP cost, and what this step's
     scores hold against the whole cache, counted from the model's widths."""
-    from model.analysis import forward_parts
+    from gpt_shape_tracer.model.analysis import forward_parts
 
     n_now = t_now if n_now is None else n_now
     parts = forward_parts(config, 1, n_now, t_now)

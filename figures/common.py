@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import re
 
-from tracer import GenerationFacts, GenerationStep, SamplingRecord, TensorRecord, Trace
+from gpt_shape_tracer.tracer import GenerationFacts, GenerationStep, SamplingRecord, TensorRecord, Trace
 
 INERT = set("\\`*_{}[]()#+-.!|~<>:&\"'$\n\r")  # what markdown, HTML or Streamlit's math could act on
 # GitHub-flavoured markdown links bare "http://", "www." and e-mail addresses after character references are

@@ -19,13 +19,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.attention import kv_head, sink_logits
-from figures.common import attention_layers, key_labels, query_labels, score_scale
-from figures.heatmap import grid, heatmap, style_axes
-from figures.palette import ACCENT, MASKED, NEUTRAL
-from figures.plot import fitted, subplots
-from model.gpt import act_name
-from tracer import Trace
+from gpt_shape_tracer.figures.attention import kv_head, sink_logits
+from gpt_shape_tracer.figures.common import attention_layers, key_labels, query_labels, score_scale
+from gpt_shape_tracer.figures.heatmap import grid, heatmap, style_axes
+from gpt_shape_tracer.figures.palette import ACCENT, MASKED, NEUTRAL
+from gpt_shape_tracer.figures.plot import fitted, subplots
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import Trace
 
 UNREAD = "#fdf1e3"  # a key tile not read yet: pale, apart from the masked grey
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # tile widths offered (FlashAttention's own are 64–128 on a GPU)

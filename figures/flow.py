@@ -11,10 +11,10 @@ from typing import TypedDict
 
 import plotly.graph_objects as go
 
-from figures.common import safe_text, shape_text
-from figures.plot import arrow_trace, figure, fitted, text_trace
-from model.gpt import act_name, residual_sums
-from tracer import Trace
+from gpt_shape_tracer.figures.common import safe_text, shape_text
+from gpt_shape_tracer.figures.plot import arrow_trace, figure, fitted, text_trace
+from gpt_shape_tracer.model.gpt import act_name, residual_sums
+from gpt_shape_tracer.tracer import Trace
 
 GROUP_COLORS = {
     "input": "#dfe8f5",
@@ -190,7 +190,7 @@ def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode]
     what the trace holds: block ``layer``'s hook points and the outputs of the model's own leaf modules
     inside that block, in the order the forward ran them, then the logits. Nothing is assumed about the
     architecture: a stage it adds (QK-norm, a soft-cap, a router) is drawn because it was recorded."""
-    from model.gpt import spec_for
+    from gpt_shape_tracer.model.gpt import spec_for
 
     config = trace.config
     records = trace.filter(step=step)

@@ -9,10 +9,10 @@ import math
 import pandas as pd
 import plotly.graph_objects as go
 
-from figures.heatmap import add, grid, style_axes
-from figures.palette import ACCENT, NEUTRAL
-from figures.plot import figure, fitted, subplots
-from tracer import HeadGradients
+from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
+from gpt_shape_tracer.figures.palette import ACCENT, NEUTRAL
+from gpt_shape_tracer.figures.plot import figure, fitted, subplots
+from gpt_shape_tracer.tracer import HeadGradients
 
 FORMULAS = {"G_O": "G_O = ∂L/∂O", "G_V": "G_V = Pᵀ·G_O", "G_P": "G_P = G_O·Vᵀ",
             "G_S": "G_S,r = (diag(P_r) − P_r P_rᵀ)·G_P,r", "G_Q": "G_Q = s·G_S·K", "G_K": "G_K = s·G_Sᵀ·Q"}

@@ -29,8 +29,8 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from figures.common import safe_text
-from figures.palette import AMOUNT, MASKED, SIGNED
+from gpt_shape_tracer.figures.common import safe_text
+from gpt_shape_tracer.figures.palette import AMOUNT, MASKED, SIGNED
 
 MAX_SIDE = 256
 NUMBERS_UP_TO = 12

@@ -9,10 +9,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import shape_text
-from figures.heatmap import MAX_SIDE, WHOLE_UP_TO, add, grid, style_axes
-from figures.plot import figure, fitted
-from tracer import Trace, value_blocks
+from gpt_shape_tracer.figures.common import shape_text
+from gpt_shape_tracer.figures.heatmap import MAX_SIDE, WHOLE_UP_TO, add, grid, style_axes
+from gpt_shape_tracer.figures.plot import figure, fitted
+from gpt_shape_tracer.tracer import Trace, value_blocks
 
 MAX_RAW_ELEMENTS = 400  # tensors up to this size are shown number by number
 

@@ -13,11 +13,11 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from figures.heatmap import colour_top
-from figures.palette import AMOUNT
-from figures.plot import figure
-from model.gpt import act_name, grid_edges
-from tracer import (
+from gpt_shape_tracer.figures.heatmap import colour_top
+from gpt_shape_tracer.figures.palette import AMOUNT
+from gpt_shape_tracer.figures.plot import figure
+from gpt_shape_tracer.model.gpt import act_name, grid_edges
+from gpt_shape_tracer.tracer import (
     HeadStatistics,
     Overview,
     Trace,

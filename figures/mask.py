@@ -9,11 +9,11 @@ from dataclasses import dataclass, replace
 import plotly.graph_objects as go
 import torch
 
-from figures.common import facts_of, gen_step, key_labels, query_labels, scores_formula, shape_text
-from figures.heatmap import add, grid, masked_layer, style_axes
-from figures.plot import figure, fitted, subplots
-from model.gpt import act_name
-from tracer import Trace
+from gpt_shape_tracer.figures.common import facts_of, gen_step, key_labels, query_labels, scores_formula, shape_text
+from gpt_shape_tracer.figures.heatmap import add, grid, masked_layer, style_axes
+from gpt_shape_tracer.figures.plot import figure, fitted, subplots
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import Trace
 
 ALLOWED = "#e3f1e5"  # a cell M lets through (0); masked cells are the palette's MASKED grey
 

@@ -15,10 +15,10 @@ import html
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from figures import attention, cache, flow, mask, tokens
-from figures.common import attention_layers, facts_of
-from model.gpt import act_name
-from tracer import Trace
+from gpt_shape_tracer.figures import attention, cache, flow, mask, tokens
+from gpt_shape_tracer.figures.common import attention_layers, facts_of
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import Trace
 
 STYLE = ("body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#1a1a1a}"
          "h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em}table{border-collapse:collapse;font-size:.85em}"

@@ -7,11 +7,11 @@ import math
 
 import plotly.graph_objects as go
 
-from figures.common import choice_at, facts_of, inert, is_greedy, safe_text
-from figures.palette import ACCENT, NEUTRAL, amount_legend, amount_span
-from figures.plot import figure, fitted
-from model.sampling import STAGES
-from tracer import Trace
+from gpt_shape_tracer.figures.common import choice_at, facts_of, inert, is_greedy, safe_text
+from gpt_shape_tracer.figures.palette import ACCENT, NEUTRAL, amount_legend, amount_span
+from gpt_shape_tracer.figures.plot import figure, fitted
+from gpt_shape_tracer.model.sampling import STAGES
+from gpt_shape_tracer.tracer import Trace
 
 
 def generated_text_html(trace: Trace, row: int = 0, upto_step: int | None = None) -> str:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from figures.common import facts_of
-from model.analysis import HEAD_ROLES
-from model.gpt import act_name
-from tracer import Trace
+from gpt_shape_tracer.figures.common import facts_of
+from gpt_shape_tracer.model.analysis import HEAD_ROLES
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import Trace
 
 CLEAR_SCORE = 0.3  # a head is a clear example of a role from this score up (the all-heads grid's ROLE_SHOWN)
 PROBE = "4 random token sequences, each repeated twice"  # what tracer.head_scores measures on

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from figures.common import facts_of, inert, shape_text
-from figures.mask import MaskFacts
-from figures.worked import Worked
-from tracer import PatchingResult, Trace
+from gpt_shape_tracer.figures.common import facts_of, inert, shape_text
+from gpt_shape_tracer.figures.mask import MaskFacts
+from gpt_shape_tracer.figures.worked import Worked
+from gpt_shape_tracer.tracer import PatchingResult, Trace
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from figures.common import inert, safe_text
-from figures.heatmap import add, grid, style_axes
-from figures.palette import ACCENT, AMOUNT, MASKED, NEUTRAL
-from figures.plot import figure, fitted
+from gpt_shape_tracer.figures.common import inert, safe_text
+from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
+from gpt_shape_tracer.figures.palette import ACCENT, AMOUNT, MASKED, NEUTRAL
+from gpt_shape_tracer.figures.plot import figure, fitted
 
 LENS_POSITIONS = 48  # the lens heatmap shows at most this many (the last) positions, each cell labelled
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 import torch
 
-from figures.heatmap import add, grid, style_axes
-from figures.plot import fitted, subplots
-from model.gpt import attention
+from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
+from gpt_shape_tracer.figures.plot import fitted, subplots
+from gpt_shape_tracer.model.gpt import attention
 
 DEFAULT_Q = [[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]
 DEFAULT_K = [[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]]

@@ -1,21 +1,27 @@
 """``gpt-shape-tracer app [streamlit options]`` serves the page; ``gpt-shape-tracer trace …`` traces headless.
 
-The app is the ``app.py`` installed beside this package (or, in a checkout, the one at its root), run by
-Streamlit's own command line in this Python. The server settings are declared once, in ``server.toml``
+The app is this package's ``app.py`` (in a checkout, a link to the ``app.py`` at its root), run by Streamlit's
+own command line in this Python. The server settings are declared once, in ``server.toml``
 beside this module (``.streamlit/config.toml`` in a checkout is a link to it, for ``streamlit run app.py``);
 here they are passed as flags, so they hold from any working directory. Flags given after ``app`` come
 later and win."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import tomllib
 from pathlib import Path
 
-from gpt_shape_tracer.runs import KEEP_RUNS_ENV, LIST_ALL_RUNS_ENV, RUNS_DIR_ENV, RUNS_MB_ENV, RunError, RunsSettings
-from gpt_shape_tracer.server_limits import BUDGET_ENV, SESSIONS_ENV, ServerLimits
+from gpt_shape_tracer.session.runs import (
+    KEEP_RUNS_ENV,
+    LIST_ALL_RUNS_ENV,
+    RUNS_DIR_ENV,
+    RUNS_MB_ENV,
+    RunError,
+    RunsSettings,
+)
+from gpt_shape_tracer.session.server_limits import BUDGET_ENV, SESSIONS_ENV, ServerLimits
 
 SERVER_SETTINGS = Path(__file__).with_name("server.toml")
 
@@ -35,12 +41,12 @@ USAGE = """usage: gpt-shape-tracer {app,trace} [options]
 
 
 def app_script() -> Path:
-    """Where ``app.py`` is: the installed top-level module ``app``, found without importing it (importing
-    it would run the page outside Streamlit)."""
-    spec = importlib.util.find_spec("app")
-    if spec is None or spec.origin is None or not Path(spec.origin).is_file():
-        raise FileNotFoundError("app.py is not installed beside gpt_shape_tracer: reinstall the package")
-    return Path(spec.origin)
+    """Where the page is: ``app.py`` in this package, found as a file, never imported (importing it would run
+    the page outside Streamlit)."""
+    script = Path(__file__).with_name("app.py")
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} is missing: reinstall gpt-shape-tracer")
+    return script
 
 
 def server_flags(settings: Path = SERVER_SETTINGS) -> list[str]:
@@ -109,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         watch = ["--server.fileWatcherType=auto"] if "--dev" in rest else []
         rest = [arg for arg in rest if arg != "--dev"]
         # the server replaces this process: Ctrl+C and a terminating parent reach Streamlit itself
-        # -P: the working directory is not put on sys.path, so a user's own model.py there does not replace ours
-        command = [sys.executable, "-P", "-m", "streamlit", "run", str(script), *server_flags(), *watch, *rest]
-        os.execv(sys.executable, command)
+        os.execv(sys.executable, [sys.executable, "-m", "streamlit", "run", str(script), *server_flags(), *watch, *rest])
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2

@@ -242,19 +242,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from gpt_shape_tracer.memory import reuse_freed_memory
+    from gpt_shape_tracer.session.memory import reuse_freed_memory
 
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
     import pandas as pd
 
-    from gpt_shape_tracer import room
-
-    for name in ("model", "tracer", "figures", "session"):  # ours, not a same-named file of the working directory
-        room(name)
-    from model import ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
-    from model.sources import OwnModuleError, load_factory
-    from session import build_settings, new_generation
-    from tracer import save_trace
+    from gpt_shape_tracer.model import ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
+    from gpt_shape_tracer.model.sources import OwnModuleError, load_factory
+    from gpt_shape_tracer.session import build_settings, new_generation
+    from gpt_shape_tracer.tracer import save_trace
 
     try:
         _check_device(args.device)
@@ -271,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{args.model_factory} returned no tokenizer: return (model, tokenizer), or give "
                                  "--tokenizer")
         elif args.dry_run:
-            from tracer import prepare_dry_run
+            from gpt_shape_tracer.tracer import prepare_dry_run
 
             model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer, weights=False,
                                           tensor_parallel=args.tensor_parallel)
@@ -311,13 +307,13 @@ def main(argv: list[str] | None = None) -> int:
             gen.close()
             return 2
     if args.html:
-        from figures.report import report_html
+        from gpt_shape_tracer.figures.report import report_html
 
         shown_step = args.show_step if args.show_step is not None else gen.n_steps - 1
         Path(args.html).write_text(report_html(gen.trace, shown_step), encoding="utf-8")
         print(f"wrote {args.html}: a report of step {shown_step}", file=sys.stderr if args.json else sys.stdout)
     if args.html_run:
-        from figures.report import run_report_html
+        from gpt_shape_tracer.figures.report import run_report_html
 
         Path(args.html_run).write_text(run_report_html(gen.trace), encoding="utf-8")
         print(f"wrote {args.html_run}: a report of the {gen.n_steps} steps",
@@ -332,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = getattr(model, "tensor_parallel", None)
     parallel = None
     if plan is not None:
-        from tracer import collectives, collectives_sentence
+        from gpt_shape_tracer.tracer import collectives, collectives_sentence
 
         sent = collectives(gen.trace, step, plan)
         parallel = {"ranks": plan.ranks, "plan": plan.source, "sentence": collectives_sentence(plan, sent),

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures import attention as attn_views
-from figures import flash as flash_views
-from figures import gradients as grad_views
-from figures import long_attention as long_views
-from figures.common import attention_layers, facts_of, key_labels, query_labels, scores_formula
-from gui.common import (
+from gpt_shape_tracer.figures import attention as attn_views
+from gpt_shape_tracer.figures import flash as flash_views
+from gpt_shape_tracer.figures import gradients as grad_views
+from gpt_shape_tracer.figures import long_attention as long_views
+from gpt_shape_tracer.figures.common import attention_layers, facts_of, key_labels, query_labels, scores_formula
+from gpt_shape_tracer.gui.common import (
     chart,
     explain_missing_values,
     layer_head_batch,
@@ -22,11 +22,11 @@ from gui.common import (
     state,
     values_kept,
 )
-from gui.hover import crosshair
-from gui.takeaway import takeaway
-from model.gpt import act_name, identity_of
-from session import first_token
-from tracer import (
+from gpt_shape_tracer.gui.hover import crosshair
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.model.gpt import act_name, identity_of
+from gpt_shape_tracer.session import first_token
+from gpt_shape_tracer.tracer import (
     GRADIENT_LOSSES,
     RegionError,
     Trace,

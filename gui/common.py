@@ -13,15 +13,13 @@ from pathlib import Path
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from figures import tokens as token_views
-from figures.common import facts_of, no_attention
-from figures.common import inert as plain  # everything the app did not write passes through this
-from gpt_shape_tracer.memory import return_freed_memory, reuse_freed_memory
-from gpt_shape_tracer.server_limits import SessionLedger
-from model import ModelLoadError, TextTokenizer, load_bundled, load_model
-from model.gpt import IdentityUnavailable, identity_of
-from model.sources import load_factory
-from session import (
+from gpt_shape_tracer.figures import tokens as token_views
+from gpt_shape_tracer.figures.common import facts_of, no_attention
+from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
+from gpt_shape_tracer.model import ModelLoadError, TextTokenizer, load_bundled, load_model
+from gpt_shape_tracer.model.gpt import IdentityUnavailable, identity_of
+from gpt_shape_tracer.model.sources import load_factory
+from gpt_shape_tracer.session import (
     DEFAULT_MODEL_KEY,
     FACTORY,
     AppState,
@@ -35,7 +33,9 @@ from session import (
     model_device,
     parse_model_key,
 )
-from tracer import Finite, Trace, TraceFileError, load_trace
+from gpt_shape_tracer.session.memory import return_freed_memory, reuse_freed_memory
+from gpt_shape_tracer.session.server_limits import SessionLedger
+from gpt_shape_tracer.tracer import Finite, Trace, TraceFileError, load_trace
 
 UPLOAD_MB = 1024  # MiB, as .streamlit/config.toml server.maxUploadSize (Streamlit labels the dropzone "1GB")
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures import whatif as whatif_views
-from figures.view_takeaways import compare_takeaway
-from gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, state
-from gui.hover import crosshair
-from gui.takeaway import takeaway
-from session import Comparison, caches, rerun_and_compare
-from tracer import Trace, aligned_values, diff_traces
+from gpt_shape_tracer.figures import whatif as whatif_views
+from gpt_shape_tracer.figures.view_takeaways import compare_takeaway
+from gpt_shape_tracer.gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, state
+from gpt_shape_tracer.gui.hover import crosshair
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.session import Comparison, caches, rerun_and_compare
+from gpt_shape_tracer.tracer import Trace, aligned_values, diff_traces
 
 
 def compare_tab(trace: Trace, step: int) -> None:

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
-from figures.flow import shape_flow_figure
-from gui.common import chart, plain
-from model import ModelLoadError, load_model
-from model.sources import parameters_by_dtype, shapes_available
-from tracer import (
+from gpt_shape_tracer.figures.flow import shape_flow_figure
+from gpt_shape_tracer.gui.common import chart, plain
+from gpt_shape_tracer.model import ModelLoadError, load_model
+from gpt_shape_tracer.model.sources import parameters_by_dtype, shapes_available
+from gpt_shape_tracer.tracer import (
     ACCELERATORS,
     StepCosts,
     Trace,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures.report import report_html, run_report_html
-from gui.common import UPLOAD_MB, plain, read_uploaded_trace, reserve_memory, state
-from session import LoadedTrace
-from tracer import LIMITS, Trace, archive_bytes
+from gpt_shape_tracer.figures.report import report_html, run_report_html
+from gpt_shape_tracer.gui.common import UPLOAD_MB, plain, read_uploaded_trace, reserve_memory, state
+from gpt_shape_tracer.session import LoadedTrace
+from gpt_shape_tracer.tracer import LIMITS, Trace, archive_bytes
 
 
 def export_tab(trace: Trace | None, step: int = 0) -> None:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import streamlit as st
 import torch
 
-from figures import inspector as inspect_views
-from figures.common import attention_layers, shape_with_axes
-from figures.view_takeaways import inspector_takeaway
-from gui.common import chart, explain_missing_values, plain, state
-from gui.hover import crosshair
-from gui.takeaway import takeaway
-from model.gpt import act_name
-from session import ops_module
-from tracer import Trace
+from gpt_shape_tracer.figures import inspector as inspect_views
+from gpt_shape_tracer.figures.common import attention_layers, shape_with_axes
+from gpt_shape_tracer.figures.view_takeaways import inspector_takeaway
+from gpt_shape_tracer.gui.common import chart, explain_missing_values, plain, state
+from gpt_shape_tracer.gui.hover import crosshair
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.session import ops_module
+from gpt_shape_tracer.tracer import Trace
 
 
 def inspector_tab(trace: Trace, step: int) -> None:

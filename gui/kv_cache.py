@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures import attention as attn_views
-from figures import cache as cache_views
-from figures.common import attention_layers, facts_of
-from gui.common import chart, layer_head_batch, plain, remembered_tabs, said_no_attention, state, values_kept
-from gui.takeaway import takeaway
-from model.gpt import act_name
-from session import caches
-from tracer import Trace, cache_precision
+from gpt_shape_tracer.figures import attention as attn_views
+from gpt_shape_tracer.figures import cache as cache_views
+from gpt_shape_tracer.figures.common import attention_layers, facts_of
+from gpt_shape_tracer.gui.common import (
+    chart,
+    layer_head_batch,
+    plain,
+    remembered_tabs,
+    said_no_attention,
+    state,
+    values_kept,
+)
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.session import caches
+from gpt_shape_tracer.tracer import Trace, cache_precision
 
 RECOMPUTE_REPEATS = 5  # timings of the cache comparison on demand: the fastest of this many runs
 

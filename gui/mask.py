@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures import mask as mask_views
-from figures.view_takeaways import mask_takeaway
-from gui.common import chart, layer_head_batch, plain, said_no_attention, values_kept
-from gui.hover import crosshair
-from gui.takeaway import takeaway
-from model.gpt import act_name
-from tracer import Trace
+from gpt_shape_tracer.figures import mask as mask_views
+from gpt_shape_tracer.figures.view_takeaways import mask_takeaway
+from gpt_shape_tracer.gui.common import chart, layer_head_batch, plain, said_no_attention, values_kept
+from gpt_shape_tracer.gui.hover import crosshair
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import Trace
 
 
 def mask_tab(trace: Trace, step: int) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures import tokens as token_views
-from figures.common import facts_of
-from figures.view_takeaways import next_token_takeaway
-from gui.common import chart
-from gui.takeaway import takeaway
-from tracer import Trace
+from gpt_shape_tracer.figures import tokens as token_views
+from gpt_shape_tracer.figures.common import facts_of
+from gpt_shape_tracer.figures.view_takeaways import next_token_takeaway
+from gpt_shape_tracer.gui.common import chart
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.tracer import Trace
 
 
 def next_token_tab(trace: Trace, step: int) -> None:

@@ -23,20 +23,9 @@ import time
 
 import streamlit as st
 
-from figures.common import inert as plain
-from gpt_shape_tracer.runs import (
-    RunError,
-    RunRecord,
-    RunsSettings,
-    RunStore,
-    checked_owner_token,
-    checked_run_id,
-    new_owner_token,
-    new_run_id,
-    owner_tag,
-)
-from gui.common import current_model, state
-from session import (
+from gpt_shape_tracer.figures.common import inert as plain
+from gpt_shape_tracer.gui.common import current_model, state
+from gpt_shape_tracer.session import (
     FACTORY,
     SETTING_KEYS,
     AppState,
@@ -47,7 +36,18 @@ from session import (
     parse_model_key,
     settings_from,
 )
-from tracer import TraceFileError
+from gpt_shape_tracer.session.runs import (
+    RunError,
+    RunRecord,
+    RunsSettings,
+    RunStore,
+    checked_owner_token,
+    checked_run_id,
+    new_owner_token,
+    new_run_id,
+    owner_tag,
+)
+from gpt_shape_tracer.tracer import TraceFileError
 
 PARAM = "run"  # the address's query parameter
 OWNER_PARAM = "owner"  # …and the one naming whose runs the page lists

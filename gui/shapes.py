@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures import flow as flow_views
-from figures.common import no_attention
-from figures.view_takeaways import shapes_takeaway
-from gui.common import chart, n_layer_head, plain, state
-from gui.takeaway import takeaway
-from tracer import TENSOR_KINDS, Trace
+from gpt_shape_tracer.figures import flow as flow_views
+from gpt_shape_tracer.figures.common import no_attention
+from gpt_shape_tracer.figures.view_takeaways import shapes_takeaway
+from gpt_shape_tracer.gui.common import chart, n_layer_head, plain, state
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.tracer import TENSOR_KINDS, Trace
 
 LEGEND = "B batch · n new positions · t key positions (cache incl.) · d d_model · H query heads · G key/value " \
          "heads · d_head = d_k · V vocab"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import streamlit as st
 
-from gui.common import current_model, directory_model, factory_model, plain, reserve_memory, state
-from gui.dry_run import LABEL as DRY_LABEL
-from gui.dry_run import dry_run_sidebar
-from gui.runs import forget_run
-from model import BUNDLED_MODELS, ModelLoadError
-from model.sources import ASSETS, OwnModuleError, resolve_model_path, weights_size
-from session import (
+from gpt_shape_tracer.gui.common import current_model, directory_model, factory_model, plain, reserve_memory, state
+from gpt_shape_tracer.gui.dry_run import LABEL as DRY_LABEL
+from gpt_shape_tracer.gui.dry_run import dry_run_sidebar
+from gpt_shape_tracer.gui.runs import forget_run
+from gpt_shape_tracer.model import BUNDLED_MODELS, ModelLoadError
+from gpt_shape_tracer.model.sources import ASSETS, OwnModuleError, resolve_model_path, weights_size
+from gpt_shape_tracer.session import (
     DEFAULT_RUN_N,
     DEFAULTS,
     FACTORY,
@@ -34,7 +34,7 @@ from session import (
     parse_run_steps,
     run_steps,
 )
-from tracer import FORWARD_CAPTURES, MAX_RUN_STEPS, PADDING_SIDES
+from gpt_shape_tracer.tracer import FORWARD_CAPTURES, MAX_RUN_STEPS, PADDING_SIDES
 
 SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
            "Bundled Llama-style story model": "bundled:story-llama",

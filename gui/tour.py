@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures.tour import Stop, shown_stops, skipped_sentence, tour_context, tour_stops
-from gui.common import live_model_for, plain, state
-from session import caches
-from tracer import Trace
+from gpt_shape_tracer.figures.tour import Stop, shown_stops, skipped_sentence, tour_context, tour_stops
+from gpt_shape_tracer.gui.common import live_model_for, plain, state
+from gpt_shape_tracer.session import caches
+from gpt_shape_tracer.tracer import Trace
 
 TOUR_KEY = "tour_stop"  # the index, among the shown stops, of the stop on view; absent when no tour is going
 
@@ -52,7 +52,9 @@ def plan(trace: Trace) -> tuple[Stop, ...]:
     model = live_model_for(trace)
     scores = None
     if model is not None:
-        from gui.attention import scores_for  # the all-heads grid's cached scores: measured once per model
+        from gpt_shape_tracer.gui.attention import (
+            scores_for,  # the all-heads grid's cached scores: measured once per model
+        )
 
         try:
             scores = scores_for(model)

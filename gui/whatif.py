@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures import whatif as whatif_views
-from figures.common import attention_layers, facts_of
-from figures.view_takeaways import ablation_takeaway, patching_takeaway
-from gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
-from gui.hover import crosshair
-from gui.takeaway import takeaway
-from session import ablation_run, all_heads, head_ablations, head_label, patching_run
-from tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
+from gpt_shape_tracer.figures import whatif as whatif_views
+from gpt_shape_tracer.figures.common import attention_layers, facts_of
+from gpt_shape_tracer.figures.view_takeaways import ablation_takeaway, patching_takeaway
+from gpt_shape_tracer.gui.common import chart, live_model_for, n_layer_head, plain, remembered_tabs, state
+from gpt_shape_tracer.gui.hover import crosshair
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.session import ablation_run, all_heads, head_ablations, head_label, patching_run
+from gpt_shape_tracer.tracer import ABLATIONS, Trace, TracedGeneration, direct_logit_attribution, logit_lens
 
 
 def whatif_tab(trace: Trace, step: int) -> None:

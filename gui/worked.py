@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import streamlit as st
 
-from figures import worked as worked_views
-from figures.view_takeaways import worked_takeaway
-from gui.common import chart, plain
-from gui.hover import crosshair
-from gui.takeaway import takeaway
-from tracer import Trace
+from gpt_shape_tracer.figures import worked as worked_views
+from gpt_shape_tracer.figures.view_takeaways import worked_takeaway
+from gpt_shape_tracer.gui.common import chart, plain
+from gpt_shape_tracer.gui.hover import crosshair
+from gpt_shape_tracer.gui.takeaway import takeaway
+from gpt_shape_tracer.tracer import Trace
 
 
 @st.fragment

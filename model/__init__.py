@@ -12,7 +12,7 @@ This is the front door: the names below are what users call. Imports torch (and 
 loading) only: no streamlit, no tracer.
 """
 
-from model.gpt import (
+from gpt_shape_tracer.model.gpt import (
     GPT,
     GPTConfig,
     HookPoint,
@@ -27,8 +27,8 @@ from model.gpt import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from model.sampling import SampleResult, SamplingConfig, SamplingError, generate, generate_step, sample
-from model.sources import (
+from gpt_shape_tracer.model.sampling import SampleResult, SamplingConfig, SamplingError, generate, generate_step, sample
+from gpt_shape_tracer.model.sources import (
     BUNDLED_MODELS,
     Decoder,
     HFDecoder,

@@ -43,7 +43,7 @@ def runs_under_pytests_own_directory(tmp_path_factory):
     """The app keeps every generation in a runs folder (gpt_shape_tracer/runs.py), by default in the user's data
     directory: the tests' runs (AppTest's and the servers' they start, which inherit the environment) go under
     pytest's temporary directory instead."""
-    from gpt_shape_tracer.runs import RUNS_DIR_ENV
+    from gpt_shape_tracer.session.runs import RUNS_DIR_ENV
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(RUNS_DIR_ENV, str(tmp_path_factory.mktemp("runs")))
@@ -82,7 +82,7 @@ def apptest_does_once_what_a_server_does_once():
 
 @pytest.fixture(scope="session")
 def bundled():
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
 
     return load_bundled()
 
@@ -94,7 +94,7 @@ def hf_pair():
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from model import load_hf_gpt2
+    from gpt_shape_tracer.model import load_hf_gpt2
 
     torch.manual_seed(1234)
     cfg = GPT2Config(
@@ -134,7 +134,7 @@ FIGURES_PROMPT = "Once upon a time, there was a little girl named Lily."
 @pytest.fixture(scope="module")
 def batch_gen(bundled):
     """Two left-padded sequences, one holding HTML, greedy, three steps."""
-    from tracer import TracedGeneration
+    from gpt_shape_tracer.tracer import TracedGeneration
 
     model, tok = bundled
     g = TracedGeneration(model, tok, [FIGURES_PROMPT, "Tom said, <script>alert(1)</script>"], temperature=0)
@@ -147,8 +147,8 @@ def llama_gen(bundled):
     """A small grouped-query Llama-style model (6 query heads sharing 2 key/value heads), random weights."""
     import torch
 
-    from model import GPT, GPTConfig
-    from tracer import TracedGeneration
+    from gpt_shape_tracer.model import GPT, GPTConfig
+    from gpt_shape_tracer.tracer import TracedGeneration
 
     _, tok = bundled
     torch.manual_seed(5)

@@ -303,7 +303,7 @@ def _uncached_logits(directory: Path, tokens: torch.Tensor) -> list[torch.Tensor
 
 def check(model_type: str, directory: Path) -> Result:
     """Load ``directory`` with ``load_hf``; traced: compare with transformers at the prefill and each cached step."""
-    from model.sources import ModelLoadError, load_hf
+    from gpt_shape_tracer.model.sources import ModelLoadError, load_hf
 
     try:
         model, _ = load_hf(directory)

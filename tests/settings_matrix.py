@@ -14,10 +14,10 @@ STEPS = 3
 
 def build_matrix() -> dict:
     """name → (generation or None, trace). A loaded trace has no live generation."""
-    from model import load_bundled, load_hf
-    from model.sources import ASSETS
+    from gpt_shape_tracer.model import load_bundled, load_hf
+    from gpt_shape_tracer.model.sources import ASSETS
+    from gpt_shape_tracer.tracer import TracedGeneration, load_trace, save_trace
     from tests.hf_architectures import build
-    from tracer import TracedGeneration, load_trace, save_trace
 
     gpt, tok = load_bundled("story-gpt")
     llama, llama_tok = load_bundled("story-llama")

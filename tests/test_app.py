@@ -15,7 +15,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from tracer.files._io import archive_bytes, load_trace
+from gpt_shape_tracer.tracer.files._io import archive_bytes, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app.py")
@@ -553,8 +553,8 @@ def test_typed_inputs_and_sub_tabs_survive_a_round_trip(stepped):
 
 
 def test_export_and_load_a_trace_back_labelled_with_its_own_model(stepped, hf_dir_with_tokenizer):
-    from model import load_hf
-    from tracer import TracedGeneration
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.tracer import TracedGeneration
 
     other, tok = load_hf(hf_dir_with_tokenizer)
     theirs = TracedGeneration(other, tok, "Tom had a kite.", temperature=0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model.sources import BUNDLED_DIR
+from gpt_shape_tracer.model.sources import BUNDLED_DIR
 from tests.hf_architectures import ARCHITECTURES, build
 from tests.test_app import TABS, new_app, press, press_reset, run, show_tab
 
@@ -66,9 +66,9 @@ def test_a_directory_given_less_memory_than_its_weights_runs_with_them_on_disk(a
     load message says what went there, every tab renders, and the steps are the in-memory model's exactly."""
     import torch
 
-    from model import load_hf
-    from model.sources import weights_size
-    from tracer import TracedGeneration
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.sources import weights_size
+    from gpt_shape_tracer.tracer import TracedGeneration
 
     directory = build("llama", Path(tempfile.mkdtemp(prefix="app-offload-")) / "llama", BUNDLED_DIR / "tokenizer.json")
     gib = weights_size(directory)[1] / 3 / 2**30
@@ -98,7 +98,7 @@ def test_a_model_whose_transformers_forwards_disagree_says_which_one_the_trace_f
     import torch
     from transformers import MoshiConfig, MoshiForCausalLM
 
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
     from tests.hf_every_architecture import tiny_config
 
     values = tiny_config("moshi").to_dict()

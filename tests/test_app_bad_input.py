@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from gpt_shape_tracer.tracer.files._io import archive_bytes
 from tests.test_app import charts, heatmaps, metric, new_app, press, press_reset, run, show_tab
-from tracer.files._io import archive_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,7 +218,7 @@ def test_a_transformers_config_it_cannot_build_is_a_message_and_the_model_stays(
                                                                                  expected):
     """Issue 43: in the app, no heads was a ZeroDivisionError and layer_types of the wrong length transformers'
     own validation traceback; each is a message naming the field, and the loaded model and its run go on."""
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.hf_architectures import build
 
     directory = build("qwen3", tmp_path / "qwen3", BUNDLED_DIR / "tokenizer.json")
@@ -238,7 +238,7 @@ def test_files_that_cannot_be_hashed_are_a_failed_load_that_is_not_kept(stepped,
     """The model's identity is its files' hash, taken beside the load: files that cannot be read for it make a
     failed Load with the reason, the previous model and its steps stay, and the next Load tries again (the
     failed model was not kept in the server's cache)."""
-    import model.gpt._identity as identity_module
+    import gpt_shape_tracer.model.gpt._identity as identity_module
 
     directory = tmp_path / "model"  # a path no other test loaded: the server's model cache has not seen it
     shutil.copytree(hf_dir_with_tokenizer, directory)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-import session
-from gpt_shape_tracer.runs import new_run_id
-from gui.runs import tokens_of
+from gpt_shape_tracer import session
+from gpt_shape_tracer.gui.runs import tokens_of
+from gpt_shape_tracer.session.runs import new_run_id
 from tests.test_app import APP, page_text, press, run
 from tests.test_runs import record, runs_store
 
@@ -75,7 +75,7 @@ def test_a_device_asked_for_in_the_address_is_refused_once():
 
 def test_a_saved_run_on_a_device_this_machine_lacks_opens_its_written_trace(bundled):
     """A run saved by a server with a GPU, opened where there is none: its written trace is shown, and why."""
-    from tracer import TracedGeneration
+    from gpt_shape_tracer.tracer import TracedGeneration
 
     model, tok = bundled
     gen = TracedGeneration(model, tok, "Tom had a kite.", temperature=0)

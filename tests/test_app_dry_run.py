@@ -8,8 +8,8 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
-from gui.dry_run import LABEL
-from model.sources import ASSETS
+from gpt_shape_tracer.gui.dry_run import LABEL
+from gpt_shape_tracer.model.sources import ASSETS
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 

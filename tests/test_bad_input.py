@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from model import GPT, GPTConfig, SamplingConfig, SamplingError, TextTokenizer, sample
-from model.gpt import dims_of, resolve, spec_for
-from tracer import Tracer
-from tracer.generation._traced import TracedGeneration
+from gpt_shape_tracer.model import GPT, GPTConfig, SamplingConfig, SamplingError, TextTokenizer, sample
+from gpt_shape_tracer.model.gpt import dims_of, resolve, spec_for
+from gpt_shape_tracer.tracer import Tracer
+from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
 
 ODD_TEXTS = [
     "🙂🚀 emoji only",
@@ -172,7 +172,7 @@ def test_statistics_are_of_the_value_kept_even_where_an_evicted_one_lay_in_memor
     allocator hands their addresses to the next step's tensors of the same shape. Statistics shared between
     records that view the same numbers must never be those of a freed tensor that lay at the same address
     (they were, before: 1,244 of the records below showed an earlier step's min and max)."""
-    from tracer.storage._stats import tensor_stats
+    from gpt_shape_tracer.tracer.storage._stats import tensor_stats
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, n_ctx=128, d_model=16, n_layer=1, n_head=2)).eval()
@@ -205,7 +205,7 @@ def test_a_token_that_is_a_control_or_invisible_character_is_labelled_visibly():
     a right-to-left override that would reverse the text after it) as \\uNNNN; printable text is left alone."""
     from tokenizers import Tokenizer, models
 
-    from model.sources._tokenizer import _unicode_to_byte
+    from gpt_shape_tracer.model.sources._tokenizer import _unicode_to_byte
 
     to_symbol = {b: ch for ch, b in _unicode_to_byte().items()}
     texts = ["\x07", "\x1b", "\u200b", "\u202e", "\u00a0", "a b", "é", "\U0001F642"]
@@ -221,8 +221,8 @@ def test_a_boolean_written_as_a_string_in_a_llama_config_is_refused(tmp_path, ke
     by a config that says the opposite."""
     from pathlib import Path
 
-    from model import ModelLoadError
-    from model.sources._hf_config import config_from_hf
+    from gpt_shape_tracer.model import ModelLoadError
+    from gpt_shape_tracer.model.sources._hf_config import config_from_hf
 
     raw = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
            "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 32}
@@ -233,10 +233,10 @@ def test_a_boolean_written_as_a_string_in_a_llama_config_is_refused(tmp_path, ke
 
 def test_an_out_of_range_layer_head_or_batch_is_a_value_error_naming_the_range(bundled):
     """These were IndexError / KeyError from deep inside (or, for a batch, a wrong row silently)."""
-    from figures.flash import flash_attention
-    from figures.report import report_html
-    from tracer import TracedGeneration
-    from tracer.experiments._gradients import attention_gradients
+    from gpt_shape_tracer.figures.flash import flash_attention
+    from gpt_shape_tracer.figures.report import report_html
+    from gpt_shape_tracer.tracer import TracedGeneration
+    from gpt_shape_tracer.tracer.experiments._gradients import attention_gradients
 
     model, tok = bundled
     gen = TracedGeneration(model, tok, "Lily had", temperature=0)

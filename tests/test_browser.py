@@ -120,7 +120,7 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
     the browser holds them, and every tab drawn without a JavaScript error. With SAVE_SCREENSHOTS=1 it
     also writes the screenshots the README and docs/ show (assets/screenshots/), and the README's front picture:
     the top of the Attention tab, from the title to the stages' heatmaps."""
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
 
     _, tok = load_bundled()
     n0 = len(tok.encode(PROMPT))
@@ -238,9 +238,9 @@ def test_html_in_the_prompt_shows_as_text(url, visit):
 
 def crafted_trace() -> bytes:
     """A valid trace whose labels, model name and prompt try markdown images, links and HTML."""
-    from model import load_bundled
-    from tracer import TracedGeneration
-    from tracer.files._io import archive_bytes
+    from gpt_shape_tracer.model import load_bundled
+    from gpt_shape_tracer.tracer import TracedGeneration
+    from gpt_shape_tracer.tracer.files._io import archive_bytes
 
     model, tok = load_bundled()
     gen = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)
@@ -295,7 +295,7 @@ def test_the_actions_are_above_the_fold(url, visit):
 def test_the_llama_model_shows_its_key_value_groups_and_rope(url, visit):
     """The bundled Llama-style model in the browser: K and V have G = 2 heads for H = 4 query heads, the
     all-heads grid brackets the query heads each key/value head serves, and the RoPE view is there."""
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
 
     _, tok = load_bundled("story-llama")
     n0 = len(tok.encode(PROMPT))
@@ -417,11 +417,11 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
     score scale, soft-capped scores, sliding-window layers, four norms per block), run by transformers.
     Its KV cache is [B, G, t, d_head], the attention stages are five (the soft-cap is one), the shape flow
     is read from its records, and every tab draws without a JavaScript error."""
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.hf_architectures import build
 
     directory = build("gemma2", tmp_path / "gemma2", BUNDLED_DIR / "tokenizer.json")
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
 
     _, tok = load_bundled()
     n0 = len(tok.encode(PROMPT))
@@ -452,8 +452,8 @@ def test_a_latent_attention_model_deepseek_v3_shows_its_cached_latent(url, visit
     """DeepSeek-V3 from a directory: multi-head latent attention, whose cache holds the compressed latent c_KV
     [B,1,t,d_c] and the rotary key k_R instead of K and V. The KV cache tab says so with its bytes and draws c_KV
     (t rows, d_c columns), the attention tab draws its stages, and no view raises a JavaScript error."""
-    from model import load_bundled
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model import load_bundled
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.hf_architectures import ARCHITECTURES, build
 
     directory = build("deepseek_v3", tmp_path / "deepseek_v3", BUNDLED_DIR / "tokenizer.json")

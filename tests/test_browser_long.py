@@ -54,7 +54,7 @@ def llama_directory(directory: Path, n: int) -> Path:
     """A random-weight Llama-style model whose context holds an ``n``-token prompt and the token it chooses."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE, max_position_embeddings=n + 1)).eval()
@@ -153,7 +153,7 @@ def eager_rows(directory: Path, ids: list[int], upto: int) -> torch.Tensor:
 
 def drive(page, url: str, directory: Path, n: int, shots: Path | None = None) -> dict[str, float]:
     """The person's path through the app at ``n`` tokens; returns the seconds of each action."""
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
 
     _, tok = load_bundled()
     text, ids = prompt_of(tok, n)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpt_shape_tracer.runs import RUN_FILE
+from gpt_shape_tracer.session.runs import RUN_FILE
+from gpt_shape_tracer.tracer import MAX_RUN_STEPS
 from tests.browser import (
     app_context,
     chromium,
@@ -29,7 +30,6 @@ from tests.browser import (
     wait_idle,
     wait_settled,
 )
-from tracer import MAX_RUN_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "docs" / "images"

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import BUNDLED_MODELS, SamplingConfig, generate, load_bundled
-from model.analysis import (
+from gpt_shape_tracer.model import BUNDLED_MODELS, SamplingConfig, generate, load_bundled
+from gpt_shape_tracer.model.analysis import (
     ablated,
     ablation_effects,
     induction_scores,
@@ -25,7 +25,7 @@ from model.analysis import (
     repeat_loss,
     repeated_random_tokens,
 )
-from model.training import HELDOUT_SEED, TRAIN_SEED, lexicon, stories, token_stream, unigram_loss
+from gpt_shape_tracer.model.training import HELDOUT_SEED, TRAIN_SEED, lexicon, stories, token_stream, unigram_loss
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "bundled-models.md"
 NAMES = list(BUNDLED_MODELS)
@@ -72,7 +72,7 @@ def test_both_bundled_models_share_one_tokenizer():
 def test_hugging_face_reads_the_bundled_llama():
     from transformers import LlamaForCausalLM
 
-    from model.sources import ASSETS
+    from gpt_shape_tracer.model.sources import ASSETS
 
     ours, _ = load_bundled("story-llama")
     hf = LlamaForCausalLM.from_pretrained(ASSETS / "story-llama", dtype=torch.float32).eval()
@@ -165,7 +165,7 @@ def test_the_induction_heads_depend_on_the_previous_token_head(bundle):
 def test_the_bundled_models_stop_where_their_stories_end(name):
     """Every training story ends with <|endoftext|> (model.train.token_stream), and the config declares it as
     end-of-sequence: "stop at EOS" (on by default) stops a generation there, and off goes on past it."""
-    from tracer import TracedGeneration
+    from gpt_shape_tracer.tracer import TracedGeneration
 
     model, tok = load_bundled(name)
     assert tok.eos_ids == (tok.encode("<|endoftext|>")[0],) == (0,)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.gpt import KVCache, stored
-from tracer import TracedGeneration, cache_precision
+from gpt_shape_tracer.model.gpt import KVCache, stored
+from gpt_shape_tracer.tracer import TracedGeneration, cache_precision
 
 PROMPT = "Tom had a big red kite. One day, Tom went to the park with his friend Lily."
 

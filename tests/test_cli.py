@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gpt_shape_tracer.trace_command import main
-from tracer import load_trace
+from gpt_shape_tracer.tracer import load_trace
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -126,10 +126,9 @@ def test_a_bad_argument_is_refused_before_torch_is_imported():
 
 
 def test_the_early_checks_use_the_librarys_own_limits():
-    import session
-    import tracer
+    from gpt_shape_tracer import session, tracer
     from gpt_shape_tracer import trace_command as cli
-    from model import BUNDLED_MODELS, SamplingConfig
+    from gpt_shape_tracer.model import BUNDLED_MODELS, SamplingConfig
 
     assert cli.MAX_RUN_STEPS == tracer.MAX_RUN_STEPS and tuple(tracer.FORWARD_CAPTURES) == cli.FORWARD_CAPTURES
     assert cli.MAX_BATCH == session.MAX_BATCH and cli.DEFAULT_BUDGET_MB == tracer.DEFAULT_BUDGET_BYTES / 2**20
@@ -193,7 +192,7 @@ def test_a_trace_too_large_to_load_back_is_refused_by_the_command_before_anythin
                                                                                             monkeypatch):
     import dataclasses
 
-    import tracer.files._io as io_module
+    import gpt_shape_tracer.tracer.files._io as io_module
 
     monkeypatch.setattr(io_module, "LIMITS", dataclasses.replace(io_module.LIMITS, records=10))
     out = tmp_path / "t.zip"

@@ -12,11 +12,11 @@ from hf_architectures import build
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import load_model
-from model.analysis import forward_cost
-from model.sources import ASSETS
-from tracer import TracedGeneration
-from tracer.costs import costed_dry_run, costs_frame, kv_cache_bytes
+from gpt_shape_tracer.model import load_model
+from gpt_shape_tracer.model.analysis import forward_cost
+from gpt_shape_tracer.model.sources import ASSETS
+from gpt_shape_tracer.tracer import TracedGeneration
+from gpt_shape_tracer.tracer.costs import costed_dry_run, costs_frame, kv_cache_bytes
 
 PROMPT = "Once upon a time"
 
@@ -96,7 +96,7 @@ def test_totals_equal_the_formula_for_our_gpt(name):
 
 
 def test_roofline_decode_is_memory_bound_and_floors_are_the_max_of_two_terms():
-    from tracer.costs import ACCELERATORS, op_floors, step_floor
+    from gpt_shape_tracer.tracer.costs import ACCELERATORS, op_floors, step_floor
 
     dry, _ = load_model("shapes:llama-3.1-8b", weights=False)
     _, costs = costed_dry_run(dry, n=512, steps=1)
@@ -112,8 +112,8 @@ def test_roofline_decode_is_memory_bound_and_floors_are_the_max_of_two_terms():
 
 
 def test_placement_by_accelerate_and_the_longest_context():
-    from model.sources import parameters_by_dtype
-    from tracer.costs import place
+    from gpt_shape_tracer.model.sources import parameters_by_dtype
+    from gpt_shape_tracer.tracer.costs import place
 
     dry, _ = load_model("shapes:llama-3.1-70b", weights=False)
     placed = place(dry, {0: "80GiB", 1: "80GiB", "cpu": "200GiB"})

@@ -25,9 +25,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import GPT, GPTConfig, load_bundled
-from tracer import Finite, TracedGeneration, ablate, tensor_stats
-from tracer.experiments import (
+from gpt_shape_tracer.model import GPT, GPTConfig, load_bundled
+from gpt_shape_tracer.tracer import Finite, TracedGeneration, ablate, tensor_stats
+from gpt_shape_tracer.tracer.experiments import (
     attention_gradients,
     cache_precision,
     direct_logit_attribution,
@@ -37,7 +37,9 @@ from tracer.experiments import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS = tuple(str(ROOT / part) for part in ("model", "tracer", "figures", "session.py", "tests/test_device_hygiene.py"))
+# frames name our files as imported: through the package (gpt_shape_tracer/model -> ../model)
+OURS = (*(str(ROOT / "gpt_shape_tracer" / part) for part in ("model", "tracer", "figures", "session")),
+        str(ROOT / "tests/test_device_hygiene.py"))
 
 
 class _ImplicitDevice(TorchDispatchMode):
@@ -176,7 +178,7 @@ def test_a_traced_step_reads_to_the_host_per_step_not_per_record(capture, style)
 def counted_host_copies(monkeypatch) -> Iterator[list[str]]:
     """Every kept value's copy to host memory ("copy") and every wait for such copies ("wait"), in order, through
     the two functions the log calls for them (tracer/storage/_host.py), each still doing its work."""
-    import tracer.storage._log as log_module
+    import gpt_shape_tracer.tracer.storage._log as log_module
 
     events: list[str] = []
     start, wait = log_module.start_host_copy, log_module.wait_for_host_copies
@@ -305,7 +307,7 @@ def _reference_flag(t: torch.Tensor) -> int:
 
 def test_flags_read_together_are_each_tensors_own():
     """Flags batched per (device, dtype) come back in order, each its own tensor's, for every dtype mixed."""
-    from tracer.storage._stats import flag_sum, flags_of_sums
+    from gpt_shape_tracer.tracer.storage._stats import flag_sum, flags_of_sums
 
     tensors = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64):

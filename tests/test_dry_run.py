@@ -12,9 +12,9 @@ import pytest
 import torch
 from hf_architectures import ARCHITECTURES, build
 
-from model import ModelLoadError, load_model
-from model.sources import ASSETS, MAX_DRY_LAYERS, NO_WEIGHTS, on_meta
-from tracer import Finite, TracedGeneration, Tracer, dry_run
+from gpt_shape_tracer.model import ModelLoadError, load_model
+from gpt_shape_tracer.model.sources import ASSETS, MAX_DRY_LAYERS, NO_WEIGHTS, on_meta
+from gpt_shape_tracer.tracer import Finite, TracedGeneration, Tracer, dry_run
 
 PROMPT = "Once upon a time"
 TOKENIZER = ASSETS / "story-gpt" / "tokenizer.json"
@@ -138,7 +138,7 @@ PUBLISHED_PARAMETERS = {"llama-3.1-8b": 8.0, "llama-3.1-70b": 70.6, "llama-3.1-4
 
 
 def test_every_shipped_shape_config_builds_with_its_published_size():
-    from model.sources import parameters_by_dtype, shapes_available
+    from gpt_shape_tracer.model.sources import parameters_by_dtype, shapes_available
 
     assert set(shapes_available()) == set(PUBLISHED_PARAMETERS)
     for name, billions in PUBLISHED_PARAMETERS.items():
@@ -170,7 +170,7 @@ def test_the_meta_op_cache_gives_every_op_the_output_its_kernel_gives(name):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from model.sources import MetaOpCache
+    from gpt_shape_tracer.model.sources import MetaOpCache
 
     class Outputs(TorchDispatchMode):  # pushed after the cache: sees every op first, as the costs' counter does
         def __init__(self):
@@ -220,7 +220,7 @@ def test_latent_attention_dry_run_holds_the_latent_in_its_cache():
 
 
 def test_a_dry_run_trace_saved_and_loaded_says_it_is_one(tmp_path):
-    from tracer import load_trace, save_trace
+    from gpt_shape_tracer.tracer import load_trace, save_trace
 
     model, _ = load_model("shapes:gpt2", weights=False)
     gen = dry_run(model, n=5, steps=1)
@@ -256,7 +256,7 @@ def test_a_repo_id_from_the_local_cache(tmp_path, monkeypatch):
 def test_the_flow_says_which_blocks_record_the_drawn_blocks_shapes():
     """DeepSeek-V3's first ``first_k_dense_replace`` blocks have a dense MLP, the rest mixture-of-experts: the note
     under the shape flow says which blocks repeat the drawn one and which differ, from the recorded shapes."""
-    from figures.flow import measured_repeat_note
+    from gpt_shape_tracer.figures.flow import measured_repeat_note
 
     model, _ = load_model("shapes:deepseek-v3", weights=False)
     dense, n_layer = model.hf.config.first_k_dense_replace, model.config.n_layer

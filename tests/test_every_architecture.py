@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.sources._hf_decoder import ENCODERS, REFUSAL_REASONS
+from gpt_shape_tracer.model.sources._hf_decoder import ENCODERS, REFUSAL_REASONS
 from tests.hf_every_architecture import (
     PROMPT,
     TOLERANCE,
@@ -200,7 +200,7 @@ def test_the_blt_and_xlstm_overrides_are_needed():
 def test_the_family_tables_record_every_layer(tmp_path):
     """GPT-J, GPT-Neo, Falcon, GIT: every layer's pattern goes through its hook point (a distribution over the
     keys the causal mask allows), at the prefill and at a cached step — not only the logits right."""
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     for model_type in ("gptj", "gpt_neo", "falcon", "git"):
         model, _ = load_hf(build(model_type, tmp_path / model_type))

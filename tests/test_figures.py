@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from figures import attention, cache, flow, heatmap, inspector, mask, tokens, whatif, worked
-from figures.common import key_labels, query_labels, safe_text
-from figures.palette import ACCENT
-from model import GPT, GPTConfig, apply_rope, rope_cos_sin
-from model.gpt import act_name
-from tracer import PathCost, RecomputeComparison
-from tracer.generation._traced import TracedGeneration
+from gpt_shape_tracer.figures import attention, cache, flow, heatmap, inspector, mask, tokens, whatif, worked
+from gpt_shape_tracer.figures.common import key_labels, query_labels, safe_text
+from gpt_shape_tracer.figures.palette import ACCENT
+from gpt_shape_tracer.model import GPT, GPTConfig, apply_rope, rope_cos_sin
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import PathCost, RecomputeComparison
+from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
 
@@ -28,7 +28,7 @@ PROMPT = "Once upon a time, there was a little girl named Lily."
 def plotly_checks_every_property(monkeypatch):
     """Here every figure is built with plotly's checks (a misspelt property raises); the app and the AppTest
     tests build them unchecked, and the last test below shows that changes nothing that is sent."""
-    from figures.plot import VALIDATE_ENV
+    from gpt_shape_tracer.figures.plot import VALIDATE_ENV
 
     monkeypatch.setenv(VALIDATE_ENV, "1")
 
@@ -145,7 +145,7 @@ def test_the_all_heads_grid_of_a_long_prompt_stops_its_colours_where_its_note_an
     """512 tokens: each head's weights are ~1/t, so on 0 … 1 the whole grid was dark. Its colours stop at the 99%
     quantile of the nonzero cells drawn (numpy's), the note and the colour bar say so; a short prompt's grid keeps
     0 … 1 with nothing clipped."""
-    from tracer import Tracer
+    from gpt_shape_tracer.tracer import Tracer
 
     torch.manual_seed(0)
     config = GPTConfig.for_family("llama", vocab_size=64, n_ctx=512, d_model=64, n_layer=2, n_head=2, n_kv_head=2,
@@ -169,8 +169,8 @@ def test_the_stages_pattern_at_a_long_prompt_is_drawn_on_a_clipped_scale_that_it
     """The fused kernel at 1,024 tokens: the pattern panel draws the block means recomputed from Q and K (each
     ~1/t, all below 0.1), its colours stop where the panel's title and colour bar say — the 99% quantile of the
     cells drawn — and hovering a cell still reads its own mean, not the clipped value."""
-    from model.gpt import attention_path
-    from tracer import Tracer
+    from gpt_shape_tracer.model.gpt import attention_path
+    from gpt_shape_tracer.tracer import Tracer
 
     torch.manual_seed(0)
     config = GPTConfig.for_family("llama", vocab_size=64, n_ctx=1024, d_model=64, n_layer=1, n_head=2, n_kv_head=2,
@@ -623,8 +623,8 @@ def test_next_token_figure_outlines_the_chosen_token(gen):
 
 def _with_manifest(trace, edit):
     """``trace`` saved, its manifest edited by ``edit``, loaded back: a file someone crafted."""
+    from gpt_shape_tracer.tracer import archive_bytes, load_trace
     from tests.test_hostile_files import with_manifest
-    from tracer import archive_bytes, load_trace
 
     return load_trace(with_manifest(archive_bytes(trace), edit))
 
@@ -632,7 +632,7 @@ def _with_manifest(trace, edit):
 def test_a_crafted_choice_outside_its_candidates_is_said_not_raised(gen):
     """A file whose chosen token is not among its candidates (sampling can pick one outside the recorded top
     candidates too), or that records none, draws a title saying so instead of raising."""
-    from tracer import TraceFileError
+    from gpt_shape_tracer.tracer import TraceFileError
 
     info = gen.facts.step(1).sampling
     other = next(i for i in range(gen.model.config.vocab_size) if i not in info.candidates[0])
@@ -705,7 +705,7 @@ def test_inspector_slices_pools_and_counts_every_value():
 
 # -- what if -------------------------------------------------------------------------------------------------
 def test_the_lens_and_attribution_figures(gen, batch_gen):
-    from tracer import direct_logit_attribution, logit_lens
+    from gpt_shape_tracer.tracer import direct_logit_attribution, logit_lens
 
     lens = logit_lens(gen.trace, 0, label=gen.tokenizer.token_label)
     fig, note = whatif.lens_figure(lens, 4)
@@ -741,7 +741,7 @@ def test_the_lens_and_attribution_figures(gen, batch_gen):
 
 
 def test_what_grows_with_n_is_counted_from_the_models_widths(gen, llama_gen):
-    from model.analysis import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
+    from gpt_shape_tracer.model.analysis import PARTS, attention_overtakes_mlp, forward_cost, forward_parts
 
     for g in (gen, llama_gen):
         config = g.model.config
@@ -814,8 +814,8 @@ def test_a_crafted_label_from_a_file_stays_plain_text(gen, tmp_path):
     import io
     import zipfile
 
-    from tracer import load_trace
-    from tracer.files._io import archive_bytes
+    from gpt_shape_tracer.tracer import load_trace
+    from gpt_shape_tracer.tracer.files._io import archive_bytes
 
     data = archive_bytes(gen.trace)
     manifest = json.loads(zipfile.ZipFile(io.BytesIO(data)).read("manifest.json"))
@@ -838,7 +838,7 @@ def test_inert_text_breaks_every_autolink_and_leaves_plain_words_alone():
     """What markdown could act on becomes a character reference; each place GitHub-flavoured markdown would
     start a link (http:, www., an @) gets an invisible word joiner; letters, digits and spaces stay as they
     are (the page does not grow sixfold)."""
-    from figures.common import WORD_JOINER, inert, safe_text
+    from gpt_shape_tracer.figures.common import WORD_JOINER, inert, safe_text
 
     text = "see www.evil.example, me@evil.example and HTTPS://evil.example/x"
     out = inert(text)
@@ -853,7 +853,7 @@ def test_inert_text_breaks_every_autolink_and_leaves_plain_words_alone():
 def test_query_and_key_labels_follow_the_step_and_the_row(batch_gen):
     """Row 1 of a padded batch at step 2: t keys labelled with that row's own tokens (padding as ⟨pad⟩), and
     one query, the newest; at step 0 every prompt position is a query."""
-    from figures.common import key_labels, query_labels
+    from gpt_shape_tracer.figures.common import key_labels, query_labels
 
     trace, facts = batch_gen.trace, batch_gen.facts
     for step in (0, 2):
@@ -867,7 +867,7 @@ def test_query_and_key_labels_follow_the_step_and_the_row(batch_gen):
 
 def test_the_figure_tests_build_with_plotlys_property_checks(monkeypatch):
     """The app skips plotly's per-property validation (figures/plot.py); these tests must not."""
-    from figures.plot import VALIDATE_ENV, figure, subplots
+    from gpt_shape_tracer.figures.plot import VALIDATE_ENV, figure, subplots
 
     with pytest.raises(ValueError, match="colour"):
         figure(layout={"colour": "red"})
@@ -882,8 +882,8 @@ def test_every_figure_is_the_same_with_and_without_plotlys_checks(gen, batch_gen
     """The app builds figures unchecked (figures/plot.py). plotly's checks also normalise — an axis title
     given as text becomes {"text": …}, which plotly.js 3 requires — so what reaches the browser must be
     identical either way, figure by figure."""
-    from figures.plot import VALIDATE_ENV
-    from tracer import direct_logit_attribution, logit_lens
+    from gpt_shape_tracer.figures.plot import VALIDATE_ENV
+    from gpt_shape_tracer.tracer import direct_logit_attribution, logit_lens
 
     trace, last = gen.trace, gen.trace.n_steps - 1
     lens = logit_lens(trace, 0, label=gen.tokenizer.token_label)
@@ -962,7 +962,7 @@ def test_a_notebook_shows_traces_generations_and_the_heads_grid(batch_gen):
 def test_the_attention_views_draw_a_plain_tracers_trace_and_the_others_say_what_they_need(bundled):
     """A trace of one forward under a plain Tracer (no generation): the attention stages, every head, O = A·V,
     the pitfalls, the mask and the shape flow draw it, on position labels; the views of a generation say so."""
-    from tracer import Tracer
+    from gpt_shape_tracer.tracer import Tracer
 
     model, tok = bundled
     ids = tok.encode("Lily had a red ball. She")
@@ -989,7 +989,7 @@ def test_the_attention_views_draw_a_plain_tracers_trace_and_the_others_say_what_
 def test_the_stages_write_short_numbers_only_where_four_panels_leave_room(bundled):
     """Four panels side by side: a prompt of up to 5 tokens has its numbers written short (each fits a cell of
     the app's page at 1280 px), a longer one none; a single heatmap keeps 3 decimals up to 12."""
-    from tracer import Tracer
+    from gpt_shape_tracer.tracer import Tracer
 
     model, tok = bundled
     for n, written in ((5, True), (6, False)):
@@ -1011,7 +1011,7 @@ def test_the_stages_title_says_an_evicted_patterns_digest_counted_its_masked_wei
     """A 200-token prefill under a 3 MiB budget: every pattern is evicted and a digest kept. The digest is the
     plain mean of adaptive pooling's blocks of the pattern — its masked weights, 0, counted, not left out — and
     the Stages title says just that, with the largest block (200 rows in 128 cells: blocks of 2 or 3)."""
-    from tracer import Tracer
+    from gpt_shape_tracer.tracer import Tracer
 
     model, _ = bundled
     ids = torch.randint(0, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
@@ -1054,10 +1054,10 @@ def test_the_labelled_views_hold_their_tick_labels_and_titles_in_their_margins(l
     below must come out with margins that already hold its labels — fitting them again widens nothing."""
     import copy
 
-    from figures import attention
-    from figures import gradients as grad_views
-    from figures.plot import fit_margins
-    from tracer import attention_gradients
+    from gpt_shape_tracer.figures import attention
+    from gpt_shape_tracer.figures import gradients as grad_views
+    from gpt_shape_tracer.figures.plot import fit_margins
+    from gpt_shape_tracer.tracer import attention_gradients
 
     def unfitted(fig):
         before = fig.layout.margin.to_plotly_json()

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from figures import flash
-from tracer import TracedGeneration
+from gpt_shape_tracer.figures import flash
+from gpt_shape_tracer.tracer import TracedGeneration
 
 PROMPT = "Tom had a big red kite. One day, Tom went to the park with his friend Lily."
 
@@ -55,8 +55,8 @@ def test_a_rotated_grouped_query_model_and_its_bytes(llama_gen):
 
 
 def test_a_model_run_by_transformers(tmp_path):
-    from model import load_hf
-    from model.sources import ASSETS
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.sources import ASSETS
     from tests.hf_architectures import build
 
     directory = build("qwen3", tmp_path / "qwen3", ASSETS / "story-gpt" / "tokenizer.json")

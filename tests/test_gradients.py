@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from figures import gradients as grad_views
-from model import load_bundled
-from tracer import GRADIENT_LOSSES, TracedGeneration, attention_gradients, gradient_trace
+from gpt_shape_tracer.figures import gradients as grad_views
+from gpt_shape_tracer.model import load_bundled
+from gpt_shape_tracer.tracer import GRADIENT_LOSSES, TracedGeneration, attention_gradients, gradient_trace
 
 PROMPTS = ["Tom had a big red kite. One day, Tom went to the park.", "Lily ran"]
 
@@ -43,7 +43,7 @@ def test_the_figures_draw_the_formulas_with_their_shapes(bundled):
     gen = TracedGeneration(model, tok, PROMPTS[0], temperature=0)
     gen.run(2)
     result = attention_gradients(gen, 1, 1, 2)
-    from figures.common import key_labels
+    from gpt_shape_tracer.figures.common import key_labels
 
     fig = grad_views.gradients_figure(result, key_labels(gen.trace, 1))
     titles = [a.text for a in fig.layout.annotations]
@@ -57,8 +57,8 @@ def test_the_figures_draw_the_formulas_with_their_shapes(bundled):
 
 
 def test_a_model_run_by_transformers(tmp_path):
-    from model import load_hf
-    from model.sources import ASSETS
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.sources import ASSETS
     from tests.hf_architectures import build
 
     directory = build("qwen3", tmp_path / "qwen3", ASSETS / "story-gpt" / "tokenizer.json")
@@ -86,8 +86,8 @@ def transformers_gradients(directory, tokens: list[int]):
 
 
 def test_gradient_trace_equals_transformers_backward_pass(tmp_path):
-    from model.sources import ASSETS
-    from tracer import load_trace, save_trace
+    from gpt_shape_tracer.model.sources import ASSETS
+    from gpt_shape_tracer.tracer import load_trace, save_trace
 
     model, tok = load_bundled("story-gpt")
     gen = TracedGeneration(model, tok, PROMPTS[0], temperature=0)
@@ -121,8 +121,8 @@ def test_gradient_trace_equals_transformers_backward_pass(tmp_path):
 
 
 def test_gradient_trace_of_a_decode_step_and_a_model_run_by_transformers(tmp_path):
-    from model import load_hf
-    from model.sources import ASSETS
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.sources import ASSETS
     from tests.hf_architectures import build
 
     directory = build("qwen3", tmp_path / "qwen3", ASSETS / "story-gpt" / "tokenizer.json")
@@ -151,7 +151,7 @@ def test_gradient_trace_of_a_decode_step_and_a_model_run_by_transformers(tmp_pat
     assert note.endswith(f"No gradient reaches {', '.join(sorted(unreached))}: values the model reads but does not "
                          "go on to use (a copy is used instead).")
     with pytest.raises(ValueError, match="a Tracer records forwards"):
-        from tracer import Tracer
+        from gpt_shape_tracer.tracer import Tracer
 
         Tracer(model, capture="gradients")
 
@@ -186,8 +186,8 @@ def test_both_losses_of_a_padded_batch_equal_transformers(tmp_path, padding_side
     last column."""
     from transformers import AutoModelForCausalLM
 
-    from model import load_hf
-    from model.sources import ASSETS
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.sources import ASSETS
     from tests.hf_architectures import build
 
     directory = build("llama", tmp_path / "llama", ASSETS / "story-gpt" / "tokenizer.json")

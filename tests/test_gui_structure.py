@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import session
-from session import DEFAULTS, SETTING_KEYS, SettingsError
+from gpt_shape_tracer import session
+from gpt_shape_tracer.session import DEFAULTS, SETTING_KEYS, SettingsError
 
 ROOT = Path(__file__).resolve().parent.parent
 GUI = sorted((ROOT / "gui").glob("*.py"))
@@ -47,7 +47,8 @@ def test_app_py_is_a_short_main():
 
 
 def test_front_ends_import_tracer_through_its_front_door():
-    """``from tracer import Name`` only: no ``tracer.<submodule>`` and no private name, so tracer can move its
+    """``from gpt_shape_tracer.tracer import Name`` only: no ``tracer.<submodule>`` and no private name, so tracer
+    can move its
     rooms around without breaking a front end."""
     bad = []
     for path in FRONT_ENDS:
@@ -58,7 +59,7 @@ def test_front_ends_import_tracer_through_its_front_door():
                 if node.module.startswith("tracer."):
                     bad.append(f"{_where(path, node)} from {node.module}")
                 elif node.module == "tracer":
-                    bad += [f"{_where(path, node)} from tracer import {a.name}" for a in node.names
+                    bad += [f"{_where(path, node)} from gpt_shape_tracer.tracer import {a.name}" for a in node.names
                             if a.name.startswith("_") or a.name == "*"]
     assert not bad, bad
 

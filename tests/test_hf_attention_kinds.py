@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import load_hf
-from model.gpt import attention_path
-from model.sources import BUNDLED_DIR, HFDecoder
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.model.gpt import attention_path
+from gpt_shape_tracer.model.sources import BUNDLED_DIR, HFDecoder
+from gpt_shape_tracer.tracer import TracedGeneration
 from tests import hf_architectures
 from tests.hf_architectures import ARCHITECTURES, COMMON
-from tracer import TracedGeneration
 
 PROMPTS = ["Lily had a red kite.", "Tom said"]
 MLA = dict(COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
@@ -127,7 +127,7 @@ def test_the_latent_recorded_is_what_transformers_own_cache_holds(directories, m
 
 
 def test_the_kv_cache_view_counts_the_latent_against_k_and_v(directories):
-    from figures import cache
+    from gpt_shape_tracer.figures import cache
 
     gen = traced(directories["deepseek_v3"])
     trace, step = gen.trace, 3
@@ -147,7 +147,7 @@ def test_the_kv_cache_view_counts_the_latent_against_k_and_v(directories):
     assert f"{sum(full) / 1024:,.1f} KiB, {full[0] / held[0]:.1f}× as much" in sentence
     growth = cache.cache_growth(trace)
     assert growth["K+V bytes (all layers)"].iloc[step] == sum(held)  # what the cache holds, not K and V
-    from tracer.costs import kv_cache_bytes
+    from gpt_shape_tracer.tracer.costs import kv_cache_bytes
 
     assert kv_cache_bytes(trace, step) == sum(held)
     fig = cache.key_heatmap_figure(trace, step, 1, 0, which="c_KV")
@@ -185,19 +185,19 @@ def test_every_tab_renders_for(app, directories, model_type):
     gen = at.session_state["app"].generation
     assert gen.n_steps == 2 and gen.model.identity.family == f"hf:{model_type}"
     if gen.model.config.latent_attention:  # the KV cache view says what the cache holds, from the numbers
-        from figures.cache import memory_formula
+        from gpt_shape_tracer.figures.cache import memory_formula
 
         show_tab(at, "KV cache")
         _, sentence = memory_formula(gen.trace, 1)
         assert any(c.value == sentence for c in at.caption), [c.value for c in at.caption]
     if "falcon_h1" in model_type:  # the KV cache view says what the state layers hold, from the numbers
-        from figures.cache import state_sentence
+        from gpt_shape_tracer.figures.cache import state_sentence
 
         show_tab(at, "KV cache")
         sentence = state_sentence(gen.trace, 1)
         assert sentence and any(c.value == sentence for c in at.caption), [c.value for c in at.caption]
     if gen.model.config.attn_sinks:  # the Attention tab says how much went to the sink, from the numbers
-        from figures.attention import sink_sentence
+        from gpt_shape_tracer.figures.attention import sink_sentence
 
         show_tab(at, "Attention")
         layer, head = at.selectbox(key="attn_layer").value, at.selectbox(key="attn_head").value
@@ -207,8 +207,8 @@ def test_every_tab_renders_for(app, directories, model_type):
 
 
 def test_the_shapes_legend_and_the_model_line_name_both_head_sizes():
-    from gui.shapes import LEGEND, legend
-    from model.gpt import GPTConfig
+    from gpt_shape_tracer.gui.shapes import LEGEND, legend
+    from gpt_shape_tracer.model.gpt import GPTConfig
 
     plain = GPTConfig(family="hf", n_layer=1, d_model=64, n_head=4, head_dim=16)
     assert legend(plain) == LEGEND and "d_qk" not in legend(plain)
@@ -220,7 +220,7 @@ def test_the_shapes_legend_and_the_model_line_name_both_head_sizes():
 
 
 def test_the_cheaper_cache_experiment_refuses_latent_attention(directories):
-    from tracer import cache_precision
+    from gpt_shape_tracer.tracer import cache_precision
 
     gen = traced(directories["deepseek_v3"], steps=1)
     with pytest.raises(ValueError, match="multi-head latent attention"):
@@ -230,8 +230,8 @@ def test_the_cheaper_cache_experiment_refuses_latent_attention(directories):
 def test_attention_sinks_are_a_stage_of_their_own(directories):
     """gpt-oss: logits equal transformers'; the keys' weights and the sink's sum to 1 per row, the keys' alone to
     less; the views that recompute a head from Q, K, M (and the sink logit) get the model's own numbers."""
-    from figures.attention import attention_latex, attention_stages, pitfall_patterns, sink_sentence
-    from figures.flash import flash_attention
+    from gpt_shape_tracer.figures.attention import attention_latex, attention_stages, pitfall_patterns, sink_sentence
+    from gpt_shape_tracer.figures.flash import flash_attention
 
     gen = traced(directories["gpt_oss"])
     deltas = logit_deltas(gen, reference(directories["gpt_oss"]))
@@ -270,7 +270,7 @@ def test_a_hybrid_model_keeps_its_state_in_transformers_cache_beside_our_k_and_v
     step exactly (the what-if experiments start from such copies)."""
     from transformers import DynamicCache
 
-    from figures import cache
+    from gpt_shape_tracer.figures import cache
 
     gen = traced(directories["falcon_h1"])
     ref = reference(directories["falcon_h1"])

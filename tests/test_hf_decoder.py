@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import ModelLoadError, load_hf
-from model.sources import BUNDLED_DIR, HFDecoder, HFDecoderError
+from gpt_shape_tracer.model import ModelLoadError, load_hf
+from gpt_shape_tracer.model.sources import BUNDLED_DIR, HFDecoder, HFDecoderError
+from gpt_shape_tracer.tracer import TracedGeneration
 from tests.hf_architectures import ARCHITECTURES, build
-from tracer import TracedGeneration
 
 PROMPTS = ["Lily had a red kite.", "Tom said"]
 
@@ -136,7 +136,7 @@ def traced(directories):
 def test_the_views_recompute_what_the_model_computed(traced, model_type):
     """The Pitfalls view recomputes the pattern from the recorded Q, K and M with the model's own scale and
     soft-cap: "as the model does it" must be the recorded pattern, at every layer."""
-    from figures.attention import attention_stages, pitfall_patterns
+    from gpt_shape_tracer.figures.attention import attention_stages, pitfall_patterns
 
     trace = traced[model_type]
     for step in (0, 2):
@@ -152,7 +152,7 @@ def test_the_views_recompute_what_the_model_computed(traced, model_type):
 
 
 def test_the_shape_flow_of_an_unseen_architecture_is_read_from_its_records(traced):
-    from figures.flow import flow_nodes, reshape_ops
+    from gpt_shape_tracer.figures.flow import flow_nodes, reshape_ops
 
     nodes, edges = flow_nodes(traced["qwen3"], 2, layer=1)
     names = [n.name for n in nodes]
@@ -167,7 +167,7 @@ def test_the_shape_flow_of_an_unseen_architecture_is_read_from_its_records(trace
 
 
 def test_bfloat16_through_transformers_and_the_size_stated_before_loading(directories):
-    from model.sources import logit_tolerance, weights_size
+    from gpt_shape_tracer.model.sources import logit_tolerance, weights_size
 
     directory = directories["qwen3"]
     ref = reference(directory)
@@ -188,7 +188,7 @@ def test_cache_on_and_off_agree_record_by_record_through_transformers(directorie
     """The diff lines up a cached step's inputs with the uncached run's by the positions each fed, also for
     transformers' own module records that carry no named axes (position ids, rotary tables), and bfloat16
     rounding stays within bfloat16's tolerance: no record diverges, none is left uncompared."""
-    from tracer import TracedGeneration, diff_traces
+    from gpt_shape_tracer.tracer import TracedGeneration, diff_traces
 
     model, tok = load_hf(directories["qwen3"], dtype=dtype)
     prompt = "Once upon a time, there was a little girl named Lily."
@@ -206,7 +206,7 @@ def test_cache_on_and_off_agree_record_by_record_through_transformers(directorie
 def test_what_the_mask_view_says_of_padding_rows_is_read_from_the_models_mask(directories):
     """transformers hides every key from a left-padding query row with the smallest float, not −∞ (our GPT lets
     the row see itself): the Causal mask view says which, from the recorded numbers."""
-    from figures.mask import mask_facts
+    from gpt_shape_tracer.figures.mask import mask_facts
 
     model, tok = load_hf(directories["llama"], implementation="transformers")
     gen = TracedGeneration(model, tok, ["Lily had a red kite.", "Tom"], temperature=0, padding_side="left")
@@ -217,7 +217,7 @@ def test_what_the_mask_view_says_of_padding_rows_is_read_from_the_models_mask(di
     values = gen.trace.get("blocks.0.attn.hook_mask", 0)[1, 0]
     assert facts.masked + facts.smallest < values.numel() == facts.masked + facts.smallest + int((values == 0).sum())
     assert f"{facts.smallest} hold the smallest finite number instead" in facts.explanation()  # not "the rest are 0"
-    from figures.mask import mask_figure
+    from gpt_shape_tracer.figures.mask import mask_figure
 
     labels = [d for d in mask_figure(gen.trace, 0, 0, batch=1).data if d.type == "heatmap"][-1].text
     assert set(labels[0]) == {"min"}  # a padding row: the smallest float, not written as 0
@@ -228,7 +228,7 @@ def test_what_the_mask_view_says_of_padding_rows_is_read_from_the_models_mask(di
 
 
 def test_the_reshape_strip_measures_whether_q_is_a_view_of_the_projection(traced):
-    from figures.flow import reshape_ops
+    from gpt_shape_tracer.figures.flow import reshape_ops
 
     split = reshape_ops(traced["qwen3"], 2, 0)[1]
     assert split.memory.startswith("a new tensor (measured")  # QK-norm and RoPE made Q anew
@@ -239,7 +239,7 @@ def test_the_logit_lens_ends_at_the_models_own_logits(directories, model_type):
     """The lens applies the model's final norm and head to each block's output; at the last block that must be
     the logits the model returned (Granite divides them, Cohere scales them, Gemma 2 soft-caps them). Direct
     logit attribution needs our written-out norm and is refused, saying so."""
-    from tracer import direct_logit_attribution, logit_lens
+    from gpt_shape_tracer.tracer import direct_logit_attribution, logit_lens
 
     model, tok = load_hf(directories[model_type], implementation="transformers")
     gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import load_hf
-from model.sources import BUNDLED_DIR, HFDecoder
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.model.sources import BUNDLED_DIR, HFDecoder
+from gpt_shape_tracer.tracer import TracedGeneration
 from tests.hf_every_architecture import PROMPT, TOLERANCE, build, check, tiny_config
-from tracer import TracedGeneration
 
 # The state mixers' own sizes, smaller than the generic shrinking leaves them: transformers' torch path of
 # Mamba-2 pads the prompt to a whole chunk and forms [chunk × chunk] blocks per head and state dimension, so 128
@@ -118,7 +118,7 @@ def test_hybrid_logits_equal_transformers_at_the_prefill_and_three_cached_steps(
 
 def test_the_mixer_is_named_from_its_class():
     """The name the views show is the mixer's class without the family's prefix, in words."""
-    from model.sources._hf_decoder import mixer_name
+    from gpt_shape_tracer.model.sources._hf_decoder import mixer_name
 
     cases = {"Qwen3NextGatedDeltaNet": ("Qwen3Next", "Gated DeltaNet"),
              "NemotronHMamba2Mixer": ("NemotronH", "Mamba2 Mixer"), "Lfm2ShortConv": ("Lfm2", "Short Conv"),
@@ -157,11 +157,11 @@ def test_a_state_layer_records_its_mixer_and_an_attention_layer_its_attention(ro
 
 
 def test_the_cache_views_count_k_and_v_at_attention_layers_and_the_state_at_the_others(root, tmp_path):
-    from figures import cache
-    from figures.common import no_attention
-    from model.gpt import spec_for
-    from tracer import load_trace, save_trace
-    from tracer.costs import kv_cache_bytes
+    from gpt_shape_tracer.figures import cache
+    from gpt_shape_tracer.figures.common import no_attention
+    from gpt_shape_tracer.model.gpt import spec_for
+    from gpt_shape_tracer.tracer import load_trace, save_trace
+    from gpt_shape_tracer.tracer.costs import kv_cache_bytes
 
     gen = traced(build_hybrid("qwen3_next", root / "qwen3_next_cache"))
     trace, step, config = gen.trace, 3, gen.model.config
@@ -184,8 +184,8 @@ def test_the_cache_views_count_k_and_v_at_attention_layers_and_the_state_at_the_
 def test_a_head_at_a_state_layer_cannot_be_switched_off_or_patched(root):
     """The intervention is refused before any forward, with what the layer is; activation patching of the heads
     leaves the state layer's row empty (NaN: it has no heads) and fills the attention layer's."""
-    from tracer import InterventionError, ablate, activation_patching
-    from tracer.capture._interventions import check
+    from gpt_shape_tracer.tracer import InterventionError, ablate, activation_patching
+    from gpt_shape_tracer.tracer.capture._interventions import check
 
     model, tok = load_hf(build_hybrid("qwen3_next", root / "qwen3_next_whatif"), implementation="transformers")
     sentence = model.config.no_attention_sentence(0)
@@ -200,7 +200,7 @@ def test_a_head_at_a_state_layer_cannot_be_switched_off_or_patched(root):
     assert torch.isnan(result.restored[0]).all() and torch.isfinite(result.restored[1]).all()
     # the takeaway names an attention layer's head, never a NaN (random weights may give both prompts one answer:
     # the answers are set apart so that the sentence about the restored shares is the one written)
-    from figures.view_takeaways import patching_takeaway
+    from gpt_shape_tracer.figures.view_takeaways import patching_takeaway
 
     if result.clean_answer == result.corrupted_answer:
         result = dataclasses.replace(result, corrupted_answer=result.clean_answer + 1)

@@ -21,8 +21,8 @@ import pandas as pd
 import pytest
 import torch
 
-from tracer import TracedGeneration, TraceFileError, load_trace
-from tracer.files._io import LIMITS, archive_bytes
+from gpt_shape_tracer.tracer import TracedGeneration, TraceFileError, load_trace
+from gpt_shape_tracer.tracer.files._io import LIMITS, archive_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def test_hostile_files_do_not_cost_memory_out_of_proportion(archive, tmp_path):
         (tmp_path / f"{name}.zip").write_bytes(data)
     script = (
         "import resource, sys\n"
-        "from tracer import TraceFileError, load_trace\n"
+        "from gpt_shape_tracer.tracer import TraceFileError, load_trace\n"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "for path in sys.argv[1:]:\n"
         "    try:\n"
@@ -315,8 +315,8 @@ def test_a_file_claiming_16k_tokens_cannot_make_a_view_allocate_gigabytes(bundle
     probe = f"""
 import resource, sys
 sys.path.insert(0, {str(ROOT)!r})
-from tracer import load_trace
-from figures import attention, cache, flow, mask, tokens
+from gpt_shape_tracer.tracer import load_trace
+from gpt_shape_tracer.figures import attention, cache, flow, mask, tokens
 trace = load_trace({str(crafted)!r})
 assert trace.generation.step(0).forward.t == 16384
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-import figures.heatmap as heatmap
-import figures.inspector as inspector
-import tracer.storage._stats as stats
-from tracer.storage._log import pooled
+import gpt_shape_tracer.figures.heatmap as heatmap
+import gpt_shape_tracer.figures.inspector as inspector
+import gpt_shape_tracer.tracer.storage._stats as stats
+from gpt_shape_tracer.tracer.storage._log import pooled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_value_blocks_hold_each_element_once():
 
 
 def test_the_digest_of_a_large_pattern_equals_adaptive_pooling_of_the_whole(monkeypatch):
-    import tracer.storage._log as log
+    import gpt_shape_tracer.tracer.storage._log as log
 
     g = torch.Generator().manual_seed(1)
     weights = torch.softmax(torch.randn(2, 3, 300, 257, generator=g), dim=-1)  # bins of uneven, overlapping rows
@@ -102,9 +102,9 @@ def test_a_histogram_of_every_value_counted_block_by_block_equals_numpys(monkeyp
 PROBE = """
 import resource, torch
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from figures.inspector import histogram_figure, slice_2d, tensor_heatmap_figure
-from tracer import tensor_stats
-from tracer.storage._log import pooled
+from gpt_shape_tracer.figures.inspector import histogram_figure, slice_2d, tensor_heatmap_figure
+from gpt_shape_tracer.tracer import tensor_stats
+from gpt_shape_tracer.tracer.storage._log import pooled
 row = torch.rand(32768, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 try:
     torch.empty(1 << 31)  # the cap holds: a copy of the whole would fail like this

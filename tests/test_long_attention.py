@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, GPTConfig
-from model.gpt import MaskSpec, additive_mask, attention_path, fused_attention, pattern_times_v, region
-from tracer import (
+from gpt_shape_tracer.model import GPT, GPTConfig
+from gpt_shape_tracer.model.gpt import MaskSpec, additive_mask, attention_path, fused_attention, pattern_times_v, region
+from gpt_shape_tracer.tracer import (
     RegionError,
     TracedGeneration,
     Tracer,
@@ -119,7 +119,7 @@ def test_gpt_regions_equal_the_eager_records_at_the_prefill_and_cached_decode(fa
 
 @pytest.fixture(scope="module")
 def hf_directories():
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.hf_architectures import ARCHITECTURES, build
 
     root = Path(tempfile.mkdtemp(prefix="hf-long-"))
@@ -134,7 +134,7 @@ def _hf_architectures():
 
 @pytest.mark.parametrize("model_type", _hf_architectures())
 def test_transformers_run_regions_equal_the_eager_records(hf_directories, model_type):
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     model, tok = load_hf(hf_directories[model_type], implementation="transformers")
     for side in ("left", "right"):
@@ -281,8 +281,16 @@ def test_a_saved_trace_recomputes_the_same_regions(tmp_path):
 
 PROBE = textwrap.dedent("""
     import resource, sys, tempfile, torch
-    from model import GPT, GPTConfig
-    from tracer import Tracer, attention_overview, attention_region, head_statistics, load_trace, query_row, save_trace
+    from gpt_shape_tracer.model import GPT, GPTConfig
+    from gpt_shape_tracer.tracer import (
+        Tracer,
+        attention_overview,
+        attention_region,
+        head_statistics,
+        load_trace,
+        query_row,
+        save_trace,
+    )
     n = int(sys.argv[1])
     torch.manual_seed(0)
     config = GPTConfig.for_family("llama", vocab_size=64, n_ctx=n, d_model=64, n_layer=2, n_head=4, n_kv_head=2)
@@ -343,7 +351,7 @@ def test_the_values_budget_holds_q_k_v_and_o_of_a_fused_layer_first():
 
 
 def test_the_zoom_views_read_a_derived_pattern_exactly_and_send_at_most_256_by_256_cells():
-    from figures import long_attention as views
+    from gpt_shape_tracer.figures import long_attention as views
 
     model = _llama(n_ctx=512)
     tokens = torch.randint(0, 64, (1, 400))
@@ -390,7 +398,7 @@ def test_the_pooled_overview_of_any_range_equals_pooling_the_whole_pattern(n, t,
     """The one-pass overview (block mean and max of whole or zoomed ranges, with and without each row's normaliser
     known beforehand) against the block means and maxima of the full recomputed pattern (which the tests above
     hold equal to the eager one); a zoomed range whose rows see none of its columns included (the window)."""
-    from model.gpt import grid_edges, pool_pattern, row_norm
+    from gpt_shape_tracer.model.gpt import grid_edges, pool_pattern, row_norm
 
     torch.manual_seed(0)
     key_is_token = None

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, GPTConfig, RopeScaling, load_hf, logit_tolerance, save_hf
-from model.gpt import apply_rope, attention, rope_cos_sin, rope_inv_freq
+from gpt_shape_tracer.model import GPT, GPTConfig, RopeScaling, load_hf, logit_tolerance, save_hf
+from gpt_shape_tracer.model.gpt import apply_rope, attention, rope_cos_sin, rope_inv_freq
 
 TOL = 1e-4
 V = 97
@@ -163,8 +163,8 @@ def test_a_model_built_in_code_has_an_identity_that_follows_its_weights():
 def test_the_digest_of_a_model_built_in_code_is_computed_once_per_set_of_weights(monkeypatch):
     """Entering a Tracer asks for the model's identity; a model built in code hashes its weights the first time
     and again only after they change (a tiny change too: every byte is hashed, nothing is elided)."""
-    import model.gpt._identity as identity_module
-    from tracer import Tracer
+    import gpt_shape_tracer.model.gpt._identity as identity_module
+    from gpt_shape_tracer.tracer import Tracer
 
     calls = []
     real = identity_module.parameters_digest
@@ -226,7 +226,7 @@ def test_a_trained_model_in_half_precision_matches_hugging_face_within_the_toler
     """Random weights give logits near 0, where bf16 rounding vanishes; the bundled model's reach ±22."""
     import transformers
 
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
 
     ours, _ = load_hf(BUNDLED_DIR, dtype=dtype)
     hf = transformers.GPT2LMHeadModel.from_pretrained(BUNDLED_DIR, dtype=dtype, attn_implementation="eager").eval()
@@ -281,7 +281,7 @@ def test_grouped_attention_equals_repeating_the_key_value_heads(G):
 
 
 def test_the_sliding_window_hides_keys_exactly_window_slots_back():
-    from model import additive_mask
+    from gpt_shape_tracer.model import additive_mask
 
     m = additive_mask(6, 0, None, torch.device("cpu"), torch.float32, window=3)[0, 0]
     allowed = ~torch.isinf(m)
@@ -295,7 +295,7 @@ def test_the_weights_digest_is_taken_beside_the_load_and_stops_when_asked(tmp_pa
     transformers path's), on a daemon thread, and it stops at its next buffer once abandoned."""
     import threading
 
-    from model.gpt import BackgroundDigest, DigestAbandoned, files_digest
+    from gpt_shape_tracer.model.gpt import BackgroundDigest, DigestAbandoned, files_digest
 
     files = []
     for i, size in enumerate((0, 5, (16 << 20) + 3)):  # empty, tiny, and more than one 16 MiB buffer

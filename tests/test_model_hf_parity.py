@@ -94,7 +94,7 @@ def test_padded_batch_decodes_with_cache_like_single_sequences(hf_pair):
 def test_hugging_face_reads_what_we_save(tmp_path, hf_pair):
     from transformers import GPT2LMHeadModel
 
-    from model import save_hf_gpt2
+    from gpt_shape_tracer.model import save_hf_gpt2
 
     _, ours, _ = hf_pair
     save_hf_gpt2(ours, tmp_path)

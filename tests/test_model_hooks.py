@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, GPTConfig, HookPoint, additive_mask
-from model.gpt import HOOKS, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
+from gpt_shape_tracer.model import GPT, GPTConfig, HookPoint, additive_mask
+from gpt_shape_tracer.model.gpt import HOOKS, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
 
 CONFIG = GPTConfig(vocab_size=97, n_ctx=32, d_model=48, n_layer=2, n_head=3)
 # grouped-query Llama: 6 query heads share 2 key/value heads, head_dim ≠ d/H, a sliding window, untied W_U
@@ -74,7 +74,7 @@ def test_every_row_belongs_to_gpt2_or_llama_and_together_they_cover_the_table():
 
 
 def _rows_of(config):
-    from model.gpt._hook_table import _has
+    from gpt_shape_tracer.model.gpt._hook_table import _has
 
     return [s for s in HOOKS if _has(s, config)]
 
@@ -327,7 +327,7 @@ def test_grouped_attention_without_a_batch_axis_and_in_bf16():
     """``attention`` takes ``[..., H, n, d_k]``: a 3-D grouped call (no batch axis) reads key/value head
     h // (H/G) for query head h, as Hugging Face's repeat_kv does; in bf16 the softmax runs in float32 and is
     cast back (the weights are exactly softmax(float32 scores) rounded once)."""
-    from model import attention
+    from gpt_shape_tracer.model import attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, 8, generator=g) for s in ((4, 3), (2, 5), (2, 5)))  # H = 4, G = 2, n = 3, t = 5

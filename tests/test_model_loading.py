@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import ModelLoadError, load_hf_gpt2
+from gpt_shape_tracer.model import ModelLoadError, load_hf_gpt2
 
 
 @pytest.fixture()
@@ -188,9 +188,9 @@ def test_corrupt_tokenizer_json(checkpoint):
 @pytest.mark.parametrize("implementation", ["ours", "transformers"])
 def test_a_corrupt_tokenizer_json_is_refused_before_any_weight_is_read(checkpoint, implementation, monkeypatch):
     """A tokenizer.json beside gigabytes of weights: named before the weights are read, not after."""
-    import model.sources._hf_ours as ours
-    import model.sources._load as loading
-    from model import load_hf
+    import gpt_shape_tracer.model.sources._hf_ours as ours
+    import gpt_shape_tracer.model.sources._load as loading
+    from gpt_shape_tracer.model import load_hf
 
     def weights_read(*args, **kwargs):
         raise AssertionError("the weights were read before the tokenizer was checked")
@@ -238,7 +238,7 @@ def llama_dir(llama_source, tmp_path) -> Path:
 
 
 def load_error(path, **kwargs) -> str:
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     with pytest.raises(ModelLoadError) as info:
         load_hf(path, **kwargs)
@@ -252,7 +252,7 @@ def edit_config(directory: Path, **changes) -> None:
 
 
 def test_load_hf_reads_a_llama_and_names_it(llama_dir):
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     model, tok = load_hf(llama_dir)
     assert tok is None and model.config.family == "llama" and model.config.n_kv_heads == 2
@@ -313,7 +313,7 @@ def test_a_tied_llama_ignores_a_stored_lm_head_like_hugging_face(tmp_path):
     """The converse of the last case above: tied, with no lm_head stored, is the normal tied layout."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     torch.manual_seed(4)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
@@ -332,7 +332,7 @@ def test_a_tied_llama_ignores_a_stored_lm_head_like_hugging_face(tmp_path):
 def test_sharded_safetensors_load_and_hash_every_shard(llama_source, tmp_path):
     from transformers import LlamaForCausalLM
 
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     hf = LlamaForCausalLM.from_pretrained(llama_source).eval()
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -380,7 +380,7 @@ def test_a_hugging_face_cache_snapshot_loads_through_its_symlinks(llama_source, 
 
     from transformers import LlamaForCausalLM
 
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     staged = tmp_path / "staged"
     LlamaForCausalLM.from_pretrained(llama_source).save_pretrained(staged, max_shard_size="20KB")
@@ -414,7 +414,7 @@ def test_hostile_paths_are_refused(path, expected):
 
 
 def test_dtype_and_device_are_checked(llama_dir):
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     assert "dtype 'int8' is not supported" in load_error(llama_dir, dtype="int8")
     assert "not supported" in load_error(llama_dir, dtype=torch.int64)
@@ -433,7 +433,7 @@ def test_dtype_and_device_are_checked(llama_dir):
       "y": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, "overlaps"),
 ])
 def test_inconsistent_safetensors_headers_are_refused(llama_dir, header, expected):
-    from model.sources import SafetensorsFile
+    from gpt_shape_tracer.model.sources import SafetensorsFile
 
     raw = json.dumps(header).encode()
     path = llama_dir / "model.safetensors"
@@ -452,9 +452,9 @@ def test_our_gpt_is_returned_before_its_files_are_hashed_and_its_identity_waits_
     import hashlib
     import threading
 
-    import model.gpt._identity as identity_module
-    from model import load_hf
-    from model.gpt import IdentityUnavailable
+    import gpt_shape_tracer.model.gpt._identity as identity_module
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.gpt import IdentityUnavailable
 
     real = identity_module.files_digest
     gate, waited_out = threading.Event(), []
@@ -487,7 +487,7 @@ def test_a_released_tensor_reads_the_file_again(tmp_path):
     is private and never written, so a tensor read after its release still holds the file's values."""
     from safetensors.torch import save_file
 
-    from model.sources import SafetensorsFile
+    from gpt_shape_tracer.model.sources import SafetensorsFile
 
     tensors = {"a": torch.randn(1000, 37), "b": torch.arange(5000, dtype=torch.float32)}
     save_file(tensors, tmp_path / "w.safetensors")
@@ -508,7 +508,8 @@ def test_a_view_that_outlives_its_file_object_still_reads_its_values(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"a": torch.arange(70000, dtype=torch.float32)}, tmp_path / "w.safetensors")
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from model.sources import SafetensorsFile; "
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); "
+            "from gpt_shape_tracer.model.sources import SafetensorsFile; "
             "st = SafetensorsFile(__import__('pathlib').Path(sys.argv[2])); view = st.tensor('a'); "
             "del st; import gc; gc.collect(); print(float(view.double().sum()))")
     done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent.parent),
@@ -528,7 +529,7 @@ def test_qwen2_sliding_window_on_some_layers_only_is_refused(tmp_path):
 
 
 def test_load_bundled_names_its_models():
-    from model import BUNDLED_MODELS, load_bundled
+    from gpt_shape_tracer.model import BUNDLED_MODELS, load_bundled
 
     assert set(BUNDLED_MODELS) == {"story-gpt", "story-llama"}
     with pytest.raises(ModelLoadError, match="bundled: story-gpt, story-llama"):
@@ -542,7 +543,7 @@ def test_a_tied_config_over_a_distinct_lm_head_loads_as_transformers_does(tmp_pa
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from model import load_hf
+    from gpt_shape_tracer.model import load_hf
 
     torch.manual_seed(3)
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import ModelLoadError, hub_cache_dir, load_hf, load_model, resolve_model_path
-from model.sources import ASSETS
+from gpt_shape_tracer.model import ModelLoadError, hub_cache_dir, load_hf, load_model, resolve_model_path
+from gpt_shape_tracer.model.sources import ASSETS
 
 REPO_ID = "acme/tiny-gpt2"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

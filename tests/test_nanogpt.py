@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import ModelLoadError, load_model, load_nanogpt, save_hf
-from model.sources import ASSETS, COMPILED_PREFIX
-from tracer import TracedGeneration
+from gpt_shape_tracer.model import ModelLoadError, load_model, load_nanogpt, save_hf
+from gpt_shape_tracer.model.sources import ASSETS, COMPILED_PREFIX
+from gpt_shape_tracer.tracer import TracedGeneration
 
 BUNDLED_TOKENIZER = ASSETS / "story-gpt" / "tokenizer.json"  # vocab 1024, GPT-2-style byte-level BPE
 V, D, H, L, N_CTX = 1024, 32, 4, 2, 24

@@ -17,10 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import ModelLoadError, load_hf
-from model.sources import BUNDLED_DIR, HFDecoder, weights_size
+from gpt_shape_tracer.model import ModelLoadError, load_hf
+from gpt_shape_tracer.model.sources import BUNDLED_DIR, HFDecoder, weights_size
+from gpt_shape_tracer.tracer import (
+    GRADIENT_LOSSES,
+    TracedGeneration,
+    gradient_trace,
+    load_trace,
+    logit_lens,
+    save_trace,
+)
 from tests.hf_architectures import build
-from tracer import GRADIENT_LOSSES, TracedGeneration, gradient_trace, load_trace, logit_lens, save_trace
 
 PROMPTS = ["Lily had a red kite.", "Tom said"]
 STEPS = 3
@@ -144,8 +151,8 @@ def test_an_amount_that_is_not_memory_is_refused_by_name(directory, amount, tmp_
     ({4096: "1GB"}, "names GPU 4096, but this machine has"),
 ])
 def test_max_memory_is_refused_with_the_reason_before_any_weight_is_read(directory, amount, message, monkeypatch):
-    import model.sources._load as loading
-    from model import load_model
+    import gpt_shape_tracer.model.sources._load as loading
+    from gpt_shape_tracer.model import load_model
 
     def weights_read(*args, **kwargs):
         raise AssertionError("the weights were read before max_memory was checked")
@@ -164,8 +171,8 @@ def test_max_memory_is_refused_with_the_reason_before_any_weight_is_read(directo
 ])
 def test_an_offload_folder_that_cannot_be_used_is_refused_before_any_weight_is_read(directory, tmp_path, where,
                                                                                     message, monkeypatch):
-    import model.sources._load as loading
-    from model import load_model
+    import gpt_shape_tracer.model.sources._load as loading
+    from gpt_shape_tracer.model import load_model
 
     def weights_read(*args, **kwargs):
         raise AssertionError("the weights were read before the offload folder was checked")

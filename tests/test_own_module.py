@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.sources import OwnDecoder, OwnModuleError, load_factory
-from tracer import TracedGeneration, Tracer, ablate
+from gpt_shape_tracer.model.sources import OwnDecoder, OwnModuleError, load_factory
+from gpt_shape_tracer.tracer import TracedGeneration, Tracer, ablate
 
 GPT_SOURCE = '''
 import torch
@@ -311,9 +311,9 @@ def test_the_app_shows_a_factory_that_raises_as_a_message_and_keeps_the_model(us
     sys.modules.pop("failing_mod", None)
 
 def test_the_command_line_traces_your_module_from_its_factory(user_code, capsys):
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from gpt_shape_tracer.trace_command import main
-    from model.sources import BUNDLED_DIR
-    from tracer import load_trace
+    from gpt_shape_tracer.tracer import load_trace
 
     out = user_code / "mine.zip"
     code = main(["--prompt", "Lily had a red kite.", "--model-factory", "my_tiny_gpt:make", "--tokenizer",
@@ -330,7 +330,7 @@ def test_the_app_opens_your_module_from_its_factory_and_every_tab_renders(user_c
     the page runs it without the KV cache, says so, and every tab renders without an error."""
     from html import unescape
 
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.test_app import TABS, new_app, press, run, show_tab
 
     (user_code / "my_tiny_app_gpt.py").write_text(

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from gpt_shape_tracer.tracer import load_trace
 from tests.browser import free_port
-from tracer import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 

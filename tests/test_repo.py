@@ -93,7 +93,8 @@ def test_the_model_has_rooms():
 
 def test_nothing_outside_a_room_of_model_imports_its_private_modules_or_names():
     """Outside a room of model/ — another room, tracer, figures, the GUI, session, app, the CLI, bench — only the
-    room's public names are imported (``from model.sources import load_hf``): no ``model.<room>._module`` and no
+    room's public names are imported (``from gpt_shape_tracer.model.sources import load_hf``): no
+    ``model.<room>._module`` and no
     ``_name``, so a room can rearrange its modules without breaking anyone. Tests may open a room to test its
     internals; nothing else may."""
     bad = []

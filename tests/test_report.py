@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from plotly.offline import get_plotlyjs
 
-from figures.report import report_html
-from tracer import TracedGeneration
+from gpt_shape_tracer.figures.report import report_html
+from gpt_shape_tracer.tracer import TracedGeneration
 
 PROMPTS = ["Tom had a big red kite.", "<script>alert(1)</script> said"]
 
@@ -52,7 +52,7 @@ def test_the_command_line_writes_the_report(tmp_path, capsys):
 
 
 def test_the_report_of_a_whole_run_opens_offline_with_every_figure(bundled, tmp_path):
-    from figures.report import run_report_html
+    from gpt_shape_tracer.figures.report import run_report_html
 
     model, tok = bundled
     gen = TracedGeneration(model, tok, PROMPTS, temperature=0)
@@ -88,9 +88,9 @@ def test_a_label_a_trace_file_carries_appears_only_escaped_in_both_reports(bundl
     reports write it escaped, never as markup."""
     import json
 
-    from figures.report import run_report_html
+    from gpt_shape_tracer.figures.report import run_report_html
+    from gpt_shape_tracer.tracer import load_trace
     from tests.test_tracer_io import archive_bytes, member, rewrite
-    from tracer import load_trace
 
     model, tok = bundled
     gen = TracedGeneration(model, tok, PROMPTS[0], temperature=0)

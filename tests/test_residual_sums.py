@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from figures import flow
-from model import load_hf
-from model.gpt import hooks_for, residual_sums
-from model.sources import BUNDLED_DIR, build_dry
-from model.sources._hf_decoder import _plain_residual
+from gpt_shape_tracer.figures import flow
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.model.gpt import hooks_for, residual_sums
+from gpt_shape_tracer.model.sources import BUNDLED_DIR, build_dry
+from gpt_shape_tracer.model.sources._hf_decoder import _plain_residual
+from gpt_shape_tracer.tracer import TracedGeneration, dry_run
 from tests.hf_architectures import build
 from tests.test_hf_hybrid import build_hybrid
-from tracer import TracedGeneration, dry_run
 
 PROMPT = ["Lily had a red kite.", "Tom said"]
 

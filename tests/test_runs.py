@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from gpt_shape_tracer.runs import (
+from gpt_shape_tracer.gui.runs import tokens_of
+from gpt_shape_tracer.session.runs import (
     CHECKOUT,
     LIST_ALL_RUNS_ENV,
     RUN_FILE,
@@ -28,9 +29,8 @@ from gpt_shape_tracer.runs import (
     new_run_id,
     owner_tag,
 )
-from gui.runs import tokens_of
+from gpt_shape_tracer.tracer import TracedGeneration, load_trace
 from tests.test_app import APP, page_text, press, run, show_tab
-from tracer import TracedGeneration, load_trace
 
 
 def record(run_id: str, updated: float = 1.0, **changes) -> RunRecord:

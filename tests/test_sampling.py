@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import SamplingConfig, SamplingError, generate, sample
-from model.sampling import STAGES
+from gpt_shape_tracer.model import SamplingConfig, SamplingError, generate, sample
+from gpt_shape_tracer.model.sampling import STAGES
 
 
 def logits_row(values):
@@ -112,9 +112,9 @@ def test_greedy_is_the_default_in_python_on_the_command_line_and_in_the_app(bund
     from contextlib import redirect_stdout
     from io import StringIO
 
+    from gpt_shape_tracer.session import DEFAULTS
     from gpt_shape_tracer.trace_command import main
-    from session import DEFAULTS
-    from tracer import TracedGeneration
+    from gpt_shape_tracer.tracer import TracedGeneration
 
     model, tok = bundled
     prompts = ["Once upon a time", "Tom said,"]

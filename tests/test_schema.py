@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tracer.files._schema import (
+from gpt_shape_tracer.tracer.files._schema import (
     Bool,
     Check,
     Float,

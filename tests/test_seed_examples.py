@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from model import attention
+from gpt_shape_tracer.model import attention
 
 Q = torch.tensor([[1.0, 0, 1], [0, 1, 1]])
 K = torch.tensor([[1.0, 1, 0], [1, 0, 1]])
@@ -26,7 +26,7 @@ def test_13_1_intermediate_stages_via_hooks():
     """QKᵀ = [[1,2],[1,1]] and S = QKᵀ/√3 = [[0.577, 1.155], [0.577, 0.577]]."""
     from torch import nn
 
-    from model import HookPoint
+    from gpt_shape_tracer.model import HookPoint
 
     seen: dict[str, torch.Tensor] = {}
 
@@ -55,7 +55,7 @@ def test_13_2_gradient_with_respect_to_values():
 
 def test_causal_mask_zeroes_future_weights_like_the_seed_says():
     """Eq. (24): M_ij = −∞ for j > i gives exactly zero weight on future keys."""
-    from model import additive_mask
+    from gpt_shape_tracer.model import additive_mask
 
     mask = additive_mask(2, 0, None, torch.device("cpu"), torch.float32)[0, 0]
     _, weights = attention(Q, K, V, mask)

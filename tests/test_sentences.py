@@ -11,8 +11,8 @@ from html import unescape
 import pytest
 import torch
 
-from figures import flash
-from model.gpt import act_name
+from gpt_shape_tracer.figures import flash
+from gpt_shape_tracer.model.gpt import act_name
 from tests.settings_matrix import STEPS, build_matrix
 
 
@@ -140,7 +140,7 @@ def test_5_the_row_table_follows_the_online_softmax(matrix):
 
 # -- 5, 6, 7: what grows with n ---------------------------------------------------------------------------------
 def test_5_6_7_what_grows_with_n_at_this_step_and_window(matrix):
-    from figures import cache
+    from gpt_shape_tracer.figures import cache
 
     for name, gen, trace, step, _ in cases(matrix):
         config = trace.config
@@ -181,8 +181,8 @@ def test_5_6_7_what_grows_with_n_at_this_step_and_window(matrix):
 # -- 8: a cheaper cache -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("storage", ["int8", "bfloat16"])
 def test_8_sharing_and_quantizing_each_say_their_own_saving(matrix, storage):
-    from figures import cache
-    from tracer import cache_precision
+    from gpt_shape_tracer.figures import cache
+    from gpt_shape_tracer.tracer import cache_precision
 
     for name in ("story-llama", "story-gpt"):
         gen = matrix[name][0]
@@ -202,7 +202,7 @@ def test_8_sharing_and_quantizing_each_say_their_own_saving(matrix, storage):
 def test_15_the_timing_warning_does_not_state_an_unmeasured_cause(matrix):
     import dataclasses
 
-    from figures import cache
+    from gpt_shape_tracer.figures import cache
 
     gen = matrix["story-gpt"][0]
     comparison = gen.compare_with_recompute(timing_repeats=1)
@@ -242,9 +242,9 @@ def test_16_padding_query_rows_attend_where_the_docs_say(matrix):
 
 # -- 2: the logit lens labels its columns as every other view does ------------------------------------------------
 def test_2_the_logit_lens_labels_each_column_by_its_own_position(matrix):
-    from figures import whatif
-    from figures.common import key_labels, safe_text
-    from tracer import logit_lens
+    from gpt_shape_tracer.figures import whatif
+    from gpt_shape_tracer.figures.common import key_labels, safe_text
+    from gpt_shape_tracer.tracer import logit_lens
 
     live = matrix["left padding"][0].model
     for name, gen, trace, step, batch in cases(matrix):
@@ -267,8 +267,8 @@ def gradient_cases(matrix):
 
 
 def test_9_10_11_the_gradients_say_what_they_cover_and_what_they_compute(matrix):
-    from figures import gradients as grad_views
-    from tracer import attention_gradients
+    from gpt_shape_tracer.figures import gradients as grad_views
+    from gpt_shape_tracer.tracer import attention_gradients
 
     for _, gen, step in gradient_cases(matrix):
         batch = gen.facts.batch_size - 1  # the short, padded sequence of a batch
@@ -310,8 +310,8 @@ def test_9_10_11_the_gradients_say_what_they_cover_and_what_they_compute(matrix)
 def test_11_a_steady_fall_is_called_vanishing():
     import dataclasses
 
-    from figures import gradients as grad_views
-    from tracer import HeadGradients
+    from gpt_shape_tracer.figures import gradients as grad_views
+    from gpt_shape_tracer.tracer import HeadGradients
 
     base = HeadGradients("x", 1.0, 0, 0, 0, {}, {}, {"resid_pre": [1e-6, 1e-4, 1e-2, 1.0]})
     assert "vanishing toward the input" in grad_views.norms_sentence(base)
@@ -327,10 +327,10 @@ def test_12_a_soft_capped_head_gets_its_gradients_with_the_caps_factor(tmp_path)
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from model import load_hf
-    from model.sources import ASSETS
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.sources import ASSETS
+    from gpt_shape_tracer.tracer import TracedGeneration, attention_gradients
     from tests.hf_architectures import ARCHITECTURES
-    from tracer import TracedGeneration, attention_gradients
 
     kwargs = dict(ARCHITECTURES["gemma2"][1], attn_logit_softcapping=0.5)
     torch.manual_seed(3)
@@ -364,7 +364,7 @@ def test_12_a_soft_capped_head_gets_its_gradients_with_the_caps_factor(tmp_path)
 
 # -- 13: a column is a column; RoPE names the position it rotates with -----------------------------------------
 def test_13_rope_says_column_and_rotation_position_apart(matrix):
-    from figures import attention
+    from gpt_shape_tracer.figures import attention
 
     for name in ("left padding", "right padding", "story-llama", "loaded trace"):
         _, trace = matrix[name]
@@ -390,7 +390,7 @@ def test_13_rope_says_column_and_rotation_position_apart(matrix):
 
 # -- 14: the pitfalls' means are over the real query rows --------------------------------------------------------
 def test_14_the_pitfalls_average_the_real_query_rows_only(matrix):
-    from figures import attention
+    from gpt_shape_tracer.figures import attention
 
     for name, _, trace, step, batch in cases(matrix):
         for layer in (0, trace.config.n_layer - 1):
@@ -411,10 +411,10 @@ def test_14_the_pitfalls_average_the_real_query_rows_only(matrix):
 
 # -- say it first: each view's takeaway, from its own numbers ----------------------------------------------------
 def test_the_takeaways_state_their_own_numbers(matrix):
-    from figures import attention, cache, whatif
-    from figures.common import inert, key_labels
-    from model.analysis import forward_parts
-    from tracer import direct_logit_attribution, logit_lens
+    from gpt_shape_tracer.figures import attention, cache, whatif
+    from gpt_shape_tracer.figures.common import inert, key_labels
+    from gpt_shape_tracer.model.analysis import forward_parts
+    from gpt_shape_tracer.tracer import direct_logit_attribution, logit_lens
 
     live = matrix["left padding"][0].model
     for name, gen, trace, step, batch in cases(matrix):
@@ -450,8 +450,8 @@ def test_the_takeaways_state_their_own_numbers(matrix):
 
 
 def test_5_following_one_row_opens_on_a_row_the_loss_reaches(matrix):
-    from figures import gradients as grad_views
-    from tracer import GRADIENT_LOSSES, attention_gradients
+    from gpt_shape_tracer.figures import gradients as grad_views
+    from gpt_shape_tracer.tracer import GRADIENT_LOSSES, attention_gradients
 
     gen = matrix["left padding"][0]
     for loss in GRADIENT_LOSSES:
@@ -498,8 +498,8 @@ def patched_diff(model, clean_ids, corrupt_ids, kind, layer, column, a, b) -> fl
 
 
 def test_the_patching_line_names_the_cell_that_restores_most(matrix):
-    from figures.view_takeaways import patching_takeaway
-    from session import patching_run
+    from gpt_shape_tracer.figures.view_takeaways import patching_takeaway
+    from gpt_shape_tracer.session import patching_run
 
     seen = set()
     branches = {"restores": 0, "none": 0, "same answer": 0}
@@ -593,7 +593,7 @@ def test_41_a_pooled_stages_figure_says_which_cells_each_panels_means_left_out(m
     out)", was said of every panel: false for A, whose masked weights count."""
     import re
 
-    from figures import attention as attention_figures
+    from gpt_shape_tracer.figures import attention as attention_figures
 
     monkeypatch.setattr(attention_figures, "STAGE_SIDE", POOLED_SIDE)
     masked_weights_counted = 0
@@ -639,8 +639,8 @@ def test_41_a_pooled_grid_reports_what_its_means_left_out_for_each_kind_of_matri
     figure draws it), the masked scores (−∞ where masked, or transformers' smallest float, which is a number and
     counts), the pattern (masked weights are 0: nothing left out) and the stacked rows of History (NaN where a
     row saw no key): the counts it states are the matrix's, and its cells are the means it says."""
-    from figures import heatmap
-    from figures.attention import attention_history
+    from gpt_shape_tracer.figures import heatmap
+    from gpt_shape_tracer.figures.attention import attention_history
 
     for name, _, trace, step, batch in cases(matrix):
         layer = trace.config.n_layer - 1
@@ -737,8 +737,8 @@ def test_the_flash_takeaway_counts_the_tiles_read_and_compares_with_the_models_o
 
 @pytest.mark.parametrize("storage", ["int8", "bfloat16"])
 def test_the_cheaper_cache_takeaway_states_the_saving_and_the_first_changed_choice(matrix, storage):
-    from figures import cache
-    from tracer import cache_precision
+    from gpt_shape_tracer.figures import cache
+    from gpt_shape_tracer.tracer import cache_precision
 
     for name in ("story-llama", "left padding"):
         gen = matrix[name][0]

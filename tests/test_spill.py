@@ -10,7 +10,7 @@ import stat
 import pytest
 import torch
 
-from tracer import TracedGeneration, load_trace, save_trace
+from gpt_shape_tracer.tracer import TracedGeneration, load_trace, save_trace
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily. She had a red ball.", "Tom ran"]
 BUDGET = 256 * 1024
@@ -145,8 +145,8 @@ def test_a_failed_step_retried_with_the_spill_on_saves_a_file_holding_the_retrys
     the failed attempt had spilled: what is saved must be the retry's values, one per record, and it must load."""
     import pytest
 
-    from model import GPT, GPTConfig
-    from tracer import Tracer
+    from gpt_shape_tracer.model import GPT, GPTConfig
+    from gpt_shape_tracer.tracer import Tracer
 
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=64, n_ctx=24, d_model=32, n_layer=2, n_head=4)).eval()
@@ -190,7 +190,7 @@ def test_a_failed_step_retried_with_the_spill_on_saves_a_file_holding_the_retrys
 
 @pytest.mark.parametrize("spill", [float("nan"), True, 1e21, 10**21, -1, 2.5, "64"])
 def test_a_spill_size_that_is_not_a_whole_number_of_bytes_is_refused_naming_the_range(spill):
-    from tracer.storage._log import TraceLog
+    from gpt_shape_tracer.tracer.storage._log import TraceLog
 
     with pytest.raises(ValueError, match=r"spill_bytes must be a whole number of bytes from 0 \(off\) to "):
         TraceLog("values", spill_bytes=spill)

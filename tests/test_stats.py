@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracer.storage import _fused as fused
-from tracer.storage import _stats as stats
-from tracer.storage._stats import finite_flag, summarize, tensor_stats
-from tracer.storage.records import Finite
+from gpt_shape_tracer.tracer.storage import _fused as fused
+from gpt_shape_tracer.tracer.storage import _stats as stats
+from gpt_shape_tracer.tracer.storage._stats import finite_flag, summarize, tensor_stats
+from gpt_shape_tracer.tracer.storage.records import Finite
 
 SPECIALS = st.sampled_from([math.nan, math.inf, -math.inf])
 
@@ -112,8 +112,8 @@ def statistics_in_a_process_of_its_own(cc: str, cache: Path, *, umask: int = -1,
 
     probe = setup + (
         "import math, os, torch\n"
-        "from tracer.storage import _fused as fused\n"
-        "from tracer.storage._stats import tensor_stats\n"
+        "from gpt_shape_tracer.tracer.storage import _fused as fused\n"
+        "from gpt_shape_tracer.tracer.storage._stats import tensor_stats\n"
         "x = torch.arange(10_000, dtype=torch.float32)\n"
         "x[3] = -math.inf\n"
         "s = tensor_stats(x)\n"

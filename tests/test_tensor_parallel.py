@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from model import ModelLoadError, load_bundled, load_model
+from gpt_shape_tracer.model import ModelLoadError, load_bundled, load_model
+from gpt_shape_tracer.tracer import TracedGeneration
 from tests.browser import free_port
 from tests.hf_architectures import build
-from tracer import TracedGeneration
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "Once upon a time there was a kite"

@@ -14,9 +14,9 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, processors
 
-from model import GPT, GPTConfig, ModelLoadError, TextTokenizer, load_bundled, load_hf, save_hf
-from model.sources import ASSETS, TokenizerConfigError
-from tracer import GenerationStopped, TracedGeneration
+from gpt_shape_tracer.model import GPT, GPTConfig, ModelLoadError, TextTokenizer, load_bundled, load_hf, save_hf
+from gpt_shape_tracer.model.sources import ASSETS, TokenizerConfigError
+from gpt_shape_tracer.tracer import GenerationStopped, TracedGeneration
 
 BOS, EOS = "<s>", "</s>"
 TEXTS = ["Lily had a red ball.", " Once upon a time\n\nthere was a cat", "a<s>b</s>c", "<|endoftext|>hi",
@@ -239,7 +239,7 @@ def test_a_template_that_asks_for_gigabytes_or_hours_is_stopped_by_its_bound(tmp
     """The sandbox keeps a template from Python's internals, not from work: each of these raised an untyped
     MemoryError or never returned. The render runs in a child process bounded in memory, time and output, and the
     bound it passed is a TokenizerConfigError (the time and output bounds shortened here, so that the test is quick)."""
-    import model.sources._chat_render as chat_render
+    import gpt_shape_tracer.model.sources._chat_render as chat_render
 
     monkeypatch.setattr(chat_render, "RENDER_SECONDS", 3.0)
     monkeypatch.setattr(chat_render, "RENDER_MAX_CHARS", 100_000)
@@ -260,7 +260,7 @@ def test_load_hf_reads_the_tokenizer_config_beside_the_weights(tmp_path):
 
 
 def test_the_cli_chats_and_stops_at_eos(tmp_path, capsys, monkeypatch):
-    import model as model_package
+    import gpt_shape_tracer.model as model_package
     from gpt_shape_tracer.trace_command import main
 
     tok = TextTokenizer.from_directory(write_dir(tmp_path / "tok", post="bos",

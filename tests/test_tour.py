@@ -9,11 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from figures.tour import CLEAR_SCORE, HeadPick, clearest_head, shown_stops, skipped_sentence, tour_context, tour_stops
-from model import load_bundled
-from model.analysis import repeated_random_tokens
-from session import first_token
-from tracer import TracedGeneration, head_scores
+from gpt_shape_tracer.figures.tour import (
+    CLEAR_SCORE,
+    HeadPick,
+    clearest_head,
+    shown_stops,
+    skipped_sentence,
+    tour_context,
+    tour_stops,
+)
+from gpt_shape_tracer.model import load_bundled
+from gpt_shape_tracer.model.analysis import repeated_random_tokens
+from gpt_shape_tracer.session import first_token
+from gpt_shape_tracer.tracer import TracedGeneration, head_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tom had a big red kite. One day, Tom went to the park."
@@ -43,7 +51,7 @@ def reference_scores(model, tokenizer, directory) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["story-gpt", "story-llama"])
 def test_the_tours_heads_are_the_best_scoring_and_their_scores_are_transformers(name, tmp_path):
-    from model.sources import save_hf
+    from gpt_shape_tracer.model.sources import save_hf
 
     model, tokenizer = load_bundled(name)
     reference = reference_scores(model, tokenizer, save_hf(model, tmp_path / name))
@@ -159,7 +167,7 @@ def test_a_module_of_your_own_has_no_cache_stops():
 def test_the_tour_in_the_app_opens_each_stops_view_step_and_head():
     """The real app under AppTest: three Steps, then the tour from its first stop to its last; at each stop the
     tab, the sub-view, the step slider and the head pickers are the stop's, and Back returns."""
-    from figures.tour import tour_context as context
+    from gpt_shape_tracer.figures.tour import tour_context as context
     from tests.test_app import gen_of, new_app, press, run
 
     at = new_app()
@@ -202,9 +210,9 @@ def test_the_tour_in_the_app_opens_each_stops_view_step_and_head():
 def test_a_soft_capped_transformers_model_shows_every_stop(tmp_path):
     """Gemma 2, run by transformers: its scores are soft-capped, a stage the stages stop names; the Gradients view
     applies the cap's derivative (tests/test_gradients.py), so no stop is skipped."""
-    from model import load_model
-    from model.sources import BUNDLED_DIR
-    from session import caches
+    from gpt_shape_tracer.model import load_model
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.session import caches
     from tests.hf_architectures import build
 
     model, tokenizer = load_model(str(build("gemma2", tmp_path / "gemma2", BUNDLED_DIR / "tokenizer.json")))

@@ -123,7 +123,7 @@ def test_the_tour_walks_every_stop_on_a_bundled_model(url, browser, model):
 
 
 def test_the_tour_walks_a_transformers_run_qwen3(url, browser, tmp_path):
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.hf_architectures import build
 
     directory = build("qwen3", tmp_path / "qwen3", BUNDLED_DIR / "tokenizer.json")

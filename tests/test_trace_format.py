@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load as load_safetensors
 
+from gpt_shape_tracer.tracer import TracedGeneration, save_trace
 from tests.tolerance import assert_close_across_cpus
-from tracer import TracedGeneration, save_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "trace-format.md").read_text(encoding="utf-8")
@@ -89,7 +89,7 @@ def test_a_saved_trace_read_with_the_document_alone(bundled, tmp_path):
 
 
 def test_the_activation_dict_holds_every_hook_points_value_of_a_step(bundled):
-    from tracer import Tracer
+    from gpt_shape_tracer.tracer import Tracer
 
     model, tok = bundled
     with Tracer(model, capture="values") as tr:
@@ -103,7 +103,7 @@ def test_the_activation_dict_holds_every_hook_points_value_of_a_step(bundled):
 def test_a_file_of_format_version_2_still_loads(bundled):
     """tests/data/trace-v2.zip was written by the tracer before version 3 (positional arrays in the manifest,
     finite as codes, axes as strings, data_ptr): it loads, and its values are what the model computes."""
-    from tracer import load_trace
+    from gpt_shape_tracer.tracer import load_trace
 
     model, tok = bundled
     with zipfile.ZipFile(ROOT / "tests" / "data" / "trace-v2.zip") as archive:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from model import GPT, GPTConfig, HookPoint
-from model.gpt import attention_path, dims_of, resolve, spec_for
-from tracer import Tracer, hooks_installed, tensor_stats
+from gpt_shape_tracer.model import GPT, GPTConfig, HookPoint
+from gpt_shape_tracer.model.gpt import attention_path, dims_of, resolve, spec_for
+from gpt_shape_tracer.tracer import Tracer, hooks_installed, tensor_stats
 
 CONFIG = GPTConfig(vocab_size=64, n_ctx=24, d_model=32, n_layer=2, n_head=4)
 
@@ -347,7 +347,7 @@ def test_a_tracer_collected_while_another_installs_does_not_deadlock(gpt):
     """Garbage collection can run a dropped tracer's finalizer in the middle of installing hooks."""
     import gc
 
-    from tracer.capture import _hooks as hooks
+    from gpt_shape_tracer.tracer.capture import _hooks as hooks
 
     other = GPT(CONFIG).eval()
     first, second = Tracer(other).install(), Tracer(other).install()
@@ -368,7 +368,7 @@ def test_a_tracer_collected_while_another_installs_does_not_deadlock(gpt):
 
 
 def test_the_in_place_guard_knows_which_writes_touch_a_kept_view():
-    from tracer.storage._store import overlaps
+    from gpt_shape_tracer.tracer.storage._store import overlaps
 
     buf = torch.zeros(2, 4, 16, 8)  # a KV-cache-like buffer: rows appended along dim 2
     kept = buf[:, :, :10]

@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from figures import cache
-from model import GPT, GPTConfig, SamplingConfig, generate
-from tracer import Tracer
-from tracer.generation._traced import MAX_RUN_STEPS, ContextFullError, PromptError, TracedGeneration
+from gpt_shape_tracer.figures import cache
+from gpt_shape_tracer.model import GPT, GPTConfig, SamplingConfig, generate
+from gpt_shape_tracer.tracer import Tracer
+from gpt_shape_tracer.tracer.generation._traced import MAX_RUN_STEPS, ContextFullError, PromptError, TracedGeneration
 
 
 def test_step_zero_is_the_prefill_and_later_steps_feed_one_token(bundled):
@@ -158,7 +158,7 @@ def test_bad_prompts_are_refused_clearly(bundled):
 def test_reaching_n_ctx_stops_with_a_message_and_keeps_every_step():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=1024, n_ctx=12, d_model=16, n_layer=1, n_head=2)).eval()
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
 
     _, tok = load_bundled()
     gen = TracedGeneration(model, tok, "Lily had a ball.", temperature=0)
@@ -317,7 +317,7 @@ def test_summaries_count_against_the_budget_and_go_oldest_first():
 def test_the_bytes_of_cached_keys_and_values_read_are_the_cache_tensors_own_bytes():
     """A grouped-query model (story-llama: 4 query heads share 2 key/value heads) caches G heads, not H: the
     bytes the cached path reads are those of the K and V tensors the step started from, as they were recorded."""
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
 
     model, tok = load_bundled("story-llama")
     c = model.config
@@ -334,7 +334,7 @@ def test_the_cached_rows_survive_the_cache_buffer_growing(bundled):
     """The cache's buffers start at 32 positions and grow by copying what they hold: a generation that passes 32
     positions still reads the same K and V as a full recompute (both of them: a growth that copied K into V
     would leave the keys right)."""
-    from model.gpt import MIN_CAPACITY
+    from gpt_shape_tracer.model.gpt import MIN_CAPACITY
 
     model, tok = bundled
     prompt = "Once upon a time, there was a little girl named Lily. She had a red ball and a big dog named Max."
@@ -350,7 +350,7 @@ def test_a_rollback_after_a_failed_forward_restores_the_cache_exactly_and_forget
     """A forward that fails part-way (after layer 0 wrote its rows, before layer 1 did) is rolled back: the
     length and every cached row are as before, and what it staged is forgotten — the next forward that skips a
     layer is refused by ``commit``, not taken for complete because the failed one wrote that layer."""
-    from model import KVCache
+    from gpt_shape_tracer.model import KVCache
 
     g = torch.Generator().manual_seed(0)
     cache = KVCache(n_layer=2, batch_size=1)

@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 import torch
 
-from tracer import TraceFileError, load_trace, save_trace
-from tracer.files._io import Limits, write_archive
-from tracer.generation._traced import TracedGeneration
+from gpt_shape_tracer.tracer import TraceFileError, load_trace, save_trace
+from gpt_shape_tracer.tracer.files._io import Limits, write_archive
+from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,11 +57,11 @@ def test_the_table_opens_with_plain_pandas(generation, tmp_path):
 
 
 def test_a_failed_forward_round_trips_its_error(tmp_path, bundled):
+    from gpt_shape_tracer.tracer import Tracer
     from tests.test_tracer_capture import MissingTranspose
-    from tracer import Tracer
 
     model, _ = bundled
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
 
     broken, _ = load_bundled()
     broken.blocks[0].attn = MissingTranspose(broken.blocks[0].attn)
@@ -208,7 +208,7 @@ def test_the_number_checks_say_what_they_expected_and_where():
     bool; a refusal names the field and the value."""
     import math
 
-    from tracer.files._schema import Float, Int
+    from gpt_shape_tracer.tracer.files._schema import Float, Int
 
     delta = Float(0, finite=False)  # max |Δ logits|: may be NaN or ∞, which JSON writes as strings
     assert math.isnan(delta("nan", "d")) and delta("inf", "d") == math.inf and delta(0, "d") == 0.0
@@ -235,7 +235,7 @@ def test_the_number_checks_say_what_they_expected_and_where():
 def test_a_1024_token_prefill_round_trips_at_every_capture_level(bundled, tmp_path, capture):
     """A trace loads back whatever the prompt's length: the strides of ``[B, H, n, n]`` scores (``H·n²``, ``n²``,
     ``n``, 1) were once checked as if they were a shape, and a prompt of 195 tokens or more could not be reopened."""
-    from model import GPT, GPTConfig
+    from gpt_shape_tracer.model import GPT, GPTConfig
 
     _, tok = bundled
     torch.manual_seed(0)
@@ -303,7 +303,7 @@ def test_every_trace_the_writer_saves_loads_back_and_the_rest_is_refused_before_
     against a 2 GiB values limit)."""
     import dataclasses
 
-    import tracer.files._io as io_module
+    import gpt_shape_tracer.tracer.files._io as io_module
 
     outcomes = []
     for k, limit in enumerate(10**e for e in range(0, 10)):
@@ -327,7 +327,7 @@ def test_the_default_limits_load_a_48_layer_model_traced_for_150_steps(bundled):
     """The records a step holds grow by a fixed number per layer: measured here on 1- and 2-layer models (shapes
     only, 3 steps), a 48-layer run of 150 steps must fit the reader's default limits (it held 318,600 records
     against a limit of 300,000, and its own reader refused it)."""
-    from model.gpt import GPT, GPTConfig
+    from gpt_shape_tracer.model.gpt import GPT, GPTConfig
 
     _, tok = bundled
     per_step = []

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tracer import Tracer
-from tracer.capture._nested import MAX_TENSORS
+from gpt_shape_tracer.tracer import Tracer
+from gpt_shape_tracer.tracer.capture._nested import MAX_TENSORS
 
 LEVELS = ("shapes", "values", "ops")
 
@@ -123,7 +123,7 @@ def test_a_write_through_dot_data_is_not_caught_as_the_docs_say():
     """``.data`` has a version counter of its own, so the tracer cannot see such a write; the capture
     module's documentation and docs/security.md say so. This pins that limitation: if it ever starts failing,
     the writes are caught and the documentation must change."""
-    import tracer.capture._tracer
+    import gpt_shape_tracer.tracer.capture._tracer as capture_module
 
     model = Wrap(nn.Identity())
     with Tracer(model) as t:
@@ -132,7 +132,7 @@ def test_a_write_through_dot_data_is_not_caught_as_the_docs_say():
     assert t.trace.get("lin:out").equal(out)  # the mutated values: not caught
     out.detach().numpy()[0, 0] = 123.0  # a NumPy view of the storage: not counted either
     assert t.trace.get("lin:out")[0, 0] == 123.0
-    assert "Not caught: writes through\n  ``.data``" in tracer.capture._tracer.__doc__
+    assert "Not caught: writes through\n  ``.data``" in capture_module.__doc__
 
 
 @pytest.mark.parametrize("order", ["tracer first", "user hook first"])
@@ -192,7 +192,7 @@ def test_overlaps_never_misses_a_shared_element_and_is_exact_for_same_stride_box
     """The in-place guard asks ``overlaps(written, kept)``: it may over-report for interleaved strided
     views (then a value is copied needlessly) but must never miss a shared element (then a kept value
     would change unnoticed). Truth is counted element by element from the storage offsets."""
-    from tracer.storage._store import overlaps
+    from gpt_shape_tracer.tracer.storage._store import overlaps
 
     ids = torch.arange(6 * 8 * 10).view(6, 8, 10)  # each element's storage offset, as its value
     va, vb = _view(ids, (a, perm)), _view(ids, (b, perm))
@@ -238,7 +238,7 @@ def test_a_value_evicted_after_it_was_changed_in_place_keeps_no_wrong_statistics
 
 
 def test_a_cache_refuses_a_copy_length_that_is_not_a_count_and_a_wrong_batch():
-    from model import GPT, GPTConfig
+    from gpt_shape_tracer.model import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=32, n_ctx=16, d_model=16, n_layer=1, n_head=2)).eval()
     cache = model.new_cache(2)
@@ -273,7 +273,7 @@ def test_the_budget_is_checked_and_a_value_of_exactly_the_budget_is_kept():
 def test_the_store_says_when_it_holds_no_view_of_a_storage_any_more():
     """Every way a value leaves (evicted for room, dropped, swapped for a copy) tells the owner when the last
     kept view of a storage is gone — its memory may then be reused by a new tensor at the same address."""
-    from tracer.storage._store import ValueStore, storage_key
+    from gpt_shape_tracer.tracer.storage._store import ValueStore, storage_key
 
     released: list[tuple[int, int]] = []
     store = ValueStore(budget_bytes=4096, on_release=released.append)
@@ -296,7 +296,7 @@ def test_the_store_says_when_it_holds_no_view_of_a_storage_any_more():
 
 
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
-    """gpt_shape_tracer.memory.reuse_freed_memory(): a third forward-like pass (48 and 12 MiB tensors made and
+    """gpt_shape_tracer.session.memory.reuse_freed_memory(): a third forward-like pass (48 and 12 MiB tensors made and
     freed in turn, two alive at a time) takes the memory the earlier ones freed, where glibc's default hands it
     fresh pages to fault in. (The second pass measured 0, 12, 48 or 144 MiB from run to run, as the heap
     settled; from the third on it is 0 every time — a test on the second failed one run in three.) Each side in
@@ -306,7 +306,7 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
 
     probe = (
         "import resource, sys, torch\n"
-        "from gpt_shape_tracer.memory import reuse_freed_memory\n"
+        "from gpt_shape_tracer.session.memory import reuse_freed_memory\n"
         "took = reuse_freed_memory() if sys.argv[1] == 'reuse' else False\n"
         "def forward():\n"
         "    held = []\n"
@@ -350,9 +350,9 @@ def one_rounding_step(archive: bytes, steps: int = 1) -> bytes:
 def test_two_bfloat16_runs_a_rounding_step_apart_do_not_diverge():
     """bfloat16 keeps 8 significant bits: two runs that differ by one rounding step everywhere are the same run
     within bfloat16's tolerance (float32's would call most records diverged); 20 steps apart they diverge."""
-    from model import load_bundled
+    from gpt_shape_tracer.model import load_bundled
+    from gpt_shape_tracer.tracer import TracedGeneration, diff_traces, load_trace
     from tests.test_tracer_io import archive_bytes
-    from tracer import TracedGeneration, diff_traces, load_trace
 
     model, tok = load_bundled()
     model = model.to(torch.bfloat16)  # a model of its own: load_bundled loads anew each time
@@ -372,7 +372,7 @@ def test_diff_traces_flags_nan_in_different_places_and_not_in_the_same_places():
     """Two runs whose numbers agree wherever both are finite, but with a NaN at different positions, have
     diverged (the NaN moved): the row says so and is the first divergence. The same NaN in the same place is
     no divergence."""
-    from tracer import diff_traces
+    from gpt_shape_tracer.tracer import diff_traces
 
     class Double(nn.Module):
         def forward(self, x):

@@ -10,9 +10,9 @@ from html import unescape
 import pytest
 import torch
 
-from figures import worked as worked_views
-from figures.mask import mask_facts
-from figures.view_takeaways import (
+from gpt_shape_tracer.figures import worked as worked_views
+from gpt_shape_tracer.figures.mask import mask_facts
+from gpt_shape_tracer.figures.view_takeaways import (
     ablation_takeaway,
     chosen_from,
     compare_takeaway,
@@ -22,9 +22,9 @@ from figures.view_takeaways import (
     shapes_takeaway,
     worked_takeaway,
 )
-from model import load_bundled
-from model.gpt import act_name
-from tracer import TracedGeneration, diff_traces
+from gpt_shape_tracer.model import load_bundled
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer import TracedGeneration, diff_traces
 
 PROMPT = "Tom had a big red kite. One day, Tom went to the park."
 SHORT = "Lily saw a cat."
@@ -112,8 +112,8 @@ def test_the_mask_line_counts_the_cells_of_m(gen):
 def test_a_sliding_window_is_counted_in_the_mask_line(tmp_path):
     """Gemma 2 run by transformers: its layer 0 attends to at most 4 keys back, so a decode step's one row has
     −∞ keys that causality does not explain, and the line says so."""
-    from model import load_model
-    from model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.model import load_model
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.hf_architectures import build
 
     model, tokenizer = load_model(str(build("gemma2", tmp_path / "gemma2", BUNDLED_DIR / "tokenizer.json")))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.analysis import repeated_random_tokens
-from tracer import (
+from gpt_shape_tracer.model.analysis import repeated_random_tokens
+from gpt_shape_tracer.tracer import (
     InterventionError,
     TracedGeneration,
     Tracer,
@@ -18,7 +18,7 @@ from tracer import (
     patch,
     save_trace,
 )
-from tracer.experiments._whatif import activation_patching, pattern_changes, replay, text_loss
+from gpt_shape_tracer.tracer.experiments._whatif import activation_patching, pattern_changes, replay, text_loss
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
 
@@ -100,7 +100,7 @@ def test_direct_logit_attribution_adds_up_to_the_logit(bundled):
         assert len(frame[frame.kind == "head"]) == model.config.n_layer * model.config.n_head
     with pytest.raises(ValueError, match="not the one that made the trace"):
         torch.manual_seed(0)
-        from model import GPT
+        from gpt_shape_tracer.model import GPT
 
         direct_logit_attribution(gen.trace, 0, model=GPT(model.config).eval())
 
@@ -182,10 +182,10 @@ def test_diffing_against_many_empty_steps_costs_the_records_not_the_steps(bundle
     table once, and reads each run's token columns once, not once per step."""
     import pandas as pd
 
-    from tracer.experiments import _diff
-    from tracer.reading._facts import GenerationFacts
-    from tracer.reading._trace import Trace
-    from tracer.storage._log import TraceLog
+    from gpt_shape_tracer.tracer.experiments import _diff
+    from gpt_shape_tracer.tracer.reading._facts import GenerationFacts
+    from gpt_shape_tracer.tracer.reading._trace import Trace
+    from gpt_shape_tracer.tracer.storage._log import TraceLog
 
     model, tok = bundled
     real = TracedGeneration(model, tok, PROMPT, temperature=0)
@@ -255,7 +255,7 @@ def test_mean_ablation_at_a_decode_step_averages_every_position_fed_so_far(bundl
     step that is every position up to it, not the one new position (which would leave the value as it was)."""
     import torch
 
-    from tracer import TracedGeneration, Tracer, ablate, replay
+    from gpt_shape_tracer.tracer import TracedGeneration, Tracer, ablate, replay
 
     model, tok = bundled
     name = "blocks.0.attn.hook_z"
@@ -280,10 +280,10 @@ def test_head_scores_stop_the_probe_after_the_last_pattern_and_score_what_a_full
     """The probe stops once the last layer's pattern is recorded (the unembedding after it was most of its
     time): the scores equal those read off a whole forward under a plain Tracer, the model keeps no tap of it,
     and the next forward runs to its logits."""
-    from model import GPT
-    from model.analysis import HEAD_ROLES, role_scores
-    from model.gpt import act_name
-    from tracer import head_scores
+    from gpt_shape_tracer.model import GPT
+    from gpt_shape_tracer.model.analysis import HEAD_ROLES, role_scores
+    from gpt_shape_tracer.model.gpt import act_name
+    from gpt_shape_tracer.tracer import head_scores
 
     shared, tok = bundled
     # a model of its own: the shared one may carry the taps of other modules' live generations (their tracers

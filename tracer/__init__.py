@@ -13,8 +13,16 @@ the command line (``gpt-shape-tracer trace``) is another.
   experiments of ``tracer.whatif`` answer "what if".
 """
 
-from tracer.capture import HOWS, Intervention, InterventionError, Tracer, ablate, hooks_installed, patch
-from tracer.costs import (
+from gpt_shape_tracer.tracer.capture import (
+    HOWS,
+    Intervention,
+    InterventionError,
+    Tracer,
+    ablate,
+    hooks_installed,
+    patch,
+)
+from gpt_shape_tracer.tracer.costs import (
     ACCELERATORS,
     Accelerator,
     OpCost,
@@ -30,7 +38,7 @@ from tracer.costs import (
     place,
     step_floor,
 )
-from tracer.experiments import (
+from gpt_shape_tracer.tracer.experiments import (
     GRADIENT_LOSSES,
     HEAD_ROLES,
     CachePrecisionRun,
@@ -53,8 +61,8 @@ from tracer.experiments import (
     replay_diff,
     text_loss,
 )
-from tracer.files import LIMITS, Limits, TraceFileError, archive_bytes, load_trace, save_trace
-from tracer.generation import (
+from gpt_shape_tracer.tracer.files import LIMITS, Limits, TraceFileError, archive_bytes, load_trace, save_trace
+from gpt_shape_tracer.tracer.generation import (
     MAX_BATCH,
     MAX_RUN_STEPS,
     ContextFullError,
@@ -65,7 +73,7 @@ from tracer.generation import (
     latent_cache,
     prepare_dry_run,
 )
-from tracer.reading import (
+from gpt_shape_tracer.tracer.reading import (
     GenerationFacts,
     HeadStatistics,
     Overview,
@@ -79,8 +87,15 @@ from tracer.reading import (
     is_derived,
     query_row,
 )
-from tracer.storage import CAPTURE_LEVELS, DEFAULT_BUDGET_BYTES, TraceLog, summarize, tensor_stats, value_blocks
-from tracer.storage.records import (
+from gpt_shape_tracer.tracer.storage import (
+    CAPTURE_LEVELS,
+    DEFAULT_BUDGET_BYTES,
+    TraceLog,
+    summarize,
+    tensor_stats,
+    value_blocks,
+)
+from gpt_shape_tracer.tracer.storage.records import (
     ABLATIONS,
     FORWARD_CAPTURES,
     PADDING_SIDES,

@@ -1,8 +1,14 @@
 """What a model does, measured: the roles of attention heads (previous-token, induction, …: ``_heads.py``) and
 what one forward costs in multiply-adds and bytes (``_costs.py``)."""
 
-from model.analysis._costs import PARTS, ForwardCost, attention_overtakes_mlp, forward_cost, forward_parts
-from model.analysis._heads import (
+from gpt_shape_tracer.model.analysis._costs import (
+    PARTS,
+    ForwardCost,
+    attention_overtakes_mlp,
+    forward_cost,
+    forward_parts,
+)
+from gpt_shape_tracer.model.analysis._heads import (
     HEAD_ROLES,
     ablated,
     ablation_effects,

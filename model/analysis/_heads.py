@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from model.gpt import GPT, block_attention
+from gpt_shape_tracer.model.gpt import GPT, block_attention
 
 
 @torch.no_grad()

@@ -3,8 +3,8 @@ read bottom-up), attention at any length (``_long_attention.py``: fused kernels,
 regions recomputed in key tiles), its KV cache (``_cache.py``), the table of its hook points
 (``_hook_table.py``) and what names a model (``_identity.py``). Imports torch only; nothing above it in model/."""
 
-from model.gpt._cache import MIN_CAPACITY, STORAGES, KVCache, stored, transaction
-from model.gpt._gpt import (
+from gpt_shape_tracer.model.gpt._cache import MIN_CAPACITY, STORAGES, KVCache, stored, transaction
+from gpt_shape_tracer.model.gpt._gpt import (
     ACTIVATIONS,
     EXTERNAL_FAMILIES,
     FAMILIES,
@@ -29,7 +29,7 @@ from model.gpt._gpt import (
     rope_inv_freq,
     run_attention,
 )
-from model.gpt._hook_table import (
+from gpt_shape_tracer.model.gpt._hook_table import (
     HF_ROWS,
     HOOKS,
     HookSpec,
@@ -41,7 +41,7 @@ from model.gpt._hook_table import (
     resolve,
     spec_for,
 )
-from model.gpt._identity import (
+from gpt_shape_tracer.model.gpt._identity import (
     BackgroundDigest,
     DigestAbandoned,
     IdentityUnavailable,
@@ -52,7 +52,7 @@ from model.gpt._identity import (
     identity_of,
     parameters_digest,
 )
-from model.gpt._long_attention import (
+from gpt_shape_tracer.model.gpt._long_attention import (
     ATTENTION_MODES,
     SWEEP_CELLS,
     MaskSpec,
@@ -74,7 +74,7 @@ from model.gpt._long_attention import (
     row_norm,
     set_attention_path,
 )
-from model.gpt._long_attention import STAGES as ATTENTION_STAGES
+from gpt_shape_tracer.model.gpt._long_attention import STAGES as ATTENTION_STAGES
 
 __all__ = [
     "ATTENTION_MODES", "ATTENTION_STAGES", "SWEEP_CELLS", "MaskSpec", "Pooled", "RowNorm", "ScoreSweep",

@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from model.gpt._cache import KVCache, transaction
-from model.gpt._identity import ModelIdentity, PendingIdentity, computed_identity
-from model.gpt._long_attention import MaskSpec, choose_path, fused_attention
+from gpt_shape_tracer.model.gpt._cache import KVCache, transaction
+from gpt_shape_tracer.model.gpt._identity import ModelIdentity, PendingIdentity, computed_identity
+from gpt_shape_tracer.model.gpt._long_attention import MaskSpec, choose_path, fused_attention
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families this file implements
 HF_FAMILY = "hf"  # any other transformers decoder, run by transformers (model/sources/_hf_decoder.py): a description

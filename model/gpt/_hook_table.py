@@ -126,7 +126,7 @@ _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
 def _default_config():
-    from model.gpt._gpt import GPTConfig  # here, not at import: model.gpt does not need this module
+    from gpt_shape_tracer.model.gpt._gpt import GPTConfig  # here, not at import: model.gpt does not need this module
 
     return GPTConfig()
 

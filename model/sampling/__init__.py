@@ -1,7 +1,7 @@
 """Choosing the next token from logits and running generation: greedy (τ = 0), temperature, top-k, top-p, seeded
 (``SamplingConfig``, ``sample``); one step is one forward and one token (``generate_step``, ``generate``)."""
 
-from model.sampling._sampling import (
+from gpt_shape_tracer.model.sampling._sampling import (
     CANDIDATES,
     MAX_TEMPERATURE,
     STAGES,

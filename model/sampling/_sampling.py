@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model.gpt import KVCache
+from gpt_shape_tracer.model.gpt import KVCache
 
 if TYPE_CHECKING:
-    from model.sources import Decoder
+    from gpt_shape_tracer.model.sources import Decoder
 
 MAX_TEMPERATURE = 100.0  # above this softmax(z/τ) is uniform to float precision for any real logits
 CANDIDATES = 20  # tokens per row kept for the stage-by-stage view

@@ -5,10 +5,20 @@ them, finding a model (``_resolve.py``), reading tokenizers (``_tokenizer.py``) 
 (``_safetensors.py``), and what every source shares (``_common.py``: the typed error, directory checks,
 dtype/device). ``load_model`` (``_load.py``) resolves a spec once and hands it to exactly one source."""
 
-from model.sources._chat_render import compile_chat_template, forget_rendered_chats, render_chat_template
-from model.sources._common import LOGIT_TOLERANCE, MODEL_FILE_SUFFIXES, ModelLoadError, check_link, logit_tolerance
-from model.sources._decoders import Decoder, input_device_of
-from model.sources._dry_run import (
+from gpt_shape_tracer.model.sources._chat_render import (
+    compile_chat_template,
+    forget_rendered_chats,
+    render_chat_template,
+)
+from gpt_shape_tracer.model.sources._common import (
+    LOGIT_TOLERANCE,
+    MODEL_FILE_SUFFIXES,
+    ModelLoadError,
+    check_link,
+    logit_tolerance,
+)
+from gpt_shape_tracer.model.sources._decoders import Decoder, input_device_of
+from gpt_shape_tracer.model.sources._dry_run import (
     MAX_DRY_LAYERS,
     MAX_DRY_RECORDS,
     NO_WEIGHTS,
@@ -20,8 +30,8 @@ from model.sources._dry_run import (
     parameters_by_dtype,
     shapes_available,
 )
-from model.sources._hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, read_config
-from model.sources._hf_decoder import (
+from gpt_shape_tracer.model.sources._hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, read_config
+from gpt_shape_tracer.model.sources._hf_decoder import (
     ATTENTION,
     Architecture,
     HFDecoder,
@@ -32,9 +42,9 @@ from model.sources._hf_decoder import (
     traced_attention,
     weights_size,
 )
-from model.sources._hf_ours import load_hf_ours, save_hf, save_hf_gpt2
-from model.sources._hf_weights import check_weights, hf_shapes, hf_to_state, our_layout, state_to_hf
-from model.sources._load import (
+from gpt_shape_tracer.model.sources._hf_ours import load_hf_ours, save_hf, save_hf_gpt2
+from gpt_shape_tracer.model.sources._hf_weights import check_weights, hf_shapes, hf_to_state, our_layout, state_to_hf
+from gpt_shape_tracer.model.sources._load import (
     ASSETS,
     BUNDLED_DIR,
     BUNDLED_MODELS,
@@ -45,8 +55,8 @@ from model.sources._load import (
     load_hf_gpt2,
     load_model,
 )
-from model.sources._meta_ops import MetaOpCache, meta_op_cache
-from model.sources._nanogpt import (
+from gpt_shape_tracer.model.sources._meta_ops import MetaOpCache, meta_op_cache
+from gpt_shape_tracer.model.sources._nanogpt import (
     CHECKPOINT_NAME,
     COMPILED_PREFIX,
     config_from_nanogpt,
@@ -55,11 +65,17 @@ from model.sources._nanogpt import (
     nanogpt_shapes,
     nanogpt_to_state,
 )
-from model.sources._own_module import OwnDecoder, OwnModuleError, load_factory, traced_sdpa
-from model.sources._resolve import REPO_PREFIX, hub_cache_dir, is_repo_folder, resolve_model_path, snapshot_of
-from model.sources._safetensors import SafetensorsFile, safetensors_files
-from model.sources._tensor_parallel import ShardedModule, TensorParallelError, TensorParallelPlan
-from model.sources._tokenizer import END_OF_TEXT, TextTokenizer, TokenizerConfigError, load_tokenizer
+from gpt_shape_tracer.model.sources._own_module import OwnDecoder, OwnModuleError, load_factory, traced_sdpa
+from gpt_shape_tracer.model.sources._resolve import (
+    REPO_PREFIX,
+    hub_cache_dir,
+    is_repo_folder,
+    resolve_model_path,
+    snapshot_of,
+)
+from gpt_shape_tracer.model.sources._safetensors import SafetensorsFile, safetensors_files
+from gpt_shape_tracer.model.sources._tensor_parallel import ShardedModule, TensorParallelError, TensorParallelPlan
+from gpt_shape_tracer.model.sources._tokenizer import END_OF_TEXT, TextTokenizer, TokenizerConfigError, load_tokenizer
 
 __all__ = [
     "MAX_DRY_LAYERS", "MAX_DRY_RECORDS", "NO_WEIGHTS", "SHAPES_PREFIX", "DryRunError", "build_dry", "dry_config",

@@ -14,9 +14,9 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
-from model.gpt import GPT
-from model.sources._hf_decoder import HFDecoder
-from model.sources._own_module import OwnDecoder
+from gpt_shape_tracer.model.gpt import GPT
+from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
+from gpt_shape_tracer.model.sources._own_module import OwnDecoder
 
 Decoder: TypeAlias = GPT | HFDecoder | OwnDecoder
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.gpt import GPT, MAX_VOCAB, MAX_WIDTH, GPTConfig, ModelIdentity
-from model.sources._hf_decoder import HFDecoder
-from model.sources._tokenizer import TextTokenizer
+from gpt_shape_tracer.model.gpt import GPT, MAX_VOCAB, MAX_WIDTH, GPTConfig, ModelIdentity
+from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
+from gpt_shape_tracer.model.sources._tokenizer import TextTokenizer
 
 SHAPES_PREFIX = "shapes:"
 _MODEL = Path(__file__).resolve().parent.parent  # model/: installed, assets/ is model/bundled/ (pyproject.toml)
@@ -72,8 +72,8 @@ def shapes_available() -> dict[str, str]:
 
 def _config_file(spec: str | os.PathLike) -> tuple[Path, str]:
     """(the config.json, a display name) that ``spec`` names."""
-    from model.sources._common import ModelLoadError
-    from model.sources._resolve import resolve_model_path
+    from gpt_shape_tracer.model.sources._common import ModelLoadError
+    from gpt_shape_tracer.model.sources._resolve import resolve_model_path
 
     raw = os.fspath(spec)
     if raw.startswith(SHAPES_PREFIX):
@@ -90,13 +90,13 @@ def _config_file(spec: str | os.PathLike) -> tuple[Path, str]:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise ModelLoadError(f"{cfg}: missing; a dry run needs config.json")
-    from model.sources._common import display_name_of as _display_name
+    from gpt_shape_tracer.model.sources._common import display_name_of as _display_name
 
     return cfg, _display_name(path)
 
 
 def _read_raw(cfg: Path) -> dict:
-    from model.sources._common import MAX_CONFIG_BYTES, read_json_object
+    from gpt_shape_tracer.model.sources._common import MAX_CONFIG_BYTES, read_json_object
 
     return read_json_object(cfg, MAX_CONFIG_BYTES, "a config", DryRunError)
 
@@ -148,8 +148,8 @@ def build_dry(spec: str | os.PathLike, *, dtype: torch.dtype | str | None = None
     ``tensor_parallel=k`` (k > 1): one rank of k, as transformers' own plan splits the model
     (``sources/_tensor_parallel.py``); built by transformers whatever the family, since the plan is its; the plan
     is ``model.tensor_parallel``."""
-    from model.sources._hf_config import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES
-    from model.sources._tokenizer import directory_tokenizer as _load_tokenizer
+    from gpt_shape_tracer.model.sources._hf_config import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES
+    from gpt_shape_tracer.model.sources._tokenizer import directory_tokenizer as _load_tokenizer
 
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
@@ -168,7 +168,7 @@ def build_dry(spec: str | os.PathLike, *, dtype: torch.dtype | str | None = None
     if ours:
         model: GPT | HFDecoder = _build_ours(raw, cfg, target, headers)
     else:
-        from model.sources._hf_config import known_to_transformers
+        from gpt_shape_tracer.model.sources._hf_config import known_to_transformers
 
         if not known_to_transformers(model_type):
             raise DryRunError(f"{cfg}: model_type {model_type!r} is unknown: neither one of the families "
@@ -185,7 +185,7 @@ def build_dry(spec: str | os.PathLike, *, dtype: torch.dtype | str | None = None
 
 def _headers(directory: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """name → (dtype, shape) from the directory's safetensors headers (no tensor bytes read); {} without any."""
-    from model.sources._safetensors import SafetensorsFile, safetensors_files
+    from gpt_shape_tracer.model.sources._safetensors import SafetensorsFile, safetensors_files
 
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for file in safetensors_files(directory):
@@ -196,9 +196,9 @@ def _headers(directory: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
 
 
 def _build_ours(raw: dict, cfg: Path, target: torch.dtype, headers: dict) -> GPT:
-    from model.sources._hf_config import config_from_hf
-    from model.sources._hf_weights import canonical as _canonical
-    from model.sources._hf_weights import check_weights
+    from gpt_shape_tracer.model.sources._hf_config import config_from_hf
+    from gpt_shape_tracer.model.sources._hf_weights import canonical as _canonical
+    from gpt_shape_tracer.model.sources._hf_weights import check_weights
 
     config = config_from_hf(raw, cfg)
     if headers:
@@ -239,7 +239,7 @@ def _swapped_init():
 def _build_transformers(raw: dict, cfg: Path, target: torch.dtype, headers: dict, ranks: int = 1) -> HFDecoder:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from model.sources._hf_decoder import ATTENTION, HFDecoderError, _register
+    from gpt_shape_tracer.model.sources._hf_decoder import ATTENTION, HFDecoderError, _register
 
     model_type = raw["model_type"]
     try:
@@ -266,7 +266,7 @@ def _build_transformers(raw: dict, cfg: Path, target: torch.dtype, headers: dict
                                   f"but config.json implies {list(held[n])}")
     plan = None
     if ranks != 1:
-        from model.sources._tensor_parallel import TensorParallelError, shard
+        from gpt_shape_tracer.model.sources._tensor_parallel import TensorParallelError, shard
 
         try:
             plan = shard(hf, ranks)

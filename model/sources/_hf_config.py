@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from model.gpt import GPTConfig, RopeScaling
-from model.sources._common import ModelLoadError, read_json
+from gpt_shape_tracer.model.gpt import GPTConfig, RopeScaling
+from gpt_shape_tracer.model.sources._common import ModelLoadError, read_json
 
 IMPLEMENTATIONS = ("auto", "ours", "transformers")  # load_hf: who runs the model
 

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from torch import nn
 
-from model.gpt import (
+from gpt_shape_tracer.model.gpt import (
     BackgroundDigest,
     GPTConfig,
     HookPoint,
@@ -81,8 +81,8 @@ from model.gpt import (
     run_attention,
     transaction,
 )
-from model.sources._meta_ops import meta_op_cache
-from model.sources._tensor_parallel import TensorParallelPlan
+from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
+from gpt_shape_tracer.model.sources._tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     from transformers import PreTrainedModel
@@ -303,7 +303,7 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from model.sources._hf_families import register_families
+    from gpt_shape_tracer.model.sources._hf_families import register_families
 
     AttentionInterface.register(ATTENTION, traced_attention)
     AttentionMaskInterface.register(ATTENTION, traced_mask)
@@ -1338,7 +1338,7 @@ def guard_against_transformers(model: HFDecoder) -> None:
     Ours differs from both: refused with the numbers. Ours equals the uncached forward but transformers' own
     cached path differs (moshi past its sliding window): loaded, and ``model.reference_note`` says which one the
     trace follows and by how much the other differs."""
-    from model.sources._common import logit_tolerance
+    from gpt_shape_tracer.model.sources._common import logit_tolerance
 
     hf = model.hf
     window = model.config.sliding_window

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model.gpt import GPT, BackgroundDigest, GPTConfig, ModelIdentity, PendingIdentity
-from model.sources._common import ModelLoadError, display_name_of
-from model.sources._hf_config import config_to_hf, read_config
-from model.sources._hf_weights import canonical, check_weights, hf_shapes, hf_to_state, state_to_hf
-from model.sources._safetensors import SafetensorsFile, read_bin, safetensors_files
-from model.sources._tokenizer import TextTokenizer, directory_tokenizer, fitting_vocab
+from gpt_shape_tracer.model.gpt import GPT, BackgroundDigest, GPTConfig, ModelIdentity, PendingIdentity
+from gpt_shape_tracer.model.sources._common import ModelLoadError, display_name_of
+from gpt_shape_tracer.model.sources._hf_config import config_to_hf, read_config
+from gpt_shape_tracer.model.sources._hf_weights import canonical, check_weights, hf_shapes, hf_to_state, state_to_hf
+from gpt_shape_tracer.model.sources._safetensors import SafetensorsFile, read_bin, safetensors_files
+from gpt_shape_tracer.model.sources._tokenizer import TextTokenizer, directory_tokenizer, fitting_vocab
 
 
 def load_hf_ours(directory: Path, target_dtype: torch.dtype, target_device: torch.device,

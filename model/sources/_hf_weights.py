@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from model.gpt import GPT, GPTConfig
-from model.sources._common import ModelLoadError
+from gpt_shape_tracer.model.gpt import GPT, GPTConfig
+from gpt_shape_tracer.model.sources._common import ModelLoadError
 
 _LAYER = re.compile(r"^(?:transformer\.)?(?:h|model\.layers)\.(\d+)\.")
 _GPT2_IGNORED = re.compile(r"^(?:transformer\.)?h\.\d+\.attn\.(?:bias|masked_bias)$|^lm_head\.weight$")

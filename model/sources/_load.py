@@ -14,14 +14,20 @@ from pathlib import Path
 
 import torch
 
-from model.gpt import GPT
-from model.sources._common import ModelLoadError, check_dir, parse_device, parse_dtype, read_json
-from model.sources._hf_config import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES, known_to_transformers
-from model.sources._hf_decoder import HFDecoder, HFDecoderError, MaxMemory, _max_memory, load_hf_decoder
-from model.sources._hf_ours import load_hf_ours
-from model.sources._nanogpt import is_nanogpt_path, load_nanogpt
-from model.sources._resolve import resolve_model_path
-from model.sources._tokenizer import TextTokenizer, directory_tokenizer, fitting_vocab, load_tokenizer
+from gpt_shape_tracer.model.gpt import GPT
+from gpt_shape_tracer.model.sources._common import ModelLoadError, check_dir, parse_device, parse_dtype, read_json
+from gpt_shape_tracer.model.sources._hf_config import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES, known_to_transformers
+from gpt_shape_tracer.model.sources._hf_decoder import (
+    HFDecoder,
+    HFDecoderError,
+    MaxMemory,
+    _max_memory,
+    load_hf_decoder,
+)
+from gpt_shape_tracer.model.sources._hf_ours import load_hf_ours
+from gpt_shape_tracer.model.sources._nanogpt import is_nanogpt_path, load_nanogpt
+from gpt_shape_tracer.model.sources._resolve import resolve_model_path
+from gpt_shape_tracer.model.sources._tokenizer import TextTokenizer, directory_tokenizer, fitting_vocab, load_tokenizer
 
 # the bundled checkpoints: assets/ in a checkout, model/bundled/ once installed (pyproject.toml maps one to the other)
 _HERE = Path(__file__).resolve().parent.parent  # model/
@@ -156,7 +162,7 @@ def load_model(
         raise ModelLoadError("tensor_parallel is for a dry run (weights=False): one rank's shapes and costs; to run "
                              "a model split across GPUs, use transformers' tp_plan under torchrun")
     if not weights:
-        from model.sources._dry_run import DryRunError, build_dry
+        from gpt_shape_tracer.model.sources._dry_run import DryRunError, build_dry
 
         if max_memory is not None or offload_folder is not None or str(device) != "cpu":
             raise ModelLoadError("a dry run (weights=False) builds the model on the meta device: no device or "

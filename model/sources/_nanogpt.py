@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from model.gpt import GPT, GPTConfig, ModelIdentity
-from model.sources._common import (
+from gpt_shape_tracer.model.gpt import GPT, GPTConfig, ModelIdentity
+from gpt_shape_tracer.model.sources._common import (
     READ_CHUNK,
     ModelLoadError,
     check_dir,
@@ -39,7 +39,7 @@ from model.sources._common import (
     parse_dtype,
     unpickling_error,
 )
-from model.sources._tokenizer import TextTokenizer, load_tokenizer
+from gpt_shape_tracer.model.sources._tokenizer import TextTokenizer, load_tokenizer
 
 CHECKPOINT_NAME = "ckpt.pt"  # what nanoGPT's train.py writes into out_dir
 COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper puts this before every parameter name

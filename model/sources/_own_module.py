@@ -29,8 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.gpt import GPT, GPTConfig, HookPoint, KVCache, ModelIdentity, attention, check_tokens, computed_identity
-from model.sources._hf_decoder import HFDecoder, _AttentionHooks
+from gpt_shape_tracer.model.gpt import (
+    GPT,
+    GPTConfig,
+    HookPoint,
+    KVCache,
+    ModelIdentity,
+    attention,
+    check_tokens,
+    computed_identity,
+)
+from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder, _AttentionHooks
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _routing = threading.local()  # .decoder: the OwnDecoder whose forward runs on this thread, .call: SDPA calls so far

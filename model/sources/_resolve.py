@@ -20,7 +20,7 @@ import re
 import stat
 from pathlib import Path
 
-from model.sources._common import ModelLoadError
+from gpt_shape_tracer.model.sources._common import ModelLoadError
 
 REPO_PREFIX = "models--"  # huggingface_hub's folder for a model repo: models--{org}--{name}
 # a Hub repo id: one optional namespace and a name, of letters, digits, '-', '_', '.' (no '--' or '..' anywhere)

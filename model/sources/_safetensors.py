@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model.sources._common import (
+from gpt_shape_tracer.model.sources._common import (
     READ_CHUNK,
     ModelLoadError,
     check_link,

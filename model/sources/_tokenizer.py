@@ -33,8 +33,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from model.sources._chat_render import ChatTemplateError, render_chat_template
-from model.sources._common import ModelLoadError, read_json_object
+from gpt_shape_tracer.model.sources._chat_render import ChatTemplateError, render_chat_template
+from gpt_shape_tracer.model.sources._common import ModelLoadError, read_json_object
 
 END_OF_TEXT = "<|endoftext|>"
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES): what a chat template sees

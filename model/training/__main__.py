@@ -1,5 +1,5 @@
 """``python -m model.training``: train a bundled story model (``_train.py`` says how)."""
 
-from model.training._train import main
+from gpt_shape_tracer.model.training._train import main
 
 main()

@@ -30,10 +30,15 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.analysis import ablation_effects, induction_scores, previous_token_scores, repeated_random_tokens
-from model.gpt import GPT, GPTConfig, block_attention, rope_inv_freq
-from model.sources import ASSETS, BUNDLED_DIR, END_OF_TEXT, TextTokenizer, load_hf, save_hf
-from model.training._corpus import stories
+from gpt_shape_tracer.model.analysis import (
+    ablation_effects,
+    induction_scores,
+    previous_token_scores,
+    repeated_random_tokens,
+)
+from gpt_shape_tracer.model.gpt import GPT, GPTConfig, block_attention, rope_inv_freq
+from gpt_shape_tracer.model.sources import ASSETS, BUNDLED_DIR, END_OF_TEXT, TextTokenizer, load_hf, save_hf
+from gpt_shape_tracer.model.training._corpus import stories
 
 TRAIN_SEED, HELDOUT_SEED = 1, 2
 

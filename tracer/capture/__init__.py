@@ -5,9 +5,9 @@ Private: ``_hooks`` (the process-wide hook registry), ``_ops`` (op-level capture
 (where a forward failed), ``_nested`` (tensors inside nested arguments), ``_tracer`` (the Tracer),
 ``_interventions``."""
 
-from tracer.capture._hooks import hooks_installed
-from tracer.capture._interventions import Intervention, InterventionError, ablate, patch
-from tracer.capture._tracer import Tracer
-from tracer.storage.records import HOWS
+from gpt_shape_tracer.tracer.capture._hooks import hooks_installed
+from gpt_shape_tracer.tracer.capture._interventions import Intervention, InterventionError, ablate, patch
+from gpt_shape_tracer.tracer.capture._tracer import Tracer
+from gpt_shape_tracer.tracer.storage.records import HOWS
 
 __all__ = ["HOWS", "Intervention", "InterventionError", "Tracer", "ablate", "hooks_installed", "patch"]

@@ -15,12 +15,13 @@ from types import TracebackType
 
 from torch import nn
 
-from tracer.capture._nested import flatten_tensors
-from tracer.storage.records import ModuleInfo, TraceErrorInfo
+from gpt_shape_tracer.tracer.capture._nested import flatten_tensors
+from gpt_shape_tracer.tracer.storage.records import ModuleInfo, TraceErrorInfo
 
 _CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
 _TORCH_MODULE_FILE = "torch/nn/modules/module.py"
-_OURS = str(Path(__file__).resolve().parent.parent)  # the tracer's own frames (op capture) are never the culprit
+# the tracer's own frames (op capture) are never the culprit; unresolved, as frames name the file
+_OURS = str(Path(__file__).parent.parent)
 
 
 def _raising_module(tb: TracebackType | None, paths: dict[int, str]) -> tuple[nn.Module | None, str]:

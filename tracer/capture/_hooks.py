@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from model.gpt import HookPoint
-from tracer.storage.records import ModuleInfo
+from gpt_shape_tracer.model.gpt import HookPoint
+from gpt_shape_tracer.tracer.storage.records import ModuleInfo
 
 
 class Listener(Protocol):

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from model.gpt import HookPoint, dims_of, resolve, spec_for
-from tracer.storage.records import ABLATIONS, InterventionRecord
+from gpt_shape_tracer.model.gpt import HookPoint, dims_of, resolve, spec_for
+from gpt_shape_tracer.tracer.storage.records import ABLATIONS, InterventionRecord
 
 if TYPE_CHECKING:
-    from tracer.reading._trace import Trace
+    from gpt_shape_tracer.tracer.reading._trace import Trace
 
 
 
@@ -68,7 +68,9 @@ def patch(name: str, value_or_trace: torch.Tensor | Trace, head: int | None = No
           positions: Sequence[int] | None = None) -> Intervention:
     """Put another value in the hook: a tensor (the hook's shape, or one head's / the chosen positions'
     slice of it), or a trace, whose record of this hook at the same step is used."""
-    from tracer.reading._trace import Trace  # the module imports interventions for its facts: keep this one lazy
+    from gpt_shape_tracer.tracer.reading._trace import (
+        Trace,  # the module imports interventions for its facts: keep this one lazy
+    )
 
     pos = None if positions is None else tuple(_whole(p, "position") for p in positions)
     if isinstance(value_or_trace, Trace):

@@ -37,17 +37,17 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from model.gpt import DerivedAttention, GPTConfig, PathNote, identity_of
-from model.sources import on_meta
-from tracer.capture import _hooks as hooks
-from tracer.capture._forensics import describe_failure
-from tracer.capture._interventions import Intervention, RunningMeans, _Applied, applied, check
-from tracer.capture._nested import MAX_TENSORS, flatten_tensors
-from tracer.capture._ops import OpRecorder
-from tracer.reading._trace import Trace
-from tracer.storage._log import TraceLog
-from tracer.storage._store import DEFAULT_BUDGET_BYTES
-from tracer.storage.records import FORWARD_CAPTURES, ModuleInfo
+from gpt_shape_tracer.model.gpt import DerivedAttention, GPTConfig, PathNote, identity_of
+from gpt_shape_tracer.model.sources import on_meta
+from gpt_shape_tracer.tracer.capture import _hooks as hooks
+from gpt_shape_tracer.tracer.capture._forensics import describe_failure
+from gpt_shape_tracer.tracer.capture._interventions import Intervention, RunningMeans, _Applied, applied, check
+from gpt_shape_tracer.tracer.capture._nested import MAX_TENSORS, flatten_tensors
+from gpt_shape_tracer.tracer.capture._ops import OpRecorder
+from gpt_shape_tracer.tracer.reading._trace import Trace
+from gpt_shape_tracer.tracer.storage._log import TraceLog
+from gpt_shape_tracer.tracer.storage._store import DEFAULT_BUDGET_BYTES
+from gpt_shape_tracer.tracer.storage.records import FORWARD_CAPTURES, ModuleInfo
 
 COPY_POLICIES = ("auto", "all")
 STREAM_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_logits")  # NaN-checked in shapes mode

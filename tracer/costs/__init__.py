@@ -6,10 +6,10 @@ Private: ``_counter`` (the op counter), ``_steps`` (steps, modules, a costed dry
 accelerator table, time floors), ``_placement`` (accelerate's device map, the KV cache's room),
 ``_parallel`` (what one rank of a tensor-parallel dry run sends)."""
 
-from tracer.costs._counter import OpCost, OpCounter
-from tracer.costs._parallel import Collective, collectives, collectives_sentence
-from tracer.costs._placement import Placement, place
-from tracer.costs._roofline import (
+from gpt_shape_tracer.tracer.costs._counter import OpCost, OpCounter
+from gpt_shape_tracer.tracer.costs._parallel import Collective, collectives, collectives_sentence
+from gpt_shape_tracer.tracer.costs._placement import Placement, place
+from gpt_shape_tracer.tracer.costs._roofline import (
     ACCELERATORS,
     Accelerator,
     OpFloor,
@@ -18,7 +18,7 @@ from tracer.costs._roofline import (
     op_floors,
     step_floor,
 )
-from tracer.costs._steps import StepCosts, costed_dry_run, costs_frame, count_forward, kv_cache_bytes
+from gpt_shape_tracer.tracer.costs._steps import StepCosts, costed_dry_run, costs_frame, count_forward, kv_cache_bytes
 
 __all__ = ["ACCELERATORS", "Accelerator", "Collective", "collectives", "collectives_sentence",
             "OpCost", "OpCounter", "OpFloor", "Placement", "StepCosts", "StepFloor",

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from model.gpt import HookPoint
+from gpt_shape_tracer.model.gpt import HookPoint
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.sources import TensorParallelPlan
-from tracer.reading import Trace
+from gpt_shape_tracer.model.sources import TensorParallelPlan
+from gpt_shape_tracer.tracer.reading import Trace
 
 
 @dataclass(frozen=True)

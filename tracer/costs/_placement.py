@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from model.sources import dry_config
+from gpt_shape_tracer.model.sources import dry_config
 
 
 @dataclass(frozen=True)

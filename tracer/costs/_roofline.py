@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from tracer.costs._counter import OpCost
+from gpt_shape_tracer.tracer.costs._counter import OpCost
 
 Bound = Literal["compute", "memory"]
 TERA = 1e12

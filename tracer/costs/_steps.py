@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from torch import nn
 
-from model.sources import meta_op_cache, on_meta
-from tracer.costs._counter import OpCost, OpCounter
-from tracer.generation import prepare_dry_run
+from gpt_shape_tracer.model.sources import meta_op_cache, on_meta
+from gpt_shape_tracer.tracer.costs._counter import OpCost, OpCounter
+from gpt_shape_tracer.tracer.generation import prepare_dry_run
 
 if TYPE_CHECKING:
-    from model.sources import Decoder, TextTokenizer
-    from tracer.generation import TracedGeneration
-    from tracer.reading import Trace
+    from gpt_shape_tracer.model.sources import Decoder, TextTokenizer
+    from gpt_shape_tracer.tracer.generation import TracedGeneration
+    from gpt_shape_tracer.tracer.reading import Trace
 
 CACHE_HOOKS = ("hook_k_all", "hook_v_all")  # [B, G, t, d_head] each: what the cache holds after the step
 LATENT_HOOKS = ("hook_kv_latent_all", "hook_k_rope_all")  # [B, 1, t, d_c], [B, 1, t, d_R]: what it holds instead

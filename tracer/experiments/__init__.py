@@ -4,11 +4,16 @@ stored at a lower precision, the gradients through one attention head.
 
 Private: ``_interventions``, ``_whatif``, ``_lens``, ``_diff``, ``_cache_precision``, ``_gradients``."""
 
-from tracer.experiments._cache_precision import CachePrecisionRun, PrecisionStep, cache_precision
-from tracer.experiments._diff import aligned_values, diff_steps, diff_traces
-from tracer.experiments._gradients import GRADIENT_LOSSES, HeadGradients, attention_gradients, gradient_trace
-from tracer.experiments._lens import direct_logit_attribution, logit_lens
-from tracer.experiments._whatif import (
+from gpt_shape_tracer.tracer.experiments._cache_precision import CachePrecisionRun, PrecisionStep, cache_precision
+from gpt_shape_tracer.tracer.experiments._diff import aligned_values, diff_steps, diff_traces
+from gpt_shape_tracer.tracer.experiments._gradients import (
+    GRADIENT_LOSSES,
+    HeadGradients,
+    attention_gradients,
+    gradient_trace,
+)
+from gpt_shape_tracer.tracer.experiments._lens import direct_logit_attribution, logit_lens
+from gpt_shape_tracer.tracer.experiments._whatif import (
     HEAD_ROLES,
     PatchingResult,
     Replay,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.gpt import STORAGES
-from tracer.generation._traced import TracedGeneration
+from gpt_shape_tracer.model.gpt import STORAGES
+from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def cache_precision(generation: TracedGeneration, storage: str, steps: int = 16)
         raise ValueError(f"steps must be a whole number ≥ 1, got {steps!r}")
     model, facts = generation.model, generation.facts
     batch = facts.batch_size
-    from model.sources import OwnDecoder
+    from gpt_shape_tracer.model.sources import OwnDecoder
 
     if isinstance(model, OwnDecoder):
         raise ValueError("this model runs its own forward without our KV cache: there is no cache to store cheaper")

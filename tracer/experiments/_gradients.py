@@ -27,11 +27,11 @@ from typing import Literal
 
 import torch
 
-from model.gpt import act_name
-from tracer.capture._hooks import module_table
-from tracer.generation._traced import TracedGeneration
-from tracer.reading import Trace
-from tracer.storage import TraceLog
+from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.tracer.capture._hooks import module_table
+from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
+from gpt_shape_tracer.tracer.reading import Trace
+from gpt_shape_tracer.tracer.storage import TraceLog
 
 GradientLoss = Literal["next-token cross-entropy", "−log p(chosen token)"]
 GRADIENT_LOSSES: tuple[str, ...] = ("next-token cross-entropy", "−log p(chosen token)")

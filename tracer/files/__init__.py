@@ -3,7 +3,7 @@ claim before anything is read or allocated.
 
 Private: ``_io`` (the format), ``_schema`` (the manifest's declared checks)."""
 
-from tracer.files._io import FORMAT, LIMITS, VERSION, Limits, archive_bytes, load_trace, save_trace
-from tracer.files._schema import TraceFileError
+from gpt_shape_tracer.tracer.files._io import FORMAT, LIMITS, VERSION, Limits, archive_bytes, load_trace, save_trace
+from gpt_shape_tracer.tracer.files._schema import TraceFileError
 
 __all__ = ["FORMAT", "LIMITS", "VERSION", "Limits", "TraceFileError", "archive_bytes", "load_trace", "save_trace"]

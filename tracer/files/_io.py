@@ -43,14 +43,26 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 
-from model.gpt import FAMILIES, GPTConfig, MaskSpec, ModelIdentity
-from model.sampling import SamplingConfig
-from tracer.files._schema import Bool, Float, Int, ListOf, Maybe, Obj, OneOf, Str, Then, TraceFileError, TupleOf
-from tracer.reading._trace import Trace
-from tracer.storage._log import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog
-from tracer.storage._stats import dtype_name
-from tracer.storage._store import storage_key
-from tracer.storage.records import (
+from gpt_shape_tracer.model.gpt import FAMILIES, GPTConfig, MaskSpec, ModelIdentity
+from gpt_shape_tracer.model.sampling import SamplingConfig
+from gpt_shape_tracer.tracer.files._schema import (
+    Bool,
+    Float,
+    Int,
+    ListOf,
+    Maybe,
+    Obj,
+    OneOf,
+    Str,
+    Then,
+    TraceFileError,
+    TupleOf,
+)
+from gpt_shape_tracer.tracer.reading._trace import Trace
+from gpt_shape_tracer.tracer.storage._log import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog
+from gpt_shape_tracer.tracer.storage._stats import dtype_name
+from gpt_shape_tracer.tracer.storage._store import storage_key
+from gpt_shape_tracer.tracer.storage.records import (
     HOWS,
     PADDING_SIDES,
     TENSOR_KINDS,

@@ -2,8 +2,8 @@
 
 Private: ``_traced``, ``_dry`` (a dry run: a meta-device model's prefill and decode steps, shapes only)."""
 
-from tracer.generation._dry import PlaceholderTokenizer, dry_run, latent_cache, prepare_dry_run
-from tracer.generation._traced import (
+from gpt_shape_tracer.tracer.generation._dry import PlaceholderTokenizer, dry_run, latent_cache, prepare_dry_run
+from gpt_shape_tracer.tracer.generation._traced import (
     MAX_BATCH,
     MAX_RUN_STEPS,
     ContextFullError,

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from model.gpt import HookPoint
-from model.sources import MAX_DRY_RECORDS, on_meta
-from tracer.generation._traced import MAX_BATCH, PLACEHOLDER_ID, PLACEHOLDER_LABEL, TracedGeneration
+from gpt_shape_tracer.model.gpt import HookPoint
+from gpt_shape_tracer.model.sources import MAX_DRY_RECORDS, on_meta
+from gpt_shape_tracer.tracer.generation._traced import MAX_BATCH, PLACEHOLDER_ID, PLACEHOLDER_LABEL, TracedGeneration
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from model.sources import Decoder, TextTokenizer
+    from gpt_shape_tracer.model.sources import Decoder, TextTokenizer
 
 DEFAULT_PROMPT_TOKENS = 16
 

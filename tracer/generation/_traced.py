@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from model.analysis import forward_cost
-from model.gpt import identity_of
-from model.sampling import SamplingConfig, sample
-from model.sources import TextTokenizer, input_device_of, meta_op_cache, on_meta
-from tracer.capture._interventions import Intervention, check, check_shapes
-from tracer.capture._tracer import Tracer
-from tracer.reading._facts import GenerationFacts
-from tracer.storage._host import on_host
-from tracer.storage._store import DEFAULT_BUDGET_BYTES
-from tracer.storage.records import (
+from gpt_shape_tracer.model.analysis import forward_cost
+from gpt_shape_tracer.model.gpt import identity_of
+from gpt_shape_tracer.model.sampling import SamplingConfig, sample
+from gpt_shape_tracer.model.sources import TextTokenizer, input_device_of, meta_op_cache, on_meta
+from gpt_shape_tracer.tracer.capture._interventions import Intervention, check, check_shapes
+from gpt_shape_tracer.tracer.capture._tracer import Tracer
+from gpt_shape_tracer.tracer.reading._facts import GenerationFacts
+from gpt_shape_tracer.tracer.storage._host import on_host
+from gpt_shape_tracer.tracer.storage._store import DEFAULT_BUDGET_BYTES
+from gpt_shape_tracer.tracer.storage.records import (
     PADDING_SIDES,
     ForwardFacts,
     GenerationInfo,
@@ -44,7 +44,7 @@ from tracer.storage.records import (
 )
 
 if TYPE_CHECKING:
-    from model.sources import Decoder
+    from gpt_shape_tracer.model.sources import Decoder
 
 MAX_RUN_STEPS = 256  # most steps one run() call may take
 MAX_BATCH = 16  # most prompts in one batch
@@ -75,7 +75,9 @@ class GenerationStopped(ValueError):
 def logit_tolerance(dtype: torch.dtype) -> float:
     """What |Δ logits| counts as equal when one step is computed two ways in ``dtype``."""
     try:
-        from model import logit_tolerance as model_tolerance  # the model package's rule, where it has one
+        from gpt_shape_tracer.model import (
+            logit_tolerance as model_tolerance,  # the model package's rule, where it has one
+        )
     except ImportError:
         return FLOAT32_TOLERANCE if dtype == torch.float32 else 5e-2
     return model_tolerance(dtype)

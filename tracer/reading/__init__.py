@@ -4,8 +4,8 @@
 Private: ``_trace``, ``_regions`` (attention regions at any length), ``_facts``, ``_axes`` (symbolic axes
 checked against the numbers)."""
 
-from tracer.reading._facts import GenerationFacts
-from tracer.reading._regions import (
+from gpt_shape_tracer.tracer.reading._facts import GenerationFacts
+from gpt_shape_tracer.tracer.reading._regions import (
     HeadStatistics,
     Overview,
     RegionError,
@@ -17,7 +17,7 @@ from tracer.reading._regions import (
     is_derived,
     query_row,
 )
-from tracer.reading._trace import Trace
+from gpt_shape_tracer.tracer.reading._trace import Trace
 
 __all__ = ["GenerationFacts", "HeadStatistics", "Overview", "RegionError", "Trace", "attention_overview",
            "attention_region", "attention_source", "check_output", "head_statistics", "is_derived", "query_row"]

@@ -8,7 +8,7 @@ A record whose sizes do not fit its row gets no axes rather than wrong ones.
 
 from __future__ import annotations
 
-from model.gpt import dims_of, resolve, spec_for
+from gpt_shape_tracer.model.gpt import dims_of, resolve, spec_for
 
 FREE = ("B", "n", "t")  # bound per step, by the records themselves
 

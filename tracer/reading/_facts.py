@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tracer.storage.records import GenerationInfo, GenerationStep, RecomputeComparison, SamplingRecord
+from gpt_shape_tracer.tracer.storage.records import GenerationInfo, GenerationStep, RecomputeComparison, SamplingRecord
 
 
 @dataclass(frozen=True)

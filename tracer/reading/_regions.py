@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from model.gpt import (
+from gpt_shape_tracer.model.gpt import (
     SWEEP_CELLS,
     MaskSpec,
     RowNorm,
@@ -26,8 +26,8 @@ from model.gpt import (
     pool_pattern,
     region,
 )
-from tracer.reading._trace import Trace, hook_of, record_name
-from tracer.storage.records import TensorRecord
+from gpt_shape_tracer.tracer.reading._trace import Trace, hook_of, record_name
+from gpt_shape_tracer.tracer.storage.records import TensorRecord
 
 MEMO_ENTRIES = 64  # row normalisers (12 bytes × n each), overviews and statistics a trace remembers
 MAX_REGION_CELLS = 1 << 24  # cells of one region the library hands back (the app asks for ≤ 256 × 256 per head)

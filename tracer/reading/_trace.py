@@ -17,11 +17,11 @@ from collections import OrderedDict
 import pandas as pd
 import torch
 
-from tracer.reading._axes import AxisResolver
-from tracer.reading._facts import GenerationFacts
-from tracer.storage._log import RawRecord, TraceLog
-from tracer.storage._stats import summarize
-from tracer.storage.records import (
+from gpt_shape_tracer.tracer.reading._axes import AxisResolver
+from gpt_shape_tracer.tracer.reading._facts import GenerationFacts
+from gpt_shape_tracer.tracer.storage._log import RawRecord, TraceLog
+from gpt_shape_tracer.tracer.storage._stats import summarize
+from gpt_shape_tracer.tracer.storage.records import (
     Finite,
     ModelIdentity,
     OpRecord,
@@ -264,7 +264,7 @@ class Trace:
             return kept
         key = (self._log.epoch, rec.index)
         if key not in self._derived_digests:
-            from tracer.reading._regions import derived_digest  # _regions imports this module
+            from gpt_shape_tracer.tracer.reading._regions import derived_digest  # _regions imports this module
 
             self._derived_digests[key] = derived_digest(self, rec)
         return self._derived_digests[key]
@@ -415,7 +415,7 @@ def _config_from(identity: ModelIdentity | None):
     """A ``GPTConfig`` from an identity's plain config, or None when it does not describe our GPT."""
     if identity is None or not identity.config:
         return None
-    from model.gpt import GPTConfig
+    from gpt_shape_tracer.model.gpt import GPTConfig
 
     try:
         fields = set(GPTConfig.__dataclass_fields__)

@@ -26,13 +26,27 @@ from typing import Any, NamedTuple
 
 import torch
 
-from model.gpt import ATTENTION_STAGES as STAGES
-from model.gpt import MaskSpec
-from tracer.storage._host import start_host_copy, wait_for_host_copies
-from tracer.storage._spill import SpillFile
-from tracer.storage._stats import DRY_RUN, WHOLE_UP_TO, dtype_name, flag_sum, flags_of_sums, tensor_stats
-from tracer.storage._store import DEFAULT_BUDGET_BYTES, MUTATED, ValueStore, storage_key, version_of, view_key
-from tracer.storage.records import (
+from gpt_shape_tracer.model.gpt import ATTENTION_STAGES as STAGES
+from gpt_shape_tracer.model.gpt import MaskSpec
+from gpt_shape_tracer.tracer.storage._host import start_host_copy, wait_for_host_copies
+from gpt_shape_tracer.tracer.storage._spill import SpillFile
+from gpt_shape_tracer.tracer.storage._stats import (
+    DRY_RUN,
+    WHOLE_UP_TO,
+    dtype_name,
+    flag_sum,
+    flags_of_sums,
+    tensor_stats,
+)
+from gpt_shape_tracer.tracer.storage._store import (
+    DEFAULT_BUDGET_BYTES,
+    MUTATED,
+    ValueStore,
+    storage_key,
+    version_of,
+    view_key,
+)
+from gpt_shape_tracer.tracer.storage.records import (
     CAPTURE_LEVELS,
     TENSOR_KINDS,
     Finite,

@@ -26,8 +26,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from tracer.storage import _fused as fused
-from tracer.storage.records import Finite, TensorStats
+from gpt_shape_tracer.tracer.storage import _fused as fused
+from gpt_shape_tracer.tracer.storage.records import Finite, TensorStats
 
 _SHORT_DTYPES = {
     "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from model.gpt import ModelIdentity
-from model.sampling import SamplingConfig
+from gpt_shape_tracer.model.gpt import ModelIdentity
+from gpt_shape_tracer.model.sampling import SamplingConfig
 
 # The allowed values, declared once as types; the tuples (what code and the file schema check against) are
 # derived from them.

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from model.analysis import repeated_random_tokens
-from model.gpt import act_name, identity_of
-from model.sampling import SamplingConfig, SamplingError
-from model.sources import OwnDecoder, TokenizerConfigError
-from tracer import (
+from gpt_shape_tracer.model.analysis import repeated_random_tokens
+from gpt_shape_tracer.model.gpt import act_name, identity_of
+from gpt_shape_tracer.model.sampling import SamplingConfig, SamplingError
+from gpt_shape_tracer.model.sources import OwnDecoder, TokenizerConfigError
+from gpt_shape_tracer.tracer import (
     DEFAULT_BUDGET_BYTES,
     FORWARD_CAPTURES,
     MAX_BATCH,
@@ -537,7 +537,7 @@ class Comparison:
 
     label: str
     trace: Trace
-    frame: object  # pandas DataFrame from tracer.diff_traces
+    frame: object  # pandas DataFrame from gpt_shape_tracer.tracer.diff_traces
 
 
 GRADIENTS_KEPT = 32  # backward passes kept per session: small [t, t] tensors each
@@ -610,7 +610,7 @@ class AppState:
     saved_view: tuple[int, str] | None = None  # (step, tab) last written to its record
     saved_steps: int = 0  # steps of the generation last written
     slider_moved_at: float = 0.0  # time.monotonic() of the step slider's last change (gui/common.py)
-    restoring: Any = None  # gpt_shape_tracer.runs.RunRecord whose steps are being run again
+    restoring: Any = None  # gpt_shape_tracer.session.runs.RunRecord whose steps are being run again
     runs_refused: bool = False  # the runs folder's settings were refused (said once)
     confirm_reset: bool = False  # Reset was pressed with a generation to discard: the sidebar asks first
     reset_confirmed: bool = False  # …and the person said yes

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gpt_shape_tracer.server_limits import whole_from_env
+from gpt_shape_tracer.session.server_limits import whole_from_env
 
 RUNS_DIR_ENV = "GPT_SHAPE_TRACER_RUNS_DIR"
 KEEP_RUNS_ENV = "GPT_SHAPE_TRACER_KEEP_RUNS"
@@ -251,7 +251,7 @@ class RunStore:
     def save(self, record: RunRecord, trace=None) -> list[str]:
         """Write ``record`` (and ``trace``, the generation's, when given and within the budget), then bound the
         folder. Returns the ids of the runs removed to keep within its bounds."""
-        from tracer import save_trace
+        from gpt_shape_tracer.tracer import save_trace
 
         folder = self.run_dir(record.run_id)
         self._folder()
@@ -290,7 +290,7 @@ class RunStore:
 
     def trace(self, run_id: str):
         """The run's trace (``tracer.load_trace``: every field checked), or None when none was written."""
-        from tracer import load_trace
+        from gpt_shape_tracer.tracer import load_trace
 
         path = self.run_dir(run_id) / TRACE_FILE
         return load_trace(path) if path.is_file() else None
