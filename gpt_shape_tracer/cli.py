@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         watch = ["--server.fileWatcherType=auto"] if "--dev" in rest else []
         rest = [arg for arg in rest if arg != "--dev"]
         # the server replaces this process: Ctrl+C and a terminating parent reach Streamlit itself
-        os.execv(sys.executable, [sys.executable, "-m", "streamlit", "run", str(script), *server_flags(), *watch, *rest])
+        server = [sys.executable, "-m", "streamlit", "run", str(script), *server_flags(), *watch, *rest]
+        os.execv(sys.executable, server)
     print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
