@@ -36,7 +36,7 @@ from gpt_shape_tracer.figures.heatmap import (
 from gpt_shape_tracer.figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from gpt_shape_tracer.figures.plot import figure, fitted, subplots
 from gpt_shape_tracer.model.gpt import act_name
-from gpt_shape_tracer.tracer import RegionError, Trace, attention_region, is_derived
+from gpt_shape_tracer.tracer import RegionError, Trace, attention_region, is_derived, pattern_digest
 
 STAGES = ("qk", "attn_scores", "masked_scores", "pattern")
 GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pooling each head to fit)
@@ -77,7 +77,7 @@ def head_matrix(trace: Trace, name: str, step: int, batch: int, head: int) -> tu
     value = trace.value(rec)
     if value is not None:
         return value[batch, head], False
-    digest = trace.digest(rec)
+    digest = pattern_digest(trace, rec)
     return (digest[batch, head], True) if digest is not None else (None, False)
 
 
@@ -421,7 +421,7 @@ def all_heads_figure(trace: Trace, step: int, batch: int = 0, scores: dict[str, 
         rec = layers[layer]
         full = trace.value(rec)
         if full is None:
-            digest = trace.digest(rec)
+            digest = pattern_digest(trace, rec)
             value, from_digest = (digest[batch], True) if digest is not None else (None, False)
         else:
             value = full[batch]

@@ -18,7 +18,7 @@ from plotly.offline import get_plotlyjs
 from gpt_shape_tracer.figures import attention, cache, flow, mask, tokens
 from gpt_shape_tracer.figures.common import attention_layers, facts_of
 from gpt_shape_tracer.model.gpt import act_name
-from gpt_shape_tracer.tracer import Trace
+from gpt_shape_tracer.tracer import Trace, pattern_digest
 
 STYLE = ("body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#1a1a1a}"
          "h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em}table{border-collapse:collapse;font-size:.85em}"
@@ -47,7 +47,7 @@ def report_html(trace: Trace, step: int | None = None, heads: tuple[tuple[int, i
                          attention.attention_stages_figure(trace, step, layer, head, batch), ""))
     first = act_name("pattern", attention_layers(trace)[0])  # a hybrid model's layer 0 may have no attention
     grid = attention.all_heads_figure(trace, step, batch) if trace.get(first, step) is not None \
-        or trace.digest(trace.record(first, step)) is not None else None
+        or pattern_digest(trace, trace.record(first, step)) is not None else None
     sections.append(("Every head at once", grid.figure if grid is not None else None, grid.note if grid else
                      "The attention patterns of this step were not kept (capture shapes, or evicted)."))
     sections.append(("The causal mask M", mask.mask_figure(trace, step, 0, batch),

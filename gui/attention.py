@@ -38,6 +38,7 @@ from gpt_shape_tracer.tracer import (
     head_scores,
     head_statistics,
     is_derived,
+    pattern_digest,
 )
 
 
@@ -420,7 +421,7 @@ def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
 
 def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> None:
     first = act_name("pattern", attention_layers(trace)[0])  # a hybrid model's layer 0 may have no attention
-    if trace.get(first, step) is None and trace.digest(trace.record(first, step)) is None:
+    if trace.get(first, step) is None and pattern_digest(trace, trace.record(first, step)) is None:
         explain_missing_values(trace, step, "attention patterns")
         return
     model = live_model_for(trace)

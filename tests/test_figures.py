@@ -18,7 +18,7 @@ from gpt_shape_tracer.figures.common import key_labels, query_labels, safe_text
 from gpt_shape_tracer.figures.palette import ACCENT
 from gpt_shape_tracer.model import GPT, GPTConfig, apply_rope, rope_cos_sin
 from gpt_shape_tracer.model.gpt import act_name
-from gpt_shape_tracer.tracer import PathCost, RecomputeComparison
+from gpt_shape_tracer.tracer import PathCost, RecomputeComparison, pattern_digest
 from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
@@ -183,7 +183,7 @@ def test_the_stages_pattern_at_a_long_prompt_is_drawn_on_a_clipped_scale_that_it
     drawn = [d for d in fig.data if d.type == "heatmap" and d.hoverinfo != "skip"]
     assert len(drawn) == 1  # the score stages were never formed
     pattern = drawn[0]
-    digest = tr.trace.digest(tr.trace.record("blocks.0.attn.hook_pattern", 0))[0, 1]
+    digest = pattern_digest(tr.trace, tr.trace.record("blocks.0.attn.hook_pattern", 0))[0, 1]
     assert pattern.z.shape == (128, 128) and same(pattern.z, digest)
     cells = np.asarray(pattern.z, dtype=np.float64)
     cells = cells[np.isfinite(cells) & (cells > 0)]
@@ -1020,7 +1020,7 @@ def test_the_stages_title_says_an_evicted_patterns_digest_counted_its_masked_wei
     with torch.no_grad(), Tracer(model, capture="values") as whole:
         model(ids)
     rec = small.trace.record("blocks.0.attn.hook_pattern", 0)
-    digest, pattern = small.trace.digest(rec), whole.trace.get(rec.name, 0)
+    digest, pattern = pattern_digest(small.trace, rec), whole.trace.get(rec.name, 0)
     assert small.trace.value(rec) is None and digest is not None and tuple(digest.shape[2:]) == (128, 128)
     edges = [((i * 200) // 128, -(-((i + 1) * 200) // 128)) for i in range(128)]
     head = pattern[0, 0].double()

@@ -19,17 +19,34 @@ def test_ci_runs_the_readme_test_command():
     assert any(c.endswith("streamlit run app.py") for c in commands)
 
 
-# model ← tracer ← figures/session ← app.py, gui/ and the installed commands (gpt_shape_tracer)
+# model ← tracer ← figures/session ← app.py, gui/ and the installed commands (gpt_shape_tracer's own modules)
 LAYERS = {"model": 0, "tracer": 1, "figures": 2, "session": 2, "app": 3, "gui": 3, "gpt_shape_tracer": 3}
 FRONT_ENDS = ("app", "gui", "gpt_shape_tracer")  # the only ones that may import streamlit
+PACKAGE = "gpt_shape_tracer"
 SOURCES = [*(ROOT / "model").rglob("*.py"), *(ROOT / "tracer").rglob("*.py"), *(ROOT / "figures").rglob("*.py"),
-           *(ROOT / "gui").rglob("*.py"), *(ROOT / "gpt_shape_tracer").rglob("*.py"), ROOT / "session.py",
-           ROOT / "app.py"]
+           *(ROOT / "gui").rglob("*.py"), *(ROOT / "session").rglob("*.py"), ROOT / "app.py",
+           *(p for p in (ROOT / PACKAGE).glob("*.py") if not p.is_symlink())]
+
+
+def _room(module: str) -> str:
+    """The room a dotted module name belongs to: ``gpt_shape_tracer.model.sources`` -> "model", ``gpt_shape_tracer``
+    and its own modules (the API, the CLI) -> "gpt_shape_tracer", anything else its first part."""
+    parts = module.split(".")
+    if parts[0] == PACKAGE:
+        return parts[1] if len(parts) > 1 and parts[1] in LAYERS and parts[1] != PACKAGE else PACKAGE
+    return parts[0]
+
+
+def _module_name(path: Path) -> str:
+    """The name a source file is imported by: every file is under the one installed name."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    dotted = ".".join(parts).removesuffix(".__init__")
+    return dotted if parts[0] == PACKAGE else f"{PACKAGE}.{dotted}"
 
 
 def _package(path: Path) -> str:
-    """The top-level package (or module) a source file belongs to."""
-    return path.relative_to(ROOT).parts[0].removesuffix(".py")
+    """The room a source file belongs to."""
+    return _room(_module_name(path))
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -44,6 +61,16 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def test_every_import_of_ours_goes_through_the_one_installed_name():
+    """No file imports ``model``, ``tracer``, … as a top-level name: installed, those names are not there (the
+    wheel holds gpt_shape_tracer alone), and a user's own ``model.py`` would answer instead."""
+    rooms = set(LAYERS) - {PACKAGE}
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for path in [*SOURCES, *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]
+           for line, module in _imports(path) if module.split(".")[0] in rooms]
+    assert not bad, bad
+
+
 def test_dependencies_point_one_way():
     """model ← tracer ← figures/session ← app.py: nothing imports a layer above it or a peer beside it, and
     only app.py imports streamlit."""
@@ -51,7 +78,7 @@ def test_dependencies_point_one_way():
     for path in SOURCES:
         mine = _package(path)
         for line, module in _imports(path):
-            top = module.split(".")[0]
+            top = _room(module)
             if top == "streamlit" and mine not in FRONT_ENDS:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports streamlit")
             if top in LAYERS and top != mine and LAYERS[top] >= LAYERS[mine] and not (
@@ -64,14 +91,14 @@ def test_dependencies_point_one_way():
 # model/ in rooms: model.gpt (our GPT), model.sources (where models come from), model.sampling, model.analysis,
 # model.training; each a package whose __init__.py is its front door, and model/__init__.py the front door of all
 MODEL_ROOMS = sorted(p.parent.name for p in (ROOT / "model").glob("*/__init__.py"))
-MODEL_MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-                 for p in (ROOT / "model").rglob("*.py")}
+MODEL_MODULES = {_module_name(p): p for p in (ROOT / "model").rglob("*.py")}
 
 
 def _model_room(module: str) -> str | None:
-    """The room of model/ a dotted module name lies in (``model.sources._load`` -> "sources"), or None."""
+    """The room of model/ a dotted module name lies in (``gpt_shape_tracer.model.sources._load`` -> "sources"), or
+    None."""
     parts = module.split(".")
-    return parts[1] if parts[0] == "model" and len(parts) > 1 and parts[1] in MODEL_ROOMS else None
+    return parts[2] if parts[:2] == [PACKAGE, "model"] and len(parts) > 2 and parts[2] in MODEL_ROOMS else None
 
 
 def _imported_names(path: Path) -> list[tuple[int, str, str | None]]:
@@ -99,26 +126,27 @@ def test_nothing_outside_a_room_of_model_imports_its_private_modules_or_names():
     internals; nothing else may."""
     bad = []
     for path in [*SOURCES, *(ROOT / "bench").rglob("*.py")]:
-        mine = _model_room(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        mine = _model_room(_module_name(path))
         for line, module, name in _imported_names(path):
-            if module.split(".")[0] != "model" or (mine is not None and _model_room(module) == mine):
+            if _room(module) != "model" or (mine is not None and _model_room(module) == mine):
                 continue
-            if any(part.startswith("_") for part in module.split(".")) or (name or "").startswith("_"):
+            private = any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+            if private or (name or "").startswith("_"):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}{f' {name}' if name else ''}")
     assert not bad, bad
 
 
-def _model_import_graph() -> dict[str, set[str]]:
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """module -> the modules of model/ it imports by name, at any depth (imports inside functions and under
     TYPE_CHECKING count: a circle there is still a circle a reader has to follow). ``from a.b import c`` is an
     edge to ``a.b.c`` when that is a module, else to ``a.b``. The parent packages Python runs first are not
     edges: every module would otherwise import model/__init__.py, which imports the rooms."""
     graph: dict[str, set[str]] = {}
-    for module, path in MODEL_MODULES.items():
+    for module, path in modules.items():
         edges = graph.setdefault(module, set())
         for _, imported, name in _imported_names(path):
-            target = f"{imported}.{name}" if f"{imported}.{name}" in MODEL_MODULES else imported
-            if target in MODEL_MODULES and target != module:
+            target = f"{imported}.{name}" if f"{imported}.{name}" in modules else imported
+            if target in modules and target != module:
                 edges.add(target)
     return graph
 
@@ -146,9 +174,11 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_import_graph_of_model_has_no_circle():
-    graph = _model_import_graph()
-    assert graph["model.sources._load"] >= {"model.sources._nanogpt", "model.sources._resolve"}  # edges are read
+def test_the_import_graph_has_no_circle():
+    """No circle anywhere in what ships: model, tracer, figures, session, gui, the app and the CLI."""
+    graph = _import_graph({_module_name(p): p for p in SOURCES})
+    load = f"{PACKAGE}.model.sources._load"
+    assert graph[load] >= {f"{PACKAGE}.model.sources._nanogpt", f"{PACKAGE}.model.sources._resolve"}  # edges read
     circle = _circle(graph)
     assert circle is None, " -> ".join(circle or [])
 

@@ -9,7 +9,7 @@ import torch
 
 from gpt_shape_tracer.figures import cache
 from gpt_shape_tracer.model import GPT, GPTConfig, SamplingConfig, generate
-from gpt_shape_tracer.tracer import Tracer
+from gpt_shape_tracer.tracer import Tracer, pattern_digest
 from gpt_shape_tracer.tracer.generation._traced import MAX_RUN_STEPS, ContextFullError, PromptError, TracedGeneration
 
 
@@ -284,11 +284,12 @@ def test_an_evicted_attention_pattern_keeps_a_pooled_summary_of_block_means():
         model(tokens)
     rec = tight.trace.record("blocks.0.attn.hook_pattern")
     assert tight.trace.get("blocks.0.attn.hook_pattern") is None  # evicted: 2 heads × 256² floats > 256 KiB
-    digest = tight.trace.digest(rec)
+    digest = pattern_digest(tight.trace, rec)
     assert digest is not None and tuple(digest.shape) == (1, 2, 128, 128)
     blocks = pattern.reshape(1, 2, 128, 2, 128, 2).mean(dim=(3, 5))
     torch.testing.assert_close(digest, blocks)
-    assert tight.trace.digest(tight.trace.record("blocks.0.attn.hook_qk")) is None  # only the weights are summarised
+    # only the weights are summarised
+    assert pattern_digest(tight.trace, tight.trace.record("blocks.0.attn.hook_qk")) is None
     assert tight.trace.log.peak_bytes_kept <= 256 * 1024  # the summary counts against the budget, with the values
 
 
@@ -304,13 +305,13 @@ def test_summaries_count_against_the_budget_and_go_oldest_first():
             model(torch.randint(0, 64, (1, 200 + step)))
     log = tracer.trace.log
     assert tracer.trace.n_steps == 12 and log.peak_bytes_kept <= budget and log.bytes_kept <= budget
-    summarised = [s for s in range(12) if tracer.trace.digest(tracer.trace.record("blocks.0.attn.hook_pattern", s))
-                  is not None]
+    summarised = [s for s in range(12)
+                  if pattern_digest(tracer.trace, tracer.trace.record("blocks.0.attn.hook_pattern", s)) is not None]
     assert summarised and summarised == list(range(summarised[0], 12))  # the newest steps, none missing
     assert summarised[0] > 0  # older ones were dropped to stay within the budget
     with Tracer(model, capture="values", budget_bytes=96 * 1024) as tiny, torch.no_grad():
         model(torch.randint(0, 64, (1, 256)))  # its summary alone (128 KiB) is larger than the budget
-    assert tiny.trace.digest(tiny.trace.record("blocks.0.attn.hook_pattern")) is None
+    assert pattern_digest(tiny.trace, tiny.trace.record("blocks.0.attn.hook_pattern")) is None
     assert tiny.trace.log.peak_bytes_kept <= 96 * 1024
 
 

@@ -85,6 +85,7 @@ from gpt_shape_tracer.tracer.reading import (
     check_output,
     head_statistics,
     is_derived,
+    pattern_digest,
     query_row,
 )
 from gpt_shape_tracer.tracer.storage import (
@@ -123,7 +124,7 @@ __all__ = [
     "collectives_sentence", "costed_dry_run", "costs_frame",
     "count_forward", "kv_cache_bytes", "latent_cache", "place", "step_floor",
     "HeadStatistics", "Overview", "RegionError", "attention_overview", "attention_region", "attention_source",
-    "check_output", "head_statistics", "is_derived", "query_row",
+    "check_output", "head_statistics", "is_derived", "pattern_digest", "query_row",
     "ABLATIONS", "CAPTURE_LEVELS", "FORWARD_CAPTURES", "CaptureLevel", "ContextFullError", "DEFAULT_BUDGET_BYTES",
     "Finite",
     "ForwardFacts", "GenerationFacts", "GenerationInfo", "GenerationStep", "GenerationStopped", "HEAD_ROLES", "HOWS",

@@ -15,9 +15,11 @@ from gpt_shape_tracer.tracer.reading._regions import (
     check_output,
     head_statistics,
     is_derived,
+    pattern_digest,
     query_row,
 )
 from gpt_shape_tracer.tracer.reading._trace import Trace
 
 __all__ = ["GenerationFacts", "HeadStatistics", "Overview", "RegionError", "Trace", "attention_overview",
-           "attention_region", "attention_source", "check_output", "head_statistics", "is_derived", "query_row"]
+           "attention_region", "attention_source", "check_output", "head_statistics", "is_derived", "pattern_digest",
+           "query_row"]

@@ -240,6 +240,17 @@ def derived_digest(trace: Trace, rec: TensorRecord, side: int = 128) -> torch.Te
     return torch.stack(means)
 
 
+def pattern_digest(trace: Trace, rec: TensorRecord) -> torch.Tensor | None:
+    """The pooled summary of an attention-weights record: the one kept when its values were evicted
+    (``TraceLog.digest``); for a pattern a fused attention left derived, the same summary (``[B, H, ≤128, ≤128]``
+    block means) computed tile by tile from Q and K the first time it is asked for and kept in the trace's one
+    bounded memo; None when there is neither (Q or K not kept, or not an attention record)."""
+    kept = trace.log.digest(rec.index)
+    if kept is not None or trace.log.derived(rec.index) is None or hook_of(rec.name) != "hook_pattern":
+        return kept
+    return _memo(trace, ("digest", rec.index), lambda: derived_digest(trace, rec))
+
+
 def query_row(trace: Trace, name_or_record: str | TensorRecord, step: int | None = None, *, row: int, head: int = 0,
               batch: int = 0, top: int = 10) -> tuple[torch.Tensor, list[tuple[int, float]]]:
     """One query row's exact weights over all t keys ``[t]`` and its ``top`` keys as (key, weight), heaviest

@@ -69,7 +69,6 @@ class Trace:
         self._log = log
         self._records: list[TensorRecord] = []
         self._by_name: dict[tuple[int, str], int] = {}
-        self._derived_digests: dict[tuple[int, int], torch.Tensor | None] = {}
         # tracer.reading._regions' memo of derived patterns: each row's softmax normaliser (n numbers per head,
         # so that a second view of a head reads only the cells it shows), overviews and statistics; bounded
         self.attention_memo: OrderedDict[tuple, object] = OrderedDict()
@@ -254,20 +253,6 @@ class Trace:
         """Statistics of a record (computed once, when first asked for), or None without values."""
         rec = name_or_record if isinstance(name_or_record, TensorRecord) else self.record(name_or_record, step)
         return self._log.stats(rec.index)
-
-    def digest(self, rec: TensorRecord) -> torch.Tensor | None:
-        """The pooled summary kept of an evicted attention-weights record (``TraceLog.digest``); for a pattern a
-        fused attention left derived, the same summary (``[B, H, ≤128, ≤128]`` block means) computed tile by
-        tile from Q and K the first time it is asked for (None when Q or K is not kept)."""
-        kept = self._log.digest(rec.index)
-        if kept is not None or self._log.derived(rec.index) is None or hook_of(rec.name) != "hook_pattern":
-            return kept
-        key = (self._log.epoch, rec.index)
-        if key not in self._derived_digests:
-            from gpt_shape_tracer.tracer.reading._regions import derived_digest  # _regions imports this module
-
-            self._derived_digests[key] = derived_digest(self, rec)
-        return self._derived_digests[key]
 
     def finite_flag(self, rec: TensorRecord) -> int:
         return self._log.finite_flag(rec.index)
