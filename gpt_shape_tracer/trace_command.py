@@ -17,6 +17,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import cast
 
 # The library's limits and defaults, written here as plain numbers so that the arguments are checked without
 # importing torch (which takes seconds). tests/test_cli.py checks that each equals the library's own.
@@ -247,7 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
     import pandas as pd
 
-    from gpt_shape_tracer.model import ModelLoadError, SamplingError, load_bundled, load_model, load_tokenizer
+    from gpt_shape_tracer.model import (
+        Decoder,
+        ModelLoadError,
+        SamplingError,
+        load_bundled,
+        load_model,
+        load_tokenizer,
+    )
     from gpt_shape_tracer.model.sources import OwnModuleError, load_factory
     from gpt_shape_tracer.session import build_settings, new_generation
     from gpt_shape_tracer.tracer import save_trace
@@ -260,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             padding_side="left", budget_mb=args.budget_mb, chat=args.chat, stop_at_eos=not args.no_stop_at_eos,
             spill_mb=args.spill_mb)
         if args.model_factory:
-            model, tokenizer = load_factory(args.model_factory)
+            made, tokenizer = load_factory(args.model_factory)
+            model = cast(Decoder, made)  # load_factory returns GPT, HFDecoder or OwnDecoder; it is typed nn.Module
             if args.tokenizer or isinstance(tokenizer, (str, Path)):
                 tokenizer = load_tokenizer(args.tokenizer or tokenizer, model.config.vocab_size)
             if tokenizer is None:

@@ -9,17 +9,15 @@ import re
 from pathlib import Path
 
 import pytest
+from layout import PACKAGE, ROOT, room, sources
 
 from gpt_shape_tracer import session
 from gpt_shape_tracer.session import DEFAULTS, SETTING_KEYS, SettingsError
 
-ROOT = Path(__file__).resolve().parent.parent
-GUI = sorted((ROOT / "gui").glob("*.py"))
+GUI = sources("gui")
 PAGE = [*GUI, ROOT / "app.py"]  # the Streamlit layer
-FRONT_ENDS = [*PAGE, ROOT / "session.py", *sorted((ROOT / "figures").glob("*.py")),
-              *sorted((ROOT / "gpt_shape_tracer").glob("*.py"))]
-BELOW_GUI = [ROOT / "session.py", *sorted((ROOT / "figures").glob("*.py")), *sorted((ROOT / "tracer").rglob("*.py")),
-             *sorted((ROOT / "model").rglob("*.py")), *sorted((ROOT / "gpt_shape_tracer").glob("*.py"))]
+FRONT_ENDS = [*PAGE, *sources("session", "figures", PACKAGE)]
+BELOW_GUI = sources("session", "figures", "tracer", "model", PACKAGE)
 
 
 def _tree(path: Path) -> ast.AST:
@@ -48,17 +46,17 @@ def test_app_py_is_a_short_main():
 
 def test_front_ends_import_tracer_through_its_front_door():
     """``from gpt_shape_tracer.tracer import Name`` only: no ``tracer.<submodule>`` and no private name, so tracer
-    can move its
-    rooms around without breaking a front end."""
+    can move its rooms around without breaking a front end."""
     bad = []
     for path in FRONT_ENDS:
         for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Import):
-                bad += [f"{_where(path, node)} import {a.name}" for a in node.names if a.name.startswith("tracer.")]
+                bad += [f"{_where(path, node)} import {a.name}" for a in node.names
+                        if a.name.startswith(f"{PACKAGE}.tracer.")]
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                if node.module.startswith("tracer."):
+                if node.module.startswith(f"{PACKAGE}.tracer."):
                     bad.append(f"{_where(path, node)} from {node.module}")
-                elif node.module == "tracer":
+                elif node.module == f"{PACKAGE}.tracer":
                     bad += [f"{_where(path, node)} from gpt_shape_tracer.tracer import {a.name}" for a in node.names
                             if a.name.startswith("_") or a.name == "*"]
     assert not bad, bad
@@ -114,17 +112,17 @@ def test_the_heuristic_catches_the_loops_it_is_for():
 
 
 def test_layers_point_one_way_around_the_gui():
-    """session.py never imports streamlit or the GUI; nothing below the page imports gui or app; the GUI never
+    """session/ never imports streamlit or the GUI; nothing below the page imports gui or app; the GUI never
     imports app (app.py imports the GUI)."""
     bad = []
     for path in BELOW_GUI:
         for node, module in _imported_modules(path):
-            top = module.split(".")[0]
-            if top in ("gui", "app") or (top == "streamlit" and path.name == "session.py"):
+            top = room(module)
+            if top in ("gui", "app") or (top == "streamlit" and path.is_relative_to(ROOT / "session")):
                 bad.append(f"{_where(path, node)} imports {module}")
     for path in GUI:
         bad += [f"{_where(path, node)} imports app" for node, module in _imported_modules(path)
-                if module.split(".")[0] == "app"]
+                if room(module) == "app"]
     assert not bad, bad
 
 

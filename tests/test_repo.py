@@ -6,7 +6,8 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from layout import PACKAGE, ROOT, module_name, sources
+from layout import room as _room
 
 
 def test_ci_runs_the_readme_test_command():
@@ -22,31 +23,12 @@ def test_ci_runs_the_readme_test_command():
 # model ← tracer ← figures/session ← app.py, gui/ and the installed commands (gpt_shape_tracer's own modules)
 LAYERS = {"model": 0, "tracer": 1, "figures": 2, "session": 2, "app": 3, "gui": 3, "gpt_shape_tracer": 3}
 FRONT_ENDS = ("app", "gui", "gpt_shape_tracer")  # the only ones that may import streamlit
-PACKAGE = "gpt_shape_tracer"
-SOURCES = [*(ROOT / "model").rglob("*.py"), *(ROOT / "tracer").rglob("*.py"), *(ROOT / "figures").rglob("*.py"),
-           *(ROOT / "gui").rglob("*.py"), *(ROOT / "session").rglob("*.py"), ROOT / "app.py",
-           *(p for p in (ROOT / PACKAGE).glob("*.py") if not p.is_symlink())]
-
-
-def _room(module: str) -> str:
-    """The room a dotted module name belongs to: ``gpt_shape_tracer.model.sources`` -> "model", ``gpt_shape_tracer``
-    and its own modules (the API, the CLI) -> "gpt_shape_tracer", anything else its first part."""
-    parts = module.split(".")
-    if parts[0] == PACKAGE:
-        return parts[1] if len(parts) > 1 and parts[1] in LAYERS and parts[1] != PACKAGE else PACKAGE
-    return parts[0]
-
-
-def _module_name(path: Path) -> str:
-    """The name a source file is imported by: every file is under the one installed name."""
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    dotted = ".".join(parts).removesuffix(".__init__")
-    return dotted if parts[0] == PACKAGE else f"{PACKAGE}.{dotted}"
+SOURCES = sources("model", "tracer", "figures", "gui", "session", "app", PACKAGE)
 
 
 def _package(path: Path) -> str:
     """The room a source file belongs to."""
-    return _room(_module_name(path))
+    return _room(module_name(path))
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -91,7 +73,7 @@ def test_dependencies_point_one_way():
 # model/ in rooms: model.gpt (our GPT), model.sources (where models come from), model.sampling, model.analysis,
 # model.training; each a package whose __init__.py is its front door, and model/__init__.py the front door of all
 MODEL_ROOMS = sorted(p.parent.name for p in (ROOT / "model").glob("*/__init__.py"))
-MODEL_MODULES = {_module_name(p): p for p in (ROOT / "model").rglob("*.py")}
+MODEL_MODULES = {module_name(p): p for p in (ROOT / "model").rglob("*.py")}
 
 
 def _model_room(module: str) -> str | None:
@@ -126,7 +108,7 @@ def test_nothing_outside_a_room_of_model_imports_its_private_modules_or_names():
     internals; nothing else may."""
     bad = []
     for path in [*SOURCES, *(ROOT / "bench").rglob("*.py")]:
-        mine = _model_room(_module_name(path))
+        mine = _model_room(module_name(path))
         for line, module, name in _imported_names(path):
             if _room(module) != "model" or (mine is not None and _model_room(module) == mine):
                 continue
@@ -176,7 +158,7 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_circle():
     """No circle anywhere in what ships: model, tracer, figures, session, gui, the app and the CLI."""
-    graph = _import_graph({_module_name(p): p for p in SOURCES})
+    graph = _import_graph({module_name(p): p for p in SOURCES})
     load = f"{PACKAGE}.model.sources._load"
     assert graph[load] >= {f"{PACKAGE}.model.sources._nanogpt", f"{PACKAGE}.model.sources._resolve"}  # edges read
     circle = _circle(graph)

@@ -10,26 +10,23 @@ import re
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RUNTIME = ["model", "tracer", "figures", "gui", "gpt_shape_tracer", "session.py", "app.py"]
-OURS = {"model", "tracer", "figures", "gui", "gpt_shape_tracer", "session", "app"}
+from layout import PACKAGE, ROOT, sources
+
+RUNTIME = sources("model", "tracer", "figures", "gui", "session", "app", PACKAGE)
 
 
 def runtime_imports() -> set[str]:
     """The top-level names of every module the runtime code imports, anywhere in a file (a function's import
     of an optional package included)."""
     names: set[str] = set()
-    for entry in RUNTIME:
-        path = ROOT / entry
-        for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
-            for node in ast.walk(ast.parse(file.read_text(), str(file))):
-                if isinstance(node, ast.Import):
-                    names |= {alias.name.split(".")[0] for alias in node.names}
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names.add(node.module.split(".")[0])
-    return names - set(sys.stdlib_module_names) - OURS - {"__future__"}
+    for file in RUNTIME:
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {PACKAGE, "__future__"}
 
 
 def canonical(name: str) -> str:
