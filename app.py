@@ -7,6 +7,8 @@ come from ``tracer``, figures and tables from ``figures`` (pure functions).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import streamlit as st
 
 from gpt_shape_tracer.gui.attention import attention_tab
@@ -34,10 +36,12 @@ from gpt_shape_tracer.gui.tour import tour_bar
 from gpt_shape_tracer.gui.whatif import whatif_tab
 from gpt_shape_tracer.gui.worked import worked_tab
 from gpt_shape_tracer.session import DEFAULT_RUN_N, AppState, SettingsError, settings_from
+from gpt_shape_tracer.tracer import Trace
 
-PANELS = {"Shapes": shapes_tab, "Attention": attention_tab, "Causal mask": mask_tab, "KV cache": cache_tab,
-          "Next token": next_token_tab, "What if": whatif_tab, "Compare runs": compare_tab,
-          "Worked example": worked_tab, "Inspector": inspector_tab, "Export": export_tab}
+PANELS: dict[str, Callable[[Trace, int], None]] = {
+    "Shapes": shapes_tab, "Attention": attention_tab, "Causal mask": mask_tab, "KV cache": cache_tab,
+    "Next token": next_token_tab, "What if": whatif_tab, "Compare runs": compare_tab, "Worked example": worked_tab,
+    "Inspector": inspector_tab, "Export": export_tab}
 TABS = list(PANELS)
 
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")

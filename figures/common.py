@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import re
+from pathlib import PurePath
 
 from gpt_shape_tracer.tracer import GenerationFacts, GenerationStep, SamplingRecord, TensorRecord, Trace
 
@@ -14,12 +15,13 @@ AUTOLINK = re.compile(r"(?i)(https?:)(?=//)|(www)(?=\.)|(@)")
 WORD_JOINER = "\u2060"
 
 
-def inert(text: str) -> str:
+def inert(text: str | Exception | PurePath) -> str:
     """Text the app did not write (token labels, file names, paths, messages quoting them) for a markdown
     string or an HTML block shown with ``st.markdown``: every character that markdown, HTML or ``$…$`` math
     could act on — line breaks included, since a blank line ends an HTML block — becomes a character
     reference, which renders as the character itself. Bare URLs and e-mail addresses are broken with an
-    invisible word joiner so that they are not turned into links either."""
+    invisible word joiner so that they are not turned into links either. An exception or a path is taken as
+    ``str`` writes it."""
     unlinked = AUTOLINK.sub(lambda m: m.group(0) + WORD_JOINER, str(text))
     return "".join(f"&#{ord(c)};" if c in INERT else c for c in unlinked)
 

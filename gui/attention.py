@@ -213,8 +213,8 @@ def zoom_box(event, chart_key: str, n: int, t: int) -> bool:
     if not boxes:
         return False
     box = boxes[-1]
-    rows = long_views.box_range(*box["y"][:2], n) if len(box.get("y", ())) >= 2 else None
-    cols = long_views.box_range(*box["x"][:2], t) if len(box.get("x", ())) >= 2 else None
+    rows = long_views.box_range(box["y"][0], box["y"][1], n) if len(box.get("y", ())) >= 2 else None
+    cols = long_views.box_range(box["x"][0], box["x"][1], t) if len(box.get("x", ())) >= 2 else None
     seen = (rows, cols)
     if rows is None or cols is None or st.session_state.get(f"{chart_key}_applied") == seen:
         return False

@@ -257,7 +257,7 @@ def status(settings: Settings | None, refused: SettingsError | None) -> bool:
     app.notices = []
     trace = app.viewed_trace
     if trace is not None and trace.model is not None:
-        where = f" — from the file {plain(app.loaded.file_name)}" if app.viewing_file else ""
+        where = f" — from the file {plain(app.loaded.file_name)}" if app.viewing_file and app.loaded else ""
         st.caption(f"Model: **{plain(trace.model.describe())}**{where}")
         if app.live_generation is not None:  # the live generation's model made the trace on view
             reference_note(app.live_generation.model)

@@ -30,7 +30,8 @@ def compare_tab(trace: Trace, step: int) -> None:
             if loaded is None:
                 return
             app.comparison = Comparison(f"the file {upload.name}", loaded, diff_traces(trace, loaded))
-    elif st.button("Run it and compare", key="compare_run", type="primary"):
+    # the reruns are offered only with a live generation (options above)
+    elif gen is not None and st.button("Run it and compare", key="compare_run", type="primary"):
         toggle_cache = not other.endswith("switched off")
         # the heads as What if offers them: (layer, head) pairs
         heads_off = [] if toggle_cache else st.session_state.get("ablate_heads", [])

@@ -13,7 +13,7 @@ import streamlit as st
 
 from gpt_shape_tracer.figures.flow import shape_flow_figure
 from gpt_shape_tracer.gui.common import chart, plain
-from gpt_shape_tracer.model import ModelLoadError, load_model
+from gpt_shape_tracer.model import GPT, HFDecoder, ModelLoadError, load_model
 from gpt_shape_tracer.model.sources import parameters_by_dtype, shapes_available
 from gpt_shape_tracer.tracer import (
     ACCELERATORS,
@@ -38,7 +38,7 @@ MAX_DECODE_STEPS = 16
 @dataclass
 class DryRun:
     name: str
-    model: object  # the meta model (kept for accelerate's placement: it holds no weights)
+    model: GPT | HFDecoder  # the meta model (kept for accelerate's placement: it holds no weights)
     trace: Trace
     costs: list[StepCosts]
     parameters: dict[str, int]
@@ -84,7 +84,7 @@ def run_dry(spec: str, n: int, steps: int, ranks: int = 1) -> DryRun | str:
 
 
 def dry_run_page() -> None:
-    result = st.session_state.get(RESULT)
+    result: DryRun | str | None = st.session_state.get(RESULT)  # run_dry's
     if result is None:
         st.info("Choose a shape config (or a config.json) in the sidebar and press **Trace shapes**: the model is "
                 "built on the meta device — no weights, no memory — and its prefill and decode steps are traced, "
@@ -105,7 +105,7 @@ def dry_run_page() -> None:
                             format_func=lambda s: f"{s} (prefill)" if s == 0 else str(s))
     tabs = st.tabs(["Shapes", "KV cache", "Costs", "Where it would run"])
     with tabs[0]:
-        n_layer = result.model.config.n_layer  # type: ignore[attr-defined]
+        n_layer = result.model.config.n_layer
         layer = st.number_input("Layer", value=0, min_value=0, max_value=n_layer - 1, key="dry_layer",
                                 help="the shape flow of one block (every block has the same shapes)")
         chart(shape_flow_figure(trace, step, int(layer)), key="dry_flow")
@@ -138,7 +138,7 @@ def dry_run_page() -> None:
             memory["cpu"] = f"{cpu}GiB"
         if memory:
             try:
-                st.markdown(place(result.model, memory).describe())  # type: ignore[arg-type]
+                st.markdown(place(result.model, memory).describe())
             except (ValueError, RuntimeError) as e:
                 st.error(f"accelerate could not place it: {plain(e)}")
 

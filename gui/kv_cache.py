@@ -138,9 +138,10 @@ def cache_this_step(trace: Trace, step: int) -> None:
     if gen is not None and not caches(gen.model):
         st.info("Your module runs its own forward, without our KV cache: every step recomputes all positions, "
                 "and there is no cached path to compare it with.")
-    elif latest and st.button("Measure this step again, timing each path 5 times", key="measure_recompute",
-                            help="Redo the latest step untraced with the cache and as a full recompute; count, "
-                                 "time (fastest of 5) and compare the logits"):
+    elif gen is not None and latest and st.button(
+            "Measure this step again, timing each path 5 times", key="measure_recompute",
+            help="Redo the latest step untraced with the cache and as a full recompute; count, time (fastest of 5) "
+                 "and compare the logits"):
         gen.compare_with_recompute(timing_repeats=RECOMPUTE_REPEATS)
         comparisons = facts_of(trace).comparisons
     if step in comparisons:

@@ -42,8 +42,9 @@ SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
            "Your own module (package.module:function)": "factory",
            DRY_LABEL: "dry"}
 DECODINGS = ["greedy", "sample"]
-CAPTURES = list(FORWARD_CAPTURES)  # gradients: a backward pass, from Attention → Gradients
-PADDINGS = list(PADDING_SIDES)
+# str, as the settings' fields are (settings_from checks the widgets' values)
+CAPTURES: list[str] = list(FORWARD_CAPTURES)  # gradients: a backward pass, from Attention → Gradients
+PADDINGS: list[str] = list(PADDING_SIDES)
 
 
 def _end_of_sequence_ids() -> tuple[int, ...]:
@@ -63,10 +64,10 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     values: dict[str, object] = {}
     values["prompt"] = sb.text_area("Prompt (one line per sequence: several lines make a batch)",
                                     value=DEFAULTS.prompt, key="prompt", height=96)
-    cols = sb.columns(3)
-    cols[0].button("Step", type="primary", key="step_button", width="stretch", on_click=owe_a_step)
-    run = cols[1].button("Run N", key="run_button", width="stretch")
-    cols[2].button("Reset", key="reset_button", width="stretch", on_click=ask_reset)
+    buttons = sb.columns(3)
+    buttons[0].button("Step", type="primary", key="step_button", width="stretch", on_click=owe_a_step)
+    run = buttons[1].button("Run N", key="run_button", width="stretch")
+    buttons[2].button("Reset", key="reset_button", width="stretch", on_click=ask_reset)
     reset = reset_confirmation(sb)
     sb.number_input(f"N for Run N (1…{MAX_RUN_STEPS})", value=DEFAULT_RUN_N, step=1, key="run_n")
 
@@ -333,6 +334,7 @@ def advance(n_raw: object, settings: Settings | None, refused: SettingsError | N
         if gen is None:
             if refused is not None:
                 raise refused
+            assert settings is not None  # settings_from gives the settings or a refusal (app.run)
             model, tok = current_model()
             refusal = reserve_memory(generation_bytes=settings.budget_bytes)  # the server's total, shared
             if refusal:

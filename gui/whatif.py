@@ -104,10 +104,13 @@ def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
     if st.button("Run activation patching", key="patch_run", disabled=not ready, type="primary"):
         holder = st.empty()  # the bar lives while patching runs
         bar = holder.progress(0.0, text="patching…")
+
+        def progress(f: float) -> None:
+            bar.progress(f, text=f"patching… {f:.0%}")
+
         try:
             app.patching = patching_run(model, tok, clean, corrupted,
-                                        "resid_pre" if kind.startswith("the residual") else "z",
-                                        progress=lambda f: bar.progress(f, text=f"patching… {f:.0%}"))
+                                        "resid_pre" if kind.startswith("the residual") else "z", progress=progress)
         finally:
             holder.empty()
     run = app.patching
@@ -147,7 +150,8 @@ def lens_section(trace: Trace, step: int, model) -> None:
     facts = facts_of(trace)
     row = st.selectbox("sequence", list(range(facts.batch_size)), key="lens_row",
                        persist_state="page") if facts.batch_size > 1 else 0
-    tok = state().generation.tokenizer if state().generation is not None else None
+    gen = state().generation
+    tok = gen.tokenizer if gen is not None else None
     try:
         frame = logit_lens(trace, step, row, model=model, label=tok.token_label if tok else None)
     except ValueError as e:

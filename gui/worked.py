@@ -26,7 +26,8 @@ def worked_tab(trace: Trace | None = None, step: int = 0) -> None:
         tables[name] = col.data_editor(default, key=f"worked_{name}", num_rows="dynamic", width="stretch")
     causal = st.toggle("add the causal mask M", key="worked_causal", persist_state="page")
     try:
-        w = worked_views.compute(*(list(map(list, tables[k])) for k in ("Q", "K", "V", "∂L/∂O")), causal=causal)
+        q, k, v, grad_o = (list(map(list, tables[name])) for name in ("Q", "K", "V", "∂L/∂O"))
+        w = worked_views.compute(q, k, v, grad_o, causal=causal)
     except worked_views.WorkedInputError as e:
         st.error(plain(e))
         return

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,7 @@ from gpt_shape_tracer.tracer import (
     ContextFullError,
     GenerationStopped,
     Intervention,
+    PatchingResult,
     PromptError,
     Trace,
     TracedGeneration,
@@ -44,6 +45,9 @@ from gpt_shape_tracer.tracer import (
     replay,
     text_loss,
 )
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 MAX_BUDGET_MB = 8192
 MAX_SPILL_MB = 65536  # "keep every value on disk": at most 64 GiB of one session's temporary file
@@ -527,7 +531,7 @@ class AblationResult:
 class PatchingRun:
     clean: str
     corrupted: str
-    result: object  # tracer.whatif.PatchingResult
+    result: PatchingResult
     labels: tuple[str, ...]  # the columns: positions (token labels) or heads
 
 
@@ -537,7 +541,7 @@ class Comparison:
 
     label: str
     trace: Trace
-    frame: object  # pandas DataFrame from gpt_shape_tracer.tracer.diff_traces
+    frame: pd.DataFrame  # from gpt_shape_tracer.tracer.diff_traces
 
 
 GRADIENTS_KEPT = 32  # backward passes kept per session: small [t, t] tensors each
