@@ -1,11 +1,13 @@
 """Hybrid causal LMs whose layers are not all softmax attention (issue 40, item 2): Qwen3-Next and Qwen3.5 (Gated
 DeltaNet + attention), Jamba, Bamba, Granite-MoE-hybrid, Nemotron-H, Zamba2 (Mamba + attention), OLMo-hybrid, LFM2
 (short convolutions + attention), MiniMax (lightning attention + attention, its state in a cache class of its
-own). Each is a tiny random-weight model built from transformers' own config class
-(tests/hf_every_architecture.py shrinks it), with its per-layer pattern set so that it keeps at least one attention
-layer and one state layer; traced for a prefill and 3 cached decode steps and compared with transformers' eager
-forward on the same weights. The attention layers record Q, K, V, the pattern and O; a layer without attention
-records its mixer's input and output and holds no K, V rows."""
+own), Kimi Linear and Bailing hybrid (delta-rule linear attention + latent attention: their linear layers are
+classes named "…DeltaAttention", found as mixers by the state they write, not by their names). Each is a tiny
+random-weight model built from transformers' own config class (tests/hf_every_architecture.py shrinks it), with
+its per-layer pattern set so that it keeps at least one attention layer and one state layer; traced for a prefill
+and 3 cached decode steps and compared with transformers' eager forward on the same weights. The attention layers
+record Q, K, V, the pattern and O; a layer without attention records its mixer's input and output and holds no K,
+V rows."""
 
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ PATTERNS: dict[str, dict] = {
     # weights drawn 5x wider than the default (0.02), so that the attention is sharp enough for that to show far
     # above the tolerance rather than near it
     "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4, initializer_range=0.1),
+    # delta-rule linear attention (Qwen3-Next's cache layout: a short convolution's state and a recurrent state)
+    # + latent attention; Kimi's defaults are 32 heads of 128 in its linear layers
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=16),
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=16),
 }
 
 
@@ -310,3 +316,55 @@ def test_minimax_transformers_own_cached_path_restarts_its_positions(root):
     assert result.outcome == "follows uncached" and max(result.uncached) <= TOLERANCE, result
     assert max(result.deltas[1:]) > TOLERANCE  # transformers' cached steps differ (wrong positions) …
     assert result.note and "uncached" in result.note and "minimax" in result.note  # … and the model says which
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "bailing_hybrid"])
+def test_a_delta_attention_layer_is_a_mixer_found_by_the_state_it_writes(root, model_type):
+    """Kimi Linear's and Bailing hybrid's layer 0 is delta-rule linear attention in a class named
+    "…DeltaAttention" — no state-space word in it — holding a short convolution of its own. The layer is traced as
+    a mixer because of what it does: it writes a convolution state and a recurrent state into transformers' cache
+    (Qwen3-Next's layout). The mixer is that attention module, not the convolution inside it; the state recorded
+    after the prefill and each cached step is what transformers' own cache holds for the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from gpt_shape_tracer.model.sources._hf_decoder import _STATE_WORDS
+
+    directory = build_hybrid(model_type, root / f"{model_type}_state")
+    model, _ = load_hf(directory, implementation="transformers")
+    assert isinstance(model, HFDecoder)
+    config, delta = model.config, model.hf.model.layers[0].self_attn
+    assert type(delta).__name__.endswith("DeltaAttention")
+    assert not any(w in type(delta).__name__.lower() for w in _STATE_WORDS)  # not found by a word of its name
+    assert model._mixers[0] is delta and model._mixers[1] is None
+    assert config.mixers == ("Delta Attention", "") and config.state_layers == (0,) and config.attention_layers == (1,)
+    seen: dict[str, list[torch.Tensor]] = {"hook_conv_state": [], "hook_ssm_state": []}
+    for name, values in seen.items():
+        getattr(model.blocks[0], name).register_forward_hook(lambda m, a, out, values=values: values.append(out))
+    mixed: list[torch.Tensor] = []
+    model.blocks[0].hook_mixer_out.register_forward_hook(lambda m, a, out: mixed.append(out))
+    tokens = torch.randint(0, 200, (1, PROMPT + 3), generator=torch.Generator().manual_seed(2))
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, attn_implementation="eager").eval()
+    cache = model.new_cache()
+    held: dict[str, list[torch.Tensor]] = {"hook_conv_state": [], "hook_ssm_state": []}
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens[:, :PROMPT], use_cache=True)
+        ours = [model(tokens[:, :PROMPT], cache)]
+        logits = [theirs.logits]
+        for i in range(PROMPT, PROMPT + 4):
+            state = theirs.past_key_values.layers[0]
+            held["hook_conv_state"].append(state.conv_states[0].clone())
+            held["hook_ssm_state"].append(state.recurrent_states[0].clone())
+            if i == PROMPT + 3:
+                break
+            ours.append(model(tokens[:, i:i + 1], cache))
+            theirs = hf(input_ids=tokens[:, i:i + 1], past_key_values=theirs.past_key_values, use_cache=True)
+            logits.append(theirs.logits)
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, logits)) <= TOLERANCE
+    for name in seen:
+        assert len(seen[name]) == len(held[name]) == 4, name  # the prefill and 3 steps
+        for mine, its in zip(seen[name], held[name]):
+            assert mine.shape == its.shape == seen[name][0].shape  # fixed-size: no axis grows with t
+            assert torch.allclose(mine, its, atol=1e-5), (name, float((mine - its).abs().max()))
+    assert [x.shape[1] for x in mixed] == [PROMPT, 1, 1, 1]  # the delta attention's output at every step
+    assert cache.keys[0] is None and cache.keys[1] is not None and cache.keys[1].shape[2] == PROMPT + 3
+    assert cache.state_nbytes == sum(seen[name][-1].nbytes for name in seen)

@@ -527,6 +527,9 @@ _UNMODELLED = {"position_bias": "a learned position bias added to the scores", "
                "score_mod": "a score modification function", "attention_bias": "a bias added to the scores"}
 
 
+# words of state-space / recurrent mixers' class names: only to say why a model that makes no attention call at all is
+# refused (no softmax attention, or attention in its own code); a hybrid's state layers are found by what they keep
+# (``_state_writers``, ``_state_layers``)
 _STATE_WORDS = ("mamba", "ssm", "conv", "rwkv", "recurrent", "lstm", "linear_attn", "linearattention", "mixer",
                 "retention", "deltanet", "gated_delta", "lightning", "hyena", "short_conv")
 
@@ -608,11 +611,66 @@ def _state_layers(hf: nn.Module) -> list[int]:
     return [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
-def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[_Call | None]]:
+# the methods through which a layer writes the state it keeps between steps into transformers' cache: the shared
+# cache's conv / recurrent state (Qwen3-Next, Kimi Linear, Jamba, LFM2 …) and MiniMax's own linear-attention cache
+_STATE_WRITES = ("update_conv_state", "update_recurrent_state", "set_linear_cache")
+
+
+def _state_writers(hf: nn.Module, layers: nn.ModuleList) -> dict[int, nn.Module]:
+    """Per decoder layer that writes state into transformers' cache, the module that writes it — the outermost
+    module inside the layer running when the cache's ``update_conv_state`` / ``update_recurrent_state`` (or MiniMax's
+    ``set_linear_cache``) is called during one cached forward. What a layer keeps between steps, found by what it
+    does, not by its class name: Kimi Linear's ``KimiLinearDeltaAttention`` is such a mixer as much as Qwen3-Next's
+    ``GatedDeltaNet``. Empty where that forward cannot run (the layers' cache kinds then come from
+    ``_state_layers``)."""
+    from transformers.cache_utils import DynamicCache
+
+    own = _own_cache_class(hf)
+    try:
+        config: Any = getattr(hf, "config", None)
+        cache = own() if own is not None and _keeps_linear_state(own) else DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 (a cache transformers cannot build for this config: nothing recorded)
+        return {}
+    running: list[tuple[int, nn.Module]] = []
+    writers: dict[int, nn.Module] = {}
+    handles = []
+    for L, layer in enumerate(layers):
+        for child in layer.children():
+            handles.append(child.register_forward_pre_hook(lambda m, a, L=L: running.append((L, m))))
+            handles.append(child.register_forward_hook(lambda m, a, out: running.pop() if running else None))
+
+    def recording(name: str):
+        original = getattr(cache, name)
+
+        def write(*args: Any, **kwargs: Any) -> Any:
+            if running:
+                writers.setdefault(*running[-1])
+            return original(*args, **kwargs)
+
+        return write
+
+    for name in _STATE_WRITES:
+        if callable(getattr(cache, name, None)):
+            setattr(cache, name, recording(name))  # on this instance only
+    device = _token_device(hf)
+    tokens = torch.zeros(1, 1 if device.type == "meta" else 2, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad(), meta_op_cache() if device.type == "meta" else contextlib.nullcontext():
+            hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), past_key_values=cache, use_cache=True)
+    except Exception:  # noqa: BLE001 (its cached forward fails: no layer's writes are known)
+        return {}
+    finally:
+        for handle in handles:
+            handle.remove()
+    return writers
+
+
+def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[_Call | None], dict[int, nn.Module]]:
     """The decoder layers and each one's call of the attention function in the probe — its ``module`` the
     layer's self-attention — found by which module calls the attention function inside which layer (None for a
     hybrid model's layer that mixes its positions with a state-space, convolution or linear-attention mixer
-    instead); refuses, with the true reason, a model that does not fit at most one call per layer."""
+    instead), and, for those layers, the module that writes the state they keep (``_state_writers``); refuses, with
+    the true reason, a model that does not fit at most one call per layer."""
     calls, lists = _probe_calls(hf)
     words = _module_words(hf)
     if not calls:
@@ -662,25 +720,25 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
                  if repeated else f"{len(elsewhere)} attention call(s) come from outside its list of layers")
         raise HFDecoderError(f"{model_type}: {where} (several attentions, or layers run more than once); the trace "
                              "holds one attention per layer", reason="several attentions per layer")
-    state_layers = _state_layers(hf)
     missing = [L for L, cs in enumerate(per_layer) if not cs]
-    stateful = any(any(w in type(m).__name__.lower() for w in _STATE_WORDS)
-                   for L in missing for m in layers[L].modules())
-    if missing and not set(missing) <= set(state_layers) and not stateful:
-        raise HFDecoderError(
-            f"{model_type}: the attention of layer(s) {', '.join(map(str, missing))} does not go through "
-            "transformers' attention interface, so its Q, K, V and pattern cannot be recorded; this family cannot "
-            "be traced (the re-implemented families gpt2, llama, mistral, qwen2 can)",
-            reason="attention outside the interface")
-    for L in missing:  # a layer that holds an attention module which never called the interface is not a state layer
+    writers = _state_writers(hf, layers) if missing else {}
+    # a layer keeps state where transformers' own cache gives it a state layer, or where it writes state into the
+    # cache in a cached forward (what it does, not what its classes are called)
+    state_layers = set(_state_layers(hf)) | set(writers)
+    for L in missing:
+        if L in state_layers:
+            continue  # its mixer is whatever writes its state (Kimi Linear's delta attention among them)
+        # a layer without attention and without state that holds an attention module: that attention never called
+        # the interface
         silent = sorted({type(m).__name__ for m in layers[L].modules() if m is not layers[L]
                          and any(w in type(m).__name__.lower() for w in ("attention", "attn"))
-                         and not any(w in type(m).__name__.lower() for w in ("norm", *_STATE_WORDS))})
-        if silent:
+                         and "norm" not in type(m).__name__.lower()})
+        if silent or not state_layers:  # nothing of it mixes positions in a way the trace can hold
             raise HFDecoderError(
-                f"{model_type}: layer(s) {L} hold attention ({', '.join(silent[:3])}) that does not go through "
-                "transformers' attention interface, so its Q, K, V and pattern cannot be recorded",
-                reason="attention outside the interface")
+                f"{model_type}: layer(s) {L} " + (f"hold attention ({', '.join(silent[:3])}) that " if silent else
+                                                  "make no attention call and keep no state; their attention ")
+                + "does not go through transformers' attention interface, so its Q, K, V and pattern cannot be "
+                "recorded", reason="attention outside the interface")
     # a layer without attention (a hybrid's state layer: Gated DeltaNet, Mamba …) is traced as its mixer's input
     # and output, its state kept by transformers' own cache layer inside StateCache
     shared = {id(cs[0].module) for cs in per_layer if cs}
@@ -694,7 +752,7 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
             raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, "
                                  "an encoder): only causal decoders, whose position i sees positions ≤ i, are "
                                  "traced", reason="encoder")
-    return layers, [cs[0] if cs else None for cs in per_layer]
+    return layers, [cs[0] if cs else None for cs in per_layer], writers
 
 
 def _own_cache_class(hf: nn.Module) -> type | None:
@@ -721,17 +779,15 @@ def _keeps_linear_state(own: type) -> bool:
                                                  ("get_linear_cache", "set_linear_cache"))
 
 
-def mixer_of(layer: nn.Module) -> nn.Module:
-    """The module that mixes a layer's positions when the layer has no attention: the outermost module whose class
-    names a state-space / convolution / linear-attention mixer (Qwen3-Next's GatedDeltaNet, Jamba's MambaMixer,
-    LFM2's ShortConv …); else the one child that is not a norm or an MLP (Nemotron-H's MoE-only blocks)."""
+def mixer_of(layer: nn.Module, writer: nn.Module | None = None) -> nn.Module:
+    """The module that mixes a layer's positions when the layer has no attention: the one that writes the layer's
+    state into the cache (``writer``, from ``_state_writers``: Qwen3-Next's GatedDeltaNet, Kimi Linear's delta
+    attention, Jamba's MambaMixer, LFM2's ShortConv …); else the one child that is not a norm or an MLP
+    (Nemotron-H's MoE-only blocks)."""
+    if writer is not None:
+        return writer
     mlp = _child(layer, _NAMES_MLP)
     skipped = {id(m) for m in mlp.modules()} if mlp is not None else set()
-    for _, module in layer.named_modules():
-        name = type(module).__name__.lower()
-        if module is not layer and id(module) not in skipped and any(w in name for w in _STATE_WORDS) \
-                and "norm" not in name:
-            return module
     children = [m for m in layer.children() if id(m) not in skipped
                 and not any(w in type(m).__name__.lower() for w in ("norm", "dropout"))]
     if not children:
@@ -1000,7 +1056,7 @@ class HFDecoder(nn.Module):
                                  reason="attention outside the interface") from None
         self.hf = hf.eval().requires_grad_(False)
         cfg = _text_config(hf.config)
-        layers, probed = _find_attention(hf, model_type)
+        layers, probed, writers = _find_attention(hf, model_type)
         attns = [call.module if call is not None else None for call in probed]
         first = next(L for L, attn in enumerate(attns) if attn is not None)  # a hybrid's first may be a state layer
         self.architecture = _guess_architecture(hf, layers[first], cast(nn.Module, attns[first]), model_type)
@@ -1023,7 +1079,8 @@ class HFDecoder(nn.Module):
                 "transformers' shared cache layers hold (Qwen3-Next, Jamba, Nemotron-H, Falcon-H1 …) or MiniMax's "
                 "linear-attention cache is traced", reason="state layers")
         prefix = type(hf).__name__.split("For")[0]  # Qwen3NextForCausalLM -> Qwen3Next: the family's class prefix
-        self._mixers = [None if attn is not None else mixer_of(layer) for layer, attn in zip(layers, attns)]
+        self._mixers = [None if attn is not None else mixer_of(layer, writers.get(L))
+                        for L, (layer, attn) in enumerate(zip(layers, attns))]
         self.mixer_names = tuple("" if m is None else mixer_name(m, prefix) for m in self._mixers)
         block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks,
                                    attention=attn is not None)
