@@ -33,12 +33,15 @@ API: dict[str, str] = {
     **dict.fromkeys(("load_model", "load_hf", "load_bundled", "load_nanogpt", "load_tokenizer", "BUNDLED_MODELS",
                      "GPT", "GPTConfig", "KVCache", "ModelLoadError", "SamplingConfig", "TextTokenizer", "generate",
                      "save_hf"), "model"),
-    **dict.fromkeys(("Tracer", "TracedGeneration", "Trace", "save_trace", "load_trace", "TraceFileError", "ablate",
+    **dict.fromkeys(("Tracer", "TracedGeneration", "BeamSearch", "Trace", "save_trace", "load_trace", "TraceFileError",
+                     "ablate",
                      "patch", "logit_lens", "direct_logit_attribution", "diff_traces", "attention_gradients",
                      "gradient_trace", "head_scores", "activation_patching", "dry_run", "costed_dry_run", "costs_frame",
                      "step_floor", "place", "kv_cache_bytes", "ACCELERATORS", "collectives", "collectives_sentence"),
                     "tracer"),
 }
+API.update(dict.fromkeys(("trace_engine", "EngineRun", "engine_sizing", "save_engine_run", "load_engine_run"),
+                         "tracer"))  # the KV cache as serving engines hold it (tracer/engine/)
 ROOMS = ("model", "tracer", "figures")  # the subpackages ``gst.<room>`` reaches lazily
 __all__ = [*API, *ROOMS, "__version__"]
 

@@ -7,6 +7,8 @@ the command line (``gpt-shape-tracer trace``) is another.
 * ``TraceLog`` is the write side of a trace, ``Trace`` the read side;
 * ``TracedGeneration`` drives a generation step by step and records its facts; ``dry_run`` one of a model on the
   meta device (config only, no weights); ``tracer.costs`` counts what every op costs and where it would run;
+* ``trace_engine`` steps through transformers' continuous batching (a paged KV cache: pages, block tables, shared
+  prefixes, preemption) and records an ``EngineRun``; ``engine_sizing`` says what pool fits (``tracer.engine``);
 * ``save_trace`` / ``load_trace`` write and check files (``tracer.io``, ``tracer.schema``);
 * ``ablate`` / ``patch`` change a forward (``tracer.interventions``); ``logit_lens``,
   ``direct_logit_attribution`` (``tracer.lens``), ``diff_traces`` (``tracer.diff``) and the
@@ -61,10 +63,25 @@ from gpt_shape_tracer.tracer.experiments import (
     replay_diff,
     text_loss,
 )
+from gpt_shape_tracer.tracer.engine import (
+    EngineError,
+    EngineRun,
+    EngineSizing,
+    engine_sizing,
+    engine_sizing_table,
+    load_engine_run,
+    save_engine_run,
+    trace_engine,
+)
 from gpt_shape_tracer.tracer.files import LIMITS, Limits, TraceFileError, archive_bytes, load_trace, save_trace
 from gpt_shape_tracer.tracer.generation import (
     MAX_BATCH,
     MAX_RUN_STEPS,
+    BeamCandidate,
+    BeamResult,
+    BeamSearch,
+    BeamSearchError,
+    BeamStep,
     ContextFullError,
     GenerationStopped,
     PromptError,
@@ -120,6 +137,7 @@ from gpt_shape_tracer.tracer.storage.records import (
 )
 
 __all__ = [
+    "BeamCandidate", "BeamResult", "BeamSearch", "BeamSearchError", "BeamStep",
     "ACCELERATORS", "Accelerator", "OpCost", "Placement", "StepCosts", "StepFloor", "collectives",
     "collectives_sentence", "costed_dry_run", "costs_frame",
     "count_forward", "kv_cache_bytes", "latent_cache", "place", "step_floor",
@@ -140,4 +158,6 @@ __all__ = [
     "load_trace", "logit_lens", "patch", "prepare_dry_run", "pattern_changes", "replay", "replay_diff", "save_trace",
     "summarize",
     "tensor_stats", "text_loss", "value_blocks",
+    "EngineError", "EngineRun", "EngineSizing", "engine_sizing", "engine_sizing_table", "load_engine_run",
+    "save_engine_run", "trace_engine",
 ]

@@ -163,6 +163,25 @@ class KVCache:
         twin.key_is_token = self.key_is_token[:, :length].clone() if self.key_is_token is not None else None
         return twin
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row ``i`` of every layer becomes what row ``rows[i]`` held (``[B]`` indices into the batch): beam
+        search's reorder, where a surviving beam continues another beam's history (transformers'
+        ``Cache.reorder_cache(beam_idx)``). The buffers are gathered into new ones; the old are left as they were,
+        so a value a trace kept from them stays true."""
+        if rows.shape != (self.batch_size,):
+            raise ValueError(f"reorder takes one row index per sequence ({self.batch_size}), got {tuple(rows.shape)}")
+        if self._staged:
+            raise RuntimeError("reorder between forwards only: this cache has rows staged by an unfinished forward")
+        for layer, buf in enumerate(self._buffers):
+            if buf is None:
+                continue
+            index = rows.to(buf.keys.device)
+            moved = _LayerBuffer(buf.keys, buf.values, buf.capacity)
+            moved.write(0, buf.keys[index, :, : self._length], buf.values[index, :, : self._length])
+            self._buffers[layer] = moved
+        if self.key_is_token is not None:
+            self.key_is_token = self.key_is_token[rows.to(self.key_is_token.device)]
+
     def rollback(self) -> None:
         """Forget a failed forward: rows it wrote past ``length`` are overwritten next time."""
         self._staged.clear()

@@ -1,7 +1,10 @@
 """Generation: ``TracedGeneration`` drives a generation one traced forward and one chosen token per step.
 
-Private: ``_traced``, ``_dry`` (a dry run: a meta-device model's prefill and decode steps, shapes only)."""
+``BeamSearch`` drives beam search the same way, k beams per prompt, the cache reordered every step.
 
+Private: ``_traced``, ``_beams``, ``_dry`` (a dry run: a meta-device model's prefill and decode steps, shapes only)."""
+
+from gpt_shape_tracer.tracer.generation._beams import BeamCandidate, BeamResult, BeamSearch, BeamSearchError, BeamStep
 from gpt_shape_tracer.tracer.generation._dry import PlaceholderTokenizer, dry_run, latent_cache, prepare_dry_run
 from gpt_shape_tracer.tracer.generation._traced import (
     MAX_BATCH,
@@ -12,5 +15,6 @@ from gpt_shape_tracer.tracer.generation._traced import (
     TracedGeneration,
 )
 
-__all__ = ["MAX_BATCH", "MAX_RUN_STEPS", "ContextFullError", "GenerationStopped", "PlaceholderTokenizer", "PromptError",
+__all__ = ["MAX_BATCH", "BeamCandidate", "BeamResult", "BeamSearch", "BeamSearchError", "BeamStep",
+           "MAX_RUN_STEPS", "ContextFullError", "GenerationStopped", "PlaceholderTokenizer", "PromptError",
            "TracedGeneration", "dry_run", "latent_cache", "prepare_dry_run"]
