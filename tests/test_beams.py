@@ -137,3 +137,127 @@ def test_a_finished_search_refuses_another_step(bundled):
     assert search.run() == 2 and search.done
     with pytest.raises(BeamSearchError, match="the beam search is done"):
         search.step()
+
+
+# -- the views: figures and sentences from the steps' own numbers --------------------------------------------------
+SETTINGS = [  # (prompts, k, new tokens, length penalty, early stopping, eos)
+    (["Once upon a time"], 4, 8, 1.0, False, None),
+    (["Once upon a time", "Tom had a"], 3, 6, 2.0, True, None),
+    (["Lily"], 2, 5, 0.5, "never", ()),
+]
+
+
+@pytest.fixture(scope="module", params=SETTINGS, ids=["one prompt", "a padded batch", "no end token"])
+def searched(bundled, request):
+    model, tok = bundled
+    prompts, k, new, penalty, early, eos = request.param
+    search = BeamSearch(model, tok, prompts, k, max_new_tokens=new, length_penalty=penalty, early_stopping=early,
+                        eos_ids=eos)
+    search.run()
+    return search, tok
+
+
+def test_the_tree_puts_the_running_beams_first_and_joins_each_candidate_to_its_parents_slot(searched):
+    from gpt_shape_tracer.figures.beams import beam_tree_figure, tree_layout
+
+    search, tok = searched
+    for prompt in range(search.batch_size):
+        nodes = tree_layout(search.steps, prompt)
+        k = search.num_beams
+        for s in search.steps:
+            mine = [n for n in nodes if n["step"] == s.step]
+            assert len(mine) == len(s.candidates[prompt]) and sorted(n["slot"] for n in mine) == list(range(len(mine)))
+            running = [n for n in mine if n["fate"] == "running"]
+            assert sorted(n["slot"] for n in running) == list(range(len(running)))
+            for n in running:  # the slot is the beam the step keeps it as, with its token and parent
+                assert (s.tokens[prompt][n["slot"]], s.parents[prompt][n["slot"]]) == (n["token"], n["parent"])
+            for n in mine:
+                assert n["edge"] == (None if s.step == 0 else (s.step - 1, n["parent"], s.step, n["slot"]))
+                assert 0 <= n["parent"] < k
+        fig = beam_tree_figure(search.steps, tok.token_label, prompt, shown_step=1)
+        drawn = sum(len(t.x) for t in fig.data if t.mode == "markers")
+        assert drawn == len(nodes)
+
+
+def test_the_reorder_figure_draws_each_row_after_as_the_row_it_was_copied_from(searched):
+    from gpt_shape_tracer.figures.beams import reorder_figure, row_norms
+
+    search, _ = searched
+    for s in search.steps:
+        fig = reorder_figure(s)
+        before, after = (torch.tensor(t.z) for t in fig.data if t.type == "heatmap")
+        assert torch.equal(after, before[list(s.beam_idx)])
+        assert close_across_cpus(before, row_norms(s.keys_before).to(before.dtype))
+        assert [f"row {j} ← {src}" for j, src in enumerate(s.beam_idx)] == list(fig.data[1].y)
+
+
+def test_every_step_sentence_states_the_steps_own_numbers(searched):
+    import re
+
+    from gpt_shape_tracer.figures.beams import step_sentence
+
+    search, tok = searched
+    k = search.num_beams
+    for prompt in range(search.batch_size):
+        for s in search.steps:
+            said = step_sentence(s, tok.token_label, prompt)
+            fates = [c.fate for c in s.candidates[prompt]]
+            assert f"the {len(fates)} best of the k·V continuations were ranked: {fates.count('running')} go on" in said
+            for fate, words in (("finished", "ended and joined"), ("ended", "ended below"),
+                                ("dropped", "were dropped")):
+                assert (f"{fates.count(fate)} {words}" in said) == bool(fates.count(fate))
+            if not fates.count("running"):
+                assert "No candidate goes on" in said and s.step == len(search.steps) - 1
+                continue
+            moved = {j: s.beam_idx[prompt * k + j] - prompt * k for j in range(k)
+                     if s.beam_idx[prompt * k + j] != prompt * k + j}
+            listed = {int(a): int(b) for a, b in re.findall(r"row (\d+) ← (\d+)", said)}
+            assert listed == (moved if s.step else {}), said
+            if s.step:
+                histories = sorted(set(s.parents[prompt]))
+                assert (f"continue {len(histories)} of the {k} histories" in said) == (len(histories) < k)
+                best = max(range(k), key=lambda j: s.scores[prompt][j])
+                assert f"Best running beam: {best}," in said and f"score {s.scores[prompt][best]:.3f}" in said
+            assert ("The search stops after this step" in said) == s.done
+
+
+def test_the_run_sentence_counts_forwards_and_copied_rows_and_compares_with_greedy(searched):
+    from gpt_shape_tracer.figures.beams import run_sentence
+
+    search, _ = searched
+    k, texts, result = search.num_beams, search.texts(), search.result()
+    sentence, metrics = run_sentence(search.steps, texts[0], result.scores[0], texts[0])
+    copied = sum(1 for s in search.steps for j in range(k) if s.beam_idx[j] != j)
+    assert dict(metrics) == {"forwards": str(len(search.steps)), "rows copied": str(copied),
+                             "best score": f"{result.scores[0]:.3f}"}
+    assert f"{k} beams over {len(search.steps)} forward(s)" in sentence and "Greedy decoding says the same" in sentence
+    assert "says 'another' instead" in run_sentence(search.steps, texts[0], result.scores[0], "another")[0]
+
+
+# -- the app -------------------------------------------------------------------------------------------------------
+def test_the_beam_search_tab_runs_on_the_live_model_and_says_what_greedy_says():
+    from gpt_shape_tracer.model import SamplingConfig, generate
+    from tests.test_app import gen_of, new_app, press, show_tab
+
+    at = new_app()
+    press(at, "step_button")
+    show_tab(at, "Beam search")
+    at.number_input(key="beam_k").set_value(3)
+    at.number_input(key="beam_new").set_value(6)
+    at.button(key="beam_run").click().run()
+    assert not at.exception and not at.error
+    run = at.session_state["app"].beams
+    search = run.search
+    assert search.num_beams == 3 and len(search.steps) <= 6
+    gen = gen_of(at)
+    ids = generate(gen.model, gen.tokenizer.encode(gen.info.prompts[0]), 6, SamplingConfig(temperature=0))
+    ends = [i for i, t in enumerate(ids) if t in search.eos_ids]
+    greedy = gen.tokenizer.decode(ids[: ends[0] + 1] if ends else ids)
+    said = next(m.value for m in at.markdown if "beams over" in m.value)
+    assert (("Greedy decoding says the same" in said) == (greedy == search.texts()[0]))
+    assert f"3 beams over {len(search.steps)} forward(s)" in said
+    assert len(at.get("plotly_chart")) == 2  # the tree and the reorder
+    press(at, "reset_button")
+    if any(b.key == "reset_confirm" for b in at.sidebar.button):
+        press(at, "reset_confirm")
+    assert at.session_state["app"].beams is None

@@ -32,7 +32,7 @@ from gpt_shape_tracer.tracer.storage._store import DEFAULT_BUDGET_BYTES
 MAX_BEAMS = 16
 MAX_NEW_TOKENS = 256
 EARLY_STOPPING = (False, True, "never")
-SNAPSHOT_BYTES = 8 * 2**20  # most bytes of one layer's K rows kept per step for the reorder's before/after
+SNAPSHOT_BYTES = 64 * 2**20  # most bytes of one layer's K rows kept, all steps together, for the reorder's views
 
 
 class BeamSearchError(ValueError):
@@ -60,7 +60,8 @@ class BeamStep:
     ``beam_idx``: the flattened rows the cache was reordered from (row ``b·k + j`` ← ``beam_idx[b·k + j]``);
     ``candidates[b]``: the 2k continuations ranked, each with its fate; ``finished_scores[b]``: the prompt's
     finished hypotheses' length-penalised scores (−1e9: an empty slot); ``keys_before`` / ``keys_after``: one
-    layer's cached keys ``[B·k, G, t, d_head]`` before and after the reorder (None past ``SNAPSHOT_BYTES``)."""
+    layer's cached keys ``[B·k, G, t, d_head]`` before and after the reorder (None once the search's snapshots
+    would pass ``SNAPSHOT_BYTES``)."""
 
     step: int
     tokens: tuple[tuple[int, ...], ...]
@@ -177,15 +178,24 @@ class BeamSearch:
         self.cur_len = width
         self.steps: list[BeamStep] = []
         self.done = False
+        self.snapshot_bytes = 0  # of the keys kept for the reorder's views, all steps
 
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
 
-    def _keys(self) -> torch.Tensor | None:
+    def _snapshot_fits(self) -> bool:
+        """Whether this step's keys, before and after the reorder, stay within ``SNAPSHOT_BYTES`` (counted if so)."""
         keys = self.cache.keys[self.snapshot_layer]
-        if keys is None or keys.numel() * keys.element_size() > SNAPSHOT_BYTES:
-            return None
+        size = 0 if keys is None else 2 * keys.numel() * keys.element_size()
+        if keys is None or self.snapshot_bytes + size > SNAPSHOT_BYTES:
+            return False
+        self.snapshot_bytes += size
+        return True
+
+    def _keys(self) -> torch.Tensor:
+        keys = self.cache.keys[self.snapshot_layer]
+        assert keys is not None  # _snapshot_fits said so
         return keys.detach().to("cpu", copy=True)
 
     @torch.no_grad()
@@ -225,9 +235,10 @@ class BeamSearch:
             cur_len=self.cur_len, decoder_prompt_len=self.prompt_width, length_penalty=self.length_penalty,
             early_stopping=self.early_stopping)
         beam_idx = self._running_beams[..., self.cur_len - self.prompt_width].reshape(B * k).to(torch.int64)
-        before = self._keys()
+        keep = self._snapshot_fits()
+        before = self._keys() if keep else None
         self.cache.reorder(beam_idx)
-        after = self._keys()
+        after = self._keys() if keep else None
         self.cur_len += 1
         self._improvable = hf._check_early_stop_heuristic(
             is_early_stop_heuristic_unsatisfied=self._improvable, running_beam_scores=self._running_scores,
@@ -287,9 +298,14 @@ class BeamSearch:
                           beam_indices=tuple(map(tuple, beams[:, :generated].tolist())))
 
     def texts(self) -> list[str]:
-        """The returned hypotheses' generated text (the prompt left out)."""
-        return [self.tokenizer.decode([t for t in seq[self.prompt_width:] if t >= 0])
-                for seq in self.result().sequences]
+        """The returned hypotheses' generated text: the prompt left out, cut after its end-of-sequence token (what
+        follows it is generate()'s filling)."""
+        out = []
+        for seq in self.result().sequences:
+            new = [t for t in seq[self.prompt_width:] if t >= 0]
+            ends = [i for i, t in enumerate(new) if t in self.eos_ids]
+            out.append(self.tokenizer.decode(new[: ends[0] + 1] if ends else new))
+        return out
 
     def close(self) -> None:
         self.tracer.close()

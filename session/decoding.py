@@ -1,0 +1,46 @@
+"""The app's beam search: run on the live generation's model and prompts, beside greedy decoding of the same
+prompts (what one beam would have said), for the Beam search tab (gui/beams.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpt_shape_tracer.model import generate
+from gpt_shape_tracer.tracer import BeamSearch
+
+MAX_APP_BEAMS = 8
+MAX_APP_NEW_TOKENS = 32
+TRACE_BUDGET = 64 * 2**20  # the beam run's own trace: shapes only (the views read its steps, not its values)
+
+
+@dataclass(frozen=True)
+class BeamRun:
+    """A finished beam search and, per prompt, greedy decoding's continuation cut after its first end-of-sequence
+    token (as a beam's hypothesis is)."""
+
+    search: BeamSearch
+    greedy_texts: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """What the run keeps in memory: its trace's values and the steps' key snapshots."""
+        snapshots = sum(int(t.numel() * t.element_size()) for s in self.search.steps
+                        for t in (s.keys_before, s.keys_after) if t is not None)
+        return self.search.trace.log.bytes_kept + snapshots
+
+
+def beam_run(model, tokenizer, prompts: Sequence[str], num_beams: int, new_tokens: int, length_penalty: float,
+             early_stopping: bool | str) -> BeamRun:
+    """Beam search to the end (``BeamSearchError`` for settings it cannot run with), and greedy beside it."""
+    search = BeamSearch(model, tokenizer, list(prompts), num_beams, max_new_tokens=new_tokens,
+                        length_penalty=length_penalty, early_stopping=early_stopping, capture="shapes",
+                        budget_bytes=TRACE_BUDGET)
+    search.run()
+    search.close()
+    greedy = []
+    for prompt in prompts:
+        ids = generate(model, tokenizer.encode(prompt), new_tokens)
+        ends = [i for i, t in enumerate(ids) if t in search.eos_ids]
+        greedy.append(tokenizer.decode(ids[: ends[0] + 1] if ends else ids))
+    return BeamRun(search, tuple(greedy))
