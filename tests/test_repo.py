@@ -186,6 +186,10 @@ ALLOWED_PRIVATE = {
     "_buffers": "KVCache's rows: StateCache.copy (model/sources/_hf_decoder.py), a KVCache itself, moves the rows "
                 "of the KVCache.copy it has just made into its own twin",
     "_length": "as _buffers",
+    "_create_batch_processor": "transformers 5.23 has no public synchronous step of continuous batching: "
+                               "tracer/engine/_engine.py makes the batch processor its background thread would "
+                               "make (test_engine.py::test_the_private_step_calls_of_transformers_are_still_there)",
+    "_generation_step": "the forward of one engine step, as the thread's loop body calls it (as above)",
     "_repr_mimebundle_": "IPython's display protocol, public in all but name: the heads grid shows its figure "
                          "as plotly shows it (figures/attention.py)",
 }

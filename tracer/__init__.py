@@ -40,6 +40,16 @@ from gpt_shape_tracer.tracer.costs import (
     place,
     step_floor,
 )
+from gpt_shape_tracer.tracer.engine import (
+    EngineError,
+    EngineRun,
+    EngineSizing,
+    engine_sizing,
+    engine_sizing_table,
+    load_engine_run,
+    save_engine_run,
+    trace_engine,
+)
 from gpt_shape_tracer.tracer.experiments import (
     GRADIENT_LOSSES,
     HEAD_ROLES,
@@ -62,16 +72,6 @@ from gpt_shape_tracer.tracer.experiments import (
     replay,
     replay_diff,
     text_loss,
-)
-from gpt_shape_tracer.tracer.engine import (
-    EngineError,
-    EngineRun,
-    EngineSizing,
-    engine_sizing,
-    engine_sizing_table,
-    load_engine_run,
-    save_engine_run,
-    trace_engine,
 )
 from gpt_shape_tracer.tracer.files import LIMITS, Limits, TraceFileError, archive_bytes, load_trace, save_trace
 from gpt_shape_tracer.tracer.generation import (
