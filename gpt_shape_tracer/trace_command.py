@@ -19,6 +19,8 @@ import textwrap
 from pathlib import Path
 from typing import cast
 
+from gpt_shape_tracer import engine_command
+
 # The library's limits and defaults, written here as plain numbers so that the arguments are checked without
 # importing torch (which takes seconds). tests/test_cli.py checks that each equals the library's own.
 MAX_RUN_STEPS = 256  # tracer.MAX_RUN_STEPS
@@ -145,6 +147,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--wide", action="store_true",
                     help=f"print the shape table's summaries whole (default: cut to fit {TABLE_WIDTH} columns)")
     ap.add_argument("--quiet", action="store_true", help="no progress on stderr (it is shown only on a terminal)")
+    engine_command.add_arguments(ap)
     return ap
 
 
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if engine_command.wanted(args):  # --continuous-batching: gpt_shape_tracer/engine_command.py
+        return engine_command.main(args)
 
     from gpt_shape_tracer.session.memory import reuse_freed_memory
 
