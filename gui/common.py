@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 import weakref
-from pathlib import Path
 
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
@@ -16,22 +15,17 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from gpt_shape_tracer.figures import tokens as token_views
 from gpt_shape_tracer.figures.common import facts_of, no_attention
 from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
-from gpt_shape_tracer.model import ModelLoadError, TextTokenizer, load_bundled, load_model
-from gpt_shape_tracer.model.gpt import IdentityUnavailable, identity_of
-from gpt_shape_tracer.model.sources import load_factory
+from gpt_shape_tracer.model import ModelLoadError
+from gpt_shape_tracer.model.gpt import identity_of
 from gpt_shape_tracer.session import (
-    DEFAULT_MODEL_KEY,
-    FACTORY,
+    DEFAULT_MODEL,
     AppState,
+    ModelChoice,
     Settings,
     SettingsError,
     adopt_model,
-    check_device,
     describe_model,
-    describe_model_key,
-    directory_load,
-    model_device,
-    parse_model_key,
+    load,
 )
 from gpt_shape_tracer.session.memory import return_freed_memory, reuse_freed_memory
 from gpt_shape_tracer.session.server_limits import SessionLedger
@@ -39,9 +33,9 @@ from gpt_shape_tracer.tracer import Finite, Trace, TraceFileError, load_trace
 
 UPLOAD_MB = 1024  # MiB, as .streamlit/config.toml server.maxUploadSize (Streamlit labels the dropzone "1GB")
 
-__all__ = ["UPLOAD_MB", "admitted", "banners", "chart", "current_model", "directory_model", "explain_missing_values",
-           "freed_memory_reused", "header", "layer_head_batch", "live_model_for", "n_layer_head", "plain",
-           "read_uploaded_trace", "remembered_tabs", "reserve_memory", "session_ledger", "state", "status",
+__all__ = ["UPLOAD_MB", "admitted", "banners", "chart", "current_model", "explain_missing_values",
+           "freed_memory_reused", "header", "layer_head_batch", "live_model_for", "loaded_model", "n_layer_head",
+           "plain", "read_uploaded_trace", "remembered_tabs", "reserve_memory", "session_ledger", "state", "status",
            "values_kept", "viewed_step"]
 
 
@@ -147,33 +141,15 @@ def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None =
 
 
 # -- models (shared by every session; tracing and interventions route per thread, so sharing is safe) --
-@st.cache_resource(show_spinner="Loading the bundled model…")
-def bundled_model(name: str, device: str = "cpu"):
-    model, tokenizer = load_bundled(name)
-    return (model if device == "cpu" else model.to(device)), tokenizer
+MODELS_KEPT = 3  # the bundled model a page starts with and two others loaded (each may be gigabytes)
 
 
-@st.cache_resource(show_spinner="Loading the model from the local directory…", max_entries=2)
-def directory_model(path: str, how: str, device: str = "cpu"):
-    """The directory's model loaded as a key's ``how`` says: its dtype, and the memory its weights may take,
-    on ``device``."""
-    dtype, max_memory = directory_load(how)
-    model, tokenizer = load_model(path, dtype=dtype, max_memory=max_memory, device=device)
-    try:  # the app names the model by its identity at once: files that cannot be hashed are a failed load,
-        identity_of(model)  # shown as one and not cached (model.identity waits for the loader's hash)
-    except IdentityUnavailable as e:
-        raise ModelLoadError(str(e)) from None
-    return model, tokenizer
-
-
-@st.cache_resource(show_spinner="Running your factory…", max_entries=2)
-def factory_model(spec: str):
-    """Your module from ``package.module:function`` (model.load_factory: only from files nobody
-    else can write), with its tokenizer: what it returned, a tokenizer.json path it returned, or none."""
-    model, tokenizer = load_factory(spec)
-    if isinstance(tokenizer, (str, Path)):
-        tokenizer = TextTokenizer.from_file(tokenizer)
-    return model, tokenizer
+@st.cache_resource(show_spinner="Loading the model…", max_entries=MODELS_KEPT)
+def loaded_model(choice: ModelChoice):
+    """``(model, tokenizer)`` of ``choice`` (``session.load``: the one loader), loaded once per server process and
+    kept while it is among the newest ``MODELS_KEPT`` used; a load that fails is not kept, so the next try loads
+    again."""
+    return load(choice)
 
 
 def chart(fig, key: str, **kwargs):
@@ -205,15 +181,7 @@ def state() -> AppState:
 
 def current_model():
     """(model, tokenizer) of the sidebar's choice, loaded once per process."""
-    key = state().model_key
-    where, dtype = parse_model_key(key)
-    try:  # a key naming a device this machine lacks (a run saved on another machine) is a model that cannot load
-        check_device(model_device(key))
-    except SettingsError as e:
-        raise ModelLoadError(str(e)) from None
-    if dtype is None:
-        return bundled_model(where, model_device(key))
-    return factory_model(where) if dtype == FACTORY else directory_model(where, dtype, model_device(key))
+    return loaded_model(state().model)
 
 
 def live_model_for(trace: Trace):
@@ -268,12 +236,12 @@ def status(settings: Settings | None, refused: SettingsError | None) -> bool:
             reference_note(model)
         except ModelLoadError as e:
             st.error(f"The selected model cannot be loaded: {plain(e)}")
-            app.model_key = DEFAULT_MODEL_KEY
+            app.model = DEFAULT_MODEL
             return False
     gen = app.generation
     if gen is not None and not app.viewing_file and app.model_changed:
-        st.info(f"You chose {plain(describe_model_key(app.model_key))}; this generation runs "
-                f"{plain(describe_model_key(app.started_model_key or app.model_key))} and Step continues it so. "
+        st.info(f"You chose {plain(app.model.describe())}; this generation runs "
+                f"{plain((app.started_model or app.model).describe())} and Step continues it so. "
                 "Reset starts a new generation with the model you chose.")
     if refused is not None:
         st.warning(f"These settings cannot be used: {plain(refused)}"

@@ -26,14 +26,11 @@ import streamlit as st
 from gpt_shape_tracer.figures.common import inert as plain
 from gpt_shape_tracer.gui.common import current_model, state
 from gpt_shape_tracer.session import (
-    FACTORY,
     SETTING_KEYS,
     AppState,
     LoadedTrace,
+    ModelChoice,
     SettingsError,
-    model_device,
-    model_key_of,
-    parse_model_key,
     settings_from,
 )
 from gpt_shape_tracer.session.runs import (
@@ -52,9 +49,9 @@ from gpt_shape_tracer.tracer import TraceFileError
 PARAM = "run"  # the address's query parameter
 OWNER_PARAM = "owner"  # …and the one naming whose runs the page lists
 RECENT_SHOWN = 8
-LABELS = {"bundled:story-gpt": "Bundled GPT-2-style story model",  # gui/sidebar.py SOURCES, by key
-          "bundled:story-llama": "Bundled Llama-style story model",
-          "dir": "Local Hugging Face directory", "factory": "Your own module (package.module:function)"}
+LABELS = {"story-gpt": "Bundled GPT-2-style story model",  # gui/sidebar.py SOURCES, by bundled name or kind
+          "story-llama": "Bundled Llama-style story model",
+          "directory": "Local Hugging Face directory", "factory": "Your own module (package.module:function)"}
 
 
 def run_store() -> RunStore | None:
@@ -129,14 +126,14 @@ def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
         settings_from(widgets)
     except SettingsError as e:
         return open_written_trace(app, record, store, f"its settings are refused ({e})")
-    previous_key = app.model_key
-    app.model_key = record.model_key
+    previous = app.model
+    app.model = record.model
     try:
         current_model()
     except Exception as e:  # noqa: BLE001 - a directory gone, a module that no longer imports: show the file
-        app.model_key = previous_key
+        app.model = previous
         return open_written_trace(app, record, store, f"its model cannot be loaded ({type(e).__name__}: {e})")
-    set_model_widgets(record.model_key)
+    set_model_widgets(record.model)
     for key, value in widgets.items():
         st.session_state[key] = value
     st.session_state["view"] = app.open_tabs["view"] = record.view
@@ -144,21 +141,19 @@ def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
     app.steps_owed = record.n_steps
 
 
-def set_model_widgets(key: str) -> None:
-    """The sidebar's model widgets as they were when ``key`` was chosen."""
-    where, how = parse_model_key(key)
-    st.session_state["model_device"] = model_device(key)
-    if how is None:
-        st.session_state["source"] = LABELS.get(model_key_of(key), LABELS["bundled:story-gpt"])
-    elif how == FACTORY:
+def set_model_widgets(choice: ModelChoice) -> None:
+    """The sidebar's model widgets as they were when ``choice`` was made."""
+    st.session_state["model_device"] = choice.device
+    if choice.kind == "bundled":
+        st.session_state["source"] = LABELS.get(choice.where, LABELS["story-gpt"])
+    elif choice.kind == "factory":
         st.session_state["source"] = LABELS["factory"]
-        st.session_state["model_factory"] = where
+        st.session_state["model_factory"] = choice.where
     else:
-        dtype, _, gib = how.partition("@")
-        st.session_state["source"] = LABELS["dir"]
-        st.session_state["model_dir"] = where
-        st.session_state["model_dtype"] = dtype
-        st.session_state["model_memory_gib"] = float(gib or 0)
+        st.session_state["source"] = LABELS["directory"]
+        st.session_state["model_dir"] = choice.where
+        st.session_state["model_dtype"] = choice.dtype
+        st.session_state["model_memory_gib"] = choice.memory_gib
 
 
 def open_written_trace(app: AppState, record: RunRecord, store: RunStore, why: str) -> None:
@@ -237,7 +232,7 @@ def save_run(app: AppState, values: dict[str, object]) -> None:
         st.query_params[PARAM] = app.run_id
     step = min(st.session_state.get("step_view", gen.n_steps - 1), gen.n_steps - 1)
     view = view_on_screen(app)
-    record = RunRecord(app.run_id, app.started_model_key or app.model_key, dict(app.run_widgets), gen.n_steps,
+    record = RunRecord(app.run_id, app.started_model or app.model, dict(app.run_widgets), gen.n_steps,
                        step, view, time.time(), owner=owner_tag(owner_of_page(app)))
     try:
         store.save(record, gen.trace)
@@ -320,7 +315,7 @@ def recent_runs() -> None:
                "or a restart reopens the run in the page's address.")
     now = time.time()
     for record in records:
-        model = parse_model_key(record.model_key)[0].rsplit("/", 1)[-1]
+        model = record.model.where.rsplit("/", 1)[-1]
         this = record.run_id == app.run_id
         label = f"{plain(record.title)} · {record.n_steps} step{'s' if record.n_steps != 1 else ''} · " \
                 f"{plain(model)} · {ago(now - record.updated)}" + (" (this page)" if this else "")

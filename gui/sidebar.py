@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from gpt_shape_tracer.gui.common import current_model, directory_model, factory_model, plain, reserve_memory, state
+from gpt_shape_tracer.gui.common import current_model, loaded_model, plain, reserve_memory, state
 from gpt_shape_tracer.gui.dry_run import LABEL as DRY_LABEL
 from gpt_shape_tracer.gui.dry_run import dry_run_sidebar
 from gpt_shape_tracer.gui.runs import forget_run
@@ -13,10 +13,10 @@ from gpt_shape_tracer.model.sources import ASSETS, OwnModuleError, resolve_model
 from gpt_shape_tracer.session import (
     DEFAULT_RUN_N,
     DEFAULTS,
-    FACTORY,
     MAX_BUDGET_MB,
     MAX_SPILL_MB,
     MAX_WEIGHTS_GIB,
+    ModelChoice,
     Settings,
     SettingsError,
     available_devices,
@@ -24,23 +24,15 @@ from gpt_shape_tracer.session import (
     checkpoint_path,
     compute_dtypes,
     describe_model,
-    describe_model_key,
-    directory_key,
-    factory_key,
-    load_how,
-    model_device,
-    on_device,
-    parse_model_key,
     parse_run_steps,
     run_steps,
 )
 from gpt_shape_tracer.tracer import FORWARD_CAPTURES, MAX_RUN_STEPS, PADDING_SIDES
 
-SOURCES = {"Bundled GPT-2-style story model": "bundled:story-gpt",
-           "Bundled Llama-style story model": "bundled:story-llama",
-           "Local Hugging Face directory": "dir",
-           "Your own module (package.module:function)": "factory",
-           DRY_LABEL: "dry"}
+BUNDLED = {"Bundled GPT-2-style story model": "story-gpt",  # label: the bundled model's name
+           "Bundled Llama-style story model": "story-llama"}
+SOURCES = {**BUNDLED, "Local Hugging Face directory": "directory",  # label: a bundled model's name, or the source
+           "Your own module (package.module:function)": "factory", DRY_LABEL: "dry"}
 DECODINGS = ["greedy", "sample"]
 # str, as the settings' fields are (settings_from checks the widgets' values)
 CAPTURES: list[str] = list(FORWARD_CAPTURES)  # gradients: a backward pass, from Attention → Gradients
@@ -72,8 +64,8 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     sb.number_input(f"N for Run N (1…{MAX_RUN_STEPS})", value=DEFAULT_RUN_N, step=1, key="run_n")
 
     sb.header("Model")
-    available = {label: key for label, key in SOURCES.items()
-                 if not key.startswith("bundled:") or parse_model_key(key)[0] in bundled_available()}
+    available = {label: source for label, source in SOURCES.items()
+                 if label not in BUNDLED or source in bundled_available()}
     label = sb.radio("Weights", list(available), key="source",
                      help="Bundled models ship with the app. A local directory is what Hugging Face save_pretrained "
                           "writes (config.json + weights): GPT-2, Llama, Mistral and Qwen2 run on our own "
@@ -85,8 +77,8 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
                           "Llama 3.1 405B) built on the meta device, no weights: shapes and costs. Nothing is "
                           "downloaded.")
     chosen = available[label]
-    device = device_choice(sb) if chosen == "dir" or chosen.startswith("bundled:") else "cpu"
-    if chosen == "dir":
+    device = device_choice(sb) if chosen == "directory" or label in BUNDLED else "cpu"
+    if chosen == "directory":
         path = sb.text_input("Directory", key="model_dir", placeholder="/path/to/model, org/name or ckpt.pt")
         dtypes, not_offered = compute_dtypes(device)
         if st.session_state.get("model_dtype") not in (None, *dtypes):
@@ -117,8 +109,8 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
             load_own_module(spec)
     elif chosen == "dry":
         dry_run_sidebar(sb)
-    elif state().model_key != on_device(chosen, device):
-        choose_model(on_device(chosen, device), "")
+    elif state().model != (bundled := ModelChoice("bundled", chosen, device=device)):
+        choose_model(bundled, "")
 
     sb.header("Sampling")
     values["decoding"] = sb.radio("Decoding", DECODINGS, index=DECODINGS.index(DEFAULTS.decoding), key="decoding",
@@ -137,7 +129,7 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     values["use_cache"] = sb.toggle(
         "KV cache", value=DEFAULTS.use_cache, key="use_cache",
         help="On: a decode step computes one new row. Off: every step recomputes all positions.")
-    if parse_model_key(state().model_key)[1] == FACTORY:
+    if state().model.kind == "factory":
         sb.caption("Your module runs its own forward, without our KV cache: every step recomputes all positions.")
     values["chat"] = sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
                                help="Wrap each prompt in the model's chat template as a user message, as "
@@ -180,7 +172,7 @@ def device_choice(sb) -> str:
         st.session_state["model_device"] = asked
     requested = st.session_state.get("model_device")
     if requested is not None and requested not in offered:
-        current = model_device(app.model_key)
+        current = app.model.device
         try:
             st.session_state["model_device"] = check_device(requested)  # "cuda" is "cuda:0"
         except SettingsError as e:
@@ -219,7 +211,8 @@ def weights_size_of(path: str, dtype: str, memory_gib: float = 0) -> str:
 def load_own_module(spec: str) -> None:
     app = state()
     try:
-        model, tok = factory_model(spec.strip())
+        choice = ModelChoice("factory", spec.strip())
+        model, tok = loaded_model(choice)
     except (OwnModuleError, ModelLoadError, ImportError, OSError, ValueError, TypeError, RuntimeError) as e:
         app.notices = [("error", f"Could not load that module, the previous model stays loaded: {plain(e)}")]
         return
@@ -228,23 +221,18 @@ def load_own_module(spec: str) -> None:
                                  "is a model.TextTokenizer or the path of a tokenizer.json; the previous model stays "
                                  "loaded.")]
         return
-    choose_model(factory_key(spec.strip()), f"Loaded {plain(spec)}: {describe_model(model)}.")
+    choose_model(choice, f"Loaded {plain(spec)}: {describe_model(model)}.")
 
 
 def load_directory(path: str, dtype: str, memory_gib: float = 0, device: str = "cpu") -> None:
     app = state()
     try:
-        resolved = checkpoint_path(path)
+        choice = ModelChoice("directory", checkpoint_path(path), dtype=dtype, memory_gib=memory_gib, device=device)
     except SettingsError as e:
         app.notices = [("error", str(e))]
         return
-    if memory_gib and device != "cpu":
-        app.notices = [("error", "“Memory for the weights” lets accelerate place the layers (in memory and on disk): "
-                                 "it loads on the cpu device only. Set it to 0 to load on "
-                                 f"{device}; the previous model stays loaded.")]
-        return
     try:
-        model, tok = directory_model(resolved, load_how(dtype, memory_gib), device)
+        model, tok = loaded_model(choice)
     except ModelLoadError as e:
         app.notices = [("error", f"Could not load that model, the previous one stays loaded: {plain(e)}")]
         return
@@ -252,24 +240,23 @@ def load_directory(path: str, dtype: str, memory_gib: float = 0, device: str = "
         app.notices = [("error", f"Could not read that directory, the previous model stays loaded: {plain(e)}")]
         return
     if tok is None:
-        app.notices = [("error", f"{plain(resolved)} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); "
-                                 "the previous model stays loaded.")]
+        app.notices = [("error", f"{plain(choice.where)} has no tokenizer (tokenizer.json, or vocab.json + "
+                                 "merges.txt); the previous model stays loaded.")]
         return
-    choose_model(on_device(directory_key(resolved, dtype, memory_gib), device),
-                 f"Loaded {plain(resolved)}: {describe_model(model)}.")
+    choose_model(choice, f"Loaded {plain(choice.where)}: {describe_model(model)}.")
 
 
-def choose_model(key: str, loaded: str) -> None:
-    """Make ``key`` the model the next generation uses. A live generation keeps its own model until Reset,
+def choose_model(choice: ModelChoice, loaded: str) -> None:
+    """Make ``choice`` the model the next generation uses. A live generation keeps its own model until Reset,
     like every other setting, and an opened file stays open: choosing a model discards nothing."""
     app = state()
-    app.model_key = key
+    app.model = choice
     if app.generation is None:
         if loaded:
             app.notices = [("success", loaded)]
         return
     waiting = ("Step continues the current generation with its own model; Reset starts a new one with "
-               f"{plain(describe_model_key(key))}." if app.model_changed else
+               f"{plain(choice.describe())}." if app.model_changed else
                "It is the model of the current generation, which goes on as it was.")
     app.notices = [("success" if loaded else "info", (loaded + " " if loaded else "") + waiting)]
 
@@ -319,7 +306,7 @@ def reset(refused: SettingsError | None) -> None:
     forget_run()  # the address names no run now; the old one stays in Recent runs
     reserve_memory()  # the generation's share goes back to the server
     state().notices = [("info", "Reset: the next Step starts from the prompt with these settings and "
-                                f"{plain(describe_model_key(state().model_key))}.")]
+                                f"{plain(state().model.describe())}.")]
 
 
 def advance(n_raw: object, settings: Settings | None, refused: SettingsError | None, owed: bool = False) -> None:

@@ -1,29 +1,39 @@
 """What the app's widgets mean, what a session holds and what its buttons run, without Streamlit.
 
 The sidebar's widgets take their defaults from ``DEFAULTS`` and their values reach ``settings_from`` once;
-every refusal is a ``SettingsError`` whose message the app shows as it is. ``AppState`` is the one object a
-browser session keeps between reruns: the live generation, the trace file being viewed (if any) and the small
-choices that outlive a widget. The GUI (``gui/``) draws; what its buttons compute — a run of steps, a rerun to
-compare with, a step replayed with heads off — is here, so that it can be tested without a page.
+every refusal is a ``SettingsError`` (``_errors.py``) whose message the app shows as it is. What to load is a
+``ModelChoice`` (``_choice.py``, with the devices): the sidebar, the command line and a saved run each build one,
+and ``load`` loads it for all three. ``AppState`` is the one object a browser session keeps between reruns: the
+live generation, the trace file being viewed (if any) and the small choices that outlive a widget. The GUI
+(``gui/``) draws; what its buttons compute — a run of steps, a rerun to compare with, a step replayed with heads
+off — is here, so that it can be tested without a page.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from gpt_shape_tracer.model.analysis import repeated_random_tokens
 from gpt_shape_tracer.model.gpt import act_name, identity_of
 from gpt_shape_tracer.model.sampling import SamplingConfig, SamplingError
 from gpt_shape_tracer.model.sources import OwnDecoder, TokenizerConfigError
+from gpt_shape_tracer.session._choice import DEFAULT_MODEL as DEFAULT_MODEL
+from gpt_shape_tracer.session._choice import HOST as HOST
+from gpt_shape_tracer.session._choice import MAX_WEIGHTS_GIB as MAX_WEIGHTS_GIB
+from gpt_shape_tracer.session._choice import ModelChoice as ModelChoice
+from gpt_shape_tracer.session._choice import available_devices as available_devices
+from gpt_shape_tracer.session._choice import check_device as check_device
+from gpt_shape_tracer.session._choice import checkpoint_path as checkpoint_path
+from gpt_shape_tracer.session._choice import compute_dtypes as compute_dtypes
+from gpt_shape_tracer.session._choice import gib_of as gib_of
+from gpt_shape_tracer.session._choice import load as load
+from gpt_shape_tracer.session._errors import SettingsError as SettingsError
+from gpt_shape_tracer.session.decoding import BeamRun
 from gpt_shape_tracer.tracer import (
     DEFAULT_BUDGET_BYTES,
     FORWARD_CAPTURES,
@@ -51,15 +61,9 @@ if TYPE_CHECKING:
 
 MAX_BUDGET_MB = 8192
 MAX_SPILL_MB = 65536  # "keep every value on disk": at most 64 GiB of one session's temporary file
-MAX_WEIGHTS_GIB = 4096.0  # "memory for the weights": any amount a machine has
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She had a red ball."
 DEFAULT_RUN_N = 8  # the sidebar's "N for Run N"
 AUTO_RECOMPUTE_PARAMS = 20_000_000  # below this, every step is checked against a full recompute (one timing)
-DEFAULT_MODEL_KEY = "bundled:story-gpt"
-
-
-class SettingsError(ValueError):
-    """A setting the user typed that cannot be used; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -224,142 +228,7 @@ def caches(model) -> bool:
     return not isinstance(model, OwnDecoder)
 
 
-# -- devices ------------------------------------------------------------------------------------------
-HOST = "cpu"
-DEVICE_NAME = re.compile(r"cpu|mps|cuda(:\d+)?")  # what a person may ask for (the sidebar, the address, the CLI)
-
-
-def available_devices() -> tuple[str, ...]:
-    """The devices this machine offers, as PyTorch sees them: the CPU always, each CUDA device, Apple's MPS."""
-    cuda = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
-    mps = ("mps",) if torch.backends.mps.is_available() else ()
-    return (HOST, *cuda, *mps)
-
-
-def check_device(raw: object) -> str:
-    """The device ``raw`` names, as ``available_devices`` writes it ("cuda" is "cuda:0"), or a ``SettingsError``
-    saying what this machine offers instead."""
-    name = str(raw).strip()
-    if not DEVICE_NAME.fullmatch(name):
-        raise SettingsError(f"device {name!r}: give cpu, cuda, cuda:N or mps")
-    offered = available_devices()
-    name = "cuda:0" if name == "cuda" else name
-    if name in offered:
-        return name
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        build = ", a CPU-only build" if torch.version.cuda is None else ""
-        why = f"PyTorch sees no CUDA device on this machine (torch {torch.__version__}{build})"
-    elif name.startswith("cuda"):
-        why = f"PyTorch sees {torch.cuda.device_count()} CUDA device(s), cuda:0 … cuda:{torch.cuda.device_count() - 1}"
-    else:
-        why = "PyTorch sees no MPS device (Apple silicon with macOS 12.3 or later) on this machine"
-    raise SettingsError(f"device {name}: {why}; this machine offers {', '.join(offered)}")
-
-
-def compute_dtypes(device: str) -> tuple[tuple[str, ...], str]:
-    """The compute dtypes a model may be loaded in on ``device``, and why a half-precision one is not offered
-    ("" when both are)."""
-    if device.startswith("cuda"):
-        with torch.cuda.device(device):  # is_bf16_supported asks of the current device
-            bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        if bf16:
-            return ("float32", "bfloat16", "float16"), ""
-        major, minor = torch.cuda.get_device_capability(device)
-        return ("float32", "float16"), (f"bfloat16 is not offered: {torch.cuda.get_device_name(device)} (compute "
-                                        f"capability {major}.{minor}) has no bfloat16 arithmetic (it needs 8.0)")
-    if device == "mps":
-        if torch.backends.mps.is_macos_or_newer(14, 0):
-            return ("float32", "bfloat16", "float16"), ""
-        return ("float32", "float16"), "bfloat16 is not offered: MPS computes in bfloat16 from macOS 14 on"
-    return ("float32", "bfloat16", "float16"), ""
-
-
 # -- models -------------------------------------------------------------------------------------------
-FACTORY = "factory"  # the "dtype" slot of a model key that names your own module's factory
-
-
-def on_device(key: str, device: str) -> str:
-    """``key`` loaded on ``device``: ``<device>|<key>``, and the key itself on the CPU (the keys of runs saved
-    before there was a choice say nothing of a device, and still mean the CPU)."""
-    key = model_key_of(key)
-    return key if device == HOST else f"{device}|{key}"
-
-
-def model_device(key: str) -> str:
-    """The device a model key loads its model on (the CPU unless the key names another)."""
-    device, bar, _ = key.partition("|")
-    return device if bar and DEVICE_NAME.fullmatch(device) else HOST
-
-
-def model_key_of(key: str) -> str:
-    """``key`` without its device (a key begins with ``bundled:``, ``factory:`` or ``dir:``, never a device)."""
-    device, bar, rest = key.partition("|")
-    return rest if bar and DEVICE_NAME.fullmatch(device) else key
-
-
-def parse_model_key(key: str) -> tuple[str, str | None]:
-    """A model key as (bundled model's name, None) for ``bundled:<name>``, (spec, "factory") for
-    ``factory:<package.module:function>``, or (path, how) for ``dir:<how>:<path>`` (the path last: it may
-    hold colons), where ``how`` is the dtype, and ``@<GiB>`` after it when the weights may take only that
-    much memory (``directory_load``). A key for another device than the CPU begins ``<device>|``
-    (``model_device``)."""
-    key = model_key_of(key)
-    if key.startswith("bundled:"):
-        return key.split(":", 1)[1], None
-    if key.startswith("factory:"):
-        return key.split(":", 1)[1], FACTORY
-    _, dtype, path = key.split(":", 2)
-    return path, dtype
-
-
-def load_how(dtype: str, memory_gib: float = 0) -> str:
-    """How a directory is loaded, as its key says: in ``dtype``, its weights given ``memory_gib`` GiB of memory
-    (0: all of it)."""
-    return f"{dtype}@{memory_gib:g}" if memory_gib else dtype
-
-
-def directory_key(path: str, dtype: str, memory_gib: float = 0) -> str:
-    return f"dir:{load_how(dtype, memory_gib)}:{path}"
-
-
-def directory_load(how: str) -> tuple[str, str | None]:
-    """A directory key's ``how`` as (dtype, ``max_memory`` for ``load_model``: None for all in memory)."""
-    dtype, _, gib = how.partition("@")
-    return dtype, f"{gib}GiB" if gib else None
-
-
-def describe_load(how: str) -> str:
-    dtype, memory = directory_load(how)
-    return dtype if memory is None else f"{dtype}, weights beyond {memory[:-3]} GiB on disk"
-
-
-def factory_key(spec: str) -> str:
-    return f"factory:{spec}"
-
-
-def describe_model_key(key: str) -> str:
-    """A model key as a person reads it: what they chose in the sidebar."""
-    where, dtype = parse_model_key(key)
-    device = model_device(key)
-    on = "" if device == HOST else f" on {device}"
-    if dtype is None:
-        return f"the bundled {where}{on}"
-    return f"your module {where}" if dtype == FACTORY else f"the directory {where} ({describe_load(dtype)}){on}"
-
-
-def checkpoint_path(raw: str) -> str:
-    """The directory a person typed, resolved, or a ``SettingsError`` saying why it cannot be one (before
-    anything is read, so the previous model stays loaded)."""
-    if not raw or not raw.strip():
-        raise SettingsError("Type the directory of a checkpoint first.")
-    if "\x00" in raw:
-        raise SettingsError("That directory name holds a NUL character; the previous model stays loaded.")
-    try:
-        return str(Path(raw.strip()).expanduser())
-    except RuntimeError as e:  # "~nosuchuser/x": no such user's home to expand
-        raise SettingsError(f"{raw.strip()!r}: {e}; the previous model stays loaded.") from None
-
-
 def describe_model(model) -> str:
     """The live model's size and dtype in one line (beside its identity, which a file also carries)."""
     c = model.config
@@ -579,10 +448,10 @@ class Kept:
 class AppState:
     """Everything one browser session keeps between reruns (widget values aside, which Streamlit keeps)."""
 
-    model_key: str = DEFAULT_MODEL_KEY  # the sidebar's choice: "bundled:<name>", "dir:<dtype>:<path>", "factory:…"
+    model: ModelChoice = DEFAULT_MODEL  # the sidebar's choice
     generation: TracedGeneration | None = None
     started_with: Settings | None = None  # the settings the generation started with
-    started_model_key: str | None = None  # the model the generation started with (a new choice waits for Reset)
+    started_model: ModelChoice | None = None  # the model the generation started with (a new choice waits for Reset)
     loaded: LoadedTrace | None = None  # an opened trace file, kept until closed
     showing_file: bool = False  # whether the tabs show the file (else the live generation)
     notices: list[tuple[str, str]] = field(default_factory=list)  # (level, message) for the next rerun
@@ -595,6 +464,7 @@ class AppState:
     patching: PatchingRun | None = None
     comparison: Comparison | None = None
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
+    beams: BeamRun | None = None  # the Beam search tab's run on this generation's model and prompts
     # (step, layer, head, sequence, loss) → HeadGradients, kept so that returning to a head shows it at once
     gradients: Kept = field(default_factory=lambda: Kept(GRADIENTS_KEPT))
     gradient_trace: tuple[tuple, Trace] | None = None  # (step, loss), ∂L/∂x at every hook point
@@ -641,13 +511,13 @@ class AppState:
     @property
     def model_changed(self) -> bool:
         """Whether the sidebar names another model than the live generation runs (it waits for Reset)."""
-        return self.generation is not None and self.started_model_key not in (None, self.model_key)
+        return self.generation is not None and self.started_model not in (None, self.model)
 
     def start(self, model, tokenizer, settings: Settings) -> TracedGeneration:
         """A new generation of the chosen model with ``settings`` (the previous one is closed)."""
         gen = new_generation(model, tokenizer, settings)
         self.reset()
-        self.generation, self.started_with, self.started_model_key = gen, settings, self.model_key
+        self.generation, self.started_with, self.started_model = gen, settings, self.model
         return gen
 
     def reset(self) -> None:
@@ -656,12 +526,13 @@ class AppState:
             self.generation.close()
         self.generation = None
         self.started_with = None
-        self.started_model_key = None
+        self.started_model = None
         self.query_picks = {}
         self.ablations.clear()
         self.patching = None
         self.comparison = None
         self.precision = None
+        self.beams = None
         self.gradients.clear()
         self.gradient_trace = None
         self.confirm_reset = self.reset_confirmed = False

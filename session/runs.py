@@ -1,7 +1,7 @@
 """The app's runs folder: each browser session's generation, kept on disk under an unguessable run id so that a
 reload, a dropped connection or a server restart loses nothing.
 
-A run is a folder ``<runs dir>/<run id>/`` holding ``run.json`` (what to start again: the model's key, the
+A run is a folder ``<runs dir>/<run id>/`` holding ``run.json`` (what to start again: the model chosen, the
 sidebar's settings as their widgets hold them, how many steps ran, the step and the view on screen) and
 ``trace.zip`` (the generation's trace in the project's file format, ``tracer.save_trace``; read back with
 ``tracer.load_trace``, which checks every field: nothing in the folder is ever unpickled). The run id is
@@ -41,10 +41,11 @@ import shutil
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gpt_shape_tracer.session import ModelChoice, SettingsError
 from gpt_shape_tracer.session.server_limits import whole_from_env
 
 RUNS_DIR_ENV = "GPT_SHAPE_TRACER_RUNS_DIR"
@@ -145,7 +146,7 @@ class RunRecord:
     """``run.json``: what a run is and where its person was looking."""
 
     run_id: str
-    model_key: str  # session.AppState.model_key: "bundled:<name>", "dir:<how>:<path>", "factory:<spec>"
+    model: ModelChoice  # session.AppState.model (run.json: its to_json; a run saved before: its model key)
     widgets: dict[str, Scalar]  # the sidebar's settings by widget key (session.SETTING_KEYS)
     n_steps: int  # steps the generation had when it was last written
     step: int  # the step on screen
@@ -161,7 +162,7 @@ class RunRecord:
         return prompt if len(prompt) <= 48 else prompt[:47] + "…"
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False, allow_nan=False)
+        return json.dumps({**asdict(self), "model": self.model.to_json()}, ensure_ascii=False, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str | bytes, run_id: str) -> RunRecord:
@@ -180,7 +181,7 @@ class RunRecord:
             return value
 
         record = cls(
-            run_id=get("run_id", str), model_key=get("model_key", str), widgets=_scalars(get("widgets", dict), run_id),
+            run_id=get("run_id", str), model=_model(raw, run_id), widgets=_scalars(get("widgets", dict), run_id),
             n_steps=get("n_steps", int), step=get("step", int), view=get("view", str),
             updated=float(get("updated", (int, float))), trace_saved=get("trace_saved", bool),
             owner=get("owner", str) if "owner" in raw else "",
@@ -191,9 +192,21 @@ class RunRecord:
             raise RunError(f"run {run_id}: {RUN_FILE} names another run")
         if not 0 <= record.step < max(1, record.n_steps) or record.n_steps < 0 or not math.isfinite(record.updated):
             raise RunError(f"run {run_id}: {RUN_FILE} holds a step outside its steps")
-        if len(record.model_key) > MAX_TEXT or len(record.view) > 200:
+        if len(record.model.where) > MAX_TEXT or len(record.model.tokenizer) > MAX_TEXT or len(record.view) > 200:
             raise RunError(f"run {run_id}: {RUN_FILE} holds a name too long")
         return record
+
+
+def _model(raw: dict, run_id: str) -> ModelChoice:
+    """The record's model: ``"model"`` as ``ModelChoice.to_json`` wrote it, or the ``"model_key"`` string of a run
+    saved before there was one (``ModelChoice.from_json`` reads both)."""
+    written: object = raw["model"] if "model" in raw else raw.get("model_key")
+    if not isinstance(written, dict) and not (isinstance(written, str) and "model" not in raw):
+        raise RunError(f"run {run_id}: {RUN_FILE} field 'model' is missing or of the wrong type")
+    try:
+        return ModelChoice.from_json(written)
+    except SettingsError as e:
+        raise RunError(f"run {run_id}: {RUN_FILE} field 'model' is not a model choice ({e})") from None
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
@@ -261,7 +274,7 @@ class RunStore:
                 self._write_private(folder, TRACE_FILE, lambda p: save_trace(trace, p))
             else:
                 (folder / TRACE_FILE).unlink(missing_ok=True)
-                record = RunRecord(**{**asdict(record), "trace_saved": False})
+                record = replace(record, trace_saved=False)
         self._write_private(folder, RUN_FILE, lambda p: p.write_text(record.to_json(), encoding="utf-8"))
         return self.prune(keep=record.run_id)
 
@@ -270,7 +283,7 @@ class RunStore:
         record = self.record(run_id)
         if record is None or (record.step, record.view) == (step, view):
             return
-        updated = RunRecord(**{**asdict(record), "step": step, "view": view, "updated": time.time()})
+        updated = replace(record, step=step, view=view, updated=time.time())
         self._write_private(self.run_dir(run_id), RUN_FILE, lambda p: p.write_text(updated.to_json(),
                                                                                     encoding="utf-8"))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from gpt_shape_tracer.session import DEFAULT_MODEL
 from gpt_shape_tracer.tracer.files._io import archive_bytes
 from tests.test_app import charts, heatmaps, metric, new_app, press, press_reset, run, show_tab
 
@@ -205,7 +206,7 @@ def bad_dirs(tmp_path, hf_pair):
 def test_bad_model_directories_leave_the_loaded_model_working(stepped, bad_dirs, case, expected):
     at = _load_dir(stepped, str(bad_dirs[case]))
     assert "Could not load that model, the previous one stays loaded" in messages(at) and expected in messages(at)
-    assert at.session_state["app"].model_key == "bundled:story-gpt"
+    assert at.session_state["app"].model == DEFAULT_MODEL
     press(at, "step_button")
     assert_kept(at, 3)
 
@@ -228,7 +229,7 @@ def test_a_transformers_config_it_cannot_build_is_a_message_and_the_model_stays(
     at = _load_dir(stepped, str(directory))
     assert not at.exception, at.exception
     assert "Could not load that model, the previous one stays loaded" in messages(at) and expected in messages(at)
-    assert at.session_state["app"].model_key == "bundled:story-gpt"
+    assert at.session_state["app"].model == DEFAULT_MODEL
     press(at, "step_button")
     assert_kept(at, 3)
 
@@ -252,7 +253,7 @@ def test_files_that_cannot_be_hashed_are_a_failed_load_that_is_not_kept(stepped,
     said = messages(at)
     assert "Could not load that model, the previous one stays loaded" in said
     assert "its weight files could not be read again" in said and "Permission denied" in said
-    assert at.session_state["app"].model_key == "bundled:story-gpt"
+    assert at.session_state["app"].model == DEFAULT_MODEL
     press(at, "step_button")
     assert_kept(at, 3)
     monkeypatch.setattr(identity_module, "files_digest", real)

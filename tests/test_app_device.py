@@ -5,6 +5,8 @@ saved run's model key — is refused with a message while everything computed st
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from streamlit.testing.v1 import AppTest
@@ -39,7 +41,7 @@ def test_the_sidebar_offers_what_torch_sees_and_the_cpu_runs_end_to_end():
     press(at, "step_button")
     press(at, "step_button")
     app = at.session_state["app"]
-    assert app.model_key == "bundled:story-gpt"  # a key of the CPU is written as before there was a choice
+    assert app.model == session.ModelChoice("bundled", "story-gpt", device="cpu") == session.DEFAULT_MODEL
     assert app.generation.n_steps == 2 and not at.exception
     assert {rec.device for rec in app.generation.trace.filter(step=1)} == {"cpu"}
     assert next(app.generation.model.parameters()).device.type == "cpu"
@@ -57,7 +59,7 @@ def test_a_device_this_machine_lacks_is_refused_and_the_steps_stay():
     assert "Device refused" in said and ("PyTorch sees no CUDA device" in said or "CUDA device(s)" in said)
     assert "the current generation and its steps are kept" in said
     assert at.sidebar.selectbox(key="model_device").value == "cpu"
-    assert app.model_key == "bundled:story-gpt" and app.generation.n_steps == 2
+    assert app.model == session.DEFAULT_MODEL and app.generation.n_steps == 2
     assert tokens_of(app.generation.trace) == before
     press(at, "step_button")  # and the generation goes on
     assert app.generation.n_steps == 3 and "Device refused" not in errors(at)
@@ -81,29 +83,31 @@ def test_a_saved_run_on_a_device_this_machine_lacks_opens_its_written_trace(bund
     gen = TracedGeneration(model, tok, "Tom had a kite.", temperature=0)
     gen.run(2)
     run_id = new_run_id()
-    key = session.on_device("bundled:story-gpt", "cuda:0" if not torch.cuda.is_available() else lacking_device())
-    runs_store().save(record(run_id, model_key=key, n_steps=2, step=1), gen.trace)
+    choice = session.ModelChoice(device="cuda:0" if not torch.cuda.is_available() else lacking_device())
+    runs_store().save(record(run_id, model=choice, n_steps=2, step=1), gen.trace)
     at = AppTest.from_file(APP, default_timeout=240)
     at.query_params["run"] = run_id
     run(at)
     app = at.session_state["app"]
     assert app.viewing_file and tokens_of(app.loaded.trace) == tokens_of(gen.trace)
     assert any("cannot be loaded" in w.value and "CUDA device" in w.value for w in at.warning), page_text(at)
-    assert app.model_key == "bundled:story-gpt"
+    assert app.model == session.DEFAULT_MODEL
 
 
-# -- session: keys, names, dtypes ------------------------------------------------------------------------
-def test_a_model_key_carries_its_device_and_old_keys_mean_the_cpu():
-    for key in ("bundled:story-llama", "dir:bfloat16@1.5:/tmp/a:b|c", "factory:pkg.mod:make"):
-        assert session.on_device(key, "cpu") == key and session.model_device(key) == "cpu"
-        moved = session.on_device(key, "cuda:1")
-        assert session.model_device(moved) == "cuda:1" and session.parse_model_key(moved) == \
-            session.parse_model_key(key)
-        assert session.on_device(moved, "cpu") == key and session.on_device(moved, "mps") == f"mps|{key}"
-    assert session.parse_model_key("dir:float32:/tmp/x|y") == ("/tmp/x|y", "float32")  # a bar in a path is a path
-    assert session.model_device("dir:float32:/tmp/x|y") == "cpu"
-    assert session.describe_model_key("cuda:0|bundled:story-gpt") == "the bundled story-gpt on cuda:0"
-    assert session.describe_model_key("bundled:story-gpt") == "the bundled story-gpt"
+# -- session: choices, names, dtypes -----------------------------------------------------------------------
+def test_a_model_choice_carries_its_device_and_old_keys_mean_the_cpu():
+    for key, kind in (("bundled:story-llama", "bundled"), ("dir:bfloat16:/tmp/a:b|c", "directory"),
+                      ("factory:pkg.mod:make", "factory")):
+        choice = session.ModelChoice.from_json(key)  # a run saved before: its key names no device
+        assert choice.kind == kind and choice.device == "cpu"
+        if kind != "factory":  # your own factory places its module itself
+            moved = session.ModelChoice.from_json(f"cuda:1|{key}")
+            assert moved.device == "cuda:1" and replace(moved, device="cpu") == choice
+    assert session.ModelChoice.from_json("dir:float32:/tmp/x|y").where == "/tmp/x|y"  # a bar in a path is a path
+    assert session.ModelChoice.from_json("dir:float32:/tmp/x|y").device == "cpu"
+    assert session.ModelChoice(device="cuda").device == "cuda:0"  # as check_device writes it
+    assert session.ModelChoice.from_json("cuda:0|bundled:story-gpt").describe() == "the bundled story-gpt on cuda:0"
+    assert session.ModelChoice().describe() == "the bundled story-gpt"
 
 
 @pytest.mark.parametrize("raw", ["tpu", "cuda:x", "gpu", "", "cuda:-1", "cpu:0"])

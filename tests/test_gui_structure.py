@@ -154,18 +154,17 @@ def test_settings_from_no_widgets_are_the_defaults():
         session.settings_from({"seed": "x"})
 
 
-def test_model_keys_and_directories():
-    assert session.parse_model_key("bundled:story-llama") == ("story-llama", None)
-    key = session.directory_key("/tmp/a:b", "bfloat16")
-    assert session.parse_model_key(key) == ("/tmp/a:b", "bfloat16")
-    assert session.directory_load("bfloat16") == ("bfloat16", None)
-    offloaded = session.directory_key("/tmp/a:b", "float32", 1.5)
-    where, how = session.parse_model_key(offloaded)
-    assert where == "/tmp/a:b" and session.directory_load(how) == ("float32", "1.5GiB")
-    assert session.describe_model_key(offloaded) == "the directory /tmp/a:b (float32, weights beyond 1.5 GiB on disk)"
+def test_a_model_choice_of_a_directory_and_the_directory_typed():
+    choice = session.ModelChoice("directory", "/tmp/a:b", dtype="bfloat16")
+    assert session.ModelChoice.from_json(choice.to_json()) == choice and choice.max_memory is None
+    offloaded = session.ModelChoice("directory", "/tmp/a:b", dtype="float32", memory_gib=1.5)
+    assert offloaded.max_memory == "1.5GiB"
+    assert offloaded.describe() == "the directory /tmp/a:b (float32, weights beyond 1.5 GiB on disk)"
     for raw, message in (("  ", "Type the directory"), ("/a\x00b", "NUL character")):
         with pytest.raises(SettingsError, match=message):
             session.checkpoint_path(raw)
+        with pytest.raises(SettingsError, match=message):
+            session.ModelChoice("directory", raw)
     assert session.checkpoint_path(" ~/m ") == str(Path("~/m").expanduser())
 
 

@@ -298,7 +298,7 @@ def test_the_app_shows_a_factory_that_raises_as_a_message_and_keeps_the_model(us
 
     _write(user_code / "failing_mod.py", FAILING_FACTORY, 0o644)
     at = new_app()
-    before = at.session_state["app"].model_key
+    before = at.session_state["app"].model
     at.sidebar.radio(key="source").set_value("Your own module (package.module:function)")
     run(at)
     at.sidebar.text_input(key="model_factory").set_value("failing_mod:make")
@@ -307,7 +307,7 @@ def test_the_app_shows_a_factory_that_raises_as_a_message_and_keeps_the_model(us
     messages = [unescape(e.value) for e in at.error]
     assert any("Could not load that module, the previous model stays loaded" in m and
                "failing_mod:make raised KeyError: 'n_layer'" in m for m in messages), messages
-    assert at.session_state["app"].model_key == before
+    assert at.session_state["app"].model == before
     sys.modules.pop("failing_mod", None)
 
 def test_the_command_line_traces_your_module_from_its_factory(user_code, capsys):

@@ -14,6 +14,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from gpt_shape_tracer.gui.runs import tokens_of
+from gpt_shape_tracer.session import ModelChoice
 from gpt_shape_tracer.session.runs import (
     CHECKOUT,
     LIST_ALL_RUNS_ENV,
@@ -34,7 +35,7 @@ from tests.test_app import APP, page_text, press, run, show_tab
 
 
 def record(run_id: str, updated: float = 1.0, **changes) -> RunRecord:
-    base = RunRecord(run_id, "bundled:story-gpt", {"prompt": "Lily had a ball.", "seed": "0", "use_cache": True,
+    base = RunRecord(run_id, ModelChoice(), {"prompt": "Lily had a ball.", "seed": "0", "use_cache": True,
                                                    "temperature": 1.0, "top_k": 0}, 2, 1, "Attention", updated)
     return replace(base, **changes)
 
@@ -111,7 +112,10 @@ def test_a_trace_larger_than_the_whole_budget_is_not_written(tmp_path, small_tra
 
 
 @pytest.mark.parametrize("field, value", [("n_steps", "2"), ("step", 5), ("widgets", [1]), ("run_id", "x" * 22),
-                                          ("updated", True), ("view", None), ("owner", "me"), ("owner", 7)])
+                                          ("updated", True), ("view", None), ("owner", "me"), ("owner", 7),
+                                          ("model", "bundled:story-gpt"), ("model", {"kind": "gpu", "where": "x"}),
+                                          ("model", {"kind": "bundled", "where": "story-gpt", "device": "tpu"}),
+                                          ("model", None)])
 def test_a_run_file_that_is_not_ours_is_refused_by_field(store, small_trace, field, value):
     run_id = new_run_id()
     store.save(record(run_id), small_trace)
@@ -176,6 +180,26 @@ def test_a_run_written_before_runs_had_owners_reads_and_belongs_to_no_page(store
     assert store.recent(owner=owner_tag(new_owner_token())) == [] and len(store.recent()) == 1
 
 
+def written_before(store: RunStore, run_id: str, key: str, trace) -> None:
+    """A run as the version before ``ModelChoice`` wrote it: run.json names its model by a key string."""
+    store.save(record(run_id), trace)
+    path = store.run_dir(run_id) / RUN_FILE
+    raw = json.loads(path.read_text())
+    del raw["model"]
+    path.write_text(json.dumps({**raw, "model_key": key}))
+
+
+def test_a_run_file_of_the_version_before_reads_its_model_key_and_is_written_again_as_a_choice(store, small_trace):
+    run_id = new_run_id()
+    written_before(store, run_id, "cuda:1|dir:bfloat16:/models/a:b", small_trace)
+    old = store.record(run_id)
+    assert old.model == ModelChoice("directory", "/models/a:b", dtype="bfloat16", device="cuda:1")
+    store.update_view(run_id, 0, "KV cache")  # written again: the model as today's object
+    raw = json.loads((store.run_dir(run_id) / RUN_FILE).read_text())
+    assert "model_key" not in raw and raw["model"] == old.model.to_json()
+    assert store.record(run_id).model == old.model
+
+
 # -- the app -----------------------------------------------------------------------------------------------
 def app_at(run_id: str | None = None, owner: str | None = None) -> AppTest:
     """A new session, as a reload or another browser opens it: with ``run_id`` and ``owner`` in its address."""
@@ -224,7 +248,7 @@ def test_a_reload_restores_the_run_its_step_model_and_view():
 
     again = reload(at)  # a new session with the same address
     app = again.session_state["app"]
-    assert app.run_id == run_id and app.model_key == "bundled:story-llama"
+    assert app.run_id == run_id and app.model == ModelChoice("bundled", "story-llama")
     assert app.generation.n_steps == 4 and tokens_of(app.generation.trace) == before
     assert again.slider(key="step_view").value == 1 and again.session_state["view"] == "KV cache"
     assert again.sidebar.text_area(key="prompt").value == "Mia had a small blue boat."
@@ -273,15 +297,33 @@ def test_an_unknown_or_malformed_run_in_the_address_changes_nothing():
     assert any("not a run id" in e.value for e in at.error) and address_run(at) is None
 
 
+def test_a_run_saved_by_the_version_before_still_reopens():
+    """Its run.json names the model by the old key string: the run is made again and checked as any other."""
+    from gpt_shape_tracer.model import load_bundled
+
+    model, tok = load_bundled("story-llama")
+    gen = TracedGeneration(model, tok, "Lily had a ball.", temperature=0)  # record()'s prompt, greedy as the app
+    gen.run(2)
+    run_id = new_run_id()
+    written_before(runs_store(), run_id, "bundled:story-llama", gen.trace)
+    at = app_at(run_id)
+    app = at.session_state["app"]
+    assert app.model == ModelChoice("bundled", "story-llama") and app.generation.n_steps == 2
+    assert at.sidebar.radio(key="source").value == "Bundled Llama-style story model"
+    assert any("Restored run" in s.value and "every token equals the trace written then" in s.value
+               for s in at.success), page_text(at)
+
+
 def test_a_run_whose_model_is_gone_opens_its_written_trace(tmp_path, small_trace):
     run_id = new_run_id()
-    runs_store().save(record(run_id, model_key=f"dir:float32:{tmp_path / 'gone'}", n_steps=2, step=1), small_trace)
+    runs_store().save(record(run_id, model=ModelChoice("directory", str(tmp_path / "gone")), n_steps=2, step=1),
+                      small_trace)
     at = app_at(run_id)
     app = at.session_state["app"]
     assert app.viewing_file and tokens_of(app.loaded.trace) == tokens_of(small_trace)
     assert any("shown from the trace written at the time" in w.value and "cannot be loaded" in w.value
                for w in at.warning)
-    assert app.model_key == "bundled:story-gpt"  # the sidebar's model is left as it was
+    assert app.model == ModelChoice()  # the sidebar's model is left as it was
 
 
 def test_a_gradients_result_comes_back_after_a_step():
