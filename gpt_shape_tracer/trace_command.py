@@ -17,7 +17,10 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpt_shape_tracer.session import ModelChoice
 
 from gpt_shape_tracer import engine_command
 
@@ -224,6 +227,20 @@ def _check_device(device: str) -> None:
                          f"{torch.cuda.device_count() - 1}")
 
 
+def model_choice(args: argparse.Namespace) -> ModelChoice:
+    """The model the arguments name, as the app names one (``session.ModelChoice``: checked as the app checks it;
+    imports torch)."""
+    from gpt_shape_tracer.session import ModelChoice, gib_of
+
+    if args.model_factory:
+        return ModelChoice("factory", args.model_factory, tokenizer=args.tokenizer or "")
+    if args.model_dir:
+        memory = gib_of(args.max_memory, "--max-memory") if args.max_memory else 0.0
+        return ModelChoice("directory", args.model_dir, dtype=args.dtype, memory_gib=memory, device=args.device,
+                           tokenizer=args.tokenizer or "", dry_run=args.dry_run, tensor_parallel=args.tensor_parallel)
+    return ModelChoice("bundled", args.model, device=args.device)
+
+
 def _check_report_path(flag: str, raw: str, out: Path | None) -> None:
     path = Path(raw).expanduser()
     if out is not None and path.resolve() == out.resolve():
@@ -253,16 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
     import pandas as pd
 
-    from gpt_shape_tracer.model import (
-        Decoder,
-        ModelLoadError,
-        SamplingError,
-        load_bundled,
-        load_model,
-        load_tokenizer,
-    )
-    from gpt_shape_tracer.model.sources import OwnModuleError, load_factory
-    from gpt_shape_tracer.session import build_settings, new_generation
+    from gpt_shape_tracer.model import ModelLoadError, SamplingError
+    from gpt_shape_tracer.model.sources import OwnModuleError
+    from gpt_shape_tracer.session import build_settings, load, new_generation
     from gpt_shape_tracer.tracer import save_trace
 
     try:
@@ -272,35 +282,23 @@ def main(argv: list[str] | None = None) -> int:
             top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, capture=args.capture,
             padding_side="left", budget_mb=args.budget_mb, chat=args.chat, stop_at_eos=not args.no_stop_at_eos,
             spill_mb=args.spill_mb)
-        if args.model_factory:
-            made, tokenizer = load_factory(args.model_factory)
-            model = cast(Decoder, made)  # load_factory returns GPT, HFDecoder or OwnDecoder; it is typed nn.Module
-            if args.tokenizer or isinstance(tokenizer, (str, Path)):
-                tokenizer = load_tokenizer(args.tokenizer or tokenizer, model.config.vocab_size)
-            if tokenizer is None:
-                raise ValueError(f"{args.model_factory} returned no tokenizer: return (model, tokenizer), or give "
-                                 "--tokenizer")
-        elif args.dry_run:
+        model, tokenizer = load(model_choice(args))  # the app's one loader
+        if args.dry_run:
             from gpt_shape_tracer.tracer import prepare_dry_run
 
-            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer, weights=False,
-                                          tensor_parallel=args.tensor_parallel)
             if tokenizer is None and not args.quiet:
                 print(f"note: {args.model_dir} has no tokenizer: the prompt is {args.dry_run_tokens} placeholder ids",
                       file=sys.stderr)
             gen = prepare_dry_run(model, tokenizer, args.prompt[0] if tokenizer is not None else None,
                                   n=args.dry_run_tokens, steps=args.steps - 1, batch=len(args.prompt),
                                   use_cache=not args.no_cache)
-        elif args.model_dir:
-            model, tokenizer = load_model(args.model_dir, dtype=args.dtype, tokenizer=args.tokenizer,
-                                          max_memory=args.max_memory, device=args.device)
-            if tokenizer is None:
-                raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt): "
-                                 "give one with --tokenizer")
+        elif tokenizer is None and args.model_factory:
+            raise ValueError(f"{args.model_factory} returned no tokenizer: return (model, tokenizer), or give "
+                             "--tokenizer")
+        elif tokenizer is None:
+            raise ValueError(f"{args.model_dir} has no tokenizer (tokenizer.json or vocab.json + merges.txt): "
+                             "give one with --tokenizer")
         else:
-            model, tokenizer = load_bundled(args.model)
-            model = model.to(args.device)
-        if not args.dry_run:
             gen = new_generation(model, tokenizer, settings)  # the chat template and a module without a cache, too
         for warning in gen.warnings:
             print(f"warning: {warning}", file=sys.stderr)
