@@ -13,8 +13,9 @@ import streamlit as st
 
 from gpt_shape_tracer.figures.flow import shape_flow_figure
 from gpt_shape_tracer.gui.common import chart, plain
-from gpt_shape_tracer.model import GPT, HFDecoder, ModelLoadError, load_model
+from gpt_shape_tracer.model import GPT, HFDecoder, ModelLoadError
 from gpt_shape_tracer.model.sources import parameters_by_dtype, shapes_available
+from gpt_shape_tracer.session import ModelChoice, load
 from gpt_shape_tracer.tracer import (
     ACCELERATORS,
     StepCosts,
@@ -71,7 +72,8 @@ def dry_run_sidebar(sb) -> None:
 def run_dry(spec: str, n: int, steps: int, ranks: int = 1) -> DryRun | str:
     """The dry run of ``spec`` (one rank of ``ranks``), or the reason it could not be made (shown as an error)."""
     try:
-        model, tok = load_model(spec, weights=False, tensor_parallel=ranks)
+        model, _ = load(ModelChoice("directory", spec, dry_run=True, tensor_parallel=ranks))
+        assert isinstance(model, (GPT, HFDecoder))  # a dry run builds ours or transformers' decoder, never a module
         n = min(n, model.config.n_ctx - 1 - steps)
         gen, costs = costed_dry_run(model, n=n, steps=steps)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as e:
