@@ -26,8 +26,15 @@ def _ran_with_cache(trace: Trace) -> bool:
 
 
 def _n_layer(trace: Trace, step: int) -> int:
-    """Layers that hold K and V (every layer but a hybrid model's state layers)."""
-    return len(trace.filter(step=step, name="*attn.hook_k_all"))
+    """Layers that hold K and V (every layer but a hybrid model's state layers and the layers that read another
+    layer's K and V: KV sharing)."""
+    return len(trace.filter(step=step, name="*attn.hook_k_all")) - len(_kv_shared(trace))
+
+
+def _kv_shared(trace: Trace) -> dict[int, int]:
+    """{layer: source} for the layers that attend over another layer's K and V and hold none (Gemma 3n)."""
+    config = trace.config
+    return dict(getattr(config, "kv_shared", ()) or ()) if config is not None else {}
 
 
 def _layers(trace: Trace, step: int) -> list[int]:
@@ -69,6 +76,12 @@ def cache_table(trace: Trace, step: int) -> pd.DataFrame:
             continue
         k = trace.record(act_name("k_all", layer), step)
         v = trace.record(act_name("v_all", layer), step)
+        source = _kv_shared(trace).get(layer)
+        if source is not None:  # KV sharing: it attends over layer `source`'s K and V, and its cache holds nothing
+            rows.append({"layer": layer, "K": shape_text(k.shape), "V": shape_text(v.shape),
+                         "rows from the cache": 0, "rows computed this step": 0, "bytes (K+V)": 0,
+                         "K, V read from": f"layer {source} (KV sharing)"})
+            continue
         k_new = trace.record(act_name("k", layer), step)
         row = {
             "layer": layer,
@@ -131,10 +144,15 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     latex = (rf"2\cdot B\cdot G\cdot t\cdot d_k = 2\cdot {B}\cdot {G}\cdot {t}\cdot {dk} = {per_layer:,}"
              rf"\ \text{{numbers per layer}}")
     held = f"{n_layer} layers × {per_layer:,} numbers × {size} bytes = {n_layer * per_layer * size / 1024:,.1f} KiB"
-    others = len(_layers(trace, step)) - n_layer
+    shared = _kv_shared(trace)
+    others = len(_layers(trace, step)) - n_layer - len(shared)
     if others > 0:  # a hybrid model: only its attention layers hold K and V
         held += (f" (its {n_layer} attention layer(s); the other {others} layer(s) have no softmax attention and "
                  "hold no K, V rows)")
+    if shared:  # KV sharing: the reading layers hold nothing of their own
+        pairs = ", ".join(f"{L} reads {source}'s" for L, source in sorted(shared.items()))
+        held += (f"; {len(shared)} more layer(s) attend over an earlier layer's K and V and hold none of their own "
+                 f"(KV sharing: layer {pairs})")
     if G == H:
         sentence = (f"{held} at step {step}. This model has as many key/value heads as query heads (G = H = {H}), "
                     "so its cache is the full multi-head one; grouped-query models share each key/value head "
@@ -161,8 +179,8 @@ def held_bytes(trace: Trace, step: int, layer: int) -> int:
     """Bytes one layer's cache holds after ``step``: K + V, or c_KV + k_R for latent attention, plus the state
     of a hybrid model's state-space layer."""
     latent = latent_records(trace, step, layer)
-    if no_attention(trace, layer) is not None:  # a hybrid model's state layer: its state only
-        return sum(rec.nbytes for rec in state_records(trace, step, layer))
+    if no_attention(trace, layer) is not None or layer in _kv_shared(trace):  # a state layer: its state only; a
+        return sum(rec.nbytes for rec in state_records(trace, step, layer))  # KV-sharing layer: nothing
     records = latent if latent is not None else [trace.record(act_name(kind, layer), step)
                                                  for kind in ("k_all", "v_all")]
     return sum(rec.nbytes for rec in (*records, *state_records(trace, step, layer)))

@@ -40,7 +40,6 @@ _SIZES: dict[str, int] = {
     "head_dim": 16, "kv_channels": 16, "rotary_dim": 8,
     # latent attention (DeepSeek-V2/V3 and descendants)
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 32,
-    "num_kv_shared_layers": 0,
     # experts
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
     "moe_k": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1, "num_expert_group": 1, "num_experts_per_token": 2,
@@ -147,12 +146,34 @@ def _picked_layers(values: dict[str, Any], depth: int | None) -> list[int]:
     return [0, 1]
 
 
+def _kv_sharing_layers(values: dict[str, Any], depth: int | None, picked: list[int]) -> list[int]:
+    """Where the config's last ``num_kv_shared_layers`` layers read the K and V of earlier ones (Gemma 3n, Gemma 4,
+    as their real checkpoints do): for each kept layer, the first sharing layer of the same kind, kept after them —
+    so that the tiny model has a layer producing each kind's K, V and one reading them. Empty without sharing."""
+    shared = values.get("num_kv_shared_layers")
+    if not (_is_int(shared) and shared > 0 and depth and shared < depth):
+        return []
+    first = depth - shared
+    kinds = next((values[k] for k in _KIND_LISTS if _is_per_layer(k, values.get(k), depth)), None)
+    readers = []
+    for layer in picked:
+        kind = kinds[layer] if kinds is not None else None
+        reader = next((i for i in range(first, depth) if kinds is None or kinds[i] == kind), None)
+        if reader is not None and reader not in readers:
+            readers.append(reader)
+    return readers
+
+
 def _shrunk(values: dict[str, Any], layers_before: int | None) -> dict[str, Any]:
     """A config's own values with every size named in _SIZES made small (nested sub-configs too), and every
-    per-layer list, per-layer override table and list of layer indices cut to the same two layers."""
+    per-layer list, per-layer override table and list of layer indices cut to the same two layers (four where the
+    last layers share K and V: ``_kv_sharing_layers``)."""
     out: dict[str, Any] = {}
     depth = _depth(values, layers_before)
     picked = _picked_layers(values, depth)
+    readers = _kv_sharing_layers(values, depth, picked)
+    if readers:
+        picked = picked + readers
     vocab = min(values.get("vocab_size") or _SIZES["vocab_size"], _SIZES["vocab_size"])
     for key, value in values.items():
         if isinstance(value, dict) and key.endswith("config") and key != "per_layer_config":
@@ -183,10 +204,17 @@ def _shrunk(values: dict[str, Any], layers_before: int | None) -> dict[str, Any]
         elif _is_index_list(key, value, depth) and depth and depth > 2:
             out[key] = [new for new, old in enumerate(picked) if old in value]
         elif _is_per_layer(key, value, depth):
-            out[key] = value[picked[0]] + value[picked[1]] if isinstance(value, str) else [value[i] for i in picked]
+            out[key] = "".join(value[i] for i in picked) if isinstance(value, str) else [value[i] for i in picked]
         elif key in _KIND_LISTS and isinstance(value, list) and len(value) > 2 and depth and len(value) < depth:
             # a pattern of kinds repeated over the layers (RecurrentGemma's recurrent, recurrent, attention)
             out[key] = [value[i] for i in _first_of_each_kind(value)]
+    if readers:  # the kept layers, the sharing ones last
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+            if key in out:
+                out[key] = len(picked)
+        out["num_kv_shared_layers"] = len(readers)
+    elif _is_int(values.get("num_kv_shared_layers")):
+        out["num_kv_shared_layers"] = 0
     nope, rope = values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim")
     if _is_int(values.get("head_dim")) and _is_int(rope) and (values["head_dim"] == (nope or 0) + rope or any(
             isinstance(layer, dict) and values["head_dim"] == layer.get("qk_nope_head_dim", 0) + rope

@@ -142,6 +142,9 @@ class GPTConfig:
     # positions instead ("Gated DeltaNet", "Mamba2 Mixer", …, named from the module's class); None: every layer attends
     mixers: tuple[str, ...] | None = None
     state_layers: tuple[int, ...] = ()  # family "hf": layers whose mixer keeps a fixed-size state (not K, V rows)
+    # family "hf", KV sharing (Gemma 3n, Gemma 4): (layer, source) for each layer that computes no K and V of its own
+    # and attends over the K and V of layer ``source`` (its cache holds no rows)
+    kv_shared: tuple[tuple[int, int], ...] = ()
     # family "hf": whether every block is a plain residual sum — the stream after attention (or a hybrid layer's
     # mixer) equal to the stream entering the block + hook_attn_out (hook_mixer_out), and the stream leaving it
     # equal to that + hook_mlp_out (a parallel block: x + both) — measured on the load's forward within float
@@ -204,6 +207,8 @@ class GPTConfig:
             object.__setattr__(self, "mixers", tuple(self.mixers))
         if isinstance(self.state_layers, list):
             object.__setattr__(self, "state_layers", tuple(self.state_layers))
+        if isinstance(self.kv_shared, list):
+            object.__setattr__(self, "kv_shared", tuple(tuple(pair) for pair in self.kv_shared))
         mixers = self.mixers
         if mixers is not None and (len(mixers) != self.n_layer or not all(isinstance(m, str) for m in mixers)
                                    or all(mixers)):
@@ -213,6 +218,17 @@ class GPTConfig:
                    for L in self.state_layers):
             raise ValueError(f"GPTConfig.state_layers must be layer numbers below {self.n_layer}, got "
                              f"{self.state_layers!r}")
+        pairs = self.kv_shared
+
+        def layer_number(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < self.n_layer
+
+        well_formed = all(isinstance(pair, tuple) and len(pair) == 2 and all(map(layer_number, pair))
+                          and pair[0] != pair[1] for pair in pairs)
+        readers = [pair[0] for pair in pairs] if well_formed else []
+        if not well_formed or len(set(readers)) != len(readers) or any(source in readers for _, source in pairs):
+            raise ValueError(f"GPTConfig.kv_shared must be (layer, source) pairs of distinct layer numbers below "
+                             f"{self.n_layer}, each layer once and no source itself a reader; got {pairs!r}")
 
     def has_attention(self, layer: int) -> bool:
         """Whether ``layer`` computes softmax attention (every layer but a hybrid model's state / convolution ones)."""
@@ -237,6 +253,19 @@ class GPTConfig:
                     "(a fixed-size state, overwritten at every step, instead of K and V rows)")
         return (f"layer {layer} has no softmax attention: it is a {mixer} layer, which keeps nothing from one step to "
                 "the next")
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose K and V ``layer`` attends over when it computes none of its own (KV sharing: Gemma 3n's
+        last layers read the cache of the last earlier layer of their kind), else None."""
+        return dict(self.kv_shared).get(layer)
+
+    def kv_shared_sentence(self, layer: int) -> str | None:
+        """What a KV-sharing layer reads (None for a layer that computes its own K and V)."""
+        source = self.kv_source(layer)
+        if source is None:
+            return None
+        return (f"layer {layer} computes no K and V of its own: it attends over layer {source}'s (KV sharing), so its "
+                "cache holds no rows; its queries are its own")
 
     @classmethod
     def for_family(cls, family: str, **fields) -> GPTConfig:
@@ -293,6 +322,7 @@ class GPTConfig:
         for name in ("mixers", "state_layers"):
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
+        out["kv_shared"] = [list(pair) for pair in out["kv_shared"]]
         return out
 
 

@@ -57,7 +57,7 @@ import tempfile
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -519,6 +519,8 @@ class _Call:
     sinks: bool
     mask: torch.Tensor | None  # [B|1,1,n,t] as the attention received it
     unmodelled: tuple[str, ...] = ()  # arguments given that change the scores and that traced_attention ignores
+    key: torch.Tensor | None = field(default=None, compare=False, repr=False)  # K as received: another layer's K
+    # object itself where the layer reads that layer's K and V (KV sharing)
 
 
 # arguments of the attention interface that change the scores or the softmax and that traced_attention does not
@@ -575,7 +577,7 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
         calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-3]), int(key.shape[-3]),
                            int(query.shape[-1]), int(value.shape[-1]),
                            kwargs.get("s_aux") is not None, mask,
-                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None)))
+                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None), key))
 
     device = _token_device(hf)
     # two tokens, so that the first's mask row shows whether it sees the second (causal or not); on the meta
@@ -753,6 +755,21 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
                                  "an encoder): only causal decoders, whose position i sees positions ≤ i, are "
                                  "traced", reason="encoder")
     return layers, [cs[0] if cs else None for cs in per_layer], writers
+
+
+def _kv_shared(probed: list[_Call | None]) -> tuple[tuple[int, int], ...]:
+    """(layer, source) for each layer whose attention receives, as its keys, the very tensor an earlier layer's
+    attention received (KV sharing, Gemma 3n and Gemma 4: the last layers compute no K, V and attend over those of
+    the last earlier layer of their kind) — found by what the layers hand the attention function, not by config
+    names. Such a layer appends nothing to the cache."""
+    pairs: list[tuple[int, int]] = []
+    for L, call in enumerate(probed):
+        if call is None or call.key is None:
+            continue
+        source = next((P for P in range(L) if probed[P] is not None and cast(_Call, probed[P]).key is call.key), None)
+        if source is not None:
+            pairs.append((L, dict(pairs).get(source, source)))
+    return tuple(pairs)
 
 
 def _own_cache_class(hf: nn.Module) -> type | None:
@@ -1058,6 +1075,7 @@ class HFDecoder(nn.Module):
         cfg = _text_config(hf.config)
         layers, probed, writers = _find_attention(hf, model_type)
         attns = [call.module if call is not None else None for call in probed]
+        self._kv_shared = _kv_shared(probed)  # (layer, source): layers attending over another layer's K and V
         first = next(L for L, attn in enumerate(attns) if attn is not None)  # a hybrid's first may be a state layer
         self.architecture = _guess_architecture(hf, layers[first], cast(nn.Module, attns[first]), model_type)
         arch = self.architecture
@@ -1216,6 +1234,7 @@ class HFDecoder(nn.Module):
             rope_key_dim=latent[1] if latent else None, attn_sinks=any(self._sinks),
             mixers=self.mixer_names if any(self.mixer_names) else None,
             state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None),
+            kv_shared=self._kv_shared,
         )
 
     # -- what our GPT offers too ----------------------------------------------------------------------
@@ -1249,9 +1268,11 @@ class HFDecoder(nn.Module):
         return _token_device(self.hf)
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
-        if any(t is not None for t in self._state_templates) or any(self.mixer_names):  # a hybrid model
+        if any(t is not None for t in self._state_templates) or any(self.mixer_names) or self._kv_shared:
+            # a hybrid model, or one whose KV-sharing layers append no K, V rows (they count as updated)
+            readers = {L for L, _ in self._kv_shared}
             return StateCache(self.config.n_layer, batch_size, storage, self._state_templates,
-                              set(self.config.attention_layers))
+                              set(self.config.attention_layers) - readers)
         return KVCache(self.config.n_layer, batch_size, storage)
 
     @property

@@ -547,6 +547,10 @@ def _checked_config(raw: dict) -> dict:
         elif isinstance(value, list) and len(value) <= 1024 and all(
                 isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and len(v) <= 200 for v in value):
             out[key] = value  # one entry per layer (a hybrid model's mixers, its state layers)
+        elif isinstance(value, list) and len(value) <= 1024 and all(
+                isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+                for v in value):
+            out[key] = value  # pairs of layer numbers (KV sharing: a layer and the layer whose K and V it reads)
         elif isinstance(value, dict) and len(value) <= 32:
             out[key] = {str(k): v for k, v in value.items() if isinstance(v, (int, float, str, bool, type(None)))}
         else:

@@ -135,7 +135,7 @@ class ValueStore:
         return self._entries[index][0] if self._verified(index) else None
 
     def items(self) -> Iterator[tuple[int, torch.Tensor]]:
-        for index in [i for i in self._entries if self._verified(i)]:
+        for index in [i for i in list(self._entries) if self._verified(i)]:  # a copy: _verified drops a mutated one
             yield index, self._entries[index][0]
 
     def _verified(self, index: int) -> bool:
