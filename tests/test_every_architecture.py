@@ -76,7 +76,7 @@ def _reason_is_true(result: Result, directory: Path) -> bool:
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     reason = result.reason
     if reason == "encoder-decoder":
-        return bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False))
+        return bool(getattr(config, "is_encoder_decoder", False))  # add_cross_attention alone is no encoder
     if reason == "encoder":
         return result.model_type in ENCODERS and not getattr(config, "is_decoder", False)
     if reason == "attention outside the interface":
@@ -173,6 +173,21 @@ def test_dbrx_its_attention_found_in_a_class_named_for_norms(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     result = check("dbrx", tmp_path)
     assert result.outcome == "traced" and max(result.deltas) <= TOLERANCE, result
+
+
+def test_prophetnet_is_refused_for_its_own_attention_code_not_as_an_encoder_decoder(tmp_path):
+    """ProphetNetForCausalLM builds itself with is_encoder_decoder = False; its config's add_cross_attention only
+    lets its layers cross-attend when handed an encoder's output, which a causal LM's forward never is. What keeps
+    it out is its (n-gram) self-attention, computed in its own code rather than through the attention interface."""
+    from transformers import AutoModelForCausalLM
+
+    result, directory = _check_in("prophetnet", tmp_path)
+    assert result.outcome == "refused" and result.reason == "attention outside the interface", result
+    assert "ngramselfattention" in result.message and "encoder" not in result.message, result.message
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    assert hf.config.is_encoder_decoder is False and hf.config.add_cross_attention is True
+    assert not _source_calls_the_interface("prophetnet")
+    assert directory is not None and _reason_is_true(result, directory)
 
 
 def test_the_blt_and_xlstm_overrides_are_needed():

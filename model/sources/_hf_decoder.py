@@ -837,10 +837,9 @@ def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
     if getattr(config, "is_encoder_decoder", False):
         return HFDecoderError(f"{model_type} is an encoder-decoder (its decoder reads a separate encoder through "
                               "cross-attention); only decoder-only causal LMs are traced", reason="encoder-decoder")
-    if getattr(config, "add_cross_attention", False):
-        return HFDecoderError(f"{model_type} is configured with cross-attention (add_cross_attention = true): its "
-                              "layers read an encoder's output; only decoder-only causal LMs are traced",
-                              reason="encoder-decoder")
+    # add_cross_attention alone refuses nothing: a causal LM built with it (ProphetNetForCausalLM, a BERT decoder)
+    # cross-attends only when handed an encoder's output, which a causal LM's forward is never given; the probe then
+    # sees what its layers really call (ProphetNet: attention in its own n-gram code, refused for that)
     if model_type in ENCODERS and not getattr(config, "is_decoder", False):
         return HFDecoderError(f"{model_type} is configured as an encoder (is_decoder = false): every position "
                               "attends to every other; configured with is_decoder = true it is a causal decoder",
