@@ -30,7 +30,7 @@ def tree_layout(steps: Sequence[BeamStep], prompt: int = 0) -> list[dict]:
     for s in steps:
         kept = list(zip(s.parents[prompt], s.tokens[prompt]))
         ranked = s.candidates[prompt]
-        order = sorted(range(len(ranked)), key=lambda i, ranked=ranked: (FATE_ORDER.index(ranked[i].fate), i))
+        order = sorted(range(len(ranked)), key=lambda i: (FATE_ORDER.index(ranked[i].fate), i))  # noqa: B023
         slots = {i: slot for slot, i in enumerate(order)}
         for rank, c in enumerate(ranked):
             slot = kept.index((c.parent, c.token)) if c.fate == "running" else slots[rank]

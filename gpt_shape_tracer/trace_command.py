@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpt_shape_tracer.session import ModelChoice
 
-from gpt_shape_tracer import engine_command
+from gpt_shape_tracer import beam_command, engine_command
 
 # The library's limits and defaults, written here as plain numbers so that the arguments are checked without
 # importing torch (which takes seconds). tests/test_cli.py checks that each equals the library's own.
@@ -151,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
                     help=f"print the shape table's summaries whole (default: cut to fit {TABLE_WIDTH} columns)")
     ap.add_argument("--quiet", action="store_true", help="no progress on stderr (it is shown only on a terminal)")
     engine_command.add_arguments(ap)
+    beam_command.add_arguments(ap)
     return ap
 
 
@@ -264,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if engine_command.wanted(args):  # --continuous-batching: gpt_shape_tracer/engine_command.py
         return engine_command.main(args)
+    if beam_command.wanted(args):  # --num-beams: gpt_shape_tracer/beam_command.py
+        from gpt_shape_tracer.session import load
+
+        return beam_command.main(args, lambda: load(model_choice(args)))
 
     from gpt_shape_tracer.session.memory import reuse_freed_memory
 

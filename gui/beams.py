@@ -13,7 +13,7 @@ from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.session.decoding import MAX_APP_BEAMS, MAX_APP_NEW_TOKENS, beam_run
 from gpt_shape_tracer.tracer import BeamSearchError, Trace
 
-EARLY = {"no (transformers' default)": False, "yes: stop once k hypotheses finished": True,
+EARLY: dict[str, bool | str] = {"no (transformers' default)": False, "yes: stop once k hypotheses finished": True,
          "never: the canonical rule": "never"}
 
 

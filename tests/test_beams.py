@@ -261,3 +261,36 @@ def test_the_beam_search_tab_runs_on_the_live_model_and_says_what_greedy_says():
     if any(b.key == "reset_confirm" for b in at.sidebar.button):
         press(at, "reset_confirm")
     assert at.session_state["app"].beams is None
+
+
+# -- the command line ------------------------------------------------------------------------------------------------
+def test_the_trace_command_runs_beam_search_and_lists_each_steps_reorder(bundled, capsys):
+    import json
+
+    from gpt_shape_tracer.trace_command import main
+
+    assert main(["--prompt", "Once upon a time", "--num-beams", "3", "--steps", "5", "--length-penalty", "2",
+                 "--early-stopping", "never", "--num-return-sequences", "2", "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    model, tok = bundled
+    search = BeamSearch(model, tok, "Once upon a time", 3, max_new_tokens=5, length_penalty=2.0,
+                        early_stopping="never", num_return_sequences=2)
+    search.run()
+    assert said["sequences"] == [list(s) for s in search.result().sequences]
+    assert said["texts"] == search.texts() and said["steps"] == len(search.steps)
+    assert [s["beam_idx"] for s in said["beam_steps"]] == [list(s.beam_idx) for s in search.steps]
+    assert [s["parents"] for s in said["beam_steps"]] == [[list(r) for r in s.parents] for s in search.steps]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--length-penalty", "2"], "--length-penalty go(es) with --num-beams"),
+    (["--num-beams", "1"], "--num-beams takes 2 … 16, got 1"),
+    (["--num-beams", "2", "--num-return-sequences", "3"], "--num-return-sequences takes 1 … --num-beams (2), got 3"),
+    (["--num-beams", "2", "--no-cache"], "--no-cache does not go with --num-beams"),
+    (["--num-beams", "2", "--temperature", "0.7"], "no --temperature, --top-k or --top-p"),
+])
+def test_the_trace_command_refuses_beam_options_that_do_not_go_together(args, message, capsys):
+    from gpt_shape_tracer.trace_command import main
+
+    assert main(["--prompt", "Once upon a time", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -190,6 +190,13 @@ ALLOWED_PRIVATE = {
                                "tracer/engine/_engine.py makes the batch processor its background thread would "
                                "make (test_engine.py::test_the_private_step_calls_of_transformers_are_still_there)",
     "_generation_step": "the forward of one engine step, as the thread's loop body calls it (as above)",
+    "_get_top_k_continuations": "transformers' own beam-search step, called by tracer/generation/_beams.py so the "
+                                "traced search decides as generate(num_beams=k) does (tests/test_beams.py pins "
+                                "sequences, scores and every beam_idx against generate)",
+    "_get_running_beams_for_next_iteration": "as _get_top_k_continuations",
+    "_update_finished_beams": "as _get_top_k_continuations",
+    "_check_early_stop_heuristic": "as _get_top_k_continuations",
+    "_beam_search_has_unfinished_sequences": "as _get_top_k_continuations",
     "_repr_mimebundle_": "IPython's display protocol, public in all but name: the heads grid shows its figure "
                          "as plotly shows it (figures/attention.py)",
 }
