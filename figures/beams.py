@@ -71,7 +71,7 @@ def beam_tree_figure(steps: Sequence[BeamStep], label: Callable[[int], str], pro
     if shown_step is not None:
         fig.add_vrect(x0=shown_step - 0.4, x1=shown_step + 0.4, fillcolor=ACCENT, opacity=0.08, line_width=0)
     depth = max((n["slot"] for n in nodes), default=0)
-    fig.update_layout(height=max(260, 60 + 34 * (depth + 1)), title_text="the beam tree: every step's candidates, "
+    fig.update_layout(height=max(300, 120 + 44 * (depth + 1)), title_text="the beam tree: every step's candidates, "
                       "joined to the beam they continue", legend={"orientation": "h", "y": -0.28},
                       margin={"t": 50, "l": 10, "r": 10, "b": 70})
     fig.update_xaxes(title_text="step (0: the prefill)", dtick=1)

@@ -13,8 +13,8 @@ from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.session.decoding import MAX_APP_BEAMS, MAX_APP_NEW_TOKENS, beam_run
 from gpt_shape_tracer.tracer import BeamSearchError, Trace
 
-EARLY: dict[str, bool | str] = {"no (transformers' default)": False, "yes: stop once k hypotheses finished": True,
-         "never: the canonical rule": "never"}
+# transformers' early_stopping: False (its default heuristic), True (stop once k hypotheses finished), "never"
+EARLY: dict[str, bool | str] = {"no (default)": False, "yes: once k finished": True, "never": "never"}
 
 
 def beams_tab(trace: Trace, step: int) -> None:

@@ -519,3 +519,32 @@ def test_config_only_opens_llama_405b_with_its_shape_flow_and_costs(url, visit):
             page.get_by_text("H100 SXM: at least").first.wait_for(state="attached")
             assert not errors, errors
             assert not outside, outside
+
+
+def test_the_beam_search_tab_draws_every_candidate_of_every_step_as_the_run_ranked_them(url, visit):
+    """Step once, open Beam search, run k = 4 beams: the tree holds 2k candidates per forward (the page's own
+    "forwards" metric), the reorder's two heatmaps are there, and nothing outside the app is asked for. At 1600 ×
+    1000 and 1280 × 800 (SAVE_SCREENSHOTS=beams,beams_1280)."""
+    for width, height, name in ((1600, 1000, "beams"), (1280, 800, "beams_1280")):
+        with visit(width, height) as page:
+            errors, outside = watch(page, url)
+            open_app(page, url)
+            click(page, "Step")
+            open_tab(page, "Beam search")
+            click(page, "Run beam search")
+            page.get_by_text("beams over").first.wait_for(timeout=60_000)
+            forwards = int(metric_value(page, "forwards"))
+            charts = plotly_data(page)
+            tree, reorder = charts[0], charts[1]
+            markers = page.evaluate(
+                "() => document.querySelectorAll('.js-plotly-plot')[0].data"
+                ".filter(t => t.mode === 'markers').reduce((n, t) => n + t.x.length, 0)")
+            eos = 1  # the bundled tokenizer declares one end-of-sequence id: transformers keeps max(2, 1 + 1)·k
+            assert markers == max(2, 1 + eos) * 4 * forwards and 1 <= forwards <= 8
+            assert len(values(reorder)) == 2 and any(t["type"] == "scatter" for t in tree)
+            if saving(name):  # the tree, under the takeaway
+                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+                page.wait_for_timeout(300)
+                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            assert not errors, errors
+            assert not outside, outside
