@@ -25,12 +25,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--beams", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1 by default: on a shared 2-core machine two threads spin against the load)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     directory = gpt2_small_dir()
-    ours, tok = load_model(str(directory))
-    theirs = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval()
+    ours, tok = load_model(str(directory), device=args.device)
+    theirs = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval().to(args.device)
     base = "Once upon a time, there was a little girl named Lily. She had a red ball and a small blue boat. "
     results = {}
     for label, n in (("short", 16), ("long", 256)):
@@ -48,9 +52,11 @@ def main() -> None:
 
         def theirs_run(ids=ids, holder=holder):
             with torch.no_grad():
-                out = theirs.generate(torch.tensor([ids]), num_beams=args.beams, max_new_tokens=args.new,
-                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+                out = theirs.generate(torch.tensor([ids], device=args.device), num_beams=args.beams,
+                                      max_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0)
             holder["theirs"] = tuple(out[0].tolist())
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
 
         load_before = os.getloadavg()
         times = interleaved({"ours, values": ours_run, "ours, shapes": lambda: ours_run(capture="shapes"),
@@ -64,7 +70,8 @@ def main() -> None:
               f"{seconds['transformers']:.2f} s; ours traced with values x{ratios['ours, values']:.2f}, shapes "
               f"x{ratios['ours, shapes']:.2f}; same tokens: {same}; load {load_before[0]:.1f} → "
               f"{os.getloadavg()[0]:.1f}")
-    save("beams", {"machine": machine(), "beams": args.beams, "new_tokens": args.new, "results": results})
+    save(f"beams-{args.device.split(':')[0]}", {"machine": machine(), "device": args.device, "beams": args.beams,
+                                                "new_tokens": args.new, "results": results})
 
 
 if __name__ == "__main__":
