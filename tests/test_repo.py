@@ -76,13 +76,6 @@ MODEL_ROOMS = sorted(p.parent.name for p in (ROOT / "model").glob("*/__init__.py
 MODEL_MODULES = {module_name(p): p for p in (ROOT / "model").rglob("*.py")}
 
 
-def _model_room(module: str) -> str | None:
-    """The room of model/ a dotted module name lies in (``gpt_shape_tracer.model.sources._load`` -> "sources"), or
-    None."""
-    parts = module.split(".")
-    return parts[2] if parts[:2] == [PACKAGE, "model"] and len(parts) > 2 and parts[2] in MODEL_ROOMS else None
-
-
 def _imported_names(path: Path) -> list[tuple[int, str, str | None]]:
     """(line, module, name or None) for every import at any depth: ``from m import a`` gives (…, "m", "a")."""
     out: list[tuple[int, str, str | None]] = []
@@ -106,16 +99,65 @@ def test_nothing_outside_a_room_of_model_imports_its_private_modules_or_names():
     ``model.<room>._module`` and no
     ``_name``, so a room can rearrange its modules without breaking anyone. Tests may open a room to test its
     internals; nothing else may."""
-    bad = []
-    for path in [*SOURCES, *(ROOT / "bench").rglob("*.py")]:
-        mine = _model_room(module_name(path))
-        for line, module, name in _imported_names(path):
-            if _room(module) != "model" or (mine is not None and _model_room(module) == mine):
-                continue
-            private = any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
-            if private or (name or "").startswith("_"):
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}{f' {name}' if name else ''}")
+    bad = _private_imports_across_rooms("model", MODEL_ROOMS, [*SOURCES, *(ROOT / "bench").rglob("*.py")])
     assert not bad, bad
+
+
+def _room_of(module: str, floor: str, rooms: list[str]) -> str | None:
+    """The room of ``floor`` (model, tracer, figures) a dotted module name lies in
+    (``gpt_shape_tracer.tracer.storage._log`` -> "storage"), or None (another floor, or the floor's front door)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == [PACKAGE, floor] and len(parts) > 2 and parts[2] in rooms else None
+
+
+def _is_private_import(floor: str, rooms: list[str], importer: str, module: str, name: str | None) -> bool:
+    """Whether module ``importer`` importing ``module`` (``name`` from it) opens a room of ``floor`` it is not in:
+    a private module (a ``_``-named part of the dotted name) or a private name (``from m import _name``)."""
+    mine = _room_of(importer, floor, rooms)
+    if _room(module) != floor or (mine is not None and _room_of(module, floor, rooms) == mine):
+        return False
+    private = any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+    return private or (name or "").startswith("_")
+
+
+def _private_imports_across_rooms(floor: str, rooms: list[str], paths: list[Path]) -> list[str]:
+    """Every import in ``paths`` that opens a room of ``floor`` from outside it, as "file:line imports …"."""
+    return [f"{path.relative_to(ROOT)}:{line} imports {module}{f' {name}' if name else ''}"
+            for path in paths for line, module, name in _imported_names(path)
+            if _is_private_import(floor, rooms, module_name(path), module, name)]
+
+
+# tracer/ in rooms as model/ is (capture, storage, reading, generation, experiments, files, costs, engine: each a
+# package whose __init__.py is its front door); figures/ is flat: each module is a room, its ``_``-named functions
+# and constants (and any ``_``-named module) are its own
+TRACER_ROOMS = sorted(p.parent.name for p in (ROOT / "tracer").glob("*/__init__.py"))
+FIGURE_ROOMS = sorted(p.stem for p in (ROOT / "figures").glob("*.py") if p.name != "__init__.py")
+
+
+def test_nothing_outside_a_room_of_tracer_or_figures_imports_its_private_modules_or_names():
+    """As for model/: a sibling room, the front door of tracer/, figures, session, the GUI, app and the CLI import
+    ``from gpt_shape_tracer.tracer.storage import TraceLog``, never ``tracer.storage._log``; a figure module
+    imports another's public names only. Tests and bench/ (which swaps a room's internals to time them) may open
+    a room; nothing that ships may."""
+    assert {"capture", "storage", "reading", "generation", "experiments", "files", "costs", "engine"} <= \
+        set(TRACER_ROOMS)
+    assert {"attention", "common", "heatmap", "plot"} <= set(FIGURE_ROOMS)
+    bad = _private_imports_across_rooms("tracer", TRACER_ROOMS, SOURCES) + \
+        _private_imports_across_rooms("figures", FIGURE_ROOMS, SOURCES)
+    assert not bad, bad
+
+
+def test_the_private_import_guard_finds_a_private_import():
+    """The check above could fail: another room's private module or name is found, the room's own is not."""
+    capture, files = f"{PACKAGE}.tracer.capture._tracer", f"{PACKAGE}.tracer.files._io"
+    assert _is_private_import("tracer", TRACER_ROOMS, files, f"{PACKAGE}.tracer.storage._log", "TraceLog")
+    assert _is_private_import("tracer", TRACER_ROOMS, f"{PACKAGE}.gui.common", f"{PACKAGE}.tracer.storage", "_x")
+    assert not _is_private_import("tracer", TRACER_ROOMS, files, f"{PACKAGE}.tracer.storage", "TraceLog")
+    assert not _is_private_import("tracer", TRACER_ROOMS, capture, f"{PACKAGE}.tracer.capture._hooks", None)
+    heatmap, cache = f"{PACKAGE}.figures.heatmap", f"{PACKAGE}.figures.cache"
+    assert _is_private_import("figures", FIGURE_ROOMS, cache, heatmap, "_cells")
+    assert not _is_private_import("figures", FIGURE_ROOMS, cache, heatmap, "grid")
+    assert not _is_private_import("figures", FIGURE_ROOMS, heatmap, heatmap, "_cells")
 
 
 def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:

@@ -23,17 +23,14 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from gpt_shape_tracer.model.gpt import HookPoint, dims_of, resolve, spec_for
+from gpt_shape_tracer.tracer.reading import Trace
 from gpt_shape_tracer.tracer.storage.records import ABLATIONS, InterventionRecord
-
-if TYPE_CHECKING:
-    from gpt_shape_tracer.tracer.reading._trace import Trace
-
 
 
 class InterventionError(ValueError):
@@ -68,10 +65,6 @@ def patch(name: str, value_or_trace: torch.Tensor | Trace, head: int | None = No
           positions: Sequence[int] | None = None) -> Intervention:
     """Put another value in the hook: a tensor (the hook's shape, or one head's / the chosen positions'
     slice of it), or a trace, whose record of this hook at the same step is used."""
-    from gpt_shape_tracer.tracer.reading._trace import (
-        Trace,  # the module imports interventions for its facts: keep this one lazy
-    )
-
     pos = None if positions is None else tuple(_whole(p, "position") for p in positions)
     if isinstance(value_or_trace, Trace):
         source = value_or_trace.generation.info.prompts[0][:60] if value_or_trace.generation else "another trace"

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gpt_shape_tracer.tracer.storage._stats import dtype_name
+from gpt_shape_tracer.tracer.storage import dtype_name
 
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",

@@ -44,9 +44,8 @@ from gpt_shape_tracer.tracer.capture._forensics import describe_failure
 from gpt_shape_tracer.tracer.capture._interventions import Intervention, RunningMeans, _Applied, applied, check
 from gpt_shape_tracer.tracer.capture._nested import MAX_TENSORS, flatten_tensors
 from gpt_shape_tracer.tracer.capture._ops import OpRecorder
-from gpt_shape_tracer.tracer.reading._trace import Trace
-from gpt_shape_tracer.tracer.storage._log import TraceLog
-from gpt_shape_tracer.tracer.storage._store import DEFAULT_BUDGET_BYTES
+from gpt_shape_tracer.tracer.reading import Trace
+from gpt_shape_tracer.tracer.storage import DEFAULT_BUDGET_BYTES, TraceLog
 from gpt_shape_tracer.tracer.storage.records import FORWARD_CAPTURES, ModuleInfo
 
 COPY_POLICIES = ("auto", "all")

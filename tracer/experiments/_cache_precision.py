@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gpt_shape_tracer.model.gpt import STORAGES
-from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
+from gpt_shape_tracer.tracer.generation import TracedGeneration
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import math
 import pandas as pd
 import torch
 
-from gpt_shape_tracer.tracer.reading._trace import Trace
+from gpt_shape_tracer.tracer.reading import Trace
 
 TOLERANCE = {"float32": (1e-5, 1e-4), "float64": (1e-9, 1e-7), "bfloat16": (1e-2, 2e-2), "float16": (1e-3, 1e-2)}
 COLUMNS = ("step", "name", "shape_a", "shape_b", "compared", "max_abs_delta", "rel_delta", "tolerance", "diverged",

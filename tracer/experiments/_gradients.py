@@ -28,8 +28,8 @@ from typing import Literal
 import torch
 
 from gpt_shape_tracer.model.gpt import act_name
-from gpt_shape_tracer.tracer.capture._hooks import module_table
-from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
+from gpt_shape_tracer.tracer.capture import module_table
+from gpt_shape_tracer.tracer.generation import TracedGeneration
 from gpt_shape_tracer.tracer.reading import Trace
 from gpt_shape_tracer.tracer.storage import TraceLog
 

@@ -14,7 +14,7 @@ import torch
 
 from gpt_shape_tracer.model.gpt import GPT, act_name, block_attention, identity_of
 from gpt_shape_tracer.model.sources import HFDecoder, input_device_of
-from gpt_shape_tracer.tracer.reading._trace import Trace
+from gpt_shape_tracer.tracer.reading import Trace
 
 LENS_COLUMNS = ("layer", "position", "input", "top_token", "top_label", "top_prob", "final_token", "final_label",
                 "final_prob", "final_rank", "is_token")

@@ -20,11 +20,10 @@ from torch import nn
 
 from gpt_shape_tracer.model.analysis import HEAD_ROLES, repeated_random_tokens, role_scores
 from gpt_shape_tracer.model.gpt import HookPoint, act_name
-from gpt_shape_tracer.tracer.capture._interventions import Intervention, applied, check, patch, running_means_before
-from gpt_shape_tracer.tracer.capture._tracer import Tracer
+from gpt_shape_tracer.tracer.capture import Intervention, Tracer, applied, check, patch, running_means_before
 from gpt_shape_tracer.tracer.experiments._diff import diff_steps
-from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
-from gpt_shape_tracer.tracer.reading._trace import Trace
+from gpt_shape_tracer.tracer.generation import TracedGeneration
+from gpt_shape_tracer.tracer.reading import Trace
 
 if TYPE_CHECKING:
     from gpt_shape_tracer.model.sources import Decoder

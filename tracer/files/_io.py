@@ -58,10 +58,8 @@ from gpt_shape_tracer.tracer.files._schema import (
     TraceFileError,
     TupleOf,
 )
-from gpt_shape_tracer.tracer.reading._trace import Trace
-from gpt_shape_tracer.tracer.storage._log import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog
-from gpt_shape_tracer.tracer.storage._stats import dtype_name
-from gpt_shape_tracer.tracer.storage._store import storage_key
+from gpt_shape_tracer.tracer.reading import Trace
+from gpt_shape_tracer.tracer.storage import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog, dtype_name, storage_key
 from gpt_shape_tracer.tracer.storage.records import (
     HOWS,
     PADDING_SIDES,

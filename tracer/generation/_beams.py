@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from gpt_shape_tracer.model.sources import TextTokenizer, input_device_of
-from gpt_shape_tracer.tracer.capture._tracer import Tracer
-from gpt_shape_tracer.tracer.storage._store import DEFAULT_BUDGET_BYTES
+from gpt_shape_tracer.tracer.capture import Tracer
+from gpt_shape_tracer.tracer.storage import DEFAULT_BUDGET_BYTES
 
 MAX_BEAMS = 16
 MAX_NEW_TOKENS = 256

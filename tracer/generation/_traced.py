@@ -28,11 +28,9 @@ from gpt_shape_tracer.model.analysis import forward_cost
 from gpt_shape_tracer.model.gpt import identity_of
 from gpt_shape_tracer.model.sampling import SamplingConfig, sample
 from gpt_shape_tracer.model.sources import TextTokenizer, input_device_of, meta_op_cache, on_meta
-from gpt_shape_tracer.tracer.capture._interventions import Intervention, check, check_shapes
-from gpt_shape_tracer.tracer.capture._tracer import Tracer
-from gpt_shape_tracer.tracer.reading._facts import GenerationFacts
-from gpt_shape_tracer.tracer.storage._host import on_host
-from gpt_shape_tracer.tracer.storage._store import DEFAULT_BUDGET_BYTES
+from gpt_shape_tracer.tracer.capture import Intervention, Tracer, check, check_shapes
+from gpt_shape_tracer.tracer.reading import GenerationFacts
+from gpt_shape_tracer.tracer.storage import DEFAULT_BUDGET_BYTES, on_host
 from gpt_shape_tracer.tracer.storage.records import (
     PADDING_SIDES,
     ForwardFacts,

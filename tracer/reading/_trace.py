@@ -19,8 +19,7 @@ import torch
 
 from gpt_shape_tracer.tracer.reading._axes import AxisResolver
 from gpt_shape_tracer.tracer.reading._facts import GenerationFacts
-from gpt_shape_tracer.tracer.storage._log import RawRecord, TraceLog
-from gpt_shape_tracer.tracer.storage._stats import summarize
+from gpt_shape_tracer.tracer.storage import RawRecord, TraceLog, summarize
 from gpt_shape_tracer.tracer.storage.records import (
     Finite,
     ModelIdentity,
