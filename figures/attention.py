@@ -82,7 +82,7 @@ def head_matrix(trace: Trace, name: str, step: int, batch: int, head: int) -> tu
 
 
 def attention_latex(trace: Trace, step: int, layer: int) -> str:
-    """The attention formula as this model computes it, in LaTeX: the seeds' softmax(QKᵀ/√d_k + M) for a
+    """The attention formula as this model computes it, in LaTeX: Vaswani et al.'s softmax(QKᵀ/√d_k + M) for a
     model with the usual scale; ``s·QKᵀ`` with the model's own scale; inside ``c·tanh(·/c)`` where it
     soft-caps its scores (Gemma 2). The constants follow the formula."""
     d_k = trace.record(act_name("q", layer), step).shape[-1]

@@ -31,7 +31,7 @@ SKIP_COLOUR = "#4a7f56"  # the residual stream's skips around attention and the 
 
 @dataclass
 class FlowNode:
-    label: str  # what the stage is, in the seeds' notation
+    label: str  # what the stage is, in the notation of model/gpt/_gpt.py
     name: str  # the record it shows
     x: float
     y: float
@@ -62,7 +62,7 @@ def _architecture(config) -> _Architecture:
 
 
 def _weights(config) -> dict[str, str]:
-    """Each weight's shape, in numbers. (The seeds write W_Q, W_K, W_V per head, [d, d_k] each: they are the
+    """Each weight's shape, in numbers. (Vaswani et al. 2017 write W_Q, W_K, W_V per head, [d, d_k] each: they are the
     column blocks of W_QKV, one block of d_k columns per head.)"""
     if config is None:
         return {}

@@ -68,7 +68,7 @@ LIMIT_FLAGS = {"--server-budget-mb": BUDGET_ENV, "--max-sessions": SESSIONS_ENV,
 def server_limit_flags(args: list[str]) -> list[str]:
     """Take ``--server-budget-mb N`` / ``--max-sessions N`` / the runs folder's flags (or ``--flag=N``; and the
     switch ``--list-all-runs``) out of
-    ``args`` into the environment (gpt_shape_tracer/server_limits.py and runs.py read them there); the rest go to
+    ``args`` into the environment (session/server_limits.py and runs.py read them there); the rest go to
     Streamlit."""
     rest: list[str] = []
     settings: dict[str, str] = {}

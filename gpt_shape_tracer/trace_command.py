@@ -57,7 +57,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def _checked_out(raw: str) -> Path:
     """The output path, refused now (not after the whole generation ran) if it cannot be written."""
-    # The same nearest-folder-and-probe check as model.sources.check_offload's for offload_folder, written again
+    # The same nearest-folder-and-probe check as model.sources._load.check_offload's for offload_folder, written again
     # on purpose: this one runs before torch is imported (an argument error in a second, not after 13 s of
     # imports), and everything under model/ imports torch.
     if not raw.strip():
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpt_shape_tracer.session.memory import reuse_freed_memory
 
-    reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (gpt_shape_tracer/memory.py)
+    reuse_freed_memory()  # a long prompt frees gigabytes: keep them for the next tensors (session/memory.py)
     import pandas as pd
 
     from gpt_shape_tracer.model import ModelLoadError, SamplingError

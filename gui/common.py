@@ -42,11 +42,11 @@ __all__ = ["UPLOAD_MB", "admitted", "banners", "chart", "current_model", "explai
 @st.cache_resource
 def freed_memory_reused() -> bool:
     """Once per server process: a long prefill frees gigabytes, and glibc's malloc would hand each new tensor
-    fresh pages to fault in again (gpt_shape_tracer/memory.py)."""
+    fresh pages to fault in again (session/memory.py)."""
     return reuse_freed_memory()
 
 
-# -- the server's sessions: how many, and what their traces hold together (gpt_shape_tracer/server_limits.py) --
+# -- the server's sessions: how many, and what their traces hold together (session/server_limits.py) --
 REAP_SECONDS = 10  # how often ended sessions are looked for (with the server's 30 s disconnect TTL: < 1 min)
 
 

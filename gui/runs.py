@@ -1,5 +1,5 @@
 """Nothing lost by a reload: each session's generation is a run, kept under an unguessable id in the page's
-address (``?run=…``) and written to the server's private runs folder as it goes (gpt_shape_tracer/runs.py).
+address (``?run=…``) and written to the server's private runs folder as it goes (session/runs.py).
 
 Opening an address with a run id this session does not hold — a reload, a reconnect after the server dropped
 the session, a restarted server, a click in "Recent runs" — starts that run again: its model and settings go

@@ -384,7 +384,7 @@ class AblationResult:
 
     step: int
     described: tuple[str, ...]  # the interventions, described
-    replay: object  # tracer.whatif.Replay
+    replay: object  # tracer.Replay
     loss_text: str  # what the loss was measured on
     loss_before: float
     loss_after: float
@@ -476,7 +476,7 @@ class AppState:
     # takes it again inside a full run.
     run_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     steps_owed: int = 0  # Step clicks not yet stepped: a click that interrupts a run before its step loses none
-    # the run this session's generation is kept under (gui/runs.py, gpt_shape_tracer/runs.py)
+    # the run this session's generation is kept under (gui/runs.py, session/runs.py)
     run_id: str | None = None
     run_widgets: dict[str, Any] = field(default_factory=dict)  # the settings' widget values it started with
     run_foreign: bool = False  # the run was opened by its id but made by another page: a Step writes a new run

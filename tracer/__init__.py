@@ -9,10 +9,10 @@ the command line (``gpt-shape-tracer trace``) is another.
   meta device (config only, no weights); ``tracer.costs`` counts what every op costs and where it would run;
 * ``trace_engine`` steps through transformers' continuous batching (a paged KV cache: pages, block tables, shared
   prefixes, preemption) and records an ``EngineRun``; ``engine_sizing`` says what pool fits (``tracer.engine``);
-* ``save_trace`` / ``load_trace`` write and check files (``tracer.io``, ``tracer.schema``);
-* ``ablate`` / ``patch`` change a forward (``tracer.interventions``); ``logit_lens``,
-  ``direct_logit_attribution`` (``tracer.lens``), ``diff_traces`` (``tracer.diff``) and the
-  experiments of ``tracer.whatif`` answer "what if".
+* ``save_trace`` / ``load_trace`` write and check files (``tracer.files``);
+* ``ablate`` / ``patch`` change a forward (``tracer.capture``); ``logit_lens``,
+  ``direct_logit_attribution``, ``diff_traces`` and the other experiments of ``tracer.experiments``
+  answer "what if".
 """
 
 from gpt_shape_tracer.tracer.capture import (

@@ -2,7 +2,7 @@
 
 Every intermediate passes through a named hook point. Read bottom-up, as in nanoGPT:
 config → hook point → projections → LayerNorm / RMSNorm → rotary position
-embedding → ``attention`` (the seeds' formula, also used on its own by tests and
+embedding → ``attention`` (Vaswani et al. 2017's formula, also used on its own by tests and
 the app; grouped-query aware) → multi-head attention → GELU MLP / SwiGLU MLP →
 block → GPT. The config says which pieces a model uses (``norm``, ``positions``,
 ``mlp``, ``n_kv_head``, biases, tying); there is one ``GPT`` class for all.
@@ -19,12 +19,12 @@ Latent attention (DeepSeek-V2/V3, run by transformers) adds: d_qk and d_v, the q
 sizes where they differ (d_head is then d_qk), d_c the width of the compressed KV latent c_KV and d_R that of
 the decoupled rotary key k_R, which are what its cache holds.
 
-The math follows the seed documents (../shared/seeds): row vectors, matrices
+The math is written with row vectors, as GPT-2's code is: matrices
 multiply on the right (``X·W``), the combined ``W_QKV`` is ``[d, (H+2G)·d_head]``
 (``[d, 3d]`` for GPT-2), and heads are laid out ``[B, H, n, d_head]``
 (TransformerLens uses ``[B, n, H, d_head]``; see model/README.md for the hook
 table and that difference). Every projection stores ``W`` as ``[d_in, d_out]``,
-the seeds' ``X·W`` (GPT-2's ``Conv1D`` layout; Llama-family ``nn.Linear``
+the row-vector ``X·W`` (GPT-2's ``Conv1D`` layout; Llama-family ``nn.Linear``
 weights are transposed once at load): a one-row decode step runs faster that
 way on CPU (see ``Projection``).
 """
@@ -408,7 +408,7 @@ class HookPoint(nn.Module):
 class Projection(nn.Module):
     """``y = x·W + b`` with ``W`` stored ``[d_in, d_out]``, for every family.
 
-    That is the seeds' row-vector convention and the layout of Hugging Face
+    That is the row-vector convention above and the layout of Hugging Face
     GPT-2's ``Conv1D``. Llama-family checkpoints store ``nn.Linear`` weights
     transposed, ``[d_out, d_in]``; the loader transposes them once. The reason
     is speed: for a decode step (one row x) ``x·W`` with W ``[d_in, d_out]``
@@ -437,7 +437,7 @@ class Projection(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm(x) = γ ⊙ (x − μ) / √(σ² + ε) + β over the last dimension (seed eq. 19).
+    """LayerNorm(x) = γ ⊙ (x − μ) / √(σ² + ε) + β over the last dimension (Ba et al. 2016, arXiv:1607.06450).
 
     ``bias=False`` drops β (nanoGPT's ``bias=False`` models): ``self.bias`` is then None."""
 
@@ -460,7 +460,7 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm(x) = γ ⊙ x / √(mean(x²) + ε) (seed 002 §3.4): LayerNorm without the mean and β.
+    """RMSNorm(x) = γ ⊙ x / √(mean(x²) + ε) (Zhang & Sennrich 2019, arXiv:1910.07467): LayerNorm without the mean and β.
 
     The order of operations is Hugging Face's ``LlamaRMSNorm``, so a bf16 model
     rounds where theirs does: upcast to float32, mean of squares, rsqrt(var + ε),
@@ -491,7 +491,7 @@ def norm(config: GPTConfig) -> LayerNorm | RMSNorm:
     return LayerNorm(config.d_model, config.layer_norm_eps, bias=config.norm_bias)
 
 
-# ---- rotary position embedding (seed 002 §6.2, eqs. 30–31) ----------------------------------------------------
+# ---- rotary position embedding (RoFormer, Su et al. 2021, arXiv:2104.09864) -----------------------------------
 
 
 def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
@@ -541,7 +541,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[B, heads, n, d_head]`` by its positions' angles (``cos``, ``sin`` from ``rope_cos_sin``).
 
-    The seed (eq. 30) rotates *consecutive* pairs (x₀, x₁), (x₂, x₃), …; the
+    RoFormer's paper rotates *consecutive* pairs (x₀, x₁), (x₂, x₃), …; the
     Llama/Mistral/Qwen2 checkpoints instead pair dimension i with i + d_head/2
     (Hugging Face's ``rotate_half``): ``x·cos + rotate_half(x)·sin`` turns each
     pair (x_i, x_{i+d_head/2}) by angle p·θ^(−2i/d_head). The two conventions are
@@ -590,15 +590,15 @@ def attention(
     """Scaled dot-product attention, ``softmax(QKᵀ/√d_k + M)·V``, step by step.
 
     ``q``: ``[..., H, n, d_k]``, ``k``: ``[..., G, t, d_k]``, ``v``: ``[..., G, t, d_v]``
-    with G dividing H (seed 002 §10.3: G = H is multi-head attention, 1 is
-    multi-query, in between grouped-query): each of the G key/value heads serves
+    with G dividing H (GQA, Ainslie et al. 2023, arXiv:2305.13245: G = H is multi-head
+    attention, 1 is multi-query, in between grouped-query): each of the G key/value heads serves
     H/G query heads, query head h reading key/value head h // (H/G) — Hugging
     Face's ``repeat_kv`` order — without copying K or V: the queries are viewed
     as ``[..., G, (H/G)·n, d_k]`` and multiplied with each group's Kᵀ. ``mask``
     is additive (0 where allowed, −∞ where not) and broadcasts to ``[..., H, n, t]``.
     Returns ``(output [..., H, n, d_v], weights [..., H, n, t])``.
 
-    The seed writes the causal form as ``softmax((QKᵀ + M)/√d_k)``; with
+    The causal form is also written ``softmax((QKᵀ + M)/√d_k)``; with
     M ∈ {0, −∞} that is the same matrix, and scaling first keeps the stages
     the app shows (QKᵀ, ÷√d_k, + M, softmax) each a real tensor. In bf16/fp16
     the softmax runs in float32 and is cast back, as Hugging Face's eager path does.
@@ -607,8 +607,8 @@ def attention(
     ``hook_attn_scores``, ``hook_mask``, ``hook_masked_scores`` and
     ``hook_pattern`` (and ``hook_softcapped`` where there is a soft-cap); the
     model passes its attention module here so that this one function is what
-    the model, the tests and the models we only observe (model/hf_decoder.py,
-    model/own_module.py) run.
+    the model, the tests and the models we only observe (model/sources/_hf_decoder.py,
+    model/sources/_own_module.py) run.
 
     For those: ``scale`` replaces 1/√d_k (a model's own, multiplied as
     transformers does), ``softcap`` c applies c·tanh(scores/c) before the mask
@@ -779,7 +779,7 @@ class MultiHeadAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """FFN(x) = GELU(x·W_1 + b_1)·W_2 + b_2 (seed eq. 36).
+    """FFN(x) = GELU(x·W_1 + b_1)·W_2 + b_2 (Vaswani et al. 2017, eq. 2, with GPT-2's GELU for the ReLU).
 
     GELU in GPT-2's tanh form by default; ``config.activation = "gelu"`` is the exact (erf) form
     nanoGPT trains with — the two differ by up to ~1e-3 per unit, enough to move logits visibly."""
@@ -822,7 +822,7 @@ class GatedMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block (seed eqs. 32–35): x + Attn(norm(x)), then + FFN(norm(·))."""
+    """Pre-norm block (GPT-2's, Radford et al. 2019): x + Attn(norm(x)), then + FFN(norm(·))."""
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """Attention at any length: the fused kernel runs the model, and any region of QKᵀ, the masked scores or
 the pattern is recomputed exactly, tile by tile, from Q, K and a compact description of the mask.
 
-Seed 002 §10.2 (FlashAttention): a row's softmax needs only its normaliser, the log-sum-exp
+FlashAttention (Dao et al. 2022, arXiv:2205.14135): a row's softmax needs only its normaliser, the log-sum-exp
 ``lse_i = log Σ_j exp(s_ij)`` over the keys the row may see (kept as the row's max m and Σ exp(s − m)); then any
 cell of the pattern is ``A_ij = exp(s_ij − m_i) / Σ_i`` — the same number the eager softmax gives. The readers
 (``ScoreSweep``) compute it in chunks of whole rows, a few query rows × every key they see (≤ ``SWEEP_CELLS``),
@@ -17,7 +17,7 @@ one BLAS call each: the chunk's own max and sum, no running rescale, never n × 
 * ``region``, ``row_norm``, ``pool_pattern`` (the overview: block mean and max), ``pattern_times_v`` read what
   the kernel computed.
 
-Shape legend as in model/gpt.py: B batch, H query heads, G key/value heads, n new positions (queries),
+Shape legend as in model/gpt/_gpt.py: B batch, H query heads, G key/value heads, n new positions (queries),
 t key positions (cache included), d_head.
 """
 
@@ -110,13 +110,13 @@ class MaskSpec:
 
     Query i (0 … n−1) sits at key slot ``past + i`` (``past = t − n``); it may see key slot j when
     j ≤ past + i, j > past + i − window (a sliding window), and key j is a token (not padding). A query
-    that sees no key at all: ``empty_rows="self"`` lets a padding query see its own slot (model/gpt.py);
+    that sees no key at all: ``empty_rows="self"`` lets a padding query see its own slot (model/gpt/_gpt.py);
     ``"uniform"`` leaves the whole row at ``finfo.min``, so its softmax is 1/t everywhere (transformers'
-    eager mask, model/hf_decoder.py). Scores are ``QKᵀ·scale``, then ``c·tanh(·/c)`` with a soft-cap c."""
+    eager mask, model/sources/_hf_decoder.py). Scores are ``QKᵀ·scale``, then ``c·tanh(·/c)`` with a soft-cap c."""
 
     n: int
     t: int
-    scale: float | None  # None: 1/√d_head, divided as model/gpt.py's attention() does
+    scale: float | None  # None: 1/√d_head, divided as model/gpt/_gpt.py's attention() does
     window: int | None = None
     key_is_token: torch.Tensor | None = None  # [B, t] bool, False = padding; None: every slot is a token
     empty_rows: EmptyRows = "self"
@@ -521,7 +521,7 @@ def _normalise_(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def row_norm(q: torch.Tensor, k: torch.Tensor, spec: MaskSpec, heads: list[int] | None = None,
              rows: range | None = None) -> RowNorm:
     """The normaliser of each of ``rows`` for ``heads``: one pass over QKᵀ in chunks of whole rows (every key a
-    row may see), max and sum as the eager softmax takes them (seed 002 §10.2: the log-sum-exp of each row is
+    row may see), max and sum as the eager softmax takes them (FlashAttention's point: the log-sum-exp of each row is
     all a region of the pattern needs, ``A_ij = exp(s_ij − lse_i)``)."""
     H = q.size(-3)
     heads = list(range(H)) if heads is None else heads

@@ -1,6 +1,6 @@
 """Choosing the next token: greedy, temperature, top-k, top-p — seeded and deterministic.
 
-``P = softmax(z / τ)`` (seed 002 §11.2/§14.4): τ < 1 sharpens, τ > 1 flattens;
+``P = softmax(z / τ)`` (τ the temperature): τ < 1 sharpens, τ > 1 flattens;
 τ = 0 means greedy (argmax). Top-k keeps the k most probable tokens, top-p the
 smallest set whose probability reaches p; both renormalise what they keep.
 Every stage is kept (for the top candidates) so a view can show how each

@@ -6,11 +6,11 @@ weights, no memory — so that a 405B model's forward can be traced, shape for s
 * ``shapes:NAME``: a config shipped with the project (``assets/shapes/NAME/config.json``, ``SHAPES``);
 * a ``config.json`` file;
 * a directory holding ``config.json`` (and a tokenizer, which is used when present), a Hugging Face cache folder,
-  or a repo id found in the local cache (``model.resolve``; never downloaded). Where the directory holds
+  or a repo id found in the local cache (``model.sources._resolve``; never downloaded). Where the directory holds
   safetensors, only their *headers* are read (names, dtypes, shapes: no tensor bytes), and checked against the
   model the config describes.
 
-Our GPT (model/gpt.py) is built for the families we implement (gpt2, llama, mistral, qwen2); transformers builds
+Our GPT (model/gpt/_gpt.py) is built for the families we implement (gpt2, llama, mistral, qwen2); transformers builds
 every other decoder (``from_config`` under ``torch.device("meta")``, wrapped in ``HFDecoder``). The dtype is the
 config's ``torch_dtype`` (or ``dtype``) unless asked otherwise. Mixture-of-experts layers run transformers'
 ``batched_mm`` experts, which computes every token's chosen experts with shapes fixed in advance: the default

@@ -134,7 +134,7 @@ class HFDecoderError(ValueError):
 
 # -- the attention function -----------------------------------------------------------------------------
 class _AttentionHooks(nn.Module):
-    """One layer's attention hook points, under ``blocks.{L}.attn`` (shapes as in model/gpt.py)."""
+    """One layer's attention hook points, under ``blocks.{L}.attn`` (shapes as in model/gpt/_gpt.py)."""
 
     def __init__(self, softcap: bool, latent: bool = False, sinks: bool = False) -> None:
         super().__init__()
@@ -281,7 +281,7 @@ def _restored(before: tuple | None):
 
 def traced_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """transformers' eager mask with ``finfo.min`` written as −∞ where a row sees at least one key: the
-    same softmax (exp of either is 0 in float32), and the mask the views show is the seeds' M. A row that
+    same softmax (exp of either is 0 in float32), and the mask the views show is ``attention``'s M. A row that
     sees nothing (a padding query) keeps ``finfo.min``, so its softmax stays finite, as transformers' does."""
     from transformers.masking_utils import eager_mask
 

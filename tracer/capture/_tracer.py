@@ -22,8 +22,8 @@
   hook point and the logits (a bad value shows there in the block where it
   first appears), or per module output for models without hook points.
 
-The hook machinery is in ``tracer.hooks``, op capture in ``tracer.ops``,
-failure reports in ``tracer.forensics``, the storage in ``tracer.log``.
+The hook machinery is in ``tracer.capture._hooks``, op capture in ``tracer.capture._ops``,
+failure reports in ``tracer.capture._forensics``, the storage in ``tracer.storage``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 An op can finish no sooner than its arithmetic at the chip's peak rate, nor sooner than its bytes at the memory's
 bandwidth: ``floor = max(FLOPs / peak, bytes / bandwidth)``. Whichever term is larger says whether the op is
 compute-bound or memory-bound. A step's floor is the sum of its ops' floors (they run one after another): a lower
-bound on its time, reached by no real kernel. The seeds' point shows in the numbers: a decode step multiplies one
+bound on its time, reached by no real kernel. The point shows in the numbers: a decode step multiplies one
 row per sequence by every weight matrix, ~1 FLOP per byte of weight read, far below any GPU's
 peak/bandwidth ratio (hundreds of FLOPs per byte), so it is memory-bound; a long prefill is compute-bound.
 

@@ -2,7 +2,7 @@
 activation patching, the logit lens and direct logit attribution, head scores, the diff of two runs, a KV cache
 stored at a lower precision, the gradients through one attention head.
 
-Private: ``_interventions``, ``_whatif``, ``_lens``, ``_diff``, ``_cache_precision``, ``_gradients``."""
+Private: ``_whatif``, ``_lens``, ``_diff``, ``_cache_precision``, ``_gradients``."""
 
 from gpt_shape_tracer.tracer.experiments._cache_precision import CachePrecisionRun, PrecisionStep, cache_precision
 from gpt_shape_tracer.tracer.experiments._diff import aligned_values, diff_steps, diff_traces

@@ -2,7 +2,7 @@
 activation patching between a clean and a corrupted prompt.
 
 Each runs real forwards of the model (untraced unless a trace is asked for) with the interventions of
-``tracer.interventions`` applied on this thread only; nothing here changes the generation it starts from.
+``tracer.capture`` applied on this thread only; nothing here changes the generation it starts from.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def pattern_changes(gen: TracedGeneration, result: Replay) -> list[tuple[int, in
 
 
 def replay_diff(gen: TracedGeneration, result: Replay):
-    """The replayed step's records against the run's own, record by record (``tracer.diff`` columns)."""
+    """The replayed step's records against the run's own, record by record (``diff_steps`` columns)."""
     return diff_steps(gen.trace, result.step, result.trace, 0)
 
 

@@ -19,7 +19,7 @@ anything is inflated or allocated, the declared sizes are checked: each
 archive member against its limit and its compression ratio, the number of
 records and ops from the Parquet metadata, every tensor's bytes from the
 safetensors header. Then the manifest is checked against one schema
-(``tracer.schema``), and every number that sizes something is checked against
+(``tracer.files._schema``), and every number that sizes something is checked against
 what the file actually holds (layers against modules, n and t against the
 attention records' shapes). A refusal is a ``TraceFileError`` naming the field
 or the limit, and by how much.

@@ -64,7 +64,7 @@ class AxisResolver:
         return tuple(out), note
 
     def _display(self, symbol: str) -> str:
-        # with as many key/value heads as query heads (GPT-2), the seeds' H is the name people know
+        # with as many key/value heads as query heads (GPT-2), H is the name people know
         if symbol == "G" and self._dims.get("G") == self._dims.get("H"):
             return "H"
         return symbol

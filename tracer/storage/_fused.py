@@ -1,6 +1,6 @@
 """The one-pass statistics kernel (``fused_stats.c``), built on first use with the machine's C compiler.
 
-``tracer.stats`` takes a record's statistics with PyTorch reductions: three passes over a clean tensor
+``tracer.storage._stats`` takes a record's statistics with PyTorch reductions: three passes over a clean tensor
 (min and max together, Σx, Σx²) and up to seven over one holding a mask's −∞. A 984-token GPT-2-small prefill
 evicts 44 attention tensors of 46 MB, and those passes were a third of the traced step. The kernel takes
 everything in one pass — min, max, Σx, Σx² of the finite values and the NaN, +∞ and −∞ counts — split over

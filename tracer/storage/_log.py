@@ -1,6 +1,6 @@
 """The write side of a trace: the one place records, ops, steps and generation facts are added.
 
-``Tracer`` (live capture) and ``tracer.io`` (loading a file) both build a trace
+``Tracer`` (live capture) and ``tracer.files`` (loading a file) both build a trace
 through these public methods; ``Trace`` reads it. The invariants, kept here and
 nowhere else:
 
@@ -588,7 +588,7 @@ class TraceLog:
             raise ValueError(f"no generation step {comparison.step} to compare")
         self._comparisons[comparison.step] = comparison
 
-    # -- write side: restoring a saved trace (tracer.io) ---------------------------------------
+    # -- write side: restoring a saved trace (tracer.files) ------------------------------------
     def restore_record(self, raw: RawRecord, stats: TensorStats | None, note: str, flag: int) -> None:
         """A record read from a file, into the step in progress: the same invariants as a live one."""
         step = self._require_step()

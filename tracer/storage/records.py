@@ -153,7 +153,7 @@ class OpRecord:
 
 @dataclass(frozen=True, slots=True)
 class InterventionRecord:
-    """One change made to a hook point during a forward (see ``tracer.interventions``), as plain facts."""
+    """One change made to a hook point during a forward (see ``tracer.capture``), as plain facts."""
 
     name: str  # the hook point
     how: str  # "zero" | "mean" | "patch"
