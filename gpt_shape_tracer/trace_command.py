@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpt_shape_tracer.session import ModelChoice
 
-from gpt_shape_tracer import beam_command, engine_command
+from gpt_shape_tracer import beam_command, engine_command, speculative_command
 
 # The library's limits and defaults, written here as plain numbers so that the arguments are checked without
 # importing torch (which takes seconds). tests/test_cli.py checks that each equals the library's own.
@@ -152,6 +152,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quiet", action="store_true", help="no progress on stderr (it is shown only on a terminal)")
     engine_command.add_arguments(ap)
     beam_command.add_arguments(ap)
+    speculative_command.add_arguments(ap)
     return ap
 
 
@@ -265,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if engine_command.wanted(args):  # --continuous-batching: gpt_shape_tracer/engine_command.py
         return engine_command.main(args)
+    if speculative_command.wanted(args):  # --assistant-model, --prompt-lookup: gpt_shape_tracer/speculative_command.py
+        from gpt_shape_tracer.session import load
+
+        return speculative_command.main(args, lambda: load(model_choice(args)))
     if beam_command.wanted(args):  # --num-beams: gpt_shape_tracer/beam_command.py
         from gpt_shape_tracer.session import load
 

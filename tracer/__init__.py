@@ -82,9 +82,13 @@ from gpt_shape_tracer.tracer.generation import (
     BeamSearch,
     BeamSearchError,
     BeamStep,
+    CacheEvent,
     ContextFullError,
     GenerationStopped,
     PromptError,
+    SpeculativeDecoding,
+    SpeculativeError,
+    SpeculativeStep,
     TracedGeneration,
     dry_run,
     latent_cache,
@@ -138,6 +142,7 @@ from gpt_shape_tracer.tracer.storage.records import (
 
 __all__ = [
     "BeamCandidate", "BeamResult", "BeamSearch", "BeamSearchError", "BeamStep",
+    "CacheEvent", "SpeculativeDecoding", "SpeculativeError", "SpeculativeStep",
     "ACCELERATORS", "Accelerator", "OpCost", "Placement", "StepCosts", "StepFloor", "collectives",
     "collectives_sentence", "costed_dry_run", "costs_frame",
     "count_forward", "kv_cache_bytes", "latent_cache", "place", "step_floor",

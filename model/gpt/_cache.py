@@ -182,6 +182,27 @@ class KVCache:
         if self.key_is_token is not None:
             self.key_is_token = self.key_is_token[rows.to(self.key_is_token.device)]
 
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached positions and drop the rows past them, in every layer (and their padding
+        flags): speculative decoding's crop of the draft tokens the main model rejected (transformers'
+        ``Cache.crop(-(t − length))``). The kept rows move to new buffers and the old are left as they were, so the
+        next forward, writing where the dropped rows were, changes no value a trace kept from them."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
+            raise ValueError(f"crop keeps 0 … {self._length} positions (the cached ones), got {length!r}")
+        if self._staged:
+            raise RuntimeError("crop between forwards only: this cache has rows staged by an unfinished forward")
+        if length == self._length:
+            return
+        for layer, buf in enumerate(self._buffers):
+            if buf is None:
+                continue
+            kept = _LayerBuffer(buf.keys, buf.values, buf.capacity)
+            kept.write(0, buf.keys[:, :, :length], buf.values[:, :, :length])
+            self._buffers[layer] = kept
+        self._length = length
+        if self.key_is_token is not None:
+            self.key_is_token = self.key_is_token[:, :length].clone()
+
     def rollback(self) -> None:
         """Forget a failed forward: rows it wrote past ``length`` are overwritten next time."""
         self._staged.clear()

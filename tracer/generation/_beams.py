@@ -21,12 +21,13 @@ Legend: B prompts, k beams, V vocabulary, L = padded prompt width + max_new_toke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from gpt_shape_tracer.model.sources import TextTokenizer, input_device_of
 from gpt_shape_tracer.tracer.capture import Tracer
+from gpt_shape_tracer.tracer.generation._events import CacheEvent
 from gpt_shape_tracer.tracer.storage import DEFAULT_BUDGET_BYTES
 
 MAX_BEAMS = 16
@@ -61,7 +62,8 @@ class BeamStep:
     ``candidates[b]``: the 2k continuations ranked, each with its fate; ``finished_scores[b]``: the prompt's
     finished hypotheses' length-penalised scores (−1e9: an empty slot); ``keys_before`` / ``keys_after``: one
     layer's cached keys ``[B·k, G, t, d_head]`` before and after the reorder (None once the search's snapshots
-    would pass ``SNAPSHOT_BYTES``)."""
+    would pass ``SNAPSHOT_BYTES``); ``cache_events``: what the step did to the cache, as every strategy says it
+    (``CacheEvent``: the forward's grow, then the reorder)."""
 
     step: int
     tokens: tuple[tuple[int, ...], ...]
@@ -74,6 +76,7 @@ class BeamStep:
     snapshot_layer: int
     keys_before: torch.Tensor | None
     keys_after: torch.Tensor | None
+    cache_events: tuple[CacheEvent, ...] = ()
 
     @property
     def moved_rows(self) -> int:
@@ -209,6 +212,7 @@ class BeamSearch:
             tokens, mask = self._prompt, self._real
         else:
             tokens, mask = self._running[:, :, self.cur_len - 1].reshape(B * k, 1), None
+        rows_before = self.cache.length
         with self.tracer.active():
             logits = self.model(tokens.to(device), self.cache,
                                 padding_mask=mask.to(device) if mask is not None else None)  # [B·k, n, V]
@@ -248,6 +252,9 @@ class BeamSearch:
         self.done = not bool(hf._beam_search_has_unfinished_sequences(
             self._improvable, self._finished, hits, self.early_stopping))
         record = self._record(top_scores, new_tokens, top_beams, hits, before_finished, beam_idx, before, after)
+        rows = self.cache.length
+        record = replace(record, cache_events=(CacheEvent.grow(record.step, rows_before, rows),
+                                               CacheEvent.reorder(record.step, rows, record.beam_idx)))
         self.steps.append(record)
         return record
 

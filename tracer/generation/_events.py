@@ -1,0 +1,68 @@
+"""One model of what a decoding strategy does to the KV cache: each change is a ``CacheEvent`` on the run's cache
+timeline, whatever strategy made it, so that one view can draw them all.
+
+- ``grow``: a forward appended positions ``rows_before … rows_after − 1`` (``indices``: those positions);
+- ``reorder``: beam search copied whole sequences: batch row ``i`` now holds what row ``indices[i]`` held
+  (``Cache.reorder_cache(beam_idx)``); the number of positions does not change;
+- ``crop``: speculative decoding dropped the positions ``indices`` (the rejected draft tokens' rows,
+  ``Cache.crop``), so ``rows_after`` < ``rows_before``.
+
+The indices name positions or batch rows, never a layer: every layer's K and V change alike. Kinds a cache class
+adds later (a sliding window's drop or overwrite, a quantized store, a move off the accelerator) join
+``CACHE_EVENT_KINDS`` with the same fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CACHE_EVENT_KINDS = ("grow", "reorder", "crop")
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """What one change did to a cache: its ``kind`` (``CACHE_EVENT_KINDS``), the ``step`` of the run it belongs
+    to, the cached positions before and after, the positions (grow, crop) or batch rows (reorder) it touched,
+    and which cache (``"main"``, or ``"draft"``: a speculative run's assistant)."""
+
+    kind: str
+    step: int
+    rows_before: int
+    rows_after: int
+    indices: tuple[int, ...] = ()
+    cache: str = "main"
+
+    def __post_init__(self) -> None:
+        if self.kind not in CACHE_EVENT_KINDS:
+            raise ValueError(f"a cache event's kind is one of {CACHE_EVENT_KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def grow(cls, step: int, before: int, after: int, cache: str = "main") -> CacheEvent:
+        return cls("grow", step, before, after, tuple(range(before, after)), cache)
+
+    @classmethod
+    def crop(cls, step: int, before: int, after: int, cache: str = "main") -> CacheEvent:
+        return cls("crop", step, before, after, tuple(range(after, before)), cache)
+
+    @classmethod
+    def reorder(cls, step: int, rows: int, sources: tuple[int, ...], cache: str = "main") -> CacheEvent:
+        return cls("reorder", step, rows, rows, tuple(sources), cache)
+
+    @property
+    def changed(self) -> int:
+        """Positions added (grow) or dropped (crop), or batch rows that now hold another row's history (reorder)."""
+        if self.kind == "reorder":
+            return sum(1 for i, src in enumerate(self.indices) if src != i)
+        return abs(self.rows_after - self.rows_before)
+
+    def sentence(self) -> str:
+        """The event in words, with its numbers."""
+        where = f"step {self.step}, {self.cache} cache"
+        if self.kind == "grow":
+            return f"{where}: grew from {self.rows_before} to {self.rows_after} positions (+{self.changed})"
+        if self.kind == "crop":
+            if not self.changed:
+                return f"{where}: crop dropped nothing ({self.rows_before} positions kept)"
+            return (f"{where}: cropped {self.changed} position(s), {self.rows_after} … {self.rows_before - 1}, "
+                    f"back to {self.rows_after}")
+        return (f"{where}: reordered: {self.changed} of {len(self.indices)} sequence row(s) now hold another row's "
+                f"history ({self.rows_after} positions each)")
