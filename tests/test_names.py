@@ -33,7 +33,7 @@ SHIPPED = sources("model", "tracer", "figures", "session", "gui", "app", PACKAGE
 CONFIGS = [ROOT / "requirements.txt", ROOT / "requirements-dev.txt", ROOT / "pyproject.toml"]
 
 # a model object's attributes (our GPT's or a transformers model's) that comments write as ``model.<name>``
-MODEL_ATTRIBUTES = {"blocks", "identity", "layers", "reference_note", "state_dict", "tensor_parallel", "tp_plan"}
+MODEL_ATTRIBUTES = {"blocks", "hf", "identity", "layers", "reference_note", "state_dict", "tensor_parallel", "tp_plan"}
 FILE_SUFFIXES = {"py", "json", "safetensors"}  # ``model.safetensors``, ``model.py``: a file's name, not a module
 # where the wheel puts assets/ (pyproject.toml's package data): no such folder in a checkout
 INSTALLED_ONLY = {"model/bundled", "gpt_shape_tracer/model/bundled"}
