@@ -1,0 +1,183 @@
+"""Every cache class transformers has, run one greedy step at a time (tracer/experiments/_cache_classes.py), against
+transformers' own ``generate()`` with that class on the same weights: the tokens, every step's logits, and what
+each class holds (rows reserved, dropped, overwritten, stored in fp8, where they live), with the figures and
+sentences built from those numbers (figures/cache_classes.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.tracer import CACHE_CLASSES, CacheClassError, CacheEvent, cache_class_run
+from tests.hf_architectures import build
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "story-gpt" / "tokenizer.json"
+PROMPT = "Once upon a time there was"  # 6 tokens: past mistral's window of 4 at the prefill
+STEPS = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A 64-wide model gains nothing from a second thread, and on a loaded machine two spin against each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """llama (full attention) and mistral (sliding_window = 4), both run by transformers."""
+    loaded = {}
+    for arch in ("llama", "mistral"):
+        directory = build(arch, tmp_path_factory.mktemp(arch), TOKENIZER, seed=1)
+        loaded[arch] = load_hf(str(directory), implementation="transformers")
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def runs(models):
+    """Each class on the model it is about: sliding on mistral, the others on llama, and static on mistral too
+    (its sliding layers overwrite)."""
+    plan = {"dynamic": "llama", "static": "llama", "quantized-fp8": "llama", "offloaded": "llama",
+            "sliding": "mistral", "static-sliding": "mistral"}
+    out = {}
+    for name, arch in plan.items():
+        model, tok = models[arch]
+        out[name] = cache_class_run(model, tok, PROMPT, name.removesuffix("-sliding"), STEPS)
+    return out
+
+
+def generated(model, run):
+    """transformers' generate with the run's settings: (new tokens, logits per step [steps, V])."""
+    ids = torch.tensor([list(run.prompt_ids)])
+    out = model.hf.generate(ids, max_new_tokens=len(run.steps), do_sample=False, output_logits=True,
+                            return_dict_in_generate=True, **run.generate_settings)
+    return out.sequences[0, ids.shape[1]:].tolist(), torch.stack([row[0] for row in out.logits]).float()
+
+
+@pytest.mark.parametrize("name", ["dynamic", "static", "quantized-fp8", "offloaded", "sliding", "static-sliding"])
+def test_tokens_and_logits_equal_generate_with_the_same_class(models, runs, name):
+    run = runs[name]
+    model, _ = models["mistral" if name in ("sliding", "static-sliding") else "llama"]
+    tokens, logits = generated(model, run)
+    assert list(run.tokens) == tokens
+    ours = torch.stack([s.logits for s in run.steps])
+    assert ours.shape == logits.shape
+    torch.testing.assert_close(ours, logits, rtol=0, atol=1e-5)
+
+
+def test_the_classes_built_are_transformers_own(runs):
+    assert runs["dynamic"].class_name == "DynamicCache" and set(runs["dynamic"].kinds()) == {"DynamicLayer"}
+    assert runs["static"].class_name == "StaticCache" and set(runs["static"].kinds()) == {"StaticLayer"}
+    assert set(runs["static-sliding"].kinds()) == {"StaticSlidingWindowLayer"}
+    assert set(runs["sliding"].kinds()) == {"DynamicSlidingWindowLayer"}
+    assert runs["quantized-fp8"].class_name == "QuantizedCache"
+    assert set(runs["quantized-fp8"].kinds()) == {"Fp8QuantizedLayer"}
+    assert runs["quantized-fp8"].generate_settings == {"cache_implementation": "quantized",
+                                                       "cache_config": {"backend": "fp8"}}
+
+
+@pytest.mark.parametrize("name", ["dynamic", "static", "offloaded", "sliding", "static-sliding"])
+def test_full_precision_classes_match_the_dynamic_reference(runs, name):
+    for step in runs[name].steps:
+        assert step.max_abs_delta < 1e-4
+        assert step.token == step.reference_token
+
+
+def test_fp8_differs_from_full_precision_and_says_by_how_much(runs):
+    run = runs["quantized-fp8"]
+    deltas = [s.max_abs_delta for s in run.steps]
+    assert deltas[0] == 0.0  # the prefill attends to the rows it was given, before they are stored in fp8
+    assert all(d > 0 for d in deltas[1:])  # every later step reads the dequantized rows back
+    p = len(run.prompt_ids)
+    for s in run.steps:
+        for h in s.layers:
+            assert h.dtype == "float8_e4m3fn" and len(h.row_error) == h.held == p + s.step
+            assert all(0 < e < 0.1 for e in h.row_error)
+            # 1 byte a number for K and V plus two float32 scales
+            assert h.nbytes == 2 * h.keys_shape[1] * h.held * h.keys_shape[3] + 2 * 4
+        assert s.nbytes * 4 == s.reference_bytes + 4 * 2 * 4 * len(s.layers)  # a quarter of float32's, + scales
+        kinds = [e.kind for e in s.events]
+        assert kinds.count("quantize") == len(s.layers)  # each layer its own scale, so its own event
+        assert all(e.indices == tuple(range(p + s.step - s.fed, p + s.step)) for e in s.events
+                   if e.kind == "quantize")
+
+
+def test_static_reserves_up_front_and_fills(runs):
+    run = runs["static"]
+    p = len(run.prompt_ids)
+    assert run.max_cache_len == p + STEPS - 1  # generate's length
+    for s in run.steps:
+        for h in s.layers:
+            assert h.reserved == run.max_cache_len and h.held == p + s.step and h.keys_shape[2] == h.reserved
+        assert s.nbytes == run.steps[0].nbytes  # every slot allocated at the prefill
+        assert [e.kind for e in s.events] == ["grow"]
+    assert run.steps[-1].layers[0].free == 0
+
+
+def test_sliding_drops_and_static_sliding_overwrites(runs, models):
+    window = models["mistral"][0].hf.config.sliding_window
+    p = len(runs["sliding"].prompt_ids)
+    for s in runs["sliding"].steps:
+        seen = p + s.step
+        for h in s.layers:  # DynamicSlidingWindowLayer keeps the last window − 1 rows
+            assert (h.seen, h.held, h.first_held) == (seen, window - 1, seen - window + 1)
+        drops = [e for e in s.events if e.kind == "drop"]
+        assert len(drops) == 1 and drops[0].layer is None  # both layers alike: one event
+        assert drops[0].indices == (tuple(range(seen - window + 1)) if s.step == 0 else (seen - window,))
+    for s in runs["static-sliding"].steps:
+        seen = p + s.step
+        for h in s.layers:  # StaticSlidingWindowLayer reserves the window and keeps its last `window` rows
+            assert (h.held, h.reserved, h.first_held) == (window, window, seen - window)
+        kinds = [e.kind for e in s.events]
+        if s.step == 0:  # the prompt arrives longer than the window: its first rows are never kept
+            assert kinds == ["grow", "drop"] and "never kept" in s.events[1].detail
+        else:
+            assert kinds == ["grow", "overwrite"] and s.events[1].indices == (seen - window - 1,)
+
+
+def test_offloaded_on_the_cpu_runs_the_dynamic_cache_and_says_so(runs):
+    run = runs["offloaded"]
+    assert run.device == "cpu" and "CUDA" in run.note and run.generate_settings == {}
+    assert all(h.device == "cpu" for s in run.steps for h in s.layers)
+    assert not [e for e in run.events if e.kind == "move"]
+
+
+def test_refusals(models):
+    llama, tok = models["llama"]
+    with pytest.raises(CacheClassError, match="no sliding-window layer"):
+        cache_class_run(llama, tok, PROMPT, "sliding", 2)
+    with pytest.raises(CacheClassError, match="only full attention"):
+        cache_class_run(models["mistral"][0], tok, PROMPT, "quantized-fp8", 2)
+    with pytest.raises(CacheClassError, match="one of"):
+        cache_class_run(llama, tok, PROMPT, "paged", 2)
+    with pytest.raises(CacheClassError, match="shorter"):
+        cache_class_run(llama, tok, PROMPT, "static", 4, max_cache_len=3)
+    with pytest.raises(CacheClassError, match="steps"):
+        cache_class_run(llama, tok, PROMPT, "dynamic", 0)
+
+
+def test_our_own_gpt_is_refused_with_the_reason(tmp_path):
+    directory = build("llama", tmp_path / "ours", TOKENIZER, seed=1)
+    ours, tok = load_hf(str(directory), implementation="ours")
+    with pytest.raises(CacheClassError, match="our own KV cache"):
+        cache_class_run(ours, tok, PROMPT, "dynamic", 2)
+
+
+def test_a_longer_static_cache_reserves_more_and_decodes_the_same(models, runs):
+    model, tok = models["llama"]
+    run = cache_class_run(model, tok, PROMPT, "static", STEPS, max_cache_len=32)
+    assert run.tokens == runs["static"].tokens
+    assert all(h.reserved == 32 and h.free == 32 - h.held for s in run.steps for h in s.layers)
+
+
+def test_new_event_kinds_say_their_numbers():
+    drop = CacheEvent("drop", 3, 4, 3, (5,), layer=1)
+    assert drop.changed == 1 and "layer 1" in drop.sentence() and "dropped 1 position(s) (5 … 5)" in drop.sentence()
+    move = CacheEvent("move", 2, 9, 9, (), detail="cuda:0 → cpu")
+    assert move.changed == 9 and "cuda:0 → cpu" in move.sentence()
+    assert set(CACHE_CLASSES) == {"dynamic", "static", "sliding", "quantized-fp8", "offloaded"}
