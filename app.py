@@ -25,6 +25,7 @@ from gpt_shape_tracer.gui.common import (
 from gpt_shape_tracer.gui.compare import compare_tab
 from gpt_shape_tracer.gui.dry_run import LABEL as DRY_LABEL
 from gpt_shape_tracer.gui.dry_run import dry_run_page
+from gpt_shape_tracer.gui.engine import engine_tab
 from gpt_shape_tracer.gui.export import export_tab
 from gpt_shape_tracer.gui.inspector import inspector_tab
 from gpt_shape_tracer.gui.kv_cache import cache_tab
@@ -42,7 +43,7 @@ from gpt_shape_tracer.tracer import Trace
 PANELS: dict[str, Callable[[Trace, int], None]] = {
     "Shapes": shapes_tab, "Attention": attention_tab, "Causal mask": mask_tab, "KV cache": cache_tab,
     "Next token": next_token_tab, "Beam search": beams_tab, "What if": whatif_tab, "Compare runs": compare_tab,
-    "Worked example": worked_tab, "Inspector": inspector_tab, "Export": export_tab}
+    "Worked example": worked_tab, "Inspector": inspector_tab, "Engine": engine_tab, "Export": export_tab}
 TABS = list(PANELS)
 
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")
@@ -89,10 +90,12 @@ def run(app: AppState) -> None:
     if trace is None:
         st.info("Press **Step** (top of the sidebar) to run the prompt: step 0 runs the whole prompt (the "
                 "prefill), every further step one new token.")
-        tabs = st.tabs(["Worked example", "Export"])
+        tabs = st.tabs(["Worked example", "Engine", "Export"])  # the Engine runs the model, not a generation
         with tabs[0]:
             worked_tab()
         with tabs[1]:
+            engine_tab()
+        with tabs[2]:
             export_tab(None)
         return
     save_view(app, header(trace))  # the step slider: each tab reads the step it set (viewed_step)

@@ -59,6 +59,8 @@ from gpt_shape_tracer.tracer import (
 if TYPE_CHECKING:
     import pandas as pd
 
+    from gpt_shape_tracer.session.engine import EngineView
+
 MAX_BUDGET_MB = 8192
 MAX_SPILL_MB = 65536  # "keep every value on disk": at most 64 GiB of one session's temporary file
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She had a red ball."
@@ -465,6 +467,7 @@ class AppState:
     comparison: Comparison | None = None
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
     beams: BeamRun | None = None  # the Beam search tab's run on this generation's model and prompts
+    engine: EngineView | None = None  # the Engine tab's run (continuous batching on the sidebar's model) or file
     # (step, layer, head, sequence, loss) → HeadGradients, kept so that returning to a head shows it at once
     gradients: Kept = field(default_factory=lambda: Kept(GRADIENTS_KEPT))
     gradient_trace: tuple[tuple, Trace] | None = None  # (step, loss), ∂L/∂x at every hook point
@@ -533,6 +536,7 @@ class AppState:
         self.comparison = None
         self.precision = None
         self.beams = None
+        self.engine = None
         self.gradients.clear()
         self.gradient_trace = None
         self.confirm_reset = self.reset_confirmed = False
