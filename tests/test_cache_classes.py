@@ -181,3 +181,58 @@ def test_new_event_kinds_say_their_numbers():
     move = CacheEvent("move", 2, 9, 9, (), detail="cuda:0 → cpu")
     assert move.changed == 9 and "cuda:0 → cpu" in move.sentence()
     assert set(CACHE_CLASSES) == {"dynamic", "static", "sliding", "quantized-fp8", "offloaded"}
+
+
+# the figures and sentences (figures/cache_classes.py), built from the runs' numbers
+
+
+@pytest.mark.parametrize("name", ["dynamic", "static", "quantized-fp8", "offloaded", "sliding", "static-sliding"])
+@pytest.mark.parametrize("steps", [2, STEPS])
+def test_each_class_has_a_figure_and_a_sentence_from_its_numbers(runs, name, steps):
+    from dataclasses import replace
+
+    from gpt_shape_tracer.figures.cache_classes import cache_class_figure, cache_class_takeaway
+
+    run = replace(runs[name], steps=runs[name].steps[:steps], tokens=runs[name].tokens[:steps])
+    last, n = run.steps[-1], len(run.steps)
+    fig = cache_class_figure(run)
+    assert fig.data and fig.layout.title.text
+    sentence, metrics = cache_class_takeaway(run)
+    assert f"{n} forward(s)" in sentence
+    assert dict(metrics)["cache after the last"] == f"{last.nbytes:,} B"
+    if name == "dynamic":
+        assert f"grew from {len(run.prompt_ids)} to {len(run.prompt_ids) + n - 1} positions" in sentence
+    if name in ("static", "static-sliding"):
+        reserved = sum(h.reserved for h in last.layers)
+        filled = sum(h.held for h in last.layers)
+        assert f"reserved {reserved} rows" in sentence and f"holds {filled} of them" in sentence
+        assert f"{filled / reserved:.0%} full" in sentence
+    if name == "static-sliding":
+        assert f"overwrote {n - 1} slot(s)" in sentence  # one a decode step, once the prompt filled the window
+    if name == "sliding":
+        assert f"{n - 1} position(s) dropped as they left the window" in sentence
+        assert "3 of the prompt's never kept" in sentence  # 6 prompt tokens, 3 kept
+    if name == "quantized-fp8":
+        worst = max(s.max_abs_delta for s in run.steps)
+        top = max(e for h in last.layers for e in h.row_error)
+        assert f"by up to {worst:.3g}" in sentence and f"stored row is {top:.3g}" in sentence
+        assert f"{last.nbytes:,} B against {last.reference_bytes:,} B" in sentence
+        assert "equal the full-precision" not in sentence  # its difference is said, not hidden
+    else:
+        assert "equal the full-precision dynamic cache's" in sentence
+    if name == "offloaded":
+        assert "nothing moved" in sentence and fig.layout.title.text.count("nothing moved") == 1
+
+
+def test_position_map_marks_what_each_class_did(runs):
+    from gpt_shape_tracer.figures.cache_classes import POSITION_STATES, position_states
+
+    held, free, dropped, over, never = (POSITION_STATES.index(s) for s in
+                                        ("held", "reserved, free", "dropped", "overwritten", "never kept"))
+    static = position_states(runs["static"])
+    assert static[0].count(held) == 6 and static[0].count(free) == STEPS - 1 and static[-1].count(free) == 0
+    sliding = position_states(runs["sliding"])
+    assert sliding[0][:3] == [never] * 3 and sliding[-1][3:3 + STEPS - 1] == [dropped] * (STEPS - 1)
+    overwritten = position_states(runs["static-sliding"])
+    assert overwritten[0][:2] == [never] * 2 and overwritten[-1][2:2 + STEPS - 1] == [over] * (STEPS - 1)
+    assert all(row.count(held) == 4 for row in overwritten)
