@@ -7,6 +7,7 @@ import streamlit as st
 
 from gpt_shape_tracer.figures import attention as attn_views
 from gpt_shape_tracer.figures import cache as cache_views
+from gpt_shape_tracer.figures import cache_classes as class_views
 from gpt_shape_tracer.figures.common import attention_layers, facts_of
 from gpt_shape_tracer.gui.common import (
     chart,
@@ -19,8 +20,9 @@ from gpt_shape_tracer.gui.common import (
 )
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model.gpt import act_name
+from gpt_shape_tracer.model.sources import HFDecoder
 from gpt_shape_tracer.session import caches
-from gpt_shape_tracer.tracer import Trace, cache_precision
+from gpt_shape_tracer.tracer import CACHE_CLASSES, CacheClassError, Trace, cache_class_run, cache_precision
 
 RECOMPUTE_REPEATS = 5  # timings of the cache comparison on demand: the fastest of this many runs
 
@@ -30,8 +32,9 @@ def cache_tab(trace: Trace, step: int) -> None:
         st.warning("The KV cache is off for this generation: every step recomputes K and V for all positions. "
                    "The table shows what each step computed.")
     # two views, drawn only when open: a Step then redraws one chart of this tab, not two
-    this_step, over_steps, cheaper, growth = remembered_tabs(
-        ["This step", "Over the steps", "A cheaper cache", "What grows with n"], "kv_view")
+    this_step, over_steps, cheaper, classes, growth = remembered_tabs(
+        ["This step", "Over the steps", "A cheaper cache", "transformers' cache classes", "What grows with n"],
+        "kv_view")
     with this_step:
         if this_step.open:
             cache_this_step(trace, step)
@@ -46,6 +49,9 @@ def cache_tab(trace: Trace, step: int) -> None:
     with cheaper:
         if cheaper.open:
             cheaper_cache()
+    with classes:
+        if classes.open:
+            cache_classes()
     with growth:
         if growth.open and trace.config is not None:
             q = trace.record(act_name("q", attention_layers(trace)[0]), step)
@@ -101,6 +107,52 @@ def cheaper_cache() -> None:
     metrics[2].metric("first step whose choice differs", "none" if first is None else str(first))
     st.caption(cache_views.sharing_sentence(run))
     chart(cache_views.precision_figure(run), key="precision_chart")
+
+
+def cache_classes() -> None:
+    """This generation's prompt decoded greedily with one of transformers' own cache classes, step by step
+    (tracer.cache_class_run), beside a full-precision dynamic cache."""
+    gen = state().live_generation
+    if gen is None:
+        st.info("This experiment runs the live model on this generation's prompt: Step once (or leave the file view).")
+        return
+    if not isinstance(gen.model, HFDecoder):
+        st.info("This model runs our own forward and our own KV cache (the rounding of **A cheaper cache** is "
+                "ours), not transformers' cache classes: load a model directory with the transformers "
+                "implementation to run them.")
+        return
+    st.markdown("transformers' own cache classes, as `generate()` builds them: **dynamic** grows a row a step; "
+                "**static** reserves every row up front and fills it; **sliding** (a model with sliding-window "
+                "layers) keeps the window and drops the rest; **quantized-fp8** (`Fp8QuantizedLayer`) stores K and V "
+                "in 8 bits with one scale per tensor — transformers' real fp8 cache, where **A cheaper cache** is "
+                "our own rounding —; **offloaded** keeps each layer on the CPU between uses (CUDA only). The prompt "
+                "runs greedily with the class and, fed the same tokens, with a full-precision dynamic cache.")
+    cols = st.columns([2, 1, 1])
+    choice = cols[0].selectbox("cache class", list(CACHE_CLASSES), key="kv_class", persist_state="page")
+    steps = int(cols[1].number_input("steps", min_value=1, max_value=64, value=8, key="kv_class_steps",
+                                     persist_state="page"))
+    if cols[2].button("Run", key="kv_class_run", type="primary"):
+        try:
+            with st.spinner(f"decoding with the {choice} cache…"):
+                st.session_state["kv_class_result"] = (id(gen), cache_class_run(gen.model, gen.tokenizer,
+                                                                                  gen.info.prompts[0], choice, steps))
+        except CacheClassError as e:
+            st.error(plain(e))
+    kept = st.session_state.get("kv_class_result")
+    if kept is None or kept[0] != id(gen):
+        st.caption("Choose a class and the number of steps, then run.")
+        return
+    run = kept[1]
+    if run.note:
+        st.warning(run.note)
+    sentence, metrics = class_views.cache_class_takeaway(run)
+    takeaway(sentence, metrics)
+    layer = 0
+    if run.cache in ("static", "sliding") and run.n_layer > 1:
+        layer = int(st.number_input("layer", min_value=0, max_value=run.n_layer - 1, value=0, key="kv_class_layer"))
+    chart(class_views.cache_class_figure(run, layer), key="kv_class_chart")
+    st.dataframe([{"step": e.step, "event": e.kind, "layer": "all" if e.layer is None else e.layer,
+                   "what": e.sentence()} for e in run.events], hide_index=True, key="kv_class_events")
 
 
 def key_heatmap(trace: Trace, step: int, layer: int, head: int, batch: int, column) -> None:

@@ -236,3 +236,35 @@ def test_position_map_marks_what_each_class_did(runs):
     overwritten = position_states(runs["static-sliding"])
     assert overwritten[0][:2] == [never] * 2 and overwritten[-1][2:2 + STEPS - 1] == [over] * (STEPS - 1)
     assert all(row.count(held) == 4 for row in overwritten)
+
+
+# the app: the KV cache tab's "transformers' cache classes"
+
+
+CLASSES_TAB = ("kv_view", "transformers' cache classes")
+
+
+def test_the_app_runs_a_class_on_a_model_transformers_runs_and_says_why_not_on_ours(tmp_path):
+    from tests.test_app import charts, new_app, page_text, press, press_reset, run, show_tab
+    from tests.test_app_architectures import choose_directory
+
+    at = new_app()
+    press(at, "step_button")  # the bundled model: our own GPT and our own cache
+    show_tab(at, "KV cache", CLASSES_TAB)
+    assert "not transformers' cache classes" in page_text(at) and not at.error
+    choose_directory(at, build("qwen3", tmp_path / "qwen3", TOKENIZER, seed=1))
+    press(at, "load_model")
+    press_reset(at)
+    press(at, "step_button")
+    show_tab(at, "KV cache", CLASSES_TAB)
+    assert "Choose a class" in page_text(at)
+    at.selectbox(key="kv_class").set_value("static")
+    at.number_input(key="kv_class_steps").set_value(3)
+    at.button(key="kv_class_run").click()
+    run(at)
+    assert not at.error, [e.value for e in at.error]
+    result = at.session_state["kv_class_result"][1]
+    assert result.class_name == "StaticCache" and len(result.steps) == 3
+    from gpt_shape_tracer.figures.cache_classes import cache_class_takeaway
+
+    assert cache_class_takeaway(result)[0] in page_text(at) and len(charts(at)) == 1
