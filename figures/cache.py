@@ -125,6 +125,8 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     """(LaTeX, sentence): the cache's size per layer, 2·B·G·t·d_k, with this step's numbers, against the
     2·B·H·t·d_k a cache with one key/value head per query head would hold (latent attention: what its cache
     holds against K and V, ``latent_memory_sentence``)."""
+    if trace.config is not None and not attention_layers(trace):  # a state-space model: no K, V anywhere
+        return state_memory_formula(trace, step)
     first = _first_attention(trace)
     latent = latent_records(trace, step, first)
     if latent is not None:
@@ -167,6 +169,47 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
 STATE_HOOKS = ("hook_conv_state", "hook_ssm_state")  # a hybrid model's per-layer state (model/sources/_hf_decoder.py)
 
 
+def state_memory_formula(trace: Trace, step: int) -> tuple[str, str]:
+    """(LaTeX, sentence) for a model whose every layer keeps a fixed-size state instead of K and V (Mamba, Mamba-2,
+    Falcon-Mamba): the state's bytes per layer, read from the records, the same at every step so far, beside what a
+    KV cache of softmax attention at the same width would hold at this step's t — 2·G·d_head numbers per token per
+    layer, G·d_head = d_model for multi-head attention (the model has no heads: its width stands in) — and the t
+    from which that cache would be the larger."""
+    config = trace.config
+    assert config is not None
+    layers = _layers(trace, step)
+    per_layer = [sum(rec.nbytes for rec in state_records(trace, step, layer)) for layer in layers]
+    held = sum(per_layer)
+    steps = [gs.step for gs in facts_of(trace).steps if gs.step <= step]
+    sizes = {sum(held_bytes(trace, s, layer) for layer in layers) for s in steps}
+    forward = gen_step(trace, step).forward
+    t = forward.t
+    out = trace.record(f"blocks.{layers[0]}.hook_mixer_out", step)  # [B, n, d]: the model's batch, width, dtype
+    B, d, itemsize = out.shape[0], out.shape[-1], out.nbytes // max(1, out.numel)
+    kv_per_token = 2 * B * d * itemsize  # one layer, the batch's B rows: 2·G·d_head·bytes with G·d_head = d
+    kv = kv_per_token * t
+    states = state_records(trace, step, layers[0])
+    shapes = " + ".join(f"{rec.name.rsplit('.', 1)[-1].removeprefix('hook_').replace('_', ' ')} "
+                        f"{shape_text(rec.shape)}" for rec in states)
+    mixer = config.mixers[layers[0]] if config.mixers is not None else "state"
+    equal = per_layer[0] / kv_per_token
+    crossing = math.floor(equal) + 1  # the first whole t at which the cache would hold more
+    latex = (rf"\text{{state}} = {per_layer[0]:,}\ \text{{B per layer, fixed}}\qquad "
+             rf"2\cdot B\cdot t\cdot d\cdot b = 2\cdot {B}\cdot {t}\cdot {d}\cdot {itemsize} = {kv:,}"
+             rf"\ \text{{B per layer of a KV cache}}")
+    same = (f"the same after every one of the {len(steps)} steps so far" if len(sizes) == 1 else
+            f"{len(sizes)} different totals over the {len(steps)} steps so far")
+    sentence = (f"{len(layers)} layers × {per_layer[0]:,} bytes = {held / 1024:,.1f} KiB at step {step}, {same}: this "
+                f"model has no softmax attention and keeps no KV cache. Each layer ({mixer}) keeps a fixed state of "
+                f"{per_layer[0]:,} bytes ({shapes}), overwritten at every step, instead of a cache growing by "
+                f"2·G·d_head·bytes = 2·{d}·{itemsize} = {2 * d * itemsize:,} bytes per token per sequence (softmax "
+                f"attention of the same width, d = G·d_head = {d}). At t = {t} such a cache would hold "
+                f"{kv:,} bytes per layer ({B} sequence(s)), {kv / max(1, per_layer[0]):.2g}× the state; it "
+                + (f"passes the state from t = {crossing:,} on." if crossing > t else
+                   f"has held more than the state since t = {crossing:,}."))
+    return latex, sentence
+
+
 def state_records(trace: Trace, step: int, layer: int) -> list[TensorRecord]:
     """The convolution and state-space state a hybrid model's layer keeps after ``step`` (Falcon-H1's Mamba-2
     mixer: conv ``[B, channels, kernel]``, SSM ``[B, heads, d_head, d_state]``), in transformers' own cache;
@@ -191,8 +234,8 @@ def state_sentence(trace: Trace, step: int) -> str | None:
     no layer keeps state."""
     layers = [(layer, state_records(trace, step, layer)) for layer in _layers(trace, step)]
     layers = [(layer, records) for layer, records in layers if records]
-    if not layers:
-        return None
+    if not layers or (trace.config is not None and not attention_layers(trace)):  # a state-space model:
+        return None  # there is no K and V to keep it beside (state_memory_formula says what it holds)
     total = sum(rec.nbytes for _, records in layers for rec in records)
     shapes = " and ".join(f"{rec.name.rsplit('.', 1)[-1].removeprefix('hook_').replace('_', ' ')} "
                           f"{shape_text(rec.shape)}" for rec in layers[0][1])
@@ -357,7 +400,11 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
     comparisons = facts_of(trace).comparisons
     compared = sorted(comparisons)
     use_cache = _ran_with_cache(trace)
-    if use_cache:
+    if use_cache and trace.config is not None and not attention_layers(trace):  # a state-space model
+        bars = ("cache length", "positions seen")
+        line = ("K+V bytes (all layers)", "KiB of state held (all layers)")
+        title = "no KV cache: the state held has a fixed size, whatever the positions seen"
+    elif use_cache:
         bars = ("cache length", "cache length (positions)")
         line = ("K+V bytes (all layers)", "KiB the cache holds (all layers)")
         title = "the KV cache grows by one row per step"

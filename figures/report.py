@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from gpt_shape_tracer.figures import attention, cache, flow, mask, tokens
-from gpt_shape_tracer.figures.common import attention_layers, facts_of
+from gpt_shape_tracer.figures.common import attention_layers, facts_of, no_attention
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.tracer import Trace, pattern_digest
 
@@ -43,15 +43,22 @@ def report_html(trace: Trace, step: int | None = None, heads: tuple[tuple[int, i
     sections: list[tuple[str, go.Figure | None, str]] = [
         ("The shapes, stage by stage (block 0)", flow.shape_flow_figure(trace, step, 0), "")]
     for layer, head in heads:
+        said = no_attention(trace, layer)  # a state layer (a hybrid's, or every layer of Mamba): no stages to draw
         sections.append((f"Attention, layer {layer} head {head}: QKᵀ, scaled, + M, softmax",
-                         attention.attention_stages_figure(trace, step, layer, head, batch), ""))
-    first = act_name("pattern", attention_layers(trace)[0])  # a hybrid model's layer 0 may have no attention
-    grid = attention.all_heads_figure(trace, step, batch) if trace.get(first, step) is not None \
-        or pattern_digest(trace, trace.record(first, step)) is not None else None
-    sections.append(("Every head at once", grid.figure if grid is not None else None, grid.note if grid else
-                     "The attention patterns of this step were not kept (capture shapes, or evicted)."))
-    sections.append(("The causal mask M", mask.mask_figure(trace, step, 0, batch),
-                     mask.mask_facts(trace, step, 0, batch).explanation()))
+                         None if said else attention.attention_stages_figure(trace, step, layer, head, batch),
+                         said[0].upper() + said[1:] + "." if said else ""))
+    attending = attention_layers(trace)
+    if attending:
+        first = act_name("pattern", attending[0])  # a hybrid model's layer 0 may have no attention
+        grid = attention.all_heads_figure(trace, step, batch) if trace.get(first, step) is not None \
+            or pattern_digest(trace, trace.record(first, step)) is not None else None
+        sections.append(("Every head at once", grid.figure if grid is not None else None, grid.note if grid else
+                         "The attention patterns of this step were not kept (capture shapes, or evicted)."))
+        sections.append(("The causal mask M", mask.mask_figure(trace, step, attending[0], batch),
+                         mask.mask_facts(trace, step, attending[0], batch).explanation()))
+    else:  # a state-space model (Mamba): said once, instead of an empty grid and mask
+        sections.append(("Every head at once and the causal mask M", None, "No layer of this model has softmax "
+                         "attention (every layer keeps a fixed-size state): there are no heads, patterns or mask."))
     sections.append(("The KV cache over the steps", cache.cache_steps_figure(trace, step), ""))
     if facts.step(step).sampling is not None:
         sections.append(("The next token", tokens.next_token_figure(trace, step, batch),
@@ -73,7 +80,11 @@ def run_report_html(trace: Trace, heads: tuple[tuple[int, int], ...] = ((0, 0),)
     sections: list[tuple[str, go.Figure | None, str]] = [
         ("The KV cache over the steps", cache.cache_steps_figure(trace, last), "")]
     for layer, h in heads:
-        if facts.info.use_cache:
+        said = no_attention(trace, layer)
+        if said:  # a state layer: no attention rows to follow over the steps
+            sections.append((f"Attention over the steps, layer {layer} head {h}", None,
+                             said[0].upper() + said[1:] + "."))
+        elif facts.info.use_cache:
             sections.append((f"Attention over the steps, layer {layer} head {h}: one new row per step",
                              attention.attention_history_figure(trace, layer, h, last, batch), ""))
         else:

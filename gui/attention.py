@@ -44,10 +44,12 @@ from gpt_shape_tracer.tracer import (
 
 def attention_tab(trace: Trace, step: int) -> None:
     layer, head, batch = layer_head_batch(trace, "attn")
-    if said_no_attention(trace, layer, "Its mixer's input and output are recorded as blocks.{L}.hook_mixer_in and "
-                         "hook_mixer_out (Shapes and Inspector tabs); pick an attention layer "
-                         f"({', '.join(map(str, attention_layers(trace)))}) to see Q, K, V and the pattern."
-                         .replace("{L}", str(layer))):
+    attending = attention_layers(trace)
+    if said_no_attention(trace, layer, f"Its mixer's input and output are recorded as blocks.{layer}.hook_mixer_in and "
+                         "hook_mixer_out (Shapes and Inspector tabs); "
+                         + (f"pick an attention layer ({', '.join(map(str, attending))}) to see Q, K, V and the "
+                            "pattern." if attending else "no layer of this model has softmax attention (a state-space "
+                            "model), so there is no Q, K, V or pattern to show at any layer.")):
         return
     st.latex(attn_views.attention_latex(trace, step, layer))
     usual = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1]) == "QKᵀ/√d_k"
@@ -420,7 +422,10 @@ def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
 
 
 def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> None:
-    first = act_name("pattern", attention_layers(trace)[0])  # a hybrid model's layer 0 may have no attention
+    attending = attention_layers(trace)
+    if not attending:  # a state-space model (Mamba): said once by attention_tab
+        return
+    first = act_name("pattern", attending[0])  # a hybrid model's layer 0 may have no attention
     if trace.get(first, step) is None and pattern_digest(trace, trace.record(first, step)) is None:
         explain_missing_values(trace, step, "attention patterns")
         return

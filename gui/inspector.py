@@ -18,7 +18,7 @@ from gpt_shape_tracer.tracer import Trace
 
 def inspector_tab(trace: Trace, step: int) -> None:
     names = trace.names(step)
-    default = state().inspect_name or act_name("pattern", attention_layers(trace)[0])
+    default = state().inspect_name or act_name("pattern", (attention_layers(trace) or [0])[0])  # Mamba: none
     index = names.index(default) if default in names else 0
     name = st.selectbox("record", names, index=index, key="inspect_select")  # kept in the app state
     state().inspect_name = name

@@ -53,7 +53,10 @@ def cache_tab(trace: Trace, step: int) -> None:
         if classes.open:
             cache_classes()
     with growth:
-        if growth.open and trace.config is not None:
+        if growth.open and trace.config is not None and not attention_layers(trace):
+            st.info("This model has no softmax attention (every layer keeps a fixed-size state): nothing here grows "
+                    "with n as attention's scores and a KV cache do. What it keeps instead is under This step.")
+        elif growth.open and trace.config is not None:
             q = trace.record(act_name("q", attention_layers(trace)[0]), step)
             itemsize = q.nbytes // max(1, q.numel)  # the model's dtype: 4 B in float32, 2 in bfloat16
             forward = facts_of(trace).step(step).forward

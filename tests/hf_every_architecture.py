@@ -302,16 +302,19 @@ def _reference_logits(directory: Path, tokens: torch.Tensor) -> list[torch.Tenso
     """transformers' own eager forward: the prefill, then DECODE_STEPS steps with its own cache."""
     from transformers import AutoModelForCausalLM
 
+    from gpt_shape_tracer.model.sources._hf_decoder import cache_keyword
+
     hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32,
                                               attn_implementation="eager").eval()
+    keyword = cache_keyword(hf)  # past_key_values, or cache_params (Mamba's forward names its cache so)
     out = []
     with torch.no_grad():
         result = hf(input_ids=tokens[:, :PROMPT], use_cache=True)
         out.append(result.logits)
-        past = result.past_key_values
+        past = getattr(result, keyword)
         for i in range(PROMPT, PROMPT + DECODE_STEPS):
-            result = hf(input_ids=tokens[:, i:i + 1], past_key_values=past, use_cache=True)
-            past = result.past_key_values
+            result = hf(input_ids=tokens[:, i:i + 1], **{keyword: past}, use_cache=True)
+            past = getattr(result, keyword)
             out.append(result.logits)
     return out
 

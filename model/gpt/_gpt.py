@@ -210,10 +210,11 @@ class GPTConfig:
         if isinstance(self.kv_shared, list):
             object.__setattr__(self, "kv_shared", tuple(tuple(pair) for pair in self.kv_shared))
         mixers = self.mixers
+        # every layer may be a mixer (a state-space model: Mamba), but then every one keeps state
         if mixers is not None and (len(mixers) != self.n_layer or not all(isinstance(m, str) for m in mixers)
-                                   or all(mixers)):
+                                   or (all(mixers) and set(self.state_layers) != set(range(self.n_layer)))):
             raise ValueError(f"GPTConfig.mixers must name one mixer per layer (n_layer = {self.n_layer}), \"\" for "
-                             f"at least one attention layer; got {mixers!r}")
+                             f"an attention layer (all named only where every layer keeps state); got {mixers!r}")
         if not all(isinstance(L, int) and not isinstance(L, bool) and 0 <= L < self.n_layer
                    for L in self.state_layers):
             raise ValueError(f"GPTConfig.state_layers must be layer numbers below {self.n_layer}, got "

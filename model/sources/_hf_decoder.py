@@ -39,7 +39,10 @@ What the records mean for such a model (the hook table's rows, specialised):
 
 The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
 the attention function inside which element of which list of layers; the list the calls come from is the
-decoder stack (a vision tower not run for text never is), each layer's one caller its attention.
+decoder stack (a vision tower not run for text never is), each layer's one caller its attention. A model that makes
+no attention call at all but whose every layer writes state into transformers' cache (Mamba, Mamba-2,
+Falcon-Mamba: ``_state_stack``) is traced as mixers only: no attention record, no K, V row, the state in
+``StateCache``; its forward takes the cache as ``cache_params`` (``cache_keyword``).
 Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
 state-space layers our cache cannot hold beside K and V, several attention calls per layer, attention in several
 stacks of layers (BLT), encoders and encoder-decoders; and, after loading, a model whose cached decode step is not
@@ -636,10 +639,15 @@ def _state_writers(hf: nn.Module, layers: nn.ModuleList) -> dict[int, nn.Module]
     running: list[tuple[int, nn.Module]] = []
     writers: dict[int, nn.Module] = {}
     handles = []
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:  # returns None: the output stays as it is
+        if running:
+            running.pop()
+
     for L, layer in enumerate(layers):
         for child in layer.children():
             handles.append(child.register_forward_pre_hook(lambda m, a, L=L: running.append((L, m))))
-            handles.append(child.register_forward_hook(lambda m, a, out: running.pop() if running else None))
+            handles.append(child.register_forward_hook(leave))
 
     def recording(name: str):
         original = getattr(cache, name)
@@ -658,13 +666,27 @@ def _state_writers(hf: nn.Module, layers: nn.ModuleList) -> dict[int, nn.Module]
     tokens = torch.zeros(1, 1 if device.type == "meta" else 2, dtype=torch.long, device=device)
     try:
         with torch.no_grad(), meta_op_cache() if device.type == "meta" else contextlib.nullcontext():
-            hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), past_key_values=cache, use_cache=True)
+            hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), **{cache_keyword(hf): cache}, use_cache=True)
     except Exception:  # noqa: BLE001 (its cached forward fails: no layer's writes are known)
         return {}
     finally:
         for handle in handles:
             handle.remove()
     return writers
+
+
+def _state_stack(hf: nn.Module, lists: dict[int, nn.ModuleList]) -> tuple[nn.ModuleList, dict[int, nn.Module]] | None:
+    """A model that makes no attention call: the list of layers every one of which writes state into transformers'
+    cache in a cached forward (Mamba, Mamba-2, Falcon-Mamba: every layer a state-space mixer), with each layer's
+    writer (``_state_writers``) — found by what the layers do; None where no list's every layer keeps state. Only
+    outermost lists are tried (a list inside another's element is part of a layer), longest first."""
+    inner = {id(m) for outer in lists.values() for element in outer for m in element.modules()
+             if isinstance(m, nn.ModuleList)}
+    for layers in sorted((m for key, m in lists.items() if key not in inner and len(m)), key=len, reverse=True):
+        writers = _state_writers(hf, layers)
+        if len(writers) == len(layers):
+            return layers, writers
+    return None
 
 
 def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[_Call | None], dict[int, nn.Module]]:
@@ -675,6 +697,10 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     the true reason, a model that does not fit at most one call per layer."""
     calls, lists = _probe_calls(hf)
     words = _module_words(hf)
+    stateful = _state_stack(hf, lists) if not calls else None
+    if stateful is not None:  # every layer a state layer (Mamba): traced as mixers, no attention anywhere
+        layers, writers = stateful
+        return layers, [None] * len(layers), writers
     if not calls:
         attention_named = [w for w in words if ("attention" in w or "attn" in w) and "norm" not in w]
         state = [w for w in words if any(s in w for s in _STATE_WORDS)]
@@ -770,6 +796,18 @@ def _kv_shared(probed: list[_Call | None]) -> tuple[tuple[int, int], ...]:
         if source is not None:
             pairs.append((L, dict(pairs).get(source, source)))
     return tuple(pairs)
+
+
+def cache_keyword(hf: nn.Module) -> str:
+    """The name under which the model's forward takes its cache: ``past_key_values``, or ``cache_params`` (Mamba,
+    Mamba-2, Falcon-Mamba: a state-space model's forward names it so)."""
+    import inspect
+
+    try:
+        names = inspect.signature(hf.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache_params" if "cache_params" in names and "past_key_values" not in names else "past_key_values"
 
 
 def _own_cache_class(hf: nn.Module) -> type | None:
@@ -893,7 +931,7 @@ class Architecture:
     scale: float  # the attention's scale (1/√d_head unless the config says otherwise)
 
 
-def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module, model_type: str) -> Architecture:
+def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None, model_type: str) -> Architecture:
     cfg = _text_config(hf.config)
     has_rope = any("rotary" in type(m).__name__.lower() for m in hf.modules())
     norms = [type(m).__name__.lower() for m in layer.modules() if "norm" in type(m).__name__.lower()]
@@ -911,7 +949,9 @@ def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module, model_
                                                     or getattr(cfg, "new_decoder_architecture", False))))
     softcap = getattr(cfg, "attn_logit_softcapping", None)
     scaling = getattr(attn, "scaling", None)
-    d_head = getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads = getattr(cfg, "num_attention_heads", None)
+    d_head = getattr(attn, "head_dim", None) or (cfg.hidden_size // heads if isinstance(heads, int) and heads else
+                                                 cfg.hidden_size)
     return Architecture(model_type=model_type, positions="rope" if has_rope else "learned",
                         norm="rmsnorm" if rms else "layernorm", mlp=mlp_kind, parallel_block=parallel,
                         softcap=float(softcap) if softcap else None,
@@ -1075,8 +1115,10 @@ class HFDecoder(nn.Module):
         layers, probed, writers = _find_attention(hf, model_type)
         attns = [call.module if call is not None else None for call in probed]
         self._kv_shared = _kv_shared(probed)  # (layer, source): layers attending over another layer's K and V
-        first = next(L for L, attn in enumerate(attns) if attn is not None)  # a hybrid's first may be a state layer
-        self.architecture = _guess_architecture(hf, layers[first], cast(nn.Module, attns[first]), model_type)
+        # a hybrid's first attention layer may come after a state layer; a state-space model (Mamba) has none
+        first = next((L for L, attn in enumerate(attns) if attn is not None), None)
+        self.architecture = _guess_architecture(hf, layers[first or 0], attns[first] if first is not None else None,
+                                                model_type)
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
         self._latent = [latent_widths(attn) if attn is not None else None for attn in attns]  # (d_c, d_R) or None
@@ -1087,6 +1129,7 @@ class HFDecoder(nn.Module):
         own_cache = _own_cache_class(hf)
         # MiniMax: its forward accepts only its own cache class, whose linear-attention state our view keeps in the
         # state layers transformers' shared cache describes for the config (one per layer without attention)
+        self._cache_keyword = cache_keyword(hf)
         self._own_cache = own_cache if own_cache is not None and _keeps_linear_state(own_cache) and all(
             template is not None for template, attn in zip(self._state_templates, attns) if attn is None) else None
         if own_cache is not None and any(attn is None for attn in attns) and self._own_cache is None:
@@ -1152,13 +1195,14 @@ class HFDecoder(nn.Module):
         # per token), so it is not run here: the first forward of the model checks the same (``forward``), and
         # the head counts are the ones the attention received in the probe
         self._routing_unchecked = self.input_device.type == "meta"
-        if self._routing_unchecked:
+        if self._routing_unchecked and first is not None:
             call = cast(_Call, probed[first])
             block_hooks[first].attn.seen = (call.heads, call.kv_heads, call.q_head, call.v_head)
         plain: bool | None = None  # on the meta device there are no values to add up
         if not self._routing_unchecked:
             plain = self._check_routing(block_hooks)
-        self.config = replace(self._config(cfg, block_hooks[first].attn), plain_residual=plain)
+        self.config = replace(self._config(cfg, block_hooks[first].attn if first is not None else None),
+                              plain_residual=plain)
         self.tensor_parallel: TensorParallelPlan | None = None  # one rank of k (a dry run): sources/_tensor_parallel.py
 
     def _check_routing(self, blocks: list[_BlockHooks]) -> bool | None:
@@ -1209,12 +1253,15 @@ class HFDecoder(nn.Module):
 
         return pre
 
-    def _config(self, cfg: Any, first: _AttentionHooks) -> GPTConfig:
+    def _config(self, cfg: Any, first: _AttentionHooks | None) -> GPTConfig:
         """Our config's description of the model: the shapes and pieces the views label. The head counts and
         width are the ones the attention received in the routing check, not read from the config (whose
-        names differ by family, and which keeps keys a family ignores)."""
+        names differ by family, and which keeps keys a family ignores). A model without attention (Mamba) has no
+        heads: one "head" as wide as the stream stands in (H = G = 1, d_head = d_model), which no view reads as
+        attention (``mixers`` names every layer's mixer)."""
         arch = self.architecture
-        H, G, d_head, d_v = first.seen
+        width = int(cfg.hidden_size)
+        H, G, d_head, d_v = first.seen if first is not None else (1, 1, width, width)
         latent = next((widths for widths in self._latent if widths is not None), None)
         d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
         if isinstance(d_ff, (list, tuple)):  # one width per layer (Gemma 3n): one number only where they agree
@@ -1318,7 +1365,7 @@ class HFDecoder(nn.Module):
             calls = self._attention_calls(self.blocks) if self._routing_unchecked else None
             out = self.hf(input_ids=tokens, attention_mask=attention_mask,
                           position_ids=None if own else positions.expand(B, n),
-                          past_key_values=self._cache_view(cache) if cache is not None else None,
+                          **{self._cache_keyword: self._cache_view(cache) if cache is not None else None},
                           use_cache=cache is not None, return_dict=True)
             if calls is not None:  # a dry run's first forward: the routing check __init__ left to it
                 self._routed(self.blocks, calls)
@@ -1429,13 +1476,14 @@ def guard_against_transformers(model: HFDecoder) -> None:
         ours = model(tokens[:, n:], cache)[0, -1].float()  # [V]
         with _transformers_eager(hf):
             uncached = hf(input_ids=tokens, use_cache=False).logits[0, -1].float()
-            past = getattr(hf(input_ids=tokens[:, :n], use_cache=True), "past_key_values", None)
+            keyword = cache_keyword(hf)
+            past = getattr(hf(input_ids=tokens[:, :n], use_cache=True), keyword, None)
             if past is None:  # RecurrentGemma: the state lives in its modules, set up by the forward itself
                 raise HFDecoderError(
                     f"{model.architecture.model_type}: its forward returns no cache object — it keeps its recurrent "
                     "state inside its own modules, where our cache can neither hold, copy nor roll it back, so a "
                     "cached decode step cannot be traced", reason="state layers")
-            cached = hf(input_ids=tokens[:, n:], past_key_values=past, use_cache=True).logits[0, -1].float()
+            cached = hf(input_ids=tokens[:, n:], **{keyword: past}, use_cache=True).logits[0, -1].float()
     to_uncached = float((ours - uncached).abs().max())
     to_cached = float((ours - cached).abs().max())
     name = model.architecture.model_type
