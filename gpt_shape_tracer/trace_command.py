@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpt_shape_tracer.session import ModelChoice
 
-from gpt_shape_tracer import beam_command, engine_command, speculative_command
+from gpt_shape_tracer import beam_command, cache_command, engine_command, speculative_command
 
 # The library's limits and defaults, written here as plain numbers so that the arguments are checked without
 # importing torch (which takes seconds). tests/test_cli.py checks that each equals the library's own.
@@ -153,6 +153,7 @@ def parser() -> argparse.ArgumentParser:
     engine_command.add_arguments(ap)
     beam_command.add_arguments(ap)
     speculative_command.add_arguments(ap)
+    cache_command.add_arguments(ap)
     return ap
 
 
@@ -270,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         from gpt_shape_tracer.session import load
 
         return speculative_command.main(args, lambda: load(model_choice(args)))
+    if cache_command.wanted(args):  # --cache: gpt_shape_tracer/cache_command.py
+        return cache_command.main(args)
     if beam_command.wanted(args):  # --num-beams: gpt_shape_tracer/beam_command.py
         from gpt_shape_tracer.session import load
 

@@ -268,3 +268,33 @@ def test_the_app_runs_a_class_on_a_model_transformers_runs_and_says_why_not_on_o
     from gpt_shape_tracer.figures.cache_classes import cache_class_takeaway
 
     assert cache_class_takeaway(result)[0] in page_text(at) and len(charts(at)) == 1
+
+
+# the command line: gpt-shape-tracer trace --cache
+
+
+def test_the_trace_command_runs_a_cache_class(runs, tmp_path, capsys):
+    import json
+
+    from gpt_shape_tracer.trace_command import main
+
+    directory = build("mistral", tmp_path / "mistral", TOKENIZER, seed=1)  # the same weights as the runs'
+    assert main(["--model-dir", str(directory), "--prompt", PROMPT, "--cache", "sliding", "--steps", str(STEPS),
+                 "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    run = runs["sliding"]
+    assert said["class"] == "DynamicCache" and said["tokens"] == list(run.tokens)
+    assert [[e["kind"] for e in s["events"]] for s in said["steps"]] == [[e.kind for e in s.events] for s in run.steps]
+    assert [s["layers"][0]["held"] for s in said["steps"]] == [s.layers[0].held for s in run.steps]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cache", "static", "--temperature", "0.7"], "no --temperature, --top-k or --top-p"),
+    (["--cache", "static", "--no-cache"], "--no-cache does not go with --cache"),
+    (["--cache", "static", "--prompt", "two"], "--cache runs one prompt, got 2"),
+])
+def test_the_trace_command_refuses_cache_options_that_do_not_go_together(args, message, capsys):
+    from gpt_shape_tracer.trace_command import main
+
+    assert main(["--prompt", "Once upon a time", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -228,6 +228,11 @@ ALLOWED_PRIVATE = {
     "_buffers": "KVCache's rows: StateCache.copy (model/sources/_hf_decoder.py), a KVCache itself, moves the rows "
                 "of the KVCache.copy it has just made into its own twin",
     "_length": "as _buffers",
+    "_quantized_keys": "transformers 5.23's Fp8QuantizedLayer keeps its 8-bit rows and per-tensor scale only there, "
+                       "with no public reader: tracer/experiments/_cache_classes.py counts their bytes and measures "
+                       "each row's dequantization error",
+    "_quantized_values": "as _quantized_keys",
+    "_dequantize": "as _quantized_keys: the layer's own dequantization, so the error measured is transformers'",
     "_create_batch_processor": "transformers 5.23 has no public synchronous step of continuous batching: "
                                "tracer/engine/_engine.py makes the batch processor its background thread would "
                                "make (test_engine.py::test_the_private_step_calls_of_transformers_are_still_there)",
