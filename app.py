@@ -12,7 +12,7 @@ from collections.abc import Callable
 import streamlit as st
 
 from gpt_shape_tracer.gui.attention import attention_tab
-from gpt_shape_tracer.gui.beams import beams_tab
+from gpt_shape_tracer.gui.beams import decoding_tab
 from gpt_shape_tracer.gui.common import (
     admitted,
     freed_memory_reused,
@@ -42,7 +42,7 @@ from gpt_shape_tracer.tracer import Trace
 
 PANELS: dict[str, Callable[[Trace, int], None]] = {
     "Shapes": shapes_tab, "Attention": attention_tab, "Causal mask": mask_tab, "KV cache": cache_tab,
-    "Next token": next_token_tab, "Beam search": beams_tab, "What if": whatif_tab, "Compare runs": compare_tab,
+    "Next token": next_token_tab, "Decoding": decoding_tab, "What if": whatif_tab, "Compare runs": compare_tab,
     "Worked example": worked_tab, "Inspector": inspector_tab, "Engine": engine_tab, "Export": export_tab}
 TABS = list(PANELS)
 

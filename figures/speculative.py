@@ -23,13 +23,15 @@ FATE_WORDS = {"accepted": "accepted: the main model would have chosen it",
 
 def token_cells(steps: Sequence[SpeculativeStep]) -> list[dict]:
     """One cell per drafted token (x = step, y = its place in the draft, its fate), and per step one "bonus" cell
-    after the accepted drafts (y = accepted): the token the verify forward chose there."""
+    at y = accepted: the token the verify forward chose there — beside the rejected draft it replaces (x = step +
+    0.3), or below the last draft when every draft was accepted."""
     cells = []
     for s in steps:
         for i, (token, fate) in enumerate(zip(s.draft_tokens, s.fates)):
-            cells.append({"step": s.step, "place": i, "token": token, "fate": fate,
+            cells.append({"step": s.step, "x": s.step, "place": i, "token": token, "fate": fate,
                           "main": s.choices[i] if i < len(s.choices) else None})
-        cells.append({"step": s.step, "place": s.accepted + 0.5 if s.accepted < len(s.draft_tokens) else s.accepted,
+        beside = s.accepted < len(s.draft_tokens)
+        cells.append({"step": s.step, "x": s.step + 0.3 if beside else s.step, "place": s.accepted,
                       "token": s.bonus, "fate": "bonus", "main": s.bonus})
     return cells
 
@@ -45,17 +47,17 @@ def acceptance_figure(steps: Sequence[SpeculativeStep], label: Callable[[int], s
         if not mine:
             continue
         fig.add_trace(go.Scatter(
-            x=[c["step"] for c in mine], y=[c["place"] for c in mine], mode="markers", name=FATE_WORDS[fate],
+            x=[c["x"] for c in mine], y=[c["place"] for c in mine], mode="markers", name=FATE_WORDS[fate],
             marker={"size": 16, "color": colour, "symbol": "star" if fate == "bonus" else "square",
                     "line": {"width": 1, "color": "#ffffff"}},
             customdata=[[safe_text(label(c["token"])), c["token"],
                          safe_text(label(c["main"])) if c["main"] is not None else "—"] for c in mine],
             hovertemplate="step %{x}, draft %{y}: %{customdata[0]} (id %{customdata[1]}); the main model chose "
                           "%{customdata[2]}<extra>" + FATE_WORDS[fate] + "</extra>"))
-    fig.add_trace(text_trace([c["step"] for c in cells], [c["place"] + 0.38 for c in cells],
+    fig.add_trace(text_trace([c["x"] for c in cells], [c["place"] + 0.38 for c in cells],
                              [safe_text(label(c["token"]))[:8] for c in cells], size=9))
     depth = max((c["place"] for c in cells), default=0)
-    fig.update_layout(height=max(260, 80 + 30 * (depth + 1)), legend={"orientation": "h", "y": -0.3},
+    fig.update_layout(height=max(300, 120 + 44 * (depth + 1)), legend={"orientation": "h", "y": -0.3},
                       title_text="each step's drafts: accepted, rejected, and the main model's bonus token",
                       margin={"t": 50, "l": 10, "r": 10, "b": 80})
     fig.update_xaxes(title_text="step (one verify forward of the main model)", dtick=1)

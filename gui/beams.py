@@ -1,5 +1,6 @@
-"""Beam search: k hypotheses per prompt on the live generation's model, the tree of what was kept, dropped and
-finished at every step, and the KV cache's reorder that lets a beam continue another beam's history."""
+"""Decoding as generate() runs it, on the live generation's model: beam search (k hypotheses per prompt, the tree
+of what was kept, dropped and finished at every step, and the KV cache's reorder that lets a beam continue
+another beam's history) and speculative decoding (drafts verified in one forward, the rejected rows cropped)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,42 @@ import pandas as pd
 import streamlit as st
 
 from gpt_shape_tracer.figures import beams as beam_views
+from gpt_shape_tracer.figures import speculative as speculative_views
 from gpt_shape_tracer.figures.common import inert
-from gpt_shape_tracer.gui.common import chart, reserve_memory, state
+from gpt_shape_tracer.gui.common import chart, loaded_model, reserve_memory, state
 from gpt_shape_tracer.gui.takeaway import takeaway
-from gpt_shape_tracer.session.decoding import MAX_APP_BEAMS, MAX_APP_NEW_TOKENS, beam_run
-from gpt_shape_tracer.tracer import BeamSearchError, Trace
+from gpt_shape_tracer.model import BUNDLED_MODELS, ModelLoadError
+from gpt_shape_tracer.session import ModelChoice
+from gpt_shape_tracer.session.decoding import (
+    MAX_APP_BEAMS,
+    MAX_APP_DRAFT_TOKENS,
+    MAX_APP_NEW_TOKENS,
+    beam_run,
+    speculative_run,
+)
+from gpt_shape_tracer.tracer import BeamSearchError, SpeculativeError, Trace
+
+STRATEGIES = ("beam search", "speculative decoding")
+LOOKUP = "prompt lookup (no second model)"
 
 # transformers' early_stopping: False (its default heuristic), True (stop once k hypotheses finished), "never"
 EARLY: dict[str, bool | str] = {"no (default)": False, "yes: once k finished": True, "never": "never"}
 
 
-def beams_tab(trace: Trace, step: int) -> None:
-    app = state()
-    gen = app.live_generation
+def decoding_tab(trace: Trace, step: int) -> None:
+    gen = state().live_generation
     if gen is None:
-        st.info("Beam search runs the live model: it is not offered for an opened trace file (Close the file, or "
-                "press Step first).")
+        st.info("Beam search and speculative decoding run the live model: they are not offered for an opened trace "
+                "file (Close the file, or press Step first).")
         return
+    if st.radio("strategy", STRATEGIES, key="decoding_strategy", horizontal=True) == STRATEGIES[0]:
+        beams_section(gen)
+    else:
+        speculative_section(gen)
+
+
+def beams_section(gen) -> None:
+    app = state()
     cols = st.columns(4)
     k = cols[0].number_input("beams k", 2, MAX_APP_BEAMS, 4, key="beam_k")
     new = cols[1].number_input("new tokens", 1, MAX_APP_NEW_TOKENS, 8, key="beam_new")
@@ -70,3 +90,51 @@ def beams_tab(trace: Trace, step: int) -> None:
         st.info(f"Step {chosen.step} kept no copy of the cache's keys (the snapshots' memory cap was reached).")
     else:
         chart(beam_views.reorder_figure(chosen), key="beam_reorder")
+
+
+def speculative_section(gen) -> None:
+    app = state()
+    cols = st.columns(4)
+    source = cols[0].selectbox("drafts from", [LOOKUP, *(f"the bundled {name}" for name in BUNDLED_MODELS)],
+                               key="spec_source")
+    draft = cols[1].number_input("draft tokens", 1, MAX_APP_DRAFT_TOKENS, 4, key="spec_draft")
+    new = cols[2].number_input("new tokens", 1, MAX_APP_NEW_TOKENS, 12, key="spec_new")
+    schedule = cols[3].selectbox("draft count", ["constant", "heuristic"], key="spec_schedule",
+                                 help="transformers' num_assistant_tokens_schedule: heuristic drafts 2 more after a "
+                                      "step that accepted every draft, 1 fewer after one that did not")
+    if gen.batch_size > 1:
+        st.caption("Speculative decoding takes one prompt (as transformers' assisted generate does): the first.")
+    if st.button("Run speculative decoding", key="spec_run", type="primary"):
+        refused = reserve_memory()
+        if refused:
+            st.error(refused)
+            return
+        try:
+            assistant = None
+            if source != LOOKUP:
+                assistant, _ = loaded_model(ModelChoice("bundled", source.removeprefix("the bundled ")))
+            with st.spinner("drafting and verifying…"):
+                app.speculative = speculative_run(gen.model, gen.tokenizer, gen.info.prompts[0], int(new),
+                                                  int(draft), assistant=assistant, schedule=schedule)
+        except (SpeculativeError, ModelLoadError) as e:
+            st.error(inert(e))
+            return
+    run = app.speculative
+    if run is None:
+        st.caption("Speculative decoding lets a cheap source draft several tokens (a small model sharing the "
+                   "vocabulary, or the prompt itself: prompt lookup), checks them all in one forward of the main "
+                   "model, keeps the longest prefix it agrees with plus one token of its own, and crops the rejected "
+                   "drafts' rows from the KV cache (transformers' generate(assistant_model=…) / "
+                   "prompt_lookup_num_tokens; the output equals greedy decoding).")
+        return
+    label = gen.tokenizer.token_label
+    sentence, metrics = speculative_views.run_sentence(run.steps, run.source)
+    takeaway(sentence, metrics, "Each column is one step: one forward of the main model over the drafts. Green "
+             "drafts were accepted (the main model would have chosen them too), red ones rejected; the star is the "
+             "main model's own token at the first disagreement (or after the last draft). The bars show the main "
+             "cache growing by every draft in the verify forward, then cropped back to the accepted prefix.")
+    chart(speculative_views.acceptance_figure(run.steps, label), key="spec_tokens")
+    shown = st.slider("speculative step", 0, len(run.steps) - 1, len(run.steps) - 1, key="spec_step") \
+        if len(run.steps) > 1 else 0
+    st.markdown(speculative_views.step_sentence(run.steps[shown], label))
+    chart(speculative_views.cache_figure(run.steps), key="spec_cache")

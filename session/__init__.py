@@ -46,6 +46,7 @@ from gpt_shape_tracer.tracer import (
     Intervention,
     PatchingResult,
     PromptError,
+    SpeculativeDecoding,
     Trace,
     TracedGeneration,
     ablate,
@@ -466,7 +467,8 @@ class AppState:
     patching: PatchingRun | None = None
     comparison: Comparison | None = None
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
-    beams: BeamRun | None = None  # the Beam search tab's run on this generation's model and prompts
+    beams: BeamRun | None = None  # the Decoding tab's beam search on this generation's model and prompts
+    speculative: SpeculativeDecoding | None = None  # …and its speculative decoding of the first prompt
     engine: EngineView | None = None  # the Engine tab's run (continuous batching on the sidebar's model) or file
     # (step, layer, head, sequence, loss) → HeadGradients, kept so that returning to a head shows it at once
     gradients: Kept = field(default_factory=lambda: Kept(GRADIENTS_KEPT))
@@ -536,6 +538,7 @@ class AppState:
         self.comparison = None
         self.precision = None
         self.beams = None
+        self.speculative = None
         self.engine = None
         self.gradients.clear()
         self.gradient_trace = None

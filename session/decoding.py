@@ -1,5 +1,6 @@
-"""The app's beam search: run on the live generation's model and prompts, beside greedy decoding of the same
-prompts (what one beam would have said), for the Beam search tab (gui/beams.py)."""
+"""The app's decoding strategies, for the Beam search tab (gui/beams.py): beam search on the live generation's
+model and prompts, beside greedy decoding of the same prompts (what one beam would have said); speculative
+(assisted) decoding of its first prompt, drafted by a bundled model or by prompt lookup."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpt_shape_tracer.model import generate
-from gpt_shape_tracer.tracer import BeamSearch
+from gpt_shape_tracer.tracer import BeamSearch, SpeculativeDecoding
 
 MAX_APP_BEAMS = 8
 MAX_APP_NEW_TOKENS = 32
@@ -44,3 +45,20 @@ def beam_run(model, tokenizer, prompts: Sequence[str], num_beams: int, new_token
         ends = [i for i, t in enumerate(ids) if t in search.eos_ids]
         greedy.append(tokenizer.decode(ids[: ends[0] + 1] if ends else ids))
     return BeamRun(search, tuple(greedy))
+
+
+MAX_APP_DRAFT_TOKENS = 10
+
+
+def speculative_run(model, tokenizer, prompt: str, new_tokens: int, draft_tokens: int, *, assistant=None,
+                    schedule: str = "constant") -> SpeculativeDecoding:
+    """Assisted decoding to the end, drafted by ``assistant`` (a model sharing the vocabulary) or, without one, by
+    prompt lookup of ``draft_tokens`` (``SpeculativeError`` for what it cannot run with). Shapes only: the views
+    read its steps."""
+    search = SpeculativeDecoding(model, tokenizer, prompt, assistant=assistant,
+                                 prompt_lookup=None if assistant is not None else draft_tokens,
+                                 max_new_tokens=new_tokens, num_assistant_tokens=draft_tokens, schedule=schedule,
+                                 capture="shapes", budget_bytes=TRACE_BUDGET)
+    search.run()
+    search.close()
+    return search

@@ -241,7 +241,7 @@ def test_the_beam_search_tab_runs_on_the_live_model_and_says_what_greedy_says():
 
     at = new_app()
     press(at, "step_button")
-    show_tab(at, "Beam search")
+    show_tab(at, "Decoding")
     at.number_input(key="beam_k").set_value(3)
     at.number_input(key="beam_new").set_value(6)
     at.button(key="beam_run").click().run()

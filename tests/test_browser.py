@@ -521,7 +521,7 @@ def test_config_only_opens_llama_405b_with_its_shape_flow_and_costs(url, visit):
             assert not outside, outside
 
 
-def test_the_beam_search_tab_draws_every_candidate_of_every_step_as_the_run_ranked_them(url, visit):
+def test_the_decoding_tab_draws_every_beam_candidate_and_every_draft_as_the_runs_made_them(url, visit):
     """Step once, open Beam search, run k = 4 beams: the tree holds 2k candidates per forward (the page's own
     "forwards" metric), the reorder's two heatmaps are there, and nothing outside the app is asked for. At 1600 ×
     1000 and 1280 × 800 (SAVE_SCREENSHOTS=beams,beams_1280)."""
@@ -530,7 +530,7 @@ def test_the_beam_search_tab_draws_every_candidate_of_every_step_as_the_run_rank
             errors, outside = watch(page, url)
             open_app(page, url)
             click(page, "Step")
-            open_tab(page, "Beam search")
+            open_tab(page, "Decoding")
             click(page, "Run beam search")
             page.get_by_text("beams over").first.wait_for(timeout=60_000)
             forwards = int(metric_value(page, "forwards"))
@@ -546,5 +546,22 @@ def test_the_beam_search_tab_draws_every_candidate_of_every_step_as_the_run_rank
                 page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
                 page.wait_for_timeout(300)
                 page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            # speculative decoding by prompt lookup: every drafted token and each step's bonus token drawn
+            before = runs_finished(page)
+            page.get_by_text("speculative decoding", exact=True).click()
+            wait_idle(page, after=before)
+            click(page, "Run speculative decoding")
+            page.get_by_text("drafted over").first.wait_for(timeout=60_000)
+            drafted, steps = (int(x) for x in re.search(r"(\d+) token\(s\) drafted over (\d+) step",
+                                                         page.get_by_text("drafted over").first.inner_text()).groups())
+            cells = page.evaluate(
+                "() => document.querySelectorAll('.js-plotly-plot')[0].data"
+                ".filter(t => t.mode === 'markers').reduce((n, t) => n + t.x.length, 0)")
+            assert cells == drafted + steps  # each draft, and one token of the main model's own per step
+            shot = f"speculative{name.removeprefix('beams')}"
+            if saving(shot):
+                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+                page.wait_for_timeout(300)
+                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{shot}.png"))
             assert not errors, errors
             assert not outside, outside

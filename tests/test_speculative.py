@@ -326,3 +326,29 @@ def test_the_trace_command_refuses_speculative_options_that_do_not_go_together(a
 
     assert main(["--prompt", PROMPT, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+# -- the app -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("source", ["prompt lookup (no second model)", "the bundled story-llama"])
+def test_the_decoding_tab_runs_speculative_decoding_whose_output_is_greedy_decoding(source):
+    from gpt_shape_tracer.figures.speculative import run_numbers
+    from gpt_shape_tracer.model import SamplingConfig, generate
+    from tests.test_app import gen_of, new_app, press, show_tab
+
+    at = new_app()
+    press(at, "step_button")
+    show_tab(at, "Decoding")
+    at.radio(key="decoding_strategy").set_value("speculative decoding").run()
+    at.selectbox(key="spec_source").set_value(source)
+    at.number_input(key="spec_new").set_value(8)
+    at.button(key="spec_run").click().run()
+    assert not at.exception and not at.error
+    run = at.session_state["app"].speculative
+    gen = gen_of(at)
+    prompt = gen.tokenizer.encode(gen.info.prompts[0])
+    assert list(run.generated) == generate(gen.model, prompt, 8, SamplingConfig(temperature=0))[: len(run.generated)]
+    numbers = run_numbers(run.steps)
+    said = next(m.value for m in at.markdown if "drafted over" in m.value)
+    assert f"{numbers['drafted']} token(s) drafted over {numbers['forwards']} step(s)" in said
+    assert ("assistant forward" in said) == (source != "prompt lookup (no second model)")
+    assert len(at.get("plotly_chart")) == 2
