@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from gpt_shape_tracer.figures.common import facts_of
+from gpt_shape_tracer.figures.engine import memory_at
 from gpt_shape_tracer.model.analysis import HEAD_ROLES
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.tracer import Trace
+from gpt_shape_tracer.tracer.engine import EngineRun
 
 CLEAR_SCORE = 0.3  # a head is a clear example of a role from this score up (the all-heads grid's ROLE_SHOWN)
 PROBE = "4 random token sequences, each repeated twice"  # what tracer.head_scores measures on
@@ -109,9 +111,12 @@ class TourContext:
     induction: HeadPick | None
     previous_weight: tuple[int, float] | None  # (the last real prefill row, its weight on the key before), for
     # the previous-token head
+    engine: EngineRun | None = None  # the Engine tab's run on view (None: none was run or opened yet)
+    engine_refused: str = ""  # why the sidebar's model cannot run the engine ("" when it can)
 
 
-def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: bool, caches: bool) -> TourContext:
+def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: bool, caches: bool,
+                 engine: EngineRun | None = None, engine_refused: str = "") -> TourContext:
     facts = facts_of(trace)
     config = trace.config
     last = trace.n_steps - 1
@@ -129,7 +134,8 @@ def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: 
         chosen=sampling.labels[0] if sampling is not None else None,
         chosen_p=sampling.probs[0] if sampling is not None else None,
         previous=previous, induction=induction,
-        previous_weight=weight_on_previous_key(trace, 0, previous.layer, previous.head) if previous else None)
+        previous_weight=weight_on_previous_key(trace, 0, previous.layer, previous.head) if previous else None,
+        engine=engine, engine_refused=engine_refused)
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,7 @@ class Stop:
     step: int | None = None  # the step to show (None: leave the slider where it is)
     head: tuple[int, int] | None = None  # (layer, head) to open
     query: int | None = None  # the query row (of the step's rows, sequence 0) to pick
+    engine_step: int | None = None  # the Engine tab's engine step to show
     skipped: str = ""
     waiting: str = ""
 
@@ -256,7 +263,39 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
         "From a loss L back through this head: G_V = Aᵀ·G_O, G_P = G_O·Vᵀ, the softmax's Jacobian to G_S, then "
         "G_Q and G_K — each computed from its formula beside autograd's.",
         sub=("attn_view", "Gradients"), step=0, head=prev_head, skipped=no_backward))
+
+    stops.append(engine_stop(ctx))
     return tuple(stops)
+
+
+ENGINE_IDEA = ("Serving engines do not keep one contiguous cache per sequence: K and V live in a pool of fixed-size "
+               "pages, each request's block table maps its logical positions to pages, requests arrive and finish "
+               "mid-run, and identical prompt prefixes share pages.")
+
+
+def engine_stop(ctx: TourContext) -> Stop:
+    """The Engine tab: with a run on view, what its pool held at its fullest (the step it opens), from the run's own
+    numbers; without one, the idea and a wait for **Run the engine**."""
+    title = "The KV cache in a serving engine"
+    run = ctx.engine
+    if run is None or not run.steps:
+        skipped = f"the sidebar's model cannot run the engine: {ctx.engine_refused}" if ctx.engine_refused else ""
+        return Stop("engine", title, "Engine", ENGINE_IDEA, skipped=skipped,
+                    waiting="Press **Run the engine** in the Engine tab below (its three requests, two sharing a "
+                            "prefix, one arriving at engine step 3, are filled in), then read the pool grid.")
+    steps = run.steps
+    peak = max(s.pages_in_use for s in steps)
+    at = next(s.step for s in steps if s.pages_in_use == peak)
+    fullest = steps[at]
+    shared = (f", {len(fullest.shared)} of them shared by a common prefix" if fullest.shared else "")
+    tables = len(fullest.tables)
+    contiguous = memory_at(run, at).contiguous  # the tab's memory sentence's number
+    look = (f"Each column of the pool grid is an engine step, each row a page of {run.pool.page_size} positions. "
+            f"After engine step {at}, the fullest, {peak} of the {run.pool.pages} pages are held by "
+            f"{tables} request{'s' if tables != 1 else ''}{shared} — {peak * run.pool.page_size} positions, "
+            f"where a padded contiguous cache of the same {len(run.requests)} requests would hold {contiguous}. "
+            "Pick a request to see its block table map its logical positions to those pages.")
+    return Stop("engine", title, "Engine", look, engine_step=at)
 
 
 def shown_stops(stops: tuple[Stop, ...]) -> tuple[Stop, ...]:

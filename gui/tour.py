@@ -60,7 +60,20 @@ def plan(trace: Trace) -> tuple[Stop, ...]:
             scores = scores_for(model)
         except Exception:  # noqa: BLE001 - a model the probe cannot score (its patterns not kept, a module of
             scores = None  # your own without our hook points): the tour names no head rather than failing
-    return tour_stops(tour_context(trace, scores, live=model is not None, caches=model is not None and caches(model)))
+    app = state()
+    return tour_stops(tour_context(trace, scores, live=model is not None, caches=model is not None and caches(model),
+                                   engine=app.engine.run if app.engine is not None else None,
+                                   engine_refused=engine_refused(app, model)))
+
+
+def engine_refused(app, model) -> str:
+    """Why the sidebar's model cannot run the Engine tab ("" when it can: transformers runs it, or its files can be
+    loaded through transformers — session.engine's rule, which the tab itself follows)."""
+    from gpt_shape_tracer.session.engine import directory_of, engine_refusal
+
+    if model is None or directory_of(app.model) is not None:
+        return ""  # no model here to ask (the tab says why when it is opened), or files transformers can load
+    return engine_refusal(model, app.model) or ""
 
 
 def go(index: int, stop: Stop) -> None:
@@ -81,6 +94,8 @@ def go(index: int, stop: Stop) -> None:
                 app.query_picks[(stop.step, 0)] = stop.query  # the query picker's remembered pick (sequence 0)
         elif stop.tab == "Causal mask":
             st.session_state["mask_layer"], st.session_state["mask_head"] = layer, head
+    if stop.engine_step is not None:
+        st.session_state["engine_step"] = stop.engine_step  # the Engine tab's slider (gui/engine.py)
 
 
 def start() -> None:

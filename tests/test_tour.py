@@ -108,7 +108,8 @@ def test_every_stop_says_the_traces_numbers_and_skips_only_with_a_reason(setting
     stops = tour_stops(tour_context(trace, scores, live=True, caches=True))
     by_key = {s.key: s for s in stops}
     assert list(by_key) == ["shapes", "stages", "mask", "av", "step", "cache", "history", "next", "flash",
-                            "gradients"]
+                            "gradients", "engine"]
+    assert by_key["engine"].waiting.startswith("Press **Run the engine**")  # no engine run on view yet
     width = info.prompt_width  # the prefill's n: the padded prompt's columns
     assert len(gen.tokenizer.encode(PROMPT)) == width
     assert f"[{info.batch_size}, {width}, {gen.model.config.d_model}]" in by_key["shapes"].look
@@ -164,19 +165,67 @@ def test_a_module_of_your_own_has_no_cache_stops():
     assert "own forward" in stops["cache"].skipped and stops["history"].skipped == stops["cache"].skipped
 
 
-def test_the_tour_in_the_app_opens_each_stops_view_step_and_head():
-    """The real app under AppTest: three Steps, then the tour from its first stop to its last; at each stop the
-    tab, the sub-view, the step slider and the head pickers are the stop's, and Back returns."""
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory):
+    """A small engine run on a tiny random Llama: two requests sharing an 8-token prefix, one arriving at step 2."""
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
+    from gpt_shape_tracer.tracer.engine import trace_engine
+    from tests.hf_architectures import build
+
+    directory = build("llama", tmp_path_factory.mktemp("tour-engine") / "llama", BUNDLED_DIR / "tokenizer.json")
+    model, tokenizer = load_hf(directory, implementation="transformers")
+    prefix = list(range(100, 108))
+    return trace_engine(model, tokenizer, [prefix + [1, 2, 3], prefix + [4, 5], [7, 8, 9, 10, 11]], page_size=4,
+                        pages=32, max_batch_tokens=64, max_new_tokens=5, arrivals=[0, 0, 2])
+
+
+def test_the_engine_stop_says_the_runs_pool_at_its_fullest(engine_run):
+    from gpt_shape_tracer.figures.engine import memory_at
+
+    gen = generation(steps=2)
+    run = engine_run
+    stop = tour_stops(tour_context(gen.trace, None, live=True, caches=True, engine=run))[-1]
+    assert (stop.key, stop.tab, stop.skipped, stop.waiting) == ("engine", "Engine", "", "")
+    peak = max(s.pages_in_use for s in run.steps)
+    at = min(s.step for s in run.steps if s.pages_in_use == peak)
+    assert stop.engine_step == at
+    fullest = run.steps[at]
+    assert fullest.shared  # the prefix's pages are shared at the fullest step of this run
+    assert (f"After engine step {at}, the fullest, {peak} of the 32 pages are held by {len(fullest.tables)} "
+            f"requests, {len(fullest.shared)} of them shared by a common prefix") in stop.look
+    page_size = run.pool.page_size
+    longest = max(len(r.prompt_ids) + r.max_new_tokens - 1 for r in run.requests)
+    assert f"{peak * page_size} positions, where a padded contiguous cache of the same 3 requests would hold " \
+           f"{longest * 3}" in stop.look
+    assert memory_at(run, at).contiguous == longest * 3
+    # no run yet: the idea and a wait; a model that cannot run the engine: skipped with the reason
+    waiting = tour_stops(tour_context(gen.trace, None, live=True, caches=True))[-1]
+    assert waiting.waiting and not waiting.skipped and "block table" in waiting.look and waiting.engine_step is None
+    refused = tour_stops(tour_context(gen.trace, None, live=True, caches=True, engine_refused="Mine is your own "
+                                      "module"))[-1]
+    assert refused.skipped == "the sidebar's model cannot run the engine: Mine is your own module"
+    assert "The KV cache in a serving engine" in skipped_sentence(
+        tour_stops(tour_context(gen.trace, None, live=True, caches=True, engine_refused="Mine is your own module")))
+
+
+def test_the_tour_in_the_app_opens_each_stops_view_step_and_head(engine_run):
+    """The real app under AppTest: three Steps and an engine run on view, then the tour from its first stop to its
+    last; at each stop the tab, the sub-view, the step slider, the head pickers and the engine step are the stop's,
+    and Back returns."""
     from gpt_shape_tracer.figures.tour import tour_context as context
+    from gpt_shape_tracer.session.engine import view_of
     from tests.test_app import gen_of, new_app, press, run
 
     at = new_app()
     for _ in range(3):
         press(at, "step_button")
     gen = gen_of(at)
+    at.session_state["app"].engine = view_of(engine_run, None, "a tiny Llama")
     stops = shown_stops(tour_stops(context(gen.trace, head_scores(gen.model, first_token=first_token(gen.tokenizer)),
-                                           live=True, caches=True)))
-    assert len(stops) == 10  # a cached values generation of the bundled model has every stop
+                                           live=True, caches=True, engine=engine_run)))
+    assert len(stops) == 11 and stops[-1].key == "engine"  # a cached values generation of the bundled model has
+    # every stop
     at.button(key="tour_start").click()
     run(at)
     for index, stop in enumerate(stops):
@@ -193,6 +242,10 @@ def test_the_tour_in_the_app_opens_each_stops_view_step_and_head():
             assert (state[f"{prefix}_layer"], state[f"{prefix}_head"]) == stop.head
         if stop.query is not None:
             assert state["app"].query_picks[(stop.step, 0)] == stop.query
+        if stop.engine_step is not None:  # the engine stop opens the pool at its fullest step, as its sentence says
+            assert state["engine_step"] == stop.engine_step
+            assert at.slider(key="engine_step").value == stop.engine_step
+            assert not any("Run the engine" in i.value for i in at.info)  # a run is on view: no wait
         next_button = at.button(key="tour_next")
         assert next_button.disabled == (index == len(stops) - 1)
         if not next_button.disabled:

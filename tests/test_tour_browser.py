@@ -69,7 +69,8 @@ def walk(page, screenshot: str | None = None) -> list[str]:
                     "The causal mask": ["Causal mask"], "O = A·V": ["Attention", "O = A·V"],
                     "One Step": ["Attention", "Stages"], "The KV cache": ["KV cache", "This step"],
                     "History": ["Attention", "History"], "Next-token sampling": ["Next token"],
-                    "FlashAttention": ["Attention", "FlashAttention"], "Gradients": ["Attention", "Gradients"]}[name]
+                    "FlashAttention": ["Attention", "FlashAttention"], "Gradients": ["Attention", "Gradients"],
+                    "The KV cache in a serving engine": ["Engine"]}[name]
         assert tabs[:len(expected)] == expected, (name, tabs)
         exceptions = page.locator('[data-testid="stException"]')
         assert exceptions.count() == 0, exceptions.first.inner_text()
@@ -118,7 +119,8 @@ def test_the_tour_walks_every_stop_on_a_bundled_model(url, browser, model):
             click(page, "Step")
             shot = str(IMAGES / f"tour-{width}.png") if saving() and model == "story-gpt" else None
             titles = walk(page, shot)
-            assert len(titles) == 10  # every stop: the bundled models have each family feature
+            assert len(titles) == 11  # every stop: the bundled models have each family feature, and the engine
+            # runs their files through transformers
             assert not errors, errors
 
 
@@ -133,5 +135,5 @@ def test_the_tour_walks_a_transformers_run_qwen3(url, browser, tmp_path):
         page.on("pageerror", lambda e: errors.append(str(e)))
         open_directory_and_step(page, url, PROMPT, directory, "qwen3")
         titles = walk(page)
-        assert len(titles) == 10, titles  # every stop: it caches, keeps values, and has no soft-cap
+        assert len(titles) == 11, titles  # every stop: it caches, keeps values, has no soft-cap, runs the engine
         assert not errors, errors
