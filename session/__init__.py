@@ -519,10 +519,13 @@ class AppState:
         return self.generation is not None and self.started_model not in (None, self.model)
 
     def start(self, model, tokenizer, settings: Settings) -> TracedGeneration:
-        """A new generation of the chosen model with ``settings`` (the previous one is closed)."""
+        """A new generation of the chosen model with ``settings`` (the previous one is closed). The Engine tab's run
+        stays: it runs the sidebar's model, not this generation, so the first Step after it must not discard it
+        (Reset, asked for, does)."""
         gen = new_generation(model, tokenizer, settings)
+        engine = self.engine
         self.reset()
-        self.generation, self.started_with, self.started_model = gen, settings, self.model
+        self.generation, self.started_with, self.started_model, self.engine = gen, settings, self.model, engine
         return gen
 
     def reset(self) -> None:

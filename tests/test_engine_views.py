@@ -252,5 +252,7 @@ def test_the_engine_tab_runs_three_requests_and_its_pool_grid_equals_the_run(lla
         assert sum(1 for z in column if z is not None and z >= 1) == s.pages_in_use
         assert sum(1 for z in column if z == 0) == len(s.cached)
         assert any(views.step_sentence(result, step) == m.value for m in at.markdown)
-    at.session_state["app"].reset()
+    press(at, "step_button")  # the first Step starts a generation: the engine run (the sidebar's model's) stays
+    assert at.session_state["app"].generation is not None and at.session_state["app"].engine is engine
+    at.session_state["app"].reset()  # Reset, asked for, forgets it
     assert at.session_state["app"].engine is None
