@@ -5,6 +5,8 @@ one takeaway sentence built from the run's numbers."""
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 
 from gpt_shape_tracer.figures.palette import ACCENT, ALARM, MASKED, NEUTRAL
@@ -88,6 +90,12 @@ def _fp8_errors(run: CacheClassRun) -> go.Figure:
                                  name=f"layer {h.layer}",
                                  hovertemplate=f"layer {h.layer}, position %{{x}}: max |error| %{{y:.3g}}"
                                                "<extra></extra>"))
+        if h.overflowed:  # past the range the prefill's scale gave: clipped (CPU) or NaN (CUDA)
+            errs = {h.first_held + i: e for i, e in enumerate(h.row_error)}
+            fig.add_trace(go.Scatter(x=list(h.overflowed), y=[errs[p] if math.isfinite(errs[p]) else 0.0
+                                                               for p in h.overflowed], mode="markers",
+                                     name=f"layer {h.layer}: past the frozen scale's range",
+                                     marker={"symbol": "x", "size": 12, "color": ALARM}))
     fig.update_layout(title_text="fp8: each stored row's largest |dequantized − full precision| (K and V)",
                       legend={"orientation": "h", "y": -0.25}, height=320)
     fig.update_xaxes(title_text="position", dtick=1)
@@ -178,7 +186,12 @@ def cache_class_takeaway(run: CacheClassRun) -> tuple[str, list[tuple[str, str]]
         return sentence + same, metrics
     if run.cache == "quantized-fp8":
         errors = [(e, h.layer, h.first_held + i) for h in last.layers for i, e in enumerate(h.row_error)]
-        err, at_layer, at_pos = max(errors) if errors else (0.0, 0, 0)
+        finite = [x for x in errors if math.isfinite(x[0])]
+        err, at_layer, at_pos = max(finite) if finite else (0.0, 0, 0)
+        nan_rows = len(errors) - len(finite)
+        over = sum(len(h.overflowed) for h in last.layers)
+        nan_steps = sum(1 for s in run.steps if not math.isfinite(s.max_abs_delta))
+        worst = max((s.max_abs_delta for s in run.steps if math.isfinite(s.max_abs_delta)), default=0.0)
         changed = sum(1 for s in run.steps if s.token != s.reference_token)
         sentence = (f"{run.class_name} stores K and V as {last.layers[0].dtype}, 1 byte a number and one scale per "
                     f"tensor: {_b(last.nbytes)} against {_b(last.reference_bytes)} at full precision "
@@ -187,6 +200,12 @@ def cache_class_takeaway(run: CacheClassRun) -> tuple[str, list[tuple[str, str]]
                     f"by up to {worst:.3g}: ")
         sentence += (f"each of the {n} forward(s) still chose the same token." if not changed else
                      f"{changed} of {n} forward(s) would have chosen another token.")
+        if over:
+            sentence += (f" {over} stored row(s) held values past the range the prefill's frozen scale gives "
+                         "(|x| > 448 · scale): the cast clips them on the CPU and makes them NaN on CUDA"
+                         + (f"; {nan_rows} row(s) read back as NaN here." if nan_rows else "."))
+        if nan_steps:
+            sentence += f" {nan_steps} of {n} forward(s) gave NaN logits."
         metrics += [("largest row error", f"{err:.3g}"), ("largest |Δ logits|", f"{worst:.3g}")]
         return sentence, metrics
     if run.cache == "offloaded":

@@ -107,6 +107,23 @@ def test_fp8_differs_from_full_precision_and_says_by_how_much(runs):
                    if e.kind == "quantize")
 
 
+def test_fp8_rows_past_the_frozen_scale_are_found_and_said(runs):
+    """The scale is set by the prefill's amplitude; a later row larger than that is past fp8's range: the CPU's
+    cast clips it to ±448 · scale (CUDA's makes it NaN: bench/gpu_cache_classes.py). On these weights one is."""
+    from gpt_shape_tracer.figures.cache_classes import cache_class_takeaway
+
+    run = runs["quantized-fp8"]
+    p = len(run.prompt_ids)
+    last = run.steps[-1]
+    over = [(h.layer, q) for h in last.layers for q in h.overflowed]
+    assert over and all(q >= p for _, q in over)  # the prompt's rows set the scale, so never past it
+    for layer, q in over:  # a clipped row is the layer's worst: its error is the part cut off
+        errors = last.layers[layer].row_error
+        assert errors[q] == max(errors)
+    assert f"{len(over)} stored row(s) held values past the range" in cache_class_takeaway(run)[0]
+    assert not any(h.overflowed for s in run.steps for h in s.layers if s.step == 0)
+
+
 def test_static_reserves_up_front_and_fills(runs):
     run = runs["static"]
     p = len(run.prompt_ids)

@@ -65,7 +65,9 @@ class LayerHolding:
     slot); ``seen``: positions the layer has been given so far; ``held``: positions whose rows it holds now, the
     positions ``first_held … seen − 1``; ``reserved``: rows allocated (static: ``max_cache_len`` or the window;
     otherwise ``held``); ``device``: where its rows live between uses; ``row_error``: fp8 only, per held position,
-    max |dequantized − full precision| over K and V (else empty)."""
+    max |dequantized − full precision| over K and V (else empty; NaN where the row read back as NaN);
+    ``overflowed``: fp8 only, the positions whose full-precision K or V exceed the range the scale frozen at the
+    prefill gives (|x| > 448 · scale): the cast clips them to ±448 · scale on the CPU and makes them NaN on CUDA."""
 
     layer: int
     kind: str
@@ -79,6 +81,7 @@ class LayerHolding:
     first_held: int
     device: str
     row_error: tuple[float, ...] = ()
+    overflowed: tuple[int, ...] = ()
 
     @property
     def free(self) -> int:
@@ -199,16 +202,21 @@ def _holding(index: int, layer: Any, reference: Any | None) -> LayerHolding:
         (qk, sk), (qv, sv) = layer._quantized_keys, layer._quantized_values
         held = int(qk.shape[-2])
         errors: tuple[float, ...] = ()
-        if reference is not None and getattr(reference, "is_initialized", False):
-            ref_k, ref_v = reference.keys.float(), reference.values.float()
-            dk = (layer._dequantize((qk, sk)).float() - ref_k[..., -held:, :]).abs()
-            dv = (layer._dequantize((qv, sv)).float() - ref_v[..., -held:, :]).abs()
-            per_row = torch.maximum(dk.amax(dim=(0, 1, 3)), dv.amax(dim=(0, 1, 3)))  # [held]
-            errors = tuple(float(x) for x in per_row)
-        nbytes = qk.nbytes + qv.nbytes + torch.as_tensor(sk).nbytes + torch.as_tensor(sv).nbytes
+        overflowed: tuple[int, ...] = ()
         seen = int(layer.cumulative_length)
+        if reference is not None and getattr(reference, "is_initialized", False):
+            ref_k, ref_v = reference.keys.float()[..., -held:, :], reference.values.float()[..., -held:, :]
+            dk = (layer._dequantize((qk, sk)).float() - ref_k).abs()
+            dv = (layer._dequantize((qv, sv)).float() - ref_v).abs()
+            per_row = torch.maximum(dk.amax(dim=(0, 1, 3)), dv.amax(dim=(0, 1, 3)))  # [held]; NaN stays NaN
+            errors = tuple(float(x) for x in per_row)
+            top = float(torch.finfo(qk.dtype).max)  # 448 for float8_e4m3fn, the largest the cast keeps
+            over = ((ref_k.abs().amax(dim=(0, 1, 3)) > top * sk.float())
+                    | (ref_v.abs().amax(dim=(0, 1, 3)) > top * sv.float()))
+            overflowed = tuple(seen - held + int(i) for i in torch.nonzero(over.cpu()).flatten())
+        nbytes = qk.nbytes + qv.nbytes + torch.as_tensor(sk).nbytes + torch.as_tensor(sv).nbytes
         return LayerHolding(index, kind, tuple(qk.shape), tuple(qv.shape), str(qk.dtype).replace("torch.", ""),
-                            nbytes, seen, held, held, seen - held, _device(qk), errors)
+                            nbytes, seen, held, held, seen - held, _device(qk), errors, overflowed)
     keys, values = layer.keys, layer.values
     nbytes = keys.nbytes + values.nbytes
     shape_k, shape_v, dtype = tuple(keys.shape), tuple(values.shape), str(keys.dtype).replace("torch.", "")
