@@ -30,6 +30,12 @@ What the records mean for such a model (the hook table's rows, specialised):
   instead of K and V — the compressed latent c_KV and the rotary key k_R — from which K ``[B,H,t,d_qk]`` and V
   ``[B,H,t,d_v]`` (d_v ≠ d_qk) are expanded at every step.
 
+* ``hook_pattern_1``, ``hook_pattern_2``, ``hook_diff_lambda``, ``hook_diff_pattern``, ``hook_v_all_2``,
+  ``hook_z_2`` (differential attention: DiffLlama): the layer calls the attention function twice with the same Q
+  and K, once per half of V; the softmax of its H heads is recorded as any layer's (``hook_pattern``), its halves
+  A_1 (heads 0 … H/2−1) and A_2 (heads H/2 … H−1) under their own names, λ, and A_1 − λ·A_2 ``[B, H/2, n, t]``, the
+  pattern each differential head applies to its values [V_1, V_2] (``hook_v_all``, ``hook_v_all_2``).
+
 * ``blocks.{L}.hook_conv_state``, ``blocks.{L}.hook_ssm_state`` (hybrid models: Falcon-H1): the convolution and
   state-space state a layer's mixer keeps after each step, as transformers' own cache layer holds it (fixed-size,
   overwritten every step; ``StateCache``). Not in the hook table: their widths are the mixer's, not the legend's.
@@ -44,8 +50,9 @@ no attention call at all but whose every layer writes state into transformers' c
 Falcon-Mamba: ``_state_stack``) is traced as mixers only: no attention record, no K, V row, the state in
 ``StateCache``; its forward takes the cache as ``cache_params`` (``cache_keyword``).
 Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
-state-space layers our cache cannot hold beside K and V, several attention calls per layer, attention in several
-stacks of layers (BLT), encoders and encoder-decoders; and, after loading, a model whose cached decode step is not
+state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
+attention's two calls with the same Q and K), attention in several stacks of layers (BLT), encoders and
+encoder-decoders; and, after loading, a model whose cached decode step is not
 transformers' own forward (``guard_against_transformers``).
 """
 
@@ -139,7 +146,7 @@ class HFDecoderError(ValueError):
 class _AttentionHooks(nn.Module):
     """One layer's attention hook points, under ``blocks.{L}.attn`` (shapes as in model/gpt/_gpt.py)."""
 
-    def __init__(self, softcap: bool, latent: bool = False, sinks: bool = False) -> None:
+    def __init__(self, softcap: bool, latent: bool = False, sinks: bool = False, differential: bool = False) -> None:
         super().__init__()
         self.hook_q = HookPoint()  # [B, H, n, d_qk], as the attention receives it (position-encoded)
         self.hook_k = HookPoint()  # [B, G, n, d_qk], the new keys
@@ -161,6 +168,17 @@ class _AttentionHooks(nn.Module):
         if sinks:
             self.hook_sink_weight = HookPoint()  # [B, H, n, 1], the sink's weight: 1 − Σ_t A
         self.hook_z = HookPoint()  # [B, H, n, d_v], A·V per head
+        # differential attention (DiffLlama): the layer calls attention twice with the same Q and K — the values'
+        # two halves — and combines heads j and j + H/2 as (A_j − λ·A_{j+H/2})·[V_1, V_2]
+        self.differential: Any = None  # () -> λ (a 0-d float32 tensor), set by HFDecoder for such a layer
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # call 1's (Q, K, M)
+        if differential:
+            self.hook_pattern_1 = HookPoint()  # [B, H/2, n, t], A_j: the first softmax of each differential head
+            self.hook_pattern_2 = HookPoint()  # [B, H/2, n, t], A_{j+H/2}: the second, subtracted
+            self.hook_diff_lambda = HookPoint()  # [1], λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init
+            self.hook_diff_pattern = HookPoint()  # [B, H/2, n, t], A_1 − λ·A_2: what the layer applies
+            self.hook_v_all_2 = HookPoint()  # [B, G, t, d_v], the values of the second call
+            self.hook_z_2 = HookPoint()  # [B, H, n, d_v], A·V of the second call
         self.w_o: nn.Module | None = None  # the model's own output projection (not a submodule here)
         self.calls = 0  # forwards that reached the traced attention (HFDecoder checks each layer's once)
         self.seen: tuple[int, int, int, int] = (0, 0, 0, 0)  # (H, G, d_qk, d_v) as the last call received them
@@ -180,6 +198,9 @@ class _AttentionHooks(nn.Module):
 
     def head_outputs(self, z: torch.Tensor) -> torch.Tensor:
         """Each head's share of the attention output, O_h·W_O^h ``[B,H,n,d]`` (W_O's bias left out)."""
+        if self.differential is not None:
+            raise HFDecoderError("a differential attention layer combines its heads in pairs (A_j − λ·A_{j+H/2}) and "
+                                 "normalises them before W_O, so the output of each head cannot be separated")
         if self.w_o is None:
             raise HFDecoderError("this model's attention output projection was not found, so the output of "
                                  "each head cannot be separated")
@@ -205,6 +226,14 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         record(module, query, key, value, attention_mask, kwargs)
     sinks = kwargs.get("s_aux")  # [H]: gpt-oss's learned sink logits
     hooks = _HOOKS.get(module)
+    if hooks is not None and hooks.differential is not None:
+        pending, hooks._pending = hooks._pending, None
+        if pending is not None and pending[0] is query and pending[1] is key:  # the second call: same Q, K
+            z, _ = attention(query, key, value, pending[2], None, scale=scaling if scaling is not None else
+                             query.shape[-1] ** -0.5, softcap=softcap)  # the same softmax as the first call's
+            hooks.hook_v_all_2(value)
+            return hooks.hook_z_2(z).transpose(1, 2).contiguous(), None
+    received = (query, key)  # as transformers handed them (the second call of a differential layer hands the same)
     if sinks is not None and hooks is not None and not hasattr(hooks, "hook_sink_logits"):
         raise HFDecoderError(f"{type(module).__name__} passes attention sinks (s_aux) but has no sinks parameter "
                              "of its own, so its sink logits cannot be shown")
@@ -215,12 +244,18 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     forward = getattr(_forward, "keys", None)  # (key_is_token,) while HFDecoder.forward runs on this thread
     window = kwargs.get("sliding_window")
-    if sinks is not None:  # eager always: the sink is a column no fused kernel here computes
+    differential = hooks is not None and hooks.differential is not None
+    if sinks is not None or differential:  # eager always: the sink is a column no fused kernel here computes; a
+        # differential layer's two softmaxes are recorded and subtracted
         if mask is None and forward is not None:  # not built (the settings chose fused): built from its description
             spec = MaskSpec(n=n, t=t, scale=scale, key_is_token=forward[0], empty_rows="uniform", softcap=softcap,
                             window=int(window) if isinstance(window, int) and window > 0 else None)
             mask = spec.full_additive(query.dtype, query.device)
-        z, weights = attention_with_sinks(query, key, value, mask, hooks, scale, sinks), None
+        if differential:
+            z, weights = _differential_first_call(query, key, value, mask, cast(_AttentionHooks, hooks), scale,
+                                                  softcap, received)
+        else:
+            z, weights = attention_with_sinks(query, key, value, mask, hooks, scale, cast(torch.Tensor, sinks)), None
     elif forward is None or dropout > 0.0 or (mask is not None and _adds_a_bias(mask)):
         # eager with transformers' own mask; always so for a mask that adds values to the scores (Doge's learned
         # per-head dynamic mask), which a description of causal / window / padding slots cannot rebuild
@@ -235,6 +270,41 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if hooks is not None:
         z = hooks.hook_z(z)
     return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_v], as transformers expects
+
+
+def _differential_first_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                             hooks: _AttentionHooks, scale: float, softcap: float | None,
+                             received: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first of a differential attention layer's two calls (DiffLlama; Ye et al. 2024, "Differential
+    Transformer"): the softmax of all H query heads, staged through the hooks as any layer's, then its two halves —
+    A_1 = heads 0 … H/2−1 and A_2 = heads H/2 … H−1, the two softmaxes of each differential head — and what the layer
+    applies to the values, A_1 − λ·A_2 ``[B, H/2, n, t]``. Keeps Q, K and the mask for the second call, whose values
+    are the other half of V."""
+    z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_v], [B,H,n,t]
+    half = weights.shape[1] // 2
+    lam = hooks.differential().to(weights.dtype)  # a 0-d tensor
+    hooks.hook_diff_lambda(lam.reshape(1))
+    first, second = hooks.hook_pattern_1(weights[:, :half]), hooks.hook_pattern_2(weights[:, half:])
+    hooks.hook_diff_pattern(first - lam * second)  # [B,H/2,n,t]
+    hooks._pending = (*received, mask)
+    return z, weights
+
+
+def differential_lambda(attn: nn.Module) -> Any:
+    """For a differential attention module (its learned λ_q1, λ_k1, λ_q2, λ_k2 vectors and λ_init), a function
+    returning λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init (Ye et al. 2024, eq. 2) as a 0-d float32 tensor; None for
+    any other module."""
+    vectors = [getattr(attn, name, None) for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+    init = getattr(attn, "lambda_init", None)
+    if not all(isinstance(v, torch.Tensor) for v in vectors) or not isinstance(init, (int, float, torch.Tensor)):
+        return None
+    q1, k1, q2, k2 = cast(list[torch.Tensor], vectors)
+
+    def lam() -> torch.Tensor:
+        return (torch.exp(torch.sum(q1 * k1, dtype=torch.float32)) - torch.exp(torch.sum(q2 * k2, dtype=torch.float32))
+                + init)
+
+    return lam
 
 
 def _adds_a_bias(mask: torch.Tensor) -> bool:
@@ -524,6 +594,8 @@ class _Call:
     unmodelled: tuple[str, ...] = ()  # arguments given that change the scores and that traced_attention ignores
     key: torch.Tensor | None = field(default=None, compare=False, repr=False)  # K as received: another layer's K
     # object itself where the layer reads that layer's K and V (KV sharing)
+    query: torch.Tensor | None = field(default=None, compare=False, repr=False)  # Q as received
+    differential: bool = False  # the layer's two calls share Q and K: differential attention (DiffLlama)
 
 
 # arguments of the attention interface that change the scores or the softmax and that traced_attention does not
@@ -580,7 +652,7 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
         calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-3]), int(key.shape[-3]),
                            int(query.shape[-1]), int(value.shape[-1]),
                            kwargs.get("s_aux") is not None, mask,
-                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None), key))
+                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None), key, query))
 
     device = _token_device(hf)
     # two tokens, so that the first's mask row shows whether it sees the second (causal or not); on the meta
@@ -732,6 +804,10 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
         if c.layer is not None and c.layer[0] == id(layers):
             per_layer[c.layer[1]].append(c)
     elsewhere = [c for c in calls if c.layer is None or c.layer[0] != id(layers)]
+    for L, cs in enumerate(per_layer):  # differential attention: one module's two calls with the same Q and K
+        if len(cs) == 2 and cs[0].module is cs[1].module and cs[0].query is cs[1].query and cs[0].key is cs[1].key \
+                and cs[0].heads % 2 == 0 and differential_lambda(cs[0].module) is not None:
+            per_layer[L] = [replace(cs[0], differential=True)]
     repeated = [L for L, cs in enumerate(per_layer) if len(cs) > 1]
     stacks = {c.layer[0] for c in calls if c.layer is not None}
     if not repeated and len(stacks) > 1:  # BLT: byte-level stacks around a global transformer over patches
@@ -961,11 +1037,11 @@ def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None,
 # -- the model ------------------------------------------------------------------------------------------
 class _BlockHooks(nn.Module):
     def __init__(self, softcap: bool, has_mid: bool, latent: bool = False, sinks: bool = False,
-                 attention: bool = True) -> None:
+                 attention: bool = True, differential: bool = False) -> None:
         super().__init__()
         self.hook_resid_pre = HookPoint()  # [B, n, d]
         if attention:
-            self.attn = _AttentionHooks(softcap, latent, sinks)
+            self.attn = _AttentionHooks(softcap, latent, sinks, differential)
             self.hook_attn_out = HookPoint()  # [B, n, d]
         else:  # a hybrid model's layer whose mixer is not attention: what goes in and what comes out
             self.hook_mixer_in = HookPoint()  # [B, n, d], the mixer's input (the normed residual)
@@ -1142,9 +1218,11 @@ class HFDecoder(nn.Module):
         self._mixers = [None if attn is not None else mixer_of(layer, writers.get(L))
                         for L, (layer, attn) in enumerate(zip(layers, attns))]
         self.mixer_names = tuple("" if m is None else mixer_name(m, prefix) for m in self._mixers)
+        differential = [call is not None and call.differential for call in probed]
         block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks,
-                                   attention=attn is not None)
-                       for norm, latent, sinks, attn in zip(mlp_norms, self._latent, self._sinks, attns)]
+                                   attention=attn is not None, differential=diff)
+                       for norm, latent, sinks, attn, diff in zip(mlp_norms, self._latent, self._sinks, attns,
+                                                                  differential)]
         self.blocks = nn.ModuleList(block_hooks)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
         self.hook_logits = HookPoint()  # [B, n, V]
@@ -1167,6 +1245,8 @@ class HFDecoder(nn.Module):
             if attn is not None:
                 _HOOKS[attn] = hooks.attn
                 hooks.attn.w_o = _child(attn, _NAMES_OUT)
+                if hasattr(hooks.attn, "hook_diff_pattern"):  # differential attention: its λ from its own parameters
+                    hooks.attn.differential = differential_lambda(attn)
                 self._handles.append(attn.register_forward_hook(
                     lambda m, a, out, h=hooks: _replace_first(out, h.hook_attn_out(_first(out)))))
             elif mixer is not None:
