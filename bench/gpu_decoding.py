@@ -60,11 +60,16 @@ def beams(directory: Path, device: str) -> None:
                            length_penalty=0.5, num_return_sequences=2, return_dict_in_generate=True,
                            output_scores=True, pad_token_id=0, past_key_values=cache)
     result = search.result()
+    mine = [list(s.beam_idx) for s in search.steps]
+    differ = [i for i, (a, b) in enumerate(zip(seen, mine)) if a != b]
+    last = len(mine) - 1  # every candidate ended: transformers ranks k ties at -1e9 there, in its device's order
+    print(f"beam_idx differs at steps {differ} of 0 … {last}"
+          + (f" (step {last}: ours {mine[last]}, theirs {seen[last]})" if differ == [last] else ""), flush=True)
     same = out.sequences.tolist() == [list(s) for s in result.sequences]
     delta = float((out.sequences_scores.cpu() - torch.tensor(result.scores)).abs().max())
-    check(f"beam search on {device}", same and delta < 1e-4 and seen == [list(s.beam_idx) for s in search.steps],
+    check(f"beam search on {device}", same and delta < 1e-4 and seen == mine,
           f"sequences equal: {same}, max |Δ score| {delta:.2e}, beam_idx equal at all {len(seen)} steps: "
-          f"{seen == [list(s.beam_idx) for s in search.steps]}; ours traced {ours_s:.2f} s")
+          f"{seen == mine}; ours traced {ours_s:.2f} s")
 
 
 def engine(directory: Path, device: str) -> None:

@@ -212,12 +212,14 @@ class _Recorder:
                                   f"({cu_q[i + 1] - cu_q[i]} queries, {cu_k[i + 1] - cu_k[i]} keys) is not its "
                                   f"{tokens} new and {past} cached positions")
             q0, k0 = cu_q[i], cu_k[i]
+            keys = (rows + k_offset).to(flat.device)  # the block table's rows, where the pool is (a GPU's)
+            host = torch.device("cpu")  # kept on the host, as the tracer keeps values: the pool's memory is the GPU's
             self.values.put(RequestAttention(
                 step=self.step, request_id=rid, layer=layer, past=past,
-                q=query[0, :, q0:q0 + tokens].clone(),
-                k=flat.index_select(0, rows + k_offset).transpose(0, 1),
-                v=flat.index_select(0, rows + k_offset + page).transpose(0, 1),
-                pattern=weights[0, :, q0:q0 + tokens, k0:k0 + length].clone()))
+                q=query[0, :, q0:q0 + tokens].to(host, copy=True),
+                k=flat.index_select(0, keys).transpose(0, 1).to(host),
+                v=flat.index_select(0, keys + page).transpose(0, 1).to(host),
+                pattern=weights[0, :, q0:q0 + tokens, k0:k0 + length].to(host, copy=True)))
 
 
 def _rows(table: Sequence[int], length: int, page: int, stride: int) -> torch.Tensor:

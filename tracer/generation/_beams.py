@@ -164,20 +164,23 @@ class BeamSearch:
         self.tracer = Tracer(model, capture=capture, budget_bytes=budget_bytes)
         self.trace = self.tracer.trace
         self._hf = _transformers_beam_steps()
-        # transformers' beam state, [B, k, …] (the names of its _beam_search)
+        # transformers' beam state, [B, k, …] (the names of its _beam_search), where the logits come out: its top-k
+        # breaks ties (the last step's −1e9 placeholders) in that device's order, so ours must decide there too
+        self.device = device = input_device_of(model)
         fill = self.eos_ids[0] if self.eos_ids else -1  # what generate() leaves after a shorter hypothesis
-        self._running = torch.full((B, k, self.max_length), fill, dtype=torch.int64)
-        self._running[:, :, :width] = padded[:, None, :]
+        self._running = torch.full((B, k, self.max_length), fill, dtype=torch.int64, device=device)
+        self._running[:, :, :width] = padded[:, None, :].to(device)
         self._sequences = self._running.clone()
-        self._running_scores = torch.zeros(B, k)
+        self._running_scores = torch.zeros(B, k, device=device)
         self._running_scores[:, 1:] = -1e9
-        self._scores = torch.full((B, k), -1e9)
-        self._finished = torch.zeros(B, k, dtype=torch.bool)
-        self._improvable = torch.ones(B, 1, dtype=torch.bool)
-        self._running_beams = torch.full((B, k, max_new_tokens), -1, dtype=torch.int32)
+        self._scores = torch.full((B, k), -1e9, device=device)
+        self._finished = torch.zeros(B, k, dtype=torch.bool, device=device)
+        self._improvable = torch.ones(B, 1, dtype=torch.bool, device=device)
+        self._running_beams = torch.full((B, k, max_new_tokens), -1, dtype=torch.int32, device=device)
         self._beams = self._running_beams.clone()
         self._keep = max(2, 1 + len(self.eos_ids)) * k
-        self._top_k_mask = torch.cat([torch.ones(k, dtype=torch.bool), torch.zeros(self._keep - k, dtype=torch.bool)])
+        self._top_k_mask = torch.cat([torch.ones(k, dtype=torch.bool), torch.zeros(self._keep - k, dtype=torch.bool)]
+                                     ).to(device)
         self.cur_len = width
         self.steps: list[BeamStep] = []
         self.done = False
@@ -207,7 +210,7 @@ class BeamSearch:
         if self.done:
             raise BeamSearchError("the beam search is done: every hypothesis has finished or reached max_new_tokens")
         B, k, hf = self.batch_size, self.num_beams, self._hf
-        device = input_device_of(self.model)
+        device = self.device
         if not self.steps:
             tokens, mask = self._prompt, self._real
         else:
@@ -216,7 +219,7 @@ class BeamSearch:
         with self.tracer.active():
             logits = self.model(tokens.to(device), self.cache,
                                 padding_mask=mask.to(device) if mask is not None else None)  # [B·k, n, V]
-        log_probs = torch.log_softmax(logits[:, -1, :].to("cpu", torch.float32), dim=-1)  # [B·k, V]
+        log_probs = torch.log_softmax(logits[:, -1, :].float(), dim=-1)  # [B·k, V], as generate(): float32
         V = log_probs.shape[-1]
         accumulated = (log_probs.view(B, k, V) + self._running_scores[:, :, None]).view(B, k * V)
         top_scores, top_sequences, top_beams = hf._get_top_k_continuations(
@@ -224,8 +227,8 @@ class BeamSearch:
             running_beam_indices=self._running_beams, cur_len=self.cur_len, decoder_prompt_len=self.prompt_width,
             do_sample=False, beams_to_keep=self._keep, num_beams=k, batch_size=B)
         new_tokens = top_sequences[:, :, self.cur_len]  # [B, 2k]
-        hits = torch.isin(new_tokens, torch.tensor(self.eos_ids, dtype=torch.int64)) if self.eos_ids else \
-            torch.zeros_like(new_tokens, dtype=torch.bool)
+        ends = torch.tensor(self.eos_ids, dtype=torch.int64, device=device)
+        hits = torch.isin(new_tokens, ends) if self.eos_ids else torch.zeros_like(new_tokens, dtype=torch.bool)
         hits |= self.cur_len + 1 >= self.max_length  # transformers' MaxLengthCriteria
         self._running, self._running_scores, self._running_beams = hf._get_running_beams_for_next_iteration(
             topk_log_probs=top_scores, topk_running_sequences=top_sequences, topk_running_beam_indices=top_beams,
@@ -260,8 +263,9 @@ class BeamSearch:
 
     def _record(self, top_scores, new_tokens, top_beams, hits, before_finished, beam_idx, before, after) -> BeamStep:
         B, k, at = self.batch_size, self.num_beams, self.cur_len - 1 - self.prompt_width
-        parents = (top_beams[:, :, at] - (torch.arange(B) * k)[:, None]).tolist()  # [B, 2k], within the prompt
-        kept_parent = (self._running_beams[:, :, at] - (torch.arange(B) * k)[:, None]).tolist()
+        offset = (torch.arange(B, device=self.device) * k)[:, None]  # prompt b's beams are rows b·k … b·k + k − 1
+        parents = (top_beams[:, :, at] - offset).tolist()  # [B, 2k], within the prompt
+        kept_parent = (self._running_beams[:, :, at] - offset).tolist()
         running = self._running[:, :, self.cur_len - 1].tolist()
         # a finished hypothesis's score as _update_finished_beams computes it (the same op, so the same float)
         penalised = (top_scores / ((self.cur_len - self.prompt_width) ** self.length_penalty)).tolist()
