@@ -1,6 +1,7 @@
-"""State-space causal LMs with no attention at all (issue 51, item 5): Mamba, Mamba-2 and Falcon-Mamba. No layer calls
+"""State-space causal LMs with no attention at all (issue 51, item 5): Mamba, Mamba-2 and Falcon-Mamba — no layer calls
 attention; every layer writes a convolution state and a state-space state into transformers' own cache, and is traced
-as a mixer because of that (``_state_writers``), as a hybrid model's state layers are. Each is a tiny random-weight
+as a mixer because of that (``_state_writers``), as a hybrid model's state layers are — and RWKV, whose forward hands
+its state back as tensors with one slice per layer. Each is a tiny random-weight
 model built from transformers' own config class (tests/hf_every_architecture.py shrinks it), traced for a prefill and
 3 cached decode steps and compared with transformers' eager forward on the same weights; the state recorded after each
 step is what transformers' own cache holds. The KV-cache view says, from the records, what the model keeps instead of
@@ -97,6 +98,55 @@ def test_every_layer_is_a_state_mixer_and_its_state_is_transformers_own(root, mo
     assert all(cache.keys[layer] is None for layer in range(n))  # no K, V rows anywhere
     assert cache.length == PROMPT + DECODE_STEPS
     assert cache.state_nbytes == sum(v[-1].nbytes for v in seen.values())
+
+
+def test_rwkv_keeps_the_state_its_forward_hands_back(root):
+    """RWKV makes no attention call and writes nothing into transformers' cache: its forward takes a list of state
+    tensors (``state``: the two token shifts, and the numerator, denominator and running maximum of its WKV recurrence,
+    each [B, d, n_layer]), updates it in place and hands it back. Traced, that list lives in our cache: every layer is
+    a state layer recording its slice, equal to transformers' own state after the prefill and each of 3 steps; the
+    logits equal transformers'; a copy of the cache at the prefill continues exactly as the original did (the state
+    is snapshotted per length, not only overwritten)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = build_state_space("rwkv", root / "rwkv")
+    result = check("rwkv", directory)
+    assert result.outcome == "traced" and max(result.deltas) <= TOLERANCE, result
+    model, _ = load_hf(directory, implementation="transformers")
+    config = model.config
+    n = config.n_layer
+    assert config.attention_layers == () and config.state_layers == tuple(range(n))
+    assert config.mixers == ("Rwkv Self Attention",) * n
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {L: [] for L in range(n)}
+    for layer in range(n):
+        block = model.blocks[layer]
+        pairs: list = []
+        block.hook_conv_state.register_forward_hook(lambda m, a, out, p=pairs: p.append([out]))
+        block.hook_ssm_state.register_forward_hook(lambda m, a, out, p=pairs: p[-1].append(out))
+        seen[layer] = pairs
+    tokens = torch.randint(0, 200, (1, PROMPT + DECODE_STEPS), generator=torch.Generator().manual_seed(4))
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
+    held: list[list[torch.Tensor]] = []
+    cache = model.new_cache()
+    with torch.no_grad():
+        ours = [model(tokens[:, :PROMPT], cache)]
+        copy = cache.copy(PROMPT)
+        theirs = hf(input_ids=tokens[:, :PROMPT], use_cache=True)
+        held.append([x.clone() for x in theirs.state])
+        for i in range(PROMPT, PROMPT + DECODE_STEPS):
+            ours.append(model(tokens[:, i:i + 1], cache))
+            theirs = hf(input_ids=tokens[:, i:i + 1], state=theirs.state, use_cache=True)
+            held.append([x.clone() for x in theirs.state])
+        again = model(tokens[:, PROMPT:PROMPT + 1], copy)
+    for layer in range(n):
+        assert len(seen[layer]) == 2 + DECODE_STEPS  # the prefill, 3 steps, and the copy's step
+        for (shifts, wkv), its in zip(seen[layer], held):
+            assert shifts.shape == (1, config.d_model, 2) and wkv.shape == (1, config.d_model, 3)  # fixed-size
+            assert close_across_cpus(shifts, torch.stack([x[..., layer] for x in its[:2]], dim=-1))
+            assert close_across_cpus(wkv, torch.stack([x[..., layer] for x in its[2:]], dim=-1))
+    assert torch.equal(again, ours[1]) and all(torch.equal(a, b) for a, b in zip(seen[0][-1], seen[0][1]))
+    assert all(cache.keys[layer] is None for layer in range(n))
+    assert cache.state_nbytes == sum(x.nbytes for x in held[-1])
 
 
 def traced(directory: Path, steps: int = 4) -> TracedGeneration:

@@ -488,15 +488,25 @@ class StateCache(KVCache):
         # layers without attention (a Gated DeltaNet, a Mamba layer, an MLP-only block) append no K, V: they count
         # as updated
         self._stateless_attention = set(range(n_layer)) - self.attention_layers
+        # the state a forward hands back and takes again (RWKV's ``state``: tensors with one slice per layer in their
+        # last axis, updated in place), None before the first forward; kept, copied and rolled back with the rest
+        self.carried: list[torch.Tensor] | None = None
         self._snapshots: dict[int, dict[int, dict[str, dict]]] = {0: self._save()}
 
     def _save(self) -> dict[int, dict[str, dict]]:
-        return {layer: {name: {i: v.clone() if isinstance(v, torch.Tensor) else v
-                               for i, v in getattr(state, name).items()} for name in _STATE_FIELDS}
-                for layer, state in self.states.items()}
+        saved = {layer: {name: {i: v.clone() if isinstance(v, torch.Tensor) else v
+                                for i, v in getattr(state, name).items()} for name in _STATE_FIELDS}
+                 for layer, state in self.states.items()}
+        if self.carried is not None:
+            saved[-1] = {"carried": dict(enumerate(x.clone() for x in self.carried))}
+        return saved
 
     def _restore(self, saved: dict[int, dict[str, dict]]) -> None:
+        carried = saved.get(-1)
+        self.carried = [x.clone() for x in carried["carried"].values()] if carried is not None else None
         for layer, fields in saved.items():  # clones again: the state is updated in place (copy_) by transformers
+            if layer == -1:
+                continue
             for name, values in fields.items():
                 setattr(self.states[layer], name, {i: v.clone() if isinstance(v, torch.Tensor) else v
                                                    for i, v in values.items()})
@@ -526,7 +536,7 @@ class StateCache(KVCache):
         """Bytes of the convolution and state-space state of every layer that keeps one (fixed: it does not grow)."""
         return sum(int(v.numel() * v.element_size()) for state in self.states.values()
                    for name in ("conv_states", "recurrent_states") for v in getattr(state, name).values()
-                   if isinstance(v, torch.Tensor))
+                   if isinstance(v, torch.Tensor)) + sum(int(x.numel() * x.element_size()) for x in self.carried or ())
 
 
 def _state_layer(cache: StateCache, layer: int, template: Any) -> Any:
@@ -761,6 +771,31 @@ def _state_stack(hf: nn.Module, lists: dict[int, nn.ModuleList]) -> tuple[nn.Mod
     return None
 
 
+def _carried_stack(hf: nn.Module, lists: dict[int, nn.ModuleList]) -> nn.ModuleList | None:
+    """A model that makes no attention call and writes nothing into transformers' cache, but whose forward hands back
+    its state (``state``: RWKV) as tensors with one slice per layer in their last axis: the outermost list of layers
+    as long as that axis, every layer then a state layer (the state sliced at its index); None otherwise."""
+    if cache_keyword(hf) != "state":
+        return None
+    device = _token_device(hf)
+    if device.type == "meta":
+        return None
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            carried = getattr(hf(input_ids=tokens, use_cache=True), "state", None)
+    except Exception:  # noqa: BLE001 (its forward failing is reported by the refusal that follows)
+        return None
+    if not isinstance(carried, (list, tuple)) or not carried or not all(
+            isinstance(x, torch.Tensor) and x.dim() >= 2 for x in carried):
+        return None
+    depth = {int(x.shape[-1]) for x in carried}
+    inner = {id(m) for outer in lists.values() for element in outer for m in element.modules()
+             if isinstance(m, nn.ModuleList)}
+    stacks = [m for key, m in lists.items() if key not in inner and len(depth) == 1 and len(m) in depth]
+    return stacks[0] if len(stacks) == 1 else None
+
+
 def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list[_Call | None], dict[int, nn.Module]]:
     """The decoder layers and each one's call of the attention function in the probe — its ``module`` the
     layer's self-attention — found by which module calls the attention function inside which layer (None for a
@@ -773,6 +808,9 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     if stateful is not None:  # every layer a state layer (Mamba): traced as mixers, no attention anywhere
         layers, writers = stateful
         return layers, [None] * len(layers), writers
+    carried = _carried_stack(hf, lists) if not calls else None
+    if carried is not None:  # RWKV: every layer keeps its slice of the state the forward hands back
+        return carried, [None] * len(carried), {}
     if not calls:
         attention_named = [w for w in words if ("attention" in w or "attn" in w) and "norm" not in w]
         state = [w for w in words if any(s in w for s in _STATE_WORDS)]
@@ -875,15 +913,20 @@ def _kv_shared(probed: list[_Call | None]) -> tuple[tuple[int, int], ...]:
 
 
 def cache_keyword(hf: nn.Module) -> str:
-    """The name under which the model's forward takes its cache: ``past_key_values``, or ``cache_params`` (Mamba,
-    Mamba-2, Falcon-Mamba: a state-space model's forward names it so)."""
+    """The name under which the model's forward takes its cache (and its output returns it): ``past_key_values``,
+    ``cache_params`` (Mamba, Mamba-2, Falcon-Mamba) or ``state`` (RWKV: a list of tensors with one slice per layer,
+    which the forward updates in place and hands back)."""
     import inspect
 
     try:
         names = inspect.signature(hf.forward).parameters
     except (TypeError, ValueError):
         return "past_key_values"
-    return "cache_params" if "cache_params" in names and "past_key_values" not in names else "past_key_values"
+    if "past_key_values" in names:
+        return "past_key_values"
+    if "cache_params" in names:
+        return "cache_params"
+    return "state" if "state" in names else "past_key_values"  # RWKV: its state list, handed in and back
 
 
 def _own_cache_class(hf: nn.Module) -> type | None:
@@ -927,7 +970,9 @@ def mixer_of(layer: nn.Module, writer: nn.Module | None = None) -> nn.Module:
 
 
 _JOINED = {"Delta Net": "DeltaNet", "Mo E": "MoE", "Lo RA": "LoRA"}  # words the camel-case split would tear apart
-_GENERIC = ("Mixer", "Layer", "Block", "Module")
+# a name left with one of these only keeps its family: "Mixer", or RWKV's time mixing ("RwkvSelfAttention", which
+# has no softmax) read as "Self Attention" would name nothing of its own
+_GENERIC = ("Mixer", "Layer", "Block", "Module", "SelfAttention", "Attention")
 
 
 def mixer_name(mixer: nn.Module, family_prefix: str) -> str:
@@ -1202,6 +1247,7 @@ class HFDecoder(nn.Module):
         self._state_templates = state_templates(hf)  # hybrid models: the layers whose state transformers keeps
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
+        self._carried = all(attn is None for attn in attns) and not writers and cache_keyword(hf) == "state"
         own_cache = _own_cache_class(hf)
         # MiniMax: its forward accepts only its own cache class, whose linear-attention state our view keeps in the
         # state layers transformers' shared cache describes for the config (one per layer without attention)
@@ -1235,7 +1281,7 @@ class HFDecoder(nn.Module):
         embed = hf.get_input_embeddings()
         self._handles.append(embed.register_forward_hook(lambda m, a, out: self.hook_embed(out)))
         for hooks, template in zip(block_hooks, self._state_templates):
-            if template is not None:  # what the layer's state holds after each step, [B, …] (hybrid models)
+            if template is not None or self._carried:  # what the layer's state holds after each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
         for layer, attn, mixer, hooks, mlp_norm in zip(layers, attns, self._mixers, block_hooks, mlp_norms):
@@ -1359,7 +1405,7 @@ class HFDecoder(nn.Module):
             v_head_dim=d_v if d_v != d_head else None, kv_latent_dim=latent[0] if latent else None,
             rope_key_dim=latent[1] if latent else None, attn_sinks=any(self._sinks),
             mixers=self.mixer_names if any(self.mixer_names) else None,
-            state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None),
+            state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None or self._carried),
             kv_shared=self._kv_shared,
         )
 
@@ -1445,12 +1491,15 @@ class HFDecoder(nn.Module):
             calls = self._attention_calls(self.blocks) if self._routing_unchecked else None
             out = self.hf(input_ids=tokens, attention_mask=attention_mask,
                           position_ids=None if own else positions.expand(B, n),
-                          **{self._cache_keyword: self._cache_view(cache) if cache is not None else None},
+                          **{self._cache_keyword: (cache.carried if isinstance(cache, StateCache) and self._carried else
+                                                   self._cache_view(cache)) if cache is not None else None},
                           use_cache=cache is not None, return_dict=True)
             if calls is not None:  # a dry run's first forward: the routing check __init__ left to it
                 self._routed(self.blocks, calls)
                 self._routing_unchecked = False
             logits = self.hook_logits(out.logits)
+            if isinstance(cache, StateCache) and self._carried:  # RWKV: the state it handed back, kept for the next
+                cache.carried = list(getattr(out, "state", None) or [])  # step (and snapshotted at commit)
             if isinstance(cache, StateCache):
                 self._record_states(cache)
         return logits
@@ -1458,6 +1507,12 @@ class HFDecoder(nn.Module):
     def _record_states(self, cache: StateCache) -> None:
         """A hybrid model's convolution and state-space state after this forward, through each state layer's
         ``hook_conv_state`` / ``hook_ssm_state`` (copies: transformers overwrites the state in place next step)."""
+        if cache.carried:  # RWKV: per layer its slice of each state tensor; token shifts [B, d, 2], the rest [B, d, k]
+            shifts, rest = cache.carried[:2], cache.carried[2:]
+            for layer, block in enumerate(self.blocks):
+                cast(HookPoint, block.hook_conv_state)(torch.stack([x[..., layer] for x in shifts], dim=-1).clone())
+                if rest:
+                    cast(HookPoint, block.hook_ssm_state)(torch.stack([x[..., layer] for x in rest], dim=-1).clone())
         for layer, state in cache.states.items():
             block = self.blocks[layer]
             for name, values in (("hook_conv_state", state.conv_states), ("hook_ssm_state", state.recurrent_states)):
