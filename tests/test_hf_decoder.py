@@ -91,7 +91,8 @@ def test_a_model_that_does_not_route_attention_through_the_interface_is_refused(
         return self.o_proj(hidden_states), None
 
     hf.model.layers[1].self_attn.forward = own_attention.__get__(hf.model.layers[1].self_attn)
-    with pytest.raises(HFDecoderError, match=r"layer\(s\) 1 does not go through transformers' attention interface"):
+    with pytest.raises(HFDecoderError, match=r"layer\(s\) 1 hold attention \(LlamaAttention\) that does not go through "
+                       r"transformers' attention interface"):
         HFDecoder(hf)
 
 
