@@ -567,3 +567,33 @@ def test_the_decoding_tab_draws_every_beam_candidate_and_every_draft_as_the_runs
                 page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{shot}.png"))
             assert not errors, errors
             assert not outside, outside
+
+
+def test_transformers_cache_classes_show_what_a_static_cache_reserves(url, visit, tmp_path):
+    """A Gemma 2 directory (sliding window of 4 on every other layer) run by transformers: the KV cache tab's
+    "transformers' cache classes" runs the sliding class and draws which positions each layer holds and which it dropped, with the
+    takeaway its numbers make (SAVE_SCREENSHOTS=cache_classes,cache_classes_1280)."""
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
+    from tests.hf_architectures import build
+
+    directory = build("gemma2", tmp_path / "gemma2", BUNDLED_DIR / "tokenizer.json")
+    for width, height, name in ((1600, 1000, "cache_classes"), (1280, 800, "cache_classes_1280")):
+        with visit(width, height) as page:
+            errors, outside = watch(page, url)
+            open_directory_and_step(page, url, PROMPT, directory, "gemma2", steps=1)
+            open_tab(page, "KV cache")
+            open_tab(page, "transformers' cache classes")
+            page.get_by_role("combobox", name="cache class").click()  # Streamlit's selectbox
+            before = runs_finished(page)
+            page.get_by_role("option", name="sliding", exact=True).click()
+            wait_idle(page, after=before)
+            click(page, "Run")
+            page.get_by_text("sliding").nth(2).wait_for(timeout=60_000)
+            chart = plotly_data(page)
+            assert chart and any(t["type"] == "heatmap" for t in chart[0])
+            if saving(name):
+                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+                page.wait_for_timeout(300)
+                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            assert not errors, errors
+            assert not outside, outside
