@@ -82,6 +82,10 @@ def test_the_wheel_installs_one_name(wheel):
     for inside in ("model/gpt/_gpt.py", "tracer/__init__.py", "figures/attention.py", "session/__init__.py",
                    "gui/sidebar.py", "app.py", "model/bundled/story-gpt/model.safetensors", "py.typed"):
         assert f"gpt_shape_tracer/{inside}" in names, inside
+    # every module of the rooms (a package pyproject.toml forgot to list would be missing from the wheel alone)
+    rooms = [p for room in ("model", "tracer", "figures", "gui", "session") for p in (ROOT / room).rglob("*.py")]
+    missing = [str(p.relative_to(ROOT)) for p in rooms if f"gpt_shape_tracer/{p.relative_to(ROOT)}" not in names]
+    assert len(rooms) > 100 and not missing, missing
 
 
 @pytest.fixture(scope="module")
