@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from gpt_shape_tracer.figures.palette import ACCENT, AMOUNT, NEUTRAL
 from gpt_shape_tracer.figures.plot import figure, fitted, text_trace
 from gpt_shape_tracer.figures.view_takeaways import Takeaway, size_text
-from gpt_shape_tracer.tracer.engine import EngineRun, EngineStep
+from gpt_shape_tracer.tracer import EngineRun, EngineStep
 
 # one colour per request (cycled), none of them the accent, the alarm red or the masked grey
 REQUEST_COLOURS = ("#4c78a8", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b", "#9d755d", "#ff9da6", "#2f4b7c",

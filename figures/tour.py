@@ -17,8 +17,7 @@ from gpt_shape_tracer.figures.common import facts_of
 from gpt_shape_tracer.figures.engine import memory_at
 from gpt_shape_tracer.model.analysis import HEAD_ROLES
 from gpt_shape_tracer.model.gpt import act_name
-from gpt_shape_tracer.tracer import Trace
-from gpt_shape_tracer.tracer.engine import EngineRun
+from gpt_shape_tracer.tracer import EngineRun, Trace
 
 CLEAR_SCORE = 0.3  # a head is a clear example of a role from this score up (the all-heads grid's ROLE_SHOWN)
 PROBE = "4 random token sequences, each repeated twice"  # what tracer.head_scores measures on

@@ -78,8 +78,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from gpt_shape_tracer.model import ModelLoadError, load_hf, load_tokenizer
     from gpt_shape_tracer.model.sources import ASSETS
-    from gpt_shape_tracer.tracer import DEFAULT_BUDGET_BYTES
-    from gpt_shape_tracer.tracer.engine import EngineError, save_engine_run, trace_engine
+    from gpt_shape_tracer.tracer import DEFAULT_BUDGET_BYTES, EngineError, save_engine_run, trace_engine
 
     try:
         directory = Path(args.model_dir).expanduser() if args.model_dir else ASSETS / args.model

@@ -39,8 +39,7 @@ from gpt_shape_tracer.session.engine import (
     pool_bytes,
     view_of,
 )
-from gpt_shape_tracer.tracer import Trace, TraceFileError
-from gpt_shape_tracer.tracer.engine import EngineError, save_engine_run
+from gpt_shape_tracer.tracer import EngineError, Trace, TraceFileError, save_engine_run
 
 HOW = ("Choose a bundled model or **Local Hugging Face directory** under Weights in the sidebar (a folder that "
        "save_pretrained wrote: Llama, Qwen2, GPT-2, Mistral or any decoder transformers runs): the Engine tab loads "

@@ -13,7 +13,7 @@ from gpt_shape_tracer.model import GPT, HFDecoder, TextTokenizer, load_hf, resol
 from gpt_shape_tracer.model.sources import ASSETS
 from gpt_shape_tracer.session._choice import ModelChoice
 from gpt_shape_tracer.session._errors import SettingsError
-from gpt_shape_tracer.tracer.engine import MAX_POOL_BYTES, EngineError, EngineRun, load_engine_run, trace_engine
+from gpt_shape_tracer.tracer import MAX_POOL_BYTES, EngineError, EngineRun, load_engine_run, trace_engine
 
 MAX_APP_REQUESTS = 16
 MAX_APP_PAGES = 4096

@@ -569,10 +569,10 @@ def test_the_decoding_tab_draws_every_beam_candidate_and_every_draft_as_the_runs
             assert not outside, outside
 
 
-def test_transformers_cache_classes_show_what_a_static_cache_reserves(url, visit, tmp_path):
+def test_transformers_cache_classes_show_what_a_sliding_cache_keeps_and_drops(url, visit, tmp_path):
     """A Gemma 2 directory (sliding window of 4 on every other layer) run by transformers: the KV cache tab's
-    "transformers' cache classes" runs the sliding class and draws which positions each layer holds and which it dropped, with the
-    takeaway its numbers make (SAVE_SCREENSHOTS=cache_classes,cache_classes_1280)."""
+    "transformers' cache classes" runs the sliding class and draws which positions each layer holds and which it
+    dropped, with the takeaway its numbers make (SAVE_SCREENSHOTS=cache_classes,cache_classes_1280)."""
     from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.hf_architectures import build
 

@@ -691,8 +691,8 @@ def test_none_of_the_old_false_texts_remains_in_the_code_or_the_docs():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    places = [root / "README.md", root / "app.py", root / "session.py"]
-    for room in ("gui", "figures", "tracer", "model", "gpt_shape_tracer", "docs"):
+    places = [root / "README.md", root / "app.py"]
+    for room in ("gui", "figures", "tracer", "model", "session", "gpt_shape_tracer", "docs"):
         places += [p for p in (root / room).rglob("*") if p.suffix in (".py", ".md", ".ipynb")]
     found = []
     for path in places:

@@ -260,14 +260,14 @@ def test_load_hf_reads_the_tokenizer_config_beside_the_weights(tmp_path):
 
 
 def test_the_cli_chats_and_stops_at_eos(tmp_path, capsys, monkeypatch):
-    import gpt_shape_tracer.model as model_package
+    import gpt_shape_tracer.session._choice as choice_module  # the one loader the CLI calls (session.load)
     from gpt_shape_tracer.trace_command import main
 
     tok = TextTokenizer.from_directory(write_dir(tmp_path / "tok", post="bos",
                                                  config={**LLAMA_CONFIG, "chat_template": CHAT_TEMPLATE}))
     n0 = len(tok.without_special_tokens().encode(tok.apply_chat_template("Hi")))
     chat_model = position_model(1026, {n0: 1025}, default=300)  # </s> at step 1
-    monkeypatch.setattr(model_package, "load_model", lambda spec, **kwargs: (chat_model, tok))
+    monkeypatch.setattr(choice_module, "load_model", lambda spec, **kwargs: (chat_model, tok))
     out = tmp_path / "t.zip"
     code = main(["--prompt", "Hi", "--chat", "--steps", "5", "--model-dir", "anything", "--out", str(out)])
     captured = capsys.readouterr()

@@ -41,9 +41,11 @@ from gpt_shape_tracer.tracer.costs import (
     step_floor,
 )
 from gpt_shape_tracer.tracer.engine import (
+    MAX_POOL_BYTES,
     EngineError,
     EngineRun,
     EngineSizing,
+    EngineStep,
     engine_sizing,
     engine_sizing_table,
     load_engine_run,
@@ -171,6 +173,7 @@ __all__ = [
     "load_trace", "logit_lens", "patch", "prepare_dry_run", "pattern_changes", "replay", "replay_diff", "save_trace",
     "summarize",
     "tensor_stats", "text_loss", "value_blocks",
-    "EngineError", "EngineRun", "EngineSizing", "engine_sizing", "engine_sizing_table", "load_engine_run",
+    "EngineError", "EngineRun", "EngineStep", "MAX_POOL_BYTES", "EngineSizing", "engine_sizing", "engine_sizing_table",
+    "load_engine_run",
     "save_engine_run", "trace_engine",
 ]

@@ -171,7 +171,7 @@ class _AttentionHooks(nn.Module):
         # differential attention (DiffLlama): the layer calls attention twice with the same Q and K — the values'
         # two halves — and combines heads j and j + H/2 as (A_j − λ·A_{j+H/2})·[V_1, V_2]
         self.differential: Any = None  # () -> λ (a 0-d float32 tensor), set by HFDecoder for such a layer
-        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # call 1's (Q, K, M)
+        self.pending_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # call 1's (Q, K, M)
         if differential:
             self.hook_pattern_1 = HookPoint()  # [B, H/2, n, t], A_j: the first softmax of each differential head
             self.hook_pattern_2 = HookPoint()  # [B, H/2, n, t], A_{j+H/2}: the second, subtracted
@@ -227,7 +227,7 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     sinks = kwargs.get("s_aux")  # [H]: gpt-oss's learned sink logits
     hooks = _HOOKS.get(module)
     if hooks is not None and hooks.differential is not None:
-        pending, hooks._pending = hooks._pending, None
+        pending, hooks.pending_call = hooks.pending_call, None
         if pending is not None and pending[0] is query and pending[1] is key:  # the second call: same Q, K
             z, _ = attention(query, key, value, pending[2], None, scale=scaling if scaling is not None else
                              query.shape[-1] ** -0.5, softcap=softcap)  # the same softmax as the first call's
@@ -286,7 +286,7 @@ def _differential_first_call(query: torch.Tensor, key: torch.Tensor, value: torc
     hooks.hook_diff_lambda(lam.reshape(1))
     first, second = hooks.hook_pattern_1(weights[:, :half]), hooks.hook_pattern_2(weights[:, half:])
     hooks.hook_diff_pattern(first - lam * second)  # [B,H/2,n,t]
-    hooks._pending = (*received, mask)
+    hooks.pending_call = (*received, mask)
     return z, weights
 
 
