@@ -15,6 +15,7 @@ from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model import BUNDLED_MODELS, ModelLoadError
 from gpt_shape_tracer.session import ModelChoice
 from gpt_shape_tracer.session.decoding import (
+    DECODING_RESERVE_BYTES,
     MAX_APP_BEAMS,
     MAX_APP_DRAFT_TOKENS,
     MAX_APP_NEW_TOKENS,
@@ -50,7 +51,7 @@ def beams_section(gen) -> None:
     penalty = cols[2].number_input("length penalty", -4.0, 4.0, 1.0, 0.5, key="beam_penalty")
     early = cols[3].selectbox("early stopping", list(EARLY), key="beam_early")
     if st.button("Run beam search", key="beam_run", type="primary"):
-        refused = reserve_memory()
+        refused = reserve_memory(decoding_bytes=DECODING_RESERVE_BYTES)  # at most this while it runs
         if refused:
             st.error(refused)
             return
@@ -61,6 +62,8 @@ def beams_section(gen) -> None:
         except BeamSearchError as e:
             st.error(inert(e))
             return
+        finally:
+            reserve_memory()  # what the runs keep, now this one is done
     run = app.beams
     if run is None:
         st.caption("Beam search keeps the k best hypotheses per prompt instead of one token per step: every step "
@@ -105,7 +108,7 @@ def speculative_section(gen) -> None:
     if gen.batch_size > 1:
         st.caption("Speculative decoding takes one prompt (as transformers' assisted generate does): the first.")
     if st.button("Run speculative decoding", key="spec_run", type="primary"):
-        refused = reserve_memory()
+        refused = reserve_memory(decoding_bytes=DECODING_RESERVE_BYTES)  # at most this while it runs
         if refused:
             st.error(refused)
             return
@@ -119,6 +122,8 @@ def speculative_section(gen) -> None:
         except (SpeculativeError, ModelLoadError) as e:
             st.error(inert(e))
             return
+        finally:
+            reserve_memory()  # what the runs keep, now this one is done
     run = app.speculative
     if run is None:
         st.caption("Speculative decoding lets a cheap source draft several tokens (a small model sharing the "

@@ -118,21 +118,22 @@ def admitted() -> bool:
 
 
 def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None = None,
-                   gradient_bytes: int | None = None, engine_bytes: int | None = None) -> str:
+                   gradient_bytes: int | None = None, engine_bytes: int | None = None,
+                   decoding_bytes: int | None = None) -> str:
     """Reserve this session's share of the server's trace memory: the budget of its generation, the values of
-    its opened file, of its gradients trace and of its engine run (each as it is now unless given); "" when
-    granted, else why not."""
+    its opened file, of its gradients trace, of its Engine run (or its pool while it runs) and of its Decoding
+    runs — each as the session holds it now (``AppState.held_bytes``) unless given; "" when granted, else why
+    not."""
     app = state()
+    held = app.held_bytes()
     asked_gradients = gradient_bytes is not None
-    if generation_bytes is None:
-        generation_bytes = app.started_with.budget_bytes if app.generation is not None and app.started_with else 0
-    if file_bytes is None:
-        file_bytes = app.loaded.trace.log.bytes_kept if app.loaded is not None else 0
-    if gradient_bytes is None:
-        gradient_bytes = app.gradient_trace[1].log.bytes_kept if app.gradient_trace is not None else 0
-    if engine_bytes is None:  # the Engine tab's run (gui/engine.py): its kept values, or its pool while it runs
-        engine_bytes = app.engine.nbytes if app.engine is not None else 0
-    file_bytes += engine_bytes  # fixed, as an opened file: it does not follow the sidebar's budget
+    generation_bytes = held["generation"] if generation_bytes is None else generation_bytes
+    file_bytes = held["file"] if file_bytes is None else file_bytes
+    gradient_bytes = held["gradients"] if gradient_bytes is None else gradient_bytes
+    engine_bytes = held["engine"] if engine_bytes is None else engine_bytes
+    decoding_bytes = held["decoding"] if decoding_bytes is None else decoding_bytes
+    # fixed, as an opened file: they do not follow the sidebar's budget
+    file_bytes += engine_bytes + decoding_bytes
     # what follows the sidebar's Budget (MB): the generation's share, and a gradients recording asked for now (at
     # most the budget); an opened file and a gradients trace already recorded do not
     budget_times = int(generation_bytes > 0) + int(asked_gradients and gradient_bytes > 0)

@@ -495,6 +495,21 @@ class AppState:
     reset_confirmed: bool = False  # …and the person said yes
     confirm_close: bool = False  # "Close the file" was pressed: the page asks before it lets the file go
 
+    def held_bytes(self) -> dict[str, int]:
+        """What this session holds, by part, for the server's memory ledger (gui/common.py ``reserve_memory``): the
+        budget its generation may fill, and the bytes its opened file, gradients trace, Engine run and Decoding
+        runs keep now."""
+        decoding = self.beams.nbytes if self.beams is not None else 0
+        if self.speculative is not None:
+            decoding += sum(t.log.bytes_kept for t in (self.speculative.trace, self.speculative.draft_trace)
+                            if t is not None)
+        return {"generation": self.started_with.budget_bytes if self.generation is not None and self.started_with
+                else 0,
+                "file": self.loaded.trace.log.bytes_kept if self.loaded is not None else 0,
+                "gradients": self.gradient_trace[1].log.bytes_kept if self.gradient_trace is not None else 0,
+                "engine": self.engine.nbytes if self.engine is not None else 0,
+                "decoding": decoding}
+
     @property
     def viewing_file(self) -> bool:
         return self.loaded is not None and self.showing_file

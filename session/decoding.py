@@ -13,6 +13,9 @@ from gpt_shape_tracer.tracer import BeamSearch, SpeculativeDecoding
 MAX_APP_BEAMS = 8
 MAX_APP_NEW_TOKENS = 32
 TRACE_BUDGET = 64 * 2**20  # the beam run's own trace: shapes only (the views read its steps, not its values)
+# what a Decoding run may hold while it runs, reserved from the server's ledger first: a beam run's trace and its
+# key snapshots (BeamSearch keeps at most 64 MiB of them), or a speculative run's two traces
+DECODING_RESERVE_BYTES = 3 * TRACE_BUDGET
 
 
 @dataclass(frozen=True)

@@ -294,3 +294,19 @@ def test_the_trace_command_refuses_beam_options_that_do_not_go_together(args, me
 
     assert main(["--prompt", "Once upon a time", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_decoding_runs_are_counted_in_the_sessions_memory():
+    """What the Decoding tab keeps is part of what the session holds (AppState.held_bytes, which the server's
+    ledger reserves): the beam run's key snapshots, counted byte for byte."""
+    from tests.test_app import new_app, press, show_tab
+
+    at = new_app()
+    press(at, "step_button")
+    show_tab(at, "Decoding")
+    app = at.session_state["app"]
+    assert app.held_bytes()["decoding"] == 0
+    at.button(key="beam_run").click().run()
+    snapshots = sum(t.numel() * t.element_size() for s in app.beams.search.steps
+                    for t in (s.keys_before, s.keys_after) if t is not None)
+    assert snapshots > 0 and app.held_bytes()["decoding"] == snapshots + app.beams.search.trace.log.bytes_kept
