@@ -14,6 +14,7 @@ from gpt_shape_tracer.gui.common import (
     layer_head_batch,
     plain,
     remembered_tabs,
+    reserve_memory,
     said_no_attention,
     state,
     values_kept,
@@ -134,18 +135,24 @@ def cache_classes() -> None:
     choice = cols[0].selectbox("cache class", list(CACHE_CLASSES), key="kv_class", persist_state="page")
     steps = int(cols[1].number_input("steps", min_value=1, max_value=64, value=8, key="kv_class_steps",
                                      persist_state="page"))
+    app = state()
     if cols[2].button("Run", key="kv_class_run", type="primary"):
+        # each step keeps its logits row [V] in float32 (the rest is a few numbers per layer)
+        refused = reserve_memory(decoding_bytes=app.held_bytes()["decoding"] + steps * gen.model.config.vocab_size * 4)
+        if refused:
+            st.error(refused)
+            return
         try:
             with st.spinner(f"decoding with the {choice} cache…"):
-                st.session_state["kv_class_result"] = (id(gen), cache_class_run(gen.model, gen.tokenizer,
-                                                                                  gen.info.prompts[0], choice, steps))
+                app.cache_class = cache_class_run(gen.model, gen.tokenizer, gen.info.prompts[0], choice, steps)
         except CacheClassError as e:
             st.error(plain(e))
-    kept = st.session_state.get("kv_class_result")
-    if kept is None or kept[0] != id(gen):
+        finally:
+            reserve_memory()  # what the run keeps, now it is done
+    run = app.cache_class
+    if run is None:
         st.caption("Choose a class and the number of steps, then run.")
         return
-    run = kept[1]
     if run.note:
         st.warning(run.note)
     sentence, metrics = class_views.cache_class_takeaway(run)

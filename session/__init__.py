@@ -40,6 +40,7 @@ from gpt_shape_tracer.tracer import (
     MAX_BATCH,
     MAX_RUN_STEPS,
     PADDING_SIDES,
+    CacheClassRun,
     CachePrecisionRun,
     ContextFullError,
     GenerationStopped,
@@ -469,6 +470,7 @@ class AppState:
     precision: CachePrecisionRun | None = None  # the cheaper-cache experiment on this generation
     beams: BeamRun | None = None  # the Decoding tab's beam search on this generation's model and prompts
     speculative: SpeculativeDecoding | None = None  # …and its speculative decoding of the first prompt
+    cache_class: CacheClassRun | None = None  # the KV cache tab's run of transformers' own cache classes
     engine: EngineView | None = None  # the Engine tab's run (continuous batching on the sidebar's model) or file
     # (step, layer, head, sequence, loss) → HeadGradients, kept so that returning to a head shows it at once
     gradients: Kept = field(default_factory=lambda: Kept(GRADIENTS_KEPT))
@@ -498,11 +500,13 @@ class AppState:
     def held_bytes(self) -> dict[str, int]:
         """What this session holds, by part, for the server's memory ledger (gui/common.py ``reserve_memory``): the
         budget its generation may fill, and the bytes its opened file, gradients trace, Engine run and Decoding
-        runs keep now."""
+        runs keep now (the cache-classes run's logits counted with the Decoding runs)."""
         decoding = self.beams.nbytes if self.beams is not None else 0
         if self.speculative is not None:
             decoding += sum(t.log.bytes_kept for t in (self.speculative.trace, self.speculative.draft_trace)
                             if t is not None)
+        if self.cache_class is not None:
+            decoding += sum(int(s.logits.numel() * s.logits.element_size()) for s in self.cache_class.steps)
         return {"generation": self.started_with.budget_bytes if self.generation is not None and self.started_with
                 else 0,
                 "file": self.loaded.trace.log.bytes_kept if self.loaded is not None else 0,
@@ -557,6 +561,7 @@ class AppState:
         self.precision = None
         self.beams = None
         self.speculative = None
+        self.cache_class = None
         self.engine = None
         self.gradients.clear()
         self.gradient_trace = None
