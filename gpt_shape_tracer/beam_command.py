@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from gpt_shape_tracer.path_checks import refuse_others, refuse_sampling
+
 MAX_BEAMS = 16  # tracer.generation._beams.MAX_BEAMS
 BEAM_FLAGS = ("length_penalty", "early_stopping", "num_return_sequences")
 EARLY_STOPPING: dict[str, bool | str] = {"false": False, "true": True, "never": "never"}
@@ -40,16 +42,8 @@ def check(args: argparse.Namespace) -> None:
     returned = args.num_return_sequences or 1
     if not 1 <= returned <= args.num_beams:
         raise ValueError(f"--num-return-sequences takes 1 … --num-beams ({args.num_beams}), got {returned}")
-    others: list[tuple[str, object]] = [
-        ("--dry-run", args.dry_run), ("--no-cache", args.no_cache), ("--chat", args.chat), ("--html", args.html),
-        ("--html-run", args.html_run), ("--out", args.out),
-        ("--continuous-batching", getattr(args, "continuous_batching", False))]
-    for flag, on in others:
-        if on:
-            raise ValueError(f"{flag} does not go with --num-beams")
-    if args.temperature != 0 or args.top_k or args.top_p is not None:
-        raise ValueError("--num-beams is traced as transformers' beam search without sampling: no --temperature, "
-                         "--top-k or --top-p")
+    refuse_others(args, "--num-beams", allowed=("num_beams",))
+    refuse_sampling(args, "--num-beams is traced as transformers' beam search without sampling")
 
 
 def main(args: argparse.Namespace, load_choice) -> int:

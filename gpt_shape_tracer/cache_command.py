@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+
+from gpt_shape_tracer.path_checks import load_through_transformers, refuse_others, refuse_sampling
 
 CACHE_CLASSES = ("dynamic", "static", "sliding", "quantized-fp8", "offloaded")  # tracer.CACHE_CLASSES
 
@@ -28,16 +29,8 @@ def check(args: argparse.Namespace) -> None:
     """The --cache options checked without torch: a ``ValueError`` naming the option."""
     if len(args.prompt) != 1:
         raise ValueError(f"--cache runs one prompt, got {len(args.prompt)}")
-    others: list[tuple[str, object]] = [
-        ("--dry-run", args.dry_run), ("--no-cache", args.no_cache), ("--chat", args.chat), ("--html", args.html),
-        ("--html-run", args.html_run), ("--out", args.out), ("--num-beams", getattr(args, "num_beams", None)),
-        ("--continuous-batching", getattr(args, "continuous_batching", False))]
-    for flag, on in others:
-        if on:
-            raise ValueError(f"{flag} does not go with --cache")
-    if args.temperature != 0 or args.top_k or args.top_p is not None:
-        raise ValueError("--cache decodes greedily, as transformers' generate(do_sample=False): no --temperature, "
-                         "--top-k or --top-p")
+    refuse_others(args, "--cache")
+    refuse_sampling(args, "--cache decodes greedily, as transformers' generate(do_sample=False)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -48,18 +41,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from gpt_shape_tracer.figures.cache_classes import cache_class_takeaway
-    from gpt_shape_tracer.model import ModelLoadError, load_hf, load_tokenizer
-    from gpt_shape_tracer.model.sources import ASSETS
+    from gpt_shape_tracer.model import ModelLoadError
     from gpt_shape_tracer.tracer import cache_class_run
 
     try:
-        directory = Path(args.model_dir).expanduser() if args.model_dir else ASSETS / args.model
-        model, tokenizer = load_hf(directory, implementation="transformers", dtype=args.dtype, device=args.device)
-        if args.tokenizer:
-            tokenizer = load_tokenizer(args.tokenizer, model.config.vocab_size)
-        if tokenizer is None:
-            raise ValueError(f"{directory} has no tokenizer (tokenizer.json or vocab.json + merges.txt): give one "
-                             "with --tokenizer")
+        model, tokenizer = load_through_transformers(args)
         run = cache_class_run(model, tokenizer, args.prompt[0], args.cache, args.steps)
     except (ModelLoadError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)

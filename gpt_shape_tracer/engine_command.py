@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+
+from gpt_shape_tracer.path_checks import load_through_transformers
 
 MAX_REQUESTS = 64  # tracer.engine.MAX_REQUESTS
 DEFAULT_MAX_BATCH_TOKENS = 256  # trace_engine's default
@@ -76,18 +77,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from gpt_shape_tracer.model import ModelLoadError, load_hf, load_tokenizer
-    from gpt_shape_tracer.model.sources import ASSETS
+    from gpt_shape_tracer.model import ModelLoadError
     from gpt_shape_tracer.tracer import DEFAULT_BUDGET_BYTES, EngineError, save_engine_run, trace_engine
 
     try:
-        directory = Path(args.model_dir).expanduser() if args.model_dir else ASSETS / args.model
-        model, tokenizer = load_hf(directory, implementation="transformers", dtype=args.dtype, device=args.device)
-        if args.tokenizer:
-            tokenizer = load_tokenizer(args.tokenizer, model.config.vocab_size)
-        if tokenizer is None:
-            raise ValueError(f"{directory} has no tokenizer (tokenizer.json or vocab.json + merges.txt): give one "
-                             "with --tokenizer")
+        model, tokenizer = load_through_transformers(args)
         run = trace_engine(model, tokenizer, args.prompt, page_size=args.page_size, pages=args.pages,
                            max_batch_tokens=args.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
                            max_new_tokens=args.steps, arrivals=arrivals,

@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from gpt_shape_tracer.path_checks import refuse_others, refuse_sampling
+
 MAX_DRAFT_TOKENS = 64  # tracer.generation._speculative.MAX_DRAFT_TOKENS
 SCHEDULES = ("constant", "heuristic")
 ASSISTANT_FLAGS = ("num_assistant_tokens", "assistant_schedule", "assistant_confidence")
@@ -56,16 +58,8 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--assistant-confidence takes 0 … 1, got {args.assistant_confidence}")
     if len(args.prompt) != 1:
         raise ValueError(f"assisted decoding runs one prompt (as transformers' does), got {len(args.prompt)}")
-    others: list[tuple[str, object]] = [
-        ("--dry-run", args.dry_run), ("--no-cache", args.no_cache), ("--chat", args.chat), ("--html", args.html),
-        ("--html-run", args.html_run), ("--out", args.out), ("--num-beams", getattr(args, "num_beams", None)),
-        ("--continuous-batching", getattr(args, "continuous_batching", False))]
-    for flag, on in others:
-        if on:
-            raise ValueError(f"{flag} does not go with assisted decoding")
-    if args.temperature != 0 or args.top_k or args.top_p is not None:
-        raise ValueError("assisted decoding is traced greedy, as its output equals the model's greedy decoding: "
-                         "no --temperature, --top-k or --top-p")
+    refuse_others(args, "assisted decoding")
+    refuse_sampling(args, "assisted decoding is traced greedy, as its output equals the model's greedy decoding")
 
 
 def _load_assistant(name: str):

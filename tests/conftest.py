@@ -157,3 +157,15 @@ def llama_gen(bundled):
     g = TracedGeneration(GPT(config).eval(), tok, "Mia had a small blue boat.", temperature=0)
     g.run(3)
     return g
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): a 64-wide model
+    gains nothing from a second thread, and on a loaded machine two spin against each other."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

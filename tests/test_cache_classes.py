@@ -19,13 +19,7 @@ PROMPT = "Once upon a time there was"  # 6 tokens: past mistral's window of 4 at
 STEPS = 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A 64-wide model gains nothing from a second thread, and on a loaded machine two spin against each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")

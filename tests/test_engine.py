@@ -34,13 +34,7 @@ ARRIVALS = [0, 0, 0, 3]  # the last arrives at engine step 3, mid-run
 NEW = [6, 6, 2, 5]  # the third finishes early: its own max_new_tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A 64-wide model gains nothing from a second thread, and on a loaded machine two spin against each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")

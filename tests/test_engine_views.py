@@ -34,12 +34,7 @@ RUNS = {  # name → trace_engine's requests and options
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ PROMPT = "Once upon a time"
 LOOKUP_PROMPT = "one two three one two three one two"  # repeats: prompt lookup finds drafts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster than several, and leaves the machine's other cores to other tests."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")
