@@ -157,9 +157,9 @@ MUTANTS = (
     Mutant("verdict: cached rows not checked", "figures/cache.py", "if rows and not c.cached_rows_equal:",
            "if False and rows and not c.cached_rows_equal:", (NEW_TESTS["verdict"], *VERDICT)),
     # -- this round's survivors and their neighbours
-    Mutant("hf: hook_v holds the keys", "model/sources/_hf_decoder.py", "self.hook_v(value[..., t - n:, :])",
+    Mutant("hf: hook_v holds the keys", "model/sources/_hf_attention.py", "self.hook_v(value[..., t - n:, :])",
            "self.hook_v(key[..., t - n:, :])", (NEW_TESTS["hook_v"], *HF)),
-    Mutant("hf: hook_k holds the first n rows", "model/sources/_hf_decoder.py", "self.hook_k(key[..., t - n:, :])",
+    Mutant("hf: hook_k holds the first n rows", "model/sources/_hf_attention.py", "self.hook_k(key[..., t - n:, :])",
            "self.hook_k(key[..., :n, :])", (NEW_TESTS["hook_k"], *HF)),
     Mutant("gradients: −log p at the last column", "tracer/experiments/_gradients.py",
            "logp[r, facts.last_token_column(r, step), choice.tokens[r]]", "logp[r, -1, choice.tokens[r]]", GRADIENTS),

@@ -166,7 +166,7 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     return latex, sentence
 
 
-STATE_HOOKS = ("hook_conv_state", "hook_ssm_state")  # a hybrid model's per-layer state (model/sources/_hf_decoder.py)
+STATE_HOOKS = ("hook_conv_state", "hook_ssm_state")  # a hybrid model's per-layer state (model/sources/_hf_cache.py)
 
 
 def state_memory_formula(trace: Trace, step: int) -> tuple[str, str]:

@@ -302,7 +302,7 @@ def _reference_logits(directory: Path, tokens: torch.Tensor) -> list[torch.Tenso
     """transformers' own eager forward: the prefill, then DECODE_STEPS steps with its own cache."""
     from transformers import AutoModelForCausalLM
 
-    from gpt_shape_tracer.model.sources._hf_decoder import cache_keyword
+    from gpt_shape_tracer.model.sources._hf_probe import cache_keyword
 
     hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32,
                                               attn_implementation="eager").eval()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt_shape_tracer.model.sources._hf_decoder import ENCODERS, REFUSAL_REASONS
+from gpt_shape_tracer.model.sources._hf_refusals import ENCODERS, REFUSAL_REASONS
 from tests.hf_every_architecture import (
     PROMPT,
     TOLERANCE,

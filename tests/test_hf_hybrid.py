@@ -124,7 +124,7 @@ def test_hybrid_logits_equal_transformers_at_the_prefill_and_three_cached_steps(
 
 def test_the_mixer_is_named_from_its_class():
     """The name the views show is the mixer's class without the family's prefix, in words."""
-    from gpt_shape_tracer.model.sources._hf_decoder import mixer_name
+    from gpt_shape_tracer.model.sources._hf_probe import mixer_name
 
     cases = {"Qwen3NextGatedDeltaNet": ("Qwen3Next", "Gated DeltaNet"),
              "NemotronHMamba2Mixer": ("NemotronH", "Mamba2 Mixer"), "Lfm2ShortConv": ("Lfm2", "Short Conv"),
@@ -327,7 +327,7 @@ def test_a_delta_attention_layer_is_a_mixer_found_by_the_state_it_writes(root, m
     after the prefill and each cached step is what transformers' own cache holds for the same tokens."""
     from transformers import AutoModelForCausalLM
 
-    from gpt_shape_tracer.model.sources._hf_decoder import _STATE_WORDS
+    from gpt_shape_tracer.model.sources._hf_probe import _STATE_WORDS
 
     directory = build_hybrid(model_type, root / f"{model_type}_state")
     model, _ = load_hf(directory, implementation="transformers")

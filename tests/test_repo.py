@@ -225,7 +225,7 @@ ALLOWED_PRIVATE = {
              "calls through super()",
     "_attn_implementation": "transformers' config field naming the attention function: Falcon's module keeps a "
                             "copy of its config that names SDPA (model/sources/_hf_families.py)",
-    "_buffers": "KVCache's rows: StateCache.copy (model/sources/_hf_decoder.py), a KVCache itself, moves the rows "
+    "_buffers": "KVCache's rows: StateCache.copy (model/sources/_hf_cache.py), a KVCache itself, moves the rows "
                 "of the KVCache.copy it has just made into its own twin",
     "_length": "as _buffers",
     "_quantized_keys": "transformers 5.23's Fp8QuantizedLayer keeps its 8-bit rows and per-tensor scale only there, "

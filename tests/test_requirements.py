@@ -64,7 +64,7 @@ def test_a_missing_optional_package_is_named_with_its_install_command(tmp_path):
     """accelerate hidden from the interpreter: offloading says what to install instead of a bare ImportError."""
     script = (
         "import sys; sys.modules['accelerate'] = None; sys.modules['accelerate.utils'] = None\n"
-        "from gpt_shape_tracer.model.sources._hf_decoder import HFDecoderError, _max_memory\n"
+        "from gpt_shape_tracer.model.sources._hf_loading import HFDecoderError, _max_memory\n"
         "try:\n    _max_memory('2GiB')\nexcept HFDecoderError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -10,7 +10,7 @@ one BLAS call each: the chunk's own max and sum, no running rescale, never n × 
 * ``MaskSpec`` describes the mask: causal with ``past`` cached keys, a sliding window, which key slots are
   padding (``key_is_token`` ``[B, t]``), what a query that may see no key does, the scale and the soft-cap.
   It builds the additive mask of any block of rows × columns, exactly as ``model.gpt.additive_mask`` (our
-  GPT) or transformers' eager mask (``model.sources._hf_decoder.traced_mask``) would write those cells.
+  GPT) or transformers' eager mask (``model.sources._hf_attention.traced_mask``) would write those cells.
 * ``fused_attention`` is the forward: PyTorch's ``scaled_dot_product_attention`` (one call when the mask is
   plain causal; otherwise over blocks of query rows with that block's mask, so at most ``ROW_BLOCK_ELEMENTS``
   mask cells exist at once). A soft-capped model (Gemma 2) runs the eager formula on the same row blocks.
@@ -112,7 +112,7 @@ class MaskSpec:
     j ≤ past + i, j > past + i − window (a sliding window), and key j is a token (not padding). A query
     that sees no key at all: ``empty_rows="self"`` lets a padding query see its own slot (model/gpt/_gpt.py);
     ``"uniform"`` leaves the whole row at ``finfo.min``, so its softmax is 1/t everywhere (transformers'
-    eager mask, model/sources/_hf_decoder.py). Scores are ``QKᵀ·scale``, then ``c·tanh(·/c)`` with a soft-cap c."""
+    eager mask, model/sources/_hf_attention.py). Scores are ``QKᵀ·scale``, then ``c·tanh(·/c)`` with a soft-cap c."""
 
     n: int
     t: int

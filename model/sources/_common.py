@@ -25,7 +25,7 @@ MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".jinja", ".mode
 
 class ModelLoadError(ValueError):
     """A checkpoint directory or file that cannot be loaded; the message names the file and the problem.
-    ``reason``: for a model the tracer refuses, the category (``model.sources._hf_decoder.RefusalReason``)."""
+    ``reason``: for a model the tracer refuses, the category (``model.sources._hf_refusals.RefusalReason``)."""
 
     def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)

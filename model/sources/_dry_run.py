@@ -239,7 +239,8 @@ def _swapped_init():
 def _build_transformers(raw: dict, cfg: Path, target: torch.dtype, headers: dict, ranks: int = 1) -> HFDecoder:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from gpt_shape_tracer.model.sources._hf_decoder import ATTENTION, HFDecoderError, _register
+    from gpt_shape_tracer.model.sources._hf_attention import ATTENTION, _register
+    from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
 
     model_type = raw["model_type"]
     try:

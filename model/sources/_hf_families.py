@@ -69,7 +69,7 @@ _NAME: list[str] = []  # the name it is registered under
 
 
 def _traced_attention(*args: Any, **kwargs: Any) -> Any:
-    """``model.sources._hf_decoder.traced_attention``, handed over by ``register_families`` (this module does not
+    """``model.sources._hf_attention.traced_attention``, handed over by ``register_families`` (this module does not
     import the decoder module, which imports it)."""
     return _FUNCTION[0](*args, **kwargs)
 

@@ -17,14 +17,10 @@ import torch
 from gpt_shape_tracer.model.gpt import GPT
 from gpt_shape_tracer.model.sources._common import ModelLoadError, check_dir, parse_device, parse_dtype, read_json
 from gpt_shape_tracer.model.sources._hf_config import IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES, known_to_transformers
-from gpt_shape_tracer.model.sources._hf_decoder import (
-    HFDecoder,
-    HFDecoderError,
-    MaxMemory,
-    _max_memory,
-    load_hf_decoder,
-)
+from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
+from gpt_shape_tracer.model.sources._hf_loading import MaxMemory, _max_memory, load_hf_decoder
 from gpt_shape_tracer.model.sources._hf_ours import load_hf_ours
+from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
 from gpt_shape_tracer.model.sources._nanogpt import is_nanogpt_path, load_nanogpt
 from gpt_shape_tracer.model.sources._resolve import resolve_model_path
 from gpt_shape_tracer.model.sources._tokenizer import TextTokenizer, directory_tokenizer, fitting_vocab, load_tokenizer

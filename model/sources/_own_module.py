@@ -39,7 +39,8 @@ from gpt_shape_tracer.model.gpt import (
     check_tokens,
     computed_identity,
 )
-from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder, _AttentionHooks
+from gpt_shape_tracer.model.sources._hf_attention import _AttentionHooks
+from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 _routing = threading.local()  # .decoder: the OwnDecoder whose forward runs on this thread, .call: SDPA calls so far

@@ -1,0 +1,271 @@
+"""transformers' attention interface, computed stage by stage through our hook points: the function
+``HFDecoder`` registers (``traced_attention``), its mask (``traced_mask``), and the variants it stages —
+attention sinks (gpt-oss) and differential attention (DiffLlama).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from gpt_shape_tracer.model.gpt import (
+    HookPoint,
+    MaskSpec,
+    attention,
+    attention_path_settings,
+    run_attention,
+)
+from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
+    pass
+ATTENTION = "shape_tracer"  # the name our attention function is registered under
+# the attention modules of every wrapped model, each mapped to its layer's hook points
+_HOOKS: weakref.WeakKeyDictionary[nn.Module, _AttentionHooks] = weakref.WeakKeyDictionary()
+
+# -- the attention function -----------------------------------------------------------------------------
+class _AttentionHooks(nn.Module):
+    """One layer's attention hook points, under ``blocks.{L}.attn`` (shapes as in model/gpt/_gpt.py)."""
+
+    def __init__(self, softcap: bool, latent: bool = False, sinks: bool = False, differential: bool = False) -> None:
+        super().__init__()
+        self.hook_q = HookPoint()  # [B, H, n, d_qk], as the attention receives it (position-encoded)
+        self.hook_k = HookPoint()  # [B, G, n, d_qk], the new keys
+        self.hook_v = HookPoint()  # [B, G, n, d_v], the new values
+        if latent:  # latent attention: what the cache holds, from which K and V are expanded at every step
+            self.hook_kv_latent_all = HookPoint()  # [B, 1, t, d_c], c_KV: cache + new
+            self.hook_k_rope_all = HookPoint()  # [B, 1, t, d_R], k_R after RoPE: cache + new
+        self.hook_k_all = HookPoint()  # [B, G, t, d_qk], cache + new
+        self.hook_v_all = HookPoint()  # [B, G, t, d_v], cache + new
+        self.hook_qk = HookPoint()  # [B, H, n, t]
+        self.hook_attn_scores = HookPoint()  # [B, H, n, t], QKᵀ × scale
+        if softcap:
+            self.hook_softcapped = HookPoint()  # [B, H, n, t], c·tanh(scores / c)
+        self.hook_mask = HookPoint()  # [B|1, 1, n, t], additive 0 / −∞
+        self.hook_masked_scores = HookPoint()  # [B, H, n, t]
+        if sinks:  # gpt-oss: one learned logit per head joins every row's softmax as an extra column
+            self.hook_sink_logits = HookPoint()  # [B, H, n, 1], s_h beside the t scores + M
+        self.hook_pattern = HookPoint()  # [B, H, n, t], A (the keys' weights; with a sink, rows sum to < 1)
+        if sinks:
+            self.hook_sink_weight = HookPoint()  # [B, H, n, 1], the sink's weight: 1 − Σ_t A
+        self.hook_z = HookPoint()  # [B, H, n, d_v], A·V per head
+        # differential attention (DiffLlama): the layer calls attention twice with the same Q and K — the values'
+        # two halves — and combines heads j and j + H/2 as (A_j − λ·A_{j+H/2})·[V_1, V_2]
+        self.differential: Any = None  # () -> λ (a 0-d float32 tensor), set by HFDecoder for such a layer
+        self.pending_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # call 1's (Q, K, M)
+        if differential:
+            self.hook_pattern_1 = HookPoint()  # [B, H/2, n, t], A_j: the first softmax of each differential head
+            self.hook_pattern_2 = HookPoint()  # [B, H/2, n, t], A_{j+H/2}: the second, subtracted
+            self.hook_diff_lambda = HookPoint()  # [1], λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init
+            self.hook_diff_pattern = HookPoint()  # [B, H/2, n, t], A_1 − λ·A_2: what the layer applies
+            self.hook_v_all_2 = HookPoint()  # [B, G, t, d_v], the values of the second call
+            self.hook_z_2 = HookPoint()  # [B, H, n, d_v], A·V of the second call
+        self.w_o: nn.Module | None = None  # the model's own output projection (not a submodule here)
+        self.calls = 0  # forwards that reached the traced attention (HFDecoder checks each layer's once)
+        self.seen: tuple[int, int, int, int] = (0, 0, 0, 0)  # (H, G, d_qk, d_v) as the last call received them
+
+    def receive(self, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q ``[B,H,n,d_qk]``, K ``[B,G,t,d_qk]`` and V ``[B,G,t,d_v]`` as the attention receives them, through
+        ``hook_q``, ``hook_k``/``hook_v`` (the n rows this forward added: a cache appends them last) and
+        ``hook_k_all``/``hook_v_all``; counts the call and the head counts and sizes it saw."""
+        H, n, dh = query.shape[-3], query.shape[-2], query.shape[-1]
+        G, t = key.shape[-3], key.shape[-2]
+        self.calls += 1
+        self.seen = (H, G, dh, value.shape[-1])
+        self.hook_k(key[..., t - n:, :])
+        self.hook_v(value[..., t - n:, :])
+        return self.hook_q(query), self.hook_k_all(key), self.hook_v_all(value)
+
+    def head_outputs(self, z: torch.Tensor) -> torch.Tensor:
+        """Each head's share of the attention output, O_h·W_O^h ``[B,H,n,d]`` (W_O's bias left out)."""
+        if self.differential is not None:
+            raise HFDecoderError("a differential attention layer combines its heads in pairs (A_j − λ·A_{j+H/2}) and "
+                                 "normalises them before W_O, so the output of each head cannot be separated")
+        if self.w_o is None:
+            raise HFDecoderError("this model's attention output projection was not found, so the output of "
+                                 "each head cannot be separated")
+        H, dh = z.shape[1], z.shape[-1]
+        w_o = self.w_o.weight  # nn.Linear: [d, H·d_head]
+        if not isinstance(w_o, torch.Tensor):
+            raise HFDecoderError(f"this model's attention output projection ({type(self.w_o).__name__}) has no "
+                                 "weight matrix, so the output of each head cannot be separated")
+        w = w_o.t() if w_o.shape[0] != H * dh else w_o  # -> [H·d_head, d]
+        return torch.einsum("bhnk,hkd->bhnd", z, w.reshape(H, dh, -1))  # [B,H,n,d_head] @ [H,d_head,d]
+
+
+def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention interface, stage by stage through the layer's hook points (or fused, where
+    ``model.gpt.choose_path`` says so: then no weights are returned, as transformers' SDPA returns none).
+
+    ``query [B,H,n,d_qk]``, ``key [B,G,t,d_qk]``, ``value [B,G,t,d_v]`` (d_v = d_qk but in latent attention);
+    returns ``(output [B,n,H,d_v], weights [B,H,n,t])`` as transformers' eager function does."""
+    record = getattr(_probing, "record", None)
+    if record is not None:  # HFDecoder's probe: which module called, inside which layer, with what
+        record(module, query, key, value, attention_mask, kwargs)
+    sinks = kwargs.get("s_aux")  # [H]: gpt-oss's learned sink logits
+    hooks = _HOOKS.get(module)
+    if hooks is not None and hooks.differential is not None:
+        pending, hooks.pending_call = hooks.pending_call, None
+        if pending is not None and pending[0] is query and pending[1] is key:  # the second call: same Q, K
+            z, _ = attention(query, key, value, pending[2], None, scale=scaling if scaling is not None else
+                             query.shape[-1] ** -0.5, softcap=softcap)  # the same softmax as the first call's
+            hooks.hook_v_all_2(value)
+            return hooks.hook_z_2(z).transpose(1, 2).contiguous(), None
+    received = (query, key)  # as transformers handed them (the second call of a differential layer hands the same)
+    if sinks is not None and hooks is not None and not hasattr(hooks, "hook_sink_logits"):
+        raise HFDecoderError(f"{type(module).__name__} passes attention sinks (s_aux) but has no sinks parameter "
+                             "of its own, so its sink logits cannot be shown")
+    if hooks is not None:
+        query, key, value = hooks.receive(query, key, value)
+    n, t = query.shape[2], key.shape[2]
+    mask = attention_mask[:, :, :, :t] if attention_mask is not None else None  # [B|1,1,n,t]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    forward = getattr(_forward, "keys", None)  # (key_is_token,) while HFDecoder.forward runs on this thread
+    window = kwargs.get("sliding_window")
+    differential = hooks is not None and hooks.differential is not None
+    if sinks is not None or differential:  # eager always: the sink is a column no fused kernel here computes; a
+        # differential layer's two softmaxes are recorded and subtracted
+        if mask is None and forward is not None:  # not built (the settings chose fused): built from its description
+            spec = MaskSpec(n=n, t=t, scale=scale, key_is_token=forward[0], empty_rows="uniform", softcap=softcap,
+                            window=int(window) if isinstance(window, int) and window > 0 else None)
+            mask = spec.full_additive(query.dtype, query.device)
+        if differential:
+            z, weights = _differential_first_call(query, key, value, mask, cast(_AttentionHooks, hooks), scale,
+                                                  softcap, received)
+        else:
+            z, weights = attention_with_sinks(query, key, value, mask, hooks, scale, cast(torch.Tensor, sinks)), None
+    elif forward is None or dropout > 0.0 or (mask is not None and _adds_a_bias(mask)):
+        # eager with transformers' own mask; always so for a mask that adds values to the scores (Doge's learned
+        # per-head dynamic mask), which a description of causal / window / padding slots cannot rebuild
+        z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_head]
+    else:
+        # the mask described as transformers' eager mask writes it (a row that sees nothing stays finfo.min)
+        spec = MaskSpec(n=n, t=t, scale=scale, window=int(window) if isinstance(window, int) and window > 0 else None,
+                        key_is_token=forward[0], empty_rows="uniform", softcap=softcap)
+        if mask is not None:
+            spec.use_mask(mask)  # an eager layer uses transformers' own mask, as before
+        z, weights = run_attention(query, key, value, spec, hooks), None
+    if hooks is not None:
+        z = hooks.hook_z(z)
+    return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_v], as transformers expects
+
+
+def _differential_first_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                             hooks: _AttentionHooks, scale: float, softcap: float | None,
+                             received: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first of a differential attention layer's two calls (DiffLlama; Ye et al. 2024, "Differential
+    Transformer"): the softmax of all H query heads, staged through the hooks as any layer's, then its two halves —
+    A_1 = heads 0 … H/2−1 and A_2 = heads H/2 … H−1, the two softmaxes of each differential head — and what the layer
+    applies to the values, A_1 − λ·A_2 ``[B, H/2, n, t]``. Keeps Q, K and the mask for the second call, whose values
+    are the other half of V."""
+    z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_v], [B,H,n,t]
+    half = weights.shape[1] // 2
+    lam = hooks.differential().to(weights.dtype)  # a 0-d tensor
+    hooks.hook_diff_lambda(lam.reshape(1))
+    first, second = hooks.hook_pattern_1(weights[:, :half]), hooks.hook_pattern_2(weights[:, half:])
+    hooks.hook_diff_pattern(first - lam * second)  # [B,H/2,n,t]
+    hooks.pending_call = (*received, mask)
+    return z, weights
+
+
+def differential_lambda(attn: nn.Module) -> Any:
+    """For a differential attention module (its learned λ_q1, λ_k1, λ_q2, λ_k2 vectors and λ_init), a function
+    returning λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init (Ye et al. 2024, eq. 2) as a 0-d float32 tensor; None for
+    any other module."""
+    vectors = [getattr(attn, name, None) for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+    init = getattr(attn, "lambda_init", None)
+    if not all(isinstance(v, torch.Tensor) for v in vectors) or not isinstance(init, (int, float, torch.Tensor)):
+        return None
+    q1, k1, q2, k2 = cast(list[torch.Tensor], vectors)
+
+    def lam() -> torch.Tensor:
+        return (torch.exp(torch.sum(q1 * k1, dtype=torch.float32)) - torch.exp(torch.sum(q2 * k2, dtype=torch.float32))
+                + init)
+
+    return lam
+
+
+def _adds_a_bias(mask: torch.Tensor) -> bool:
+    """Whether an additive float mask holds values other than 0 (seen) and a large negative number (hidden)."""
+    if not mask.is_floating_point() or mask.device.type == "meta":
+        return False
+    return bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
+
+
+def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         hooks: _AttentionHooks | None, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learned sink per head (gpt-oss), stage by stage as transformers' eager path computes it:
+    the sink logit s_h joins each row of scores + M as one more column, the softmax runs over the t keys and the
+    sink, and the sink's column is dropped — so A's rows sum to less than 1, and what is missing went to the sink
+    (``hook_sink_weight``). ``query [B,H,n,d_head]``, ``key``/``value`` ``[B,G,t,d_head]``, ``sinks [H]``;
+    returns ``z [B,H,n,d_head]``."""
+    def through(name: str, x: torch.Tensor) -> torch.Tensor:
+        point = getattr(hooks, name, None) if hooks is not None else None
+        return point(x) if point is not None else x
+
+    B, H, n, _ = query.shape
+    group = H // key.shape[1]  # query head h reads key/value head h // (H/G), as transformers' repeat_kv
+    keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)  # [B,H,t,d_head]
+    qk = through("hook_qk", query @ keys.transpose(-2, -1))  # [B,H,n,d_head] @ [B,H,d_head,t] -> [B,H,n,t]
+    scores = through("hook_attn_scores", qk * scale)
+    if mask is not None:
+        scores = through("hook_masked_scores", scores + through("hook_mask", mask))  # + [B|1,1,n,t]
+    sink = through("hook_sink_logits", sinks.reshape(1, H, 1, 1).to(scores.dtype).expand(B, H, n, 1))
+    logits = torch.cat([scores, sink], dim=-1)  # [B,H,n,t+1]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(scores.dtype)  # rows sum to 1 over keys + sink
+    pattern = through("hook_pattern", probs[..., :-1])  # [B,H,n,t]: the keys' share, rows sum to < 1
+    through("hook_sink_weight", probs[..., -1:])  # [B,H,n,1]
+    return pattern @ values  # [B,H,n,t] @ [B,H,t,d_head] -> [B,H,n,d_head]
+
+
+_probing = threading.local()  # .record: HFDecoder's probe's callback while it runs on this thread
+_forward = threading.local()  # .keys: (key_is_token [B,t] | None,) while HFDecoder.forward runs on this thread
+
+
+@contextmanager
+def _restored(before: tuple | None):
+    try:
+        yield
+    finally:
+        _forward.keys = before
+
+
+def traced_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' eager mask with ``finfo.min`` written as −∞ where a row sees at least one key: the
+    same softmax (exp of either is 0 in float32), and the mask the views show is ``attention``'s M. A row that
+    sees nothing (a padding query) keeps ``finfo.min``, so its softmax stays finite, as transformers' does."""
+    from transformers.masking_utils import eager_mask
+
+    if getattr(_forward, "keys", None) is not None:  # our forward: the attention can work from a description
+        mode, threshold = attention_path_settings()
+        batch, n, t = kwargs.get("batch_size", 1), kwargs.get("q_length", 0), kwargs.get("kv_length", 0)
+        if isinstance(n, int) and isinstance(t, int) and isinstance(batch, int) and (
+                mode == "fused" or (mode == "auto" and batch * n * t >= threshold)):
+            return None  # not built: no [B,1,n,t] tensor; an eager layer builds it from MaskSpec
+    mask = eager_mask(*args, **kwargs)
+    if mask is None or not mask.is_floating_point():
+        return mask
+    hidden = mask <= torch.finfo(mask.dtype).min / 2
+    sees_something = (~hidden).any(dim=-1, keepdim=True)
+    return mask.masked_fill(hidden & sees_something, float("-inf"))
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from gpt_shape_tracer.model.sources._hf_families import register_families
+
+    AttentionInterface.register(ATTENTION, traced_attention)
+    AttentionMaskInterface.register(ATTENTION, traced_mask)
+    register_families(ATTENTION, traced_attention)  # GPT-J, GPT-Neo, Falcon, GIT: their own tables of classes
+
+

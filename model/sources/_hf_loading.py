@@ -1,0 +1,321 @@
+"""Loading a ``save_pretrained`` directory as an ``HFDecoder`` (``load_hf_decoder``), with accelerate's
+offload where asked (``max_memory``), and the guard that checks a loaded model's cached step against
+transformers' own forward (``guard_against_transformers``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from gpt_shape_tracer.model.gpt import (
+    BackgroundDigest,
+    PendingIdentity,
+)
+from gpt_shape_tracer.model.sources._hf_attention import ATTENTION, _register
+from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
+from gpt_shape_tracer.model.sources._hf_probe import cache_keyword
+from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, refusal_by_config
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
+    pass
+MaxMemory = int | str | dict[int | str, int | str]  # bytes, "4GiB", or accelerate's {device: amount}
+
+
+def _max_memory(max_memory: MaxMemory) -> dict[int | str, int]:
+    """accelerate's ``{device: bytes}`` from what a person writes: an amount alone is the CPU's share; an
+    amount is bytes (an int, or a string of digits) or a size with its unit ("2GiB", "500MB")."""
+    try:
+        from accelerate.utils import convert_file_size_to_int
+    except ModuleNotFoundError:
+        raise HFDecoderError("max_memory needs Hugging Face accelerate, which is not installed: "
+                             "pip install 'gpt-shape-tracer[offload]' (or pip install accelerate)") from None
+
+    spec = max_memory if isinstance(max_memory, dict) else {"cpu": max_memory}
+    sizes: dict[int | str, int] = {}
+    for device, amount in spec.items():
+        try:
+            size = int(amount) if isinstance(amount, str) and amount.strip().isdigit() else amount
+            sizes[device] = convert_file_size_to_int(size)
+            if isinstance(size, bool) or sizes[device] <= 0:
+                raise ValueError("not positive")
+        except (ValueError, TypeError, AttributeError):
+            raise HFDecoderError(f"max_memory for {device!r}: {amount!r} is not an amount of memory (bytes, or "
+                                 "a size with its unit such as '2GiB' or '500MB')") from None
+        has = _memory_of(device)
+        if sizes[device] > has:  # accelerate would plan for memory that is not there, and the load fail late
+            raise HFDecoderError(f"max_memory for {device!r}: {amount!r} is {sizes[device]:,} bytes, more than the "
+                                 f"{has:,} bytes " + ("of this machine's memory" if device == "cpu" else
+                                                      f"GPU {device} has"))
+    return sizes
+
+
+def _memory_of(device: int | str) -> int:
+    """The bytes of memory ``device`` of max_memory has: "cpu" the machine's, an int a GPU's (refused when there
+    is no such GPU or key)."""
+    if device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if isinstance(device, int) and not isinstance(device, bool):
+        if not 0 <= device < torch.cuda.device_count():
+            raise HFDecoderError(f"max_memory names GPU {device}, but this machine has "
+                                 f"{torch.cuda.device_count()} GPU(s)")
+        return torch.cuda.get_device_properties(device).total_memory
+    raise HFDecoderError(f"max_memory's keys are GPU numbers (0, 1, …) and 'cpu', not {device!r}")
+
+
+GUARD_PROMPT = 6  # tokens before the guard's decode step (more where a short sliding window must be passed)
+
+
+@contextmanager
+def _transformers_eager(hf: nn.Module):
+    """transformers' own eager attention for the duration (our function again after); if the model cannot switch,
+    our function stays (it computes transformers' eager numbers by construction, with our hook points idle)."""
+    try:
+        hf.set_attn_implementation("eager")  # type: ignore[operator]
+    except (ValueError, KeyError, AttributeError, TypeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        hf.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+
+
+def guard_against_transformers(model: HFDecoder) -> None:
+    """No silent difference: one decode step with our cache, compared with transformers' own forward on the same
+    tokens — without a cache (what the model computes) and with its own cache (what its generate() runs).
+
+    Ours differs from both: refused with the numbers. Ours equals the uncached forward but transformers' own
+    cached path differs (moshi past its sliding window): loaded, and ``model.reference_note`` says which one the
+    trace follows and by how much the other differs."""
+    from gpt_shape_tracer.model.sources._common import logit_tolerance
+
+    hf = model.hf
+    window = model.config.sliding_window
+    n = window + 2 if window is not None and window + 2 <= 64 else GUARD_PROMPT
+    n = min(n, model.config.n_ctx - 1)
+    tokens = (torch.arange(n + 1, device=model.input_device) * 7 + 3)[None] % model.config.vocab_size  # [1, n+1]
+    tolerance = logit_tolerance(next(hf.parameters()).dtype)
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(tokens[:, :n], cache)
+        ours = model(tokens[:, n:], cache)[0, -1].float()  # [V]
+        with _transformers_eager(hf):
+            uncached = hf(input_ids=tokens, use_cache=False).logits[0, -1].float()
+            keyword = cache_keyword(hf)
+            past = getattr(hf(input_ids=tokens[:, :n], use_cache=True), keyword, None)
+            if past is None:  # RecurrentGemma: the state lives in its modules, set up by the forward itself
+                raise HFDecoderError(
+                    f"{model.architecture.model_type}: its forward returns no cache object — it keeps its recurrent "
+                    "state inside its own modules, where our cache can neither hold, copy nor roll it back, so a "
+                    "cached decode step cannot be traced", reason="state layers")
+            cached = hf(input_ids=tokens[:, n:], **{keyword: past}, use_cache=True).logits[0, -1].float()
+    to_uncached = float((ours - uncached).abs().max())
+    to_cached = float((ours - cached).abs().max())
+    name = model.architecture.model_type
+    if to_uncached > tolerance and to_cached > tolerance:
+        raise HFDecoderError(
+            f"{name}: a decode step after {n} tokens differs from transformers' own forward on the same tokens by "
+            f"{to_uncached:.3g} (without a cache) and {to_cached:.3g} (with its cache), beyond {tolerance:g}: the "
+            "trace would not show what this model computes", reason="differs from transformers")
+    if to_cached > tolerance:
+        model.reference_note = (
+            f"transformers' own cached forward of {name} differs from its uncached forward (by {to_cached:.3g} in the "
+            f"logits of a decode step after {n} tokens); the trace follows the uncached forward (within "
+            f"{to_uncached:.1g}), what the model computes for the whole text")
+    elif to_uncached > tolerance:
+        model.reference_note = (
+            f"transformers' own uncached forward of {name} differs from its cached forward (by {to_uncached:.3g} in "
+            f"the logits of a decode step after {n} tokens); the trace follows the cached forward (within "
+            f"{to_cached:.1g}), what its generate() runs")
+
+
+def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str = "cpu", name: str | None = None,
+                    max_memory: MaxMemory | None = None, offload_folder: str | os.PathLike | None = None) -> HFDecoder:
+    """A local ``save_pretrained`` directory of any transformers causal LM, as an ``HFDecoder``.
+
+    ``max_memory`` (bytes, "4GiB", or accelerate's ``{0: "20GiB", "cpu": "30GiB"}``) loads a model larger than
+    the memory it is given: accelerate places each layer on a GPU, in CPU memory or on disk within those
+    amounts (``device_map="auto"``) and moves its weights in for its forward only. Disk-offloaded weights go
+    to ``offload_folder`` — by default a private temporary directory deleted with the model. The logits and
+    every record are the same as with every weight in memory; each forward reads the offloaded weights again.
+
+    Never downloads (``local_files_only``), never runs code from the directory (``trust_remote_code`` off)."""
+    directory = Path(path)
+    # the identity's hash of every file runs on a second thread while transformers is imported and loads,
+    # and goes on after the load returns: the first traced step waits for what is left of it, if anything
+    try:
+        digest = BackgroundDigest(_digest_files(directory), by_name=True)
+    except OSError as e:
+        raise HFDecoderError(f"{directory}: cannot be read ({e})") from None
+    try:
+        model = _load_hf_decoder(directory, digest, dtype, device, name, max_memory, offload_folder)
+    except BaseException:
+        digest.abandon()  # a refused or failed load leaves no thread reading a large directory for nothing
+        raise
+    weakref.finalize(model, digest.abandon)  # nor does a model dropped before its hash is done
+    return model
+
+
+def _load_hf_decoder(directory: Path, digest: BackgroundDigest, dtype: torch.dtype | str | None,
+                     device: torch.device | str, name: str | None, max_memory: MaxMemory | None,
+                     offload_folder: str | os.PathLike | None) -> HFDecoder:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtypes = {None: torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    target = dtypes.get(dtype, dtype) if not isinstance(dtype, torch.dtype) else dtype
+    try:
+        hf_config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - no code of the directory's runs: any error is a config it refuses
+        # (huggingface_hub's StrictDataclassClassValidationError, for one, is no ValueError)
+        raise HFDecoderError(f"{directory}: transformers cannot read its config ({type(e).__name__}: "
+                             f"{str(e)[:500]})") from None
+    model_type = getattr(hf_config, "model_type", "?")
+    refusal = refusal_by_config(hf_config, model_type)
+    if refusal is not None:
+        raise HFDecoderError(f"{directory}: {refusal}", reason=refusal.reason)
+    _check_config_against_weights(directory, hf_config)  # before anything is built
+    placement: dict[str, Any] = {}
+    folder = None
+    if max_memory is not None:
+        if torch.device(device).type != "cpu":
+            raise HFDecoderError("with max_memory, accelerate places the model: name the GPUs in it "
+                                 "({0: '20GiB', 'cpu': '30GiB'}) instead of passing device")
+        amounts = _max_memory(max_memory)  # before the folder: a refused amount leaves nothing behind
+        if offload_folder is None:
+            folder = tempfile.mkdtemp(prefix="gpt-shape-tracer-offload-")  # 0700: only this user reads it
+        placement = {"device_map": "auto", "max_memory": amounts, "offload_folder": str(offload_folder or folder)}
+    _register()
+    try:
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
+                                                      dtype=target, attn_implementation=ATTENTION, **placement)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError, AssertionError,
+                ImportError, IndexError) as e:  # transformers' own code failing on this directory: a refusal
+            raise HFDecoderError(f"{directory}: transformers cannot load it as a causal LM "
+                                 f"({type(e).__name__}: {str(e)[:500]})", reason="cannot load") from None
+        if not placement:
+            # transformers declares PreTrainedModel.to as functools.wraps(nn.Module.to), whose typeshed type
+            # keeps the unbound method's self: mypy reads every call as one argument short
+            hf = hf.to(device)  # type: ignore[arg-type]
+        model = HFDecoder(hf)
+        if model.input_device.type != "meta":
+            guard_against_transformers(model)
+    except BaseException:  # a failed load leaves no offload folder behind
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if folder is not None:
+        weakref.finalize(model, shutil.rmtree, folder, True)
+    model.identity = PendingIdentity(digest, name=name or directory.name, source=str(directory),
+                                     family=f"hf:{model_type}", config=model.config.to_dict())
+    return model
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def _check_config_against_weights(directory: Path, hf_config: Any) -> None:
+    """What transformers would build without complaint but should not: a config whose sizes the weights do not
+    back (600 layers over weights holding 2: 598 layers of random numbers, built for a minute), no attention
+    heads (a division by zero later), a boolean written as a string (``"false"`` is truthy and ties). The layer
+    count is read from the safetensors headers' names only."""
+    try:  # transformers has just read it
+        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = {}
+    raw = raw if isinstance(raw, dict) else {}
+    for flag in ("tie_word_embeddings", "use_cache", "attention_bias", "mlp_bias"):
+        if flag in raw and not isinstance(raw[flag], bool):
+            raise HFDecoderError(f"{directory / 'config.json'}: {flag} must be true or false, got {raw[flag]!r}")
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    for name in ("num_attention_heads", "num_hidden_layers", "hidden_size", "vocab_size"):
+        value = getattr(text, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise HFDecoderError(f"{directory / 'config.json'}: {name} must be a positive whole number, got "
+                                 f"{value!r}")
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None)
+    if isinstance(kv_heads, int) and isinstance(heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise HFDecoderError(f"{directory / 'config.json'}: num_key_value_heads = {kv_heads} does not divide "
+                             f"num_attention_heads = {heads}")
+    layer_types = getattr(text, "layer_types", None)
+    n_layer = getattr(text, "num_hidden_layers", None)
+    if isinstance(layer_types, (list, tuple)) and isinstance(n_layer, int) and len(layer_types) != n_layer:
+        raise HFDecoderError(f"{directory / 'config.json'}: layer_types lists {len(layer_types)} layers, "
+                             f"num_hidden_layers says {n_layer}")
+    files = sorted(directory.glob("*.safetensors"))
+    if not isinstance(n_layer, int) or not files:
+        return
+    from safetensors import safe_open
+
+    held: set[int] = set()
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                held.update(int(m.group(1)) for key in f.keys() if (m := _LAYER_KEY.search(key)))  # noqa: SIM118
+    except (OSError, ValueError, RuntimeError) as e:  # safetensors raises its own SafetensorError (a RuntimeError)
+        raise HFDecoderError(f"{directory}: the weights' headers cannot be read ({e})") from None
+    if not held or n_layer <= len(held):
+        return
+    # the config claims more layers than the headers name: count the layers the config builds (on the meta device:
+    # no memory, no initialisation), named as the weights are — a family whose layers sit in several lists
+    # (hrm_text's H and L stacks) is compared list for list, not with num_hidden_layers
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(hf_config)
+    except Exception:  # noqa: BLE001 - transformers refusing the config is reported where the model is built
+        return
+    expected = {int(m.group(1)) for key in built.state_dict() if (m := _LAYER_KEY.search(key))}
+    if len(expected) > len(held):
+        raise HFDecoderError(f"{directory / 'config.json'}: the config builds {len(expected)} layers "
+                             f"(num_hidden_layers = {n_layer}), but the weights hold {len(held)} "
+                             f"({min(held)} … {max(held)}): refused before loading (the rest would be random "
+                             "numbers)", reason="weights missing")
+
+
+def weights_size(directory: str | os.PathLike, dtype: torch.dtype | str = "float32") -> tuple[int, int]:
+    """``(parameters, bytes in dtype)`` of a directory's safetensors weights, read from their headers only:
+    what loading will hold, stated before anything is loaded. (0, 0) when there are no safetensors files."""
+    from safetensors import safe_open
+
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).element_size()
+    count = 0
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), not iteration)
+                count += int(torch.Size(f.get_slice(key).get_shape()).numel())
+    return count, count * itemsize
+
+
+def _digest_files(directory: Path) -> list[Path]:
+    """What the identity of a directory run by transformers hashes: its config and weight files, by name."""
+    return [file for file in sorted(directory.iterdir())
+            if (file.name == "config.json" or file.suffix in (".safetensors", ".bin")) and file.is_file()]
+
+
+def is_hf_decoder_dir(directory: Path) -> bool:
+    """Whether a directory's config.json names a transformers model type (any)."""
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("model_type"), str)
+
+
+__all__ = ["GUARD_PROMPT", "MaxMemory", "guard_against_transformers", "is_hf_decoder_dir", "load_hf_decoder",
+           "weights_size"]
+
