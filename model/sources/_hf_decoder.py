@@ -154,7 +154,8 @@ def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None,
 
 # -- the model ------------------------------------------------------------------------------------------
 def _indexer_key_dim(cfg: Any) -> int | None:
-    """d_I, the width of the keys an indexed model's indexer caches (DSA: ``index_head_dim``; QSA: ``indexer_head_dim``)."""
+    """d_I, the width of the keys an indexed model's indexer caches (DSA: ``index_head_dim``; QSA:
+    ``indexer_head_dim``)."""
     for name in ("index_head_dim", "indexer_head_dim"):
         value = getattr(cfg, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
