@@ -21,7 +21,7 @@ import torch
 from common import gpt2_small_dir, machine, median, save
 
 import gpt_shape_tracer.tracer.storage._log as tracer_log
-from gpt_shape_tracer.figures import attention, cache, flow, inspector, mask, tokens
+from gpt_shape_tracer.figures import attention, cache, flow, inspector, mask, pitfalls, tokens
 from gpt_shape_tracer.model import load_hf
 from gpt_shape_tracer.session.memory import reuse_freed_memory
 from gpt_shape_tracer.tracer import TracedGeneration, Tracer
@@ -80,7 +80,7 @@ def figure_costs(trace, step: int) -> dict[str, tuple[float, int]]:
         "attention stages (4 panels)": lambda: attention.attention_stages_figure(trace, step, layer, head),
         "attention history (1 head, 2 steps)": lambda: attention.attention_history_figure(trace, layer, head, step),
         "all-heads grid": lambda: attention.all_heads_figure(trace, step).figure,
-        "pitfalls": lambda: attention.pitfall_figure(trace, step, layer, head),
+        "pitfalls": lambda: pitfalls.pitfall_figure(trace, step, layer, head),
         "causal mask": lambda: mask.mask_figure(trace, step, layer),
         "scores before/after mask": lambda: mask.scores_before_after_figure(trace, step, layer, head),
         "shape flow": lambda: flow.shape_flow_figure(trace, step, layer),

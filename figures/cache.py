@@ -59,7 +59,8 @@ def latent_records(trace: Trace, step: int, layer: int) -> tuple[TensorRecord, T
 
 def cache_table(trace: Trace, step: int) -> pd.DataFrame:
     """One row per layer: K and V [B, G, t, d_head] at ``step``, rows new this step, bytes. A latent-attention
-    model adds what its cache holds instead — c_KV [B,1,t,d_c] and k_R [B,1,t,d_R] — with their bytes."""
+    model adds what its cache holds instead — c_KV [B,1,t,d_c] and k_R [B,1,t,d_R] — with their bytes; an indexed
+    layer the keys its indexer keeps beside them [B, t, d_I]."""
     use_cache = _ran_with_cache(trace)
     rows = []
     for layer in _layers(trace, step):
@@ -96,6 +97,9 @@ def cache_table(trace: Trace, step: int) -> pd.DataFrame:
             c_kv, k_r = latent
             row = {**row, "cache holds: c_KV": shape_text(c_kv.shape), "k_R": shape_text(k_r.shape),
                    "bytes held (c_KV+k_R)": c_kv.nbytes + k_r.nbytes}
+        if trace.has(index_keys := act_name("index_keys_all", layer), step):  # indexed attention: the indexer's
+            rec = trace.record(index_keys, step)  # own keys, cached beside K and V
+            row = {**row, "indexer keys": shape_text(rec.shape), "indexer bytes": rec.nbytes}
         if states:  # a hybrid layer: its state-space mixer's state, kept by transformers' own cache
             row = {**row, "state": " + ".join(shape_text(rec.shape) for rec in states),
                    "state bytes": sum(rec.nbytes for rec in states)}

@@ -6,6 +6,9 @@ import html
 import re
 from pathlib import PurePath
 
+import torch
+
+from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.tracer import GenerationFacts, GenerationStep, SamplingRecord, TensorRecord, Trace
 
 INERT = set("\\`*_{}[]()#+-.!|~<>:&\"'$\n\r")  # what markdown, HTML or Streamlit's math could act on
@@ -147,3 +150,18 @@ def scores_formula(trace: Trace, d_k: int) -> str:
     formula = "QKᵀ/√d_k" if math.isclose(score_scale(trace, d_k), d_k**-0.5, rel_tol=1e-6) else "s·QKᵀ"
     return f"c·tanh({formula}/c)" if getattr(trace.config, "attn_softcap", None) else formula
 
+
+def kv_head(trace: Trace, layer: int, head: int, step: int) -> int:
+    """The key/value head query head ``head`` reads (h // (H/G); itself when G = H)."""
+    H = trace.record(act_name("q", layer), step).shape[1]
+    G = trace.record(act_name("k_all", layer), step).shape[1]
+    return head // (H // G)
+
+
+def real_query_rows(trace: Trace, step: int, batch: int, n: int) -> torch.Tensor:
+    """[n] which of the step's query rows hold a token of sequence ``batch`` (not padding: no one reads a padding
+    row's output). Every row of a plain Tracer's trace (it records no padding)."""
+    facts = trace.generation
+    if facts is None:
+        return torch.ones(n, dtype=torch.bool)
+    return torch.tensor(facts.is_token(batch, step)[-n:], dtype=torch.bool)

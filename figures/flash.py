@@ -19,10 +19,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from gpt_shape_tracer.figures.attention import kv_head, sink_logits
-from gpt_shape_tracer.figures.common import attention_layers, key_labels, query_labels, score_scale
+from gpt_shape_tracer.figures.common import attention_layers, key_labels, kv_head, query_labels, score_scale
 from gpt_shape_tracer.figures.heatmap import grid, heatmap, style_axes
 from gpt_shape_tracer.figures.palette import ACCENT, MASKED, NEUTRAL
+from gpt_shape_tracer.figures.pitfalls import sink_logits
 from gpt_shape_tracer.figures.plot import fitted, subplots
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.tracer import Trace

@@ -40,6 +40,7 @@ class MaskFacts:
     padding_side: str
     padding_rows_see: str = ""  # what the padding query rows may see, read from M ("" when not counted)
     smallest: int = 0  # cells holding the smallest finite float instead (transformers' rows that see nothing)
+    indexer: int = 0  # … because an indexed layer's indexer did not choose the key (indexed / sparse attention)
 
     def explanation(self) -> str:
         if not self.counted:
@@ -56,6 +57,8 @@ class MaskFacts:
                   f"{self.padding_key} because the key is padding" if self.padding_key else "",
                   f"{self.window} because the key lies more than the sliding window of {self.sliding_window} "
                   "positions back" if self.window else "",
+                  f"{self.indexer} because the layer's indexer did not choose the key (indexed attention: each query "
+                  "attends only to the keys its indexer ranks highest)" if self.indexer else "",
                   f"{self.unexplained} for no reason this view knows (please report it)" if self.unexplained else ""]
         causes = [c for c in causes if c]
         if causes:
@@ -66,6 +69,8 @@ class MaskFacts:
                 reasons.append("padding columns")
             if self.window:
                 reasons.append("keys outside the sliding window")
+            if self.indexer:
+                reasons.append("keys the indexer did not choose")
             rest = f" — only {' and '.join(reasons)} are −∞" if reasons else ""
             lines.append(
                 f"This is a decode step with the KV cache: the only query is the newest position, t − 1 = "
@@ -126,9 +131,15 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     future = key > query
     padding = torch.tensor([not r for r in real])[None, :].expand(n, t) & ~future
     outside = (key <= query - window) & ~future & ~padding if window else torch.zeros_like(future)
-    explained = future | padding | outside
+    visible, selected = (trace.get(act_name(name, layer), step) if trace.has(act_name(name, layer), step) else None
+                         for name in ("index_visible", "index_selected"))
+    skipped = (visible[min(batch, visible.shape[0] - 1)] & ~selected[min(batch, selected.shape[0] - 1)]
+               & ~future & ~padding & ~outside) if visible is not None and selected is not None \
+        else torch.zeros_like(future)  # [n, t]: visible keys an indexed layer's indexer did not choose
+    explained = future | padding | outside | skipped
     return replace(uncounted, counted=True, masked=int(block.sum()), future=int((block & future).sum()),
                    padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
+                   indexer=int((block & skipped).sum()),
                    unexplained=int((block & ~explained).sum()), smallest=smallest,
                    padding_rows_see=_padding_rows_see(values, pad_rows, first_query))
 

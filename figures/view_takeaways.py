@@ -65,7 +65,13 @@ def mask_takeaway(facts: MaskFacts) -> Takeaway:
         sentence = (f"A cached decode step computes one query row, the newest position: causality hides none of its "
                     f"t = {facts.t} keys")
         others = facts.padding_key + facts.window
-        sentence += f"; {others} of them are −∞ for padding or the sliding window." if others else "."
+        if facts.indexer:  # indexed attention: the keys its indexer did not choose are hidden too
+            causes = [f"{count} {why}" for count, why in ((facts.padding_key, "padding"),
+                                                          (facts.window, "outside the sliding window"),
+                                                          (facts.indexer, "not chosen by the indexer")) if count]
+            sentence += f"; {others + facts.indexer} of them are −∞ ({', '.join(causes)})."
+        else:
+            sentence += f"; {others} of them are −∞ for padding or the sliding window." if others else "."
     elif facts.future:
         sentence = (f"{facts.future} of the {cells} scores are −∞ because the key comes after the query: row i "
                     "weighs keys up to its own position only.")
@@ -76,6 +82,8 @@ def mask_takeaway(facts: MaskFacts) -> Takeaway:
         metrics.append(("padding keys", str(facts.padding_key)))
     if facts.window:
         metrics.append(("outside the window", str(facts.window)))
+    if facts.indexer:
+        metrics.insert(2, ("not chosen by the indexer", str(facts.indexer)))
     return Takeaway(sentence, tuple(metrics[:3]), facts.explanation())
 
 

@@ -9,7 +9,16 @@ from gpt_shape_tracer.figures import attention as attn_views
 from gpt_shape_tracer.figures import flash as flash_views
 from gpt_shape_tracer.figures import gradients as grad_views
 from gpt_shape_tracer.figures import long_attention as long_views
+from gpt_shape_tracer.figures import pitfalls as pitfall_views
+from gpt_shape_tracer.figures import rope as rope_views
 from gpt_shape_tracer.figures.common import attention_layers, facts_of, key_labels, query_labels, scores_formula
+from gpt_shape_tracer.figures.indexed import (
+    cache_sentence,
+    indexed_layers,
+    indexer_step,
+    selection_figure,
+    selection_sentence,
+)
 from gpt_shape_tracer.gui.common import (
     chart,
     explain_missing_values,
@@ -61,9 +70,10 @@ def attention_tab(trace: Trace, step: int) -> None:
                       if getattr(trace.config, "attn_softcap", None) else "")
                    + " — and adds M after, as in Vaswani et al. (2017). The stages below are its own numbers.")
     rope = trace.has(act_name("rot_q", layer), step)
-    rope_elsewhere = attn_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
-    parts = ["Stages", "O = A·V", "Pitfalls"] + (["RoPE"] if rope or rope_elsewhere else []) + [
-        "All heads", "History", "Gradients", "FlashAttention", "Zoom"]
+    rope_elsewhere = rope_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
+    indexed = indexed_layers(trace, step)
+    parts = ["Stages", "O = A·V", "Pitfalls"] + (["Indexer"] if indexed else []) + (
+        ["RoPE"] if rope or rope_elsewhere else []) + ["All heads", "History", "Gradients", "FlashAttention", "Zoom"]
     sub = dict(zip(parts, remembered_tabs(parts, "attn_view")))
     pattern_kept = trace.get(act_name("pattern", layer), step) is not None or recomputable(trace, step, layer)
     with sub["Stages"]:
@@ -84,7 +94,7 @@ def attention_tab(trace: Trace, step: int) -> None:
                 # cannot follow the pointer: Streamlit sends no hover events, gui/hover.py)
                 chart(crosshair(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared)),
                       key="stages_chart")
-            sink = attn_views.sink_sentence(trace, step, layer, head, batch)
+            sink = pitfall_views.sink_sentence(trace, step, layer, head, batch)
             if sink is not None:
                 st.caption(sink)
             if pattern_kept:
@@ -99,15 +109,19 @@ def attention_tab(trace: Trace, step: int) -> None:
                 chart(crosshair(result[0]), key="av_chart")  # a key row vᵢ under the pointer, across its panel
     with sub["Pitfalls"]:
         if sub["Pitfalls"].open:
-            table = attn_views.pitfall_table(trace, step, layer, head, batch)
+            table = pitfall_views.pitfall_table(trace, step, layer, head, batch)
             if table is None:
                 explain_missing_values(trace, step, "Q, K and M values")
             else:
                 scaling = "÷√d_k" if usual else "the scale s"
                 st.caption("This head recomputed from its recorded Q, K and M, four ways, with the model's own "
-                           "scaling. " + attn_views.pitfall_sentence(trace, step, layer, head, batch, scaling))
+                           "scaling. " + pitfall_views.pitfall_sentence(trace, step, layer, head, batch, scaling))
                 st.dataframe(table.round(4), hide_index=True, key="pitfall_table")
-                chart(attn_views.pitfall_figure(trace, step, layer, head, batch), key="pitfall_chart")
+                chart(pitfall_views.pitfall_figure(trace, step, layer, head, batch), key="pitfall_chart")
+    if "Indexer" in sub:
+        with sub["Indexer"]:
+            if sub["Indexer"].open:
+                indexer_section(trace, step, layer, batch, indexed)
     if "RoPE" in sub:
         with sub["RoPE"]:
             if sub["RoPE"].open:
@@ -134,6 +148,23 @@ def attention_tab(trace: Trace, step: int) -> None:
     with sub["Zoom"]:
         if sub["Zoom"].open:
             zoom_section(trace, step, layer, head, batch)
+
+
+def indexer_section(trace: Trace, step: int, layer: int, batch: int, indexed: list[int]) -> None:
+    """Indexed (sparse) attention: which keys the layer's indexer chose for each query, out of those it could see."""
+    st.caption("Indexed attention (DeepSeek-AI 2025, “DeepSeek-V3.2”): a small learned indexer scores every key the "
+               "mask lets a query see, and the query attends only to the keys it ranks highest — the rest are −∞ in "
+               "M. The indexer keeps keys of its own in the cache beside K and V.")
+    s = indexer_step(trace, step, layer, batch)
+    if s is None:
+        st.info(f"Layer {layer} is not indexed; pick one of the indexed layers ({', '.join(map(str, indexed))}).")
+        return
+    takeaway(selection_sentence(s), (("keys visible", str(s.seen)), ("chosen", str(s.chosen)),
+                                     ("skipped", str(s.seen - s.chosen))))
+    chart(selection_figure(trace, s), key="indexer_chart")
+    said = cache_sentence(s)
+    if said is not None:
+        st.caption(said)
 
 
 def recomputable(trace: Trace, step: int, layer: int) -> bool:
@@ -393,7 +424,7 @@ def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, sho
 
 
 def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
-    reason = attn_views.rope_not_drawn(trace)
+    reason = rope_views.rope_not_drawn(trace)
     if reason is not None:
         st.info(reason)
         return
@@ -404,12 +435,12 @@ def rope_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
                "RoFormer paper writes the rotation on consecutive pairs (2i, 2i + 1) — the same rotations on "
                "a permuted order of dimensions. Rows are labelled by column, as in every view; the position a "
                "token is rotated with counts the real tokens before it (padding does not move it).")
-    relative = attn_views.rope_relative_figure(trace, step, layer, head, batch)
+    relative = rope_views.rope_relative_figure(trace, step, layer, head, batch)
     if relative is not None:
-        takeaway(attn_views.rope_takeaway(relative), details=details)
+        takeaway(rope_views.rope_takeaway(relative), details=details)
     else:
         st.markdown(details)
-    figure = attn_views.rope_figure(trace, step, layer, head, batch)
+    figure = rope_views.rope_figure(trace, step, layer, head, batch)
     if figure is None:
         explain_missing_values(trace, step, "Q and K before and after the rotation")
         return

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from gpt_shape_tracer.figures import attention as attn_views
 from gpt_shape_tracer.figures import cache as cache_views
 from gpt_shape_tracer.figures import cache_classes as class_views
+from gpt_shape_tracer.figures import common as common_views
 from gpt_shape_tracer.figures.common import attention_layers, facts_of
 from gpt_shape_tracer.gui.common import (
     chart,
@@ -171,7 +171,7 @@ def key_heatmap(trace: Trace, step: int, layer: int, head: int, batch: int, colu
     tensors = ["K", "V", "c_KV", "k_R"] if latent else ["K", "V"]  # latent attention: what its cache holds too
     which = column.radio("tensor", tensors, horizontal=True, key="kv_which", persist_state="page")
     which = which if which in tensors else "K"
-    kv = 0 if which in ("c_KV", "k_R") else attn_views.kv_head(trace, layer, head, step)
+    kv = 0 if which in ("c_KV", "k_R") else common_views.kv_head(trace, layer, head, step)
     if values_kept(trace, step, act_name(cache_views.HEATMAP_HOOKS[which], layer), f"{which} values"):
         chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
 

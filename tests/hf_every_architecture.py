@@ -399,6 +399,31 @@ def failing_sentence(results: list[Result]) -> str:
             f"{', '.join(bad)}.")
 
 
+# what each refusal reason means, for the page (only the reasons a run gave are listed)
+REASON_WORDS = {
+    "attention outside the interface": "the family computes softmax attention in its own code, so its Q, K, V and "
+                                       "pattern cannot be recorded",
+    "no softmax attention": "state-space or recurrent layers only",
+    "state layers": "layers without attention keep their state in a cache class of the family's own other than "
+                    "MiniMax's (which is traced) or inside its modules, not in transformers' shared cache layers",
+    "latent attention": "value heads narrower or wider than query/key heads",
+    "attention sinks": "a learned sink logit in every softmax row",
+    "several attentions per layer": "a layer calls attention more than once per forward",
+    "several stacks": "attention runs in more than one list of layers (BLT: byte-level stacks around a transformer "
+                      "over patches, which cross-attend)",
+    "indexed attention": "a learned indexer picks each query's keys and keeps its own key cache",
+    "score bias": "a bias handed to the attention function beside the mask (a learned position bias)",
+    "compressed attention": "the family's own cache layers keep compressed keys and values",
+    "differs from transformers": "load_hf's guard found a cached decode step of ours differing from transformers' "
+                                 "own forward (a failure of this sweep, not a verdict on the family)",
+    "encoder-decoder": "a separate encoder feeds the decoder through cross-attention",
+    "encoder": "bidirectional self-attention: not a causal decoder",
+    "cannot load": "transformers itself fails on the directory or its forward",
+    "weights missing": "the config builds more layers than the weights hold",
+    "alibi": "a per-head linear bias added to the scores (ALiBi)",
+}
+
+
 def markdown(results: list[Result], machine: str, seconds: float) -> str:
     """docs/architectures.md: one row per type, from the sweep's own results."""
     import transformers
@@ -434,22 +459,9 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         "",
         failing_sentence(results),
         "",
-        "Reasons (`HFDecoderError.reason`, `ModelLoadError.reason`): *attention outside the interface* — the family "
-        "computes softmax attention in its own code, so its Q, K, V and pattern cannot be recorded; *no softmax "
-        "attention* — state-space or recurrent layers only; *state layers* — layers without attention keep their "
-        "state in a cache class of the family's own other than MiniMax's (which is traced) or inside its modules "
-        "(RecurrentGemma), not in transformers' shared cache layers; *latent "
-        "attention* — value heads narrower or wider than query/key heads; *attention sinks* — a learned sink logit "
-        "in every softmax row; *several "
-        "attentions per layer* — a layer calls attention more than once per forward; *several stacks* — attention "
-        "runs in more than one list of layers (BLT: byte-level stacks around a transformer over patches, which "
-        "cross-attend); *indexed attention* — a "
-        "learned indexer picks each query's keys and keeps its own key cache; *score bias* — a bias handed to the "
-        "attention function beside the mask (a learned position bias); *compressed attention* — the "
-        "family's own cache layers keep compressed keys and values; *differs from transformers* — load_hf's guard "
-        "found a cached decode step of ours differing from transformers' own forward (a failure of this sweep, not "
-        "a verdict on the family); *encoder-decoder*, *encoder* — not a causal decoder; *cannot load* — "
-        "transformers itself fails on the directory or its forward.",
+        "Reasons (`HFDecoderError.reason`, `ModelLoadError.reason`) given in this run: "
+        + "; ".join(f"*{reason}* — {REASON_WORDS[reason]}" for reason in REASON_WORDS
+                    if any(r.reason == reason for r in results)) + ".",
         "",
         r"| model_type | outcome | reason | max \|Δ logits\| (prefill, 3 decode steps) or message |",
         "|---|---|---|---|",

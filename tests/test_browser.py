@@ -597,3 +597,55 @@ def test_transformers_cache_classes_show_what_a_sliding_cache_keeps_and_drops(ur
                 page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
             assert not errors, errors
             assert not outside, outside
+
+
+CHOICE_PANEL = """() => {
+    const plot = Array.from(document.querySelectorAll('.js-plotly-plot'))
+        .find(d => String(d.layout && d.layout.title && d.layout.title.text).includes('its indexer chose'));
+    if (!plot) return null;
+    const heats = plot.data.filter(t => t.type === 'heatmap' && t.hoverinfo !== 'skip');
+    const z = heats[heats.length - 1].z;
+    const flat = a => (a && a.length !== undefined && typeof a !== 'string') ? Array.from(a).flatMap(flat) : [a];
+    return flat(z._inputArray || z);
+}"""
+
+
+def test_an_indexed_attention_model_shows_which_keys_its_indexer_chose(url, visit, tmp_path):
+    """HY-V4 (DeepSeek Sparse Attention, a full and a shared indexed layer; top-k 4): loaded from a tiny directory,
+    two Steps, the Attention tab's Indexer view. Its figure's choice panel, read back from the page, holds the keys
+    the same generation traced here chose at that step — 1 where chosen, 0 where visible but skipped. At 1600 × 1000
+    and 1280 × 800 (SAVE_SCREENSHOTS=indexed,indexed_1280)."""
+    import torch
+
+    from gpt_shape_tracer.figures.indexed import indexer_step
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.tracer import TracedGeneration
+    from tests.test_hf_indexed import build_indexed
+
+    directory = build_indexed("hy_v4", tmp_path / "hy_v4")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = load_hf(directory, implementation="transformers")
+        gen = TracedGeneration(model, tok, [PROMPT], temperature=0)
+        gen.run(2)
+        expected = indexer_step(gen.trace, 1, 0, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert expected is not None and expected.seen > expected.chosen  # keys really were skipped
+    for width, height, name in ((1600, 1000, "indexed"), (1280, 800, "indexed_1280")):
+        with visit(width, height) as page:
+            errors, outside = watch(page, url)
+            open_directory_and_step(page, url, PROMPT, directory, "hy_v4")
+            open_tab(page, "Attention")
+            open_tab(page, "Indexer")
+            page.get_by_text("the indexer chose").first.wait_for(timeout=60_000)
+            chosen = page.evaluate(CHOICE_PANEL)  # the choice panel's cells, as the browser holds them
+            assert chosen is not None
+            assert chosen.count(1) == expected.chosen and chosen.count(0) == expected.seen - expected.chosen
+            if saving(name):
+                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+                page.wait_for_timeout(300)
+                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            assert not errors, errors
+            assert not outside, outside

@@ -190,6 +190,12 @@ def test_prophetnet_is_refused_for_its_own_attention_code_not_as_an_encoder_deco
     assert directory is not None and _reason_is_true(result, directory)
 
 
+def test_the_page_can_say_what_every_refusal_reason_means():
+    from tests.hf_every_architecture import REASON_WORDS
+
+    assert set(REASON_WORDS) == set(REFUSAL_REASONS)
+
+
 def test_the_blt_and_xlstm_overrides_are_needed():
     """The two values the sweep gives BLT and xLSTM fix a failure of transformers' own forward on its own config,
     not a choice of ours: without them, BLT's cached forward asks its top-level config for num_hidden_layers, and

@@ -13,7 +13,19 @@ import numpy as np
 import pytest
 import torch
 
-from gpt_shape_tracer.figures import attention, cache, flow, heatmap, inspector, mask, tokens, whatif, worked
+from gpt_shape_tracer.figures import (
+    attention,
+    cache,
+    flow,
+    heatmap,
+    inspector,
+    mask,
+    pitfalls,
+    rope,
+    tokens,
+    whatif,
+    worked,
+)
 from gpt_shape_tracer.figures.common import key_labels, query_labels, safe_text
 from gpt_shape_tracer.figures.palette import ACCENT
 from gpt_shape_tracer.model import GPT, GPTConfig, apply_rope, rope_cos_sin
@@ -307,24 +319,24 @@ def test_o_is_the_weighted_sum_of_the_value_rows(gen):
 def test_the_pitfalls_are_recomputed_from_the_recorded_q_and_k(gen):
     t = gen.trace
     for step in (0, 2):
-        variants = attention.pitfall_patterns(t, step, 1, 3)
+        variants = pitfalls.pitfall_patterns(t, step, 1, 3)
         recorded = t.get("blocks.1.attn.hook_pattern", step)[0, 3].double()
         assert torch.allclose(variants["as the model does it"], recorded, atol=1e-5)
         # a softmax of scores √d_k times larger is never less peaked, row by row
         sharper = variants["without ÷√d_k"].max(-1).values
         assert (sharper >= variants["as the model does it"].max(-1).values - 1e-9).all()
-    table = attention.pitfall_table(t, 0, 1, 3).set_index("variant")
+    table = pitfalls.pitfall_table(t, 0, 1, 3).set_index("variant")
     assert table.loc["without the mask M", "weight on forbidden keys"] > 0.01  # the prefill leaks onto the future
     assert table.loc["as the model does it", "weight on forbidden keys"] == 0
     assert table.loc["mask after the softmax", "row sum"] < 1
-    decode = attention.pitfall_table(t, 2, 1, 3).set_index("variant")
+    decode = pitfalls.pitfall_table(t, 2, 1, 3).set_index("variant")
     assert decode.loc["without the mask M", "weight on forbidden keys"] == 0  # the newest query has no future
     # the sentence above the table says what the table shows, at each step
     n = t.record("blocks.1.attn.hook_q", 0).shape[2]
-    prefill_text = attention.pitfall_sentence(t, 0, 1, 3)
+    prefill_text = pitfalls.pitfall_sentence(t, 0, 1, 3)
     assert f"leaks onto the {n * (n - 1) // 2:,} (query, key) pairs where the key comes after" in prefill_text
     assert "no longer sum to 1" in prefill_text
-    decode_text = attention.pitfall_sentence(t, 2, 1, 3)
+    decode_text = pitfalls.pitfall_sentence(t, 2, 1, 3)
     assert "M forbids nothing" in decode_text and "leaks" not in decode_text and "no longer sum" not in decode_text
 
 
@@ -334,12 +346,12 @@ def test_rope_keeps_the_score_a_function_of_the_distance(llama_gen):
     q, rot = t.get("blocks.1.attn.hook_q", 0), t.get("blocks.1.attn.hook_rot_q", 0)
     cos, sin = rope_cos_sin(config, torch.arange(q.shape[2])[None])
     assert torch.allclose(apply_rope(q, cos, sin), rot, atol=1e-6)  # the view shows the model's own rotation
-    fig = attention.rope_relative_figure(t, 0, 1, 4)
+    fig = rope.rope_relative_figure(t, 0, 1, 4)
     together, key_only = (torch.tensor(d.y) for d in fig.data)
     assert together.shape == key_only.shape == (len(fig.data[0].x),)  # one line each, a value per shift
     assert float(together.max() - together.min()) < 1e-4 * float(together.abs().max())
     assert float(key_only.max() - key_only.min()) > 0.01 * float(key_only.abs().max())
-    assert attention.rope_figure(t, 0, 1, 4) is not None
+    assert rope.rope_figure(t, 0, 1, 4) is not None
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -352,7 +364,7 @@ def test_rope_in_numbers_picks_real_tokens_of_a_padded_sequence(llama_gen, side)
     g.run(2)
     short, width = len(tok.encode(prompts[1])), max(len(tok.encode(p)) for p in prompts)
     real_cols = list(range(width - short, width)) if side == "left" else list(range(short))
-    fig = attention.rope_relative_figure(g.trace, 0, 1, 4, batch=1)
+    fig = rope.rope_relative_figure(g.trace, 0, 1, 4, batch=1)
     title = fig.layout.title.text  # the columns as every view counts them, and the positions RoPE rotates with
     assert f"query in column {real_cols[-1]}" in title and f"key in column {real_cols[0]}" in title
     assert f"m = {short - 1}" in title and "n = 0" in title
@@ -361,7 +373,7 @@ def test_rope_in_numbers_picks_real_tokens_of_a_padded_sequence(llama_gen, side)
     rq = apply_rope(q[real_cols[-1]].expand(1, 1, short, -1), cos, sin)[0, 0, short - 1]
     rk = apply_rope(k[real_cols[0]].expand(1, 1, short, -1), cos, sin)[0, 0, 0]
     assert fig.data[0].y[0] == pytest.approx(float(rq.double() @ rk.double()), rel=1e-4, abs=1e-5)
-    decode = attention.rope_relative_figure(g.trace, 1, 1, 4, batch=1)  # the one new row: the token just chosen
+    decode = rope.rope_relative_figure(g.trace, 1, 1, 4, batch=1)  # the one new row: the token just chosen
     assert f"m = {short}, " in decode.layout.title.text and f"n = {short}" in decode.layout.title.text
 
 
@@ -899,7 +911,7 @@ def test_every_figure_is_the_same_with_and_without_plotlys_checks(gen, batch_gen
         "all heads": lambda: attention.all_heads_figure(trace, 0, picked=(1, 1)).figure,
         "history": lambda: attention.attention_history_figure(trace, 2, 1, last),
         "weighted sum": lambda: attention.weighted_sum_figure(trace, last, 0, 0, 0)[0],
-        "pitfalls": lambda: attention.pitfall_figure(trace, 0, 0, 0),
+        "pitfalls": lambda: pitfalls.pitfall_figure(trace, 0, 0, 0),
         "keys": lambda: cache.key_heatmap_figure(trace, last, 0, 1, which="V"),
         "the cache over the steps": lambda: cache.cache_steps_figure(trace, 1),
         "mask, padded": lambda: mask.mask_figure(batch_gen.trace, 0, 0, batch=1),
@@ -913,8 +925,8 @@ def test_every_figure_is_the_same_with_and_without_plotlys_checks(gen, batch_gen
         "pattern change": lambda: whatif.pattern_change_figure([(0, 1, 0.5)], 4, 4),
         "patching": lambda: whatif.patching_figure(restored, ["a", "b", "c"], "resid_pre"),
         "difference": lambda: whatif.difference_figure(value, value.flip(0), "b − a"),
-        "rope": lambda: attention.rope_figure(llama_gen.trace, 0, 1, 4),
-        "rope relative": lambda: attention.rope_relative_figure(llama_gen.trace, 0, 1, 4),
+        "rope": lambda: rope.rope_figure(llama_gen.trace, 0, 1, 4),
+        "rope relative": lambda: rope.rope_relative_figure(llama_gen.trace, 0, 1, 4),
         "grouped heads": lambda: attention.all_heads_figure(llama_gen.trace, 0).figure,
         "worked forward": lambda: worked.forward_figure(w),
         "worked backward": lambda: worked.backward_figure(w),
@@ -978,7 +990,7 @@ def test_the_attention_views_draw_a_plain_tracers_trace_and_the_others_say_what_
     assert list(softmax.x) == [str(j) for j in range(n)]
     grid = attention.all_heads_figure(trace, 0)
     assert grid.cells == (n, n)
-    assert mask.mask_figure(trace, 0) is not None and attention.pitfall_figure(trace, 0, 1, 2) is not None
+    assert mask.mask_figure(trace, 0) is not None and pitfalls.pitfall_figure(trace, 0, 1, 2) is not None
     assert flow.shape_flow_figure(trace, 0) is not None
     for view in (lambda: tokens.next_token_figure(trace, 0), lambda: cache.cache_steps_figure(trace),
                  lambda: attention.attention_history_figure(trace, 1, 2, 0)):
@@ -1054,7 +1066,7 @@ def test_the_labelled_views_hold_their_tick_labels_and_titles_in_their_margins(l
     below must come out with margins that already hold its labels — fitting them again widens nothing."""
     import copy
 
-    from gpt_shape_tracer.figures import attention
+    from gpt_shape_tracer.figures import attention, pitfalls, rope
     from gpt_shape_tracer.figures import gradients as grad_views
     from gpt_shape_tracer.figures.plot import fit_margins
     from gpt_shape_tracer.tracer import attention_gradients
@@ -1067,11 +1079,11 @@ def test_the_labelled_views_hold_their_tick_labels_and_titles_in_their_margins(l
 
     llama = llama_gen.trace
     views = {
-        "RoPE": attention.rope_figure(llama, 2, 0, 0, 0),
-        "RoPE, relative": attention.rope_relative_figure(llama, 2, 0, 0, 0),
+        "RoPE": rope.rope_figure(llama, 2, 0, 0, 0),
+        "RoPE, relative": rope.rope_relative_figure(llama, 2, 0, 0, 0),
         "Stages, grouped": attention.attention_stages_figure(llama, 0, 0, 3, 0),
         "Stages, padded batch": attention.attention_stages_figure(batch_gen.trace, 2, 1, 0, 1),
-        "Pitfalls": attention.pitfall_figure(batch_gen.trace, 0, 0, 0, 1),
+        "Pitfalls": pitfalls.pitfall_figure(batch_gen.trace, 0, 0, 0, 1),
         "Gradients": grad_views.gradients_figure(attention_gradients(batch_gen, 2, 1, 0, 1),
                                                  [str(j) for j in range(batch_gen.facts.width(2))]),
     }
@@ -1079,4 +1091,4 @@ def test_the_labelled_views_hold_their_tick_labels_and_titles_in_their_margins(l
     wide = {name: gap for name, fig in views.items() if (gap := unfitted(fig))}
     assert not wide, wide
     # the test can fail: the RoPE builder as it was (not fitted) leaves its labels outside its margins
-    assert unfitted(attention.rope_figure.__wrapped__(llama, 2, 0, 0, 0))
+    assert unfitted(rope.rope_figure.__wrapped__(llama, 2, 0, 0, 0))

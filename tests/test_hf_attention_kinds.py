@@ -197,7 +197,7 @@ def test_every_tab_renders_for(app, directories, model_type):
         sentence = state_sentence(gen.trace, 1)
         assert sentence and any(c.value == sentence for c in at.caption), [c.value for c in at.caption]
     if gen.model.config.attn_sinks:  # the Attention tab says how much went to the sink, from the numbers
-        from gpt_shape_tracer.figures.attention import sink_sentence
+        from gpt_shape_tracer.figures.pitfalls import sink_sentence
 
         show_tab(at, "Attention")
         layer, head = at.selectbox(key="attn_layer").value, at.selectbox(key="attn_head").value
@@ -230,8 +230,9 @@ def test_the_cheaper_cache_experiment_refuses_latent_attention(directories):
 def test_attention_sinks_are_a_stage_of_their_own(directories):
     """gpt-oss: logits equal transformers'; the keys' weights and the sink's sum to 1 per row, the keys' alone to
     less; the views that recompute a head from Q, K, M (and the sink logit) get the model's own numbers."""
-    from gpt_shape_tracer.figures.attention import attention_latex, attention_stages, pitfall_patterns, sink_sentence
+    from gpt_shape_tracer.figures.attention import attention_latex, attention_stages
     from gpt_shape_tracer.figures.flash import flash_attention
+    from gpt_shape_tracer.figures.pitfalls import pitfall_patterns, sink_sentence
 
     gen = traced(directories["gpt_oss"])
     deltas = logit_deltas(gen, reference(directories["gpt_oss"]))

@@ -137,7 +137,8 @@ def traced(directories):
 def test_the_views_recompute_what_the_model_computed(traced, model_type):
     """The Pitfalls view recomputes the pattern from the recorded Q, K and M with the model's own scale and
     soft-cap: "as the model does it" must be the recorded pattern, at every layer."""
-    from gpt_shape_tracer.figures.attention import attention_stages, pitfall_patterns
+    from gpt_shape_tracer.figures.attention import attention_stages
+    from gpt_shape_tracer.figures.pitfalls import pitfall_patterns
 
     trace = traced[model_type]
     for step in (0, 2):

@@ -62,8 +62,10 @@ def test_every_row_belongs_to_gpt2_or_llama_and_together_they_cover_the_table():
                        rope_key_dim=8, attn_sinks=True)  # a DeepSeek-V3 with gpt-oss's sinks, described
     hybrid = GPTConfig(family="hf", n_layer=2, d_model=64, n_head=4, mixers=("Gated DeltaNet", ""),
                        state_layers=(0,))  # a Qwen3-Next, described
-    covered = {(s.name, s.needs) for config in (*CONFIGS.values(), soft_capped, latent, hybrid) for s in HOOKS
-               if s in _rows_of(config)}
+    indexed = GPTConfig(family="hf", n_layer=2, d_model=64, n_head=4, indexed_layers=(0, 1),
+                        indexer_key_dim=16)  # a DeepSeek-V3.2, described
+    covered = {(s.name, s.needs) for config in (*CONFIGS.values(), soft_capped, latent, hybrid, indexed)
+               for s in HOOKS if s in _rows_of(config)}
     assert covered == rows
     # only the RoPE family has the rotated q/k and the linear half of SwiGLU; only GPT-2 the position table
     assert spec_for("blocks.0.attn.hook_rot_q", LLAMA) is not None and spec_for("blocks.0.attn.hook_rot_q") is None

@@ -11,7 +11,7 @@ from html import unescape
 import pytest
 import torch
 
-from gpt_shape_tracer.figures import flash
+from gpt_shape_tracer.figures import flash, pitfalls, rope
 from gpt_shape_tracer.model.gpt import act_name
 from tests.settings_matrix import STEPS, build_matrix
 
@@ -364,7 +364,6 @@ def test_12_a_soft_capped_head_gets_its_gradients_with_the_caps_factor(tmp_path)
 
 # -- 13: a column is a column; RoPE names the position it rotates with -----------------------------------------
 def test_13_rope_says_column_and_rotation_position_apart(matrix):
-    from gpt_shape_tracer.figures import attention
 
     for name in ("left padding", "right padding", "story-llama", "loaded trace"):
         _, trace = matrix[name]
@@ -372,7 +371,7 @@ def test_13_rope_says_column_and_rotation_position_apart(matrix):
             continue
         for step in range(STEPS):
             for batch in range(trace.generation.batch_size):
-                fig = attention.rope_relative_figure(trace, step, 0, 0, batch)
+                fig = rope.rope_relative_figure(trace, step, 0, 0, batch)
                 if fig is None:
                     continue
                 title = fig.layout.title.text
@@ -384,23 +383,22 @@ def test_13_rope_says_column_and_rotation_position_apart(matrix):
                 assert f"query in column {query_col}" in title and f"m = {m}" in title, (name, step, batch, title)
                 assert f"key in column {key_col}" in title and f"n = {n}" in title
                 assert ("not padding" in title) == ((query_col, key_col) != (m, n))
-        fig = attention.rope_figure(trace, 0, 0, 0, 0)
+        fig = rope.rope_figure(trace, 0, 0, 0, 0)
         assert fig.layout.yaxis.title.text == "column · token"
 
 
 # -- 14: the pitfalls' means are over the real query rows --------------------------------------------------------
 def test_14_the_pitfalls_average_the_real_query_rows_only(matrix):
-    from gpt_shape_tracer.figures import attention
 
     for name, _, trace, step, batch in cases(matrix):
         for layer in (0, trace.config.n_layer - 1):
-            variants = attention.pitfall_patterns(trace, step, layer, 0, batch)
+            variants = pitfalls.pitfall_patterns(trace, step, layer, 0, batch)
             n = variants["as the model does it"].shape[0]
             real = torch.tensor(trace.generation.is_token(batch, step)[-n:])
-            table = attention.pitfall_table(trace, step, layer, 0, batch).set_index("variant")
+            table = pitfalls.pitfall_table(trace, step, layer, 0, batch).set_index("variant")
             after = variants["mask after the softmax"][real]
             assert table.loc["mask after the softmax", "row sum"] == pytest.approx(float(after.sum(-1).mean()))
-            text = attention.pitfall_sentence(trace, step, layer, 0, batch)
+            text = pitfalls.pitfall_sentence(trace, step, layer, 0, batch)
             if "mean row sum" in text:
                 assert f"mean row sum {float(after.sum(-1).mean()):.3f} over the {int(real.sum())} real query" in text
                 padding = n - int(real.sum())
@@ -443,8 +441,8 @@ def test_the_takeaways_state_their_own_numbers(matrix):
             best = frame.loc[frame["contribution"].idxmax()]
             assert said.startswith(f"{best['component']} adds the most") and f"{best['contribution']:+.3f}" in said
         if trace.config.positions == "rope" and trace.config.family != "hf":
-            fig = attention.rope_relative_figure(trace, step, 0, 0, batch)
-            said = attention.rope_takeaway(fig)
+            fig = rope.rope_relative_figure(trace, step, 0, 0, batch)
+            said = rope.rope_takeaway(fig)
             drift = float(said.split("at most ")[1].split(";")[0])
             assert drift < 1e-3  # together: the same score to rounding
 

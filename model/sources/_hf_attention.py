@@ -191,11 +191,11 @@ def _indexed_mask(query: torch.Tensor, mask: torch.Tensor | None, indices: torch
         chosen.scatter_(-1, indices.long().clamp(0, t - 1), indices >= 0)  # a −1 chose nothing
         selected = chosen & visible
         mask = mask.masked_fill(~chosen[:, None], torch.finfo(mask.dtype).min)  # [B|1,1,n,t] -> [B,1,n,t]
-        sees = (mask > hidden_value).any(dim=-1, keepdim=True)  # a row that sees something: −∞, as traced_mask
-        mask = mask.masked_fill((mask <= hidden_value) & sees, float("-inf"))
     else:
         pending = cast(_AttentionHooks, hooks).pending_selection
         visible, selected = cast(tuple[torch.Tensor, torch.Tensor], pending)
+    sees = (mask > hidden_value).any(dim=-1, keepdim=True)  # a row that sees something: −∞, as traced_mask writes
+    mask = mask.masked_fill((mask <= hidden_value) & sees, float("-inf"))
     if hooks is not None:
         hooks.pending_selection = None
         if hasattr(hooks, "hook_index_visible"):
