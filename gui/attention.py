@@ -12,6 +12,12 @@ from gpt_shape_tracer.figures import long_attention as long_views
 from gpt_shape_tracer.figures import pitfalls as pitfall_views
 from gpt_shape_tracer.figures import rope as rope_views
 from gpt_shape_tracer.figures.common import attention_layers, facts_of, key_labels, query_labels, scores_formula
+from gpt_shape_tracer.figures.differential import (
+    differential_figure,
+    differential_head,
+    differential_sentence,
+    is_differential,
+)
 from gpt_shape_tracer.figures.indexed import (
     cache_sentence,
     indexed_layers,
@@ -72,7 +78,9 @@ def attention_tab(trace: Trace, step: int) -> None:
     rope = trace.has(act_name("rot_q", layer), step)
     rope_elsewhere = rope_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
     indexed = indexed_layers(trace, step)
+    differential = is_differential(trace, step, layer)
     parts = ["Stages", "O = A·V", "Pitfalls"] + (["Indexer"] if indexed else []) + (
+        ["Differential"] if differential else []) + (
         ["RoPE"] if rope or rope_elsewhere else []) + ["All heads", "History", "Gradients", "FlashAttention", "Zoom"]
     sub = dict(zip(parts, remembered_tabs(parts, "attn_view")))
     pattern_kept = trace.get(act_name("pattern", layer), step) is not None or recomputable(trace, step, layer)
@@ -118,6 +126,10 @@ def attention_tab(trace: Trace, step: int) -> None:
                            "scaling. " + pitfall_views.pitfall_sentence(trace, step, layer, head, batch, scaling))
                 st.dataframe(table.round(4), hide_index=True, key="pitfall_table")
                 chart(pitfall_views.pitfall_figure(trace, step, layer, head, batch), key="pitfall_chart")
+    if "Differential" in sub:
+        with sub["Differential"]:
+            if sub["Differential"].open:
+                differential_section(trace, step, layer, head, batch)
     if "Indexer" in sub:
         with sub["Indexer"]:
             if sub["Indexer"].open:
@@ -148,6 +160,20 @@ def attention_tab(trace: Trace, step: int) -> None:
     with sub["Zoom"]:
         if sub["Zoom"].open:
             zoom_section(trace, step, layer, head, batch)
+
+
+def differential_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
+    """Differential attention: a head's two softmaxes and the difference it applies to its values."""
+    st.caption("Differential attention (Ye et al. 2024, “Differential Transformer”): each differential head computes "
+               "two softmaxes with the same queries and keys and applies A₁ − λ·A₂ to its values, λ learned, so that "
+               "weight both softmaxes put on the same keys cancels. The head picker counts all H query heads: heads "
+               "j and j + H/2 are differential head j's two softmaxes.")
+    d = differential_head(trace, step, layer, head, batch)
+    if d is None:
+        explain_missing_values(trace, step, "differential patterns")
+        return
+    takeaway(differential_sentence(d), (("λ", f"{d.lam:.3f}"), ("negative weights", f"{d.negative} of {d.cells}")))
+    chart(differential_figure(trace, d), key="differential_chart")
 
 
 def indexer_section(trace: Trace, step: int, layer: int, batch: int, indexed: list[int]) -> None:

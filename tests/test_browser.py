@@ -649,3 +649,27 @@ def test_an_indexed_attention_model_shows_which_keys_its_indexer_chose(url, visi
                 page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
             assert not errors, errors
             assert not outside, outside
+
+
+def test_a_differential_attention_model_shows_both_softmaxes_and_what_it_applies(url, visit, tmp_path):
+    """DiffLlama loaded from a tiny directory, two Steps, the Attention tab's Differential view: its takeaway names
+    λ as the records hold it and the figure has the three panels A_1, A_2, A_1 − λ·A_2. At 1600 × 1000 and
+    1280 × 800 (SAVE_SCREENSHOTS=differential,differential_1280)."""
+    from tests.test_hf_differential import build_diffllama
+
+    directory = build_diffllama(tmp_path / "diffllama")
+    for width, height, name in ((1600, 1000, "differential"), (1280, 800, "differential_1280")):
+        with visit(width, height) as page:
+            errors, outside = watch(page, url)
+            open_directory_and_step(page, url, PROMPT, directory, "diffllama")
+            open_tab(page, "Attention")
+            open_tab(page, "Differential")
+            page.get_by_text("subtracts λ =").first.wait_for(timeout=60_000)
+            panels = [t for t in plotly_data(page)[0] if t["type"] == "heatmap" and not t["skip"]]
+            assert len(panels) == 3
+            if saving(name):
+                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+                page.wait_for_timeout(300)
+                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            assert not errors, errors
+            assert not outside, outside

@@ -24,13 +24,16 @@ from tests.tolerance import assert_close_across_cpus
 
 @pytest.fixture(scope="module")
 def directory() -> Path:
+    return build_diffllama(Path(tempfile.mkdtemp(prefix="hf-diffllama-")) / "diffllama")
+
+
+def build_diffllama(out: Path) -> Path:
     """A tiny random-weight DiffLlama (4 query heads, 2 key/value heads) with the bundled tokenizer's vocabulary."""
     import transformers
 
     import tests.hf_every_architecture as every
 
     values = {**tiny_config("diffllama").to_dict(), "vocab_size": 1024}
-    out = Path(tempfile.mkdtemp(prefix="hf-diffllama-")) / "diffllama"
     original = every.tiny_config
     every.tiny_config = lambda _: transformers.CONFIG_MAPPING["diffllama"](**values)  # type: ignore[assignment]
     try:
@@ -119,3 +122,44 @@ def test_every_tab_renders_for_a_differential_model(directory):
     for sub in ("Switch heads off", "Activation patching", "Logit attribution", "Logit lens"):
         show_tab(at, "What if", ("whatif_view", sub))
         assert not at.error, (sub, [e.value for e in at.error])
+    # the Attention tab's Differential view: the head's own numbers, counted from the records
+    from gpt_shape_tracer.figures.differential import differential_head, differential_sentence
+    from tests.test_app import charts
+
+    show_tab(at, "Attention", ("attn_view", "Differential"))
+    assert not at.error, [e.value for e in at.error]
+    d = differential_head(gen.trace, 1, 0, 0, 0)
+    assert any(differential_sentence(d) in m.value for m in at.markdown)
+    drawn = [f for f in charts(at) if "what differential head 0 applies" in f["layout"]["title"]["text"]]
+    assert len(drawn) == 1 and len(drawn[0]["data"]) >= 3
+
+
+def test_the_differential_view_counts_what_the_records_hold(directory):
+    """Every step, both sequences of a left-padded batch, every differential head: the view's A_1, A_2 and λ are the
+    records', what it applies is A_1 − λ·A_2, its rows sum to 1 − λ (two softmaxes, each summing to 1), and its
+    sentence states the extremes, the row sum and the count of negative weights it was given."""
+    from gpt_shape_tracer.figures.differential import differential_figure, differential_head, differential_sentence
+    from gpt_shape_tracer.model.gpt import act_name
+
+    model, tok = load_hf(directory, implementation="transformers")
+    gen = TracedGeneration(model, tok, ["Lily had a red kite.", "Tom said"], temperature=0, padding_side="left")
+    gen.run(3)
+    trace, H = gen.trace, model.config.n_head
+    for step in range(3):
+        for batch in (0, 1):
+            for head in range(H):
+                d = differential_head(trace, step, 0, head, batch)
+                assert d is not None and d.head == head % (H // 2)
+                lam = float(trace.get("blocks.0.attn.hook_diff_lambda", step)[0])
+                assert d.lam == lam
+                assert torch.equal(d.first, trace.get(act_name("pattern", 0), step)[batch, d.head].float())
+                assert torch.equal(d.second, trace.get(act_name("pattern", 0), step)[batch, d.head + H // 2].float())
+                assert torch.allclose(d.applied, d.first - lam * d.second, atol=1e-6)
+                assert torch.allclose(d.row_sums, torch.full_like(d.row_sums, 1 - lam), atol=1e-5)
+                said = differential_sentence(d)
+                assert f"1 − λ = {1 - lam:.3f}" in said and f"{float(d.applied[d.real_rows].min()):.3f}" in said
+                negative = int((d.applied[d.real_rows] < 0).sum())
+                assert (f"{negative} of its {d.cells} weights are negative" in said) == (negative > 0)
+                fig = differential_figure(trace, d)
+                assert len([t for t in fig.data if t.type == "heatmap" and t.hoverinfo != "skip"]) == 3
+    assert differential_head(trace, 0, 0, 0, 0) is not None
