@@ -58,9 +58,9 @@ def differential_head(trace: Trace, step: int, layer: int, head: int, batch: int
         return None
     values = [trace.get(f"blocks.{layer}.attn.hook_{name}", step)  # not in the hook table: DiffLlama's own
               for name in ("pattern_1", "pattern_2", "diff_pattern", "diff_lambda")]
-    if any(v is None for v in values):
-        return None
     first, second, applied, lam = values
+    if first is None or second is None or applied is None or lam is None:
+        return None
     j = head % first.shape[1]
     b = min(batch, first.shape[0] - 1)
     n = first.shape[-2]
