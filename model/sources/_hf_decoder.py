@@ -86,6 +86,7 @@ from gpt_shape_tracer.model.sources._hf_attention import (
     differential_lambda,
 )
 from gpt_shape_tracer.model.sources._hf_cache import StateCache, _cache_view, latent_widths, state_templates
+from gpt_shape_tracer.model.sources._hf_compressed import CompressedCache, add_hooks, compressed_config, record_held
 from gpt_shape_tracer.model.sources._hf_probe import (
     _NAMES_FINAL_NORM,
     _NAMES_MLP,
@@ -336,6 +337,7 @@ class HFDecoder(nn.Module):
                        for norm, latent, sinks, attn, diff in zip(mlp_norms, self._latent, self._sinks, attns,
                                                                   differential)]
         self.blocks = nn.ModuleList(block_hooks)
+        self._compressed = compressed_config(hf.config)  # its own cache layers compress K/V (_hf_compressed.py)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
         self.hook_logits = HookPoint()  # [B, n, V]
         final = _child(getattr(hf, "model", None) or getattr(hf, "transformer", None)
@@ -357,6 +359,8 @@ class HFDecoder(nn.Module):
             if attn is not None:
                 _HOOKS[attn] = hooks.attn
                 hooks.attn.w_o = _child(attn, _NAMES_OUT)
+                if self._compressed:  # DeepSeek-V4: its compressed K/V, indexer and what its cache holds
+                    self._handles.extend(add_hooks(hooks.attn, attn))
                 if hasattr(hooks.attn, "hook_diff_pattern"):  # differential attention: its λ from its own parameters
                     hooks.attn.differential = differential_lambda(attn)
                 self._handles.append(attn.register_forward_hook(
@@ -506,6 +510,8 @@ class HFDecoder(nn.Module):
         return _token_device(self.hf)
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
+        if self._compressed:
+            return CompressedCache(self.config.n_layer, batch_size, storage, self.hf.config)
         if any(t is not None for t in self._state_templates) or any(self.mixer_names) or self._kv_shared:
             # a hybrid model, or one whose KV-sharing layers append no K, V rows (they count as updated)
             readers = {L for L, _ in self._kv_shared}
@@ -568,6 +574,8 @@ class HFDecoder(nn.Module):
                 cache.carried = list(getattr(out, "state", None) or [])  # step (and snapshotted at commit)
             if isinstance(cache, StateCache):
                 self._record_states(cache)
+            if isinstance(cache, CompressedCache):
+                record_held(self.blocks, cache)
         return logits
 
     def _record_states(self, cache: StateCache) -> None:
@@ -588,6 +596,8 @@ class HFDecoder(nn.Module):
 
     def _cache_view(self, cache: KVCache) -> Any:
         """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""
+        if isinstance(cache, CompressedCache):
+            return cache.view()
         latent: list[_AttentionHooks | None] = [cast(_AttentionHooks, block.attn) if widths is not None else None
                                                  for block, widths in zip(self.blocks, self._latent)]
         return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None,
