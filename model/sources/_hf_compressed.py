@@ -65,8 +65,8 @@ if TYPE_CHECKING:
 COMPRESSOR = "compressor"  # the names transformers' V4 cache layers key their state by
 INDEXER = "indexer"
 # the hook names a compressed layer adds, in the order a step records them
-FORWARD_RECORDS = ("hook_compressed_kv_all", "hook_index_kv_all", "hook_index_scores", "hook_index_selected")
-HELD_RECORDS = ("hook_window_kv", "hook_window_v", "hook_compress_buffer", "hook_compress_overlap", "hook_index_buffer",
+COMPRESSED_FORWARD_RECORDS = ("hook_compressed_kv_all", "hook_index_kv_all", "hook_index_scores", "hook_index_selected")
+COMPRESSED_HELD_RECORDS = ("hook_window_kv", "hook_window_v", "hook_compress_buffer", "hook_compress_overlap", "hook_index_buffer",
                 "hook_index_overlap")
 
 
@@ -152,7 +152,7 @@ def uncompressed_cache_bytes(n_layer: int, n_kv_head: int, d_head: int, d_v: int
 
 # -- the cache -----------------------------------------------------------------------------------------------------
 def held(layer: Any) -> dict[str, torch.Tensor]:
-    """What a V4 cache layer holds, by part (the record names of ``HELD_RECORDS`` and the compressed entries):
+    """What a V4 cache layer holds, by part (the record names of ``COMPRESSED_HELD_RECORDS`` and the compressed entries):
     ``window`` ``[B, 1, w, d_head]``; ``compressed`` ``[B, T, d_head]``; ``buffer`` kv ‖ gate ``[B, r, 2·c]``;
     ``overlap`` kv ‖ gate ``[B, m, 2·d_head]``; the indexer's as ``index …``. Parts not (yet) held are left out."""
     out: dict[str, torch.Tensor] = {}
@@ -324,7 +324,7 @@ class CompressedCache(KVCache):
 
 # -- records ------------------------------------------------------------------------------------------------------
 def add_hooks(hooks: _AttentionHooks, attn: nn.Module) -> list[Any]:
-    """Give a compressed layer's attention hooks their records (``FORWARD_RECORDS``, ``HELD_RECORDS``) and hook its
+    """Give a compressed layer's attention hooks their records (``COMPRESSED_FORWARD_RECORDS``, ``COMPRESSED_HELD_RECORDS``) and hook its
     compressor and indexer; returns the handles. A layer without a compressor (sliding-window only) gets
     ``hook_window_kv`` and ``hook_window_v`` only."""
     hooks.hook_window_kv = HookPoint()  # [B, 1, w, d_head], after each cached step
@@ -391,7 +391,7 @@ _HELD_HOOKS = {"window": "hook_window_kv", "window values": "hook_window_v", "bu
 
 def record_held(blocks: Any, cache: CompressedCache) -> None:
     """After a cached forward: what each layer's cache holds besides the compressed entries (recorded as they were
-    made), through the layer's hooks (``HELD_RECORDS``)."""
+    made), through the layer's hooks (``COMPRESSED_HELD_RECORDS``)."""
     for block, layer in zip(blocks, cache.layers):
         hooks = getattr(block, "attn", None)
         for part, tensor in held(layer).items():
