@@ -19,7 +19,7 @@ from gpt_shape_tracer.model.sources import (
 from gpt_shape_tracer.tracer import Trace
 
 COMPRESSED = "compressed_kv_all"  # the record whose rows are a layer's compressed entries, [B, 1, T, d_head]
-# every record of what a layer's cache held after a step (the records in COMPRESSED_FORWARD_RECORDS that are cache contents too)
+# every record of what a layer's cache held after a step (of COMPRESSED_FORWARD_RECORDS, the cache contents)
 HELD = tuple(name.removeprefix("hook_") for name in (*COMPRESSED_FORWARD_RECORDS[:2], *COMPRESSED_HELD_RECORDS))
 
 
@@ -74,8 +74,8 @@ def compressed_sentence(table: pd.DataFrame, step: int) -> str:
     t, ours, full = int(row["t"]), int(row["compressed cache (B)"]), int(row["uncompressed K and V (B)"])
     ratio = ours / full if full else float("nan")
     verb = "less than" if ours < full else "more than" if ours > full else "as much as"
-    sentence = (f"After step {step} (t = {t} positions) the compressed cache holds {_size(ours)}, {verb} the "
-                f"{_size(full)} that K and V of every position would take ({ratio:.2f}×).")
+    sentence = (f"After step {step} (t = {t} positions) the compressed cache holds {ours:,} bytes, {verb} the "
+                f"{full:,} bytes that K and V of every position would take ({ratio:.2f}×).")
     before = table[table["step"] < step]
     parts = []
     for column in [c for c in table.columns if c.endswith(" entries")]:

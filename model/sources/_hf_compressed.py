@@ -4,8 +4,8 @@ recorded at every step.
 What V4 keeps (transformers' ``DeepseekV4HCACache`` / ``DeepseekV4CSACache``, one per layer; DeepSeek-V4 paper
 §2.3, https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash):
 
-* every layer — sliding-window, CSA and HCA alike — keeps the last ``sliding_window − 1`` rows of its one key/value
-  head (K = V: one tensor read as both), ``[B, 1, w, d_head]``;
+* every layer — sliding-window, CSA and HCA alike — keeps the last ``sliding_window − 1`` rows of its one
+  key/value head (K = V: one tensor read as both), ``[B, 1, w, d_head]``;
 * a compressed layer also keeps its **compressed entries**, ``[B, T, d_head]``: one per window of ``m`` source
   positions (HCA: m = 128 in the real checkpoints, non-overlapping windows; CSA: m = 4, each entry pooling its own
   window and the previous one's other half), the softmax-gated sum of the window's projected rows, normed and
@@ -36,6 +36,9 @@ Records (``blocks.{L}.attn.…``, beside hook_q, hook_k_all, hook_mask, hook_pat
 * ``hook_compressed_kv_all`` ``[B, 1, T, d_head]``: the compressed entries the attention appends after the window's
   rows (cache + new), as the compressor hands them; ``hook_k_all`` / ``hook_v_all`` hold them as their last T rows,
   and ``hook_k`` / ``hook_v`` the n new rows before them.
+* ``hook_compressed_mask`` ``[B, 1, n, T]``: the compressor's block bias, 0 where a query may see an entry, −∞
+  elsewhere — the last T columns of ``hook_mask`` (HCA hands none for a one-query step: every entry ended before
+  it).
 * ``hook_index_kv_all`` ``[B, T, d_I]`` (CSA): the indexer's compressed keys; ``hook_index_scores`` ``[B, n, T]``:
   its score of each key for each query, −∞ where the key's window is not complete at the query (what its top-k
   reads); ``hook_index_selected`` ``[B, n, T]`` (bool): the keys each query chose. (DSA indexers are recorded under
@@ -43,8 +46,9 @@ Records (``blocks.{L}.attn.…``, beside hook_q, hook_k_all, hook_mask, hook_pat
   pattern.)
 * after each cached step, what the cache layer holds besides the compressed entries: ``hook_window_kv``
   ``[B, 1, w, d_head]`` (and ``hook_window_v``, equal, for a sliding-window layer, whose transformers cache layer
-  keeps V as a tensor of its own); ``hook_compress_buffer`` ``[B, r, 2·c]`` (kv ‖ gate of the r = t mod m rows of the window
-  not yet full, c = d_head for HCA, 2·d_head for CSA); ``hook_compress_overlap`` ``[B, m, 2·d_head]`` (CSA: kv ‖ gate
+  keeps V as a tensor of its own); ``hook_compress_buffer`` ``[B, r, 2·c]`` (kv ‖ gate of the r = t mod m rows of
+  the window not yet full, c = d_head for HCA, 2·d_head for CSA); ``hook_compress_overlap`` ``[B, m, 2·d_head]``
+  (CSA: kv ‖ gate
   of the half the next entry pools); ``hook_index_buffer``, ``hook_index_overlap`` (CSA, at d_I). Their bytes and the
   compressed entries' are the cache's (``held_bytes``).
 """
@@ -52,7 +56,7 @@ Records (``blocks.{L}.attn.…``, beside hook_q, hook_k_all, hook_mask, hook_pat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -65,8 +69,10 @@ if TYPE_CHECKING:
 COMPRESSOR = "compressor"  # the names transformers' V4 cache layers key their state by
 INDEXER = "indexer"
 # the hook names a compressed layer adds, in the order a step records them
-COMPRESSED_FORWARD_RECORDS = ("hook_compressed_kv_all", "hook_index_kv_all", "hook_index_scores", "hook_index_selected")
-COMPRESSED_HELD_RECORDS = ("hook_window_kv", "hook_window_v", "hook_compress_buffer", "hook_compress_overlap", "hook_index_buffer",
+COMPRESSED_FORWARD_RECORDS = ("hook_compressed_kv_all", "hook_index_kv_all", "hook_index_scores", "hook_index_selected",
+                              "hook_compressed_mask")
+COMPRESSED_HELD_RECORDS = ("hook_window_kv", "hook_window_v", "hook_compress_buffer", "hook_compress_overlap",
+                           "hook_index_buffer",
                 "hook_index_overlap")
 
 
@@ -152,7 +158,7 @@ def uncompressed_cache_bytes(n_layer: int, n_kv_head: int, d_head: int, d_v: int
 
 # -- the cache -----------------------------------------------------------------------------------------------------
 def held(layer: Any) -> dict[str, torch.Tensor]:
-    """What a V4 cache layer holds, by part (the record names of ``COMPRESSED_HELD_RECORDS`` and the compressed entries):
+    """What a V4 cache layer holds, by part (the records of ``COMPRESSED_HELD_RECORDS`` and the compressed entries):
     ``window`` ``[B, 1, w, d_head]``; ``compressed`` ``[B, T, d_head]``; ``buffer`` kv ‖ gate ``[B, r, 2·c]``;
     ``overlap`` kv ‖ gate ``[B, m, 2·d_head]``; the indexer's as ``index …``. Parts not (yet) held are left out."""
     out: dict[str, torch.Tensor] = {}
@@ -171,10 +177,10 @@ def held(layer: Any) -> dict[str, torch.Tensor]:
         if isinstance(compressed, torch.Tensor):
             out[f"{prefix}compressed"] = compressed
         kv, gate = layer.buffer_kv.get(name), layer.buffer_gate.get(name)
-        if isinstance(kv, torch.Tensor) and kv.shape[1]:
+        if isinstance(kv, torch.Tensor) and isinstance(gate, torch.Tensor) and kv.shape[1]:
             out[f"{prefix}buffer"] = torch.cat([kv, gate], dim=-1)
         kv, gate = overlap_kv.get(name), overlap_gate.get(name)
-        if isinstance(kv, torch.Tensor):
+        if isinstance(kv, torch.Tensor) and isinstance(gate, torch.Tensor):
             out[f"{prefix}overlap"] = torch.cat([kv, gate], dim=-1)
     return out
 
@@ -192,6 +198,10 @@ class CompressedCache(KVCache):
     layer (``layers``), which keeps the window, the compressed entries and what is pending; our buffers hold
     nothing. Transactional through a snapshot after each committed step (the module docstring says why references
     suffice)."""
+
+    # no K, V row per position to hold against its recomputation (tracer/generation/_traced.py reads this): the
+    # window keeps the last rows only, and the compressed entries pool several positions each
+    rows_by_position = False
 
     def __init__(self, n_layer: int, batch_size: int, storage: str, config: Any) -> None:
         if storage != "model":
@@ -324,7 +334,8 @@ class CompressedCache(KVCache):
 
 # -- records ------------------------------------------------------------------------------------------------------
 def add_hooks(hooks: _AttentionHooks, attn: nn.Module) -> list[Any]:
-    """Give a compressed layer's attention hooks their records (``COMPRESSED_FORWARD_RECORDS``, ``COMPRESSED_HELD_RECORDS``) and hook its
+    """Give a compressed layer's attention hooks their records (``COMPRESSED_FORWARD_RECORDS``,
+    ``COMPRESSED_HELD_RECORDS``) and hook its
     compressor and indexer; returns the handles. A layer without a compressor (sliding-window only) gets
     ``hook_window_kv`` and ``hook_window_v`` only."""
     hooks.hook_window_kv = HookPoint()  # [B, 1, w, d_head], after each cached step
@@ -334,6 +345,7 @@ def add_hooks(hooks: _AttentionHooks, attn: nn.Module) -> list[Any]:
         return []
     hooks.hook_compressed_kv_all = HookPoint()  # [B, 1, T, d_head]
     hooks.hook_compress_buffer = HookPoint()  # [B, r, 2·c]
+    hooks.hook_compressed_mask = HookPoint()  # [B, 1, n, T], 0 / −∞
     handles = [compressor.register_forward_hook(
         lambda m, args, out, h=hooks: _compressed_out(h, out))]
     indexer = getattr(compressor, "indexer", None)
@@ -345,9 +357,11 @@ def add_hooks(hooks: _AttentionHooks, attn: nn.Module) -> list[Any]:
         hooks.hook_index_selected = HookPoint()  # [B, n, T] bool
         hooks.hook_index_buffer = HookPoint()
         hooks.hook_index_overlap = HookPoint()
-        handles.append(scorer.register_forward_hook(lambda m, args, out, h=hooks: _scored(h, args, out)))
+        raw: dict[str, torch.Tensor] = {}  # the scorer's last scores, for the indexer's hook that follows it
+        rate = int(cast(int, indexer.compress_rate))
+        handles.append(scorer.register_forward_hook(lambda m, args, out, h=hooks: _scored(h, args, out, raw)))
         handles.append(indexer.register_forward_hook(
-            lambda m, args, out, h=hooks, rate=int(indexer.compress_rate): _selected(h, args, out, rate)))
+            lambda m, args, out, h=hooks: _selected(h, args, out, rate, raw)))
     return handles
 
 
@@ -355,37 +369,44 @@ def _compressed_out(hooks: _AttentionHooks, out: Any) -> Any:
     """The compressor's ``(compressed_kv [B,1,T,d], block_bias)``: the entries through their hook point, and their
     count for the attention call that follows (they are the last T rows of its K and V)."""
     compressed, bias = out
-    compressed = hooks.hook_compressed_kv_all(compressed)
+    compressed = _point(hooks, "hook_compressed_kv_all")(compressed)
+    if bias is not None:  # None: one query (a decode step) sees every entry, which all ended before it
+        bias = _point(hooks, "hook_compressed_mask")(bias)
     hooks.tail = int(compressed.shape[2])
     return compressed, bias
 
 
-def _scored(hooks: _AttentionHooks, args: tuple, out: torch.Tensor) -> None:
+def _point(hooks: nn.Module, name: str) -> HookPoint:
+    return cast(HookPoint, getattr(hooks, name))
+
+
+def _scored(hooks: _AttentionHooks, args: tuple, out: torch.Tensor, raw: dict[str, torch.Tensor]) -> None:
     """The indexer's scorer: its keys (``args[1]``, ``[B, T, d_I]``) recorded, its raw scores ``[B, n, T]`` kept for
     the indexer's own hook, which masks them as its top-k does."""
-    hooks.hook_index_kv_all(args[1])
-    hooks.index_raw = out
+    _point(hooks, "hook_index_kv_all")(args[1])
+    raw["scores"] = out
 
 
-def _selected(hooks: _AttentionHooks, args: tuple, out: torch.Tensor, rate: int) -> None:
+def _selected(hooks: _AttentionHooks, args: tuple, out: torch.Tensor, rate: int,
+              pending: dict[str, torch.Tensor]) -> None:
     """The indexer's choice ``[B, n, k]`` (−1: no entry) as a ``[B, n, T]`` mask, and the scores its top-k read: the
     raw scores with −∞ where the entry's window is not complete at the query (entry w of a query at position p:
     w ≥ (p + 1) // m, as ``DeepseekV4Indexer`` masks them)."""
-    raw = getattr(hooks, "index_raw", None)
-    hooks.index_raw = None
+    raw = pending.pop("scores", None)
     if raw is None:
         return
     positions = args[2]  # [B, n]
     T = raw.shape[-1]
     entries = torch.arange(T, device=raw.device)
     future = entries.view(1, 1, -1) >= ((positions + 1) // rate).unsqueeze(-1)
-    hooks.hook_index_scores(raw.masked_fill(future, float("-inf")))
+    _point(hooks, "hook_index_scores")(raw.masked_fill(future, float("-inf")))
     chosen = torch.zeros(raw.shape[0], raw.shape[1], T + 1, dtype=torch.bool, device=raw.device)
     chosen.scatter_(-1, torch.where(out >= 0, out, torch.full_like(out, T)), True)
-    hooks.hook_index_selected(chosen[..., :T])
+    _point(hooks, "hook_index_selected")(chosen[..., :T])
 
 
-_HELD_HOOKS = {"window": "hook_window_kv", "window values": "hook_window_v", "buffer": "hook_compress_buffer", "overlap": "hook_compress_overlap",
+_HELD_HOOKS = {"window": "hook_window_kv", "window values": "hook_window_v", "buffer": "hook_compress_buffer",
+               "overlap": "hook_compress_overlap",
                "index buffer": "hook_index_buffer", "index overlap": "hook_index_overlap"}
 
 
