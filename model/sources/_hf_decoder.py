@@ -43,6 +43,12 @@ What the records mean for such a model (the hook table's rows, specialised):
   its forward accepts: the cache view is then an instance of that class whose ``get_linear_cache`` /
   ``set_linear_cache`` read and write the layer's state in ``StateCache`` (``hook_ssm_state``).
 
+* ``hook_compressed_kv_all``, ``hook_compressed_mask``, ``hook_index_kv_all``, ``hook_index_scores``,
+  ``hook_index_selected``, ``hook_window_kv`` … (compressed attention: DeepSeek-V4): the compressed K = V entries the
+  attention reads after its window's rows, the compressor's block bias, the CSA indexer's keys, scores and choice,
+  and what the family's own cache layers hold after each step (``CompressedCache`` keeps those layers;
+  model/sources/_hf_compressed.py lists the records). Not in the hook table: their widths are V4's own.
+
 The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
 the attention function inside which element of which list of layers; the list the calls come from is the
 decoder stack (a vision tower not run for text never is), each layer's one caller its attention. A model that makes
