@@ -56,15 +56,12 @@ Records (``blocks.{L}.attn.…``, beside hook_q, hook_k_all, hook_mask, hook_pat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from gpt_shape_tracer.model.gpt import HookPoint, KVCache
-
-if TYPE_CHECKING:
-    from gpt_shape_tracer.model.sources._hf_attention import _AttentionHooks
 
 COMPRESSOR = "compressor"  # the names transformers' V4 cache layers key their state by
 INDEXER = "indexer"
@@ -247,10 +244,14 @@ class CompressedCache(KVCache):
         class _CompressedView(Cache):
             def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                        *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-                cache._staged.add(layer_idx)
+                cache.updated(layer_idx)
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
         return _CompressedView(layers=self.layers)
+
+    def updated(self, layer: int) -> None:
+        """Mark ``layer`` updated by the forward running now (its commit checks every layer was)."""
+        self._staged.add(layer)
 
     def commit(self, n: int, key_is_token: torch.Tensor | None) -> None:
         super().commit(n, key_is_token)
@@ -333,7 +334,7 @@ class CompressedCache(KVCache):
 
 
 # -- records ------------------------------------------------------------------------------------------------------
-def add_hooks(hooks: _AttentionHooks, attn: nn.Module) -> list[Any]:
+def add_hooks(hooks: nn.Module, attn: nn.Module) -> list[Any]:
     """Give a compressed layer's attention hooks their records (``COMPRESSED_FORWARD_RECORDS``,
     ``COMPRESSED_HELD_RECORDS``) and hook its
     compressor and indexer; returns the handles. A layer without a compressor (sliding-window only) gets
@@ -365,14 +366,14 @@ def add_hooks(hooks: _AttentionHooks, attn: nn.Module) -> list[Any]:
     return handles
 
 
-def _compressed_out(hooks: _AttentionHooks, out: Any) -> Any:
+def _compressed_out(hooks: nn.Module, out: Any) -> Any:
     """The compressor's ``(compressed_kv [B,1,T,d], block_bias)``: the entries through their hook point, and their
     count for the attention call that follows (they are the last T rows of its K and V)."""
     compressed, bias = out
     compressed = _point(hooks, "hook_compressed_kv_all")(compressed)
     if bias is not None:  # None: one query (a decode step) sees every entry, which all ended before it
         bias = _point(hooks, "hook_compressed_mask")(bias)
-    hooks.tail = int(compressed.shape[2])
+    cast(Any, hooks).tail = int(compressed.shape[2])  # _AttentionHooks.tail (model/sources/_hf_attention.py)
     return compressed, bias
 
 
@@ -380,14 +381,14 @@ def _point(hooks: nn.Module, name: str) -> HookPoint:
     return cast(HookPoint, getattr(hooks, name))
 
 
-def _scored(hooks: _AttentionHooks, args: tuple, out: torch.Tensor, raw: dict[str, torch.Tensor]) -> None:
+def _scored(hooks: nn.Module, args: tuple, out: torch.Tensor, raw: dict[str, torch.Tensor]) -> None:
     """The indexer's scorer: its keys (``args[1]``, ``[B, T, d_I]``) recorded, its raw scores ``[B, n, T]`` kept for
     the indexer's own hook, which masks them as its top-k does."""
     _point(hooks, "hook_index_kv_all")(args[1])
     raw["scores"] = out
 
 
-def _selected(hooks: _AttentionHooks, args: tuple, out: torch.Tensor, rate: int,
+def _selected(hooks: nn.Module, args: tuple, out: torch.Tensor, rate: int,
               pending: dict[str, torch.Tensor]) -> None:
     """The indexer's choice ``[B, n, k]`` (−1: no entry) as a ``[B, n, T]`` mask, and the scores its top-k read: the
     raw scores with −∞ where the entry's window is not complete at the query (entry w of a query at position p:
