@@ -264,3 +264,23 @@ def test_the_over_the_steps_section_shows_the_compressed_cache(directory):
     assert int(table.iloc[-1]["compressed cache (B)"]) == gen.cache.nbytes
     assert f"{gen.cache.nbytes:,} bytes" in sentence
     assert any(any("compressed entries" in (trace.get("name") or "") for trace in c["data"]) for c in charts(at))
+
+
+def test_beam_search_runs_on_the_compressed_cache_and_speculative_decoding_is_refused_before_it_starts(directory):
+    """Beam search reorders the cache (CompressedCache.reorder): its sequences, scores and reorders equal
+    transformers' generate(num_beams=3) with V4's own cache layers; speculative decoding would crop the cache
+    inside a verified draft, where no step ended: refused up front, with why."""
+    from gpt_shape_tracer.tracer.generation._beams import BeamSearch
+    from gpt_shape_tracer.tracer.generation._speculative import SpeculativeDecoding, SpeculativeError
+    from tests.test_beams import reference_run
+
+    model, tok = load_hf(directory, implementation="transformers")
+    search = BeamSearch(model, tok, "Once upon a time", 3, max_new_tokens=6, eos_ids=())
+    search.run()
+    out, reorders = reference_run(reference(directory), tok, ["Once upon a time"], 3, 6)
+    assert [list(s) for s in search.result().sequences] == out.sequences.tolist()
+    assert torch.allclose(torch.tensor(search.result().scores), out.sequences_scores, atol=1e-5)
+    assert [list(s.beam_idx) for s in search.steps] == reorders
+    assert any(s.moved_rows for s in search.steps)  # one beam's history really copied onto another
+    with pytest.raises(SpeculativeError, match="compresses its keys and values"):
+        SpeculativeDecoding(model, tok, "Tom had a kite. Tom had", prompt_lookup=3, max_new_tokens=4, eos_ids=())
