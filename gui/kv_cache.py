@@ -198,7 +198,12 @@ def cache_this_step(trace: Trace, step: int) -> None:
     app = state()
     facts = facts_of(trace)
     st.dataframe(cache_views.cache_table(trace, step), hide_index=True, key="cache_table")
-    if facts.info.use_cache:
+    if facts.info.use_cache and compressed_views.compressed_layers(trace):
+        # compressed attention: K, V above are what the attention read (window, new rows, compressed entries); what
+        # the cache holds is counted from its own records, not by 2·B·G·t·d_head
+        st.caption(compressed_views.compressed_sentence(compressed_views.compressed_table(trace), step)
+                   + " (Over the steps: every step, and K and V of every position for comparison.)")
+    elif facts.info.use_cache:
         latex, sentence = cache_views.memory_formula(trace, step)
         st.latex(latex)
         st.caption(sentence)

@@ -264,6 +264,11 @@ def test_the_over_the_steps_section_shows_the_compressed_cache(directory):
     assert int(table.iloc[-1]["compressed cache (B)"]) == gen.cache.nbytes
     assert f"{gen.cache.nbytes:,} bytes" in sentence
     assert any(any("compressed entries" in (trace.get("name") or "") for trace in c["data"]) for c in charts(at))
+    # This step says the same of the step shown, not the formula 2·B·G·t·d_head (which K and V of every position
+    # would take)
+    show_tab(at, "KV cache", ("kv_view", "This step"))
+    assert not at.error, [e.value for e in at.error]
+    assert sentence in page_text(at) and "numbers per layer" not in page_text(at)
 
 
 def test_beam_search_runs_on_the_compressed_cache_and_speculative_decoding_is_refused_before_it_starts(directory):
