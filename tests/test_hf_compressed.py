@@ -289,3 +289,14 @@ def test_beam_search_runs_on_the_compressed_cache_and_speculative_decoding_is_re
     assert any(s.moved_rows for s in search.steps)  # one beam's history really copied onto another
     with pytest.raises(SpeculativeError, match="compresses its keys and values"):
         SpeculativeDecoding(model, tok, "Tom had a kite. Tom had", prompt_lookup=3, max_new_tokens=4, eos_ids=())
+
+
+def test_transformers_shared_cache_classes_are_refused_with_why(directory):
+    """None of transformers' shared cache classes holds V4's compressed state (its forward fails on them): each is
+    refused before it runs, with a CacheClassError the app shows."""
+    from gpt_shape_tracer.tracer import CACHE_CLASSES, CacheClassError, cache_class_run
+
+    model, tok = load_hf(directory, implementation="transformers")
+    for choice in CACHE_CLASSES:
+        with pytest.raises(CacheClassError, match="compresses its keys and values"):
+            cache_class_run(model, tok, "Tom had a kite", choice, 2)
