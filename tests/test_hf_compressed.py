@@ -269,6 +269,19 @@ def test_the_over_the_steps_section_shows_the_compressed_cache(directory):
     show_tab(at, "KV cache", ("kv_view", "This step"))
     assert not at.error, [e.value for e in at.error]
     assert sentence in page_text(at) and "numbers per layer" not in page_text(at)
+    # the Causal mask tab at the CSA layer: its columns are no positions, so it counts the −∞ cells and says why
+    # instead of attributing each to a position's cause
+    from gpt_shape_tracer.figures.mask import compressed_mask_sentence, mask_facts
+
+    for layer, entries in ((0, 0), (1, gen.trace.record("blocks.1.attn.hook_compressed_kv_all", step).shape[2])):
+        at.session_state["mask_layer"] = layer
+        show_tab(at, "Causal mask")
+        assert not at.error, [e.value for e in at.error]
+        facts = mask_facts(gen.trace, step, layer)
+        mask = gen.trace.get(f"blocks.{layer}.attn.hook_mask", step)[0, 0]
+        assert facts.compressed_masked == int(torch.isinf(mask).sum()) and facts.compressed_entries == entries
+        said = compressed_mask_sentence(facts.n, facts.t, facts.compressed_masked, entries)
+        assert said in page_text(at) and ("compressed entries" in said) == bool(entries)
 
 
 def test_beam_search_runs_on_the_compressed_cache_and_speculative_decoding_is_refused_before_it_starts(directory):
