@@ -45,6 +45,8 @@ _SIZES: dict[str, int] = {
     "moe_k": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1, "num_expert_group": 1, "num_experts_per_token": 2,
     # positions
     "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_seq_len": 128, "seq_length": 128,
+    # indexed (sparse) attention: a top-k below the sweep's 8 tokens, so that the indexer really skips keys
+    "index_topk": 4, "index_n_heads": 2, "index_head_dim": 16,
 }
 # sizes some config classes leave None by default although their model reads them as numbers (DeepSeek-family
 # experts, Qwen4-exp's token indexer): filled, only where None, with tiny values
@@ -57,10 +59,13 @@ _WINDOW_NAMES = ("sliding_window", "attention_window_size", "window_size")
 # the per-layer lists that say what each layer is (attention kind, state-space mixer, ...), most telling first:
 # the layers kept are picked from them so that every other per-layer list is cut at the same layers
 _KIND_LISTS = ("layer_types", "layers_block_type", "attention_layers", "attn_layers", "block_types", "attn_type_list",
-               "hybrid_override_pattern", "mlp_layer_types")
+               "hybrid_override_pattern", "mlp_layer_types", "indexer_types")
 # Where transformers' own default config cannot build the model its mapping names, or shrinking by name cannot
 # keep what the model requires, the values that fix it — each with why (the sweep names no family otherwise).
 _OVERRIDES: dict[str, dict[str, Any]] = {
+    # HY-V4's checkpoints run an indexer in some layers and reuse its choice in the next ("shared"); the generic picker
+    # keeps the dense and the sparse MLP layer, both "full": one of each indexer kind instead
+    "hy_v4": {"indexer_types": ["full", "shared"]},
     # the default attn_config lacks rope_theta, which the model reads; clip_qkv None fails its forward
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     # the default has no attention layer at all (a pure Mamba-2 stack; transformers' own cached forward fails on it):

@@ -167,7 +167,7 @@ def test_the_cache_holds_what_transformers_cache_layers_hold_after_the_same_step
     last = STEPS
     assert torch.equal(seen["blocks.1.attn.hook_compressed_kv_all"][last][:, 0],
                        past.layers[1].compressed_kv["compressor"])
-    assert torch.equal(seen["blocks.1.attn.hook_index_kv_all"][last], past.layers[1].compressed_kv["indexer"])
+    assert torch.equal(seen["blocks.1.attn.hook_index_keys_all"][last], past.layers[1].compressed_kv["indexer"])
     assert torch.equal(seen["blocks.2.attn.hook_window_kv"][last], past.layers[2].keys)
     # growth: one entry per m positions
     rates = model.hf.config.compress_rates

@@ -29,6 +29,16 @@ experiment, not a memory saving: the buffer itself stays in the model's dtype.
 Updates are transactional: a forward stages its new length and the model
 commits it only when the whole forward succeeded, so a forward that raises
 leaves the cache's visible contents exactly as they were.
+
+A layer with indexed (sparse) attention (DeepSeek-V3.2's DSA, GLM-5, …: a
+learned indexer scores every key and each query attends to its top-k) keeps a
+second cache beside K and V: the indexer's own keys ``[B, t, d_I]``, one row
+per position, as transformers' ``DynamicIndexedLayer`` holds them. They live
+here in one more buffer per such layer (``indexed``), written, committed,
+rolled back, copied, reordered and cropped with K and V, never rounded by a
+lower ``storage`` (a quantized cache keeps the indexer's keys as they are).
+Qwen4-Exp's indexer keeps the position ids of every cached key as well
+(``position_history``, ``[P, B, t]``): they follow the same transactions.
 """
 
 from __future__ import annotations
@@ -86,18 +96,23 @@ def stored(x: torch.Tensor, storage: str) -> torch.Tensor:
 class KVCache:
     """Keys and values ``[B, G, t, d_head]`` per layer (G = H for GPT-2), plus what padding they hold."""
 
-    def __init__(self, n_layer: int, batch_size: int, storage: str = "model") -> None:
+    def __init__(self, n_layer: int, batch_size: int, storage: str = "model", indexed: tuple[int, ...] = ()) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if storage not in STORAGES:
             raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+        if any(not 0 <= layer < n_layer for layer in indexed) or len(set(indexed)) != len(indexed):
+            raise ValueError(f"indexed must name distinct layers below {n_layer}, got {indexed!r}")
         self.storage = storage
         self.n_layer = n_layer
         self.batch_size = batch_size
-        self._buffers: list[_LayerBuffer | None] = [None] * n_layer
+        self.indexed = tuple(indexed)  # layers that keep an indexer key cache too: buffer n_layer + i for indexed[i]
+        self._buffers: list[_LayerBuffer | None] = [None] * (n_layer + len(self.indexed))
         self.key_is_token: torch.Tensor | None = None  # [B, t] bool, None while nothing is padding
         self._length = 0
         self._staged: set[int] = set()
+        self.position_history: torch.Tensor | None = None  # [P, B, t]: position ids a family keeps with its cache
+        self._staged_positions: torch.Tensor | None = None  # what the forward in progress set it to
 
     @property
     def length(self) -> int:
@@ -107,12 +122,18 @@ class KVCache:
     @property
     def keys(self) -> list[torch.Tensor | None]:
         """Per layer, the cached keys ``[B, G, t, d_head]`` (views of the buffers)."""
-        return [b.keys[:, :, : self._length] if b is not None else None for b in self._buffers]
+        return [b.keys[:, :, : self._length] if b is not None else None for b in self._buffers[: self.n_layer]]
 
     @property
     def values(self) -> list[torch.Tensor | None]:
         """Per layer, the cached values ``[B, G, t, d_head]`` (views of the buffers)."""
-        return [b.values[:, :, : self._length] if b is not None else None for b in self._buffers]
+        return [b.values[:, :, : self._length] if b is not None else None for b in self._buffers[: self.n_layer]]
+
+    @property
+    def indexer_keys(self) -> dict[int, torch.Tensor | None]:
+        """Per indexed layer, the indexer's cached keys ``[B, t, d_I]`` (views of the buffers)."""
+        return {layer: (b.keys[:, 0, : self._length] if b is not None else None)
+                for layer, b in zip(self.indexed, self._buffers[self.n_layer:])}
 
     def check_batch(self, batch: int) -> None:
         if batch != self.batch_size:
@@ -121,6 +142,24 @@ class KVCache:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new rows ``[B,G,n,d_head]`` of ``layer`` after the cached ones; return the
         full ``[B,G,t,d_head]`` (views). The new length counts only once ``commit`` runs."""
+        if self.storage != "model" and layer < self.n_layer:  # what a cache storing this precision would hand back
+            k, v = stored(k, self.storage), stored(v, self.storage)
+        return self._write(layer, k, v)
+
+    def append_indexer(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Write the indexer's new keys ``[B,n,d_I]`` of indexed ``layer`` after the cached ones; return all
+        ``[B,t,d_I]`` (a view). Transactional with K and V: counted at ``commit``, forgotten by ``rollback``."""
+        if layer not in self.indexed:
+            raise ValueError(f"layer {layer} keeps no indexer key cache (indexed layers: {list(self.indexed)})")
+        keys, _ = self._write(self.n_layer + self.indexed.index(layer), k[:, None], k[:, None, :, :0])
+        return keys[:, 0]  # [B,1,t,d_I] -> [B,t,d_I]
+
+    def stage_positions(self, positions: torch.Tensor) -> None:
+        """The position ids ``[P, B, t]`` of every key, cached and new, as the forward in progress keeps them:
+        ``position_history`` once it commits."""
+        self._staged_positions = positions
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start = self._length
         end = start + k.shape[2]
         buf = self._buffers[layer]
@@ -129,21 +168,23 @@ class KVCache:
             if buf is not None and start:
                 grown.write(0, buf.keys[:, :, :start], buf.values[:, :, :start])
             self._buffers[layer] = buf = grown
-        if self.storage != "model":  # what a cache storing this precision would hand back
-            k, v = stored(k, self.storage), stored(v, self.storage)
         buf.write(start, k, v)
         self._staged.add(layer)
         return buf.keys[:, :, :end], buf.values[:, :, :end]
 
     def commit(self, n: int, key_is_token: torch.Tensor | None) -> None:
         """Make the rows a successful forward of ``n`` new positions wrote part of the cache."""
-        if len(self._staged) != self.n_layer:
-            missing = sorted(set(range(self.n_layer)) - self._staged)
+        if len(self._staged) != len(self._buffers):
+            missing = sorted(L for L in range(self.n_layer) if L not in self._staged)
+            indexer = [L for i, L in enumerate(self.indexed) if self.n_layer + i not in self._staged]
             self._staged.clear()
-            raise RuntimeError(f"KV cache commit with layers {missing} not updated in this forward")
+            raise RuntimeError(f"KV cache commit with layers {missing} not updated in this forward" if missing else
+                               f"KV cache commit with the indexer keys of layers {indexer} not updated in this forward")
         self._staged.clear()
         self._length += n
         self.key_is_token = key_is_token
+        if self._staged_positions is not None:
+            self.position_history, self._staged_positions = self._staged_positions, None
 
     def copy(self, length: int | None = None) -> KVCache:
         """A separate cache holding the first ``length`` cached positions (all by default), so a
@@ -151,7 +192,7 @@ class KVCache:
         length = self._length if length is None else length
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._length:
             raise ValueError(f"a copy can hold 0 … {self._length} positions, got {length!r}")
-        twin = KVCache(self.n_layer, self.batch_size, self.storage)
+        twin = KVCache(self.n_layer, self.batch_size, self.storage, self.indexed)
         if length:
             for layer, buf in enumerate(self._buffers):
                 if buf is None:  # a layer without attention (a hybrid model's state layer) holds no rows
@@ -161,6 +202,7 @@ class KVCache:
                 twin._buffers[layer] = own
         twin._length = length
         twin.key_is_token = self.key_is_token[:, :length].clone() if self.key_is_token is not None else None
+        twin.position_history = self.position_history[..., :length] if self.position_history is not None else None
         return twin
 
     def reorder(self, rows: torch.Tensor) -> None:
@@ -181,6 +223,8 @@ class KVCache:
             self._buffers[layer] = moved
         if self.key_is_token is not None:
             self.key_is_token = self.key_is_token[rows.to(self.key_is_token.device)]
+        if self.position_history is not None:
+            self.position_history = self.position_history[:, rows.to(self.position_history.device)]
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions and drop the rows past them, in every layer (and their padding
@@ -202,15 +246,23 @@ class KVCache:
         self._length = length
         if self.key_is_token is not None:
             self.key_is_token = self.key_is_token[:, :length].clone()
+        if self.position_history is not None:
+            self.position_history = self.position_history[..., :length]
 
     def rollback(self) -> None:
         """Forget a failed forward: rows it wrote past ``length`` are overwritten next time."""
         self._staged.clear()
+        self._staged_positions = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cached keys and values (the t rows in use, all layers)."""
+        """Bytes of the cached keys and values (the t rows in use, all layers; the indexer keys apart)."""
         return sum(int(t.numel() * t.element_size()) for t in (*self.keys, *self.values) if t is not None)
+
+    @property
+    def indexer_nbytes(self) -> int:
+        """Bytes of the indexer key caches of the indexed layers (the t rows in use)."""
+        return sum(int(t.numel() * t.element_size()) for t in self.indexer_keys.values() if t is not None)
 
     @property
     def stored_nbytes(self) -> int:

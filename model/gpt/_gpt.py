@@ -145,6 +145,11 @@ class GPTConfig:
     # family "hf", KV sharing (Gemma 3n, Gemma 4): (layer, source) for each layer that computes no K and V of its own
     # and attends over the K and V of layer ``source`` (its cache holds no rows)
     kv_shared: tuple[tuple[int, int], ...] = ()
+    # family "hf", indexed (sparse) attention (DeepSeek-V3.2's DSA, GLM-5, Qwen4-Exp's QSA …): the layers whose queries
+    # attend only to the keys a learned indexer chose (its own, or the layer before's: GLM-5 / HY-V4 "shared"), and
+    # d_I, the width of the keys that indexer keeps in the cache beside K and V
+    indexed_layers: tuple[int, ...] = ()
+    indexer_key_dim: int | None = None
     # family "hf": whether every block is a plain residual sum — the stream after attention (or a hybrid layer's
     # mixer) equal to the stream entering the block + hook_attn_out (hook_mixer_out), and the stream leaving it
     # equal to that + hook_mlp_out (a parallel block: x + both) — measured on the load's forward within float
@@ -207,6 +212,8 @@ class GPTConfig:
             object.__setattr__(self, "mixers", tuple(self.mixers))
         if isinstance(self.state_layers, list):
             object.__setattr__(self, "state_layers", tuple(self.state_layers))
+        if isinstance(self.indexed_layers, list):
+            object.__setattr__(self, "indexed_layers", tuple(self.indexed_layers))
         if isinstance(self.kv_shared, list):
             object.__setattr__(self, "kv_shared", tuple(tuple(pair) for pair in self.kv_shared))
         mixers = self.mixers
@@ -215,10 +222,11 @@ class GPTConfig:
                                    or (all(mixers) and set(self.state_layers) != set(range(self.n_layer)))):
             raise ValueError(f"GPTConfig.mixers must name one mixer per layer (n_layer = {self.n_layer}), \"\" for "
                              f"an attention layer (all named only where every layer keeps state); got {mixers!r}")
-        if not all(isinstance(L, int) and not isinstance(L, bool) and 0 <= L < self.n_layer
-                   for L in self.state_layers):
-            raise ValueError(f"GPTConfig.state_layers must be layer numbers below {self.n_layer}, got "
-                             f"{self.state_layers!r}")
+        for name in ("state_layers", "indexed_layers"):
+            if not all(isinstance(L, int) and not isinstance(L, bool) and 0 <= L < self.n_layer
+                       for L in getattr(self, name)):
+                raise ValueError(f"GPTConfig.{name} must be layer numbers below {self.n_layer}, got "
+                                 f"{getattr(self, name)!r}")
         pairs = self.kv_shared
 
         def layer_number(x: object) -> bool:
@@ -320,7 +328,7 @@ class GPTConfig:
         """Plain JSON values (``GPTConfig(**config.to_dict())`` gives the config back): the per-layer tuples as
         lists, as a file written and read again holds them."""
         out = asdict(self)
-        for name in ("mixers", "state_layers"):
+        for name in ("mixers", "state_layers", "indexed_layers"):
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
         out["kv_shared"] = [list(pair) for pair in out["kv_shared"]]

@@ -31,6 +31,7 @@ NEEDS = {
     "softcap": "transformers-run, soft-capped (Gemma 2)",
     "latent": "transformers-run, latent attention (DeepSeek-V2/V3, MiniCPM3)",
     "sinks": "transformers-run, attention sinks (gpt-oss)",
+    "indexed": "transformers-run, indexed (sparse) attention (DeepSeek-V3.2, GLM-5, Qwen4-Exp …)",
     "hybrid": "transformers-run, at a layer without attention (hybrid models: Qwen3-Next, Jamba …)",
 }
 
@@ -79,6 +80,19 @@ HOOKS: tuple[HookSpec, ...] = (
              "hook_attn_scores is scaled *and* masked"),
     HookSpec("blocks.{L}.attn.hook_softcapped", ("B", "H", "n", "t"), "c·tanh(scores / c), the soft-cap (Gemma 2)",
              "—", needs="softcap"),
+    HookSpec("blocks.{L}.attn.hook_index_keys", ("B", "n", "d_I"),
+             "the indexer's keys of the new positions (its own projection of x, kept in the cache beside K and V)", "—",
+             needs="indexed"),
+    HookSpec("blocks.{L}.attn.hook_index_keys_all", ("B", "t", "d_I"), "the indexer's keys: its cache ++ new", "—",
+             needs="indexed"),
+    HookSpec("blocks.{L}.attn.hook_index_scores", ("B", "n", "t"),
+             "what the indexer ranks: Σ_h w_h·ReLU(q_h·k) per key, −∞ where the mask hides it (DSA; a QSA indexer "
+             "scores blocks of keys)", "—", needs="indexed"),
+    HookSpec("blocks.{L}.attn.hook_index_visible", ("B", "n", "t"),
+             "the keys the causal / padding mask lets each query see (bool)", "—", needs="indexed"),
+    HookSpec("blocks.{L}.attn.hook_index_selected", ("B", "n", "t"),
+             "the visible keys the indexer chose for each query, its top-k (bool): M hides every other key", "—",
+             needs="indexed"),
     HookSpec("blocks.{L}.attn.hook_mask", ("B|1", "1", "n", "t"),
              "additive mask M: 0 or −∞ (B rows only with padding; a sliding window hides keys ≥ window back)", "—"),
     HookSpec("blocks.{L}.attn.hook_masked_scores", ("B", "H", "n", "t"), "QKᵀ/√d_k + M", "≈ hook_attn_scores"),
@@ -141,11 +155,14 @@ HF_ROWS = frozenset({
     "blocks.{L}.hook_attn_out", "blocks.{L}.hook_resid_mid", "blocks.{L}.hook_mlp_out", "blocks.{L}.hook_resid_post",
     "hook_logits", "blocks.{L}.attn.hook_kv_latent_all", "blocks.{L}.attn.hook_k_rope_all",
     "blocks.{L}.attn.hook_sink_logits", "blocks.{L}.attn.hook_sink_weight", "blocks.{L}.hook_mixer_in",
-    "blocks.{L}.hook_mixer_out"})
-HF_ONLY_NEEDS = ("softcap", "latent", "sinks", "hybrid")  # the features only a transformers-run model has
+    "blocks.{L}.hook_mixer_out", "blocks.{L}.attn.hook_index_keys", "blocks.{L}.attn.hook_index_keys_all",
+    "blocks.{L}.attn.hook_index_scores", "blocks.{L}.attn.hook_index_visible", "blocks.{L}.attn.hook_index_selected"})
+HF_ONLY_NEEDS = ("softcap", "latent", "sinks", "hybrid", "indexed")  # the features only a transformers-run model has
 LATENT_ROWS = frozenset({"blocks.{L}.attn.hook_kv_latent_all", "blocks.{L}.attn.hook_k_rope_all",
                          "blocks.{L}.attn.hook_sink_logits", "blocks.{L}.attn.hook_sink_weight",
-                         "blocks.{L}.hook_mixer_in", "blocks.{L}.hook_mixer_out"})  # hf only
+                         "blocks.{L}.hook_mixer_in", "blocks.{L}.hook_mixer_out", "blocks.{L}.attn.hook_index_keys",
+                         "blocks.{L}.attn.hook_index_keys_all", "blocks.{L}.attn.hook_index_scores",
+                         "blocks.{L}.attn.hook_index_visible", "blocks.{L}.attn.hook_index_selected"})  # hf only
 MODULE_ROWS = frozenset(r for r in HF_ROWS - LATENT_ROWS if ".attn." in r and "softcapped" not in r) | {"hook_logits"}
 V_ROWS = ("blocks.{L}.attn.hook_v", "blocks.{L}.attn.hook_v_all", "blocks.{L}.attn.hook_z", "blocks.{L}.attn.hook_merged")
 HF_MEANINGS = {  # what a row means there, where that differs from our GPT
@@ -202,6 +219,8 @@ def _has(spec: HookSpec, config) -> bool:
             return getattr(config, "kv_latent_dim", None) is not None
         if spec.needs == "sinks":
             return bool(getattr(config, "attn_sinks", False))
+        if spec.needs == "indexed":  # at the indexed layers only (GPTConfig.indexed_layers)
+            return bool(getattr(config, "indexed_layers", ()))
         if spec.needs == "hybrid":  # at the layers without attention only (GPTConfig.has_attention says which)
             return getattr(config, "mixers", None) is not None
         return spec.name in HF_ROWS
@@ -320,7 +339,7 @@ def dims_of(config, batch: int, new: int, keys: int) -> dict[str, int]:
         "d_head": dh, "V": config.vocab_size, "4d": config.d_ff, "d_ff": config.d_ff,
         "d_qkv": (H + 2 * G) * dh, "H·d_head": H * dh, "d_qk": dh, "d_v": dv, "H·d_v": H * dv,
     }
-    for symbol, field in (("d_c", "kv_latent_dim"), ("d_R", "rope_key_dim")):
+    for symbol, field in (("d_c", "kv_latent_dim"), ("d_R", "rope_key_dim"), ("d_I", "indexer_key_dim")):
         if getattr(config, field, None) is not None:
             dims[symbol] = getattr(config, field)
     return dims

@@ -32,7 +32,8 @@ _HOOKS: weakref.WeakKeyDictionary[nn.Module, _AttentionHooks] = weakref.WeakKeyD
 class _AttentionHooks(nn.Module):
     """One layer's attention hook points, under ``blocks.{L}.attn`` (shapes as in model/gpt/_gpt.py)."""
 
-    def __init__(self, softcap: bool, latent: bool = False, sinks: bool = False, differential: bool = False) -> None:
+    def __init__(self, softcap: bool, latent: bool = False, sinks: bool = False, differential: bool = False,
+                 indexed: bool = False) -> None:
         super().__init__()
         self.hook_q = HookPoint()  # [B, H, n, d_qk], as the attention receives it (position-encoded)
         self.hook_k = HookPoint()  # [B, G, n, d_qk], the new keys
@@ -65,6 +66,15 @@ class _AttentionHooks(nn.Module):
             self.hook_diff_pattern = HookPoint()  # [B, H/2, n, t], A_1 − λ·A_2: what the layer applies
             self.hook_v_all_2 = HookPoint()  # [B, G, t, d_v], the values of the second call
             self.hook_z_2 = HookPoint()  # [B, H, n, d_v], A·V of the second call
+        if indexed:  # indexed (sparse) attention (DeepSeek-V3.2's DSA, GLM-5, Qwen4-Exp's QSA, …): a learned indexer
+            # scores the keys and each query attends to the ones it selects; the indexer keeps keys of its own
+            self.hook_index_keys = HookPoint()  # [B, n, d_I], the indexer's new keys
+            self.hook_index_keys_all = HookPoint()  # [B, t, d_I], its key cache + new
+            self.hook_index_scores = HookPoint()  # [B, n, t], what the top-k ranks (−∞ where the mask hides a key)
+            self.hook_index_visible = HookPoint()  # [B, n, t] bool, the keys the causal / padding mask lets it see
+            self.hook_index_selected = HookPoint()  # [B, n, t] bool, the visible keys the indexer chose
+        self.pending_selection: tuple[torch.Tensor, torch.Tensor] | None = None  # (visible, selected) from an indexer
+        # that folds its choice into the mask itself (Qwen4-Exp's QSA), for the attention call that follows
         self.w_o: nn.Module | None = None  # the model's own output projection (not a submodule here)
         self.calls = 0  # forwards that reached the traced attention (HFDecoder checks each layer's once)
         self.seen: tuple[int, int, int, int] = (0, 0, 0, 0)  # (H, G, d_qk, d_v) as the last call received them
@@ -131,6 +141,11 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         query, key, value = hooks.receive(query, key, value)
     n, t = query.shape[2], key.shape[2]
     mask = attention_mask[:, :, :, :t] if attention_mask is not None else None  # [B|1,1,n,t]
+    indices = kwargs.get("indices")  # [B,n,k]: the keys a DSA indexer chose for each query (transformers hands them
+    # to any attention function but its eager and SDPA ones, which fold them into the mask instead)
+    indexed = indices is not None or (hooks is not None and hooks.pending_selection is not None)
+    if indexed:  # eager always: the choice is in the mask, which no description of causal / window / padding holds
+        mask = _indexed_mask(query, mask, indices, hooks)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     forward = getattr(_forward, "keys", None)  # (key_is_token,) while HFDecoder.forward runs on this thread
     window = kwargs.get("sliding_window")
@@ -146,7 +161,7 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                                   softcap, received)
         else:
             z, weights = attention_with_sinks(query, key, value, mask, hooks, scale, cast(torch.Tensor, sinks)), None
-    elif forward is None or dropout > 0.0 or (mask is not None and _adds_a_bias(mask)):
+    elif forward is None or dropout > 0.0 or (mask is not None and _adds_a_bias(mask)) or indexed:
         # eager with transformers' own mask; always so for a mask that adds values to the scores (Doge's learned
         # per-head dynamic mask), which a description of causal / window / padding slots cannot rebuild
         z, weights = attention(query, key, value, mask, hooks, scale=scale, softcap=softcap)  # [B,H,n,d_head]
@@ -160,6 +175,37 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if hooks is not None:
         z = hooks.hook_z(z)
     return z.transpose(1, 2).contiguous(), weights  # [B,n,H,d_v], as transformers expects
+
+
+def _indexed_mask(query: torch.Tensor, mask: torch.Tensor | None, indices: torch.Tensor | None,
+                  hooks: _AttentionHooks | None) -> torch.Tensor:
+    """The mask an indexed layer's softmax applies, ``[B,1,n,t]``: the causal / padding mask with every key the
+    indexer did not choose hidden too — as transformers' eager path folds a DSA indexer's top-k ``indices``
+    ``[B,n,k]`` into it (``finfo.min`` there, −∞ here where the row sees a key: the same softmax). A QSA indexer
+    (Qwen4-Exp) has folded its choice in already; its forward hook left what it saw and chose in
+    ``hooks.pending_selection``. Records the keys each query could see and the ones it chose."""
+    if mask is None:
+        raise HFDecoderError("an indexed attention layer was called without a mask, so the keys its indexer chose "
+                             "cannot be told from the ones the causal mask hides")
+    B, n, t = query.shape[0], query.shape[2], mask.shape[-1]
+    hidden_value = torch.finfo(mask.dtype).min / 2
+    visible = (mask[:, 0] > hidden_value).expand(B, n, t)  # [B,n,t]
+    if indices is not None:
+        chosen = torch.zeros(B, n, t, dtype=torch.bool, device=mask.device)
+        chosen.scatter_(-1, indices.long().clamp(0, t - 1), indices >= 0)  # a −1 chose nothing
+        selected = chosen & visible
+        mask = mask.masked_fill(~chosen[:, None], torch.finfo(mask.dtype).min)  # [B|1,1,n,t] -> [B,1,n,t]
+        sees = (mask > hidden_value).any(dim=-1, keepdim=True)  # a row that sees something: −∞, as traced_mask
+        mask = mask.masked_fill((mask <= hidden_value) & sees, float("-inf"))
+    else:
+        pending = cast(_AttentionHooks, hooks).pending_selection
+        visible, selected = cast(tuple[torch.Tensor, torch.Tensor], pending)
+    if hooks is not None:
+        hooks.pending_selection = None
+        if hasattr(hooks, "hook_index_visible"):
+            hooks.hook_index_visible(visible)
+            hooks.hook_index_selected(selected)
+    return mask
 
 
 def _differential_first_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -231,7 +277,8 @@ def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 
 _probing = threading.local()  # .record: HFDecoder's probe's callback while it runs on this thread
-_forward = threading.local()  # .keys: (key_is_token [B,t] | None,) while HFDecoder.forward runs on this thread
+_forward = threading.local()  # .keys: (key_is_token [B,t] | None, the mask must be built) while HFDecoder.forward
+# runs on this thread
 
 
 @contextmanager
@@ -250,9 +297,11 @@ def traced_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 
     from gpt_shape_tracer.model.sources._hf_compressed import compressed_config
 
-    # our forward: the attention can work from a description — but for compressed attention (DeepSeek-V4), which
-    # extends a mask tensor with its compressor's block bias and, without one, drops that bias
-    if getattr(_forward, "keys", None) is not None and not compressed_config(kwargs.get("config")):
+    forward = getattr(_forward, "keys", None)
+    # our forward: the attention can work from a description — not where an indexer reads the mask (an indexed
+    # model's), nor for compressed attention (DeepSeek-V4), which extends a mask tensor with its compressor's block
+    # bias and, without one, drops that bias
+    if forward is not None and not forward[1] and not compressed_config(kwargs.get("config")):
         mode, threshold = attention_path_settings()
         batch, n, t = kwargs.get("batch_size", 1), kwargs.get("q_length", 0), kwargs.get("kv_length", 0)
         if isinstance(n, int) and isinstance(t, int) and isinstance(batch, int) and (

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # transformers is imported where it is used: loading our own 
     pass
 # -- the KV cache -----------------------------------------------------------------------------------------
 def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | None] | None = None,
-                own: type | None = None):
+                own: type | None = None, attention: list[_AttentionHooks | None] | None = None):
     """transformers' ``Cache`` over our ``KVCache``: ``update`` appends to our buffers (transactionally:
     our model commits after the forward), sizes come from our length.
 
@@ -29,7 +29,9 @@ def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | Non
     A latent-attention layer (DeepSeek-V2/V3: ``latent[layer]`` holds its hooks) hands ``update`` its compressed
     latent c_KV ``[B,1,n,d_c]`` and its rotary key k_R ``[B,1,n,d_R]`` in place of K and V — transformers' own
     cache holds those too — and expands K and V from what comes back: both go through the layer's
-    ``hook_kv_latent_all`` / ``hook_k_rope_all`` on the way."""
+    ``hook_kv_latent_all`` / ``hook_k_rope_all`` on the way.
+
+    ``attention``: every layer's attention hooks (None where it has none), for the indexed layers' indexer keys."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     class _CacheLayer(CacheLayerMixin):
@@ -58,6 +60,25 @@ def _cache_view(cache: KVCache, n_layer: int, latent: list[_AttentionHooks | Non
 
         def get_max_length(self) -> int:
             return -1
+
+        @property
+        def indexer_position_ids(self) -> torch.Tensor | None:  # Qwen4-Exp's indexer: the keys' position ids
+            return cache.position_history
+
+        @indexer_position_ids.setter
+        def indexer_position_ids(self, positions: torch.Tensor) -> None:
+            cache.stage_positions(positions)
+
+        def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+            """An indexed layer's indexer keys ``[B,n,d_I]`` (DeepSeek-V3.2's DSA, …) appended to its own cache
+            beside K and V; returns all of them ``[B,t,d_I]`` through the layer's ``hook_index_keys`` /
+            ``hook_index_keys_all``, as transformers' ``DynamicIndexedLayer.update_indexer`` returns them."""
+            all_keys = cache.append_indexer(self.layer, indexer_key_states)
+            hooks = attention[self.layer] if attention is not None else None
+            if hooks is not None and hasattr(hooks, "hook_index_keys"):
+                hooks.hook_index_keys(indexer_key_states)
+                all_keys = hooks.hook_index_keys_all(all_keys)
+            return all_keys
 
     states = cache.states if isinstance(cache, StateCache) else {}  # a hybrid model's persistent state layers
     layers = [states.get(i) or _CacheLayer(i) for i in range(n_layer)]
@@ -112,8 +133,8 @@ class StateCache(KVCache):
     state as it was at ``length`` positions."""
 
     def __init__(self, n_layer: int, batch_size: int, storage: str, templates: list[Any],
-                 attention_layers: set[int] | None = None) -> None:
-        super().__init__(n_layer, batch_size, storage)
+                 attention_layers: set[int] | None = None, indexed: tuple[int, ...] = ()) -> None:
+        super().__init__(n_layer, batch_size, storage, indexed)
         self.templates = templates
         self.attention_layers = set(range(n_layer)) if attention_layers is None else set(attention_layers)
         self.states = {layer: _state_layer(self, layer, template) for layer, template in enumerate(templates)
@@ -158,8 +179,10 @@ class StateCache(KVCache):
         held = KVCache.copy(self, length)  # checks length
         if length not in self._snapshots:
             raise ValueError(f"the convolution / state-space state at {length} positions was not kept")
-        twin = StateCache(self.n_layer, self.batch_size, self.storage, self.templates, self.attention_layers)
+        twin = StateCache(self.n_layer, self.batch_size, self.storage, self.templates, self.attention_layers,
+                          self.indexed)
         twin._buffers, twin._length, twin.key_is_token = held._buffers, held._length, held.key_is_token
+        twin.position_history = held.position_history
         twin._snapshots = {k: v for k, v in self._snapshots.items() if k <= length}
         twin._restore(self._snapshots[length])
         return twin

@@ -39,7 +39,7 @@ Records (``blocks.{L}.attn.…``, beside hook_q, hook_k_all, hook_mask, hook_pat
 * ``hook_compressed_mask`` ``[B, 1, n, T]``: the compressor's block bias, 0 where a query may see an entry, −∞
   elsewhere — the last T columns of ``hook_mask`` (HCA hands none for a one-query step: every entry ended before
   it).
-* ``hook_index_kv_all`` ``[B, T, d_I]`` (CSA): the indexer's compressed keys; ``hook_index_scores`` ``[B, n, T]``:
+* ``hook_index_keys_all`` ``[B, T, d_I]`` (CSA): the indexer's compressed keys; ``hook_index_scores`` ``[B, n, T]``:
   its score of each key for each query, −∞ where the key's window is not complete at the query (what its top-k
   reads); ``hook_index_selected`` ``[B, n, T]`` (bool): the keys each query chose. (DSA indexers are recorded under
   the same names, over all t keys; a V4 indexer's keys are the compressed entries, the last T columns of the
@@ -66,8 +66,8 @@ from gpt_shape_tracer.model.gpt import HookPoint, KVCache
 COMPRESSOR = "compressor"  # the names transformers' V4 cache layers key their state by
 INDEXER = "indexer"
 # the hook names a compressed layer adds, in the order a step records them
-COMPRESSED_FORWARD_RECORDS = ("hook_compressed_kv_all", "hook_index_kv_all", "hook_index_scores", "hook_index_selected",
-                              "hook_compressed_mask")
+COMPRESSED_FORWARD_RECORDS = ("hook_compressed_kv_all", "hook_index_keys_all", "hook_index_scores",
+                              "hook_index_selected", "hook_compressed_mask")
 COMPRESSED_HELD_RECORDS = ("hook_window_kv", "hook_window_v", "hook_compress_buffer", "hook_compress_overlap",
                            "hook_index_buffer",
                 "hook_index_overlap")
@@ -353,7 +353,7 @@ def add_hooks(hooks: nn.Module, attn: nn.Module) -> list[Any]:
     scorer = getattr(indexer, "scorer", None)
     if isinstance(indexer, nn.Module) and isinstance(scorer, nn.Module):
         hooks.hook_compress_overlap = HookPoint()  # [B, m, 2·d_head]
-        hooks.hook_index_kv_all = HookPoint()  # [B, T, d_I]
+        hooks.hook_index_keys_all = HookPoint()  # [B, T, d_I]
         hooks.hook_index_scores = HookPoint()  # [B, n, T]
         hooks.hook_index_selected = HookPoint()  # [B, n, T] bool
         hooks.hook_index_buffer = HookPoint()
@@ -384,7 +384,7 @@ def _point(hooks: nn.Module, name: str) -> HookPoint:
 def _scored(hooks: nn.Module, args: tuple, out: torch.Tensor, raw: dict[str, torch.Tensor]) -> None:
     """The indexer's scorer: its keys (``args[1]``, ``[B, T, d_I]``) recorded, its raw scores ``[B, n, T]`` kept for
     the indexer's own hook, which masks them as its top-k does."""
-    _point(hooks, "hook_index_kv_all")(args[1])
+    _point(hooks, "hook_index_keys_all")(args[1])
     raw["scores"] = out
 
 

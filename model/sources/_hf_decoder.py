@@ -43,7 +43,7 @@ What the records mean for such a model (the hook table's rows, specialised):
   its forward accepts: the cache view is then an instance of that class whose ``get_linear_cache`` /
   ``set_linear_cache`` read and write the layer's state in ``StateCache`` (``hook_ssm_state``).
 
-* ``hook_compressed_kv_all``, ``hook_compressed_mask``, ``hook_index_kv_all``, ``hook_index_scores``,
+* ``hook_compressed_kv_all``, ``hook_compressed_mask``, ``hook_index_keys_all``, ``hook_index_scores``,
   ``hook_index_selected``, ``hook_window_kv`` … (compressed attention: DeepSeek-V4): the compressed K = V entries the
   attention reads after its window's rows, the compressor's block bias, the CSA indexer's keys, scores and choice,
   and what the family's own cache layers hold after each step (``CompressedCache`` keeps those layers;
@@ -93,6 +93,7 @@ from gpt_shape_tracer.model.sources._hf_attention import (
 )
 from gpt_shape_tracer.model.sources._hf_cache import StateCache, _cache_view, latent_widths, state_templates
 from gpt_shape_tracer.model.sources._hf_compressed import CompressedCache, add_hooks, compressed_config, record_held
+from gpt_shape_tracer.model.sources._hf_indexer import indexer_of, watch_indexer
 from gpt_shape_tracer.model.sources._hf_probe import (
     _NAMES_FINAL_NORM,
     _NAMES_MLP,
@@ -112,7 +113,7 @@ from gpt_shape_tracer.model.sources._hf_probe import (
     mixer_name,
     mixer_of,
 )
-from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, refusal_by_config
+from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, _special_cache_layers, refusal_by_config
 from gpt_shape_tracer.model.sources._tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -159,13 +160,23 @@ def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None,
 
 
 # -- the model ------------------------------------------------------------------------------------------
+def _indexer_key_dim(cfg: Any) -> int | None:
+    """d_I, the width of the keys an indexed model's indexer caches (DSA: ``index_head_dim``; QSA:
+    ``indexer_head_dim``)."""
+    for name in ("index_head_dim", "indexer_head_dim"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 class _BlockHooks(nn.Module):
     def __init__(self, softcap: bool, has_mid: bool, latent: bool = False, sinks: bool = False,
-                 attention: bool = True, differential: bool = False) -> None:
+                 attention: bool = True, differential: bool = False, indexed: bool = False) -> None:
         super().__init__()
         self.hook_resid_pre = HookPoint()  # [B, n, d]
         if attention:
-            self.attn = _AttentionHooks(softcap, latent, sinks, differential)
+            self.attn = _AttentionHooks(softcap, latent, sinks, differential, indexed)
             self.hook_attn_out = HookPoint()  # [B, n, d]
         else:  # a hybrid model's layer whose mixer is not attention: what goes in and what comes out
             self.hook_mixer_in = HookPoint()  # [B, n, d], the mixer's input (the normed residual)
@@ -338,10 +349,16 @@ class HFDecoder(nn.Module):
                         for L, (layer, attn) in enumerate(zip(layers, attns))]
         self.mixer_names = tuple("" if m is None else mixer_name(m, prefix) for m in self._mixers)
         differential = [call is not None and call.differential for call in probed]
+        # indexed (sparse) attention: the layers transformers gives an indexer key cache and whose attention has an
+        # indexer of its own (a GLM-5 "shared" layer reuses the previous layer's choice and keeps no such keys)
+        indexers = [indexer_of(attn) if attn is not None else None for attn in attns]
+        cached_index = set(_special_cache_layers(hf.config)[0])
+        self._indexed = tuple(L for L, ix in enumerate(indexers) if ix is not None and L in cached_index)
         block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks,
-                                   attention=attn is not None, differential=diff)
-                       for norm, latent, sinks, attn, diff in zip(mlp_norms, self._latent, self._sinks, attns,
-                                                                  differential)]
+                                   attention=attn is not None, differential=diff, indexed=ix is not None or (
+                                       attn is not None and bool(cached_index) and L in cached_index))
+                       for L, (norm, latent, sinks, attn, diff, ix) in enumerate(
+                           zip(mlp_norms, self._latent, self._sinks, attns, differential, indexers))]
         self.blocks = nn.ModuleList(block_hooks)
         self._compressed = compressed_config(hf.config)  # its own cache layers compress K/V (_hf_compressed.py)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
@@ -364,6 +381,8 @@ class HFDecoder(nn.Module):
                 lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out)))))
             if attn is not None:
                 _HOOKS[attn] = hooks.attn
+                if (indexer := indexer_of(attn)) is not None:
+                    self._handles.extend(watch_indexer(indexer, hooks.attn))
                 hooks.attn.w_o = _child(attn, _NAMES_OUT)
                 if self._compressed:  # DeepSeek-V4: its compressed K/V, indexer and what its cache holds
                     self._handles.extend(add_hooks(hooks.attn, attn))
@@ -483,6 +502,9 @@ class HFDecoder(nn.Module):
             mixers=self.mixer_names if any(self.mixer_names) else None,
             state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None or self._carried),
             kv_shared=self._kv_shared,
+            indexed_layers=tuple(L for L, block in enumerate(self.blocks)
+                                 if hasattr(getattr(block, "attn", None), "hook_index_selected")),
+            indexer_key_dim=_indexer_key_dim(cfg) if self._indexed else None,
         )
 
     # -- what our GPT offers too ----------------------------------------------------------------------
@@ -522,8 +544,8 @@ class HFDecoder(nn.Module):
             # a hybrid model, or one whose KV-sharing layers append no K, V rows (they count as updated)
             readers = {L for L, _ in self._kv_shared}
             return StateCache(self.config.n_layer, batch_size, storage, self._state_templates,
-                              set(self.config.attention_layers) - readers)
-        return KVCache(self.config.n_layer, batch_size, storage)
+                              set(self.config.attention_layers) - readers, self._indexed)
+        return KVCache(self.config.n_layer, batch_size, storage, self._indexed)
 
     @property
     def w_u(self) -> torch.Tensor:
@@ -561,7 +583,7 @@ class HFDecoder(nn.Module):
         if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
             attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
         before = getattr(_forward, "keys", None)
-        _forward.keys = (key_is_token,)
+        _forward.keys = (key_is_token, bool(self._indexed))  # an indexer reads the mask: it must be built
         with transaction(cache, n, key_is_token), _restored(before):
             # positions count real tokens; a family whose embeddings derive positions from the ids themselves
             # (RoBERTa's padding_idx + 1 + …) gets them only with padding, else its own default applies
@@ -607,7 +629,7 @@ class HFDecoder(nn.Module):
         latent: list[_AttentionHooks | None] = [cast(_AttentionHooks, block.attn) if widths is not None else None
                                                  for block, widths in zip(self.blocks, self._latent)]
         return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None,
-                           self._own_cache)
+                           self._own_cache, [getattr(block, "attn", None) for block in self.blocks])
 
 
 

@@ -63,12 +63,7 @@ def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
     if getattr(config, "alibi", False):
         return HFDecoderError(f"{model_type} adds ALiBi position biases to the attention scores, which the traced "
                               "attention does not model", reason="alibi")
-    indexed, own = _special_cache_layers(config)
-    if indexed:
-        return HFDecoderError(
-            f"{model_type}: layer(s) {', '.join(map(str, indexed[:12]))} use indexed (sparse) attention: a learned "
-            "indexer picks the keys each query attends to and keeps its own key cache beside K and V, which the "
-            "traced KV cache does not keep", reason="indexed attention")
+    _, own = _special_cache_layers(config)  # indexed layers are traced: their indexer keys live in KVCache
     if own:
         return HFDecoderError(
             f"{model_type}: its layers keep a cache of the family's own kind ({', '.join(own[:4])}: compressed keys "
