@@ -486,7 +486,7 @@ def window_layers(trace: Trace, step: int) -> list[int]:
     layers = []
     for layer in attention_layers(trace):
         mask = trace.get(act_name("mask", layer), step)
-        if mask is None:
+        if mask is None or mask.shape[-1] != forward.t:  # columns that are not positions (compressed attention)
             continue
         for b in range(facts.batch_size):
             real = torch.tensor(facts.is_token(b, step)[:forward.t])  # [t]

@@ -41,8 +41,14 @@ class MaskFacts:
     padding_rows_see: str = ""  # what the padding query rows may see, read from M ("" when not counted)
     smallest: int = 0  # cells holding the smallest finite float instead (transformers' rows that see nothing)
     indexer: int = 0  # … because an indexed layer's indexer did not choose the key (indexed / sparse attention)
+    # compressed attention (DeepSeek-V4): the columns are a window's last rows, the new rows, then compressed entries
+    # — not the positions 0 … t−1 — so no cell's cause is read from its column; how many cells are −∞ (−1: not that)
+    compressed_masked: int = -1
+    compressed_entries: int = 0  # … and how many of its last columns are compressed entries
 
     def explanation(self) -> str:
+        if self.compressed_masked >= 0:
+            return compressed_mask_sentence(self.n, self.t, self.compressed_masked, self.compressed_entries)
         if not self.counted:
             return (f"M has shape {shape_text(self.shape)}: n = {self.n} query row(s) × t = {self.t} key column(s). "
                     "Its values were not kept (capture “shapes”, or evicted by the budget), so its entries are not "
@@ -112,6 +118,10 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     config = trace.config
     window = getattr(config, "sliding_window", None) if config is not None else None
     real = facts.is_token(batch, step)  # the t key columns this step saw
+    compressed = len(real) != t  # columns that are not the positions 0 … t−1 (compressed attention: a window's
+    # rows, then compressed entries; model/sources/_hf_compressed.py): no cause can be read from a column's position
+    if compressed:
+        real = (True,) * t
     pad_cols = tuple(j for j in range(t) if not real[j])
     first_query = t - n
     pad_rows = tuple(i for i in range(n) if not real[first_query + i])
@@ -123,6 +133,10 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     if mask is None:
         return uncounted
     values = mask[min(batch, mask.shape[0] - 1), 0]  # [n, t]
+    if compressed:
+        entries = f"blocks.{layer}.attn.hook_compressed_kv_all"  # model/sources/_hf_compressed.py's record
+        return replace(uncounted, compressed_masked=int(torch.isinf(values).sum()),
+                       compressed_entries=trace.record(entries, step).shape[2] if trace.has(entries, step) else 0)
     block = torch.isinf(values)
     smallest = int((torch.isfinite(values) & (values <= torch.finfo(values.dtype).min / 2)).sum()) \
         if values.is_floating_point() else 0
@@ -142,6 +156,19 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
                    indexer=int((block & skipped).sum()),
                    unexplained=int((block & ~explained).sum()), smallest=smallest,
                    padding_rows_see=_padding_rows_see(values, pad_rows, first_query))
+
+
+def compressed_mask_sentence(n: int, t: int, masked: int, entries: int) -> str:
+    """What M says at a layer whose cache keeps a sliding window's rows (and, ``entries`` > 0, compressed entries
+    after them: DeepSeek-V4): its columns are no positions, so no cell's cause is counted, only the −∞ cells."""
+    kept = t - n - entries
+    columns = (f"the cache's last {kept} row(s) of a sliding window and the {n} new row(s)"
+               + (f", then {entries} compressed entries (each pooling several positions)" if entries else ""))
+    why = ("a row after the query or out of its window" + (", or an entry the query may not read (its positions not "
+                                                          "all before the query, or not chosen by the indexer)"
+                                                          if entries else ""))
+    return (f"M is n = {n} query row(s) × t = {t} key column(s): {columns}, not the positions 0 … t−1. {masked} of "
+            f"{n * t} entries are −∞: {why}.")
 
 
 def _padding_rows_see(values: torch.Tensor, rows: tuple[int, ...], first_query: int) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from gpt_shape_tracer.figures.common import facts_of, inert, shape_text
-from gpt_shape_tracer.figures.mask import MaskFacts
+from gpt_shape_tracer.figures.mask import MaskFacts, compressed_mask_sentence
 from gpt_shape_tracer.figures.worked import Worked
 from gpt_shape_tracer.tracer import PatchingResult, Trace
 
@@ -58,6 +58,10 @@ def shapes_takeaway(trace: Trace, step: int) -> Takeaway:
 def mask_takeaway(facts: MaskFacts) -> Takeaway:
     """What M does at this step, from its counted cells (``figures.mask.mask_facts``)."""
     cells = facts.n * facts.t
+    if facts.compressed_masked >= 0:  # compressed attention: its columns are no positions
+        return Takeaway(compressed_mask_sentence(facts.n, facts.t, facts.compressed_masked, facts.compressed_entries),
+                        (("query rows n", str(facts.n)), ("key columns t", str(facts.t)),
+                         ("−∞ cells", str(facts.compressed_masked))))
     if not facts.counted:
         return Takeaway(f"M is {shape_text(facts.shape)} at this step; its values were not kept, so its cells are "
                         "not counted.", (("query rows n", str(facts.n)), ("key columns t", str(facts.t))))

@@ -8,6 +8,7 @@ import streamlit as st
 from gpt_shape_tracer.figures import cache as cache_views
 from gpt_shape_tracer.figures import cache_classes as class_views
 from gpt_shape_tracer.figures import common as common_views
+from gpt_shape_tracer.figures import compressed_cache as compressed_views
 from gpt_shape_tracer.figures.common import attention_layers, facts_of
 from gpt_shape_tracer.gui.common import (
     chart,
@@ -47,6 +48,8 @@ def cache_tab(trace: Trace, step: int) -> None:
                        f"cache and without it ({ran}), and the multiply-adds of both paths at the steps compared "
                        "with a recompute. The step shown is marked.")
             chart(cache_views.cache_steps_figure(trace, step), key="steps_chart")
+            if compressed_views.compressed_layers(trace):  # DeepSeek-V4: its cache compresses K and V
+                compressed_section(trace, step)
     with cheaper:
         if cheaper.open:
             cheaper_cache()
@@ -69,6 +72,21 @@ def cache_tab(trace: Trace, step: int) -> None:
                 "both axes logarithmic: the time of attention is O(n²·d), of everything else O(n·d²); its memory "
                 "O(n²) for the scores against O(n·d) for the cache (Vaswani et al., 2017).\n\n" + sentence))
             chart(figure, key="growth_chart")
+
+
+def compressed_section(trace: Trace, step: int) -> None:
+    """Compressed attention (DeepSeek-V4): the bytes its cache held per step against K and V of every position,
+    and the compressed entries of each layer (figures/compressed_cache.py)."""
+    st.subheader("Compressed K and V")
+    st.caption("This model's compressed layers pool every m positions into one entry of K = V, which the attention "
+               "reads after a sliding window of recent rows (a CSA layer's indexer picks which entries each query "
+               "reads). The bytes are the sum of what its cache layers held after each step — window, compressed "
+               "entries, the indexer's keys, rows of a window not yet full —; the uncompressed cache is K and V of "
+               "every position in every layer at the model's head sizes.")
+    table = compressed_views.compressed_table(trace)
+    st.markdown(f"**{compressed_views.compressed_sentence(table, step)}**")
+    chart(compressed_views.compressed_figure(table, step), key="compressed_chart")
+    st.dataframe(table, hide_index=True, key="compressed_table")
 
 
 def cheaper_cache() -> None:
@@ -180,7 +198,12 @@ def cache_this_step(trace: Trace, step: int) -> None:
     app = state()
     facts = facts_of(trace)
     st.dataframe(cache_views.cache_table(trace, step), hide_index=True, key="cache_table")
-    if facts.info.use_cache:
+    if facts.info.use_cache and compressed_views.compressed_layers(trace):
+        # compressed attention: K, V above are what the attention read (window, new rows, compressed entries); what
+        # the cache holds is counted from its own records, not by 2·B·G·t·d_head
+        st.caption(compressed_views.compressed_sentence(compressed_views.compressed_table(trace), step)
+                   + " (Over the steps: every step, and K and V of every position for comparison.)")
+    elif facts.info.use_cache:
         latex, sentence = cache_views.memory_formula(trace, step)
         st.latex(latex)
         st.caption(sentence)

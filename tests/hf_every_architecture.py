@@ -89,6 +89,15 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # its own cached forward fails on its own config (it builds DynamicCache(config=BltConfig), which has no
     # num_hidden_layers: a top-level config over four stacks of layers); without a cache it runs
     "blt": {"use_cache": False},
+    # every attention kind real checkpoints use (DeepSeek-V4-Flash: sliding-window-only layers first, then compressed
+    # sparse (CSA, rate 4, with its indexer) and heavily compressed (HCA, rate 128) layers alternating), with rates
+    # small enough that both compress within the prompt and grow during the cached steps, and an indexer keeping
+    # fewer entries than exist (its default top-k, 512, would keep them all)
+    "deepseek_v4": {"num_hidden_layers": 3,
+                    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                    "mlp_layer_types": ["hash_moe", "moe", "moe"],
+                    "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                    "index_topk": 2, "index_n_heads": 2, "index_head_dim": 16, "o_groups": 2, "o_lora_rank": 16},
 }
 WINDOW = 4  # shorter than the prompt, so that sliding-window layers really slide in the check
 PROMPT = 8  # tokens in the prefill; then DECODE_STEPS cached steps of one token

@@ -40,7 +40,7 @@ REPRESENTATIVE = [
     "moshi",  # transformers' own cached path differs from its uncached forward
     "deepseek_v3", "minicpm3",  # latent attention (value heads narrower than query/key heads)
     "deepseek_v32",  # an indexer's key cache beside K and V
-    "deepseek_v4",  # the family's own cache layers (compressed keys and values)
+    "deepseek_v4",  # the family's own cache layers (compressed keys and values), kept in CompressedCache
     "gemma4_text",  # per-layer overrides (per_layer_config) of its global layers' head size
     "doge",  # a learned per-head mask added to the scores (kept: it runs eager with transformers' own mask)
     "gemma3n_text",  # one feed-forward width per layer

@@ -31,6 +31,13 @@ from gpt_shape_tracer.model.sources._dry_run import (
     shapes_available,
 )
 from gpt_shape_tracer.model.sources._hf_attention import ATTENTION, traced_attention
+from gpt_shape_tracer.model.sources._hf_compressed import (
+    COMPRESSED_FORWARD_RECORDS,
+    COMPRESSED_HELD_RECORDS,
+    CompressedCache,
+    compressed_cache_bytes,
+    uncompressed_cache_bytes,
+)
 from gpt_shape_tracer.model.sources._hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, read_config
 from gpt_shape_tracer.model.sources._hf_decoder import Architecture, HFDecoder
 from gpt_shape_tracer.model.sources._hf_loading import MaxMemory, is_hf_decoder_dir, load_hf_decoder, weights_size
@@ -84,4 +91,6 @@ __all__ = [
     "resolve_model_path", "safetensors_files", "save_hf", "save_hf_gpt2", "snapshot_of", "state_to_hf",
     "traced_attention", "traced_sdpa", "weights_size", "ShardedModule", "TensorParallelError", "TensorParallelPlan",
     "compile_chat_template", "forget_rendered_chats", "render_chat_template", "MetaOpCache", "meta_op_cache",
+    "COMPRESSED_FORWARD_RECORDS", "COMPRESSED_HELD_RECORDS", "CompressedCache", "compressed_cache_bytes",
+    "uncompressed_cache_bytes",
 ]

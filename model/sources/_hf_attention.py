@@ -78,6 +78,9 @@ class _AttentionHooks(nn.Module):
         self.w_o: nn.Module | None = None  # the model's own output projection (not a submodule here)
         self.calls = 0  # forwards that reached the traced attention (HFDecoder checks each layer's once)
         self.seen: tuple[int, int, int, int] = (0, 0, 0, 0)  # (H, G, d_qk, d_v) as the last call received them
+        # compressed attention (DeepSeek-V4): how many compressed entries the next call's K, V end with, after the
+        # new rows (set by model/sources/_hf_compressed.py's compressor hook, read once)
+        self.tail = 0
 
     def receive(self, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,8 +91,9 @@ class _AttentionHooks(nn.Module):
         G, t = key.shape[-3], key.shape[-2]
         self.calls += 1
         self.seen = (H, G, dh, value.shape[-1])
-        self.hook_k(key[..., t - n:, :])
-        self.hook_v(value[..., t - n:, :])
+        end, self.tail = t - self.tail, 0
+        self.hook_k(key[..., end - n:end, :])
+        self.hook_v(value[..., end - n:end, :])
         return self.hook_q(query), self.hook_k_all(key), self.hook_v_all(value)
 
     def head_outputs(self, z: torch.Tensor) -> torch.Tensor:
@@ -291,9 +295,13 @@ def traced_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     sees nothing (a padding query) keeps ``finfo.min``, so its softmax stays finite, as transformers' does."""
     from transformers.masking_utils import eager_mask
 
+    from gpt_shape_tracer.model.sources._hf_compressed import compressed_config
+
     forward = getattr(_forward, "keys", None)
-    if forward is not None and not forward[1]:  # our forward: the attention can work from a description (not where
-        # an indexer reads the mask: an indexed model's)
+    # our forward: the attention can work from a description — not where an indexer reads the mask (an indexed
+    # model's), nor for compressed attention (DeepSeek-V4), which extends a mask tensor with its compressor's block
+    # bias and, without one, drops that bias
+    if forward is not None and not forward[1] and not compressed_config(kwargs.get("config")):
         mode, threshold = attention_path_settings()
         batch, n, t = kwargs.get("batch_size", 1), kwargs.get("q_length", 0), kwargs.get("kv_length", 0)
         if isinstance(n, int) and isinstance(t, int) and isinstance(batch, int) and (

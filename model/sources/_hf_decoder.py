@@ -43,6 +43,12 @@ What the records mean for such a model (the hook table's rows, specialised):
   its forward accepts: the cache view is then an instance of that class whose ``get_linear_cache`` /
   ``set_linear_cache`` read and write the layer's state in ``StateCache`` (``hook_ssm_state``).
 
+* ``hook_compressed_kv_all``, ``hook_compressed_mask``, ``hook_index_keys_all``, ``hook_index_scores``,
+  ``hook_index_selected``, ``hook_window_kv`` … (compressed attention: DeepSeek-V4): the compressed K = V entries the
+  attention reads after its window's rows, the compressor's block bias, the CSA indexer's keys, scores and choice,
+  and what the family's own cache layers hold after each step (``CompressedCache`` keeps those layers;
+  model/sources/_hf_compressed.py lists the records). Not in the hook table: their widths are V4's own.
+
 The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
 the attention function inside which element of which list of layers; the list the calls come from is the
 decoder stack (a vision tower not run for text never is), each layer's one caller its attention. A model that makes
@@ -86,6 +92,7 @@ from gpt_shape_tracer.model.sources._hf_attention import (
     differential_lambda,
 )
 from gpt_shape_tracer.model.sources._hf_cache import StateCache, _cache_view, latent_widths, state_templates
+from gpt_shape_tracer.model.sources._hf_compressed import CompressedCache, add_hooks, compressed_config, record_held
 from gpt_shape_tracer.model.sources._hf_indexer import indexer_of, watch_indexer
 from gpt_shape_tracer.model.sources._hf_probe import (
     _NAMES_FINAL_NORM,
@@ -353,6 +360,7 @@ class HFDecoder(nn.Module):
                        for L, (norm, latent, sinks, attn, diff, ix) in enumerate(
                            zip(mlp_norms, self._latent, self._sinks, attns, differential, indexers))]
         self.blocks = nn.ModuleList(block_hooks)
+        self._compressed = compressed_config(hf.config)  # its own cache layers compress K/V (_hf_compressed.py)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
         self.hook_logits = HookPoint()  # [B, n, V]
         final = _child(getattr(hf, "model", None) or getattr(hf, "transformer", None)
@@ -376,6 +384,8 @@ class HFDecoder(nn.Module):
                 if (indexer := indexer_of(attn)) is not None:
                     self._handles.extend(watch_indexer(indexer, hooks.attn))
                 hooks.attn.w_o = _child(attn, _NAMES_OUT)
+                if self._compressed:  # DeepSeek-V4: its compressed K/V, indexer and what its cache holds
+                    self._handles.extend(add_hooks(hooks.attn, attn))
                 if hasattr(hooks.attn, "hook_diff_pattern"):  # differential attention: its λ from its own parameters
                     hooks.attn.differential = differential_lambda(attn)
                 self._handles.append(attn.register_forward_hook(
@@ -528,6 +538,8 @@ class HFDecoder(nn.Module):
         return _token_device(self.hf)
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
+        if self._compressed:
+            return CompressedCache(self.config.n_layer, batch_size, storage, self.hf.config)
         if any(t is not None for t in self._state_templates) or any(self.mixer_names) or self._kv_shared:
             # a hybrid model, or one whose KV-sharing layers append no K, V rows (they count as updated)
             readers = {L for L, _ in self._kv_shared}
@@ -590,6 +602,8 @@ class HFDecoder(nn.Module):
                 cache.carried = list(getattr(out, "state", None) or [])  # step (and snapshotted at commit)
             if isinstance(cache, StateCache):
                 self._record_states(cache)
+            if isinstance(cache, CompressedCache):
+                record_held(self.blocks, cache)
         return logits
 
     def _record_states(self, cache: StateCache) -> None:
@@ -610,6 +624,8 @@ class HFDecoder(nn.Module):
 
     def _cache_view(self, cache: KVCache) -> Any:
         """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""
+        if isinstance(cache, CompressedCache):
+            return cache.view()
         latent: list[_AttentionHooks | None] = [cast(_AttentionHooks, block.attn) if widths is not None else None
                                                  for block, widths in zip(self.blocks, self._latent)]
         return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None,

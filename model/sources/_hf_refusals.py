@@ -74,7 +74,9 @@ def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
 def _special_cache_layers(config: Any) -> tuple[list[int], list[str]]:
     """From the ``DynamicCache`` transformers builds for the config: the layers whose cache holds an indexer's key
     cache (DeepSeek-V3.2's sparse attention, GLM-5, ...), and the names of cache layer classes a family defines
-    for itself (DeepSeek-V4's compressed attention) other than state-space / linear-attention state."""
+    for itself other than state-space / linear-attention state and DeepSeek-V4's compressed K/V (traced)."""
+    from gpt_shape_tracer.model.sources._hf_compressed import compresses
+
     try:
         from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, LinearAttentionCacheLayerMixin
 
@@ -82,7 +84,8 @@ def _special_cache_layers(config: Any) -> tuple[list[int], list[str]]:
     except Exception:  # noqa: BLE001 (a config whose cache transformers cannot describe: none known)
         return [], []
     indexed = [i for i, layer in enumerate(layers) if isinstance(layer, DynamicIndexedLayer)]
+    # compressed K/V as DeepSeek-V4's layers keep it is traced (model/sources/_hf_compressed.py keeps those layers)
     own = sorted({type(layer).__name__ for layer in layers if type(layer).__module__ != "transformers.cache_utils"
-                  and not isinstance(layer, LinearAttentionCacheLayerMixin)})
+                  and not isinstance(layer, LinearAttentionCacheLayerMixin) and not compresses(layer)})
     return indexed, own
 

@@ -296,6 +296,10 @@ def cache_class_run(model: torch.nn.Module, tokenizer: TextTokenizer, prompt: st
                               "implementation='transformers' to run them")
     if cache not in CACHE_CLASSES:
         raise CacheClassError(f"cache must be one of {CACHE_CLASSES}, got {cache!r}")
+    if not getattr(model.new_cache(), "rows_by_position", True):  # model/sources/_hf_compressed.py
+        raise CacheClassError(f"this model ({model.architecture.model_type}) compresses its keys and values in cache "
+                              "layers of its own (DeepSeek-V4), which none of transformers' shared cache classes "
+                              "keeps: its cache is shown under Over the steps")
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_CACHE_STEPS:
         raise CacheClassError(f"steps must be a whole number from 1 to {MAX_CACHE_STEPS}, got {steps!r}")
     hf = cast(torch.nn.Module, model.hf)

@@ -179,6 +179,10 @@ class SpeculativeDecoding:
             if getattr(cache, "states", None):
                 raise SpeculativeError(f"{who} keeps convolution / state-space state beside its KV cache; a crop "
                                        "drops KV rows only, so speculative decoding is not offered for it yet")
+            if cache is not None and not getattr(cache, "rows_by_position", True):  # model/sources/_hf_compressed.py
+                raise SpeculativeError(f"{who} compresses its keys and values (DeepSeek-V4): its cache can return only "
+                                       "to where a whole step ended, not inside a verified draft, so speculative "
+                                       "decoding is not offered for it")
         declared = tuple(getattr(tokenizer, "eos_ids", ()) or ()) if eos_ids is None else tuple(eos_ids)
         self.eos_ids = tuple(int(i) for i in declared)
         self.prompt_tokens = tuple(ids)

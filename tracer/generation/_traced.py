@@ -450,7 +450,7 @@ class TracedGeneration:
         rows_delta = tuple(
             (_max_delta_on(held_k, new_k, real, past), _max_delta_on(held_v, new_v, real, past))
             for held_k, held_v, new_k, new_v in zip(base.keys, base.values, recomputed.keys, recomputed.values)
-        ) if past else ()
+        ) if past and getattr(base, "rows_by_position", True) else ()  # a compressed cache holds no row per position
         config, batch = self.model.config, cols.size(0)
         itemsize = next(self.model.parameters()).element_size()
         cost_cached = forward_cost(config, batch, new, width, cached=past, itemsize=itemsize)

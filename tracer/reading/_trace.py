@@ -30,7 +30,9 @@ from gpt_shape_tracer.tracer.storage.records import (
     TraceErrorInfo,
 )
 
-NEG_INF_EXPECTED = ("hook_mask", "hook_masked_scores")  # hook names whose −∞ entries are the mask's work
+# hook names whose −∞ entries are the mask's work (compressed attention's block bias over its entries, and its
+# indexer's scores of entries not yet complete: model/sources/_hf_compressed.py)
+NEG_INF_EXPECTED = ("hook_mask", "hook_masked_scores", "hook_compressed_mask", "hook_index_scores")
 FRAME_COLUMNS = (
     "index", "step", "index_in_step", "name", "module", "module_type", "kind", "slot", "call", "layer", "shape",
     "axes", "dtype", "device", "numel", "nbytes", "params", "has_value", "value_note", "finite", "min", "max",
