@@ -1,24 +1,26 @@
 """Our readable GPT, the reference a student opens: one model for GPT-2, Llama, Mistral and Qwen2 (``_gpt.py``,
-read bottom-up), attention at any length (``_long_attention.py``: fused kernels, the mask described, exact
+read bottom-up, with its config in ``_config.py`` and the hook point every tensor passes through in
+``_hook_point.py``), attention at any length (``_long_attention.py``: fused kernels, the mask described, exact
 regions recomputed in key tiles), its KV cache (``_cache.py``), the table of its hook points
 (``_hook_table.py``) and what names a model (``_identity.py``). Imports torch only; nothing above it in model/."""
 
 from gpt_shape_tracer.model.gpt._cache import MIN_CAPACITY, STORAGES, KVCache, stored, transaction
-from gpt_shape_tracer.model.gpt._gpt import (
+from gpt_shape_tracer.model.gpt._config import (
     ACTIVATIONS,
     EXTERNAL_FAMILIES,
     FAMILIES,
-    GPT,
     HF_FAMILY,
     MAX_VOCAB,
     MAX_WIDTH,
     MODULE_FAMILY,
+    GPTConfig,
+    RopeScaling,
+)
+from gpt_shape_tracer.model.gpt._gpt import (
+    GPT,
     AttentionHooks,
     DerivedAttention,
-    GPTConfig,
-    HookPoint,
     PathNote,
-    RopeScaling,
     additive_mask,
     apply_rope,
     attention,
@@ -29,6 +31,7 @@ from gpt_shape_tracer.model.gpt._gpt import (
     rope_inv_freq,
     run_attention,
 )
+from gpt_shape_tracer.model.gpt._hook_point import HookPoint
 from gpt_shape_tracer.model.gpt._hook_table import (
     HF_ROWS,
     HOOKS,

@@ -140,7 +140,7 @@ _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
 def _default_config():
-    from gpt_shape_tracer.model.gpt._gpt import GPTConfig  # here, not at import: model.gpt does not need this module
+    from gpt_shape_tracer.model.gpt._config import GPTConfig  # here, not at import: model.gpt does not need this module
 
     return GPTConfig()
 

@@ -1,0 +1,88 @@
+"""``HookPoint``: the identity module every intermediate passes through, so that a forward hook sees it under a
+stable name (its module path, ``blocks.0.attn.hook_q``), and the taps the tracer adds to it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _torch_module
+
+
+def _global_module_hooks() -> bool:
+    """Whether hooks registered for every module (the public ``register_module_forward_hook``) exist.
+
+    torch keeps them in private module globals; reading those lets a hook point with no hooks of any
+    kind skip ``nn.Module.__call__`` (``bench/bench_model.py`` prints what that saves per forward).
+    If a torch release renames them, ``getattr`` answers True and every call takes the full, correct
+    path; ``tests/test_model_hooks.py`` pins that a global hook still sees every hook point."""
+    return bool(getattr(_torch_module, "_global_forward_hooks", True)
+                or getattr(_torch_module, "_global_forward_pre_hooks", True))
+
+
+def _always() -> bool:
+    return True
+
+
+class TapHandle:
+    """Returned by ``HookPoint.add_tap``; ``remove()`` takes the tap off again (idempotent)."""
+
+    __slots__ = ("_point", "_tap")
+
+    def __init__(self, point: HookPoint, tap) -> None:
+        self._point, self._tap = point, tap
+
+    def remove(self) -> None:
+        self._point.remove_tap(self._tap)
+
+
+class HookPoint(nn.Module):
+    """Identity module. It exists so that a plain forward hook on it sees the
+    tensor under a stable name: the module path, e.g. ``blocks.0.attn.hook_q``.
+
+    A *tap* (``add_tap(fn)``) is a read-only listener: ``fn(tensor)`` is called
+    with the value the model goes on to use, after every forward hook on this
+    module has run — an ablation or a patch made by a hook included. It cannot
+    change the value, and it is cheaper than a forward hook (PyTorch's hook
+    dispatch costs about a microsecond per module call, and a GPT-2 small
+    forward passes 268 hook points); a tracer reads the model through taps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._taps: tuple = ()
+
+    def add_tap(self, tap) -> TapHandle:
+        """Call ``tap(tensor)`` on every value passing this point, until the handle is removed."""
+        self._taps = (*self._taps, tap)
+        return TapHandle(self, tap)
+
+    def remove_tap(self, tap) -> None:
+        self._taps = tuple(t for t in self._taps if t is not tap)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def tell(self, what: object) -> None:
+        """Hand the taps a description instead of a tensor: a fused attention announces its ``[B,H,n,t]``
+        records this way (``DerivedAttention``), and a tracer records them as derived (no value)."""
+        for tap in self._taps:
+            tap(what)
+
+    @property
+    def listened(self) -> bool:
+        """Whether a tap reads this point now. A tap may say it is idle: one with a ``listening()`` method that
+        returns False (a tracer's, installed on the model while no trace is active on this thread) reads
+        nothing, so a forward it would only pass through runs as one nobody reads (fused attention)."""
+        return any(getattr(tap, "listening", _always)() for tap in self._taps)
+
+    @property
+    def written(self) -> bool:
+        """Whether forward hooks (which may replace the value) sit on this point, or on every module."""
+        return bool(self._forward_hooks or self._forward_pre_hooks) or _global_module_hooks()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._forward_hooks or self._forward_pre_hooks or _global_module_hooks():
+            x = super().__call__(x)  # identity, then the forward hooks, which may replace x
+        for tap in self._taps:
+            tap(x)
+        return x
