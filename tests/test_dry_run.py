@@ -110,6 +110,8 @@ def test_values_capture_of_a_meta_model_is_refused():
     ({"num_hidden_layers": 10**6}, f"more than a dry run builds \\({MAX_DRY_LAYERS:,}"),
     ({"vocab_size": 2**40}, "vocab_size"),
     ({"model_type": "no-such-model"}, "'no-such-model' is unknown"),
+    ({"num_experts": -3}, "num_experts must be a whole number ≥ 0, got -3"),
+    ({"text_config": {"num_local_experts": -1}}, "num_local_experts must be a whole number ≥ 0, got -1"),
 ])
 def test_bad_configs_are_refused(tmp_path, change, match):
     raw = json.loads((ASSETS / "story-llama" / "config.json").read_text())

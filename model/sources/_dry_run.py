@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from gpt_shape_tracer.model.gpt import GPT, MAX_VOCAB, MAX_WIDTH, GPTConfig, ModelIdentity
+from gpt_shape_tracer.model.sources._common import check_expert_counts
 from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
 from gpt_shape_tracer.model.sources._tokenizer import TextTokenizer
 
@@ -179,6 +180,8 @@ def check_sizes(raw: dict, source: Path) -> None:
     for what, value in main:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise DryRunError(f"{source}: {what} is {value!r}, not a positive whole number")
+    for level in (raw, text):
+        check_expert_counts(level.get, str(source), DryRunError)
     for what, where, value in _sizes(raw, _size_keys(raw.get("model_type"))):
         limit, why = limits[what]
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
