@@ -648,8 +648,8 @@ def _storages_from(data: bytearray, expected: int, limits: Limits) -> list[torch
         raise TraceFileError(f"{VALUES}: declares a {header_len}-byte header but the file has {len(data)} bytes")
     try:
         header = json.loads(bytes(data[8 : 8 + header_len]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TraceFileError(f"{VALUES}: header is not JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise TraceFileError(f"{VALUES}: header is not JSON ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise TraceFileError(f"{VALUES}: header is not an object")
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -823,7 +823,7 @@ def _restore_derived(log: TraceLog, index: int, text: object) -> None:
         if not isinstance(data, dict) or not isinstance(data.get("stage"), str):
             raise ValueError("expected {\"stage\": …, \"mask\": {…}}")
         log.restore_derived(index, data["stage"], MaskSpec.from_json(data.get("mask")))
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
+    except (ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError; too deep a nesting
         raise TraceFileError(str(e)[:300], where) from None
 
 
