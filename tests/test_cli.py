@@ -257,6 +257,18 @@ def test_a_config_nested_too_deeply_is_a_clear_error_not_a_traceback(capsys, tmp
         code, stdout, stderr = run(capsys, "--prompt", "Lily", "--model-dir", str(directory), *dry)
         assert code == 2 and "Traceback" not in stderr, stderr[-500:]
         assert f"{directory / 'config.json'}: its JSON is nested too deeply to be a config" in stderr
+    # a safetensors header nested as deep, beside a good config
+    import struct
+
+    from transformers import Qwen3Config
+
+    from tests.hf_architectures import ARCHITECTURES
+
+    (directory / "config.json").write_text(json.dumps(Qwen3Config(**ARCHITECTURES["qwen3"][1]).to_dict()))
+    header = b"[" * 200_000 + b"]" * 200_000
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--model-dir", str(directory), "--dry-run")
+    assert code == 2 and "Traceback" not in stderr and "nested too deeply" in stderr, stderr[-500:]
 
 
 @pytest.mark.parametrize("argv", [["--max-sessions"], ["--max-sessions", "--server.port", "8600"],

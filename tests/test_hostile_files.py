@@ -191,6 +191,15 @@ def test_a_million_records_declared_by_the_manifest_are_refused_before_the_table
     assert peak_mib < 64, f"{peak_mib:.0f} MiB to refuse a file of < 1 MiB"
 
 
+def test_a_values_header_nested_too_deeply_is_refused(archive):
+    import struct as _struct
+
+    header = b"[" * 200_000 + b"]" * 200_000
+    parts = members(archive)
+    parts["values.safetensors"] = _struct.pack("<Q", len(header)) + header
+    refused(build(parts), "values.safetensors: header is not JSON \\(RecursionError")
+
+
 # -- numbers read from the file that would size allocations -----------------------------------------
 @pytest.mark.parametrize("change, match", [
     (lambda m: m["model"]["config"].update(n_layer=10**7), r"n_layer"),

@@ -138,3 +138,13 @@ def test_compare_runs_reserves_what_it_holds_in_the_servers_budget(monkeypatch):
     assert kept > 0 and app.held_bytes()["comparison"] == kept
     assert session_ledger().held() >= 200 * MiB + kept
     press(at, "reset_button")
+
+
+def test_a_run_json_nested_too_deeply_is_refused_by_name(tmp_path):
+    store = RunStore(RunsSettings(tmp_path / "runs", keep=5, budget_bytes=2**26))
+    run_id = new_run_id()
+    store.save(record(run_id))
+    (store.run_dir(run_id) / RUN_FILE).write_text("[" * 100_000 + "]" * 100_000)  # 200 KB: under the size cap
+    with pytest.raises(RunError, match="run.json is nested too deeply to be one of ours"):
+        store.record(run_id)
+    assert store.recent() == []

@@ -247,7 +247,8 @@ def _check_config_against_weights(directory: Path, hf_config: Any) -> None:
             raise HFDecoderError(f"{directory / 'config.json'}: {name} must be a positive whole number, got "
                                  f"{value!r}")
     # as written (a family may map one name onto another and keep the other's value) and as transformers reads it
-    for level in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+    sub = raw.get("text_config")
+    for level in (raw, sub if isinstance(sub, dict) else {}):
         check_expert_counts(level.get, str(directory / "config.json"), HFDecoderError)
     check_expert_counts(lambda name: getattr(text, name, None), str(directory / "config.json"), HFDecoderError)
     heads = getattr(text, "num_attention_heads", None)

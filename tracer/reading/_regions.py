@@ -139,7 +139,7 @@ def _heads(heads: object, H: int) -> list[int]:
         raise RegionError(f"heads must be a list of whole numbers in [0, {H}), got {heads!r}")
     listed: list[int] = []
     seen: set[int] = set()
-    for h in heads:  # type: ignore[attr-defined]
+    for h in heads:
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < H:
             raise RegionError(f"heads must lie in [0, {H}) as whole numbers, got {h!r}")
         if h in seen:
