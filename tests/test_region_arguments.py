@@ -5,6 +5,7 @@ whose address space is capped a margin above what it holds, with its peak reside
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -104,7 +105,7 @@ def test_a_head_listed_a_million_times_is_refused_before_anything_is_gathered():
         print("GREW_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
     """)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                          env={"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "PATH": "/usr/bin:/bin"})
+                          env=dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "REFUSED head 0 is listed twice" in done.stdout, done.stdout
     grew = int(done.stdout.split("GREW_KIB")[1].split()[0])
