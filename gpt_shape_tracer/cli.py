@@ -81,7 +81,12 @@ def server_limit_flags(args: list[str]) -> list[str]:
         if flag not in LIMIT_FLAGS:
             rest.append(arg)
             continue
-        settings[LIMIT_FLAGS[flag]] = inline or next(values, "")
+        # the value: after "=", else the next argument; none (the flag last, or followed by another flag) is
+        # refused rather than read as "the default"
+        value = inline if "=" in arg else next(values, "")
+        if not value.strip() or (value.startswith("--") and "=" not in arg):
+            raise ValueError(f"{flag} needs a value ({flag} N or {flag}=N)")
+        settings[LIMIT_FLAGS[flag]] = value
     ServerLimits.from_environment({**os.environ, **settings})  # a bad value is refused here, not in the browser
     try:
         RunsSettings.from_environment({**os.environ, **settings})

@@ -6,7 +6,7 @@ import streamlit as st
 
 from gpt_shape_tracer.figures import whatif as whatif_views
 from gpt_shape_tracer.figures.view_takeaways import compare_takeaway
-from gpt_shape_tracer.gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, state
+from gpt_shape_tracer.gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, reserve_memory, state
 from gpt_shape_tracer.gui.hover import crosshair
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.session import Comparison, caches, rerun_and_compare
@@ -29,6 +29,11 @@ def compare_tab(trace: Trace, step: int) -> None:
             loaded = read_uploaded_trace(upload)
             if loaded is None:
                 return
+            # held beside everything else, in place of the run compared before: reserved as an opened file is
+            refusal = reserve_memory(comparison_bytes=loaded.log.bytes_kept)
+            if refusal:
+                st.error(f"{plain(upload.name)} was not compared: {refusal}")
+                return
             app.comparison = Comparison(f"the file {upload.name}", loaded, diff_traces(trace, loaded))
     # the reruns are offered only with a live generation (options above)
     elif gen is not None and st.button("Run it and compare", key="compare_run", type="primary"):
@@ -37,6 +42,12 @@ def compare_tab(trace: Trace, step: int) -> None:
         heads_off = [] if toggle_cache else st.session_state.get("ablate_heads", [])
         if not toggle_cache and not heads_off:
             st.warning("Choose heads under What if → Switch heads off first.")
+            return
+        # the rerun keeps up to the generation's budget of values, held beside this run once it is done
+        refusal = reserve_memory(comparison_bytes=app.started_with.budget_bytes if app.started_with
+                                 else trace.budget_bytes)
+        if refusal:
+            st.error(f"Not run: {refusal}")
             return
         with st.spinner("running…"):
             app.comparison = rerun_and_compare(gen, trace, other, app.started_with, toggle_cache=toggle_cache,

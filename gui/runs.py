@@ -160,8 +160,8 @@ def open_written_trace(app: AppState, record: RunRecord, store: RunStore, why: s
     """Show the run's written trace as an opened file, saying why it was not run again."""
     try:
         trace = store.trace(record.run_id)
-    except (TraceFileError, OSError) as e:
-        trace, why = None, f"{why}, and its trace file cannot be read ({e})"
+    except (TraceFileError, RunError, OSError) as e:
+        trace, why = None, f"{why}, and its trace file is damaged and cannot be read ({e})"
     if trace is None:
         app.notices.append(("error", f"Run {record.run_id} cannot be restored: {plain(why)}."))
         return
@@ -190,10 +190,13 @@ def finish_restoring(app: AppState) -> None:
     store = run_store()
     if store is None:
         return
+    damaged = None  # why the trace written at the time cannot be read, when it cannot
     try:
         written = store.trace(record.run_id) if record.trace_saved else None
-    except (TraceFileError, OSError):
-        written = None
+    except (TraceFileError, RunError, OSError) as e:
+        written, damaged = None, str(e)
+    if written is None and record.trace_saved and damaged is None:
+        damaged = "it is missing"
     if gen is None or gen.n_steps < record.n_steps:
         done = gen.n_steps if gen is not None else 0
         app.reset()
@@ -210,6 +213,7 @@ def finish_restoring(app: AppState) -> None:
     st.session_state["pending_step_view"] = record.step
     app.saved_steps = record.n_steps  # the run folder holds these steps already
     checked = ("; every token equals the trace written then" if written is not None else
+               f"; its trace file is damaged ({plain(damaged)}), so nothing was compared" if damaged is not None else
                "; its trace was larger than the runs folder's budget and was not written, so nothing was compared")
     app.notices.append(("success", f"Restored run “{plain(record.title)}”: its {record.n_steps} step(s) were run "
                                    f"again from its model and settings{checked}."))

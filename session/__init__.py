@@ -499,8 +499,8 @@ class AppState:
 
     def held_bytes(self) -> dict[str, int]:
         """What this session holds, by part, for the server's memory ledger (gui/common.py ``reserve_memory``): the
-        budget its generation may fill, and the bytes its opened file, gradients trace, Engine run and Decoding
-        runs keep now (the cache-classes run's logits counted with the Decoding runs)."""
+        budget its generation may fill, and the bytes its opened file, gradients trace, Engine run, Decoding
+        runs and compared run keep now (the cache-classes run's logits counted with the Decoding runs)."""
         decoding = self.beams.nbytes if self.beams is not None else 0
         if self.speculative is not None:
             decoding += sum(t.log.bytes_kept for t in (self.speculative.trace, self.speculative.draft_trace)
@@ -512,7 +512,9 @@ class AppState:
                 "file": self.loaded.trace.log.bytes_kept if self.loaded is not None else 0,
                 "gradients": self.gradient_trace[1].log.bytes_kept if self.gradient_trace is not None else 0,
                 "engine": self.engine.nbytes if self.engine is not None else 0,
-                "decoding": decoding}
+                "decoding": decoding,
+                # Compare runs: the file or rerun held against this run
+                "comparison": self.comparison.trace.log.bytes_kept if self.comparison is not None else 0}
 
     @property
     def viewing_file(self) -> bool:

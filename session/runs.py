@@ -38,12 +38,13 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from gpt_shape_tracer.session import ModelChoice, SettingsError
 from gpt_shape_tracer.session.server_limits import whole_from_env
@@ -171,6 +172,8 @@ class RunRecord:
             raw = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
             raise RunError(f"run {run_id}: {RUN_FILE} is not JSON ({e})") from None
+        except RecursionError:  # nested deeper than Python's recursion limit
+            raise RunError(f"run {run_id}: {RUN_FILE} is nested too deeply to be one of ours") from None
         if not isinstance(raw, dict):
             raise RunError(f"run {run_id}: {RUN_FILE} is not an object")
 
@@ -287,14 +290,39 @@ class RunStore:
         self._write_private(self.run_dir(run_id), RUN_FILE, lambda p: p.write_text(updated.to_json(),
                                                                                     encoding="utf-8"))
 
-    def record(self, run_id: str) -> RunRecord | None:
-        """The run's record, None when there is no such run; a ``RunError`` when its file is not one of ours."""
-        path = self.run_dir(run_id) / RUN_FILE
+    def _own_folder(self, run_id: str) -> Path:
+        """The run's folder; a ``RunError`` when it is a symbolic link (this app never makes one: it would lead out
+        of the runs folder, to whatever it names)."""
+        folder = self.run_dir(run_id)
+        if folder.is_symlink():
+            raise RunError(f"run {run_id}: its folder is a symbolic link, which is not followed")
+        return folder
+
+    def _open_regular(self, run_id: str, name: str) -> BinaryIO | None:
+        """The run's file ``name`` opened for reading, None when there is none; a ``RunError`` when it is not a
+        regular file. Opened without following a link and without waiting: a FIFO named run.json would block an
+        open() until something writes to it, and Recent runs opens every run's file on every new page."""
+        path = self._own_folder(run_id) / name
         try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_RUN_FILE_BYTES + 1)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
+        except OSError as e:  # ELOOP: a symbolic link
+            raise RunError(f"run {run_id}: {name} cannot be opened ({e.strerror}); a link is not followed") from None
+        f = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            f.close()
+            raise RunError(f"run {run_id}: {name} is not a regular file")
+        return f
+
+    def record(self, run_id: str) -> RunRecord | None:
+        """The run's record, None when there is no such run; a ``RunError`` when its file is not one of ours."""
+        try:
+            f = self._open_regular(run_id, RUN_FILE)
+            if f is None:
+                return None
+            with f:
+                data = f.read(MAX_RUN_FILE_BYTES + 1)
         except OSError as e:
             raise RunError(f"run {run_id}: {e.strerror}") from None
         if len(data) > MAX_RUN_FILE_BYTES:
@@ -302,11 +330,15 @@ class RunStore:
         return RunRecord.from_json(data, run_id)
 
     def trace(self, run_id: str):
-        """The run's trace (``tracer.load_trace``: every field checked), or None when none was written."""
+        """The run's trace (``tracer.load_trace``: every field checked), or None when none was written; a
+        ``RunError`` when its file is not a regular file, a ``TraceFileError`` when it is damaged."""
         from gpt_shape_tracer.tracer import load_trace
 
-        path = self.run_dir(run_id) / TRACE_FILE
-        return load_trace(path) if path.is_file() else None
+        f = self._open_regular(run_id, TRACE_FILE)
+        if f is None:
+            return None
+        with f:  # read through the file opened (a link or FIFO put in its place since is refused above)
+            return load_trace(self._own_folder(run_id) / TRACE_FILE)
 
     def recent(self, limit: int | None = None, owner: str | None = None) -> list[RunRecord]:
         """The runs whose record reads, newest first: those of the owner tag ``owner`` only, unless it is None or
@@ -326,7 +358,9 @@ class RunStore:
     def _ids(self) -> list[str]:
         if not self.directory.is_dir():
             return []
-        return [p.name for p in self.directory.iterdir() if p.is_dir() and RUN_ID.fullmatch(p.name)]
+        # a symbolic link is not one of ours (see _own_folder)
+        return [p.name for p in self.directory.iterdir()
+                if RUN_ID.fullmatch(p.name) and not p.is_symlink() and p.is_dir()]
 
     def size(self, run_id: str) -> int:
         folder = self.run_dir(run_id)

@@ -245,3 +245,43 @@ def test_cli_dry_run_of_one_tensor_parallel_rank(capsys):
     assert len(reduces) == 2 * 32 + 1 and all(c["bytes"] == 8 * 4096 * 2 for c in reduces)
     assert main(["--prompt", "x", "--model-dir", "shapes:llama-3.1-8b", "--tensor-parallel", "4"]) == 2
     assert "--tensor-parallel goes with --dry-run" in capsys.readouterr().err
+
+
+def test_a_config_nested_too_deeply_is_a_clear_error_not_a_traceback(capsys, tmp_path):
+    """200,000 arrays inside each other: Python's JSON reader stops at its recursion limit (a RecursionError
+    traceback, before); both the dry run and a load say what is wrong with the file."""
+    directory = tmp_path / "deep"
+    directory.mkdir()
+    (directory / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    for dry in ([], ["--dry-run"]):
+        code, stdout, stderr = run(capsys, "--prompt", "Lily", "--model-dir", str(directory), *dry)
+        assert code == 2 and "Traceback" not in stderr, stderr[-500:]
+        assert f"{directory / 'config.json'}: its JSON is nested too deeply to be a config" in stderr
+    # a safetensors header nested as deep, beside a good config
+    import struct
+
+    from transformers import Qwen3Config
+
+    from tests.hf_architectures import ARCHITECTURES
+
+    (directory / "config.json").write_text(json.dumps(Qwen3Config(**ARCHITECTURES["qwen3"][1]).to_dict()))
+    header = b"[" * 200_000 + b"]" * 200_000
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    code, _, stderr = run(capsys, "--prompt", "Lily", "--model-dir", str(directory), "--dry-run")
+    assert code == 2 and "Traceback" not in stderr and "nested too deeply" in stderr, stderr[-500:]
+
+
+@pytest.mark.parametrize("argv", [["--max-sessions"], ["--max-sessions", "--server.port", "8600"],
+                                  ["--max-sessions="], ["--server-budget-mb"], ["--runs-dir="]])
+def test_a_server_flag_without_its_value_is_refused(monkeypatch, argv):
+    """``app --max-sessions`` with nothing after it was taken as "the default" (and ``--max-sessions=`` took the
+    next argument as its value)."""
+    import os
+
+    from gpt_shape_tracer.cli import server_limit_flags
+    from gpt_shape_tracer.session.server_limits import SESSIONS_ENV
+
+    monkeypatch.setenv(SESSIONS_ENV, "3")
+    with pytest.raises(ValueError, match=f"{argv[0].rstrip('=')} needs a value"):
+        server_limit_flags(argv)
+    assert os.environ[SESSIONS_ENV] == "3"  # nothing set

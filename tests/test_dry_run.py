@@ -110,12 +110,47 @@ def test_values_capture_of_a_meta_model_is_refused():
     ({"num_hidden_layers": 10**6}, f"more than a dry run builds \\({MAX_DRY_LAYERS:,}"),
     ({"vocab_size": 2**40}, "vocab_size"),
     ({"model_type": "no-such-model"}, "'no-such-model' is unknown"),
+    ({"num_experts": -3}, "num_experts must be a whole number ≥ 0, got -3"),
+    ({"text_config": {"num_local_experts": -1}}, "num_local_experts must be a whole number ≥ 0, got -1"),
 ])
 def test_bad_configs_are_refused(tmp_path, change, match):
     raw = json.loads((ASSETS / "story-llama" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(raw, **change)))
     with pytest.raises(ModelLoadError, match=match):
         load_model(tmp_path, weights=False)
+
+
+def _sizes_elsewhere() -> dict[str, dict]:
+    """Configs whose sizes are not where the check once looked (the top level's num_hidden_layers, or the
+    text_config's when there is one): each made transformers build, or its config class list, every layer."""
+    from transformers import Gemma2Config
+
+    llama = json.loads((ASSETS / "story-llama" / "config.json").read_text())
+    gemma2 = {k: v for k, v in Gemma2Config(**ARCHITECTURES["gemma2"][1]).to_dict().items() if k != "layer_types"}
+    return {
+        "llama, empty text_config": dict(llama, num_hidden_layers=60_000, text_config={}),
+        "gemma2, empty text_config": dict(gemma2, num_hidden_layers=10**9, text_config={}),
+        "mpt, n_layers": dict(model_type="mpt", d_model=64, n_heads=4, vocab_size=1024, n_layers=10**9),
+        "dbrx, n_layers": dict(model_type="dbrx", d_model=64, n_heads=4, vocab_size=1024, n_layers=10**9,
+                               attn_config={"rope_theta": 10000.0}),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_sizes_elsewhere()))
+def test_sizes_under_other_keys_or_levels_are_refused_before_anything_is_built(tmp_path, case):
+    """Each once passed the size check and built for minutes; refused now in a child process with a time limit
+    (so a regression fails here rather than hanging the suite)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps(_sizes_elsewhere()[case]))
+    probe = ("import sys\nfrom gpt_shape_tracer.model import ModelLoadError, load_model\n"
+             "try:\n    load_model(sys.argv[1], weights=False)\nexcept ModelLoadError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "is more than a dry run builds" in done.stdout, done.stdout
+    where = "(n_layers)" if "n_layers" in case else "(num_hidden_layers) = "
+    assert where in done.stdout, done.stdout
 
 
 def test_a_config_transformers_refuses_gives_its_message(tmp_path):

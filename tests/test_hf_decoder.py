@@ -355,12 +355,45 @@ def test_the_new_keys_are_the_last_n_rows_of_all_keys_the_ones_the_cache_keeps(d
                 assert not torch.allclose(k, k_all[:, :, :1], atol=1e-3)  # the new key is not position 0's
 
 
+def test_a_vocabulary_the_weights_do_not_back_is_refused_before_anything_is_built(tmp_path):
+    """A Qwen3 config claiming 2²² tokens over 1,024 rows of weights: transformers built the whole model (a
+    [4,194,304, 64] embedding and head, 2.4 GB peak) before refusing it. Refused now from the shapes the config
+    builds on the meta device against the safetensors headers, in a fresh process whose peak memory is measured."""
+    import json
+    import subprocess
+    import sys
+
+    directory = build("qwen3", tmp_path / "m", BUNDLED_DIR / "tokenizer.json")
+    config = json.loads((directory / "config.json").read_text())
+    config["vocab_size"] = 2**22
+    (directory / "config.json").write_text(json.dumps(config))
+    probe = ("import resource, sys\n"
+             "import transformers\n"
+             "from gpt_shape_tracer.model import ModelLoadError, load_hf\n"
+             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+             "try:\n"
+             "    load_hf(sys.argv[1])\n"
+             "    print('LOADED')\n"
+             "except ModelLoadError as e:\n"
+             "    print('REFUSED', e)\n"
+             "print('GREW_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(directory)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("the config builds model.embed_tokens.weight as [4194304, 64], but the weights hold [1024, 64]: refused "
+            "before loading") in done.stdout, done.stdout
+    grew_mib = int(done.stdout.split("GREW_KIB")[1]) / 1024
+    assert grew_mib < 256, f"{grew_mib:.0f} MiB to refuse a config of 2²² tokens"  # the embedding alone is 1 GiB
+
+
 @pytest.mark.parametrize(("change", "expected"), [
     ({"num_hidden_layers": 600, "layer_types": ["full_attention"] * 600},
      "builds 600 layers (num_hidden_layers = 600), but the weights hold 2 (0 … 1)"),
     ({"num_attention_heads": 0}, "num_attention_heads must be a positive whole number, got 0"),
     ({"tie_word_embeddings": "false"}, "Field 'tie_word_embeddings' expected bool, got str"),
     ({"layer_types": ["full_attention"] * 3}, "transformers cannot read its config"),
+    ({"num_experts": -3}, "num_experts must be a whole number ≥ 0, got -3"),
+    ({"num_experts_per_tok": 1.5}, "num_experts_per_tok must be a whole number ≥ 0, got 1.5"),
 ])
 def test_a_config_the_weights_do_not_back_is_refused_before_building(tmp_path, change, expected):
     """A config claiming 600 layers over weights holding 2 was built (598 random layers, about a minute); no heads

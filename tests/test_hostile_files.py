@@ -143,6 +143,63 @@ def test_hostile_files_do_not_cost_memory_out_of_proportion(archive, tmp_path):
     assert peak_mib < 150, f"{peak_mib:.0f} MiB to refuse three files of ≤ 2 MiB"
 
 
+def full_million_rows(table: bytes) -> bytes:
+    """records.parquet of a real trace's columns with a million rows (its first row repeated): a few hundred KiB
+    that pandas decodes into more than a GiB of Python objects."""
+    frame = pd.read_parquet(io.BytesIO(table)).iloc[[0] * 1_000_000].reset_index(drop=True)
+    frame["index"] = np.arange(len(frame))
+    buf = io.BytesIO()
+    frame.to_parquet(buf, index=False, compression="zstd")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("where", ["in one step", "after the last step"])
+def test_a_million_records_declared_by_the_manifest_are_refused_before_the_table_is_decoded(archive, tmp_path,
+                                                                                          where):
+    """The manifest's counts and step ranges agree with the table's million rows, so only the per-step limit
+    refuses them: from the manifest, before decoding (once +1,245 MiB), in a fresh process whose peak is measured.
+    "after the last step": the records a failed attempt at a next step leaves, which no step range bounds."""
+    parts = members(archive)
+    parts["records.parquet"] = full_million_rows(parts["records.parquet"])
+    manifest = json.loads(parts["manifest.json"])
+    manifest["counts"]["records"] = 1_000_000
+    manifest["steps"] = manifest["steps"][:1]
+    manifest["steps"][0]["end_record"] = 1_000_000 if where == "in one step" else 10
+    manifest["generation"]["steps"] = manifest["generation"]["steps"][:1]
+    parts["manifest.json"] = json.dumps(manifest).encode()
+    crafted = tmp_path / "million.zip"
+    crafted.write_bytes(build(parts, deflate=("manifest.json", "records.parquet")))
+    assert crafted.stat().st_size < 2**20
+    script = (
+        "import resource, sys\n"
+        "from gpt_shape_tracer.tracer import TraceFileError, load_trace\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n"
+        "    load_trace(sys.argv[1])\n"
+        "    print('LOADED')\n"
+        "except TraceFileError as e:\n"
+        "    print('REFUSED', e)\n"
+        "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(crafted)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = {"in one step": "1000000 records, over the limit of 100000 per step",
+            "after the last step": "999990 records after the last step, over the limit of 100000 per step"}[where]
+    assert "REFUSED" in proc.stdout and said in proc.stdout, proc.stdout
+    peak_mib = int(proc.stdout.split("PEAK_KIB")[1]) / 1024
+    assert peak_mib < 64, f"{peak_mib:.0f} MiB to refuse a file of < 1 MiB"
+
+
+def test_a_values_header_nested_too_deeply_is_refused(archive):
+    import struct as _struct
+
+    header = b"[" * 200_000 + b"]" * 200_000
+    parts = members(archive)
+    parts["values.safetensors"] = _struct.pack("<Q", len(header)) + header
+    refused(build(parts), "values.safetensors: header is not JSON \\(RecursionError")
+
+
 # -- numbers read from the file that would size allocations -----------------------------------------
 @pytest.mark.parametrize("change, match", [
     (lambda m: m["model"]["config"].update(n_layer=10**7), r"n_layer"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,11 +73,28 @@ def read_json_object(path: Path, max_bytes: int, what: str, error: type[Exceptio
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # arrays or objects nested deeper than Python's recursion limit (200,000 "[")
+        raise error(f"{path}: its JSON is nested too deeply to be {what}") from None
     except OSError as e:
         raise error(f"{path}: cannot be read ({e})") from None
     if not isinstance(raw, dict):
         raise error(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
+
+
+# how many experts a mixture-of-experts config builds and routes to, under the names families give them: a
+# negative count builds no experts at all (``range(-3)`` is empty) and the model loaded as if it had none
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                 "moe_num_experts", "moe_k", "moe_topk")
+
+
+def check_expert_counts(get: Callable[[str], object], where: str, error: type[Exception]) -> None:
+    """``error`` naming the field when an expert count ``get(name)`` gives is not a whole number ≥ 0 (None: not
+    given)."""
+    for name in EXPERT_COUNTS:
+        value = get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise error(f"{where}: {name} must be a whole number ≥ 0, got {value!r}")
 
 
 def check_dir(path: str | os.PathLike) -> Path:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from gpt_shape_tracer.model.gpt import GPT, MAX_VOCAB, MAX_WIDTH, GPTConfig, ModelIdentity
+from gpt_shape_tracer.model.sources._common import check_expert_counts
 from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
 from gpt_shape_tracer.model.sources._tokenizer import TextTokenizer
 
@@ -122,23 +123,71 @@ def _text(raw: dict) -> dict:
     return text if isinstance(text, dict) else raw
 
 
-def check_sizes(raw: dict, source: Path) -> None:
-    """Refuse sizes no dry run should try, before anything is built (the limits are stated in the message)."""
-    text = _text(raw)
-    layers = text.get("num_hidden_layers", text.get("n_layer"))
-    vocab = text.get("vocab_size")
-    width = text.get("hidden_size", text.get("n_embd"))
-    checks = (("layers", layers, MAX_DRY_LAYERS, f"each layer makes dozens of records per step, and a dry-run "
-                                                 f"trace holds at most {MAX_DRY_RECORDS:,} records"),
-              ("vocab_size", vocab, MAX_VOCAB, "the vocabulary limit of every model here"),
-              ("hidden_size", width, MAX_WIDTH, "the width limit of every model here"))
-    for what, value, limit, why in checks:
-        if value is None:
+# the names configs give the sizes a dry run checks, at the top level or in any sub-config (text_config, a vision
+# tower's, an MPT's attn_config); a config class's attribute_map adds its own aliases (check_sizes)
+_SIZE_KEYS = {"layers": ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers",
+                         "num_decoder_layers"),
+              "vocab_size": ("vocab_size", "padded_vocab_size"),
+              "hidden_size": ("hidden_size", "n_embd", "d_model")}
+_STANDARD_NAME = {"layers": "num_hidden_layers", "vocab_size": "vocab_size", "hidden_size": "hidden_size"}
+_SUB_CONFIG_DEPTH = 4  # sub-configs of sub-configs; nothing a decoder's config nests deeper is built from
+
+
+def _size_keys(model_type: object) -> dict[str, set[str]]:
+    """The keys of each size, with the aliases ``model_type``'s config class maps the standard names to (MPT and
+    DBRX keep their layer count in ``n_layers``; a name not in _SIZE_KEYS would otherwise go unchecked)."""
+    keys = {what: set(names) for what, names in _SIZE_KEYS.items()}
+    if isinstance(model_type, str):
+        from gpt_shape_tracer.model.sources._hf_config import known_to_transformers
+
+        if known_to_transformers(model_type):
+            from transformers import CONFIG_MAPPING
+
+            aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {}
+            for what, standard in _STANDARD_NAME.items():
+                if isinstance(aliases.get(standard), str):
+                    keys[what].add(aliases[standard])
+    return keys
+
+
+def _sizes(raw: dict, keys: dict[str, set[str]], path: str = "", depth: int = 0):
+    """(what, where, value) of every size in ``raw`` and its sub-configs, ``where`` the dotted key."""
+    for key, value in raw.items():
+        where = f"{path}{key}"
+        if isinstance(value, dict) and depth < _SUB_CONFIG_DEPTH:
+            yield from _sizes(value, keys, f"{where}.", depth + 1)
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        for what, names in keys.items():
+            if key in names:
+                yield what, where, value
+
+
+def check_sizes(raw: dict, source: Path) -> None:
+    """Refuse sizes no dry run should try, before anything is built (the limits are stated in the message).
+
+    Every size the model may be built with is checked, wherever it is: transformers builds a Llama from the top
+    level even when a ``text_config`` is present, a multimodal model from its ``text_config`` and its other
+    sub-configs, an MPT from ``n_layers``. A config class also does work per layer when it is made (Gemma 2 lists
+    each layer's type), so the check comes before transformers sees the config."""
+    text = _text(raw)
+    limits = {"layers": (MAX_DRY_LAYERS, f"each layer makes dozens of records per step, and a dry-run trace holds "
+                                         f"at most {MAX_DRY_RECORDS:,} records"),
+              "vocab_size": (MAX_VOCAB, "the vocabulary limit of every model here"),
+              "hidden_size": (MAX_WIDTH, "the width limit of every model here")}
+    # the sizes of the text model must be positive whole numbers where they are given
+    main = (("layers", text.get("num_hidden_layers", text.get("n_layer"))), ("vocab_size", text.get("vocab_size")),
+            ("hidden_size", text.get("hidden_size", text.get("n_embd"))))
+    for what, value in main:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise DryRunError(f"{source}: {what} is {value!r}, not a positive whole number")
-        if value > limit:
-            raise DryRunError(f"{source}: {what} = {value:,} is more than a dry run builds ({limit:,}: {why})")
+    for level in (raw, text):
+        check_expert_counts(level.get, str(source), DryRunError)
+    for what, where, value in _sizes(raw, _size_keys(raw.get("model_type"))):
+        limit, why = limits[what]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+            shown = f"{value:,}" if isinstance(value, int) else repr(value)
+            name = what if where == what else f"{what} ({where})"
+            raise DryRunError(f"{source}: {name} = {shown} is more than a dry run builds ({limit:,}: {why})")
 
 
 def build_dry(spec: str | os.PathLike, *, dtype: torch.dtype | str | None = None, name: str | None = None,

@@ -22,6 +22,7 @@ from gpt_shape_tracer.model.gpt import (
     BackgroundDigest,
     PendingIdentity,
 )
+from gpt_shape_tracer.model.sources._common import check_expert_counts
 from gpt_shape_tracer.model.sources._hf_attention import ATTENTION, _register
 from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
 from gpt_shape_tracer.model.sources._hf_probe import cache_keyword
@@ -233,7 +234,7 @@ def _check_config_against_weights(directory: Path, hf_config: Any) -> None:
     count is read from the safetensors headers' names only."""
     try:  # transformers has just read it
         raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         raw = {}
     raw = raw if isinstance(raw, dict) else {}
     for flag in ("tie_word_embeddings", "use_cache", "attention_bias", "mlp_bias"):
@@ -245,6 +246,11 @@ def _check_config_against_weights(directory: Path, hf_config: Any) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise HFDecoderError(f"{directory / 'config.json'}: {name} must be a positive whole number, got "
                                  f"{value!r}")
+    # as written (a family may map one name onto another and keep the other's value) and as transformers reads it
+    sub = raw.get("text_config")
+    for level in (raw, sub if isinstance(sub, dict) else {}):
+        check_expert_counts(level.get, str(directory / "config.json"), HFDecoderError)
+    check_expert_counts(lambda name: getattr(text, name, None), str(directory / "config.json"), HFDecoderError)
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None)
     if isinstance(kv_heads, int) and isinstance(heads, int) and (kv_heads < 1 or heads % kv_heads):
@@ -256,22 +262,27 @@ def _check_config_against_weights(directory: Path, hf_config: Any) -> None:
         raise HFDecoderError(f"{directory / 'config.json'}: layer_types lists {len(layer_types)} layers, "
                              f"num_hidden_layers says {n_layer}")
     files = sorted(directory.glob("*.safetensors"))
-    if not isinstance(n_layer, int) or not files:
+    if not files:
         return
     from safetensors import safe_open
 
-    held: set[int] = set()
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}  # name → (dtype, shape), from the headers only
     try:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                held.update(int(m.group(1)) for key in f.keys() if (m := _LAYER_KEY.search(key)))  # noqa: SIM118
+                for key in f.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+                    part = f.get_slice(key)
+                    shapes[key] = (str(part.get_dtype()), tuple(part.get_shape()))
     except (OSError, ValueError, RuntimeError) as e:  # safetensors raises its own SafetensorError (a RuntimeError)
         raise HFDecoderError(f"{directory}: the weights' headers cannot be read ({e})") from None
-    if not held or n_layer <= len(held):
-        return
-    # the config claims more layers than the headers name: count the layers the config builds (on the meta device:
-    # no memory, no initialisation), named as the weights are — a family whose layers sit in several lists
-    # (hrm_text's H and L stacks) is compared list for list, not with num_hidden_layers
+    held = {int(m.group(1)) for key in shapes if (m := _LAYER_KEY.search(key))}
+    if isinstance(n_layer, int) and held and n_layer > max(len(held), _MAX_UNBACKED_BUILD):
+        # too many to build even on the meta device (a config class and the model do work per layer)
+        raise HFDecoderError(f"{directory / 'config.json'}: num_hidden_layers = {n_layer:,}, but the weights hold "
+                             f"{len(held)} layers: refused before building", reason="weights missing")
+    # the model the config describes, on the meta device (no memory, no initialisation), compared with the headers
+    # before anything is built for real: a vocabulary of 2²² over 1,024 rows of weights was built whole (2.4 GB)
+    # and only then refused by transformers
     from transformers import AutoModelForCausalLM
 
     try:
@@ -279,12 +290,28 @@ def _check_config_against_weights(directory: Path, hf_config: Any) -> None:
             built = AutoModelForCausalLM.from_config(hf_config)
     except Exception:  # noqa: BLE001 - transformers refusing the config is reported where the model is built
         return
-    expected = {int(m.group(1)) for key in built.state_dict() if (m := _LAYER_KEY.search(key))}
+    wanted = {name: tuple(t.shape) for name, t in built.state_dict().items()}
+    for name, shape in wanted.items():
+        header = shapes.get(name)
+        # quantized checkpoints pack integers into other shapes; a floating tensor is stored as it is built
+        if header is not None and header[1] != shape and header[0] in _FLOAT_DTYPES:
+            raise HFDecoderError(f"{directory / 'config.json'}: the config builds {name} as {list(shape)}, but the "
+                                 f"weights hold {list(header[1])}: refused before loading", reason="weights missing")
+    if not isinstance(n_layer, int) or not held or n_layer <= len(held):
+        return
+    # the config claims more layers than the headers name: count the layers the config builds, named as the
+    # weights are — a family whose layers sit in several lists (hrm_text's H and L stacks) is compared list for
+    # list, not with num_hidden_layers
+    expected = {int(m.group(1)) for key in wanted if (m := _LAYER_KEY.search(key))}
     if len(expected) > len(held):
         raise HFDecoderError(f"{directory / 'config.json'}: the config builds {len(expected)} layers "
                              f"(num_hidden_layers = {n_layer}), but the weights hold {len(held)} "
                              f"({min(held)} … {max(held)}): refused before loading (the rest would be random "
                              "numbers)", reason="weights missing")
+
+
+_MAX_UNBACKED_BUILD = 1024  # layers a config may claim beyond the weights' and still be built on meta to count them
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "float64", "float32", "float16", "bfloat16"}
 
 
 def weights_size(directory: str | os.PathLike, dtype: torch.dtype | str = "float32") -> tuple[int, int]:
@@ -311,7 +338,7 @@ def is_hf_decoder_dir(directory: Path) -> bool:
     """Whether a directory's config.json names a transformers model type (any)."""
     try:
         raw = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(raw, dict) and isinstance(raw.get("model_type"), str)
 

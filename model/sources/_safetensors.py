@@ -100,6 +100,8 @@ class SafetensorsFile:
             header = json.loads(header_bytes)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             self._fail(f"the header is not JSON ({e})")
+        except RecursionError:  # nested deeper than Python's recursion limit
+            self._fail("the header's JSON is nested too deeply to be one")
         if not isinstance(header, dict):
             self._fail("the header is not a JSON object")
         self._data_start = 8 + n

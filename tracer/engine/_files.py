@@ -85,8 +85,10 @@ def load_engine_run(path: str | Path) -> EngineRun:
     with z:
         try:
             manifest = json.loads(_read(z, "engine.json", LIMITS.manifest_bytes))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise TraceFileError(f"engine.json is not JSON ({e})") from None
+        except RecursionError:  # nested deeper than Python's recursion limit
+            raise TraceFileError("engine.json is nested too deeply to be one") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise TraceFileError(f"{path}: not a {FORMAT}")
         if manifest.get("version") != VERSION:

@@ -648,8 +648,8 @@ def _storages_from(data: bytearray, expected: int, limits: Limits) -> list[torch
         raise TraceFileError(f"{VALUES}: declares a {header_len}-byte header but the file has {len(data)} bytes")
     try:
         header = json.loads(bytes(data[8 : 8 + header_len]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TraceFileError(f"{VALUES}: header is not JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise TraceFileError(f"{VALUES}: header is not JSON ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise TraceFileError(f"{VALUES}: header is not an object")
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -705,6 +705,9 @@ def load_trace(path: str | Path | bytes, *, limits: Limits = LIMITS) -> Trace:
                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     manifest = _schemas(limits, version)(raw, "")
     counts = manifest["counts"]
+    # the steps' record ranges against the counted records, before the table is decoded: a file of a few hundred
+    # KiB declaring a million records in one step once inflated its whole table (+1.2 GiB) to be refused after
+    _check_steps(manifest["steps"], counts["records"], limits)
     columns = _RECORD_COLUMNS + (("data_ptr",) if version == 2 else ("tensor_id",))
     records = _read_table(files[RECORDS], RECORDS, counts["records"], limits, columns)
     ops = _read_table(files[OPS], OPS, counts["ops"], limits, _OP_COLUMNS) if OPS in files else None
@@ -820,7 +823,7 @@ def _restore_derived(log: TraceLog, index: int, text: object) -> None:
         if not isinstance(data, dict) or not isinstance(data.get("stage"), str):
             raise ValueError("expected {\"stage\": …, \"mask\": {…}}")
         log.restore_derived(index, data["stage"], MaskSpec.from_json(data.get("mask")))
-    except ValueError as e:  # json.JSONDecodeError is a ValueError
+    except (ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError; too deep a nesting
         raise TraceFileError(str(e)[:300], where) from None
 
 
@@ -837,6 +840,9 @@ def _check_steps(steps: tuple[StepRecord, ...], n: int, limits: Limits) -> None:
             raise TraceFileError(f"{s.end_record - s.first_record} records, over the limit of "
                                  f"{limits.records_per_step} per step", f"steps[{i}]")
         expected = s.end_record
+    if n - expected > limits.records_per_step:  # the records of a failed attempt at the next step, one step's worth
+        raise TraceFileError(f"{n - expected} records after the last step, over the limit of "
+                             f"{limits.records_per_step} per step", "counts.records")
 
 
 def _stats_row(cols: list[list], i: int, where: str) -> TensorStats | None:

@@ -110,14 +110,45 @@ def attention_source(trace: Trace, name_or_record: str | TensorRecord, step: int
     return AttentionSource(stage, spec, q, k, get("hook_v_all"), get("hook_z"))
 
 
+def _whole(value: object, what: str, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high) (high None: no upper end), else a RegionError naming the range (a float,
+    a bool or a string is not a position, and a negative one would silently count from the end)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
+        where = f"in [{low}, {high})" if high is not None else f"≥ {low}"
+        raise RegionError(f"{what} must be a whole number {where}, got {value!r}")
+    return value
+
+
 def _range(r: range | tuple[int, int] | None, size: int, what: str) -> range:
     if r is None:
         return range(size)
     if isinstance(r, tuple):
+        if len(r) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in r):
+            raise RegionError(f"{what} must be a non-empty range inside [0, {size}) of whole numbers, got {r!r}")
         r = range(*r)
     if not isinstance(r, range) or r.step != 1 or not 0 <= r.start < r.stop <= size:
         raise RegionError(f"{what} must be a non-empty range inside [0, {size}), got {r!r}")
     return r
+
+
+def _heads(heads: object, H: int) -> list[int]:
+    """The listed heads, each a whole number in [0, H), each once. A recomputed region gathers Q and K for every
+    listed head (and sweeps each over all t keys for its rows' normaliser), so a head listed twice costs as much as
+    a second head: a million copies of head 0 asked for gigabytes while the answer's cells passed the cap."""
+    if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__"):
+        raise RegionError(f"heads must be a list of whole numbers in [0, {H}), got {heads!r}")
+    listed: list[int] = []
+    seen: set[int] = set()
+    for h in heads:
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < H:
+            raise RegionError(f"heads must lie in [0, {H}) as whole numbers, got {h!r}")
+        if h in seen:
+            raise RegionError(f"head {h} is listed twice: each head is asked for once")
+        seen.add(h)
+        listed.append(h)
+    if not listed:
+        raise RegionError(f"heads must lie in [0, {H}), got an empty list")
+    return listed
 
 
 def attention_region(trace: Trace, name_or_record: str | TensorRecord, step: int | None = None, *,
@@ -131,9 +162,7 @@ def attention_region(trace: Trace, name_or_record: str | TensorRecord, step: int
         raise RegionError(f"{rec.name} is not an attention record of shape [B, H, n, t]")
     B, H, n, t = rec.shape
     rows, cols = _range(rows, n, "rows"), _range(cols, t, "cols")
-    heads = list(range(H)) if heads is None else list(heads)
-    if not heads or any(not 0 <= h < H for h in heads):
-        raise RegionError(f"heads must lie in [0, {H}), got {heads}")
+    heads = list(range(H)) if heads is None else _heads(heads, H)
     if B * len(heads) * len(rows) * len(cols) > MAX_REGION_CELLS:
         raise RegionError(f"a region of {B * len(heads) * len(rows) * len(cols):,} cells is more than "
                           f"{MAX_REGION_CELLS:,}: ask for fewer rows, columns or heads")
@@ -190,8 +219,9 @@ def attention_overview(trace: Trace, name_or_record: str | TensorRecord, step: i
     if hook_of(rec.name) != "hook_pattern":
         raise RegionError(f"an overview is of attention weights (hook_pattern), not {rec.name}")
     B, H, n, t = rec.shape
-    if not 0 <= head < H or not 0 <= batch < B:
-        raise RegionError(f"head {head} / sequence {batch} outside the record's {H} heads / {B} sequences")
+    _whole(head, f"head (the record has {H})", 0, H)
+    _whole(batch, f"batch (the record has {B} sequences)", 0, B)
+    _whole(bins, "bins", 1)
     rows, cols = _range(rows, n, "rows"), _range(cols, t, "cols")
     if trace.log.derived(rec.index) is not None:
         return _memo(trace, ("overview", rec.index, head, batch, bins, rows, cols),
@@ -256,7 +286,13 @@ def query_row(trace: Trace, name_or_record: str | TensorRecord, step: int | None
     """One query row's exact weights over all t keys ``[t]`` and its ``top`` keys as (key, weight), heaviest
     first."""
     rec = _record(trace, name_or_record, step)
-    t = rec.shape[-1]
+    if len(rec.shape) != 4:
+        raise RegionError(f"{rec.name} is not an attention record of shape [B, H, n, t]")
+    B, H, n, t = rec.shape
+    _whole(row, "row", 0, n)
+    _whole(head, f"head (the record has {H})", 0, H)
+    _whole(batch, f"batch (the record has {B} sequences)", 0, B)
+    _whole(top, "top", 1)
     w = attention_region(trace, rec, rows=(row, row + 1), cols=(0, t), heads=[head])
     if w is None:
         raise RegionError(f"{rec.name}'s value is no longer kept")
@@ -299,8 +335,9 @@ def head_statistics(trace: Trace, name_or_record: str | TensorRecord, step: int 
     if hook_of(rec.name) != "hook_pattern":
         raise RegionError(f"statistics are of attention weights (hook_pattern), not {rec.name}")
     B = rec.shape[0]
-    if not 0 <= batch < B:
-        raise RegionError(f"sequence {batch} outside the record's {B}")
+    _whole(batch, f"batch (the record has {B} sequences)", 0, B)
+    _whole(sink, "sink (key slots counted as the sink)", 0)
+    _whole(top, "top", 1)
     return _memo(trace, ("statistics", rec.index, batch, sink, top),
                  lambda: _head_statistics(trace, rec, batch, sink, top))
 
