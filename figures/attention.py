@@ -46,7 +46,8 @@ STAGE_SIDE = 128  # four stages side by side: each pooled to at most 128 × 128,
 NOTE_LINE = ("<br><span style='font-size:11px'>", "</span>")  # how each line of that note is written
 NOTE_WIDTH = 110  # characters per line of the pooling note under the Stages title (one line ran off at 1280 px)
 # each stage's short name in a pooled figure's caption (what its means left out)
-STAGE_NAMES = {"qk": "QKᵀ", "attn_scores": "scaled QKᵀ", "softcapped": "soft-capped", "masked_scores": "+ M",
+STAGE_NAMES = {"qk": "QKᵀ", "attn_scores": "scaled QKᵀ", "softcapped": "soft-capped", "score_bias": "B",
+               "masked_scores": "+ M",
                "sink_logits": "s_h", "pattern": "A", "sink_weight": "a_sink"}
 M_NOTE = ("Here M is added after the scaling; the formula is often written softmax((QKᵀ + M)/√d_k). The two are "
           "equal because M holds only 0 and −∞: (x + 0)/√d_k = x/√d_k, and −∞/√d_k = −∞.")
@@ -61,6 +62,25 @@ class Stage:
     shapes: str  # the real shapes: operands → result
     matrix: torch.Tensor | None  # [n, t] for the chosen batch row and head; None if not kept
     pooled_only: bool = False  # the matrix is the pooled digest of evicted values
+
+
+def score_bias_name(layer: int) -> str:
+    """The record of the bias a model adds to its scores beside the mask (Inkling's relative position bias,
+    model/sources/_hf_variants.py); not a row of the hook table, which our own GPT's hooks make up."""
+    return f"blocks.{layer}.attn.hook_score_bias"
+
+
+def stage_name(hook: str, layer: int) -> str:
+    """The record of one stage of ``attention_stages`` (its ``hook``) in ``layer``."""
+    return score_bias_name(layer) if hook == "score_bias" else act_name(hook, layer)
+
+
+def score_bias(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> torch.Tensor | None:
+    """The bias the model adds to one head's scores beside the mask, ``[n, t]`` (Inkling's learned relative position
+    bias); None for a model without one, or when its values were not kept."""
+    name = score_bias_name(layer)
+    value = trace.get(name, step) if trace.has(name, step) else None
+    return None if value is None else value[min(batch, value.shape[0] - 1), head].double()  # [B|1,H,n,t] -> [n,t]
 
 
 def kv_head(trace: Trace, layer: int, head: int, step: int) -> int:
@@ -95,6 +115,8 @@ def attention_latex(trace: Trace, step: int, layer: int) -> str:
         scores = rf"c\,\tanh\!\left({scores} / c\right)"
         constants.append(f"c = {cap:g}")
     tail = "".join(rf", \quad {c}" for c in constants)
+    if trace.has(score_bias_name(layer), step):  # Inkling: a learned bias beside the mask
+        scores = rf"{scores} + B"
     if getattr(trace.config, "attn_sinks", False):  # the sink's logit s_h is one more column; its weight is dropped
         return (rf"\left[A \;\middle|\; a_{{\text{{sink}}}}\right] = \operatorname{{softmax}}\!\left(\left["
                 rf"{scores} + M \;\middle|\; s_h\right]\right), \qquad O = A\,V{tail}")
@@ -130,6 +152,11 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
         stages.append(Stage("softcapped", f"c·tanh({scaled}/c)   (c = {c})",
                             f"soft-capped: every score inside (−{c}, {c}) → {shape_text(qk)}", None))
         scaled = f"c·tanh({scaled}/c)"
+    if trace.has(score_bias_name(layer), step):  # Inkling: a learned bias per head, query and key, beside the mask
+        bias = trace.record(score_bias_name(layer), step).shape
+        stages.append(Stage("score_bias", "B, the score bias", f"a learned bias per head, query and key (Inkling's "
+                                                               f"relative position bias): {shape_text(bias)}", None))
+        scaled = f"{scaled} + B"
     stages.append(
         Stage("masked_scores", f"{scaled} + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None))
     if trace.has(act_name("sink_logits", layer), step):  # gpt-oss: the sink is a stage of its own
@@ -148,7 +175,7 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
         stages.append(Stage("pattern", f"A = softmax({scaled} + M)", f"row-wise over t = {qk[-1]} keys → "
                                                                      f"{shape_text(qk)}", None))
     for stage in stages:
-        matrix, pooled = head_matrix(trace, act_name(stage.hook, layer), step, batch, head)
+        matrix, pooled = head_matrix(trace, stage_name(stage.hook, layer), step, batch, head)
         stage.matrix, stage.pooled_only = matrix, pooled
     return stages
 
@@ -191,7 +218,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
             # placed on the page (paper) at the middle of the panel's own domain: refs to an axis with no trace
             # were drawn over the last panel in the browser (seen in a screenshot at 32k tokens)
             left, right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain
-            derived = is_derived(trace, act_name(stage.hook, layer), step)
+            derived = is_derived(trace, stage_name(stage.hook, layer), step)
             fig.add_annotation(text="not formed:<br>the fused kernel ran<br>(Zoom recomputes<br>any region)" if derived
                                else "values not kept", showarrow=False, x=(left + right) / 2, y=0.5,
                                xref="paper", yref="paper")
@@ -200,7 +227,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         name = STAGE_NAMES.get(stage.hook, stage.hook)
         if stage.pooled_only:  # block means: recomputed from Q and K where the fused kernel kept no pattern, else
             # evicted values' digest — said beside its own panel's pooling, not of every panel
-            name += (" recomputed from Q and K" if is_derived(trace, act_name(stage.hook, layer), step)
+            name += (" recomputed from Q and K" if is_derived(trace, stage_name(stage.hook, layer), step)
                      else ", a digest of evicted values")
             digests.append(name)
         poolings[name] = g.pooling  # what its means took in: one per panel
@@ -560,6 +587,11 @@ def pitfall_patterns(trace: Trace, step: int, layer: int, head: int, batch: int 
     sink = sink_logits(trace, step, layer, head, batch)
     if trace.has(act_name("sink_logits", layer), step) and sink is None:
         return None  # the model has a sink, whose values were not kept: the recomputation would leave it out
+    bias = score_bias(trace, step, layer, head, batch)
+    if trace.has(score_bias_name(layer), step) and bias is None:
+        return None  # likewise its score bias
+    if bias is not None:  # Inkling: part of the scores in every variant (it is no scale and no mask)
+        raw, scaled = raw + bias, scaled + bias
 
     def softmax(x: torch.Tensor) -> torch.Tensor:  # over the keys, and the sink where the model has one
         return torch.softmax(x, dim=-1) if sink is None else softmax_with_sink(x, sink)

@@ -81,6 +81,15 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # do not round it: the two agree only where that product is a multiple of 64 (at width 64 the state is built
     # 16 wide per head for queries 8 wide, and the forward fails)
     "xlstm": {"hidden_size": 128, "embedding_dim": 128},
+    # Inkling, Inkling 2: the sliding layers' window (sliding_window_size, also their relative-bias extent) and the
+    # full layers' bias extent (rel_extent) shorter than the prompt, so that the window slides and the bias stops at
+    # its extent within the check; the sliding layers' own head counts and width shrunk like the others'; the
+    # logarithmic scaling of queries and bias (log_scaling_n_floor; Inkling's default leaves it off) starting within
+    # the prompt
+    "inkling_text": {"sliding_window_size": 4, "rel_extent": 6, "swa_num_attention_heads": 4,
+                     "swa_num_key_value_heads": 2, "swa_head_dim": 16, "log_scaling_n_floor": 4},
+    "inkling2_text": {"sliding_window_size": 4, "rel_extent": 6, "swa_num_attention_heads": 4,
+                      "swa_num_key_value_heads": 2, "swa_head_dim": 16, "log_scaling_n_floor": 4},
     # its own cached forward fails on its own config (it builds DynamicCache(config=BltConfig), which has no
     # num_hidden_layers: a top-level config over four stacks of layers); without a cache it runs
     "blt": {"use_cache": False},

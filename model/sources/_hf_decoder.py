@@ -154,11 +154,11 @@ def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None,
 # -- the model ------------------------------------------------------------------------------------------
 class _BlockHooks(nn.Module):
     def __init__(self, softcap: bool, has_mid: bool, latent: bool = False, sinks: bool = False,
-                 attention: bool = True, differential: bool = False) -> None:
+                 attention: bool = True, differential: bool = False, score_bias: bool = False) -> None:
         super().__init__()
         self.hook_resid_pre = HookPoint()  # [B, n, d]
         if attention:
-            self.attn = _AttentionHooks(softcap, latent, sinks, differential)
+            self.attn = _AttentionHooks(softcap, latent, sinks, differential, score_bias)
             self.hook_attn_out = HookPoint()  # [B, n, d]
         else:  # a hybrid model's layer whose mixer is not attention: what goes in and what comes out
             self.hook_mixer_in = HookPoint()  # [B, n, d], the mixer's input (the normed residual)
@@ -309,7 +309,9 @@ class HFDecoder(nn.Module):
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
         self._latent = [latent_widths(attn) if attn is not None else None for attn in attns]  # (d_c, d_R) or None
-        self._sinks = [isinstance(getattr(attn, "sinks", None), torch.Tensor) for attn in attns]  # gpt-oss
+        # gpt-oss (a sinks parameter), Inkling 2 (sink logits projected per position, handed over as sinks=)
+        self._sinks = [isinstance(getattr(attn, "sinks", None), torch.Tensor) or (call is not None and call.sinks)
+                       for attn, call in zip(attns, probed)]
         self._state_templates = state_templates(hf)  # hybrid models: the layers whose state transformers keeps
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
@@ -332,9 +334,10 @@ class HFDecoder(nn.Module):
         self.mixer_names = tuple("" if m is None else mixer_name(m, prefix) for m in self._mixers)
         differential = [call is not None and call.differential for call in probed]
         block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks,
-                                   attention=attn is not None, differential=diff)
-                       for norm, latent, sinks, attn, diff in zip(mlp_norms, self._latent, self._sinks, attns,
-                                                                  differential)]
+                                   attention=attn is not None, differential=diff,
+                                   score_bias=call is not None and call.score_bias)
+                       for norm, latent, sinks, attn, diff, call in zip(mlp_norms, self._latent, self._sinks, attns,
+                                                                        differential, probed)]
         self.blocks = nn.ModuleList(block_hooks)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
         self.hook_logits = HookPoint()  # [B, n, V]

@@ -52,12 +52,13 @@ class _Call:
     # object itself where the layer reads that layer's K and V (KV sharing)
     query: torch.Tensor | None = field(default=None, compare=False, repr=False)  # Q as received
     differential: bool = False  # the layer's two calls share Q and K: differential attention (DiffLlama)
+    score_bias: bool = False  # a position_bias beside the mask (Inkling), staged by _hf_variants.py
 
 
 # arguments of the attention interface that change the scores or the softmax and that traced_attention does not
-# model (its own sinks come as s_aux, gpt-oss's name): a family passing one of them is refused, not traced wrong
-_UNMODELLED = {"position_bias": "a learned position bias added to the scores", "sinks": "learned sink logits",
-               "score_mod": "a score modification function", "attention_bias": "a bias added to the scores"}
+# model (it stages sinks as s_aux, gpt-oss's name, or sinks, Inkling 2's, and Inkling's position_bias): a family
+# passing one of them is refused, not traced wrong
+_UNMODELLED = {"score_mod": "a score modification function", "attention_bias": "a bias added to the scores"}
 
 
 # words of state-space / recurrent mixers' class names: only to say why a model that makes no attention call at all is
@@ -113,8 +114,9 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
                mask: torch.Tensor | None, kwargs: dict) -> None:
         calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-3]), int(key.shape[-3]),
                            int(query.shape[-1]), int(value.shape[-1]),
-                           kwargs.get("s_aux") is not None, mask,
-                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None), key, query))
+                           kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None, mask,
+                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None), key, query,
+                           score_bias=kwargs.get("position_bias") is not None))
 
     device = _token_device(hf)
     # two tokens, so that the first's mask row shows whether it sees the second (causal or not); on the meta
@@ -276,11 +278,11 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
                              f"{', '.join(sorted(state)[:3]) or 'none named'}): there is no attention pattern to "
                              "trace", reason="no softmax attention")
     unmodelled = sorted({k for c in calls for k in c.unmodelled})
-    if unmodelled:  # Inkling 2: a relative position bias and sinks by names of its own
+    if unmodelled:
         given = "; ".join(f"{_UNMODELLED[k]} ({k})" for k in unmodelled)
         raise HFDecoderError(f"{model_type}: its attention passes {given} to transformers' attention function, which "
                              "the traced attention does not compute: its pattern would not be the one the model uses",
-                             reason="attention sinks" if "sinks" in unmodelled else "score bias")
+                             reason="score bias")
     counts: dict[int, int] = {}
     for c in calls:
         if c.layer is not None:

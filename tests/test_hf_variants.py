@@ -1,0 +1,176 @@
+"""Attention variants and state models traced since they were refused (model/sources/_hf_variants.py):
+
+* Inkling and Inkling 2 hand transformers' attention function a learned relative position bias beside the mask
+  (``position_bias``); Inkling 2 also a sink logit per head and query (``sinks``). Traced, the bias is a stage of
+  its own (``hook_score_bias``: masked scores = scores + bias + M) and Inkling 2's sink the extra column of each
+  softmax row (``hook_sink_logits`` / ``hook_sink_weight``, as gpt-oss's). Both keep a short convolution's state
+  beside K and V (transformers' hybrid cache layers), held in our ``StateCache``.
+
+Tiny random-weight models built by tests/hf_every_architecture.py from transformers' own config classes. Logits
+equal transformers' eager forward at the prefill and 3 cached steps; every recorded pattern equals one recomputed
+here from the recorded stages, and equals the attention weights transformers' own eager forward returns
+(``output_attentions=True``) for the same columns."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt_shape_tracer.model import load_hf
+from gpt_shape_tracer.model.gpt import attention_path
+from gpt_shape_tracer.model.sources import BUNDLED_DIR, HFDecoder
+from gpt_shape_tracer.tracer import TracedGeneration
+from tests.hf_every_architecture import DECODE_STEPS, TOLERANCE, build, check, tiny_config
+from tests.tolerance import assert_close_across_cpus
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BIASED = ("inkling_text", "inkling2_text")  # a score bias beside the mask; Inkling 2 with a sink per query
+TYPES = BIASED
+PROMPTS = ["Lily had a red kite.", "Tom said"]
+
+
+def _build(model_type: str, root: Path) -> Path:
+    """tests/hf_every_architecture.py's tiny model of ``model_type``, its vocabulary the bundled tokenizer's."""
+    import transformers  # noqa: F401 (the config classes below come from it)
+
+    import tests.hf_every_architecture as every
+
+    config = tiny_config(model_type)
+    values = {**config.to_dict(), "vocab_size": 1024}
+    out = root / model_type
+    original = every.tiny_config
+    every.tiny_config = lambda _: type(config)(**values)  # type: ignore[assignment]
+    try:
+        build(model_type, out)
+    finally:
+        every.tiny_config = original
+    (out / "tokenizer.json").write_bytes((BUNDLED_DIR / "tokenizer.json").read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def directories() -> dict[str, Path]:
+    root = Path(tempfile.mkdtemp(prefix="hf-variants-"))
+    return {t: _build(t, root) for t in TYPES}
+
+
+def traced(directory: Path, prompts: list[str] = PROMPTS, steps: int = 1 + DECODE_STEPS) -> TracedGeneration:
+    model, tok = load_hf(directory, implementation="transformers")
+    assert isinstance(model, HFDecoder)
+    gen = TracedGeneration(model, tok, prompts, temperature=0, padding_side="left")
+    gen.run(steps)
+    return gen
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_logits_equal_transformers_at_the_prefill_and_three_cached_steps(directories, model_type):
+    result = check(model_type, directories[model_type])
+    print(model_type, "max |Δ logits| per step:", [f"{d:.1e}" for d in result.deltas])
+    assert result.outcome == "traced" and len(result.deltas) == 1 + DECODE_STEPS, result
+    assert max(result.deltas) <= TOLERANCE, result
+
+
+@pytest.mark.parametrize("model_type", BIASED)
+def test_the_score_bias_is_a_stage_and_the_pattern_is_recomputed_from_the_stages(directories, model_type):
+    """Left-padded batch of two, prefill and 3 cached steps. At every step and layer: masked scores = QKᵀ·s + B + M
+    from the recorded Q, K, B, M; the pattern = the softmax of that (with the recorded sink logit as one more column
+    where the model has one, the sink's weight then 1 − Σ_t A); the bias is 0 from its extent back (the sliding
+    layers': their window) and changes the pattern (recomputed without it, the pattern differs)."""
+    gen = traced(directories[model_type])
+    trace, config = gen.trace, gen.model.config
+    H, G = config.n_head, config.n_kv_heads
+    sinks = model_type == "inkling2_text"
+    assert config.attn_sinks == sinks
+    for layer in range(config.n_layer):
+        attn = gen.model.hf.model.layers[layer].self_attn
+        extent = attn.rel_logits_proj.rel_extent
+        for step in range(gen.n_steps):
+            def get(name: str, layer: int = layer, step: int = step) -> torch.Tensor:
+                value = trace.get(f"blocks.{layer}.attn.{name}", step)
+                assert value is not None, name
+                return value
+
+            q, k, bias, mask = get("hook_q"), get("hook_k_all"), get("hook_score_bias"), get("hook_mask")
+            n, t = q.shape[2], k.shape[2]
+            assert bias.shape[1:] == (H, n, t)
+            scores = q @ k.repeat_interleave(H // G, dim=1).transpose(-2, -1) * attn.scaling
+            assert_close_across_cpus(get("hook_attn_scores"), scores, f"{layer}/{step} scores")
+            assert_close_across_cpus(get("hook_masked_scores"), scores + bias + mask, f"{layer}/{step} + B + M")
+            distance = torch.arange(t - n, t)[:, None] - torch.arange(t)[None, :]  # query column − key column
+            assert not bias[..., distance >= extent].any() and not bias[..., distance < 0].any()
+            assert bias.abs().max() > 1e-3
+            if sinks:
+                sink = get("hook_sink_logits")  # [B, H, n, 1], one per head and query (projected from x)
+                own = attn.sink_proj(trace.get(f"hf.model.layers.{layer}.self_attn.sink_proj:in[0]", step))
+                assert_close_across_cpus(sink, own.transpose(1, 2).unsqueeze(-1), f"{layer}/{step} sink logits")
+                logits = torch.cat([scores + bias + mask, sink], dim=-1).float()
+                redone = torch.softmax(logits, dim=-1)[..., :-1]
+                without = torch.softmax(torch.cat([scores + mask, sink], dim=-1).float(), dim=-1)[..., :-1]
+                assert_close_across_cpus(get("hook_sink_weight"), 1 - redone.sum(-1, keepdim=True), "sink weight")
+            else:
+                redone = torch.softmax((scores + bias + mask).float(), dim=-1)
+                without = torch.softmax((scores + mask).float(), dim=-1)
+            pattern = get("hook_pattern")
+            assert_close_across_cpus(pattern, redone, f"layer {layer} step {step} pattern")
+            assert float((without - pattern).abs().max()) > 1e-4  # the bias is not a no-op
+
+
+@pytest.mark.parametrize("model_type", BIASED)
+def test_the_recorded_pattern_is_transformers_own_attention_weights(directories, model_type):
+    """One prompt, prefill and 3 cached steps: each step's recorded pattern equals the rows of the attention weights
+    transformers' eager forward returns over the same columns without a cache (its own bias, sinks and mask)."""
+    from transformers import AutoModelForCausalLM
+
+    gen = traced(directories[model_type], prompts=PROMPTS[:1])
+    ref = AutoModelForCausalLM.from_pretrained(directories[model_type], local_files_only=True,
+                                               attn_implementation="eager").eval()
+    last = gen.n_steps - 1
+    ids = torch.tensor([gen.facts.columns(0, last)])
+    with torch.no_grad():
+        weights = ref(input_ids=ids, output_attentions=True).attentions  # per layer [1, H, t, t]
+    width = gen.info.prompt_width
+    for layer in range(gen.model.config.n_layer):
+        for step in range(gen.n_steps):
+            theirs = weights[layer][:, :, :width, :width] if step == 0 else \
+                weights[layer][:, :, width + step - 1:width + step, :width + step]
+            ours = gen.trace.get(f"blocks.{layer}.attn.hook_pattern", step)
+            assert_close_across_cpus(ours, theirs, f"{model_type} layer {layer} step {step}")
+
+
+def test_a_copy_of_the_cache_replays_a_step_with_its_convolution_state(directories):
+    """Inkling 2's keys and values (and the layer's input to its attention and MLP) pass short convolutions whose
+    state transformers' cache layer keeps beside K and V: a copy of our cache as it was before step 2 replays that
+    step to the bit (the what-if experiments start from such copies), and a forward that fails after layer 0 updated
+    its state leaves the state as it was."""
+    gen = traced(directories["inkling2_text"])
+    before = gen.facts.step(2).forward.cache_before
+    B = len(PROMPTS)
+    fed = torch.tensor([[gen.facts.columns(r, 2)[-1]] for r in range(B)])
+    copy = gen.cache.copy(before)
+    with torch.no_grad(), attention_path("eager"):
+        again = gen.model(fed, cache=copy)
+    assert torch.equal(again, gen.trace.get("hook_logits", 2))
+    conv = {L: {i: x.clone() for i, x in state.conv_states.items()} for L, state in gen.cache.states.items()}
+    # per layer four convolutions keep state: the keys', the values', and two in the layer around its attention and MLP
+    assert conv and all(len(held) == 4 for held in conv.values())
+    length = gen.cache.length
+
+    def fail(*args: object) -> None:  # after layer 0 has updated its state in place
+        raise RuntimeError("stopped in layer 1")
+
+    handle = gen.model.hf.model.layers[1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="stopped in layer 1"), torch.no_grad():
+            gen.model(fed, cache=gen.cache)
+    finally:
+        handle.remove()
+    assert gen.cache.length == length
+    assert all(torch.equal(gen.cache.states[L].conv_states[i], x) for L, held in conv.items() for i, x in held.items())
+    with torch.no_grad():  # and the step runs from there as it would have
+        gen.model(fed, cache=gen.cache)
+    assert not all(torch.equal(gen.cache.states[L].conv_states[i], x) for L, held in conv.items()
+                   for i, x in held.items())
