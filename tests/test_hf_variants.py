@@ -1,5 +1,8 @@
 """Attention variants and state models traced since they were refused (model/sources/_hf_variants.py):
 
+* HRM runs its two stacks of layers several times per forward (each run with a cache slot of its own), LongCat-Flash
+  runs two attention sublayers in each layer (each with its own slot): traced, every attention call is a block of
+  its own, in the order the calls run, which is the order of the cache slots they write.
 * Inkling and Inkling 2 hand transformers' attention function a learned relative position bias beside the mask
   (``position_bias``); Inkling 2 also a sink logit per head and query (``sinks``). Traced, the bias is a stage of
   its own (``hook_score_bias``: masked scores = scores + bias + M) and Inkling 2's sink the extra column of each
@@ -9,7 +12,7 @@
 Tiny random-weight models built by tests/hf_every_architecture.py from transformers' own config classes. Logits
 equal transformers' eager forward at the prefill and 3 cached steps; every recorded pattern equals one recomputed
 here from the recorded stages, and equals the attention weights transformers' own eager forward returns
-(``output_attentions=True``) for the same columns."""
+(``output_attentions=True``: one entry per attention call, in order) for the same columns."""
 
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from tests.tolerance import assert_close_across_cpus
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BIASED = ("inkling_text", "inkling2_text")  # a score bias beside the mask; Inkling 2 with a sink per query
-TYPES = BIASED
+SEVERAL = ("hrm_text", "longcat_flash")  # several attention calls per layer: layers re-entered; two per layer
+TYPES = BIASED + SEVERAL
 PROMPTS = ["Lily had a red kite.", "Tom said"]
 
 
@@ -119,10 +123,11 @@ def test_the_score_bias_is_a_stage_and_the_pattern_is_recomputed_from_the_stages
             assert float((without - pattern).abs().max()) > 1e-4  # the bias is not a no-op
 
 
-@pytest.mark.parametrize("model_type", BIASED)
+@pytest.mark.parametrize("model_type", TYPES)
 def test_the_recorded_pattern_is_transformers_own_attention_weights(directories, model_type):
-    """One prompt, prefill and 3 cached steps: each step's recorded pattern equals the rows of the attention weights
-    transformers' eager forward returns over the same columns without a cache (its own bias, sinks and mask)."""
+    """One prompt, prefill and 3 cached steps: each block's recorded pattern at each step equals the rows of the
+    attention weights transformers' eager forward returns over the same columns without a cache (its own bias, sinks
+    and mask), the b-th call's weights for block b."""
     from transformers import AutoModelForCausalLM
 
     gen = traced(directories[model_type], prompts=PROMPTS[:1])
@@ -131,7 +136,8 @@ def test_the_recorded_pattern_is_transformers_own_attention_weights(directories,
     last = gen.n_steps - 1
     ids = torch.tensor([gen.facts.columns(0, last)])
     with torch.no_grad():
-        weights = ref(input_ids=ids, output_attentions=True).attentions  # per layer [1, H, t, t]
+        weights = ref(input_ids=ids, output_attentions=True).attentions  # per attention call [1, H, t, t]
+    assert len(weights) == gen.model.config.n_layer
     width = gen.info.prompt_width
     for layer in range(gen.model.config.n_layer):
         for step in range(gen.n_steps):
@@ -174,3 +180,60 @@ def test_a_copy_of_the_cache_replays_a_step_with_its_convolution_state(directori
         gen.model(fed, cache=gen.cache)
     assert not all(torch.equal(gen.cache.states[L].conv_states[i], x) for L, held in conv.items()
                    for i, x in held.items())
+
+
+@pytest.mark.parametrize("model_type", SEVERAL)
+def test_every_attention_call_is_a_block_with_its_own_cache_slot(directories, model_type):
+    """Left-padded batch of two, prefill and 3 cached steps: the model has one block per attention call per forward
+    — as many as transformers' own cache has slots for its config (HRM: layers per stack × H_cycles × (L_cycles + 1);
+    LongCat-Flash: 2 per layer) — and block b's cache after the last step is slot b of the cache transformers' own
+    forward fills over the same columns (LongCat-Flash's latent c_KV: its slots hold that); each block's pattern is
+    the softmax of its recorded QKᵀ·s + M; each block's stream sums (x + attention = the stream into the MLP's norm)
+    hold, and LongCat-Flash's second sublayer adds the layer's shortcut MoE besides its own MLP, as its code does."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    gen = traced(directories[model_type])
+    trace, config, hf = gen.trace, gen.model.config, gen.model.hf
+    ref = AutoModelForCausalLM.from_pretrained(directories[model_type], local_files_only=True,
+                                               attn_implementation="eager").eval()
+    theirs = DynamicCache(config=ref.config)
+    last, B = gen.n_steps - 1, len(PROMPTS)
+    ids = torch.tensor([gen.facts.columns(r, last) for r in range(B)])
+    real = torch.tensor([gen.facts.is_token(r, last) for r in range(B)])
+    with torch.no_grad():
+        ref(input_ids=ids, attention_mask=real.long(), position_ids=(real.long().cumsum(-1) - 1).clamp(min=0),
+            past_key_values=theirs, use_cache=True)
+    if model_type == "hrm_text":
+        cfg = hf.config
+        assert config.n_layer == cfg.num_layers_per_stack * cfg.H_cycles * (cfg.L_cycles + 1) == 16
+    else:
+        assert config.n_layer == 2 * hf.config.num_layers
+    assert len(theirs.layers) == config.n_layer
+    cached = "hook_kv_latent_all" if model_type == "longcat_flash" else "hook_k_all"
+    for block in range(config.n_layer):
+        mine = trace.get(f"blocks.{block}.attn.{cached}", last)
+        held = theirs.layers[block].keys
+        assert mine.shape == held.shape, (block, mine.shape, held.shape)
+        rows = real[:, None, :, None].expand_as(held)  # the padding's rows hold whatever a padding token gives
+        assert float((mine - held)[rows].abs().max()) <= 1e-5, block
+        attn = hf.model.layers[block // 2].self_attn[block % 2] if model_type == "longcat_flash" else \
+            hf.model.L_module.layers[0].self_attn  # one scale for all
+        for step in (0, last):
+            def get(name: str, block: int = block, step: int = step) -> torch.Tensor:
+                value = trace.get(f"blocks.{block}.{name}", step)
+                assert value is not None, name
+                return value
+
+            q, k, mask = get("attn.hook_q"), get("attn.hook_k_all"), get("attn.hook_mask")
+            scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-2, -1) * attn.scaling
+            assert_close_across_cpus(get("attn.hook_pattern"), torch.softmax((scores + mask).float(), dim=-1),
+                                     f"block {block} step {step}")
+            pre, mid, post = get("hook_resid_pre"), get("hook_resid_mid"), get("hook_resid_post")
+            assert_close_across_cpus(mid, pre + get("hook_attn_out"), f"block {block} step {step}: x + attention")
+            beside = post - mid - get("hook_mlp_out")  # what the block adds besides its MLP: nothing, or the shortcut
+            if model_type == "longcat_flash" and block % 2 == 1:
+                shortcut = trace.get(f"hf.model.layers.{block // 2}.mlp:out", step)
+                assert_close_across_cpus(beside, shortcut, f"block {block} step {step}: the shortcut MoE")
+            else:
+                assert float(beside.abs().max()) <= 1e-5, (block, step)
+    assert config.plain_residual is (model_type != "longcat_flash")

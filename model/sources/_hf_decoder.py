@@ -106,6 +106,7 @@ from gpt_shape_tracer.model.sources._hf_probe import (
     mixer_of,
 )
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, refusal_by_config
+from gpt_shape_tracer.model.sources._hf_variants import Reentry, install_sublayer, split_layers
 from gpt_shape_tracer.model.sources._tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -353,30 +354,42 @@ class HFDecoder(nn.Module):
             if template is not None or self._carried:  # what the layer's state holds after each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
-        for layer, attn, mixer, hooks, mlp_norm in zip(layers, attns, self._mixers, block_hooks, mlp_norms):
-            self._handles.append(layer.register_forward_pre_hook(self._pre_layer(hooks), with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(
-                lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out)))))
+        # HRM: its layers run several times per forward, one block per run: each block's hooks on a shared module act
+        # in that block's run only; LongCat-Flash: two attention sublayers per layer, one block each, whose residual
+        # hooks sit on the sublayer's own modules (_hf_variants.py)
+        reentry, sublayers = Reentry(layers, attns), split_layers(list(layers), attns)
+        if reentry.active:
+            self._handles += reentry.install(hf, layers, attns, _HOOKS, [getattr(b, "attn", None) for b in block_hooks])
+        for block, (layer, attn, mixer, hooks, mlp_norm) in enumerate(zip(layers, attns, self._mixers, block_hooks,
+                                                                          mlp_norms)):
+            gated = reentry.gate(layer, block)
+            sub = sublayers.get(block)
+            if sub is not None:
+                self._handles += install_sublayer(sub, hooks)
+            else:
+                self._handles.append(layer.register_forward_pre_hook(gated(self._pre_layer(hooks)), with_kwargs=True))
+                self._handles.append(layer.register_forward_hook(gated(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out))))))
             if attn is not None:
                 _HOOKS[attn] = hooks.attn
                 hooks.attn.w_o = _child(attn, _NAMES_OUT)
                 if hasattr(hooks.attn, "hook_diff_pattern"):  # differential attention: its λ from its own parameters
                     hooks.attn.differential = differential_lambda(attn)
-                self._handles.append(attn.register_forward_hook(
-                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_attn_out(_first(out)))))
+                self._handles.append(attn.register_forward_hook(gated(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_attn_out(_first(out))))))
             elif mixer is not None:
-                self._handles.append(mixer.register_forward_pre_hook(
-                    lambda m, args, kwargs, h=hooks: _through_first_input(h.hook_mixer_in, args, kwargs),
+                self._handles.append(mixer.register_forward_pre_hook(gated(
+                    lambda m, args, kwargs, h=hooks: _through_first_input(h.hook_mixer_in, args, kwargs)),
                     with_kwargs=True))
-                self._handles.append(mixer.register_forward_hook(
-                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mixer_out(_first(out)))))
-            mlp = _child(layer, _NAMES_MLP)
+                self._handles.append(mixer.register_forward_hook(gated(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mixer_out(_first(out))))))
+            mlp = _child(layer, _NAMES_MLP) if sub is None else None
             if mlp is not None:
-                self._handles.append(mlp.register_forward_hook(
-                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mlp_out(_first(out)))))
-            if mlp_norm is not None:
-                self._handles.append(mlp_norm.register_forward_pre_hook(
-                    lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:])))
+                self._handles.append(mlp.register_forward_hook(gated(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mlp_out(_first(out))))))
+            if mlp_norm is not None and sub is None:
+                self._handles.append(mlp_norm.register_forward_pre_hook(gated(
+                    lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:]))))
         self._identity: ModelIdentity | PendingIdentity | None = identity
         # set by guard_against_transformers where transformers' own cached and uncached forwards disagree: which
         # one the trace follows, with the numbers (None: they agree, or the guard has not run)

@@ -15,6 +15,7 @@ from torch import nn
 
 from gpt_shape_tracer.model.sources._hf_attention import _probing, differential_lambda
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
+from gpt_shape_tracer.model.sources._hf_variants import call_blocks
 from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -53,6 +54,8 @@ class _Call:
     query: torch.Tensor | None = field(default=None, compare=False, repr=False)  # Q as received
     differential: bool = False  # the layer's two calls share Q and K: differential attention (DiffLlama)
     score_bias: bool = False  # a position_bias beside the mask (Inkling), staged by _hf_variants.py
+    entry: int = field(default=-1, compare=False)  # which entry into an outermost layer it came in (counted from 0):
+    # a layer entered several times per forward (HRM's recurrent stacks) makes one call per entry
 
 
 # arguments of the attention interface that change the scores or the softmax and that traced_attention does not
@@ -97,6 +100,7 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
     ModuleList was running (the outermost one) when it came — the layers are found by what they call, not by
     their class names or where they sit: a vision tower that is not run is never mistaken for the text stack."""
     frames: list[tuple[int, int]] = []
+    entries = [-1]  # entries into an outermost layer so far
     calls: list[_Call] = []
     lists = {id(m): m for m in hf.modules() if isinstance(m, nn.ModuleList)}
     handles = []
@@ -105,9 +109,14 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
         if frames:
             frames.pop()
 
+    def enter(key: int, i: int) -> None:
+        if not frames:
+            entries[0] += 1
+        frames.append((key, i))
+
     for key, modules in lists.items():
         for i, layer in enumerate(modules):
-            handles.append(layer.register_forward_pre_hook(lambda m, a, k=key, i=i: frames.append((k, i))))
+            handles.append(layer.register_forward_pre_hook(lambda m, a, k=key, i=i: enter(k, i)))
             handles.append(layer.register_forward_hook(leave))
 
     def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -116,7 +125,7 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
                            int(query.shape[-1]), int(value.shape[-1]),
                            kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None, mask,
                            tuple(k for k in _UNMODELLED if kwargs.get(k) is not None), key, query,
-                           score_bias=kwargs.get("position_bias") is not None))
+                           score_bias=kwargs.get("position_bias") is not None, entry=entries[0]))
 
     device = _token_device(hf)
     # two tokens, so that the first's mask row shows whether it sees the second (causal or not); on the meta
@@ -296,6 +305,9 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
         if c.layer is not None and c.layer[0] == id(layers):
             per_layer[c.layer[1]].append(c)
     elsewhere = [c for c in calls if c.layer is None or c.layer[0] != id(layers)]
+    blocks = call_blocks(hf, calls, lists)
+    if blocks is not None:  # HRM: layers run several times per forward; LongCat-Flash: two attentions per layer
+        return blocks, list(calls), {}  # one block per call, each call its own cache slot
     for L, cs in enumerate(per_layer):  # differential attention: one module's two calls with the same Q and K
         if len(cs) == 2 and cs[0].module is cs[1].module and cs[0].query is cs[1].query and cs[0].key is cs[1].key \
                 and cs[0].heads % 2 == 0 and differential_lambda(cs[0].module) is not None:

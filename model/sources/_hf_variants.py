@@ -1,6 +1,7 @@
 """Attention variants the traced attention function stages beyond the plain softmax: a learned score bias handed to
 the attention function beside the mask (Inkling's relative position bias, ``position_bias``), and sink logits that
-vary per query (Inkling 2's ``sinks``, one logit per head and position projected from the hidden state).
+vary per query (Inkling 2's ``sinks``, one logit per head and position projected from the hidden state); and layers
+run several times per forward (HRM's recurrent stacks: ``reentered_layers``, ``Reentry``), one block per run.
 
 ``_hf_attention.traced_attention`` calls ``attention_with_score_bias`` where a call passes ``position_bias``; the
 stages go through the layer's hook points (``_AttentionHooks``): the scores, then the bias (``hook_score_bias``),
@@ -10,12 +11,16 @@ the mask, their sum (``hook_masked_scores`` = scores + bias + M), the sink colum
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from gpt_shape_tracer.model.sources._hf_attention import _AttentionHooks
+    from gpt_shape_tracer.model.sources._hf_probe import _Call
 
 
 def sink_column(sinks: torch.Tensor, B: int, H: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,3 +61,204 @@ def attention_with_score_bias(query: torch.Tensor, key: torch.Tensor, value: tor
     pattern = through("hook_pattern", probs[..., :-1])  # the keys' share: rows sum to < 1
     through("hook_sink_weight", probs[..., -1:])  # [B,H,n,1]
     return pattern @ values
+
+
+# -- layers entered several times per forward, or running several attentions -----------------------------------
+def call_blocks(hf: nn.Module, calls: Sequence[_Call], lists: dict[int, nn.ModuleList]) -> nn.ModuleList | None:
+    """One block per attention call, in the order of the calls, where a forward calls attention more than once per
+    layer in one of two ways, each call with a cache slot of its own:
+
+    * a layer run several times per forward (HRM, Wang et al. 2025, "Hierarchical Reasoning Model": a low-level and
+      a high-level stack of layers, the low one run ``L_cycles`` times per high-level cycle, the whole ``H_cycles``
+      times; each run keeps its own K and V, in slot ``layer_idx + cycle_offset``) — one call per run;
+    * a layer running several attention modules in one run (LongCat-Flash: two sublayers per layer, each with its
+      own attention, norms and MLP, in slots 2·L and 2·L + 1) — ``split_layers`` finds each sublayer's modules.
+
+    Returns, per block, the layer module whose run it is (repeated where a layer holds several blocks); None where
+    the calls are not so: every call inside a layer, every run of a layer making the same calls of attention modules
+    of its own (none shared with another layer, none called twice in one run — DiffLlama's differential attention
+    is that), a layer re-entered or running several attentions but not both, and the calls' order the order of the
+    cache slots they write (one cached forward checks it)."""
+    if not calls or any(c.layer is None for c in calls):
+        return None
+    runs: dict[int, list[_Call]] = {}
+    for c in calls:
+        runs.setdefault(c.entry, []).append(c)
+    made: dict[tuple[int, int], list[tuple[int, ...]]] = {}  # per layer, the modules each of its runs called
+    for run in runs.values():
+        modules = tuple(id(c.module) for c in run)
+        if len(set(modules)) < len(modules) or len({c.layer for c in run}) != 1:
+            return None
+        made.setdefault(cast(tuple[int, int], run[0].layer), []).append(modules)
+    owners: dict[int, tuple[int, int]] = {}
+    for layer, each in made.items():
+        if any(m != each[0] for m in each) or (len(each) > 1 and len(each[0]) > 1):
+            return None  # a run calls other modules than the first, or a layer both re-entered and split
+        for module in each[0]:
+            if owners.setdefault(module, layer) != layer:
+                return None  # one attention module in several layers (Zamba's shared block)
+    if all(len(each) == 1 and len(each[0]) == 1 for each in made.values()):
+        return None  # one call per layer: the ordinary case
+    first = calls[0].mask
+    if first is not None and first.device.type != "meta" and first.shape[-1] >= 2 and first.shape[-2] >= 2:
+        hidden = first[0, 0] <= torch.finfo(first.dtype).min / 2 if first.is_floating_point() else ~first[0, 0]
+        if not bool(hidden[0, 1]):  # position 0 sees position 1: an encoder, refused as any (_find_attention)
+            return None
+    if cache_slots(hf) != list(range(len(calls))):
+        return None
+    return nn.ModuleList([lists[c.layer[0]][c.layer[1]] for c in calls if c.layer is not None])
+
+
+_NAMES_ATTENTION_NORM = ("input_layernorm", "ln_1", "attention_norm")  # the norm in front of a sublayer's attention
+_NAMES_SUB_MLP = ("mlps", "mlp", "feed_forward")  # a sublayer's MLP (LongCat-Flash: mlps[i]; its mlp is the shortcut)
+_NAMES_SUB_MLP_NORM = ("post_attention_layernorm", "ffn_norm")
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    """The modules of one of a layer's several attention sublayers (LongCat-Flash), each the i-th element of a
+    ModuleList child of the layer as long as the layer's attentions: their hooks stand for the layer's own."""
+
+    layer: nn.Module
+    attention_norm: nn.Module | None  # its input: the residual stream entering the sublayer (hook_resid_pre)
+    mlp_norm: nn.Module | None  # its input: x + attention output (hook_resid_mid)
+    mlp: nn.Module | None  # its output: hook_mlp_out
+    next_norm: nn.Module | None  # the next sublayer's attention norm, whose input is this one's output; None: the
+    # last sublayer, whose output is the layer's (hook_resid_post)
+
+
+def split_layers(layers: Sequence[nn.Module], attns: Sequence[nn.Module | None]) -> dict[int, Sublayer]:
+    """Per block that is one of several attentions a layer runs in one forward (``call_blocks``), its sublayer."""
+    by_layer: dict[int, list[int]] = {}
+    for block, layer in enumerate(layers):
+        by_layer.setdefault(id(layer), []).append(block)
+    out: dict[int, Sublayer] = {}
+    for blocks in by_layer.values():
+        mods = [attns[b] for b in blocks]
+        if len(blocks) < 2 or any(m is None for m in mods) or len({id(m) for m in mods}) < len(mods):
+            continue  # one block, or a re-entered layer (Reentry)
+        layer = layers[blocks[0]]
+        lists = {name: child for name, child in layer.named_children()
+                 if isinstance(child, nn.ModuleList) and len(child) == len(blocks)}
+
+        def element(names: tuple[str, ...], i: int, lists: dict[str, nn.ModuleList] = lists) -> nn.Module | None:
+            found = next((lists[n] for n in names if n in lists), None)
+            return found[i] if found is not None and i < len(found) else None
+
+        for i, block in enumerate(blocks):
+            out[block] = Sublayer(layer, element(_NAMES_ATTENTION_NORM, i), element(_NAMES_SUB_MLP_NORM, i),
+                                  element(_NAMES_SUB_MLP, i), element(_NAMES_ATTENTION_NORM, i + 1))
+    return out
+
+
+def _through_input(point: Any) -> Callable[..., Any]:
+    def pre(module: nn.Module, args: tuple) -> tuple | None:
+        return (point(args[0]), *args[1:]) if args else None
+    return pre
+
+
+def install_sublayer(sub: Sublayer, hooks: Any) -> list[Any]:
+    """A sublayer block's residual hooks (``_BlockHooks``), on its own modules (the attention's are HFDecoder's)."""
+    handles = []
+    if sub.attention_norm is not None:
+        handles.append(sub.attention_norm.register_forward_pre_hook(_through_input(hooks.hook_resid_pre)))
+    if sub.mlp_norm is not None and hasattr(hooks, "hook_resid_mid"):
+        handles.append(sub.mlp_norm.register_forward_pre_hook(_through_input(hooks.hook_resid_mid)))
+    if sub.mlp is not None:
+        handles.append(sub.mlp.register_forward_hook(
+            lambda m, a, out: hooks.hook_mlp_out(out) if isinstance(out, torch.Tensor) else None))
+    if sub.next_norm is not None:
+        handles.append(sub.next_norm.register_forward_pre_hook(_through_input(hooks.hook_resid_post)))
+    else:
+        handles.append(sub.layer.register_forward_hook(
+            lambda m, a, out: hooks.hook_resid_post(out) if isinstance(out, torch.Tensor) else None))
+    return handles
+
+
+def cache_slots(hf: nn.Module) -> list[int]:
+    """The cache slot (``layer_idx``) of each ``update`` of transformers' own cache, in order, in one cached forward of
+    two tokens; empty where that forward fails."""
+    import contextlib
+
+    from transformers.cache_utils import DynamicCache
+
+    from gpt_shape_tracer.model.sources._hf_probe import _token_device, cache_keyword
+    from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
+
+    try:
+        cache = DynamicCache(config=getattr(hf, "config", None))
+    except Exception:  # noqa: BLE001 (a cache transformers cannot build for this config: no slots known)
+        return []
+    slots: list[int] = []
+    update = cache.update
+
+    def recorded(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        slots.append(int(layer_idx))
+        return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    cache.update = recorded  # type: ignore[method-assign]  # on this instance only
+    device = _token_device(hf)
+    tokens = torch.zeros(1, 1 if device.type == "meta" else 2, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad(), meta_op_cache() if device.type == "meta" else contextlib.nullcontext():
+            hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), **{cache_keyword(hf): cache}, use_cache=True)
+    except Exception:  # noqa: BLE001 (its cached forward fails: no slots known)
+        return []
+    return slots
+
+
+class Reentry:
+    """Which block each run of a re-entered layer is (``reentered_layers``): the k-th run of a layer module in a
+    forward is the k-th block it appears in. A forward pre-hook on the whole model starts the count again; one on each
+    such layer, registered before the blocks' own hooks, advances it and points the layer's attention at that block's
+    hook points (``_HOOKS``); ``gate`` lets a block's hooks on a shared module act only in that block's run."""
+
+    def __init__(self, layers: Iterable[nn.Module], attns: Sequence[nn.Module | None]) -> None:
+        self.blocks_of: dict[int, list[int]] = {}
+        for block, layer in enumerate(layers):
+            self.blocks_of.setdefault(id(layer), []).append(block)
+        for key in [k for k, blocks in self.blocks_of.items() if len({id(attns[b]) for b in blocks}) > 1]:
+            del self.blocks_of[key]  # several attentions in one run (split_layers), not runs of one
+        self.runs: dict[int, int] = {}  # runs of each layer module in this forward
+        self.current: dict[int, int] = {}  # the block of each layer module's current run
+
+    @property
+    def active(self) -> bool:
+        return any(len(blocks) > 1 for blocks in self.blocks_of.values())
+
+    def install(self, hf: nn.Module, layers: Iterable[nn.Module], attns: Sequence[nn.Module | None],
+                hooks: MutableMapping[nn.Module, Any], attention_hooks: Sequence[Any]) -> list[Any]:
+        """The hooks that keep the count (their handles, for removal)."""
+        handles = [hf.register_forward_pre_hook(lambda m, a: self.reset())]
+        done: set[int] = set()
+        for layer in layers:
+            if id(layer) in done or id(layer) not in self.blocks_of:
+                continue
+            done.add(id(layer))
+            handles.append(layer.register_forward_pre_hook(
+                lambda m, a: self.enter(m, attns, hooks, attention_hooks)))
+        return handles
+
+    def reset(self) -> None:
+        self.runs.clear()
+        self.current.clear()
+
+    def enter(self, layer: nn.Module, attns: Sequence[nn.Module | None], hooks: MutableMapping[nn.Module, Any],
+              attention_hooks: Sequence[Any]) -> None:
+        blocks = self.blocks_of[id(layer)]
+        run = self.runs.get(id(layer), 0)
+        self.runs[id(layer)] = run + 1
+        block = self.current[id(layer)] = blocks[run % len(blocks)]
+        attn = attns[block]
+        if attn is not None:
+            hooks[attn] = attention_hooks[block]
+
+    def gate(self, layer: nn.Module, block: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A hook function of ``block`` on ``layer`` or a module inside it, made to act only in that block's run
+        (returning None, which leaves the module's input or output as it is, in the others)."""
+        def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
+            if len(self.blocks_of.get(id(layer), ())) < 2:
+                return function
+            return lambda *args, **kwargs: function(*args, **kwargs) if self.current.get(id(layer)) == block \
+                else None
+        return wrap
