@@ -319,11 +319,18 @@ def _reference_logits(directory: Path, tokens: torch.Tensor) -> list[torch.Tenso
     out = []
     with torch.no_grad():
         result = hf(input_ids=tokens[:, :PROMPT], use_cache=True)
+        past = getattr(result, keyword, None)
+        if past is None and keyword == "past_key_values":  # RecurrentGemma returns no cache object (its recurrent
+            # state stays in its modules): given one from the start, as generate() gives it, it fills its K and V
+            from transformers import DynamicCache
+
+            past = DynamicCache(config=hf.config)
+            result = hf(input_ids=tokens[:, :PROMPT], past_key_values=past, use_cache=True)
         out.append(result.logits)
-        past = getattr(result, keyword)
         for i in range(PROMPT, PROMPT + DECODE_STEPS):
             result = hf(input_ids=tokens[:, i:i + 1], **{keyword: past}, use_cache=True)
-            past = getattr(result, keyword)
+            returned = getattr(result, keyword, None)
+            past = returned if returned is not None else past
             out.append(result.logits)
     return out
 

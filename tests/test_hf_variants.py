@@ -3,6 +3,11 @@
 * HRM runs its two stacks of layers several times per forward (each run with a cache slot of its own), LongCat-Flash
   runs two attention sublayers in each layer (each with its own slot): traced, every attention call is a block of
   its own, in the order the calls run, which is the order of the cache slots they write.
+* RecurrentGemma keeps its recurrent blocks' state in attributes of its own modules and returns no cache object;
+  xLSTM keeps its state in a cache object of its family's own (``xLSTMCache``): traced as state models, their state
+  held in our ``StateCache`` (copied after every committed step, rolled back, copied at a length), set where the
+  model reads it before each forward and read back after it, recorded per step as ``hook_conv_state`` /
+  ``hook_ssm_state``.
 * Inkling and Inkling 2 hand transformers' attention function a learned relative position bias beside the mask
   (``position_bias``); Inkling 2 also a sink logit per head and query (``sinks``). Traced, the bias is a stage of
   its own (``hook_score_bias``: masked scores = scores + bias + M) and Inkling 2's sink the extra column of each
@@ -33,7 +38,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BIASED = ("inkling_text", "inkling2_text")  # a score bias beside the mask; Inkling 2 with a sink per query
 SEVERAL = ("hrm_text", "longcat_flash")  # several attention calls per layer: layers re-entered; two per layer
-TYPES = BIASED + SEVERAL
+STATE = ("recurrent_gemma", "xlstm")  # state kept in the model's own modules; in the family's own cache object
+TYPES = BIASED + SEVERAL + STATE
 PROMPTS = ["Lily had a red kite.", "Tom said"]
 
 
@@ -123,7 +129,7 @@ def test_the_score_bias_is_a_stage_and_the_pattern_is_recomputed_from_the_stages
             assert float((without - pattern).abs().max()) > 1e-4  # the bias is not a no-op
 
 
-@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("model_type", BIASED + SEVERAL + ("recurrent_gemma",))
 def test_the_recorded_pattern_is_transformers_own_attention_weights(directories, model_type):
     """One prompt, prefill and 3 cached steps: each block's recorded pattern at each step equals the rows of the
     attention weights transformers' eager forward returns over the same columns without a cache (its own bias, sinks
@@ -137,12 +143,13 @@ def test_the_recorded_pattern_is_transformers_own_attention_weights(directories,
     ids = torch.tensor([gen.facts.columns(0, last)])
     with torch.no_grad():
         weights = ref(input_ids=ids, output_attentions=True).attentions  # per attention call [1, H, t, t]
-    assert len(weights) == gen.model.config.n_layer
+    attending = gen.model.config.attention_layers  # RecurrentGemma: its attention layers only
+    assert len(weights) == len(attending)
     width = gen.info.prompt_width
-    for layer in range(gen.model.config.n_layer):
+    for layer, weights_of in zip(attending, weights):
         for step in range(gen.n_steps):
-            theirs = weights[layer][:, :, :width, :width] if step == 0 else \
-                weights[layer][:, :, width + step - 1:width + step, :width + step]
+            theirs = weights_of[:, :, :width, :width] if step == 0 else \
+                weights_of[:, :, width + step - 1:width + step, :width + step]
             ours = gen.trace.get(f"blocks.{layer}.attn.hook_pattern", step)
             assert_close_across_cpus(ours, theirs, f"{model_type} layer {layer} step {step}")
 
@@ -237,3 +244,68 @@ def test_every_attention_call_is_a_block_with_its_own_cache_slot(directories, mo
             else:
                 assert float(beside.abs().max()) <= 1e-5, (block, step)
     assert config.plain_residual is (model_type != "longcat_flash")
+
+
+def _their_state(model_type: str, directory: Path, ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
+    """The state transformers' own eager forward leaves after the columns ``ids`` in one cached forward, per layer that
+    keeps one: RecurrentGemma's module attributes; xLSTM's cache object (C, n, m flattened per head and joined)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    ref = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, attn_implementation="eager").eval()
+    with torch.no_grad():
+        if model_type == "recurrent_gemma":
+            ref(input_ids=ids, past_key_values=DynamicCache(config=ref.config), use_cache=True)
+            return {L: {"hook_conv_state": layer.temporal_block.conv1d_state,
+                        "hook_ssm_state": layer.temporal_block.rg_lru.recurrent_states}
+                    for L, layer in enumerate(ref.model.layers) if hasattr(layer.temporal_block, "rg_lru")}
+        state = ref(input_ids=ids, use_cache=True).cache_params.rnn_state
+        return {L: {"hook_ssm_state": torch.cat([x.flatten(2) for x in held], dim=-1)} for L, held in state.items()}
+
+
+@pytest.mark.parametrize("model_type", STATE)
+def test_the_state_is_recorded_per_step_and_kept_transactionally(directories, model_type):
+    """One prompt, prefill and 3 cached steps. The state recorded after the last step is the state transformers' own
+    forward leaves after the same columns (computed there, not by our code); it does not grow with t; the cache counts
+    its bytes. A copy of the cache as it was before step 2 replays that step to the bit; a forward that fails after
+    layer 0 has updated its state leaves the cache's state and length as they were, and the step then runs as it
+    did."""
+    gen = traced(directories[model_type], prompts=PROMPTS[:1])
+    trace, config, last = gen.trace, gen.model.config, gen.n_steps - 1
+    ids = torch.tensor([gen.facts.columns(0, last)])
+    theirs = _their_state(model_type, directories[model_type], ids)
+    assert set(theirs) == set(config.state_layers) and theirs
+    for layer, named in theirs.items():
+        for name, value in named.items():
+            mine = trace.get(f"blocks.{layer}.{name}", last)
+            assert mine is not None and mine.shape == value.shape, (layer, name)
+            assert_close_across_cpus(mine, value.to(mine.dtype), f"{model_type} layer {layer} {name}")
+            assert trace.record(f"blocks.{layer}.{name}", 0).shape == mine.shape  # fixed: it does not grow
+    held = sum(x.numel() * x.element_size() for x in gen.cache.carried or ())
+    assert gen.cache.state_nbytes == held > 0
+    # replay step 2 from a copy of the cache as it was before it
+    before = gen.facts.step(2).forward.cache_before
+    fed = torch.tensor([[gen.facts.columns(0, 2)[-1]]])
+    with torch.no_grad(), attention_path("eager"):
+        again = gen.model(fed, cache=gen.cache.copy(before))
+    assert torch.equal(again, trace.get("hook_logits", 2))
+    # a failed forward rolls the state back
+    state, length = [x.clone() for x in gen.cache.carried], gen.cache.length
+    nxt = torch.tensor([[gen.facts.columns(0, last)[-1]]])
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("stopped in layer 1")
+
+    layers = gen.model.hf.model.layers if model_type == "recurrent_gemma" else gen.model.hf.backbone.blocks
+    handle = layers[1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="stopped in layer 1"), torch.no_grad():
+            gen.model(nxt, cache=gen.cache)
+    finally:
+        handle.remove()
+    assert gen.cache.length == length
+    assert all(torch.equal(a, b) for a, b in zip(gen.cache.carried, state))
+    copy = gen.cache.copy(length)
+    with torch.no_grad(), attention_path("eager"):
+        first, second = gen.model(nxt, cache=gen.cache), gen.model(nxt, cache=copy)
+    assert torch.equal(first, second)  # the rolled-back cache and a copy taken before the failure agree
+    assert not all(torch.equal(a, b) for a, b in zip(gen.cache.carried, state))  # and the step moved the state

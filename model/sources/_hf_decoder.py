@@ -106,7 +106,15 @@ from gpt_shape_tracer.model.sources._hf_probe import (
     mixer_of,
 )
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, refusal_by_config
-from gpt_shape_tracer.model.sources._hf_variants import Reentry, install_sublayer, split_layers
+from gpt_shape_tracer.model.sources._hf_variants import (
+    HeldState,
+    OwnCacheState,
+    Reentry,
+    install_sublayer,
+    module_state,
+    own_cache_state,
+    split_layers,
+)
 from gpt_shape_tracer.model.sources._tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -317,6 +325,12 @@ class HFDecoder(nn.Module):
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
         self._carried = all(attn is None for attn in attns) and not writers and cache_keyword(hf) == "state"
+        # state kept outside transformers' Cache (_hf_variants.py): xLSTM's own cache object, RecurrentGemma's
+        # module attributes; held in StateCache's carried tensors
+        own_state = own_cache_state(hf, {id(layers): layers}) if all(attn is None for attn in attns) and not writers \
+            and not self._carried else None
+        self._held: HeldState | None = own_state[1] if own_state is not None else module_state(
+            hf, layers, [L for L, attn in enumerate(attns) if attn is None and L not in writers])
         own_cache = _own_cache_class(hf)
         # MiniMax: its forward accepts only its own cache class, whose linear-attention state our view keeps in the
         # state layers transformers' shared cache describes for the config (one per layer without attention)
@@ -351,7 +365,8 @@ class HFDecoder(nn.Module):
         embed = hf.get_input_embeddings()
         self._handles.append(embed.register_forward_hook(lambda m, a, out: self.hook_embed(out)))
         for hooks, template in zip(block_hooks, self._state_templates):
-            if template is not None or self._carried:  # what the layer's state holds after each step, [B, …]
+            if template is not None or self._carried or self._held is not None:  # what the layer's state holds after
+                # each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
         # HRM: its layers run several times per forward, one block per run: each block's hooks on a shared module act
@@ -487,7 +502,8 @@ class HFDecoder(nn.Module):
             v_head_dim=d_v if d_v != d_head else None, kv_latent_dim=latent[0] if latent else None,
             rope_key_dim=latent[1] if latent else None, attn_sinks=any(self._sinks),
             mixers=self.mixer_names if any(self.mixer_names) else None,
-            state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None or self._carried),
+            state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None or self._carried
+                               or (self._held is not None and L in self._held.layers)),
             kv_shared=self._kv_shared,
         )
 
@@ -573,13 +589,14 @@ class HFDecoder(nn.Module):
             calls = self._attention_calls(self.blocks) if self._routing_unchecked else None
             out = self.hf(input_ids=tokens, attention_mask=attention_mask,
                           position_ids=None if own else positions.expand(B, n),
-                          **{self._cache_keyword: (cache.carried if isinstance(cache, StateCache) and self._carried else
-                                                   self._cache_view(cache)) if cache is not None else None},
+                          **{self._cache_keyword: self._passed(cache)},
                           use_cache=cache is not None, return_dict=True)
             if calls is not None:  # a dry run's first forward: the routing check __init__ left to it
                 self._routed(self.blocks, calls)
                 self._routing_unchecked = False
             logits = self.hook_logits(out.logits)
+            if isinstance(cache, StateCache) and self._held is not None:  # the state back into the cache
+                self._held.kept(cache, out)
             if isinstance(cache, StateCache) and self._carried:  # RWKV: the state it handed back, kept for the next
                 cache.carried = list(getattr(out, "state", None) or [])  # step (and snapshotted at commit)
             if isinstance(cache, StateCache):
@@ -589,7 +606,10 @@ class HFDecoder(nn.Module):
     def _record_states(self, cache: StateCache) -> None:
         """A hybrid model's convolution and state-space state after this forward, through each state layer's
         ``hook_conv_state`` / ``hook_ssm_state`` (copies: transformers overwrites the state in place next step)."""
-        if cache.carried:  # RWKV: per layer its slice of each state tensor; token shifts [B, d, 2], the rest [B, d, k]
+        if self._held is not None:
+            self._held.record(cache, self.blocks)
+        elif cache.carried:  # RWKV: per layer its slice of each state tensor; token shifts [B, d, 2], the rest
+            # [B, d, k]
             shifts, rest = cache.carried[:2], cache.carried[2:]
             for layer, block in enumerate(self.blocks):
                 cast(HookPoint, block.hook_conv_state)(torch.stack([x[..., layer] for x in shifts], dim=-1).clone())
@@ -601,6 +621,16 @@ class HFDecoder(nn.Module):
                 value = values.get(0)
                 if isinstance(value, torch.Tensor) and isinstance(getattr(block, name, None), HookPoint):
                     getattr(block, name)(value.clone())
+
+    def _passed(self, cache: KVCache | None) -> Any:
+        """What the forward receives under its cache keyword: our cache as transformers' ``Cache``; RWKV's carried
+        state; xLSTM's own cache object, or the cache view with RecurrentGemma's module state set (``HeldState``)."""
+        if cache is None:
+            return None
+        if isinstance(cache, StateCache) and self._carried:
+            return cache.carried
+        view = self._cache_view(cache) if not isinstance(self._held, OwnCacheState) else None
+        return self._held.passed(cache, view) if isinstance(cache, StateCache) and self._held is not None else view
 
     def _cache_view(self, cache: KVCache) -> Any:
         """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from gpt_shape_tracer.model.sources._hf_attention import _probing, differential_lambda
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
-from gpt_shape_tracer.model.sources._hf_variants import call_blocks
+from gpt_shape_tracer.model.sources._hf_variants import call_blocks, own_cache_state
 from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -274,6 +274,9 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     carried = _carried_stack(hf, lists) if not calls else None
     if carried is not None:  # RWKV: every layer keeps its slice of the state the forward hands back
         return carried, [None] * len(carried), {}
+    own = own_cache_state(hf, lists) if not calls else None
+    if own is not None:  # xLSTM: every layer keeps its state in a cache object of the family's own
+        return own[0], [None] * len(own[0]), {}
     if not calls:
         attention_named = [w for w in words if ("attention" in w or "attn" in w) and "norm" not in w]
         state = [w for w in words if any(s in w for s in _STATE_WORDS)]
@@ -435,7 +438,8 @@ def mixer_of(layer: nn.Module, writer: nn.Module | None = None) -> nn.Module:
     return children[0]
 
 
-_JOINED = {"Delta Net": "DeltaNet", "Mo E": "MoE", "Lo RA": "LoRA"}  # words the camel-case split would tear apart
+# words the camel-case split would tear apart
+_JOINED = {"Delta Net": "DeltaNet", "Mo E": "MoE", "Lo RA": "LoRA", "x LSTM": "xLSTM"}
 # a name left with one of these only keeps its family: "Mixer", or RWKV's time mixing ("RwkvSelfAttention", which
 # has no softmax) read as "Self Attention" would name nothing of its own
 _GENERIC = ("Mixer", "Layer", "Block", "Module", "SelfAttention", "Attention")

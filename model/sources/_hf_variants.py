@@ -262,3 +262,182 @@ class Reentry:
             return lambda *args, **kwargs: function(*args, **kwargs) if self.current.get(id(layer)) == block \
                 else None
         return wrap
+
+
+# -- state kept outside transformers' Cache ---------------------------------------------------------------------
+class HeldState:
+    """State a model keeps from one step to the next outside transformers' ``Cache`` — in attributes of its own
+    modules (RecurrentGemma) or in a cache object of its family's own (xLSTM) — held in our ``StateCache`` as its
+    ``carried`` tensors (flat, in a fixed order), so that the cache keeps a copy after every committed step, rolls a
+    failed forward back and ``copy(length)`` starts from the state at ``length``. Before each forward the state goes
+    from the cache to where the model reads it (``passed``), after it back into the cache (``kept``): the model's
+    own copy is never trusted between forwards (transformers' own forwards, another cache's, overwrite it)."""
+
+    layers: tuple[int, ...] = ()  # the layers that keep some
+
+    def passed(self, cache: Any, view: Any) -> Any:
+        """What the forward receives under its cache keyword (``view``: our cache as transformers' ``Cache``)."""
+        raise NotImplementedError
+
+    def kept(self, cache: Any, out: Any) -> None:
+        raise NotImplementedError
+
+    def per_layer(self, cache: Any) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        """The held tensors of each layer, with their names, as the cache holds them now."""
+        raise NotImplementedError
+
+    def record(self, cache: Any, blocks: nn.ModuleList) -> None:
+        """Each layer's state after the forward through ``hook_conv_state`` (a convolution's window, where the
+        layer keeps one) and ``hook_ssm_state`` (the rest, flattened per head where the tensors share [B, H], else
+        per sequence, and concatenated: xLSTM's C, n and m): copies, as the cache holds them."""
+        for layer, named in self.per_layer(cache).items():
+            block = blocks[layer]
+            conv = [x for name, x in named if "conv" in name.lower()]
+            rest = [x for name, x in named if "conv" not in name.lower()]
+            conv_point, ssm_point = getattr(block, "hook_conv_state", None), getattr(block, "hook_ssm_state", None)
+            if conv and isinstance(conv_point, nn.Module):
+                conv_point(conv[0].clone() if len(conv) == 1 else _flat(conv))
+            if rest and isinstance(ssm_point, nn.Module):
+                ssm_point(rest[0].clone() if len(rest) == 1 else _flat(rest))
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    lead = 2 if len({tuple(x.shape[:2]) for x in tensors}) == 1 and all(x.dim() >= 2 for x in tensors) else 1
+    return torch.cat([x.flatten(lead) for x in tensors], dim=-1)
+
+
+class ModuleState(HeldState):
+    """RecurrentGemma: its recurrent blocks keep their state in attributes of their own modules (the convolution's
+    last inputs, ``conv1d_state``; the RG-LRU's hidden state, ``rg_lru.recurrent_states``), which its forward reads and
+    replaces and returns no cache object for. Before each forward they are set from the cache (None for an empty
+    cache, from which the model starts its state at zero), after it read back."""
+
+    def __init__(self, slots: dict[int, list[tuple[nn.Module, str, str]]]) -> None:
+        self.slots = slots  # per layer: (module, attribute, its path inside the layer)
+        self.layers = tuple(sorted(slots))
+        self.order = [(layer, module, attr, path) for layer in self.layers for module, attr, path in slots[layer]]
+
+    def passed(self, cache: Any, view: Any) -> Any:
+        held = cache.carried
+        for i, (_, module, attr, _) in enumerate(self.order):
+            setattr(module, attr, held[i].clone() if held else None)
+        return view
+
+    def kept(self, cache: Any, out: Any) -> None:
+        values = [getattr(module, attr) for _, module, attr, _ in self.order]
+        if all(isinstance(v, torch.Tensor) for v in values):
+            cache.carried = list(values)
+
+    def per_layer(self, cache: Any) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        out: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for (layer, _, _, path), x in zip(self.order, cache.carried or ()):
+            out.setdefault(layer, []).append((path, x))
+        return out
+
+
+def module_state(hf: nn.Module, layers: nn.ModuleList, stateless: Sequence[int]) -> ModuleState | None:
+    """The tensors layers ``stateless`` (without attention, writing nothing into transformers' cache) keep in plain
+    attributes of their modules — found by what one cached forward of two tokens leaves there that was not there
+    before: RecurrentGemma's ``conv1d_state`` and ``recurrent_states``. None where no layer keeps any (or on the meta
+    device, where no forward shows anything)."""
+    from gpt_shape_tracer.model.sources._hf_probe import _token_device
+
+    device = _token_device(hf)
+    if not stateless or device.type == "meta":
+        return None
+
+    def attributes() -> dict[tuple[int, int, str], torch.Tensor]:
+        return {(L, id(m), name): value for L in stateless for m in layers[L].modules()
+                for name, value in vars(m).items() if isinstance(value, torch.Tensor) and not name.startswith("_")}
+
+    before = attributes()
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=True)
+    except Exception:  # noqa: BLE001 (its cached forward fails: nothing known)
+        return None
+    after = attributes()
+    paths = {id(m): name for L in stateless for name, m in layers[L].named_modules()}
+    slots: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for L in stateless:
+        for m in layers[L].modules():
+            for attr in vars(m):
+                key = (L, id(m), attr)
+                if key in after and before.get(key) is not after[key]:
+                    slots.setdefault(L, []).append((m, attr, f"{paths[id(m)]}.{attr}".lstrip(".")))
+    return ModuleState(slots) if slots else None
+
+
+class OwnCacheState(HeldState):
+    """xLSTM: its forward takes and returns a cache object of its family's own (``xLSTMCache``, not transformers'
+    ``Cache``) holding, per layer, a tuple of state tensors (the mLSTM's matrix memory C, normaliser n and stabiliser
+    m), updated in place. Each forward gets a copy of the object found at load whose per-layer state is the cache's
+    (None for an empty cache: the model builds its own, from zeros); the tensors are read back after it."""
+
+    def __init__(self, template: Any, field: str, layers: int) -> None:
+        self.template, self.field = template, field
+        self.layers = tuple(range(layers))
+        self.widths = [len(getattr(template, field)[L]) for L in self.layers]
+
+    def passed(self, cache: Any, view: Any) -> Any:
+        import copy
+
+        if not cache.carried:
+            return None
+        own = copy.copy(self.template)
+        for name, value in vars(self.template).items():  # its counters, updated in place: its own
+            if isinstance(value, torch.Tensor):
+                setattr(own, name, value.clone())
+        held, state, i = cache.carried, {}, 0
+        for L, width in zip(self.layers, self.widths):
+            state[L] = tuple(x.clone() for x in held[i:i + width])
+            i += width
+        setattr(own, self.field, state)
+        return own
+
+    def kept(self, cache: Any, out: Any) -> None:
+        own = getattr(out, "cache_params", None)
+        state = getattr(own, self.field, None) if own is not None else None
+        if isinstance(state, dict):
+            cache.carried = [x for L in self.layers for x in state[L]]
+
+    def per_layer(self, cache: Any) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        out, i = {}, 0
+        for L, width in zip(self.layers, self.widths):
+            out[L] = [(f"{self.field}[{L}][{j}]", x) for j, x in enumerate((cache.carried or [])[i:i + width])]
+            i += width
+        return out
+
+
+def own_cache_state(hf: nn.Module, lists: dict[int, nn.ModuleList]) -> tuple[nn.ModuleList, OwnCacheState] | None:
+    """A model without attention whose forward hands back, under its cache keyword, an object of its family's own that
+    is not transformers' ``Cache`` and holds one tuple of state tensors per layer (a dict keyed 0 … n−1) — n the length
+    of exactly one outermost list of layers: that list and the state's keeper; None otherwise."""
+    from transformers.cache_utils import Cache
+
+    from gpt_shape_tracer.model.sources._hf_probe import _token_device, cache_keyword
+
+    keyword = cache_keyword(hf)
+    device = _token_device(hf)
+    if keyword == "state" or device.type == "meta":
+        return None
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            own = getattr(hf(input_ids=tokens, use_cache=True), keyword, None)
+    except Exception:  # noqa: BLE001 (its forward failing is reported by the refusal that follows)
+        return None
+    if own is None or isinstance(own, Cache):
+        return None
+    fields = [(name, value) for name, value in vars(own).items() if isinstance(value, dict) and value
+              and set(value) == set(range(len(value))) and all(
+                  isinstance(v, (tuple, list)) and v and all(isinstance(x, torch.Tensor) for x in v)
+                  for v in value.values())]
+    if len(fields) != 1:
+        return None
+    name, state = fields[0]
+    inner = {id(m) for outer in lists.values() for element in outer for m in element.modules()
+             if isinstance(m, nn.ModuleList)}
+    stacks = [m for key, m in lists.items() if key not in inner and len(m) == len(state)]
+    return (stacks[0], OwnCacheState(own, name, len(state))) if len(stacks) == 1 else None
