@@ -43,6 +43,16 @@ What the records mean for such a model (the hook table's rows, specialised):
   its forward accepts: the cache view is then an instance of that class whose ``get_linear_cache`` /
   ``set_linear_cache`` read and write the layer's state in ``StateCache`` (``hook_ssm_state``).
 
+* ``hook_score_bias`` (Inkling, Inkling 2: a learned relative position bias handed to the attention function beside
+  the mask): ``[B|1, H, n, t]``, a stage between the scores and the mask (masked scores = scores + bias + M); Inkling
+  2's sink logits, one per head and query, are the extra softmax column as gpt-oss's (model/sources/_hf_variants.py).
+* One block per attention call where a layer calls attention more than once per forward (``call_blocks``): HRM's
+  layers, run several times per forward (each run its own cache slot), and LongCat-Flash's two attention sublayers
+  per layer are blocks of their own, in the order of the calls, which is the order of the cache slots they write.
+* State kept outside transformers' ``Cache`` (``HeldState``): RecurrentGemma's in attributes of its recurrent
+  blocks, xLSTM's in its family's own cache object — held in ``StateCache`` (set where the model reads it before every
+  forward, read back after), recorded as ``hook_conv_state`` / ``hook_ssm_state``.
+
 The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
 the attention function inside which element of which list of layers; the list the calls come from is the
 decoder stack (a vision tower not run for text never is), each layer's one caller its attention. A model that makes
@@ -51,7 +61,8 @@ Falcon-Mamba: ``_state_stack``) is traced as mixers only: no attention record, n
 ``StateCache``; its forward takes the cache as ``cache_params`` (``cache_keyword``).
 Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
 state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
-attention's two calls with the same Q and K), attention in several stacks of layers (BLT), encoders and
+attention's two calls with the same Q and K, and calls that are one block each: ``call_blocks``), attention in several
+stacks of layers (BLT), encoders and
 encoder-decoders; and, after loading, a model whose cached decode step is not
 transformers' own forward (``guard_against_transformers``).
 """
