@@ -624,6 +624,26 @@ def sink_logits(trace: Trace, step: int, layer: int, head: int, batch: int = 0) 
     return None if value is None else value[batch, head, :, 0].double()  # [B,H,n,1] -> [n]
 
 
+def score_bias_sentence(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> str | None:
+    """What the learned score bias adds at this head (from ``hook_score_bias`` and ``hook_mask``): its range over the
+    (query, key) pairs the mask lets through at this step's real query rows, and how many of them it leaves at 0 (keys
+    beyond its reach); None for a model without a bias or without its values."""
+    bias = score_bias(trace, step, layer, head, batch)
+    mask = trace.get(act_name("mask", layer), step)
+    if bias is None or mask is None:
+        return None
+    seen = torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
+    seen &= real_query_rows(trace, step, batch, seen.shape[0])[:, None]
+    values = bias[seen]
+    if not values.numel():
+        return None
+    zero = int((values == 0).sum())
+    return (f"This model adds a learned bias B to the scores beside the mask (a relative position bias, one value per "
+            f"head, query and key). In layer {layer}, head {head}, over the {values.numel():,} (query, key) pairs the "
+            f"mask lets through, B ranges from {float(values.min()):.3g} to {float(values.max()):.3g}; it is 0 at "
+            f"{zero:,} of them (keys beyond its reach).")
+
+
 def softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """The keys' weights ``[n, t]`` of a softmax over the t keys and one sink logit per row ``[n]``: rows sum to
     less than 1, the rest is the sink's."""
@@ -852,7 +872,8 @@ def stages_takeaway(trace: Trace, step: int, layer: int, head: int, batch: int =
     keys, queries = key_labels(trace, step, batch), query_labels(trace, step, batch)
     top = int(a[row].argmax())
     hidden = int((~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])).sum()) if mask is not None else 0
-    sentence = (f"Scores, scaled, masked, softmaxed: the last real query, {inert(queries[row])}, puts "
+    biased = "biased, " if trace.has(score_bias_name(layer), step) else ""  # Inkling: B is a stage of its own
+    sentence = (f"Scores, scaled, {biased}masked, softmaxed: the last real query, {inert(queries[row])}, puts "
                 f"{float(a[row, top]):.0%} of its weight on key {inert(keys[top])}.")  # markdown: labels made inert
     return sentence, [("query rows × keys", f"{n} × {t}"), ("largest weight of that row", f"{float(a[row, top]):.3f}"),
                       ("pairs M hides", f"{hidden:,}")]

@@ -87,6 +87,9 @@ def attention_tab(trace: Trace, step: int) -> None:
             sink = attn_views.sink_sentence(trace, step, layer, head, batch)
             if sink is not None:
                 st.caption(sink)
+            bias = attn_views.score_bias_sentence(trace, step, layer, head, batch)
+            if bias is not None:
+                st.caption(bias)
             if pattern_kept:
                 query_picker(trace, step, layer, head, batch)
     with sub["O = A·V"]:

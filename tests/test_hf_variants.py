@@ -309,3 +309,51 @@ def test_the_state_is_recorded_per_step_and_kept_transactionally(directories, mo
         first, second = gen.model(nxt, cache=gen.cache), gen.model(nxt, cache=copy)
     assert torch.equal(first, second)  # the rolled-back cache and a copy taken before the failure agree
     assert not all(torch.equal(a, b) for a, b in zip(gen.cache.carried, state))  # and the step moved the state
+
+
+def test_the_score_bias_sentence_reads_the_recorded_bias(directories):
+    """The Stages view's sentence about Inkling's bias: its range and its zeros over the (query, key) pairs the mask
+    lets through at the real query rows, counted here from the recorded bias and mask (the second sequence is
+    left-padded: its padding rows are left out)."""
+    from gpt_shape_tracer.figures.attention import score_bias_sentence
+
+    gen = traced(directories["inkling_text"])
+    trace = gen.trace
+    for step, layer, head, batch in ((0, 0, 1, 1), (3, 1, 2, 0)):
+        bias = trace.get(f"blocks.{layer}.attn.hook_score_bias", step)[batch, head]  # [n, t]
+        mask = trace.get(f"blocks.{layer}.attn.hook_mask", step)[batch, 0]
+        real = torch.tensor(gen.facts.is_token(batch, step)[-bias.shape[0]:])
+        values = bias[torch.isfinite(mask) & real[:, None]].double()
+        sentence = score_bias_sentence(trace, step, layer, head, batch)
+        assert sentence is not None
+        assert f"over the {values.numel():,} (query, key) pairs" in sentence
+        assert f"from {float(values.min()):.3g} to {float(values.max()):.3g}" in sentence
+        assert f"it is 0 at {int((values == 0).sum()):,} of them" in sentence
+    assert score_bias_sentence(traced(directories["hrm_text"], steps=1).trace, 0, 0, 0) is None  # no bias there
+
+
+def test_the_app_shows_inkling_2s_bias_and_sink_stages(directories):
+    """Inkling 2 in the real app (AppTest): loaded from its directory, two steps, every tab without an error; the
+    Attention tab's Stages draw the bias and the sink as stages of their own and say what the bias adds, the sentence
+    the function writes from the app's own trace."""
+    from gpt_shape_tracer.figures.attention import score_bias_sentence
+    from tests.test_app import TABS, charts, new_app, page_text, press, press_reset, show_tab
+    from tests.test_app_architectures import choose_directory
+
+    at = new_app()
+    choose_directory(at, directories["inkling2_text"])
+    press(at, "load_model")
+    press_reset(at)
+    press(at, "step_button")
+    press(at, "step_button")
+    gen = at.session_state["app"].generation
+    assert gen.n_steps == 2 and gen.model.identity.family == "hf:inkling2_text"
+    for tab in TABS:
+        show_tab(at, tab)
+        assert not at.error, (tab, [e.value for e in at.error])
+    show_tab(at, "Attention")
+    titles = [a.get("text", "") for c in charts(at) for a in c.get("layout", {}).get("annotations", [])]
+    assert any("B, the score bias" in t for t in titles) and any("s_h" in t for t in titles), titles
+    layer, head, batch = (at.session_state.get(k, 0) or 0 for k in ("attn_layer", "attn_head", "attn_batch"))
+    sentence = score_bias_sentence(gen.trace, gen.n_steps - 1, layer, head, batch)
+    assert sentence is not None and sentence in page_text(at)

@@ -338,10 +338,11 @@ class HFDecoder(nn.Module):
         self._carried = all(attn is None for attn in attns) and not writers and cache_keyword(hf) == "state"
         # state kept outside transformers' Cache (_hf_variants.py): xLSTM's own cache object, RecurrentGemma's
         # module attributes; held in StateCache's carried tensors
-        own_state = own_cache_state(hf, {id(layers): layers}) if all(attn is None for attn in attns) and not writers \
-            and not self._carried else None
+        device, keyword = _token_device(hf), cache_keyword(hf)
+        own_state = own_cache_state(hf, {id(layers): layers}, device, keyword) if not self._carried and not writers \
+            and all(attn is None for attn in attns) else None
         self._held: HeldState | None = own_state[1] if own_state is not None else module_state(
-            hf, layers, [L for L, attn in enumerate(attns) if attn is None and L not in writers])
+            hf, layers, [L for L, attn in enumerate(attns) if attn is None and L not in writers], device)
         own_cache = _own_cache_class(hf)
         # MiniMax: its forward accepts only its own cache class, whose linear-attention state our view keeps in the
         # state layers transformers' shared cache describes for the config (one per layer without attention)

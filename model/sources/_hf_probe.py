@@ -274,7 +274,7 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     carried = _carried_stack(hf, lists) if not calls else None
     if carried is not None:  # RWKV: every layer keeps its slice of the state the forward hands back
         return carried, [None] * len(carried), {}
-    own = own_cache_state(hf, lists) if not calls else None
+    own = own_cache_state(hf, lists, _token_device(hf), cache_keyword(hf)) if not calls else None
     if own is not None:  # xLSTM: every layer keeps its state in a cache object of the family's own
         return own[0], [None] * len(own[0]), {}
     if not calls:
@@ -308,7 +308,7 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
         if c.layer is not None and c.layer[0] == id(layers):
             per_layer[c.layer[1]].append(c)
     elsewhere = [c for c in calls if c.layer is None or c.layer[0] != id(layers)]
-    blocks = call_blocks(hf, calls, lists)
+    blocks = call_blocks(hf, calls, lists, _token_device(hf), cache_keyword(hf))
     if blocks is not None:  # HRM: layers run several times per forward; LongCat-Flash: two attentions per layer
         return blocks, list(calls), {}  # one block per call, each call its own cache slot
     for L, cs in enumerate(per_layer):  # differential attention: one module's two calls with the same Q and K

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from gpt_shape_tracer.model.sources._hf_attention import _AttentionHooks
-    from gpt_shape_tracer.model.sources._hf_probe import _Call
+# no import of _hf_attention or _hf_probe, which import this module: what is needed of them comes as arguments (the
+# hook points as any module with them, the probe's calls as objects with its _Call's fields)
+_Call = Any
 
 
 def sink_column(sinks: torch.Tensor, B: int, H: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -33,7 +33,7 @@ def sink_column(sinks: torch.Tensor, B: int, H: int, n: int, dtype: torch.dtype)
 
 
 def attention_with_score_bias(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                              hooks: _AttentionHooks | None, scale: float, bias: torch.Tensor,
+                              hooks: nn.Module | None, scale: float, bias: torch.Tensor,
                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with a score bias beside the mask, stage by stage as Inkling's eager function computes it:
     scores = QKᵀ·scale, + the bias ``[B|1, H, n, t]`` (``hook_score_bias``), + M; softmax in float32 over the t keys —
@@ -64,7 +64,8 @@ def attention_with_score_bias(query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 # -- layers entered several times per forward, or running several attentions -----------------------------------
-def call_blocks(hf: nn.Module, calls: Sequence[_Call], lists: dict[int, nn.ModuleList]) -> nn.ModuleList | None:
+def call_blocks(hf: nn.Module, calls: Sequence[_Call], lists: dict[int, nn.ModuleList], device: torch.device,
+                keyword: str) -> nn.ModuleList | None:
     """One block per attention call, in the order of the calls, where a forward calls attention more than once per
     layer in one of two ways, each call with a cache slot of its own:
 
@@ -104,7 +105,7 @@ def call_blocks(hf: nn.Module, calls: Sequence[_Call], lists: dict[int, nn.Modul
         hidden = first[0, 0] <= torch.finfo(first.dtype).min / 2 if first.is_floating_point() else ~first[0, 0]
         if not bool(hidden[0, 1]):  # position 0 sees position 1: an encoder, refused as any (_find_attention)
             return None
-    if cache_slots(hf) != list(range(len(calls))):
+    if cache_slots(hf, device, keyword) != list(range(len(calls))):
         return None
     return nn.ModuleList([lists[c.layer[0]][c.layer[1]] for c in calls if c.layer is not None])
 
@@ -175,14 +176,13 @@ def install_sublayer(sub: Sublayer, hooks: Any) -> list[Any]:
     return handles
 
 
-def cache_slots(hf: nn.Module) -> list[int]:
+def cache_slots(hf: nn.Module, device: torch.device, keyword: str) -> list[int]:
     """The cache slot (``layer_idx``) of each ``update`` of transformers' own cache, in order, in one cached forward of
-    two tokens; empty where that forward fails."""
+    two tokens on ``device`` (its cache handed over as ``keyword``); empty where that forward fails."""
     import contextlib
 
     from transformers.cache_utils import DynamicCache
 
-    from gpt_shape_tracer.model.sources._hf_probe import _token_device, cache_keyword
     from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
 
     try:
@@ -197,11 +197,10 @@ def cache_slots(hf: nn.Module) -> list[int]:
         return update(key_states, value_states, layer_idx, *args, **kwargs)
 
     cache.update = recorded  # type: ignore[method-assign]  # on this instance only
-    device = _token_device(hf)
     tokens = torch.zeros(1, 1 if device.type == "meta" else 2, dtype=torch.long, device=device)
     try:
         with torch.no_grad(), meta_op_cache() if device.type == "meta" else contextlib.nullcontext():
-            hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), **{cache_keyword(hf): cache}, use_cache=True)
+            hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), **{keyword: cache}, use_cache=True)
     except Exception:  # noqa: BLE001 (its cached forward fails: no slots known)
         return []
     return slots
@@ -335,14 +334,12 @@ class ModuleState(HeldState):
         return out
 
 
-def module_state(hf: nn.Module, layers: nn.ModuleList, stateless: Sequence[int]) -> ModuleState | None:
+def module_state(hf: nn.Module, layers: nn.ModuleList, stateless: Sequence[int],
+                 device: torch.device) -> ModuleState | None:
     """The tensors layers ``stateless`` (without attention, writing nothing into transformers' cache) keep in plain
     attributes of their modules — found by what one cached forward of two tokens leaves there that was not there
     before: RecurrentGemma's ``conv1d_state`` and ``recurrent_states``. None where no layer keeps any (or on the meta
     device, where no forward shows anything)."""
-    from gpt_shape_tracer.model.sources._hf_probe import _token_device
-
-    device = _token_device(hf)
     if not stateless or device.type == "meta":
         return None
 
@@ -410,16 +407,13 @@ class OwnCacheState(HeldState):
         return out
 
 
-def own_cache_state(hf: nn.Module, lists: dict[int, nn.ModuleList]) -> tuple[nn.ModuleList, OwnCacheState] | None:
+def own_cache_state(hf: nn.Module, lists: dict[int, nn.ModuleList], device: torch.device,
+                    keyword: str) -> tuple[nn.ModuleList, OwnCacheState] | None:
     """A model without attention whose forward hands back, under its cache keyword, an object of its family's own that
     is not transformers' ``Cache`` and holds one tuple of state tensors per layer (a dict keyed 0 … n−1) — n the length
     of exactly one outermost list of layers: that list and the state's keeper; None otherwise."""
     from transformers.cache_utils import Cache
 
-    from gpt_shape_tracer.model.sources._hf_probe import _token_device, cache_keyword
-
-    keyword = cache_keyword(hf)
-    device = _token_device(hf)
     if keyword == "state" or device.type == "meta":
         return None
     tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
