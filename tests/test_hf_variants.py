@@ -357,3 +357,17 @@ def test_the_app_shows_inkling_2s_bias_and_sink_stages(directories):
     layer, head, batch = (at.session_state.get(k, 0) or 0 for k in ("attn_layer", "attn_head", "attn_batch"))
     sentence = score_bias_sentence(gen.trace, gen.n_steps - 1, layer, head, batch)
     assert sentence is not None and sentence in page_text(at)
+
+
+def test_hrm_s_gradients_reach_the_blocks_it_trains_through_and_say_why_not_the_others(directories):
+    """HRM runs all but its last low-level cycles under torch.no_grad (its one-step gradient): the Gradients view's
+    backward pass reaches the last block (its high-level stack's last run) and, for block 0, says that the model's own
+    forward computes it without gradients rather than failing."""
+    from gpt_shape_tracer.tracer import attention_gradients
+
+    gen = traced(directories["hrm_text"], steps=1)
+    last = gen.model.config.n_layer - 1
+    result = attention_gradients(gen, 0, last, 0)
+    assert result.loss > 0
+    with pytest.raises(ValueError, match="computes layer 0 without gradients"):
+        attention_gradients(gen, 0, 0, 0)
