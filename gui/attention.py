@@ -51,6 +51,9 @@ def attention_tab(trace: Trace, step: int) -> None:
                             "pattern." if attending else "no layer of this model has softmax attention (a state-space "
                             "model), so there is no Q, K, V or pattern to show at any layer.")):
         return
+    origins = getattr(trace.live_model, "block_origins", None)  # HRM, LongCat-Flash: several blocks per layer
+    if origins is not None and layer < len(origins) and origins[layer] is not None:
+        st.caption(f"{origins[layer]}.")
     st.latex(attn_views.attention_latex(trace, step, layer))
     usual = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1]) == "QKᵀ/√d_k"
     if usual:

@@ -330,6 +330,7 @@ def test_the_score_bias_sentence_reads_the_recorded_bias(directories):
         assert f"from {float(values.min()):.3g} to {float(values.max()):.3g}" in sentence
         assert f"it is 0 at {int((values == 0).sum()):,} of them" in sentence
     assert score_bias_sentence(traced(directories["hrm_text"], steps=1).trace, 0, 0, 0) is None  # no bias there
+    assert set(gen.model.block_origins) == {None}  # one block per layer: nothing to say about it
 
 
 def test_the_app_shows_inkling_2s_bias_and_sink_stages(directories):
@@ -371,3 +372,29 @@ def test_hrm_s_gradients_reach_the_blocks_it_trains_through_and_say_why_not_the_
     assert result.loss > 0
     with pytest.raises(ValueError, match="computes layer 0 without gradients"):
         attention_gradients(gen, 0, 0, 0)
+
+
+@pytest.mark.parametrize("model_type", SEVERAL)
+def test_each_block_says_which_run_or_sublayer_of_which_layer_it_is(directories, model_type):
+    """The sentence the Attention tab shows above a block of a layer that holds several: for HRM, which run of which
+    stack's layer, from its cache-slot layout (slot = (h·(L_cycles + 1) + l)·layers + layer, l = L_cycles for the
+    high-level stack); for LongCat-Flash, which of the two attention sublayers of which layer."""
+    model, _ = load_hf(directories[model_type], implementation="transformers")
+    origins = model.block_origins
+    assert len(origins) == model.config.n_layer
+    cfg = model.hf.config
+    for block, sentence in enumerate(origins):
+        assert sentence is not None and sentence.startswith(f"Block {block} is ")
+        if model_type == "hrm_text":
+            n, cycles, high = cfg.num_layers_per_stack, cfg.L_cycles, cfg.H_cycles
+            h, rest = divmod(block, (cycles + 1) * n)
+            low, layer = divmod(rest, n)
+            if low == cycles:  # the high-level stack, run once per high-level cycle
+                expected = f"run {h + 1} of {high} of the layer model.H_module.layers.{layer}:"
+            else:
+                expected = f"run {h * cycles + low + 1} of {high * cycles} of the layer model.L_module.layers.{layer}:"
+        else:
+            layer, i = divmod(block, 2)
+            expected = (f"attention {i + 1} of 2 of the layer model.layers.{layer} "
+                        f"(model.layers.{layer}.self_attn.{i}):")
+        assert expected in sentence, (block, sentence)

@@ -121,6 +121,7 @@ from gpt_shape_tracer.model.sources._hf_variants import (
     HeldState,
     OwnCacheState,
     Reentry,
+    block_origins,
     install_sublayer,
     module_state,
     own_cache_state,
@@ -385,6 +386,7 @@ class HFDecoder(nn.Module):
         # in that block's run only; LongCat-Flash: two attention sublayers per layer, one block each, whose residual
         # hooks sit on the sublayer's own modules (_hf_variants.py)
         reentry, sublayers = Reentry(layers, attns), split_layers(list(layers), attns)
+        self.block_origins = block_origins(hf, layers, attns)  # what each block is, where a layer holds several
         if reentry.active:
             self._handles += reentry.install(hf, layers, attns, _HOOKS, [getattr(b, "attn", None) for b in block_hooks])
         for block, (layer, attn, mixer, hooks, mlp_norm) in enumerate(zip(layers, attns, self._mixers, block_hooks,

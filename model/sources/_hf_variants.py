@@ -435,3 +435,30 @@ def own_cache_state(hf: nn.Module, lists: dict[int, nn.ModuleList], device: torc
              if isinstance(m, nn.ModuleList)}
     stacks = [m for key, m in lists.items() if key not in inner and len(m) == len(state)]
     return (stacks[0], OwnCacheState(own, name, len(state))) if len(stacks) == 1 else None
+
+
+def block_origins(hf: nn.Module, layers: Iterable[nn.Module],
+                  attns: Sequence[nn.Module | None]) -> tuple[str | None, ...]:
+    """Per block, what it is where a layer holds several blocks (``call_blocks``), as a sentence: which run of a
+    re-entered layer (HRM), or which of a layer's attention sublayers (LongCat-Flash), with the layer's path in the
+    model; None for a block that is its layer's only one."""
+    paths = {id(m): name for name, m in hf.named_modules()}
+    layers = list(layers)
+    per_layer: dict[int, list[int]] = {}
+    for block, layer in enumerate(layers):
+        per_layer.setdefault(id(layer), []).append(block)
+    out: list[str | None] = []
+    for block, layer in enumerate(layers):
+        blocks = per_layer[id(layer)]
+        if len(blocks) == 1:
+            out.append(None)
+            continue
+        k, count, path = blocks.index(block) + 1, len(blocks), paths.get(id(layer), "?")
+        if len({id(attns[b]) for b in blocks}) == 1:  # one attention module: the layer run again
+            out.append(f"Block {block} is run {k} of {count} of the layer {path}: the model runs that layer {count} "
+                       "times per forward, with the same weights, each run attending over K and V of its own")
+        else:
+            attn = paths.get(id(attns[block]), "?")
+            out.append(f"Block {block} is attention {k} of {count} of the layer {path} ({attn}): a sublayer with its "
+                       "own attention, norms and MLP, attending over K and V of its own")
+    return tuple(out)
