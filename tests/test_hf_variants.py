@@ -398,3 +398,29 @@ def test_each_block_says_which_run_or_sublayer_of_which_layer_it_is(directories,
             expected = (f"attention {i + 1} of 2 of the layer model.layers.{layer} "
                         f"(model.layers.{layer}.self_attn.{i}):")
         assert expected in sentence, (block, sentence)
+
+
+def test_inkling_2s_four_convolution_states_are_recorded_and_counted(directories):
+    """Inkling 2's layers keep four short convolutions' windows (keys, values, and around attention and MLP): the
+    state recorded after the last step is all four, joined along their channels, equal to what transformers' own
+    cache holds after one forward of the same columns; the KV cache tab's sentence counts all of them, as the cache
+    does."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from gpt_shape_tracer.figures import cache as cache_views
+
+    gen = traced(directories["inkling2_text"], prompts=PROMPTS[:1])
+    last = gen.n_steps - 1
+    ref = AutoModelForCausalLM.from_pretrained(directories["inkling2_text"], local_files_only=True,
+                                               attn_implementation="eager").eval()
+    theirs = DynamicCache(config=ref.config)
+    with torch.no_grad():
+        ref(input_ids=torch.tensor([gen.facts.columns(0, last)]), past_key_values=theirs, use_cache=True)
+    for layer in range(gen.model.config.n_layer):
+        held = theirs.layers[layer].conv_states
+        assert len(held) == 4
+        expected = torch.cat([held[i] for i in range(4)], dim=1)  # [B, ΣC, k]
+        assert_close_across_cpus(gen.trace.get(f"blocks.{layer}.hook_conv_state", last), expected, f"layer {layer}")
+    total = gen.cache.state_nbytes
+    assert total == sum(x.numel() * x.element_size() for L in range(2) for x in theirs.layers[L].conv_states.values())
+    assert f"{total / 1024:,.1f} KiB in all after step {last}" in cache_views.state_sentence(gen.trace, last)

@@ -123,6 +123,7 @@ from gpt_shape_tracer.model.sources._hf_variants import (
     Reentry,
     block_origins,
     install_sublayer,
+    join_states,
     module_state,
     own_cache_state,
     split_layers,
@@ -632,9 +633,9 @@ class HFDecoder(nn.Module):
         for layer, state in cache.states.items():
             block = self.blocks[layer]
             for name, values in (("hook_conv_state", state.conv_states), ("hook_ssm_state", state.recurrent_states)):
-                value = values.get(0)
-                if isinstance(value, torch.Tensor) and isinstance(getattr(block, name, None), HookPoint):
-                    getattr(block, name)(value.clone())
+                held = [v for _, v in sorted(values.items()) if isinstance(v, torch.Tensor)]  # Inkling: 4 convolutions
+                if held and isinstance(getattr(block, name, None), HookPoint):
+                    getattr(block, name)(join_states(held))
 
     def _passed(self, cache: KVCache | None) -> Any:
         """What the forward receives under its cache keyword: our cache as transformers' ``Cache``; RWKV's carried

@@ -295,9 +295,21 @@ class HeldState:
             rest = [x for name, x in named if "conv" not in name.lower()]
             conv_point, ssm_point = getattr(block, "hook_conv_state", None), getattr(block, "hook_ssm_state", None)
             if conv and isinstance(conv_point, nn.Module):
-                conv_point(conv[0].clone() if len(conv) == 1 else _flat(conv))
+                conv_point(join_states(conv))
             if rest and isinstance(ssm_point, nn.Module):
-                ssm_point(rest[0].clone() if len(rest) == 1 else _flat(rest))
+                ssm_point(join_states(rest))
+
+
+def join_states(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Several state tensors of one layer as one record: itself for one; joined along the channels (dim 1) where they
+    differ in that only (Inkling's four short convolutions, [B, C_i, k] each); else ``_flat``."""
+    if len(tensors) == 1:
+        return tensors[0].clone()
+    first = tensors[0]
+    if all(x.dim() == first.dim() >= 2 and x.shape[:1] + x.shape[2:] == first.shape[:1] + first.shape[2:]
+           for x in tensors):
+        return torch.cat(tensors, dim=1)
+    return _flat(tensors)
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
