@@ -47,7 +47,8 @@ STAGE_SIDE = 128  # four stages side by side: each pooled to at most 128 × 128,
 NOTE_LINE = ("<br><span style='font-size:11px'>", "</span>")  # how each line of that note is written
 NOTE_WIDTH = 110  # characters per line of the pooling note under the Stages title (one line ran off at 1280 px)
 # each stage's short name in a pooled figure's caption (what its means left out)
-STAGE_NAMES = {"qk": "QKᵀ", "attn_scores": "scaled QKᵀ", "softcapped": "soft-capped", "masked_scores": "+ M",
+STAGE_NAMES = {"qk": "QKᵀ", "attn_scores": "scaled QKᵀ", "softcapped": "soft-capped", "score_bias": "B",
+               "masked_scores": "+ M",
                "sink_logits": "s_h", "pattern": "A", "sink_weight": "a_sink"}
 M_NOTE = ("Here M is added after the scaling; the formula is often written softmax((QKᵀ + M)/√d_k). The two are "
           "equal because M holds only 0 and −∞: (x + 0)/√d_k = x/√d_k, and −∞/√d_k = −∞.")
@@ -62,6 +63,27 @@ class Stage:
     shapes: str  # the real shapes: operands → result
     matrix: torch.Tensor | None  # [n, t] for the chosen batch row and head; None if not kept
     pooled_only: bool = False  # the matrix is the pooled digest of evicted values
+
+
+
+def score_bias_name(layer: int) -> str:
+    """The record of the bias a model adds to its scores beside the mask (Inkling's relative position bias,
+    model/sources/_hf_variants.py); not a row of the hook table, which our own GPT's hooks make up."""
+    return f"blocks.{layer}.attn.hook_score_bias"
+
+
+def stage_name(hook: str, layer: int) -> str:
+    """The record of one stage of ``attention_stages`` (its ``hook``) in ``layer``."""
+    return score_bias_name(layer) if hook == "score_bias" else act_name(hook, layer)
+
+
+def score_bias(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> torch.Tensor | None:
+    """The bias the model adds to one head's scores beside the mask, ``[n, t]`` (Inkling's learned relative position
+    bias); None for a model without one, or when its values were not kept."""
+    name = score_bias_name(layer)
+    value = trace.get(name, step) if trace.has(name, step) else None
+    return None if value is None else value[min(batch, value.shape[0] - 1), head].double()  # [B|1,H,n,t] -> [n,t]
+
 
 
 
@@ -90,6 +112,8 @@ def attention_latex(trace: Trace, step: int, layer: int) -> str:
         scores = rf"c\,\tanh\!\left({scores} / c\right)"
         constants.append(f"c = {cap:g}")
     tail = "".join(rf", \quad {c}" for c in constants)
+    if trace.has(score_bias_name(layer), step):  # Inkling: a learned bias beside the mask
+        scores = rf"{scores} + B"
     if getattr(trace.config, "attn_sinks", False):  # the sink's logit s_h is one more column; its weight is dropped
         return (rf"\left[A \;\middle|\; a_{{\text{{sink}}}}\right] = \operatorname{{softmax}}\!\left(\left["
                 rf"{scores} + M \;\middle|\; s_h\right]\right), \qquad O = A\,V{tail}")
@@ -125,6 +149,11 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
         stages.append(Stage("softcapped", f"c·tanh({scaled}/c)   (c = {c})",
                             f"soft-capped: every score inside (−{c}, {c}) → {shape_text(qk)}", None))
         scaled = f"c·tanh({scaled}/c)"
+    if trace.has(score_bias_name(layer), step):  # Inkling: a learned bias per head, query and key, beside the mask
+        bias = trace.record(score_bias_name(layer), step).shape
+        stages.append(Stage("score_bias", "B, the score bias", f"a learned bias per head, query and key (Inkling's "
+                                                               f"relative position bias): {shape_text(bias)}", None))
+        scaled = f"{scaled} + B"
     stages.append(
         Stage("masked_scores", f"{scaled} + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None))
     if trace.has(act_name("sink_logits", layer), step):  # gpt-oss: the sink is a stage of its own
@@ -143,7 +172,7 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
         stages.append(Stage("pattern", f"A = softmax({scaled} + M)", f"row-wise over t = {qk[-1]} keys → "
                                                                      f"{shape_text(qk)}", None))
     for stage in stages:
-        matrix, pooled = head_matrix(trace, act_name(stage.hook, layer), step, batch, head)
+        matrix, pooled = head_matrix(trace, stage_name(stage.hook, layer), step, batch, head)
         stage.matrix, stage.pooled_only = matrix, pooled
     return stages
 
@@ -186,7 +215,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
             # placed on the page (paper) at the middle of the panel's own domain: refs to an axis with no trace
             # were drawn over the last panel in the browser (seen in a screenshot at 32k tokens)
             left, right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain
-            derived = is_derived(trace, act_name(stage.hook, layer), step)
+            derived = is_derived(trace, stage_name(stage.hook, layer), step)
             fig.add_annotation(text="not formed:<br>the fused kernel ran<br>(Zoom recomputes<br>any region)" if derived
                                else "values not kept", showarrow=False, x=(left + right) / 2, y=0.5,
                                xref="paper", yref="paper")
@@ -195,7 +224,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
         name = STAGE_NAMES.get(stage.hook, stage.hook)
         if stage.pooled_only:  # block means: recomputed from Q and K where the fused kernel kept no pattern, else
             # evicted values' digest — said beside its own panel's pooling, not of every panel
-            name += (" recomputed from Q and K" if is_derived(trace, act_name(stage.hook, layer), step)
+            name += (" recomputed from Q and K" if is_derived(trace, stage_name(stage.hook, layer), step)
                      else ", a digest of evicted values")
             digests.append(name)
         poolings[name] = g.pooling  # what its means took in: one per panel
@@ -548,7 +577,28 @@ def stages_takeaway(trace: Trace, step: int, layer: int, head: int, batch: int =
     keys, queries = key_labels(trace, step, batch), query_labels(trace, step, batch)
     top = int(a[row].argmax())
     hidden = int((~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])).sum()) if mask is not None else 0
-    sentence = (f"Scores, scaled, masked, softmaxed: the last real query, {inert(queries[row])}, puts "
+    biased = "biased, " if trace.has(score_bias_name(layer), step) else ""  # Inkling: B is a stage of its own
+    sentence = (f"Scores, scaled, {biased}masked, softmaxed: the last real query, {inert(queries[row])}, puts "
                 f"{float(a[row, top]):.0%} of its weight on key {inert(keys[top])}.")  # markdown: labels made inert
     return sentence, [("query rows × keys", f"{n} × {t}"), ("largest weight of that row", f"{float(a[row, top]):.3f}"),
                       ("pairs M hides", f"{hidden:,}")]
+
+
+def score_bias_sentence(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> str | None:
+    """What the learned score bias adds at this head (from ``hook_score_bias`` and ``hook_mask``): its range over the
+    (query, key) pairs the mask lets through at this step's real query rows, and how many of them it leaves at 0 (keys
+    beyond its reach); None for a model without a bias or without its values."""
+    bias = score_bias(trace, step, layer, head, batch)
+    mask = trace.get(act_name("mask", layer), step)
+    if bias is None or mask is None:
+        return None
+    seen = torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
+    seen &= real_query_rows(trace, step, batch, seen.shape[0])[:, None]
+    values = bias[seen]
+    if not values.numel():
+        return None
+    zero = int((values == 0).sum())
+    return (f"This model adds a learned bias B to the scores beside the mask (a relative position bias, one value per "
+            f"head, query and key). In layer {layer}, head {head}, over the {values.numel():,} (query, key) pairs the "
+            f"mask lets through, B ranges from {float(values.min()):.3g} to {float(values.max()):.3g}; it is 0 at "
+            f"{zero:,} of them (keys beyond its reach).")

@@ -243,7 +243,7 @@ def state_sentence(trace: Trace, step: int) -> str | None:
     total = sum(rec.nbytes for _, records in layers for rec in records)
     shapes = " and ".join(f"{rec.name.rsplit('.', 1)[-1].removeprefix('hook_').replace('_', ' ')} "
                           f"{shape_text(rec.shape)}" for rec in layers[0][1])
-    return (f"Beside K and V, {len(layers)} layer(s) keep their mixer's state in transformers' own cache — "
+    return (f"Beside K and V, {len(layers)} layer(s) keep their mixer's state in the cache — "
             f"per layer {shapes} — {total / 1024:,.1f} KiB in all after step {step}. That state has a fixed size: "
             "each step overwrites it instead of adding a row, so it does not grow with t as K and V do.")
 

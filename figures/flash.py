@@ -19,6 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from gpt_shape_tracer.figures.attention import score_bias, score_bias_name
 from gpt_shape_tracer.figures.common import attention_layers, key_labels, kv_head, query_labels, score_scale
 from gpt_shape_tracer.figures.heatmap import grid, heatmap, style_axes
 from gpt_shape_tracer.figures.palette import ACCENT, MASKED, NEUTRAL
@@ -136,6 +137,11 @@ def flash_attention(trace: Trace, step: int, layer: int, head: int, batch: int =
     cap = getattr(trace.config, "attn_softcap", None)
     if cap:
         scores = torch.tanh(scores / cap) * cap
+    if trace.has(score_bias_name(layer), step):  # Inkling: its learned bias, beside the mask
+        bias = score_bias(trace, step, layer, head, batch)
+        if bias is None:
+            return None
+        scores = scores + bias[rows[0]:rows[1]]
     scores = scores + m_rows
     t = kh.shape[0]
     m = torch.full((qh.shape[0],), -math.inf, dtype=torch.float64)

@@ -11,6 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from gpt_shape_tracer.figures.attention import score_bias, score_bias_name
 from gpt_shape_tracer.figures.common import (
     key_labels,
     kv_head,
@@ -50,6 +51,11 @@ def pitfall_patterns(trace: Trace, step: int, layer: int, head: int, batch: int 
     sink = sink_logits(trace, step, layer, head, batch)
     if trace.has(act_name("sink_logits", layer), step) and sink is None:
         return None  # the model has a sink, whose values were not kept: the recomputation would leave it out
+    bias = score_bias(trace, step, layer, head, batch)
+    if trace.has(score_bias_name(layer), step) and bias is None:
+        return None  # likewise its score bias
+    if bias is not None:  # Inkling: part of the scores in every variant (it is no scale and no mask)
+        raw, scaled = raw + bias, scaled + bias
 
     def softmax(x: torch.Tensor) -> torch.Tensor:  # over the keys, and the sink where the model has one
         return torch.softmax(x, dim=-1) if sink is None else softmax_with_sink(x, sink)

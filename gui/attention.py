@@ -66,6 +66,9 @@ def attention_tab(trace: Trace, step: int) -> None:
                             "pattern." if attending else "no layer of this model has softmax attention (a state-space "
                             "model), so there is no Q, K, V or pattern to show at any layer.")):
         return
+    origins = getattr(trace.live_model, "block_origins", None)  # HRM, LongCat-Flash: several blocks per layer
+    if origins is not None and layer < len(origins) and origins[layer] is not None:
+        st.caption(f"{origins[layer]}.")
     st.latex(attn_views.attention_latex(trace, step, layer))
     usual = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1]) == "QKᵀ/√d_k"
     if usual:
@@ -105,6 +108,9 @@ def attention_tab(trace: Trace, step: int) -> None:
             sink = pitfall_views.sink_sentence(trace, step, layer, head, batch)
             if sink is not None:
                 st.caption(sink)
+            bias = attn_views.score_bias_sentence(trace, step, layer, head, batch)
+            if bias is not None:
+                st.caption(bias)
             if pattern_kept:
                 query_picker(trace, step, layer, head, batch)
     with sub["O = A·V"]:

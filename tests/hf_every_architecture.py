@@ -86,6 +86,15 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # do not round it: the two agree only where that product is a multiple of 64 (at width 64 the state is built
     # 16 wide per head for queries 8 wide, and the forward fails)
     "xlstm": {"hidden_size": 128, "embedding_dim": 128},
+    # Inkling, Inkling 2: the sliding layers' window (sliding_window_size, also their relative-bias extent) and the
+    # full layers' bias extent (rel_extent) shorter than the prompt, so that the window slides and the bias stops at
+    # its extent within the check; the sliding layers' own head counts and width shrunk like the others'; the
+    # logarithmic scaling of queries and bias (log_scaling_n_floor; Inkling's default leaves it off) starting within
+    # the prompt
+    "inkling_text": {"sliding_window_size": 4, "rel_extent": 6, "swa_num_attention_heads": 4,
+                     "swa_num_key_value_heads": 2, "swa_head_dim": 16, "log_scaling_n_floor": 4},
+    "inkling2_text": {"sliding_window_size": 4, "rel_extent": 6, "swa_num_attention_heads": 4,
+                      "swa_num_key_value_heads": 2, "swa_head_dim": 16, "log_scaling_n_floor": 4},
     # its own cached forward fails on its own config (it builds DynamicCache(config=BltConfig), which has no
     # num_hidden_layers: a top-level config over four stacks of layers); without a cache it runs
     "blt": {"use_cache": False},
@@ -324,11 +333,18 @@ def _reference_logits(directory: Path, tokens: torch.Tensor) -> list[torch.Tenso
     out = []
     with torch.no_grad():
         result = hf(input_ids=tokens[:, :PROMPT], use_cache=True)
+        past = getattr(result, keyword, None)
+        if past is None and keyword == "past_key_values":  # RecurrentGemma returns no cache object (its recurrent
+            # state stays in its modules): given one from the start, as generate() gives it, it fills its K and V
+            from transformers import DynamicCache
+
+            past = DynamicCache(config=hf.config)
+            result = hf(input_ids=tokens[:, :PROMPT], past_key_values=past, use_cache=True)
         out.append(result.logits)
-        past = getattr(result, keyword)
         for i in range(PROMPT, PROMPT + DECODE_STEPS):
             result = hf(input_ids=tokens[:, i:i + 1], **{keyword: past}, use_cache=True)
-            past = getattr(result, keyword)
+            returned = getattr(result, keyword, None)
+            past = returned if returned is not None else past
             out.append(result.logits)
     return out
 
@@ -412,16 +428,25 @@ def failing_sentence(results: list[Result]) -> str:
 REASON_WORDS = {
     "attention outside the interface": "the family computes softmax attention in its own code, so its Q, K, V and "
                                        "pattern cannot be recorded",
-    "no softmax attention": "state-space or recurrent layers only",
+    "no softmax attention": "state-space or recurrent layers only, keeping their state where the trace cannot hold it "
+                            "(Mamba's and the hybrids' in transformers' cache layers, RWKV's handed-back state, "
+                            "xLSTM's own cache object and RecurrentGemma's module attributes are traced)",
     "state layers": "layers without attention keep their state in a cache class of the family's own other than "
                     "MiniMax's (which is traced) or inside its modules, not in transformers' shared cache layers",
     "latent attention": "value heads narrower or wider than query/key heads",
-    "attention sinks": "a learned sink logit in every softmax row",
-    "several attentions per layer": "a layer calls attention more than once per forward",
+    "attention sinks": "a sink logit handed to the attention function that the traced attention cannot show "
+                       "(gpt-oss's, one learned per head, and Inkling 2's, one per head and query, are traced as the "
+                       "extra column of each softmax row)",
+    "several attentions per layer": "a layer calls attention more than once per forward in a way the trace cannot "
+                                    "lay out as one block per call (HRM's re-run layers and LongCat-Flash's two "
+                                    "attention sublayers are traced as one block per call; DiffLlama's two calls as "
+                                    "differential attention)",
     "several stacks": "attention runs in more than one list of layers (BLT: byte-level stacks around a transformer "
                       "over patches, which cross-attend)",
     "indexed attention": "a learned indexer picks each query's keys and keeps its own key cache",
-    "score bias": "a bias handed to the attention function beside the mask (a learned position bias)",
+    "score bias": "a bias handed to the attention function beside the mask that the traced attention does not "
+                  "compute (a score_mod, an attention_bias; Inkling's learned relative position bias is traced as a "
+                  "stage of its own, hook_score_bias)",
     "compressed attention": "the family's own cache layers keep compressed keys and values",
     "differs from transformers": "load_hf's guard found a cached decode step of ours differing from transformers' "
                                  "own forward (a failure of this sweep, not a verdict on the family)",

@@ -44,11 +44,12 @@ REPRESENTATIVE = [
     "gemma4_text",  # per-layer overrides (per_layer_config) of its global layers' head size
     "doge",  # a learned per-head mask added to the scores (kept: it runs eager with transformers' own mask)
     "gemma3n_text",  # one feed-forward width per layer
-    "inkling2_text",  # a position bias and sinks handed to the attention function by names of its own: refused
-    "recurrent_gemma",  # its recurrent state kept inside its modules, no cache object: refused
+    "inkling2_text",  # a position bias and sinks handed to the attention function by names of its own
+    "recurrent_gemma",  # its recurrent state kept inside its modules, no cache object
     "minimax",  # lightning (linear) attention layers whose state its own cache class (MiniMaxCache) keeps
     "blt",  # byte-level stacks around a global transformer over patches, cross-attending: several stacks
-    "xlstm",  # mLSTM blocks only (built at a width its config and its layers agree on)
+    "xlstm",  # mLSTM blocks only, their state in a cache object of its own (built at a width its config and its
+    # layers agree on)
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]
 

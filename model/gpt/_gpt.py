@@ -1,11 +1,11 @@
 """One readable GPT, several families: GPT-2 and Llama-style (Llama, Mistral, Qwen2) decoders.
 
 Every intermediate passes through a named hook point. Read bottom-up, as in nanoGPT:
-config (``GPTConfig``, model/gpt/_config.py) → hook point (``HookPoint``, model/gpt/_hook_point.py) → projections → LayerNorm / RMSNorm → rotary position
-embedding → ``attention`` (Vaswani et al. 2017's formula, also used on its own by tests and
-the app; grouped-query aware) → multi-head attention → GELU MLP / SwiGLU MLP →
-block → GPT. The config says which pieces a model uses (``norm``, ``positions``,
-``mlp``, ``n_kv_head``, biases, tying); there is one ``GPT`` class for all.
+config (``GPTConfig``, model/gpt/_config.py) → hook point (``HookPoint``, model/gpt/_hook_point.py) →
+projections → LayerNorm / RMSNorm → rotary position embedding → ``attention`` (Vaswani et al. 2017's formula,
+also used on its own by tests and the app; grouped-query aware) → multi-head attention → GELU MLP / SwiGLU MLP →
+block → GPT. The config says which pieces a model uses (``norm``, ``positions``, ``mlp``, ``n_kv_head``, biases,
+tying); there is one ``GPT`` class for all.
 
 Shape legend, used in every comment below and everywhere in the project:
 

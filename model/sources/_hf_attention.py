@@ -21,6 +21,7 @@ from gpt_shape_tracer.model.gpt import (
     run_attention,
 )
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
+from gpt_shape_tracer.model.sources._hf_variants import attention_with_score_bias, sink_column
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     pass
@@ -33,7 +34,7 @@ class _AttentionHooks(nn.Module):
     """One layer's attention hook points, under ``blocks.{L}.attn`` (shapes as in model/gpt/_gpt.py)."""
 
     def __init__(self, softcap: bool, latent: bool = False, sinks: bool = False, differential: bool = False,
-                 indexed: bool = False) -> None:
+                 indexed: bool = False, score_bias: bool = False) -> None:
         super().__init__()
         self.hook_q = HookPoint()  # [B, H, n, d_qk], as the attention receives it (position-encoded)
         self.hook_k = HookPoint()  # [B, G, n, d_qk], the new keys
@@ -47,6 +48,8 @@ class _AttentionHooks(nn.Module):
         self.hook_attn_scores = HookPoint()  # [B, H, n, t], QKᵀ × scale
         if softcap:
             self.hook_softcapped = HookPoint()  # [B, H, n, t], c·tanh(scores / c)
+        if score_bias:  # a bias the layer hands the attention function beside the mask (Inkling: _hf_variants.py)
+            self.hook_score_bias = HookPoint()  # [B|1, H, n, t]; masked scores = scores + bias + M
         self.hook_mask = HookPoint()  # [B|1, 1, n, t], additive 0 / −∞
         self.hook_masked_scores = HookPoint()  # [B, H, n, t]
         if sinks:  # gpt-oss: one learned logit per head joins every row's softmax as an extra column
@@ -124,7 +127,9 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     record = getattr(_probing, "record", None)
     if record is not None:  # HFDecoder's probe: which module called, inside which layer, with what
         record(module, query, key, value, attention_mask, kwargs)
-    sinks = kwargs.get("s_aux")  # [H]: gpt-oss's learned sink logits
+    # [H]: gpt-oss's learned sink logits; [B,H,n,1]: Inkling 2's, one per head and query
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    bias = kwargs.get("position_bias")  # [B|1,H,n,t]: Inkling's learned relative position bias
     hooks = _HOOKS.get(module)
     if hooks is not None and hooks.differential is not None:
         pending, hooks.pending_call = hooks.pending_call, None
@@ -150,13 +155,15 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     forward = getattr(_forward, "keys", None)  # (key_is_token,) while HFDecoder.forward runs on this thread
     window = kwargs.get("sliding_window")
     differential = hooks is not None and hooks.differential is not None
-    if sinks is not None or differential:  # eager always: the sink is a column no fused kernel here computes; a
-        # differential layer's two softmaxes are recorded and subtracted
+    if sinks is not None or differential or bias is not None:  # eager always: the sink is a column no fused kernel
+        # here computes; a differential layer's two softmaxes are recorded and subtracted; a score bias is a stage
         if mask is None and forward is not None:  # not built (the settings chose fused): built from its description
             spec = MaskSpec(n=n, t=t, scale=scale, key_is_token=forward[0], empty_rows="uniform", softcap=softcap,
                             window=int(window) if isinstance(window, int) and window > 0 else None)
             mask = spec.full_additive(query.dtype, query.device)
-        if differential:
+        if bias is not None:
+            z, weights = attention_with_score_bias(query, key, value, mask, hooks, scale, bias, sinks), None
+        elif differential:
             z, weights = _differential_first_call(query, key, value, mask, cast(_AttentionHooks, hooks), scale,
                                                   softcap, received)
         else:
@@ -268,7 +275,7 @@ def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     scores = through("hook_attn_scores", qk * scale)
     if mask is not None:
         scores = through("hook_masked_scores", scores + through("hook_mask", mask))  # + [B|1,1,n,t]
-    sink = through("hook_sink_logits", sinks.reshape(1, H, 1, 1).to(scores.dtype).expand(B, H, n, 1))
+    sink = through("hook_sink_logits", sink_column(sinks, B, H, n, scores.dtype))
     logits = torch.cat([scores, sink], dim=-1)  # [B,H,n,t+1]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(scores.dtype)  # rows sum to 1 over keys + sink
     pattern = through("hook_pattern", probs[..., :-1])  # [B,H,n,t]: the keys' share, rows sum to < 1

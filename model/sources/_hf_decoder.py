@@ -48,6 +48,15 @@ What the records mean for such a model (the hook table's rows, specialised):
   attention reads after its window's rows, the compressor's block bias, the CSA indexer's keys, scores and choice,
   and what the family's own cache layers hold after each step (``CompressedCache`` keeps those layers;
   model/sources/_hf_compressed.py lists the records). Not in the hook table: their widths are V4's own.
+* ``hook_score_bias`` (Inkling, Inkling 2: a learned relative position bias handed to the attention function beside
+  the mask): ``[B|1, H, n, t]``, a stage between the scores and the mask (masked scores = scores + bias + M); Inkling
+  2's sink logits, one per head and query, are the extra softmax column as gpt-oss's (model/sources/_hf_variants.py).
+* One block per attention call where a layer calls attention more than once per forward (``call_blocks``): HRM's
+  layers, run several times per forward (each run its own cache slot), and LongCat-Flash's two attention sublayers
+  per layer are blocks of their own, in the order of the calls, which is the order of the cache slots they write.
+* State kept outside transformers' ``Cache`` (``HeldState``): RecurrentGemma's in attributes of its recurrent
+  blocks, xLSTM's in its family's own cache object — held in ``StateCache`` (set where the model reads it before every
+  forward, read back after), recorded as ``hook_conv_state`` / ``hook_ssm_state``.
 
 The attention is found by what it does (``_find_attention``): a two-token forward records which module calls
 the attention function inside which element of which list of layers; the list the calls come from is the
@@ -57,7 +66,8 @@ Falcon-Mamba: ``_state_stack``) is traced as mixers only: no attention record, n
 ``StateCache``; its forward takes the cache as ``cache_params`` (``cache_keyword``).
 Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
 state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
-attention's two calls with the same Q and K), attention in several stacks of layers (BLT), encoders and
+attention's two calls with the same Q and K, and calls that are one block each: ``call_blocks``), attention in several
+stacks of layers (BLT), encoders and
 encoder-decoders; and, after loading, a model whose cached decode step is not
 transformers' own forward (``guard_against_transformers``).
 """
@@ -114,6 +124,17 @@ from gpt_shape_tracer.model.sources._hf_probe import (
     mixer_of,
 )
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, _special_cache_layers, refusal_by_config
+from gpt_shape_tracer.model.sources._hf_variants import (
+    HeldState,
+    OwnCacheState,
+    Reentry,
+    block_origins,
+    install_sublayer,
+    join_states,
+    module_state,
+    own_cache_state,
+    split_layers,
+)
 from gpt_shape_tracer.model.sources._tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -172,11 +193,12 @@ def _indexer_key_dim(cfg: Any) -> int | None:
 
 class _BlockHooks(nn.Module):
     def __init__(self, softcap: bool, has_mid: bool, latent: bool = False, sinks: bool = False,
-                 attention: bool = True, differential: bool = False, indexed: bool = False) -> None:
+                 attention: bool = True, differential: bool = False, indexed: bool = False,
+                 score_bias: bool = False) -> None:
         super().__init__()
         self.hook_resid_pre = HookPoint()  # [B, n, d]
         if attention:
-            self.attn = _AttentionHooks(softcap, latent, sinks, differential, indexed)
+            self.attn = _AttentionHooks(softcap, latent, sinks, differential, indexed, score_bias)
             self.hook_attn_out = HookPoint()  # [B, n, d]
         else:  # a hybrid model's layer whose mixer is not attention: what goes in and what comes out
             self.hook_mixer_in = HookPoint()  # [B, n, d], the mixer's input (the normed residual)
@@ -327,11 +349,20 @@ class HFDecoder(nn.Module):
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
         self._latent = [latent_widths(attn) if attn is not None else None for attn in attns]  # (d_c, d_R) or None
-        self._sinks = [isinstance(getattr(attn, "sinks", None), torch.Tensor) for attn in attns]  # gpt-oss
+        # gpt-oss (a sinks parameter), Inkling 2 (sink logits projected per position, handed over as sinks=)
+        self._sinks = [isinstance(getattr(attn, "sinks", None), torch.Tensor) or (call is not None and call.sinks)
+                       for attn, call in zip(attns, probed)]
         self._state_templates = state_templates(hf)  # hybrid models: the layers whose state transformers keeps
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
         self._carried = all(attn is None for attn in attns) and not writers and cache_keyword(hf) == "state"
+        # state kept outside transformers' Cache (_hf_variants.py): xLSTM's own cache object, RecurrentGemma's
+        # module attributes; held in StateCache's carried tensors
+        device, keyword = _token_device(hf), cache_keyword(hf)
+        own_state = own_cache_state(hf, {id(layers): layers}, device, keyword) if not self._carried and not writers \
+            and all(attn is None for attn in attns) else None
+        self._held: HeldState | None = own_state[1] if own_state is not None else module_state(
+            hf, layers, [L for L, attn in enumerate(attns) if attn is None and L not in writers], device)
         own_cache = _own_cache_class(hf)
         # MiniMax: its forward accepts only its own cache class, whose linear-attention state our view keeps in the
         # state layers transformers' shared cache describes for the config (one per layer without attention)
@@ -356,9 +387,10 @@ class HFDecoder(nn.Module):
         self._indexed = tuple(L for L, ix in enumerate(indexers) if ix is not None and L in cached_index)
         block_hooks = [_BlockHooks(arch.softcap is not None, norm is not None, latent is not None, sinks,
                                    attention=attn is not None, differential=diff, indexed=ix is not None or (
-                                       attn is not None and bool(cached_index) and L in cached_index))
-                       for L, (norm, latent, sinks, attn, diff, ix) in enumerate(
-                           zip(mlp_norms, self._latent, self._sinks, attns, differential, indexers))]
+                                       attn is not None and bool(cached_index) and L in cached_index),
+                                   score_bias=call is not None and call.score_bias)
+                       for L, (norm, latent, sinks, attn, diff, ix, call) in enumerate(
+                           zip(mlp_norms, self._latent, self._sinks, attns, differential, indexers, probed))]
         self.blocks = nn.ModuleList(block_hooks)
         self._compressed = compressed_config(hf.config)  # its own cache layers compress K/V (_hf_compressed.py)
         self.hook_embed = HookPoint()  # [B, n, d], W_E[tokens] as the embedding module returns it
@@ -372,13 +404,27 @@ class HFDecoder(nn.Module):
         embed = hf.get_input_embeddings()
         self._handles.append(embed.register_forward_hook(lambda m, a, out: self.hook_embed(out)))
         for hooks, template in zip(block_hooks, self._state_templates):
-            if template is not None or self._carried:  # what the layer's state holds after each step, [B, …]
+            if template is not None or self._carried or self._held is not None:  # what the layer's state holds after
+                # each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
-        for layer, attn, mixer, hooks, mlp_norm in zip(layers, attns, self._mixers, block_hooks, mlp_norms):
-            self._handles.append(layer.register_forward_pre_hook(self._pre_layer(hooks), with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(
-                lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out)))))
+        # HRM: its layers run several times per forward, one block per run: each block's hooks on a shared module act
+        # in that block's run only; LongCat-Flash: two attention sublayers per layer, one block each, whose residual
+        # hooks sit on the sublayer's own modules (_hf_variants.py)
+        reentry, sublayers = Reentry(layers, attns), split_layers(list(layers), attns)
+        self.block_origins = block_origins(hf, layers, attns)  # what each block is, where a layer holds several
+        if reentry.active:
+            self._handles += reentry.install(hf, layers, attns, _HOOKS, [getattr(b, "attn", None) for b in block_hooks])
+        for block, (layer, attn, mixer, hooks, mlp_norm) in enumerate(zip(layers, attns, self._mixers, block_hooks,
+                                                                          mlp_norms)):
+            gated = reentry.gate(layer, block)
+            sub = sublayers.get(block)
+            if sub is not None:
+                self._handles += install_sublayer(sub, hooks)
+            else:
+                self._handles.append(layer.register_forward_pre_hook(gated(self._pre_layer(hooks)), with_kwargs=True))
+                self._handles.append(layer.register_forward_hook(gated(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out))))))
             if attn is not None:
                 _HOOKS[attn] = hooks.attn
                 if (indexer := indexer_of(attn)) is not None:
@@ -388,21 +434,21 @@ class HFDecoder(nn.Module):
                     self._handles.extend(add_hooks(hooks.attn, attn))
                 if hasattr(hooks.attn, "hook_diff_pattern"):  # differential attention: its λ from its own parameters
                     hooks.attn.differential = differential_lambda(attn)
-                self._handles.append(attn.register_forward_hook(
-                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_attn_out(_first(out)))))
+                self._handles.append(attn.register_forward_hook(gated(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_attn_out(_first(out))))))
             elif mixer is not None:
-                self._handles.append(mixer.register_forward_pre_hook(
-                    lambda m, args, kwargs, h=hooks: _through_first_input(h.hook_mixer_in, args, kwargs),
+                self._handles.append(mixer.register_forward_pre_hook(gated(
+                    lambda m, args, kwargs, h=hooks: _through_first_input(h.hook_mixer_in, args, kwargs)),
                     with_kwargs=True))
-                self._handles.append(mixer.register_forward_hook(
-                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mixer_out(_first(out)))))
-            mlp = _child(layer, _NAMES_MLP)
+                self._handles.append(mixer.register_forward_hook(gated(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mixer_out(_first(out))))))
+            mlp = _child(layer, _NAMES_MLP) if sub is None else None
             if mlp is not None:
-                self._handles.append(mlp.register_forward_hook(
-                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mlp_out(_first(out)))))
-            if mlp_norm is not None:
-                self._handles.append(mlp_norm.register_forward_pre_hook(
-                    lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:])))
+                self._handles.append(mlp.register_forward_hook(gated(
+                    lambda m, a, out, h=hooks: _replace_first(out, h.hook_mlp_out(_first(out))))))
+            if mlp_norm is not None and sub is None:
+                self._handles.append(mlp_norm.register_forward_pre_hook(gated(
+                    lambda m, args, h=hooks: (h.hook_resid_mid(args[0]), *args[1:]))))
         self._identity: ModelIdentity | PendingIdentity | None = identity
         # set by guard_against_transformers where transformers' own cached and uncached forwards disagree: which
         # one the trace follows, with the numbers (None: they agree, or the guard has not run)
@@ -500,7 +546,8 @@ class HFDecoder(nn.Module):
             v_head_dim=d_v if d_v != d_head else None, kv_latent_dim=latent[0] if latent else None,
             rope_key_dim=latent[1] if latent else None, attn_sinks=any(self._sinks),
             mixers=self.mixer_names if any(self.mixer_names) else None,
-            state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None or self._carried),
+            state_layers=tuple(L for L, t in enumerate(self._state_templates) if t is not None or self._carried
+                               or (self._held is not None and L in self._held.layers)),
             kv_shared=self._kv_shared,
             indexed_layers=tuple(L for L, block in enumerate(self.blocks)
                                  if hasattr(getattr(block, "attn", None), "hook_index_selected")),
@@ -591,13 +638,14 @@ class HFDecoder(nn.Module):
             calls = self._attention_calls(self.blocks) if self._routing_unchecked else None
             out = self.hf(input_ids=tokens, attention_mask=attention_mask,
                           position_ids=None if own else positions.expand(B, n),
-                          **{self._cache_keyword: (cache.carried if isinstance(cache, StateCache) and self._carried else
-                                                   self._cache_view(cache)) if cache is not None else None},
+                          **{self._cache_keyword: self._passed(cache)},
                           use_cache=cache is not None, return_dict=True)
             if calls is not None:  # a dry run's first forward: the routing check __init__ left to it
                 self._routed(self.blocks, calls)
                 self._routing_unchecked = False
             logits = self.hook_logits(out.logits)
+            if isinstance(cache, StateCache) and self._held is not None:  # the state back into the cache
+                self._held.kept(cache, out)
             if isinstance(cache, StateCache) and self._carried:  # RWKV: the state it handed back, kept for the next
                 cache.carried = list(getattr(out, "state", None) or [])  # step (and snapshotted at commit)
             if isinstance(cache, StateCache):
@@ -609,7 +657,10 @@ class HFDecoder(nn.Module):
     def _record_states(self, cache: StateCache) -> None:
         """A hybrid model's convolution and state-space state after this forward, through each state layer's
         ``hook_conv_state`` / ``hook_ssm_state`` (copies: transformers overwrites the state in place next step)."""
-        if cache.carried:  # RWKV: per layer its slice of each state tensor; token shifts [B, d, 2], the rest [B, d, k]
+        if self._held is not None:
+            self._held.record(cache, self.blocks)
+        elif cache.carried:  # RWKV: per layer its slice of each state tensor; token shifts [B, d, 2], the rest
+            # [B, d, k]
             shifts, rest = cache.carried[:2], cache.carried[2:]
             for layer, block in enumerate(self.blocks):
                 cast(HookPoint, block.hook_conv_state)(torch.stack([x[..., layer] for x in shifts], dim=-1).clone())
@@ -618,9 +669,19 @@ class HFDecoder(nn.Module):
         for layer, state in cache.states.items():
             block = self.blocks[layer]
             for name, values in (("hook_conv_state", state.conv_states), ("hook_ssm_state", state.recurrent_states)):
-                value = values.get(0)
-                if isinstance(value, torch.Tensor) and isinstance(getattr(block, name, None), HookPoint):
-                    getattr(block, name)(value.clone())
+                held = [v for _, v in sorted(values.items()) if isinstance(v, torch.Tensor)]  # Inkling: 4 convolutions
+                if held and isinstance(getattr(block, name, None), HookPoint):
+                    getattr(block, name)(join_states(held))
+
+    def _passed(self, cache: KVCache | None) -> Any:
+        """What the forward receives under its cache keyword: our cache as transformers' ``Cache``; RWKV's carried
+        state; xLSTM's own cache object, or the cache view with RecurrentGemma's module state set (``HeldState``)."""
+        if cache is None:
+            return None
+        if isinstance(cache, StateCache) and self._carried:
+            return cache.carried
+        view = self._cache_view(cache) if not isinstance(self._held, OwnCacheState) else None
+        return self._held.passed(cache, view) if isinstance(cache, StateCache) and self._held is not None else view
 
     def _cache_view(self, cache: KVCache) -> Any:
         """transformers' cache over ``cache``, with the latent-attention layers' hooks where the model has them."""

@@ -115,11 +115,12 @@ def guard_against_transformers(model: HFDecoder) -> None:
             uncached = hf(input_ids=tokens, use_cache=False).logits[0, -1].float()
             keyword = cache_keyword(hf)
             past = getattr(hf(input_ids=tokens[:, :n], use_cache=True), keyword, None)
-            if past is None:  # RecurrentGemma: the state lives in its modules, set up by the forward itself
-                raise HFDecoderError(
-                    f"{model.architecture.model_type}: its forward returns no cache object — it keeps its recurrent "
-                    "state inside its own modules, where our cache can neither hold, copy nor roll it back, so a "
-                    "cached decode step cannot be traced", reason="state layers")
+            if past is None and keyword == "past_key_values":  # RecurrentGemma: it returns no cache object (its
+                # recurrent state stays in its modules); given one, as generate() gives it, it fills its K and V
+                from transformers import DynamicCache
+
+                past = DynamicCache(config=hf.config)
+                hf(input_ids=tokens[:, :n], past_key_values=past, use_cache=True)
             cached = hf(input_ids=tokens[:, n:], **{keyword: past}, use_cache=True).logits[0, -1].float()
     to_uncached = float((ours - uncached).abs().max())
     to_cached = float((ours - cached).abs().max())

@@ -15,6 +15,7 @@ from torch import nn
 
 from gpt_shape_tracer.model.sources._hf_attention import _probing, differential_lambda
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
+from gpt_shape_tracer.model.sources._hf_variants import call_blocks, own_cache_state
 from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
@@ -52,12 +53,15 @@ class _Call:
     # object itself where the layer reads that layer's K and V (KV sharing)
     query: torch.Tensor | None = field(default=None, compare=False, repr=False)  # Q as received
     differential: bool = False  # the layer's two calls share Q and K: differential attention (DiffLlama)
+    score_bias: bool = False  # a position_bias beside the mask (Inkling), staged by _hf_variants.py
+    entry: int = field(default=-1, compare=False)  # which entry into an outermost layer it came in (counted from 0):
+    # a layer entered several times per forward (HRM's recurrent stacks) makes one call per entry
 
 
 # arguments of the attention interface that change the scores or the softmax and that traced_attention does not
-# model (its own sinks come as s_aux, gpt-oss's name): a family passing one of them is refused, not traced wrong
-_UNMODELLED = {"position_bias": "a learned position bias added to the scores", "sinks": "learned sink logits",
-               "score_mod": "a score modification function", "attention_bias": "a bias added to the scores"}
+# model (it stages sinks as s_aux, gpt-oss's name, or sinks, Inkling 2's, and Inkling's position_bias): a family
+# passing one of them is refused, not traced wrong
+_UNMODELLED = {"score_mod": "a score modification function", "attention_bias": "a bias added to the scores"}
 
 
 # words of state-space / recurrent mixers' class names: only to say why a model that makes no attention call at all is
@@ -96,6 +100,7 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
     ModuleList was running (the outermost one) when it came — the layers are found by what they call, not by
     their class names or where they sit: a vision tower that is not run is never mistaken for the text stack."""
     frames: list[tuple[int, int]] = []
+    entries = [-1]  # entries into an outermost layer so far
     calls: list[_Call] = []
     lists = {id(m): m for m in hf.modules() if isinstance(m, nn.ModuleList)}
     handles = []
@@ -104,17 +109,23 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
         if frames:
             frames.pop()
 
+    def enter(key: int, i: int) -> None:
+        if not frames:
+            entries[0] += 1
+        frames.append((key, i))
+
     for key, modules in lists.items():
         for i, layer in enumerate(modules):
-            handles.append(layer.register_forward_pre_hook(lambda m, a, k=key, i=i: frames.append((k, i))))
+            handles.append(layer.register_forward_pre_hook(lambda m, a, k=key, i=i: enter(k, i)))
             handles.append(layer.register_forward_hook(leave))
 
     def record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                mask: torch.Tensor | None, kwargs: dict) -> None:
         calls.append(_Call(frames[0] if frames else None, module, int(query.shape[-3]), int(key.shape[-3]),
                            int(query.shape[-1]), int(value.shape[-1]),
-                           kwargs.get("s_aux") is not None, mask,
-                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None), key, query))
+                           kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None, mask,
+                           tuple(k for k in _UNMODELLED if kwargs.get(k) is not None), key, query,
+                           score_bias=kwargs.get("position_bias") is not None, entry=entries[0]))
 
     device = _token_device(hf)
     # two tokens, so that the first's mask row shows whether it sees the second (causal or not); on the meta
@@ -263,6 +274,9 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     carried = _carried_stack(hf, lists) if not calls else None
     if carried is not None:  # RWKV: every layer keeps its slice of the state the forward hands back
         return carried, [None] * len(carried), {}
+    own = own_cache_state(hf, lists, _token_device(hf), cache_keyword(hf)) if not calls else None
+    if own is not None:  # xLSTM: every layer keeps its state in a cache object of the family's own
+        return own[0], [None] * len(own[0]), {}
     if not calls:
         attention_named = [w for w in words if ("attention" in w or "attn" in w) and "norm" not in w]
         state = [w for w in words if any(s in w for s in _STATE_WORDS)]
@@ -276,11 +290,11 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
                              f"{', '.join(sorted(state)[:3]) or 'none named'}): there is no attention pattern to "
                              "trace", reason="no softmax attention")
     unmodelled = sorted({k for c in calls for k in c.unmodelled})
-    if unmodelled:  # Inkling 2: a relative position bias and sinks by names of its own
+    if unmodelled:
         given = "; ".join(f"{_UNMODELLED[k]} ({k})" for k in unmodelled)
         raise HFDecoderError(f"{model_type}: its attention passes {given} to transformers' attention function, which "
                              "the traced attention does not compute: its pattern would not be the one the model uses",
-                             reason="attention sinks" if "sinks" in unmodelled else "score bias")
+                             reason="score bias")
     counts: dict[int, int] = {}
     for c in calls:
         if c.layer is not None:
@@ -294,6 +308,9 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
         if c.layer is not None and c.layer[0] == id(layers):
             per_layer[c.layer[1]].append(c)
     elsewhere = [c for c in calls if c.layer is None or c.layer[0] != id(layers)]
+    blocks = call_blocks(hf, calls, lists, _token_device(hf), cache_keyword(hf))
+    if blocks is not None:  # HRM: layers run several times per forward; LongCat-Flash: two attentions per layer
+        return blocks, list(calls), {}  # one block per call, each call its own cache slot
     for L, cs in enumerate(per_layer):  # differential attention: one module's two calls with the same Q and K
         if len(cs) == 2 and cs[0].module is cs[1].module and cs[0].query is cs[1].query and cs[0].key is cs[1].key \
                 and cs[0].heads % 2 == 0 and differential_lambda(cs[0].module) is not None:
@@ -421,7 +438,8 @@ def mixer_of(layer: nn.Module, writer: nn.Module | None = None) -> nn.Module:
     return children[0]
 
 
-_JOINED = {"Delta Net": "DeltaNet", "Mo E": "MoE", "Lo RA": "LoRA"}  # words the camel-case split would tear apart
+# words the camel-case split would tear apart
+_JOINED = {"Delta Net": "DeltaNet", "Mo E": "MoE", "Lo RA": "LoRA", "x LSTM": "xLSTM"}
 # a name left with one of these only keeps its family: "Mixer", or RWKV's time mixing ("RwkvSelfAttention", which
 # has no softmax) read as "Self Attention" would name nothing of its own
 _GENERIC = ("Mixer", "Layer", "Block", "Module", "SelfAttention", "Attention")

@@ -13,7 +13,7 @@ RefusalReason = Literal[
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
     "attention outside the interface",  # softmax attention computed by the family's own code
-    "state layers",  # state in a family's own cache class (MiniMax's is traced) or in its modules (RecurrentGemma)
+    "state layers",  # state in a family's own cache class the trace cannot stand in for (MiniMax's is traced)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)

@@ -77,8 +77,12 @@ def attention_gradients(generation: TracedGeneration, step: int, layer: int, hea
              "V": act_name("v_all", layer), "S": act_name("masked_scores", layer), "P": act_name("pattern", layer),
              "O": act_name("z", layer)}
     normed = {(kind, L): act_name(kind, L) for kind in NORMED for L in range(config.n_layer)}
-    seen, got, value = _backward(generation, step, loss, {*names.values(), *normed.values()})
+    no_grad: set[str] = set()
+    seen, got, value = _backward(generation, step, loss, {*names.values(), *normed.values()}, no_grad)
     missing = [n for n in names.values() if n not in got]
+    if missing and all(n in no_grad for n in missing):  # HRM: all but its last low-level cycles run under no_grad
+        raise ValueError(f"the model's own forward computes layer {layer} without gradients (torch.no_grad: it "
+                         "trains through its last recurrent cycles only), so no backward pass reaches its attention")
     if missing:
         raise ValueError(f"the backward pass reached no gradient at {', '.join(missing)}")
     return _head(seen, got, names, normed, config, layer, head, batch, loss, value)
@@ -118,11 +122,12 @@ def gradient_trace(generation: TracedGeneration, step: int, loss: str = GRADIENT
     return trace
 
 
-def _backward(generation: TracedGeneration, step: int, loss: str,
-              keep: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+def _backward(generation: TracedGeneration, step: int, loss: str, keep: set[str],
+              no_grad: set[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
     """One forward of step ``step``'s token columns with gradients on (untraced, on this thread only), and
     autograd's gradient of ``loss`` at each hook point in ``keep`` that the model has and the graph reaches:
-    (values seen, gradients, L). No parameter's .grad is filled (or allocated)."""
+    (values seen, gradients, L). No parameter's .grad is filled (or allocated). ``no_grad``, when given, collects
+    the hook points the model's own forward reached with gradients turned off."""
     if loss not in GRADIENT_LOSSES:
         raise ValueError(f"loss must be one of {GRADIENT_LOSSES}, got {loss!r}")
     model, facts = generation.model, generation.facts
@@ -138,6 +143,8 @@ def _backward(generation: TracedGeneration, step: int, loss: str,
         def hook(module, args, output):  # noqa: ARG001 - a forward hook's signature
             if threading.get_ident() != me or not isinstance(output, torch.Tensor):
                 return None
+            if no_grad is not None and not torch.is_grad_enabled():  # the model's own no_grad: nothing flows back
+                no_grad.add(name)
             if not output.requires_grad and output.is_floating_point():
                 # a value no earlier value flows into (the embeddings, the positions, the mask): a leaf of the
                 # graph, so that its ∂L/∂x exists too. One that has earlier values in it is left as it is: a leaf
