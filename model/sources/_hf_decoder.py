@@ -86,6 +86,7 @@ from gpt_shape_tracer.model.sources._hf_attention import (
     differential_lambda,
 )
 from gpt_shape_tracer.model.sources._hf_cache import StateCache, _cache_view, latent_widths, state_templates
+from gpt_shape_tracer.model.sources._hf_own_attention import OwnAttention
 from gpt_shape_tracer.model.sources._hf_probe import (
     _NAMES_FINAL_NORM,
     _NAMES_MLP,
@@ -301,11 +302,18 @@ class HFDecoder(nn.Module):
         cfg = _text_config(hf.config)
         layers, probed, writers = _find_attention(hf, model_type)
         attns = [call.module if call is not None else None for call in probed]
+        # a layer whose attention the family computes in its own code (Bloom, MPT, CodeGen …): read from its ops,
+        # which then run as transformers' eager path runs them (its mask included: eager_mask, never left unbuilt)
+        own = [call is not None and call.own is not None for call in probed]
+        if any(own):
+            hf.set_attn_implementation("eager")
         self._kv_shared = _kv_shared(probed)  # (layer, source): layers attending over another layer's K and V
         # a hybrid's first attention layer may come after a state layer; a state-space model (Mamba) has none
         first = next((L for L, attn in enumerate(attns) if attn is not None), None)
         self.architecture = _guess_architecture(hf, layers[first or 0], attns[first] if first is not None else None,
                                                 model_type)
+        if first is not None and own[first]:  # the scale its ops apply (XGLM scales its queries: 1)
+            self.architecture = replace(self.architecture, scale=cast(_Call, probed[first]).own.scale)
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
         self._latent = [latent_widths(attn) if attn is not None else None for attn in attns]  # (d_c, d_R) or None
@@ -350,12 +358,16 @@ class HFDecoder(nn.Module):
             if template is not None or self._carried:  # what the layer's state holds after each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
-        for layer, attn, mixer, hooks, mlp_norm in zip(layers, attns, self._mixers, block_hooks, mlp_norms):
+        for layer, attn, mixer, hooks, mlp_norm, own_code in zip(layers, attns, self._mixers, block_hooks, mlp_norms,
+                                                                 own):
             self._handles.append(layer.register_forward_pre_hook(self._pre_layer(hooks), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(
                 lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out)))))
-            if attn is not None:
+            if attn is not None and own_code:  # its forward's ops watched, before hook_attn_out reads its output
+                self._handles.extend(OwnAttention(attn, hooks.attn, model_type).handles)
+            elif attn is not None:
                 _HOOKS[attn] = hooks.attn
+            if attn is not None:
                 hooks.attn.w_o = _child(attn, _NAMES_OUT)
                 if hasattr(hooks.attn, "hook_diff_pattern"):  # differential attention: its λ from its own parameters
                     hooks.attn.differential = differential_lambda(attn)

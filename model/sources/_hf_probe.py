@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from gpt_shape_tracer.model.sources._hf_attention import _probing, differential_lambda
+from gpt_shape_tracer.model.sources._hf_own_attention import Found
+from gpt_shape_tracer.model.sources._hf_own_attention import probe as own_attention_probe
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
 from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
 
@@ -52,6 +54,8 @@ class _Call:
     # object itself where the layer reads that layer's K and V (KV sharing)
     query: torch.Tensor | None = field(default=None, compare=False, repr=False)  # Q as received
     differential: bool = False  # the layer's two calls share Q and K: differential attention (DiffLlama)
+    own: Any = field(default=None, compare=False, repr=False)  # the Reading of an attention computed in the
+    # family's own code (model/sources/_hf_own_attention.py), None for a call of the attention function
 
 
 # arguments of the attention interface that change the scores or the softmax and that traced_attention does not
@@ -135,6 +139,16 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
         for handle in handles:
             handle.remove()
     return calls, lists
+
+
+def _own_call(found: Found) -> _Call:
+    """A softmax attention read from a family's own ops (``_hf_own_attention.probe``) as a call of the attention
+    function would have been recorded; without a mask, one that hides nothing (every key seen: not causal)."""
+    r = found.reading
+    mask = r.mask if r.mask is not None else torch.zeros(1, 1, *r.pattern.shape[-2:], dtype=r.pattern.dtype,
+                                                        device=r.pattern.device)
+    return _Call(found.layer, found.module, int(r.query.shape[1]), int(r.key.shape[1]), int(r.query.shape[-1]),
+                 int(r.value.shape[-1]), False, mask, key=r.key, query=r.query, own=r)
 
 
 def _state_layers(hf: nn.Module) -> list[int]:
@@ -263,15 +277,17 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     carried = _carried_stack(hf, lists) if not calls else None
     if carried is not None:  # RWKV: every layer keeps its slice of the state the forward hands back
         return carried, [None] * len(carried), {}
+    if not calls:  # no call of the attention function: a softmax attention in the family's own code, read from its ops
+        calls = [_own_call(found) for found in own_attention_probe(hf, lists, model_type)]
     if not calls:
         attention_named = [w for w in words if ("attention" in w or "attn" in w) and "norm" not in w]
         state = [w for w in words if any(s in w for s in _STATE_WORDS)]
         if attention_named and not (state and all(any(s in w for s in _STATE_WORDS) for w in attention_named)):
             raise HFDecoderError(
                 f"{model_type}: its attention ({', '.join(sorted(attention_named)[:3])}) is computed by the family's "
-                "own code, not through transformers' attention interface, so its Q, K, V and pattern cannot be "
-                "recorded (the re-implemented families gpt2, llama, mistral, qwen2 and every family whose attention "
-                "calls the interface can)", reason="attention outside the interface")
+                "own code, and no softmax in it has an output that multiplies the values (its weights are made "
+                "another way: Reformer's exp(scores − logsumexp) over hash buckets and chunks), so its Q, K, V and "
+                "pattern cannot be recorded", reason="attention outside the interface")
         raise HFDecoderError(f"{model_type}: no layer computes softmax attention (its mixers: "
                              f"{', '.join(sorted(state)[:3]) or 'none named'}): there is no attention pattern to "
                              "trace", reason="no softmax attention")
