@@ -53,6 +53,7 @@ _SOFTMAX = {"softmax", "_softmax"}
 _CARRY = {"view", "reshape", "contiguous", "float", "to", "type", "type_as", "half", "bfloat16", "double", "clone",
           "dropout", "flatten", "view_as", "reshape_as"}
 _ADD = {"add", "__add__", "__radd__", "add_", "__iadd__"}
+_SUB = {"sub", "__sub__", "sub_", "__isub__", "subtract"}
 _MUL = {"mul", "__mul__", "__rmul__", "mul_", "__imul__"}
 _DIV = {"div", "__truediv__", "true_divide", "div_", "__itruediv__"}
 _MASK_FILL = {"masked_fill", "masked_fill_"}
@@ -197,8 +198,8 @@ class _Watch(TorchFunctionMode):
             node = self.nodes.get(id(t))
             if node is None:
                 continue
-            if node.name in _PRODUCTS and all(isinstance(o, torch.Tensor) and o.dim() >= 3
-                                              for o in _operands(node)):
+            operands = _operands(node) if node.name in _PRODUCTS else []
+            if len(operands) == 2 and all(isinstance(o, torch.Tensor) and o.dim() >= 3 for o in operands):
                 return True
             todo.extend(a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.Tensor))
         return False
@@ -206,8 +207,6 @@ class _Watch(TorchFunctionMode):
     def read(self, av: _Node, softmax: _Node) -> Reading:
         """The attention whose A·V is ``av`` and whose softmax is ``softmax``, read back stage by stage."""
         left, value = _operands(av)
-        if av.name == "einsum" and not _batched_matmul(str(av.args[0])):
-            raise _Unread(f"its weights multiply the values in an einsum of another layout ({av.args[0]})")
         x = softmax.args[0]
         masked = x
         scale = 1.0
@@ -248,6 +247,15 @@ class _Watch(TorchFunctionMode):
                 continue
             tensors = [a for a in node.args[:2]]
             chain = [isinstance(a, torch.Tensor) and self._from_product(a) for a in tensors]
+            if name in _SUB and len(tensors) == 2 and chain[0] and isinstance(tensors[1], torch.Tensor) \
+                    and not chain[1] and node.kwargs.get("alpha", 1) == 1:  # x − c·m (XLNet hides keys so)
+                on, other = tensors
+                if _is_mask(-other):
+                    masks.append((_additive(-other <= _HIDDEN, on), on))
+                else:
+                    biases.append((-other, on))
+                x = on
+                continue
             if name in _ADD | _MUL | _DIV and len(tensors) == 2 and all(chain):
                 raise _Unread("its scores are a sum of several query–key products (relative attention: content, "
                               "position and segment terms each a product of their own)")
@@ -256,6 +264,8 @@ class _Watch(TorchFunctionMode):
                 if name in _MUL | _DIV and _scalar(other) is not None:
                     s = _scalar(other)
                     scale = scale * s if name in _MUL else scale / s
+                elif name in _ADD and _scalar(other) == 0.0:
+                    pass  # + 0 (XLNet's segment term where there are no segments)
                 elif name in _MUL and isinstance(other, torch.Tensor) and _zero_one(other):
                     masks.append((_additive(other == 0, on), on))
                 elif name in _ADD and isinstance(other, torch.Tensor):
@@ -273,6 +283,8 @@ class _Watch(TorchFunctionMode):
             raise _Unread(f"its scores pass an op the reader does not know ({name})")
         if scores_node is None:
             raise _Unread("its scores' product was not found")
+        if av.name == "einsum" and not _batched_matmul(str(av.args[0])):
+            raise _Unread(f"its weights multiply the values in an einsum of another layout ({av.args[0]})")
         query, key_t = _operands(scores_node)
         if scores_node.name == "einsum" and not _batched_matmul(str(scores_node.args[0])):
             raise _Unread(f"its scores are an einsum of another layout ({scores_node.args[0]})")
@@ -405,14 +417,18 @@ def probe(hf: nn.Module, lists: dict[int, nn.ModuleList], model_type: str) -> li
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))
 
+    per_layer: dict[tuple[int, int] | None, list[str]] = {}
+
     def on_attention(watch: _Watch, av: _Node, softmax: _Node) -> None:
+        where = frames[0] if frames else None
+        per_layer.setdefault(where, []).append(type(stack[-1]).__name__ if stack else "?")
         try:
             reading = watch.read(av, softmax)
         except _Unread as e:
             unread.append((type(stack[-1]).__name__ if stack else "?", str(e), e.reason))
             return None
         module = _deepest_common(reading.where) or (stack[-1] if stack else hf)
-        found.append(Found(frames[0] if frames else None, module, reading))
+        found.append(Found(where, module, reading))
         return None
 
     device = _token_device(hf)
@@ -428,6 +444,12 @@ def probe(hf: nn.Module, lists: dict[int, nn.ModuleList], model_type: str) -> li
     finally:
         for handle in handles:
             handle.remove()
+    several = {key: names for key, names in per_layer.items() if key is not None and len(names) > 1}
+    if several:  # ProphetNet: its main stream's and its n-gram stream's attention in every layer
+        index, names = min((key[1], names) for key, names in several.items())
+        raise HFDecoderError(f"{model_type}: layer {index} computes {len(names)} softmax attentions in its own code "
+                             f"({', '.join(sorted(set(names)))}: each a softmax whose output multiplies values); the "
+                             "trace holds one attention per layer", reason="several attentions per layer")
     if unread:
         where, why, reason = unread[0]
         raise HFDecoderError(f"{model_type}: its attention ({where}) computes a softmax in the family's own code, but "

@@ -22,6 +22,7 @@ RefusalReason = Literal[
     "score bias",  # another bias the attention function receives and adds to the scores (a learned position bias)
     "indexed attention",  # a learned indexer picks each query's keys and keeps its own key cache (DeepSeek DSA)
     "compressed attention",  # the family's own cache layers keep compressed keys/values (DeepSeek-V4)
+    "no cache",  # its forward takes no past keys and values (OpenAI GPT): no cached decode step to trace
     "differs from transformers",  # the guard: our cached step is not transformers' own forward
     "cannot load",  # transformers itself cannot build or run it from this directory
     "weights missing",  # the config builds more layers than the weights hold
