@@ -366,13 +366,15 @@ class HFDecoder(nn.Module):
             if template is not None or self._carried:  # what the layer's state holds after each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
-        for layer, attn, mixer, hooks, mlp_norm, own_code in zip(layers, attns, self._mixers, block_hooks, mlp_norms,
-                                                                 own):
+        for layer, attn, mixer, hooks, mlp_norm, call in zip(layers, attns, self._mixers, block_hooks, mlp_norms,
+                                                             probed):
+            own_code = call is not None and call.own is not None
             self._handles.append(layer.register_forward_pre_hook(self._pre_layer(hooks), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(
                 lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out)))))
             if attn is not None and own_code:  # its forward's ops watched, before hook_attn_out reads its output
-                self._handles.extend(OwnAttention(attn, hooks.attn, model_type).handles)
+                self._handles.extend(OwnAttention(attn, hooks.attn, model_type,
+                                                  bias=cast(_Call, call).own.bias is not None).handles)
             elif attn is not None:
                 _HOOKS[attn] = hooks.attn
             if attn is not None:

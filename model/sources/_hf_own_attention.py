@@ -463,10 +463,14 @@ class OwnAttention:
     """One layer's attention module computed in its own code, its forward watched (``_Watch``) and its one softmax
     attention recorded through the layer's hook points (``_AttentionHooks``) at every forward."""
 
-    def __init__(self, module: nn.Module, hooks: Any, model_type: str) -> None:
+    def __init__(self, module: nn.Module, hooks: Any, model_type: str, bias: bool = False) -> None:
         self.module = module
         self.hooks = hooks
         self.model_type = model_type
+        if bias:  # the probe found a bias (ALiBi, a relative position bias): its own stage, [B, H, n, t]
+            from gpt_shape_tracer.model.gpt import HookPoint
+
+            hooks.hook_attn_bias = HookPoint()
         self._watch: _Watch | None = None
         self._seen = 0
         self.handles = [module.register_forward_pre_hook(self._enter, with_kwargs=True),
