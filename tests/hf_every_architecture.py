@@ -430,7 +430,11 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         failing_sentence(results),
         "",
         "Reasons (`HFDecoderError.reason`, `ModelLoadError.reason`): *attention outside the interface* — the family "
-        "computes softmax attention in its own code, so its Q, K, V and pattern cannot be recorded; *no softmax "
+        "computes attention in its own code in a form the op-level reader (model/sources/_hf_own_attention.py, which "
+        "traces Bloom, MPT, CodeGen and the other families whose own softmax multiplies V) cannot read as one softmax "
+        "attention: scores summing several query–key products (XLNet's relative attention), weights made without a "
+        "softmax (Reformer); *no cache* — the family's forward takes no past keys and values (OpenAI GPT), so there "
+        "is no cached decode step to trace; *no softmax "
         "attention* — state-space or recurrent layers only; *state layers* — layers without attention keep their "
         "state in a cache class of the family's own other than MiniMax's (which is traced) or inside its modules "
         "(RecurrentGemma), not in transformers' shared cache layers; *latent "

@@ -238,3 +238,41 @@ def test_an_encoder_configured_bert_type_keeps_its_config_refusal(tmp_path):
     assert refusal is not None and refusal.reason == "encoder"
     with pytest.raises(HFDecoderError, match="is_decoder = false"):
         HFDecoder(RoFormerForCausalLM(config))
+
+
+def test_the_app_opens_such_a_model_and_draws_its_attention():
+    """The real app (AppTest) on a tiny Bloom directory (ALiBi, its softmax in its own code): "Local Hugging Face
+    directory", Load, Step, the Attention tab, Step — no error, and the tab's softmax heatmap is the recorded
+    pattern."""
+    from html import unescape
+
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from gpt_shape_tracer.model.sources import BUNDLED_DIR
+    from tests.hf_every_architecture import tiny_config
+    from tests.test_app import charts, new_app, page_text, press, press_reset, show_tab
+    from tests.test_app_architectures import choose_directory
+
+    values = tiny_config("bloom").to_dict()
+    values["vocab_size"] = 1024  # the bundled tokenizer's ids
+    torch.manual_seed(0)
+    directory = Path(tempfile.mkdtemp(prefix="app-bloom-")) / "bloom"
+    BloomForCausalLM(BloomConfig(**values)).save_pretrained(directory)
+    (directory / "tokenizer.json").write_bytes((BUNDLED_DIR / "tokenizer.json").read_bytes())
+    at = new_app()
+    choose_directory(at, directory)
+    press(at, "load_model")
+    press_reset(at)
+    press(at, "step_button")
+    show_tab(at, "Attention")
+    press(at, "step_button")
+    assert not at.error, [e.value for e in at.error]
+    assert any("bloom (hf:bloom)" in unescape(c.value) for c in at.caption)
+    gen = at.session_state["app"].generation
+    pattern = gen.trace.get("blocks.0.attn.hook_pattern", 1)  # [1, H, 1, t]: layer 0 at the step shown
+    figure = charts(at)[0]
+    assert figure["layout"]["title"]["text"] == "layer 0, head 0, step 1"
+    softmaxed = torch.tensor(figure["data"][-1]["z"], dtype=torch.float64)  # the last panel: the softmax
+    torch.testing.assert_close(softmaxed, pattern[0, 0].double(), atol=1e-6, rtol=0)
+    share = round(100 * float(pattern[0, 0, -1].max()))
+    assert f"puts {share}% of its weight on key {int(pattern[0, 0, -1].argmax())}" in page_text(at)

@@ -49,7 +49,13 @@ decoder stack (a vision tower not run for text never is), each layer's one calle
 no attention call at all but whose every layer writes state into transformers' cache (Mamba, Mamba-2,
 Falcon-Mamba: ``_state_stack``) is traced as mixers only: no attention record, no K, V row, the state in
 ``StateCache``; its forward takes the cache as ``cache_params`` (``cache_keyword``).
-Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
+A family whose attention module computes the softmax in its own code (Bloom, MPT, CodeGen, XGLM, the BERT-style
+decoders …) makes no call of the attention function: its attention is found by what its ops do and recorded under the
+same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watches each such module's forward), and
+the model then runs transformers' eager path, mask included; ``hook_attn_bias`` holds a bias such as ALiBi.
+
+Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention (XLNet's relative
+attention, Reformer's hashed buckets), a forward that takes no cache (OpenAI GPT), linear-attention and
 state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
 attention's two calls with the same Q and K), attention in several stacks of layers (BLT), encoders and
 encoder-decoders; and, after loading, a model whose cached decode step is not

@@ -35,8 +35,6 @@ not know.
 
 from __future__ import annotations
 
-import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -542,12 +540,3 @@ def _unchanged(names: str, after: tuple, before: tuple) -> None:
                              "those stages are read after the family computed them, so a change there cannot be "
                              "applied (hook_pattern and hook_z can be changed)")
 
-
-_local = threading.local()
-
-
-def scale_text(scale: float) -> str:
-    """The scale found, as a reader would write it (1/√d where it is one)."""
-    inv = 1 / scale if scale else math.inf
-    root = round(inv * inv)
-    return f"1/√{root}" if root > 0 and abs(math.sqrt(root) - inv) < 1e-6 else f"{scale:g}"

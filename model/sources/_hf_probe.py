@@ -1,6 +1,7 @@
 """Finding a transformers model's parts by what they do: which module calls the attention function inside
-which layer (``_probe_calls``, ``_find_attention``), which layers keep state instead (``_state_writers``), what
-the mixers are called, and which keyword its forward takes the cache under.
+which layer (``_probe_calls``, ``_find_attention``) — or, where none does, which module computes a softmax whose
+output multiplies V in its own code (``_hf_own_attention.probe``) —, which layers keep state instead
+(``_state_writers``), what the mixers are called, and which keyword its forward takes the cache under.
 """
 
 from __future__ import annotations

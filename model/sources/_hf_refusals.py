@@ -12,7 +12,8 @@ RefusalReason = Literal[
     "encoder-decoder",  # a separate encoder feeds the decoder through cross-attention
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
-    "attention outside the interface",  # softmax attention computed by the family's own code
+    "attention outside the interface",  # attention in the family's own code that its ops do not show as one softmax
+    # attention (XLNet's relative attention, Reformer's hashed buckets); one that does is traced (_hf_own_attention)
     "state layers",  # state in a family's own cache class (MiniMax's is traced) or in its modules (RecurrentGemma)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
