@@ -26,7 +26,7 @@ TRACED = ["bloom", "mpt", "codegen", "xglm", "gpt_neox_japanese", "trocr", "mvp"
           "megatron-bert"]
 # the reason each refused type's ops (or its forward's signature) show, and words its message must hold
 REFUSED = {
-    "openai-gpt": ("no cache", "takes no cache"),
+    "openai-gpt": ("no cache", "takes no past_key_values"),
     "xlm": ("encoder", "position 0 see position 1"),  # causal = false: bidirectional
     "cpmant": ("encoder", "position 0 see position 1"),  # every position is context: bidirectional
     "xlnet": ("attention outside the interface", "sum of several query–key products"),
@@ -276,3 +276,24 @@ def test_the_app_opens_such_a_model_and_draws_its_attention():
     torch.testing.assert_close(softmaxed, pattern[0, 0].double(), atol=1e-6, rtol=0)
     share = round(100 * float(pattern[0, 0, -1].max()))
     assert f"puts {share}% of its weight on key {int(pattern[0, 0, -1].argmax())}" in page_text(at)
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "xglm", "mpt"])
+def test_a_dry_run_on_the_meta_device_records_the_same_shapes(tmp_path, model_type):
+    """Built from its config alone (no weights, no values): the ops are read by their shapes, and the records of a
+    prefill and a cached step have the shapes the weighted model's have."""
+    from gpt_shape_tracer.model.sources._dry_run import build_dry
+    from tests.hf_every_architecture import tiny_config
+
+    tiny_config(model_type).save_pretrained(tmp_path)
+    model = build_dry(tmp_path / "config.json")[0]
+    ids = torch.zeros(1, PROMPT + 1, dtype=torch.long, device="meta")
+    per_step, logits = recorded(model, [ids[:, :PROMPT], ids[:, PROMPT:]])
+    H, G, d = model.config.n_head, model.config.n_kv_heads, model.config.d_head
+    assert [tuple(x.shape)[:2] for x in logits] == [(1, PROMPT), (1, 1)]
+    for s, (n, t) in enumerate([(PROMPT, PROMPT), (1, PROMPT + 1)]):
+        r = per_step[s][0]
+        assert r["hook_pattern"].is_meta and tuple(r["hook_pattern"].shape) == (1, H, n, t)
+        assert tuple(r["hook_q"].shape) == (1, H, n, d) and tuple(r["hook_k_all"].shape) == (1, G, t, d)
+        assert tuple(r["hook_mask"].shape) == (1, 1, n, t)
+        assert ("hook_attn_bias" in r) == (model_type in WITH_BIAS)

@@ -318,9 +318,10 @@ class HFDecoder(nn.Module):
             if "past_key_values" not in inspect.signature(hf.forward).parameters \
                     and cache_keyword(hf) == "past_key_values":
                 raise HFDecoderError(
-                    f"{model_type}: its forward takes no cache (no past keys and values: transformers' own decode "
-                    "step of one token sees only that token, and its generate() recomputes the whole text), so a "
-                    "cached decode step of the model cannot be traced", reason="no cache")
+                    f"{model_type}: its forward takes no past_key_values, the transformers Cache our KV cache stands "
+                    "in for (it keeps no cache — a decode step of one token would see only that token, and its "
+                    "generate() recomputes the whole text — or one of its own), so a cached decode step of the model "
+                    "cannot be traced", reason="no cache")
         self._kv_shared = _kv_shared(probed)  # (layer, source): layers attending over another layer's K and V
         # a hybrid's first attention layer may come after a state layer; a state-space model (Mamba) has none
         first = next((L for L, attn in enumerate(attns) if attn is not None), None)

@@ -125,7 +125,7 @@ def _batched_matmul(equation: str) -> bool:
 
 class _Watch(TorchFunctionMode):
     """Runs every torch function unchanged and keeps a note of it; at a product with a softmax's output it reads the
-    attention (``_read``) and hands it to ``on_attention``, which may return a replacement for the product's result."""
+    attention (``read``, called back by ``on_attention``, which may return a replacement for the product's result)."""
 
     def __init__(self, on_attention: Any, stack: list | None = None, batch: int = 1) -> None:
         super().__init__()
@@ -259,9 +259,9 @@ class _Watch(TorchFunctionMode):
                               "position and segment terms each a product of their own)")
             if name in _ADD | _MUL | _DIV and len(tensors) == 2 and any(chain):
                 on, other = (tensors[0], tensors[1]) if chain[0] else (tensors[1], tensors[0])
-                if name in _MUL | _DIV and _scalar(other) is not None:
-                    s = _scalar(other)
-                    scale = scale * s if name in _MUL else scale / s
+                factor = _scalar(other)
+                if name in _MUL | _DIV and factor is not None:
+                    scale = scale * factor if name in _MUL else scale / factor
                 elif name in _ADD and _scalar(other) == 0.0:
                     pass  # + 0 (XLNet's segment term where there are no segments)
                 elif name in _MUL and isinstance(other, torch.Tensor) and _zero_one(other):
@@ -291,7 +291,9 @@ class _Watch(TorchFunctionMode):
             beta, alpha = scores_node.kwargs.get("beta", 1.0), scores_node.kwargs.get("alpha", 1.0)
             scale *= float(alpha)
             start = scores_node.args[0]
-            if isinstance(start, torch.Tensor) and bool((start != 0).any()):
+            made = self.nodes.get(id(start))
+            if isinstance(start, torch.Tensor) and not (made is not None and made.name in ("zeros", "zeros_like")) \
+                    and (start.device.type == "meta" or bool((start != 0).any())):  # GPT-NeoX-Japanese: zeros
                 biases.append((start * beta, scores_node.out))
         else:
             qk = scores_node.out
@@ -324,8 +326,13 @@ class _Watch(TorchFunctionMode):
         for additive, on in masks:
             m = full(additive, on)
             mask = m if mask is None else mask + m
-        if mask is not None and bool((mask == mask[:, :1]).all()):
+        if mask is not None and (all(a.dim() < 3 or a.shape[-3] == 1 for a, _ in masks) if mask.device.type == "meta"
+                                 else bool((mask == mask[:, :1]).all())):
             mask = mask[:, :1]  # one mask for every head: [B, 1, n, t], as the hook table writes it
+        if mask is not None and mask.device.type != "meta":  # a row that sees nothing (a padding query) keeps the
+            # dtype's lowest, as transformers' eager mask writes it, so that its softmax stays finite
+            empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
+            mask = mask.masked_fill(empty, torch.finfo(mask.dtype).min)
         bias = None
         for extra, on in biases:
             b = full(extra, on)
@@ -345,12 +352,19 @@ def _scalar(x: Any) -> float | None:
 
 
 def _very_negative(x: Any) -> bool:
+    """A fill or floor value that hides a key; on the meta device (no values) any one-number tensor is read so."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and x.device.type == "meta":
+        return True
     v = _scalar(x)
     return v is not None and v <= _HIDDEN
 
 
 def _zero_one(x: torch.Tensor) -> bool:
-    return x.device.type != "meta" and bool(((x == 0) | (x == 1)).all())
+    """A tensor of 0 and 1 (OpenAI GPT multiplies its scores by its causal mask); on the meta device, a boolean or
+    one with a single head."""
+    if x.device.type == "meta":
+        return x.dtype == torch.bool or (x.dim() >= 3 and x.shape[-3] == 1)
+    return bool(((x == 0) | (x == 1)).all())
 
 
 def _is_mask(x: torch.Tensor) -> bool:
@@ -387,12 +401,10 @@ def _deepest_common(stacks: tuple) -> nn.Module | None:
     return common
 
 
-def probe(hf: nn.Module, lists: dict[int, nn.ModuleList], model_type: str) -> list[Found]:
+def probe(hf: nn.Module, lists: dict[int, nn.ModuleList], model_type: str, device: torch.device) -> list[Found]:
     """Two tokens through the model with every op watched: each softmax attention found (its layer, the innermost
     module running both at its scores' product and at its product with V, and its reading). Raises the reason where
-    an attention is found that does not read as one (``_Unread``)."""
-    from gpt_shape_tracer.model.sources._hf_probe import _token_device
-
+    an attention is found that does not read as one (``_Unread``). ``device``: where the token ids go."""
     stack: list[nn.Module] = []
     frames: list[tuple[int, int]] = []
     found: list[Found] = []
@@ -429,7 +441,6 @@ def probe(hf: nn.Module, lists: dict[int, nn.ModuleList], model_type: str) -> li
         found.append(Found(where, module, reading))
         return None
 
-    device = _token_device(hf)
     tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
     try:
         with torch.no_grad(), _Watch(on_attention, stack):

@@ -279,7 +279,7 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     if carried is not None:  # RWKV: every layer keeps its slice of the state the forward hands back
         return carried, [None] * len(carried), {}
     if not calls:  # no call of the attention function: a softmax attention in the family's own code, read from its ops
-        calls = [_own_call(found) for found in own_attention_probe(hf, lists, model_type)]
+        calls = [_own_call(found) for found in own_attention_probe(hf, lists, model_type, _token_device(hf))]
     if not calls:
         attention_named = [w for w in words if ("attention" in w or "attn" in w) and "norm" not in w]
         state = [w for w in words if any(s in w for s in _STATE_WORDS)]
