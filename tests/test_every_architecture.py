@@ -194,15 +194,18 @@ def test_dbrx_its_attention_found_in_a_class_named_for_norms(tmp_path):
     assert result.outcome == "traced" and max(result.deltas) <= TOLERANCE, result
 
 
-def test_prophetnet_is_refused_for_its_own_attention_code_not_as_an_encoder_decoder(tmp_path):
+def test_prophetnet_is_refused_for_its_two_attention_streams_not_as_an_encoder_decoder(tmp_path):
     """ProphetNetForCausalLM builds itself with is_encoder_decoder = False; its config's add_cross_attention only
     lets its layers cross-attend when handed an encoder's output, which a causal LM's forward never is. What keeps
-    it out is its (n-gram) self-attention, computed in its own code rather than through the attention interface."""
+    it out is its n-gram self-attention, computed in its own code: read from its ops
+    (model/sources/_hf_own_attention.py), each layer computes two softmax attentions, the main stream's and the
+    predicting stream's."""
     from transformers import AutoModelForCausalLM
 
     result, directory = _check_in("prophetnet", tmp_path)
-    assert result.outcome == "refused" and result.reason == "attention outside the interface", result
-    assert "ngramselfattention" in result.message and "encoder" not in result.message, result.message
+    assert result.outcome == "refused" and result.reason == "several attentions per layer", result
+    assert "ProphetNetNgramSelfAttention" in result.message and "2 softmax attentions" in result.message, result
+    assert "encoder" not in result.message, result.message
     hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
     assert hf.config.is_encoder_decoder is False and hf.config.add_cross_attention is True
     assert not _source_calls_the_interface("prophetnet")
