@@ -205,6 +205,41 @@ def test_a_hook_that_replaces_the_pattern_changes_what_the_module_computes(direc
     assert float((logits[0] - before).abs().max()) > 1e-3
 
 
+def test_switching_a_head_off_at_hook_z_is_transformers_with_that_head_zeroed_before_w_o(directories):
+    """A head switched off (zero at ``hook_z``, as the app's head ablation does) on Bloom equals transformers' own
+    model with that head's slice of the merged heads zeroed on the way into its output projection (``dense``)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = directory_of(directories, "bloom")
+    model, _ = load_hf(directory)
+    ids = tokens()[:, :PROMPT]
+
+    def zero_z(module, args, z):  # what the app's "Switch heads off" puts on hook_z: [B, H, n, d_head]
+        z = z.clone()
+        z[:, 1] = 0
+        return z
+
+    handle_z = model.blocks[0].attn.hook_z.register_forward_hook(zero_z)
+    with torch.no_grad():
+        ours = model(ids)
+    handle_z.remove()
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, attn_implementation="eager").eval()
+    d = model.config.d_head
+
+    def zero_head(module, args):
+        merged = args[0].clone()
+        merged[..., d:2 * d] = 0
+        return (merged, *args[1:])
+
+    handle = hf.transformer.h[0].self_attention.dense.register_forward_pre_hook(zero_head)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+        handle.remove()
+        plain = hf(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
+    assert float((theirs - plain).abs().max()) > 1e-3  # the head mattered
+
+
 def test_a_hook_that_replaces_an_earlier_stage_is_refused_with_a_clear_error(directories):
     model, _ = load_hf(directory_of(directories, "mpt"))
     handle = model.blocks[0].attn.hook_q.register_forward_hook(lambda m, a, out: out * 2)
@@ -251,7 +286,7 @@ def test_the_app_opens_such_a_model_and_draws_its_attention():
     from gpt_shape_tracer.model.sources import BUNDLED_DIR
     from tests.hf_every_architecture import tiny_config
     from tests.test_app import charts, new_app, page_text, press, press_reset, show_tab
-    from tests.test_app_architectures import choose_directory
+    from tests.test_app_architectures import choose_directory, every_tab_without_error
 
     values = tiny_config("bloom").to_dict()
     values["vocab_size"] = 1024  # the bundled tokenizer's ids
@@ -276,6 +311,10 @@ def test_the_app_opens_such_a_model_and_draws_its_attention():
     torch.testing.assert_close(softmaxed, pattern[0, 0].double(), atol=1e-6, rtol=0)
     share = round(100 * float(pattern[0, 0, -1].max()))
     assert f"puts {share}% of its weight on key {int(pattern[0, 0, -1].argmax())}" in page_text(at)
+    every_tab_without_error(at)  # and the rest of the app, the what-if views among them
+    for sub in ("Switch heads off", "Activation patching", "Logit lens"):
+        show_tab(at, "What if", ("whatif_view", sub))
+        assert not at.error, (sub, [e.value for e in at.error])
 
 
 @pytest.mark.parametrize("model_type", ["bloom", "xglm", "mpt"])
