@@ -180,6 +180,28 @@ def test_cache_on_and_off_give_the_same_logits_and_patterns(directories, model_t
                                        atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("model_type", ["bloom", "roformer"])
+def test_the_fused_attention_setting_leaves_the_familys_own_attention_masked(directories, model_type):
+    """The attention-path setting "fused" has our mask function leave transformers' mask unbuilt; a family whose own
+    code reads that mask would then see every key. After load_hf (whose guard switches the model to transformers'
+    eager attention and back) the model runs transformers' eager path, mask included, under either setting."""
+    from gpt_shape_tracer.model.gpt import attention_path
+
+    model, _ = load_hf(directory_of(directories, model_type))
+    assert model.hf.config._attn_implementation == "eager"
+    ids = tokens()[:, :PROMPT]
+    (eager,), eager_logits = recorded(model, [ids], cache=False)
+    with attention_path("fused"):
+        (fused,), fused_logits = recorded(model, [ids], cache=False)
+        model.hf.config._attn_implementation = "shape_tracer"  # as it was loaded, or as something might leave it
+        (again,), again_logits = recorded(model, [ids], cache=False)
+    for logits in (fused_logits, again_logits):
+        torch.testing.assert_close(logits[0], eager_logits[0], atol=0, rtol=0)
+    for records in (fused, again):
+        assert torch.equal(records[0]["hook_pattern"], eager[0]["hook_pattern"])
+    assert float(eager[0]["hook_pattern"][0, 0, 0, 1]) == 0.0  # the first query sees only itself
+
+
 def test_a_hook_that_replaces_the_pattern_changes_what_the_module_computes(directories):
     """Uniform weights over the keys each query sees, put in by a forward hook on hook_pattern: z is then the mean of
     the values seen, and the logits change."""

@@ -131,6 +131,16 @@ class Architecture:
     scale: float  # the attention's scale (1/√d_head unless the config says otherwise)
 
 
+def _eager_masks(hf: nn.Module) -> None:
+    """transformers' eager path for a model whose attention is the family's own code: its masks built by
+    ``eager_mask``, never left unbuilt. Written into every config the model holds, since these families do not take
+    ``set_attn_implementation`` (they warn and keep the implementation they were loaded with)."""
+    for module in hf.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", "eager") != "eager":
+            config._attn_implementation = "eager"
+
+
 def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None, model_type: str) -> Architecture:
     cfg = _text_config(hf.config)
     has_rope = any("rotary" in type(m).__name__.lower() for m in hf.modules())
@@ -311,8 +321,9 @@ class HFDecoder(nn.Module):
         # a layer whose attention the family computes in its own code (Bloom, MPT, CodeGen …): read from its ops,
         # which then run as transformers' eager path runs them (its mask included: eager_mask, never left unbuilt)
         own = [call is not None and call.own is not None for call in probed]
+        self._own_code = any(own)
         if any(own):
-            hf.set_attn_implementation("eager")
+            _eager_masks(hf)
             import inspect
 
             if "past_key_values" not in inspect.signature(hf.forward).parameters \
@@ -577,6 +588,9 @@ class HFDecoder(nn.Module):
         attention_mask = key_is_token.long() if key_is_token is not None else None
         if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
             attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
+        if self._own_code:  # its attention reads the mask transformers' eager path builds; our mask function may
+            # leave it unbuilt (a fused path), which such a family would read as no mask at all
+            _eager_masks(self.hf)
         before = getattr(_forward, "keys", None)
         _forward.keys = (key_is_token,)
         with transaction(cache, n, key_is_token), _restored(before):
