@@ -64,6 +64,7 @@ transformers' own forward (``guard_against_transformers``).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -324,8 +325,6 @@ class HFDecoder(nn.Module):
         self._own_code = any(own)
         if any(own):
             _eager_masks(hf)
-            import inspect
-
             if "past_key_values" not in inspect.signature(hf.forward).parameters \
                     and cache_keyword(hf) == "past_key_values":
                 raise HFDecoderError(

@@ -287,8 +287,8 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
             raise HFDecoderError(
                 f"{model_type}: its attention ({', '.join(sorted(attention_named)[:3])}) is computed by the family's "
                 "own code, and no softmax in it has an output that multiplies the values (its weights are made "
-                "another way: Reformer's exp(scores − logsumexp) over hash buckets and chunks), so its Q, K, V and "
-                "pattern cannot be recorded", reason="attention outside the interface")
+                "another way, without a softmax op), so its Q, K, V and pattern cannot be recorded",
+                reason="attention outside the interface")
         raise HFDecoderError(f"{model_type}: no layer computes softmax attention (its mixers: "
                              f"{', '.join(sorted(state)[:3]) or 'none named'}): there is no attention pattern to "
                              "trace", reason="no softmax attention")
