@@ -426,8 +426,13 @@ def failing_sentence(results: list[Result]) -> str:
 
 # what each refusal reason means, for the page (only the reasons a run gave are listed)
 REASON_WORDS = {
-    "attention outside the interface": "the family computes softmax attention in its own code, so its Q, K, V and "
-                                       "pattern cannot be recorded",
+    "attention outside the interface": "the family computes attention in its own code in a form the op-level reader "
+                                       "(model/sources/_hf_own_attention.py, which traces Bloom, MPT, CodeGen and the "
+                                       "other families whose own softmax multiplies V) cannot read as one softmax "
+                                       "attention: scores summing several query–key products (XLNet's relative "
+                                       "attention), weights made without a softmax (Reformer)",
+    "no cache": "the family's forward takes no past keys and values (OpenAI GPT), so there is no cached decode step "
+                "to trace",
     "no softmax attention": "state-space or recurrent layers only, keeping their state where the trace cannot hold it "
                             "(Mamba's and the hybrids' in transformers' cache layers, RWKV's handed-back state, "
                             "xLSTM's own cache object and RecurrentGemma's module attributes are traced)",

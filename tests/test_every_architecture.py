@@ -68,6 +68,18 @@ def _source_calls_the_interface(model_type: str) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
 
 
+def _first_sees_second(directory: Path) -> bool:
+    """Whether transformers' own eager forward of two tokens gives position 0 a weight on position 1 (its
+    ``output_attentions``): attention that is not causal."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor([[5, 6]]), output_attentions=True)
+    attentions = getattr(out, "attentions", None) or ()
+    return any(isinstance(a, torch.Tensor) and a.shape[-1] >= 2 and bool((a[..., 0, 1] > 0).any()) for a in attentions)
+
+
 def _reason_is_true(result: Result, directory: Path) -> bool:
     """The refusal's category checked independently of the code that refused (from the config, transformers'
     own cache, the family's source, or transformers failing on its own)."""
@@ -78,8 +90,15 @@ def _reason_is_true(result: Result, directory: Path) -> bool:
     reason = result.reason
     if reason == "encoder-decoder":
         return bool(getattr(config, "is_encoder_decoder", False))  # add_cross_attention alone is no encoder
-    if reason == "encoder":
-        return result.model_type in ENCODERS and not getattr(config, "is_decoder", False)
+    if reason == "encoder":  # a BERT-style type configured so, or transformers' own weights show it: position 0
+        # attends to position 1 (XLM with causal = false, CPM-Ant, whose every position is context)
+        return (result.model_type in ENCODERS and not getattr(config, "is_decoder", False)) or \
+            _first_sees_second(directory)
+    if reason == "no cache":  # its forward has no parameter for past keys and values
+        import inspect
+
+        model = AutoModelForCausalLM.from_config(config)
+        return "past_key_values" not in inspect.signature(model.forward).parameters
     if reason == "attention outside the interface":
         return not _source_calls_the_interface(result.model_type) or "layer(s)" in result.message
     if reason == "no softmax attention":
@@ -176,15 +195,18 @@ def test_dbrx_its_attention_found_in_a_class_named_for_norms(tmp_path):
     assert result.outcome == "traced" and max(result.deltas) <= TOLERANCE, result
 
 
-def test_prophetnet_is_refused_for_its_own_attention_code_not_as_an_encoder_decoder(tmp_path):
+def test_prophetnet_is_refused_for_its_two_attention_streams_not_as_an_encoder_decoder(tmp_path):
     """ProphetNetForCausalLM builds itself with is_encoder_decoder = False; its config's add_cross_attention only
     lets its layers cross-attend when handed an encoder's output, which a causal LM's forward never is. What keeps
-    it out is its (n-gram) self-attention, computed in its own code rather than through the attention interface."""
+    it out is its n-gram self-attention, computed in its own code: read from its ops
+    (model/sources/_hf_own_attention.py), each layer computes two softmax attentions, the main stream's and the
+    predicting stream's."""
     from transformers import AutoModelForCausalLM
 
     result, directory = _check_in("prophetnet", tmp_path)
-    assert result.outcome == "refused" and result.reason == "attention outside the interface", result
-    assert "ngramselfattention" in result.message and "encoder" not in result.message, result.message
+    assert result.outcome == "refused" and result.reason == "several attentions per layer", result
+    assert "ProphetNetNgramSelfAttention" in result.message and "2 softmax attentions" in result.message, result
+    assert "encoder" not in result.message, result.message
     hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
     assert hf.config.is_encoder_decoder is False and hf.config.add_cross_attention is True
     assert not _source_calls_the_interface("prophetnet")

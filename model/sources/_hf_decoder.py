@@ -64,7 +64,13 @@ decoder stack (a vision tower not run for text never is), each layer's one calle
 no attention call at all but whose every layer writes state into transformers' cache (Mamba, Mamba-2,
 Falcon-Mamba: ``_state_stack``) is traced as mixers only: no attention record, no K, V row, the state in
 ``StateCache``; its forward takes the cache as ``cache_params`` (``cache_keyword``).
-Refused, with a ``RefusalReason``: models whose attention does not go through the interface, linear-attention and
+A family whose attention module computes the softmax in its own code (Bloom, MPT, CodeGen, XGLM, the BERT-style
+decoders …) makes no call of the attention function: its attention is found by what its ops do and recorded under the
+same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watches each such module's forward), and
+the model then runs transformers' eager path, mask included; ``hook_attn_bias`` holds a bias such as ALiBi.
+
+Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention (XLNet's relative
+attention, Reformer's hashed buckets), a forward that takes no cache (OpenAI GPT), linear-attention and
 state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
 attention's two calls with the same Q and K, and calls that are one block each: ``call_blocks``), attention in several
 stacks of layers (BLT), encoders and
@@ -74,6 +80,7 @@ transformers' own forward (``guard_against_transformers``).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -104,6 +111,7 @@ from gpt_shape_tracer.model.sources._hf_attention import (
 from gpt_shape_tracer.model.sources._hf_cache import StateCache, _cache_view, latent_widths, state_templates
 from gpt_shape_tracer.model.sources._hf_compressed import CompressedCache, add_hooks, compressed_config, record_held
 from gpt_shape_tracer.model.sources._hf_indexer import indexer_of, watch_indexer
+from gpt_shape_tracer.model.sources._hf_own_attention import OwnAttention
 from gpt_shape_tracer.model.sources._hf_probe import (
     _NAMES_FINAL_NORM,
     _NAMES_MLP,
@@ -151,6 +159,16 @@ class Architecture:
     parallel_block: bool  # attention and MLP read the same stream
     softcap: float | None  # attention logit soft-capping
     scale: float  # the attention's scale (1/√d_head unless the config says otherwise)
+
+
+def _eager_masks(hf: nn.Module) -> None:
+    """transformers' eager path for a model whose attention is the family's own code: its masks built by
+    ``eager_mask``, never left unbuilt. Written into every config the model holds, since these families do not take
+    ``set_attn_implementation`` (they warn and keep the implementation they were loaded with)."""
+    for module in hf.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", "eager") != "eager":
+            config._attn_implementation = "eager"
 
 
 def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None, model_type: str) -> Architecture:
@@ -341,11 +359,26 @@ class HFDecoder(nn.Module):
         cfg = _text_config(hf.config)
         layers, probed, writers = _find_attention(hf, model_type)
         attns = [call.module if call is not None else None for call in probed]
+        # a layer whose attention the family computes in its own code (Bloom, MPT, CodeGen …): read from its ops,
+        # which then run as transformers' eager path runs them (its mask included: eager_mask, never left unbuilt)
+        own = [call is not None and call.own is not None for call in probed]
+        self._own_code = any(own)
+        if any(own):
+            _eager_masks(hf)
+            if "past_key_values" not in inspect.signature(hf.forward).parameters \
+                    and cache_keyword(hf) == "past_key_values":
+                raise HFDecoderError(
+                    f"{model_type}: its forward takes no past_key_values, the transformers Cache our KV cache stands "
+                    "in for (it keeps no cache — a decode step of one token would see only that token, and its "
+                    "generate() recomputes the whole text — or one of its own), so a cached decode step of the model "
+                    "cannot be traced", reason="no cache")
         self._kv_shared = _kv_shared(probed)  # (layer, source): layers attending over another layer's K and V
         # a hybrid's first attention layer may come after a state layer; a state-space model (Mamba) has none
         first = next((L for L, attn in enumerate(attns) if attn is not None), None)
         self.architecture = _guess_architecture(hf, layers[first or 0], attns[first] if first is not None else None,
                                                 model_type)
+        if first is not None and own[first]:  # the scale its ops apply (XGLM scales its queries: 1)
+            self.architecture = replace(self.architecture, scale=cast(_Call, probed[first]).own.scale)
         arch = self.architecture
         mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
         self._latent = [latent_widths(attn) if attn is not None else None for attn in attns]  # (d_c, d_R) or None
@@ -415,20 +448,25 @@ class HFDecoder(nn.Module):
         self.block_origins = block_origins(hf, layers, attns)  # what each block is, where a layer holds several
         if reentry.active:
             self._handles += reentry.install(hf, layers, attns, _HOOKS, [getattr(b, "attn", None) for b in block_hooks])
-        for block, (layer, attn, mixer, hooks, mlp_norm) in enumerate(zip(layers, attns, self._mixers, block_hooks,
-                                                                          mlp_norms)):
+        for block, (layer, attn, mixer, hooks, mlp_norm, call) in enumerate(zip(layers, attns, self._mixers,
+                                                                                block_hooks, mlp_norms, probed)):
             gated = reentry.gate(layer, block)
             sub = sublayers.get(block)
+            own_code = call is not None and call.own is not None
             if sub is not None:
                 self._handles += install_sublayer(sub, hooks)
             else:
                 self._handles.append(layer.register_forward_pre_hook(gated(self._pre_layer(hooks)), with_kwargs=True))
                 self._handles.append(layer.register_forward_hook(gated(
                     lambda m, a, out, h=hooks: _replace_first(out, h.hook_resid_post(_first(out))))))
-            if attn is not None:
+            if attn is not None and own_code:  # its forward's ops watched, before hook_attn_out reads its output
+                self._handles.extend(OwnAttention(attn, hooks.attn, model_type,
+                                                  bias=cast(_Call, call).own.bias is not None).handles)
+            elif attn is not None:
                 _HOOKS[attn] = hooks.attn
                 if (indexer := indexer_of(attn)) is not None:
                     self._handles.extend(watch_indexer(indexer, hooks.attn))
+            if attn is not None:
                 hooks.attn.w_o = _child(attn, _NAMES_OUT)
                 if self._compressed:  # DeepSeek-V4: its compressed K/V, indexer and what its cache holds
                     self._handles.extend(add_hooks(hooks.attn, attn))
@@ -629,6 +667,9 @@ class HFDecoder(nn.Module):
         attention_mask = key_is_token.long() if key_is_token is not None else None
         if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
             attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
+        if self._own_code:  # its attention reads the mask transformers' eager path builds; our mask function may
+            # leave it unbuilt (a fused path), which such a family would read as no mask at all
+            _eager_masks(self.hf)
         before = getattr(_forward, "keys", None)
         _forward.keys = (key_is_token, bool(self._indexed))  # an indexer reads the mask: it must be built
         with transaction(cache, n, key_is_token), _restored(before):

@@ -79,8 +79,10 @@ GUARD_PROMPT = 6  # tokens before the guard's decode step (more where a short sl
 
 @contextmanager
 def _transformers_eager(hf: nn.Module):
-    """transformers' own eager attention for the duration (our function again after); if the model cannot switch,
-    our function stays (it computes transformers' eager numbers by construction, with our hook points idle)."""
+    """transformers' own eager attention for the duration (the model's implementation again after: our function, or
+    eager where its attention is the family's own code, read from its ops); if the model cannot switch, our function
+    stays (it computes transformers' eager numbers by construction, with our hook points idle)."""
+    before = getattr(getattr(hf, "config", None), "_attn_implementation", None)
     try:
         hf.set_attn_implementation("eager")  # type: ignore[operator]
     except (ValueError, KeyError, AttributeError, TypeError):
@@ -89,7 +91,7 @@ def _transformers_eager(hf: nn.Module):
     try:
         yield
     finally:
-        hf.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+        hf.set_attn_implementation(before if isinstance(before, str) else ATTENTION)  # type: ignore[operator]
 
 
 def guard_against_transformers(model: HFDecoder) -> None:

@@ -1,6 +1,7 @@
 """Finding a transformers model's parts by what they do: which module calls the attention function inside
-which layer (``_probe_calls``, ``_find_attention``), which layers keep state instead (``_state_writers``), what
-the mixers are called, and which keyword its forward takes the cache under.
+which layer (``_probe_calls``, ``_find_attention``) — or, where none does, which module computes a softmax whose
+output multiplies V in its own code (``_hf_own_attention.probe``) —, which layers keep state instead
+(``_state_writers``), what the mixers are called, and which keyword its forward takes the cache under.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from gpt_shape_tracer.model.sources._hf_attention import _probing, differential_lambda
+from gpt_shape_tracer.model.sources._hf_own_attention import Found
+from gpt_shape_tracer.model.sources._hf_own_attention import probe as own_attention_probe
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
 from gpt_shape_tracer.model.sources._hf_variants import call_blocks, own_cache_state
 from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
@@ -56,6 +59,8 @@ class _Call:
     score_bias: bool = False  # a position_bias beside the mask (Inkling), staged by _hf_variants.py
     entry: int = field(default=-1, compare=False)  # which entry into an outermost layer it came in (counted from 0):
     # a layer entered several times per forward (HRM's recurrent stacks) makes one call per entry
+    own: Any = field(default=None, compare=False, repr=False)  # the Reading of an attention computed in the
+    # family's own code (model/sources/_hf_own_attention.py), None for a call of the attention function
 
 
 # arguments of the attention interface that change the scores or the softmax and that traced_attention does not
@@ -146,6 +151,16 @@ def _probe_calls(hf: nn.Module) -> tuple[list[_Call], dict[int, nn.ModuleList]]:
         for handle in handles:
             handle.remove()
     return calls, lists
+
+
+def _own_call(found: Found) -> _Call:
+    """A softmax attention read from a family's own ops (``_hf_own_attention.probe``) as a call of the attention
+    function would have been recorded; without a mask, one that hides nothing (every key seen: not causal)."""
+    r = found.reading
+    mask = r.mask if r.mask is not None else torch.zeros(1, 1, *r.pattern.shape[-2:], dtype=r.pattern.dtype,
+                                                        device=r.pattern.device)
+    return _Call(found.layer, found.module, int(r.query.shape[1]), int(r.key.shape[1]), int(r.query.shape[-1]),
+                 int(r.value.shape[-1]), False, mask, key=r.key, query=r.query, own=r)
 
 
 def _state_layers(hf: nn.Module) -> list[int]:
@@ -277,15 +292,17 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     own = own_cache_state(hf, lists, _token_device(hf), cache_keyword(hf)) if not calls else None
     if own is not None:  # xLSTM: every layer keeps its state in a cache object of the family's own
         return own[0], [None] * len(own[0]), {}
+    if not calls:  # no call of the attention function: a softmax attention in the family's own code, read from its ops
+        calls = [_own_call(found) for found in own_attention_probe(hf, lists, model_type, _token_device(hf))]
     if not calls:
         attention_named = [w for w in words if ("attention" in w or "attn" in w) and "norm" not in w]
         state = [w for w in words if any(s in w for s in _STATE_WORDS)]
         if attention_named and not (state and all(any(s in w for s in _STATE_WORDS) for w in attention_named)):
             raise HFDecoderError(
                 f"{model_type}: its attention ({', '.join(sorted(attention_named)[:3])}) is computed by the family's "
-                "own code, not through transformers' attention interface, so its Q, K, V and pattern cannot be "
-                "recorded (the re-implemented families gpt2, llama, mistral, qwen2 and every family whose attention "
-                "calls the interface can)", reason="attention outside the interface")
+                "own code, and no softmax in it has an output that multiplies the values (its weights are made "
+                "another way, without a softmax op), so its Q, K, V and pattern cannot be recorded",
+                reason="attention outside the interface")
         raise HFDecoderError(f"{model_type}: no layer computes softmax attention (its mixers: "
                              f"{', '.join(sorted(state)[:3]) or 'none named'}): there is no attention pattern to "
                              "trace", reason="no softmax attention")

@@ -12,7 +12,8 @@ RefusalReason = Literal[
     "encoder-decoder",  # a separate encoder feeds the decoder through cross-attention
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
-    "attention outside the interface",  # softmax attention computed by the family's own code
+    "attention outside the interface",  # attention in the family's own code that its ops do not show as one softmax
+    # attention (XLNet's relative attention, Reformer's hashed buckets); one that does is traced (_hf_own_attention)
     "state layers",  # state in a family's own cache class the trace cannot stand in for (MiniMax's is traced)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
@@ -22,6 +23,7 @@ RefusalReason = Literal[
     "score bias",  # another bias the attention function receives and adds to the scores (a learned position bias)
     "indexed attention",  # a learned indexer picks each query's keys and keeps its own key cache (DeepSeek DSA)
     "compressed attention",  # the family's own cache layers keep compressed keys/values (DeepSeek-V4)
+    "no cache",  # its forward takes no past keys and values (OpenAI GPT): no cached decode step to trace
     "differs from transformers",  # the guard: our cached step is not transformers' own forward
     "cannot load",  # transformers itself cannot build or run it from this directory
     "weights missing",  # the config builds more layers than the weights hold
