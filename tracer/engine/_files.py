@@ -11,7 +11,6 @@ reads: one a person opens in the app or the CLI, and the app's runs folder (``se
 
 from __future__ import annotations
 
-import io
 import json
 import zipfile
 from dataclasses import asdict
@@ -35,10 +34,11 @@ from gpt_shape_tracer.tracer.engine._records import (
     RequestAttention,
     RequestInStep,
 )
-from gpt_shape_tracer.tracer.files._io import LIMITS, Limits, _check_member, _read_stream
-from gpt_shape_tracer.tracer.files._schema import (
+from gpt_shape_tracer.tracer.files import (
+    LIMITS,
     Bool,
     Int,
+    Limits,
     ListOf,
     Maybe,
     Obj,
@@ -47,6 +47,7 @@ from gpt_shape_tracer.tracer.files._schema import (
     Then,
     TraceFileError,
     TupleOf,
+    read_zip_members,
 )
 
 FORMAT = "gpt-shape-tracer engine run"
@@ -122,30 +123,14 @@ def _schema(limits: Limits) -> Obj:
 
 
 def _members(source: Path | bytes, limits: Limits) -> dict[str, bytes]:
-    """engine.json and values.safetensors, each within its limit (checked from the archive's directory before
-    inflating, then again while reading)."""
+    """engine.json and values.safetensors, each within its limit (``tracer.files.read_zip_members``: checked from
+    the archive's directory before inflating, then again while reading)."""
     allowed = {MANIFEST: limits.manifest_bytes, VALUES: limits.value_bytes + limits.manifest_bytes}
-    files: dict[str, bytes] = {}
-    try:
-        with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as zf:
-            infos = zf.infolist()
-            names = [i.filename for i in infos]
-            for info in infos:
-                _check_member(info, allowed, limits, names)
-            for info in infos:
-                with zf.open(info) as f:
-                    files[info.filename] = bytes(_read_stream(f, info.filename, info.file_size,
-                                                              allowed[info.filename]))
-    except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile, NotImplementedError, RuntimeError) as e:
-        raise TraceFileError(f"not a readable engine run ({e})") from None
-    except (OSError, ValueError) as e:
-        if isinstance(e, TraceFileError):
-            raise
-        raise TraceFileError(f"the engine run cannot be read ({e})") from None
+    files = read_zip_members(source, allowed, limits, kind="engine run")
     for required in (MANIFEST, VALUES):
         if required not in files:
             raise TraceFileError(f"the engine run has no {required}")
-    return files
+    return {name: bytes(data) for name, data in files.items()}
 
 
 def _consistent(pool: PoolFacts, requests: tuple[EngineRequest, ...], steps: tuple[EngineStep, ...]) -> None:
