@@ -14,7 +14,7 @@ from gpt_shape_tracer.gui.hover import crosshair
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.tracer import Trace
 
-Rows = tuple[tuple[object, ...], ...]
+Rows = tuple[tuple[float, ...], ...]  # the data editor's numbers (an empty cell: None, refused by compute)
 
 
 @functools.lru_cache(maxsize=16)
@@ -23,7 +23,10 @@ def worked(q: Rows, k: Rows, v: Rows, grad_o: Rows, causal: bool) -> tuple[worke
     it, and nothing changes them after: ``st.plotly_chart`` copies a figure before it sends it). Made on every rerun
     they took about 0.27 s, and the first page draws this tab beside the Engine tab, so every move of the engine
     step slider paid for them (bench/bench_engine_views.py)."""
-    w = worked_views.compute(*([list(row) for row in m] for m in (q, k, v, grad_o)), causal=causal)
+    def rows(m: Rows) -> list[list[float]]:
+        return [list(row) for row in m]  # compute checks each number (WorkedInputError)
+
+    w = worked_views.compute(rows(q), rows(k), rows(v), rows(grad_o), causal=causal)
     return w, crosshair(worked_views.forward_figure(w)), crosshair(worked_views.backward_figure(w))
 
 
