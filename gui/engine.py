@@ -2,7 +2,8 @@
 transformers' continuous batching on the sidebar's model (its files loaded through transformers where our own GPT
 holds them: ours cannot take the paged path); the page pool over engine steps with a request's block table, the
 requests' timeline, memory against a padded contiguous cache, a request's attention over its pages. A saved engine
-run (.zip) opens here too.
+run (.zip) opens here too. A run made here is kept in the runs folder and named in the page's address (gui/runs.py),
+so a reload or a restarted server brings it back with the engine step and the picks on screen.
 
 A tab of its own rather than a page like the dry run: it runs the model the sidebar chose, as the other tabs do, and
 it needs no generation — so it is offered before the first Step as well."""

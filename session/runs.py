@@ -70,6 +70,7 @@ OWNER_TAG = re.compile(r"[0-9a-f]{64}")  # owner_tag: a SHA-256 in hex
 MAX_RUN_FILE_BYTES = 256 * 1024  # run.json holds settings and a prompt: anything larger is not one of ours
 MAX_TEXT = 64 * 1024  # one setting's text (the prompt box) at most
 MAX_TEXTS = 64  # an engine run's texts: one per request (tracer.engine.MAX_REQUESTS)
+WRITING_S = 600  # a folder without a record that changed this recently is a run being written: prune leaves it
 
 
 class RunError(ValueError):
@@ -396,13 +397,17 @@ class RunStore:
     def prune(self, keep: str | None = None) -> list[str]:
         """Remove the oldest runs beyond the newest ``settings.keep`` and beyond ``settings.budget_bytes``
         together (``keep``, the run just written, is never removed). A folder without a readable record is
-        removed first: it is not a run this app can open."""
+        removed first: it is not a run this app can open — unless a file in it changed in the last
+        ``WRITING_S`` seconds: a run being written (an engine run's file takes seconds, in a thread of its own,
+        and its record goes last), which another page's save must not take away."""
         by_age: list[tuple[float, str]] = []
         for run_id in self._ids():
             try:
                 record = self.record(run_id)
             except RunError:
                 record = None
+            if record is None and run_id != keep and self._being_written(run_id):
+                continue
             by_age.append((record.updated if record is not None else -math.inf, run_id))
         by_age.sort(reverse=True)  # newest first
         removed, total, kept = [], 0, 0
@@ -414,6 +419,15 @@ class RunStore:
             self.delete(run_id)
             removed.append(run_id)
         return removed
+
+    def _being_written(self, run_id: str) -> bool:
+        """Whether the run's folder or a file in it changed within the last ``WRITING_S`` seconds."""
+        folder = self.run_dir(run_id)
+        try:
+            changed = max([folder.stat().st_mtime, *(p.stat().st_mtime for p in folder.iterdir())])
+        except OSError:
+            return False
+        return changed > time.time() - WRITING_S
 
     def delete(self, run_id: str) -> None:
         shutil.rmtree(self.run_dir(run_id), ignore_errors=True)

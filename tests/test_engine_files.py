@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -132,6 +134,24 @@ def test_an_engine_run_over_the_folders_budget_is_written_without_its_values(sma
     assert not store.record(record.run_id).trace_saved
     assert back.steps == small_run.steps and back.bytes_kept == 0
     assert f"({small_run.bytes_kept:,} B) were larger than the runs folder's budget" in back.notes[-1]
+
+
+def test_a_run_being_written_is_not_pruned_by_another_save_and_a_stale_one_is(small_run, tmp_path):
+    """An engine run's file is written in a thread, its record last: meanwhile another page's save prunes the
+    folder (here it keeps one run: the one just written), and a folder without a record is not a run, the first
+    to go — unless it is being written (changed in the last ``WRITING_S`` seconds)."""
+    from gpt_shape_tracer.session.runs import WRITING_S
+
+    store = RunStore(RunsSettings(tmp_path / "runs", keep=1, budget_bytes=64 * 2**20))
+    writing, stale = store.run_dir("w" * 22), store.run_dir("s" * 22)
+    for folder in (writing, stale):
+        folder.mkdir(parents=True)
+        save_engine_run(small_run, folder / ENGINE_FILE)
+    old = time.time() - WRITING_S - 5
+    for path in (stale / ENGINE_FILE, stale):
+        os.utime(path, (old, old))
+    store.save(RunRecord("g" * 22, ModelChoice(), {"prompt": "Mia"}, 1, 0, "Shapes", 1.0))
+    assert writing.is_dir() and not stale.exists()
 
 
 def test_a_generation_record_lists_as_before_and_a_kind_not_ours_is_refused():
