@@ -389,7 +389,9 @@ def follow_engine(app: AppState) -> None:
             problem = "" if run is not None else f"run {run_id} has no {ENGINE_FILE}"
             if run is not None:
                 view = EngineView(run, record.model.describe(), dict(record.texts))
-    except (RunError, TraceFileError, OSError) as e:
+    except RunError as e:  # not a run id, or a run.json that is not one of ours
+        problem = str(e)
+    except (TraceFileError, OSError) as e:
         problem = f"its file is refused: {e}"
     if view is not None:
         refused = reserve_memory(engine_bytes=view.nbytes)

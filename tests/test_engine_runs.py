@@ -129,3 +129,6 @@ def test_an_engine_file_of_the_folder_that_is_not_ours_is_refused_and_nothing_el
     other = page_at(engine=address_run(at, "owner"))  # a well-formed id that names no run
     assert other.session_state["app"].engine is None
     assert any("keeps no run" in unescape(e.value) for e in other.error)
+    malformed = page_at(engine="../../etc/passwd")
+    assert malformed.session_state["app"].engine is None and address_run(malformed, "engine") is None
+    assert any("that is not a run id of this app" in unescape(e.value) for e in malformed.error)
