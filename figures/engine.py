@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import plotly.graph_objects as go
 
 from gpt_shape_tracer.figures.palette import ACCENT, AMOUNT, NEUTRAL
@@ -23,6 +24,8 @@ from gpt_shape_tracer.tracer import EngineRun, EngineStep
 REQUEST_COLOURS = ("#4c78a8", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b", "#9d755d", "#ff9da6", "#2f4b7c",
                    "#8cd17d", "#a0cbe8")
 CACHED_COLOUR = "#c9c9c9"  # held by no request, kept for its prefix
+# the colour scale as plotly's check writes the name out: a trace given as a dict is not checked
+AMOUNT_SCALE = [list(stop) for stop in go.Heatmap(colorscale=AMOUNT).colorscale]
 CONTRIBUTION_COLOURS = {"prefill": "#4c78a8", "decode": "#54a24b", "recompute": "#b279a2"}
 
 
@@ -114,52 +117,51 @@ def pool_grid_figure(run: EngineRun, step: int | None = None, request_id: str | 
     outlined; ``request_id``'s pages at that step are ringed."""
     grid = pool_grid(run)
     order = _order(run)
-    # value 0: cached; value i + 1: request i (its first holder when shared)
+    # value 0: cached; value i + 1: request i (its first holder when shared); NaN: free, a gap. Numpy arrays, and
+    # traces given as dicts to figure(): plotly validated and deep-copied the nested lists cell by cell, 0.1 s of
+    # a 32-request run's 0.13 s (bench/bench_engine_views.py)
     colours = [CACHED_COLOUR, *(request_colour(i) for i in range(len(run.requests)))]
-    z: list[list[float | None]] = []
-    hover: list[list[str]] = []
-    for row, cached in zip(grid.holders, grid.cached):
-        z_row: list[float | None] = []
-        h_row: list[str] = []
-        for who, kept in zip(row, cached):
+    rows, cols = len(grid.pages), len(grid.steps)
+    z = np.full((rows, cols), np.nan)
+    custom = np.empty((rows, cols, 2), dtype=object)
+    for r, (page, row, cached) in enumerate(zip(grid.pages, grid.holders, grid.cached)):
+        custom[r, :, 0] = page
+        for c, (who, kept) in enumerate(zip(row, cached)):
             if who:
-                z_row.append(order[who[0]] + 1)
-                h_row.append(f"held by {', '.join(who)}" + (" (shared prefix)" if len(who) > 1 else ""))
+                z[r, c] = order[who[0]] + 1
+                custom[r, c, 1] = f"held by {', '.join(who)}" + (" (shared prefix)" if len(who) > 1 else "")
             elif kept:
-                z_row.append(0)
-                h_row.append("cached: no request holds it; kept for its prefix")
+                z[r, c] = 0
+                custom[r, c, 1] = "cached: no request holds it; kept for its prefix"
             else:
-                z_row.append(None)
-                h_row.append("free")
-        z.append(z_row)
-        hover.append(h_row)
-    ys = list(range(len(grid.pages)))
-    fig = figure()
-    fig.add_trace(go.Heatmap(
-        z=z, x=list(grid.steps), y=ys, zmin=0, zmax=len(colours) - 1, colorscale=_discrete_scale(colours),
-        showscale=False, xgap=1, ygap=1, customdata=[[[p, h] for h in hrow] for p, hrow in zip(grid.pages, hover)],
-        hovertemplate="page %{customdata[0]} after engine step %{x}: %{customdata[1]}<extra></extra>"))
+                custom[r, c, 1] = "free"
+    ys = list(range(rows))
+    traces: list[dict] = [{
+        "type": "heatmap", "z": z, "x": list(grid.steps), "y": ys, "zmin": 0, "zmax": len(colours) - 1,
+        "colorscale": _discrete_scale(colours), "showscale": False, "xgap": 1, "ygap": 1, "customdata": custom,
+        "hovertemplate": "page %{customdata[0]} after engine step %{x}: %{customdata[1]}<extra></extra>"}]
     shared = [(s, r, len(grid.holders[r][c])) for c, s in enumerate(grid.steps) for r in ys
               if len(grid.holders[r][c]) > 1]
     if shared:
-        fig.add_trace(text_trace([x for x, _, _ in shared], [y for _, y, _ in shared],
-                                 [f"×{k}" for _, _, k in shared], size=9, color="#ffffff"))
-    for i, r in enumerate(run.requests):  # the legend: one entry per request, and the cached grey
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=r.request_id,
-                                 marker={"symbol": "square", "size": 10, "color": request_colour(i)}))
+        traces.append(text_trace([x for x, _, _ in shared], [y for _, y, _ in shared],
+                                 [f"×{k}" for _, _, k in shared], size=9, color="#ffffff").to_plotly_json())
+    legend = [(r.request_id, request_colour(i)) for i, r in enumerate(run.requests)]  # one entry per request
     if any(any(row) for row in grid.cached):
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="cached",
-                                 marker={"symbol": "square", "size": 10, "color": CACHED_COLOUR}))
+        legend.append(("cached", CACHED_COLOUR))
+    traces += [{"type": "scatter", "x": [None], "y": [None], "mode": "markers", "name": name,
+                "marker": {"symbol": "square", "size": 10, "color": colour}} for name, colour in legend]
+    if step is not None and request_id is not None:
+        table, _ = block_table_of(run, step, request_id)
+        row_of = {p: i for i, p in enumerate(grid.pages)}
+        ringed = [row_of[p] for p in table if p in row_of]
+        if ringed:
+            traces.append({"type": "scatter", "x": [step] * len(ringed), "y": ringed, "mode": "markers",
+                           "name": f"{request_id}'s pages", "hoverinfo": "skip",
+                           "marker": {"symbol": "square-open", "size": 14, "color": ACCENT, "line": {"width": 2}}})
+    fig = figure(traces)
     if step is not None:
         fig.add_vrect(x0=step - 0.5, x1=step + 0.5, line={"color": ACCENT, "width": 2}, fillcolor=ACCENT,
                       opacity=0.12)
-        if request_id is not None:
-            table, _ = block_table_of(run, step, request_id)
-            rows = [grid.pages.index(p) for p in table if p in grid.pages]
-            if rows:
-                fig.add_trace(go.Scatter(x=[step] * len(rows), y=rows, mode="markers", name=f"{request_id}'s pages",
-                                         hoverinfo="skip", marker={"symbol": "square-open", "size": 14,
-                                                                   "color": ACCENT, "line": {"width": 2}}))
     height = min(900, max(260, 90 + 18 * len(ys)))
     fig.update_layout(height=height + 30, title_text="the page pool after each engine step",
                       legend={"orientation": "h", "y": -0.32}, margin={"t": 50, "l": 10, "r": 10, "b": 100})
@@ -287,47 +289,51 @@ def timeline_figure(run: EngineRun, step: int | None = None) -> go.Figure:
     ids = [r.request_id for r in run.requests]
     y = {rid: i for i, rid in enumerate(ids)}
     events = timeline_events(run)
-    fig = figure()
+    # traces as dicts given to figure() at once: a go.Scatter each, checked by plotly, cost a 32-request run ~1 ms
+    # a trace (bench/bench_engine_views.py)
+    traces: list[dict] = []
     for r in run.requests:
         start = r.first_step if r.first_step is not None else (len(run.steps) - 1)
         if start > r.arrival:
-            fig.add_trace(go.Scatter(x=[r.arrival - 0.4, start - 0.4], y=[y[r.request_id]] * 2, mode="lines",
-                                     line={"color": NEUTRAL, "dash": "dot", "width": 2}, showlegend=False,
-                                     hoverinfo="skip"))
+            traces.append({"type": "scatter", "x": [r.arrival - 0.4, start - 0.4], "y": [y[r.request_id]] * 2,
+                           "mode": "lines", "line": {"color": NEUTRAL, "dash": "dot", "width": 2},
+                           "showlegend": False, "hoverinfo": "skip"})
     arrivals = [r for r in run.requests]
-    fig.add_trace(go.Scatter(x=[r.arrival - 0.4 for r in arrivals], y=[y[r.request_id] for r in arrivals],
-                             mode="markers", name="arrives", marker={"symbol": "triangle-right", "size": 10,
-                                                                     "color": NEUTRAL},
-                             customdata=[[r.request_id, r.arrival] for r in arrivals],
-                             hovertemplate="%{customdata[0]} arrives before engine step %{customdata[1]}"
-                                           "<extra></extra>"))
+    traces.append({"type": "scatter", "x": [r.arrival - 0.4 for r in arrivals],
+                   "y": [y[r.request_id] for r in arrivals], "mode": "markers", "name": "arrives",
+                   "marker": {"symbol": "triangle-right", "size": 10, "color": NEUTRAL},
+                   "customdata": [[r.request_id, r.arrival] for r in arrivals],
+                   "hovertemplate": "%{customdata[0]} arrives before engine step %{customdata[1]}<extra></extra>"})
     words = {"prefill": "prefill chunk", "decode": "decode token", "recompute": "recompute after preemption"}
     for what, colour in CONTRIBUTION_COLOURS.items():
         mine = [e for e in events if e["what"] == what]
         if not mine:
             continue
-        fig.add_trace(go.Scatter(
-            x=[e["step"] for e in mine], y=[y[e["request"]] for e in mine], mode="markers+text" if what != "decode"
-            else "markers", name=words[what], text=[str(e["tokens"]) for e in mine] if what != "decode" else None,
-            textposition="middle center", textfont={"size": 9, "color": "#ffffff"},
-            marker={"symbol": "square", "size": 16, "color": colour},
-            customdata=[[e["request"], e["tokens"], e["past"]] for e in mine],
-            hovertemplate="%{customdata[0]}, engine step %{x}: " + words[what] + " of %{customdata[1]} token(s) at "
-                          "positions %{customdata[2]}…<extra></extra>"))
+        trace = {"type": "scatter", "x": [e["step"] for e in mine], "y": [y[e["request"]] for e in mine],
+                 "mode": "markers+text" if what != "decode" else "markers", "name": words[what],
+                 "textposition": "middle center", "textfont": {"size": 9, "color": "#ffffff"},
+                 "marker": {"symbol": "square", "size": 16, "color": colour},
+                 "customdata": [[e["request"], e["tokens"], e["past"]] for e in mine],
+                 "hovertemplate": "%{customdata[0]}, engine step %{x}: " + words[what] + " of %{customdata[1]} "
+                                  "token(s) at positions %{customdata[2]}…<extra></extra>"}
+        if what != "decode":
+            trace["text"] = [str(e["tokens"]) for e in mine]
+        traces.append(trace)
     preempted = [(p, rid) for r in run.requests for rid, p in ((r.request_id, p) for p in r.preempted_at)]
     if preempted:
-        fig.add_trace(go.Scatter(x=[p for p, _ in preempted], y=[y[rid] for _, rid in preempted], mode="markers",
-                                 name="preempted: pages taken back", marker={"symbol": "x", "size": 13,
-                                                                             "color": "#1a1a1a"},
-                                 hovertemplate="preempted at engine step %{x}<extra></extra>"))
+        traces.append({"type": "scatter", "x": [p for p, _ in preempted], "y": [y[rid] for _, rid in preempted],
+                       "mode": "markers", "name": "preempted: pages taken back",
+                       "marker": {"symbol": "x", "size": 13, "color": "#1a1a1a"},
+                       "hovertemplate": "preempted at engine step %{x}<extra></extra>"})
     done = [r for r in run.requests if r.finished_step is not None]
     if done:
-        fig.add_trace(go.Scatter(
-            x=[(r.finished_step or 0) + 0.45 for r in done], y=[y[r.request_id] for r in done], mode="markers",
-            name="finished: pages returned", marker={"symbol": "star", "size": 13, "color": ACCENT},
-            customdata=[[r.request_id, r.finished_step, r.finish_reason] for r in done],
-            hovertemplate="%{customdata[0]} finished at engine step %{customdata[1]} (%{customdata[2]})"
-                          "<extra></extra>"))
+        traces.append({"type": "scatter", "x": [(r.finished_step or 0) + 0.45 for r in done],
+                       "y": [y[r.request_id] for r in done], "mode": "markers", "name": "finished: pages returned",
+                       "marker": {"symbol": "star", "size": 13, "color": ACCENT},
+                       "customdata": [[r.request_id, r.finished_step, r.finish_reason] for r in done],
+                       "hovertemplate": "%{customdata[0]} finished at engine step %{customdata[1]} "
+                                        "(%{customdata[2]})<extra></extra>"})
+    fig = figure(traces)
     if step is not None:
         fig.add_vrect(x0=step - 0.5, x1=step + 0.5, fillcolor=ACCENT, opacity=0.1, line_width=0)
     fig.update_layout(height=max(220, 110 + 34 * len(ids)), title_text="the requests over engine steps",
@@ -432,20 +438,19 @@ def memory_figure(run: EngineRun, step: int | None = None) -> go.Figure:
     contiguous cache of the same requests, and the pool's size."""
     mem = [memory_at(run, s.step) for s in run.steps]
     xs = [m.step for m in mem]
-    fig = figure()
-    fig.add_trace(go.Scatter(x=xs, y=[m.contiguous_bytes for m in mem], mode="lines", name="padded contiguous cache",
-                             line={"color": NEUTRAL, "width": 2, "dash": "dash"},
-                             hovertemplate="contiguous: %{y:,} B<extra></extra>"))
-    fig.add_trace(go.Scatter(x=xs, y=[m.paged_bytes for m in mem], mode="lines+markers", name="pages held",
-                             line={"color": REQUEST_COLOURS[0], "width": 3, "shape": "hv"},
-                             hovertemplate="pages held after step %{x}: %{y:,} B<extra></extra>"))
-    fig.add_trace(go.Scatter(x=xs, y=[m.live * m.bytes_per_position for m in mem], mode="lines",
-                             name="positions the live requests have", line={"color": REQUEST_COLOURS[1], "width": 2,
-                                                                            "shape": "hv"},
-                             hovertemplate="live positions after step %{x}: %{y:,} B<extra></extra>"))
-    fig.add_trace(go.Scatter(x=xs, y=[run.pool.pool_bytes] * len(xs), mode="lines", name="the pool",
-                             line={"color": "#1a1a1a", "width": 1, "dash": "dot"},
-                             hovertemplate="the pool: %{y:,} B<extra></extra>"))
+    fig = figure([  # dicts, not go.Scatter: plotly checks these property by property (figures/plot.py)
+        {"type": "scatter", "x": xs, "y": [m.contiguous_bytes for m in mem], "mode": "lines",
+         "name": "padded contiguous cache", "line": {"color": NEUTRAL, "width": 2, "dash": "dash"},
+         "hovertemplate": "contiguous: %{y:,} B<extra></extra>"},
+        {"type": "scatter", "x": xs, "y": [m.paged_bytes for m in mem], "mode": "lines+markers", "name": "pages held",
+         "line": {"color": REQUEST_COLOURS[0], "width": 3, "shape": "hv"},
+         "hovertemplate": "pages held after step %{x}: %{y:,} B<extra></extra>"},
+        {"type": "scatter", "x": xs, "y": [m.live * m.bytes_per_position for m in mem], "mode": "lines",
+         "name": "positions the live requests have", "line": {"color": REQUEST_COLOURS[1], "width": 2, "shape": "hv"},
+         "hovertemplate": "live positions after step %{x}: %{y:,} B<extra></extra>"},
+        {"type": "scatter", "x": xs, "y": [run.pool.pool_bytes] * len(xs), "mode": "lines", "name": "the pool",
+         "line": {"color": "#1a1a1a", "width": 1, "dash": "dot"}, "hovertemplate": "the pool: %{y:,} B<extra></extra>"},
+    ])
     if step is not None:
         fig.add_vline(x=step, line={"color": ACCENT, "width": 2})
     fig.update_layout(height=320, title_text="K and V held over engine steps, every layer",
@@ -496,18 +501,20 @@ def attention_figure(run: EngineRun, step: int, request_id: str, layer: int, hea
     n, length = pattern.shape
     table, _ = block_table_of(run, step, request_id)
     page = run.pool.page_size
-    fig = figure()
-    fig.add_trace(go.Heatmap(z=pattern.tolist(), x=list(range(length)), y=list(range(a.past, a.past + n)), zmin=0,
-                             zmax=1, colorscale=AMOUNT, colorbar={"title": {"text": "weight"}, "thickness": 12},
-                             hovertemplate="query position %{y} → key position %{x}: %{z:.3f}<extra></extra>"))
-    for j in range(1, (length - 1) // page + 1):
-        fig.add_vline(x=j * page - 0.5, line={"color": "#ffffff", "width": 2})
-    for j in range((length - 1) // page + 1):
-        if j < len(table):
-            middle = (j * page + min(length, (j + 1) * page) - 1) / 2
-            fig.add_annotation(x=middle, y=1.0, yref="paper", yanchor="bottom", text=f"page {table[j]}",
-                               showarrow=False, font={"size": 10})
-    fig.update_layout(height=max(220, 120 + 14 * n), margin={"t": 60, "l": 10, "r": 10, "b": 10},
+    fig = figure([{"type": "heatmap", "z": pattern.numpy(), "x": list(range(length)),
+                   "y": list(range(a.past, a.past + n)), "zmin": 0, "zmax": 1, "colorscale": AMOUNT_SCALE,
+                   "colorbar": {"title": {"text": "weight"}, "thickness": 12},
+                   "hovertemplate": "query position %{y} → key position %{x}: %{z:.3f}<extra></extra>"}])
+    # the page boundaries and the page ids set once: add_vline and add_annotation each cost ~1 ms in plotly
+    boundaries = [{"type": "line", "x0": j * page - 0.5, "x1": j * page - 0.5, "xref": "x", "y0": 0, "y1": 1,
+                   "yref": "y domain", "line": {"color": "#ffffff", "width": 2}}
+                  for j in range(1, (length - 1) // page + 1)]
+    labels = [{"x": (j * page + min(length, (j + 1) * page) - 1) / 2, "y": 1.0, "yref": "paper", "yanchor": "bottom",
+               "text": f"page {table[j]}", "showarrow": False, "font": {"size": 10}}
+              for j in range((length - 1) // page + 1) if j < len(table)]
+    marks = {name: items for name, items in (("shapes", boundaries), ("annotations", labels)) if items}
+    fig.update_layout(**marks, height=max(220, 120 + 14 * n),
+                      margin={"t": 60, "l": 10, "r": 10, "b": 10},
                       title_text=f"{request_id}, engine step {step}, layer {layer}, head {head}: its attention over "
                                  "its logical positions", title_y=0.98)
     fig.update_xaxes(title_text="key position (logical)", dtick=page if length > 24 else 1)

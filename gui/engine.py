@@ -2,7 +2,8 @@
 transformers' continuous batching on the sidebar's model (its files loaded through transformers where our own GPT
 holds them: ours cannot take the paged path); the page pool over engine steps with a request's block table, the
 requests' timeline, memory against a padded contiguous cache, a request's attention over its pages. A saved engine
-run (.zip) opens here too.
+run (.zip) opens here too. A run made here is kept in the runs folder and named in the page's address (gui/runs.py),
+so a reload or a restarted server brings it back with the engine step and the picks on screen.
 
 A tab of its own rather than a page like the dry run: it runs the model the sidebar chose, as the other tabs do, and
 it needs no generation — so it is offered before the first Step as well."""
@@ -17,6 +18,7 @@ import streamlit as st
 
 from gpt_shape_tracer.figures import engine as views
 from gpt_shape_tracer.gui.common import chart, loaded_model, plain, reserve_memory, state
+from gpt_shape_tracer.gui.runs import forget_engine_run, keep_engine_run, save_engine_view
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model import ModelLoadError
 from gpt_shape_tracer.session import ModelChoice, SettingsError
@@ -140,6 +142,10 @@ def run_it(app, requests: str, arrivals: str, page_size: int, pages: int, batch:
     app.engine = view_of(run, tokenizer, app.model.describe())
     reserve_memory()  # the pool is gone: what the run keeps
     st.session_state["engine_step"] = peak_step(app.engine)
+    form_values = dict(zip(("engine_requests", "engine_arrivals", "engine_page_size", "engine_pages",
+                            "engine_batch_tokens", "engine_new_tokens"),
+                           (requests, arrivals, page_size, pages, batch, new)))
+    keep_engine_run(app, form_values, peak_step(app.engine))  # a reload brings it back (gui/runs.py)
 
 
 def open_file(app, upload) -> None:
@@ -154,6 +160,7 @@ def open_file(app, upload) -> None:
         return
     finally:
         reserve_memory()
+    forget_engine_run(app)  # the file is not a run of the runs folder: the person holds it
     st.session_state["engine_step"] = peak_step(app.engine)
 
 
@@ -207,7 +214,8 @@ def engine_views(view: EngineView) -> None:
         st.caption(f"{rid} generated the token ids {', '.join(map(str, request.generated_ids))}.")
     chart(views.memory_figure(run, step), key="engine_memory")
     st.markdown(views.memory_sentence(run, step))
-    attention_part(run, step, rid)
+    layer, head = attention_part(run, step, rid)
+    save_engine_view(state(), step, {"engine_request": rid, "engine_layer": layer, "engine_head": head})
     if st.button("Save this engine run (.zip)", key="engine_save"):  # written on demand: not at every step's draw
         with tempfile.TemporaryDirectory() as folder:
             path = save_engine_run(run, Path(folder) / "engine-run.zip")
@@ -215,13 +223,15 @@ def engine_views(view: EngineView) -> None:
                                mime="application/zip", key="engine_download")
 
 
-def attention_part(run, step: int, rid: str) -> None:
+def attention_part(run, step: int, rid: str) -> tuple[int, int]:
+    """The attention of the picked request at the step; returns the layer and head picked."""
     cols = st.columns(2)
     layer = cols[0].selectbox("layer", list(range(run.pool.n_layer)), key="engine_layer")
     head = cols[1].selectbox("head", list(range(run.pool.n_head)), key="engine_head")
     if run.attention(step, rid, layer) is not None:
         chart(views.attention_figure(run, step, rid, layer, head), key="engine_attention")
     st.caption(views.attention_caption(run, step, rid, layer))
+    return layer, head
 
 
 __all__ = ["engine_tab"]

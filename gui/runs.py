@@ -15,16 +15,23 @@ restarted server, so the token does too (Streamlit keeps nothing in the browser 
 cookie would need a component of our own). ``GPT_SHAPE_TRACER_LIST_ALL_RUNS=1`` (a single-user server) lists
 every run. A run opened by its id alone still opens — the id is the capability — and a Step on a run another
 page made writes a new run of this page's own, so one person never changes another's.
+
+The Engine tab's run is a run of the folder too (kind "engine"), under an id of its own in the address
+(``?engine=…``): written when it finishes — in a thread of its own, so that writing its values (seconds for the
+largest) never holds up the page — and reopened from its written file by a reload, a restarted server or a click
+in "Recent runs" (it is a finished record, not a generation to continue: nothing is run again). The engine step
+and the request, layer and head picked go back to where they were.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import streamlit as st
 
 from gpt_shape_tracer.figures.common import inert as plain
-from gpt_shape_tracer.gui.common import current_model, state
+from gpt_shape_tracer.gui.common import current_model, reserve_memory, state
 from gpt_shape_tracer.session import (
     SETTING_KEYS,
     AppState,
@@ -33,7 +40,9 @@ from gpt_shape_tracer.session import (
     SettingsError,
     settings_from,
 )
+from gpt_shape_tracer.session.engine import EngineView
 from gpt_shape_tracer.session.runs import (
+    ENGINE_FILE,
     RunError,
     RunRecord,
     RunsSettings,
@@ -47,6 +56,13 @@ from gpt_shape_tracer.session.runs import (
 from gpt_shape_tracer.tracer import TraceFileError
 
 PARAM = "run"  # the address's query parameter
+ENGINE_PARAM = "engine"  # …and the one naming the Engine tab's run
+ENGINE_PICKS = ("engine_request", "engine_layer", "engine_head")  # the Engine tab's pickers, kept with its run
+ENGINE_FORM = ("engine_requests", "engine_arrivals", "engine_page_size", "engine_pages", "engine_batch_tokens",
+               "engine_new_tokens")  # its form's widgets, as they were when it ran
+WRITE_WAIT_S = 120  # how long a reopen waits for this server's own write of the run to finish
+_writing: dict[str, threading.Thread] = {}  # engine run id → the thread writing it (this server process's)
+_write_failed: dict[str, str] = {}  # engine run id → why its write failed, said on the page's next rerun
 OWNER_PARAM = "owner"  # …and the one naming whose runs the page lists
 RECENT_SHOWN = 8
 LABELS = {"story-gpt": "Bundled GPT-2-style story model",  # gui/sidebar.py SOURCES, by bundled name or kind
@@ -79,9 +95,15 @@ def owner_of_page(app: AppState) -> str:
 
 def follow_the_address() -> None:
     """Before the sidebar is drawn: open the run the address names, when this session does not hold it; put
-    this session's own run id (and owner token) back in the address when it is missing there."""
+    this session's own run id (and owner token) back in the address when it is missing there. The same for the
+    Engine tab's run (``?engine=``)."""
     app = state()
     owner_of_page(app)
+    follow_generation(app)
+    follow_engine(app)
+
+
+def follow_generation(app: AppState) -> None:
     wanted = st.query_params.get(PARAM)
     if wanted == app.run_id:
         return
@@ -117,7 +139,7 @@ def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
     go, the run's model and settings go into the sidebar, and its steps are owed (the next part of this rerun
     makes them; ``finish_restoring`` then checks them)."""
     widgets = {key: record.widgets[key] for key in SETTING_KEYS if key in record.widgets}
-    app.reset()
+    app.reset(keep_engine=True)  # the Engine tab's run is the address's ?engine=, not this run's
     app.close_file()
     app.run_id, app.run_widgets = record.run_id, widgets
     app.run_foreign = not store.settings.list_all and record.owner != owner_tag(owner_of_page(app))
@@ -199,13 +221,13 @@ def finish_restoring(app: AppState) -> None:
         damaged = "it is missing"
     if gen is None or gen.n_steps < record.n_steps:
         done = gen.n_steps if gen is not None else 0
-        app.reset()
+        app.reset(keep_engine=True)
         app.run_id = record.run_id
         open_written_trace(app, record, store, f"running it again stopped after {done} of its {record.n_steps} "
                                                "steps")
         return
     if written is not None and tokens_of(written) != tokens_of(gen.trace):
-        app.reset()
+        app.reset(keep_engine=True)
         app.run_id = record.run_id
         open_written_trace(app, record, store, "run again, it chose other tokens than it did then (other weights "
                                                "under the same name?)")
@@ -271,13 +293,20 @@ def forget_run() -> None:
     """After Reset: the address names no run (the old one stays in Recent runs)."""
     app = state()
     app.run_id, app.saved_view, app.saved_steps, app.run_foreign = None, None, 0, False
-    if PARAM in st.query_params:
-        del st.query_params[PARAM]
+    for param in (PARAM, ENGINE_PARAM):  # Reset forgets the Engine tab's run too (AppState.reset)
+        if param in st.query_params:
+            del st.query_params[param]
 
 
 def open_run(run_id: str) -> None:
     """A Recent runs button's callback: the address names the run, which this rerun then opens."""
     st.query_params[PARAM] = run_id
+
+
+def open_engine_run(run_id: str) -> None:
+    """…for an engine run: the address's ?engine= names it, and the Engine tab opens."""
+    st.query_params[ENGINE_PARAM] = run_id
+    st.session_state["view"] = state().open_tabs["view"] = "Engine"
 
 
 def ago(seconds: float) -> str:
@@ -319,9 +348,148 @@ def recent_runs() -> None:
                "or a restart reopens the run in the page's address.")
     now = time.time()
     for record in records:
-        model = record.model.where.rsplit("/", 1)[-1]
-        this = record.run_id == app.run_id
-        label = f"{plain(record.title)} · {record.n_steps} step{'s' if record.n_steps != 1 else ''} · " \
-                f"{plain(model)} · {ago(now - record.updated)}" + (" (this page)" if this else "")
-        sb.button(label, key=f"open_run_{record.run_id}", disabled=this, width="stretch", on_click=open_run,
-                  args=(record.run_id,), help=f"run {record.run_id}, step {record.step} on view {record.view}")
+        engine = record.kind == "engine"
+        this = record.run_id == (app.engine_run_id if engine else app.run_id)
+        label = f"{plain(record.listed_as())} · {ago(now - record.updated)}" + (" (this page)" if this else "")
+        where = (f"engine run {record.run_id}, engine step {record.step}: opens in the Engine tab" if engine else
+                 f"run {record.run_id}, step {record.step} on view {record.view}")
+        sb.button(label, key=f"open_run_{record.run_id}", disabled=this, width="stretch",
+                  on_click=open_engine_run if engine else open_run, args=(record.run_id,), help=where)
+
+
+# -- the Engine tab's run ----------------------------------------------------------------------------------------
+def follow_engine(app: AppState) -> None:
+    """Open the engine run the address's ?engine= names when this session does not hold it (a reload, a restarted
+    server, a click in Recent runs); put this session's own back in the address when it is missing there."""
+    for run_id, why in list(_write_failed.items()):
+        if run_id == app.engine_run_id:
+            del _write_failed[run_id]
+            app.notices.append(("warning", f"This engine run could not be written to the runs folder: {plain(why)}. "
+                                           "It stays on the page until Reset, but a reload will not bring it back."))
+    wanted = st.query_params.get(ENGINE_PARAM)
+    if wanted == app.engine_run_id:
+        return
+    if wanted is None:
+        if app.engine_run_id is not None:
+            st.query_params[ENGINE_PARAM] = app.engine_run_id
+        return
+    store = run_store()
+    if store is None:
+        return
+    view, record = None, None
+    try:
+        run_id = checked_run_id(wanted)
+        writing = _writing.get(run_id)
+        if writing is not None:  # this server is still writing it (a reload within seconds of its run)
+            writing.join(WRITE_WAIT_S)
+        record = store.record(run_id)
+        if record is None:
+            problem = (f"this server keeps no run {run_id}: it keeps the newest {store.settings.keep} runs (and at "
+                       f"most {store.settings.budget_bytes // 2**20:,} MiB of them) in {store.directory}")
+        elif record.kind != "engine":
+            problem = f"run {run_id} is a generation, not an engine run"
+        else:
+            run = store.engine(run_id)
+            problem = "" if run is not None else f"run {run_id} has no {ENGINE_FILE}"
+            if run is not None:
+                view = EngineView(run, record.model.describe(), dict(record.texts))
+    except RunError as e:  # not a run id, or a run.json that is not one of ours
+        problem = str(e)
+    except (TraceFileError, OSError) as e:
+        problem = f"its file is refused: {e}"
+    if view is not None:
+        refused = reserve_memory(engine_bytes=view.nbytes)
+        problem = f"this server has no memory for it now: {refused}" if refused else ""
+    if view is None or problem or record is None:
+        app.notices.append(("error", f"The engine run in the address cannot be opened: {plain(problem)}. Nothing "
+                                     "else changed."))
+        if app.engine_run_id is not None:
+            st.query_params[ENGINE_PARAM] = app.engine_run_id
+        else:
+            del st.query_params[ENGINE_PARAM]
+        return
+    reopen_engine(app, record, view, store)
+
+
+def reopen_engine(app: AppState, record: RunRecord, view: EngineView, store: RunStore) -> None:
+    """``view`` (read from ``record``'s files) on the Engine tab, its form, engine step and picks as they were."""
+    app.engine, app.engine_run_id = view, record.run_id
+    app.engine_foreign = not store.settings.list_all and record.owner != owner_tag(owner_of_page(app))
+    ids = [r.request_id for r in view.run.requests]
+    picks = {key: record.widgets[key] for key in ENGINE_PICKS if key in record.widgets}
+    if picks.get("engine_request") not in ids:
+        picks.pop("engine_request", None)
+    for key, top in (("engine_layer", view.run.pool.n_layer), ("engine_head", view.run.pool.n_head)):
+        if not (isinstance(picks.get(key), int) and 0 <= picks[key] < top):  # type: ignore[operator]
+            picks.pop(key, None)
+    for key in ENGINE_FORM:
+        if key in record.widgets:
+            st.session_state[key] = record.widgets[key]
+    for key, value in picks.items():
+        st.session_state[key] = value
+    step = min(record.step, max(0, len(view.run.steps) - 1))
+    st.session_state["engine_step"] = step
+    app.engine_saved_view = (step, picks)
+    app.notices.append(("success", f"Reopened engine run “{plain(record.title)}” from the runs folder: "
+                                   f"{plain(record.listed_as())}, at engine step {step}."))
+
+
+def keep_engine_run(app: AppState, form: dict[str, object], step: int) -> None:
+    """After the Engine tab ran: the run under a new id in the address, written to the runs folder by a thread of its
+    own (its values take seconds to compress at the largest), the record last."""
+    view = app.engine
+    store = run_store()
+    if view is None or store is None:
+        return
+    run_id = new_run_id()
+    app.engine_run_id, app.engine_foreign, app.engine_saved_view = run_id, False, None
+    st.query_params[ENGINE_PARAM] = run_id
+    widgets = {key: value for key, value in form.items() if isinstance(value, (str, int, float, bool))}
+    record = RunRecord(run_id, app.model, widgets, len(view.run.steps), step, "Engine", time.time(),
+                       owner=owner_tag(owner_of_page(app)), kind="engine", texts=dict(view.texts))
+
+    def write() -> None:
+        try:
+            store.save(record, engine=view.run)
+        except (RunError, OSError, ValueError) as e:
+            _write_failed[run_id] = str(e)
+        finally:
+            _writing.pop(run_id, None)
+
+    thread = threading.Thread(target=write, name=f"gpt-shape-tracer-engine-run-{run_id[:6]}")
+    _writing[run_id] = thread
+    thread.start()
+
+
+def forget_engine_run(app: AppState) -> None:
+    """The Engine tab shows what is not a run of the folder (an opened file): the address names no engine run."""
+    app.engine_run_id, app.engine_foreign, app.engine_saved_view = None, False, None
+    if ENGINE_PARAM in st.query_params:
+        del st.query_params[ENGINE_PARAM]
+
+
+def engine_run_written(run_id: str, timeout: float | None = None) -> bool:
+    """Wait for this server's write of the engine run (tests, and a reopen); True once it is not being written."""
+    thread = _writing.get(run_id)
+    if thread is not None:
+        thread.join(timeout)
+    return run_id not in _writing
+
+
+def save_engine_view(app: AppState, step: int, picks: dict[str, object]) -> None:
+    """The Engine tab's engine step and picks, written to its run's record when they changed (a reload comes back to
+    them). Not another page's run, and not before the run's own write has put its record in place."""
+    if app.engine_run_id is None or app.engine_foreign or app.engine_saved_view == (step, picks):
+        return
+    if app.engine_run_id in _writing:
+        return  # its record is not there yet: the next rerun after the write writes these
+    store = run_store()
+    if store is None:
+        return
+    try:
+        written = store.update_view(app.engine_run_id, step, "Engine",
+                                    {k: v for k, v in picks.items() if isinstance(v, (str, int, float, bool))})
+    except (RunError, OSError):
+        return
+    if written:
+        app.engine_saved_view = (step, dict(picks))

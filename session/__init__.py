@@ -472,6 +472,9 @@ class AppState:
     speculative: SpeculativeDecoding | None = None  # …and its speculative decoding of the first prompt
     cache_class: CacheClassRun | None = None  # the KV cache tab's run of transformers' own cache classes
     engine: EngineView | None = None  # the Engine tab's run (continuous batching on the sidebar's model) or file
+    engine_run_id: str | None = None  # the run the Engine tab's run is kept under (?engine=…; gui/runs.py)
+    engine_foreign: bool = False  # …opened by its id but made by another page: its picks are not written back
+    engine_saved_view: tuple | None = None  # (engine step, picks) last written to its record
     # (step, layer, head, sequence, loss) → HeadGradients, kept so that returning to a head shows it at once
     gradients: Kept = field(default_factory=lambda: Kept(GRADIENTS_KEPT))
     gradient_trace: tuple[tuple, Trace] | None = None  # (step, loss), ∂L/∂x at every hook point
@@ -544,13 +547,14 @@ class AppState:
         stays: it runs the sidebar's model, not this generation, so the first Step after it must not discard it
         (Reset, asked for, does)."""
         gen = new_generation(model, tokenizer, settings)
-        engine = self.engine
-        self.reset()
-        self.generation, self.started_with, self.started_model, self.engine = gen, settings, self.model, engine
+        self.reset(keep_engine=True)
+        self.generation, self.started_with, self.started_model = gen, settings, self.model
         return gen
 
-    def reset(self) -> None:
-        """Forget the generation and every per-run choice; keep the model, the tab and an opened file."""
+    def reset(self, keep_engine: bool = False) -> None:
+        """Forget the generation and every per-run choice; keep the model, the tab and an opened file (and the Engine
+        tab's run with ``keep_engine``: it runs the sidebar's model, not the generation, and a generation's run
+        opened from the runs folder leaves the one in the address's ``?engine=`` in place)."""
         if self.generation is not None:
             self.generation.close()
         self.generation = None
@@ -564,7 +568,8 @@ class AppState:
         self.beams = None
         self.speculative = None
         self.cache_class = None
-        self.engine = None
+        if not keep_engine:
+            self.engine, self.engine_run_id, self.engine_foreign, self.engine_saved_view = None, None, False, None
         self.gradients.clear()
         self.gradient_trace = None
         self.confirm_reset = self.reset_confirmed = False

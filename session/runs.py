@@ -7,6 +7,11 @@ sidebar's settings as their widgets hold them, how many steps ran, the step and 
 ``tracer.load_trace``, which checks every field: nothing in the folder is ever unpickled). The run id is
 ``secrets.token_urlsafe(16)`` (128 random bits) and is checked against its alphabet before it names a path.
 
+An Engine tab's run (continuous batching, ``session.engine``) is a run of the same folder, of kind ``"engine"``:
+its ``run.json`` holds the engine form's values, the engine step and the picks on screen and each request's
+generated text, and ``engine.zip`` holds the run (``tracer.save_engine_run``; read back with
+``tracer.load_engine_run``, which checks every field and the run against itself, within bounded sizes).
+
 The folder is private: created owner-only (0700), every file written owner-only (0600) to a temporary name
 and moved into place, so a reader never sees half a file. It is bounded: the newest ``keep`` runs are kept
 and at most ``budget`` bytes of them (the oldest go first); a trace larger than the whole budget is not
@@ -42,7 +47,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -59,10 +64,14 @@ MiB = 2**20
 CHECKOUT = Path(__file__).resolve().parent.parent  # the folder holding app.py: runs never go in here
 RUN_FILE = "run.json"
 TRACE_FILE = "trace.zip"
+ENGINE_FILE = "engine.zip"  # an engine run's (kind "engine")
+KINDS = ("generation", "engine")
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{22}")  # secrets.token_urlsafe(16): 16 bytes as 22 base64url characters
 OWNER_TAG = re.compile(r"[0-9a-f]{64}")  # owner_tag: a SHA-256 in hex
 MAX_RUN_FILE_BYTES = 256 * 1024  # run.json holds settings and a prompt: anything larger is not one of ours
 MAX_TEXT = 64 * 1024  # one setting's text (the prompt box) at most
+MAX_TEXTS = 64  # an engine run's texts: one per request (tracer.engine.MAX_REQUESTS)
+WRITING_S = 600  # a folder without a record that changed this recently is a run being written: prune leaves it
 
 
 class RunError(ValueError):
@@ -153,14 +162,32 @@ class RunRecord:
     step: int  # the step on screen
     view: str  # the tab on screen
     updated: float  # time.time() of the last write
-    trace_saved: bool = True  # False: the trace was larger than the runs folder's budget
+    trace_saved: bool = True  # False: the trace (an engine run: its attention values) was over the folder's budget
     owner: str = ""  # owner_tag of the page that made it ("": written before runs had owners)
+    # "generation": the sidebar's generation (widgets: the sidebar's settings; steps: its steps; view: the tab);
+    # "engine": the Engine tab's run (widgets: its form and picks; steps: engine steps; view: "Engine")
+    kind: str = "generation"
+    texts: dict[str, str] = field(default_factory=dict)  # an engine run's generated text by request id
 
     @property
     def title(self) -> str:
-        """The run as a list shows it: the prompt's first line, shortened."""
-        prompt = str(self.widgets.get("prompt", "")).strip().split("\n")[0]
+        """The run as a list shows it: the prompt's (an engine run: its first request's) first line, shortened."""
+        prompt = str(self.widgets.get("prompt" if self.kind == "generation" else "engine_requests", ""))
+        prompt = prompt.strip().split("\n")[0]
         return prompt if len(prompt) <= 48 else prompt[:47] + "…"
+
+    @property
+    def requests(self) -> int:
+        """An engine run's requests: the lines of its form's request box (one prompt per line)."""
+        return sum(1 for line in str(self.widgets.get("engine_requests", "")).split("\n") if line.strip())
+
+    def listed_as(self) -> str:
+        """What the run is, as Recent runs lists it: its title, its size and its model."""
+        model = self.model.where.rsplit("/", 1)[-1]
+        if self.kind == "engine":
+            return (f"Engine: {self.title} · {self.requests} request{'s' if self.requests != 1 else ''} · "
+                    f"{self.n_steps} engine step{'s' if self.n_steps != 1 else ''} · {model}")
+        return f"{self.title} · {self.n_steps} step{'s' if self.n_steps != 1 else ''} · {model}"
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "model": self.model.to_json()}, ensure_ascii=False, allow_nan=False)
@@ -188,7 +215,11 @@ class RunRecord:
             n_steps=get("n_steps", int), step=get("step", int), view=get("view", str),
             updated=float(get("updated", (int, float))), trace_saved=get("trace_saved", bool),
             owner=get("owner", str) if "owner" in raw else "",
+            kind=get("kind", str) if "kind" in raw else "generation",
+            texts=_texts(raw.get("texts", {}), run_id),
         )
+        if record.kind not in KINDS:
+            raise RunError(f"run {run_id}: {RUN_FILE} field 'kind' is not one of {', '.join(KINDS)}")
         if record.owner and not OWNER_TAG.fullmatch(record.owner):
             raise RunError(f"run {run_id}: {RUN_FILE} field 'owner' is not an owner tag")
         if record.run_id != run_id:
@@ -214,6 +245,16 @@ def _model(raw: dict, run_id: str) -> ModelChoice:
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _texts(raw: object, run_id: str) -> dict[str, str]:
+    """An engine run's texts: at most ``MAX_TEXTS`` of them, each a request id and a text within ``MAX_TEXT``."""
+    if not isinstance(raw, dict) or len(raw) > MAX_TEXTS:
+        raise RunError(f"run {run_id}: {RUN_FILE} field 'texts' is not an object of at most {MAX_TEXTS} texts")
+    for key, value in raw.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise RunError(f"run {run_id}: {RUN_FILE} text {key[:64]!r} is not a request's text")
+    return dict(raw)
 
 
 def _scalars(raw: object, run_id: str) -> dict[str, Scalar]:
@@ -264,10 +305,12 @@ class RunStore:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def save(self, record: RunRecord, trace=None) -> list[str]:
-        """Write ``record`` (and ``trace``, the generation's, when given and within the budget), then bound the
-        folder. Returns the ids of the runs removed to keep within its bounds."""
-        from gpt_shape_tracer.tracer import save_trace
+    def save(self, record: RunRecord, trace=None, engine=None) -> list[str]:
+        """Write ``record`` (and ``trace``, the generation's, when given and within the budget; or ``engine``, an
+        engine run's ``EngineRun``: whole when its values fit the budget, else without them), then bound the
+        folder. The record goes last: a run is listed only once its files are all in place. Returns the ids of
+        the runs removed to keep within its bounds."""
+        from gpt_shape_tracer.tracer import save_engine_run, save_trace
 
         folder = self.run_dir(record.run_id)
         self._folder()
@@ -278,17 +321,28 @@ class RunStore:
             else:
                 (folder / TRACE_FILE).unlink(missing_ok=True)
                 record = replace(record, trace_saved=False)
+        if engine is not None:
+            if engine.bytes_kept > self.settings.budget_bytes:
+                engine = without_values(engine, self.settings.budget_bytes)
+                record = replace(record, trace_saved=False)
+            self._write_private(folder, ENGINE_FILE, lambda p: save_engine_run(engine, p))
         self._write_private(folder, RUN_FILE, lambda p: p.write_text(record.to_json(), encoding="utf-8"))
         return self.prune(keep=record.run_id)
 
-    def update_view(self, run_id: str, step: int, view: str) -> None:
-        """Rewrite where the person is looking (a small file: the slider and the tabs call this)."""
+    def update_view(self, run_id: str, step: int, view: str, widgets: Mapping[str, Scalar] | None = None) -> bool:
+        """Rewrite where the person is looking (a small file: the sliders, the pickers and the tabs call this),
+        and the ``widgets`` given (an engine run's picks). False when the run has no record (yet: an engine run's
+        is written in the background) or is not one of ours."""
         record = self.record(run_id)
-        if record is None or (record.step, record.view) == (step, view):
-            return
-        updated = replace(record, step=step, view=view, updated=time.time())
+        if record is None:
+            return False
+        merged = {**record.widgets, **(widgets or {})}
+        if (record.step, record.view, record.widgets) == (step, view, merged):
+            return True
+        updated = replace(record, step=step, view=view, widgets=_scalars(merged, run_id), updated=time.time())
         self._write_private(self.run_dir(run_id), RUN_FILE, lambda p: p.write_text(updated.to_json(),
                                                                                     encoding="utf-8"))
+        return True
 
     def _own_folder(self, run_id: str) -> Path:
         """The run's folder; a ``RunError`` when it is a symbolic link (this app never makes one: it would lead out
@@ -340,6 +394,14 @@ class RunStore:
         with f:  # read through the file opened (a link or FIFO put in its place since is refused above)
             return load_trace(self._own_folder(run_id) / TRACE_FILE)
 
+    def engine(self, run_id: str):
+        """The engine run's ``EngineRun`` (``tracer.load_engine_run``: every field and the run's own consistency
+        checked, sizes bounded), or None when none was written."""
+        from gpt_shape_tracer.tracer import load_engine_run
+
+        path = self.run_dir(run_id) / ENGINE_FILE
+        return load_engine_run(path) if path.is_file() else None
+
     def recent(self, limit: int | None = None, owner: str | None = None) -> list[RunRecord]:
         """The runs whose record reads, newest first: those of the owner tag ``owner`` only, unless it is None or
         the folder's settings list every run."""
@@ -369,13 +431,17 @@ class RunStore:
     def prune(self, keep: str | None = None) -> list[str]:
         """Remove the oldest runs beyond the newest ``settings.keep`` and beyond ``settings.budget_bytes``
         together (``keep``, the run just written, is never removed). A folder without a readable record is
-        removed first: it is not a run this app can open."""
+        removed first: it is not a run this app can open — unless a file in it changed in the last
+        ``WRITING_S`` seconds: a run being written (an engine run's file takes seconds, in a thread of its own,
+        and its record goes last), which another page's save must not take away."""
         by_age: list[tuple[float, str]] = []
         for run_id in self._ids():
             try:
                 record = self.record(run_id)
             except RunError:
                 record = None
+            if record is None and run_id != keep and self._being_written(run_id):
+                continue
             by_age.append((record.updated if record is not None else -math.inf, run_id))
         by_age.sort(reverse=True)  # newest first
         removed, total, kept = [], 0, 0
@@ -388,5 +454,24 @@ class RunStore:
             removed.append(run_id)
         return removed
 
+    def _being_written(self, run_id: str) -> bool:
+        """Whether the run's folder or a file in it changed within the last ``WRITING_S`` seconds."""
+        folder = self.run_dir(run_id)
+        try:
+            changed = max([folder.stat().st_mtime, *(p.stat().st_mtime for p in folder.iterdir())])
+        except OSError:
+            return False
+        return changed > time.time() - WRITING_S
+
     def delete(self, run_id: str) -> None:
         shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
+
+
+def without_values(run, budget_bytes: int):
+    """``run`` (an ``EngineRun``) without its attention values, a note saying why: what the runs folder writes of a
+    run whose values are larger than its whole budget (its pool, requests and steps are small)."""
+    from gpt_shape_tracer.tracer import EngineRun
+
+    note = (f"Its attention values ({run.bytes_kept:,} B) were larger than the runs folder's budget "
+            f"({budget_bytes:,} B) and were not written: the attention view is empty.")
+    return EngineRun(run.pool, run.requests, run.steps, {}, run.budget_bytes, (*run.notes, note))

@@ -1,7 +1,8 @@
 """The Engine tab in headless Chromium: three requests submitted (two sharing a prefix, one arriving at engine step 3)
 on the bundled model (its files run through transformers), the engine step slider stepped with the keyboard, and the
 pool grid's column read back from the page's own plotly data — equal to the page's metrics and to the same run traced
-here. ``SAVE_SCREENSHOTS=1`` (or ``engine``) also writes docs/images/engine-1600.png and engine-1280.png."""
+here; then a reload brings the run back from the runs folder with the same numbers. ``SAVE_SCREENSHOTS=1`` (or
+``engine``) also writes docs/images/engine-1600.png and engine-1280.png."""
 
 from __future__ import annotations
 
@@ -43,9 +44,13 @@ def expected():
 POOL_COLUMN = """(step) => {
     const plot = Array.from(document.querySelectorAll('.js-plotly-plot'))
         .find(d => String(d.layout && d.layout.title && d.layout.title.text).includes('page pool'));
-    const heat = plot.data.find(t => t.type === 'heatmap');
-    const col = heat.x.indexOf(step);
-    return heat.z.map(row => row[col]);
+    // the cells as plotly.js drew them (they arrive packed, a numpy array: _fullData holds them decoded)
+    const heat = plot._fullData.find(t => t.type === 'heatmap');
+    const col = Array.from(heat.x).indexOf(step);
+    return Array.from(heat._z || heat.z, row => {
+        const z = row[col];
+        return z === undefined || Number.isNaN(z) ? null : z;  // a free page: a gap
+    });
 }"""
 
 
@@ -103,4 +108,15 @@ def test_three_requests_stepped_through_and_the_pool_grid_read_back(expected):
                     assert shown_step(page) == step + 1
                 assert len(seen) >= 2
                 assert any(s.shared for s in expected.steps)
+                if width == 1600:  # a reload: the run comes back from the runs folder (?engine= in the address)
+                    assert "engine=" in page.url
+                    page.reload(wait_until="domcontentloaded")
+                    wait_settled(page)
+                    page.get_by_text("Reopened engine run").first.wait_for(timeout=60_000)
+                    step = shown_step(page)
+                    s = expected.steps[step]
+                    column = page.evaluate(POOL_COLUMN, step)
+                    assert sum(1 for z in column if z is not None and z >= 1) == s.pages_in_use
+                    assert int(metric(page, "held after this step").split()[0]) == s.pages_in_use
+                    assert page.get_by_text("engine steps on a pool of").first.inner_text() == takeaway
                 assert not errors, errors

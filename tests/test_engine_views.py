@@ -5,6 +5,7 @@ random Llama; then the app's Engine tab (AppTest) on the same directory."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import tempfile
@@ -81,7 +82,7 @@ def test_the_pool_grid_holds_each_steps_records(runs, name):
             elif page in s.cached:
                 assert z == 0
             else:
-                assert z is None  # free: an empty cell
+                assert math.isnan(z)  # free: an empty cell (NaN is a gap to plotly.js, as None was)
         # every page the ledger counts as shared is a cell marked ×k with k its holders (table entries can
         # outnumber the ledger's count only for a page shared by more than one request of the same table)
         assert sorted(grid.shared(col)) == sorted(s.shared)
@@ -205,6 +206,37 @@ def test_the_attention_is_drawn_over_logical_positions_with_the_page_boundaries(
             assert labels == [f"page {p}" for p in table[:math.ceil(length / page)]]
             said = views.attention_caption(run, s.step, part.request_id, 1)
             assert f"over its {length} logical positions" in said
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_engine_figure_is_the_same_with_and_without_plotlys_checks(runs, name, monkeypatch):
+    """The engine figures give plotly their traces as dicts and numpy arrays (fast: plotly checks and copies a
+    Python list cell by cell, figures/engine.py); built with plotly's checks on, the same dicts are checked and
+    normalised — what reaches the browser must be the same either way, step by step, for every request."""
+    from gpt_shape_tracer.figures.plot import VALIDATE_ENV
+    from tests.test_app import unpack
+
+    run = runs[name]
+    step = len(run.steps) // 2
+    builders = {"timeline": lambda: views.timeline_figure(run, step), "memory": lambda: views.memory_figure(run, step),
+                "grid": lambda: views.pool_grid_figure(run)}
+    for part in run.steps[step].requests:
+        rid = part.request_id
+        builders[f"pool, {rid}"] = lambda rid=rid: views.pool_grid_figure(run, step, rid)
+        builders[f"attention, {rid}"] = lambda rid=rid: views.attention_figure(run, step, rid, 1, 1)
+
+    def sent(make) -> dict:
+        spec = unpack(json.loads(make().to_json()))  # numpy data as the browser decodes it
+        for key in ("shapes", "annotations"):  # an empty list unchecked, absent checked: the same drawing
+            if spec["layout"].get(key) == []:
+                del spec["layout"][key]
+        return spec
+
+    monkeypatch.setenv(VALIDATE_ENV, "1")
+    checked = {key: sent(make) for key, make in builders.items()}
+    monkeypatch.setenv(VALIDATE_ENV, "0")
+    for key, make in builders.items():
+        assert sent(make) == checked[key], key
 
 
 # -- the app ------------------------------------------------------------------------------------------------------

@@ -1,9 +1,32 @@
 """Files: ``save_trace`` / ``load_trace`` write and check trace archives; ``Limits`` bounds what a file may
-claim before anything is read or allocated.
+claim before anything is read or allocated. ``read_zip_members`` and the declared checks (``Obj``, ``ListOf``,
+``Int`` …, the manifest's schema language) are what ``tracer.engine`` reads its engine-run files with too.
 
 Private: ``_io`` (the format), ``_schema`` (the manifest's declared checks)."""
 
-from gpt_shape_tracer.tracer.files._io import FORMAT, LIMITS, VERSION, Limits, archive_bytes, load_trace, save_trace
-from gpt_shape_tracer.tracer.files._schema import TraceFileError
+from gpt_shape_tracer.tracer.files._io import (
+    FORMAT,
+    LIMITS,
+    VERSION,
+    Limits,
+    archive_bytes,
+    load_trace,
+    read_zip_members,
+    save_trace,
+)
+from gpt_shape_tracer.tracer.files._schema import (
+    Bool,
+    Check,
+    Int,
+    ListOf,
+    Maybe,
+    Obj,
+    OneOf,
+    Str,
+    Then,
+    TraceFileError,
+    TupleOf,
+)
 
-__all__ = ["FORMAT", "LIMITS", "VERSION", "Limits", "TraceFileError", "archive_bytes", "load_trace", "save_trace"]
+__all__ = ["FORMAT", "LIMITS", "VERSION", "Bool", "Check", "Int", "Limits", "ListOf", "Maybe", "Obj", "OneOf", "Str",
+           "Then", "TraceFileError", "TupleOf", "archive_bytes", "load_trace", "read_zip_members", "save_trace"]

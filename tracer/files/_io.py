@@ -392,27 +392,39 @@ def _read_stream(f: IO[bytes], name: str, declared: int, limit: int) -> bytearra
     return data
 
 
+def read_zip_members(source: Path | bytes, allowed: dict[str, int], limits: Limits = LIMITS,
+                     kind: str = "trace archive") -> dict[str, bytearray]:
+    """The members of the zip archive ``source`` (a path or its bytes), each one a name of ``allowed`` and within
+    its limit there: checked from the archive's directory before anything is inflated (no other member, none twice,
+    none encrypted, none over its limit or over ``limits.ratio`` compressed), then read no further than it declares.
+    A ``TraceFileError`` (naming ``kind``) for anything else. Trace files and engine runs (``tracer.engine``) both
+    read their archives through this."""
+    files: dict[str, bytearray] = {}
+    try:
+        with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as zf:
+            infos = zf.infolist()
+            names = [i.filename for i in infos]
+            for info in infos:
+                _check_member(info, allowed, limits, names)
+            for info in infos:
+                with zf.open(info) as f:
+                    files[info.filename] = _read_stream(f, info.filename, info.file_size, allowed[info.filename])
+    except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile, NotImplementedError) as e:
+        raise TraceFileError(f"not a readable {kind} ({e})") from None
+    except RuntimeError as e:  # zipfile raises RuntimeError for an encrypted member
+        raise TraceFileError(f"the archive cannot be read ({e})") from None
+    except (OSError, ValueError) as e:
+        if isinstance(e, TraceFileError):
+            raise
+        raise TraceFileError(f"the {kind} is damaged ({e})") from None
+    return files
+
+
 def _read_members(source: Path | bytes, limits: Limits) -> dict[str, bytearray]:
     allowed = _member_limits(limits)
     files: dict[str, bytearray] = {}
     if isinstance(source, (bytes, bytearray)) or source.is_file():
-        try:
-            with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as zf:
-                infos = zf.infolist()
-                names = [i.filename for i in infos]
-                for info in infos:
-                    _check_member(info, allowed, limits, names)
-                for info in infos:
-                    with zf.open(info) as f:
-                        files[info.filename] = _read_stream(f, info.filename, info.file_size, allowed[info.filename])
-        except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile, NotImplementedError) as e:
-            raise TraceFileError(f"not a readable trace archive ({e})") from None
-        except RuntimeError as e:  # zipfile raises RuntimeError for an encrypted member
-            raise TraceFileError(f"the archive cannot be read ({e})") from None
-        except (OSError, ValueError) as e:
-            if isinstance(e, TraceFileError):
-                raise
-            raise TraceFileError(f"the trace archive is damaged ({e})") from None
+        files = read_zip_members(source, allowed, limits)
     elif source.is_dir():
         for name in MEMBERS:
             member = source / name
