@@ -91,7 +91,8 @@ def run(app: AppState) -> None:
         st.info("Press **Step** (top of the sidebar) to run the prompt: step 0 runs the whole prompt (the "
                 "prefill), every further step one new token.")
         # the Engine runs the model, not a generation; an engine run on the page (one reopened by a reload) opens it
-        tabs = st.tabs(["Worked example", "Engine", "Export"], default="Engine" if app.engine is not None else None)
+        tabs = st.tabs(["Worked example", "Engine", "Export"],
+                       default="Engine" if app.engine.view is not None else None)
         with tabs[0]:
             worked_tab()
         with tabs[1]:

@@ -308,7 +308,7 @@ def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: i
     per (step, layer, head, sequence, loss): coming back to a head shows it again at once."""
     app = state()
     wanted = (step, layer, head, batch, loss)
-    kept = app.gradients
+    kept = app.live.gradients
     if kept.get(wanted) is None:
         try:
             with st.spinner("forward and backward…"):
@@ -368,17 +368,17 @@ def gradient_capture(gen, step: int, loss: str) -> None:
             return
         try:
             with st.spinner("forward and backward…"):
-                app.gradient_trace = (wanted, gradient_trace(gen, step, loss))
+                app.live.gradient_trace = (wanted, gradient_trace(gen, step, loss))
         except ValueError as e:
-            app.gradient_trace = None
+            app.live.gradient_trace = None
             st.error(plain(e))
             return
         finally:
             reserve_memory()  # what it holds now, not the budget
-    if app.gradient_trace is None or app.gradient_trace[0] != wanted:
+    if app.live.gradient_trace is None or app.live.gradient_trace[0] != wanted:
         st.caption(f"Press the button to record step {step}'s gradients for L = {loss}.")
         return
-    grads = app.gradient_trace[1]
+    grads = app.live.gradient_trace[1]
     note = grads.value_note(grads.records[0]) if grads.records else "the backward pass reached no hook point"
     st.caption(plain(note))
     table = grads.to_frame(0)
@@ -439,7 +439,7 @@ def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, sho
     queries = query_labels(trace, step, batch)
     # keyed by step and sequence: the query rows differ between steps (n0 at the prefill, 1 after); the pick
     # per step is remembered in the app state, since Streamlit forgets a widget that was not drawn
-    picks = state().query_picks
+    picks = state().live.query_picks
     remembered = picks.get((step, batch), len(queries) - 1)
     index = remembered if remembered < len(queries) else len(queries) - 1
     if len(queries) <= attn_views.QUERY_ROW_LIMIT:
@@ -513,7 +513,7 @@ def heads_grid(trace: Trace, step: int, batch: int, picked: tuple[int, int]) -> 
 
 def scores_for(model) -> dict:
     """Head scores of ``model``, computed once per model and process (a probe forward)."""
-    gen = state().generation
+    gen = state().live.generation
     return cached_head_scores(identity_of(model).weights_digest, first_token(gen.tokenizer if gen else None), model)
 
 

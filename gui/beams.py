@@ -57,14 +57,14 @@ def beams_section(gen) -> None:
             return
         try:
             with st.spinner("searching…"):
-                app.beams = beam_run(gen.model, gen.tokenizer, gen.info.prompts, int(k), int(new), float(penalty),
+                app.live.beams = beam_run(gen.model, gen.tokenizer, gen.info.prompts, int(k), int(new), float(penalty),
                                      EARLY[early])
         except BeamSearchError as e:
             st.error(inert(e))
             return
         finally:
             reserve_memory()  # what the runs keep, now this one is done
-    run = app.beams
+    run = app.live.beams
     if run is None:
         st.caption("Beam search keeps the k best hypotheses per prompt instead of one token per step: every step "
                    "ranks the 2k best continuations of all k beams, and when a surviving beam continues another "
@@ -117,14 +117,14 @@ def speculative_section(gen) -> None:
             if source != LOOKUP:
                 assistant, _ = loaded_model(ModelChoice("bundled", source.removeprefix("the bundled ")))
             with st.spinner("drafting and verifying…"):
-                app.speculative = speculative_run(gen.model, gen.tokenizer, gen.info.prompts[0], int(new),
+                app.live.speculative = speculative_run(gen.model, gen.tokenizer, gen.info.prompts[0], int(new),
                                                   int(draft), assistant=assistant, schedule=schedule)
         except (SpeculativeError, ModelLoadError) as e:
             st.error(inert(e))
             return
         finally:
             reserve_memory()  # what the runs keep, now this one is done
-    run = app.speculative
+    run = app.live.speculative
     if run is None:
         st.caption("Speculative decoding lets a cheap source draft several tokens (a small model sharing the "
                    "vocabulary, or the prompt itself: prompt lookup), checks them all in one forward of the main "

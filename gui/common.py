@@ -244,16 +244,16 @@ def status(settings: Settings | None, refused: SettingsError | None) -> bool:
             st.error(f"The selected model cannot be loaded: {plain(e)}")
             app.model = DEFAULT_MODEL
             return False
-    gen = app.generation
+    gen = app.live.generation
     if gen is not None and not app.viewing_file and app.model_changed:
         st.info(f"You chose {plain(app.model.describe())}; this generation runs "
-                f"{plain((app.started_model or app.model).describe())} and Step continues it so. "
+                f"{plain((app.live.started_model or app.model).describe())} and Step continues it so. "
                 "Reset starts a new generation with the model you chose.")
     if refused is not None:
         st.warning(f"These settings cannot be used: {plain(refused)}"
                    + (" — Step keeps continuing the current generation with its own settings." if gen else ""))
     if gen is not None and not app.viewing_file:
-        if settings is not None and settings != app.started_with:
+        if settings is not None and settings != app.live.started_with:
             st.info("The settings changed since this generation started: Step continues it as it was; "
                     "Reset applies the new settings.")
         if gen.trace.error is not None:
@@ -268,7 +268,7 @@ def file_controls(app: AppState) -> None:
     if app.loaded is None:
         return
     name = plain(app.loaded.file_name)
-    live = app.generation is not None and app.generation.n_steps > 0
+    live = app.live.generation is not None and app.live.generation.n_steps > 0
     cols = st.columns([6, 2, 1])
     if app.viewing_file:
         cols[0].info(f"Viewing the trace file {name}. Step or Run N go on with the live generation; the file stays "
@@ -337,7 +337,7 @@ def banners(trace: Trace, step: int) -> None:
     active = trace.steps[step].interventions
     if active:
         st.warning("Interventions in force at this step: " + "; ".join(plain(i.describe()) for i in active))
-    gen = state().generation
+    gen = state().live.generation
     if gen is not None and not state().viewing_file and gen.interventions and not active:
         st.warning("Later steps will run with: " + "; ".join(plain(i.describe()) for i in gen.interventions))
 

@@ -34,7 +34,7 @@ def compare_tab(trace: Trace, step: int) -> None:
             if refusal:
                 st.error(f"{plain(upload.name)} was not compared: {refusal}")
                 return
-            app.comparison = Comparison(f"the file {upload.name}", loaded, diff_traces(trace, loaded))
+            app.live.comparison = Comparison(f"the file {upload.name}", loaded, diff_traces(trace, loaded))
     # the reruns are offered only with a live generation (options above)
     elif gen is not None and st.button("Run it and compare", key="compare_run", type="primary"):
         toggle_cache = not other.endswith("switched off")
@@ -44,15 +44,15 @@ def compare_tab(trace: Trace, step: int) -> None:
             st.warning("Choose heads under What if → Switch heads off first.")
             return
         # the rerun keeps up to the generation's budget of values, held beside this run once it is done
-        refusal = reserve_memory(comparison_bytes=app.started_with.budget_bytes if app.started_with
+        refusal = reserve_memory(comparison_bytes=app.live.started_with.budget_bytes if app.live.started_with
                                  else trace.budget_bytes)
         if refusal:
             st.error(f"Not run: {refusal}")
             return
         with st.spinner("running…"):
-            app.comparison = rerun_and_compare(gen, trace, other, app.started_with, toggle_cache=toggle_cache,
+            app.live.comparison = rerun_and_compare(gen, trace, other, app.live.started_with, toggle_cache=toggle_cache,
                                                heads_off=heads_off, how=st.session_state.get("ablate_how", "zero"))
-    comparison = app.comparison
+    comparison = app.live.comparison
     if comparison is None:
         return
     frame = comparison.frame

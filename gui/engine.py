@@ -83,7 +83,7 @@ def engine_tab(trace: Trace | None = None, step: int = 0) -> None:
                                   "saved here", type=["zip"], key="engine_file")
         if upload is not None and st.button("Open it", key="engine_open"):
             open_file(app, upload)
-    view = app.engine
+    view = app.engine.view
     if view is None:
         return
     engine_views(view)
@@ -139,13 +139,13 @@ def run_it(app, requests: str, arrivals: str, page_size: int, pages: int, batch:
         st.error(f"The engine refused or stopped: {plain(e)}")
         reserve_memory()
         return
-    app.engine = view_of(run, tokenizer, app.model.describe())
+    app.engine.view = view_of(run, tokenizer, app.model.describe())
     reserve_memory()  # the pool is gone: what the run keeps
-    st.session_state["engine_step"] = peak_step(app.engine)
+    st.session_state["engine_step"] = peak_step(app.engine.view)
     form_values = dict(zip(("engine_requests", "engine_arrivals", "engine_page_size", "engine_pages",
                             "engine_batch_tokens", "engine_new_tokens"),
                            (requests, arrivals, page_size, pages, batch, new)))
-    keep_engine_run(app, form_values, peak_step(app.engine))  # a reload brings it back (gui/runs.py)
+    keep_engine_run(app, form_values, peak_step(app.engine.view))  # a reload brings it back (gui/runs.py)
 
 
 def open_file(app, upload) -> None:
@@ -154,14 +154,14 @@ def open_file(app, upload) -> None:
         st.error(refused)
         return
     try:
-        app.engine = open_engine_file(upload.getvalue(), upload.name)
+        app.engine.view = open_engine_file(upload.getvalue(), upload.name)
     except TraceFileError as e:
         st.error(f"Could not open {plain(upload.name)}: {plain(e)}")
         return
     finally:
         reserve_memory()
     forget_engine_run(app)  # the file is not a run of the runs folder: the person holds it
-    st.session_state["engine_step"] = peak_step(app.engine)
+    st.session_state["engine_step"] = peak_step(app.engine.view)
 
 
 def peak_step(view: EngineView) -> int:

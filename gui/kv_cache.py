@@ -112,10 +112,10 @@ def cheaper_cache() -> None:
     if cols[2].button("Run both", key="kv_storage_run", type="primary"):
         try:
             with st.spinner("running both caches…"):
-                app.precision = cache_precision(gen, storage, steps)
+                app.live.precision = cache_precision(gen, storage, steps)
         except ValueError as e:
             st.error(plain(e))
-    run = app.precision
+    run = app.live.precision
     if run is None:
         st.caption("Choose a format and the number of steps, then run.")
         return
@@ -162,12 +162,12 @@ def cache_classes() -> None:
             return
         try:
             with st.spinner(f"decoding with the {choice} cache…"):
-                app.cache_class = cache_class_run(gen.model, gen.tokenizer, gen.info.prompts[0], choice, steps)
+                app.live.cache_class = cache_class_run(gen.model, gen.tokenizer, gen.info.prompts[0], choice, steps)
         except CacheClassError as e:
             st.error(plain(e))
         finally:
             reserve_memory()  # what the run keeps, now it is done
-    run = app.cache_class
+    run = app.live.cache_class
     if run is None:
         st.caption("Choose a class and the number of steps, then run.")
         return

@@ -208,7 +208,7 @@ def finish_restoring(app: AppState) -> None:
     if record is None or app.steps_owed:
         return
     app.restoring = None
-    gen = app.generation
+    gen = app.live.generation
     store = run_store()
     if store is None:
         return
@@ -243,7 +243,7 @@ def finish_restoring(app: AppState) -> None:
 
 def save_run(app: AppState, values: dict[str, object]) -> None:
     """After steps: write the generation under its run id (a new id, put in the address, for a new one)."""
-    gen = app.generation
+    gen = app.live.generation
     if gen is None or not gen.n_steps or gen.n_steps == app.saved_steps or app.restoring is not None:
         return
     store = run_store()
@@ -258,7 +258,7 @@ def save_run(app: AppState, values: dict[str, object]) -> None:
         st.query_params[PARAM] = app.run_id
     step = min(st.session_state.get("step_view", gen.n_steps - 1), gen.n_steps - 1)
     view = view_on_screen(app)
-    record = RunRecord(app.run_id, app.started_model or app.model, dict(app.run_widgets), gen.n_steps,
+    record = RunRecord(app.run_id, app.live.started_model or app.model, dict(app.run_widgets), gen.n_steps,
                        step, view, time.time(), owner=owner_tag(owner_of_page(app)))
     try:
         store.save(record, gen.trace)
@@ -349,7 +349,7 @@ def recent_runs() -> None:
     now = time.time()
     for record in records:
         engine = record.kind == "engine"
-        this = record.run_id == (app.engine_run_id if engine else app.run_id)
+        this = record.run_id == (app.engine.run_id if engine else app.run_id)
         label = f"{plain(record.listed_as())} · {ago(now - record.updated)}" + (" (this page)" if this else "")
         where = (f"engine run {record.run_id}, engine step {record.step}: opens in the Engine tab" if engine else
                  f"run {record.run_id}, step {record.step} on view {record.view}")
@@ -362,16 +362,16 @@ def follow_engine(app: AppState) -> None:
     """Open the engine run the address's ?engine= names when this session does not hold it (a reload, a restarted
     server, a click in Recent runs); put this session's own back in the address when it is missing there."""
     for run_id, why in list(_write_failed.items()):
-        if run_id == app.engine_run_id:
+        if run_id == app.engine.run_id:
             del _write_failed[run_id]
             app.notices.append(("warning", f"This engine run could not be written to the runs folder: {plain(why)}. "
                                            "It stays on the page until Reset, but a reload will not bring it back."))
     wanted = st.query_params.get(ENGINE_PARAM)
-    if wanted == app.engine_run_id:
+    if wanted == app.engine.run_id:
         return
     if wanted is None:
-        if app.engine_run_id is not None:
-            st.query_params[ENGINE_PARAM] = app.engine_run_id
+        if app.engine.run_id is not None:
+            st.query_params[ENGINE_PARAM] = app.engine.run_id
         return
     store = run_store()
     if store is None:
@@ -403,8 +403,8 @@ def follow_engine(app: AppState) -> None:
     if view is None or problem or record is None:
         app.notices.append(("error", f"The engine run in the address cannot be opened: {plain(problem)}. Nothing "
                                      "else changed."))
-        if app.engine_run_id is not None:
-            st.query_params[ENGINE_PARAM] = app.engine_run_id
+        if app.engine.run_id is not None:
+            st.query_params[ENGINE_PARAM] = app.engine.run_id
         else:
             del st.query_params[ENGINE_PARAM]
         return
@@ -413,8 +413,8 @@ def follow_engine(app: AppState) -> None:
 
 def reopen_engine(app: AppState, record: RunRecord, view: EngineView, store: RunStore) -> None:
     """``view`` (read from ``record``'s files) on the Engine tab, its form, engine step and picks as they were."""
-    app.engine, app.engine_run_id = view, record.run_id
-    app.engine_foreign = not store.settings.list_all and record.owner != owner_tag(owner_of_page(app))
+    app.engine.view, app.engine.run_id = view, record.run_id
+    app.engine.foreign = not store.settings.list_all and record.owner != owner_tag(owner_of_page(app))
     ids = [r.request_id for r in view.run.requests]
     picks = {key: record.widgets[key] for key in ENGINE_PICKS if key in record.widgets}
     if picks.get("engine_request") not in ids:
@@ -429,7 +429,7 @@ def reopen_engine(app: AppState, record: RunRecord, view: EngineView, store: Run
         st.session_state[key] = value
     step = min(record.step, max(0, len(view.run.steps) - 1))
     st.session_state["engine_step"] = step
-    app.engine_saved_view = (step, picks)
+    app.engine.saved_view = (step, picks)
     app.notices.append(("success", f"Reopened engine run “{plain(record.title)}” from the runs folder: "
                                    f"{plain(record.listed_as())}, at engine step {step}."))
 
@@ -437,12 +437,12 @@ def reopen_engine(app: AppState, record: RunRecord, view: EngineView, store: Run
 def keep_engine_run(app: AppState, form: dict[str, object], step: int) -> None:
     """After the Engine tab ran: the run under a new id in the address, written to the runs folder by a thread of its
     own (its values take seconds to compress at the largest), the record last."""
-    view = app.engine
+    view = app.engine.view
     store = run_store()
     if view is None or store is None:
         return
     run_id = new_run_id()
-    app.engine_run_id, app.engine_foreign, app.engine_saved_view = run_id, False, None
+    app.engine.run_id, app.engine.foreign, app.engine.saved_view = run_id, False, None
     st.query_params[ENGINE_PARAM] = run_id
     widgets = {key: value for key, value in form.items() if isinstance(value, (str, int, float, bool))}
     record = RunRecord(run_id, app.model, widgets, len(view.run.steps), step, "Engine", time.time(),
@@ -463,7 +463,7 @@ def keep_engine_run(app: AppState, form: dict[str, object], step: int) -> None:
 
 def forget_engine_run(app: AppState) -> None:
     """The Engine tab shows what is not a run of the folder (an opened file): the address names no engine run."""
-    app.engine_run_id, app.engine_foreign, app.engine_saved_view = None, False, None
+    app.engine.run_id, app.engine.foreign, app.engine.saved_view = None, False, None
     if ENGINE_PARAM in st.query_params:
         del st.query_params[ENGINE_PARAM]
 
@@ -479,17 +479,17 @@ def engine_run_written(run_id: str, timeout: float | None = None) -> bool:
 def save_engine_view(app: AppState, step: int, picks: dict[str, object]) -> None:
     """The Engine tab's engine step and picks, written to its run's record when they changed (a reload comes back to
     them). Not another page's run, and not before the run's own write has put its record in place."""
-    if app.engine_run_id is None or app.engine_foreign or app.engine_saved_view == (step, picks):
+    if app.engine.run_id is None or app.engine.foreign or app.engine.saved_view == (step, picks):
         return
-    if app.engine_run_id in _writing:
+    if app.engine.run_id in _writing:
         return  # its record is not there yet: the next rerun after the write writes these
     store = run_store()
     if store is None:
         return
     try:
-        written = store.update_view(app.engine_run_id, step, "Engine",
+        written = store.update_view(app.engine.run_id, step, "Engine",
                                     {k: v for k, v in picks.items() if isinstance(v, (str, int, float, bool))})
     except (RunError, OSError):
         return
     if written:
-        app.engine_saved_view = (step, dict(picks))
+        app.engine.saved_view = (step, dict(picks))

@@ -177,7 +177,8 @@ def device_choice(sb) -> str:
             st.session_state["model_device"] = check_device(requested)  # "cuda" is "cuda:0"
         except SettingsError as e:
             st.session_state["model_device"] = current if current in offered else "cpu"
-            kept = "the current generation and its steps are kept" if app.generation is not None else "nothing changed"
+            kept = ("the current generation and its steps are kept" if app.live.generation is not None
+                    else "nothing changed")
             app.notices.append(("error", f"Device refused — {plain(e)}. The model stays on "
                                          f"{st.session_state['model_device']}; {kept}."))
     return sb.selectbox("Device", list(offered), key="model_device",
@@ -251,7 +252,7 @@ def choose_model(choice: ModelChoice, loaded: str) -> None:
     like every other setting, and an opened file stays open: choosing a model discards nothing."""
     app = state()
     app.model = choice
-    if app.generation is None:
+    if app.live.generation is None:
         if loaded:
             app.notices = [("success", loaded)]
         return
@@ -264,7 +265,7 @@ def choose_model(choice: ModelChoice, loaded: str) -> None:
 def ask_reset() -> None:
     """Reset's callback: with steps to discard it asks first (``reset_confirmation``), else it resets."""
     app = state()
-    gen = app.generation
+    gen = app.live.generation
     if gen is not None and gen.n_steps:
         app.confirm_reset = True
     else:
@@ -282,7 +283,7 @@ def reset_confirmation(sb) -> bool:
     if app.reset_confirmed:
         app.reset_confirmed = False
         return True
-    gen = app.generation
+    gen = app.live.generation
     if not app.confirm_reset or gen is None or not gen.n_steps:
         app.confirm_reset = False
         return False
@@ -317,7 +318,7 @@ def advance(n_raw: object, settings: Settings | None, refused: SettingsError | N
     notices = []
     try:
         n = parse_run_steps(n_raw)
-        gen = app.generation
+        gen = app.live.generation
         if gen is None:
             if refused is not None:
                 raise refused

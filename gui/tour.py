@@ -62,7 +62,7 @@ def plan(trace: Trace) -> tuple[Stop, ...]:
             scores = None  # your own without our hook points): the tour names no head rather than failing
     app = state()
     return tour_stops(tour_context(trace, scores, live=model is not None, caches=model is not None and caches(model),
-                                   engine=app.engine.run if app.engine is not None else None,
+                                   engine=app.engine.view.run if app.engine.view is not None else None,
                                    engine_refused=engine_refused(app, model)))
 
 
@@ -91,7 +91,7 @@ def go(index: int, stop: Stop) -> None:
         if stop.tab == "Attention":
             app.pending_head = (layer, head)  # applied by the Attention tab's pickers
             if stop.query is not None and stop.step is not None:
-                app.query_picks[(stop.step, 0)] = stop.query  # the query picker's remembered pick (sequence 0)
+                app.live.query_picks[(stop.step, 0)] = stop.query  # the query picker's remembered pick (sequence 0)
         elif stop.tab == "Causal mask":
             st.session_state["mask_layer"], st.session_state["mask_head"] = layer, head
     if stop.engine_step is not None:

@@ -61,8 +61,9 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
     if st.button("Re-run this step with these heads switched off", key="ablate_run", disabled=not chosen,
                  type="primary"):
         with st.spinner("re-running…"):
-            app.ablations.keep(wanted, ablation_run(gen, step, model, interventions, on_prompt=text == "the prompt"))
-    res = app.ablations.get(wanted)  # kept per (step, heads, how, text): returning to them brings it back
+            app.live.ablations.keep(wanted, ablation_run(gen, step, model, interventions,
+                                                         on_prompt=text == "the prompt"))
+    res = app.live.ablations.get(wanted)  # kept per (step, heads, how, text): returning to them brings it back
     if res is None:
         st.caption("Pick heads, then re-run: the step runs again from the same cache with them switched off, and "
                    "the loss on a text is measured with and without. Nothing in the generation changes.")
@@ -109,11 +110,11 @@ def patching_section(trace: Trace, model, gen: TracedGeneration | None) -> None:
             bar.progress(f, text=f"patching… {f:.0%}")
 
         try:
-            app.patching = patching_run(model, tok, clean, corrupted,
+            app.live.patching = patching_run(model, tok, clean, corrupted,
                                         "resid_pre" if kind.startswith("the residual") else "z", progress=progress)
         finally:
             holder.empty()
-    run = app.patching
+    run = app.live.patching
     if run is None:
         return
     res = run.result
@@ -150,7 +151,7 @@ def lens_section(trace: Trace, step: int, model) -> None:
     facts = facts_of(trace)
     row = st.selectbox("sequence", list(range(facts.batch_size)), key="lens_row",
                        persist_state="page") if facts.batch_size > 1 else 0
-    gen = state().generation
+    gen = state().live.generation
     tok = gen.tokenizer if gen is not None else None
     try:
         frame = logit_lens(trace, step, row, model=model, label=tok.token_label if tok else None)

@@ -449,21 +449,13 @@ class Kept:
 
 
 @dataclass
-class AppState:
-    """Everything one browser session keeps between reruns (widget values aside, which Streamlit keeps)."""
+class LiveRun:
+    """The live generation and everything run on it: Reset replaces the whole of it (one assignment)."""
 
-    model: ModelChoice = DEFAULT_MODEL  # the sidebar's choice
     generation: TracedGeneration | None = None
     started_with: Settings | None = None  # the settings the generation started with
     started_model: ModelChoice | None = None  # the model the generation started with (a new choice waits for Reset)
-    loaded: LoadedTrace | None = None  # an opened trace file, kept until closed
-    showing_file: bool = False  # whether the tabs show the file (else the live generation)
-    notices: list[tuple[str, str]] = field(default_factory=list)  # (level, message) for the next rerun
     query_picks: dict[tuple[int, int], int] = field(default_factory=dict)  # (step, sequence) → query row
-    inspect_name: str | None = None  # the record the Inspector opens
-    open_tabs: dict[str, str] = field(default_factory=dict)  # tabs' key → the open one, kept while none are drawn
-    last_upload_id: str | None = None
-    pending_head: tuple[int, int] | None = None  # a head clicked on the grid, applied before the pickers draw
     ablations: Kept = field(default_factory=Kept)  # (step, heads, how, loss text) → AblationResult
     patching: PatchingRun | None = None
     comparison: Comparison | None = None
@@ -471,13 +463,42 @@ class AppState:
     beams: BeamRun | None = None  # the Decoding tab's beam search on this generation's model and prompts
     speculative: SpeculativeDecoding | None = None  # …and its speculative decoding of the first prompt
     cache_class: CacheClassRun | None = None  # the KV cache tab's run of transformers' own cache classes
-    engine: EngineView | None = None  # the Engine tab's run (continuous batching on the sidebar's model) or file
-    engine_run_id: str | None = None  # the run the Engine tab's run is kept under (?engine=…; gui/runs.py)
-    engine_foreign: bool = False  # …opened by its id but made by another page: its picks are not written back
-    engine_saved_view: tuple | None = None  # (engine step, picks) last written to its record
     # (step, layer, head, sequence, loss) → HeadGradients, kept so that returning to a head shows it at once
     gradients: Kept = field(default_factory=lambda: Kept(GRADIENTS_KEPT))
     gradient_trace: tuple[tuple, Trace] | None = None  # (step, loss), ∂L/∂x at every hook point
+
+    def close(self) -> None:
+        if self.generation is not None:
+            self.generation.close()
+
+
+@dataclass
+class EngineTab:
+    """The Engine tab's run — continuous batching on the sidebar's model, or an opened file — and the runs-folder
+    entry it is kept under (``?engine=…``; gui/runs.py). It outlives a generation's Reset only when asked."""
+
+    view: EngineView | None = None
+    run_id: str | None = None
+    foreign: bool = False  # opened by its id but made by another page: its picks are not written back
+    saved_view: tuple | None = None  # (engine step, picks) last written to its record
+
+
+@dataclass
+class AppState:
+    """Everything one browser session keeps between reruns (widget values aside, which Streamlit keeps): the sidebar's
+    model choice, the live run with its experiments (``live``), the Engine tab's run (``engine``), an opened file, the
+    run book (the runs-folder entry the live run is kept under) and the page's own flags."""
+
+    model: ModelChoice = DEFAULT_MODEL  # the sidebar's choice
+    live: LiveRun = field(default_factory=LiveRun)
+    engine: EngineTab = field(default_factory=EngineTab)
+    loaded: LoadedTrace | None = None  # an opened trace file, kept until closed
+    showing_file: bool = False  # whether the tabs show the file (else the live generation)
+    notices: list[tuple[str, str]] = field(default_factory=list)  # (level, message) for the next rerun
+    inspect_name: str | None = None  # the record the Inspector opens
+    open_tabs: dict[str, str] = field(default_factory=dict)  # tabs' key → the open one, kept while none are drawn
+    last_upload_id: str | None = None
+    pending_head: tuple[int, int] | None = None  # a head clicked on the grid, applied before the pickers draw
     last_compare_upload_id: str | None = None
     # Held by a script run for as long as it reads or changes this state. Streamlit answers a click that comes
     # while a run is in flight by starting a new script thread at once (runner.fastReruns) and asking the old
@@ -504,20 +525,21 @@ class AppState:
         """What this session holds, by part, for the server's memory ledger (gui/common.py ``reserve_memory``): the
         budget its generation may fill, and the bytes its opened file, gradients trace, Engine run, Decoding
         runs and compared run keep now (the cache-classes run's logits counted with the Decoding runs)."""
-        decoding = self.beams.nbytes if self.beams is not None else 0
-        if self.speculative is not None:
-            decoding += sum(t.log.bytes_kept for t in (self.speculative.trace, self.speculative.draft_trace)
+        live = self.live
+        decoding = live.beams.nbytes if live.beams is not None else 0
+        if live.speculative is not None:
+            decoding += sum(t.log.bytes_kept for t in (live.speculative.trace, live.speculative.draft_trace)
                             if t is not None)
-        if self.cache_class is not None:
-            decoding += sum(int(s.logits.numel() * s.logits.element_size()) for s in self.cache_class.steps)
-        return {"generation": self.started_with.budget_bytes if self.generation is not None and self.started_with
+        if live.cache_class is not None:
+            decoding += sum(int(s.logits.numel() * s.logits.element_size()) for s in live.cache_class.steps)
+        return {"generation": live.started_with.budget_bytes if live.generation is not None and live.started_with
                 else 0,
                 "file": self.loaded.trace.log.bytes_kept if self.loaded is not None else 0,
-                "gradients": self.gradient_trace[1].log.bytes_kept if self.gradient_trace is not None else 0,
-                "engine": self.engine.nbytes if self.engine is not None else 0,
+                "gradients": live.gradient_trace[1].log.bytes_kept if live.gradient_trace is not None else 0,
+                "engine": self.engine.view.nbytes if self.engine.view is not None else 0,
                 "decoding": decoding,
                 # Compare runs: the file or rerun held against this run
-                "comparison": self.comparison.trace.log.bytes_kept if self.comparison is not None else 0}
+                "comparison": live.comparison.trace.log.bytes_kept if live.comparison is not None else 0}
 
     @property
     def viewing_file(self) -> bool:
@@ -529,18 +551,18 @@ class AppState:
         if self.viewing_file:
             assert self.loaded is not None
             return self.loaded.trace
-        gen = self.generation
+        gen = self.live.generation
         return gen.trace if gen is not None and gen.n_steps else None
 
     @property
     def live_generation(self) -> TracedGeneration | None:
         """The generation the tabs may run experiments on: None while a file is on view (its trace is not it)."""
-        return None if self.viewing_file else self.generation
+        return None if self.viewing_file else self.live.generation
 
     @property
     def model_changed(self) -> bool:
         """Whether the sidebar names another model than the live generation runs (it waits for Reset)."""
-        return self.generation is not None and self.started_model not in (None, self.model)
+        return self.live.generation is not None and self.live.started_model not in (None, self.model)
 
     def start(self, model, tokenizer, settings: Settings) -> TracedGeneration:
         """A new generation of the chosen model with ``settings`` (the previous one is closed). The Engine tab's run
@@ -548,30 +570,17 @@ class AppState:
         (Reset, asked for, does)."""
         gen = new_generation(model, tokenizer, settings)
         self.reset(keep_engine=True)
-        self.generation, self.started_with, self.started_model = gen, settings, self.model
+        self.live = LiveRun(generation=gen, started_with=settings, started_model=self.model)
         return gen
 
     def reset(self, keep_engine: bool = False) -> None:
         """Forget the generation and every per-run choice; keep the model, the tab and an opened file (and the Engine
         tab's run with ``keep_engine``: it runs the sidebar's model, not the generation, and a generation's run
         opened from the runs folder leaves the one in the address's ``?engine=`` in place)."""
-        if self.generation is not None:
-            self.generation.close()
-        self.generation = None
-        self.started_with = None
-        self.started_model = None
-        self.query_picks = {}
-        self.ablations.clear()
-        self.patching = None
-        self.comparison = None
-        self.precision = None
-        self.beams = None
-        self.speculative = None
-        self.cache_class = None
+        self.live.close()
+        self.live = LiveRun()
         if not keep_engine:
-            self.engine, self.engine_run_id, self.engine_foreign, self.engine_saved_view = None, None, False, None
-        self.gradients.clear()
-        self.gradient_trace = None
+            self.engine = EngineTab()
         self.confirm_reset = self.reset_confirmed = False
 
     def open_file(self, loaded: LoadedTrace) -> None:
@@ -581,7 +590,7 @@ class AppState:
     def show_file(self, shown: bool) -> None:
         """Show the opened file (True) or the live generation (False); the file stays open either way."""
         if shown != self.viewing_file:
-            self.query_picks = {}  # picks are per (step, sequence) of the trace on view
+            self.live.query_picks = {}  # picks are per (step, sequence) of the trace on view
         self.showing_file = shown and self.loaded is not None
 
     def close_file(self) -> None:

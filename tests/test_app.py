@@ -107,7 +107,7 @@ def frame_with(at: AppTest, column: str):
 
 
 def gen_of(at: AppTest):
-    return at.session_state["app"].generation
+    return at.session_state["app"].live.generation
 
 
 @pytest.fixture()
@@ -313,13 +313,13 @@ def test_a_cheaper_cache_is_measured_on_the_live_model(stepped):
     at.number_input(key="kv_storage_steps").set_value(4)
     at.button(key="kv_storage_run").click()
     run(at)
-    result = at.session_state["app"].precision
+    result = at.session_state["app"].live.precision
     assert result.storage == "int8" and len(result.steps) == 4
     assert metric(at, "int8 cache after 4 steps") == f"{result.stored_bytes:,} B"
     assert result.formula() in page_text(at) and len(charts(at)) == 1
     assert gen_of(at).n_steps == 3  # the generation itself is untouched
     press_reset(at)
-    assert at.session_state["app"].precision is None
+    assert at.session_state["app"].live.precision is None
 
 
 def test_the_gradients_of_a_head_equal_autograds_in_the_app(stepped):
@@ -327,7 +327,7 @@ def test_the_gradients_of_a_head_equal_autograds_in_the_app(stepped):
     text = page_text(at)
     assert "Starting from autograd's G_O = ∂L/∂O, the 5 gradients computed from their formulas" in text
     assert "equal autograd's within" in text and len(charts(at)) == 2
-    kept = at.session_state["app"].gradients
+    kept = at.session_state["app"].live.gradients
     assert len(kept) == 1
     first = kept.get(kept.computed_for()[0])
     at.radio(key="grad_loss").set_value("−log p(chosen token)")  # another loss: its own backward pass
@@ -447,8 +447,8 @@ def test_what_if_switching_off_the_previous_token_head_breaks_induction(stepped)
     at.button(key="ablate_run").click()
     run(at)
     app = at.session_state["app"]
-    (key,) = app.ablations.computed_for()
-    result = app.ablations.get(key)
+    (key,) = app.live.ablations.computed_for()
+    result = app.live.ablations.get(key)
     assert result.loss_after - result.loss_before > 2.0
     assert "Loss measured on the second half of a random" in page_text(at)
     assert float(metric(at, "loss with these heads off").split()[0]) == pytest.approx(result.loss_after, abs=1e-3)
@@ -478,7 +478,7 @@ def test_what_if_patching_attribution_and_lens():
     said = next(unescape(m.value) for m in at.markdown if m.value.startswith(("**Patching", "**No single patch")))
     spans = re.findall(r"\*\*(.+?)\*\*", said)  # markdown makes no bold of "** Ben**": no edge spaces
     assert len(spans) == 1 and spans[0] == spans[0].strip()
-    res = at.session_state["app"].patching.result
+    res = at.session_state["app"].live.patching.result
     assert f"{res.corrupted_diff:.2f} on the corrupted prompt, {res.clean_diff:.2f} on the clean one" in said
     assert dict((m.label, m.value) for m in at.metric)["largest share restored"] == f"{float(res.restored.max()):.0%}"
     spec = charts(at)[0]
@@ -500,7 +500,7 @@ def test_compare_runs_cache_off_agrees_and_an_ablation_diverges(stepped):
     at.button(key="compare_run").click()
     run(at)
     assert any(m.value.startswith("**Compared with") and "no record diverges" in m.value for m in at.markdown)
-    frame = at.session_state["app"].comparison.frame
+    frame = at.session_state["app"].live.comparison.frame
     assert frame["compared"].all() and frame["max_abs_delta"].max() < 1e-4
     ids = frame[frame["name"] == "model:in[0]"]  # token ids: equal or not, never a numeric |Δ|
     assert ids["max_abs_delta"].isna().all() and (ids["note"].str.contains("all equal")).all()
@@ -686,7 +686,7 @@ def test_the_gradients_of_every_hook_point_are_recorded_and_saved(stepped):
     at = show_tab(stepped, "Attention", ("attn_view", "Gradients"))
     at.button(key="grad_capture").click()
     run(at)
-    grads = at.session_state["app"].gradient_trace[1]
+    grads = at.session_state["app"].live.gradient_trace[1]
     assert grads.capture == "gradients" and grads.records
     frame = frame_with(at, "has_value")
     assert list(frame["name"]) == [r.name for r in grads.records]
@@ -703,7 +703,7 @@ def test_the_gradients_of_every_hook_point_are_recorded_and_saved(stepped):
     run(at)
     assert "Press the button to record step 2's gradients for L = −log p(chosen token)" in page_text(at)
     press_reset(at)
-    assert at.session_state["app"].gradient_trace is None
+    assert at.session_state["app"].live.gradient_trace is None
 
 
 def test_the_app_stops_a_bundled_story_at_its_end():

@@ -57,7 +57,7 @@ def test_every_tab_renders_for(app, model_type):
     refused = [i.value for i in at.info if "the lens does not reproduce" in i.value]
     assert lens or refused  # drawn, or refused because its last steps are not reproduced — never wrong
     assert any(f"{model_type} (hf:{model_type})" in unescape(c.value) for c in at.caption)  # the model it runs
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and gen.model.identity.family == f"hf:{model_type}"
 
 
@@ -83,7 +83,7 @@ def test_a_directory_given_less_memory_than_its_weights_runs_with_them_on_disk(a
     press(at, "step_button")
     press(at, "step_button")
     every_tab_without_error(at)
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert "disk" in gen.model.offloaded.values()
     in_memory, tok = load_hf(directory, implementation="transformers")
     ref = TracedGeneration(in_memory, tok, list(gen.info.prompts), temperature=0)

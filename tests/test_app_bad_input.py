@@ -36,7 +36,7 @@ def stepped():
 
 
 def assert_kept(at: AppTest, steps: int) -> None:
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.n_steps == steps
     show_tab(at, "Attention")
     assert len(heatmaps(charts(at)[0])) == 4
@@ -61,7 +61,7 @@ def test_a_fresh_session_with_an_empty_prompt_gets_a_message_not_a_traceback():
     at = new_app()
     at.sidebar.text_area(key="prompt").set_value("")
     press(at, "step_button")
-    assert "the prompt is empty" in messages(at) and at.session_state["app"].generation is None
+    assert "the prompt is empty" in messages(at) and at.session_state["app"].live.generation is None
 
 
 @pytest.mark.parametrize("text", ["🙂🚀 and Ελληνικά 中文", "NUL \x00 and \x1b[31m control", "<b>bold?</b> & <i>"])
@@ -70,7 +70,7 @@ def test_prompts_with_unseen_characters_work(text):
     at.sidebar.text_area(key="prompt").set_value(text)
     press(at, "step_button")
     press(at, "step_button")
-    assert at.session_state["app"].generation.text().startswith(text)
+    assert at.session_state["app"].live.generation.text().startswith(text)
     assert metric(at, "new positions n") == "1"
 
 
@@ -88,7 +88,7 @@ def test_reaching_n_ctx_stops_with_a_message():
     at.sidebar.number_input(key="run_n").set_value(10)
     press(at, "run_button")
     assert "Stopped:" in messages(at) and "n_ctx = 256" in messages(at)
-    assert at.session_state["app"].generation.sequence_length == 256
+    assert at.session_state["app"].live.generation.sequence_length == 256
     assert_kept(at, 1)
 
 
@@ -126,7 +126,7 @@ def test_top_k_zero_and_above_the_vocabulary_are_accepted(stepped):
     at.sidebar.number_input(key="top_k").set_value(100_000)
     press_reset(at)
     press(at, "step_button")
-    assert at.session_state["app"].generation.sampling.top_k == 100_000 and not at.error
+    assert at.session_state["app"].live.generation.sampling.top_k == 100_000 and not at.error
 
 
 @pytest.mark.parametrize("n, expected", [(10**6, "1 to 256 steps"), (0, "1 to 256 steps")])
@@ -147,7 +147,7 @@ def test_prompts_of_very_different_lengths_are_padded_and_the_mask_shows_it():
     show_tab(at, "Causal mask")
     at.selectbox(key="mask_batch").set_value(0)
     run(at)
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     pad = gen.sequence_length - gen.info.prompt_lengths[0] - 1  # columns of padding in row 0
     text = unescape(" ".join(m.value for m in at.markdown))
     assert f"Key column(s) {', '.join(map(str, range(min(pad, 12))))}" in text
@@ -267,7 +267,7 @@ def test_a_real_local_directory_loads_and_steps(hf_dir_with_tokenizer):
     assert "Loaded" in messages(at)
     press(at, "step_button")
     press(at, "step_button")
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.model.config.n_layer == 2 and gen.model.config.d_model == 32
     assert metric(at, "new positions n") == "1"
 
@@ -282,7 +282,7 @@ def _rewrite(archive: bytes, name: str, data: bytes) -> bytes:
 
 def test_bad_trace_files_are_refused_in_the_app(stepped):
     at = stepped
-    good = archive_bytes(at.session_state["app"].generation.trace)
+    good = archive_bytes(at.session_state["app"].live.generation.trace)
     manifest = json.loads(zipfile.ZipFile(io.BytesIO(good)).read("manifest.json"))
     manifest["version"] = 7
     cases = {
@@ -301,7 +301,7 @@ def test_bad_trace_files_are_refused_in_the_app(stepped):
 
 def test_nan_is_flagged_at_the_first_record_where_it_appears(stepped):
     at = stepped
-    model = at.session_state["app"].generation.model  # the shared, cached model of this process
+    model = at.session_state["app"].live.generation.model  # the shared, cached model of this process
 
     def poison(module, args, output):
         out = output.clone()
@@ -334,7 +334,7 @@ def test_two_sessions_stepping_at_the_same_time_see_only_their_own_state():
     barrier = threading.Barrier(2)
 
     def steps(at) -> int:
-        gen = at.session_state["app"].generation
+        gen = at.session_state["app"].live.generation
         return gen.n_steps if gen is not None else 0
 
     def work(at):
@@ -367,7 +367,7 @@ def test_two_sessions_stepping_at_the_same_time_see_only_their_own_state():
     for th in threads:
         th.join()
     assert not errors and not a.exception and not b.exception
-    ga, gb = a.session_state["app"].generation, b.session_state["app"].generation
+    ga, gb = a.session_state["app"].live.generation, b.session_state["app"].live.generation
     assert ga is not gb and ga.trace is not gb.trace and ga.cache is not gb.cache
     assert ga.info.prompts == ("Tom had a big red kite.",) and gb.batch_size == 2
     assert ga.n_steps == gb.n_steps == 4

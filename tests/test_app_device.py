@@ -42,9 +42,9 @@ def test_the_sidebar_offers_what_torch_sees_and_the_cpu_runs_end_to_end():
     press(at, "step_button")
     app = at.session_state["app"]
     assert app.model == session.ModelChoice("bundled", "story-gpt", device="cpu") == session.DEFAULT_MODEL
-    assert app.generation.n_steps == 2 and not at.exception
-    assert {rec.device for rec in app.generation.trace.filter(step=1)} == {"cpu"}
-    assert next(app.generation.model.parameters()).device.type == "cpu"
+    assert app.live.generation.n_steps == 2 and not at.exception
+    assert {rec.device for rec in app.live.generation.trace.filter(step=1)} == {"cpu"}
+    assert next(app.live.generation.model.parameters()).device.type == "cpu"
 
 
 def test_a_device_this_machine_lacks_is_refused_and_the_steps_stay():
@@ -52,17 +52,17 @@ def test_a_device_this_machine_lacks_is_refused_and_the_steps_stay():
     press(at, "step_button")
     press(at, "step_button")
     app = at.session_state["app"]
-    before = tokens_of(app.generation.trace)
+    before = tokens_of(app.live.generation.trace)
     at.query_params["device"] = lacking_device()  # a link that asks for a GPU, followed in this session
     run(at)
     said = errors(at)
     assert "Device refused" in said and ("PyTorch sees no CUDA device" in said or "CUDA device(s)" in said)
     assert "the current generation and its steps are kept" in said
     assert at.sidebar.selectbox(key="model_device").value == "cpu"
-    assert app.model == session.DEFAULT_MODEL and app.generation.n_steps == 2
-    assert tokens_of(app.generation.trace) == before
+    assert app.model == session.DEFAULT_MODEL and app.live.generation.n_steps == 2
+    assert tokens_of(app.live.generation.trace) == before
     press(at, "step_button")  # and the generation goes on
-    assert app.generation.n_steps == 3 and "Device refused" not in errors(at)
+    assert app.live.generation.n_steps == 3 and "Device refused" not in errors(at)
 
 
 def test_a_device_asked_for_in_the_address_is_refused_once():
@@ -72,7 +72,7 @@ def test_a_device_asked_for_in_the_address_is_refused_once():
     assert "Device refused" in errors(at) and "this machine offers" in errors(at)
     assert at.sidebar.selectbox(key="model_device").value == "cpu" and "device" not in at.query_params
     press(at, "step_button")
-    assert at.session_state["app"].generation.n_steps == 1 and "Device refused" not in errors(at)
+    assert at.session_state["app"].live.generation.n_steps == 1 and "Device refused" not in errors(at)
 
 
 def test_a_saved_run_on_a_device_this_machine_lacks_opens_its_written_trace(bundled):

@@ -246,7 +246,7 @@ def test_the_beam_search_tab_runs_on_the_live_model_and_says_what_greedy_says():
     at.number_input(key="beam_new").set_value(6)
     at.button(key="beam_run").click().run()
     assert not at.exception and not at.error
-    run = at.session_state["app"].beams
+    run = at.session_state["app"].live.beams
     search = run.search
     assert search.num_beams == 3 and len(search.steps) <= 6
     gen = gen_of(at)
@@ -260,7 +260,7 @@ def test_the_beam_search_tab_runs_on_the_live_model_and_says_what_greedy_says():
     press(at, "reset_button")
     if any(b.key == "reset_confirm" for b in at.sidebar.button):
         press(at, "reset_confirm")
-    assert at.session_state["app"].beams is None
+    assert at.session_state["app"].live.beams is None
 
 
 # -- the command line ------------------------------------------------------------------------------------------------
@@ -307,6 +307,6 @@ def test_the_decoding_runs_are_counted_in_the_sessions_memory():
     app = at.session_state["app"]
     assert app.held_bytes()["decoding"] == 0
     at.button(key="beam_run").click().run()
-    snapshots = sum(t.numel() * t.element_size() for s in app.beams.search.steps
+    snapshots = sum(t.numel() * t.element_size() for s in app.live.beams.search.steps
                     for t in (s.keys_before, s.keys_after) if t is not None)
-    assert snapshots > 0 and app.held_bytes()["decoding"] == snapshots + app.beams.search.trace.log.bytes_kept
+    assert snapshots > 0 and app.held_bytes()["decoding"] == snapshots + app.live.beams.search.trace.log.bytes_kept

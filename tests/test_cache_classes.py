@@ -274,7 +274,7 @@ def test_the_app_runs_a_class_on_a_model_transformers_runs_and_says_why_not_on_o
     at.button(key="kv_class_run").click()
     run(at)
     assert not at.error, [e.value for e in at.error]
-    result = at.session_state["app"].cache_class
+    result = at.session_state["app"].live.cache_class
     assert result.class_name == "StaticCache" and len(result.steps) == 3
     from gpt_shape_tracer.figures.cache_classes import cache_class_takeaway
 

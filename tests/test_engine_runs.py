@@ -55,7 +55,7 @@ def run_the_engine(at: AppTest) -> str:
     run(at)
     assert not at.error, [e.value for e in at.error]
     engine_id = address_run(at, "engine")
-    assert engine_id and at.session_state["app"].engine_run_id == engine_id
+    assert engine_id and at.session_state["app"].engine.run_id == engine_id
     assert engine_run_written(engine_id, timeout=120)  # written in a thread of its own: wait for it here
     return engine_id
 
@@ -63,7 +63,7 @@ def run_the_engine(at: AppTest) -> str:
 def test_an_engine_run_survives_a_reload_with_every_view_equal():
     at = page_at()
     engine_id = run_the_engine(at)
-    engine = at.session_state["app"].engine
+    engine = at.session_state["app"].engine.view
     assert engine.run.requests[2].arrival == 2 and any(s.shared for s in engine.run.steps)
     at.slider(key="engine_step").set_value(2)
     at.selectbox(key="engine_request").set_value("r2")
@@ -80,7 +80,7 @@ def test_an_engine_run_survives_a_reload_with_every_view_equal():
 
     again = reload(at)  # a new session with the same address
     app = again.session_state["app"]
-    assert app.engine_run_id == engine_id and app.engine is not None and app.engine is not engine
+    assert app.engine.run_id == engine_id and app.engine.view is not None and app.engine.view is not engine
     assert engine_page(again) == before
     assert again.text_area(key="engine_requests").value == REQUESTS
     assert any("Reopened engine run" in unescape(s.value) and record.listed_as() in unescape(s.value)
@@ -92,27 +92,27 @@ def test_an_engine_run_survives_a_reload_with_every_view_equal():
                      "just now (this page)")
 
     press(again, "step_button")  # a Step keeps the engine run, and the address names both
-    assert app.generation is not None and app.engine_run_id == engine_id
+    assert app.live.generation is not None and app.engine.run_id == engine_id
     assert address_run(again, "engine") == engine_id and address_run(again, "run")
     show_tab(again, "Engine")
     both = reload(again)  # the generation run and the engine run, both back
-    assert both.session_state["app"].generation.n_steps == 1
-    assert both.session_state["app"].engine_run_id == engine_id
+    assert both.session_state["app"].live.generation.n_steps == 1
+    assert both.session_state["app"].engine.run_id == engine_id
 
 
 def test_recent_runs_reopens_an_engine_run_and_reset_lets_it_go():
     at = page_at()
     engine_id = run_the_engine(at)
-    steps = len(at.session_state["app"].engine.run.steps)
+    steps = len(at.session_state["app"].engine.view.run.steps)
     fresh = page_at(owner=address_run(at, "owner"))  # the same person, the address without the run
-    assert fresh.session_state["app"].engine is None and engine_id in listed(fresh)
+    assert fresh.session_state["app"].engine.view is None and engine_id in listed(fresh)
     fresh.sidebar.button(key=f"open_run_{engine_id}").click()
     run(fresh)
     app = fresh.session_state["app"]
-    assert app.engine_run_id == engine_id and len(app.engine.run.steps) == steps
+    assert app.engine.run_id == engine_id and len(app.engine.view.run.steps) == steps
     assert address_run(fresh, "engine") == engine_id
     press(fresh, "reset_button")
-    assert app.engine is None and address_run(fresh, "engine") is None
+    assert app.engine.view is None and address_run(fresh, "engine") is None
     assert engine_id in listed(fresh)  # still kept, one click away
 
 
@@ -123,12 +123,12 @@ def test_an_engine_file_of_the_folder_that_is_not_ours_is_refused_and_nothing_el
     (store.run_dir(engine_id) / ENGINE_FILE).write_bytes(b"\x80\x04\x95 a pickle, not an engine run")
     again = reload(at)
     app = again.session_state["app"]
-    assert app.engine is None and app.engine_run_id is None and address_run(again, "engine") is None
+    assert app.engine.view is None and app.engine.run_id is None and address_run(again, "engine") is None
     assert any("The engine run in the address cannot be opened: its file is refused" in unescape(e.value)
                and "not a readable engine run" in unescape(e.value) for e in again.error)
     other = page_at(engine=address_run(at, "owner"))  # a well-formed id that names no run
-    assert other.session_state["app"].engine is None
+    assert other.session_state["app"].engine.view is None
     assert any("keeps no run" in unescape(e.value) for e in other.error)
     malformed = page_at(engine="../../etc/passwd")
-    assert malformed.session_state["app"].engine is None and address_run(malformed, "engine") is None
+    assert malformed.session_state["app"].engine.view is None and address_run(malformed, "engine") is None
     assert any("that is not a run id of this app" in unescape(e.value) for e in malformed.error)

@@ -260,7 +260,7 @@ def test_the_engine_tab_runs_three_requests_and_its_pool_grid_equals_the_run(lla
     at.button(key="engine_run").click()
     run(at)
     assert not at.error, [e.value for e in at.error]
-    engine = at.session_state["app"].engine
+    engine = at.session_state["app"].engine.view
     assert engine is not None
     result = engine.run
     assert result.requests[2].arrival == 3 and result.requests[2].first_step >= 3
@@ -280,6 +280,6 @@ def test_the_engine_tab_runs_three_requests_and_its_pool_grid_equals_the_run(lla
         assert sum(1 for z in column if z == 0) == len(s.cached)
         assert any(views.step_sentence(result, step) == m.value for m in at.markdown)
     press(at, "step_button")  # the first Step starts a generation: the engine run (the sidebar's model's) stays
-    assert at.session_state["app"].generation is not None and at.session_state["app"].engine is engine
+    assert at.session_state["app"].live.generation is not None and at.session_state["app"].engine.view is engine
     at.session_state["app"].reset()  # Reset, asked for, forgets it
-    assert at.session_state["app"].engine is None
+    assert at.session_state["app"].engine.view is None

@@ -182,7 +182,7 @@ def test_every_tab_renders_for(app, directories, model_type):
         show_tab(at, "What if", ("whatif_view", sub))
         assert not at.error, (sub, [e.value for e in at.error])
     assert any(f"{model_type} (hf:{model_type})" in unescape(c.value) for c in at.caption)
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and gen.model.identity.family == f"hf:{model_type}"
     if gen.model.config.latent_attention:  # the KV cache view says what the cache holds, from the numbers
         from gpt_shape_tracer.figures.cache import memory_formula

@@ -114,7 +114,7 @@ def test_every_tab_renders_for_a_differential_model(directory):
     press_reset(at)
     press(at, "step_button")
     press(at, "step_button")
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and gen.model.identity.family == "hf:diffllama"
     for tab in TABS:
         show_tab(at, tab)

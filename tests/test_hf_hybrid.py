@@ -241,7 +241,7 @@ def test_every_tab_renders_at_an_attention_layer_and_at_a_state_layer(app, root,
     press_reset(at)
     press(at, "step_button")
     press(at, "step_button")
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and gen.model.identity.family == f"hf:{model_type}"
     assert any(f"{model_type} (hf:{model_type})" in unescape(c.value) for c in at.caption)
     sentence = gen.model.config.no_attention_sentence(0)

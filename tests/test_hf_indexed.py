@@ -251,7 +251,7 @@ def test_the_app_shows_the_indexers_choice(root):
     press(at, "step_button")
     show_tab(at, "Attention", ("attn_view", "Indexer"))
     assert not at.error, [e.value for e in at.error]
-    trace = at.session_state["app"].generation.trace
+    trace = at.session_state["app"].live.generation.trace
     step = trace.n_steps - 1
     s = indexer_step(trace, step, 0, 0)
     assert any(selection_sentence(s) in m.value for m in at.markdown)

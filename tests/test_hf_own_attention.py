@@ -325,7 +325,7 @@ def test_the_app_opens_such_a_model_and_draws_its_attention():
     press(at, "step_button")
     assert not at.error, [e.value for e in at.error]
     assert any("bloom (hf:bloom)" in unescape(c.value) for c in at.caption)
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     pattern = gen.trace.get("blocks.0.attn.hook_pattern", 1)  # [1, H, 1, t]: layer 0 at the step shown
     figure = charts(at)[0]
     assert figure["layout"]["title"]["text"] == "layer 0, head 0, step 1"

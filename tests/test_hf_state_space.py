@@ -233,7 +233,7 @@ def test_every_tab_renders_for_a_model_without_attention(app, root):
     press_reset(at)
     press(at, "step_button")
     press(at, "step_button")
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and gen.model.identity.family == "hf:mamba"
     for layer in (0, 1):
         sentence = gen.model.config.no_attention_sentence(layer)

@@ -347,7 +347,7 @@ def test_the_app_shows_inkling_2s_bias_and_sink_stages(directories):
     press_reset(at)
     press(at, "step_button")
     press(at, "step_button")
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and gen.model.identity.family == "hf:inkling2_text"
     for tab in TABS:
         show_tab(at, tab)

@@ -346,7 +346,7 @@ def test_the_app_opens_your_module_from_its_factory_and_every_tab_renders(user_c
     assert any("without our KV cache" in c.value for c in at.sidebar.caption)
     press(at, "step_button")
     press(at, "step_button")
-    gen = at.session_state["app"].generation
+    gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and not gen.use_cache and isinstance(gen.model, OwnDecoder)
     for tab in TABS:
         show_tab(at, tab)

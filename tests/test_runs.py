@@ -244,18 +244,18 @@ def test_a_reload_restores_the_run_its_step_model_and_view():
     show_tab(at, "KV cache")
     saved = runs_store().record(run_id)
     assert (saved.n_steps, saved.step, saved.view) == (4, 1, "KV cache")
-    before = tokens_of(at.session_state["app"].generation.trace)
+    before = tokens_of(at.session_state["app"].live.generation.trace)
 
     again = reload(at)  # a new session with the same address
     app = again.session_state["app"]
     assert app.run_id == run_id and app.model == ModelChoice("bundled", "story-llama")
-    assert app.generation.n_steps == 4 and tokens_of(app.generation.trace) == before
+    assert app.live.generation.n_steps == 4 and tokens_of(app.live.generation.trace) == before
     assert again.slider(key="step_view").value == 1 and again.session_state["view"] == "KV cache"
     assert again.sidebar.text_area(key="prompt").value == "Mia had a small blue boat."
     assert any("Restored run" in s.value and "every token equals the trace written then" in s.value
                for s in again.success)
     press(again, "step_button")  # Step continues the restored run, under the same id
-    assert app.generation.n_steps == 5 and address_run(again) == run_id
+    assert app.live.generation.n_steps == 5 and address_run(again) == run_id
     assert runs_store().record(run_id).n_steps == 5
 
 
@@ -266,20 +266,20 @@ def test_reset_asks_first_and_cancel_discards_nothing():
     run_id = address_run(at)
     press(at, "reset_button")
     app = at.session_state["app"]
-    assert app.generation is not None and app.generation.n_steps == 2  # nothing discarded yet
+    assert app.live.generation is not None and app.live.generation.n_steps == 2  # nothing discarded yet
     question = " ".join(w.value for w in at.sidebar.warning)
     assert "Reset discards this page's generation (2 steps)" in question and "Recent runs" in question
     press(at, "reset_cancel")
-    assert app.generation.n_steps == 2 and not any(b.key == "reset_confirm" for b in at.sidebar.button)
+    assert app.live.generation.n_steps == 2 and not any(b.key == "reset_confirm" for b in at.sidebar.button)
     press(at, "reset_button")
     press(at, "reset_confirm")
-    assert app.generation is None and address_run(at) is None
+    assert app.live.generation is None and address_run(at) is None
     assert runs_store().record(run_id).n_steps == 2  # still kept: Recent runs opens it again
     recent = [b for b in at.sidebar.button if b.key == f"open_run_{run_id}"]
     assert recent and not recent[0].disabled
     recent[0].click()
     run(at)
-    assert app.generation.n_steps == 2 and app.run_id == run_id
+    assert app.live.generation.n_steps == 2 and app.run_id == run_id
 
 
 def test_reset_with_nothing_to_discard_asks_nothing():
@@ -292,7 +292,7 @@ def test_reset_with_nothing_to_discard_asks_nothing():
 def test_an_unknown_or_malformed_run_in_the_address_changes_nothing():
     at = app_at(new_run_id())
     assert any("This server keeps no run" in w.value for w in at.warning)
-    assert at.session_state["app"].generation is None and address_run(at) is None
+    assert at.session_state["app"].live.generation is None and address_run(at) is None
     at = app_at("../../etc")
     assert any("not a run id" in e.value for e in at.error) and address_run(at) is None
 
@@ -308,7 +308,7 @@ def test_a_run_saved_by_the_version_before_still_reopens():
     written_before(runs_store(), run_id, "bundled:story-llama", gen.trace)
     at = app_at(run_id)
     app = at.session_state["app"]
-    assert app.model == ModelChoice("bundled", "story-llama") and app.generation.n_steps == 2
+    assert app.model == ModelChoice("bundled", "story-llama") and app.live.generation.n_steps == 2
     assert at.sidebar.radio(key="source").value == "Bundled Llama-style story model"
     assert any("Restored run" in s.value and "every token equals the trace written then" in s.value
                for s in at.success), page_text(at)
@@ -333,7 +333,7 @@ def test_a_gradients_result_comes_back_after_a_step():
     press(at, "step_button")
     press(at, "step_button")
     show_tab(at, "Attention", ("attn_view", "Gradients"))
-    kept = at.session_state["app"].gradients
+    kept = at.session_state["app"].live.gradients
     assert [key[0] for key in kept.computed_for()] == [1]
     first = kept.get(kept.computed_for()[0])
     assert "gradients computed from their formulas" in page_text(at)
@@ -358,15 +358,15 @@ def test_a_what_if_result_comes_back_when_the_slider_returns_to_its_step():
     at.button(key="ablate_run").click()
     run(at)
     app = at.session_state["app"]
-    (key,) = app.ablations.computed_for()
-    first = app.ablations.get(key)
+    (key,) = app.live.ablations.computed_for()
+    first = app.live.ablations.get(key)
     assert key[0] == 1 and "Re-ran step 1" in page_text(at)
     press(at, "step_button")  # the slider moves to step 2: no result there yet
     assert at.slider(key="step_view").value == 2 and "Re-ran step" not in page_text(at)
     at.slider(key="step_view").set_value(1)
     run(at)
-    assert "Re-ran step 1" in page_text(at) and app.ablations.computed_for() == [key]
-    assert app.ablations.get(key) is first  # kept, not computed again
+    assert "Re-ran step 1" in page_text(at) and app.live.ablations.computed_for() == [key]
+    assert app.live.ablations.get(key) is first  # kept, not computed again
 
 
 def test_a_written_trace_is_the_projects_trace_format():
@@ -374,7 +374,7 @@ def test_a_written_trace_is_the_projects_trace_format():
     press(at, "step_button")
     run_id = address_run(at)
     path = runs_store().run_dir(run_id) / TRACE_FILE
-    assert tokens_of(load_trace(path)) == tokens_of(at.session_state["app"].generation.trace)
+    assert tokens_of(load_trace(path)) == tokens_of(at.session_state["app"].live.generation.trace)
     assert time.time() - runs_store().record(run_id).updated < 600
 
 
@@ -405,7 +405,7 @@ def test_a_run_opened_by_its_id_opens_and_a_step_on_it_writes_a_run_of_the_opene
     hers = address_run(alice)
     bob = app_at(hers)  # her address without her owner token: the run id alone opens it
     app = bob.session_state["app"]
-    assert app.run_id == hers and app.generation.n_steps == 2
+    assert app.run_id == hers and app.live.generation.n_steps == 2
     assert any("Restored run" in s.value for s in bob.success)
     assert hers not in listed(bob)  # opened, not his: not in his list
     bob.slider(key="step_view").set_value(0)
@@ -413,7 +413,7 @@ def test_a_run_opened_by_its_id_opens_and_a_step_on_it_writes_a_run_of_the_opene
     assert runs_store().record(hers).step == 1  # his slider does not rewrite her run
     press(bob, "step_button")
     his = address_run(bob)
-    assert his != hers and app.generation.n_steps == 3  # his Step went on in a run of his own
+    assert his != hers and app.live.generation.n_steps == 3  # his Step went on in a run of his own
     assert runs_store().record(hers).n_steps == 2 and runs_store().record(his).n_steps == 3
     assert listed(bob) == [his]  # his own run, this page's (listed, its button disabled)
     assert runs_store().record(his).owner == owner_tag(address_run(bob, "owner"))

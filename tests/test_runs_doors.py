@@ -119,7 +119,7 @@ def test_compare_runs_reserves_what_it_holds_in_the_servers_budget(monkeypatch):
     press(at, "step_button")
     app = at.session_state["app"]
     held = session_ledger().held()
-    assert app.generation is not None and held >= 200 * MiB
+    assert app.live.generation is not None and held >= 200 * MiB
     show_tab(at, "Compare runs")
     at.radio(key="compare_with").set_value("this prompt with the KV cache off")
     run(at)
@@ -127,14 +127,14 @@ def test_compare_runs_reserves_what_it_holds_in_the_servers_budget(monkeypatch):
     run(at)
     errors = " ".join(e.value for e in at.error)
     assert "Not run: This server keeps at most 300 MiB of traces" in errors, page_text(at)
-    assert app.comparison is None and session_ledger().held() == held
+    assert app.live.comparison is None and session_ledger().held() == held
     at.radio(key="compare_with").set_value("a trace file")
     run(at)
-    data = archive_bytes(app.generation.trace)
+    data = archive_bytes(app.live.generation.trace)
     at.file_uploader(key="compare_upload").upload("mine.zip", data, "application/zip")
     run(at)
-    assert app.comparison is not None and not at.error, page_text(at)
-    kept = app.comparison.trace.log.bytes_kept
+    assert app.live.comparison is not None and not at.error, page_text(at)
+    kept = app.live.comparison.trace.log.bytes_kept
     assert kept > 0 and app.held_bytes()["comparison"] == kept
     assert session_ledger().held() >= 200 * MiB + kept
     press(at, "reset_button")

@@ -109,10 +109,10 @@ def test_the_app_refuses_a_generation_past_the_servers_budget_and_keeps_the_sett
     press(at, "step_button")  # the default budget, 512 MB, is more than this server keeps in all
     errors = " ".join(e.value for e in at.error)
     assert "Not started: This server keeps at most 300 MiB of traces" in errors and "not 512" in errors
-    assert at.session_state["app"].generation is None
+    assert at.session_state["app"].live.generation is None
     at.sidebar.number_input(key="budget_mb").set_value(200)
     press(at, "step_button")
-    assert at.session_state["app"].generation is not None and not at.error
+    assert at.session_state["app"].live.generation is not None and not at.error
     from gpt_shape_tracer.gui.common import session_ledger
 
     assert session_ledger().held() >= 200 * MiB
@@ -133,7 +133,7 @@ def test_the_app_refuses_recording_gradients_past_the_servers_budget(monkeypatch
     at.sidebar.number_input(key="budget_mb").set_value(200)
     press(at, "step_button")
     held = session_ledger().held()
-    assert at.session_state["app"].generation is not None and held >= 200 * MiB
+    assert at.session_state["app"].live.generation is not None and held >= 200 * MiB
     show_tab(at, "Attention", ("attn_view", "Gradients"))
     at.button(key="grad_capture").click()
     run(at)
@@ -141,7 +141,7 @@ def test_the_app_refuses_recording_gradients_past_the_servers_budget(monkeypatch
     assert "Not recorded: This server keeps at most 300 MiB of traces" in errors
     assert "can have 300 MiB, not 400" in errors
     assert "Reset with Budget (MB) in the sidebar at most 150 (it is counted 2 times here" in errors  # 2 × 150 fits
-    assert at.session_state["app"].gradient_trace is None and session_ledger().held() == held
+    assert at.session_state["app"].live.gradient_trace is None and session_ledger().held() == held
     press(at, "reset_button")
 
 

@@ -337,7 +337,7 @@ def test_the_decoding_tab_runs_speculative_decoding_whose_output_is_greedy_decod
     at.number_input(key="spec_new").set_value(8)
     at.button(key="spec_run").click().run()
     assert not at.exception and not at.error
-    run = at.session_state["app"].speculative
+    run = at.session_state["app"].live.speculative
     gen = gen_of(at)
     prompt = gen.tokenizer.encode(gen.info.prompts[0])
     assert list(run.generated) == generate(gen.model, prompt, 8, SamplingConfig(temperature=0))[: len(run.generated)]

@@ -86,9 +86,9 @@ def test_the_app_keeps_every_value_on_disk_when_asked():
     press(at, "step_button")
     at.sidebar.number_input(key="run_n").set_value(6)
     press(at, "run_button")
-    log = at.session_state["app"].generation.trace.log
+    log = at.session_state["app"].live.generation.trace.log
     assert log.spill_bytes == 300 * 2**20 and log.spilled_bytes > 0 and log.peak_bytes_kept <= 2**20
-    trace = at.session_state["app"].generation.trace
+    trace = at.session_state["app"].live.generation.trace
     assert all(trace.has_value(r) for r in trace.filter(step=0, kind="hook"))
 
 
@@ -106,7 +106,7 @@ def test_the_app_says_why_a_steps_values_are_missing_with_and_without_the_spill(
         press(at, "step_button")
         at.sidebar.number_input(key="run_n").set_value(12)
         press(at, "run_button")
-        trace = at.session_state["app"].generation.trace
+        trace = at.session_state["app"].live.generation.trace
         # the oldest values go first: to disk while the spill has room, then to their statistics
         step = next(s for s in range(trace.n_steps) if trace.get("blocks.0.attn.hook_v_all", s) is None)
         assert step == 0 if not spill_mb else step > 0

@@ -221,7 +221,7 @@ def test_the_tour_in_the_app_opens_each_stops_view_step_and_head(engine_run):
     for _ in range(3):
         press(at, "step_button")
     gen = gen_of(at)
-    at.session_state["app"].engine = view_of(engine_run, None, "a tiny Llama")
+    at.session_state["app"].engine.view = view_of(engine_run, None, "a tiny Llama")
     stops = shown_stops(tour_stops(context(gen.trace, head_scores(gen.model, first_token=first_token(gen.tokenizer)),
                                            live=True, caches=True, engine=engine_run)))
     assert len(stops) == 11 and stops[-1].key == "engine"  # a cached values generation of the bundled model has
@@ -241,7 +241,7 @@ def test_the_tour_in_the_app_opens_each_stops_view_step_and_head(engine_run):
             prefix = {"Attention": "attn", "Causal mask": "mask"}[stop.tab]
             assert (state[f"{prefix}_layer"], state[f"{prefix}_head"]) == stop.head
         if stop.query is not None:
-            assert state["app"].query_picks[(stop.step, 0)] == stop.query
+            assert state["app"].live.query_picks[(stop.step, 0)] == stop.query
         if stop.engine_step is not None:  # the engine stop opens the pool at its fullest step, as its sentence says
             assert state["engine_step"] == stop.engine_step
             assert at.slider(key="engine_step").value == stop.engine_step
