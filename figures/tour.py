@@ -164,11 +164,12 @@ def _shape(*dims: object) -> str:
 def mask_look(n: int, padding: tuple[int, ...]) -> str:
     """The mask stop's sentence at a prefill of ``n`` positions whose sequence 0 has ``padding`` positions: with
     padding, the keys a query may weigh are not all of 0 … i."""
-    text = f"At the prefill M is {n} × {n}: every cell above the diagonal is −∞, so query i weighs no key after i"
+    text = f"At the prefill M is {n} × {n}: every cell above the diagonal is −∞, so query i weighs "
     if not padding:
-        return text + " — keys 0 … i — and the scores after + M are −∞ there too."
+        return text + "only keys 0 … i, and the scores after + M are −∞ there too."
+    text += "no key after i"
     listed = ", ".join(map(str, padding[:8])) + (" …" if len(padding) > 8 else "")
-    text += (f"; sequence 0's padding position(s) {listed} are −∞ as keys too, so ")
+    text += f"; sequence 0's padding position(s) {listed} are −∞ as keys too, so "
     if padding == tuple(range(len(padding))):  # left padding: its real tokens start after it
         return text + f"its query i weighs only keys {len(padding)} … i. The scores after + M are −∞ there too."
     return text + "its real query i weighs only its real keys up to i. The scores after + M are −∞ there too."
