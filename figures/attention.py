@@ -578,9 +578,10 @@ def stages_takeaway(trace: Trace, step: int, layer: int, head: int, batch: int =
     top = int(a[row].argmax())
     hidden = int((~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])).sum()) if mask is not None else 0
     biased = "biased, " if trace.has(score_bias_name(layer), step) else ""  # Inkling: B is a stage of its own
+    share = f"{float(a[row, top]):.3f}"  # one rounding for the sentence and the metric: 0.998 is not "100%"
     sentence = (f"Scores, scaled, {biased}masked, softmaxed: the last real query, {inert(queries[row])}, puts "
-                f"{float(a[row, top]):.0%} of its weight on key {inert(keys[top])}.")  # markdown: labels made inert
-    return sentence, [("query rows × keys", f"{n} × {t}"), ("largest weight of that row", f"{float(a[row, top]):.3f}"),
+                f"{share} of its weight on key {inert(keys[top])}.")  # markdown: labels made inert
+    return sentence, [("query rows × keys", f"{n} × {t}"), ("largest weight of that row", share),
                       ("pairs M hides", f"{hidden:,}")]
 
 

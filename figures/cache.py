@@ -594,8 +594,9 @@ def growth_sentence(config, t_now: int, itemsize: int = 4, n_now: int | None = N
                    f"(2·L·G·n·d_head) inside n_ctx = {n_ctx:,}: they would pass it from n = {first:,}")
     sentence = (f"Attention's two products cost 2·H·n²·d_head = 2·{H}·n²·{dh} multiply-adds per layer for a forward "
                 f"of n positions, quadratic in n; the MLP costs {per_token_mlp:,}·n, linear. Attention costs more "
-                f"{where}. In bytes, {step_kind} numbers, {_size(scores_now)}, against {_size(cache_now)} for the "
-                f"whole KV cache at t = {t_now}; {outgrow}. FlashAttention never holds them.")
+                f"{where}. In bytes, per sequence, {step_kind} numbers, {_size(scores_now)}, against "
+                f"{_size(cache_now)} for the whole KV cache at t = {t_now}; {outgrow}. FlashAttention never holds "
+                "them.")
     window = getattr(config, "sliding_window", None)
     if window and windowed:
         names = ", ".join(str(x) for x in windowed)
@@ -632,24 +633,28 @@ def sharing_sentence(run: CachePrecisionRun) -> str:
             f"{quantizing:.0%} less. Together, {both:.0%} less than a multi-head cache in the model's precision.")
 
 
-def growth_takeaway(config, t_now: int, itemsize: int = 4,
-                    n_now: int | None = None) -> tuple[str, list[tuple[str, str]]]:
+def growth_takeaway(config, t_now: int, itemsize: int = 4, n_now: int | None = None,
+                    batch: int = 1) -> tuple[str, list[tuple[str, str]]]:
     """The view's takeaway: at this step's t, what attention's products and the MLP cost, and what this step's
-    scores hold against the whole cache, counted from the model's widths."""
+    scores hold against the whole cache, counted from the model's widths for the step's ``batch`` sequences (the
+    figures of the step, as This step shows them; one sequence's are said as such)."""
     from gpt_shape_tracer.model.analysis import forward_parts
 
     n_now = t_now if n_now is None else n_now
-    parts = forward_parts(config, 1, n_now, t_now)
+    parts = forward_parts(config, batch, n_now, t_now)
     attention, mlp = parts["QKᵀ and A·V"], parts["MLP"]
     H, G = config.n_head, getattr(config, "n_kv_head", None) or config.n_head
-    scores = H * n_now * t_now * itemsize
+    scores = batch * H * n_now * t_now * itemsize
     L = len(getattr(config, "attention_layers", None) or range(config.n_layer))  # the layers that hold K and V
-    cache = 2 * L * G * t_now * config.d_head * itemsize
+    cache = batch * 2 * L * G * t_now * config.d_head * itemsize
     verb = "more than" if attention > mlp else "less than" if attention < mlp else "as much as"
+    whose = f"this step, its B = {batch} sequences together" if batch > 1 else "this step"
     sentence = (f"At t = {t_now}, attention's products cost {verb} the MLP ({attention:,} against {mlp:,} "
-                f"multiply-adds at this step): attention grows with n·t, the MLP with n.")
+                f"multiply-adds at {whose}): attention grows with n·t, the MLP with n.")
+    suffix = f", B = {batch}" if batch > 1 else ""
     return sentence, [("attention ÷ MLP (multiply-adds)", f"{attention / mlp:.3g}×"),
-                      ("this step's scores, one layer", _size(scores)), ("KV cache, all layers", _size(cache))]
+                      (f"this step's scores, one layer{suffix}", _size(scores)),
+                      (f"KV cache, all layers{suffix}", _size(cache))]
 
 
 def precision_takeaway(run: CachePrecisionRun) -> str:

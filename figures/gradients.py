@@ -100,7 +100,7 @@ def agreement(result: HeadGradients, tolerance: float = 1e-5) -> tuple[str, str]
     names = ", ".join(computed)
     cap = (f" (with the soft-cap's factor 1 − tanh²(s·QKᵀ/{result.softcap:g}) between QKᵀ and the capped scores, in "
            "G_Q and G_K)" if result.softcap else "")
-    start = f"L = {result.loss:.4f} ({result.loss_name}). Starting from autograd's G_O = ∂L/∂O, "
+    start = f"L = {result.loss:.4f} ({result.loss_words()}). Starting from autograd's G_O = ∂L/∂O, "
     if worst <= tolerance:
         return "success", (start + f"the {len(computed)} gradients computed from their formulas ({names}){cap} equal "
                            f"autograd's within {worst:.1e}.")

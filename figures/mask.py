@@ -87,7 +87,9 @@ class MaskFacts:
         elif self.n > 1:
             lines.append(
                 f"A pass over n = {self.n} positions: row i may only see keys j ≤ i, so the {self.future} cells "
-                "above the diagonal (and any key that is padding) are −∞.")
+                "above the diagonal are −∞"
+                + (f", and so are the {self.padding_key} cells of padding keys at or before their query: row i of "
+                   f"sequence {self.batch} weighs only its real keys up to i." if self.padding_key else "."))
             if not self.use_cache:
                 lines.append("Without the cache every step recomputes all rows; only the last row is new, and its "
                              "causal part is all zeros — exactly the one row a cached step computes.")

@@ -110,6 +110,7 @@ class TourContext:
     induction: HeadPick | None
     previous_weight: tuple[int, float] | None  # (the last real prefill row, its weight on the key before), for
     # the previous-token head
+    prefill_padding: tuple[int, ...] = ()  # sequence 0's padding positions at the prefill (keys M hides too)
     engine: EngineRun | None = None  # the Engine tab's run on view (None: none was run or opened yet)
     engine_refused: str = ""  # why the sidebar's model cannot run the engine ("" when it can)
 
@@ -134,6 +135,7 @@ def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: 
         chosen_p=sampling.probs[0] if sampling is not None else None,
         previous=previous, induction=induction,
         previous_weight=weight_on_previous_key(trace, 0, previous.layer, previous.head) if previous else None,
+        prefill_padding=tuple(i for i, real in enumerate(facts.is_token(0, 0)) if not real),
         engine=engine, engine_refused=engine_refused)
 
 
@@ -157,6 +159,20 @@ class Stop:
 
 def _shape(*dims: object) -> str:
     return "[" + ", ".join(map(str, dims)) + "]"
+
+
+def mask_look(n: int, padding: tuple[int, ...]) -> str:
+    """The mask stop's sentence at a prefill of ``n`` positions whose sequence 0 has ``padding`` positions: with
+    padding, the keys a query may weigh are not all of 0 … i."""
+    text = f"At the prefill M is {n} × {n}: every cell above the diagonal is −∞, so query i weighs "
+    if not padding:
+        return text + "only keys 0 … i, and the scores after + M are −∞ there too."
+    text += "no key after i"
+    listed = ", ".join(map(str, padding[:8])) + (" …" if len(padding) > 8 else "")
+    text += f"; sequence 0's padding position(s) {listed} are −∞ as keys too, so "
+    if padding == tuple(range(len(padding))):  # left padding: its real tokens start after it
+        return text + f"its query i weighs only keys {len(padding)} … i. The scores after + M are −∞ there too."
+    return text + "its real query i weighs only its real keys up to i. The scores after + M are −∞ there too."
 
 
 def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
@@ -187,10 +203,7 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
         skipped="" if ctx.values else no_values))
 
     stops.append(Stop(
-        "mask", "The causal mask", "Causal mask",
-        f"At the prefill M is {n0} × {n0}: every cell above the diagonal is −∞, so query i can only weigh keys "
-        "0 … i, and the scores after + M are −∞ there too.",
-        step=0, head=prev_head))
+        "mask", "The causal mask", "Causal mask", mask_look(n0, ctx.prefill_padding), step=0, head=prev_head))
 
     if prev is not None and ctx.previous_weight is not None:
         row, weight = ctx.previous_weight

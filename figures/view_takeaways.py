@@ -68,17 +68,23 @@ def mask_takeaway(facts: MaskFacts) -> Takeaway:
     if facts.decode:
         sentence = (f"A cached decode step computes one query row, the newest position: causality hides none of its "
                     f"t = {facts.t} keys")
-        others = facts.padding_key + facts.window
-        if facts.indexer:  # indexed attention: the keys its indexer did not choose are hidden too
-            causes = [f"{count} {why}" for count, why in ((facts.padding_key, "padding"),
-                                                          (facts.window, "outside the sliding window"),
-                                                          (facts.indexer, "not chosen by the indexer")) if count]
-            sentence += f"; {others + facts.indexer} of them are −∞ ({', '.join(causes)})."
+        # only the causes that hid a key at this step are named: a model without a window has no window to blame
+        causes = [(count, short, long) for count, short, long in (
+            (facts.padding_key, "padding", "because the key is padding"),
+            (facts.window, "outside the sliding window", "because the key is outside the sliding window"),
+            (facts.indexer, "not chosen by the indexer", "because the indexer did not choose the key")) if count]
+        hidden = sum(count for count, _, _ in causes)
+        if len(causes) > 1:
+            sentence += f"; {hidden} of them are −∞ ({', '.join(f'{c} {short}' for c, short, _ in causes)})."
+        elif causes:
+            sentence += f"; {hidden} of them are −∞ {causes[0][2]}."
         else:
-            sentence += f"; {others} of them are −∞ for padding or the sliding window." if others else "."
+            sentence += "."
     elif facts.future:
         sentence = (f"{facts.future} of the {cells} scores are −∞ because the key comes after the query: row i "
-                    "weighs keys up to its own position only.")
+                    "weighs keys up to its own position only")
+        sentence += (f"; {facts.padding_key} more are −∞ because the key is padding, so a padded sequence's row i "
+                     "weighs only its real keys up to i." if facts.padding_key else ".")
     else:
         sentence = f"No score of these {cells} is hidden for coming after its query."
     metrics = [("−∞ cells", f"{facts.masked} of {cells}"), ("future keys", str(facts.future))]

@@ -296,9 +296,9 @@ def gradients_section(trace: Trace, step: int, layer: int, head: int, batch: int
                 "view).")
         return
     loss = st.radio("loss L", list(GRADIENT_LOSSES), horizontal=True, key="grad_loss", persist_state="page",
-                    help="next-token cross-entropy: the mean over every pair of consecutive real tokens of a row "
-                         "(padding skipped, on either side) · "
-                         "−log p(chosen token): of the token this step chose")
+                    help="next-token cross-entropy: the mean over every pair of consecutive real tokens of every "
+                         "sequence of the batch, pooled (padding skipped, on either side) · "
+                         "−log p(chosen token): the mean over the batch's sequences of the token this step chose")
     head_gradients(trace, gen, step, layer, head, batch, loss)
     gradient_capture(gen, step, loss)
 
@@ -319,7 +319,7 @@ def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: i
     result = kept.get(wanted)  # kept per (step, layer, head, sequence, loss): a Step loses none
     level, text = grad_views.agreement(result)
     keys = key_labels(trace, step, batch)
-    takeaway(text, [("loss L", f"{result.loss:.4f}"),
+    takeaway(text, [("loss L, all sequences" if result.pooled_over > 1 else "loss L", f"{result.loss:.4f}"),
                     ("largest |formula − autograd|", f"{max(result.max_abs_delta(n) for n in result.computed):.1e}"),
                     ("query rows", str(result.formula["G_P"].shape[0]))],
              details=("Backpropagation through attention: from a loss L, the gradient of every stage of this head, "

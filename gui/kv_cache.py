@@ -66,7 +66,8 @@ def cache_tab(trace: Trace, step: int) -> None:
             forward = facts_of(trace).step(step).forward
             figure, sentence = cache_views.growth_figure(trace.config, forward.t, itemsize, forward.n,
                                                          cache_views.window_layers(trace, step))
-            line, metrics = cache_views.growth_takeaway(trace.config, forward.t, itemsize, forward.n)
+            line, metrics = cache_views.growth_takeaway(trace.config, forward.t, itemsize, forward.n,
+                                                        facts_of(trace).batch_size)
             takeaway(line, metrics, details=(
                 "Counted from this model's widths for a full forward of n positions (no cache), n from 1 to its n_ctx, "
                 "both axes logarithmic: the time of attention is O(n²·d), of everything else O(n·d²); its memory "

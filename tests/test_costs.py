@@ -111,6 +111,54 @@ def test_roofline_decode_is_memory_bound_and_floors_are_the_max_of_two_terms():
         assert all(acc.source.startswith("https://") for acc in ACCELERATORS.values())
 
 
+def test_a_moe_floor_counts_the_experts_a_real_run_reads_and_no_dry_run_copies(tmp_path):
+    """Issue 52: a mixture-of-experts step's floor counts what a real run's kernels move — each routed expert's
+    matrices once when a token picks it, nothing for views (t, view, expand, slice) and nothing for the dry run's
+    own copies of the chosen experts' matrices. A decode step of one sequence reads the active weights: every
+    parameter once, k of the E experts of each MoE layer, one row of the embedding; its floor is within 10 % of
+    those bytes at the memory's bandwidth. A prefill's floor is a range: every token on the same k experts, up to
+    every expert hit."""
+    from transformers import MixtralConfig
+
+    from gpt_shape_tracer.tracer.costs import ACCELERATORS, step_floor
+
+    E, k = 8, 2
+    MixtralConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=k,
+                  max_position_embeddings=512, torch_dtype="bfloat16").save_pretrained(tmp_path)
+    dry, _ = load_model(tmp_path, weights=False)
+    n = 64
+    _, costs = costed_dry_run(dry, n=n, steps=1)
+    params = dict(dry.named_parameters())
+    experts = {name: p for name, p in params.items() if p.dim() == 3 and p.shape[0] == E}
+    assert len(experts) == 2 * 2  # gate_up_proj and down_proj of each layer
+    one_expert = sum(p[0].numel() * p.element_size() for p in experts.values())  # of all layers
+    embedding = next(p for name, p in params.items() if name.endswith("embed_tokens.weight"))
+    row = embedding.shape[1] * embedding.element_size()
+    everything = sum(p.numel() * p.element_size() for p in params.values())
+    active = everything - sum(p.numel() * p.element_size() for p in experts.values()) + k * one_expert \
+        - embedding.numel() * embedding.element_size() + row
+    decode = costs[1]
+    assert decode.weight_bytes == active
+    assert not any(op.spread_bytes for op in decode.ops)  # one token: its k experts, nothing to spread over
+    for acc in ACCELERATORS.values():
+        floor = step_floor(decode.ops, acc, "bfloat16")
+        assert abs(floor.seconds - active / acc.bandwidth) <= 0.1 * active / acc.bandwidth, (acc.name, floor)
+        assert floor.spread_seconds == 0 and "same k experts" not in floor.describe()
+    # views move nothing; the dry run's copies of expert matrices write nothing
+    views = [op for op in decode.ops if op.op in ("aten.t", "aten.view", "aten.expand", "aten.slice")]
+    assert views and all(op.read_bytes == op.written_bytes == op.weight_bytes == 0 for op in views)
+    copies = [op for op in decode.ops if op.op == "aten.index" and len(op.output_shape) == 3]
+    assert len(copies) == 4 and all(op.written_bytes == 0 for op in copies)
+    # the prefill: n·k = 128 choices can hit all E experts, so the range runs from k experts to E
+    prefill = costs[0]
+    assert prefill.weight_bytes == active - row + n * row
+    assert sum(op.spread_bytes for op in prefill.ops) == (E - k) * one_expert
+    h100 = step_floor(prefill.ops, ACCELERATORS["H100 SXM"], "bfloat16")
+    assert h100.spread_seconds > h100.seconds
+    assert "with every token on the same k experts" in h100.describe()
+
+
 def test_placement_by_accelerate_and_the_longest_context():
     from gpt_shape_tracer.model.sources import parameters_by_dtype
     from gpt_shape_tracer.tracer.costs import place

@@ -4,6 +4,7 @@ decode; bad configs are refused with their reason."""
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import shutil
@@ -76,6 +77,28 @@ def test_placeholder_ids_without_a_tokenizer(tmp_path):
     gen = dry_run(dry, n=7, steps=3)
     assert gen.facts.steps[0].forward.n == 7 and gen.facts.steps[-1].forward.cache_after == 10
     assert gen.trace.record("blocks.3.attn.hook_k_all", step=3).shape == (1, 2, 10, 32)
+
+
+def test_a_dry_run_with_a_tokenizer_labels_its_placeholder_ids(capsys):
+    """Issue 52: the chosen ids of a dry run are placeholders (id 0, which GPT-2's tokenizer reads as
+    <|endoftext|>): the text says so instead of decoding them, in the library and in the CLI's printing."""
+    from gpt_shape_tracer.trace_command import main
+    from gpt_shape_tracer.tracer.generation._traced import PLACEHOLDER_ID
+
+    dry, tok = load_model(ASSETS / "story-gpt", weights=False)
+    assert tok is not None
+    gen = dry_run(dry, tok, PROMPT, steps=2)
+    chosen = gen.generated(0)
+    assert chosen == (PLACEHOLDER_ID,) * 3  # the prefill and two decode steps each "chose" one
+    decoded = tok.decode([PLACEHOLDER_ID])
+    assert decoded  # the id reads as a real token when decoded: what the text must not show
+    text = gen.text(0)
+    assert text == tok.decode(list(gen.info.prompt_tokens[0])) + "⟨3 placeholder id(s): a dry run samples nothing⟩"
+    assert decoded not in text and decoded not in html.unescape(gen._repr_html_())
+    assert main(["--prompt", PROMPT, "--model-dir", str(ASSETS / "story-gpt"), "--dry-run", "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "text[0]: 'Once upon a time⟨2 placeholder id(s): a dry run samples nothing⟩'" in printed, printed[-300:]
+    assert decoded not in printed
 
 
 def test_sources_bare_config_and_headers(tmp_path):

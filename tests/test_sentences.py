@@ -422,7 +422,7 @@ def test_the_takeaways_state_their_own_numbers(matrix):
         row = max(i for i, r in enumerate(real) if r)
         top = int(a[row].argmax())
         sentence, metrics = attention.stages_takeaway(trace, step, layer, 0, batch)
-        assert f"puts {float(a[row, top]):.0%} of its weight on key {inert(key_labels(trace, step, batch)[top])}" \
+        assert f"puts {float(a[row, top]):.3f} of its weight on key {inert(key_labels(trace, step, batch)[top])}" \
             in sentence, (name, step, batch)
         forward = trace.generation.step(step).forward
         parts = forward_parts(trace.config, 1, forward.n, forward.t)

@@ -124,7 +124,7 @@ def test_a_sliding_window_is_counted_in_the_mask_line(tmp_path):
     masked, future = reference_mask_counts(gen.trace, 1, 0)
     assert future == 0 and masked == facts.window > 0
     line = mask_takeaway(facts).sentence
-    assert f"; {masked} of them are −∞ for padding or the sliding window." in line
+    assert f"; {masked} of them are −∞ because the key is outside the sliding window." in line
     assert ("outside the window", str(masked)) in mask_takeaway(facts).metrics
 
 

@@ -11,6 +11,9 @@
   gathers, at most the parameter's size;
 * **bytes written**: the bytes of each output that is new memory (a view writes nothing; an in-place op writes its
   output);
+* **bytes read** (``read_bytes``): the bytes of its inputs, as a real run's kernel moves them — a view (``t``,
+  ``view``, ``expand``, ``slice``: outputs that are inputs' memory) moves nothing, so it reads nothing; a gather
+  from a parameter reads what it gathers, not the whole parameter;
 * the **module** it ran in (the innermost non-hook-point module on the stack).
 
 It also keeps the bytes of every storage that is alive — created by an op of the forward, freed when its last
@@ -18,7 +21,12 @@ tensor goes — and the peak of that sum: the activation memory the forward need
 allocator would see it without its caching (parameters and the KV cache buffers made before the step are not
 counted; the cache's new buffers are). A storage an op reads before any op of the forward made it existed before
 (the tokens, the cache's buffers): an in-place write into it (the cache's ``copy_``) adds nothing. The copies of
-whole expert matrices that the dry run's ``batched_mm`` experts make are left out (``_copied_matrices``). Checked
+whole expert matrices that the dry run's ``batched_mm`` experts make are left out (``_copied_matrices``), and so
+are their bytes: a real run's kernels (``grouped_mm``, the experts loop) read each routed expert's matrices in place,
+once per step when any token picks it, and copy none. Which experts the router picks a dry run cannot know, so the
+copy is counted as reading the k experts of one token (every token on the same k experts: ``weight_bytes``), and
+``spread_bytes`` more when the step's S = tokens·k choices hit min(E, S) different experts (the most they can).
+Checked
 against the profiler's allocator events on the real run (tests/test_costs.py): within 1.2 % for our GPT, Llama,
 Qwen3, Mixtral and DeepSeek-V3, prefill and decode (docs/benchmarks.md).
 """
@@ -50,6 +58,8 @@ class OpCost:
     weight_bytes: int  # bytes of parameters read
     read_bytes: int  # bytes of every input, parameters included
     written_bytes: int  # bytes of new memory written
+    spread_bytes: int = 0  # bytes more it reads if the tokens' expert choices hit as many experts as they can
+    # (a dry run's copy of the chosen experts' matrices: which experts were chosen, it cannot know)
 
     @property
     def flops(self) -> int:
@@ -82,6 +92,8 @@ class OpCounter(TorchDispatchMode):
         self._tracked: dict[int, Any] = {}  # id(storage) → weakref with a callback that frees its bytes
         self._seen = {id(s) for s in self._param_storages}
         self._existing: dict[int, Any] = {}  # id(storage) → weakref: memory made before the forward (_note_existing)
+        self._copies: dict[int, Any] = {}  # id(storage) → weakref: the dry run's copies of expert matrices
+        self._routing: dict[str, int] = {}  # an experts module's path → k, the experts each token picks
         for path, module in model.named_modules():
             if isinstance(module, HookPoint) or not path:
                 continue
@@ -91,6 +103,10 @@ class OpCounter(TorchDispatchMode):
     def _enter(self, path: str):
         def pre(module, args):
             self._stack.append(path)
+            # transformers' experts modules are called (hidden_states [S, d], top_k_index [S, k], top_k_weights)
+            if hasattr(module, "num_experts") and len(args) >= 2 and isinstance(args[1], torch.Tensor) \
+                    and args[1].dim() == 2 and not args[1].is_floating_point():
+                self._routing[path] = int(args[1].shape[-1])
         return pre
 
     def _exit(self, path: str):
@@ -141,6 +157,17 @@ class OpCounter(TorchDispatchMode):
         params = [t for t in inputs if t.dim() >= 3 and id(t.untyped_storage()) in self._param_storages]
         return any(o.dim() == p.dim() and o.shape[1:] == p.shape[1:] for p in params for o in outputs)
 
+    def _expert_reads(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> tuple[int, int]:
+        """(bytes, spread): what a real run reads for a dry-run copy of the chosen experts' matrices ``[S, a, b]``
+        of an ``[E, a, b]`` parameter — k experts' matrices when every token picks the same k, min(E, S) experts'
+        when they pick as many as they can (module doc); k from the experts module's call, or S when unknown."""
+        param = next(t for t in inputs if t.dim() >= 3 and id(t.untyped_storage()) in self._param_storages)
+        chosen = outputs[0].shape[0]  # S = tokens · k
+        k = min(self._routing.get(self._stack[-1], chosen), chosen)
+        one = _nbytes(param) // max(param.shape[0], 1)
+        low, high = k * one, min(param.shape[0], chosen) * one
+        return low, high - low
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -154,23 +181,39 @@ class OpCounter(TorchDispatchMode):
         in_storages = {id(t.untyped_storage()) for t in inputs}
         for t in inputs:  # memory that existed before the forward (the tokens, the KV cache's buffers): never new
             self._note_existing(t.untyped_storage())
-        weight = 0
-        for t in inputs:
-            held = self._param_storages.get(id(t.untyped_storage()))
-            if held is not None:
-                gathers = packet in (torch.ops.aten.index, torch.ops.aten.embedding, torch.ops.aten.index_select)
-                weight += min(held, sum(_nbytes(o) for o in outputs)) if gathers else min(held, _nbytes(t))
-        written = 0
         inplace = str(packet).endswith("_") or "out" in kwargs  # add_, copy_, index_put_ …: they write their output
+        # a view (t, view, expand, slice, …): every output is an input's memory, so no kernel moves a byte
+        view = bool(outputs) and not inplace and all(id(o.untyped_storage()) in in_storages for o in outputs)
         copies = self._copied_matrices(packet, inputs, outputs)
+        weight = read = spread = 0
+        if copies:  # the dry run's copy of expert matrices: a real run reads the experts in place, copies nothing
+            weight, spread = self._expert_reads(inputs, outputs)
+            read = weight + sum(_nbytes(t) for t in inputs if id(t.untyped_storage()) not in self._param_storages)
+        elif not view:
+            gathers = packet in (torch.ops.aten.index, torch.ops.aten.embedding, torch.ops.aten.index_select)
+            for t in inputs:
+                key = id(t.untyped_storage())
+                if key in self._copies:
+                    continue  # a dry-run copy of expert matrices: its bytes were counted where it was made
+                held = self._param_storages.get(key)
+                if held is None:
+                    read += _nbytes(t)
+                    continue
+                part = min(held, sum(_nbytes(o) for o in outputs)) if gathers else min(held, _nbytes(t))
+                weight += part
+                read += part  # a gather reads the rows it gathers, not the whole parameter
+        written = 0
         for o in outputs:
             storage = o.untyped_storage()
             key = id(storage)
             if key in in_storages and not inplace:
                 continue  # a view of an input: nothing written
-            written += _nbytes(o)
             if copies:
                 self._note_existing(storage)  # weights, not activations (_copied_matrices)
+                if key not in self._copies:
+                    self._copies[key] = weakref.ref(storage, self._uncopied(key))
+                continue  # a real run makes no such copy: nothing written
+            written += _nbytes(o)
             if key not in self._seen and key not in self._tracked:  # new memory: alive until its last tensor goes
                 nbytes = storage.nbytes()
                 self._tracked[key] = weakref.ref(storage, self._freed(nbytes, key))
@@ -178,6 +221,11 @@ class OpCounter(TorchDispatchMode):
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         name = str(packet)
         self.ops.append(OpCost(self.step, self._stack[-1], name if name.startswith("aten.") else f"aten.{name}",
-                               tuple(outputs[0].shape) if outputs else (), flops // 2, weight,
-                               sum(_nbytes(t) for t in inputs), written))
+                               tuple(outputs[0].shape) if outputs else (), flops // 2, weight, read, written,
+                               spread))
         return out
+
+    def _uncopied(self, key: int):
+        def callback(_ref):
+            self._copies.pop(key, None)
+        return callback

@@ -9,7 +9,9 @@ peak/bandwidth ratio (hundreds of FLOPs per byte), so it is memory-bound; a long
 
 Peak rates are the dense (no structured sparsity) tensor-core rates the vendors state for bfloat16/float16, and
 the plain FP32 rate for float32 (PyTorch does not use TF32 for float32 matrix products unless asked). Bytes are
-the bytes an op reads (weights and activations) and writes, as if nothing stayed in cache: a floor, again.
+the bytes an op reads (weights and activations) and writes, as if nothing stayed in cache: a floor, again. A
+mixture-of-experts step reads the experts its router picks, which a dry run cannot know: its floor is a range, from
+every token on the same k experts to as many experts hit as the tokens' choices can reach (``OpCost.spread_bytes``).
 """
 
 from __future__ import annotations
@@ -118,9 +120,12 @@ class OpFloor:
         return self.op.flops / moved if moved else float("inf")
 
 
-def op_floors(ops: tuple[OpCost, ...] | list[OpCost], accelerator: Accelerator, dtype: str) -> list[OpFloor]:
+def op_floors(ops: tuple[OpCost, ...] | list[OpCost], accelerator: Accelerator, dtype: str,
+              spread: bool = False) -> list[OpFloor]:
+    """Each op's floor; ``spread``: with the most experts a mixture-of-experts op can read (``spread_bytes``)."""
     peak = accelerator.peak(dtype)
-    return [OpFloor(op, op.flops / peak, (op.read_bytes + op.written_bytes) / accelerator.bandwidth) for op in ops]
+    return [OpFloor(op, op.flops / peak, (op.read_bytes + op.written_bytes + (op.spread_bytes if spread else 0))
+                    / accelerator.bandwidth) for op in ops]
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class StepFloor:
     memory_seconds: float  # the floors of the memory-bound ops
     flops: int
     bytes_moved: int
+    spread_seconds: float = 0.0  # the floor when the tokens' expert choices hit as many experts as they can (0: the
+    # step reads no experts a router picks, or its choices can reach no more than k)
 
     @property
     def bound(self) -> Bound:
@@ -140,7 +147,10 @@ class StepFloor:
 
     def describe(self) -> str:
         share = self.memory_seconds / self.seconds if self.seconds else 0.0
-        return (f"{self.accelerator}: at least {_time(self.seconds)} — {share:.0%} of it in memory-bound ops "
+        floor = (f"at least {_time(self.seconds)} with every token on the same k experts, "
+                 f"{_time(self.spread_seconds)} with as many experts hit as the tokens' choices reach"
+                 if self.spread_seconds > self.seconds else f"at least {_time(self.seconds)}")
+        return (f"{self.accelerator}: {floor} — {share:.0%} of it in memory-bound ops "
                 f"({self.flops / max(self.bytes_moved, 1):.1f} FLOPs per byte moved): {self.bound}-bound")
 
 
@@ -148,8 +158,10 @@ def step_floor(ops: tuple[OpCost, ...] | list[OpCost], accelerator: Accelerator,
     floors = op_floors(ops, accelerator, dtype)
     compute = sum(f.seconds for f in floors if f.bound == "compute")
     memory = sum(f.seconds for f in floors if f.bound == "memory")
+    spread = sum(f.seconds for f in op_floors(ops, accelerator, dtype, spread=True)) \
+        if any(op.spread_bytes for op in ops) else 0.0
     return StepFloor(accelerator.name, compute + memory, compute, memory, sum(op.flops for op in ops),
-                     sum(op.read_bytes + op.written_bytes for op in ops))
+                     sum(op.read_bytes + op.written_bytes for op in ops), spread)
 
 
 def _time(seconds: float) -> str:

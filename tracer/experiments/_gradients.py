@@ -52,6 +52,15 @@ class HeadGradients:
     norms: dict[str, list[float]]  # NORMED name → ‖∂L/∂x‖ per layer
     softcap: float | None = None  # c of a soft-capped model: its G_Q and G_K carry the cap's derivative
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # the forward's "P" [t, t] and "V" [t, d_head]
+    pooled_over: int = 1  # the sequences ``loss`` is the mean over: every one of the batch, not ``batch``'s alone
+
+    def loss_words(self) -> str:
+        """What ``loss`` is the mean of, in words that hold for the batch it was computed over."""
+        over = (f"over all {self.pooled_over} sequences of the batch, not sequence {self.batch}'s alone"
+                if self.pooled_over > 1 else "over the one sequence")
+        what = ("every pair of consecutive real tokens" if self.loss_name == GRADIENT_LOSSES[0]
+                else "the token each sequence's step chose")
+        return f"{self.loss_name}: the mean over {what}, {over}"
 
     GIVEN = ("G_O",)  # taken from autograd: the formulas start there
 
@@ -229,4 +238,4 @@ def _head(seen, got, names, normed, config, layer: int, head: int, batch: int, l
         g_x = got.get(name)
         norms[kind].append(float(g_x.norm()) if g_x is not None else float("nan"))
     return HeadGradients(loss, value, layer, head, batch, formula, autograd, norms, softcap=cap,
-                         values={"P": p[head], "V": v[g]})
+                         values={"P": p[head], "V": v[g]}, pooled_over=int(seen[names["Q"]].shape[0]))

@@ -248,7 +248,7 @@ class TracedGeneration:
         import html
 
         texts = "".join(f"<li>{html.escape(self.facts.info.prompts[r])}<b>"
-                        f"{html.escape(self.tokenizer.decode(list(self.generated(r))))}</b></li>"
+                        f"{html.escape(self.generated_text(r))}</b></li>"
                         for r in range(self.facts.batch_size))
         return f"<b>{html.escape(repr(self))}</b><ol start='0'>{texts}</ol>{self.trace.html_summary()}"
 
@@ -256,7 +256,18 @@ class TracedGeneration:
         return tuple(s.sampling.tokens[row] for s in self.facts.steps if s.sampling is not None)
 
     def text(self, row: int = 0) -> str:
+        """The sequence's text so far: its prompt, then what was generated (``generated_text``)."""
+        if self.dry_run:
+            return self.tokenizer.decode(list(self.info.prompt_tokens[row])) + self.generated_text(row)
         return self.tokenizer.decode(list(self.tokens(row)))
+
+    def generated_text(self, row: int = 0) -> str:
+        """What the steps chose for sequence ``row``, decoded; a dry run's choices are placeholder ids, labelled as
+        such and not decoded: a tokenizer would read id 0 as a real token (GPT-2's <|endoftext|>)."""
+        chosen = list(self.generated(row))
+        if self.dry_run:
+            return f"⟨{len(chosen)} placeholder id(s): a dry run samples nothing⟩" if chosen else ""
+        return self.tokenizer.decode(chosen)
 
     @property
     def interventions(self) -> tuple[Intervention, ...]:
