@@ -129,9 +129,9 @@ MUTANTS = (
     # -- trace-file validation
     Mutant("schema: no upper bound", "tracer/files/_schema.py", "not self.lo <= value <= self.hi",
            "not self.lo <= value", SCHEMA),
-    Mutant("schema: a probability of 1.5 loads", "tracer/files/_io.py", "prob = Float(0, 1, finite=False)",
+    Mutant("schema: a probability of 1.5 loads", "tracer/files/_format.py", "prob = Float(0, 1, finite=False)",
            "prob = Float(0, finite=False)", (NEW_TESTS["probs"], *SCHEMA)),
-    Mutant("schema: probabilities adding up to 2 load", "tracer/files/_io.py", "if math.fsum(probs) > 1 + 1e-3:",
+    Mutant("schema: probabilities adding up to 2 load", "tracer/files/_format.py", "if math.fsum(probs) > 1 + 1e-3:",
            "if math.fsum(probs) > 2:", (NEW_TESTS["schema"], *SCHEMA)),
     Mutant("schema: a list one entry over the limit", "tracer/files/_schema.py",
            "if len(value) > self.max_len:\n            raise TraceFileError(f\"{len(value)} entries",

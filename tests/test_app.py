@@ -15,7 +15,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from gpt_shape_tracer.tracer.files._io import archive_bytes, load_trace
+from gpt_shape_tracer.tracer.files import archive_bytes, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app.py")

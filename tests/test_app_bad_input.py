@@ -16,7 +16,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from gpt_shape_tracer.session import DEFAULT_MODEL
-from gpt_shape_tracer.tracer.files._io import archive_bytes
+from gpt_shape_tracer.tracer.files import archive_bytes
 from tests.test_app import charts, heatmaps, metric, new_app, press, press_reset, run, show_tab
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -240,7 +240,7 @@ def crafted_trace() -> bytes:
     """A valid trace whose labels, model name and prompt try markdown images, links and HTML."""
     from gpt_shape_tracer.model import load_bundled
     from gpt_shape_tracer.tracer import TracedGeneration
-    from gpt_shape_tracer.tracer.files._io import archive_bytes
+    from gpt_shape_tracer.tracer.files import archive_bytes
 
     model, tok = load_bundled()
     gen = TracedGeneration(model, tok, "Lily had a red ball.", temperature=0)

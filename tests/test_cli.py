@@ -192,7 +192,7 @@ def test_a_trace_too_large_to_load_back_is_refused_by_the_command_before_anythin
                                                                                             monkeypatch):
     import dataclasses
 
-    import gpt_shape_tracer.tracer.files._io as io_module
+    import gpt_shape_tracer.tracer.files._save as io_module  # the writer checks against the reader's LIMITS
 
     monkeypatch.setattr(io_module, "LIMITS", dataclasses.replace(io_module.LIMITS, records=10))
     out = tmp_path / "t.zip"

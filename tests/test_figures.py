@@ -827,7 +827,7 @@ def test_a_crafted_label_from_a_file_stays_plain_text(gen, tmp_path):
     import zipfile
 
     from gpt_shape_tracer.tracer import load_trace
-    from gpt_shape_tracer.tracer.files._io import archive_bytes
+    from gpt_shape_tracer.tracer.files import archive_bytes
 
     data = archive_bytes(gen.trace)
     manifest = json.loads(zipfile.ZipFile(io.BytesIO(data)).read("manifest.json"))

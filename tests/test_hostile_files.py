@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from gpt_shape_tracer.tracer import TracedGeneration, TraceFileError, load_trace
-from gpt_shape_tracer.tracer.files._io import LIMITS, archive_bytes
+from gpt_shape_tracer.tracer.files import LIMITS, archive_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 

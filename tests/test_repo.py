@@ -149,7 +149,7 @@ def test_nothing_outside_a_room_of_tracer_or_figures_imports_its_private_modules
 
 def test_the_private_import_guard_finds_a_private_import():
     """The check above could fail: another room's private module or name is found, the room's own is not."""
-    capture, files = f"{PACKAGE}.tracer.capture._tracer", f"{PACKAGE}.tracer.files._io"
+    capture, files = f"{PACKAGE}.tracer.capture._tracer", f"{PACKAGE}.tracer.files._load"
     assert _is_private_import("tracer", TRACER_ROOMS, files, f"{PACKAGE}.tracer.storage._log", "TraceLog")
     assert _is_private_import("tracer", TRACER_ROOMS, f"{PACKAGE}.gui.common", f"{PACKAGE}.tracer.storage", "_x")
     assert not _is_private_import("tracer", TRACER_ROOMS, files, f"{PACKAGE}.tracer.storage", "TraceLog")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from gpt_shape_tracer.tracer import TraceFileError, load_trace, save_trace
-from gpt_shape_tracer.tracer.files._io import Limits, write_archive
+from gpt_shape_tracer.tracer.files._format import Limits
+from gpt_shape_tracer.tracer.files._save import write_archive
 from gpt_shape_tracer.tracer.generation._traced import TracedGeneration
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -303,7 +304,7 @@ def test_every_trace_the_writer_saves_loads_back_and_the_rest_is_refused_before_
     against a 2 GiB values limit)."""
     import dataclasses
 
-    import gpt_shape_tracer.tracer.files._io as io_module
+    import gpt_shape_tracer.tracer.files._save as io_module  # the writer checks against the reader's LIMITS
 
     outcomes = []
     for k, limit in enumerate(10**e for e in range(0, 10)):

@@ -2,18 +2,12 @@
 claim before anything is read or allocated. ``read_zip_members`` and the declared checks (``Obj``, ``ListOf``,
 ``Int`` …, the manifest's schema language) are what ``tracer.engine`` reads its engine-run files with too.
 
-Private: ``_io`` (the format), ``_schema`` (the manifest's declared checks)."""
+Private: ``_format`` (the format, its limits and the manifest's schema), ``_save``, ``_load``, ``_schema`` (the
+declared checks the manifest's schema is written in)."""
 
-from gpt_shape_tracer.tracer.files._io import (
-    FORMAT,
-    LIMITS,
-    VERSION,
-    Limits,
-    archive_bytes,
-    load_trace,
-    read_zip_members,
-    save_trace,
-)
+from gpt_shape_tracer.tracer.files._format import FORMAT, LIMITS, VERSION, Limits
+from gpt_shape_tracer.tracer.files._load import load_trace, read_zip_members
+from gpt_shape_tracer.tracer.files._save import archive_bytes, save_trace
 from gpt_shape_tracer.tracer.files._schema import (
     Bool,
     Check,

@@ -5,7 +5,7 @@ type, a number out of range or a list longer than its bound is refused with a
 ``TraceFileError`` that names the field (``generation.steps[3].forward.t``),
 never an AttributeError or a multi-gigabyte allocation. Numbers that size
 things are bounded here, and checked again against what the file actually
-contains by ``tracer.files._io``.
+contains by ``tracer.files._load``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
-"""Saving and loading traces: files other tools can open, checked before they are trusted.
-
-A trace is a directory, or the same files in one ``.zip`` archive:
-
-* ``manifest.json`` — format and version, capture level, modules, steps, the
-  model that made it (name, config, weights digest), the generation (prompts,
-  sampling, every step's facts and cached-vs-recompute comparisons), the error
-  if a forward failed;
-* ``records.parquet`` — the record table (``Trace.to_frame()`` plus the columns
-  needed to rebuild the trace); pandas, DuckDB or Polars read it as is;
-* ``ops.parquet`` — op-level records, when captured;
-* ``values.safetensors`` — the kept values: each storage once (``s<k>``, flat),
-  and every record's value a view into one (storage, offset, strides in
-  ``records.parquet``). A KV cache viewed by sixty steps is written once, so a
-  saved trace is never larger than the bytes it kept plus its tables.
-
-Loading never unpickles anything: JSON, Parquet and safetensors only. Before
-anything is inflated or allocated, the declared sizes are checked: each
-archive member against its limit and its compression ratio, the number of
-records and ops from the Parquet metadata, every tensor's bytes from the
-safetensors header. Then the manifest is checked against one schema
-(``tracer.files._schema``), and every number that sizes something is checked against
-what the file actually holds (layers against modules, n and t against the
-attention records' shapes). A refusal is a ``TraceFileError`` naming the field
-or the limit, and by how much.
-"""
+"""Loading a trace file (the format: tracer/files/_format.py): each member read within its limits, the manifest
+checked against its schema, the tables and values checked against the manifest, and only then the trace built.
+Nothing is unpickled."""
 
 from __future__ import annotations
 
@@ -32,9 +9,7 @@ import json
 import math
 import os
 import struct
-import tempfile
 import zipfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,335 +18,37 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 
-from gpt_shape_tracer.model.gpt import FAMILIES, GPTConfig, MaskSpec, ModelIdentity
-from gpt_shape_tracer.model.sampling import SamplingConfig
+from gpt_shape_tracer.model.gpt import MaskSpec, ModelIdentity
+from gpt_shape_tracer.tracer.files._format import (
+    _CHUNK,
+    _DTYPES,
+    _ST_DTYPES,
+    FORMAT,
+    LIMITS,
+    MANIFEST,
+    MEMBERS,
+    OPS,
+    READABLE_VERSIONS,
+    RECORDS,
+    VALUES,
+    VERSION,
+    Limits,
+    _schemas,
+)
 from gpt_shape_tracer.tracer.files._schema import (
-    Bool,
-    Float,
-    Int,
-    ListOf,
-    Maybe,
-    Obj,
-    OneOf,
-    Str,
-    Then,
     TraceFileError,
-    TupleOf,
 )
 from gpt_shape_tracer.tracer.reading import Trace
-from gpt_shape_tracer.tracer.storage import CAPTURE_LEVELS, RawOp, RawRecord, TraceLog, dtype_name, storage_key
+from gpt_shape_tracer.tracer.storage import RawOp, RawRecord, TraceLog, dtype_name
 from gpt_shape_tracer.tracer.storage.records import (
-    HOWS,
-    PADDING_SIDES,
     TENSOR_KINDS,
     Finite,
-    ForwardFacts,
     GenerationInfo,
-    GenerationStep,
     InterventionRecord,
     ModuleInfo,
-    PathCost,
-    RecomputeComparison,
-    SamplingRecord,
     StepRecord,
     TensorStats,
-    TraceErrorInfo,
 )
-
-FORMAT = "gpt-shape-trace"
-VERSION = 3  # 3: labelled modules and steps, finite as words, axes as lists, tensor_id (2 still loads)
-READABLE_VERSIONS = (2, 3)
-MANIFEST, RECORDS, OPS, VALUES = "manifest.json", "records.parquet", "ops.parquet", "values.safetensors"
-MEMBERS = (MANIFEST, RECORDS, OPS, VALUES)
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-_DTYPES = {dtype_name(d): d for d in _ST_DTYPES.values()}
-_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a trace file may hold. Each limit is checked before the thing it bounds is read or allocated."""
-
-    manifest_bytes: int = 16 * 2**20  # the JSON manifest, inflated
-    table_bytes: int = 256 * 2**20  # records.parquet / ops.parquet, inflated
-    value_bytes: int = 2 * 2**30  # values.safetensors, inflated
-    ratio: int = 200  # most bytes out per compressed byte in a deflated member
-    # 2,124 records a step for 48 layers: a 48-layer run of 940 steps, an 80-layer one of about 560 (the tables'
-    # bytes, not this count, bound what loading them costs; save_trace refuses what these limits would)
-    records: int = 2_000_000
-    records_per_step: int = 100_000
-    ops: int = 2_000_000
-    modules: int = 100_000
-    steps: int = 100_000
-    batch: int = 64
-    layers: int = 10_000
-    n_ctx: int = 1 << 20
-    tensor_dims: int = 8
-    tensor_elements: int = 1 << 40
-
-
-LIMITS = Limits()
-
-
-def _sampling_record(fields: dict) -> SamplingRecord:
-    """A step's sampling, once its parts agree: one entry per sequence in every list, one label and one
-    probability per candidate at every stage, and no stage whose probabilities add up to more than 1."""
-    rows = len(fields["tokens"])
-    for name in ("labels", "probs", "candidates", "candidate_labels", "stage_probs", "kept"):
-        if len(fields[name]) != rows:
-            raise ValueError(f"{name} has {len(fields[name])} entries for {rows} sequence(s)")
-    for row, (ids, labels, stages) in enumerate(zip(fields["candidates"], fields["candidate_labels"],
-                                                    fields["stage_probs"])):
-        if len(labels) != len(ids):
-            raise ValueError(f"sequence {row}: {len(labels)} labels for {len(ids)} candidates")
-        for stage, probs in enumerate(stages):
-            if len(probs) != len(ids):
-                raise ValueError(f"sequence {row}, stage {stage}: {len(probs)} probabilities for {len(ids)} candidates")
-            if math.fsum(probs) > 1 + 1e-3:
-                raise ValueError(f"sequence {row}, stage {stage}: the probabilities add up to {math.fsum(probs):.4g}, "
-                                 "more than 1")
-    return SamplingRecord(**fields)
-
-
-# -- saving ---------------------------------------------------------------------------------------
-class _OnDisk:
-    """A value kept in the spill file, written into values.safetensors when its turn comes (read then, one at
-    a time: exporting a run that spilled gigabytes does not hold them in memory)."""
-
-    def __init__(self, trace: Trace, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.trace, self.index, self.dtype, self.shape = trace, index, dtype, shape
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
-    def read(self) -> torch.Tensor:
-        value = self.trace.log.value(self.index)
-        if value is None:
-            raise TraceFileError(f"record {self.index}'s value left the spill file while the trace was written")
-        return value.reshape(-1)
-
-
-def _storages(trace: Trace) -> tuple[list[torch.Tensor | _OnDisk], dict[int, tuple[int, int, tuple[int, ...]]],
-                                     dict[int, tuple[int, list[int]]]]:
-    """Each kept storage once, as a flat tensor over the span its views use (a value on disk: read when it is
-    written); per record index ``(storage number, offset in it, strides)``; and per digested record
-    ``(storage number, shape)``."""
-    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
-    for index, value in trace.log.kept_values():
-        groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
-    flats: list[torch.Tensor | _OnDisk] = []
-    views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
-    for members in groups.values():
-        spans = [_span(v) for _, v in members]
-        lo = min(s[0] for s in spans)
-        hi = max(s[1] for s in spans)
-        base = members[0][1]
-        flat = torch.as_strided(base, (hi - lo,), (1,), lo) if hi > lo else base.new_empty(0)
-        number = len(flats)
-        flats.append(flat)
-        for index, value in members:
-            views[index] = (number, int(value.storage_offset()) - lo, tuple(value.stride()))
-    for index, dtype, shape in trace.log.spilled():
-        views[index] = (len(flats), 0, torch.empty(shape, device="meta").stride())  # spilled contiguous
-        flats.append(_OnDisk(trace, index, dtype, shape))
-    digests: dict[int, tuple[int, list[int]]] = {}
-    for index in range(trace.log.n_records):
-        digest = trace.log.digest(index)
-        if digest is not None:
-            digests[index] = (len(flats), list(digest.shape))
-            flats.append(digest.contiguous().reshape(-1))
-    return flats, views, digests
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = int(t.storage_offset())  # an int (torch types it int | SymInt for traced graphs)
-    if t.numel() == 0:
-        return start, start
-    end = start + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return start, end
-
-
-def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tuple]) -> pd.DataFrame:
-    log = trace.log
-    frame = trace.to_frame(stats=True)
-    raws = [log.raw(i) for i in frame["index"]]
-    frame["module_index"] = [r.module for r in raws]
-    # which records are one tensor (a module's output and the next one's input): a number per tensor, not its
-    # address; 0 where unknown
-    ids: dict[int, int] = {}
-    frame["tensor_id"] = [ids.setdefault(int(r.data_ptr), len(ids) + 1) if r.data_ptr else 0 for r in raws]
-    frame["finite"] = [Finite.WORDS[int(code)] for code in frame["finite"]]
-    records = trace.records
-    frame["axes"] = [list(records[i].axes or ()) for i in frame["index"]]
-    frame["has_stats"] = [log.has_stats(i) for i in frame["index"]]
-    frame["shape"] = [list(s) for s in frame["shape"]]
-    frame["storage"] = [views[i][0] if i in views else -1 for i in frame["index"]]
-    frame["storage_offset"] = [views[i][1] if i in views else 0 for i in frame["index"]]
-    frame["strides"] = [list(views[i][2]) if i in views else [] for i in frame["index"]]
-    frame["digest_storage"] = [digests[i][0] if i in digests else -1 for i in frame["index"]]
-    frame["digest_shape"] = [digests[i][1] if i in digests else [] for i in frame["index"]]
-    derived = log.derived_records()  # a fused attention's n × t stages: how a reader recomputes them
-    frame["derived"] = [json.dumps({"stage": derived[i][0], "mask": derived[i][1].to_json()}) if i in derived else ""
-                        for i in frame["index"]]
-    return frame
-
-
-def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict:
-    log = trace.log
-    facts = trace.generation
-    generation = None
-    if facts is not None:
-        info = asdict(facts.info)
-        info.pop("model")
-        generation = {"info": info, "steps": [asdict(s) for s in facts.steps],
-                      "comparisons": [asdict(c) for c in sorted(facts.comparisons.values(), key=lambda c: c.step)]}
-    return {
-        "format": FORMAT, "version": VERSION, "capture": log.capture, "budget_bytes": log.budget_bytes,
-        "modules": [asdict(m) for m in log.modules],
-        "steps": [asdict(s) for s in log.steps],
-        "model": asdict(log.model) if log.model is not None else None,
-        "generation": generation,
-        "error": asdict(log.error) if log.error is not None else None,
-        "counts": {"records": n_records, "ops": n_ops, "storages": n_storages},
-    }
-
-
-def _safetensors_header(flats: list[torch.Tensor | _OnDisk]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
-    offset = 0
-    for k, flat in enumerate(flats):
-        size = flat.numel() * flat.element_size()
-        header[f"s{k}"] = {"dtype": _ST_NAMES[flat.dtype], "shape": [flat.numel()],
-                           "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    return blob + b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-
-
-def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor | _OnDisk]) -> None:
-    """The safetensors format, written one storage at a time (never the whole file in memory)."""
-    blob = _safetensors_header(flats)
-    out.write(struct.pack("<Q", len(blob)))
-    out.write(blob)
-    for flat in flats:
-        if flat.numel():
-            tensor = flat.read() if isinstance(flat, _OnDisk) else flat
-            out.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-
-
-def _parquet(frame: pd.DataFrame) -> bytes:
-    buf = io.BytesIO()
-    frame.to_parquet(buf, index=False)
-    return buf.getvalue()
-
-
-def _members(trace: Trace) -> list[tuple[str, Any]]:
-    """(member name, bytes or a writer of a file object), in archive order — once every member is known to be
-    within what ``load_trace`` reads back (``_check_loadable``): nothing is written for a trace that would not
-    load."""
-    flats, views, digests = _storages(trace)
-    records = _records_table(trace, views, digests)
-    ops = trace.ops_frame()
-    ops["input_shapes"] = [[list(s) for s in shapes] for shapes in ops["input_shapes"]]
-    ops["output_shapes"] = [[list(s) for s in shapes] for shapes in ops["output_shapes"]]
-    raw_ops = trace.log.ops
-    ops["module_index"] = [op.module for op in raw_ops]
-    ops["first_record"] = [op.first_record for op in raw_ops]
-    manifest = _manifest(trace, len(records), len(ops), len(flats))
-    members = [(MANIFEST, json.dumps(_plain(manifest), indent=1, allow_nan=False).encode("utf-8")),
-               (RECORDS, _parquet(records)), (OPS, _parquet(ops))]
-    _check_loadable(trace, dict(members), len(records), len(ops), flats)
-    return [*members, (VALUES, lambda out: _write_safetensors(out, flats))]
-
-
-def _check_loadable(trace: Trace, data: dict[str, bytes], n_records: int, n_ops: int,
-                    flats: list[torch.Tensor | _OnDisk]) -> None:
-    """The reader's limits (``LIMITS``, what ``load_trace`` uses unless told otherwise), checked by the writer
-    with the same numbers the reader will compute: a trace that ``load_trace`` would refuse is refused here,
-    before anything is written, saying which limit and by how much."""
-    limits = LIMITS
-    per_step = max((s.end_record - s.first_record for s in trace.log.steps), default=0)
-    value_bytes = sum(f.numel() * f.element_size() for f in flats)
-    checks = [("records", n_records, limits.records), ("records in one step", per_step, limits.records_per_step),
-              ("ops", n_ops, limits.ops), ("modules", len(trace.log.modules), limits.modules),
-              ("steps", len(trace.log.steps), limits.steps), ("values bytes", value_bytes, limits.value_bytes),
-              (f"{MANIFEST} bytes", len(data[MANIFEST]), limits.manifest_bytes),
-              (f"{VALUES} header bytes", len(_safetensors_header(flats)), limits.manifest_bytes)]
-    for name in (RECORDS, OPS):
-        meta = pq.ParquetFile(io.BytesIO(data[name])).metadata
-        inflated = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        checks += [(f"{name} bytes", len(data[name]), limits.table_bytes),
-                   (f"{name} bytes once decoded", inflated, limits.table_bytes)]
-    for what, number, limit in checks:
-        if number > limit:
-            raise TraceFileError(f"this trace cannot be saved as one that loads back: {number} {what}, over the "
-                                 f"limit of {limit} (tracer.files.Limits) by {number - limit}; nothing was written "
-                                 "(trace fewer steps, a lower capture level, or a smaller spill)")
-
-
-def _plain(value: Any) -> Any:
-    """JSON has no NaN or ∞: they are written as the strings "nan", "inf", "-inf" (``Float`` reads them back
-    where a field allows them)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def save_trace(trace: Trace, path: str | Path) -> Path:
-    """Write ``trace`` to a directory, or to a ``.zip`` archive when ``path`` ends in .zip. Members are
-    streamed to disk: the values are never held twice."""
-    path = Path(path)
-    if str(path) in ("", "."):
-        raise ValueError("give a file or directory name to save the trace to")
-    members = _members(trace)  # checked before the file is created
-    if path.suffix == ".zip":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(path, "w") as zf:
-            _write_zip(zf, members)
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-        for name, data in members:
-            with open(path / name, "wb") as f:
-                f.write(data) if isinstance(data, bytes) else data(f)
-    return path
-
-
-def _write_zip(zf: zipfile.ZipFile, members: list[tuple[str, Any]]) -> None:
-    for name, data in members:
-        # Parquet and float tensors barely compress: store them, and deflate the JSON
-        compress = zipfile.ZIP_DEFLATED if name == MANIFEST else zipfile.ZIP_STORED
-        info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
-        info.compress_type = compress
-        with zf.open(info, "w", force_zip64=True) as out:
-            out.write(data) if isinstance(data, bytes) else data(out)
-
-
-def write_archive(trace: Trace, out: IO[bytes]) -> None:
-    """The ``.zip`` archive into an open binary file (nothing written to it if the trace would not load back)."""
-    members = _members(trace)
-    with zipfile.ZipFile(out, "w") as zf:
-        _write_zip(zf, members)
-
-
-def archive_bytes(trace: Trace) -> bytes:
-    """The ``.zip`` archive as bytes (for a download button): built in a temporary file that spills to disk
-    past 64 MiB, so the values are not held twice while it is written."""
-    with tempfile.SpooledTemporaryFile(max_size=64 * 2**20) as f:
-        write_archive(trace, f)
-        f.seek(0)
-        return f.read()
 
 
 # -- loading: the members, within their limits ---------------------------------------------------
@@ -465,113 +142,6 @@ def _check_member(info: zipfile.ZipInfo, allowed: dict[str, int], limits: Limits
     else:
         raise TraceFileError(f"{name} uses compression method {info.compress_type}; traces use stored or deflated")
 
-
-# -- loading: the manifest schema -------------------------------------------------------------------
-def _schemas(limits: Limits, version: int = VERSION) -> Obj:
-    size = Int(0, limits.tensor_elements)
-    shape = ListOf(size, limits.tensor_dims)
-    count = Int(0, 2**62)
-    tokens_row = ListOf(Int(0, 2**31), limits.n_ctx)
-    config = Then(Obj({}, open=True), _checked_config)
-    identity = Then(Obj({"name": Str(500), "source": Str(5000), "family": Str(50), "config": config,
-                         "weights_digest": Str(200)}), lambda d: ModelIdentity(**d))
-    sampling = Then(Obj({"temperature": Float(0, 100), "top_k": Maybe(Int(0, 2**31)),
-                         "top_p": Maybe(Float(0, 1)), "seed": Int(-(2**63), 2**64 - 1)}),
-                    lambda d: SamplingConfig(**d))
-    info = Obj({
-        "prompts": ListOf(Str(1_000_000), limits.batch), "prompt_tokens": ListOf(tokens_row, limits.batch),
-        "prompt_labels": ListOf(ListOf(Str(1000), limits.n_ctx), limits.batch),
-        "padding_side": OneOf(PADDING_SIDES), "pad_id": Int(0, 2**31), "use_cache": Bool(),
-        "sampling": sampling, "n_ctx": Int(1, limits.n_ctx), "warnings": ListOf(Str(10_000), 100),
-    })
-    k_list = ListOf(Int(0, 2**31), 256)
-    prob = Float(0, 1, finite=False)  # NaN: a dry run's placeholder choice, made from no distribution
-    choice = Then(Obj({
-        "tokens": ListOf(Int(0, 2**31), limits.batch), "labels": ListOf(Str(1000), limits.batch),
-        "probs": ListOf(prob, limits.batch), "candidates": ListOf(k_list, limits.batch),
-        "candidate_labels": ListOf(ListOf(Str(1000), 256), limits.batch),
-        "stage_probs": ListOf(ListOf(ListOf(prob, 256), 8), limits.batch),
-        "kept": ListOf(ListOf(Int(0, 2**31), 8), limits.batch),
-    }), _sampling_record)
-    forward = Then(Obj({"n": Int(1, limits.n_ctx), "t": Int(1, limits.n_ctx), "cache_before": Int(0, limits.n_ctx),
-                        "cache_after": Int(0, limits.n_ctx), "fed_tokens": ListOf(tokens_row, limits.batch)}),
-                   lambda d: ForwardFacts(**d))
-    gen_step = Then(Obj({"step": Int(0, limits.steps), "forward": forward, "sampling": Maybe(choice)}),
-                    lambda d: GenerationStep(**d))
-    path_cost = Then(Obj({"query_rows": Int(0, limits.n_ctx), "macs": count, "weight_bytes": count,
-                          "kv_bytes": count, "seconds": Maybe(Float(0))}), lambda d: PathCost(**d))
-    comparison = Then(Obj({"step": Int(0, limits.steps), "cached": path_cost, "full": path_cost,
-                           "max_abs_delta": Float(0, finite=False), "tolerance": Float(0),
-                           "run_used_cache": Bool(), "timing_repeats": Int(1, 1000), "note": Str(10_000),
-                           "cached_rows_delta": ListOf(TupleOf((Float(0, finite=False), Float(0, finite=False))),
-                                                       limits.layers)},
-                          optional=frozenset({"cached_rows_delta"})),
-                      lambda d: RecomputeComparison(**d))
-    generation = Obj({"info": info, "steps": ListOf(gen_step, limits.steps),
-                      "comparisons": ListOf(comparison, limits.steps)})
-    error = Then(Obj({
-        "step": Int(0, limits.steps), "exception_type": Str(500), "message": Str(100_000), "module": Str(5000),
-        "module_type": Str(5000), "module_stack": ListOf(Str(5000), 10_000),
-        "input_shapes": ListOf(TupleOf((Str(1000), shape)), 1000), "op": Str(500),
-        "op_input_shapes": ListOf(shape, 1000), "source": Str(10_000),
-    }), lambda d: TraceErrorInfo(**d))
-    intervention = Then(Obj({"name": Str(500), "how": OneOf(HOWS), "head": Maybe(Int(0, 4096)),
-                             "positions": Maybe(ListOf(Int(0, limits.n_ctx), limits.n_ctx)), "source": Str(1000)}),
-                        lambda d: InterventionRecord(**d))
-    module_fields = (Str(5000), Str(500), Int(0, 2**50), Bool())  # path, type, parameters, is_hook
-    step_fields = (Int(0, limits.steps), count, count, Float(0), ListOf(intervention, 1000))
-    if version == 2:  # positional arrays
-        module = Then(TupleOf(module_fields), lambda t: ModuleInfo(*t))
-        step = Then(TupleOf(step_fields), lambda t: StepRecord(t[0], t[1], t[2], t[3], tuple(t[4])))
-    else:
-        module = Then(Obj(dict(zip(("path", "type", "params", "is_hook"), module_fields))),
-                      lambda d: ModuleInfo(**d))
-        step = Then(Obj(dict(zip(("step", "first_record", "end_record", "seconds", "interventions"), step_fields))),
-                    lambda d: StepRecord(**{**d, "interventions": tuple(d["interventions"])}))
-    return Obj({
-        "format": OneOf((FORMAT,)), "version": Int(0, 2**31), "capture": OneOf(CAPTURE_LEVELS),
-        "budget_bytes": Int(0, 2**50),
-        "modules": ListOf(module, limits.modules),
-        "steps": ListOf(step, limits.steps),
-        "model": Maybe(identity), "generation": Maybe(generation), "error": Maybe(error),
-        "counts": Obj({"records": Int(0, limits.records), "ops": Int(0, limits.ops), "storages": count}),
-    })
-
-
-_CONFIG_BOUNDS = {"vocab_size": 2**24, "n_ctx": 1 << 20, "d_model": 1 << 16, "n_layer": 1024, "n_head": 1024,
-                  "n_kv_head": 1024, "head_dim": 1 << 12, "d_mlp": 1 << 18, "sliding_window": 1 << 20}
-
-
-def _checked_config(raw: dict) -> dict:
-    """A model config from a file: plain values, and the numbers that size things within sane bounds
-    (they are checked against the records afterwards)."""
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        where = f"model.config.{key}"
-        if isinstance(value, bool) or value is None or isinstance(value, str):
-            out[key] = Str(200)(value, where) if isinstance(value, str) else value
-        elif isinstance(value, int):
-            out[key] = Int(0, _CONFIG_BOUNDS.get(key, 2**31))(value, where)
-        elif isinstance(value, float):
-            out[key] = Float(0, 1e12)(value, where)
-        elif isinstance(value, list) and len(value) <= 1024 and all(
-                isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and len(v) <= 200 for v in value):
-            out[key] = value  # one entry per layer (a hybrid model's mixers, its state layers)
-        elif isinstance(value, list) and len(value) <= 1024 and all(
-                isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-                for v in value):
-            out[key] = value  # pairs of layer numbers (KV sharing: a layer and the layer whose K and V it reads)
-        elif isinstance(value, dict) and len(value) <= 32:
-            out[key] = {str(k): v for k, v in value.items() if isinstance(v, (int, float, str, bool, type(None)))}
-        else:
-            raise TraceFileError(f"unexpected value of type {type(value).__name__}", where)
-    if out.get("family") in FAMILIES:  # it describes our GPT: it must be one GPTConfig accepts
-        known = {k: v for k, v in out.items() if k in GPTConfig.__dataclass_fields__}
-        try:
-            GPTConfig(**known)
-        except (TypeError, ValueError) as e:
-            raise TraceFileError(str(e), "model.config") from None
-    return out
 
 
 # -- loading: the tables ---------------------------------------------------------------------------

@@ -1,0 +1,265 @@
+"""Saving a trace: its records and ops as Parquet tables, its kept values as one safetensors file, its manifest as
+JSON (the format: tracer/files/_format.py), into a directory or one ``.zip`` — checked loadable before it is
+written."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+import tempfile
+import zipfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import IO, Any
+
+import pandas as pd
+import pyarrow.parquet as pq
+import torch
+
+from gpt_shape_tracer.tracer.files._format import _ST_NAMES, FORMAT, LIMITS, MANIFEST, OPS, RECORDS, VALUES, VERSION
+from gpt_shape_tracer.tracer.files._schema import (
+    TraceFileError,
+)
+from gpt_shape_tracer.tracer.reading import Trace
+from gpt_shape_tracer.tracer.storage import storage_key
+from gpt_shape_tracer.tracer.storage.records import (
+    Finite,
+)
+
+
+# -- saving ---------------------------------------------------------------------------------------
+class _OnDisk:
+    """A value kept in the spill file, written into values.safetensors when its turn comes (read then, one at
+    a time: exporting a run that spilled gigabytes does not hold them in memory)."""
+
+    def __init__(self, trace: Trace, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.trace, self.index, self.dtype, self.shape = trace, index, dtype, shape
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def read(self) -> torch.Tensor:
+        value = self.trace.log.value(self.index)
+        if value is None:
+            raise TraceFileError(f"record {self.index}'s value left the spill file while the trace was written")
+        return value.reshape(-1)
+
+
+def _storages(trace: Trace) -> tuple[list[torch.Tensor | _OnDisk], dict[int, tuple[int, int, tuple[int, ...]]],
+                                     dict[int, tuple[int, list[int]]]]:
+    """Each kept storage once, as a flat tensor over the span its views use (a value on disk: read when it is
+    written); per record index ``(storage number, offset in it, strides)``; and per digested record
+    ``(storage number, shape)``."""
+    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    for index, value in trace.log.kept_values():
+        groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
+    flats: list[torch.Tensor | _OnDisk] = []
+    views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+    for members in groups.values():
+        spans = [_span(v) for _, v in members]
+        lo = min(s[0] for s in spans)
+        hi = max(s[1] for s in spans)
+        base = members[0][1]
+        flat = torch.as_strided(base, (hi - lo,), (1,), lo) if hi > lo else base.new_empty(0)
+        number = len(flats)
+        flats.append(flat)
+        for index, value in members:
+            views[index] = (number, int(value.storage_offset()) - lo, tuple(value.stride()))
+    for index, dtype, shape in trace.log.spilled():
+        views[index] = (len(flats), 0, torch.empty(shape, device="meta").stride())  # spilled contiguous
+        flats.append(_OnDisk(trace, index, dtype, shape))
+    digests: dict[int, tuple[int, list[int]]] = {}
+    for index in range(trace.log.n_records):
+        digest = trace.log.digest(index)
+        if digest is not None:
+            digests[index] = (len(flats), list(digest.shape))
+            flats.append(digest.contiguous().reshape(-1))
+    return flats, views, digests
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = int(t.storage_offset())  # an int (torch types it int | SymInt for traced graphs)
+    if t.numel() == 0:
+        return start, start
+    end = start + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, end
+
+
+def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tuple]) -> pd.DataFrame:
+    log = trace.log
+    frame = trace.to_frame(stats=True)
+    raws = [log.raw(i) for i in frame["index"]]
+    frame["module_index"] = [r.module for r in raws]
+    # which records are one tensor (a module's output and the next one's input): a number per tensor, not its
+    # address; 0 where unknown
+    ids: dict[int, int] = {}
+    frame["tensor_id"] = [ids.setdefault(int(r.data_ptr), len(ids) + 1) if r.data_ptr else 0 for r in raws]
+    frame["finite"] = [Finite.WORDS[int(code)] for code in frame["finite"]]
+    records = trace.records
+    frame["axes"] = [list(records[i].axes or ()) for i in frame["index"]]
+    frame["has_stats"] = [log.has_stats(i) for i in frame["index"]]
+    frame["shape"] = [list(s) for s in frame["shape"]]
+    frame["storage"] = [views[i][0] if i in views else -1 for i in frame["index"]]
+    frame["storage_offset"] = [views[i][1] if i in views else 0 for i in frame["index"]]
+    frame["strides"] = [list(views[i][2]) if i in views else [] for i in frame["index"]]
+    frame["digest_storage"] = [digests[i][0] if i in digests else -1 for i in frame["index"]]
+    frame["digest_shape"] = [digests[i][1] if i in digests else [] for i in frame["index"]]
+    derived = log.derived_records()  # a fused attention's n × t stages: how a reader recomputes them
+    frame["derived"] = [json.dumps({"stage": derived[i][0], "mask": derived[i][1].to_json()}) if i in derived else ""
+                        for i in frame["index"]]
+    return frame
+
+
+def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict:
+    log = trace.log
+    facts = trace.generation
+    generation = None
+    if facts is not None:
+        info = asdict(facts.info)
+        info.pop("model")
+        generation = {"info": info, "steps": [asdict(s) for s in facts.steps],
+                      "comparisons": [asdict(c) for c in sorted(facts.comparisons.values(), key=lambda c: c.step)]}
+    return {
+        "format": FORMAT, "version": VERSION, "capture": log.capture, "budget_bytes": log.budget_bytes,
+        "modules": [asdict(m) for m in log.modules],
+        "steps": [asdict(s) for s in log.steps],
+        "model": asdict(log.model) if log.model is not None else None,
+        "generation": generation,
+        "error": asdict(log.error) if log.error is not None else None,
+        "counts": {"records": n_records, "ops": n_ops, "storages": n_storages},
+    }
+
+
+def _safetensors_header(flats: list[torch.Tensor | _OnDisk]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
+    offset = 0
+    for k, flat in enumerate(flats):
+        size = flat.numel() * flat.element_size()
+        header[f"s{k}"] = {"dtype": _ST_NAMES[flat.dtype], "shape": [flat.numel()],
+                           "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+
+
+def _write_safetensors(out: IO[bytes], flats: list[torch.Tensor | _OnDisk]) -> None:
+    """The safetensors format, written one storage at a time (never the whole file in memory)."""
+    blob = _safetensors_header(flats)
+    out.write(struct.pack("<Q", len(blob)))
+    out.write(blob)
+    for flat in flats:
+        if flat.numel():
+            tensor = flat.read() if isinstance(flat, _OnDisk) else flat
+            out.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _parquet(frame: pd.DataFrame) -> bytes:
+    buf = io.BytesIO()
+    frame.to_parquet(buf, index=False)
+    return buf.getvalue()
+
+
+def _members(trace: Trace) -> list[tuple[str, Any]]:
+    """(member name, bytes or a writer of a file object), in archive order — once every member is known to be
+    within what ``load_trace`` reads back (``_check_loadable``): nothing is written for a trace that would not
+    load."""
+    flats, views, digests = _storages(trace)
+    records = _records_table(trace, views, digests)
+    ops = trace.ops_frame()
+    ops["input_shapes"] = [[list(s) for s in shapes] for shapes in ops["input_shapes"]]
+    ops["output_shapes"] = [[list(s) for s in shapes] for shapes in ops["output_shapes"]]
+    raw_ops = trace.log.ops
+    ops["module_index"] = [op.module for op in raw_ops]
+    ops["first_record"] = [op.first_record for op in raw_ops]
+    manifest = _manifest(trace, len(records), len(ops), len(flats))
+    members = [(MANIFEST, json.dumps(_plain(manifest), indent=1, allow_nan=False).encode("utf-8")),
+               (RECORDS, _parquet(records)), (OPS, _parquet(ops))]
+    _check_loadable(trace, dict(members), len(records), len(ops), flats)
+    return [*members, (VALUES, lambda out: _write_safetensors(out, flats))]
+
+
+def _check_loadable(trace: Trace, data: dict[str, bytes], n_records: int, n_ops: int,
+                    flats: list[torch.Tensor | _OnDisk]) -> None:
+    """The reader's limits (``LIMITS``, what ``load_trace`` uses unless told otherwise), checked by the writer
+    with the same numbers the reader will compute: a trace that ``load_trace`` would refuse is refused here,
+    before anything is written, saying which limit and by how much."""
+    limits = LIMITS
+    per_step = max((s.end_record - s.first_record for s in trace.log.steps), default=0)
+    value_bytes = sum(f.numel() * f.element_size() for f in flats)
+    checks = [("records", n_records, limits.records), ("records in one step", per_step, limits.records_per_step),
+              ("ops", n_ops, limits.ops), ("modules", len(trace.log.modules), limits.modules),
+              ("steps", len(trace.log.steps), limits.steps), ("values bytes", value_bytes, limits.value_bytes),
+              (f"{MANIFEST} bytes", len(data[MANIFEST]), limits.manifest_bytes),
+              (f"{VALUES} header bytes", len(_safetensors_header(flats)), limits.manifest_bytes)]
+    for name in (RECORDS, OPS):
+        meta = pq.ParquetFile(io.BytesIO(data[name])).metadata
+        inflated = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        checks += [(f"{name} bytes", len(data[name]), limits.table_bytes),
+                   (f"{name} bytes once decoded", inflated, limits.table_bytes)]
+    for what, number, limit in checks:
+        if number > limit:
+            raise TraceFileError(f"this trace cannot be saved as one that loads back: {number} {what}, over the "
+                                 f"limit of {limit} (tracer.files.Limits) by {number - limit}; nothing was written "
+                                 "(trace fewer steps, a lower capture level, or a smaller spill)")
+
+
+def _plain(value: Any) -> Any:
+    """JSON has no NaN or ∞: they are written as the strings "nan", "inf", "-inf" (``Float`` reads them back
+    where a field allows them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def save_trace(trace: Trace, path: str | Path) -> Path:
+    """Write ``trace`` to a directory, or to a ``.zip`` archive when ``path`` ends in .zip. Members are
+    streamed to disk: the values are never held twice."""
+    path = Path(path)
+    if str(path) in ("", "."):
+        raise ValueError("give a file or directory name to save the trace to")
+    members = _members(trace)  # checked before the file is created
+    if path.suffix == ".zip":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(path, "w") as zf:
+            _write_zip(zf, members)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        for name, data in members:
+            with open(path / name, "wb") as f:
+                f.write(data) if isinstance(data, bytes) else data(f)
+    return path
+
+
+def _write_zip(zf: zipfile.ZipFile, members: list[tuple[str, Any]]) -> None:
+    for name, data in members:
+        # Parquet and float tensors barely compress: store them, and deflate the JSON
+        compress = zipfile.ZIP_DEFLATED if name == MANIFEST else zipfile.ZIP_STORED
+        info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+        info.compress_type = compress
+        with zf.open(info, "w", force_zip64=True) as out:
+            out.write(data) if isinstance(data, bytes) else data(out)
+
+
+def write_archive(trace: Trace, out: IO[bytes]) -> None:
+    """The ``.zip`` archive into an open binary file (nothing written to it if the trace would not load back)."""
+    members = _members(trace)
+    with zipfile.ZipFile(out, "w") as zf:
+        _write_zip(zf, members)
+
+
+def archive_bytes(trace: Trace) -> bytes:
+    """The ``.zip`` archive as bytes (for a download button): built in a temporary file that spills to disk
+    past 64 MiB, so the values are not held twice while it is written."""
+    with tempfile.SpooledTemporaryFile(max_size=64 * 2**20) as f:
+        write_archive(trace, f)
+        f.seek(0)
+        return f.read()
