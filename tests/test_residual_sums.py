@@ -14,7 +14,7 @@ from gpt_shape_tracer.figures import flow
 from gpt_shape_tracer.model import load_hf
 from gpt_shape_tracer.model.gpt import hooks_for, residual_sums
 from gpt_shape_tracer.model.sources import BUNDLED_DIR, build_dry
-from gpt_shape_tracer.model.sources._hf_decoder import _plain_residual
+from gpt_shape_tracer.model.sources._hf_residual import _plain_residual
 from gpt_shape_tracer.tracer import TracedGeneration, dry_run
 from tests.hf_architectures import build
 from tests.test_hf_hybrid import build_hybrid
