@@ -13,25 +13,19 @@ import streamlit as st
 
 from gpt_shape_tracer.gui.attention import attention_tab
 from gpt_shape_tracer.gui.beams import decoding_tab
-from gpt_shape_tracer.gui.common import (
-    admitted,
-    freed_memory_reused,
-    header,
-    remembered_tabs,
-    state,
-    status,
-    viewed_step,
-)
+from gpt_shape_tracer.gui.common import remembered_tabs, state
 from gpt_shape_tracer.gui.compare import compare_tab
 from gpt_shape_tracer.gui.dry_run import LABEL as DRY_LABEL
 from gpt_shape_tracer.gui.dry_run import dry_run_page
 from gpt_shape_tracer.gui.engine import engine_tab
 from gpt_shape_tracer.gui.export import export_tab
+from gpt_shape_tracer.gui.header import header, status, viewed_step
 from gpt_shape_tracer.gui.inspector import inspector_tab
 from gpt_shape_tracer.gui.kv_cache import cache_tab
 from gpt_shape_tracer.gui.mask import mask_tab
 from gpt_shape_tracer.gui.next_token import next_token_tab
 from gpt_shape_tracer.gui.runs import finish_restoring, follow_the_address, recent_runs, save_run, save_view
+from gpt_shape_tracer.gui.server import admitted, freed_memory_reused
 from gpt_shape_tracer.gui.shapes import shapes_tab
 from gpt_shape_tracer.gui.sidebar import advance, reset, sidebar
 from gpt_shape_tracer.gui.tour import tour_bar

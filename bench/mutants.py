@@ -168,7 +168,7 @@ MUTANTS = (
     Mutant("gradients: cross-entropy pairs adjacent columns", "tracer/experiments/_gradients.py",
            "picked.append(logp[r, where[:-1], columns[r, where[1:]]])",
            "picked.append(logp[r, where[:-1], columns[r, where[:-1] + 1]])", GRADIENTS),
-    Mutant("server: gradients left out of the budget", "gui/common.py",
+    Mutant("server: gradients left out of the budget", "gui/server.py",
            "reserve(this_session(), generation_bytes + file_bytes + gradient_bytes,",
            "reserve(this_session(), generation_bytes + file_bytes,", (NEW_TESTS["server"], *SERVER)),
     Mutant("server: other sessions not counted", "gpt_shape_tracer/server_limits.py",

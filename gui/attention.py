@@ -32,12 +32,12 @@ from gpt_shape_tracer.gui.common import (
     live_model_for,
     plain,
     remembered_tabs,
-    reserve_memory,
     said_no_attention,
     state,
     values_kept,
 )
 from gpt_shape_tracer.gui.hover import crosshair
+from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model.gpt import act_name, identity_of
 from gpt_shape_tracer.session import first_token

@@ -10,7 +10,8 @@ import streamlit as st
 from gpt_shape_tracer.figures import beams as beam_views
 from gpt_shape_tracer.figures import speculative as speculative_views
 from gpt_shape_tracer.figures.common import inert
-from gpt_shape_tracer.gui.common import chart, loaded_model, reserve_memory, state
+from gpt_shape_tracer.gui.common import chart, loaded_model, state
+from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model import BUNDLED_MODELS, ModelLoadError
 from gpt_shape_tracer.session import ModelChoice

@@ -6,8 +6,9 @@ import streamlit as st
 
 from gpt_shape_tracer.figures import whatif as whatif_views
 from gpt_shape_tracer.figures.view_takeaways import compare_takeaway
-from gpt_shape_tracer.gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, reserve_memory, state
+from gpt_shape_tracer.gui.common import UPLOAD_MB, chart, plain, read_uploaded_trace, state
 from gpt_shape_tracer.gui.hover import crosshair
+from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.session import Comparison, caches, rerun_and_compare
 from gpt_shape_tracer.tracer import Trace, aligned_values, diff_traces

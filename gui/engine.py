@@ -17,8 +17,9 @@ import pandas as pd
 import streamlit as st
 
 from gpt_shape_tracer.figures import engine as views
-from gpt_shape_tracer.gui.common import chart, loaded_model, plain, reserve_memory, state
+from gpt_shape_tracer.gui.common import chart, loaded_model, plain, state
 from gpt_shape_tracer.gui.runs import forget_engine_run, keep_engine_run, save_engine_view
+from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model import ModelLoadError
 from gpt_shape_tracer.session import ModelChoice, SettingsError

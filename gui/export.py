@@ -5,7 +5,8 @@ from __future__ import annotations
 import streamlit as st
 
 from gpt_shape_tracer.figures.report import report_html, run_report_html
-from gpt_shape_tracer.gui.common import UPLOAD_MB, plain, read_uploaded_trace, reserve_memory, state
+from gpt_shape_tracer.gui.common import UPLOAD_MB, plain, read_uploaded_trace, state
+from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.session import LoadedTrace
 from gpt_shape_tracer.tracer import LIMITS, Trace, archive_bytes
 

@@ -15,11 +15,11 @@ from gpt_shape_tracer.gui.common import (
     layer_head_batch,
     plain,
     remembered_tabs,
-    reserve_memory,
     said_no_attention,
     state,
     values_kept,
 )
+from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.model.sources import HFDecoder

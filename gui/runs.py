@@ -31,7 +31,8 @@ import time
 import streamlit as st
 
 from gpt_shape_tracer.figures.common import inert as plain
-from gpt_shape_tracer.gui.common import current_model, reserve_memory, state
+from gpt_shape_tracer.gui.common import current_model, state
+from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.session import (
     SETTING_KEYS,
     AppState,

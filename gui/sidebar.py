@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import streamlit as st
 
-from gpt_shape_tracer.gui.common import current_model, loaded_model, plain, reserve_memory, state
+from gpt_shape_tracer.gui.common import current_model, loaded_model, plain, state
 from gpt_shape_tracer.gui.dry_run import LABEL as DRY_LABEL
 from gpt_shape_tracer.gui.dry_run import dry_run_sidebar
 from gpt_shape_tracer.gui.runs import forget_run
+from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.model import BUNDLED_MODELS, ModelLoadError
 from gpt_shape_tracer.model.sources import ASSETS, OwnModuleError, resolve_model_path, weights_size
 from gpt_shape_tracer.session import (

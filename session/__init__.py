@@ -514,7 +514,7 @@ class AppState:
     owner_token: str | None = None  # whose runs "Recent runs" lists: the address's ?owner= (gui/runs.py)
     saved_view: tuple[int, str] | None = None  # (step, tab) last written to its record
     saved_steps: int = 0  # steps of the generation last written
-    slider_moved_at: float = 0.0  # time.monotonic() of the step slider's last change (gui/common.py)
+    slider_moved_at: float = 0.0  # time.monotonic() of the step slider's last change (gui/header.py)
     restoring: Any = None  # gpt_shape_tracer.session.runs.RunRecord whose steps are being run again
     runs_refused: bool = False  # the runs folder's settings were refused (said once)
     confirm_reset: bool = False  # Reset was pressed with a generation to discard: the sidebar asks first
@@ -522,7 +522,7 @@ class AppState:
     confirm_close: bool = False  # "Close the file" was pressed: the page asks before it lets the file go
 
     def held_bytes(self) -> dict[str, int]:
-        """What this session holds, by part, for the server's memory ledger (gui/common.py ``reserve_memory``): the
+        """What this session holds, by part, for the server's memory ledger (gui/server.py ``reserve_memory``): the
         budget its generation may fill, and the bytes its opened file, gradients trace, Engine run, Decoding
         runs and compared run keep now (the cache-classes run's logits counted with the Decoding runs)."""
         live = self.live

@@ -16,7 +16,7 @@ Settings, read from the environment each time they are used (``gpt-shape-tracer 
 - ``GPT_SHAPE_TRACER_MAX_SESSIONS``: sessions served at once; default 8 (on a 2-core machine, 8 sessions
   already made each Step take seconds in a load test).
 
-Pure Python, no Streamlit: ``gui/common.py`` wires it to the server's sessions.
+Pure Python, no Streamlit: ``gui/server.py`` wires it to the server's sessions.
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ def test_the_installed_page_runs_under_apptest_beside_a_users_own_model_py(insta
             "at = AppTest.from_file(str(page), default_timeout=120).run()\n"
             "at.sidebar.button(key='step_button').click().run()\n"
             "print(str(page)); print([e.value for e in at.exception])\n"
-            "print(at.session_state['app'].generation.trace.n_steps)")
+            "print(at.session_state['app'].live.generation.trace.n_steps)")
     out = subprocess.run([str(python), "-c", code], cwd=shadowing, env=clean_env(bin_dir), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr

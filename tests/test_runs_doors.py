@@ -110,7 +110,7 @@ def test_a_restored_run_whose_trace_is_damaged_says_so(small_trace, damage):
 def test_compare_runs_reserves_what_it_holds_in_the_servers_budget(monkeypatch):
     """A rerun to compare keeps up to the generation's budget beside it: on a 300 MiB server with a 200 MB
     generation it is refused with the numbers, and nothing is held for it; a compared file is counted."""
-    from gpt_shape_tracer.gui.common import session_ledger
+    from gpt_shape_tracer.gui.server import session_ledger
 
     monkeypatch.setenv(BUDGET_ENV, "300")
     at = AppTest.from_file(APP, default_timeout=240)

@@ -113,7 +113,7 @@ def test_the_app_refuses_a_generation_past_the_servers_budget_and_keeps_the_sett
     at.sidebar.number_input(key="budget_mb").set_value(200)
     press(at, "step_button")
     assert at.session_state["app"].live.generation is not None and not at.error
-    from gpt_shape_tracer.gui.common import session_ledger
+    from gpt_shape_tracer.gui.server import session_ledger
 
     assert session_ledger().held() >= 200 * MiB
     press_reset(at)
@@ -124,7 +124,7 @@ def test_the_app_refuses_recording_gradients_past_the_servers_budget(monkeypatch
     """"Record ∂L/∂x at every hook point" keeps up to the generation's budget again: on a 300 MiB server, a
     200 MiB generation and 200 MiB of gradients are refused, with the numbers and a budget that would fit, and
     the session holds what it held before."""
-    from gpt_shape_tracer.gui.common import session_ledger
+    from gpt_shape_tracer.gui.server import session_ledger
     from tests.test_app import show_tab
 
     monkeypatch.setenv(BUDGET_ENV, "300")
