@@ -104,7 +104,9 @@ def sink_sentence(trace: Trace, step: int, layer: int, head: int, batch: int = 0
     return (f"This model adds a learned sink to every softmax: one more logit per head (s_h), beside the keys, "
             f"whose weight is dropped after the softmax. In layer {layer}, head {head}, the sink took {mean:.1%} of "
             f"the weight on average ({spread}), so the rows of A sum to {1 - high:.3f}…{1 - low:.3f} instead of 1: "
-            "the output O = A·V is that much smaller than a weighted mean of the values.")
+            "the output O = A·V is that much smaller than a weighted mean of the values. (Some families — Granite's "
+            "sliding-window ones — write the same thing as the softmax over the keys alone with O scaled by "
+            "σ(logsumexp(scores + M) − s_h) afterwards: the same O; A here is the keys' share after the sink.)")
 
 
 def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0) -> pd.DataFrame | None:

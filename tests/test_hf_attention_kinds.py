@@ -311,3 +311,34 @@ def test_a_hybrid_model_keeps_its_state_in_transformers_cache_beside_our_k_and_v
     assert torch.equal(again, trace.get("hook_logits", 2))
     with pytest.raises(ValueError, match="a copy can hold"):
         gen.cache.copy(before + 99)
+
+
+def test_granites_sink_drawn_as_the_keys_share_is_transformers_softmax_scaled(tmp_path):
+    """Granite's sliding-window family returns the softmax over the keys alone and scales O by
+    σ(logsumexp(scores + M) − s_h) after it (transformers' eager path); the trace draws A as the keys' share of a
+    softmax over the keys and the sink. The sink sentence says the two are one computation: each recorded row of A is
+    transformers' row times that row's scale, and renormalised it is transformers' row."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gpt_shape_tracer.figures.pitfalls import sink_sentence
+    from gpt_shape_tracer.tracer import Tracer
+    from tests.hf_every_architecture import build
+
+    directory = build("granite_swa", tmp_path / "granite_swa")
+    model, _ = load_hf(directory, implementation="transformers")
+    ids = torch.tensor([[3, 17, 41, 8, 99, 5]])
+    with Tracer(model) as tracer:
+        model(ids)
+    trace = tracer.trace
+    ref = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    with torch.no_grad():
+        weights = ref(input_ids=ids, output_attentions=True).attentions
+    for layer in range(model.config.n_layer):
+        a = trace.get(f"blocks.{layer}.attn.hook_pattern", 0)  # [1, H, n, t]
+        sink = trace.get(f"blocks.{layer}.attn.hook_sink_weight", 0)[..., 0]  # [1, H, n]
+        w = weights[layer]
+        assert torch.allclose(a.sum(-1), 1 - sink, atol=1e-5)
+        assert torch.allclose(a / a.sum(-1, keepdim=True), w, atol=1e-5)
+        assert torch.allclose(a, w * (1 - sink)[..., None], atol=1e-5)
+    assert "the same O; A here is the keys' share after the sink" in sink_sentence(trace, 0, 0, 0)
