@@ -614,7 +614,7 @@ def test_an_indexed_attention_model_shows_which_keys_its_indexer_chose(url, visi
     """HY-V4 (DeepSeek Sparse Attention, a full and a shared indexed layer; top-k 4): loaded from a tiny directory,
     two Steps, the Attention tab's Indexer view. Its figure's choice panel, read back from the page, holds the keys
     the same generation traced here chose at that step — 1 where chosen, 0 where visible but skipped. At 1600 × 1000
-    and 1280 × 800 (SAVE_SCREENSHOTS=indexed,indexed_1280)."""
+    (and 1280 × 800 with SAVE_SCREENSHOTS=indexed,indexed_1280)."""
     import torch
 
     from gpt_shape_tracer.figures.indexed import indexer_step
@@ -633,7 +633,9 @@ def test_an_indexed_attention_model_shows_which_keys_its_indexer_chose(url, visi
     finally:
         torch.set_num_threads(threads)
     assert expected is not None and expected.seen > expected.chosen  # keys really were skipped
-    for width, height, name in ((1600, 1000, "indexed"), (1280, 800, "indexed_1280")):
+    # 1280 × 800 only when its screenshot is asked for: the page is the same, and each visit loads the model anew
+    sizes = [(1600, 1000, "indexed")] + ([(1280, 800, "indexed_1280")] if saving("indexed_1280") else [])
+    for width, height, name in sizes:
         with visit(width, height) as page:
             errors, outside = watch(page, url)
             open_directory_and_step(page, url, PROMPT, directory, "hy_v4")
@@ -653,12 +655,13 @@ def test_an_indexed_attention_model_shows_which_keys_its_indexer_chose(url, visi
 
 def test_a_differential_attention_model_shows_both_softmaxes_and_what_it_applies(url, visit, tmp_path):
     """DiffLlama loaded from a tiny directory, two Steps, the Attention tab's Differential view: its takeaway names
-    λ as the records hold it and the figure has the three panels A_1, A_2, A_1 − λ·A_2. At 1600 × 1000 and
-    1280 × 800 (SAVE_SCREENSHOTS=differential,differential_1280)."""
+    λ as the records hold it and the figure has the three panels A_1, A_2, A_1 − λ·A_2. At 1600 × 1000 (and
+    1280 × 800 with SAVE_SCREENSHOTS=differential,differential_1280)."""
     from tests.test_hf_differential import build_diffllama
 
     directory = build_diffllama(tmp_path / "diffllama")
-    for width, height, name in ((1600, 1000, "differential"), (1280, 800, "differential_1280")):
+    sizes = [(1600, 1000, "differential")] + ([(1280, 800, "differential_1280")] if saving("differential_1280") else [])
+    for width, height, name in sizes:
         with visit(width, height) as page:
             errors, outside = watch(page, url)
             open_directory_and_step(page, url, PROMPT, directory, "diffllama")
