@@ -41,7 +41,7 @@ from gpt_shape_tracer.session import (
     SettingsError,
     settings_from,
 )
-from gpt_shape_tracer.session.engine import EngineView
+from gpt_shape_tracer.session.engine import EngineView, valid_engine_picks
 from gpt_shape_tracer.session.runs import (
     ENGINE_FILE,
     RunError,
@@ -420,9 +420,7 @@ def reopen_engine(app: AppState, record: RunRecord, view: EngineView, store: Run
     picks = {key: record.widgets[key] for key in ENGINE_PICKS if key in record.widgets}
     if picks.get("engine_request") not in ids:
         picks.pop("engine_request", None)
-    for key, top in (("engine_layer", view.run.pool.n_layer), ("engine_head", view.run.pool.n_head)):
-        if not (isinstance(picks.get(key), int) and 0 <= picks[key] < top):  # type: ignore[operator]
-            picks.pop(key, None)
+    picks = valid_engine_picks(picks, view)
     for key in ENGINE_FORM:
         if key in record.widgets:
             st.session_state[key] = record.widgets[key]

@@ -159,3 +159,11 @@ __all__ = ["DEFAULT_REQUESTS", "ENGINE_BUDGET_BYTES", "MAX_APP_BATCH_TOKENS", "M
            "MAX_APP_PAGE_SIZE", "MAX_APP_REQUESTS", "MAX_POOL_BYTES", "MIN_PAGE_SIZE", "EngineForm", "EngineView",
            "directory_of", "engine_model", "engine_refusal", "engine_run", "open_engine_file", "parse_engine_form",
            "pool_bytes", "view_of"]
+
+
+def valid_engine_picks(picks: dict, view: EngineView) -> dict:
+    """The Engine tab's layer and head picks kept with a run, less any outside what ``view``'s pool has (a run file
+    edited by hand, or one from a model with fewer layers): those pickers then start from their first value."""
+    tops = {"engine_layer": view.run.pool.n_layer, "engine_head": view.run.pool.n_head}
+    return {key: value for key, value in picks.items()
+            if key not in tops or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < tops[key])}

@@ -331,8 +331,8 @@ def test_the_app_opens_such_a_model_and_draws_its_attention():
     assert figure["layout"]["title"]["text"] == "layer 0, head 0, step 1"
     softmaxed = torch.tensor(figure["data"][-1]["z"], dtype=torch.float64)  # the last panel: the softmax
     torch.testing.assert_close(softmaxed, pattern[0, 0].double(), atol=1e-6, rtol=0)
-    share = round(100 * float(pattern[0, 0, -1].max()))
-    assert f"puts {share}% of its weight on key {int(pattern[0, 0, -1].argmax())}" in page_text(at)
+    share = f"{float(pattern[0, 0, -1].max()):.3f}"  # the Stages takeaway's own rounding, as its metric's
+    assert f"puts {share} of its weight on key {int(pattern[0, 0, -1].argmax())}" in page_text(at)
     every_tab_without_error(at)  # and the rest of the app, the what-if views among them
     for sub in ("Switch heads off", "Activation patching", "Logit lens"):
         show_tab(at, "What if", ("whatif_view", sub))
