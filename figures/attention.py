@@ -68,8 +68,19 @@ class Stage:
 
 def score_bias_name(layer: int) -> str:
     """The record of the bias a model adds to its scores beside the mask (Inkling's relative position bias,
-    model/sources/_hf_variants.py); not a row of the hook table, which our own GPT's hooks make up."""
+    model/sources/_hf_variants.py; Bloom's and MPT's ALiBi, model/sources/_hf_own_attention.py); not a row of the
+    hook table, which our own GPT's hooks make up."""
     return f"blocks.{layer}.attn.hook_score_bias"
+
+
+def score_bias_kind(trace: Trace) -> str:
+    """What the model's score bias is, in words, by its family."""
+    family = str(getattr(trace.config, "hf_model_type", "") or "")
+    if family.startswith("inkling"):
+        return "a learned relative position bias, one value per head, query and key"
+    if family in ("bloom", "mpt"):
+        return "ALiBi: a fixed slope per head times the key's position"
+    return "the family's own bias, added to the scores"
 
 
 def stage_name(hook: str, layer: int) -> str:
@@ -149,10 +160,9 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
         stages.append(Stage("softcapped", f"c·tanh({scaled}/c)   (c = {c})",
                             f"soft-capped: every score inside (−{c}, {c}) → {shape_text(qk)}", None))
         scaled = f"c·tanh({scaled}/c)"
-    if trace.has(score_bias_name(layer), step):  # Inkling: a learned bias per head, query and key, beside the mask
+    if trace.has(score_bias_name(layer), step):  # Inkling's learned bias, Bloom's ALiBi: beside the mask
         bias = trace.record(score_bias_name(layer), step).shape
-        stages.append(Stage("score_bias", "B, the score bias", f"a learned bias per head, query and key (Inkling's "
-                                                               f"relative position bias): {shape_text(bias)}", None))
+        stages.append(Stage("score_bias", "B, the score bias", f"{score_bias_kind(trace)}: {shape_text(bias)}", None))
         scaled = f"{scaled} + B"
     stages.append(
         Stage("masked_scores", f"{scaled} + M", f"{shape_text(qk)} + {shape_text(mask)} → {shape_text(qk)}", None))
@@ -599,7 +609,7 @@ def score_bias_sentence(trace: Trace, step: int, layer: int, head: int, batch: i
     if not values.numel():
         return None
     zero = int((values == 0).sum())
-    return (f"This model adds a learned bias B to the scores beside the mask (a relative position bias, one value per "
-            f"head, query and key). In layer {layer}, head {head}, over the {values.numel():,} (query, key) pairs the "
-            f"mask lets through, B ranges from {float(values.min()):.3g} to {float(values.max()):.3g}; it is 0 at "
-            f"{zero:,} of them (keys beyond its reach).")
+    reach = " (keys beyond its reach)" if str(getattr(trace.config, "hf_model_type", "")).startswith("inkling") else ""
+    return (f"This model adds a bias B to the scores beside the mask ({score_bias_kind(trace)}). In layer {layer}, "
+            f"head {head}, over the {values.numel():,} (query, key) pairs the mask lets through, B ranges from "
+            f"{float(values.min()):.3g} to {float(values.max()):.3g}; it is 0 at {zero:,} of them{reach}.")

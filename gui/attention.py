@@ -71,13 +71,16 @@ def attention_tab(trace: Trace, step: int) -> None:
         st.caption(f"{origins[layer]}.")
     st.latex(attn_views.attention_latex(trace, step, layer))
     usual = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1]) == "QKᵀ/√d_k"
+    bias_note = (f" B is {attn_views.score_bias_kind(trace)}, added to the scores before M (a stage of its own below)."
+                 if trace.has(attn_views.score_bias_name(layer), step) else "")
     if usual:
-        st.caption(attn_views.M_NOTE + " (Vaswani et al., 2017, “Attention Is All You Need”.)")
+        st.caption(attn_views.M_NOTE + " (Vaswani et al., 2017, “Attention Is All You Need”.)" + bias_note)
     else:
         st.caption("This model scores its keys its own way — the scale s from its config instead of 1/√d_k"
                    + (", then a soft-cap c·tanh(·/c) that keeps every score inside (−c, c)"
                       if getattr(trace.config, "attn_softcap", None) else "")
-                   + " — and adds M after, as in Vaswani et al. (2017). The stages below are its own numbers.")
+                   + " — and adds M after, as in Vaswani et al. (2017). The stages below are its own numbers."
+                   + bias_note)
     rope = trace.has(act_name("rot_q", layer), step)
     rope_elsewhere = rope_views.rope_not_drawn(trace) is not None and trace.config.positions == "rope"
     indexed = indexed_layers(trace, step)

@@ -35,7 +35,7 @@ REFUSED = {
 }
 WITH_BIAS = {"bloom", "mpt"}  # ALiBi: a bias beside the mask
 NAMES = ("hook_q", "hook_k", "hook_v", "hook_k_all", "hook_v_all", "hook_qk", "hook_attn_scores", "hook_mask",
-         "hook_masked_scores", "hook_pattern", "hook_z", "hook_attn_bias")
+         "hook_masked_scores", "hook_pattern", "hook_z", "hook_score_bias")
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,8 @@ def recomputed_pattern(r: dict[str, torch.Tensor], scale: float) -> torch.Tensor
     q, k = r["hook_q"].double(), r["hook_k_all"].double()
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = q @ k.transpose(-1, -2) * scale
-    if "hook_attn_bias" in r:
-        scores = scores + r["hook_attn_bias"].double()
+    if "hook_score_bias" in r:
+        scores = scores + r["hook_score_bias"].double()
     if "hook_mask" in r:
         scores = scores + r["hook_mask"].double()
     return torch.softmax(scores, dim=-1)
@@ -120,7 +120,7 @@ def test_pattern_is_recomputed_from_the_recorded_q_k_and_mask(directories, model
                 assert tuple(r[name].shape) == (1, H, n, t), name
             assert tuple(r["hook_mask"].shape) == (1, 1, n, t)
             assert tuple(r["hook_z"].shape)[:3] == (1, H, n)
-            assert ("hook_attn_bias" in r) == (model_type in WITH_BIAS)
+            assert ("hook_score_bias" in r) == (model_type in WITH_BIAS)
             # the new keys are the cache's last rows; the mask hides exactly the keys after each query
             assert torch.equal(r["hook_k"], r["hook_k_all"][:, :, t - n:])
             hidden = r["hook_mask"][0, 0] == float("-inf")
@@ -357,4 +357,33 @@ def test_a_dry_run_on_the_meta_device_records_the_same_shapes(tmp_path, model_ty
         assert r["hook_pattern"].is_meta and tuple(r["hook_pattern"].shape) == (1, H, n, t)
         assert tuple(r["hook_q"].shape) == (1, H, n, d) and tuple(r["hook_k_all"].shape) == (1, G, t, d)
         assert tuple(r["hook_mask"].shape) == (1, 1, n, t)
-        assert ("hook_attn_bias" in r) == (model_type in WITH_BIAS)
+        assert ("hook_score_bias" in r) == (model_type in WITH_BIAS)
+
+
+@pytest.mark.parametrize("model_type", sorted(WITH_BIAS))
+def test_the_views_recompute_the_pattern_with_the_alibi_bias(directories, model_type):
+    """ALiBi is recorded where Inkling's learned bias is (hook_score_bias), so every view that recomputes the
+    pattern from the records adds it: the Pitfalls' "as the model does it" equals the recorded pattern at the prefill
+    and a cached step, the Stages list B as its own stage named for what it is, and the bias sentence counts it."""
+    from gpt_shape_tracer.figures.attention import attention_stages, score_bias_sentence
+    from gpt_shape_tracer.figures.pitfalls import pitfall_patterns
+    from gpt_shape_tracer.model.gpt import act_name
+    from gpt_shape_tracer.tracer import Tracer
+
+    model, _ = load_hf(directory_of(directories, model_type), implementation="transformers")
+    ids = tokens()
+    cache = model.new_cache(1)
+    with Tracer(model) as tracer:  # the prefill, step 0
+        model(ids[:, :PROMPT], cache)
+    with Tracer(model, trace=tracer.trace) as tracer:  # one cached step, step 1
+        model(ids[:, PROMPT:PROMPT + 1], cache)
+    trace = tracer.trace
+    for step in (0, 1):
+        for head in range(model.config.n_head):
+            ours = pitfall_patterns(trace, step, 0, head)["as the model does it"]
+            torch.testing.assert_close(ours, trace.get(act_name("pattern", 0), step)[0, head].double(),
+                                       atol=1e-5, rtol=0)
+        stages = attention_stages(trace, step, 0, 0)
+        assert any(s.hook == "score_bias" and "ALiBi" in s.shapes for s in stages)
+        said = score_bias_sentence(trace, step, 0, 0)
+        assert said is not None and "ALiBi: a fixed slope per head" in said and "beyond its reach" not in said

@@ -67,7 +67,7 @@ Falcon-Mamba: ``_state_stack``) is traced as mixers only: no attention record, n
 A family whose attention module computes the softmax in its own code (Bloom, MPT, CodeGen, XGLM, the BERT-style
 decoders …) makes no call of the attention function: its attention is found by what its ops do and recorded under the
 same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watches each such module's forward), and
-the model then runs transformers' eager path, mask included; ``hook_attn_bias`` holds a bias such as ALiBi.
+the model then runs transformers' eager path, mask included; ``hook_score_bias`` holds a bias such as ALiBi.
 
 Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention (XLNet's relative
 attention, Reformer's hashed buckets), a forward that takes no cache (OpenAI GPT), linear-attention and

@@ -20,7 +20,7 @@ What is recorded, ``[B, H, …]`` as the hook table's legend (a family that flat
 computed it: XGLM's queries are already scaled), ``hook_k_all`` and ``hook_v_all`` (the operands the scores and z
 used: the cache included, where the family keeps its keys in transformers' ``Cache`` and so in our cache view),
 ``hook_k``, ``hook_v`` (their last n rows), ``hook_qk`` (Q·Kᵀ), ``hook_attn_scores`` (× the scale found),
-``hook_attn_bias`` (the bias, only where the family adds one: a stage of its own, not in the hook table),
+``hook_score_bias`` (the bias, only where the family adds one: a stage of its own, not in the hook table),
 ``hook_mask`` (the masks found, as one additive M: 0 or −∞), ``hook_masked_scores`` (the softmax's input, the family's
 own tensor: scores + bias + M), ``hook_pattern`` (the left operand of the product with V, the family's own tensor),
 ``hook_z`` (that product). A forward hook that replaces ``hook_pattern`` or ``hook_z`` changes what the module goes on
@@ -479,7 +479,7 @@ class OwnAttention:
         if bias:  # the probe found a bias (ALiBi, a relative position bias): its own stage, [B, H, n, t]
             from gpt_shape_tracer.model.gpt import HookPoint
 
-            hooks.hook_attn_bias = HookPoint()
+            hooks.hook_score_bias = HookPoint()
         self._watch: _Watch | None = None
         self._seen = 0
         self.handles = [module.register_forward_pre_hook(self._enter, with_kwargs=True),
@@ -518,11 +518,11 @@ class OwnAttention:
         _unchanged("hook_q, hook_k, hook_v, hook_k_all, hook_v_all", (q, k, v), (r.query, r.key, r.value))
         staged = [(h.hook_qk, r.qk), (h.hook_attn_scores, r.qk * r.scale)]
         if r.bias is not None:
-            if not hasattr(h, "hook_attn_bias"):
+            if not hasattr(h, "hook_score_bias"):
                 from gpt_shape_tracer.model.gpt import HookPoint
 
-                h.hook_attn_bias = HookPoint()
-            staged.append((h.hook_attn_bias, r.bias))
+                h.hook_score_bias = HookPoint()
+            staged.append((h.hook_score_bias, r.bias))
         if r.mask is not None:
             staged.append((h.hook_mask, r.mask))
         staged.append((h.hook_masked_scores, r.masked))
