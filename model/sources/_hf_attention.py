@@ -21,7 +21,7 @@ from gpt_shape_tracer.model.gpt import (
     run_attention,
 )
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
-from gpt_shape_tracer.model.sources._hf_variants import attention_with_score_bias, sink_column
+from gpt_shape_tracer.model.sources._hf_variants import attention_with_extras
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     pass
@@ -161,13 +161,11 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             spec = MaskSpec(n=n, t=t, scale=scale, key_is_token=forward[0], empty_rows="uniform", softcap=softcap,
                             window=int(window) if isinstance(window, int) and window > 0 else None)
             mask = spec.full_additive(query.dtype, query.device)
-        if bias is not None:
-            z, weights = attention_with_score_bias(query, key, value, mask, hooks, scale, bias, sinks), None
-        elif differential:
+        if differential and bias is None:
             z, weights = _differential_first_call(query, key, value, mask, cast(_AttentionHooks, hooks), scale,
                                                   softcap, received)
         else:
-            z, weights = attention_with_sinks(query, key, value, mask, hooks, scale, cast(torch.Tensor, sinks)), None
+            z, weights = attention_with_extras(query, key, value, mask, hooks, scale, bias, sinks), None
     elif forward is None or dropout > 0.0 or (mask is not None and _adds_a_bias(mask)) or indexed:
         # eager with transformers' own mask; always so for a mask that adds values to the scores (Doge's learned
         # per-head dynamic mask), which a description of causal / window / padding slots cannot rebuild
@@ -255,32 +253,6 @@ def _adds_a_bias(mask: torch.Tensor) -> bool:
     if not mask.is_floating_point() or mask.device.type == "meta":
         return False
     return bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
-
-
-def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                         hooks: _AttentionHooks | None, scale: float, sinks: torch.Tensor) -> torch.Tensor:
-    """Attention with a learned sink per head (gpt-oss), stage by stage as transformers' eager path computes it:
-    the sink logit s_h joins each row of scores + M as one more column, the softmax runs over the t keys and the
-    sink, and the sink's column is dropped — so A's rows sum to less than 1, and what is missing went to the sink
-    (``hook_sink_weight``). ``query [B,H,n,d_head]``, ``key``/``value`` ``[B,G,t,d_head]``, ``sinks [H]``;
-    returns ``z [B,H,n,d_head]``."""
-    def through(name: str, x: torch.Tensor) -> torch.Tensor:
-        point = getattr(hooks, name, None) if hooks is not None else None
-        return point(x) if point is not None else x
-
-    B, H, n, _ = query.shape
-    group = H // key.shape[1]  # query head h reads key/value head h // (H/G), as transformers' repeat_kv
-    keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)  # [B,H,t,d_head]
-    qk = through("hook_qk", query @ keys.transpose(-2, -1))  # [B,H,n,d_head] @ [B,H,d_head,t] -> [B,H,n,t]
-    scores = through("hook_attn_scores", qk * scale)
-    if mask is not None:
-        scores = through("hook_masked_scores", scores + through("hook_mask", mask))  # + [B|1,1,n,t]
-    sink = through("hook_sink_logits", sink_column(sinks, B, H, n, scores.dtype))
-    logits = torch.cat([scores, sink], dim=-1)  # [B,H,n,t+1]
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(scores.dtype)  # rows sum to 1 over keys + sink
-    pattern = through("hook_pattern", probs[..., :-1])  # [B,H,n,t]: the keys' share, rows sum to < 1
-    through("hook_sink_weight", probs[..., -1:])  # [B,H,n,1]
-    return pattern @ values  # [B,H,n,t] @ [B,H,t,d_head] -> [B,H,n,d_head]
 
 
 _probing = threading.local()  # .record: HFDecoder's probe's callback while it runs on this thread
