@@ -111,7 +111,7 @@ WATCH = """() => {
   window.__phase = {down: null, running: null, done: null};
   document.addEventListener('pointerdown', () => { window.__phase.down = performance.now(); },
                             {capture: true, once: true});
-  if (window.__phaseWatched) return;  // one observer per page, on the whole document (as tests/browser.py)
+  if (window.__phaseWatched) return;  // one observer per page, on the whole document (as tests/app_in_browser.py)
   window.__phaseWatched = true;
   new MutationObserver(records => records.forEach(r => {
     const s = r.target.getAttribute('data-test-script-state'), p = window.__phase;
@@ -127,7 +127,7 @@ PHASES = """() => { const p = window.__phase, now = performance.now();
 
 def browser_timings(steps: int) -> dict:
     sys.path.insert(0, str(ROOT))
-    from tests.browser import (
+    from tests.app_in_browser import (
         chromium_page,
         click,
         load_directory,

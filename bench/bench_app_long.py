@@ -117,7 +117,7 @@ def browser_timings(directory, prompt: str) -> dict[str, float]:
     """The same prefill Step and the heaviest clicks in headless Chromium (1600 × 1000), from the click to the
     page idle with every chart drawn: what the person waits for, transfer and drawing included."""
     sys.path.insert(0, str(ROOT))
-    from tests.browser import (
+    from tests.app_in_browser import (
         chromium_page,
         click,
         load_directory,

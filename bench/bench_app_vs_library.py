@@ -151,7 +151,7 @@ def in_the_browser(env: dict[str, str], prompt: str) -> dict:
     """One fresh server of the real app in ``env``: the directory loaded, the prompt set, Step clicked; the
     traced forward time the page shows, the click, and the CPU the server and Chromium spent during it."""
     sys.path.insert(0, str(ROOT))
-    from tests.browser import chromium_page, click, load_directory, open_app, set_prompt, streamlit_server
+    from tests.app_in_browser import chromium_page, click, load_directory, open_app, set_prompt, streamlit_server
 
     with streamlit_server(env=env) as url, chromium_page(1600, 1000) as page:
         open_app(page, url)

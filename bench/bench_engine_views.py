@@ -65,7 +65,7 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def app_times(at, run, steps: list[int]) -> dict[str, list[float]]:
-    from tests.test_app import run as rerun
+    from tests.app.test_app import run as rerun
 
     still = timed(lambda: rerun(at), len(steps))
     moved = []
@@ -102,8 +102,8 @@ def main() -> None:
     last = len(run.steps) - 1
     steps = [round(last * (i + 1) / (args.repeats + 1)) for i in range(args.repeats)]
 
-    from tests.test_app import new_app, press
-    from tests.test_app import run as rerun
+    from tests.app.test_app import new_app, press
+    from tests.app.test_app import run as rerun
 
     results: dict[str, dict[str, list[float]]] = {}
     at = new_app()

@@ -79,7 +79,7 @@ def specs_of(tree: Path) -> dict:
 
 def drawing(against: str | None, rounds: int = 3) -> dict:
     sys.path.insert(0, str(ROOT))
-    from tests.browser import chromium
+    from tests.app_in_browser import chromium
 
     trees = {"working tree": ROOT}
     tmp = Path(tempfile.mkdtemp(prefix="figures-"))

@@ -22,7 +22,7 @@ from pathlib import Path
 from common import ROOT, gpt2_small_dir, machine, save
 
 sys.path.insert(0, str(ROOT))
-from tests.browser import status_kib  # noqa: E402 - the checkout's own test helpers, on the path just above
+from tests.app_in_browser import status_kib  # noqa: E402 - the checkout's own test helpers, on the path just above
 
 MiB = 2**20
 
@@ -58,7 +58,7 @@ def one_heavy_session(steps: int) -> dict:
 
 
 def many_sessions(sessions: int, steps: int) -> dict:
-    from tests.browser import (
+    from tests.app_in_browser import (
         SERVER_LOGS,
         app_context,
         chromium,

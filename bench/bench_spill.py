@@ -23,7 +23,7 @@ import sys, time
 sys.path.insert(0, {root!r})
 from gpt_shape_tracer.model import load_hf
 from gpt_shape_tracer.tracer import TracedGeneration
-from tests.browser import status_kib
+from tests.app_in_browser import status_kib
 model, tok = load_hf({directory!r})
 loaded = status_kib("self", "VmRSS") * 1024
 gen = TracedGeneration(model, tok, " ".join(["Once upon a time there was a girl."] * 6), temperature=0,

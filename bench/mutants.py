@@ -42,39 +42,44 @@ class Mutant:
 
 
 # the tests each critical path is watched by (the fastest first: -x stops at the first failure)
-ATTENTION = ("tests/test_seed_examples.py", "tests/test_model_hooks.py", "tests/test_model_hf_parity.py")
-ROPE = ("tests/test_model_families.py",)
-CACHE = ("tests/test_tracer_generation.py",)
-STORE = ("tests/test_tracer_capture.py", "tests/test_spill.py")
-SCHEMA = ("tests/test_schema.py", "tests/test_tracer_io.py")
-LABELS = ("tests/test_figures.py", "-k", "label or inert or escape or stays or crafted")
-VERDICT = ("tests/test_figures.py", "-k", "verdict")
-HF = ("tests/test_hf_decoder.py", "-k", "new_values or logits_equal or views_recompute or architecture_adds")
-GRADIENTS = ("tests/test_gradients.py::test_both_losses_of_a_padded_batch_equal_transformers",
-             "tests/test_gradients.py")
-FLASH = ("tests/test_flash.py",)
-DIFF = ("tests/test_tracer_robustness.py", "tests/test_hf_decoder.py", "-k", "bfloat16 or cache_on_and_off or diff")
-SERVER = ("tests/test_server_limits.py", "-k", "not real_server")
-REPORT = ("tests/test_report.py", "-k", "label_a_trace or holds_plotly")
+ATTENTION = ("tests/model/test_seed_examples.py", "tests/model/test_model_hooks.py",
+             "tests/model/test_model_hf_parity.py")
+ROPE = ("tests/model/test_model_families.py",)
+CACHE = ("tests/tracer/test_tracer_generation.py",)
+STORE = ("tests/tracer/test_tracer_capture.py", "tests/tracer/test_spill.py")
+SCHEMA = ("tests/tracer/test_schema.py", "tests/tracer/test_tracer_io.py")
+LABELS = ("tests/figures/test_figures.py", "-k", "label or inert or escape or stays or crafted")
+VERDICT = ("tests/figures/test_figures.py", "-k", "verdict")
+HF = ("tests/model/test_hf_decoder.py", "-k", "new_values or logits_equal or views_recompute or architecture_adds")
+GRADIENTS = ("tests/tracer/test_gradients.py::test_both_losses_of_a_padded_batch_equal_transformers",
+             "tests/tracer/test_gradients.py")
+FLASH = ("tests/figures/test_flash.py",)
+DIFF = ("tests/tracer/test_tracer_robustness.py", "tests/model/test_hf_decoder.py",
+        "-k", "bfloat16 or cache_on_and_off or diff")
+SERVER = ("tests/app/test_server_limits.py", "-k", "not real_server")
+REPORT = ("tests/package/test_report.py", "-k", "label_a_trace or holds_plotly")
 
 # this round's survivors: the test written for each first (it kills the mutant at once), then the selection
 NEW_TESTS = {
-    "spill": "tests/test_spill.py::test_a_failed_step_retried_with_the_spill_on_saves_a_file_holding_the_retrys_values",
-    "probs": "tests/test_tracer_io.py::test_a_probability_outside_0_to_1_is_refused_naming_the_field",
-    "hook_v": "tests/test_hf_decoder.py::test_the_new_values_are_transformers_own_value_projections_not_the_keys",
-    "server": "tests/test_server_limits.py::test_the_app_refuses_recording_gradients_past_the_servers_budget",
-    "flash": "tests/test_flash.py::test_after_each_tile_the_output_is_the_softmax_of_the_keys_read_times_their_values",
-    "kv": "tests/test_tracer_generation.py::"
+    "spill": ("tests/tracer/test_spill.py::"
+              "test_a_failed_step_retried_with_the_spill_on_saves_a_file_holding_the_retrys_values"),
+    "probs": "tests/tracer/test_tracer_io.py::test_a_probability_outside_0_to_1_is_refused_naming_the_field",
+    "hook_v": "tests/model/test_hf_decoder.py::test_the_new_values_are_transformers_own_value_projections_not_the_keys",
+    "server": "tests/app/test_server_limits.py::test_the_app_refuses_recording_gradients_past_the_servers_budget",
+    "flash": ("tests/figures/test_flash.py::"
+              "test_after_each_tile_the_output_is_the_softmax_of_the_keys_read_times_their_values"),
+    "kv": "tests/tracer/test_tracer_generation.py::"
           "test_the_bytes_of_cached_keys_and_values_read_are_the_cache_tensors_own_bytes",
     # round 5: the five survivors of round 4 (the first was killed all along, by a test outside its selection)
-    "store": "tests/test_tracer_robustness.py::"
+    "store": "tests/tracer/test_tracer_robustness.py::"
              "test_a_value_evicted_after_it_was_changed_in_place_keeps_no_wrong_statistics",
-    "schema": "tests/test_tracer_io.py::"
+    "schema": "tests/tracer/test_tracer_io.py::"
               "test_a_stage_whose_probabilities_add_up_to_more_than_1_is_refused_and_rounding_is_not",
-    "verdict": "tests/test_figures.py::"
+    "verdict": "tests/figures/test_figures.py::"
                "test_the_verdict_reports_cached_rows_that_differ_even_when_the_logits_agree",
-    "hook_k": "tests/test_hf_decoder.py::test_the_new_keys_are_the_last_n_rows_of_all_keys_the_ones_the_cache_keeps",
-    "diff": "tests/test_tracer_robustness.py::"
+    "hook_k": ("tests/model/test_hf_decoder.py::"
+               "test_the_new_keys_are_the_last_n_rows_of_all_keys_the_ones_the_cache_keeps"),
+    "diff": "tests/tracer/test_tracer_robustness.py::"
             "test_diff_traces_flags_nan_in_different_places_and_not_in_the_same_places",
 }
 GPT, LONG, CACHE_PY = "model/gpt/_gpt.py", "model/gpt/_long_attention.py", "model/gpt/_cache.py"
@@ -88,7 +93,7 @@ MUTANTS = (
     Mutant("mask: a query sees only earlier keys, not itself", LONG, "ok = k_pos <= q_pos", "ok = k_pos < q_pos",
            ATTENTION),
     Mutant("mask: window one key too wide", LONG, "ok = ok & (k_pos > q_pos - self.window)",
-           "ok = ok & (k_pos >= q_pos - self.window)", ATTENTION + ("tests/test_long_attention.py",)),
+           "ok = ok & (k_pos >= q_pos - self.window)", ATTENTION + ("tests/tracer/test_long_attention.py",)),
     Mutant("mask: padding keys visible", LONG, "ok = ok[None] & kit[:, None, cols.start:cols.stop]",
            "ok = ok[None] | kit[:, None, cols.start:cols.stop]", ATTENTION + CACHE),
     Mutant("RoPE: rotate_half without the sign", GPT, "torch.cat((-x[..., half:], x[..., :half])",
@@ -106,7 +111,7 @@ MUTANTS = (
     Mutant("cache: copy keeps every padding flag", CACHE_PY, "self.key_is_token[:, :length].clone()",
            "self.key_is_token.clone()", CACHE),
     Mutant("cache: rollback keeps the staged layers", CACHE_PY, "        self._staged.clear()\n\n    @property",
-           "        pass\n\n    @property", CACHE + ("tests/test_hf_decoder.py", "-k", "fails or cache")),
+           "        pass\n\n    @property", CACHE + ("tests/model/test_hf_decoder.py", "-k", "fails or cache")),
     Mutant("costs: kv bytes with H heads, not G", "model/analysis/_costs.py", "kv_bytes = 2 * La * batch * G * cached",
            "kv_bytes = 2 * La * batch * H * cached", (NEW_TESTS["kv"], *CACHE)),
     # -- the value store, the spill

@@ -42,7 +42,7 @@ CLICKS = 4
 
 def passes(theme: str, changes: str) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
-    from tests.browser import chromium_page, click, free_port, open_app
+    from tests.app_in_browser import chromium_page, click, free_port, open_app
 
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "one_chart.py"

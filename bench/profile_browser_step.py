@@ -18,7 +18,7 @@ from common import machine, save
 
 
 def profile(tabs: list[str], steps: int) -> dict:
-    from tests.browser import chromium_page, click, open_app, open_tab, set_prompt, streamlit_server
+    from tests.app_in_browser import chromium_page, click, open_app, open_tab, set_prompt, streamlit_server
 
     out: dict = {}
     with streamlit_server() as url, chromium_page(1600, 1000) as page:

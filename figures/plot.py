@@ -2,7 +2,7 @@
 
 plotly validates every layout property as it is set; for the shape-flow figure (40 shapes and annotations)
 that was 46 of its 59 ms to build, and a Step on the Shapes tab builds it and the reshape strip again.
-The figures are built from fixed code, so the app skips the check. ``tests/test_figures.py`` sets
+The figures are built from fixed code, so the app skips the check. ``tests/figures/test_figures.py`` sets
 ``GPT_TRACER_VALIDATE_FIGURES=1``: there every figure is built checked (a misspelt property raises), and
 one test builds each figure both ways and asserts the browser is sent the same JSON — the checks also
 normalise (an axis title given as text becomes ``{"text": …}``, the only form plotly.js 3 reads).

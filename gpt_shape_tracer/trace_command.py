@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 from gpt_shape_tracer import beam_command, cache_command, engine_command, speculative_command
 
 # The library's limits and defaults, written here as plain numbers so that the arguments are checked without
-# importing torch (which takes seconds). tests/test_cli.py checks that each equals the library's own.
+# importing torch (which takes seconds). tests/package/test_cli.py checks that each equals the library's own.
 MAX_RUN_STEPS = 256  # tracer.MAX_RUN_STEPS
 MAX_BATCH = 16  # tracer.MAX_BATCH
 FORWARD_CAPTURES = ("shapes", "values", "ops")  # tracer.FORWARD_CAPTURES

@@ -2,5 +2,5 @@
 
 Wiring only — widgets, layout, session state. What a button computes lives in ``session`` (settings, runs,
 reruns, experiments' inputs), traces and experiments in ``tracer`` (imported through its front door) and
-figures and tables in ``figures``. Nothing below this layer imports it (tests/test_gui_structure.py).
+figures and tables in ``figures``. Nothing below this layer imports it (tests/app/test_gui_structure.py).
 """

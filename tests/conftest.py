@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1 if "MUTANT_UNDER_TEST" in os.environ else 2)
 
 # CI runs the same examples every time (a red run must be reproducible); to draw new ones, run
-# `pytest --hypothesis-profile=explore tests/test_bad_input.py` and turn what it finds into @example lines.
+# `pytest --hypothesis-profile=explore tests/tracer/test_bad_input.py` and turn what it finds into @example lines.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)  # fresh random examples each run
 settings.load_profile("ci")

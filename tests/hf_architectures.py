@@ -34,7 +34,8 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(COMMON, sliding_window=4)),
     "qwen2": ("Qwen2Config", dict(COMMON)),
     # issue 40: latent attention (value heads narrower than query/key heads, the cache holds a latent), attention
-    # sinks, and a hybrid whose layers keep a Mamba-2 mixer's state beside K and V (tests/test_hf_attention_kinds.py)
+    # sinks, and a hybrid whose layers keep a Mamba-2 mixer's state beside K and V
+    # (tests/model/test_hf_attention_kinds.py)
     "deepseek_v3": ("DeepseekV3Config", dict(COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
                                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=4,
                                               num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,

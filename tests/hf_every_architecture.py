@@ -474,7 +474,7 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         "# Every causal LM of the installed transformers",
         "",
         f"Generated from one run of `WRITE_ARCHITECTURES_MD=docs/architectures.md python -m pytest -m "
-        "every_architecture tests/test_every_architecture.py` (the test also checks each refusal's reason "
+        "every_architecture tests/model/test_every_architecture.py` (the test also checks each refusal's reason "
         "independently of the code that refused; `python -m tests.hf_every_architecture --markdown "
         f"docs/architectures.md` writes the same page without those checks) with transformers "
         f"{transformers.__version__}: every `model_type` in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` ({len(results)}), "

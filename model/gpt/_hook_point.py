@@ -15,7 +15,7 @@ def _global_module_hooks() -> bool:
     torch keeps them in private module globals; reading those lets a hook point with no hooks of any
     kind skip ``nn.Module.__call__`` (``bench/bench_model.py`` prints what that saves per forward).
     If a torch release renames them, ``getattr`` answers True and every call takes the full, correct
-    path; ``tests/test_model_hooks.py`` pins that a global hook still sees every hook point."""
+    path; ``tests/model/test_model_hooks.py`` pins that a global hook still sees every hook point."""
     return bool(getattr(_torch_module, "_global_forward_hooks", True)
                 or getattr(_torch_module, "_global_forward_pre_hooks", True))
 

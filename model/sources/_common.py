@@ -19,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # significant bits (a step of 2^-8 ≈ 0.4% relative, 0.125 at a logit of 20) and float16 11 bits, and a different
 # but equally valid order of operations (fused QKV, a cached decode) rounds differently at every layer. Measured
 # on the bundled story-gpt (logits up to 22) against Hugging Face in the same dtype: 0.5 in bf16, 0.07 in fp16;
-# the values below keep a 2× margin (tests/test_model_families.py checks them on that model).
+# the values below keep a 2× margin (tests/model/test_model_families.py checks them on that model).
 LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.0, torch.float16: 0.15}
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".jinja", ".model", ".pt")  # what a loader reads
 

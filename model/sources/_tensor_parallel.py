@@ -8,7 +8,7 @@ an all-reduce; ``"embedding_rowwise"`` — ``V/k`` of the vocabulary's rows, all
 them, so the traced forward *is* rank 0's forward: every record has the shape it has on one of k GPUs, and the
 costs counted are one rank's (Shoeybi et al. 2019, Megatron-LM, for the pattern).
 
-Checked against transformers' own tensor parallelism run for real (``tests/test_tensor_parallel.py``: two
+Checked against transformers' own tensor parallelism run for real (``tests/model/test_tensor_parallel.py``: two
 processes, the gloo backend, on this CPU): every module's input and output shape per rank equals the recorded one.
 
 Where the plan gathers the output (the language-model head), the module is left whole here: its record is the

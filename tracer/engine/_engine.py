@@ -7,7 +7,7 @@ processor without the thread (``manager._create_batch_processor()``) and runs, p
 thread's loop body makes — ``prepare_next_batch`` (schedule, allocate pages, build the packed inputs),
 ``_generation_step`` (one forward and the greedy choice) and ``update_batch`` (append tokens, finish, free and
 de-duplicate pages) — reading the pool between them. The two private calls are pinned by
-tests/test_engine.py::test_the_private_step_calls_of_transformers_are_still_there.
+tests/tracer/test_engine.py::test_the_private_step_calls_of_transformers_are_still_there.
 
 What it records. The paged attention is transformers' ``paged|eager`` function; for the run, the name is given to a
 wrapper that calls it and then keeps, per request, its query rows and pattern (sliced from the packed batch through

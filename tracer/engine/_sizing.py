@@ -4,7 +4,7 @@ given length, fit in an accelerator's memory after the weights and the activatio
 
 The arithmetic is transformers' (``PagedAttentionMemoryHandler`` in
 ``transformers/generation/continuous_batching/cache.py``, 5.23), re-derived term by term and written out here so
-each term can be shown and named; tests/test_engine.py checks it against the handler itself for the same inputs.
+each term can be shown and named; tests/tracer/test_engine.py checks it against the handler itself for the same inputs.
 Its pieces, for a model of L full-attention layers, H query heads, G key/value heads of width d, ``a`` bytes per
 value and pages of ``P`` positions:
 

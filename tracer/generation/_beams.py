@@ -11,7 +11,7 @@ row ``beam_idx[i]`` (``KVCache.reorder``, transformers' ``Cache.reorder_cache``)
 The decisions are transformers' own: the step calls the same functions its ``_beam_search`` calls
 (``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``, ``_update_finished_beams``,
 ``_check_early_stop_heuristic``, ``_beam_search_has_unfinished_sequences``: private, pinned by
-tests/test_beams.py, which compares sequences, scores and every step's ``beam_idx`` with ``generate``). What is
+tests/tracer/test_beams.py, which compares sequences, scores and every step's ``beam_idx`` with ``generate``). What is
 ours is the stepping (one forward at a time, on any model this project opens, traced) and the record of each
 step (``BeamStep``). No logits processor runs (a bare config's ``generate`` runs none for beam search either).
 

@@ -17,7 +17,7 @@ The decisions are transformers' own where it has a function for them: ``PromptLo
 get_candidates`` proposes the lookup's drafts, ``ConfidenceCriteria`` stops the assistant's drafting, and
 ``AssistedCandidateGenerator.update_candidate_strategy`` sets the next number of drafts (called on a stand-in
 that holds only the numbers it reads). The acceptance rule, the length and end-of-sequence cut and the crops
-follow ``GenerationMixin._assisted_decoding`` line for line (tests/test_speculative.py compares the tokens and
+follow ``GenerationMixin._assisted_decoding`` line for line (tests/tracer/test_speculative.py compares the tokens and
 every step's crop with ``generate``). One prompt (transformers' assisted decoding takes batch size 1), no
 sampling. With scikit-learn installed, transformers also moves the assistant's confidence threshold during a
 run (an ROC fit); this class keeps it fixed, so give ``confidence_threshold=0`` to compare there.
