@@ -187,6 +187,28 @@ def attention_stages(trace: Trace, step: int, layer: int, head: int, batch: int 
     return stages
 
 
+def words_wrapped(text: str, width: int | None) -> str:
+    """``text`` broken into lines of at most ``width`` characters at its spaces (plotly's ``<br>``); a word longer
+    than the width keeps its own line. ``None``: unchanged."""
+    if width is None:
+        return text
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return "<br>".join(lines)
+
+
+def shapes_line(shapes: str, width: int | None, wrap: bool) -> str:
+    """A stage's shapes under its title: wrapped at the words to ``width``, else broken before its result and its
+    note where ``wrap``, else one line."""
+    if width is not None:
+        return words_wrapped(shapes, width)
+    return shapes.replace(" → ", "<br>→ ").replace(" (", "<br>(") if wrap else shapes
+
+
 @fitted
 def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0,
                             shared_scale: bool = False) -> go.Figure:
@@ -207,8 +229,11 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     weights = weight_top(grids["pattern"].z) if "pattern" in grids else None
     clip_line = (f"<br>colours stop at {weights.top:.3g}, the {weights.share:.0%} quantile"
                  if weights is not None and weights.share is not None else "")
-    titles = [f"<b>{s.title}</b><br><span style='font-size:10px'>"
-              f"{s.shapes.replace(' → ', '<br>→ ').replace(' (', '<br>(') if wrap else s.shapes}"
+    # six or seven panels (a sink: gpt-oss, Inkling 2): a panel is ~150 px wide at 1600 px, and its one-line title
+    # ran over its neighbours' (seen in a screenshot): each title and shapes line wraps at the words to fit
+    width = 132 // len(stages) if len(stages) > 5 else None
+    titles = [f"<b>{words_wrapped(s.title, width)}</b><br><span style='font-size:10px'>"
+              f"{shapes_line(s.shapes, width, wrap)}"
               f"{clip_line if s.hook == 'pattern' else ''}</span>"
               for s in stages]
     fig = subplots(rows=1, cols=len(stages), subplot_titles=titles, horizontal_spacing=0.075)
@@ -261,8 +286,12 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     # the note on lines of its own under the title: on one line it ran under plotly's toolbar and past the
     # figure's right edge at 1280 px (seen in a screenshot at 32k tokens)
     note_lines = textwrap.wrap(note, NOTE_WIDTH, break_on_hyphens=False, break_long_words=False) if note else []
-    margin_top = (155 if wrap else 95) + (15 if clip_line else 0) + 15 * len(note_lines)
-    fig.update_layout(height=height + (20 if wrap else 0) + (15 if clip_line else 0) + 15 * len(note_lines),
+    # the panels' titles stand in the top margin: words wrapped to a narrow panel take more lines than the 4 of a
+    # wrapped shapes line (Inkling 2's seven panels: up to 10), each line ~15 px
+    lines = max(title.count("<br>") + 1 for title in titles) if width else 0
+    extra = max(0, 65 + 15 * lines - (155 if wrap else 95))
+    margin_top = (155 if wrap else 95) + extra + (15 if clip_line else 0) + 15 * len(note_lines)
+    fig.update_layout(height=height + extra + (20 if wrap else 0) + (15 if clip_line else 0) + 15 * len(note_lines),
                       margin={"t": margin_top, "l": 10, "r": margin_right, "b": 10},
                       title={"text": f"layer {layer}, head {head}, step {step}" + " —" * bool(note_lines)
                                      + "".join(f"{NOTE_LINE[0]}{ln}{NOTE_LINE[1]}" for ln in note_lines),

@@ -9,7 +9,15 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from gpt_shape_tracer.figures.common import attention_layers, facts_of, gen_step, key_labels, no_attention, shape_text
+from gpt_shape_tracer.figures.common import (
+    attention_layers,
+    counted,
+    facts_of,
+    gen_step,
+    key_labels,
+    no_attention,
+    shape_text,
+)
 from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
 from gpt_shape_tracer.figures.palette import ACCENT, NEUTRAL
 from gpt_shape_tracer.figures.plot import figure, fitted, subplots
@@ -115,9 +123,10 @@ def latent_memory_sentence(n_layer: int, B: int, H: int, t: int, d_c: int, d_r: 
     full = B * H * t * (d_qk + d_v)
     latex = (rf"B\cdot t\cdot (d_c + d_R) = {B}\cdot {t}\cdot ({d_c} + {d_r}) = {held:,}"
              rf"\ \text{{numbers per layer}}")
-    sentence = (f"{n_layer} layers × {held:,} numbers × {itemsize} bytes = {n_layer * held * itemsize / 1024:,.1f} "
-                f"KiB at step {step}: this model uses multi-head latent attention (DeepSeek-V2), and its cache holds "
-                f"per position the compressed latent c_KV (d_c = {d_c}) and the rotary key k_R (d_R = {d_r}), shared "
+    sentence = (f"{counted(n_layer, 'layer')} × {held:,} numbers × {itemsize} bytes = "
+                f"{n_layer * held * itemsize / 1024:,.1f} KiB at step {step}: this model uses multi-head latent "
+                f"attention (DeepSeek-V2), and its cache holds per position the compressed latent c_KV (d_c = {d_c}) "
+                f"and the rotary key k_R (d_R = {d_r}), shared "
                 f"by all {H} heads. K and V are expanded from them at every step; held instead, B·H·t·(d_qk + d_v) "
                 f"= {B}·{H}·{t}·({d_qk} + {d_v}) = {full:,} numbers per layer, they would take "
                 f"{n_layer * full * itemsize / 1024:,.1f} KiB, {full / held:.1f}× as much. transformers' own cache "
@@ -149,16 +158,20 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     full = 2 * B * H * t * dk
     latex = (rf"2\cdot B\cdot G\cdot t\cdot d_k = 2\cdot {B}\cdot {G}\cdot {t}\cdot {dk} = {per_layer:,}"
              rf"\ \text{{numbers per layer}}")
-    held = f"{n_layer} layers × {per_layer:,} numbers × {size} bytes = {n_layer * per_layer * size / 1024:,.1f} KiB"
+    held = (f"{counted(n_layer, 'layer')} × {per_layer:,} numbers × {size} bytes = "
+            f"{n_layer * per_layer * size / 1024:,.1f} KiB")
     shared = _kv_shared(trace)
     others = len(_layers(trace, step)) - n_layer - len(shared)
     if others > 0:  # a hybrid model: only its attention layers hold K and V
-        held += (f" (its {n_layer} attention layer(s); the other {others} layer(s) have no softmax attention and "
-                 "hold no K, V rows)")
+        held += (f" (its {counted(n_layer, 'attention layer')}; the other {counted(others, 'layer')} "
+                 + ("has no softmax attention and holds" if others == 1 else "have no softmax attention and hold")
+                 + " no K, V rows)")
     if shared:  # KV sharing: the reading layers hold nothing of their own
         pairs = ", ".join(f"{L} reads {source}'s" for L, source in sorted(shared.items()))
-        held += (f"; {len(shared)} more layer(s) attend over an earlier layer's K and V and hold none of their own "
-                 f"(KV sharing: layer {pairs})")
+        held += (f"; {len(shared)} more "
+                 + ("layer attends over an earlier layer's K and V and holds none of its own" if len(shared) == 1
+                    else "layers attend over an earlier layer's K and V and hold none of their own")
+                 + f" (KV sharing: layer {pairs})")
     if G == H:
         sentence = (f"{held} at step {step}. This model has as many key/value heads as query heads (G = H = {H}), "
                     "so its cache is the full multi-head one; grouped-query models share each key/value head "
@@ -203,9 +216,10 @@ def state_memory_formula(trace: Trace, step: int) -> tuple[str, str]:
              rf"\ \text{{B per layer of a KV cache}}")
     same = (f"the same after every one of the {len(steps)} steps so far" if len(sizes) == 1 else
             f"{len(sizes)} different totals over the {len(steps)} steps so far")
-    sentence = (f"{len(layers)} layers × {per_layer[0]:,} bytes = {held / 1024:,.1f} KiB at step {step}, {same}: this "
-                f"model has no softmax attention and keeps no KV cache. Each layer ({mixer}) keeps a fixed state of "
-                f"{per_layer[0]:,} bytes ({shapes}), overwritten at every step, instead of a cache growing by "
+    sentence = (f"{counted(len(layers), 'layer')} × {per_layer[0]:,} bytes = {held / 1024:,.1f} KiB at step {step}, "
+                f"{same}: this model has no softmax attention and keeps no KV cache. Each layer ({mixer}) keeps a "
+                f"fixed state of {per_layer[0]:,} bytes ({shapes}), overwritten at every step, instead of a cache "
+                f"growing by "
                 f"2·G·d_head·bytes = 2·{d}·{itemsize} = {2 * d * itemsize:,} bytes per token per sequence (softmax "
                 f"attention of the same width, d = G·d_head = {d}). At t = {t} such a cache would hold "
                 f"{kv:,} bytes per layer ({B} sequence(s)), {kv / max(1, per_layer[0]):.2g}× the state; it "
@@ -243,7 +257,8 @@ def state_sentence(trace: Trace, step: int) -> str | None:
     total = sum(rec.nbytes for _, records in layers for rec in records)
     shapes = " and ".join(f"{rec.name.rsplit('.', 1)[-1].removeprefix('hook_').replace('_', ' ')} "
                           f"{shape_text(rec.shape)}" for rec in layers[0][1])
-    return (f"Beside K and V, {len(layers)} layer(s) keep their mixer's state in the cache — "
+    keep = "keeps its" if len(layers) == 1 else "keep their"
+    return (f"Beside K and V, {counted(len(layers), 'layer')} {keep} mixer's state in the cache — "
             f"per layer {shapes} — {total / 1024:,.1f} KiB in all after step {step}. That state has a fixed size: "
             "each step overwrites it instead of adding a row, so it does not grow with t as K and V do.")
 

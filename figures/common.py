@@ -122,6 +122,11 @@ def query_labels(trace: Trace, step: int, row: int = 0) -> list[str]:
     return keys[len(keys) - positions(trace, step)[0]:]
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and its noun in the number it takes: "1 layer", "2 layers", "0 layers"."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def shape_text(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 

@@ -659,3 +659,97 @@ def test_a_differential_attention_model_shows_both_softmaxes_and_what_it_applies
                 page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
             assert not errors, errors
             assert not outside, outside
+
+
+def _sentences_of_every_head(trace, step: int, sentence) -> set[str]:
+    layers, heads = trace.config.n_layer, trace.config.n_head
+    return {s for layer in range(layers) for head in range(heads) if (s := sentence(trace, step, layer, head, 0))}
+
+
+def _page_text(page) -> str:
+    return " ".join(page.locator('[data-testid="stMain"]').inner_text().split())
+
+
+@pytest.mark.parametrize("model_type, shot", [("bloom", "own_code_alibi"), ("inkling2_text", "score_bias_sinks")])
+def test_a_score_bias_shows_as_its_own_stage(url, visit, tmp_path, model_type, shot):
+    """Bloom (attention in the family's own code, traced at the op level; ALiBi beside the mask) and Inkling 2
+    (a learned score bias and a sink per head), each loaded from a tiny directory, two Steps, Attention → Stages:
+    the figure draws B as a stage of its own (and Inkling 2's sink logit), and the page states the bias sentence
+    that figures.attention.score_bias_sentence writes for one (layer, head) of the same generation traced here.
+    At 1600 × 1000 (SAVE_SCREENSHOTS=own_code_alibi,score_bias_sinks writes them)."""
+    import torch
+
+    from gpt_shape_tracer.figures.attention import score_bias_sentence
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.tracer import TracedGeneration
+    from tests.model.test_hf_variants import _build
+
+    directory = _build(model_type, tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = load_hf(directory, implementation="transformers")
+        gen = TracedGeneration(model, tok, [PROMPT], temperature=0)
+        gen.run(2)
+        expected = _sentences_of_every_head(gen.trace, 1, score_bias_sentence)
+    finally:
+        torch.set_num_threads(threads)
+    assert expected
+    with visit(1600, 1000) as page:
+        errors, outside = watch(page, url)
+        open_directory_and_step(page, url, PROMPT, directory, model_type)
+        open_tab(page, "Attention")
+        open_tab(page, "Stages")
+        page.get_by_text("adds a bias B to the scores").first.wait_for(timeout=60_000)
+        titles = [a.get("text", "") for layout in page.evaluate(
+            "() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => d.layout)")
+            for a in (layout or {}).get("annotations", [])]
+        assert any("B, the score bias" in t for t in titles), titles
+        if model_type == "inkling2_text":
+            assert any("s_h" in t for t in titles), titles
+        shown = _page_text(page)
+        assert sum(s in shown for s in expected) == 1, (expected, shown[:2000])
+        if saving(shot):
+            page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{shot}.png"))
+        assert not errors, errors
+        assert not outside, outside
+
+
+def test_a_recurrent_model_shows_the_state_it_keeps_beside_k_and_v(url, visit, tmp_path):
+    """RecurrentGemma (recurrent blocks beside local attention) loaded from a tiny directory, two Steps, KV cache →
+    This step: the page states what its recurrent layers keep beside K and V — the sentence
+    figures.cache.state_sentence writes from the same generation traced here (layers, shapes, bytes) — and draws
+    no K rows for a recurrent layer. At 1600 × 1000 (SAVE_SCREENSHOTS=recurrent_state writes it)."""
+    import torch
+
+    from gpt_shape_tracer.figures.cache import state_sentence
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.tracer import TracedGeneration
+    from tests.model.test_hf_variants import _build
+
+    directory = _build("recurrent_gemma", tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = load_hf(directory, implementation="transformers")
+        gen = TracedGeneration(model, tok, [PROMPT], temperature=0)
+        gen.run(2)
+        expected = state_sentence(gen.trace, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert expected is not None
+    with visit(1600, 1000) as page:
+        errors, outside = watch(page, url)
+        open_directory_and_step(page, url, PROMPT, directory, "recurrent_gemma")
+        open_tab(page, "KV cache")
+        open_tab(page, "This step")
+        page.get_by_text("mixer's state in the cache").first.wait_for(timeout=60_000)
+        assert " ".join(expected.split()) in _page_text(page)
+        if saving("recurrent_state"):
+            page.get_by_text("mixer's state in the cache").first.scroll_into_view_if_needed()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "recurrent_state.png"))
+        assert not errors, errors
+        assert not outside, outside

@@ -297,7 +297,7 @@ def test_a_hybrid_model_keeps_its_state_in_transformers_cache_beside_our_k_and_v
     state = [sum(rec.nbytes for rec in cache.state_records(trace, last, L)) for L in range(2)]
     assert list(table["state bytes"]) == state and state[0] > 0
     sentence = cache.state_sentence(trace, last)
-    assert f"{sum(state) / 1024:,.1f} KiB in all after step {last}" in sentence and "2 layer(s)" in sentence
+    assert f"{sum(state) / 1024:,.1f} KiB in all after step {last}" in sentence and "2 layers keep their" in sentence
     kv = sum(trace.record(f"blocks.{L}.attn.hook_{k}_all", last).nbytes for L in range(2) for k in "kv")
     assert cache.cache_growth(trace)["K+V bytes (all layers)"].iloc[last] == kv + sum(state)
     # replay step 2 from a copy of the cache as it was before it: the same logits, to the bit. Untraced, the

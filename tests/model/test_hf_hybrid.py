@@ -179,7 +179,7 @@ def test_the_cache_views_count_k_and_v_at_attention_layers_and_the_state_at_the_
     assert table["state bytes"][0] == state > 0 and gen.cache.state_nbytes == state  # what the cache holds
     assert kv_cache_bytes(trace, step) == k.nbytes + v.nbytes + state
     _, sentence = cache.memory_formula(trace, step)
-    assert sentence.startswith("1 layers ×") and "the other 1 layer(s) have no softmax attention" in sentence
+    assert sentence.startswith("1 layer ×") and "the other 1 layer has no softmax attention and holds" in sentence
     assert spec_for("blocks.0.hook_mixer_out", config) is not None
     # a saved trace says the same of its layers
     again = load_trace(save_trace(trace, tmp_path / "hybrid.gst"))

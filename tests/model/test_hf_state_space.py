@@ -180,7 +180,7 @@ def test_the_cache_view_says_what_a_state_space_model_keeps_instead_of_a_cache(r
     B, d = conv.shape[0], config.d_model
     t = gen.trace.record("blocks.0.hook_mixer_in", 0).shape[1] + last  # the prompt's width, then one per step
     kv = 2 * B * d * 4 * t  # float32: a KV cache of the same width at this t
-    assert sentence.startswith(f"{config.n_layer} layers × {per_layer[0]:,} bytes")
+    assert sentence.startswith(f"{config.n_layer} layers × {per_layer[0]:,} bytes")  # 2 layers
     assert f"the same after every one of the {gen.n_steps} steps so far" in sentence
     assert f"2·G·d_head·bytes = 2·{d}·4 = {2 * d * 4:,} bytes per token" in sentence
     assert f"At t = {t} such a cache would hold {kv:,} bytes per layer" in sentence
