@@ -195,9 +195,37 @@ def test_placement_by_accelerate_and_the_longest_context():
     c = dry.config
     assert placed.kv_bytes_per_token == 2 * c.n_layer * c.n_kv_head * c.d_head * 2
     per_layer = placed.kv_bytes_per_token // c.n_layer
-    expected = min(placed.free_by_device[d] // (per_layer * n) for d, n in placed.layers_by_device.items())
+    expected = min(placed.free_by_device[d] // (per_layer * n) for d, n in placed.cache_layers_by_device.items())
     assert placed.longest_context == min(expected, c.n_ctx)
     assert f"{placed.longest_context:,} tokens" in placed.describe()
+
+
+def test_the_longest_context_counts_every_layers_cache_where_accelerate_runs_it():
+    """Issue 52: a layer offloaded to the CPU or the disk runs on the main device (accelerate's dispatch_model
+    brings its weights to the first GPU of the map), so its keys and values are made and kept there: one GPU holds
+    the cache of every layer, its own and the offloaded ones (before, the disk's layers counted no cache at all
+    and the CPU's counted theirs in the CPU's memory). A batch of 4 holds 4 times the bytes per token and fits a
+    quarter of the context. By hand from the config and the memory asked for."""
+    from gpt_shape_tracer.tracer.costs import place
+
+    dry, _ = load_model("shapes:llama-3.1-70b", weights=False)
+    c = dry.config
+    memory = {0: "40GiB", "cpu": "30GiB"}  # 141 GB of bf16 weights: most layers go to the CPU and the disk
+    per_layer = 2 * c.n_kv_head * c.d_head * 2  # K and V, bf16, one token of one sequence
+    contexts = []
+    for batch in (1, 4):
+        placed = place(dry, memory, batch=batch)
+        layers = placed.layers_by_device
+        assert layers.get("disk", 0) > 0 and layers.get("cpu", 0) > 0 and sum(layers.values()) == c.n_layer
+        assert placed.kv_bytes_per_token == batch * c.n_layer * per_layer
+        assert placed.cache_layers_by_device == {"0": c.n_layer}
+        left = 40 * 2**30 - placed.weights_by_device["0"]
+        assert placed.longest_context == min(left // (batch * per_layer * c.n_layer), c.n_ctx)
+        said = placed.describe()
+        assert f"The {layers['cpu'] + layers['disk']} offloaded layer(s) run on 0" in said
+        assert f"the cache is held by 0: {c.n_layer} layer(s)." in said
+        contexts.append(placed.longest_context)
+    assert contexts[1] in (contexts[0] // 4, contexts[0] // 4 - 1)  # each rounded down
 
 
 def _measured_activation_peaks(model, tok, prompt: str, steps: int) -> list[int]:
