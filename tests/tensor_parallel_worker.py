@@ -1,7 +1,8 @@
 """Run by tests/model/test_tensor_parallel.py under ``torch.distributed.run`` (2 processes, gloo, CPU): transformers'
 own tensor parallelism on each saved model given, one prefill each, and every module's input and output shapes and
-every parameter's local shape on this rank, written as JSON to ``OUT/<model folder name>/rank{R}.json``. Several models share one launch: starting the
-two processes and importing transformers in each costs more than the models' runs. Not a test module itself."""
+every parameter's local shape on this rank, written as JSON to ``OUT/<model folder name>/rank{R}.json``. Several
+models share one launch: starting the two processes and importing transformers in each costs more than the models'
+runs. Not a test module itself."""
 
 import json
 import os
