@@ -9,7 +9,8 @@ them, so the traced forward *is* rank 0's forward: every record has the shape it
 costs counted are one rank's (Shoeybi et al. 2019, Megatron-LM, for the pattern).
 
 Checked against transformers' own tensor parallelism run for real (``tests/model/test_tensor_parallel.py``: two
-processes, the gloo backend, on this CPU): every module's input and output shape per rank equals the recorded one.
+processes, the gloo backend, on this CPU): every module's input and output shape per rank equals the recorded one,
+and every parameter's shape here the local shard that rank holds.
 
 Where the plan gathers the output (the language-model head, ``"colwise_gather_output"``: transformers'
 ``ColwiseParallel`` with a replicated output), the weight is split as a colwise one — each rank holds ``V/k`` rows
