@@ -1,7 +1,8 @@
 """Run by tests/model/test_tensor_parallel.py under ``torch.distributed.run`` (2 processes, gloo, CPU): transformers'
-own tensor parallelism on each saved model given, one prefill each, and every module's input and output shapes on this
-rank, written as JSON to ``OUT/<model folder name>/rank{R}.json``. Several models share one launch: starting the
-two processes and importing transformers in each costs more than the models' runs. Not a test module itself."""
+own tensor parallelism on each saved model given, one prefill each, and every module's input and output shapes and
+every parameter's local shape on this rank, written as JSON to ``OUT/<model folder name>/rank{R}.json``. Several
+models share one launch: starting the two processes and importing transformers in each costs more than the models'
+runs. Not a test module itself."""
 
 import json
 import os
@@ -33,6 +34,9 @@ def main(directory: str, n: int, out: str) -> None:
     with torch.no_grad():
         logits = model(torch.arange(1, n + 1)[None]).logits
     shapes[""] = {"out": list(logits.shape)}
+    # what this rank holds of each parameter: a DTensor's local share (a replicated one holds it whole)
+    shapes["#parameters"] = {name: list(getattr(p, "to_local", lambda p=p: p)().shape)
+                             for name, p in model.named_parameters()}
     with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(shapes, f)
 

@@ -9,12 +9,14 @@ them, so the traced forward *is* rank 0's forward: every record has the shape it
 costs counted are one rank's (Shoeybi et al. 2019, Megatron-LM, for the pattern).
 
 Checked against transformers' own tensor parallelism run for real (``tests/model/test_tensor_parallel.py``: two
-processes, the gloo backend, on this CPU): every module's input and output shape per rank equals the recorded one.
+processes, the gloo backend, on this CPU): every module's input and output shape per rank equals the recorded one,
+and every parameter's shape here the local shard that rank holds.
 
-Where the plan gathers the output (the language-model head), the module is left whole here: its record is the
-gathered ``[B, n, V]`` every rank ends with, and its multiply-adds are counted for all ``V`` columns, k times
-what one rank computes (the plan's entry says so). Styles outside those above (experts, latent-attention
-projections, sequence parallelism) are refused by name."""
+Where the plan gathers the output (the language-model head, ``"colwise_gather_output"``: transformers'
+``ColwiseParallel`` with a replicated output), the weight is split as a colwise one — each rank holds ``V/k`` rows
+and computes ``V/k`` logits — and the module's output is then the k shares side by side (``torch.cat``, standing
+for the all-gather): its record is the gathered ``[B, n, V]`` every rank ends with, its multiply-adds one rank's.
+Styles outside those above (experts, latent-attention projections, sequence parallelism) are refused by name."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ SPLITS: dict[str, tuple[Literal["out", "in", "rows", "none"], Literal["none", "a
     "rowwise": ("in", "all-reduce"),
     "packed_rowwise": ("in", "all-reduce"),
     "embedding_rowwise": ("rows", "all-reduce"),
-    "colwise_gather_output": ("none", "all-gather"),
+    "colwise_gather_output": ("out", "all-gather"),  # Shard(0) weight, output made whole (an all-gather)
     "replicated_with_grad_allreduce": ("none", "none"),
 }
 MAX_RANKS = 1024
@@ -108,8 +110,18 @@ def shard(hf: nn.Module, ranks: int) -> TensorParallelPlan:
             bias = getattr(module, "bias", None)
             if axis == 0 and isinstance(bias, torch.Tensor) and SPLITS[style][0] == "out":
                 module.bias = nn.Parameter(torch.empty(new[0], dtype=bias.dtype, device="meta"), requires_grad=False)
+            if SPLITS[style][1] == "all-gather":  # each rank's V/k logits, then every rank holds all V
+                module.register_forward_hook(_gathered(ranks))
         sharded.append(ShardedModule(path, style, whole, tuple(new), SPLITS[style][1]))
     return TensorParallelPlan(ranks, source, tuple(sharded))
+
+
+def _gathered(ranks: int):
+    """A forward hook standing for the all-gather after a colwise module: its output's last dimension, one rank's
+    share, made k shares wide (on the meta device the values are none, only the shape the ranks end with)."""
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return torch.cat([output] * ranks, dim=-1)
+    return hook
 
 
 def _check_heads(hf: nn.Module, ranks: int, source: str) -> None:

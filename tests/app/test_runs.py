@@ -155,6 +155,8 @@ def test_a_list_all_setting_that_is_not_yes_or_no_is_refused(tmp_path):
 def test_the_list_holds_only_the_owners_runs_unless_the_server_lists_all(store, small_trace):
     alice, bob = new_owner_token(), new_owner_token()
     assert alice != bob and checked_owner_token(alice) == alice and checked_owner_token("../x") is None
+    # the whole token has the form, not a prefix of it: a well-formed 22 characters followed by more is refused
+    assert checked_owner_token("A" * 22 + "/../x") is None and checked_owner_token(alice + "\n") is None
     hers = [new_run_id() for _ in range(2)]
     his = new_run_id()
     for age, run_id in enumerate(hers):

@@ -368,3 +368,33 @@ def test_a_delta_attention_layer_is_a_mixer_found_by_the_state_it_writes(root, m
     assert [x.shape[1] for x in mixed] == [PROMPT, 1, 1, 1]  # the delta attention's output at every step
     assert cache.keys[0] is None and cache.keys[1] is not None and cache.keys[1].shape[2] == PROMPT + 3
     assert cache.state_nbytes == sum(seen[name][-1].nbytes for name in seen)
+
+
+def test_a_copy_starts_from_that_lengths_state_and_a_failed_step_leaves_the_state_as_it_was(root):
+    """Issue 52: LFM2's convolution state is overwritten in place at every step. A copy of the cache at the
+    prompt's length, made after three more steps, starts from the state as it was at that length (not the latest
+    one); a step that fails after the convolution layer has updated its state (an exception at the attention
+    layer after it) leaves the state as it was, so the next step gives exactly the logits of a clean cache that
+    never saw the failure (before, either was off by 4–7e-4)."""
+    directory = build_hybrid("lfm2", root / "lfm2_copy")
+    model, _ = load_hf(directory, implementation="transformers")
+    assert model.config.state_layers == (0,)
+    tokens = torch.randint(0, 200, (1, PROMPT + 3), generator=torch.Generator().manual_seed(5))
+    cache, clean = model.new_cache(), model.new_cache()
+    with torch.no_grad():
+        ours = [model(tokens[:, :PROMPT], cache)]
+        model(tokens[:, :PROMPT], clean)
+        for i in range(PROMPT, PROMPT + 3):
+            ours.append(model(tokens[:, i:i + 1], cache))
+        again = model(tokens[:, PROMPT:PROMPT + 1], cache.copy(PROMPT))
+        assert torch.equal(again, ours[1])  # the copy's step is the original's first step
+
+        def fail(module, args, output):
+            raise RuntimeError("a step that fails half-way")
+
+        handle = model.blocks[1].hook_resid_post.register_forward_hook(fail)
+        with pytest.raises(RuntimeError, match="half-way"):
+            model(tokens[:, PROMPT:PROMPT + 1], clean)
+        handle.remove()
+        assert clean.length == PROMPT
+        assert torch.equal(model(tokens[:, PROMPT:PROMPT + 1], clean), ours[1])

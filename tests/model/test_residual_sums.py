@@ -118,3 +118,21 @@ def test_a_dry_run_claims_no_sum(root, model_type):
     assert not any("x + " in t for t in shown) and "skip: x" not in shown
     assert any(t.startswith("<b>after attention</b>") or t.startswith("<b>after mixer</b>") for t in shown)
     assert any("was not measured for this trace" in t for t in shown)
+
+
+def test_the_sum_check_scales_its_tolerance_to_the_sums_size():
+    """Issue 52: a sum of float32 parts of magnitude ~100 rounds by ~1e-5, far above any fixed absolute tolerance
+    of a few float32 ulps of 1: the check must scale with the numbers. A plain sum of large parts holds, each
+    sum of a block's parts is read as one, and a sum off by 1 % of one part does not hold."""
+    from gpt_shape_tracer.model.sources._hf_residual import _sum_holds
+
+    torch.manual_seed(0)
+    pre, mix, mlp = torch.randn(3, 1, 4, 64) * 30
+    mid = pre + mix
+    post = mid + mlp
+    assert float((mid.double() - pre.double() - mix.double()).abs().max()) > 8 * torch.finfo(torch.float32).eps
+    assert _sum_holds(mid, [pre, mix]) is True
+    seen = {(0, "hook_resid_pre"): pre, (0, "hook_attn_out"): mix, (0, "hook_resid_mid"): mid,
+            (0, "hook_mlp_out"): mlp, (0, "hook_resid_post"): post}
+    assert _plain_residual(seen, 1) is True
+    assert _sum_holds(mid + 0.01 * mix, [pre, mix]) is False

@@ -58,7 +58,7 @@ def test_one_rank_has_the_shapes_transformers_tensor_parallelism_gives_each_rank
     trace = gen.trace
     compared = 0
     for module, entry in ranks[0].items():
-        if not module:
+        if not module or module == "#parameters":
             continue
         for where, shape in entry.items():
             name = f"hf.{module}:{where}"
@@ -70,6 +70,10 @@ def test_one_rank_has_the_shapes_transformers_tensor_parallelism_gives_each_rank
     assert model.config.n_head * 2 == 4 and model.config.n_kv_head * 2 == 2
     assert trace.record("blocks.0.attn.hook_q", 0).shape[1] == 2
     assert list(trace.record("hook_logits", 0).shape) == ranks[0][""]["out"]
+    # every parameter as one rank holds it: the lm_head's V/2 rows too (colwise_gather_output shards its weight;
+    # only its output is gathered), the embedding split or whole as transformers' plan for this family has it
+    held = {name.removeprefix("hf."): list(p.shape) for name, p in model.named_parameters()}
+    assert held == ranks[0]["#parameters"] == ranks[1]["#parameters"]
 
 
 def test_the_plan_lists_each_split_and_its_collective(tmp_path):
@@ -92,3 +96,31 @@ def test_counts_that_do_not_divide_are_refused_with_the_numbers(tmp_path):
         load_model(directory, weights=False, tensor_parallel=0)
     with pytest.raises(ModelLoadError, match="dry run"):
         load_model(directory, tensor_parallel=2)
+
+
+def test_one_rank_of_llama_holds_and_computes_its_share_by_hand_arithmetic(tmp_path):
+    """Issue 52: what one rank holds and does, from the config by hand. transformers' plan for Llama
+    (LlamaConfig.base_model_tp_plan, LlamaForCausalLM._tp_plan and the embedding's entry) splits q/k/v/gate/up by
+    rows and o/down by columns, the embedding by its V rows, and the lm_head as a colwise module whose output is
+    gathered: each rank holds V/k of its rows and computes V/k logits, then an all-gather makes all V. Only the
+    norms are whole. (Before, the lm_head was kept whole: 52.57B parameters for Llama 405B on 8 ranks where a rank
+    holds 50.74B, and a gather of logits counted that did not happen.)"""
+    from gpt_shape_tracer.tracer.costs import collectives, costed_dry_run
+
+    directory = build("llama", tmp_path / "llama")
+    config = json.loads((directory / "config.json").read_text())
+    k, d, V, L, d_ff = 2, config["hidden_size"], config["vocab_size"], config["num_hidden_layers"], \
+        config["intermediate_size"]
+    d_head = d // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d_head
+    per_layer = (d * d + 2 * d * kv + d * d) // k + 3 * d * d_ff // k + 2 * d  # attention, MLP, two norms
+    held = L * per_layer + V * d // k + V * d // k + d  # layers, embedding, lm_head, final norm
+    model, tok = load_model(directory, weights=False, tensor_parallel=k)
+    assert sum(p.numel() for p in model.parameters()) == held
+    gen, costs = costed_dry_run(model, tok, PROMPT, steps=1)
+    n = gen.facts.steps[0].forward.n
+    head = [op for op in costs[1].ops if op.module == "hf.lm_head" and op.macs]
+    assert [op.macs for op in head] == [d * V // k]  # one row at the decode step, V/k logits
+    assert list(gen.trace.record("hook_logits", 0).shape) == [1, n, V]  # gathered: every rank holds all V
+    gathers = [c for c in collectives(gen.trace, 1, model.tensor_parallel) if c.kind == "all-gather"]
+    assert [(c.module, c.bytes) for c in gathers] == [("lm_head", V * 4)]  # float32: [1, 1, V] at the decode step

@@ -89,6 +89,13 @@ def test_totals_equal_the_formula_for_our_gpt(name):
     row = 2 * c.n_layer * (c.n_kv_head or c.n_head) * c.d_head * 4
     assert kv_cache_bytes(gen.trace, 2) - kv_cache_bytes(gen.trace, 1) == row
     assert kv_cache_bytes(gen.trace, 0) == n * row
+    # the cache's in-place copy_ of the new K and V rows writes those bytes (an in-place op writes its output)
+    assert sum(op.written_bytes for op in costs[2].ops if op.op == "aten.copy_") == row
+    # an embedding lookup reads the rows of its tokens, not the table: one float32 row of d_model at a decode step
+    embeds = [op for op in costs[1].ops if op.op == "aten.embedding"]
+    assert len(embeds) == (2 if name == "story-gpt" else 1)  # GPT-2 style: tokens and positions
+    assert all(op.weight_bytes == c.d_model * 4 for op in embeds)
+    assert all(op.weight_bytes == n * c.d_model * 4 for op in costs[0].ops if op.op == "aten.embedding")
     # a decode step reads every weight matrix once: at least the formula's weight bytes (which leaves out norms)
     assert costs[1].weight_bytes >= forward_cost(c, 1, 1, n + 1).weight_bytes
     frame = costs_frame(costs[0])
@@ -109,6 +116,23 @@ def test_roofline_decode_is_memory_bound_and_floors_are_the_max_of_two_terms():
             assert f.seconds == max(f.op.flops / acc.peak("bfloat16"),
                                     (f.op.read_bytes + f.op.written_bytes) / acc.bandwidth)
         assert all(acc.source.startswith("https://") for acc in ACCELERATORS.values())
+    # against NVIDIA's H100 SXM datasheet, read here and not from ACCELERATORS: 989.5 TFLOPS dense BF16 tensor,
+    # 3.35 TB/s. A step's floor is the sum of its ops' floors (they run one after another), each the larger term
+    h100 = ACCELERATORS["H100 SXM"]
+    for step in costs:
+        by_hand = sum(max(op.flops / 989.5e12, (op.read_bytes + op.written_bytes) / 3.35e12) for op in step.ops)
+        assert step_floor(step.ops, h100, "bfloat16").seconds == pytest.approx(by_hand, rel=1e-9)
+    # the prefill of n = 512 tokens is compute-bound: its floor is at least its matrix products' 2·n·(weights)
+    # FLOPs at the bf16 peak, and below that plus every byte moved at the bandwidth (float32's 67 TFLOPS would
+    # make it 15 times longer)
+    c = dry.config
+    kv = c.n_kv_head * c.d_head
+    matrices = c.n_layer * (2 * c.d_model * c.n_head * c.d_head + 2 * c.d_model * kv + 3 * c.d_model * c.d_ff) \
+        + c.d_model * c.vocab_size
+    prefill = step_floor(costs[0].ops, h100, "bfloat16")
+    assert prefill.bound == "compute"
+    at_peak = 2 * 512 * matrices / 989.5e12
+    assert at_peak <= prefill.seconds <= at_peak + prefill.bytes_moved / 3.35e12
 
 
 def test_a_moe_floor_counts_the_experts_a_real_run_reads_and_no_dry_run_copies(tmp_path):
@@ -171,9 +195,37 @@ def test_placement_by_accelerate_and_the_longest_context():
     c = dry.config
     assert placed.kv_bytes_per_token == 2 * c.n_layer * c.n_kv_head * c.d_head * 2
     per_layer = placed.kv_bytes_per_token // c.n_layer
-    expected = min(placed.free_by_device[d] // (per_layer * n) for d, n in placed.layers_by_device.items())
+    expected = min(placed.free_by_device[d] // (per_layer * n) for d, n in placed.cache_layers_by_device.items())
     assert placed.longest_context == min(expected, c.n_ctx)
     assert f"{placed.longest_context:,} tokens" in placed.describe()
+
+
+def test_the_longest_context_counts_every_layers_cache_where_accelerate_runs_it():
+    """Issue 52: a layer offloaded to the CPU or the disk runs on the main device (accelerate's dispatch_model
+    brings its weights to the first GPU of the map), so its keys and values are made and kept there: one GPU holds
+    the cache of every layer, its own and the offloaded ones (before, the disk's layers counted no cache at all
+    and the CPU's counted theirs in the CPU's memory). A batch of 4 holds 4 times the bytes per token and fits a
+    quarter of the context. By hand from the config and the memory asked for."""
+    from gpt_shape_tracer.tracer.costs import place
+
+    dry, _ = load_model("shapes:llama-3.1-70b", weights=False)
+    c = dry.config
+    memory = {0: "40GiB", "cpu": "30GiB"}  # 141 GB of bf16 weights: most layers go to the CPU and the disk
+    per_layer = 2 * c.n_kv_head * c.d_head * 2  # K and V, bf16, one token of one sequence
+    contexts = []
+    for batch in (1, 4):
+        placed = place(dry, memory, batch=batch)
+        layers = placed.layers_by_device
+        assert layers.get("disk", 0) > 0 and layers.get("cpu", 0) > 0 and sum(layers.values()) == c.n_layer
+        assert placed.kv_bytes_per_token == batch * c.n_layer * per_layer
+        assert placed.cache_layers_by_device == {"0": c.n_layer}
+        left = 40 * 2**30 - placed.weights_by_device["0"]
+        assert placed.longest_context == min(left // (batch * per_layer * c.n_layer), c.n_ctx)
+        said = placed.describe()
+        assert f"The {layers['cpu'] + layers['disk']} offloaded layer(s) run on 0" in said
+        assert f"the cache is held by 0: {c.n_layer} layer(s)." in said
+        contexts.append(placed.longest_context)
+    assert contexts[1] in (contexts[0] // 4, contexts[0] // 4 - 1)  # each rounded down
 
 
 def _measured_activation_peaks(model, tok, prompt: str, steps: int) -> list[int]:

@@ -329,3 +329,28 @@ def test_the_flow_says_which_blocks_record_the_drawn_blocks_shapes():
     same = dry_run(gpt2, n=4, steps=0)
     last = gpt2.config.n_layer - 1
     assert measured_repeat_note(same.trace, 0, 3) == f"block 3 shown; blocks 0 … 2, 4 … {last} record the same shapes"
+
+
+def test_the_meta_op_cache_keys_on_the_argument_types_and_the_default_dtype():
+    """Issue 52: on int64, ``x + 1``, ``x + 1.0`` and ``x + True`` give int64, float32 and int64 — 1, 1.0 and True
+    are equal and hash alike, so a key of values alone answers the second with the first's dtype; ``ones()``
+    gives the default dtype, which no argument holds. Each compared with what torch gives on real tensors, the
+    same calls in the same order inside one cache."""
+    from gpt_shape_tracer.model.sources import meta_op_cache
+
+    def dtypes(device: str) -> list[torch.dtype]:
+        x = torch.zeros(3, dtype=torch.long, device=device)
+        got = [(x + 1).dtype, (x + 1.0).dtype, (x + True).dtype, torch.ones(2, device=device).dtype]
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            got += [torch.ones(2, device=device).dtype, (x + 1.0).dtype]
+        finally:
+            torch.set_default_dtype(default)
+        return got
+
+    real = dtypes("cpu")
+    assert real == [torch.int64, torch.float32, torch.int64, torch.float32, torch.float64, torch.float64]
+    with meta_op_cache() as cache:
+        assert cache is not None
+        assert dtypes("meta") == real

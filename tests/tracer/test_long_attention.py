@@ -427,3 +427,44 @@ def test_the_pooled_overview_of_any_range_equals_pooling_the_whole_pattern(n, t,
                             block = p[r0:r1, c0:c1]
                             assert abs(float(got.mean[j, i, jj]) - float(block.double().mean())) <= TOL
                             assert abs(float(got.peak[j, i, jj]) - float(block.max())) <= TOL
+
+
+def test_head_statistics_of_each_sequence_and_step_equal_the_recorded_pattern_read_by_hand():
+    """Issue 52: the statistics of sequence b are read with b's own padding (a left-padded sequence 1 read with
+    sequence 0's mask has weight on its padding keys), and the distance of a query at a decode step counts the
+    cached past (query slot = past + row; without it every weight of a one-row step sits at distance 0). Both
+    paths — the eager one reading the kept pattern, the fused one recomputing it from Q and K — against the entropy,
+    the sink mass and the mass by distance computed here from the recorded eager pattern."""
+    torch.manual_seed(0)
+    config = GPTConfig.for_family("llama", vocab_size=64, n_ctx=64, d_model=32, n_layer=2, n_head=4, n_kv_head=2)
+    model = GPT(config).eval()
+    tokens, decode = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 2))
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[1, :5] = False
+    traces = {}
+    for mode in ("eager", "fused"):
+        cache = model.new_cache(2)
+        with torch.no_grad(), attention_path(mode), Tracer(model) as tr:
+            model(tokens, cache, padding_mask=padding)
+            for i in range(2):
+                model(decode[:, i:i + 1], cache)
+        traces[mode] = tr.trace
+    name, sink = "blocks.1.attn.hook_pattern", 4
+    for step in (0, 2):
+        pattern = traces["eager"].get(name, step).double()  # [B, H, n, t]
+        n, t = pattern.shape[-2:]
+        past = t - n
+        distance = past + torch.arange(n)[:, None] - torch.arange(t)[None, :]  # [n, t]
+        for b in range(2):
+            p = pattern[b]
+            entropy = -torch.special.xlogy(p, p).sum(-1).mean(-1)  # [H]
+            sink_mass = p[..., :sink].sum(-1).mean(-1)
+            for mode in ("eager", "fused"):
+                stats = head_statistics(traces[mode], name, step, batch=b, sink=sink)
+                edges = stats[0].distance_edges
+                for h, s in enumerate(stats):
+                    assert abs(s.entropy - float(entropy[h])) <= 1e-5, (mode, step, b, h)
+                    assert abs(s.sink_mass - float(sink_mass[h])) <= 1e-6, (mode, step, b, h)
+                    by_distance = [float(p[h][(distance >= lo) & (distance < hi)].sum() / n)
+                                   for lo, hi in zip(edges, edges[1:])]
+                    assert max(abs(x - y) for x, y in zip(s.distance_mass, by_distance)) <= 1e-6, (mode, step, b)
