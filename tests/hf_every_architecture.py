@@ -76,6 +76,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # rope_parameters defaults to {}, which the model indexes by layer type
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # XLNet's default attention is bidirectional (attn_type "bi": every position sees every other, refused as an
+    # encoder); "uni" is its causal attention, the configuration that makes it a causal LM (as is_decoder for BERT)
+    "xlnet": {"attn_type": "uni"},
     # axial position embeddings: the factors of the width must sum to hidden_size, those of the length multiply to
     # the longest sequence
     "reformer": {"axial_pos_embds_dim": [16, 48], "axial_pos_shape": [8, 16]},

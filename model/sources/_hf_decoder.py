@@ -347,6 +347,9 @@ class HFDecoder(nn.Module):
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
         self._carried = all(attn is None for attn in attns) and not writers and cache_keyword(hf) == "state"
+        # XLNet: what it keeps between steps is each layer's input hidden states (its mems), from which every step
+        # computes K and V again; our cache holds them as carried state and no K, V rows
+        self._mems = cache_keyword(hf) == "mems"
         # state kept outside transformers' Cache (_hf_variants.py): xLSTM's own cache object, RecurrentGemma's
         # module attributes; held in StateCache's carried tensors
         device, keyword = _token_device(hf), cache_keyword(hf)
@@ -399,6 +402,8 @@ class HFDecoder(nn.Module):
                 # each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
+            if self._mems:  # the hidden states the layer keeps after each step, [B, m, d]
+                hooks.hook_mems = HookPoint()
         # HRM: its layers run several times per forward, one block per run: each block's hooks on a shared module act
         # in that block's run only; LongCat-Flash: two attention sublayers per layer, one block each, whose residual
         # hooks sit on the sublayer's own modules (_hf_variants.py)
@@ -530,6 +535,10 @@ class HFDecoder(nn.Module):
         if isinstance(d_ff, (list, tuple)):  # one width per layer (Gemma 3n): one number only where they agree
             d_ff = d_ff[0] if len(set(d_ff)) == 1 else None
         n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
+        if self._mems and isinstance(getattr(cfg, "mem_len", None), int) and cfg.mem_len > 0:
+            # XLNet: relative positions set no limit (max_position_embeddings −1), but its mems keep only the last
+            # mem_len hidden states: past that, a step would no longer see the whole text
+            n_ctx = int(cfg.mem_len)
         window = getattr(cfg, "sliding_window", None)
         return GPTConfig(
             vocab_size=int(cfg.vocab_size), n_ctx=n_ctx, d_model=int(cfg.hidden_size),
@@ -583,6 +592,8 @@ class HFDecoder(nn.Module):
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         if self._compressed:
             return CompressedCache(self.config.n_layer, batch_size, storage, self.hf.config)
+        if self._mems:  # no layer appends K, V rows: each keeps its input hidden states (carried)
+            return StateCache(self.config.n_layer, batch_size, storage, self._state_templates, set(), self._indexed)
         if any(t is not None for t in self._state_templates) or any(self.mixer_names) or self._kv_shared:
             # a hybrid model, or one whose KV-sharing layers append no K, V rows (they count as updated)
             readers = {L for L, _ in self._kv_shared}
@@ -647,6 +658,8 @@ class HFDecoder(nn.Module):
                 self._held.kept(cache, out)
             if isinstance(cache, StateCache) and self._carried:  # RWKV: the state it handed back, kept for the next
                 cache.carried = list(getattr(out, "state", None) or [])  # step (and snapshotted at commit)
+            if isinstance(cache, StateCache) and self._mems:  # XLNet: [m, B, d] per layer, the next step's mems
+                cache.carried = list(getattr(out, "mems", None) or [])
             if isinstance(cache, StateCache):
                 self._record_states(cache)
             if isinstance(cache, CompressedCache):
@@ -656,7 +669,10 @@ class HFDecoder(nn.Module):
     def _record_states(self, cache: StateCache) -> None:
         """A hybrid model's convolution and state-space state after this forward, through each state layer's
         ``hook_conv_state`` / ``hook_ssm_state`` (copies: transformers overwrites the state in place next step)."""
-        if self._held is not None:
+        if self._mems:
+            for block, mems in zip(self.blocks, cache.carried or []):
+                cast(HookPoint, block.hook_mems)(mems.transpose(0, 1).clone())
+        elif self._held is not None:
             self._held.record(cache, self.blocks)
         elif cache.carried:  # RWKV: per layer its slice of each state tensor; token shifts [B, d, 2], the rest
             # [B, d, k]
@@ -677,8 +693,8 @@ class HFDecoder(nn.Module):
         state; xLSTM's own cache object, or the cache view with RecurrentGemma's module state set (``HeldState``)."""
         if cache is None:
             return None
-        if isinstance(cache, StateCache) and self._carried:
-            return cache.carried
+        if isinstance(cache, StateCache) and (self._carried or self._mems):
+            return cache.carried if self._carried or cache.carried else None
         view = self._cache_view(cache) if not isinstance(self._held, OwnCacheState) else None
         return self._held.passed(cache, view) if isinstance(cache, StateCache) and self._held is not None else view
 

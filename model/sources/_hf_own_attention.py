@@ -56,6 +56,8 @@ _MUL = {"mul", "__mul__", "__rmul__", "mul_", "__imul__"}
 _DIV = {"div", "__truediv__", "true_divide", "div_", "__itruediv__"}
 _MASK_FILL = {"masked_fill", "masked_fill_"}
 _WHERE = {"where"}
+# ops that re-index a term of summed scores after its product (XLNet's relative shift: a slice, an index_select)
+_SHIFT = {"__getitem__", "index_select", "narrow", "gather", "take_along_dim"}
 _FLOOR = {"max", "maximum", "clamp", "clamp_min", "fmax"}  # with a very negative second operand: a floor, not a stage
 _HIDDEN = -1e4  # a mask value at or below this hides a key: exp(−10⁴) is 0 in float32 and float64
 
@@ -98,6 +100,9 @@ class Reading:
     pattern: torch.Tensor  # [B, H, n, t]
     z: torch.Tensor  # [B, H, n, d_v]
     where: tuple = field(default=(), repr=False)  # the modules running at the scores' product and at A·V
+    # an einsum A·V in another axis order (XLNet's bnij,jbnd->ibnd): the permutations of pattern, V and z to
+    # [batch…, n, t], [batch…, t, d_v], [batch…, n, d_v] (_matmul_layout); None for a plain product
+    layout: tuple | None = field(default=None, repr=False)
 
 
 def _operands(node: _Node) -> list[Any]:
@@ -121,6 +126,48 @@ def _batched_matmul(equation: str) -> bool:
     a, b = lhs.split(",")
     return (len(a) == len(b) == len(out) >= 2 and a[:-2] == b[:-2] == out[:-2] and a[-1] == b[-2]
             and out[-2] == a[-2] and out[-1] == b[-1] and len(set(a[-2:] + b[-1])) == 3)
+
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def _matmul_layout(equation: str) -> Layout | None:
+    """For an einsum that is a batched matrix product in any axis order (XLNet's ``ibnd,jbnd->bnij`` and
+    ``bnij,jbnd->ibnd``): the permutations that bring its operands and its result to ``[batch…, i, j]``,
+    ``[batch…, j, k]`` and ``[batch…, i, k]`` (the batch axes in the result's order); None for any other einsum."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or eq.count(",") != 1 or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    a, b = lhs.split(",")
+    if any(len(set(x)) != len(x) for x in (a, b, out)):
+        return None
+    contracted = [c for c in a if c in b and c not in out]
+    rows = [c for c in a if c not in b and c in out]
+    cols = [c for c in b if c not in a and c in out]
+    batch = [c for c in out if c in a and c in b]
+    if len(contracted) != 1 or len(rows) != 1 or len(cols) != 1 or \
+            len(batch) + 2 != len(a) or len(a) != len(b) or len(out) != len(a):
+        return None
+    i, j, k = rows[0], contracted[0], cols[0]
+    return (tuple(a.index(c) for c in (*batch, i, j)), tuple(b.index(c) for c in (*batch, j, k)),
+            tuple(out.index(c) for c in (*batch, i, k)))
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
+
+
+def _product(node: _Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout | None]:
+    """A product's operands and result as a batched matrix product ``[…, i, j] · […, j, k] = […, i, k]`` (an einsum
+    of another axis order permuted so, with the permutations), or raises why it is not one."""
+    a, b = _operands(node)
+    if node.name != "einsum" or _batched_matmul(str(node.args[0])):
+        return a, b, node.out, None
+    layout = _matmul_layout(str(node.args[0]))
+    if layout is None:
+        raise _Unread(f"its attention multiplies in an einsum that is not a matrix product ({node.args[0]})")
+    return a.permute(layout[0]), b.permute(layout[1]), node.out.permute(layout[2]), layout
 
 
 class _Watch(TorchFunctionMode):
@@ -254,9 +301,16 @@ class _Watch(TorchFunctionMode):
                     biases.append((-other, on))
                 x = on
                 continue
+            if name in _ADD and len(tensors) == 2 and all(chain) and node.kwargs.get("alpha", 1) == 1:
+                # relative attention (XLNet): a sum of query–key products — one read at the key positions as it
+                # comes (the content term, the scores' product), the others re-indexed from relative distances to
+                # key positions (position terms): each of those a bias on the scores, × the scale applied after
+                content, shifted = self._terms(node)
+                biases.extend((term * scale, term) for term in shifted)
+                x = content
+                continue
             if name in _ADD | _MUL | _DIV and len(tensors) == 2 and all(chain):
-                raise _Unread("its scores are a sum of several query–key products (relative attention: content, "
-                              "position and segment terms each a product of their own)")
+                raise _Unread(f"its scores combine two query–key products by {name}")
             if name in _ADD | _MUL | _DIV and len(tensors) == 2 and any(chain):
                 on, other = (tensors[0], tensors[1]) if chain[0] else (tensors[1], tensors[0])
                 factor = _scalar(other)
@@ -281,11 +335,8 @@ class _Watch(TorchFunctionMode):
             raise _Unread(f"its scores pass an op the reader does not know ({name})")
         if scores_node is None:
             raise _Unread("its scores' product was not found")
-        if av.name == "einsum" and not _batched_matmul(str(av.args[0])):
-            raise _Unread(f"its weights multiply the values in an einsum of another layout ({av.args[0]})")
-        query, key_t = _operands(scores_node)
-        if scores_node.name == "einsum" and not _batched_matmul(str(scores_node.args[0])):
-            raise _Unread(f"its scores are an einsum of another layout ({scores_node.args[0]})")
+        left, value, av_out, layout = _product(av)
+        query, key_t, scores_out, _ = _product(scores_node)
         if scores_node.name == "baddbmm":
             qk = torch.bmm(query, key_t)
             beta, alpha = scores_node.kwargs.get("beta", 1.0), scores_node.kwargs.get("alpha", 1.0)
@@ -296,15 +347,53 @@ class _Watch(TorchFunctionMode):
                     and (start.device.type == "meta" or bool((start != 0).any())):  # GPT-NeoX-Japanese: zeros
                 biases.append((start * beta, scores_node.out))
         else:
-            qk = scores_node.out
-        return self._shaped(query, key_t, value, qk, scale, biases, masks, masked, left, av,
-                            (scores_node.stack, av.stack))
+            qk = scores_out
+        reading = self._shaped(query, key_t, value, qk, scale, biases, masks, masked, left, av_out,
+                               (scores_node.stack, av.stack))
+        reading.layout = layout
+        return reading
+
+    def _terms(self, node: _Node) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The terms of a sum of query–key products: the one that is a product's result as it comes (through
+        casts and views), and the others, each re-indexed after its product (a slice, an index_select: XLNet's
+        relative shift) — or raises what the terms are instead."""
+        direct: list[torch.Tensor] = []
+        shifted: list[torch.Tensor] = []
+        todo = list(node.args[:2])
+        while todo:
+            term = todo.pop(0)
+            made = self.nodes.get(id(term))
+            if made is not None and made.name in _ADD and all(
+                    isinstance(a, torch.Tensor) and self._from_product(a) for a in made.args[:2]):
+                todo[:0] = list(made.args[:2])  # (a + b) + c
+                continue
+            x, moved = term, False
+            for _ in range(20):
+                made = self.nodes.get(id(x))
+                if made is None:
+                    raise _Unread("a term of its scores comes from outside the attention module's forward")
+                if made.name in _PRODUCTS:
+                    break
+                if made.name in _CARRY:
+                    x = made.args[0]
+                elif made.name in _SHIFT:
+                    x, moved = made.args[0], True
+                else:
+                    raise _Unread(f"a term of its summed scores passes an op the reader does not know ({made.name})")
+            else:
+                raise _Unread("a term of its summed scores was not traced back to its product")
+            (shifted if moved else direct).append(term)
+        if len(direct) != 1:
+            raise _Unread(f"its scores sum {len(direct)} query–key products read at the key positions as they come "
+                          "(a segment term beside the content term): which one is Q·Kᵀ is not decided by the ops")
+        return direct[0], shifted
 
     def _shaped(self, query: torch.Tensor, key_t: torch.Tensor, value: torch.Tensor, qk: torch.Tensor, scale: float,
-                biases: list, masks: list, masked: torch.Tensor, left: torch.Tensor, av: _Node,
+                biases: list, masks: list, masked: torch.Tensor, left: torch.Tensor, av_out: torch.Tensor,
                 where: tuple) -> Reading:
-        """Every stage as ``[B, H|G, …]`` (a family that flattens the heads into the batch is read back so)."""
-        B = self.batch
+        """Every stage as ``[B, H|G, …]`` (a family that flattens the heads into the batch is read back so: its
+        batch is the module's input's, where a pattern of rank 4 says it itself)."""
+        B = int(left.shape[0]) if left.dim() >= 4 else self.batch
         n, t = left.shape[-2], left.shape[-1]
         d, d_v = query.shape[-1], value.shape[-1]
         if key_t.shape[-2] != d or key_t.shape[-1] != t or value.shape[-2] != t or qk.shape[-2:] != (n, t):
@@ -340,7 +429,7 @@ class _Watch(TorchFunctionMode):
         return Reading(query=heads_of(query, heads, n, d), key=heads_of(key_t.transpose(-1, -2), kv, t, d),
                        value=heads_of(value, kv, t, d_v), qk=heads_of(qk, heads, n, t), scale=scale, bias=bias,
                        mask=mask, masked=heads_of(masked, heads, n, t), pattern=heads_of(left, heads, n, t),
-                       z=heads_of(av.out, heads, n, d_v), where=where)
+                       z=heads_of(av_out, heads, n, d_v), where=where)
 
 
 def _scalar(x: Any) -> float | None:
@@ -532,12 +621,18 @@ class OwnAttention:
         out = av.out
         if pattern is not r.pattern:  # a hook replaced A: the product with V is taken again with it
             left, value = _operands(av)
-            swapped = pattern.reshape(left.shape).to(left.dtype)
+            shape = left.shape if r.layout is None else left.permute(r.layout[0]).shape
+            swapped = pattern.reshape(shape).to(left.dtype)
+            if r.layout is not None:
+                swapped = swapped.permute(_inverse(r.layout[0]))
             out = torch.matmul(swapped, value) if av.name != "einsum" else torch.einsum(av.args[0], swapped, value)
-            r.z = out.reshape(r.z.shape)
+            r.z = (out if r.layout is None else out.permute(r.layout[2])).reshape(r.z.shape)
         z = h.hook_z(r.z)
         if z is not r.z:
-            out = z.reshape(out.shape).to(out.dtype)
+            if r.layout is None:
+                out = z.reshape(out.shape).to(out.dtype)
+            else:
+                out = z.reshape(out.permute(r.layout[2]).shape).permute(_inverse(r.layout[2])).to(out.dtype)
         return out if out is not av.out else None
 
 
