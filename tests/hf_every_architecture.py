@@ -431,9 +431,9 @@ def failing_sentence(results: list[Result]) -> str:
 REASON_WORDS = {
     "attention outside the interface": "the family computes attention in its own code in a form the op-level reader "
                                        "(model/sources/_hf_own_attention.py, which traces Bloom, MPT, CodeGen and the "
-                                       "other families whose own softmax multiplies V) cannot read as one softmax "
-                                       "attention: scores summing several query–key products (XLNet's relative "
-                                       "attention), weights made without a softmax (Reformer)",
+                                       "other families whose own softmax multiplies V, XLNet's relative attention "
+                                       "among them) cannot read as one softmax attention: weights made without a "
+                                       "softmax (Reformer)",
     "no cache": "the family's forward takes no past keys and values (OpenAI GPT), so there is no cached decode step "
                 "to trace",
     "no softmax attention": "state-space or recurrent layers only, keeping their state where the trace cannot hold it "

@@ -236,3 +236,46 @@ def latent_widths(attn: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+
+
+class HeldHidden:
+    """XLNet: what it keeps between steps is each layer's input hidden states (its ``mems``, ``[m, B, d]`` per
+    layer), from which every step computes K and V of every position again. Our cache holds them as
+    ``StateCache.carried`` and appends no K, V rows; after each step ``hook_mems`` records each layer's as
+    ``[B, m, d]``. Its mems carry no padding mask (transformers lets every later step attend to the padded positions
+    held in them), so a padded batch is refused."""
+
+    def __init__(self, config: Any) -> None:
+        # relative positions set no limit (max_position_embeddings −1), but the mems keep only the last mem_len
+        # hidden states: past that, a step would no longer see the whole text
+        mem_len = getattr(config, "mem_len", None)
+        self.n_ctx = int(mem_len) if isinstance(mem_len, int) and mem_len > 0 else None
+
+    @staticmethod
+    def new_cache(n_layer: int, batch_size: int, storage: str, templates: list[Any],
+                  indexed: tuple[int, ...]) -> StateCache:
+        return StateCache(n_layer, batch_size, storage, templates, set(), indexed)
+
+    @staticmethod
+    def check(key_is_token: torch.Tensor | None) -> None:
+        from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
+
+        if key_is_token is not None and not bool(key_is_token.all()):
+            raise HFDecoderError("XLNet's cache (its mems, each layer's hidden states) keeps no padding mask: "
+                                 "transformers lets every later step attend to the padded positions held in it, so a "
+                                 "padded batch is not traced; give prompts of equal length, or one at a time")
+
+    @staticmethod
+    def passed(cache: StateCache) -> list[torch.Tensor] | None:
+        return cache.carried or None  # None before the first step: no mems yet
+
+    @staticmethod
+    def kept(cache: StateCache, out: Any) -> None:
+        cache.carried = list(getattr(out, "mems", None) or [])
+
+    @staticmethod
+    def record(cache: StateCache, blocks: nn.ModuleList) -> None:
+        for block, mems in zip(blocks, cache.carried or []):
+            point = block.hook_mems
+            assert isinstance(point, nn.Module)
+            point(mems.transpose(0, 1).clone())

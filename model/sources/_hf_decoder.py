@@ -69,8 +69,8 @@ decoders …) makes no call of the attention function: its attention is found by
 same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watches each such module's forward), and
 the model then runs transformers' eager path, mask included; ``hook_score_bias`` holds a bias such as ALiBi.
 
-Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention (XLNet's relative
-attention, Reformer's hashed buckets), a forward that takes no cache (OpenAI GPT), linear-attention and
+Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention (Reformer's
+hashed buckets), a forward that takes no cache (OpenAI GPT), linear-attention and
 state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
 attention's two calls with the same Q and K, and calls that are one block each: ``call_blocks``), attention in several
 stacks of layers (BLT), encoders and
@@ -108,7 +108,7 @@ from gpt_shape_tracer.model.sources._hf_attention import (
     _restored,
     differential_lambda,
 )
-from gpt_shape_tracer.model.sources._hf_cache import StateCache, _cache_view, latent_widths, state_templates
+from gpt_shape_tracer.model.sources._hf_cache import HeldHidden, StateCache, _cache_view, latent_widths, state_templates
 from gpt_shape_tracer.model.sources._hf_compressed import CompressedCache, add_hooks, compressed_config, record_held
 from gpt_shape_tracer.model.sources._hf_indexer import indexer_of, watch_indexer
 from gpt_shape_tracer.model.sources._hf_own_attention import OwnAttention
@@ -347,9 +347,7 @@ class HFDecoder(nn.Module):
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
         self._carried = all(attn is None for attn in attns) and not writers and cache_keyword(hf) == "state"
-        # XLNet: what it keeps between steps is each layer's input hidden states (its mems), from which every step
-        # computes K and V again; our cache holds them as carried state and no K, V rows
-        self._mems = cache_keyword(hf) == "mems"
+        self._mems = HeldHidden(cfg) if cache_keyword(hf) == "mems" else None  # XLNet's hidden states, not K, V
         # state kept outside transformers' Cache (_hf_variants.py): xLSTM's own cache object, RecurrentGemma's
         # module attributes; held in StateCache's carried tensors
         device, keyword = _token_device(hf), cache_keyword(hf)
@@ -402,7 +400,7 @@ class HFDecoder(nn.Module):
                 # each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
-            if self._mems:  # the hidden states the layer keeps after each step, [B, m, d]
+            if self._mems is not None:  # the hidden states the layer keeps after each step, [B, m, d]
                 hooks.hook_mems = HookPoint()
         # HRM: its layers run several times per forward, one block per run: each block's hooks on a shared module act
         # in that block's run only; LongCat-Flash: two attention sublayers per layer, one block each, whose residual
@@ -535,10 +533,7 @@ class HFDecoder(nn.Module):
         if isinstance(d_ff, (list, tuple)):  # one width per layer (Gemma 3n): one number only where they agree
             d_ff = d_ff[0] if len(set(d_ff)) == 1 else None
         n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
-        if self._mems and isinstance(getattr(cfg, "mem_len", None), int) and cfg.mem_len > 0:
-            # XLNet: relative positions set no limit (max_position_embeddings −1), but its mems keep only the last
-            # mem_len hidden states: past that, a step would no longer see the whole text
-            n_ctx = int(cfg.mem_len)
+        n_ctx = (self._mems.n_ctx if self._mems is not None else None) or n_ctx  # XLNet: as far as its mems keep
         window = getattr(cfg, "sliding_window", None)
         return GPTConfig(
             vocab_size=int(cfg.vocab_size), n_ctx=n_ctx, d_model=int(cfg.hidden_size),
@@ -592,8 +587,8 @@ class HFDecoder(nn.Module):
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         if self._compressed:
             return CompressedCache(self.config.n_layer, batch_size, storage, self.hf.config)
-        if self._mems:  # no layer appends K, V rows: each keeps its input hidden states (carried)
-            return StateCache(self.config.n_layer, batch_size, storage, self._state_templates, set(), self._indexed)
+        if self._mems is not None:  # no layer appends K, V rows: each keeps its input hidden states (carried)
+            return self._mems.new_cache(self.config.n_layer, batch_size, storage, self._state_templates, self._indexed)
         if any(t is not None for t in self._state_templates) or any(self.mixer_names) or self._kv_shared:
             # a hybrid model, or one whose KV-sharing layers append no K, V rows (they count as updated)
             readers = {L for L, _ in self._kv_shared}
@@ -634,6 +629,8 @@ class HFDecoder(nn.Module):
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
         positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
+        if self._mems is not None:  # XLNet: its mems keep no padding mask
+            self._mems.check(key_is_token)
         if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
             attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
         if self._own_code:  # its attention reads the mask transformers' eager path builds; our mask function may
@@ -658,8 +655,8 @@ class HFDecoder(nn.Module):
                 self._held.kept(cache, out)
             if isinstance(cache, StateCache) and self._carried:  # RWKV: the state it handed back, kept for the next
                 cache.carried = list(getattr(out, "state", None) or [])  # step (and snapshotted at commit)
-            if isinstance(cache, StateCache) and self._mems:  # XLNet: [m, B, d] per layer, the next step's mems
-                cache.carried = list(getattr(out, "mems", None) or [])
+            if isinstance(cache, StateCache) and self._mems is not None:  # XLNet: the next step's mems
+                self._mems.kept(cache, out)
             if isinstance(cache, StateCache):
                 self._record_states(cache)
             if isinstance(cache, CompressedCache):
@@ -669,9 +666,8 @@ class HFDecoder(nn.Module):
     def _record_states(self, cache: StateCache) -> None:
         """A hybrid model's convolution and state-space state after this forward, through each state layer's
         ``hook_conv_state`` / ``hook_ssm_state`` (copies: transformers overwrites the state in place next step)."""
-        if self._mems:
-            for block, mems in zip(self.blocks, cache.carried or []):
-                cast(HookPoint, block.hook_mems)(mems.transpose(0, 1).clone())
+        if self._mems is not None:
+            self._mems.record(cache, self.blocks)
         elif self._held is not None:
             self._held.record(cache, self.blocks)
         elif cache.carried:  # RWKV: per layer its slice of each state tensor; token shifts [B, d, 2], the rest
@@ -693,8 +689,10 @@ class HFDecoder(nn.Module):
         state; xLSTM's own cache object, or the cache view with RecurrentGemma's module state set (``HeldState``)."""
         if cache is None:
             return None
-        if isinstance(cache, StateCache) and (self._carried or self._mems):
-            return cache.carried if self._carried or cache.carried else None
+        if isinstance(cache, StateCache) and self._mems is not None:
+            return self._mems.passed(cache)
+        if isinstance(cache, StateCache) and self._carried:
+            return cache.carried
         view = self._cache_view(cache) if not isinstance(self._held, OwnCacheState) else None
         return self._held.passed(cache, view) if isinstance(cache, StateCache) and self._held is not None else view
 

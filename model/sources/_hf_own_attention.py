@@ -27,10 +27,16 @@ own tensor: scores + bias + M), ``hook_pattern`` (the left operand of the produc
 to compute (the product is taken again with it, or its result replaced); one that replaces an earlier stage is refused
 with an error (those stages are read after the family computed them).
 
-Refused, each with the reason the ops show: scores that are a sum of several query–key products (XLNet's relative
-attention), weights made without a softmax (Reformer's exp(x − logsumexp x) over hash buckets and chunks), several
-softmax–V products in one layer (ProphetNet's n-gram stream), ops between the scores and the softmax the reader does
-not know.
+Relative attention (XLNet) sums several query–key products before its scale: the one read at the key positions as
+it comes is the scores' product (Q·Kᵀ, its Q the queries plus XLNet's r_w_bias), each other term — re-indexed from
+query–key distances to key positions after its product (a slice, an index_select: XLNet's relative shift) — a bias
+(``hook_score_bias``, × the scale applied after the sum). An einsum in another axis order (XLNet's ``ibnd,jbnd->bnij``)
+is read as the matrix product it is, its operands permuted to ``[B, H, …]``.
+
+Refused, each with the reason the ops show: a sum with two terms read at the key positions as they come (XLNet's
+segment term beside its content term), weights made without a softmax (Reformer's exp(x − logsumexp x) over hash
+buckets and chunks), several softmax–V products in one layer (ProphetNet's n-gram stream), ops between the scores and
+the softmax the reader does not know.
 """
 
 from __future__ import annotations

@@ -400,8 +400,8 @@ def _kv_shared(probed: list[_Call | None]) -> tuple[tuple[int, int], ...]:
 
 def cache_keyword(hf: nn.Module) -> str:
     """The name under which the model's forward takes its cache (and its output returns it): ``past_key_values``,
-    ``cache_params`` (Mamba, Mamba-2, Falcon-Mamba), ``mems`` (XLNet) or ``state`` (RWKV: a list of tensors with one slice per layer,
-    which the forward updates in place and hands back)."""
+    ``cache_params`` (Mamba, Mamba-2, Falcon-Mamba), ``mems`` (XLNet: each layer's input hidden states) or ``state``
+    (RWKV: a list of tensors with one slice per layer, which the forward updates in place and hands back)."""
     import inspect
 
     try:
