@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from gpt_shape_tracer.figures.cache_hidden import hidden_memory_formula, hidden_record
+from gpt_shape_tracer.figures.cache_hidden import held_name, hidden_memory_formula, hidden_record
 from gpt_shape_tracer.figures.common import attention_layers, facts_of, gen_step, key_labels, no_attention, shape_text
 from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
 from gpt_shape_tracer.figures.palette import ACCENT, NEUTRAL
@@ -381,8 +381,8 @@ def verdict(c: RecomputeComparison, trace: Trace | None = None) -> tuple[str, st
                  "below)" + (f"; the other {others} layer(s) have no softmax attention and hold no rows." if others
                              else "."))
     elif trace is not None and any(_holds_hidden(trace, layer) for layer in _layers(trace, 0)):
-        shown = ("This model's cache holds each layer's input hidden states, not K and V (XLNet's mems): every step "
-                 "computes its K and V rows again from them, so there are no cached K, V rows to check.")
+        shown = (f"This model's cache holds each layer's input hidden states, not K and V ({held_name(trace)}): every "
+                 "step computes its K and V rows again from them, so there are no cached K, V rows to check.")
     else:
         shown = "(This file holds no layer-by-layer check of the cached rows.)"
     text = (f"The cached path computed {c.cached.query_rows} query row(s) with {c.cached.macs:,} multiply-adds, "
@@ -427,7 +427,7 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
         bars = ("cache length", "positions seen")
         line = ("K+V bytes (all layers)", "KiB of state held (all layers)")
         title = "no KV cache: the state held has a fixed size, whatever the positions seen"
-    elif use_cache and hidden_record(trace, 0, _first_attention(trace)) is not None:  # XLNet's mems
+    elif use_cache and hidden_record(trace, 0, _first_attention(trace)) is not None:  # XLNet, Reformer
         bars = ("cache length", "cache length (positions)")
         line = ("K+V bytes (all layers)", "KiB the cache holds (all layers)")
         title = "the cache grows by one row of hidden states per token; no K, V are held"

@@ -1,6 +1,6 @@
 """What a model keeps between steps where its cache holds each layer's input hidden states instead of K and V
-(XLNet's mems, recorded as ``blocks.{L}.hook_mems`` by model/sources/_hf_cache.py): the record, and the memory
-sentence the KV cache view (figures/cache.py) shows for it, counted from the records."""
+(XLNet's mems, Reformer's states, recorded as ``blocks.{L}.hook_mems`` by model/sources/_hf_cache.py): the record,
+and the memory sentence the KV cache view (figures/cache.py) shows for it, counted from the records."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ def hidden_record(trace: Trace, step: int, layer: int) -> TensorRecord | None:
     the next step computes K and V of every position again; None for a layer (or model) without."""
     name = f"blocks.{layer}.{HIDDEN_HOOK}"
     return trace.record(name, step) if trace.has(name, step) else None
+
+
+def held_name(trace: Trace) -> str:
+    """What the family calls the hidden states its cache holds, by its family."""
+    family = str(getattr(trace.config, "hf_model_type", "") or "")
+    return {"xlnet": "XLNet's mems", "reformer": "the states of Reformer's past_buckets_states"}.get(
+        family, "the family's own cache")
 
 
 def hidden_memory_formula(trace: Trace, step: int) -> tuple[str, str]:
@@ -35,8 +42,8 @@ def hidden_memory_formula(trace: Trace, step: int) -> tuple[str, str]:
              rf"2\cdot B\cdot G\cdot t\cdot d_k = {kv:,}\ \text{{for K and V}}")
     sentence = (f"{len(layers)} layers × {B * m * d:,} numbers × {size} bytes = {total / 1024:,.1f} KiB at step "
                 f"{step}: this model's cache holds no K and V. What each layer keeps between steps is its input "
-                f"hidden states (XLNet's mems), {m} position(s) of width d = {d} per sequence; every step computes K "
-                f"and V of all t = {t} positions again from them and the new tokens. K and V held instead would "
-                f"take 2·B·G·t·d_k = 2·{B}·{G}·{t}·{dk} = {kv:,} numbers per layer, "
+                f"hidden states ({held_name(trace)}), {m} position(s) of width d = {d} per sequence; every step "
+                f"computes K and V of all t = {t} positions again from them and the new tokens. K and V held instead "
+                f"would take 2·B·G·t·d_k = 2·{B}·{G}·{t}·{dk} = {kv:,} numbers per layer, "
                 f"{kv / max(1, B * m * d):.2g}× as many.")
     return latex, sentence

@@ -432,8 +432,8 @@ REASON_WORDS = {
     "attention outside the interface": "the family computes attention in its own code in a form the op-level reader "
                                        "(model/sources/_hf_own_attention.py, which traces Bloom, MPT, CodeGen and the "
                                        "other families whose own softmax multiplies V, XLNet's relative attention "
-                                       "among them) cannot read as one softmax attention: weights made without a "
-                                       "softmax (Reformer)",
+                                       "and Reformer's exp(x − logsumexp x) among them) cannot read as one softmax "
+                                       "attention",
     "no cache": "the family's forward takes no past keys and values (OpenAI GPT), so there is no cached decode step "
                 "to trace",
     "no softmax attention": "state-space or recurrent layers only, keeping their state where the trace cannot hold it "

@@ -157,7 +157,8 @@ def test_what_it_keeps_between_steps_is_its_mems(xlnet):
     assert cache.length == PROMPT + DECODE_STEPS
 
 
-def test_the_cache_view_says_it_keeps_hidden_states_not_k_and_v(tmp_path):
+@pytest.mark.parametrize("model_type", ["xlnet", "reformer"])
+def test_the_cache_view_says_it_keeps_hidden_states_not_k_and_v(tmp_path, model_type):
     """The KV-cache view of a generation: every layer's row holds no K, V bytes and its held hidden states with
     their bytes; the memory sentence counts them from the records (and the cache itself) beside the K and V the
     model computes again; the bytes over the steps are the held hidden states; the recompute check says why it has
@@ -168,7 +169,7 @@ def test_the_cache_view_says_it_keeps_hidden_states_not_k_and_v(tmp_path):
     from gpt_shape_tracer.tracer.costs import kv_cache_bytes
     from tests.test_hf_state_space import build_state_space
 
-    model, tok = load_hf(build_state_space("xlnet", tmp_path / "xlnet"), implementation="transformers")
+    model, tok = load_hf(build_state_space(model_type, tmp_path / model_type), implementation="transformers")
     gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)
     gen.run(3)
     gen.compare_with_recompute()
@@ -183,13 +184,16 @@ def test_the_cache_view_says_it_keeps_hidden_states_not_k_and_v(tmp_path):
     held = [trace.record(f"blocks.{L}.hook_mems", last) for L in range(config.n_layer)]
     assert all(tuple(rec.shape) == (1, t, config.d_model) for rec in held)
     assert list(table["bytes held"]) == [rec.nbytes for rec in held]
-    assert sum(x.nbytes for x in gen.cache.carried) == sum(rec.nbytes for rec in held) == kv_cache_bytes(trace, last)
+    carried = gen.cache.carried[:config.n_layer]  # Reformer's empty LSH buckets after them
+    assert sum(x.nbytes for x in carried) == sum(rec.nbytes for rec in held) == kv_cache_bytes(trace, last)
+    assert all(x.numel() == 0 for x in gen.cache.carried[config.n_layer:])
     latex, sentence = cache.memory_formula(trace, last)
     numbers = t * config.d_model
     kv = 2 * config.n_kv_heads * t * config.d_head
     assert sentence.startswith(f"{config.n_layer} layers × {numbers:,} numbers × 4 bytes")
     assert "this model's cache holds no K and V" in sentence and f"{t} position(s) of width d = {config.d_model}" \
         in sentence
+    assert ("XLNet's mems" if model_type == "xlnet" else "Reformer's past_buckets_states") in sentence
     assert f"all t = {t} positions again" in sentence and f"= {kv:,} numbers per layer" in sentence
     assert f"= {numbers:,}" in latex
     assert cache.state_sentence(trace, last) is None
@@ -203,3 +207,85 @@ def test_the_cache_view_says_it_keeps_hidden_states_not_k_and_v(tmp_path):
     with pytest.raises(HFDecoderError, match="padded batch is not traced"):
         TracedGeneration(model, tok, ["Lily had a red kite.", "Tom said"], temperature=0,
                          padding_side="left").run(1)
+
+
+# -- Reformer ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reformer() -> Path:
+    return build("reformer", Path(tempfile.mkdtemp(prefix="hf-reformer-")) / "reformer")
+
+
+def test_reformer_logits_equal_transformers_at_the_prefill_and_cached_steps(reformer):
+    """Its local and LSH layers, their weights written out as exp(x − logsumexp x), its cache its own object
+    (past_buckets_states) carried from step to step: equal to transformers' cached forward, and — causal — to the
+    whole text's last rows."""
+    result = check("reformer", reformer)
+    assert result.outcome == "traced" and len(result.deltas) == 1 + DECODE_STEPS, result
+    assert max(result.deltas) <= TOLERANCE, result
+    model, _ = load_hf(reformer)
+    ids = _ids()
+    _, ours = recorded(model, _steps(ids))
+    _, whole = recorded(model, [ids[:, :i] for i in range(PROMPT, PROMPT + DECODE_STEPS + 1)], cache=False)
+    for a, b in zip(ours, whole):
+        torch.testing.assert_close(a, b[:, -a.shape[1]:], atol=1e-5, rtol=0)
+
+
+def test_reformer_patterns_are_its_weights_with_the_lsh_self_mask(reformer):
+    """Local layer: a causal mask. LSH layer (queries and keys shared): each query's own key hidden as well (its
+    −10⁵ fill), except the first query's, which has no other key and keeps all its weight there. The pattern is
+    softmax of the recorded scores and mask, and transformers' own returned weights at the prefill."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = load_hf(reformer)
+    assert model.config.attn_scale == 1.0  # its keys come scaled: by 1/√d_head (local), normalised (LSH)
+    ids = _ids()
+    per_step, _ = recorded(model, _steps(ids))
+    hf = AutoModelForCausalLM.from_pretrained(reformer, local_files_only=True, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids[:, :PROMPT], output_attentions=True).attentions
+    kinds = list(hf.config.attn_layers)
+    assert kinds == ["local", "lsh"]
+    for s, step in enumerate(per_step):
+        n, t = (PROMPT, PROMPT) if s == 0 else (1, PROMPT + s)
+        for L, r in step.items():
+            seen = r["hook_mask"][0, 0] == 0
+            causal = torch.ones(n, t, dtype=torch.bool).tril(t - n)
+            if kinds[L] == "lsh":
+                causal &= torch.arange(t)[None] != (t - n + torch.arange(n))[:, None]  # each query's own key
+                if s == 0:
+                    causal[0, 0] = True  # the first query: nothing else to see
+            assert torch.equal(seen, causal), (s, L)
+            torch.testing.assert_close(recomputed_pattern(r, model.config.attn_scale), r["hook_pattern"].double(),
+                                       atol=1e-6, rtol=0)
+            if s == 0:
+                torch.testing.assert_close(r["hook_pattern"], theirs[L], atol=1e-6, rtol=0)
+
+
+def test_reformer_keeps_its_hidden_states_and_refuses_past_its_plain_attention(reformer):
+    """hook_mems after each step is the states transformers' own cache object holds; the model is traced up to its
+    shortest chunk length less one (beyond, its layers chunk and hash), and a longer text is refused clearly."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = load_hf(reformer)
+    hf = AutoModelForCausalLM.from_pretrained(reformer, local_files_only=True, attn_implementation="eager").eval()
+    assert model.config.n_ctx == min(hf.config.local_attn_chunk_length, hf.config.lsh_attn_chunk_length) - 1
+    ids = _ids()
+    kept: list[dict[int, torch.Tensor]] = []
+    handles = [block.hook_mems.add_tap(lambda x, L=L: kept[-1].__setitem__(L, x.clone()))
+               for L, block in enumerate(model.blocks)]
+    cache = model.new_cache()
+    past = None
+    try:
+        with torch.no_grad():
+            for step in _steps(ids):
+                kept.append({})
+                model(step, cache)
+                past = hf(input_ids=step, past_buckets_states=past, use_cache=True).past_buckets_states
+                for L, m in kept[-1].items():
+                    torch.testing.assert_close(m, past.states_cache[L], atol=1e-5, rtol=0)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(kept[-1]) == model.config.n_layer and kept[-1][0].shape[1] == PROMPT + DECODE_STEPS
+    with pytest.raises(ValueError, match=str(model.config.n_ctx)), torch.no_grad():
+        model(torch.zeros(1, model.config.n_ctx + 1, dtype=torch.long))

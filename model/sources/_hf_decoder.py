@@ -69,14 +69,11 @@ decoders …) makes no call of the attention function: its attention is found by
 same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watches each such module's forward), and
 the model then runs transformers' eager path, mask included; ``hook_score_bias`` holds a bias such as ALiBi.
 
-Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention (Reformer's
-hashed buckets), a forward that takes no cache (OpenAI GPT), linear-attention and
-state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
-attention's two calls with the same Q and K, and calls that are one block each: ``call_blocks``), attention in several
-stacks of layers (BLT), encoders and
-encoder-decoders; and, after loading, a model whose cached decode step is not
-transformers' own forward (``guard_against_transformers``).
-"""
+Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention, a forward that
+takes no cache (OpenAI GPT), linear-attention and state-space layers our cache cannot hold beside K and V, several
+attention calls per layer (but differential attention's two calls with the same Q and K, and calls that are one block
+each: ``call_blocks``), attention in several stacks of layers (BLT), encoders and encoder-decoders; and, after
+loading, a model whose cached decode step is not transformers' own forward (``guard_against_transformers``). """
 
 from __future__ import annotations
 
@@ -244,8 +241,8 @@ class _FinalNorm(nn.Module):
 def _replace_first(output: Any, value: torch.Tensor) -> Any:
     if isinstance(output, torch.Tensor):
         return value
-    if isinstance(output, tuple):
-        return (value, *output[1:])
+    if isinstance(output, tuple):  # a named tuple stays one (Reformer's attention outputs are read by field)
+        return type(output)(value, *output[1:]) if hasattr(output, "_fields") else (value, *output[1:])
     if hasattr(output, "__getitem__") and hasattr(output, "keys"):  # a ModelOutput
         output[next(iter(output.keys()))] = value
         return output
@@ -347,10 +344,11 @@ class HFDecoder(nn.Module):
         if len(self._state_templates) != len(layers):
             self._state_templates = [None] * len(layers)
         self._carried = all(attn is None for attn in attns) and not writers and cache_keyword(hf) == "state"
-        self._mems = HeldHidden(cfg) if cache_keyword(hf) == "mems" else None  # XLNet's hidden states, not K, V
         # state kept outside transformers' Cache (_hf_variants.py): xLSTM's own cache object, RecurrentGemma's
         # module attributes; held in StateCache's carried tensors
         device, keyword = _token_device(hf), cache_keyword(hf)
+        # XLNet's, Reformer's cache: each layer's input hidden states, not K, V
+        self._mems = HeldHidden(cfg, keyword) if keyword in ("mems", "past_buckets_states") else None
         own_state = own_cache_state(hf, {id(layers): layers}, device, keyword) if not self._carried and not writers \
             and all(attn is None for attn in attns) else None
         self._held: HeldState | None = own_state[1] if own_state is not None else module_state(
@@ -629,7 +627,7 @@ class HFDecoder(nn.Module):
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
         positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
-        if self._mems is not None:  # XLNet: its mems keep no padding mask
+        if self._mems is not None:  # XLNet's mems keep no padding mask
             self._mems.check(key_is_token)
         if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
             attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check

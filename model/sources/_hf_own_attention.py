@@ -33,10 +33,13 @@ query–key distances to key positions after its product (a slice, an index_sele
 (``hook_score_bias``, × the scale applied after the sum). An einsum in another axis order (XLNet's ``ibnd,jbnd->bnij``)
 is read as the matrix product it is, its operands permuted to ``[B, H, …]``.
 
+Weights written out as exp(x − logsumexp x) over the last axis (Reformer's) are the softmax of x they are. A row
+whose every key a torch.where fills with a constant keeps its weight on the one key filled highest (Reformer's LSH
+self-mask, −10⁵ beside the causal mask's −10⁹, on the first query): M is 0 there (``_kept_by_fill``).
+
 Refused, each with the reason the ops show: a sum with two terms read at the key positions as they come (XLNet's
-segment term beside its content term), weights made without a softmax (Reformer's exp(x − logsumexp x) over hash
-buckets and chunks), several softmax–V products in one layer (ProphetNet's n-gram stream), ops between the scores and
-the softmax the reader does not know.
+segment term beside its content term), weights made without a softmax, several softmax–V products in one layer
+(ProphetNet's n-gram stream), ops between the scores and the softmax the reader does not know.
 """
 
 from __future__ import annotations
@@ -202,13 +205,29 @@ class _Watch(TorchFunctionMode):
         if isinstance(out, torch.Tensor) and id(out) in self.nodes and any(out is a for a in args):
             return out  # a no-op that hands its input back (a cast to the same dtype, a dropout in eval)
         if isinstance(out, torch.Tensor):
-            node = _Node(name, args, kwargs, out, tuple(self.stack))
+            node = self._written_softmax(name, args, out) or _Node(name, args, kwargs, out, tuple(self.stack))
             if name in _PRODUCTS:
                 replaced = self._maybe_attention(node)
                 if replaced is not None:
                     out = node.out = replaced
             self.nodes[id(out)] = node
         return out
+
+    def _written_softmax(self, name: str, args: tuple, out: torch.Tensor) -> _Node | None:
+        """``exp(x − logsumexp(x))`` over the last axis (Reformer's weights) noted as the softmax of x it is."""
+        if name != "exp" or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        sub = self.nodes.get(id(args[0]))
+        if sub is None or sub.name not in _SUB or len(sub.args) < 2 or sub.kwargs.get("alpha", 1) != 1:
+            return None
+        x, lse = sub.args[0], self.nodes.get(id(sub.args[1]))
+        if lse is None or lse.name != "logsumexp" or lse.args[0] is not x:
+            return None
+        dim = lse.kwargs.get("dim", lse.args[1] if len(lse.args) > 1 else None)
+        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+        if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
+            return None
+        return _Node("softmax", (x,), {"dim": -1}, out, tuple(self.stack))
 
     def _maybe_attention(self, node: _Node) -> torch.Tensor | None:
         operands = _operands(node)
@@ -262,6 +281,7 @@ class _Watch(TorchFunctionMode):
         masked = x
         scale = 1.0
         masks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (additive mask, the tensor it applied to)
+        fills: list[tuple[torch.Tensor, torch.Tensor, float | None]] = []  # torch.where's: (hidden, on, its value)
         biases: list[tuple[torch.Tensor, torch.Tensor]] = []
         scores_node: _Node | None = None
         for _ in range(40):
@@ -289,9 +309,11 @@ class _Watch(TorchFunctionMode):
                 cond, a, b = (list(node.args) + [None, None, None])[:3]
                 if isinstance(a, torch.Tensor) and self._from_product(a) and _very_negative(b):
                     masks.append((_additive(~cond, a), a))
+                    fills.append((~cond, a, _scalar(b)))
                     x = a
                 elif isinstance(b, torch.Tensor) and self._from_product(b) and _very_negative(a):
                     masks.append((_additive(cond, b), b))
+                    fills.append((cond, b, _scalar(a)))
                     x = b
                 else:
                     raise _Unread("its scores pass a torch.where that is not a mask")
@@ -355,7 +377,7 @@ class _Watch(TorchFunctionMode):
         else:
             qk = scores_out
         reading = self._shaped(query, key_t, value, qk, scale, biases, masks, masked, left, av_out,
-                               (scores_node.stack, av.stack))
+                               (scores_node.stack, av.stack), fills)
         reading.layout = layout
         return reading
 
@@ -396,7 +418,7 @@ class _Watch(TorchFunctionMode):
 
     def _shaped(self, query: torch.Tensor, key_t: torch.Tensor, value: torch.Tensor, qk: torch.Tensor, scale: float,
                 biases: list, masks: list, masked: torch.Tensor, left: torch.Tensor, av_out: torch.Tensor,
-                where: tuple) -> Reading:
+                where: tuple, fills: list | None = None) -> Reading:
         """Every stage as ``[B, H|G, …]`` (a family that flattens the heads into the batch is read back so: its
         batch is the module's input's, where a pattern of rank 4 says it itself)."""
         B = int(left.shape[0]) if left.dim() >= 4 else self.batch
@@ -421,6 +443,8 @@ class _Watch(TorchFunctionMode):
         for additive, on in masks:
             m = full(additive, on)
             mask = m if mask is None else mask + m
+        if mask is not None and fills and mask.device.type != "meta":
+            mask = _kept_by_fill(mask, [(full(hidden, on), value) for hidden, on, value in fills])
         if mask is not None and (all(a.dim() < 3 or a.shape[-3] == 1 for a, _ in masks) if mask.device.type == "meta"
                                  else bool((mask == mask[:, :1]).all())):
             mask = mask[:, :1]  # one mask for every head: [B, 1, n, t], as the hook table writes it
@@ -436,6 +460,24 @@ class _Watch(TorchFunctionMode):
                        value=heads_of(value, kv, t, d_v), qk=heads_of(qk, heads, n, t), scale=scale, bias=bias,
                        mask=mask, masked=heads_of(masked, heads, n, t), pattern=heads_of(left, heads, n, t),
                        z=heads_of(av_out, heads, n, d_v), where=where)
+
+
+def _kept_by_fill(mask: torch.Tensor, fills: list[tuple[torch.Tensor, float | None]]) -> torch.Tensor:
+    """In a row whose every key a ``torch.where`` fills with a constant, the softmax weighs the keys by those
+    constants: where one key holds the row's highest fill (Reformer's LSH self-mask, −10⁵ against the causal mask's
+    −10⁹, on the first query), all the weight is that key's, as it is with M = 0 there and −∞ elsewhere. ``fills``
+    in the order the reader met them (the last op applied first)."""
+    empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
+    if not bool(empty.any()) or any(value is None for _, value in fills):
+        return mask
+    level = torch.full_like(mask, float("-inf"))
+    covered = torch.zeros_like(mask, dtype=torch.bool)
+    for hidden, value in fills:  # the value an entry holds is the last fill applied to it
+        level = level.masked_fill(hidden & ~covered, float(value))  # type: ignore[arg-type]
+        covered |= hidden
+    top = level.amax(dim=-1, keepdim=True)
+    alone = (level == top).sum(dim=-1, keepdim=True) == 1
+    return mask.masked_fill(empty & alone & (level == top) & torch.isfinite(top), 0.0)
 
 
 def _scalar(x: Any) -> float | None:
