@@ -289,3 +289,50 @@ def test_reformer_keeps_its_hidden_states_and_refuses_past_its_plain_attention(r
     assert len(kept[-1]) == model.config.n_layer and kept[-1][0].shape[1] == PROMPT + DECODE_STEPS
     with pytest.raises(ValueError, match=str(model.config.n_ctx)), torch.no_grad():
         model(torch.zeros(1, model.config.n_ctx + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("model_type", ["xlnet", "reformer"])
+def test_the_app_runs_every_tab_and_its_kv_cache_tab_says_what_is_kept(tmp_path, model_type):
+    """The real app (AppTest): the directory loaded, two steps, every tab without error; the KV cache tab's
+    sentence is the one counted from this run's records (hidden states, not K and V)."""
+    from gpt_shape_tracer.figures import cache
+    from tests.test_app import new_app, page_text, press, press_reset, show_tab
+    from tests.test_app_architectures import choose_directory, every_tab_without_error
+    from tests.test_hf_state_space import build_state_space
+
+    directory = build_state_space(model_type, tmp_path / model_type)
+    at = new_app()
+    choose_directory(at, directory)
+    press(at, "load_model")
+    press_reset(at)
+    press(at, "step_button")
+    press(at, "step_button")
+    every_tab_without_error(at)
+    show_tab(at, "KV cache")
+    assert not at.error, [e.value for e in at.error]
+    gen = at.session_state["app"].live.generation
+    step = gen.n_steps - 1
+    _, sentence = cache.memory_formula(gen.trace, step)
+    assert "this model's cache holds no K and V" in sentence
+    assert sentence in page_text(at)
+
+
+def test_the_mask_view_names_the_lsh_layers_own_key_cause(tmp_path):
+    """Every −∞ cell of Reformer's masks has a cause the view names: in its LSH layer, the key after the query, and
+    the query's own key (all rows but the first at the prefill; the one query's at a cached step); none unexplained.
+    Its local layer hides no own key."""
+    from gpt_shape_tracer.figures.mask import OWN_KEY, mask_facts
+    from gpt_shape_tracer.figures.view_takeaways import mask_takeaway
+    from gpt_shape_tracer.tracer import TracedGeneration
+    from tests.test_hf_state_space import build_state_space
+
+    model, tok = load_hf(build_state_space("reformer", tmp_path / "reformer"), implementation="transformers")
+    gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)
+    gen.run(2)
+    n = gen.trace.record("blocks.1.attn.hook_q", 0).shape[2]
+    for step, own in ((0, n - 1), (1, 1)):
+        local, lsh = mask_facts(gen.trace, step, 0), mask_facts(gen.trace, step, 1)
+        assert local.unexplained == lsh.unexplained == 0 and local.own == 0
+        assert lsh.own == own and lsh.masked == lsh.future + own
+        assert f"{own} {OWN_KEY}" in lsh.explanation()
+        assert OWN_KEY in mask_takeaway(lsh).sentence and OWN_KEY not in mask_takeaway(local).sentence
