@@ -21,7 +21,7 @@ import torch
 from gpt_shape_tracer.model import load_hf
 from gpt_shape_tracer.model.sources import HFDecoder
 from tests.hf_every_architecture import DECODE_STEPS, PROMPT, TOLERANCE, build, check, tiny_config
-from tests.test_hf_own_attention import recomputed_pattern, recorded
+from tests.model.test_hf_own_attention import recomputed_pattern, recorded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,7 +63,7 @@ def test_the_default_bidirectional_xlnet_is_refused_as_an_encoder(tmp_path):
     from transformers import XLNetConfig, XLNetLMHeadModel
 
     from gpt_shape_tracer.model import ModelLoadError
-    from tests.test_every_architecture import _first_sees_second
+    from tests.model.test_every_architecture import _first_sees_second
 
     values = tiny_config("xlnet").to_dict()
     values["attn_type"] = "bi"
@@ -167,7 +167,7 @@ def test_the_cache_view_says_it_keeps_hidden_states_not_k_and_v(tmp_path, model_
     from gpt_shape_tracer.model.sources import HFDecoderError
     from gpt_shape_tracer.tracer import TracedGeneration
     from gpt_shape_tracer.tracer.costs import kv_cache_bytes
-    from tests.test_hf_state_space import build_state_space
+    from tests.model.test_hf_state_space import build_state_space
 
     model, tok = load_hf(build_state_space(model_type, tmp_path / model_type), implementation="transformers")
     gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)
@@ -296,9 +296,9 @@ def test_the_app_runs_every_tab_and_its_kv_cache_tab_says_what_is_kept(tmp_path,
     """The real app (AppTest): the directory loaded, two steps, every tab without error; the KV cache tab's
     sentence is the one counted from this run's records (hidden states, not K and V)."""
     from gpt_shape_tracer.figures import cache
-    from tests.test_app import new_app, page_text, press, press_reset, show_tab
-    from tests.test_app_architectures import choose_directory, every_tab_without_error
-    from tests.test_hf_state_space import build_state_space
+    from tests.app.test_app import new_app, page_text, press, press_reset, show_tab
+    from tests.app.test_app_architectures import choose_directory, every_tab_without_error
+    from tests.model.test_hf_state_space import build_state_space
 
     directory = build_state_space(model_type, tmp_path / model_type)
     at = new_app()
@@ -324,7 +324,7 @@ def test_the_mask_view_names_the_lsh_layers_own_key_cause(tmp_path):
     from gpt_shape_tracer.figures.mask import OWN_KEY, mask_facts
     from gpt_shape_tracer.figures.view_takeaways import mask_takeaway
     from gpt_shape_tracer.tracer import TracedGeneration
-    from tests.test_hf_state_space import build_state_space
+    from tests.model.test_hf_state_space import build_state_space
 
     model, tok = load_hf(build_state_space("reformer", tmp_path / "reformer"), implementation="transformers")
     gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)
