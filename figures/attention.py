@@ -80,6 +80,9 @@ def score_bias_kind(trace: Trace) -> str:
         return "a learned relative position bias, one value per head, query and key"
     if family in ("bloom", "mpt"):
         return "ALiBi: a fixed slope per head times the key's position"
+    if family == "xlnet":  # its scores' second query–key product, read as a bias (model/sources/_hf_own_attention.py)
+        return ("XLNet's position term: the queries plus a learned per-head bias times keys made from sinusoidal "
+                "encodings of the query–key distance, times the scale")
     return "the family's own bias, added to the scores"
 
 

@@ -9,6 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from gpt_shape_tracer.figures.cache_hidden import held_name, hidden_memory_formula, hidden_record
 from gpt_shape_tracer.figures.common import (
     attention_layers,
     counted,
@@ -85,6 +86,12 @@ def cache_table(trace: Trace, step: int) -> pd.DataFrame:
             continue
         k = trace.record(act_name("k_all", layer), step)
         v = trace.record(act_name("v_all", layer), step)
+        hidden = hidden_record(trace, step, layer)
+        if hidden is not None:  # XLNet: the cache holds the layer's input hidden states; K and V are made again
+            rows.append({"layer": layer, "K": shape_text(k.shape), "V": shape_text(v.shape), "rows from the cache": 0,
+                         "rows computed this step": k.shape[2], "bytes (K+V)": 0,
+                         "cache holds: hidden states": shape_text(hidden.shape), "bytes held": hidden.nbytes})
+            continue
         source = _kv_shared(trace).get(layer)
         if source is not None:  # KV sharing: it attends over layer `source`'s K and V, and its cache holds nothing
             rows.append({"layer": layer, "K": shape_text(k.shape), "V": shape_text(v.shape),
@@ -141,6 +148,8 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     if trace.config is not None and not attention_layers(trace):  # a state-space model: no K, V anywhere
         return state_memory_formula(trace, step)
     first = _first_attention(trace)
+    if hidden_record(trace, step, first) is not None:  # XLNet: hidden states held, K and V made again
+        return hidden_memory_formula(trace, step)
     latent = latent_records(trace, step, first)
     if latent is not None:
         c_kv, k_r = latent
@@ -184,8 +193,6 @@ def memory_formula(trace: Trace, step: int) -> tuple[str, str]:
 
 
 STATE_HOOKS = ("hook_conv_state", "hook_ssm_state")  # a hybrid model's per-layer state (model/sources/_hf_cache.py)
-
-
 def state_memory_formula(trace: Trace, step: int) -> tuple[str, str]:
     """(LaTeX, sentence) for a model whose every layer keeps a fixed-size state instead of K and V (Mamba, Mamba-2,
     Falcon-Mamba): the state's bytes per layer, read from the records, the same at every step so far, beside what a
@@ -240,6 +247,9 @@ def held_bytes(trace: Trace, step: int, layer: int) -> int:
     """Bytes one layer's cache holds after ``step``: K + V, or c_KV + k_R for latent attention, plus the state
     of a hybrid model's state-space layer."""
     latent = latent_records(trace, step, layer)
+    hidden = hidden_record(trace, step, layer)
+    if hidden is not None:  # XLNet: its input hidden states, and no K, V
+        return hidden.nbytes
     if no_attention(trace, layer) is not None or layer in _kv_shared(trace):  # a state layer: its state only; a
         return sum(rec.nbytes for rec in state_records(trace, step, layer))  # KV-sharing layer: nothing
     records = latent if latent is not None else [trace.record(act_name(kind, layer), step)
@@ -345,7 +355,13 @@ def evidence_table(c: RecomputeComparison) -> pd.DataFrame:
 def _rows_by_layer(c: RecomputeComparison, trace: Trace | None) -> dict[int, tuple[float, float]]:
     """The cached-rows check per layer that holds K and V rows (a hybrid model's state layers hold none)."""
     return {layer: d for layer, d in enumerate(c.cached_rows_delta)
-            if trace is None or no_attention(trace, layer) is None}
+            if trace is None or (no_attention(trace, layer) is None and not _holds_hidden(trace, layer))}
+
+
+def _holds_hidden(trace: Trace, layer: int) -> bool:
+    """Whether ``layer`` keeps hidden states between steps instead of K and V rows (XLNet): recorded at every step
+    of a run with the cache on, so the first step says."""
+    return any(hidden_record(trace, gs.step, layer) is not None for gs in facts_of(trace).steps[:1])
 
 
 def verdict(c: RecomputeComparison, trace: Trace | None = None) -> tuple[str, str]:
@@ -379,6 +395,9 @@ def verdict(c: RecomputeComparison, trace: Trace | None = None) -> tuple[str, st
                  f"{len(rows)} layers that hold K and V (largest |Δ| {max(rows[layer]):.2e}, layer {layer}; table "
                  "below)" + (f"; the other {others} layer(s) have no softmax attention and hold no rows." if others
                              else "."))
+    elif trace is not None and any(_holds_hidden(trace, layer) for layer in _layers(trace, 0)):
+        shown = (f"This model's cache holds each layer's input hidden states, not K and V ({held_name(trace)}): every "
+                 "step computes its K and V rows again from them, so there are no cached K, V rows to check.")
     else:
         shown = "(This file holds no layer-by-layer check of the cached rows.)"
     text = (f"The cached path computed {c.cached.query_rows} query row(s) with {c.cached.macs:,} multiply-adds, "
@@ -423,6 +442,10 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
         bars = ("cache length", "positions seen")
         line = ("K+V bytes (all layers)", "KiB of state held (all layers)")
         title = "no KV cache: the state held has a fixed size, whatever the positions seen"
+    elif use_cache and hidden_record(trace, 0, _first_attention(trace)) is not None:  # XLNet, Reformer
+        bars = ("cache length", "cache length (positions)")
+        line = ("K+V bytes (all layers)", "KiB the cache holds (all layers)")
+        title = "the cache grows by one row of hidden states per token; no K, V are held"
     elif use_cache:
         bars = ("cache length", "cache length (positions)")
         line = ("K+V bytes (all layers)", "KiB the cache holds (all layers)")

@@ -17,6 +17,9 @@ from gpt_shape_tracer.tracer import Trace
 
 ALLOWED = "#e3f1e5"  # a cell M lets through (0); masked cells are the palette's MASKED grey
 
+# a cause of −∞ (Reformer's LSH layers: shared queries and keys), for the mask's sentences
+OWN_KEY = ("because the key is the query's own position (its queries and keys are one projection, as in Reformer's LSH "
+           "attention: a position is hidden from itself wherever it has another key to see)")
 MAX_LABELLED_COLUMNS = 40  # more key columns and a cell is too narrow for its "0" or "−∞"
 
 
@@ -41,6 +44,7 @@ class MaskFacts:
     padding_rows_see: str = ""  # what the padding query rows may see, read from M ("" when not counted)
     smallest: int = 0  # cells holding the smallest finite float instead (transformers' rows that see nothing)
     indexer: int = 0  # … because an indexed layer's indexer did not choose the key (indexed / sparse attention)
+    own: int = 0  # … because the key is the query's own position (shared queries and keys: Reformer's LSH layers)
     # compressed attention (DeepSeek-V4): the columns are a window's last rows, the new rows, then compressed entries
     # — not the positions 0 … t−1 — so no cell's cause is read from its column; how many cells are −∞ (−1: not that)
     compressed_masked: int = -1
@@ -65,6 +69,7 @@ class MaskFacts:
                   "positions back" if self.window else "",
                   f"{self.indexer} because the layer's indexer did not choose the key (indexed attention: each query "
                   "attends only to the keys its indexer ranks highest)" if self.indexer else "",
+                  f"{self.own} {OWN_KEY}" if self.own else "",
                   f"{self.unexplained} for no reason this view knows (please report it)" if self.unexplained else ""]
         causes = [c for c in causes if c]
         if causes:
@@ -77,7 +82,10 @@ class MaskFacts:
                 reasons.append("keys outside the sliding window")
             if self.indexer:
                 reasons.append("keys the indexer did not choose")
-            rest = f" — only {' and '.join(reasons)} are −∞" if reasons else ""
+            if self.own:
+                reasons.append("the query's own key")
+            verb = "is" if reasons == ["the query's own key"] else "are"
+            rest = f" — only {' and '.join(reasons)} {verb} −∞" if reasons else ""
             lines.append(
                 f"This is a decode step with the KV cache: the only query is the newest position, t − 1 = "
                 f"{self.t - 1}. Every key 0 … {self.t - 1} is at or before it, so causality masks nothing here{rest}. "
@@ -88,6 +96,8 @@ class MaskFacts:
             lines.append(
                 f"A pass over n = {self.n} positions: row i may only see keys j ≤ i, so the {self.future} cells "
                 "above the diagonal are −∞"
+                + (f" (and {self.own} on it: each row's own key, {OWN_KEY.removeprefix('because the key is ')})"
+                   if self.own else "")
                 + (f", and so are the {self.padding_key} cells of padding keys at or before their query: row i of "
                    f"sequence {self.batch} weighs only its real keys up to i." if self.padding_key else "."))
             if not self.use_cache:
@@ -152,10 +162,11 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     skipped = (visible[min(batch, visible.shape[0] - 1)] & ~selected[min(batch, selected.shape[0] - 1)]
                & ~future & ~padding & ~outside) if visible is not None and selected is not None \
         else torch.zeros_like(future)  # [n, t]: visible keys an indexed layer's indexer did not choose
-    explained = future | padding | outside | skipped
+    own = (key == query) & ~future & ~padding & ~outside & ~skipped
+    explained = future | padding | outside | skipped | own
     return replace(uncounted, counted=True, masked=int(block.sum()), future=int((block & future).sum()),
                    padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
-                   indexer=int((block & skipped).sum()),
+                   indexer=int((block & skipped).sum()), own=int((block & own).sum()),
                    unexplained=int((block & ~explained).sum()), smallest=smallest,
                    padding_rows_see=_padding_rows_see(values, pad_rows, first_query))
 

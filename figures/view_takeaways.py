@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from gpt_shape_tracer.figures.common import facts_of, inert, shape_text
-from gpt_shape_tracer.figures.mask import MaskFacts, compressed_mask_sentence
+from gpt_shape_tracer.figures.mask import OWN_KEY, MaskFacts, compressed_mask_sentence
 from gpt_shape_tracer.figures.worked import Worked
 from gpt_shape_tracer.tracer import PatchingResult, Trace
 
@@ -72,7 +72,8 @@ def mask_takeaway(facts: MaskFacts) -> Takeaway:
         causes = [(count, short, long) for count, short, long in (
             (facts.padding_key, "padding", "because the key is padding"),
             (facts.window, "outside the sliding window", "because the key is outside the sliding window"),
-            (facts.indexer, "not chosen by the indexer", "because the indexer did not choose the key")) if count]
+            (facts.indexer, "not chosen by the indexer", "because the indexer did not choose the key"),
+            (facts.own, "the query's own key", OWN_KEY)) if count]
         hidden = sum(count for count, _, _ in causes)
         if len(causes) > 1:
             sentence += f"; {hidden} of them are −∞ ({', '.join(f'{c} {short}' for c, short, _ in causes)})."
@@ -84,7 +85,8 @@ def mask_takeaway(facts: MaskFacts) -> Takeaway:
         sentence = (f"{facts.future} of the {cells} scores are −∞ because the key comes after the query: row i "
                     "weighs keys up to its own position only")
         sentence += (f"; {facts.padding_key} more are −∞ because the key is padding, so a padded sequence's row i "
-                     "weighs only its real keys up to i." if facts.padding_key else ".")
+                     "weighs only its real keys up to i" if facts.padding_key else "")
+        sentence += f"; {facts.own} more are −∞ {OWN_KEY}." if facts.own else "."
     else:
         sentence = f"No score of these {cells} is hidden for coming after its query."
     metrics = [("−∞ cells", f"{facts.masked} of {cells}"), ("future keys", str(facts.future))]

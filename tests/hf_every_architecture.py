@@ -76,6 +76,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # rope_parameters defaults to {}, which the model indexes by layer type
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # XLNet's default attention is bidirectional (attn_type "bi": every position sees every other, refused as an
+    # encoder); "uni" is its causal attention, the configuration that makes it a causal LM (as is_decoder for BERT)
+    "xlnet": {"attn_type": "uni"},
     # axial position embeddings: the factors of the width must sum to hidden_size, those of the length multiply to
     # the longest sequence
     "reformer": {"axial_pos_embds_dim": [16, 48], "axial_pos_shape": [8, 16]},
@@ -428,9 +431,9 @@ def failing_sentence(results: list[Result]) -> str:
 REASON_WORDS = {
     "attention outside the interface": "the family computes attention in its own code in a form the op-level reader "
                                        "(model/sources/_hf_own_attention.py, which traces Bloom, MPT, CodeGen and the "
-                                       "other families whose own softmax multiplies V) cannot read as one softmax "
-                                       "attention: scores summing several query–key products (XLNet's relative "
-                                       "attention), weights made without a softmax (Reformer)",
+                                       "other families whose own softmax multiplies V, XLNet's relative attention "
+                                       "and Reformer's exp(x − logsumexp x) among them) cannot read as one softmax "
+                                       "attention",
     "no cache": "the family's forward takes no past keys and values (OpenAI GPT), so there is no cached decode step "
                 "to trace",
     "no softmax attention": "state-space or recurrent layers only, keeping their state where the trace cannot hold it "

@@ -236,3 +236,74 @@ def latent_widths(attn: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+
+
+class HeldHidden:
+    """A model whose cache holds each layer's input hidden states, from which every step computes K and V of every
+    position again — XLNet's ``mems`` (``[m, B, d]`` per layer, handed in and back), Reformer's
+    ``past_buckets_states`` (an object of its own: ``states_cache`` ``[B, m, d]`` per layer, beside the LSH buckets
+    ``buckets_cache``, empty until a layer hashes). Our cache holds them as ``StateCache.carried`` (one tensor per
+    layer, then Reformer's buckets) and appends no K, V rows; after each step ``hook_mems`` records each layer's as
+    ``[B, m, d]``. A padded batch is refused: XLNet's mems keep no padding mask (transformers lets every later step
+    attend to the padded positions held in them), and Reformer's padded cached steps were not checked."""
+
+    def __init__(self, config: Any, keyword: str) -> None:
+        self.keyword = keyword
+        self.family = "XLNet" if keyword == "mems" else "Reformer"
+        self._class: type | None = None  # Reformer's cache class, read from its first output
+        # XLNet: relative positions set no limit (max_position_embeddings −1), but the mems keep only the last mem_len
+        # hidden states, past which a step would no longer see the whole text. Reformer: up to its shortest chunk
+        # length less one, both its layer kinds compute plain causal attention over every position; from there its
+        # local layers attend within chunks and its LSH layers hash keys into buckets
+        if keyword == "mems":
+            limit = getattr(config, "mem_len", None)
+        else:
+            chunks = [getattr(config, k, None) for k in ("local_attn_chunk_length", "lsh_attn_chunk_length")]
+            limit = min(c for c in chunks if isinstance(c, int)) - 1 if any(isinstance(c, int) for c in chunks) \
+                else None
+        self.n_ctx = int(limit) if isinstance(limit, int) and limit > 0 else None
+
+    @staticmethod
+    def new_cache(n_layer: int, batch_size: int, storage: str, templates: list[Any],
+                  indexed: tuple[int, ...]) -> StateCache:
+        return StateCache(n_layer, batch_size, storage, templates, set(), indexed)
+
+    def check(self, key_is_token: torch.Tensor | None) -> None:
+        from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
+
+        if key_is_token is not None and not bool(key_is_token.all()):
+            why = ("XLNet's cache (its mems, each layer's hidden states) keeps no padding mask: transformers lets "
+                   "every later step attend to the padded positions held in it" if self.keyword == "mems" else
+                   "Reformer's cached steps with padding were not checked against transformers' own")
+            raise HFDecoderError(f"{why}, so a padded batch is not traced; give prompts of equal length, or one at a "
+                                 "time")
+
+    def passed(self, cache: StateCache) -> Any:
+        if not cache.carried:
+            return None  # before the first step: nothing kept yet
+        if self.keyword == "mems":
+            return list(cache.carried)
+        assert self._class is not None
+        n = len(cache.carried) // 2
+        return self._class(list(zip(cache.carried[n:], cache.carried[:n])))  # (buckets, states) per layer
+
+    def kept(self, cache: StateCache, out: Any) -> None:
+        held = getattr(out, self.keyword, None)
+        if self.keyword == "mems" or held is None:
+            cache.carried = list(held or [])
+            return
+        self._class = type(held)
+        cache.carried = [*held.states_cache, *held.buckets_cache]
+
+    def states(self, cache: StateCache) -> list[torch.Tensor]:
+        """Each layer's held hidden states, ``[B, m, d]``."""
+        carried = cache.carried or []
+        if self.keyword == "mems":
+            return [x.transpose(0, 1) for x in carried]
+        return list(carried[:len(carried) // 2])
+
+    def record(self, cache: StateCache, blocks: nn.ModuleList) -> None:
+        for block, held in zip(blocks, self.states(cache)):
+            point = block.hook_mems
+            assert isinstance(point, nn.Module)
+            point(held.clone())

@@ -69,14 +69,11 @@ decoders …) makes no call of the attention function: its attention is found by
 same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watches each such module's forward), and
 the model then runs transformers' eager path, mask included; ``hook_score_bias`` holds a bias such as ALiBi.
 
-Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention (XLNet's relative
-attention, Reformer's hashed buckets), a forward that takes no cache (OpenAI GPT), linear-attention and
-state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
-attention's two calls with the same Q and K, and calls that are one block each: ``call_blocks``), attention in several
-stacks of layers (BLT), encoders and
-encoder-decoders; and, after loading, a model whose cached decode step is not
-transformers' own forward (``guard_against_transformers``).
-"""
+Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention, a forward that
+takes no cache (OpenAI GPT), linear-attention and state-space layers our cache cannot hold beside K and V, several
+attention calls per layer (but differential attention's two calls with the same Q and K, and calls that are one block
+each: ``call_blocks``), attention in several stacks of layers (BLT), encoders and encoder-decoders; and, after
+loading, a model whose cached decode step is not transformers' own forward (``guard_against_transformers``). """
 
 from __future__ import annotations
 
@@ -108,7 +105,7 @@ from gpt_shape_tracer.model.sources._hf_attention import (
     _restored,
     differential_lambda,
 )
-from gpt_shape_tracer.model.sources._hf_cache import StateCache, _cache_view, latent_widths, state_templates
+from gpt_shape_tracer.model.sources._hf_cache import HeldHidden, StateCache, _cache_view, latent_widths, state_templates
 from gpt_shape_tracer.model.sources._hf_compressed import CompressedCache, add_hooks, compressed_config, record_held
 from gpt_shape_tracer.model.sources._hf_indexer import indexer_of, watch_indexer
 from gpt_shape_tracer.model.sources._hf_own_attention import OwnAttention
@@ -244,8 +241,8 @@ class _FinalNorm(nn.Module):
 def _replace_first(output: Any, value: torch.Tensor) -> Any:
     if isinstance(output, torch.Tensor):
         return value
-    if isinstance(output, tuple):
-        return (value, *output[1:])
+    if isinstance(output, tuple):  # a named tuple stays one (Reformer's attention outputs are read by field)
+        return type(output)(value, *output[1:]) if hasattr(output, "_fields") else (value, *output[1:])
     if hasattr(output, "__getitem__") and hasattr(output, "keys"):  # a ModelOutput
         output[next(iter(output.keys()))] = value
         return output
@@ -350,6 +347,8 @@ class HFDecoder(nn.Module):
         # state kept outside transformers' Cache (_hf_variants.py): xLSTM's own cache object, RecurrentGemma's
         # module attributes; held in StateCache's carried tensors
         device, keyword = _token_device(hf), cache_keyword(hf)
+        # XLNet's, Reformer's cache: each layer's input hidden states, not K, V
+        self._mems = HeldHidden(cfg, keyword) if keyword in ("mems", "past_buckets_states") else None
         own_state = own_cache_state(hf, {id(layers): layers}, device, keyword) if not self._carried and not writers \
             and all(attn is None for attn in attns) else None
         self._held: HeldState | None = own_state[1] if own_state is not None else module_state(
@@ -399,6 +398,8 @@ class HFDecoder(nn.Module):
                 # each step, [B, …]
                 hooks.hook_conv_state = HookPoint()
                 hooks.hook_ssm_state = HookPoint()
+            if self._mems is not None:  # the hidden states the layer keeps after each step, [B, m, d]
+                hooks.hook_mems = HookPoint()
         # HRM: its layers run several times per forward, one block per run: each block's hooks on a shared module act
         # in that block's run only; LongCat-Flash: two attention sublayers per layer, one block each, whose residual
         # hooks sit on the sublayer's own modules (_hf_variants.py)
@@ -530,6 +531,7 @@ class HFDecoder(nn.Module):
         if isinstance(d_ff, (list, tuple)):  # one width per layer (Gemma 3n): one number only where they agree
             d_ff = d_ff[0] if len(set(d_ff)) == 1 else None
         n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
+        n_ctx = (self._mems.n_ctx if self._mems is not None else None) or n_ctx  # XLNet: as far as its mems keep
         window = getattr(cfg, "sliding_window", None)
         return GPTConfig(
             vocab_size=int(cfg.vocab_size), n_ctx=n_ctx, d_model=int(cfg.hidden_size),
@@ -583,6 +585,8 @@ class HFDecoder(nn.Module):
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
         if self._compressed:
             return CompressedCache(self.config.n_layer, batch_size, storage, self.hf.config)
+        if self._mems is not None:  # no layer appends K, V rows: each keeps its input hidden states (carried)
+            return self._mems.new_cache(self.config.n_layer, batch_size, storage, self._state_templates, self._indexed)
         if any(t is not None for t in self._state_templates) or any(self.mixer_names) or self._kv_shared:
             # a hybrid model, or one whose KV-sharing layers append no K, V rows (they count as updated)
             readers = {L for L, _ in self._kv_shared}
@@ -623,6 +627,8 @@ class HFDecoder(nn.Module):
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
         positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
+        if self._mems is not None:  # XLNet's mems keep no padding mask
+            self._mems.check(key_is_token)
         if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
             attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
         if self._own_code:  # its attention reads the mask transformers' eager path builds; our mask function may
@@ -647,6 +653,8 @@ class HFDecoder(nn.Module):
                 self._held.kept(cache, out)
             if isinstance(cache, StateCache) and self._carried:  # RWKV: the state it handed back, kept for the next
                 cache.carried = list(getattr(out, "state", None) or [])  # step (and snapshotted at commit)
+            if isinstance(cache, StateCache) and self._mems is not None:  # XLNet: the next step's mems
+                self._mems.kept(cache, out)
             if isinstance(cache, StateCache):
                 self._record_states(cache)
             if isinstance(cache, CompressedCache):
@@ -656,7 +664,9 @@ class HFDecoder(nn.Module):
     def _record_states(self, cache: StateCache) -> None:
         """A hybrid model's convolution and state-space state after this forward, through each state layer's
         ``hook_conv_state`` / ``hook_ssm_state`` (copies: transformers overwrites the state in place next step)."""
-        if self._held is not None:
+        if self._mems is not None:
+            self._mems.record(cache, self.blocks)
+        elif self._held is not None:
             self._held.record(cache, self.blocks)
         elif cache.carried:  # RWKV: per layer its slice of each state tensor; token shifts [B, d, 2], the rest
             # [B, d, k]
@@ -677,6 +687,8 @@ class HFDecoder(nn.Module):
         state; xLSTM's own cache object, or the cache view with RecurrentGemma's module state set (``HeldState``)."""
         if cache is None:
             return None
+        if isinstance(cache, StateCache) and self._mems is not None:
+            return self._mems.passed(cache)
         if isinstance(cache, StateCache) and self._carried:
             return cache.carried
         view = self._cache_view(cache) if not isinstance(self._held, OwnCacheState) else None

@@ -27,10 +27,19 @@ own tensor: scores + bias + M), ``hook_pattern`` (the left operand of the produc
 to compute (the product is taken again with it, or its result replaced); one that replaces an earlier stage is refused
 with an error (those stages are read after the family computed them).
 
-Refused, each with the reason the ops show: scores that are a sum of several query–key products (XLNet's relative
-attention), weights made without a softmax (Reformer's exp(x − logsumexp x) over hash buckets and chunks), several
-softmax–V products in one layer (ProphetNet's n-gram stream), ops between the scores and the softmax the reader does
-not know.
+Relative attention (XLNet) sums several query–key products before its scale: the one read at the key positions as
+it comes is the scores' product (Q·Kᵀ, its Q the queries plus XLNet's r_w_bias), each other term — re-indexed from
+query–key distances to key positions after its product (a slice, an index_select: XLNet's relative shift) — a bias
+(``hook_score_bias``, × the scale applied after the sum). An einsum in another axis order (XLNet's ``ibnd,jbnd->bnij``)
+is read as the matrix product it is, its operands permuted to ``[B, H, …]``.
+
+Weights written out as exp(x − logsumexp x) over the last axis (Reformer's) are the softmax of x they are. A row
+whose every key a torch.where fills with a constant keeps its weight on the one key filled highest (Reformer's LSH
+self-mask, −10⁵ beside the causal mask's −10⁹, on the first query): M is 0 there (``_kept_by_fill``).
+
+Refused, each with the reason the ops show: a sum with two terms read at the key positions as they come (XLNet's
+segment term beside its content term), weights made without a softmax, several softmax–V products in one layer
+(ProphetNet's n-gram stream), ops between the scores and the softmax the reader does not know.
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ _MUL = {"mul", "__mul__", "__rmul__", "mul_", "__imul__"}
 _DIV = {"div", "__truediv__", "true_divide", "div_", "__itruediv__"}
 _MASK_FILL = {"masked_fill", "masked_fill_"}
 _WHERE = {"where"}
+# ops that re-index a term of summed scores after its product (XLNet's relative shift: a slice, an index_select)
+_SHIFT = {"__getitem__", "index_select", "narrow", "gather", "take_along_dim"}
 _FLOOR = {"max", "maximum", "clamp", "clamp_min", "fmax"}  # with a very negative second operand: a floor, not a stage
 _HIDDEN = -1e4  # a mask value at or below this hides a key: exp(−10⁴) is 0 in float32 and float64
 
@@ -98,6 +109,9 @@ class Reading:
     pattern: torch.Tensor  # [B, H, n, t]
     z: torch.Tensor  # [B, H, n, d_v]
     where: tuple = field(default=(), repr=False)  # the modules running at the scores' product and at A·V
+    # an einsum A·V in another axis order (XLNet's bnij,jbnd->ibnd): the permutations of pattern, V and z to
+    # [batch…, n, t], [batch…, t, d_v], [batch…, n, d_v] (_matmul_layout); None for a plain product
+    layout: tuple | None = field(default=None, repr=False)
 
 
 def _operands(node: _Node) -> list[Any]:
@@ -121,6 +135,48 @@ def _batched_matmul(equation: str) -> bool:
     a, b = lhs.split(",")
     return (len(a) == len(b) == len(out) >= 2 and a[:-2] == b[:-2] == out[:-2] and a[-1] == b[-2]
             and out[-2] == a[-2] and out[-1] == b[-1] and len(set(a[-2:] + b[-1])) == 3)
+
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def _matmul_layout(equation: str) -> Layout | None:
+    """For an einsum that is a batched matrix product in any axis order (XLNet's ``ibnd,jbnd->bnij`` and
+    ``bnij,jbnd->ibnd``): the permutations that bring its operands and its result to ``[batch…, i, j]``,
+    ``[batch…, j, k]`` and ``[batch…, i, k]`` (the batch axes in the result's order); None for any other einsum."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or eq.count(",") != 1 or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    a, b = lhs.split(",")
+    if any(len(set(x)) != len(x) for x in (a, b, out)):
+        return None
+    contracted = [c for c in a if c in b and c not in out]
+    rows = [c for c in a if c not in b and c in out]
+    cols = [c for c in b if c not in a and c in out]
+    batch = [c for c in out if c in a and c in b]
+    if len(contracted) != 1 or len(rows) != 1 or len(cols) != 1 or \
+            len(batch) + 2 != len(a) or len(a) != len(b) or len(out) != len(a):
+        return None
+    i, j, k = rows[0], contracted[0], cols[0]
+    return (tuple(a.index(c) for c in (*batch, i, j)), tuple(b.index(c) for c in (*batch, j, k)),
+            tuple(out.index(c) for c in (*batch, i, k)))
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(perm)), key=lambda i: perm[i]))
+
+
+def _product(node: _Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout | None]:
+    """A product's operands and result as a batched matrix product ``[…, i, j] · […, j, k] = […, i, k]`` (an einsum
+    of another axis order permuted so, with the permutations), or raises why it is not one."""
+    a, b = _operands(node)
+    if node.name != "einsum" or _batched_matmul(str(node.args[0])):
+        return a, b, node.out, None
+    layout = _matmul_layout(str(node.args[0]))
+    if layout is None:
+        raise _Unread(f"its attention multiplies in an einsum that is not a matrix product ({node.args[0]})")
+    return a.permute(layout[0]), b.permute(layout[1]), node.out.permute(layout[2]), layout
 
 
 class _Watch(TorchFunctionMode):
@@ -149,13 +205,29 @@ class _Watch(TorchFunctionMode):
         if isinstance(out, torch.Tensor) and id(out) in self.nodes and any(out is a for a in args):
             return out  # a no-op that hands its input back (a cast to the same dtype, a dropout in eval)
         if isinstance(out, torch.Tensor):
-            node = _Node(name, args, kwargs, out, tuple(self.stack))
+            node = self._written_softmax(name, args, out) or _Node(name, args, kwargs, out, tuple(self.stack))
             if name in _PRODUCTS:
                 replaced = self._maybe_attention(node)
                 if replaced is not None:
                     out = node.out = replaced
             self.nodes[id(out)] = node
         return out
+
+    def _written_softmax(self, name: str, args: tuple, out: torch.Tensor) -> _Node | None:
+        """``exp(x − logsumexp(x))`` over the last axis (Reformer's weights) noted as the softmax of x it is."""
+        if name != "exp" or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        sub = self.nodes.get(id(args[0]))
+        if sub is None or sub.name not in _SUB or len(sub.args) < 2 or sub.kwargs.get("alpha", 1) != 1:
+            return None
+        x, lse = sub.args[0], self.nodes.get(id(sub.args[1]))
+        if lse is None or lse.name != "logsumexp" or lse.args[0] is not x:
+            return None
+        dim = lse.kwargs.get("dim", lse.args[1] if len(lse.args) > 1 else None)
+        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+        if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
+            return None
+        return _Node("softmax", (x,), {"dim": -1}, out, tuple(self.stack))
 
     def _maybe_attention(self, node: _Node) -> torch.Tensor | None:
         operands = _operands(node)
@@ -209,6 +281,7 @@ class _Watch(TorchFunctionMode):
         masked = x
         scale = 1.0
         masks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (additive mask, the tensor it applied to)
+        fills: list[tuple[torch.Tensor, torch.Tensor, float | None]] = []  # torch.where's: (hidden, on, its value)
         biases: list[tuple[torch.Tensor, torch.Tensor]] = []
         scores_node: _Node | None = None
         for _ in range(40):
@@ -236,9 +309,11 @@ class _Watch(TorchFunctionMode):
                 cond, a, b = (list(node.args) + [None, None, None])[:3]
                 if isinstance(a, torch.Tensor) and self._from_product(a) and _very_negative(b):
                     masks.append((_additive(~cond, a), a))
+                    fills.append((~cond, a, _scalar(b)))
                     x = a
                 elif isinstance(b, torch.Tensor) and self._from_product(b) and _very_negative(a):
                     masks.append((_additive(cond, b), b))
+                    fills.append((cond, b, _scalar(a)))
                     x = b
                 else:
                     raise _Unread("its scores pass a torch.where that is not a mask")
@@ -254,9 +329,16 @@ class _Watch(TorchFunctionMode):
                     biases.append((-other, on))
                 x = on
                 continue
+            if name in _ADD and len(tensors) == 2 and all(chain) and node.kwargs.get("alpha", 1) == 1:
+                # relative attention (XLNet): a sum of query–key products — one read at the key positions as it
+                # comes (the content term, the scores' product), the others re-indexed from relative distances to
+                # key positions (position terms): each of those a bias on the scores, × the scale applied after
+                content, shifted = self._terms(node)
+                biases.extend((term * scale, term) for term in shifted)
+                x = content
+                continue
             if name in _ADD | _MUL | _DIV and len(tensors) == 2 and all(chain):
-                raise _Unread("its scores are a sum of several query–key products (relative attention: content, "
-                              "position and segment terms each a product of their own)")
+                raise _Unread(f"its scores combine two query–key products by {name}")
             if name in _ADD | _MUL | _DIV and len(tensors) == 2 and any(chain):
                 on, other = (tensors[0], tensors[1]) if chain[0] else (tensors[1], tensors[0])
                 factor = _scalar(other)
@@ -281,11 +363,8 @@ class _Watch(TorchFunctionMode):
             raise _Unread(f"its scores pass an op the reader does not know ({name})")
         if scores_node is None:
             raise _Unread("its scores' product was not found")
-        if av.name == "einsum" and not _batched_matmul(str(av.args[0])):
-            raise _Unread(f"its weights multiply the values in an einsum of another layout ({av.args[0]})")
-        query, key_t = _operands(scores_node)
-        if scores_node.name == "einsum" and not _batched_matmul(str(scores_node.args[0])):
-            raise _Unread(f"its scores are an einsum of another layout ({scores_node.args[0]})")
+        left, value, av_out, layout = _product(av)
+        query, key_t, scores_out, _ = _product(scores_node)
         if scores_node.name == "baddbmm":
             qk = torch.bmm(query, key_t)
             beta, alpha = scores_node.kwargs.get("beta", 1.0), scores_node.kwargs.get("alpha", 1.0)
@@ -296,15 +375,53 @@ class _Watch(TorchFunctionMode):
                     and (start.device.type == "meta" or bool((start != 0).any())):  # GPT-NeoX-Japanese: zeros
                 biases.append((start * beta, scores_node.out))
         else:
-            qk = scores_node.out
-        return self._shaped(query, key_t, value, qk, scale, biases, masks, masked, left, av,
-                            (scores_node.stack, av.stack))
+            qk = scores_out
+        reading = self._shaped(query, key_t, value, qk, scale, biases, masks, masked, left, av_out,
+                               (scores_node.stack, av.stack), fills)
+        reading.layout = layout
+        return reading
+
+    def _terms(self, node: _Node) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The terms of a sum of query–key products: the one that is a product's result as it comes (through
+        casts and views), and the others, each re-indexed after its product (a slice, an index_select: XLNet's
+        relative shift) — or raises what the terms are instead."""
+        direct: list[torch.Tensor] = []
+        shifted: list[torch.Tensor] = []
+        todo = list(node.args[:2])
+        while todo:
+            term = todo.pop(0)
+            made = self.nodes.get(id(term))
+            if made is not None and made.name in _ADD and all(
+                    isinstance(a, torch.Tensor) and self._from_product(a) for a in made.args[:2]):
+                todo[:0] = list(made.args[:2])  # (a + b) + c
+                continue
+            x, moved = term, False
+            for _ in range(20):
+                made = self.nodes.get(id(x))
+                if made is None:
+                    raise _Unread("a term of its scores comes from outside the attention module's forward")
+                if made.name in _PRODUCTS:
+                    break
+                if made.name in _CARRY:
+                    x = made.args[0]
+                elif made.name in _SHIFT:
+                    x, moved = made.args[0], True
+                else:
+                    raise _Unread(f"a term of its summed scores passes an op the reader does not know ({made.name})")
+            else:
+                raise _Unread("a term of its summed scores was not traced back to its product")
+            (shifted if moved else direct).append(term)
+        if len(direct) != 1:
+            raise _Unread(f"its scores sum {len(direct)} query–key products read at the key positions as they come "
+                          "(a segment term beside the content term): which one is Q·Kᵀ is not decided by the ops")
+        return direct[0], shifted
 
     def _shaped(self, query: torch.Tensor, key_t: torch.Tensor, value: torch.Tensor, qk: torch.Tensor, scale: float,
-                biases: list, masks: list, masked: torch.Tensor, left: torch.Tensor, av: _Node,
-                where: tuple) -> Reading:
-        """Every stage as ``[B, H|G, …]`` (a family that flattens the heads into the batch is read back so)."""
-        B = self.batch
+                biases: list, masks: list, masked: torch.Tensor, left: torch.Tensor, av_out: torch.Tensor,
+                where: tuple, fills: list | None = None) -> Reading:
+        """Every stage as ``[B, H|G, …]`` (a family that flattens the heads into the batch is read back so: its
+        batch is the module's input's, where a pattern of rank 4 says it itself)."""
+        B = int(left.shape[0]) if left.dim() >= 4 else self.batch
         n, t = left.shape[-2], left.shape[-1]
         d, d_v = query.shape[-1], value.shape[-1]
         if key_t.shape[-2] != d or key_t.shape[-1] != t or value.shape[-2] != t or qk.shape[-2:] != (n, t):
@@ -326,6 +443,8 @@ class _Watch(TorchFunctionMode):
         for additive, on in masks:
             m = full(additive, on)
             mask = m if mask is None else mask + m
+        if mask is not None and fills and mask.device.type != "meta":
+            mask = _kept_by_fill(mask, [(full(hidden, on), value) for hidden, on, value in fills])
         if mask is not None and (all(a.dim() < 3 or a.shape[-3] == 1 for a, _ in masks) if mask.device.type == "meta"
                                  else bool((mask == mask[:, :1]).all())):
             mask = mask[:, :1]  # one mask for every head: [B, 1, n, t], as the hook table writes it
@@ -340,7 +459,25 @@ class _Watch(TorchFunctionMode):
         return Reading(query=heads_of(query, heads, n, d), key=heads_of(key_t.transpose(-1, -2), kv, t, d),
                        value=heads_of(value, kv, t, d_v), qk=heads_of(qk, heads, n, t), scale=scale, bias=bias,
                        mask=mask, masked=heads_of(masked, heads, n, t), pattern=heads_of(left, heads, n, t),
-                       z=heads_of(av.out, heads, n, d_v), where=where)
+                       z=heads_of(av_out, heads, n, d_v), where=where)
+
+
+def _kept_by_fill(mask: torch.Tensor, fills: list[tuple[torch.Tensor, float | None]]) -> torch.Tensor:
+    """In a row whose every key a ``torch.where`` fills with a constant, the softmax weighs the keys by those
+    constants: where one key holds the row's highest fill (Reformer's LSH self-mask, −10⁵ against the causal mask's
+    −10⁹, on the first query), all the weight is that key's, as it is with M = 0 there and −∞ elsewhere. ``fills``
+    in the order the reader met them (the last op applied first)."""
+    empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
+    if not bool(empty.any()) or any(value is None for _, value in fills):
+        return mask
+    level = torch.full_like(mask, float("-inf"))
+    covered = torch.zeros_like(mask, dtype=torch.bool)
+    for hidden, value in fills:  # the value an entry holds is the last fill applied to it
+        level = level.masked_fill(hidden & ~covered, float(value))  # type: ignore[arg-type]
+        covered |= hidden
+    top = level.amax(dim=-1, keepdim=True)
+    alone = (level == top).sum(dim=-1, keepdim=True) == 1
+    return mask.masked_fill(empty & alone & (level == top) & torch.isfinite(top), 0.0)
 
 
 def _scalar(x: Any) -> float | None:
@@ -532,12 +669,18 @@ class OwnAttention:
         out = av.out
         if pattern is not r.pattern:  # a hook replaced A: the product with V is taken again with it
             left, value = _operands(av)
-            swapped = pattern.reshape(left.shape).to(left.dtype)
+            shape = left.shape if r.layout is None else left.permute(r.layout[0]).shape
+            swapped = pattern.reshape(shape).to(left.dtype)
+            if r.layout is not None:
+                swapped = swapped.permute(_inverse(r.layout[0]))
             out = torch.matmul(swapped, value) if av.name != "einsum" else torch.einsum(av.args[0], swapped, value)
-            r.z = out.reshape(r.z.shape)
+            r.z = (out if r.layout is None else out.permute(r.layout[2])).reshape(r.z.shape)
         z = h.hook_z(r.z)
         if z is not r.z:
-            out = z.reshape(out.shape).to(out.dtype)
+            if r.layout is None:
+                out = z.reshape(out.shape).to(out.dtype)
+            else:
+                out = z.reshape(out.permute(r.layout[2]).shape).permute(_inverse(r.layout[2])).to(out.dtype)
         return out if out is not av.out else None
 
 

@@ -400,8 +400,8 @@ def _kv_shared(probed: list[_Call | None]) -> tuple[tuple[int, int], ...]:
 
 def cache_keyword(hf: nn.Module) -> str:
     """The name under which the model's forward takes its cache (and its output returns it): ``past_key_values``,
-    ``cache_params`` (Mamba, Mamba-2, Falcon-Mamba) or ``state`` (RWKV: a list of tensors with one slice per layer,
-    which the forward updates in place and hands back)."""
+    ``cache_params`` (Mamba, Mamba-2, Falcon-Mamba), ``mems`` (XLNet), ``past_buckets_states`` (Reformer) or ``state``
+    (RWKV: a list of tensors with one slice per layer, which the forward updates in place and hands back)."""
     import inspect
 
     try:
@@ -412,6 +412,10 @@ def cache_keyword(hf: nn.Module) -> str:
         return "past_key_values"
     if "cache_params" in names:
         return "cache_params"
+    if "mems" in names:  # XLNet: the hidden states each layer read, handed in and back (its cache)
+        return "mems"
+    if "past_buckets_states" in names:  # Reformer: its own cache object (hidden states and LSH buckets)
+        return "past_buckets_states"
     return "state" if "state" in names else "past_key_values"  # RWKV: its state list, handed in and back
 
 

@@ -13,7 +13,7 @@ RefusalReason = Literal[
     "encoder",  # bidirectional self-attention: position i sees positions after it
     "no softmax attention",  # state-space, recurrent or linear-attention layers only
     "attention outside the interface",  # attention in the family's own code that its ops do not show as one softmax
-    # attention (XLNet's relative attention, Reformer's hashed buckets); one that does is traced (_hf_own_attention)
+    # attention; one that does is traced (_hf_own_attention: XLNet's relative attention, Reformer's too)
     "state layers",  # state in a family's own cache class the trace cannot stand in for (MiniMax's is traced)
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row

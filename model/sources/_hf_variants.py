@@ -437,7 +437,7 @@ def own_cache_state(hf: nn.Module, lists: dict[int, nn.ModuleList], device: torc
             own = getattr(hf(input_ids=tokens, use_cache=True), keyword, None)
     except Exception:  # noqa: BLE001 (its forward failing is reported by the refusal that follows)
         return None
-    if own is None or isinstance(own, Cache):
+    if own is None or isinstance(own, Cache) or not hasattr(own, "__dict__"):  # XLNet's mems: a tuple of tensors
         return None
     fields = [(name, value) for name, value in vars(own).items() if isinstance(value, dict) and value
               and set(value) == set(range(len(value))) and all(

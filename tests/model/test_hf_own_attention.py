@@ -29,8 +29,6 @@ REFUSED = {
     "openai-gpt": ("no cache", "takes no past_key_values"),
     "xlm": ("encoder", "position 0 see position 1"),  # causal = false: bidirectional
     "cpmant": ("encoder", "position 0 see position 1"),  # every position is context: bidirectional
-    "xlnet": ("attention outside the interface", "sum of several query–key products"),
-    "reformer": ("attention outside the interface", "no softmax in it has an output that multiplies the values"),
     "prophetnet": ("several attentions per layer", "2 softmax attentions"),
 }
 WITH_BIAS = {"bloom", "mpt"}  # ALiBi: a bias beside the mask

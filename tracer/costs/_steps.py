@@ -87,16 +87,20 @@ def kv_cache_bytes(trace: Trace, step: int) -> int:
     """Bytes the cache holds after ``step``: every layer's ``hook_k_all`` + ``hook_v_all``, or — in a
     latent-attention layer (DeepSeek-V2/V3), whose cache holds no K and V — its ``hook_kv_latent_all`` +
     ``hook_k_rope_all``; plus a hybrid model's convolution / state-space state (``hook_conv_state``,
-    ``hook_ssm_state``). A layer that attends over another layer's K and V (KV sharing, ``GPTConfig.kv_shared``)
-    holds nothing of its own: its records are that layer's."""
+    ``hook_ssm_state``); XLNet's held hidden states (``hook_mems``) in place of its K and V. A layer that attends
+    over another layer's K and V (KV sharing, ``GPTConfig.kv_shared``) holds nothing of its own: its records are
+    that layer's."""
     shared = {f"blocks.{L}.attn" for L, _ in getattr(trace.config, "kv_shared", ()) or ()}
+    # XLNet: a layer whose cache holds its input hidden states (hook_mems) holds no K, V; they are made again
+    hidden = [rec for rec in trace.filter(step=step, kind="hook") if rec.name.rsplit(".", 1)[-1] == "hook_mems"]
+    shared |= {rec.name.rsplit(".", 1)[0] + ".attn" for rec in hidden}
     records = [rec for rec in trace.filter(step=step, kind="hook")
                if rec.name.rsplit(".", 1)[-1] in CACHE_HOOKS + LATENT_HOOKS
                and rec.name.rsplit(".", 1)[0] not in shared]
     latent = {rec.name.rsplit(".", 2)[0] for rec in records if rec.name.rsplit(".", 1)[-1] in LATENT_HOOKS}
     state = sum(rec.nbytes for rec in trace.filter(step=step, kind="hook")
                 if rec.name.rsplit(".", 1)[-1] in STATE_HOOKS)  # a hybrid model's fixed-size state
-    return state + sum(rec.nbytes for rec in records
+    return state + sum(rec.nbytes for rec in hidden) + sum(rec.nbytes for rec in records
                        if rec.name.rsplit(".", 1)[-1] in LATENT_HOOKS or rec.name.rsplit(".", 2)[0] not in latent)
 
 
