@@ -228,8 +228,18 @@ def new_generation(model, tokenizer, settings: Settings) -> TracedGeneration:
 
 
 def caches(model) -> bool:
-    """Whether ``model`` runs with our KV cache (a module of your own runs its own code, without one)."""
-    return not isinstance(model, OwnDecoder)
+    """Whether ``model`` runs with our KV cache (a module of your own runs its own code, without one; BLT has no
+    cached step: ``uncached_because``)."""
+    return uncached_because(model) is None
+
+
+def uncached_because(model) -> str | None:
+    """Why ``model`` runs without our KV cache, every step recomputing all positions, as a sentence's start; None
+    where it runs with it."""
+    if isinstance(model, OwnDecoder):
+        return "Your module runs its own forward, without our KV cache"
+    reason = getattr(model, "no_cache", None)
+    return f"This model runs without a KV cache ({reason})" if isinstance(reason, str) else None
 
 
 # -- models -------------------------------------------------------------------------------------------
