@@ -17,6 +17,7 @@ from gpt_shape_tracer.figures.common import (
     inert,
     key_labels,
     kv_head,
+    own_stream,
     positions,
     query_labels,
     real_query_rows,
@@ -288,7 +289,8 @@ def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: 
         return "<i>values not kept for this step</i>"
     weights = row[batch, 0, 0]  # [t]
     keys = key_labels(trace, step, batch, layer)
-    own = len(keys) - positions(trace, step)[0] + query
+    # the query's own key column; none where its block's rows and columns are not the text's (BLT: own_stream)
+    own = -1 if own_stream(trace, step, layer) is not None else len(keys) - positions(trace, step)[0] + query
     shown = keys_to_show(weights, own)
     spans, previous = [], -1
     for j in shown:

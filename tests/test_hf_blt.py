@@ -193,3 +193,37 @@ def test_the_views_name_each_blocks_list_and_say_no_causality_of_a_cross_attenti
             if config.block_paths[L].startswith("patcher."):
                 assert facts.sliding_window == patcher_window and facts.window > 0, (L, said)
     assert any(L in config.cross_blocks for L in range(config.n_layer))
+
+
+def test_the_app_traces_blt_with_the_cache_off_and_names_each_blocks_list(directory):
+    """The real app (AppTest): loaded from its directory and stepped with the KV cache toggle left on, BLT runs
+    without a cache and the sidebar says why; every tab renders without an error; the layer picker names each
+    block's list of layers; the Causal mask tab's takeaway for a cross-attention is counted from its own mask."""
+    from gpt_shape_tracer.model import load_hf
+    from tests.test_app import new_app, press, press_reset, run, show_tab
+    from tests.test_app_architectures import choose_directory, every_tab_without_error
+
+    config = load_hf(directory)[0].config
+    at = new_app()
+    choose_directory(at, directory)
+    press(at, "load_model")
+    press_reset(at)
+    press(at, "step_button")
+    press(at, "step_button")
+    gen = at.session_state["app"].live.generation
+    assert gen.n_steps == 2 and not gen.use_cache
+    assert any("This model runs without a KV cache" in c.value and "traced without a cache" in c.value
+               for c in at.sidebar.caption)
+    every_tab_without_error(at)
+    show_tab(at, "Causal mask")
+    picker = at.selectbox(key="mask_layer")
+    assert list(picker.options) == [f"{L} · {path}" for L, path in enumerate(config.block_paths)]
+    cross = config.cross_blocks[0]
+    picker.set_value(cross)
+    run(at)
+    mask = gen.trace.get(f"blocks.{cross}.attn.hook_mask", 1)[0, 0]
+    hidden = int(torch.isinf(mask).sum())
+    said = " ".join(m.value for m in at.markdown)
+    assert f"{hidden} of the {mask.numel()} scores are −∞ by this block&#39;s own mask" in said or \
+        f"{hidden} of the {mask.numel()} scores are −∞ by this block's own mask" in said, said[:2000]
+    assert "comes after the query" not in said
