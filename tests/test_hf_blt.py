@@ -108,6 +108,12 @@ def test_transformers_own_cached_forward_of_blt_is_not_the_model_so_it_runs_with
             hf(input_ids=tokens[:, :PROMPT], use_cache=True)
         past = EncoderDecoderCache(DynamicCache(), DynamicCache())
         hf(input_ids=tokens[:, :PROMPT], past_key_values=past, use_cache=True)
+        # what that cache holds: K and V over the prompt's bytes for the local encoder's layers (its first cache)
+        # and the local decoder's (its second), slots numbered from 0 in each; nothing of the patcher's or the
+        # global transformer's (over patches)
+        for held, stack in ((past.self_attention_cache, hf.model.local_encoder.layers),
+                            (past.cross_attention_cache, hf.model.local_decoder.layers)):
+            assert [layer.keys.shape[-2] for layer in held.layers] == [PROMPT] * len(stack)
         step = hf(input_ids=tokens[:, PROMPT:], past_key_values=past, use_cache=True).logits[0, -1]
         whole = hf(input_ids=tokens, use_cache=False).logits[0, -1]
     assert float((step - whole).abs().max()) > 100 * TOLERANCE

@@ -76,7 +76,10 @@ def stack_blocks(calls: Sequence[_Call], lists: dict[int, nn.ModuleList]) -> nn.
 def stack_of_blocks(hf: nn.Module, layers: Sequence[nn.Module] | nn.ModuleList,
                     attns: Sequence[nn.Module | None]) -> tuple[StackBlock, ...] | None:
     """Per block, which list of layers it is an element of (``StackBlock``); None where every block is an element
-    of one list (the ordinary decoder, and HRM's or LongCat-Flash's several blocks per layer)."""
+    of one list (the ordinary decoder), or where a layer is several blocks (HRM's re-run layers, LongCat-Flash's
+    sublayers: ``call_blocks``, whose cache slots are transformers' own)."""
+    if len({id(layer) for layer in layers}) < len(layers):
+        return None
     paths = {id(m): name for name, m in hf.named_modules()}
     prefix = str(getattr(hf, "base_model_prefix", "") or "")
     found = []
