@@ -205,6 +205,8 @@ def test_the_app_traces_blt_with_the_cache_off_and_names_each_blocks_list(direct
     """The real app (AppTest): loaded from its directory and stepped with the KV cache toggle left on, BLT runs
     without a cache and the sidebar says why; every tab renders without an error; the layer picker names each
     block's list of layers; the Causal mask tab's takeaway for a cross-attention is counted from its own mask."""
+    from html import unescape
+
     from gpt_shape_tracer.model import load_hf
     from tests.test_app import new_app, press, press_reset, run, show_tab
     from tests.test_app_architectures import choose_directory, every_tab_without_error
@@ -221,6 +223,10 @@ def test_the_app_traces_blt_with_the_cache_off_and_names_each_blocks_list(direct
     assert any("This model runs without a KV cache" in c.value and "traced without a cache" in c.value
                for c in at.sidebar.caption)
     every_tab_without_error(at)
+    lists = len({path.rpartition(".")[0] for path in config.block_paths})
+    shown = [unescape(c.value) for c in [*at.caption, *at.sidebar.caption, *at.markdown, *at.sidebar.markdown]]
+    assert any(f"{config.n_layer} attention blocks in {lists} lists of layers × {config.n_head} heads" in text
+               for text in shown), shown
     show_tab(at, "Causal mask")
     picker = at.selectbox(key="mask_layer")
     assert list(picker.options) == [f"{L} · {path}" for L, path in enumerate(config.block_paths)]
