@@ -12,8 +12,8 @@ Its cache: transformers' own cached forward of BLT fails on its own config (it b
 from a config with no ``num_hidden_layers``), and with a cache handed in, only the local encoder's and the local
 decoder's self-attention layers keep K and V (over bytes, each list numbering its slots from 0) while the patcher and
 the global transformer get none and see only the new bytes: that step is not the model's forward of the whole text.
-Such a model is traced without a cache (``no_cache``): every step recomputes the whole text, as its own config
-(``use_cache`` false) and its ``generate()`` do.
+Such a model is traced without a cache (``no_cache``): every step recomputes the whole text, as transformers'
+forward without a cache does (``load_hf``'s guard holds the trace to it and says so in ``reference_note``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def with_stacks(stacks: tuple[StackBlock, ...] | None, origins: tuple[str | None
     if stacks is None:
         return origins
     for hooks in block_hooks:
-        cast(Any, hooks).attn.given_mask = True
+        if hasattr(hooks, "attn"):
+            cast(Any, hooks).attn.given_mask = True
     return tuple(where.sentence(b) for b, where in enumerate(stacks))
 
 
