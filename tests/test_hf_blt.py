@@ -239,3 +239,27 @@ def test_the_app_traces_blt_with_the_cache_off_and_names_each_blocks_list(direct
     assert f"{hidden} of the {mask.numel()} scores are −∞ by this block&#39;s own mask" in said or \
         f"{hidden} of the {mask.numel()} scores are −∞ by this block's own mask" in said, said[:2000]
     assert "comes after the query" not in said
+
+
+def test_a_blt_whose_lists_attend_with_different_heads_is_refused_naming_each_lists_heads(tmp_path):
+    """Real BLT checkpoints give the global transformer more heads than the byte-level lists: the trace's config
+    holds one head count, so such a model is refused ("several stacks"), each list's heads as transformers' own
+    modules have them."""
+    import transformers
+
+    from gpt_shape_tracer.model import ModelLoadError, load_hf
+    from tests.hf_every_architecture import tiny_config
+
+    values = tiny_config("blt").to_dict()
+    values["global_config"].update(num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    torch.manual_seed(0)
+    hf = transformers.BltForCausalLM._from_config(transformers.BltConfig(**values)).eval()
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as refused:
+        load_hf(tmp_path)
+    assert refused.value.reason == "several stacks"
+    for name, module in _attention_modules(hf):
+        stack = name.removeprefix("model.").rsplit(".", 2 if name.endswith("self_attn") else 1)[0]
+        heads = (module.num_heads, module.num_key_value_heads, module.head_dim)
+        assert f"{stack}: H, G, d_head, d_v, d = ({heads[0]}, {heads[1]}, {heads[2]}, {heads[2]}, 64)" in \
+            str(refused.value), (stack, str(refused.value))
