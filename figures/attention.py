@@ -17,6 +17,7 @@ from gpt_shape_tracer.figures.common import (
     inert,
     key_labels,
     kv_head,
+    own_stream,
     positions,
     query_labels,
     real_query_rows,
@@ -221,7 +222,7 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     Each stage has its own colour scale unless ``shared_scale``: then QKᵀ, ÷√d_k and + M share one, and
     the division by √d_k shows as what it is — the same picture, its colours √d_k times fainter."""
     stages = attention_stages(trace, step, layer, head, batch)
-    xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    xs, ys = key_labels(trace, step, batch, layer), query_labels(trace, step, batch, layer)
     # five panels (a soft-capped model), or a grouped model's longer QKᵀ line: the shapes line breaks before its
     # result (at 1280 px the grouped line ran into its neighbour's, issue 41)
     # a long prompt's shapes line too ("[1, 2, 32768, 64] @ [1, 2, 64, 32768] → …" ran into its neighbours at 1280)
@@ -319,8 +320,9 @@ def query_attention_html(trace: Trace, step: int, layer: int, head: int, query: 
     if row is None:
         return "<i>values not kept for this step</i>"
     weights = row[batch, 0, 0]  # [t]
-    keys = key_labels(trace, step, batch)
-    own = len(keys) - positions(trace, step)[0] + query
+    keys = key_labels(trace, step, batch, layer)
+    # the query's own key column; none where its block's rows and columns are not the text's (BLT: own_stream)
+    own = -1 if own_stream(trace, step, layer) is not None else len(keys) - positions(trace, step)[0] + query
     shown = keys_to_show(weights, own)
     spans, previous = [], -1
     for j in shown:
@@ -578,7 +580,7 @@ def weighted_sum_figure(trace: Trace, step: int, layer: int, head: int, query: i
     o = scaled.sum(0)
     recorded = out[batch, head, query].double()
     delta = float((o - recorded).abs().max())
-    keys = key_labels(trace, step, batch)
+    keys = key_labels(trace, step, batch, layer)
     dims = [f"d{j}" for j in range(v.shape[1])]
     fig = subplots(rows=2, cols=3, column_widths=[0.06, 0.47, 0.47], row_heights=[0.88, 0.12],
                         shared_yaxes=False, horizontal_spacing=0.04, vertical_spacing=0.08,
@@ -614,9 +616,9 @@ def stages_takeaway(trace: Trace, step: int, layer: int, head: int, batch: int =
         return None
     a = pattern[batch, head].double()  # [n, t]
     n, t = a.shape
-    real = real_query_rows(trace, step, batch, n)
+    real = real_query_rows(trace, step, batch, n, layer)
     row = int(real.nonzero().max()) if bool(real.any()) else n - 1
-    keys, queries = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    keys, queries = key_labels(trace, step, batch, layer), query_labels(trace, step, batch, layer)
     top = int(a[row].argmax())
     hidden = int((~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])).sum()) if mask is not None else 0
     biased = "biased, " if trace.has(score_bias_name(layer), step) else ""  # Inkling: B is a stage of its own
@@ -636,7 +638,7 @@ def score_bias_sentence(trace: Trace, step: int, layer: int, head: int, batch: i
     if bias is None or mask is None:
         return None
     seen = torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
-    seen &= real_query_rows(trace, step, batch, seen.shape[0])[:, None]
+    seen &= real_query_rows(trace, step, batch, seen.shape[0], layer)[:, None]
     values = bias[seen]
     if not values.numel():
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import re
 from pathlib import PurePath
+from typing import cast
 
 import torch
 
@@ -106,8 +107,52 @@ def positions(trace: Trace, step: int) -> tuple[int, int]:
     return pattern.shape[-2], pattern.shape[-1]
 
 
-def key_labels(trace: Trace, step: int, row: int = 0) -> list[str]:
-    """The t key positions of ``step``: ``"3 · the"`` (just ``"3"`` in a plain Tracer's trace: it keeps no tokens)."""
+def layer_label(trace: Trace, layer: int) -> str:
+    """How the layer pickers name block ``layer``: its number, and — where the model's attention runs in several
+    lists of layers (BLT) — the path of the layer it is, which names its list ("4 · global_transformer.layers.0")."""
+    paths = getattr(trace.config, "block_paths", ()) if trace.config is not None else ()
+    return f"{layer} · {paths[layer]}" if paths and 0 <= layer < len(paths) else str(layer)
+
+
+def own_stream(trace: Trace, step: int, layer: int) -> tuple[int, int] | None:
+    """(n, t) of block ``layer``'s own queries and keys where they are not the step's text positions — a model whose
+    attention runs in several lists of layers (BLT, ``GPTConfig.block_paths``): a cross-attention (queries from one
+    stream, keys and values from another) or a list over another stream (BLT's global transformer over patches);
+    None where they are the text's."""
+    config = trace.config
+    if config is None or not getattr(config, "block_paths", ()):
+        return None
+    name = act_name("pattern", layer) if trace.has(act_name("pattern", layer), step) else act_name("mask", layer)
+    if not trace.has(name, step):
+        return None
+    n, t = trace.record(name, step).shape[-2:]
+    if layer in config.cross_blocks or (n, t) != positions(trace, step):
+        return n, t
+    return None
+
+
+def stream_sentence(trace: Trace, step: int, layer: int) -> str | None:
+    """What block ``layer``'s rows and columns are where they are not the text's positions (``own_stream``)."""
+    own = own_stream(trace, step, layer)
+    config = trace.config
+    if own is None or config is None:
+        return None
+    n, t = own
+    text = positions(trace, step)[1]
+    what = cast(str, config.stack_sentence(layer))
+    if layer in config.cross_blocks:
+        return (f"{what[0].upper()}{what[1:]}. Its {n} query rows and {t} key columns come from two different "
+                f"streams (the text has {text} tokens), so they are numbered, not labelled with tokens.")
+    return (f"{what[0].upper()}{what[1:]}. Its {n} positions are those of its own stream, not the text's {text} "
+            "tokens, so they are numbered, not labelled with tokens.")
+
+
+def key_labels(trace: Trace, step: int, row: int = 0, layer: int | None = None) -> list[str]:
+    """The t key positions of ``step``: ``"3 · the"`` (just ``"3"`` in a plain Tracer's trace: it keeps no tokens);
+    for a block whose keys are not the text's positions (``own_stream``), ``"k3"``."""
+    own = own_stream(trace, step, layer) if layer is not None else None
+    if own is not None:
+        return [f"k{j}" for j in range(own[1])]
     facts = trace.generation
     if facts is None:
         return [str(j) for j in range(positions(trace, step)[1])]
@@ -116,8 +161,12 @@ def key_labels(trace: Trace, step: int, row: int = 0) -> list[str]:
     return [f"{j} · {labels[j]}" if j < len(labels) else str(j) for j in range(t)]
 
 
-def query_labels(trace: Trace, step: int, row: int = 0) -> list[str]:
-    """The n query positions of ``step`` (the last n key positions)."""
+def query_labels(trace: Trace, step: int, row: int = 0, layer: int | None = None) -> list[str]:
+    """The n query positions of ``step`` (the last n key positions); for a block whose queries are not the text's
+    positions (``own_stream``), ``"q2"``."""
+    own = own_stream(trace, step, layer) if layer is not None else None
+    if own is not None:
+        return [f"q{i}" for i in range(own[0])]
     keys = key_labels(trace, step, row)
     return keys[len(keys) - positions(trace, step)[0]:]
 
@@ -163,10 +212,11 @@ def kv_head(trace: Trace, layer: int, head: int, step: int) -> int:
     return head // (H // G)
 
 
-def real_query_rows(trace: Trace, step: int, batch: int, n: int) -> torch.Tensor:
+def real_query_rows(trace: Trace, step: int, batch: int, n: int, layer: int | None = None) -> torch.Tensor:
     """[n] which of the step's query rows hold a token of sequence ``batch`` (not padding: no one reads a padding
-    row's output). Every row of a plain Tracer's trace (it records no padding)."""
+    row's output). Every row of a plain Tracer's trace (it records no padding), and of a block whose queries are
+    not the text's positions (``own_stream``: padding is the model's own mask's business there)."""
     facts = trace.generation
-    if facts is None:
+    if facts is None or (layer is not None and own_stream(trace, step, layer) is not None):
         return torch.ones(n, dtype=torch.bool)
     return torch.tensor(facts.is_token(batch, step)[-n:], dtype=torch.bool)

@@ -9,7 +9,15 @@ from dataclasses import dataclass, replace
 import plotly.graph_objects as go
 import torch
 
-from gpt_shape_tracer.figures.common import facts_of, gen_step, key_labels, query_labels, scores_formula, shape_text
+from gpt_shape_tracer.figures.common import (
+    facts_of,
+    gen_step,
+    key_labels,
+    query_labels,
+    scores_formula,
+    shape_text,
+    stream_sentence,
+)
 from gpt_shape_tracer.figures.heatmap import add, grid, masked_layer, style_axes
 from gpt_shape_tracer.figures.plot import figure, fitted, subplots
 from gpt_shape_tracer.model.gpt import act_name
@@ -49,8 +57,19 @@ class MaskFacts:
     # — not the positions 0 … t−1 — so no cell's cause is read from its column; how many cells are −∞ (−1: not that)
     compressed_masked: int = -1
     compressed_entries: int = 0  # … and how many of its last columns are compressed entries
+    # a block whose rows and columns are not the text's positions (BLT's cross-attention, its global transformer
+    # over patches: figures.common.own_stream): what they are, and how many keys each query row sees (fewest, most)
+    stream: str = ""
+    keys_seen: tuple[int, int] = (0, 0)
+    cached_steps: bool = True  # False: the model has no cached step (BLT, traced without a cache)
 
     def explanation(self) -> str:
+        if self.stream and self.counted:
+            fewest, most = self.keys_seen
+            return (f"M has shape {shape_text(self.shape)}: n = {self.n} query row(s) × t = {self.t} key column(s). "
+                    f"{self.stream} {self.masked} of {self.n * self.t} entries are −∞ and the rest are 0: each query "
+                    + (f"row sees {fewest} key(s)" if fewest == most else f"row sees between {fewest} and {most} keys")
+                    + ", as this block's own mask says (the model builds it; no cause is read from a cell's place).")
         if self.compressed_masked >= 0:
             return compressed_mask_sentence(self.n, self.t, self.compressed_masked, self.compressed_entries)
         if not self.counted:
@@ -100,7 +119,7 @@ class MaskFacts:
                    if self.own else "")
                 + (f", and so are the {self.padding_key} cells of padding keys at or before their query: row i of "
                    f"sequence {self.batch} weighs only its real keys up to i." if self.padding_key else "."))
-            if not self.use_cache:
+            if not self.use_cache and self.cached_steps:
                 lines.append("Without the cache every step recomputes all rows; only the last row is new, and its "
                              "causal part is all zeros — exactly the one row a cached step computes.")
         if self.padding_columns:
@@ -129,6 +148,18 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     n, t = rec.shape[-2], rec.shape[-1]
     config = trace.config
     window = getattr(config, "sliding_window", None) if config is not None else None
+    stream = stream_sentence(trace, step, layer)
+    if stream is not None:  # BLT's cross-attention, its patches: rows and columns of its own streams
+        own = MaskFacts(shape=rec.shape, n=n, t=t, batch=batch, counted=False, masked=-1, future=0, padding_key=0,
+                        window=0, unexplained=0, padding_columns=(), padding_rows=(), use_cache=facts.info.use_cache,
+                        decode=False, sliding_window=None, padding_side=facts.info.padding_side, stream=stream,
+                        cached_steps=False)
+        if mask is None:
+            return own
+        values = mask[min(batch, mask.shape[0] - 1), 0]  # [n, t]
+        seen = torch.isfinite(values).sum(-1)
+        return replace(own, counted=True, masked=int(torch.isinf(values).sum()),
+                       keys_seen=(int(seen.min()), int(seen.max())))
     real = facts.is_token(batch, step)  # the t key columns this step saw
     compressed = len(real) != t  # columns that are not the positions 0 … t−1 (compressed attention: a window's
     # rows, then compressed entries; model/sources/_hf_compressed.py): no cause can be read from a column's position
@@ -141,7 +172,8 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     uncounted = MaskFacts(shape=rec.shape, n=n, t=t, batch=batch, counted=False, masked=-1, future=-1,
                           padding_key=-1, window=-1, unexplained=-1, padding_columns=pad_cols, padding_rows=pad_rows,
                           use_cache=use_cache, decode=use_cache and step > 0 and forward.n == 1,
-                          sliding_window=window, padding_side=facts.info.padding_side)
+                          sliding_window=window, padding_side=facts.info.padding_side,
+                          cached_steps=not getattr(config, "block_paths", ()))
     if mask is None:
         return uncounted
     values = mask[min(batch, mask.shape[0] - 1), 0]  # [n, t]
@@ -156,6 +188,9 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     key = torch.arange(t)[None, :]
     future = key > query
     padding = torch.tensor([not r for r in real])[None, :].expand(n, t) & ~future
+    if window is None and config is not None and config.block_paths:  # BLT: each list of layers
+        window = _window_in(block, ~future & ~padding, query - key)  # has its own window (its patcher's), read off M
+        uncounted = replace(uncounted, sliding_window=window)
     outside = (key <= query - window) & ~future & ~padding if window else torch.zeros_like(future)
     visible, selected = (trace.get(act_name(name, layer), step) if trace.has(act_name(name, layer), step) else None
                          for name in ("index_visible", "index_selected"))
@@ -169,6 +204,17 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
                    indexer=int((block & skipped).sum()), own=int((block & own).sum()),
                    unexplained=int((block & ~explained).sum()), smallest=smallest,
                    padding_rows_see=_padding_rows_see(values, pad_rows, first_query))
+
+
+def _window_in(block: torch.Tensor, eligible: torch.Tensor, back: torch.Tensor) -> int | None:
+    """The sliding window a mask keeps, read off it: w where, among the earlier real keys (``eligible`` [n, t]: not
+    after the query, not padding), the −∞ ones (``block``) are exactly those w or more positions back from their
+    query (``back``); None where none is hidden, or where the hidden ones are no such band."""
+    hidden = block & eligible
+    if not bool(hidden.any()):
+        return None
+    w = int(back[hidden].min())
+    return w if bool((hidden == ((back >= w) & eligible)).all()) else None
 
 
 def compressed_mask_sentence(n: int, t: int, masked: int, entries: int) -> str:
@@ -204,7 +250,7 @@ def mask_figure(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> go.F
     (transformers' padding rows that see nothing: their softmax spreads evenly) is drawn as allowed, labelled
     "min", since it does get weight."""
     mask = trace.get(act_name("mask", layer), step)
-    xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    xs, ys = key_labels(trace, step, batch, layer), query_labels(trace, step, batch, layer)
     fig = figure()
     if mask is None:
         fig.add_annotation(text="mask values not kept for this step", showarrow=False)
@@ -246,7 +292,7 @@ def scores_before_after_figure(trace: Trace, step: int, layer: int, head: int, b
     before_name = act_name("softcapped" if trace.has(act_name("softcapped", layer), step) else "attn_scores", layer)
     before = trace.get(before_name, step)
     after = trace.get(act_name("masked_scores", layer), step)
-    xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    xs, ys = key_labels(trace, step, batch, layer), query_labels(trace, step, batch, layer)
     formula = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1])
     fig = subplots(rows=1, cols=2, subplot_titles=(f"before: {formula}", f"after: {formula} + M  (−∞ grey)"))
     if before is None or after is None:

@@ -15,6 +15,7 @@ from gpt_shape_tracer.figures.attention import score_bias, score_bias_name
 from gpt_shape_tracer.figures.common import (
     key_labels,
     kv_head,
+    own_stream,
     query_labels,
     real_query_rows,
     score_scale,
@@ -118,7 +119,7 @@ def pitfall_table(trace: Trace, step: int, layer: int, head: int, batch: int = 0
     mask = trace.get(act_name("mask", layer), step)
     assert mask is not None  # pitfall_patterns read it
     forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])
-    real = real_query_rows(trace, step, batch, forbidden.shape[0])
+    real = real_query_rows(trace, step, batch, forbidden.shape[0], layer)
     if not bool(real.any()):  # no real row at all: the means are over every row rather than none
         real = torch.ones_like(real)
     rows = []
@@ -143,9 +144,21 @@ def pitfall_sentence(trace: Trace, step: int, layer: int, head: int, batch: int 
         return ""
     forbidden = ~torch.isfinite(mask[min(batch, mask.shape[0] - 1), 0])  # [n, t]
     n_rows, t = forbidden.shape  # [n, t]
-    real = real_query_rows(trace, step, batch, n_rows)
+    real = real_query_rows(trace, step, batch, n_rows, layer)
     if not bool(real.any()):  # as pitfall_table: every row, rather than none
         real = torch.ones_like(real)
+    first = (f"Without {scaling} the scores are larger and the softmax far peakier (a larger max weight, a lower "
+             "entropy).")
+    if own_stream(trace, step, layer) is not None:  # BLT's cross-attention, its patches: no key is "after" a query
+        hidden = int((forbidden & real[:, None]).sum())
+        after = float(table.set_index("variant").loc["mask after the softmax", "row sum"])
+        return first + (f" Without M, weight leaks onto the {hidden:,} (query, key) pairs this block's mask hides "
+                        "(its rows and columns are positions of its own streams, not of the text: which key a query "
+                        "may read is its mask's rule, not causality). " if hidden else
+                        " This block's mask hides no (query, key) pair at this step, so leaving it out changes "
+                        "nothing. ") + (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum "
+                                        f"{after:.3f})." if after < 1 - 1e-9 else
+                                        "Masking after the softmax leaves the row sums at 1 here.")
     query_col = torch.arange(t - n_rows, t)[:, None]  # each query row's own column
     later = torch.arange(t)[None, :] > query_col
     forbidden = forbidden & real[:, None]  # a padding row's output is never read: its leaks matter to no one
@@ -155,8 +168,6 @@ def pitfall_sentence(trace: Trace, step: int, layer: int, head: int, batch: int 
     future = int((forbidden & later).sum())
     padding = int((forbidden & ~later & ~real_keys).sum())
     window = int((forbidden & ~later & real_keys).sum())  # an earlier real key hidden: a sliding window
-    first = (f"Without {scaling} the scores are larger and the softmax far peakier (a larger max weight, a lower "
-             "entropy).")
     sinks = trace.has(act_name("sink_logits", layer), step)  # gpt-oss: the model's own rows sum to less than 1
     own = float(table.set_index("variant").loc["as the model does it", "row sum"])
     sums = (f"the model's own row sums, {own:.3f} on average: the rest is the sink's" if sinks else "row sums of 1")
@@ -188,7 +199,7 @@ def pitfall_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 
     variants = pitfall_patterns(trace, step, layer, head, batch)
     if variants is None:
         return None
-    xs, ys = key_labels(trace, step, batch), query_labels(trace, step, batch)
+    xs, ys = key_labels(trace, step, batch, layer), query_labels(trace, step, batch, layer)
     fig = subplots(rows=1, cols=4, subplot_titles=list(variants), horizontal_spacing=0.04)
     for i, a in enumerate(variants.values(), start=1):
         g = grid(a, xs, ys)

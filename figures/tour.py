@@ -113,6 +113,7 @@ class TourContext:
     prefill_padding: tuple[int, ...] = ()  # sequence 0's padding positions at the prefill (keys M hides too)
     engine: EngineRun | None = None  # the Engine tab's run on view (None: none was run or opened yet)
     engine_refused: str = ""  # why the sidebar's model cannot run the engine ("" when it can)
+    no_cached_step: bool = False  # the model has no cached step at all (BLT's lists of layers: run without a cache)
 
 
 def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: bool, caches: bool,
@@ -130,6 +131,7 @@ def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: 
         n_steps=trace.n_steps, prefill_n=prefill.n, last_n=latest.n, last_t=latest.t,
         cache_after=latest.cache_after if facts.info.use_cache else 0, use_cache=facts.info.use_cache,
         caches=caches, values=trace.capture != "shapes", live=live,
+        no_cached_step=bool(getattr(config, "block_paths", ())),
         softcap=bool(getattr(config, "attn_softcap", None)), greedy=facts.info.sampling.greedy,
         chosen=sampling.labels[0] if sampling is not None else None,
         chosen_p=sampling.probs[0] if sampling is not None else None,
@@ -233,7 +235,9 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
                       step=last if decoded else None, head=prev_head,
                       skipped="" if ctx.values else no_values, waiting="" if decoded else press_step))
 
-    no_cache = ("this model runs its own forward, without our KV cache" if not ctx.caches else
+    no_cache = ("this model has no cached step: it runs without a KV cache, every step recomputing the whole text"
+                if ctx.no_cached_step else
+                "this model runs its own forward, without our KV cache" if not ctx.caches else
                 "this generation runs with the KV cache off (turn it on in the sidebar and Reset)"
                 if not ctx.use_cache else "")
     stops.append(Stop(

@@ -65,6 +65,14 @@ def mask_takeaway(facts: MaskFacts) -> Takeaway:
     if not facts.counted:
         return Takeaway(f"M is {shape_text(facts.shape)} at this step; its values were not kept, so its cells are "
                         "not counted.", (("query rows n", str(facts.n)), ("key columns t", str(facts.t))))
+    if facts.stream:  # BLT's cross-attention, its patches: rows and columns of its own streams, no cause by place
+        fewest, most = facts.keys_seen
+        seen = str(fewest) if fewest == most else f"{fewest}–{most}"
+        return Takeaway(f"{facts.masked} of the {cells} scores are −∞ by this block's own mask, which lets each query "
+                        f"row see {seen} key(s); its rows and columns are positions of its own streams, so no cell is "
+                        "hidden for where it sits in the text.",
+                        (("−∞ cells", f"{facts.masked} of {cells}"), ("keys each row sees", seen)),
+                        facts.explanation())
     if facts.decode:
         sentence = (f"A cached decode step computes one query row, the newest position: causality hides none of its "
                     f"t = {facts.t} keys")

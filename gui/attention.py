@@ -11,7 +11,14 @@ from gpt_shape_tracer.figures import gradients as grad_views
 from gpt_shape_tracer.figures import long_attention as long_views
 from gpt_shape_tracer.figures import pitfalls as pitfall_views
 from gpt_shape_tracer.figures import rope as rope_views
-from gpt_shape_tracer.figures.common import attention_layers, facts_of, key_labels, query_labels, scores_formula
+from gpt_shape_tracer.figures.common import (
+    attention_layers,
+    facts_of,
+    key_labels,
+    query_labels,
+    scores_formula,
+    stream_sentence,
+)
 from gpt_shape_tracer.figures.differential import (
     differential_figure,
     differential_head,
@@ -163,12 +170,19 @@ def attention_tab(trace: Trace, step: int) -> None:
     with sub["Gradients"]:
         if sub["Gradients"].open:
             gradients_section(trace, step, layer, head, batch)
+    own = stream_sentence(trace, step, layer)  # BLT: a block over streams of its own, not the text's positions
     with sub["FlashAttention"]:
         if sub["FlashAttention"].open:
-            flash_section(trace, step, layer, head, batch)
+            if own is not None:
+                st.info(f"{own} This view tiles a causal pass over the text's rows and keys: not drawn here.")
+            else:
+                flash_section(trace, step, layer, head, batch)
     with sub["Zoom"]:
         if sub["Zoom"].open:
-            zoom_section(trace, step, layer, head, batch)
+            if own is not None:
+                st.info(f"{own} This view reads rows and keys as the text's positions: not drawn here.")
+            else:
+                zoom_section(trace, step, layer, head, batch)
 
 
 def differential_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:
@@ -321,7 +335,7 @@ def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: i
             return
     result = kept.get(wanted)  # kept per (step, layer, head, sequence, loss): a Step loses none
     level, text = grad_views.agreement(result)
-    keys = key_labels(trace, step, batch)
+    keys = key_labels(trace, step, batch, layer)
     takeaway(text, [("loss L, all sequences" if result.pooled_over > 1 else "loss L", f"{result.loss:.4f}"),
                     ("largest |formula − autograd|", f"{max(result.max_abs_delta(n) for n in result.computed):.1e}"),
                     ("query rows", str(result.formula["G_P"].shape[0]))],
@@ -439,7 +453,7 @@ def flash_section(trace: Trace, step: int, layer: int, head: int, batch: int) ->
 
 
 def query_picker(trace: Trace, step: int, layer: int, head: int, batch: int, show: bool = True) -> int:
-    queries = query_labels(trace, step, batch)
+    queries = query_labels(trace, step, batch, layer)
     # keyed by step and sequence: the query rows differ between steps (n0 at the prefill, 1 after); the pick
     # per step is remembered in the app state, since Streamlit forgets a widget that was not drawn
     picks = state().live.query_picks

@@ -8,7 +8,7 @@ import weakref
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from gpt_shape_tracer.figures.common import facts_of, no_attention
+from gpt_shape_tracer.figures.common import facts_of, layer_label, no_attention
 from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
 from gpt_shape_tracer.model import ModelLoadError
 from gpt_shape_tracer.session import (
@@ -114,7 +114,8 @@ def layer_head_batch(trace: Trace, prefix: str, heads: bool = True) -> tuple[int
         st.session_state["attn_layer"], st.session_state["attn_head"] = app.pending_head
         app.pending_head = None
     cols = st.columns(3)
-    layer = cols[0].selectbox("layer", list(range(n_layer)), key=f"{prefix}_layer", persist_state="page")
+    layer = cols[0].selectbox("layer", list(range(n_layer)), key=f"{prefix}_layer", persist_state="page",
+                              format_func=lambda L: layer_label(trace, L))  # BLT: which list of layers it is in
     head = cols[1].selectbox("head", list(range(n_head)), key=f"{prefix}_head", persist_state="page") if heads else 0
     batch_size = facts_of(trace).batch_size
     batch = cols[2].selectbox("sequence", list(range(batch_size)), key=f"{prefix}_batch",

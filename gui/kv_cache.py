@@ -23,7 +23,7 @@ from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.model.sources import HFDecoder
-from gpt_shape_tracer.session import caches
+from gpt_shape_tracer.session import caches, uncached_because
 from gpt_shape_tracer.tracer import CACHE_CLASSES, CacheClassError, Trace, cache_class_run, cache_precision
 
 RECOMPUTE_REPEATS = 5  # timings of the cache comparison on demand: the fastest of this many runs
@@ -98,7 +98,7 @@ def cheaper_cache() -> None:
         st.info("This experiment runs the live model on this generation's prompt: Step once (or leave the file view).")
         return
     if not caches(gen.model):
-        st.info("Your module runs its own forward, without our KV cache: there is no cache to store more cheaply.")
+        st.info(f"{uncached_because(gen.model)}: there is no cache to store more cheaply.")
         return
     st.markdown("A cache can store its keys and values in fewer bytes: bfloat16 or float16 (2 bytes a number), or "
                 "int8 (1 byte a number and one float32 scale per row of each head: q = round(x/s), s = max|x|/127, "
@@ -222,8 +222,8 @@ def cache_this_step(trace: Trace, step: int) -> None:
     gen = app.live_generation
     latest = gen is not None and step == gen.n_steps - 1
     if gen is not None and not caches(gen.model):
-        st.info("Your module runs its own forward, without our KV cache: every step recomputes all positions, "
-                "and there is no cached path to compare it with.")
+        st.info(f"{uncached_because(gen.model)}: every step recomputes all positions, and there is no cached path "
+                "to compare it with.")
     elif gen is not None and latest and st.button(
             "Measure this step again, timing each path 5 times", key="measure_recompute",
             help="Redo the latest step untraced with the cache and as a full recompute; count, time (fastest of 5) "

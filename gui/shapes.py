@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from gpt_shape_tracer.figures import flow as flow_views
-from gpt_shape_tracer.figures.common import no_attention
+from gpt_shape_tracer.figures.common import layer_label, no_attention
 from gpt_shape_tracer.figures.view_takeaways import shapes_takeaway
 from gpt_shape_tracer.gui.common import chart, n_layer_head, plain, state
 from gpt_shape_tracer.gui.takeaway import takeaway
@@ -42,7 +42,8 @@ def shapes_tab(trace: Trace, step: int) -> None:
                    "stage multiplies by (the per-head W_Q^i, W_K^i, W_V^i of [d, d_k] are W_QKV's column blocks, "
                    "d_k columns per head).")
     takeaway(said.sentence, said.metrics, details)
-    layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page")
+    layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page",
+                         format_func=lambda L: layer_label(trace, L))  # BLT: which list of layers it is in
     chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
     st.subheader("The multi-head reshape, op by op")
     without = no_attention(trace, layer)

@@ -27,6 +27,7 @@ from gpt_shape_tracer.session import (
     describe_model,
     parse_run_steps,
     run_steps,
+    uncached_because,
 )
 from gpt_shape_tracer.tracer import FORWARD_CAPTURES, MAX_RUN_STEPS, PADDING_SIDES
 
@@ -130,8 +131,11 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     values["use_cache"] = sb.toggle(
         "KV cache", value=DEFAULTS.use_cache, key="use_cache",
         help="On: a decode step computes one new row. Off: every step recomputes all positions.")
-    if state().model.kind == "factory":
-        sb.caption("Your module runs its own forward, without our KV cache: every step recomputes all positions.")
+    live = state().live_generation  # the loaded model says so (BLT) once it has run
+    uncached = "Your module runs its own forward, without our KV cache" if state().model.kind == "factory" else \
+        uncached_because(live.model) if live is not None else None
+    if uncached:
+        sb.caption(f"{uncached}: every step recomputes all positions, whatever this toggle says.")
     values["chat"] = sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
                                help="Wrap each prompt in the model's chat template as a user message, as "
                                     "transformers' apply_chat_template(add_generation_prompt=True) does")

@@ -228,8 +228,18 @@ def new_generation(model, tokenizer, settings: Settings) -> TracedGeneration:
 
 
 def caches(model) -> bool:
-    """Whether ``model`` runs with our KV cache (a module of your own runs its own code, without one)."""
-    return not isinstance(model, OwnDecoder)
+    """Whether ``model`` runs with our KV cache (a module of your own runs its own code, without one; BLT has no
+    cached step: ``uncached_because``)."""
+    return uncached_because(model) is None
+
+
+def uncached_because(model) -> str | None:
+    """Why ``model`` runs without our KV cache, every step recomputing all positions, as a sentence's start; None
+    where it runs with it."""
+    if isinstance(model, OwnDecoder):
+        return "Your module runs its own forward, without our KV cache"
+    reason = getattr(model, "no_cache", None)
+    return f"This model runs without a KV cache ({reason})" if isinstance(reason, str) else None
 
 
 # -- models -------------------------------------------------------------------------------------------
@@ -248,7 +258,9 @@ def describe_model(model) -> str:
              f"d_qk = {c.d_head}, d_v = {c.d_v}")  # latent attention: the value heads are narrower
     if getattr(c, "kv_latent_dim", None) is not None:
         heads += f", cache per position d_c + d_R = {c.kv_latent_dim} + {c.rope_key_dim}"
-    return (f"{c.n_layer} layers × {c.n_head} heads{kv}, d = {c.d_model}, {heads}, V = {c.vocab_size}, "
+    lists = len({p.rpartition(".")[0] for p in getattr(c, "block_paths", ())})  # BLT: its lists of layers
+    layers = f"{c.n_layer} attention blocks in {lists} lists of layers" if lists else f"{c.n_layer} layers"
+    return (f"{layers} × {c.n_head} heads{kv}, d = {c.d_model}, {heads}, V = {c.vocab_size}, "
             f"n_ctx = {c.n_ctx} — {model.num_parameters / 1e6:.1f}M parameters, {dtype}{offload}")
 
 

@@ -374,6 +374,16 @@ def check(model_type: str, directory: Path) -> Result:
     except ModelLoadError as e:
         return Result(model_type, "refused", str(getattr(e, "reason", "") or ""), str(e))
     tokens = torch.randint(0, 200, (1, PROMPT + DECODE_STEPS), generator=torch.Generator().manual_seed(1))
+    if getattr(model, "no_cache", None):  # traced without a cache (BLT, whose own cached forward fails on its
+        # config): each step is the whole text again, compared with transformers' uncached forward
+        with torch.no_grad():
+            ours = [model(tokens[:, :PROMPT])] + [model(tokens[:, :i + 1])[:, -1:]
+                                                  for i in range(PROMPT, PROMPT + DECODE_STEPS)]
+        uncached = [float((a.float() - b.float()).abs().max())
+                    for a, b in zip(ours, _uncached_logits(directory, tokens))]
+        note = getattr(model, "reference_note", None)
+        return Result(model_type, "follows uncached" if max(uncached) <= TOLERANCE and note else "differs",
+                      uncached=uncached, note=note)
     cache = model.new_cache()
     ours = []
     with torch.no_grad():
@@ -449,8 +459,9 @@ REASON_WORDS = {
                                     "lay out as one block per call (HRM's re-run layers and LongCat-Flash's two "
                                     "attention sublayers are traced as one block per call; DiffLlama's two calls as "
                                     "differential attention)",
-    "several stacks": "attention runs in more than one list of layers (BLT: byte-level stacks around a transformer "
-                      "over patches, which cross-attend)",
+    "several stacks": "attention runs in more than one list of layers other than as one call per element of each, "
+                      "or its lists attend with different heads or widths (BLT's byte-level stacks around a "
+                      "transformer over patches, cross-attending, are traced one block per call, without a cache)",
     "indexed attention": "a learned indexer picks each query's keys and keeps its own key cache",
     "score bias": "a bias handed to the attention function beside the mask that the traced attention does not "
                   "compute (a score_mod, an attention_bias; Inkling's learned relative position bias is traced as a "

@@ -113,6 +113,11 @@ class GPTConfig:
     # d_I, the width of the keys that indexer keeps in the cache beside K and V
     indexed_layers: tuple[int, ...] = ()
     indexer_key_dim: int | None = None
+    # family "hf", attention in several lists of layers (BLT): per block, its layer's path in the model
+    # ("local_encoder.layers.0", "global_transformer.layers.1" …; empty where every block is an element of one list),
+    # and the blocks that are cross-attention (queries from one stream, keys and values from another)
+    block_paths: tuple[str, ...] = ()
+    cross_blocks: tuple[int, ...] = ()
     # family "hf": whether every block is a plain residual sum — the stream after attention (or a hybrid layer's
     # mixer) equal to the stream entering the block + hook_attn_out (hook_mixer_out), and the stream leaving it
     # equal to that + hook_mlp_out (a parallel block: x + both) — measured on the load's forward within float
@@ -185,7 +190,14 @@ class GPTConfig:
                                    or (all(mixers) and set(self.state_layers) != set(range(self.n_layer)))):
             raise ValueError(f"GPTConfig.mixers must name one mixer per layer (n_layer = {self.n_layer}), \"\" for "
                              f"an attention layer (all named only where every layer keeps state); got {mixers!r}")
-        for name in ("state_layers", "indexed_layers"):
+        for name in ("block_paths", "cross_blocks"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.block_paths and (len(self.block_paths) != self.n_layer
+                                 or not all(isinstance(p, str) and p for p in self.block_paths)):
+            raise ValueError(f"GPTConfig.block_paths must name one layer path per block (n_layer = {self.n_layer}), "
+                             f"got {self.block_paths!r}")
+        for name in ("state_layers", "indexed_layers", "cross_blocks"):
             if not all(isinstance(L, int) and not isinstance(L, bool) and 0 <= L < self.n_layer
                        for L in getattr(self, name)):
                 raise ValueError(f"GPTConfig.{name} must be layer numbers below {self.n_layer}, got "
@@ -225,6 +237,24 @@ class GPTConfig:
                     "(a fixed-size state, overwritten at every step, instead of K and V rows)")
         return (f"layer {layer} has no softmax attention: it is a {mixer} layer, which keeps nothing from one step to "
                 "the next")
+
+    def stack_of(self, layer: int) -> str | None:
+        """The list of layers block ``layer`` is an element of ("global_transformer.layers"), where the model's
+        attention runs in several (BLT); None where every block is an element of one list."""
+        return self.block_paths[layer].rpartition(".")[0] if self.block_paths else None
+
+    def stack_sentence(self, layer: int) -> str | None:
+        """Which list of layers block ``layer`` is in, and whether it is a cross-attention (None where every block is
+        an element of one list)."""
+        if not self.block_paths:
+            return None
+        path, stacks = self.block_paths[layer], sorted({p.rpartition(".")[0] for p in self.block_paths})
+        where = (f"block {layer} is {path}: element {path.rpartition('.')[2]} of {path.rpartition('.')[0]}, one of "
+                 f"the {len(stacks)} lists of layers this model's attention runs in")
+        if layer in self.cross_blocks:
+            return (where + ", a cross-attention: its queries come from one stream and its keys and values from "
+                    "another, so query i and key i are not the same position")
+        return where + ", a self-attention over that list's own stream"
 
     def kv_source(self, layer: int) -> int | None:
         """The layer whose K and V ``layer`` attends over when it computes none of its own (KV sharing: Gemma 3n's
@@ -291,7 +321,7 @@ class GPTConfig:
         """Plain JSON values (``GPTConfig(**config.to_dict())`` gives the config back): the per-layer tuples as
         lists, as a file written and read again holds them."""
         out = asdict(self)
-        for name in ("mixers", "state_layers", "indexed_layers"):
+        for name in ("mixers", "state_layers", "indexed_layers", "block_paths", "cross_blocks"):
             if isinstance(out[name], tuple):
                 out[name] = list(out[name])
         out["kv_shared"] = [list(pair) for pair in out["kv_shared"]]

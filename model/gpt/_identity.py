@@ -40,7 +40,10 @@ class ModelIdentity:
         kv = c.get("n_kv_head")
         if kv and kv != c.get("n_head"):
             heads += f" sharing {kv} key/value heads"
-        return (f"{self.name} ({self.family}) — {c.get('n_layer')} layers × {heads}, d = {c.get('d_model')}, "
+        lists = len({str(p).rpartition(".")[0] for p in c.get("block_paths") or ()})  # BLT: its lists of layers
+        layers = f"{c.get('n_layer')} attention blocks in {lists} lists of layers" if lists else \
+            f"{c.get('n_layer')} layers"
+        return (f"{self.name} ({self.family}) — {layers} × {heads}, d = {c.get('d_model')}, "
                 f"V = {c.get('vocab_size')}, n_ctx = {c.get('n_ctx')} · {self.weights_digest[:19]}")
 
 

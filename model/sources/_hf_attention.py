@@ -62,6 +62,9 @@ class _AttentionHooks(nn.Module):
         # two halves — and combines heads j and j + H/2 as (A_j − λ·A_{j+H/2})·[V_1, V_2]
         self.differential: Any = None  # () -> λ (a 0-d float32 tensor), set by HFDecoder for such a layer
         self.pending_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # call 1's (Q, K, M)
+        # attention in several lists of layers (BLT, model/sources/_hf_stacks.py): eager with the mask transformers
+        # hands it, always — a cross-attention's mask, or one over patches, is no causal / window / padding description
+        self.given_mask = False
         if differential:
             self.hook_pattern_1 = HookPoint()  # [B, H/2, n, t], A_j: the first softmax of each differential head
             self.hook_pattern_2 = HookPoint()  # [B, H/2, n, t], A_{j+H/2}: the second, subtracted
@@ -166,6 +169,8 @@ def traced_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                                   softcap, received)
         else:
             z, weights = attention_with_extras(query, key, value, mask, hooks, scale, bias, sinks), None
+    elif hooks is not None and hooks.given_mask:
+        z, weights = attention(query, key, value, _as_infinite(mask), hooks, scale=scale, softcap=softcap)
     elif forward is None or dropout > 0.0 or (mask is not None and _adds_a_bias(mask)) or indexed:
         # eager with transformers' own mask; always so for a mask that adds values to the scores (Doge's learned
         # per-head dynamic mask), which a description of causal / window / padding slots cannot rebuild
@@ -246,6 +251,18 @@ def differential_lambda(attn: nn.Module) -> Any:
                 + init)
 
     return lam
+
+
+def _as_infinite(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask handed to the attention with ``finfo.min`` as −∞ where a row sees at least one key (as ``traced_mask``
+    writes transformers' masks: the same softmax), so that M shows −∞ for every hidden key."""
+    if mask is None or not mask.is_floating_point() or mask.device.type == "meta":
+        return mask
+    hidden = mask <= torch.finfo(mask.dtype).min / 2
+    fill = hidden & torch.isfinite(mask) & (~hidden).any(dim=-1, keepdim=True)
+    # the very tensor where nothing changes (traced_mask wrote −∞ already): the record of M is then the layer's
+    # input itself, which is how a trace knows that input's −∞ as a mask's
+    return mask.masked_fill(fill, float("-inf")) if bool(fill.any()) else mask
 
 
 def _adds_a_bias(mask: torch.Tensor) -> bool:

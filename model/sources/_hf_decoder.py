@@ -54,6 +54,8 @@ What the records mean for such a model (the hook table's rows, specialised):
 * One block per attention call where a layer calls attention more than once per forward (``call_blocks``): HRM's
   layers, run several times per forward (each run its own cache slot), and LongCat-Flash's two attention sublayers
   per layer are blocks of their own, in the order of the calls, which is the order of the cache slots they write.
+* One block per call where attention runs in several lists of layers (BLT: model/sources/_hf_stacks.py), each named
+  by its layer's path (``GPTConfig.block_paths``, ``cross_blocks``), traced without a cache (``no_cache``).
 * State kept outside transformers' ``Cache`` (``HeldState``): RecurrentGemma's in attributes of its recurrent
   blocks, xLSTM's in its family's own cache object — held in ``StateCache`` (set where the model reads it before every
   forward, read back after), recorded as ``hook_conv_state`` / ``hook_ssm_state``.
@@ -72,8 +74,9 @@ the model then runs transformers' eager path, mask included; ``hook_score_bias``
 Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention, a forward that
 takes no cache (OpenAI GPT), linear-attention and state-space layers our cache cannot hold beside K and V, several
 attention calls per layer (but differential attention's two calls with the same Q and K, and calls that are one block
-each: ``call_blocks``), attention in several stacks of layers (BLT), encoders and encoder-decoders; and, after
-loading, a model whose cached decode step is not transformers' own forward (``guard_against_transformers``). """
+each: ``call_blocks``), attention in several stacks of layers not one call per element, or with different heads or
+widths, encoders and encoder-decoders; and, after loading, a model whose cached decode step is not transformers' own
+forward (``guard_against_transformers``). """
 
 from __future__ import annotations
 
@@ -96,6 +99,7 @@ from gpt_shape_tracer.model.gpt import (
     positions_and_keys,
     transaction,
 )
+from gpt_shape_tracer.model.sources import _hf_stacks as several  # BLT: attention in several lists of layers
 from gpt_shape_tracer.model.sources._hf_attention import (
     _HOOKS,
     ATTENTION,
@@ -405,6 +409,9 @@ class HFDecoder(nn.Module):
         # hooks sit on the sublayer's own modules (_hf_variants.py)
         reentry, sublayers = Reentry(layers, attns), split_layers(list(layers), attns)
         self.block_origins = block_origins(hf, layers, attns)  # what each block is, where a layer holds several
+        self.stacks = several.stack_of_blocks(hf, layers, attns)  # BLT: the list of layers each block is in
+        self.block_origins = several.with_stacks(self.stacks, self.block_origins, block_hooks)
+        self.no_cache = several.no_cache_reason(model_type, self.stacks)
         if reentry.active:
             self._handles += reentry.install(hf, layers, attns, _HOOKS, [getattr(b, "attn", None) for b in block_hooks])
         for block, (layer, attn, mixer, hooks, mlp_norm, call) in enumerate(zip(layers, attns, self._mixers,
@@ -465,6 +472,7 @@ class HFDecoder(nn.Module):
         plain: bool | None = None  # on the meta device there are no values to add up
         if not self._routing_unchecked:
             plain = self._check_routing(block_hooks)
+        several.refuse_unequal_heads(model_type, self.stacks, block_hooks, attns)
         self.config = replace(self._config(cfg, block_hooks[first].attn if first is not None else None),
                               plain_residual=plain)
         self.tensor_parallel: TensorParallelPlan | None = None  # one rank of k (a dry run): sources/_tensor_parallel.py
@@ -524,7 +532,7 @@ class HFDecoder(nn.Module):
         heads: one "head" as wide as the stream stands in (H = G = 1, d_head = d_model), which no view reads as
         attention (``mixers`` names every layer's mixer)."""
         arch = self.architecture
-        width = int(cfg.hidden_size)
+        width = int(cfg.hidden_size) if hasattr(cfg, "hidden_size") else several.stacks_width(self.hf)
         H, G, d_head, d_v = first.seen if first is not None else (1, 1, width, width)
         latent = next((widths for widths in self._latent if widths is not None), None)
         d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
@@ -534,7 +542,7 @@ class HFDecoder(nn.Module):
         n_ctx = (self._mems.n_ctx if self._mems is not None else None) or n_ctx  # XLNet: as far as its mems keep
         window = getattr(cfg, "sliding_window", None)
         return GPTConfig(
-            vocab_size=int(cfg.vocab_size), n_ctx=n_ctx, d_model=int(cfg.hidden_size),
+            vocab_size=int(cfg.vocab_size), n_ctx=n_ctx, d_model=width,
             n_layer=len(self.blocks),
             n_head=H, n_kv_head=G, head_dim=d_head, d_mlp=int(d_ff) if d_ff else None, family="hf",
             norm=arch.norm, positions=arch.positions, mlp="swiglu" if arch.mlp == "swiglu" else "gelu",
@@ -550,6 +558,8 @@ class HFDecoder(nn.Module):
             indexed_layers=tuple(L for L, block in enumerate(self.blocks)
                                  if hasattr(getattr(block, "attn", None), "hook_index_selected")),
             indexer_key_dim=_indexer_key_dim(cfg) if self._indexed else None,
+            block_paths=tuple(b.path for b in self.stacks) if self.stacks is not None else (),
+            cross_blocks=tuple(L for L, b in enumerate(self.stacks or ()) if b.cross),
         )
 
     # -- what our GPT offers too ----------------------------------------------------------------------
@@ -583,6 +593,8 @@ class HFDecoder(nn.Module):
         return _token_device(self.hf)
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
+        if self.no_cache is not None:
+            raise HFDecoderError(self.no_cache, reason="no cache")
         if self._compressed:
             return CompressedCache(self.config.n_layer, batch_size, storage, self.hf.config)
         if self._mems is not None:  # no layer appends K, V rows: each keeps its input hidden states (carried)
@@ -635,7 +647,8 @@ class HFDecoder(nn.Module):
             # leave it unbuilt (a fused path), which such a family would read as no mask at all
             _eager_masks(self.hf)
         before = getattr(_forward, "keys", None)
-        _forward.keys = (key_is_token, bool(self._indexed))  # an indexer reads the mask: it must be built
+        # an indexer reads the mask, and a model with several stacks attends with the masks it is given: built
+        _forward.keys = (key_is_token, bool(self._indexed) or self.stacks is not None)
         with transaction(cache, n, key_is_token), _restored(before):
             # positions count real tokens; a family whose embeddings derive positions from the ids themselves
             # (RoBERTa's padding_idx + 1 + …) gets them only with padding, else its own default applies

@@ -109,6 +109,9 @@ def guard_against_transformers(model: HFDecoder) -> None:
     n = min(n, model.config.n_ctx - 1)
     tokens = (torch.arange(n + 1, device=model.input_device) * 7 + 3)[None] % model.config.vocab_size  # [1, n+1]
     tolerance = logit_tolerance(next(hf.parameters()).dtype)
+    if model.no_cache is not None:  # BLT: traced without a cache (model/sources/_hf_stacks.py)
+        model.reference_note = _uncached_guard(model, tokens, n, tolerance)
+        return
     with torch.no_grad():
         cache = model.new_cache()
         model(tokens[:, :n], cache)
@@ -142,6 +145,35 @@ def guard_against_transformers(model: HFDecoder) -> None:
             f"transformers' own uncached forward of {name} differs from its cached forward (by {to_uncached:.3g} in "
             f"the logits of a decode step after {n} tokens); the trace follows the cached forward (within "
             f"{to_cached:.1g}), what its generate() runs")
+
+
+def _uncached_guard(model: HFDecoder, tokens: torch.Tensor, n: int, tolerance: float) -> str:
+    """The guard for a model traced without a cache: our forward of the whole text against transformers' uncached
+    one (refused where they differ); returns what transformers' own cached forward does with it — fails, or differs
+    from the model's forward of the whole text — for ``reference_note``."""
+    hf, name = model.hf, model.architecture.model_type
+    with torch.no_grad():
+        ours = model(tokens)[0, -1].float()
+        with _transformers_eager(hf):
+            uncached = hf(input_ids=tokens, use_cache=False).logits[0, -1].float()
+            try:
+                past = hf(input_ids=tokens[:, :n], use_cache=True).past_key_values
+                cached: torch.Tensor | None = hf(input_ids=tokens[:, n:], past_key_values=past,
+                                                 use_cache=True).logits[0, -1].float()
+                failure = ""
+            except Exception as e:  # noqa: BLE001 (transformers' own cached path failing is what the note says)
+                cached, failure = None, f"{type(e).__name__}: {str(e)[:160]}"
+    to_uncached = float((ours - uncached).abs().max())
+    if to_uncached > tolerance:
+        raise HFDecoderError(
+            f"{name}: its forward of {n + 1} tokens differs from transformers' own uncached forward by "
+            f"{to_uncached:.3g}, beyond {tolerance:g}: the trace would not show what this model computes",
+            reason="differs from transformers")
+    own = (f"transformers' own cached forward of {name} fails ({failure})" if cached is None else
+           f"transformers' own cached forward of {name} differs from its uncached forward (by "
+           f"{float((cached - uncached).abs().max()):.3g} in the logits of a decode step after {n} tokens)")
+    return (f"{own}; the trace runs it without a cache, every step recomputing the whole text, and follows the "
+            f"uncached forward (within {to_uncached:.1g})")
 
 
 def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,

@@ -18,6 +18,7 @@ from gpt_shape_tracer.model.sources._hf_attention import _probing, differential_
 from gpt_shape_tracer.model.sources._hf_own_attention import Found
 from gpt_shape_tracer.model.sources._hf_own_attention import probe as own_attention_probe
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
+from gpt_shape_tracer.model.sources._hf_stacks import stack_blocks
 from gpt_shape_tracer.model.sources._hf_variants import call_blocks, own_cache_state
 from gpt_shape_tracer.model.sources._meta_ops import meta_op_cache
 
@@ -335,14 +336,15 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     repeated = [L for L, cs in enumerate(per_layer) if len(cs) > 1]
     stacks = {c.layer[0] for c in calls if c.layer is not None}
     if not repeated and len(stacks) > 1:  # BLT: byte-level stacks around a global transformer over patches
+        several = stack_blocks(calls, lists)  # one block per call, each named by its path (_hf_stacks.py)
+        if several is not None:
+            return several, list(calls), {}
         path = {id(m): name for name, m in hf.named_modules() if isinstance(m, nn.ModuleList)}
         named = sorted(path.get(key, "?") for key in stacks)
-        cross = sorted({type(c.module).__name__ for c in calls if "cross" in type(c.module).__name__.lower()})
         raise HFDecoderError(
-            f"{model_type}: its attention runs in {len(stacks)} lists of layers ({', '.join(named[:6])})"
-            + (f", cross-attention ({', '.join(cross[:2])}) among them: queries from one stack, keys and values from "
-               "another" if cross else "")
-            + "; the trace holds one stack of decoder layers, each with one attention", reason="several stacks")
+            f"{model_type}: its attention runs in {len(stacks)} lists of layers ({', '.join(named[:6])}), not each "
+            "element of each list calling one attention module of its own once per forward (or a module that is not "
+            "causal reading no second stream): the trace holds one block per call", reason="several stacks")
     if repeated or elsewhere:
         where = (f"layer(s) {', '.join(map(str, repeated[:8]))} call attention more than once per forward"
                  if repeated else f"{len(elsewhere)} attention call(s) come from outside its list of layers")

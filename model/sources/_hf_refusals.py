@@ -18,7 +18,8 @@ RefusalReason = Literal[
     "latent attention",  # value head size ≠ query/key head size (multi-head latent attention)
     "attention sinks",  # a learned sink logit in every softmax row
     "several attentions per layer",  # a layer calls attention more than once per forward (recurrent depth, …)
-    "several stacks",  # attention runs in more than one list of layers (BLT's byte-level and patch-level stacks)
+    "several stacks",  # attention in more than one list of layers not as one call per element of each, or lists
+    # attending with different heads or widths (BLT, one call per element and equal heads, is traced: _hf_stacks.py)
     "alibi",  # a per-head linear bias added to the scores
     "score bias",  # another bias the attention function receives and adds to the scores (a learned position bias)
     "indexed attention",  # a learned indexer picks each query's keys and keeps its own key cache (DeepSeek DSA)

@@ -47,7 +47,8 @@ REPRESENTATIVE = [
     "inkling2_text",  # a position bias and sinks handed to the attention function by names of its own
     "recurrent_gemma",  # its recurrent state kept inside its modules, no cache object
     "minimax",  # lightning (linear) attention layers whose state its own cache class (MiniMaxCache) keeps
-    "blt",  # byte-level stacks around a global transformer over patches, cross-attending: several stacks
+    "blt",  # byte-level stacks around a global transformer over patches, cross-attending: one block per call,
+    # traced without a cache (transformers' own cached forward fails on its config)
     "xlstm",  # mLSTM blocks only, their state in a cache object of its own (built at a width its config and its
     # layers agree on)
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",

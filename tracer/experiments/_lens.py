@@ -90,6 +90,12 @@ def logit_lens(trace: Trace, step: int, row: int = 0, *, model: GPT | HFDecoder 
     top token). The last layer is the model's own logits."""
     model = _model(trace, model)
     step, row = _step_and_row(trace, step, row)
+    paths = getattr(model.config, "block_paths", ())
+    if paths:  # BLT: the patcher's, the encoder's, the global transformer's outputs are not the stream W_U reads
+        lists = sorted({p.rpartition(".")[0] for p in paths})
+        raise ValueError(f"this model's blocks lie in {len(lists)} lists of layers ({', '.join(lists)}), over "
+                         "different streams: only the last list's output is the stream its final norm and W_U read, "
+                         "so a lens over every block would read the others as what they are not")
     label = label or (lambda i: f"⟨{i}⟩")
     n_layer = model.config.n_layer
     device = input_device_of(model)  # recorded values are on the host; the final norm and W_U may not be
@@ -135,8 +141,8 @@ def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int |
     model = _model(trace, model)
     if not isinstance(model, GPT):
         raise ValueError("direct logit attribution freezes the final norm's scale at a position, which needs the "
-                         "norm written out as ours are; this model's final norm is transformers' code "
-                         "(the logit lens works on it)")
+                         "norm written out as ours are; this model's final norm is transformers' code"
+                         + ("" if getattr(model.config, "block_paths", ()) else " (the logit lens works on it)"))
     step, row = _step_and_row(trace, step, row)
     facts = trace.generation
     if token is not None:
