@@ -197,11 +197,11 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     skipped = (visible[min(batch, visible.shape[0] - 1)] & ~selected[min(batch, selected.shape[0] - 1)]
                & ~future & ~padding & ~outside) if visible is not None and selected is not None \
         else torch.zeros_like(future)  # [n, t]: visible keys an indexed layer's indexer did not choose
-    own = (key == query) & ~future & ~padding & ~outside & ~skipped
-    explained = future | padding | outside | skipped | own
+    own_key = (key == query) & ~future & ~padding & ~outside & ~skipped  # Reformer's LSH: a query's own key
+    explained = future | padding | outside | skipped | own_key
     return replace(uncounted, counted=True, masked=int(block.sum()), future=int((block & future).sum()),
                    padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
-                   indexer=int((block & skipped).sum()), own=int((block & own).sum()),
+                   indexer=int((block & skipped).sum()), own=int((block & own_key).sum()),
                    unexplained=int((block & ~explained).sum()), smallest=smallest,
                    padding_rows_see=_padding_rows_see(values, pad_rows, first_query))
 

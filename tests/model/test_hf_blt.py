@@ -208,8 +208,8 @@ def test_the_app_traces_blt_with_the_cache_off_and_names_each_blocks_list(direct
     from html import unescape
 
     from gpt_shape_tracer.model import load_hf
-    from tests.test_app import new_app, press, press_reset, run, show_tab
-    from tests.test_app_architectures import choose_directory, every_tab_without_error
+    from tests.app.test_app import new_app, press, press_reset, run, show_tab
+    from tests.app.test_app_architectures import choose_directory, every_tab_without_error
 
     config = load_hf(directory)[0].config
     at = new_app()
