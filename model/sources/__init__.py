@@ -39,9 +39,10 @@ from gpt_shape_tracer.model.sources._hf_compressed import (
     uncompressed_cache_bytes,
 )
 from gpt_shape_tracer.model.sources._hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, read_config
-from gpt_shape_tracer.model.sources._hf_decoder import Architecture, HFDecoder
+from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
 from gpt_shape_tracer.model.sources._hf_loading import MaxMemory, is_hf_decoder_dir, load_hf_decoder, weights_size
 from gpt_shape_tracer.model.sources._hf_ours import load_hf_ours, save_hf, save_hf_gpt2
+from gpt_shape_tracer.model.sources._hf_probe import Architecture
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
 from gpt_shape_tracer.model.sources._hf_weights import check_weights, hf_shapes, hf_to_state, our_layout, state_to_hf
 from gpt_shape_tracer.model.sources._load import (

@@ -81,7 +81,7 @@ forward (``guard_against_transformers``). """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -118,11 +118,12 @@ from gpt_shape_tracer.model.sources._hf_probe import (
     _NAMES_MLP,
     _NAMES_MLP_NORM,
     _NAMES_OUT,
-    PARALLEL_BLOCKS,
     _accelerate_hooks,
     _Call,
     _child,
     _find_attention,
+    _guess_architecture,
+    _indexer_key_dim,
     _keeps_linear_state,
     _kv_shared,
     _own_cache_class,
@@ -150,19 +151,6 @@ from gpt_shape_tracer.model.sources._tensor_parallel import TensorParallelPlan
 if TYPE_CHECKING:  # transformers is imported where it is used: loading our own models never needs it
     from transformers import PreTrainedModel
 
-@dataclass(frozen=True)
-class Architecture:
-    """What a Hugging Face config says about the pieces (the view's labels come from here)."""
-
-    model_type: str
-    positions: str  # "rope" | "learned"
-    norm: str  # "rmsnorm" | "layernorm"
-    mlp: str  # "swiglu" (a gated MLP) | "gelu" (any two-matrix MLP) | "moe"
-    parallel_block: bool  # attention and MLP read the same stream
-    softcap: float | None  # attention logit soft-capping
-    scale: float  # the attention's scale (1/√d_head unless the config says otherwise)
-
-
 def _eager_masks(hf: nn.Module) -> None:
     """transformers' eager path for a model whose attention is the family's own code: its masks built by
     ``eager_mask``, never left unbuilt. Written into every config the model holds, since these families do not take
@@ -173,44 +161,7 @@ def _eager_masks(hf: nn.Module) -> None:
             config._attn_implementation = "eager"
 
 
-def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None, model_type: str) -> Architecture:
-    cfg = _text_config(hf.config)
-    has_rope = any("rotary" in type(m).__name__.lower() for m in hf.modules())
-    norms = [type(m).__name__.lower() for m in layer.modules() if "norm" in type(m).__name__.lower()]
-    rms = any("rms" in n for n in norms) or (bool(norms) and not any("layernorm" in n and "rms" not in n
-                                                                     for n in norms))
-    mlp = _child(layer, _NAMES_MLP)
-    if mlp is not None and any(k in type(mlp).__name__.lower() for k in ("moe", "sparse", "expert")):
-        mlp_kind = "moe"
-    elif mlp is not None and (hasattr(mlp, "gate_proj") or hasattr(mlp, "gate_up_proj")):
-        mlp_kind = "swiglu"
-    else:
-        mlp_kind = "gelu"
-    parallel = (model_type in PARALLEL_BLOCKS or bool(getattr(cfg, "use_parallel_residual", False))
-                or (model_type == "falcon" and bool(getattr(cfg, "parallel_attn", True)
-                                                    or getattr(cfg, "new_decoder_architecture", False))))
-    softcap = getattr(cfg, "attn_logit_softcapping", None)
-    scaling = getattr(attn, "scaling", None)
-    heads = getattr(cfg, "num_attention_heads", None)
-    d_head = getattr(attn, "head_dim", None) or (cfg.hidden_size // heads if isinstance(heads, int) and heads else
-                                                 cfg.hidden_size)
-    return Architecture(model_type=model_type, positions="rope" if has_rope else "learned",
-                        norm="rmsnorm" if rms else "layernorm", mlp=mlp_kind, parallel_block=parallel,
-                        softcap=float(softcap) if softcap else None,
-                        scale=float(scaling) if isinstance(scaling, (int, float)) else d_head**-0.5)
-
-
 # -- the model ------------------------------------------------------------------------------------------
-def _indexer_key_dim(cfg: Any) -> int | None:
-    """d_I, the width of the keys an indexed model's indexer caches (DSA: ``index_head_dim``; QSA:
-    ``indexer_head_dim``)."""
-    for name in ("index_head_dim", "indexer_head_dim"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
 class _BlockHooks(nn.Module):
     def __init__(self, softcap: bool, has_mid: bool, latent: bool = False, sinks: bool = False,
                  attention: bool = True, differential: bool = False, indexed: bool = False,

@@ -486,3 +486,52 @@ def mixer_name(mixer: nn.Module, family_prefix: str) -> str:
 def _text_config(hf_config: Any) -> Any:
     return getattr(hf_config, "text_config", None) or hf_config
 
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a Hugging Face config says about the pieces (the view's labels come from here)."""
+
+    model_type: str
+    positions: str  # "rope" | "learned"
+    norm: str  # "rmsnorm" | "layernorm"
+    mlp: str  # "swiglu" (a gated MLP) | "gelu" (any two-matrix MLP) | "moe"
+    parallel_block: bool  # attention and MLP read the same stream
+    softcap: float | None  # attention logit soft-capping
+    scale: float  # the attention's scale (1/√d_head unless the config says otherwise)
+
+
+def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None, model_type: str) -> Architecture:
+    cfg = _text_config(hf.config)
+    has_rope = any("rotary" in type(m).__name__.lower() for m in hf.modules())
+    norms = [type(m).__name__.lower() for m in layer.modules() if "norm" in type(m).__name__.lower()]
+    rms = any("rms" in n for n in norms) or (bool(norms) and not any("layernorm" in n and "rms" not in n
+                                                                     for n in norms))
+    mlp = _child(layer, _NAMES_MLP)
+    if mlp is not None and any(k in type(mlp).__name__.lower() for k in ("moe", "sparse", "expert")):
+        mlp_kind = "moe"
+    elif mlp is not None and (hasattr(mlp, "gate_proj") or hasattr(mlp, "gate_up_proj")):
+        mlp_kind = "swiglu"
+    else:
+        mlp_kind = "gelu"
+    parallel = (model_type in PARALLEL_BLOCKS or bool(getattr(cfg, "use_parallel_residual", False))
+                or (model_type == "falcon" and bool(getattr(cfg, "parallel_attn", True)
+                                                    or getattr(cfg, "new_decoder_architecture", False))))
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    scaling = getattr(attn, "scaling", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    d_head = getattr(attn, "head_dim", None) or (cfg.hidden_size // heads if isinstance(heads, int) and heads else
+                                                 cfg.hidden_size)
+    return Architecture(model_type=model_type, positions="rope" if has_rope else "learned",
+                        norm="rmsnorm" if rms else "layernorm", mlp=mlp_kind, parallel_block=parallel,
+                        softcap=float(softcap) if softcap else None,
+                        scale=float(scaling) if isinstance(scaling, (int, float)) else d_head**-0.5)
+
+
+def _indexer_key_dim(cfg: Any) -> int | None:
+    """d_I, the width of the keys an indexed model's indexer caches (DSA: ``index_head_dim``; QSA:
+    ``indexer_head_dim``)."""
+    for name in ("index_head_dim", "indexer_head_dim"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
