@@ -7,23 +7,23 @@ A model's **blocks** are the children of each outermost ``nn.ModuleList`` of two
 * its structure: every submodule's relative path and class, every parameter's and buffer's relative name, shape,
   dtype and strides, and every submodule's plain attributes (numbers, strings, flags, tuples of them, the names of
   functions it holds: an attention module's ``sliding_window``, ``is_sliding``, ``is_kv_shared_layer``), except an
-  attribute that equals the block's index in every block of its list (``layer_idx``: the index itself);
+  attribute that equals the block's index in every block of its list that has it (``layer_idx``: the index);
 * the config's per-layer fields: every config attribute (ours, transformers', and their sub-configs) that holds one
   entry per block (``layer_types``, ``no_rope_layers``, …), the block's entry;
 * the call's arguments: every tensor's shape, strides and dtype, the plain values, and the fields of a dataclass
   argument (our ``MaskSpec``); any other object (a cache) by its class.
 
 So an MoE model's dense first layers, sliding and full attention, a hybrid's state-space layers and per-layer
-overrides are kinds of their own, read from what the model is, not from a list of families. Within a step, the
-first two blocks of each kind are counted op by op (``Template``: their ops, modules relative to the block, output
-shapes, multiply-adds and bytes; how far the live memory rose above where the block began; the new storages that
-outlive it; the shapes it returns) and compared; only when the two agree is the kind replicated. A later block of
-it still runs — its outputs, the KV cache's update are real — but its ops go past the counter (``OpCounter`` steps
-off the dispatch stack) to the meta-op cache, which notes the storages they make (``MetaOpCache.made``); at its
-end the storages that outlive it and the shapes it returns are checked against the template's, its costs are the
-template's with its path, its memory the template's rise above where it began, and what outlives it is tracked
-until freed. A block whose check fails raises ``ReplicationMismatch`` (a kind this module failed to tell apart)
-rather than guess.
+overrides are kinds of their own, read from what the model is, not from a list of families. Within a step the
+blocks of a kind are counted op by op (``Template``: their ops, with modules relative to the block, output shapes,
+multiply-adds and bytes; the shapes the block returns) until two consecutive ones agree (one that disagrees with the
+block before it becomes the one the next is compared with), and then the kind is replicated.
+A later block of it still runs (its outputs, the KV cache's update are real), but its ops go past the counter
+(``OpCounter`` steps off the dispatch stack) to the meta-op cache, which tells the counter of each one
+(``MetaOpCache.listener``): the new memory they make is tracked as a counted op's is, so the peak is the one a
+counted block gives. At its end its op count and the shapes it returned are checked against the template's, and
+its costs are the template's at its path. A block whose check fails raises ``ReplicationMismatch`` (a kind this
+module failed to tell apart) rather than guess.
 
 Only for models on the meta device (``costed_dry_run``): with values, data can steer a block's ops (an MoE's
 experts loop runs the experts its tokens chose), and no kind could say so.
@@ -58,9 +58,8 @@ class Template:
 
 
 class Kind:
-    """One kind of block within a step: the latest block of it counted, verified once the next agrees with it.
-    Until then each block is counted: the first block of a kind can differ from the next in what it frees (the
-    block before it was another kind's, or the embedding), so a block that disagrees becomes the one to agree with."""
+    """One kind of block within a step: the latest block of it counted, verified once the next agrees with it
+    (until then each block is counted, and one that disagrees becomes the one the next is compared with)."""
 
     __slots__ = ("template", "verified")
 
@@ -171,9 +170,13 @@ class Blocks:
             n = len(blocks)
             attributes = [{(rel, name): value for rel, m in block.named_modules() if not isinstance(m, HookPoint)
                            for name, value in _attributes(m).items()} for block in blocks]
-            # an attribute equal to the block's index in every block of the list is the index (layer_idx)
-            index_keys = {key for key in attributes[0]
-                          if all(attrs.get(key) == ("int", i) for i, attrs in enumerate(attributes))}
+            # an attribute equal to the block's index in every block that has it (two at least) is the index
+            # (layer_idx; a hybrid's attention and state-space modules each hold their own)
+            having: dict[tuple, list[bool]] = {}
+            for i, attrs in enumerate(attributes):
+                for key, value in attrs.items():
+                    having.setdefault(key, []).append(value == ("int", i))
+            index_keys = {key for key, equal in having.items() if len(equal) >= 2 and all(equal)}
             per_layer = [(c_index, name) for c_index, config in enumerate(configs)
                          for name, value in _fields(config).items()
                          if isinstance(value, (list, tuple)) and len(value) == n]

@@ -119,7 +119,7 @@ class OpCounter(TorchDispatchMode):
         self._kinds: dict[tuple, Kind] = {}
         self._block: InBlock | None = None
         self._popped = False  # this mode is off the dispatch stack: a replicated block is running
-        self.replicated = 0  # blocks whose costs are their template's
+        self.replicated: list[str] = []  # the blocks whose costs are their template's
         self.ops: list[OpCost] = []
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -221,7 +221,7 @@ class OpCounter(TorchDispatchMode):
                 "cost the dry run with replicate=False")
         self.ops.extend(OpCost(self.step, block.path + module if module is not None else outside, op, shape, *rest)
                         for module, op, shape, outside, *rest in template.ops)
-        self.replicated += 1
+        self.replicated.append(block.path)
 
     def _enter(self, path: str):
         def pre(module, args):

@@ -33,7 +33,9 @@ class StepCosts:
     step: int
     ops: tuple[OpCost, ...]
     peak_activation_bytes: int  # the most bytes of new tensors alive at once during the forward
-    replicated_blocks: int = 0  # blocks whose ops were seen and checked, and their costs their template's
+    # the blocks whose costs are their kind's template's, at their path (tracer/costs/_blocks.py); () where every
+    # block was counted op by op
+    replicated_blocks: tuple[str, ...] = ()
 
     @property
     def macs(self) -> int:
@@ -83,7 +85,7 @@ def _counted(model: nn.Module, forward: Callable[[], Any], step: int, blocks: Bl
     with meta_op_cache() if meta else contextlib.nullcontext() as cache, \
             OpCounter(model, step, blocks, cache) as counter:
         result = forward()
-    return result, StepCosts(step, tuple(counter.ops), counter.peak_bytes, counter.replicated)
+    return result, StepCosts(step, tuple(counter.ops), counter.peak_bytes, tuple(counter.replicated))
 
 
 def costed_dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
