@@ -184,11 +184,11 @@ class Blocks:
                 structure = tuple((rel, type(m).__qualname__) for rel, m in block.named_modules())
                 tensors = tuple((name, tuple(t.shape), t.dtype, t.stride())
                                 for name, t in [*block.named_parameters(), *block.named_buffers()])
-                attrs = tuple(sorted((k, v) for k, v in attributes[i].items() if k not in index_keys))
+                plain = tuple(sorted((k, v) for k, v in attributes[i].items() if k not in index_keys))
                 config = tuple((c_index, name, repr(_fields(configs[c_index])[name][i]))
                                for c_index, name in per_layer)
                 self.where[id(block)] = (f"{list_path}.{i}", i)
-                self.static[id(block)] = (list_path, type(block).__qualname__, structure, tensors, attrs, config)
+                self.static[id(block)] = (list_path, type(block).__qualname__, structure, tensors, plain, config)
 
     def kind(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         """The block's kind at this call (module doc), or None where an argument cannot be read into one."""
