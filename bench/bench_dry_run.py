@@ -1,8 +1,10 @@
 """Dry runs at full size: build a shipped shape config on the meta device, an 8,192-token prefill and 4 decode
 steps, shapes captured — time and peak RSS, each case in a fresh process (so the peak is its own).
 
-Cases per model: ``untraced`` (the same forwards with no tracer: the reference), ``traced`` (``tracer.dry_run``)
-and ``costed`` (``tracer.costed_dry_run``: every op's cost counted too). Issue 38's targets for the traced run:
+Cases per model: ``untraced`` (the same forwards with no tracer: the reference), ``traced`` (``tracer.dry_run``),
+``costed`` (``tracer.costed_dry_run``: every op's cost counted too, identical blocks costed once) and
+``costed_every`` (``replicate=False``: every block counted op by op, the reference for ``costed``; both write their
+total multiply-adds and peak memory, which must be equal). Issue 38's targets for the traced run:
 ≤ 15 s and ≤ 1.5 GB peak RSS. Every model runs with its KV cache (DeepSeek-V3's latent c_KV and k_R included).
 
 transformers' own modules (``modeling_utils`` pulls in ``torch.distributed.tensor``, sympy, scipy) are imported on
@@ -31,7 +33,7 @@ from pathlib import Path
 from common import RESULTS, ROOT, machine
 
 MODELS = ("llama-3.1-405b", "deepseek-v3", "qwen3-235b-a22b")
-CASES = ("untraced", "traced", "costed")
+CASES = ("untraced", "traced", "costed", "costed_every")
 
 
 def load1() -> float:
@@ -63,7 +65,7 @@ def one(model_name: str, case: str, tokens: int, steps: int) -> dict:
     built, built_cpu = time.perf_counter(), cpu_seconds()
     use_cache = True  # every model caches, latent attention (its c_KV and k_R) included
     records = 0
-    peak_activation = None
+    peak_activation = macs = replicated = None
     if case == "untraced":
         cache = model.new_cache(1) if use_cache else None
         ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
@@ -77,9 +79,12 @@ def one(model_name: str, case: str, tokens: int, steps: int) -> dict:
     elif case == "traced":
         records = len(dry_run(model, n=tokens, steps=steps, use_cache=use_cache).trace.records)
     else:
-        gen, costs = costed_dry_run(model, n=tokens, steps=steps, use_cache=use_cache)
+        gen, costs = costed_dry_run(model, n=tokens, steps=steps, use_cache=use_cache,
+                                    **({"replicate": False} if case == "costed_every" else {}))
         records = len(gen.trace.records)
         peak_activation = [round(c.peak_activation_bytes / 2**30, 2) for c in costs]  # GiB the real run would need
+        macs = [c.macs for c in costs]
+        replicated = [len(getattr(c, "replicated_blocks", ())) for c in costs]
     done, done_cpu = time.perf_counter(), cpu_seconds()
     return {"model": model_name, "case": case, "tokens": tokens, "steps": steps, "use_cache": use_cache,
             "import_s": round(started - imported, 2), "build_s": round(built - started, 2),
@@ -87,7 +92,7 @@ def one(model_name: str, case: str, tokens: int, steps: int) -> dict:
             "build_cpu_s": round(built_cpu - started_cpu, 2), "run_cpu_s": round(done_cpu - built_cpu, 2),
             "total_cpu_s": round(done_cpu - started_cpu, 2),
             "records": records, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "estimated_peak_activation_gib": peak_activation}
+            "estimated_peak_activation_gib": peak_activation, "macs": macs, "replicated_blocks": replicated}
 
 
 def profile_one(model_name: str, case: str, tokens: int, steps: int) -> None:
@@ -133,7 +138,8 @@ def main() -> None:
         by_case = {r["case"]: r for r in rows if r["model"] == name}
         base = max(by_case["untraced"]["run_s"], 1e-9)
         print(f"{name}: traced/untraced run time x{by_case['traced']['run_s'] / base:.2f}, "
-              f"costed/untraced x{by_case['costed']['run_s'] / base:.2f}")
+              f"costed/untraced x{by_case['costed']['run_s'] / base:.2f}, costed/costed_every CPU "
+              f"x{by_case['costed']['run_cpu_s'] / max(by_case['costed_every']['run_cpu_s'], 1e-9):.2f}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "dry_run.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
 

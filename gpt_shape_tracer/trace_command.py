@@ -316,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         for warning in gen.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         progress = _progress(args.steps, quiet=args.quiet)
-        done = gen.run(args.steps, on_step=progress)
+        if args.dry_run:
+            from gpt_shape_tracer.tracer import no_cyclic_collection
+
+            with no_cyclic_collection():  # as tracer.dry_run runs its steps
+                done = gen.run(args.steps, on_step=progress)
+        else:
+            done = gen.run(args.steps, on_step=progress)
         if progress is not None and done < args.steps:  # stopped early: end the progress line
             print(file=sys.stderr)
     except (ModelLoadError, OwnModuleError, SamplingError, ValueError, ImportError) as e:

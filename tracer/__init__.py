@@ -100,6 +100,7 @@ from gpt_shape_tracer.tracer.generation import (
     TracedGeneration,
     dry_run,
     latent_cache,
+    no_cyclic_collection,
     prepare_dry_run,
 )
 from gpt_shape_tracer.tracer.reading import (
@@ -170,7 +171,8 @@ __all__ = [
     "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "dry_run",
     "head_scores",
     "hooks_installed",
-    "load_trace", "logit_lens", "patch", "prepare_dry_run", "pattern_changes", "replay", "replay_diff", "save_trace",
+    "load_trace", "logit_lens", "no_cyclic_collection", "patch", "prepare_dry_run", "pattern_changes", "replay",
+    "replay_diff", "save_trace",
     "summarize",
     "tensor_stats", "text_loss", "value_blocks",
     "EngineError", "EngineRun", "EngineStep", "MAX_POOL_BYTES", "EngineSizing", "engine_sizing", "engine_sizing_table",

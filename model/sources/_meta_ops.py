@@ -23,7 +23,7 @@ starts when no other dispatch mode is active, and is a no-op otherwise.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -69,21 +69,28 @@ class MetaOpCache(TorchDispatchMode):
         self._outputs: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
         self.hits = 0
         self.misses = 0
+        # told of every op while set: (op, args, kwargs, result) — tracer/costs follows the memory of ops it does
+        # not count that way (a replicated block's)
+        self.listener: Callable[[Any, tuple, dict, Any], None] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         parts: list = [func, torch.get_default_dtype()]
         if not (_functional(func) and _key_parts(args, parts) and _key_parts(tuple(sorted(kwargs.items())), parts)):
-            return func(*args, **kwargs)
-        key = tuple(parts)
-        known = self._outputs.get(key)
-        if known is not None:
-            self.hits += 1
-            return torch.empty_strided(known[0], known[1], dtype=known[2], device="meta")
-        self.misses += 1
-        out = func(*args, **kwargs)
-        if self._fresh(out, args, kwargs):
-            self._outputs[key] = (tuple(out.shape), out.stride(), out.dtype)
+            out = func(*args, **kwargs)
+        else:
+            key = tuple(parts)
+            known = self._outputs.get(key)
+            if known is not None:
+                self.hits += 1
+                out = torch.empty_strided(known[0], known[1], dtype=known[2], device="meta")
+            else:
+                self.misses += 1
+                out = func(*args, **kwargs)
+                if self._fresh(out, args, kwargs):
+                    self._outputs[key] = (tuple(out.shape), out.stride(), out.dtype)
+        if self.listener is not None:
+            self.listener(func, args, kwargs, out)
         return out
 
     @staticmethod

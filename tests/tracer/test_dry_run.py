@@ -354,3 +354,109 @@ def test_the_meta_op_cache_keys_on_the_argument_types_and_the_default_dtype():
     with meta_op_cache() as cache:
         assert cache is not None
         assert dtypes("meta") == real
+
+
+# issue 53 item 5: identical blocks costed once. Tiny configs of each kind of model whose blocks differ: a dense
+# Llama (our GPT), DeepSeek-V3's dense first layers then mixture-of-experts, Gemma 2's sliding / full alternation,
+# and two hybrids (Qwen3-Next: linear attention with a full-attention layer every fourth; Jamba: Mamba mixers with
+# attention every fourth layer, experts every second)
+_TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=128)
+REPLICATION_CONFIGS = {
+    "llama": ("LlamaConfig", dict(_TINY, num_hidden_layers=6)),
+    "deepseek_v3": ("DeepseekV3Config", dict(ARCHITECTURES["deepseek_v3"][1], num_hidden_layers=7,
+                                             first_k_dense_replace=3)),
+    "gemma2": ("Gemma2Config", dict(ARCHITECTURES["gemma2"][1], num_hidden_layers=8)),
+    "qwen3_next": ("Qwen3NextConfig", dict(_TINY, num_hidden_layers=8, head_dim=16, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                                           linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)),
+    "jamba": ("JambaConfig", dict(_TINY, num_hidden_layers=8, num_experts=4, num_experts_per_tok=2,
+                                  attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                                  expert_layer_offset=1, mamba_d_state=8, mamba_expand=2)),
+}
+
+
+def _tiny_dry(tmp_path, model_type):
+    import transformers
+
+    config_class, kwargs = REPLICATION_CONFIGS[model_type]
+    (tmp_path / "config.json").write_text(json.dumps(getattr(transformers, config_class)(**kwargs).to_dict()))
+    model, _ = load_model(tmp_path, weights=False)
+    return model
+
+
+def _layer_kinds(model) -> list[str]:
+    """Each block's kind as the model's own config says it (not as tracer/costs/_blocks.py reads it)."""
+    hf = getattr(model, "hf", None)
+    config = hf.config if hf is not None else None
+    n = model.config.n_layer
+    if config is None:
+        return ["dense"] * n
+    if getattr(config, "first_k_dense_replace", None) is not None:
+        return ["dense" if i < config.first_k_dense_replace else "moe" for i in range(n)]
+    if getattr(config, "layers_block_type", None) is not None:  # Jamba: mixer and experts per layer
+        return [f"{config.layers_block_type[i]}/{i % config.expert_layer_period == config.expert_layer_offset}"
+                for i in range(n)]
+    return list(config.layer_types)
+
+
+def _replicable(kinds: list[str]) -> int:
+    """Blocks a kind's template covers at most: all but the first two of each kind."""
+    return sum(max(0, kinds.count(k) - 2) for k in set(kinds))
+
+
+@pytest.mark.parametrize("model_type", sorted(REPLICATION_CONFIGS))
+def test_replicated_blocks_give_the_costs_and_records_of_counting_every_block(model_type, tmp_path):
+    """``costed_dry_run`` (replicate on, the default) against ``replicate=False`` (every block counted op by op):
+    every op's cost (module, op, output shape, multiply-adds, bytes), each step's peak activation memory and every
+    record equal, prefill and two cached decode steps; and blocks were replicated — at most all but the first two
+    of each kind the config declares, at least one where a kind has three or more."""
+    from gpt_shape_tracer.tracer import costed_dry_run
+
+    model = _tiny_dry(tmp_path, model_type)
+    every, every_costs = costed_dry_run(model, n=6, steps=2, replicate=False)
+    once, once_costs = costed_dry_run(model, n=6, steps=2)
+    assert [c.ops for c in once_costs] == [c.ops for c in every_costs]
+    assert [c.peak_activation_bytes for c in once_costs] == [c.peak_activation_bytes for c in every_costs]
+    assert _rows(once.trace) == _rows(every.trace)
+    assert all(c.replicated_blocks == () for c in every_costs)
+    kinds = _layer_kinds(model)
+    for costs in once_costs:
+        assert 0 < len(costs.replicated_blocks) <= _replicable(kinds), (costs.replicated_blocks, kinds)
+        # a replicated block's costs sit at its own path, never its template's
+        for path in costs.replicated_blocks:
+            assert any(op.module.startswith(f"{path}.") for op in costs.ops), path
+
+
+def test_a_block_whose_shapes_differ_is_counted_not_replicated(tmp_path):
+    """Our GPT with block 4's MLP widened (its parameters' shapes differ from every other block's): block 4 is
+    counted op by op — its MLP's ops have the new width — and the costs equal counting every block; the blocks
+    like block 0 are still replicated, after it too."""
+    import dataclasses
+
+    from gpt_shape_tracer.tracer import costed_dry_run
+
+    model = _tiny_dry(tmp_path, "llama")
+    wide = dataclasses.replace(model.config, d_mlp=model.config.d_ff * 2)
+    with torch.device("meta"):
+        model.blocks[4].mlp = type(model.blocks[4].mlp)(wide).to(next(model.parameters()).dtype)
+    _, every = costed_dry_run(model, n=6, steps=1, replicate=False)
+    _, once = costed_dry_run(model, n=6, steps=1)
+    assert [c.ops for c in once] == [c.ops for c in every]
+    assert [c.peak_activation_bytes for c in once] == [c.peak_activation_bytes for c in every]
+    for costs in once:
+        assert "blocks.4" not in costs.replicated_blocks
+        # blocks 0 … 3 and 5 are one kind: those after two consecutive agreeing blocks are replicated, block 5
+        # among them though block 4 came between
+        assert {"blocks.3", "blocks.5"} <= set(costs.replicated_blocks) <= {f"blocks.{i}" for i in (2, 3, 5)}
+        widths = {op.output_shape[-1] for op in costs.ops if op.module.startswith("blocks.4.mlp.")}
+        assert wide.d_ff in widths and model.config.d_ff not in widths
+
+
+def test_replication_is_refused_for_a_model_with_weights():
+    from gpt_shape_tracer.tracer.costs import Blocks, count_forward
+
+    model, _ = load_model(ASSETS / "story-llama")
+    with pytest.raises(ValueError, match="only in a dry run"):
+        count_forward(model, lambda: model(torch.zeros(1, 3, dtype=torch.long)), blocks=Blocks(model))

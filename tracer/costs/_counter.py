@@ -39,11 +39,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils.flop_counter import flop_registry
 
 from gpt_shape_tracer.model.gpt import HookPoint
+from gpt_shape_tracer.model.sources import MetaOpCache
+from gpt_shape_tracer.tracer.costs._blocks import (
+    Blocks,
+    InBlock,
+    Kind,
+    ReplicationMismatch,
+    Template,
+    output_shapes,
+    relative,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,20 +75,51 @@ class OpCost:
         return 2 * self.macs
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results: nested tuples (named ones too), lists and dicts, in
+    ``tree_flatten``'s order (the first output is the first tensor). By hand: ``tree_flatten`` was a third of a
+    costed dry run's time, asking each leaf's node type."""
+    if out is None:
+        out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            if isinstance(item, torch.Tensor):
+                out.append(item)
+            elif isinstance(item, (tuple, list, dict)):
+                _tensors(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _tensors(item, out)
+    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_GATHERS = (torch.ops.aten.index, torch.ops.aten.index_select)  # the ops that can copy expert matrices
+_OWN_RESULTS: dict[Any, tuple[bool, ...]] = {}  # op overload → per result, whether it is new memory
+_NAMES: dict[Any, str] = {}  # op overload packet → its name in the costs ("aten.mm")
+
+
 class OpCounter(TorchDispatchMode):
     """Count every op's cost while active (module doc); ``with OpCounter(model, step) as c: model(x)``."""
 
-    def __init__(self, model: nn.Module, step: int = 0) -> None:
+    def __init__(self, model: nn.Module, step: int = 0, blocks: Blocks | None = None,
+                 cache: MetaOpCache | None = None) -> None:
         super().__init__()
         self.step = step
+        # identical blocks costed once (tracer/costs/_blocks.py): the blocks, each kind's template, the block in
+        # progress; a replicated block's ops go past this mode to the meta-op cache (``cache``), which notes the
+        # memory they make
+        self._blocks = blocks if cache is not None else None
+        self._cache = cache
+        self._kinds: dict[tuple, Kind] = {}
+        self._block: InBlock | None = None
+        self._popped = False  # this mode is off the dispatch stack: a replicated block is running
+        self.replicated: list[str] = []  # the blocks whose costs are their template's
         self.ops: list[OpCost] = []
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -97,8 +137,91 @@ class OpCounter(TorchDispatchMode):
         for path, module in model.named_modules():
             if isinstance(module, HookPoint) or not path:
                 continue
+            if self._blocks is not None and id(module) in self._blocks.where:
+                self._handles.append(module.register_forward_pre_hook(self._enter_block(path), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._exit_block(path)))
+                continue
             self._handles.append(module.register_forward_pre_hook(self._enter(path)))
             self._handles.append(module.register_forward_hook(self._exit(path)))
+
+    def _enter_block(self, path: str):
+        enter = self._enter(path)
+
+        def pre(module, args, kwargs):
+            enter(module, args)
+            if self._block is not None or self._blocks is None:
+                return  # a block inside a block (a block called twice in one call): counted with the outer one
+            key = self._blocks.kind(module, args, kwargs)
+            kind = self._kinds.setdefault(key, Kind()) if key is not None else None
+            self._block = block = InBlock(path, len(self.ops), kind)
+            if kind is not None and kind.verified and _get_current_dispatch_mode() is self:
+                assert self._cache is not None
+                block.replica = True  # its ops pass this mode by; the meta-op cache tells _replica_op of each
+                self._cache.listener = self._replica_op
+                _pop_mode()
+                self._popped = True
+        return pre
+
+    def _exit_block(self, path: str):
+        exit_ = self._exit(path)
+
+        def post(module, args, output):
+            exit_(module, args, output)
+            block = self._block
+            if block is None or block.path != path:
+                return
+            self._block = None
+            if block.replica:
+                self._restore()
+                self._replicate(block, output)
+                return
+            if block.kind is not None:
+                block.kind.add(Template([relative(op, path) for op in self.ops[block.start:]], output_shapes(output)))
+        return post
+
+    def _restore(self) -> None:
+        """This mode back on the dispatch stack, above the meta-op cache, after a replicated block."""
+        if self._popped:
+            _push_mode(self)
+            self._popped = False
+
+    def _replica_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """An op of a replicated block, told by the meta-op cache: counted, and the new memory it makes tracked
+        as a counted op's is (``_written``), the copies of expert matrices left out as there (its costs are the
+        template's)."""
+        block = self._block
+        assert block is not None
+        block.ops += 1
+        if func.overloadpacket in _GATHERS:
+            inputs, outputs = _tensors(kwargs, _tensors(args)), _tensors(out)
+            if self._copied_matrices(inputs, outputs):
+                for t in inputs:
+                    self._note_existing(t.untyped_storage())
+                self._written(outputs, set(), False, True)
+                return
+        own = _OWN_RESULTS.get(func)
+        if own is None:  # for each result, whether the schema says it is no argument's memory (a view's is)
+            own = _OWN_RESULTS[func] = tuple(r.alias_info is None for r in func._schema.returns)
+        for result, new in zip((out,) if len(own) == 1 else out, own):
+            if new:
+                for t in result if isinstance(result, (list, tuple)) else (result,):
+                    if isinstance(t, torch.Tensor):
+                        self._track(t.untyped_storage())
+
+    def _replicate(self, block: InBlock, output: Any) -> None:
+        """A replicated block's costs: its template's ops, at its path — once its op count and what it returned
+        are the template's."""
+        assert block.kind is not None and block.kind.template is not None and self._cache is not None
+        self._cache.listener = None
+        template = block.kind.template
+        if block.ops != len(template.ops) or output_shapes(output) != template.outputs:
+            raise ReplicationMismatch(
+                f"{block.path}: it ran {block.ops} ops and returned {output_shapes(output)}, its template "
+                f"{len(template.ops)} and {template.outputs}: a kind of block the replication did not tell apart; "
+                "cost the dry run with replicate=False")
+        self.ops.extend(OpCost(self.step, block.path + module if module is not None else outside, op, shape, *rest)
+                        for module, op, shape, outside, *rest in template.ops)
+        self.replicated.append(block.path)
 
     def _enter(self, path: str):
         def pre(module, args):
@@ -117,6 +240,9 @@ class OpCounter(TorchDispatchMode):
 
     def __exit__(self, *exc):
         try:
+            self._restore()  # a replicated block that raised: this mode is put back before it leaves the stack
+            if self._cache is not None:
+                self._cache.listener = None
             return super().__exit__(*exc)
         finally:
             for h in self._handles:
@@ -145,15 +271,13 @@ class OpCounter(TorchDispatchMode):
             self._existing.pop(key, None)
         return callback
 
-    def _copied_matrices(self, packet: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
+    def _copied_matrices(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
         """Whether the op copies whole weight matrices out of a parameter: ``gate_up_proj[expert_ids]``
         ``[E, 2·d_ff, d] → [S, 2·d_ff, d]``, the chosen experts' matrices, one per token and choice. The dry run's
         experts (transformers' ``batched_mm``, shapes fixed in advance: sources/_dry_run.py) make these copies;
         the kernels a real run uses (``grouped_mm``, the experts loop) read the matrices in place, so the copies are
         left out of the peak activation memory (their bytes stay in the op's weight bytes and bytes written). An
         embedding's rows (``[V, d] → [B, n, d]``: vectors, not matrices) are activations and stay in."""
-        if packet not in (torch.ops.aten.index, torch.ops.aten.index_select):
-            return False
         params = [t for t in inputs if t.dim() >= 3 and id(t.untyped_storage()) in self._param_storages]
         return any(o.dim() == p.dim() and o.shape[1:] == p.shape[1:] for p in params for o in outputs)
 
@@ -172,19 +296,23 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        inputs = _tensors((args, kwargs))
+        name = _NAMES.get(packet)
+        if name is None:
+            text = str(packet)
+            name = _NAMES[packet] = text if text.startswith("aten.") else f"aten.{text}"
+        inputs = _tensors(kwargs, _tensors(args)) if kwargs else _tensors(args)
         outputs = _tensors(out)
+        in_storages = {id(t.untyped_storage()) for t in inputs}
+        for t in inputs:  # memory that existed before the forward (the tokens, the KV cache's buffers): never new
+            self._note_existing(t.untyped_storage())
+        inplace = name.endswith("_") or "out" in kwargs  # add_, copy_, index_put_ …: they write their output
+        copies = packet in _GATHERS and self._copied_matrices(inputs, outputs)
         flops = 0
         counter = flop_registry.get(packet)
         if counter is not None:
             flops = int(counter(*args, **kwargs, out_val=out))
-        in_storages = {id(t.untyped_storage()) for t in inputs}
-        for t in inputs:  # memory that existed before the forward (the tokens, the KV cache's buffers): never new
-            self._note_existing(t.untyped_storage())
-        inplace = str(packet).endswith("_") or "out" in kwargs  # add_, copy_, index_put_ …: they write their output
         # a view (t, view, expand, slice, …): every output is an input's memory, so no kernel moves a byte
         view = bool(outputs) and not inplace and all(id(o.untyped_storage()) in in_storages for o in outputs)
-        copies = self._copied_matrices(packet, inputs, outputs)
         weight = read = spread = 0
         if copies:  # the dry run's copy of expert matrices: a real run reads the experts in place, copies nothing
             weight, spread = self._expert_reads(inputs, outputs)
@@ -202,6 +330,13 @@ class OpCounter(TorchDispatchMode):
                 part = min(held, sum(_nbytes(o) for o in outputs)) if gathers else min(held, _nbytes(t))
                 weight += part
                 read += part  # a gather reads the rows it gathers, not the whole parameter
+        written = self._written(outputs, in_storages, inplace, copies)
+        self.ops.append(OpCost(self.step, self._stack[-1], name, tuple(outputs[0].shape) if outputs else (),
+                               flops // 2, weight, read, written, spread))
+        return out
+
+    def _written(self, outputs: list[torch.Tensor], in_storages: set[int], inplace: bool, copies: bool) -> int:
+        """The bytes the op's outputs write; new storages tracked until freed, and the peak of their sum."""
         written = 0
         for o in outputs:
             storage = o.untyped_storage()
@@ -214,16 +349,17 @@ class OpCounter(TorchDispatchMode):
                     self._copies[key] = weakref.ref(storage, self._uncopied(key))
                 continue  # a real run makes no such copy: nothing written
             written += _nbytes(o)
-            if key not in self._seen and key not in self._tracked:  # new memory: alive until its last tensor goes
-                nbytes = storage.nbytes()
-                self._tracked[key] = weakref.ref(storage, self._freed(nbytes, key))
-                self.live_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        name = str(packet)
-        self.ops.append(OpCost(self.step, self._stack[-1], name if name.startswith("aten.") else f"aten.{name}",
-                               tuple(outputs[0].shape) if outputs else (), flops // 2, weight, read, written,
-                               spread))
-        return out
+            self._track(storage)
+        return written
+
+    def _track(self, storage: Any) -> None:
+        """New memory, unless seen before: alive until its last tensor goes, and the peak of all that is."""
+        key = id(storage)
+        if key not in self._seen and key not in self._tracked:
+            nbytes = storage.nbytes()
+            self._tracked[key] = weakref.ref(storage, self._freed(nbytes, key))
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _uncopied(self, key: int):
         def callback(_ref):

@@ -12,8 +12,9 @@ import pandas as pd
 from torch import nn
 
 from gpt_shape_tracer.model.sources import meta_op_cache, on_meta
+from gpt_shape_tracer.tracer.costs._blocks import Blocks
 from gpt_shape_tracer.tracer.costs._counter import OpCost, OpCounter
-from gpt_shape_tracer.tracer.generation import prepare_dry_run
+from gpt_shape_tracer.tracer.generation import no_cyclic_collection, prepare_dry_run
 
 if TYPE_CHECKING:
     from gpt_shape_tracer.model.sources import Decoder, TextTokenizer
@@ -32,6 +33,9 @@ class StepCosts:
     step: int
     ops: tuple[OpCost, ...]
     peak_activation_bytes: int  # the most bytes of new tensors alive at once during the forward
+    # the blocks whose costs are their kind's template's, at their path (tracer/costs/_blocks.py); () where every
+    # block was counted op by op
+    replicated_blocks: tuple[str, ...] = ()
 
     @property
     def macs(self) -> int:
@@ -63,23 +67,40 @@ class StepCosts:
         return out
 
 
-def count_forward(model: nn.Module, forward: Callable[[], Any], step: int = 0) -> tuple[Any, StepCosts]:
-    """Run ``forward()`` (a call of ``model``) with every op counted; returns its result and the costs."""
+def count_forward(model: nn.Module, forward: Callable[[], Any], step: int = 0,
+                  blocks: Blocks | None = None) -> tuple[Any, StepCosts]:
+    """Run ``forward()`` (a call of ``model``) with every op counted; returns its result and the costs.
+    ``blocks`` (``Blocks(model)``, a model on the meta device only): identical blocks costed once
+    (tracer/costs/_blocks.py)."""
+    meta = on_meta(model)
+    if blocks is not None and not meta:
+        raise ValueError("identical blocks are costed once only in a dry run: with values, data can steer a "
+                         "block's ops (an MoE's experts loop), so each block of a model with weights is counted")
+    return _counted(model, forward, step, blocks, meta)
+
+
+def _counted(model: nn.Module, forward: Callable[[], Any], step: int, blocks: Blocks | None,
+             meta: bool) -> tuple[Any, StepCosts]:
     # the meta-op cache first, so that the counter, pushed after it, sees every op (model.sources.meta_op_cache)
-    with meta_op_cache() if on_meta(model) else contextlib.nullcontext(), OpCounter(model, step) as counter:
+    with meta_op_cache() if meta else contextlib.nullcontext() as cache, \
+            OpCounter(model, step, blocks, cache) as counter:
         result = forward()
-    return result, StepCosts(step, tuple(counter.ops), counter.peak_bytes)
+    return result, StepCosts(step, tuple(counter.ops), counter.peak_bytes, tuple(counter.replicated))
 
 
 def costed_dry_run(model: Decoder, tokenizer: TextTokenizer | None = None, prompt: str | None = None, *,
-                   n: int = 16, steps: int = 4, batch: int = 1,
-                   use_cache: bool = True) -> tuple[TracedGeneration, list[StepCosts]]:
-    """``tracer.dry_run`` with every step's ops counted (``OpCounter``)."""
+                   n: int = 16, steps: int = 4, batch: int = 1, use_cache: bool = True,
+                   replicate: bool = True) -> tuple[TracedGeneration, list[StepCosts]]:
+    """``tracer.dry_run`` with every step's ops counted (``OpCounter``). ``replicate``: a block of a kind already
+    counted and checked (its first two blocks agree) takes their costs instead of being counted op by op
+    (tracer/costs/_blocks.py: the same costs, in less time); False counts every block."""
     gen = prepare_dry_run(model, tokenizer, prompt, n=n, steps=steps, batch=batch, use_cache=use_cache)
+    blocks = Blocks(model) if replicate else None
     costs = []
-    for step in range(1 + steps):
-        _, cost = count_forward(model, gen.step, step)
-        costs.append(cost)
+    with no_cyclic_collection():
+        for step in range(1 + steps):
+            _, cost = _counted(model, gen.step, step, blocks, True)  # on the meta device: prepare_dry_run checked
+            costs.append(cost)
     return gen, costs
 
 

@@ -9,7 +9,13 @@ Private: ``_traced``, ``_beams``, ``_speculative``, ``_events``, ``_dry`` (a dry
 prefill and decode steps, shapes only)."""
 
 from gpt_shape_tracer.tracer.generation._beams import BeamCandidate, BeamResult, BeamSearch, BeamSearchError, BeamStep
-from gpt_shape_tracer.tracer.generation._dry import PlaceholderTokenizer, dry_run, latent_cache, prepare_dry_run
+from gpt_shape_tracer.tracer.generation._dry import (
+    PlaceholderTokenizer,
+    dry_run,
+    latent_cache,
+    no_cyclic_collection,
+    prepare_dry_run,
+)
 from gpt_shape_tracer.tracer.generation._events import CACHE_EVENT_KINDS, CacheEvent
 from gpt_shape_tracer.tracer.generation._speculative import SpeculativeDecoding, SpeculativeError, SpeculativeStep
 from gpt_shape_tracer.tracer.generation._traced import (
@@ -24,4 +30,4 @@ from gpt_shape_tracer.tracer.generation._traced import (
 __all__ = ["MAX_BATCH", "BeamCandidate", "BeamResult", "BeamSearch", "BeamSearchError", "BeamStep",
            "CACHE_EVENT_KINDS", "CacheEvent", "SpeculativeDecoding", "SpeculativeError", "SpeculativeStep",
            "MAX_RUN_STEPS", "ContextFullError", "GenerationStopped", "PlaceholderTokenizer", "PromptError",
-           "TracedGeneration", "dry_run", "latent_cache", "prepare_dry_run"]
+           "TracedGeneration", "dry_run", "latent_cache", "no_cyclic_collection", "prepare_dry_run"]
