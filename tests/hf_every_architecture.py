@@ -564,7 +564,8 @@ def main(argv: list[str]) -> None:
         counts[result.outcome] = counts.get(result.outcome, 0) + 1
         detail = " ".join(f"{d:.1e}" for d in result.deltas) if result.deltas else result.message[:400]
         if result.uncached:
-            detail += " | uncached: " + " ".join(f"{d:.1e}" for d in result.uncached) + f" | {result.note}"
+            detail += " | uncached: " + " ".join(f"{d:.1e}" for d in result.uncached) + \
+                (f" | {result.note}" if result.note else "")
         print(f"{model_type:28s} {result.outcome:9s} {result.reason:24s} {detail}", flush=True)
     print(counts)
     if out is not None:

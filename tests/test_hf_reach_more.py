@@ -120,9 +120,10 @@ def test_openai_gpt_refuses_a_cache_with_the_reason_and_the_app_settings_turn_it
 def test_the_app_says_openai_gpt_keeps_no_cache():
     """The real app (AppTest) on an OpenAI GPT directory: Load, Step twice, the KV cache tab — its warning and the
     comparison's place say the model keeps no cache (its forward takes none), and nothing says it was switched off
-    or is a module of yours; the sidebar says the switch changes nothing; the mask view's decode sentence is the
-    full-forward one."""
-    from tests.test_app import new_app, page_text, press, press_reset, show_tab
+    or is a module of yours; the sidebar says the switch changes nothing; beam search is refused with the reason."""
+    from html import unescape
+
+    from tests.test_app import new_app, page_text, press, press_reset, run, show_tab
     from tests.test_app_architectures import choose_directory
 
     directory = with_tokenizer("openai-gpt", Path(tempfile.mkdtemp(prefix="app-gpt-")))
@@ -144,6 +145,11 @@ def test_the_app_says_openai_gpt_keeps_no_cache():
            "positions, and there is no cached path to compare it with." in text
     assert "Your module" not in text and "The KV cache is off for this generation" not in text
     assert any("whichever way this switch is set" in c.value for c in at.sidebar.caption)
+    show_tab(at, "Decoding")  # beam search and speculative decoding need a cache: refused with the reason, no crash
+    at.button(key="beam_run").click()
+    run(at)
+    assert any("beam search reorders a KV cache" in unescape(e.value) and "keeps no KV cache" in unescape(e.value)
+               for e in at.error), [e.value for e in at.error]
 
 
 # -- XLM ---------------------------------------------------------------------------------------------------------

@@ -696,7 +696,3 @@ class HFDecoder(nn.Module):
                                                  for block, widths in zip(self.blocks, self._latent)]
         return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None,
                            self._own_cache, [getattr(block, "attn", None) for block in self.blocks])
-
-
-
-
