@@ -235,3 +235,17 @@ def test_cpmant_is_refused_for_what_transformers_own_model_does(tmp_path):
         assert past.get_seq_length() == prompt + PROMPT
         cached = hf(input_ids=ids, past_key_values=past, use_cache=True).logits[0, -1]  # it slices the cached part
     assert float((cached - full).abs().max()) > 1e-3
+
+
+def test_a_dry_run_of_openai_gpt_is_full_forwards_and_says_why(tmp_path):
+    """Built on the meta device from its config: every step a full forward (n = t), and the page's note says the
+    model keeps no cache — not a refusal to build."""
+    from gpt_shape_tracer.gui.dry_run import DryRun, run_dry
+
+    tiny_config("openai-gpt").save_pretrained(tmp_path)
+    result = run_dry(str(tmp_path / "config.json"), 6, 2)
+    assert isinstance(result, DryRun), result
+    assert "(openai-gpt) takes no past keys and values, so it keeps no KV cache" in result.cache_note
+    facts = result.trace.generation
+    assert facts is not None and not facts.info.use_cache
+    assert all(facts.step(s).forward.n == facts.step(s).forward.t for s in range(result.trace.n_steps))
