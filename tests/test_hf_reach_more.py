@@ -102,8 +102,9 @@ def test_openai_gpt_generation_recomputes_every_position_as_transformers_does(op
 
 
 def test_openai_gpt_refuses_a_cache_with_the_reason_and_the_app_settings_turn_it_off(openai_gpt):
+    from gpt_shape_tracer.figures.tour import skipped_sentence, tour_context, tour_stops
     from gpt_shape_tracer.model.gpt import KVCache
-    from gpt_shape_tracer.session import caches, new_generation, settings_from
+    from gpt_shape_tracer.session import caches, new_generation, no_cache_reason, settings_from
 
     model, tok = load_hf(openai_gpt)
     with pytest.raises(HFDecoderError, match="takes no past keys and values.*turn the cache off"):
@@ -114,7 +115,13 @@ def test_openai_gpt_refuses_a_cache_with_the_reason_and_the_app_settings_turn_it
         model(torch.tensor([[1, 2]]), KVCache(model.config.n_layer, 1, "model"))
     assert not caches(model)
     settings = settings_from({"prompt": PROMPTS[0]})  # the sidebar's defaults: the cache on
-    assert settings.use_cache and not new_generation(model, tok, settings).use_cache
+    gen = new_generation(model, tok, settings)
+    assert settings.use_cache and not gen.use_cache
+    gen.run(2)  # the guided tour skips the cache's stops for the model's own reason
+    said = skipped_sentence(tour_stops(tour_context(gen.trace, None, live=True, caches=caches(model),
+                                                    no_cache_reason=no_cache_reason(model) or "")))
+    assert "The KV cache — this model's forward (openai-gpt) takes no past keys and values" in said, said
+    assert "History — this model's forward (openai-gpt)" in said and "your own" not in said
 
 
 def test_the_app_says_openai_gpt_keeps_no_cache():
