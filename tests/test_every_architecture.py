@@ -50,6 +50,8 @@ REPRESENTATIVE = [
     "blt",  # byte-level stacks around a global transformer over patches, cross-attending: several stacks
     "xlstm",  # mLSTM blocks only, their state in a cache object of its own (built at a width its config and its
     # layers agree on)
+    "openai-gpt",  # its forward takes no cache: every step a full forward, compared with transformers' full forward
+    "xlm",  # its own cache= handed the whole text (built as its causal LM)
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]
 
