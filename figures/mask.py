@@ -62,6 +62,13 @@ class MaskFacts:
     stream: str = ""
     keys_seen: tuple[int, int] = (0, 0)
     cached_steps: bool = True  # False: the model has no cached step (BLT, traced without a cache)
+    # padding key columns a real query after them may still see (XLM's causal mask leaves padding keys open: it
+    # zeroes their hidden states instead), read from M
+    padding_open: tuple[int, ...] = ()
+    # whether the padding query rows' recorded weights spread evenly over the keys, as a softmax of equal scores
+    # does (None: the pattern was not kept); OpenAI GPT's mask, −10⁴ after the query but the lowest float on padding
+    # keys, puts theirs on the real keys after them instead
+    padding_rows_even: bool | None = None
 
     def explanation(self) -> str:
         if self.stream and self.counted:
@@ -124,13 +131,25 @@ class MaskFacts:
                              "causal part is all zeros — exactly the one row a cached step computes.")
         if self.padding_columns:
             cols = ", ".join(map(str, self.padding_columns[:12])) + (" …" if len(self.padding_columns) > 12 else "")
-            lines.append(f"Key column(s) {cols} of sequence {self.batch} are padding: −∞ for every real query.")
+            shut = [j for j in self.padding_columns if j not in self.padding_open]
+            if not self.padding_open:
+                lines.append(f"Key column(s) {cols} of sequence {self.batch} are padding: −∞ for every real query.")
+            else:
+                open_ = ", ".join(map(str, self.padding_open[:12])) + (" …" if len(self.padding_open) > 12 else "")
+                lines.append(f"Key column(s) {cols} of sequence {self.batch} are padding, but this model's mask "
+                             f"leaves column(s) {open_} open to the real queries at or after them (0, not −∞): "
+                             "they get weight" + (f"; {len(shut)} other(s) are −∞ for every real query." if shut
+                                                  else "."))
         if self.padding_rows:
             rows = ", ".join(map(str, self.padding_rows[:12])) + (" …" if len(self.padding_rows) > 12 else "")
             if self.padding_rows_see == "nothing":  # transformers' mask: the row holds the smallest float, not −∞
+                spread = ("so its softmax spreads evenly over all keys" if self.padding_rows_even else
+                          "yet the recorded weights of such a row do not spread evenly (the model's own scores "
+                          "before its mask differ where M shows one value)" if self.padding_rows_even is False else
+                          "so a softmax of M alone would spread evenly over all keys (the weights were not kept)")
                 lines.append(f"Query row(s) {rows} are padding themselves: the model's mask hides every key from "
-                             "such a row with the smallest finite number instead of −∞, so its softmax spreads "
-                             "evenly over all keys; its output is never used.")
+                             f"such a row with the smallest finite number instead of −∞, {spread}; its output is "
+                             "never used.")
             else:
                 sees = {"itself": "itself only",
                         "before": "the real tokens before it and itself (its output is never used)"}.get(
@@ -199,7 +218,16 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
         else torch.zeros_like(future)  # [n, t]: visible keys an indexed layer's indexer did not choose
     own_key = (key == query) & ~future & ~padding & ~outside & ~skipped  # Reformer's LSH: a query's own key
     explained = future | padding | outside | skipped | own_key
+    real_rows = [i for i in range(n) if real[first_query + i]]
+    padding_open = tuple(j for j in pad_cols if any(not bool(block[i, j]) and j <= first_query + i
+                                                    for i in real_rows))
+    pattern = trace.get(act_name("pattern", layer), step) if pad_rows and trace.has(act_name("pattern", layer),
+                                                                                    step) else None
+    even = None if pattern is None else bool(torch.allclose(
+        pattern[min(batch, pattern.shape[0] - 1)][:, list(pad_rows)].double(), torch.full((), 1 / t).double(),
+        atol=1e-4, rtol=0))
     return replace(uncounted, counted=True, masked=int(block.sum()), future=int((block & future).sum()),
+                   padding_open=padding_open, padding_rows_even=even,
                    padding_key=int((block & padding).sum()), window=int((block & outside).sum()),
                    indexer=int((block & skipped).sum()), own=int((block & own_key).sum()),
                    unexplained=int((block & ~explained).sum()), smallest=smallest,

@@ -99,7 +99,7 @@ class TourContext:
     last_t: int  # … and key positions t
     cache_after: int  # positions cached after the latest step (0 without the cache)
     use_cache: bool
-    caches: bool  # whether the model runs with our KV cache (a module of your own does not)
+    caches: bool  # whether the model runs with our KV cache (a module of your own, OpenAI GPT do not)
     values: bool  # whether values were captured (not "shapes")
     live: bool  # whether the model that made the trace is here to rerun (gradients)
     softcap: bool  # the scores are soft-capped (a stage of their own; Gradients applies the cap's derivative)
@@ -113,11 +113,11 @@ class TourContext:
     prefill_padding: tuple[int, ...] = ()  # sequence 0's padding positions at the prefill (keys M hides too)
     engine: EngineRun | None = None  # the Engine tab's run on view (None: none was run or opened yet)
     engine_refused: str = ""  # why the sidebar's model cannot run the engine ("" when it can)
-    no_cached_step: bool = False  # the model has no cached step at all (BLT's lists of layers: run without a cache)
+    no_cache_reason: str = ""  # why the model keeps no KV cache, where it keeps none (its no_cache_reason)
 
 
 def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: bool, caches: bool,
-                 engine: EngineRun | None = None, engine_refused: str = "") -> TourContext:
+                 engine: EngineRun | None = None, engine_refused: str = "", no_cache_reason: str = "") -> TourContext:
     facts = facts_of(trace)
     config = trace.config
     last = trace.n_steps - 1
@@ -131,14 +131,13 @@ def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: 
         n_steps=trace.n_steps, prefill_n=prefill.n, last_n=latest.n, last_t=latest.t,
         cache_after=latest.cache_after if facts.info.use_cache else 0, use_cache=facts.info.use_cache,
         caches=caches, values=trace.capture != "shapes", live=live,
-        no_cached_step=bool(getattr(config, "block_paths", ())),
         softcap=bool(getattr(config, "attn_softcap", None)), greedy=facts.info.sampling.greedy,
         chosen=sampling.labels[0] if sampling is not None else None,
         chosen_p=sampling.probs[0] if sampling is not None else None,
         previous=previous, induction=induction,
         previous_weight=weight_on_previous_key(trace, 0, previous.layer, previous.head) if previous else None,
         prefill_padding=tuple(i for i, real in enumerate(facts.is_token(0, 0)) if not real),
-        engine=engine, engine_refused=engine_refused)
+        engine=engine, engine_refused=engine_refused, no_cache_reason=no_cache_reason)
 
 
 @dataclass(frozen=True)
@@ -235,11 +234,9 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
                       step=last if decoded else None, head=prev_head,
                       skipped="" if ctx.values else no_values, waiting="" if decoded else press_step))
 
-    no_cache = ("this model has no cached step: it runs without a KV cache, every step recomputing the whole text"
-                if ctx.no_cached_step else
-                "this model runs its own forward, without our KV cache" if not ctx.caches else
-                "this generation runs with the KV cache off (turn it on in the sidebar and Reset)"
-                if not ctx.use_cache else "")
+    own = ctx.no_cache_reason or "this model runs its own forward, without our KV cache"
+    no_cache = own if not ctx.caches else ("this generation runs with the KV cache off (turn it on in the sidebar and "
+                                           "Reset)" if not ctx.use_cache else "")
     stops.append(Stop(
         "cache", "The KV cache", "KV cache",
         f"K and V of every position seen are kept per layer as {_shape('B', 'G', 't', 'd_head')}: after step "

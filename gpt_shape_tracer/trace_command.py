@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             spill_mb=args.spill_mb)
         model, tokenizer = load(model_choice(args))  # the app's one loader
         if args.dry_run:
+            from gpt_shape_tracer.session import caches
             from gpt_shape_tracer.tracer import prepare_dry_run
 
             if tokenizer is None and not args.quiet:
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
             gen = prepare_dry_run(model, tokenizer, args.prompt[0] if tokenizer is not None else None,
                                   n=args.dry_run_tokens, steps=args.steps - 1, batch=len(args.prompt),
-                                  use_cache=not args.no_cache)
+                                  use_cache=not args.no_cache and caches(model))  # OpenAI GPT keeps none
         elif tokenizer is None and args.model_factory:
             raise ValueError(f"{args.model_factory} returned no tokenizer: return (model, tokenizer), or give "
                              "--tokenizer")

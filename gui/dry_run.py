@@ -15,7 +15,7 @@ from gpt_shape_tracer.figures.flow import shape_flow_figure
 from gpt_shape_tracer.gui.common import chart, plain
 from gpt_shape_tracer.model import GPT, HFDecoder, ModelLoadError
 from gpt_shape_tracer.model.sources import parameters_by_dtype, shapes_available
-from gpt_shape_tracer.session import ModelChoice, load
+from gpt_shape_tracer.session import ModelChoice, load, no_cache_reason
 from gpt_shape_tracer.tracer import (
     ACCELERATORS,
     StepCosts,
@@ -75,12 +75,14 @@ def run_dry(spec: str, n: int, steps: int, ranks: int = 1) -> DryRun | str:
         model, _ = load(ModelChoice("directory", spec, dry_run=True, tensor_parallel=ranks))
         assert isinstance(model, (GPT, HFDecoder))  # a dry run builds ours or transformers' decoder, never a module
         n = min(n, model.config.n_ctx - 1 - steps)
-        gen, costs = costed_dry_run(model, n=n, steps=steps)
+        reason = no_cache_reason(model)  # OpenAI GPT keeps no cache: every step a full forward, as it runs
+        gen, costs = costed_dry_run(model, n=n, steps=steps, use_cache=reason is None)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as e:
         return f"Could not build a dry run of {plain(spec)}: {plain(e)}"
     note = ("This model uses multi-head latent attention: its cache holds the compressed latent c_KV and the rotary "
             "key k_R of every position, and K and V are expanded from them at every step."
-            if latent_cache(model) else "")
+            if latent_cache(model) else f"{reason[:1].upper()}{reason[1:]}: every step of this dry run is a full "
+            "forward over all positions." if reason else "")
     dtype = next(iter(parameters_by_dtype(model)), "float32")
     return DryRun(model.identity.name, model, gen.trace, costs, parameters_by_dtype(model), dtype, note, ranks)
 

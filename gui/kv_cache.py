@@ -23,14 +23,19 @@ from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.model.sources import HFDecoder
-from gpt_shape_tracer.session import caches, uncached_because
+from gpt_shape_tracer.session import caches, no_cache_reason
 from gpt_shape_tracer.tracer import CACHE_CLASSES, CacheClassError, Trace, cache_class_run, cache_precision
 
 RECOMPUTE_REPEATS = 5  # timings of the cache comparison on demand: the fastest of this many runs
 
 
 def cache_tab(trace: Trace, step: int) -> None:
-    if not facts_of(trace).info.use_cache:
+    gen = state().live_generation
+    reason = no_cache_reason(gen.model) if gen is not None and gen.trace is trace else None
+    if reason is not None:  # a model that keeps no cache at all (OpenAI GPT, your own module)
+        st.warning(f"{_capital(reason)}: every step recomputes K and V for all positions, and so does this trace. "
+                   "The table shows what each step computed.")
+    elif not facts_of(trace).info.use_cache:
         st.warning("The KV cache is off for this generation: every step recomputes K and V for all positions. "
                    "The table shows what each step computed.")
     # two views, drawn only when open: a Step then redraws one chart of this tab, not two
@@ -98,7 +103,7 @@ def cheaper_cache() -> None:
         st.info("This experiment runs the live model on this generation's prompt: Step once (or leave the file view).")
         return
     if not caches(gen.model):
-        st.info(f"{uncached_because(gen.model)}: there is no cache to store more cheaply.")
+        st.info(f"{_capital(str(no_cache_reason(gen.model)))}: there is no cache to store more cheaply.")
         return
     st.markdown("A cache can store its keys and values in fewer bytes: bfloat16 or float16 (2 bytes a number), or "
                 "int8 (1 byte a number and one float32 scale per row of each head: q = round(x/s), s = max|x|/127, "
@@ -138,6 +143,10 @@ def cache_classes() -> None:
     gen = state().live_generation
     if gen is None:
         st.info("This experiment runs the live model on this generation's prompt: Step once (or leave the file view).")
+        return
+    if isinstance(gen.model, HFDecoder) and not caches(gen.model):
+        st.info(f"{_capital(str(no_cache_reason(gen.model)))}: there is no cache for transformers' cache classes to "
+                "hold.")
         return
     if not isinstance(gen.model, HFDecoder):
         st.info("This model runs our own forward and our own KV cache (the rounding of **A cheaper cache** is "
@@ -222,8 +231,8 @@ def cache_this_step(trace: Trace, step: int) -> None:
     gen = app.live_generation
     latest = gen is not None and step == gen.n_steps - 1
     if gen is not None and not caches(gen.model):
-        st.info(f"{uncached_because(gen.model)}: every step recomputes all positions, and there is no cached path "
-                "to compare it with.")
+        st.info(f"{_capital(str(no_cache_reason(gen.model)))}: every step recomputes all positions, and there is no "
+                "cached path to compare it with.")
     elif gen is not None and latest and st.button(
             "Measure this step again, timing each path 5 times", key="measure_recompute",
             help="Redo the latest step untraced with the cache and as a full recompute; count, time (fastest of 5) "
@@ -250,3 +259,8 @@ def cache_this_step(trace: Trace, step: int) -> None:
     else:
         st.caption("The file holds no comparison for this step.")
     st.caption("The query rows and multiply-adds of every step are under **Over the steps**.")
+
+
+def _capital(clause: str) -> str:
+    """A clause that starts in lower case (``no_cache_reason``) at the start of a sentence."""
+    return clause[:1].upper() + clause[1:]

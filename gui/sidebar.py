@@ -25,9 +25,9 @@ from gpt_shape_tracer.session import (
     checkpoint_path,
     compute_dtypes,
     describe_model,
+    no_cache_reason,
     parse_run_steps,
     run_steps,
-    uncached_because,
 )
 from gpt_shape_tracer.tracer import FORWARD_CAPTURES, MAX_RUN_STEPS, PADDING_SIDES
 
@@ -131,11 +131,12 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     values["use_cache"] = sb.toggle(
         "KV cache", value=DEFAULTS.use_cache, key="use_cache",
         help="On: a decode step computes one new row. Off: every step recomputes all positions.")
-    live = state().live_generation  # the loaded model says so (BLT) once it has run
-    uncached = "Your module runs its own forward, without our KV cache" if state().model.kind == "factory" else \
-        uncached_because(live.model) if live is not None else None
-    if uncached:
-        sb.caption(f"{uncached}: every step recomputes all positions, whatever this toggle says.")
+    live = state().live_generation
+    if state().model.kind == "factory":
+        sb.caption("Your module runs its own forward, without our KV cache: every step recomputes all positions.")
+    elif live is not None and (reason := no_cache_reason(live.model)) is not None:  # OpenAI GPT keeps none
+        sb.caption(f"{reason[:1].upper()}{reason[1:]}: every step recomputes all positions, whichever way this "
+                   "switch is set.")
     values["chat"] = sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
                                help="Wrap each prompt in the model's chat template as a user message, as "
                                     "transformers' apply_chat_template(add_generation_prompt=True) does")

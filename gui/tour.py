@@ -10,7 +10,7 @@ import streamlit as st
 
 from gpt_shape_tracer.figures.tour import Stop, shown_stops, skipped_sentence, tour_context, tour_stops
 from gpt_shape_tracer.gui.common import live_model_for, plain, state
-from gpt_shape_tracer.session import caches
+from gpt_shape_tracer.session import caches, no_cache_reason
 from gpt_shape_tracer.tracer import Trace
 
 TOUR_KEY = "tour_stop"  # the index, among the shown stops, of the stop on view; absent when no tour is going
@@ -63,7 +63,8 @@ def plan(trace: Trace) -> tuple[Stop, ...]:
     app = state()
     return tour_stops(tour_context(trace, scores, live=model is not None, caches=model is not None and caches(model),
                                    engine=app.engine.view.run if app.engine.view is not None else None,
-                                   engine_refused=engine_refused(app, model)))
+                                   engine_refused=engine_refused(app, model),
+                                   no_cache_reason=(no_cache_reason(model) or "") if model is not None else ""))
 
 
 def engine_refused(app, model) -> str:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from gpt_shape_tracer.model.analysis import repeated_random_tokens
 from gpt_shape_tracer.model.gpt import act_name, identity_of
 from gpt_shape_tracer.model.sampling import SamplingConfig, SamplingError
-from gpt_shape_tracer.model.sources import OwnDecoder, TokenizerConfigError
+from gpt_shape_tracer.model.sources import TokenizerConfigError
 from gpt_shape_tracer.session._choice import DEFAULT_MODEL as DEFAULT_MODEL
 from gpt_shape_tracer.session._choice import HOST as HOST
 from gpt_shape_tracer.session._choice import MAX_WEIGHTS_GIB as MAX_WEIGHTS_GIB
@@ -208,7 +208,7 @@ def parse_run_steps(raw: object) -> int:
 def new_generation(model, tokenizer, settings: Settings) -> TracedGeneration:
     """The generation the settings describe. With ``chat``, each prompt is rendered by the model's chat template
     (which writes the special tokens itself, so encoding adds none, as transformers does). A model that runs
-    without our KV cache (your own module) runs with the cache off."""
+    without our KV cache (your own module, OpenAI GPT: ``no_cache_reason``) runs with the cache off."""
     prompts = list(settings.prompts)
     if settings.chat:
         try:
@@ -228,18 +228,15 @@ def new_generation(model, tokenizer, settings: Settings) -> TracedGeneration:
 
 
 def caches(model) -> bool:
-    """Whether ``model`` runs with our KV cache (a module of your own runs its own code, without one; BLT has no
-    cached step: ``uncached_because``)."""
-    return uncached_because(model) is None
+    """Whether ``model`` runs with our KV cache (a module of your own runs its own code, without one; a
+    transformers family whose forward takes no cache, OpenAI GPT, keeps none: ``no_cache_reason``)."""
+    return no_cache_reason(model) is None
 
 
-def uncached_because(model) -> str | None:
-    """Why ``model`` runs without our KV cache, every step recomputing all positions, as a sentence's start; None
-    where it runs with it."""
-    if isinstance(model, OwnDecoder):
-        return "Your module runs its own forward, without our KV cache"
-    reason = getattr(model, "no_cache", None)
-    return f"This model runs without a KV cache ({reason})" if isinstance(reason, str) else None
+def no_cache_reason(model) -> str | None:
+    """Why ``model`` runs without a KV cache, as a clause starting in lower case (None: it keeps one)."""
+    reason = getattr(model, "no_cache_reason", None)
+    return str(reason) if reason else None
 
 
 # -- models -------------------------------------------------------------------------------------------

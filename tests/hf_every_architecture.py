@@ -98,6 +98,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                      "swa_num_key_value_heads": 2, "swa_head_dim": 16, "log_scaling_n_floor": 4},
     "inkling2_text": {"sliding_window_size": 4, "rel_extent": 6, "swa_num_attention_heads": 4,
                       "swa_num_key_value_heads": 2, "swa_head_dim": 16, "log_scaling_n_floor": 4},
+    # XLMConfig's default (causal = false) is XLM's masked LM, bidirectional; causal = true is its causal LM, as the
+    # CLM checkpoints (xlm-clm-enfr-1024, xlm-clm-ende-1024) set it
+    "xlm": {"causal": True},
     # its own cached forward fails on its own config (it builds DynamicCache(config=BltConfig), which has no
     # num_hidden_layers: a top-level config over four stacks of layers); without a cache it runs
     "blt": {"use_cache": False},
@@ -117,8 +120,9 @@ DECODE_STEPS = 3
 TOLERANCE = 1e-4  # float32, the project's parity bar
 
 # "follows uncached": traced, equal to transformers' uncached forward at every step, where transformers' own cached
-# path differs from it (the model says so in reference_note)
-Outcome = Literal["traced", "follows uncached", "refused", "crash", "differs", "not built"]
+# path differs from it (the model says so in reference_note); "no cache": traced, a model whose forward takes no cache
+# (OpenAI GPT), every step a full forward over the whole text compared with transformers' full forward on it
+Outcome = Literal["traced", "follows uncached", "no cache", "refused", "crash", "differs", "not built"]
 
 
 def causal_lm_types() -> list[str]:
@@ -333,19 +337,24 @@ def _reference_logits(directory: Path, tokens: torch.Tensor) -> list[torch.Tenso
     hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32,
                                               attn_implementation="eager").eval()
     keyword = cache_keyword(hf)  # past_key_values, or cache_params (Mamba's forward names its cache so)
+    # XLM names it cache and, as its generate() does, is handed the whole text at every step: its forward slices off
+    # the positions its cache holds ("do not recompute cached elements")
+    whole = keyword == "cache"
     out = []
     with torch.no_grad():
         result = hf(input_ids=tokens[:, :PROMPT], use_cache=True)
         past = getattr(result, keyword, None)
-        if past is None and keyword == "past_key_values":  # RecurrentGemma returns no cache object (its recurrent
-            # state stays in its modules): given one from the start, as generate() gives it, it fills its K and V
+        if past is None and keyword in ("past_key_values", "cache"):  # RecurrentGemma and XLM return no cache
+            # object (RecurrentGemma's recurrent state stays in its modules): given one from the start, as generate()
+            # gives it, they fill its K and V
             from transformers import DynamicCache
 
             past = DynamicCache(config=hf.config)
-            result = hf(input_ids=tokens[:, :PROMPT], past_key_values=past, use_cache=True)
+            result = hf(input_ids=tokens[:, :PROMPT], **{keyword: past}, use_cache=True)
         out.append(result.logits)
         for i in range(PROMPT, PROMPT + DECODE_STEPS):
-            result = hf(input_ids=tokens[:, i:i + 1], **{keyword: past}, use_cache=True)
+            result = hf(input_ids=tokens[:, :i + 1] if whole else tokens[:, i:i + 1], **{keyword: past},
+                        use_cache=True)
             returned = getattr(result, keyword, None)
             past = returned if returned is not None else past
             out.append(result.logits)
@@ -374,16 +383,21 @@ def check(model_type: str, directory: Path) -> Result:
     except ModelLoadError as e:
         return Result(model_type, "refused", str(getattr(e, "reason", "") or ""), str(e))
     tokens = torch.randint(0, 200, (1, PROMPT + DECODE_STEPS), generator=torch.Generator().manual_seed(1))
-    if getattr(model, "no_cache", None):  # traced without a cache (BLT, whose own cached forward fails on its
-        # config): each step is the whole text again, compared with transformers' uncached forward
+    note = getattr(model, "reference_note", None)
+    if getattr(model, "no_cache_reason", None):  # traced without a cache: every step a full forward over the text so
+        # far, compared with transformers' full forward on the same text (its last row). OpenAI GPT: its forward takes
+        # no cache ("no cache"); BLT: transformers' own cached forward fails on its config, and the model says so in
+        # its reference_note ("follows uncached")
         with torch.no_grad():
             ours = [model(tokens[:, :PROMPT])] + [model(tokens[:, :i + 1])[:, -1:]
                                                   for i in range(PROMPT, PROMPT + DECODE_STEPS)]
-        uncached = [float((a.float() - b.float()).abs().max())
-                    for a, b in zip(ours, _uncached_logits(directory, tokens))]
-        note = getattr(model, "reference_note", None)
-        return Result(model_type, "follows uncached" if max(uncached) <= TOLERANCE and note else "differs",
-                      uncached=uncached, note=note)
+        uncached = [float((a.float() - b.float()).abs().max()) for a, b in zip(ours, _uncached_logits(directory,
+                                                                                                      tokens))]
+        equal = max(uncached) <= TOLERANCE
+        if getattr(model, "stacks", None):
+            return Result(model_type, "follows uncached" if equal and note else "differs", uncached=uncached,
+                          note=note)
+        return Result(model_type, "no cache" if equal else "differs", uncached=uncached, note=note)
     cache = model.new_cache()
     ours = []
     with torch.no_grad():
@@ -392,7 +406,6 @@ def check(model_type: str, directory: Path) -> Result:
             ours.append(model(tokens[:, i:i + 1], cache))
     theirs = _reference_logits(directory, tokens)
     deltas = [float((a.float() - b.float()).abs().max()) for a, b in zip(ours, theirs)]
-    note = getattr(model, "reference_note", None)
     if max(deltas) <= TOLERANCE:
         return Result(model_type, "traced", deltas=deltas, note=note)
     uncached = [float((a.float() - b.float()).abs().max()) for a, b in zip(ours, _uncached_logits(directory, tokens))]
@@ -417,6 +430,7 @@ def run(model_type: str) -> Result:
 _OUTCOME_WORDS = {
     "traced": "traced, logits equal to transformers'",
     "follows uncached": "traced, equal to transformers' uncached forward (its own cached path differs)",
+    "no cache": "traced, logits equal to transformers' (no cache: every step a full forward)",
     "refused": "refused",
     "crash": "CRASH",
     "differs": "DIFFERS",
@@ -444,8 +458,6 @@ REASON_WORDS = {
                                        "other families whose own softmax multiplies V, XLNet's relative attention "
                                        "and Reformer's exp(x − logsumexp x) among them) cannot read as one softmax "
                                        "attention",
-    "no cache": "the family's forward takes no past keys and values (OpenAI GPT), so there is no cached decode step "
-                "to trace",
     "no softmax attention": "state-space or recurrent layers only, keeping their state where the trace cannot hold it "
                             "(Mamba's and the hybrids' in transformers' cache layers, RWKV's handed-back state, "
                             "xLSTM's own cache object and RecurrentGemma's module attributes are traced)",
@@ -494,7 +506,9 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         f"{transformers.__version__}: every `model_type` in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` ({len(results)}), "
         "built as a tiny random-weight directory from its own config class, loaded with `load_hf`, and compared "
         f"with transformers' eager forward on the same weights at the prefill ({PROMPT} tokens) and {DECODE_STEPS} "
-        f"cached decode steps (≤ {TOLERANCE:g}, float32).",
+        f"cached decode steps (≤ {TOLERANCE:g}, float32); a model whose forward takes no cache at all is run as its "
+        "generate() runs it, every step a full forward over the text so far, and compared with transformers' full "
+        "forward on the same text (there are no cached steps to compare).",
         "",
         "The tiny config (tests/hf_every_architecture.py) shrinks sizes by their names, keeps two layers of "
         "different kinds where the layers differ (cutting every per-layer list, per-layer override table and list "
@@ -520,7 +534,8 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
         "|---|---|---|---|",
     ]
     for r in results:
-        detail = " ".join(f"{d:.1e}" for d in r.deltas) if r.deltas else r.message.split(": ", 1)[-1][:220]
+        shown = r.deltas or (r.uncached if r.outcome == "no cache" else [])  # no cache: its full forwards' deltas
+        detail = " ".join(f"{d:.1e}" for d in shown) if shown else r.message.split(": ", 1)[-1][:220]
         if r.note:
             detail += f" — {r.note}"
         detail = detail.replace("|", "\\|").replace("\n", " ")
@@ -558,7 +573,8 @@ def main(argv: list[str]) -> None:
         counts[result.outcome] = counts.get(result.outcome, 0) + 1
         detail = " ".join(f"{d:.1e}" for d in result.deltas) if result.deltas else result.message[:400]
         if result.uncached:
-            detail += " | uncached: " + " ".join(f"{d:.1e}" for d in result.uncached) + f" | {result.note}"
+            detail += " | uncached: " + " ".join(f"{d:.1e}" for d in result.uncached) + \
+                (f" | {result.note}" if result.note else "")
         print(f"{model_type:28s} {result.outcome:9s} {result.reason:24s} {detail}", flush=True)
     print(counts)
     if out is not None:

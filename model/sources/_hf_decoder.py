@@ -55,7 +55,7 @@ What the records mean for such a model (the hook table's rows, specialised):
   layers, run several times per forward (each run its own cache slot), and LongCat-Flash's two attention sublayers
   per layer are blocks of their own, in the order of the calls, which is the order of the cache slots they write.
 * One block per call where attention runs in several lists of layers (BLT: model/sources/_hf_stacks.py), each named
-  by its layer's path (``GPTConfig.block_paths``, ``cross_blocks``), traced without a cache (``no_cache``).
+  by its layer's path (``GPTConfig.block_paths``, ``cross_blocks``), traced without a cache (``no_cache_reason``).
 * State kept outside transformers' ``Cache`` (``HeldState``): RecurrentGemma's in attributes of its recurrent
   blocks, xLSTM's in its family's own cache object — held in ``StateCache`` (set where the model reads it before every
   forward, read back after), recorded as ``hook_conv_state`` / ``hook_ssm_state``.
@@ -71,16 +71,17 @@ decoders …) makes no call of the attention function: its attention is found by
 same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watches each such module's forward), and
 the model then runs transformers' eager path, mask included; ``hook_score_bias`` holds a bias such as ALiBi.
 
-Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention, a forward that
-takes no cache (OpenAI GPT), linear-attention and state-space layers our cache cannot hold beside K and V, several
-attention calls per layer (but differential attention's two calls with the same Q and K, and calls that are one block
-each: ``call_blocks``), attention in several stacks of layers not one call per element, or with different heads or
-widths, encoders and encoder-decoders; and, after loading, a model whose cached decode step is not transformers' own
-forward (``guard_against_transformers``). """
+A forward that takes no cache (OpenAI GPT) runs without one, every step a full forward; XLM's own ``cache=``, which
+wants the whole text, is ours too (``model/sources/_hf_own_cache.py``).
+
+Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention, linear-attention
+and state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
+attention's two calls with the same Q and K, and calls that are one block each: ``call_blocks``), attention in several
+stacks of layers not one call per element, or with different heads or widths, encoders and encoder-decoders; and,
+after loading, a model whose cached decode step is not transformers' own forward (``guard_against_transformers``). """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -113,6 +114,7 @@ from gpt_shape_tracer.model.sources._hf_cache import HeldHidden, StateCache, _ca
 from gpt_shape_tracer.model.sources._hf_compressed import CompressedCache, add_hooks, compressed_config, record_held
 from gpt_shape_tracer.model.sources._hf_indexer import indexer_of, watch_indexer
 from gpt_shape_tracer.model.sources._hf_own_attention import OwnAttention
+from gpt_shape_tracer.model.sources._hf_own_cache import no_cache_reason, takes_whole_text, whole_text
 from gpt_shape_tracer.model.sources._hf_probe import (
     _NAMES_FINAL_NORM,
     _NAMES_MLP,
@@ -275,13 +277,10 @@ class HFDecoder(nn.Module):
         self._own_code = any(own)
         if any(own):
             _eager_masks(hf)
-            if "past_key_values" not in inspect.signature(hf.forward).parameters \
-                    and cache_keyword(hf) == "past_key_values":
-                raise HFDecoderError(
-                    f"{model_type}: its forward takes no past_key_values, the transformers Cache our KV cache stands "
-                    "in for (it keeps no cache — a decode step of one token would see only that token, and its "
-                    "generate() recomputes the whole text — or one of its own), so a cached decode step of the model "
-                    "cannot be traced", reason="no cache")
+        # OpenAI GPT keeps no cache (every step a full forward, as its generate() runs it); XLM keeps its own under
+        # cache= and takes the whole text (model/sources/_hf_own_cache.py)
+        self.no_cache_reason = no_cache_reason(hf, model_type, cache_keyword(hf))
+        self._whole_text = takes_whole_text(cache_keyword(hf))
         self._kv_shared = _kv_shared(probed)  # (layer, source): layers attending over another layer's K and V
         # a hybrid's first attention layer may come after a state layer; a state-space model (Mamba) has none
         first = next((L for L, attn in enumerate(attns) if attn is not None), None)
@@ -362,7 +361,8 @@ class HFDecoder(nn.Module):
         self.block_origins = block_origins(hf, layers, attns)  # what each block is, where a layer holds several
         self.stacks = several.stack_of_blocks(hf, layers, attns)  # BLT: the list of layers each block is in
         self.block_origins = several.with_stacks(self.stacks, self.block_origins, block_hooks)
-        self.no_cache = several.no_cache_reason(model_type, self.stacks)
+        # BLT: its lists of layers keep caches that are not one K, V slot per block (model/sources/_hf_stacks.py)
+        self.no_cache_reason = self.no_cache_reason or several.no_cache_reason(model_type, self.stacks)
         if reentry.active:
             self._handles += reentry.install(hf, layers, attns, _HOOKS, [getattr(b, "attn", None) for b in block_hooks])
         for block, (layer, attn, mixer, hooks, mlp_norm, call) in enumerate(zip(layers, attns, self._mixers,
@@ -544,8 +544,8 @@ class HFDecoder(nn.Module):
         return _token_device(self.hf)
 
     def new_cache(self, batch_size: int = 1, storage: str = "model") -> KVCache:
-        if self.no_cache is not None:
-            raise HFDecoderError(self.no_cache, reason="no cache")
+        if self.no_cache_reason is not None:
+            raise HFDecoderError(f"{self.no_cache_reason}: every step recomputes all positions (turn the cache off)")
         if self._compressed:
             return CompressedCache(self.config.n_layer, batch_size, storage, self.hf.config)
         if self._mems is not None:  # no layer appends K, V rows: each keeps its input hidden states (carried)
@@ -582,6 +582,8 @@ class HFDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *,
                 padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, n, V]`` for token ids ``[B, n]``, as ``GPT.forward`` (positions count real tokens)."""
+        if cache is not None and self.no_cache_reason is not None:
+            self.new_cache()  # raises, saying why
         check_tokens(self.config, tokens, cache)
         tokens = tokens.to(self.input_device)
         B, n = tokens.shape
@@ -605,9 +607,11 @@ class HFDecoder(nn.Module):
             # (RoBERTa's padding_idx + 1 + …) gets them only with padding, else its own default applies
             own = self._own_positions and key_is_token is None
             calls = self._attention_calls(self.blocks) if self._routing_unchecked else None
-            out = self.hf(input_ids=tokens, attention_mask=attention_mask,
-                          position_ids=None if own else positions.expand(B, n),
-                          **{self._cache_keyword: self._passed(cache)},
+            inputs = {"input_ids": tokens, "attention_mask": attention_mask,
+                      "position_ids": None if own else positions.expand(B, n)}
+            if self._whole_text:  # XLM: the ids, mask and positions of every position so far
+                inputs = whole_text(tokens, past, attention_mask, inputs["position_ids"])
+            out = self.hf(**inputs, **{self._cache_keyword: self._passed(cache)},
                           use_cache=cache is not None, return_dict=True)
             if calls is not None:  # a dry run's first forward: the routing check __init__ left to it
                 self._routed(self.blocks, calls)
@@ -666,7 +670,3 @@ class HFDecoder(nn.Module):
                                                  for block, widths in zip(self.blocks, self._latent)]
         return _cache_view(cache, self.config.n_layer, latent if any(h is not None for h in latent) else None,
                            self._own_cache, [getattr(block, "attn", None) for block in self.blocks])
-
-
-
-

@@ -25,6 +25,7 @@ from gpt_shape_tracer.model.gpt import (
 from gpt_shape_tracer.model.sources._common import check_expert_counts
 from gpt_shape_tracer.model.sources._hf_attention import ATTENTION, _register
 from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
+from gpt_shape_tracer.model.sources._hf_own_cache import takes_whole_text
 from gpt_shape_tracer.model.sources._hf_probe import cache_keyword
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, refusal_by_config
 
@@ -109,24 +110,31 @@ def guard_against_transformers(model: HFDecoder) -> None:
     n = min(n, model.config.n_ctx - 1)
     tokens = (torch.arange(n + 1, device=model.input_device) * 7 + 3)[None] % model.config.vocab_size  # [1, n+1]
     tolerance = logit_tolerance(next(hf.parameters()).dtype)
-    if model.no_cache is not None:  # BLT: traced without a cache (model/sources/_hf_stacks.py)
+    if model.stacks is not None:  # BLT: traced without a cache (model/sources/_hf_stacks.py)
         model.reference_note = _uncached_guard(model, tokens, n, tolerance)
         return
     with torch.no_grad():
-        cache = model.new_cache()
-        model(tokens[:, :n], cache)
-        ours = model(tokens[:, n:], cache)[0, -1].float()  # [V]
+        if model.no_cache_reason is not None:  # OpenAI GPT: no cache, its every step a full forward (so is ours)
+            ours = model(tokens)[0, -1].float()  # [V]
+        else:
+            cache = model.new_cache()
+            model(tokens[:, :n], cache)
+            ours = model(tokens[:, n:], cache)[0, -1].float()  # [V]
         with _transformers_eager(hf):
             uncached = hf(input_ids=tokens, use_cache=False).logits[0, -1].float()
             keyword = cache_keyword(hf)
-            past = getattr(hf(input_ids=tokens[:, :n], use_cache=True), keyword, None)
-            if past is None and keyword == "past_key_values":  # RecurrentGemma: it returns no cache object (its
-                # recurrent state stays in its modules); given one, as generate() gives it, it fills its K and V
+            whole = takes_whole_text(keyword)  # XLM: its cache= filled and read with the whole text each time
+            past = None if whole or model.no_cache_reason else getattr(
+                hf(input_ids=tokens[:, :n], use_cache=True), keyword, None)
+            if past is None and keyword in ("past_key_values", "cache") and not model.no_cache_reason:
+                # RecurrentGemma, XLM: they return no cache object (RecurrentGemma's recurrent state stays in its
+                # modules); given one, as generate() gives it, they fill its K and V
                 from transformers import DynamicCache
 
                 past = DynamicCache(config=hf.config)
-                hf(input_ids=tokens[:, :n], past_key_values=past, use_cache=True)
-            cached = hf(input_ids=tokens[:, n:], **{keyword: past}, use_cache=True).logits[0, -1].float()
+                hf(input_ids=tokens[:, :n], **{keyword: past}, use_cache=True)
+            cached = uncached if model.no_cache_reason else hf(
+                input_ids=tokens if whole else tokens[:, n:], **{keyword: past}, use_cache=True).logits[0, -1].float()
     to_uncached = float((ours - uncached).abs().max())
     to_cached = float((ours - cached).abs().max())
     name = model.architecture.model_type

@@ -402,8 +402,9 @@ def _kv_shared(probed: list[_Call | None]) -> tuple[tuple[int, int], ...]:
 
 def cache_keyword(hf: nn.Module) -> str:
     """The name under which the model's forward takes its cache (and its output returns it): ``past_key_values``,
-    ``cache_params`` (Mamba, Mamba-2, Falcon-Mamba), ``mems`` (XLNet), ``past_buckets_states`` (Reformer) or ``state``
-    (RWKV: a list of tensors with one slice per layer, which the forward updates in place and hands back)."""
+    ``cache_params`` (Mamba, Mamba-2, Falcon-Mamba), ``mems`` (XLNet), ``past_buckets_states`` (Reformer), ``cache``
+    (XLM, which returns none) or ``state`` (RWKV: a list of tensors with one slice per layer, which the forward
+    updates in place and hands back)."""
     import inspect
 
     try:
@@ -418,6 +419,8 @@ def cache_keyword(hf: nn.Module) -> str:
         return "mems"
     if "past_buckets_states" in names:  # Reformer: its own cache object (hidden states and LSH buckets)
         return "past_buckets_states"
+    if "cache" in names:  # XLM: its own keyword, for a Cache it fills with the whole text (_hf_own_cache.py)
+        return "cache"
     return "state" if "state" in names else "past_key_values"  # RWKV: its state list, handed in and back
 
 

@@ -12,7 +12,7 @@ Its cache: transformers' own cached forward of BLT fails on its own config (it b
 from a config with no ``num_hidden_layers``), and with a cache handed in, only the local encoder's and the local
 decoder's self-attention layers keep K and V (over bytes, each list numbering its slots from 0) while the patcher and
 the global transformer get none and see only the new bytes: that step is not the model's forward of the whole text.
-Such a model is traced without a cache (``no_cache``): every step recomputes the whole text, as transformers'
+Such a model is traced without a cache (``no_cache_reason``): every step recomputes the whole text, as transformers'
 forward without a cache does (``load_hf``'s guard holds the trace to it and says so in ``reference_note``).
 """
 
@@ -103,9 +103,9 @@ def no_cache_reason(model_type: str, stacks: tuple[StackBlock, ...] | None) -> s
     if stacks is None:
         return None
     lists = sorted({b.stack for b in stacks})
-    return (f"{model_type}: its attention runs in {len(lists)} lists of layers ({', '.join(lists)}), and the "
-            "trace's KV cache, one K, V slot per block, is not the cache such a model keeps: it is traced without a "
-            "cache, every step recomputing the whole text (use_cache=False; in the app, the cache off)")
+    return (f"this model's attention ({model_type}) runs in {len(lists)} lists of layers ({', '.join(lists)}), and "
+            "the trace's KV cache, one K, V slot per block, is not the cache such a model keeps: it is traced without "
+            "a cache")
 
 
 def _input_width(attn: nn.Module | None) -> int | None:

@@ -160,6 +160,8 @@ class OwnDecoder(nn.Module):
                                 hf_model_type=type(module).__name__)
         self._named = (name, source)
         self._identity: ModelIdentity | None = None  # set only to override the computed one
+        # why it runs without our KV cache, as HFDecoder.no_cache_reason says it for a family that keeps none
+        self.no_cache_reason = "your module runs its own forward, without our KV cache"
 
     @property
     def identity(self) -> ModelIdentity:

@@ -51,6 +51,8 @@ REPRESENTATIVE = [
     # traced without a cache (transformers' own cached forward fails on its config)
     "xlstm",  # mLSTM blocks only, their state in a cache object of its own (built at a width its config and its
     # layers agree on)
+    "openai-gpt",  # its forward takes no cache: every step a full forward, compared with transformers' full forward
+    "xlm",  # its own cache= handed the whole text (built as its causal LM)
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]
 
@@ -81,6 +83,15 @@ def _first_sees_second(directory: Path) -> bool:
     return any(isinstance(a, torch.Tensor) and a.shape[-1] >= 2 and bool((a[..., 0, 1] > 0).any()) for a in attentions)
 
 
+def _takes_no_cache(directory: Path) -> bool:
+    """Whether the causal LM's forward has no parameter for a cache of any name."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, local_files_only=True))
+    return not any("cache" in name or "past" in name or name in ("mems", "state")
+                   for name in inspect.signature(model.forward).parameters if name != "use_cache")
+
+
 def _reason_is_true(result: Result, directory: Path) -> bool:
     """The refusal's category checked independently of the code that refused (from the config, transformers'
     own cache, the family's source, or transformers failing on its own)."""
@@ -95,11 +106,6 @@ def _reason_is_true(result: Result, directory: Path) -> bool:
         # attends to position 1 (XLM with causal = false, CPM-Ant, whose every position is context)
         return (result.model_type in ENCODERS and not getattr(config, "is_decoder", False)) or \
             _first_sees_second(directory)
-    if reason == "no cache":  # its forward has no parameter for past keys and values
-        import inspect
-
-        model = AutoModelForCausalLM.from_config(config)
-        return "past_key_values" not in inspect.signature(model.forward).parameters
     if reason == "attention outside the interface":
         return not _source_calls_the_interface(result.model_type) or "layer(s)" in result.message
     if reason == "no softmax attention":
@@ -154,6 +160,9 @@ def _assert_outcome(result: Result, directory: Path | None) -> None:
         assert len(result.deltas) == 4 and max(result.deltas) <= TOLERANCE, result
     elif result.outcome == "follows uncached":
         assert max(result.uncached) <= TOLERANCE and result.note and "uncached" in result.note, result
+    elif result.outcome == "no cache":  # every step a full forward: true only of a forward with no cache parameter
+        assert len(result.uncached) == 4 and max(result.uncached) <= TOLERANCE, result
+        assert directory is not None and _takes_no_cache(directory), result
     elif result.outcome == "refused":
         assert result.reason in REFUSAL_REASONS, result
         assert result.reason != "differs from transformers", result

@@ -1,6 +1,7 @@
 """Attention computed in a family's own code (model/sources/_hf_own_attention.py): the 17 causal-LM types of
 transformers whose attention modules compute the softmax themselves instead of calling transformers' attention
-function. Each is a tiny random-weight directory built from its own config class (tests/hf_every_architecture.py).
+function (OpenAI GPT, which keeps no cache, in tests/model/test_hf_reach_more.py). Each is a tiny random-weight
+directory built from its own config class (tests/hf_every_architecture.py).
 
 Traced types: logits equal to transformers' eager forward at the prefill and 3 cached steps; the recorded pattern
 equal to one recomputed here from the recorded Q, K, scale, bias and mask, and to the weights transformers' own eager
@@ -23,12 +24,10 @@ from tests.hf_every_architecture import DECODE_STEPS, PROMPT, TOLERANCE, build, 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TRACED = ["bloom", "mpt", "codegen", "xglm", "gpt_neox_japanese", "trocr", "mvp", "big_bird", "roformer", "rembert",
-          "megatron-bert"]
+          "megatron-bert", "xlm"]  # XLM built causal (its CLM); OpenAI GPT (no cache): test_hf_reach_more.py
 # the reason each refused type's ops (or its forward's signature) show, and words its message must hold
 REFUSED = {
-    "openai-gpt": ("no cache", "takes no past_key_values"),
-    "xlm": ("encoder", "position 0 see position 1"),  # causal = false: bidirectional
-    "cpmant": ("encoder", "position 0 see position 1"),  # every position is context: bidirectional
+    "cpmant": ("encoder", "position 0 sees position 1"),  # every position is context: bidirectional
     "prophetnet": ("several attentions per layer", "2 softmax attentions"),
 }
 WITH_BIAS = {"bloom", "mpt"}  # ALiBi: a bias beside the mask
@@ -162,7 +161,8 @@ def test_pattern_is_transformers_own_attention_weights(directories, model_type):
         torch.testing.assert_close(ours, weights.reshape(ours.shape), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("model_type", ["bloom", "xglm", "roformer"])  # ALiBi, heads flattened, BERT-style
+# ALiBi, heads flattened, BERT-style, a cache under its own keyword filled with the whole text
+@pytest.mark.parametrize("model_type", ["bloom", "xglm", "roformer", "xlm"])
 def test_cache_on_and_off_give_the_same_logits_and_patterns(directories, model_type):
     model, _ = load_hf(directory_of(directories, model_type))
     ids = tokens()

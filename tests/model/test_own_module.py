@@ -370,4 +370,4 @@ def test_the_app_opens_your_module_from_its_factory_and_every_tab_renders(user_c
         run(at)
     assert len(seen) == 8 and seen[-1].startswith("**Guided tour · stop 8 of 8: Gradients")
     skipped = next(unescape(c.value) for c in at.caption if "stops skipped" in unescape(c.value))
-    assert "The KV cache — this model runs its own forward, without our KV cache" in skipped and "History" in skipped
+    assert "The KV cache — your module runs its own forward, without our KV cache" in skipped and "History" in skipped

@@ -76,10 +76,9 @@ def cache_precision(generation: TracedGeneration, storage: str, steps: int = 16)
         raise ValueError(f"steps must be a whole number ≥ 1, got {steps!r}")
     model, facts = generation.model, generation.facts
     batch = facts.batch_size
-    from gpt_shape_tracer.model.sources import OwnDecoder
-
-    if isinstance(model, OwnDecoder):
-        raise ValueError("this model runs its own forward without our KV cache: there is no cache to store cheaper")
+    reason = getattr(model, "no_cache_reason", None)  # your own module; a family whose forward takes no cache
+    if reason:
+        raise ValueError(f"{reason}: there is no cache to store cheaper")
     if getattr(model.config, "latent_attention", False):
         raise ValueError("this model uses multi-head latent attention: its cache holds a compressed latent and a "
                          "rotary key, not K and V, and this experiment counts and stores K and V")

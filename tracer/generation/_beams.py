@@ -157,6 +157,9 @@ class BeamSearch:
         self._prompt = padded.repeat_interleave(k, dim=0)  # [B·k, n]
         self._real = real.repeat_interleave(k, dim=0) if not bool(real.all()) else None
         self.max_length = width + max_new_tokens
+        if getattr(model, "no_cache_reason", None):  # OpenAI GPT, your own module: no cache to reorder
+            raise BeamSearchError(f"{model.no_cache_reason}: beam search reorders a KV cache's rows every step, and "
+                                  "this model keeps none")
         self.cache = model.new_cache(B * k)
         if getattr(self.cache, "states", None):
             raise BeamSearchError("this model keeps convolution / state-space state beside its KV cache; beam "

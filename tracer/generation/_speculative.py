@@ -174,6 +174,10 @@ class SpeculativeDecoding:
             raise SpeculativeError(f"the assistant's vocabulary ({assistant.config.vocab_size} tokens) is not the "
                                    f"model's ({model.config.vocab_size}): the drafts must be the model's token ids")
         self.model, self.tokenizer, self.prompt, self.assistant = model, tokenizer, prompt, assistant
+        for who, m in (("the model", model), ("the assistant", assistant)):
+            if getattr(m, "no_cache_reason", None):  # OpenAI GPT, your own module: no cache to crop
+                raise SpeculativeError(f"{who}: {m.no_cache_reason}; speculative decoding crops a KV cache back to "
+                                       "the accepted tokens, and it keeps none")
         self.cache = model.new_cache(1)
         for who, cache in (("the model", self.cache), ("the assistant", assistant and assistant.new_cache(1))):
             if getattr(cache, "states", None):

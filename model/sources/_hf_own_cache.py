@@ -1,0 +1,52 @@
+"""Families whose forward does not take transformers' ``Cache`` as ``past_key_values``, traced as they really run.
+
+* No cache at all (OpenAI GPT): its forward has no parameter for past keys and values, and transformers'
+  ``generate()`` feeds it the whole text at every step. Traced so: ``HFDecoder.no_cache_reason`` says why,
+  ``new_cache`` refuses, and a generation runs with the cache off — every step a full forward over every position,
+  the mechanism a cache-off generation of any model uses (``TracedGeneration(use_cache=False)``).
+* A cache under the family's own keyword that wants the whole text (XLM): its forward takes ``cache=`` and the
+  token ids of every position so far, and slices off the positions its cache already holds (its "do not recompute
+  cached elements"); its positions and hidden-state mask are read from the whole width too. ``whole_text`` widens
+  what ``HFDecoder.forward`` passes: placeholder ids (never embedded: sliced off before the embedding) for the
+  cached positions, and the mask and positions of every key.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def no_cache_reason(hf: nn.Module, model_type: str, keyword: str) -> str | None:
+    """Why the model runs without a KV cache (None: it keeps one). ``keyword``: the name ``cache_keyword`` found,
+    which is ``past_key_values`` by default even where the forward has no such parameter."""
+    try:
+        names = inspect.signature(hf.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if keyword in names:
+        return None
+    return (f"this model's forward ({model_type}) takes no past keys and values, so it keeps no KV cache "
+            "(transformers' generate() feeds it the whole text at every step)")
+
+
+def takes_whole_text(keyword: str) -> bool:
+    """Whether the forward takes the ids of every position with its cache (XLM's ``cache=``: it slices off the
+    cached positions itself) rather than only the new ones."""
+    return keyword == "cache"
+
+
+def whole_text(tokens: torch.Tensor, past: int, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None) -> dict[str, Any]:
+    """The inputs of a forward that takes the whole text: ids ``[B, past + n]`` whose first ``past`` columns are
+    placeholders (the family slices them off before its embedding), the mask of every key (ones where nothing is
+    padding) and positions ``[B, past + n]`` whose last n are the new tokens' (the family slices them alike)."""
+    B, n = tokens.shape
+    ids = torch.cat([tokens.new_zeros(B, past), tokens], dim=1)
+    mask = attention_mask if attention_mask is not None else torch.ones_like(ids)
+    if position_ids is not None:
+        position_ids = torch.cat([position_ids.new_zeros(B, past), position_ids.expand(B, n)], dim=1)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}
