@@ -220,8 +220,8 @@ def test_the_app_traces_blt_with_the_cache_off_and_names_each_blocks_list(direct
     press(at, "step_button")
     gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and not gen.use_cache
-    assert any("This model runs without a KV cache" in c.value and "traced without a cache" in c.value
-               for c in at.sidebar.caption)
+    assert any("lists of layers" in c.value and "traced without a cache" in c.value
+               and "every step recomputes all positions" in c.value for c in at.sidebar.caption)
     every_tab_without_error(at)
     lists = len({path.rpartition(".")[0] for path in config.block_paths})
     shown = [unescape(c.value) for c in [*at.caption, *at.sidebar.caption, *at.markdown, *at.sidebar.markdown]]
