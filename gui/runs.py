@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import streamlit as st
 
@@ -105,6 +106,9 @@ def follow_the_address() -> None:
 
 
 def follow_generation(app: AppState) -> None:
+    why = _run_write_failed.pop(app.run_id, None) if app.run_id is not None else None
+    if why is not None:
+        app.notices.append(("warning", f"This run could not be written to the runs folder: {plain(why)}"))
     wanted = st.query_params.get(PARAM)
     if wanted == app.run_id:
         return
@@ -116,7 +120,9 @@ def follow_generation(app: AppState) -> None:
     if store is None:
         return
     try:
-        record = store.record(checked_run_id(wanted))
+        run_id = checked_run_id(wanted)
+        run_written(run_id, WRITE_WAIT_S)  # this server may still be writing it (a reload just after a Step)
+        record = store.record(run_id)
     except RunError as e:
         app.notices.append(("error", f"The run in the address cannot be opened: {plain(e)}. Nothing else changed."))
         record = None
@@ -140,6 +146,7 @@ def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
     go, the run's model and settings go into the sidebar, and its steps are owed (the next part of this rerun
     makes them; ``finish_restoring`` then checks them)."""
     widgets = {key: record.widgets[key] for key in SETTING_KEYS if key in record.widgets}
+    write_pending_runs(app)  # the generation let go here is written first
     app.reset(keep_engine=True)  # the Engine tab's run is the address's ?engine=, not this run's
     app.close_file()
     app.run_id, app.run_widgets = record.run_id, widgets
@@ -243,7 +250,9 @@ def finish_restoring(app: AppState) -> None:
 
 
 def save_run(app: AppState, values: dict[str, object]) -> None:
-    """After steps: write the generation under its run id (a new id, put in the address, for a new one)."""
+    """After steps: write the generation under its run id (a new id, put in the address, for a new one). The
+    writing is a thread's (``RunWrite``): writing the whole trace takes 0.1–0.5 s and grows with the run, and a
+    Step's page waited for it before it drew."""
     gen = app.live.generation
     if gen is None or not gen.n_steps or gen.n_steps == app.saved_steps or app.restoring is not None:
         return
@@ -261,12 +270,90 @@ def save_run(app: AppState, values: dict[str, object]) -> None:
     view = view_on_screen(app)
     record = RunRecord(app.run_id, app.live.started_model or app.model, dict(app.run_widgets), gen.n_steps,
                        step, view, time.time(), owner=owner_tag(owner_of_page(app)))
-    try:
-        store.save(record, gen.trace)
-    except (RunError, OSError) as e:
-        app.notices.append(("warning", f"This run could not be written to the runs folder: {plain(e)}"))
-        return
     app.saved_view, app.saved_steps = (step, view), gen.n_steps
+    RunWrite(app, store, record, gen).start()
+
+
+class RunWrite:
+    """A generation's run written to the runs folder by a thread of its own, once the rerun that made its steps has
+    ended: the thread takes the session's ``run_lock``, which that rerun holds to its end, so the page is drawn
+    first and the trace is never read while a step changes it. It writes the steps the generation holds then (a
+    later rerun may have made more before the thread got the lock; a second write of the same steps is skipped).
+    Not a daemon: a server stopped with SIGTERM finishes the write before it exits. A reload joins it
+    (``follow_generation``), and Reset or opening another run writes it first, inline (``write_pending_runs``):
+    the generation is closed there."""
+
+    def __init__(self, app: AppState, store: RunStore, record: RunRecord, generation) -> None:
+        self.app, self.store, self.record, self.generation = app, store, record, generation
+        self.thread = threading.Thread(target=self._in_thread, daemon=False,
+                                       name=f"gpt-shape-tracer-run-{record.run_id[:6]}")
+
+    def start(self) -> None:
+        _run_writes.setdefault(self.record.run_id, []).append(self)
+        _pending_records[self.record.run_id] = self.record
+        self.thread.start()
+
+    def _in_thread(self) -> None:
+        try:
+            with self.app.run_lock:
+                self.write()
+        finally:
+            writes = _run_writes.get(self.record.run_id, [])
+            if self in writes:
+                writes.remove(self)
+            if not writes:
+                _run_writes.pop(self.record.run_id, None)
+                _pending_records.pop(self.record.run_id, None)
+
+    def write(self) -> None:
+        """Write the run as the generation holds it now (the caller holds the session's ``run_lock``)."""
+        app, gen, run_id = self.app, self.generation, self.record.run_id
+        done = (id(gen), gen.n_steps)
+        if _written.get(run_id) == done:
+            return
+        step, view = self.record.step, self.record.view
+        if app.run_id == run_id and app.saved_view is not None:  # the slider or the tab moved since
+            step, view = app.saved_view
+        record = replace(self.record, n_steps=gen.n_steps, step=min(step, gen.n_steps - 1), view=view,
+                         updated=time.time())
+        try:
+            self.store.save(record, gen.trace)
+        except Exception as e:  # noqa: BLE001 - a thread's failure is said on the page's next rerun, never lost
+            _run_write_failed[run_id] = f"{type(e).__name__}: {e}"
+            if app.run_id == run_id:
+                app.saved_steps = 0  # the next Step writes the whole run again
+            return
+        _written[run_id] = done
+
+
+_run_writes: dict[str, list[RunWrite]] = {}  # generation run id → its writes not yet finished (this process's)
+_pending_records: dict[str, RunRecord] = {}  # …and the record of the newest, listed in Recent runs meanwhile
+_written: dict[str, tuple[int, int]] = {}  # run id → (its generation's id(), steps) last written
+_run_write_failed: dict[str, str] = {}  # run id → why its write failed, said on its page's next rerun
+
+
+def write_pending_runs(app: AppState) -> None:
+    """Before the session's generation is let go (Reset, another run opened): its pending writes, made now in this
+    rerun (which holds ``run_lock``; the threads then find them written)."""
+    with app.run_lock:
+        for writes in list(_run_writes.values()):
+            for write in list(writes):
+                if write.app is app:
+                    write.write()
+
+
+def runs_written(timeout: float | None = None) -> bool:
+    """Wait for every run write in flight in this process (tests read the folder after a rerun); True once none is."""
+    for run_id in list(_run_writes):
+        run_written(run_id, timeout)
+    return not _run_writes
+
+
+def run_written(run_id: str, timeout: float | None = None) -> bool:
+    """Wait for this server's writes of the run (a reload, and tests); True once none is in flight."""
+    for write in list(_run_writes.get(run_id, [])):
+        write.thread.join(timeout)
+    return run_id not in _run_writes
 
 
 def view_on_screen(app: AppState) -> str:
@@ -339,6 +426,9 @@ def recent_runs() -> None:
                                   f"run to someone, send its ?{PARAM}=… alone: the {OWNER_PARAM}=… part lists "
                                   "your runs.")
     records = store.recent(RECENT_SHOWN, owner=owner_tag(owner_of_page(app)))
+    pending = _pending_records.get(app.run_id) if app.run_id is not None else None
+    if pending is not None and pending.run_id not in {r.run_id for r in records}:  # its first write is under way
+        records = [pending, *records][:RECENT_SHOWN]
     if not records:
         sb.caption("None yet: each generation is kept here, under the run id in the page's address, from its "
                    "first Step.")

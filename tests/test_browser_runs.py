@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,15 @@ def address_run(page) -> str:
     return run
 
 
-def saved(runs: Path, run_id: str) -> dict:
-    return json.loads((runs / run_id / RUN_FILE).read_text())
+def saved(runs: Path, run_id: str, steps: int | None = None, timeout: float = 30.0) -> dict:
+    """The run's record as written; with ``steps``, once it holds that many (a Step's run is written by a thread
+    of the server's after the page is drawn: gui/runs.py RunWrite)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        record = json.loads((runs / run_id / RUN_FILE).read_text())
+        if steps is None or record["n_steps"] == steps or time.monotonic() > deadline:
+            return record
+        time.sleep(0.05)
 
 
 def generated_text(page) -> str:
@@ -133,7 +141,7 @@ def test_a_reload_and_a_restarted_server_give_the_run_back(page, tmp_path):
         assert address_run(page) == run_id and steps_shown(page) == 4 and slider_value(page) == 1
         assert generated_text(page) == text
         click(page, "Step")  # it goes on from where it was
-        assert steps_shown(page) == 5 and saved(runs, run_id)["n_steps"] == 5
+        assert steps_shown(page) == 5 and saved(runs, run_id, steps=5)["n_steps"] == 5
         screenshot(page, "recent-runs", 1600, 1000, "(this page)")
         screenshot(page, "recent-runs", 1280, 800, "(this page)")
 
