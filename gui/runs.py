@@ -271,20 +271,32 @@ def save_run(app: AppState, values: dict[str, object]) -> None:
     record = RunRecord(app.run_id, app.live.started_model or app.model, dict(app.run_widgets), gen.n_steps,
                        step, view, time.time(), owner=owner_tag(owner_of_page(app)))
     app.saved_view, app.saved_steps = (step, view), gen.n_steps
-    RunWrite(app, store, record, gen).start()
+    waiting = waiting_write(app)
+    if waiting is not None:  # Steps in a row: the one write waits for them to pause
+        waiting.record, waiting.due = record, time.monotonic() + WRITE_AFTER_S
+        _pending_records[app.run_id] = record
+    else:
+        RunWrite(app, store, record, gen).start()
+
+
+WRITE_AFTER_S = 1.5  # a run is written once its Steps have paused this long
 
 
 class RunWrite:
-    """A generation's run written to the runs folder by a thread of its own, once the rerun that made its steps has
-    ended: the thread takes the session's ``run_lock``, which that rerun holds to its end, so the page is drawn
-    first and the trace is never read while a step changes it. It writes the steps the generation holds then (a
-    later rerun may have made more before the thread got the lock; a second write of the same steps is skipped).
-    Not a daemon: a server stopped with SIGTERM finishes the write before it exits. A reload joins it
-    (``follow_generation``), and Reset or opening another run writes it first, inline (``write_pending_runs``):
-    the generation is closed there."""
+    """A generation's run written to the runs folder by a thread of its own, off the Step's path: the whole trace is
+    written, which takes longer as the run grows, and a Step clicked while it was being written waited for it. So
+    the thread waits until the run's Steps have paused for ``WRITE_AFTER_S`` (a Step meanwhile pushes the time on:
+    Steps in a row are written once, after the last), then takes the session's ``run_lock`` (never reading the
+    trace while a step changes it) and writes the steps the generation holds then; a second write of the same
+    steps is skipped. Not a daemon: a server stopped with SIGTERM writes before it exits. A reload does not wait
+    out the pause (``run_written`` says "now" and joins), and Reset or opening another run writes it first, inline
+    (``write_pending_runs``)."""
 
     def __init__(self, app: AppState, store: RunStore, record: RunRecord, generation) -> None:
         self.app, self.store, self.record, self.generation = app, store, record, generation
+        self.due = time.monotonic() + WRITE_AFTER_S
+        self.now = threading.Event()  # set: write without waiting for the pause
+        self.writing = False  # set under run_lock once the write has begun: later Steps start a write of their own
         self.thread = threading.Thread(target=self._in_thread, daemon=False,
                                        name=f"gpt-shape-tracer-run-{record.run_id[:6]}")
 
@@ -295,8 +307,15 @@ class RunWrite:
 
     def _in_thread(self) -> None:
         try:
-            with self.app.run_lock:
-                self.write()
+            while True:
+                while (wait := self.due - time.monotonic()) > 0 and not self.now.wait(wait):
+                    pass
+                with self.app.run_lock:
+                    if self.due > time.monotonic() and not self.now.is_set():
+                        continue  # a Step came while this waited for the lock: wait for the pause again
+                    self.writing = True
+                    self.write()
+                    return
         finally:
             writes = _run_writes.get(self.record.run_id, [])
             if self in writes:
@@ -332,6 +351,13 @@ _written: dict[str, tuple[int, int]] = {}  # run id → (its generation's id(), 
 _run_write_failed: dict[str, str] = {}  # run id → why its write failed, said on its page's next rerun
 
 
+def waiting_write(app: AppState) -> RunWrite | None:
+    """The write of this session's run that has not begun (the caller holds ``run_lock``), if any."""
+    gen = app.live.generation
+    return next((w for w in _run_writes.get(app.run_id or "", ()) if w.app is app and w.generation is gen
+                 and not w.writing), None)
+
+
 def write_pending_runs(app: AppState) -> None:
     """Before the session's generation is let go (Reset, another run opened): its pending writes, made now in this
     rerun (which holds ``run_lock``; the threads then find them written)."""
@@ -350,8 +376,12 @@ def runs_written(timeout: float | None = None) -> bool:
 
 
 def run_written(run_id: str, timeout: float | None = None) -> bool:
-    """Wait for this server's writes of the run (a reload, and tests); True once none is in flight."""
-    for write in list(_run_writes.get(run_id, [])):
+    """Have this server's writes of the run made now, and wait for them (a reload, and tests); True once none is in
+    flight."""
+    writes = list(_run_writes.get(run_id, []))
+    for write in writes:
+        write.now.set()
+    for write in writes:
         write.thread.join(timeout)
     return run_id not in _run_writes
 
@@ -367,6 +397,9 @@ def save_view(app: AppState, step: int) -> None:
     view = view_on_screen(app)
     if app.run_id is None or app.run_foreign or app.viewing_file or app.saved_view == (step, view):
         return  # (another page's run is not changed by this one: its Step writes a run of this page's own)
+    if waiting_write(app) is not None:  # the run's write is yet to come: it writes this view (RunWrite.write)
+        app.saved_view = (step, view)
+        return
     store = run_store()
     if store is None:
         return
