@@ -288,9 +288,9 @@ class RunWrite:
     the thread waits until the run's Steps have paused for ``WRITE_AFTER_S`` (a Step meanwhile pushes the time on:
     Steps in a row are written once, after the last), then takes the session's ``run_lock`` (never reading the
     trace while a step changes it) and writes the steps the generation holds then; a second write of the same
-    steps is skipped. Not a daemon: a server stopped with SIGTERM writes before it exits. A reload does not wait
-    out the pause (``run_written`` says "now" and joins), and Reset or opening another run writes it first, inline
-    (``write_pending_runs``)."""
+    steps is skipped. Not a daemon, so that a server exiting normally (SIGTERM) finishes the write first. A reload
+    does not wait out the pause (``run_written`` says "now" and joins), and Reset or opening another run writes it
+    first, inline (``write_pending_runs``)."""
 
     def __init__(self, app: AppState, store: RunStore, record: RunRecord, generation) -> None:
         self.app, self.store, self.record, self.generation = app, store, record, generation
