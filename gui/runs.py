@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import streamlit as st
 
@@ -105,6 +106,9 @@ def follow_the_address() -> None:
 
 
 def follow_generation(app: AppState) -> None:
+    why = _run_write_failed.pop(app.run_id, None) if app.run_id is not None else None
+    if why is not None:
+        app.notices.append(("warning", f"This run could not be written to the runs folder: {plain(why)}"))
     wanted = st.query_params.get(PARAM)
     if wanted == app.run_id:
         return
@@ -116,7 +120,9 @@ def follow_generation(app: AppState) -> None:
     if store is None:
         return
     try:
-        record = store.record(checked_run_id(wanted))
+        run_id = checked_run_id(wanted)
+        run_written(run_id, WRITE_WAIT_S)  # this server may still be writing it (a reload just after a Step)
+        record = store.record(run_id)
     except RunError as e:
         app.notices.append(("error", f"The run in the address cannot be opened: {plain(e)}. Nothing else changed."))
         record = None
@@ -140,6 +146,7 @@ def restore(app: AppState, record: RunRecord, store: RunStore) -> None:
     go, the run's model and settings go into the sidebar, and its steps are owed (the next part of this rerun
     makes them; ``finish_restoring`` then checks them)."""
     widgets = {key: record.widgets[key] for key in SETTING_KEYS if key in record.widgets}
+    write_pending_runs(app)  # the generation let go here is written first
     app.reset(keep_engine=True)  # the Engine tab's run is the address's ?engine=, not this run's
     app.close_file()
     app.run_id, app.run_widgets = record.run_id, widgets
@@ -243,7 +250,9 @@ def finish_restoring(app: AppState) -> None:
 
 
 def save_run(app: AppState, values: dict[str, object]) -> None:
-    """After steps: write the generation under its run id (a new id, put in the address, for a new one)."""
+    """After steps: write the generation under its run id (a new id, put in the address, for a new one). The
+    writing is a thread's (``RunWrite``): writing the whole trace takes 0.1–0.5 s and grows with the run, and a
+    Step's page waited for it before it drew."""
     gen = app.live.generation
     if gen is None or not gen.n_steps or gen.n_steps == app.saved_steps or app.restoring is not None:
         return
@@ -261,12 +270,123 @@ def save_run(app: AppState, values: dict[str, object]) -> None:
     view = view_on_screen(app)
     record = RunRecord(app.run_id, app.live.started_model or app.model, dict(app.run_widgets), gen.n_steps,
                        step, view, time.time(), owner=owner_tag(owner_of_page(app)))
-    try:
-        store.save(record, gen.trace)
-    except (RunError, OSError) as e:
-        app.notices.append(("warning", f"This run could not be written to the runs folder: {plain(e)}"))
-        return
     app.saved_view, app.saved_steps = (step, view), gen.n_steps
+    waiting = waiting_write(app)
+    if waiting is not None:  # Steps in a row: the one write waits for them to pause
+        waiting.record, waiting.due = record, time.monotonic() + WRITE_AFTER_S
+        _pending_records[app.run_id] = record
+    else:
+        RunWrite(app, store, record, gen).start()
+
+
+# how long a run's Steps must pause before its write starts. 0: the write starts as soon as the Step's page is
+# drawn, so a server killed outright loses no more than the write under way (docs/runs.md: nothing computed is
+# lost by a crash); a pause would write Steps in a row once, but a crash in it would lose them
+WRITE_AFTER_S = 0.0
+
+
+class RunWrite:
+    """A generation's run written to the runs folder by a thread of its own, off the Step's path: the whole trace is
+    written, which takes longer as the run grows, and a Step clicked while it was being written waited for it. So
+    the thread waits until the run's Steps have paused for ``WRITE_AFTER_S`` (a Step meanwhile pushes the time on:
+    Steps in a row are written once, after the last), then takes the session's ``run_lock`` (never reading the
+    trace while a step changes it) and writes the steps the generation holds then; a second write of the same
+    steps is skipped. Not a daemon, so that a server exiting normally (SIGTERM) finishes the write first. A reload
+    does not wait out the pause (``run_written`` says "now" and joins), and Reset or opening another run writes it
+    first, inline (``write_pending_runs``)."""
+
+    def __init__(self, app: AppState, store: RunStore, record: RunRecord, generation) -> None:
+        self.app, self.store, self.record, self.generation = app, store, record, generation
+        self.due = time.monotonic() + WRITE_AFTER_S
+        self.now = threading.Event()  # set: write without waiting for the pause
+        self.writing = False  # set under run_lock once the write has begun: later Steps start a write of their own
+        self.thread = threading.Thread(target=self._in_thread, daemon=False,
+                                       name=f"gpt-shape-tracer-run-{record.run_id[:6]}")
+
+    def start(self) -> None:
+        _run_writes.setdefault(self.record.run_id, []).append(self)
+        _pending_records[self.record.run_id] = self.record
+        self.thread.start()
+
+    def _in_thread(self) -> None:
+        try:
+            while True:
+                while (wait := self.due - time.monotonic()) > 0 and not self.now.wait(wait):
+                    pass
+                with self.app.run_lock:
+                    if self.due > time.monotonic() and not self.now.is_set():
+                        continue  # a Step came while this waited for the lock: wait for the pause again
+                    self.writing = True
+                    self.write()
+                    return
+        finally:
+            writes = _run_writes.get(self.record.run_id, [])
+            if self in writes:
+                writes.remove(self)
+            if not writes:
+                _run_writes.pop(self.record.run_id, None)
+                _pending_records.pop(self.record.run_id, None)
+
+    def write(self) -> None:
+        """Write the run as the generation holds it now (the caller holds the session's ``run_lock``)."""
+        app, gen, run_id = self.app, self.generation, self.record.run_id
+        done = (id(gen), gen.n_steps)
+        if _written.get(run_id) == done:
+            return
+        step, view = self.record.step, self.record.view
+        if app.run_id == run_id and app.saved_view is not None:  # the slider or the tab moved since
+            step, view = app.saved_view
+        record = replace(self.record, n_steps=gen.n_steps, step=min(step, gen.n_steps - 1), view=view,
+                         updated=time.time())
+        try:
+            self.store.save(record, gen.trace)
+        except Exception as e:  # noqa: BLE001 - a thread's failure is said on the page's next rerun, never lost
+            _run_write_failed[run_id] = f"{type(e).__name__}: {e}"
+            if app.run_id == run_id:
+                app.saved_steps = 0  # the next Step writes the whole run again
+            return
+        _written[run_id] = done
+
+
+_run_writes: dict[str, list[RunWrite]] = {}  # generation run id → its writes not yet finished (this process's)
+_pending_records: dict[str, RunRecord] = {}  # …and the record of the newest, listed in Recent runs meanwhile
+_written: dict[str, tuple[int, int]] = {}  # run id → (its generation's id(), steps) last written
+_run_write_failed: dict[str, str] = {}  # run id → why its write failed, said on its page's next rerun
+
+
+def waiting_write(app: AppState) -> RunWrite | None:
+    """The write of this session's run that has not begun (the caller holds ``run_lock``), if any."""
+    gen = app.live.generation
+    return next((w for w in _run_writes.get(app.run_id or "", ()) if w.app is app and w.generation is gen
+                 and not w.writing), None)
+
+
+def write_pending_runs(app: AppState) -> None:
+    """Before the session's generation is let go (Reset, another run opened): its pending writes, made now in this
+    rerun (which holds ``run_lock``; the threads then find them written)."""
+    with app.run_lock:
+        for writes in list(_run_writes.values()):
+            for write in list(writes):
+                if write.app is app:
+                    write.write()
+
+
+def runs_written(timeout: float | None = None) -> bool:
+    """Wait for every run write in flight in this process (tests read the folder after a rerun); True once none is."""
+    for run_id in list(_run_writes):
+        run_written(run_id, timeout)
+    return not _run_writes
+
+
+def run_written(run_id: str, timeout: float | None = None) -> bool:
+    """Have this server's writes of the run made now, and wait for them (a reload, and tests); True once none is in
+    flight."""
+    writes = list(_run_writes.get(run_id, []))
+    for write in writes:
+        write.now.set()
+    for write in writes:
+        write.thread.join(timeout)
+    return run_id not in _run_writes
 
 
 def view_on_screen(app: AppState) -> str:
@@ -280,6 +400,9 @@ def save_view(app: AppState, step: int) -> None:
     view = view_on_screen(app)
     if app.run_id is None or app.run_foreign or app.viewing_file or app.saved_view == (step, view):
         return  # (another page's run is not changed by this one: its Step writes a run of this page's own)
+    if waiting_write(app) is not None:  # the run's write is yet to come: it writes this view (RunWrite.write)
+        app.saved_view = (step, view)
+        return
     store = run_store()
     if store is None:
         return
@@ -339,6 +462,9 @@ def recent_runs() -> None:
                                   f"run to someone, send its ?{PARAM}=… alone: the {OWNER_PARAM}=… part lists "
                                   "your runs.")
     records = store.recent(RECENT_SHOWN, owner=owner_tag(owner_of_page(app)))
+    pending = _pending_records.get(app.run_id) if app.run_id is not None else None
+    if pending is not None and pending.run_id not in {r.run_id for r in records}:  # its first write is under way
+        records = [pending, *records][:RECENT_SHOWN]
     if not records:
         sb.caption("None yet: each generation is kept here, under the run id in the page's address, from its "
                    "first Step.")

@@ -7,7 +7,7 @@ import streamlit as st
 from gpt_shape_tracer.gui.common import current_model, loaded_model, plain, state
 from gpt_shape_tracer.gui.dry_run import LABEL as DRY_LABEL
 from gpt_shape_tracer.gui.dry_run import dry_run_sidebar
-from gpt_shape_tracer.gui.runs import forget_run
+from gpt_shape_tracer.gui.runs import forget_run, write_pending_runs
 from gpt_shape_tracer.gui.server import reserve_memory
 from gpt_shape_tracer.model import BUNDLED_MODELS, ModelLoadError
 from gpt_shape_tracer.model.sources import ASSETS, OwnModuleError, resolve_model_path, weights_size
@@ -309,6 +309,7 @@ def reset(refused: SettingsError | None) -> None:
     if refused is not None:
         state().notices = [("error", f"Reset refused, nothing was discarded: {refused}")]
         return
+    write_pending_runs(state())  # the steps of the run let go are written first (its writing is a thread's)
     state().reset()
     forget_run()  # the address names no run now; the old one stays in Recent runs
     reserve_memory()  # the generation's share goes back to the server

@@ -15,6 +15,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
+from gpt_shape_tracer.gui.runs import runs_written
 from gpt_shape_tracer.tracer.files import archive_bytes, load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,7 @@ def new_app() -> AppTest:
 def run(at: AppTest) -> AppTest:
     at.run()
     assert not at.exception, [e.value for e in at.exception]
+    runs_written(60)  # a Step's run is written by a thread once the rerun ends (gui/runs.py RunWrite): on disk now
     return at
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,16 @@ def address_run(page) -> str:
     return run
 
 
-def saved(runs: Path, run_id: str) -> dict:
-    return json.loads((runs / run_id / RUN_FILE).read_text())
+def saved(runs: Path, run_id: str, timeout: float = 30.0, **expected) -> dict:
+    """The run's record as written, once its fields hold ``expected`` (or after ``timeout``): the server writes a
+    run by a thread of its own once its Steps pause (gui/runs.py RunWrite), so a test waits for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        path = runs / run_id / RUN_FILE
+        record = json.loads(path.read_text()) if path.exists() else {}
+        if (record and all(record.get(k) == v for k, v in expected.items())) or time.monotonic() > deadline:
+            return record
+        time.sleep(0.05)
 
 
 def generated_text(page) -> str:
@@ -110,7 +119,7 @@ def test_a_reload_and_a_restarted_server_give_the_run_back(page, tmp_path):
         wait_settled(page)
         assert slider_value(page) == 1 and runs_finished(page) > before
         text = generated_text(page)
-        assert saved(runs, run_id)["step"] == 1
+        assert saved(runs, run_id, step=1)["step"] == 1
 
         page.reload(wait_until="domcontentloaded")  # a new session: before this issue, an empty page
         wait_settled(page)
@@ -126,7 +135,7 @@ def test_a_reload_and_a_restarted_server_give_the_run_back(page, tmp_path):
         assert address_run(page) == run_id and steps_shown(page) == 4 and slider_value(page) == 1
         assert generated_text(page) == text
         click(page, "Step")  # it goes on from where it was
-        assert steps_shown(page) == 5 and saved(runs, run_id)["n_steps"] == 5
+        assert steps_shown(page) == 5 and saved(runs, run_id, n_steps=5)["n_steps"] == 5
         screenshot(page, "recent-runs", 1600, 1000, "(this page)")
         screenshot(page, "recent-runs", 1280, 800, "(this page)")
 
@@ -204,7 +213,7 @@ def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_righ
         alive(page)
         assert slider_value(page) == target
         assert int(metric_value(page, "key positions t")) == t_last - (23 - target)  # the page shows that step
-        assert saved(runs, run_id)["step"] == target  # the server drew (and wrote) the step the slider shows
+        assert saved(runs, run_id, step=target)["step"] == target  # the server drew (and wrote) the step shown
         click(page, "Step")  # and it still answers
         alive(page)
         assert steps_shown(page) == 25
