@@ -241,9 +241,20 @@ class Trace:
         return out
 
     def value(self, rec: TensorRecord) -> torch.Tensor | None:
-        return self._log.value(rec.index)
+        """The record's kept value; for a derived attention stage (the fused kernel ran) the whole tensor recomputed
+        from the layer's kept Q and K up to ``model.gpt.WHOLE_DERIVED`` elements (tracer.reading._derived)."""
+        value = self._log.value(rec.index)
+        if value is None and self._log.derived(rec.index) is not None:
+            from gpt_shape_tracer.tracer.reading._derived import whole_value
+
+            return whole_value(self, rec)
+        return value
 
     def has_value(self, rec: TensorRecord) -> bool:
+        if self._log.derived(rec.index) is not None:
+            from gpt_shape_tracer.tracer.reading._derived import recomputable
+
+            return recomputable(self, rec)
         return self._log.has_value(rec.index)
 
     def value_note(self, rec: TensorRecord) -> str:
@@ -253,10 +264,20 @@ class Trace:
     def stats(self, name_or_record: str | TensorRecord, step: int | None = None) -> TensorStats | None:
         """Statistics of a record (computed once, when first asked for), or None without values."""
         rec = name_or_record if isinstance(name_or_record, TensorRecord) else self.record(name_or_record, step)
-        return self._log.stats(rec.index)
+        stats = self._log.stats(rec.index)
+        if stats is None and self._log.derived(rec.index) is not None:
+            from gpt_shape_tracer.tracer.reading._derived import derived_stats
+
+            return derived_stats(self, rec)
+        return stats
 
     def finite_flag(self, rec: TensorRecord) -> int:
-        return self._log.finite_flag(rec.index)
+        flag = self._log.finite_flag(rec.index)
+        if flag == Finite.UNKNOWN and self._log.derived(rec.index) is not None:
+            from gpt_shape_tracer.tracer.reading._derived import derived_flag
+
+            return derived_flag(self, rec)
+        return flag
 
     def summary(self, name_or_record: str | TensorRecord, step: int | None = None) -> str:
         rec = name_or_record if isinstance(name_or_record, TensorRecord) else self.record(name_or_record, step)

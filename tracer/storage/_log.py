@@ -275,6 +275,19 @@ class TraceLog:
     def derived_records(self) -> dict[int, tuple[str, MaskSpec]]:
         return dict(self._derived)
 
+    def remember_stats(self, index: int, stats: TensorStats) -> None:
+        """Statistics a reader took of a derived record's recomputed value (``Trace.stats``): kept like any other,
+        so a table, a file and a second look read them without recomputing."""
+        if index not in self._derived:
+            raise ValueError(f"record {index} is not derived: its statistics come from its own value")
+        self._stats[index] = stats
+
+    def remember_flag(self, index: int, flag: int) -> None:
+        """A derived record's NaN/∞ flag, as a reader worked it out (``Trace.finite_flag``)."""
+        if index not in self._derived:
+            raise ValueError(f"record {index} is not derived: its flag comes from its own value")
+        self._flags[index] = flag
+
     def has_value(self, index: int) -> bool:
         """Whether ``value(index)`` would return a tensor (without reading a spilled one back)."""
         return self._values.get(index) is not None or (self._spill is not None and index in self._spill)
