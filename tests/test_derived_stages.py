@@ -26,6 +26,9 @@ STAGES = ("hook_qk", "hook_attn_scores", "hook_softcapped", "hook_mask", "hook_m
 
 def assert_close(want: torch.Tensor, got: torch.Tensor, what: str) -> None:
     assert want.shape == got.shape and want.dtype == got.dtype, what
+    if not want.is_floating_point():  # token ids, masks of booleans: equal
+        assert torch.equal(want, got), what
+        return
     assert torch.equal(torch.isnan(want), torch.isnan(got)), what
     assert torch.equal(torch.isinf(want), torch.isinf(got)) and torch.equal(want[torch.isinf(want)],
                                                                            got[torch.isinf(got)]), what
