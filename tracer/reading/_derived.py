@@ -18,8 +18,8 @@ from collections import OrderedDict
 
 import torch
 
-from gpt_shape_tracer.model.gpt import WHOLE_DERIVED, MaskSpec
-from gpt_shape_tracer.tracer.reading._regions import RegionError, attention_region, attention_source
+from gpt_shape_tracer.model.gpt import WHOLE_DERIVED, MaskSpec, region
+from gpt_shape_tracer.tracer.reading._regions import RegionError, attention_source
 from gpt_shape_tracer.tracer.reading._trace import Trace
 from gpt_shape_tracer.tracer.storage import tensor_stats
 from gpt_shape_tracer.tracer.storage.records import Finite, TensorRecord, TensorStats
@@ -48,9 +48,12 @@ def whole_value(trace: Trace, rec: TensorRecord) -> torch.Tensor | None:
         memo.move_to_end(key)
         return memo[key]
     try:
-        value = attention_region(trace, rec)
+        src = attention_source(trace, rec)
     except RegionError:
         return None
+    # each row's normaliser computed here, never one a view remembered (pool_pattern sums by blocks: the same
+    # number to rounding, not to the bit), so the whole value is the same live and read back from a file
+    value = region(src.q, src.k, src.spec, src.stage)
     memo[key] = value
     while sum(v.numel() * v.element_size() for v in memo.values()) > WHOLE_MEMO_BYTES and len(memo) > 1:
         memo.popitem(last=False)
