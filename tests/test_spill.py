@@ -27,13 +27,15 @@ def test_every_value_is_kept_exactly_and_memory_stays_within_the_budget(bundled,
     everything = run(bundled, budget_bytes=1 << 30).trace
     spilled = run(bundled, budget_bytes=BUDGET, spill_bytes=1 << 30).trace
     plain = run(bundled, budget_bytes=BUDGET).trace
-    kept = [r for r in everything.records if everything.value(r) is not None]
+    kept = [r for r in everything.records if everything.log.has_value(r.index)]  # held, not derived
     assert sum(plain.value(r) is None for r in kept) > len(kept) // 2  # without the spill most are statistics
     assert all(spilled.has_value(r) and torch.equal(spilled.value(r), everything.value(r)) for r in kept)
     assert spilled.log.peak_bytes_kept <= BUDGET < spilled.log.spilled_bytes
     assert all(spilled.value_note(r) == "" for r in kept)
     # every view reads them: the attention pattern of the prefill, long evicted from memory
-    assert torch.equal(spilled.get("blocks.1.attn.hook_pattern", 0), everything.get("blocks.1.attn.hook_pattern", 0))
+    # (derived: recomputed from the spilled Q and K, the same numbers to float32 rounding)
+    assert torch.allclose(spilled.get("blocks.1.attn.hook_pattern", 0), everything.get("blocks.1.attn.hook_pattern", 0),
+                          rtol=0, atol=1e-6)
     save_trace(spilled, tmp_path / "t.zip")  # the export holds the spilled values too
     back = load_trace(tmp_path / "t.zip")
     assert all(torch.equal(back.value(r), everything.value(r)) for r in kept)
