@@ -14,8 +14,6 @@ values near the float32 limit, half precision) is recomputed and counted."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from gpt_shape_tracer.model.gpt import WHOLE_DERIVED, MaskSpec, region
@@ -29,20 +27,12 @@ SAFE_BOUND = 1e30  # |QKᵀ·scale| below this: finite, and finfo.min + a score 
 MASK_ROWS_CELLS = 1 << 22  # mask cells looked at once when counting its −∞
 
 
-def _memo(trace: Trace) -> OrderedDict:
-    memo = getattr(trace, "_derived_whole", None)
-    if memo is None:
-        memo = OrderedDict()
-        trace._derived_whole = memo  # type: ignore[attr-defined]
-    return memo
-
-
 def whole_value(trace: Trace, rec: TensorRecord) -> torch.Tensor | None:
     """The whole value of a derived record up to ``WHOLE_DERIVED`` elements, recomputed from Q and K (remembered,
     least recently read forgotten past ``WHOLE_MEMO_BYTES``); None when larger, or when Q or K is not kept."""
     if rec.numel > WHOLE_DERIVED:
         return None
-    memo = _memo(trace)
+    memo = trace.derived_memo
     key = (trace.log.epoch, rec.index)
     if key in memo:
         memo.move_to_end(key)
