@@ -43,7 +43,8 @@ def shapes_tab(trace: Trace, step: int) -> None:
                    "d_k columns per head).")
     takeaway(said.sentence, said.metrics, details)
     layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page",
-                         format_func=lambda L: layer_label(trace, L))  # BLT: which list of layers it is in
+                         # BLT: its list of layers; strings only, a widget kept between reruns must not hold the trace
+                         format_func={L: layer_label(trace, L) for L in range(n_layer)}.__getitem__)
     chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
     st.subheader("The multi-head reshape, op by op")
     without = no_attention(trace, layer)
