@@ -115,7 +115,7 @@ def layer_head_batch(trace: Trace, prefix: str, heads: bool = True) -> tuple[int
         app.pending_head = None
     cols = st.columns(3)
     layer = cols[0].selectbox("layer", list(range(n_layer)), key=f"{prefix}_layer", persist_state="page",
-                              # BLT: its list of layers; strings only, a widget kept between reruns must not hold the trace
+                              # BLT: its list of layers; strings only (a widget kept between reruns holds it)
                               format_func={L: layer_label(trace, L) for L in range(n_layer)}.__getitem__)
     head = cols[1].selectbox("head", list(range(n_head)), key=f"{prefix}_head", persist_state="page") if heads else 0
     batch_size = facts_of(trace).batch_size
