@@ -7,6 +7,7 @@ import streamlit as st
 
 from gpt_shape_tracer.figures import cache as cache_views
 from gpt_shape_tracer.figures import cache_classes as class_views
+from gpt_shape_tracer.figures import cache_precision as precision_views
 from gpt_shape_tracer.figures import common as common_views
 from gpt_shape_tracer.figures import compressed_cache as compressed_views
 from gpt_shape_tracer.figures.common import attention_layers, facts_of
@@ -133,8 +134,8 @@ def cheaper_cache() -> None:
                       delta_color="inverse")
     metrics[1].metric("largest |Δ logits|", f"{max(s.max_abs_delta for s in run.steps):.3g}")
     metrics[2].metric("first step whose choice differs", "none" if first is None else str(first))
-    st.caption(cache_views.sharing_sentence(run))
-    chart(cache_views.precision_figure(run), key="precision_chart")
+    st.caption(precision_views.sharing_sentence(run))
+    chart(precision_views.precision_figure(run), key="precision_chart")
 
 
 def cache_classes() -> None:

@@ -181,13 +181,13 @@ def test_5_6_7_what_grows_with_n_at_this_step_and_window(matrix):
 # -- 8: a cheaper cache -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("storage", ["int8", "bfloat16"])
 def test_8_sharing_and_quantizing_each_say_their_own_saving(matrix, storage):
-    from gpt_shape_tracer.figures import cache
+    from gpt_shape_tracer.figures import cache_precision as precision_views
     from gpt_shape_tracer.tracer import cache_precision
 
     for name in ("story-llama", "story-gpt"):
         gen = matrix[name][0]
         run = cache_precision(gen, storage, 3)
-        text = cache.sharing_sentence(run)
+        text = precision_views.sharing_sentence(run)
         assert "saves again" not in text
         if run.kv_heads < run.query_heads:
             multi = run.reference_bytes * run.query_heads // run.kv_heads
