@@ -295,11 +295,13 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     lines = max(title.count("<br>") + 1 for title in titles) if width else 0
     extra = max(0, 65 + 15 * lines - (155 if wrap else 95))
     margin_top = (155 if wrap else 95) + extra + (15 if clip_line else 0) + 15 * len(note_lines)
-    fig.update_layout(height=height + extra + (20 if wrap else 0) + (15 if clip_line else 0) + 15 * len(note_lines),
-                      margin={"t": margin_top, "l": 10, "r": margin_right, "b": 10},
+    total = height + extra + (20 if wrap else 0) + (15 if clip_line else 0) + 15 * len(note_lines)
+    # plotly sets a title of several lines with its first line above "top" by the lines after it: the first line
+    # ran under the toggle above the chart (seen in a screenshot of Inkling 2's stages), so it starts that much lower
+    fig.update_layout(height=total, margin={"t": margin_top, "l": 10, "r": margin_right, "b": 10},
                       title={"text": f"layer {layer}, head {head}, step {step}" + " —" * bool(note_lines)
                                      + "".join(f"{NOTE_LINE[0]}{ln}{NOTE_LINE[1]}" for ln in note_lines),
-                             "y": 0.995, "yref": "container", "yanchor": "top"},
+                             "y": 1 - (5 + 15 * len(note_lines)) / total, "yref": "container", "yanchor": "top"},
                       title_font_size=13)
     fig.update_annotations(font_size=12)
     return fig

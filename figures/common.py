@@ -114,6 +114,12 @@ def layer_label(trace: Trace, layer: int) -> str:
     return f"{layer} · {paths[layer]}" if paths and 0 <= layer < len(paths) else str(layer)
 
 
+def layer_labels(trace: Trace, n_layer: int) -> dict[int, str]:
+    """``layer_label`` of blocks 0 … n_layer − 1, for a picker's format function: strings only, so that a widget
+    Streamlit keeps between reruns holds no reference to the trace (Reset must let it go)."""
+    return {layer: layer_label(trace, layer) for layer in range(n_layer)}
+
+
 def own_stream(trace: Trace, step: int, layer: int) -> tuple[int, int] | None:
     """(n, t) of block ``layer``'s own queries and keys where they are not the step's text positions — a model whose
     attention runs in several lists of layers (BLT, ``GPTConfig.block_paths``): a cross-attention (queries from one

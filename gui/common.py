@@ -8,7 +8,7 @@ import weakref
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from gpt_shape_tracer.figures.common import facts_of, layer_label, no_attention
+from gpt_shape_tracer.figures.common import facts_of, layer_labels, no_attention
 from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
 from gpt_shape_tracer.model import ModelLoadError
 from gpt_shape_tracer.session import (
@@ -116,7 +116,7 @@ def layer_head_batch(trace: Trace, prefix: str, heads: bool = True) -> tuple[int
     cols = st.columns(3)
     layer = cols[0].selectbox("layer", list(range(n_layer)), key=f"{prefix}_layer", persist_state="page",
                               # BLT: its list of layers; strings only (a widget kept between reruns holds it)
-                              format_func={L: layer_label(trace, L) for L in range(n_layer)}.__getitem__)
+                              format_func=layer_labels(trace, n_layer).__getitem__)
     head = cols[1].selectbox("head", list(range(n_head)), key=f"{prefix}_head", persist_state="page") if heads else 0
     batch_size = facts_of(trace).batch_size
     batch = cols[2].selectbox("sequence", list(range(batch_size)), key=f"{prefix}_batch",

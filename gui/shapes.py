@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from gpt_shape_tracer.figures import flow as flow_views
-from gpt_shape_tracer.figures.common import layer_label, no_attention
+from gpt_shape_tracer.figures.common import layer_labels, no_attention
 from gpt_shape_tracer.figures.view_takeaways import shapes_takeaway
 from gpt_shape_tracer.gui.common import chart, n_layer_head, plain, state
 from gpt_shape_tracer.gui.takeaway import takeaway
@@ -44,7 +44,7 @@ def shapes_tab(trace: Trace, step: int) -> None:
     takeaway(said.sentence, said.metrics, details)
     layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page",
                          # BLT: its list of layers; strings only, a widget kept between reruns must not hold the trace
-                         format_func={L: layer_label(trace, L) for L in range(n_layer)}.__getitem__)
+                         format_func=layer_labels(trace, n_layer).__getitem__)
     chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
     st.subheader("The multi-head reshape, op by op")
     without = no_attention(trace, layer)
