@@ -494,7 +494,6 @@ def cache_steps_figure(trace: Trace, selected_step: int | None = None) -> go.Fig
     return fig
 
 
-@fitted
 def window_layers(trace: Trace, step: int) -> list[int]:
     """The layers whose recorded mask at ``step`` hides a real key at or before a real query's own column: a
     sliding window at work (read from the masks, not assumed from the config; empty when no mask shows one)."""

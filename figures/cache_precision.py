@@ -6,10 +6,11 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from gpt_shape_tracer.figures.palette import ACCENT, NEUTRAL
-from gpt_shape_tracer.figures.plot import figure
+from gpt_shape_tracer.figures.plot import figure, fitted
 from gpt_shape_tracer.tracer import CachePrecisionRun
 
 
+@fitted
 def precision_figure(run: CachePrecisionRun) -> go.Figure:
     """max |Δ logits| per step of a cheaper cache against the model-precision one (the same tokens fed), on a
     log axis; steps where the cheaper cache's own argmax would have chosen another token are marked."""
