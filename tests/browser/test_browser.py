@@ -582,6 +582,25 @@ def test_transformers_cache_classes_show_what_a_sliding_cache_keeps_and_drops(ur
             assert not outside, outside
 
 
+def traced_here(directory):
+    """The generation the page makes from ``directory`` (the prompt, greedy, two Steps), traced in this process on
+    one thread: the page must show its numbers."""
+    import torch
+
+    from gpt_shape_tracer.model import load_hf
+    from gpt_shape_tracer.tracer import TracedGeneration
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = load_hf(directory, implementation="transformers")
+        gen = TracedGeneration(model, tok, [PROMPT], temperature=0)
+        gen.run(2)
+        return gen
+    finally:
+        torch.set_num_threads(threads)
+
+
 CHOICE_PANEL = """() => {
     const plot = Array.from(document.querySelectorAll('.js-plotly-plot'))
         .find(d => String(d.layout && d.layout.title && d.layout.title.text).includes('its indexer chose'));
@@ -598,23 +617,13 @@ def test_an_indexed_attention_model_shows_which_keys_its_indexer_chose(url, visi
     two Steps, the Attention tab's Indexer view. Its figure's choice panel, read back from the page, holds the keys
     the same generation traced here chose at that step — 1 where chosen, 0 where visible but skipped. At 1600 × 1000
     (and 1280 × 800 with SAVE_SCREENSHOTS=indexed,indexed_1280)."""
-    import torch
 
     from gpt_shape_tracer.figures.indexed import indexer_step
-    from gpt_shape_tracer.model import load_hf
-    from gpt_shape_tracer.tracer import TracedGeneration
     from tests.model.test_hf_indexed import build_indexed
 
     directory = build_indexed("hy_v4", tmp_path / "hy_v4")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, tok = load_hf(directory, implementation="transformers")
-        gen = TracedGeneration(model, tok, [PROMPT], temperature=0)
-        gen.run(2)
-        expected = indexer_step(gen.trace, 1, 0, 0)
-    finally:
-        torch.set_num_threads(threads)
+    gen = traced_here(directory)
+    expected = indexer_step(gen.trace, 1, 0, 0)
     assert expected is not None and expected.seen > expected.chosen  # keys really were skipped
     # 1280 × 800 only when its screenshot is asked for: the page is the same, and each visit loads the model anew
     sizes = [(1600, 1000, "indexed")] + ([(1280, 800, "indexed_1280")] if saving("indexed_1280") else [])
@@ -677,23 +686,13 @@ def test_a_score_bias_shows_as_its_own_stage(url, visit, tmp_path, model_type, s
     the figure draws B as a stage of its own (and Inkling 2's sink logit), and the page states the bias sentence
     that figures.attention.score_bias_sentence writes for one (layer, head) of the same generation traced here.
     At 1600 × 1000 (SAVE_SCREENSHOTS=own_code_alibi,score_bias_sinks writes them)."""
-    import torch
 
     from gpt_shape_tracer.figures.attention import score_bias_sentence
-    from gpt_shape_tracer.model import load_hf
-    from gpt_shape_tracer.tracer import TracedGeneration
     from tests.model.test_hf_variants import _build
 
     directory = _build(model_type, tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, tok = load_hf(directory, implementation="transformers")
-        gen = TracedGeneration(model, tok, [PROMPT], temperature=0)
-        gen.run(2)
-        expected = _sentences_of_every_head(gen.trace, 1, score_bias_sentence)
-    finally:
-        torch.set_num_threads(threads)
+    gen = traced_here(directory)
+    expected = _sentences_of_every_head(gen.trace, 1, score_bias_sentence)
     assert expected
     with visit(1600, 1000) as page:
         errors, outside = watch(page, url)
@@ -722,23 +721,13 @@ def test_a_recurrent_model_shows_the_state_it_keeps_beside_k_and_v(url, visit, t
     This step: the page states what its recurrent layers keep beside K and V — the sentence
     figures.cache.state_sentence writes from the same generation traced here (layers, shapes, bytes) — and draws
     no K rows for a recurrent layer. At 1600 × 1000 (SAVE_SCREENSHOTS=recurrent_state writes it)."""
-    import torch
 
     from gpt_shape_tracer.figures.cache import state_sentence
-    from gpt_shape_tracer.model import load_hf
-    from gpt_shape_tracer.tracer import TracedGeneration
     from tests.model.test_hf_variants import _build
 
     directory = _build("recurrent_gemma", tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, tok = load_hf(directory, implementation="transformers")
-        gen = TracedGeneration(model, tok, [PROMPT], temperature=0)
-        gen.run(2)
-        expected = state_sentence(gen.trace, 1)
-    finally:
-        torch.set_num_threads(threads)
+    gen = traced_here(directory)
+    expected = state_sentence(gen.trace, 1)
     assert expected is not None
     with visit(1600, 1000) as page:
         errors, outside = watch(page, url)
