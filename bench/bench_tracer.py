@@ -10,6 +10,11 @@ capture is timed against their own plain forward at n = 128 in the same run.
 ``shapes/read`` is the shapes capture with each flagged record's NaN/∞ flag read to the host as it is recorded
 (what the tracer did before it batched them per step): batched against it, in the same run, says what the batching
 costs or saves on the CPU, where a read waits for nothing.
+
+``--lengths 128,1024``: prefills only, at each length, untraced / shapes / values, each traced run twice — as the
+tracer runs now (attention fused, its n × t stages derived and recomputed when read) and with
+``attention_path("eager")`` (the stages materialised during the forward, what the tracer did below 64 Mi elements
+before issue 53) — alternated in one process; the load average (``uptime``) is printed before and after.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from common import gpt2_small_dir, machine, median, save
 
 import gpt_shape_tracer.tracer.storage._log as tracer_log
 from gpt_shape_tracer.model import load_hf_gpt2
+from gpt_shape_tracer.model.gpt import attention_path
 from gpt_shape_tracer.session.memory import reuse_freed_memory
 from gpt_shape_tracer.tracer import Tracer
 from gpt_shape_tracer.tracer.storage._stats import finite_flag, flag_sum
@@ -71,6 +77,43 @@ def _run_once(model, prompt, feed, capture):
     if tracer:
         tracer.close()
     return prefill, steps, kept, stats_seconds
+
+
+def load_average() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def prefill_ratios(model, lengths: list[int], repeats: int) -> dict:
+    """Traced / untraced prefill at each length: shapes and values, derived (now) and eager (materialised)."""
+    runs = {"untraced": (None, None), "shapes": ("shapes", None), "values": ("values", None),
+            "shapes eager": ("shapes", "eager"), "values eager": ("values", "eager")}
+
+    def once(tokens, capture, path) -> float:
+        with attention_path(path) if path else contextlib.nullcontext():
+            tracer = Tracer(model, capture=capture, budget_bytes=8 * 2**30).install() if capture else None
+            started = time.perf_counter()
+            with tracer.active() if tracer else contextlib.nullcontext():
+                model(tokens)
+            took = time.perf_counter() - started
+            if tracer:
+                tracer.close()
+            return took
+
+    out: dict = {"load_before": load_average()}
+    for n in lengths:
+        tokens = torch.randint(0, 50257, (1, n))
+        once(tokens, None, None)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(repeats):
+            order = list(runs.items()) if r % 2 == 0 else list(reversed(runs.items()))
+            for name, (capture, path) in order:
+                times[name].append(once(tokens, capture, path))
+        base = median(times["untraced"])
+        out[str(n)] = {"untraced_ms": round(base * 1000, 1),
+                       **{name: round(median(v) / base, 3) for name, v in times.items() if name != "untraced"}}
+    out["load_after"] = load_average()
+    return out
 
 
 def third_party(tokens: torch.Tensor, repeats: int) -> dict:
@@ -132,12 +175,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-third-party", action="store_true")
+    ap.add_argument("--lengths", default="", help="comma-separated prefill lengths: only the prefill ratios there")
     ap.add_argument("--malloc", choices=("reuse", "default"), default="reuse",
                     help="reuse: freed memory kept for reuse, as the app runs (tracer.memory); default: glibc's own")
     args = ap.parse_args()
     took = reuse_freed_memory() if args.malloc == "reuse" else False
     torch.manual_seed(0)
     model, _ = load_hf_gpt2(gpt2_small_dir())
+    if args.lengths:
+        with torch.no_grad():
+            found = prefill_ratios(model, [int(x) for x in args.lengths.split(",")], args.repeats)
+        found["machine"] = machine()
+        path = save("tracer_lengths", found)
+        print(f"load average before {found['load_before']}, after {found['load_after']}")
+        for n in args.lengths.split(","):
+            print(f"n = {n}: {found[n]}")
+        print(f"wrote {path}")
+        return
     tokens = torch.randint(0, 50257, (1, args.prompt + args.steps))
     prompt, feed = tokens[:, : args.prompt], tokens[:, args.prompt :]
     times = {m: {"prefill": [], "decode": [], "decode_median_step": []} for m in MODES}

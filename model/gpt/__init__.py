@@ -58,6 +58,7 @@ from gpt_shape_tracer.model.gpt._identity import (
 from gpt_shape_tracer.model.gpt._long_attention import (
     ATTENTION_MODES,
     SWEEP_CELLS,
+    WHOLE_DERIVED,
     MaskSpec,
     Pooled,
     RowNorm,
@@ -80,7 +81,8 @@ from gpt_shape_tracer.model.gpt._long_attention import (
 from gpt_shape_tracer.model.gpt._long_attention import STAGES as ATTENTION_STAGES
 
 __all__ = [
-    "ATTENTION_MODES", "ATTENTION_STAGES", "SWEEP_CELLS", "MaskSpec", "Pooled", "RowNorm", "ScoreSweep",
+    "ATTENTION_MODES", "ATTENTION_STAGES", "SWEEP_CELLS", "WHOLE_DERIVED", "MaskSpec", "Pooled", "RowNorm",
+    "ScoreSweep",
     "attention_bytes", "attention_path", "attention_path_settings", "block_pool", "choose_path", "fused_attention",
     "grid_edges", "pattern_from", "pattern_times_v", "pool_pattern", "region", "row_logsumexp", "row_norm",
     "set_attention_path", "DerivedAttention", "PathNote",

@@ -37,10 +37,15 @@ AttentionMode = Literal["auto", "eager", "fused"]
 ATTENTION_MODES = ("auto", "eager", "fused")
 STAGES = ("qk", "scores", "softcapped", "mask", "masked_scores", "pattern")  # the [B,H,n,t] hook points
 EmptyRows = Literal["self", "uniform"]
-# auto: a layer runs fused when one [B,H,n,t] tensor would hold at least this many elements (64 MiB float32):
-# GPT-2 small (12 heads) stays eager up to 1,182 tokens, where the app's views have always worked; a 4-head model
-# runs fused from 2,048
-DEFAULT_THRESHOLD = 1 << 24
+# auto: a listened layer runs fused when one [B,H,n,t] tensor would hold at least this many elements — 0: at every
+# length (issue 53). Materialising QKᵀ, the scaled and masked scores and the pattern during the forward was most of a
+# values trace's cost (×1.5–1.7 the untraced forward at 1,024 tokens); a tracer now keeps Q and K, and its readers
+# recompute those stages exactly when asked (tracer.reading's Trace.value, tracer.reading._regions)
+DEFAULT_THRESHOLD = 0
+# a derived [B,H,n,t] record of at most this many elements is handed whole to a reader that asks for its value (64 MiB
+# float32: the size up to which the eager path used to hold every stage, GPT-2 small up to 1,182 tokens); a larger
+# one is read by region, overview or digest, as a long context always was
+WHOLE_DERIVED = 1 << 24
 ROW_BLOCK_ELEMENTS = 1 << 22  # mask or score cells per row block of the fused forward / the readers (16 MiB)
 # score cells the readers hold at once (16 MiB float32): a chunk of query rows × every key they may see; large
 # enough that QKᵀ is one efficient BLAS call per chunk, small enough for the memory probe's bound
@@ -94,9 +99,9 @@ def choose_path(writers: bool, elements: int, listened: bool = True) -> Literal[
 
     Under "auto" a layer nobody reads or writes an n × t tensor of runs fused at every length: nothing needs its
     scores or pattern, and the fused kernel is the faster (×1.9 at 1,024 tokens of a 4-head model,
-    docs/benchmarks.md). A listened layer follows the threshold, so a traced forward below it keeps today's
-    eager hook points; its logits then equal the untraced forward's to float32 rounding, not bit for bit (a
-    forced "eager" or "fused" gives the same path, so the same bits, both ways)."""
+    docs/benchmarks.md). A listened layer follows the threshold — 0 by default, so a traced forward runs fused too
+    and its logits equal the untraced forward's bit for bit; a threshold above 0 keeps eager hook points below it
+    (then the logits equal the untraced forward's to float32 rounding)."""
     if writers or _settings.mode == "eager":
         return "eager"
     if _settings.mode == "fused" or not listened:
@@ -747,6 +752,7 @@ def _one_sequence(spec: MaskSpec, batch: int) -> MaskSpec:
                     softcap=spec.softcap)
 
 
-__all__ = ["ATTENTION_MODES", "DEFAULT_THRESHOLD", "STAGES", "SWEEP_CELLS", "MaskSpec", "Pooled", "RowNorm",
-           "ScoreSweep", "attention_path", "attention_path_settings", "block_pool", "choose_path", "fused_attention",
-           "pattern_times_v", "pool_pattern", "region", "row_logsumexp", "row_norm", "set_attention_path"]
+__all__ = ["ATTENTION_MODES", "DEFAULT_THRESHOLD", "STAGES", "SWEEP_CELLS", "WHOLE_DERIVED", "MaskSpec", "Pooled",
+           "RowNorm", "ScoreSweep", "attention_path", "attention_path_settings", "block_pool", "choose_path",
+           "fused_attention", "pattern_times_v", "pool_pattern", "region", "row_logsumexp", "row_norm",
+           "set_attention_path"]

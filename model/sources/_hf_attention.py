@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gpt_shape_tracer.model.gpt import (
+    WHOLE_DERIVED,
     HookPoint,
     MaskSpec,
     attention,
@@ -300,8 +301,11 @@ def traced_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     if forward is not None and not forward[1] and not compressed_config(kwargs.get("config")):
         mode, threshold = attention_path_settings()
         batch, n, t = kwargs.get("batch_size", 1), kwargs.get("q_length", 0), kwargs.get("kv_length", 0)
+        # under "auto" the mask is built up to the size at which an eager layer held whole stages (WHOLE_DERIVED):
+        # cheap (one [B,1,n,t] per forward), and a family's own mask that adds values to the scores (Doge) is then
+        # seen and run eager with it, as before the threshold fell to 0
         if isinstance(n, int) and isinstance(t, int) and isinstance(batch, int) and (
-                mode == "fused" or (mode == "auto" and batch * n * t >= threshold)):
+                mode == "fused" or (mode == "auto" and batch * n * t >= max(threshold, WHOLE_DERIVED))):
             return None  # not built: no [B,1,n,t] tensor; an eager layer builds it from MaskSpec
     mask = eager_mask(*args, **kwargs)
     if mask is None or not mask.is_floating_point():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt_shape_tracer.model import GPT, GPTConfig, HookPoint, additive_mask
-from gpt_shape_tracer.model.gpt import HOOKS, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
+from gpt_shape_tracer.model.gpt import HOOKS, PathNote, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
 
 CONFIG = GPTConfig(vocab_size=97, n_ctx=32, d_model=48, n_layer=2, n_head=3)
 # grouped-query Llama: 6 query heads share 2 key/value heads, head_dim ≠ d/H, a sliding window, untied W_U
@@ -287,13 +287,16 @@ def test_taps_see_the_value_after_forward_hooks_and_can_be_removed():
     tap = point.add_tap(seen.append)
     with torch.no_grad():
         model(torch.randint(0, 97, (1, 4)))
-    assert len(seen) == 1 and not seen[0].any()  # the tap saw what the model went on to use
+    # the tap saw what the model went on to use; then the note that this layer ran eager (the forward hook may write
+    # the pattern: the settings would have run it fused)
+    assert len(seen) == 2 and isinstance(seen[0], torch.Tensor) and not seen[0].any()
+    assert isinstance(seen[1], PathNote) and "ran eager, not fused" in seen[1].text
     tap.remove()
     tap.remove()  # removing twice is harmless
     hook.remove()
     with torch.no_grad():
         model(torch.randint(0, 97, (1, 4)))
-    assert len(seen) == 1
+    assert len(seen) == 2  # the removed tap saw nothing more
 
 
 def test_a_padding_query_row_sees_only_itself_and_real_queries_never_see_padding():

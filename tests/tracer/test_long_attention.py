@@ -107,7 +107,9 @@ def test_gpt_regions_equal_the_eager_records_at_the_prefill_and_cached_decode(fa
             for hook in STAGES:
                 name = f"blocks.{layer}.attn.{hook}"
                 assert is_derived(fused, name, step) and not is_derived(eager, name, step)
-                assert fused.get(name, step) is None
+                # read whole, the derived record is the eager one: value, NaN/∞ flag and statistics
+                assert_same(eager.get(name, step), fused.get(name, step), f"{name} whole, step {step}")
+                assert fused.finite_flag(fused.record(name, step)) == eager.finite_flag(eager.record(name, step))
                 assert fused.record(name, step).shape == eager.record(name, step).shape
                 assert_same(eager.get(name, step), attention_region(fused, name, step), f"{name} step {step}")
             name = f"blocks.{layer}.attn.hook_pattern"
@@ -183,11 +185,12 @@ def test_tracing_never_changes_the_path_so_never_the_logits():
     assert not is_derived(tr.trace, "blocks.0.attn.hook_pattern", 1)
 
 
-def test_an_untraced_forward_runs_fused_at_every_length_and_a_traced_one_follows_the_threshold():
-    """Under "auto", nothing reads an untraced forward's n × t hook points, so it runs the fused kernel even far
-    below the threshold; a traced forward there stays eager (its stages real tensors) and agrees to rounding."""
+def test_a_traced_forward_runs_fused_at_every_length_as_the_untraced_one_does():
+    """Under "auto" (threshold 0, issue 53) a traced forward runs the fused kernel even at 100 tokens, as the untraced
+    one does: the same logits bit for bit; its n × t stages are derived, and read whole they equal the eager ones to
+    rounding. A threshold above 0 still keeps a traced layer below it eager."""
     model = _llama()
-    tokens = torch.randint(0, 64, (1, 100))  # 4 · 100² cells, far below the threshold
+    tokens = torch.randint(0, 64, (1, 100))  # 4 · 100² cells
     with torch.no_grad():
         with attention_path("fused"):
             fused = model(tokens)
@@ -206,10 +209,15 @@ def test_an_untraced_forward_runs_fused_at_every_length_and_a_traced_one_follows
                 traced_again = model(tokens)
         finally:
             installed.close()
-    assert torch.equal(untraced, fused) and torch.equal(traced, eager)
-    assert torch.equal(untraced_beside, fused) and torch.equal(traced_again, eager)
-    assert not is_derived(tr.trace, "blocks.0.attn.hook_pattern", 0)
-    assert (untraced - traced).abs().max() <= 1e-5
+        with attention_path("auto", threshold=4 * 100 * 100 + 1), Tracer(model) as below:
+            model(tokens)
+    assert torch.equal(untraced, fused) and torch.equal(traced, fused)
+    assert torch.equal(untraced_beside, fused) and torch.equal(traced_again, fused)
+    assert is_derived(tr.trace, "blocks.0.attn.hook_pattern", 0)
+    assert not is_derived(below.trace, "blocks.0.attn.hook_pattern", 0)
+    for hook in STAGES:
+        name = f"blocks.0.attn.{hook}"
+        assert_same(below.trace.get(name, 0), tr.trace.get(name, 0), name)
 
 
 def test_the_views_read_a_derived_record_as_they_read_a_kept_one():

@@ -213,7 +213,11 @@ def test_hugging_face_gpt2_is_traced_like_any_module(hf_pair):
 
 def test_op_level_shows_view_transpose_matmul_in_the_attention(gpt):
     tokens = torch.randint(0, 64, (1, 5))
-    with torch.no_grad(), Tracer(gpt, capture="ops") as tr:
+    with torch.no_grad(), Tracer(gpt, capture="ops") as fused:  # the defaults: the model's own fused kernel
+        gpt(tokens)
+    assert any("scaled_dot_product_attention" in op for op in fused.trace.ops_frame(module="blocks.0.attn").op)
+    assert "torch.softmax" not in set(fused.trace.ops_frame(module="blocks.0.attn").op)
+    with torch.no_grad(), attention_path("eager"), Tracer(gpt, capture="ops") as tr:  # every stage an op
         gpt(tokens)
     ops = tr.trace.ops_frame(module="blocks.0.attn")
     sequence = list(ops.op)
@@ -430,7 +434,7 @@ def test_a_step_retried_after_a_failure_shows_the_statistics_of_the_retry(gpt):
         h1.remove()
         h2.remove()
     clean = gpt.blocks[0].hook_resid_post  # the retry's real value, recomputed without hooks
-    with torch.no_grad(), attention_path("eager"):  # the path the traced forward took (untraced runs fused)
+    with torch.no_grad():  # the path the traced forward took: fused, as untraced
         expected = []
         h = clean.register_forward_hook(lambda m, a, o: expected.append(o.clone()))
         gpt(tokens)

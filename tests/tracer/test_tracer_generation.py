@@ -9,6 +9,7 @@ import torch
 
 from gpt_shape_tracer.figures import cache
 from gpt_shape_tracer.model import GPT, GPTConfig, SamplingConfig, generate
+from gpt_shape_tracer.model.gpt import attention_path
 from gpt_shape_tracer.tracer import Tracer, pattern_digest
 from gpt_shape_tracer.tracer.generation._traced import MAX_RUN_STEPS, ContextFullError, PromptError, TracedGeneration
 
@@ -280,7 +281,8 @@ def test_an_evicted_attention_pattern_keeps_a_pooled_summary_of_block_means():
     with Tracer(model, capture="values") as full, torch.no_grad():
         model(tokens)
     pattern = full.trace.get("blocks.0.attn.hook_pattern")
-    with Tracer(model, capture="values", budget_bytes=256 * 1024) as tight, torch.no_grad():
+    # eager: the pattern a real tensor the budget evicts (a derived one is recomputed from Q and K instead)
+    with attention_path("eager"), Tracer(model, capture="values", budget_bytes=256 * 1024) as tight, torch.no_grad():
         model(tokens)
     rec = tight.trace.record("blocks.0.attn.hook_pattern")
     assert tight.trace.get("blocks.0.attn.hook_pattern") is None  # evicted: 2 heads × 256² floats > 256 KiB

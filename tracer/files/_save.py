@@ -103,6 +103,8 @@ def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tup
     records = trace.records
     frame["axes"] = [list(records[i].axes or ()) for i in frame["index"]]
     frame["has_stats"] = [log.has_stats(i) for i in frame["index"]]
+    # in the file: whether values.safetensors holds it (a derived stage is recomputed from Q and K instead)
+    frame["has_value"] = [log.has_value(i) for i in frame["index"]]
     frame["shape"] = [list(s) for s in frame["shape"]]
     frame["storage"] = [views[i][0] if i in views else -1 for i in frame["index"]]
     frame["storage_offset"] = [views[i][1] if i in views else 0 for i in frame["index"]]

@@ -107,7 +107,9 @@ def attention_source(trace: Trace, name_or_record: str | TensorRecord, step: int
     if q is None or k is None:
         raise RegionError(f"{rec.name} is recomputed from {parent}'s Q and K, and the trace no longer holds "
                           f"{'Q' if q is None else 'K'} at step {rec.step} (shapes only, or past the values budget)")
-    return AttentionSource(stage, spec, q, k, get("hook_v_all"), get("hook_z"))
+    # contiguous: a kept K is often a view of the KV cache's buffer (strided by its capacity), a loaded one is not,
+    # and a matmul over other strides may round differently — the same numbers live and from a file, to the bit
+    return AttentionSource(stage, spec, q.contiguous(), k.contiguous(), get("hook_v_all"), get("hook_z"))
 
 
 def _whole(value: object, what: str, low: int, high: int | None = None) -> int:

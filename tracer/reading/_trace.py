@@ -13,6 +13,7 @@ import fnmatch
 import math
 import weakref
 from collections import OrderedDict
+from typing import Any, ClassVar
 
 import pandas as pd
 import torch
@@ -66,6 +67,10 @@ def block_of(path: str) -> int | None:
 class Trace:
     """Every tensor record of one or more forward passes (steps), and their kept values."""
 
+    # tracer.reading._derived, which reads a derived attention stage (value, statistics, flag) from the kept Q and K:
+    # set by tracer/reading/__init__.py, since it reads through tracer.reading._regions, which imports this module
+    derived_reader: ClassVar[Any] = None
+
     def __init__(self, log: TraceLog) -> None:
         self._log = log
         self._records: list[TensorRecord] = []
@@ -73,6 +78,8 @@ class Trace:
         # tracer.reading._regions' memo of derived patterns: each row's softmax normaliser (n numbers per head,
         # so that a second view of a head reads only the cells it shows), overviews and statistics; bounded
         self.attention_memo: OrderedDict[tuple, object] = OrderedDict()
+        # tracer.reading._derived's whole recomputed values, by (epoch, record); bounded by bytes
+        self.derived_memo: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
         self._epoch = log.epoch
         self._config = None
         self._config_for: ModelIdentity | None = None
@@ -241,9 +248,16 @@ class Trace:
         return out
 
     def value(self, rec: TensorRecord) -> torch.Tensor | None:
-        return self._log.value(rec.index)
+        """The record's kept value; for a derived attention stage (the fused kernel ran) the whole tensor recomputed
+        from the layer's kept Q and K up to ``model.gpt.WHOLE_DERIVED`` elements (tracer.reading._derived)."""
+        value = self._log.value(rec.index)
+        if value is None and self._log.derived(rec.index) is not None:
+            return self.derived_reader.whole_value(self, rec)
+        return value
 
     def has_value(self, rec: TensorRecord) -> bool:
+        if self._log.derived(rec.index) is not None:
+            return self.derived_reader.recomputable(self, rec)
         return self._log.has_value(rec.index)
 
     def value_note(self, rec: TensorRecord) -> str:
@@ -253,10 +267,16 @@ class Trace:
     def stats(self, name_or_record: str | TensorRecord, step: int | None = None) -> TensorStats | None:
         """Statistics of a record (computed once, when first asked for), or None without values."""
         rec = name_or_record if isinstance(name_or_record, TensorRecord) else self.record(name_or_record, step)
-        return self._log.stats(rec.index)
+        stats = self._log.stats(rec.index)
+        if stats is None and self._log.derived(rec.index) is not None:
+            return self.derived_reader.derived_stats(self, rec)
+        return stats
 
     def finite_flag(self, rec: TensorRecord) -> int:
-        return self._log.finite_flag(rec.index)
+        flag = self._log.finite_flag(rec.index)
+        if flag == Finite.UNKNOWN and self._log.derived(rec.index) is not None:
+            return self.derived_reader.derived_flag(self, rec)
+        return flag
 
     def summary(self, name_or_record: str | TensorRecord, step: int | None = None) -> str:
         rec = name_or_record if isinstance(name_or_record, TensorRecord) else self.record(name_or_record, step)

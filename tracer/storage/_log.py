@@ -175,6 +175,7 @@ class TraceLog:
         # records of a fused attention's [B,H,n,t] stages: (stage, mask description), values recomputed on demand
         self._derived: dict[int, tuple[str, MaskSpec]] = {}
         self._prefer_next: set[int] = set()  # the module whose next record the budget prefers (a fused layer's O)
+        self._module_index: dict[str, int] = {}  # module path → index into modules
         self._epoch = 0  # bumped whenever records are discarded: readers' caches of them are stale
 
     # -- read side (everything public is read-only) --------------------------------------------
@@ -275,6 +276,19 @@ class TraceLog:
     def derived_records(self) -> dict[int, tuple[str, MaskSpec]]:
         return dict(self._derived)
 
+    def remember_stats(self, index: int, stats: TensorStats) -> None:
+        """Statistics a reader took of a derived record's recomputed value (``Trace.stats``): kept like any other,
+        so a table, a file and a second look read them without recomputing."""
+        if index not in self._derived:
+            raise ValueError(f"record {index} is not derived: its statistics come from its own value")
+        self._stats[index] = stats
+
+    def remember_flag(self, index: int, flag: int) -> None:
+        """A derived record's NaN/∞ flag, as a reader worked it out (``Trace.finite_flag``)."""
+        if index not in self._derived:
+            raise ValueError(f"record {index} is not derived: its flag comes from its own value")
+        self._flags[index] = flag
+
     def has_value(self, index: int) -> bool:
         """Whether ``value(index)`` would return a tensor (without reading a spilled one back)."""
         return self._values.get(index) is not None or (self._spill is not None and index in self._spill)
@@ -372,6 +386,7 @@ class TraceLog:
         if self._modules and [m.path for m in self._modules] != [m.path for m in modules]:
             raise ValueError("this trace was recorded on a model with different modules")
         self._modules = modules
+        self._module_index = {info.path: i for i, info in enumerate(modules)}
         self._flag_modules = frozenset(flagged) if not self._keep_values else frozenset()
 
     def set_model(self, identity: ModelIdentity | None) -> None:
@@ -437,15 +452,24 @@ class TraceLog:
         self._notes[index] = DERIVED_NOTE
         if stage == "pattern" and self._keep_values:  # the budget holds what the derived records are made from
             parent = self._modules[module].path.rsplit(".", 1)[0]
-            sources = {f"{parent}.{hook}" for hook in DERIVED_SOURCES}
+            where = self._module_index
+            sources = {where[f"{parent}.{hook}"] for hook in DERIVED_SOURCES if f"{parent}.{hook}" in where}
             first = self._steps[-1].end_record if self._steps else 0
-            found: set[str] = set()
+            # back to the attention module's own entry (its input record), not to the step's start: a decode step
+            # of 12 layers scanned ~1,800 records a step for 36 sources
+            own = where.get(parent, -1)
+            raw = self._raw
             for i in range(index - 1, first - 1, -1):
-                path = self._modules[self._raw[i][MODULE]].path
-                if path in sources and path not in found:
-                    found.add(path)
+                m = raw[i][MODULE]
+                if m in sources:
+                    sources.discard(m)
                     self._values.prefer(i)
-            self._prefer_next = {m for m, info in enumerate(self._modules) if info.path == f"{parent}.hook_z"}
+                    if not sources:
+                        break
+                elif m == own and raw[i][3] == "input":
+                    break
+            z = where.get(f"{parent}.hook_z")
+            self._prefer_next = {z} if z is not None else set()
 
     def _add_unusual(self, index: int, step: int | None, module: int, kind: str, slot: str, call: int,
                      t: torch.Tensor) -> None:
