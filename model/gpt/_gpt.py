@@ -308,6 +308,7 @@ class DerivedAttention:
     shape: tuple[int, ...]
     dtype: torch.dtype
     spec: MaskSpec
+    device: str = "cpu"  # Q's device: "meta" in a dry run, whose records say they have no values
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskS
     for stage, point in points:
         if point.listened:
             shape = (spec.batch, 1, n, spec.t) if stage == "mask" else (B, H, n, spec.t)
-            point.tell(DerivedAttention(stage, shape, q.dtype, spec))
+            point.tell(DerivedAttention(stage, shape, q.dtype, spec, str(q.device)))
     return z
 
 

@@ -282,8 +282,13 @@ def test_the_attention_subviews(stepped):
 
 
 def test_the_zoom_reads_one_head_at_any_length(stepped):
+    from gpt_shape_tracer.figures.long_attention import derived_sentence
+
     at = show_tab(stepped, "Attention", ("attn_view", "Zoom"))
-    assert "ran eager: the numbers are read from its recorded pattern" in page_text(at)
+    # a traced forward runs the fused kernel at every length: the sentence says so, and the numbers are recomputed
+    step, layer = at.slider(key="step_view").value, at.selectbox(key="attn_layer").value
+    sentence = derived_sentence(gen_of(at).trace, step, layer)
+    assert "ran the fused kernel" in sentence and sentence in page_text(at)
     overview, region, strip = charts(at)[:3]
     assert "exact weights" in overview["layout"]["title"]["text"]  # a short prompt: one cell per query × key
     assert "exact weights" in region["layout"]["title"]["text"]
@@ -386,8 +391,10 @@ def test_ops_capture_lists_the_ops_of_a_module():
     show_tab(at, "Inspector")
     at.selectbox(key="inspect_select").set_value("blocks.0.attn.hook_pattern")
     run(at)
-    ops = next(d.value for d in at.dataframe if "op" in d.value.columns)
-    assert "Tensor.transpose" in set(ops["op"]) and "torch.softmax" in set(ops["op"])
+    ops = set(next(d.value for d in at.dataframe if "op" in d.value.columns)["op"])
+    # the ops that ran: the traced forward runs attention fused (its stages are recomputed when read), so the
+    # kernel call is listed, with the reshapes around it, and no softmax of ours
+    assert "F.scaled_dot_product_attention" in ops and "Tensor.transpose" in ops and "torch.softmax" not in ops
 
 
 def test_shapes_capture_says_what_is_missing_instead_of_drawing_empty_charts():

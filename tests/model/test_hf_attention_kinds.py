@@ -300,13 +300,13 @@ def test_a_hybrid_model_keeps_its_state_in_transformers_cache_beside_our_k_and_v
     assert f"{sum(state) / 1024:,.1f} KiB in all after step {last}" in sentence and "2 layers keep their" in sentence
     kv = sum(trace.record(f"blocks.{L}.attn.hook_{k}_all", last).nbytes for L in range(2) for k in "kv")
     assert cache.cache_growth(trace)["K+V bytes (all layers)"].iloc[last] == kv + sum(state)
-    # replay step 2 from a copy of the cache as it was before it: the same logits, to the bit. Untraced, the
-    # replay would run the fused kernel (nothing reads it) where the traced step ran eager (its stages kept):
-    # the same path is forced, so that only the cache can make a difference
+    # replay step 2 from a copy of the cache as it was before it: the same logits, to the bit. The traced step ran
+    # the fused kernel (its stages are derived from Q and K when read): the same path is forced, so that only the
+    # cache can make a difference
     before = gen.facts.step(2).forward.cache_before
     copy = gen.cache.copy(before)
     fed = torch.tensor([[gen.facts.columns(r, 2)[-1]] for r in range(B)])
-    with torch.no_grad(), attention_path("eager"):
+    with torch.no_grad(), attention_path("fused"):
         again = gen.model(fed, cache=copy)
     assert torch.equal(again, trace.get("hook_logits", 2))
     with pytest.raises(ValueError, match="a copy can hold"):

@@ -285,7 +285,7 @@ def test_the_state_is_recorded_per_step_and_kept_transactionally(directories, mo
     # replay step 2 from a copy of the cache as it was before it
     before = gen.facts.step(2).forward.cache_before
     fed = torch.tensor([[gen.facts.columns(0, 2)[-1]]])
-    with torch.no_grad(), attention_path("eager"):
+    with torch.no_grad(), attention_path("fused"):  # the path the traced step ran
         again = gen.model(fed, cache=gen.cache.copy(before))
     assert torch.equal(again, trace.get("hook_logits", 2))
     # a failed forward rolls the state back
@@ -305,7 +305,7 @@ def test_the_state_is_recorded_per_step_and_kept_transactionally(directories, mo
     assert gen.cache.length == length
     assert all(torch.equal(a, b) for a, b in zip(gen.cache.carried, state))
     copy = gen.cache.copy(length)
-    with torch.no_grad(), attention_path("eager"):
+    with torch.no_grad(), attention_path("fused"):  # the path the traced step ran
         first, second = gen.model(nxt, cache=gen.cache), gen.model(nxt, cache=copy)
     assert torch.equal(first, second)  # the rolled-back cache and a copy taken before the failure agree
     assert not all(torch.equal(a, b) for a, b in zip(gen.cache.carried, state))  # and the step moved the state

@@ -65,10 +65,10 @@ def trace_format_context(tmp_path: Path):
         rows = pq.read_table(io.BytesIO(archive.read("records.parquet"))).to_pylist()
         tensors = load_safetensors(archive.read("values.safetensors"))
     (tmp_path / "t.zip").unlink()
-    row = next(r for r in rows if r["name"] == "blocks.1.attn.hook_pattern" and r["step"] == 2)
+    row = next(r for r in rows if r["name"] == "blocks.1.attn.hook_q" and r["step"] == 2)
 
     def check(namespace: dict) -> None:
-        assert torch.equal(namespace["value"], gen.trace.get("blocks.1.attn.hook_pattern", 2))
+        assert torch.equal(namespace["value"], gen.trace.get("blocks.1.attn.hook_q", 2))
 
     return {"tensors": tensors, "row": row, "torch": torch}, check
 

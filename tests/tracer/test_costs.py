@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpt_shape_tracer.model import load_model
 from gpt_shape_tracer.model.analysis import forward_cost
+from gpt_shape_tracer.model.gpt import attention_path
 from gpt_shape_tracer.model.sources import ASSETS
 from gpt_shape_tracer.tracer import TracedGeneration
 from gpt_shape_tracer.tracer.costs import costed_dry_run, costs_frame, kv_cache_bytes
@@ -66,15 +67,27 @@ def test_dry_run_flops_equal_flop_counter_mode_on_the_real_run(source, tmp_path)
         # counts 0); the dry run runs them as batched matrix products (sources/_dry_run.py): compared like for like
         real.hf.set_experts_implementation("batched_mm")
     dry, dry_tok = load_model(directory, weights=False)
-    gen, costs = costed_dry_run(dry, dry_tok, PROMPT, steps=2)
+    # FlopCounterMode's module hooks may write any hook point, so the real run under it runs attention eager (its
+    # matrix products): op by op, the dry run is compared on the same path
+    with attention_path("eager"):
+        gen, costs = costed_dry_run(dry, dry_tok, PROMPT, steps=2)
     prefill = torch.tensor([tok.encode(PROMPT)])
-    assert _our_view(costs[0], dry) == _flop_counter_view(real, prefill)
+    theirs = _flop_counter_view(real, prefill)
+    assert _our_view(costs[0], dry) == theirs
     # a decode step with the cache: one new row over t = n + 1 keys, counted the same way
     cache = real.new_cache(1)
     real(prefill, cache)
     with FlopCounterMode(display=False) as counter:
         real(torch.tensor([[0]]), cache)
     assert sum(op.flops for op in costs[1].ops) == counter.get_total_flops()
+    # the dry run's own path, the fused kernel (one op per attention, torch's SDPA formula): the same FLOPs in every
+    # module, prefill and decode
+    _, fused = costed_dry_run(dry, dry_tok, PROMPT, steps=2)
+    assert any(op.op == "aten._scaled_dot_product_flash_attention_for_cpu" for op in fused[0].ops)
+    assert not any(op.op == "aten.bmm" for op in fused[0].ops if op.module.endswith("attn"))
+    totals = {module: sum(ops.values()) for module, ops in theirs.items()}
+    assert {module: sum(ops.values()) for module, ops in _our_view(fused[0], dry).items()} == totals
+    assert [c.macs for c in fused] == [c.macs for c in costs]
 
 
 @pytest.mark.parametrize("name", ["story-gpt", "story-llama"])

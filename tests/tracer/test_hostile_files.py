@@ -342,6 +342,8 @@ def claiming(archive_of_shapes: bytes, n: int, claimed: int) -> bytes:
     frame["nbytes"] = [size * (nbytes // max(numel, 1)) for size, nbytes, numel in
                        zip(sizes, frame["nbytes"], frame["numel"])]
     frame["numel"] = sizes
+    if "derived" in frame:  # a derived attention stage's mask description claims the same length
+        frame["derived"] = [_claimed_mask(text, n, claimed) for text in frame["derived"]]
     buf = io.BytesIO()
     frame.to_parquet(buf, index=False)
     parts["records.parquet"] = buf.getvalue()
@@ -354,6 +356,18 @@ def claiming(archive_of_shapes: bytes, n: int, claimed: int) -> bytes:
                                                          fed_tokens=[[5] * claimed])
     parts["manifest.json"] = json.dumps(manifest).encode()
     return build(parts, deflate=("manifest.json", "records.parquet"))
+
+
+def _claimed_mask(text: object, n: int, claimed: int) -> object:
+    """A derived record's mask description (JSON) with its n, t and key padding of n tokens claiming ``claimed``."""
+    if not isinstance(text, str) or not text:
+        return text
+    data = json.loads(text)
+    mask = data["mask"]
+    mask.update({k: claimed if mask[k] == n else mask[k] for k in ("n", "t")})
+    if mask.get("key_is_token_runs") is not None:
+        mask["key_is_token_runs"] = [[claimed if r == n else r for r in runs] for runs in mask["key_is_token_runs"]]
+    return json.dumps(data)
 
 
 def test_a_file_claiming_16k_tokens_cannot_make_a_view_allocate_gigabytes(bundled, tmp_path):

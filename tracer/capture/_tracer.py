@@ -210,7 +210,7 @@ class Tracer:
         if type(value) is torch.Tensor:
             self._record(index, "hook", "", call, value)
         elif type(value) is DerivedAttention:  # a fused attention's [B,H,n,t] record: no value, recomputed on demand
-            self._log.add_derived(index, call, value.stage, value.shape, value.dtype, value.spec)
+            self._log.add_derived(index, call, value.stage, value.shape, value.dtype, value.spec, value.device)
         elif type(value) is PathNote:  # said after the eager attention recorded this hook point's value
             calls[index] = call  # not a call of the hook point
             self._log.note_latest(index, value.text)

@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from gpt_shape_tracer.model.gpt import HookPoint
 from gpt_shape_tracer.model.sources import MetaOpCache
@@ -97,6 +98,38 @@ def _tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tens
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# the fused attention kernel a real CPU run dispatches ``F.scaled_dot_product_attention`` to; on the meta device
+# PyTorch would decompose the call into the math formula instead (the n × t scores, a float32 softmax, K and V
+# copied per query head), bytes and memory no real run's kernel moves: ``FusedOnMeta`` calls this op there
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class FusedOnMeta(TorchFunctionMode):
+    """While active, ``F.scaled_dot_product_attention`` on the meta device runs as the one fused kernel a real run
+    calls (``_scaled_dot_product_flash_attention_for_cpu``: reads Q, K, V and the mask, writes O and each row's
+    log-sum-exp), so a dry run counts what that kernel moves and holds; its multiply-adds are torch's own SDPA
+    formula (``flop_counter.sdpa_flop_count``, grouped K and V heads included), the same as the math formula's two
+    matrix products."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            call = dict(zip(_SDPA_ARGS, args)) | kwargs
+            q, v = call["query"], call["value"]
+            # where a real CPU run takes that kernel: the same head size for Q and V (latent attention's differ, and
+            # PyTorch runs its math formula there too); grouped K, V heads: the kernel broadcasts them
+            if isinstance(q, torch.Tensor) and q.device.type == "meta" and q.size(-1) == v.size(-1):
+                return _FLASH(q, call["key"], v, call.get("dropout_p", 0.0), call.get("is_causal", False),
+                              attn_mask=call.get("attn_mask"), scale=call.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+def _flash_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
 
 
 _GATHERS = (torch.ops.aten.index, torch.ops.aten.index_select)  # the ops that can copy expert matrices
@@ -311,6 +344,8 @@ class OpCounter(TorchDispatchMode):
         counter = flop_registry.get(packet)
         if counter is not None:
             flops = int(counter(*args, **kwargs, out_val=out))
+        elif packet is _FLASH:
+            flops = _flash_flops(*args, **kwargs)
         # a view (t, view, expand, slice, …): every output is an input's memory, so no kernel moves a byte
         view = bool(outputs) and not inplace and all(id(o.untyped_storage()) in in_storages for o in outputs)
         weight = read = spread = 0

@@ -13,7 +13,7 @@ from torch import nn
 
 from gpt_shape_tracer.model.sources import meta_op_cache, on_meta
 from gpt_shape_tracer.tracer.costs._blocks import Blocks
-from gpt_shape_tracer.tracer.costs._counter import OpCost, OpCounter
+from gpt_shape_tracer.tracer.costs._counter import FusedOnMeta, OpCost, OpCounter
 from gpt_shape_tracer.tracer.generation import no_cyclic_collection, prepare_dry_run
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _counted(model: nn.Module, forward: Callable[[], Any], step: int, blocks: Bl
              meta: bool) -> tuple[Any, StepCosts]:
     # the meta-op cache first, so that the counter, pushed after it, sees every op (model.sources.meta_op_cache)
     with meta_op_cache() if meta else contextlib.nullcontext() as cache, \
-            OpCounter(model, step, blocks, cache) as counter:
+            FusedOnMeta() if meta else contextlib.nullcontext(), OpCounter(model, step, blocks, cache) as counter:
         result = forward()
     return result, StepCosts(step, tuple(counter.ops), counter.peak_bytes, tuple(counter.replicated))
 

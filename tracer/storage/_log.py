@@ -443,13 +443,14 @@ class TraceLog:
                 self._released(storage_key(value))
 
     def add_derived(self, module: int, call: int, stage: str, shape: tuple[int, ...], dtype: torch.dtype,
-                    spec: MaskSpec) -> None:
+                    spec: MaskSpec, device: str = "cpu") -> None:
         """Record an attention stage the fused kernel never materialised: its shape and dtype, no value (the
         readers recompute any region of it from the layer's Q and K), no statistics."""
         index = len(self._raw)
-        self._raw.append((index, self._current, module, "hook", "", call, tuple(shape), dtype_name(dtype), "cpu", 0))
+        self._raw.append((index, self._current, module, "hook", "", call, tuple(shape), dtype_name(dtype), device, 0))
         self._derived[index] = (stage, spec)
-        self._notes[index] = DERIVED_NOTE
+        if device != "meta":  # a dry run's record has nothing to recompute from: it says it is a dry run's
+            self._notes[index] = DERIVED_NOTE
         if stage == "pattern" and self._keep_values:  # the budget holds what the derived records are made from
             parent = self._modules[module].path.rsplit(".", 1)[0]
             where = self._module_index
