@@ -92,7 +92,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tuple]) -> pd.DataFrame:
     log = trace.log
-    frame = trace.to_frame(stats=True)
+    frame = trace.to_frame(stats=True, recompute=False)  # a derived stage: its statistics if a reader took them
     raws = [log.raw(i) for i in frame["index"]]
     frame["module_index"] = [r.module for r in raws]
     # which records are one tensor (a module's output and the next one's input): a number per tensor, not its

@@ -34,6 +34,10 @@ from gpt_shape_tracer.tracer.storage.records import (
 # hook names whose −∞ entries are the mask's work (compressed attention's block bias over its entries, and its
 # indexer's scores of entries not yet complete: model/sources/_hf_compressed.py)
 NEG_INF_EXPECTED = ("hook_mask", "hook_masked_scores", "hook_compressed_mask", "hook_index_scores")
+# the mask a transformers model hands its layers (an additive mask: −∞ where a key is hidden). Also known as the
+# tensor our hook_mask recorded, by its address, where that layer ran eager; a fused layer's hook_mask is derived
+# (no tensor), so the argument is known by its name too
+MASK_ARGUMENT = "attention_mask"
 FRAME_COLUMNS = (
     "index", "step", "index_in_step", "name", "module", "module_type", "kind", "slot", "call", "layer", "shape",
     "axes", "dtype", "device", "numel", "nbytes", "params", "has_value", "value_note", "finite", "min", "max",
@@ -191,7 +195,8 @@ class Trace:
                 index=raw.number, step=raw.step, name=name, module=info.path, module_type=info.type, kind=raw.kind,
                 slot=raw.slot, call=raw.call, shape=tuple(raw.shape), dtype=str(raw.dtype), device=str(raw.device),
                 layer=block_of(info.path), module_params=info.params, axes=rec_axes, axes_note=note,
-                neg_inf_expected=hook_of(name) in NEG_INF_EXPECTED or (raw.data_ptr != 0 and raw.data_ptr in masks),
+                neg_inf_expected=hook_of(name) in NEG_INF_EXPECTED or (raw.data_ptr != 0 and raw.data_ptr in masks)
+                or (raw.kind == "input" and raw.slot.endswith(MASK_ARGUMENT)),
                 index_in_step=raw.number - first,
             )
             self._records.append(rec)
@@ -363,12 +368,19 @@ class Trace:
 
     # -- tables ------------------------------------------------------------------------------------
     def to_frame(self, step: int | None = None, *, layer: int | None = None, module: str | None = None,
-                 kind: str | None = None, name: str | None = None, stats: bool = True) -> pd.DataFrame:
-        """One row per tensor record. ``stats=False`` leaves statistics out (no value is read)."""
+                 kind: str | None = None, name: str | None = None, stats: bool = True,
+                 recompute: bool = True) -> pd.DataFrame:
+        """One row per tensor record. ``stats=False`` leaves statistics out (no value is read).
+        ``recompute=False``: a derived attention stage's statistics and flag only where a reader already worked
+        them out — a saved file (tracer.files) does not recompute every stage of every step."""
         rows = []
+        log = self._log
         for rec in self.filter(step=step, layer=layer, module=module, kind=kind, name=name):
-            s = self.stats(rec) if stats else None
-            flag = self.finite_flag(rec) if stats else Finite.UNKNOWN
+            if stats and not recompute and log.derived(rec.index) is not None:
+                s, flag = log.stats(rec.index), log.finite_flag(rec.index)
+            else:
+                s = self.stats(rec) if stats else None
+                flag = self.finite_flag(rec) if stats else Finite.UNKNOWN
             rows.append({
                 "index": rec.index, "step": rec.step, "index_in_step": rec.index_in_step, "name": rec.name,
                 "module": rec.module or "model", "module_type": rec.module_type, "kind": rec.kind,
