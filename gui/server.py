@@ -90,8 +90,8 @@ def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None =
                    decoding_bytes: int | None = None, comparison_bytes: int | None = None) -> str:
     """Reserve this session's share of the server's trace memory: the budget of its generation, the values of
     its opened file, of its gradients trace, of its Engine run (or its pool while it runs), of its Decoding
-    runs and of the run Compare runs holds — each as the session holds it now (``AppState.held_bytes``) unless
-    given; "" when granted, else why not."""
+    runs, of the run Compare runs holds and of the attention stages its views recomputed — each as the session
+    holds it now (``AppState.held_bytes``) unless given; "" when granted, else why not."""
     app = state()
     held = app.held_bytes()
     asked_gradients = gradient_bytes is not None
@@ -102,7 +102,7 @@ def reserve_memory(generation_bytes: int | None = None, file_bytes: int | None =
     decoding_bytes = held["decoding"] if decoding_bytes is None else decoding_bytes
     comparison_bytes = held["comparison"] if comparison_bytes is None else comparison_bytes
     # fixed, as an opened file: they do not follow the sidebar's budget
-    file_bytes += engine_bytes + decoding_bytes + comparison_bytes
+    file_bytes += engine_bytes + decoding_bytes + comparison_bytes + held["recomputed"]
     # what follows the sidebar's Budget (MB): the generation's share, and a gradients recording asked for now (at
     # most the budget); an opened file and a gradients trace already recorded do not
     budget_times = int(generation_bytes > 0) + int(asked_gradients and gradient_bytes > 0)

@@ -533,7 +533,8 @@ class AppState:
     def held_bytes(self) -> dict[str, int]:
         """What this session holds, by part, for the server's memory ledger (gui/server.py ``reserve_memory``): the
         budget its generation may fill, and the bytes its opened file, gradients trace, Engine run, Decoding
-        runs and compared run keep now (the cache-classes run's logits counted with the Decoding runs)."""
+        runs and compared run keep now (the cache-classes run's logits counted with the Decoding runs), and the
+        attention stages its views recomputed (``Trace.recomputed_bytes``)."""
         live = self.live
         decoding = live.beams.nbytes if live.beams is not None else 0
         if live.speculative is not None:
@@ -548,7 +549,11 @@ class AppState:
                 "engine": self.engine.view.nbytes if self.engine.view is not None else 0,
                 "decoding": decoding,
                 # Compare runs: the file or rerun held against this run
-                "comparison": live.comparison.trace.log.bytes_kept if live.comparison is not None else 0}
+                "comparison": live.comparison.trace.log.bytes_kept if live.comparison is not None else 0,
+                # attention stages the views recomputed from Q and K, remembered beside the values budget
+                "recomputed": sum(t.recomputed_bytes for t in (self.loaded.trace if self.loaded else None,
+                                                               live.generation.trace if live.generation else None)
+                                  if t is not None)}
 
     @property
     def viewing_file(self) -> bool:

@@ -171,3 +171,34 @@ def test_transformers_derived_stages_equal_the_materialised_ones_record_by_recor
             gens[mode] = gen.trace
         # a sink's column is computed eager in any mode (model/sources/_hf_attention.py): recorded, not derived
         assert_same_records(gens["eager"], gens["auto"], derived_expected=not model.config.attn_sinks)
+
+
+def test_recomputed_stages_are_bounded_counted_and_never_recomputed_by_a_save():
+    """What readers recompute is remembered within WHOLE_MEMO_BYTES and counted (``Trace.recomputed_bytes``, which
+    the app's session adds to what the server reserves for it); saving a trace recomputes nothing (a run is written
+    after every Step: it once recomputed every stage of every step), and a file read back recomputes the same."""
+    from gpt_shape_tracer.model import load_bundled
+    from gpt_shape_tracer.session import AppState
+    from gpt_shape_tracer.tracer.files import archive_bytes
+    from gpt_shape_tracer.tracer.reading._derived import WHOLE_MEMO_BYTES
+
+    model, tok = load_bundled("story-gpt")
+    gen = TracedGeneration(model, tok, "Lily had a red kite that flew over the hill. " * 3, temperature=0.0,
+                           use_cache=False)
+    gen.run(3)
+    trace = gen.trace
+    assert trace.recomputed_bytes == 0
+    data = archive_bytes(trace)
+    assert trace.recomputed_bytes == 0 and not trace.derived_memo  # the save took no derived statistics
+    pattern = trace.record("blocks.1.attn.hook_pattern", 2)
+    value = trace.value(pattern)
+    assert value is not None and trace.recomputed_bytes == value.numel() * value.element_size()
+    frame = trace.to_frame(step=1)  # the Shapes table: every derived record of the step, recomputed and remembered
+    derived = [r for r in trace.filter(step=1) if is_derived(trace, r.name, 1)]
+    assert derived and all(frame.set_index("index").loc[r.index, "min"] == trace.stats(r).min for r in derived)
+    assert 0 < trace.recomputed_bytes <= WHOLE_MEMO_BYTES
+    app = AppState()
+    app.live.generation = gen
+    assert app.held_bytes()["recomputed"] == trace.recomputed_bytes
+    back = load_trace(data)
+    assert_close(value, back.value(back.record("blocks.1.attn.hook_pattern", 2)), "read back")

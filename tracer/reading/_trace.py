@@ -252,6 +252,12 @@ class Trace:
                     out[rec.name] = value
         return out
 
+    @property
+    def recomputed_bytes(self) -> int:
+        """Bytes of the derived stages' whole values readers recomputed and this trace remembers (``derived_memo``,
+        bounded by tracer.reading._derived.WHOLE_MEMO_BYTES): memory beside the values budget."""
+        return sum(v.numel() * v.element_size() for v in self.derived_memo.values())
+
     def value(self, rec: TensorRecord) -> torch.Tensor | None:
         """The record's kept value; for a derived attention stage (the fused kernel ran) the whole tensor recomputed
         from the layer's kept Q and K up to ``model.gpt.WHOLE_DERIVED`` elements (tracer.reading._derived)."""
