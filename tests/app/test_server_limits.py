@@ -140,7 +140,11 @@ def test_the_app_refuses_recording_gradients_past_the_servers_budget(monkeypatch
     errors = " ".join(e.value for e in at.error)
     assert "Not recorded: This server keeps at most 300 MiB of traces" in errors
     assert "can have 300 MiB, not 400" in errors
-    assert "Reset with Budget (MB) in the sidebar at most 150 (it is counted 2 times here" in errors  # 2 × 150 fits
+    # 2 × the advised budget fits beside what does not follow the budget: the attention stages the views recomputed
+    recomputed = at.session_state["app"].held_bytes()["recomputed"]
+    largest = (300 * MiB - recomputed) // 2 // MiB
+    assert largest <= 150
+    assert f"Reset with Budget (MB) in the sidebar at most {largest:,} (it is counted 2 times" in errors
     assert at.session_state["app"].live.gradient_trace is None and session_ledger().held() == held
     press(at, "reset_button")
 
