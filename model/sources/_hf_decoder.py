@@ -72,7 +72,9 @@ same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watche
 the model then runs transformers' eager path, mask included; ``hook_score_bias`` holds a bias such as ALiBi.
 
 A forward that takes no cache (OpenAI GPT) runs without one, every step a full forward; XLM's own ``cache=``, which
-wants the whole text, is ours too (``model/sources/_hf_own_cache.py``).
+wants the whole text, is ours too; CPM-Ant, whose forward puts learned prompt positions before the text and whose mask
+lets every position see every other, runs without one too, every record over positions holding its P prompt positions
+first (``GPTConfig.prompt_positions``, ``GPTConfig.bidirectional``; ``model/sources/_hf_own_cache.py``).
 
 Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention, linear-attention
 and state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
