@@ -18,6 +18,7 @@ from gpt_shape_tracer.figures.common import (
     key_labels,
     kv_head,
     own_stream,
+    position_is_token,
     positions,
     query_labels,
     real_query_rows,
@@ -79,6 +80,9 @@ def score_bias_kind(trace: Trace) -> str:
     family = str(getattr(trace.config, "hf_model_type", "") or "")
     if family.startswith("inkling"):
         return "a learned relative position bias, one value per head, query and key"
+    if family == "cpmant":  # its CpmAntSegmentPositionEmbedding
+        return ("a learned relative position bias, one value per head for each bucket of query–key distance (and, "
+                "between the prompt positions and the text, for the pair of segments)")
     if family in ("bloom", "mpt"):
         return "ALiBi: a fixed slope per head times the key's position"
     if family == "xlnet":  # its scores' second query–key product, read as a bias (model/sources/_hf_own_attention.py)
@@ -387,7 +391,7 @@ def attention_history(trace: Trace, layer: int, head: int, upto_step: int, batch
     keys = all_keys[first_key:]
     t = len(keys)
     facts = facts_of(trace)
-    is_token = facts.is_token(batch, upto_step)
+    is_token = position_is_token(trace, batch, upto_step)
     use_cache = facts.info.use_cache
     # how many rows each step adds, newest last: the window keeps the last `window` of them
     counts = [len(query_labels(trace, s, batch)) if s == 0 or use_cache else 1 for s in range(upto_step + 1)]

@@ -17,6 +17,7 @@ from gpt_shape_tracer.figures.common import (
     gen_step,
     key_labels,
     no_attention,
+    prompt_positions,
     shape_text,
 )
 from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
@@ -278,10 +279,11 @@ def cache_growth(trace: Trace) -> pd.DataFrame:
     rows = []
     facts = facts_of(trace)
     use_cache = facts.info.use_cache
+    P = prompt_positions(trace)  # CPM-Ant: its learned prompt positions are keys of every step too
     for gs in facts.steps:
         total = sum(held_bytes(trace, gs.step, layer) for layer in _layers(trace, gs.step))
         rows.append({"step": gs.step, "cache length": gs.forward.cache_after if use_cache else 0,
-                     "t (keys attended)": gs.forward.t, "K+V bytes (all layers)": total if use_cache else 0,
+                     "t (keys attended)": P + gs.forward.t, "K+V bytes (all layers)": total if use_cache else 0,
                      "K+V bytes computed": total})
     return pd.DataFrame(rows)
 
@@ -318,13 +320,15 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
 
 
 def rows_computed(trace: Trace) -> pd.DataFrame:
-    """Query rows of attention computed per step with the cache (n) and without it (all t)."""
+    """Query rows of attention computed per step with the cache (n) and without it (all t); a model's learned
+    prompt positions (CPM-Ant) are rows of every full forward."""
     facts = facts_of(trace)
+    P = prompt_positions(trace)
     rows = []
     for gs in facts.steps:
-        width = facts.width(gs.step)
+        width = P + facts.width(gs.step)
         rows.append({"step": gs.step, "with cache": 1 if gs.step > 0 else width, "without cache": width,
-                     "this run": gs.forward.n})
+                     "this run": gs.forward.n + (P if gs.forward.n == facts.width(gs.step) else 0)})
     return pd.DataFrame(rows)
 
 

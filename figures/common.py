@@ -93,13 +93,39 @@ def is_greedy(trace: Trace) -> bool:
     return facts_of(trace).info.sampling.greedy
 
 
+def prompt_positions(trace: Trace) -> int:
+    """P, the learned positions the model puts before the text in every forward (CPM-Ant's prompt): every record over
+    positions holds them first, P + n rows for n tokens, the logits only the tokens'; 0 for every other model."""
+    return int(getattr(trace.config, "prompt_positions", 0) or 0)
+
+
+def bidirectional(trace: Trace) -> bool:
+    """Whether the model's mask lets every position of a forward see every other (CPM-Ant), not query i keys 0 … i."""
+    return bool(getattr(trace.config, "bidirectional", False))
+
+
+def prompt_sentence(trace: Trace, step: int) -> str | None:
+    """What the rows and columns of a model with learned prompt positions are (None for any other model)."""
+    P = prompt_positions(trace)
+    if not P:
+        return None
+    n = positions(trace, step)[0] - P
+    sees = (" Its mask lets every position of a forward see every other (bidirectional): there is no causal mask, "
+            "so a token's row depends on the tokens after it too." if bidirectional(trace) else "")
+    return (f"This model puts {P} learned prompt positions before the text in every forward: its attention and "
+            f"residual stream run over P + n = {P} + {n} = {P + n} positions, rows and columns 0 … {P - 1} the prompt "
+            f"positions (⟨prompt⟩) and {P} … {P + n - 1} the text's tokens; the logits are the tokens' only.{sees}")
+
+
 def positions(trace: Trace, step: int) -> tuple[int, int]:
-    """(n, t) of ``step``: the new (query) positions and the key positions. From the generation; for a plain
-    Tracer's trace, from the attention pattern it recorded (``[…, n, t]``)."""
+    """(n, t) of ``step``: the new (query) positions and the key positions. From the generation — with the model's
+    learned prompt positions before them (CPM-Ant: ``prompt_positions``), over which its attention runs too; for a
+    plain Tracer's trace, from the attention pattern it recorded (``[…, n, t]``)."""
     facts = trace.generation
     if facts is not None:
         forward = facts.step(step).forward
-        return forward.n, forward.t
+        P = prompt_positions(trace)
+        return forward.n + P, forward.t + P
     pattern = next((r for r in trace.filter(step=step) if r.name.endswith("attn.hook_pattern")), None)
     if pattern is None:
         raise ValueError(f"step {step} of this trace recorded no attention pattern (hook_pattern), so it has no "
@@ -162,9 +188,24 @@ def key_labels(trace: Trace, step: int, row: int = 0, layer: int | None = None) 
     facts = trace.generation
     if facts is None:
         return [str(j) for j in range(positions(trace, step)[1])]
-    labels = facts.labels(row, step)
-    t = facts.step(step).forward.t
+    labels = position_labels(trace, row, step)
+    t = positions(trace, step)[1]
     return [f"{j} · {labels[j]}" if j < len(labels) else str(j) for j in range(t)]
+
+
+PROMPT_LABEL = "⟨prompt⟩"  # a learned prompt position (CPM-Ant's), which no token of the text is
+
+
+def position_labels(trace: Trace, row: int, step: int) -> tuple[str, ...]:
+    """The labels of the positions ``step``'s forward ran over for sequence ``row``: the model's learned prompt
+    positions (⟨prompt⟩) first where it has them, then the text's columns (padding ⟨pad⟩)."""
+    return (PROMPT_LABEL,) * prompt_positions(trace) + facts_of(trace).labels(row, step)
+
+
+def position_is_token(trace: Trace, row: int, step: int) -> tuple[bool, ...]:
+    """Which of those positions are not padding: the learned prompt positions are not (the model sees them as it
+    sees its tokens), then the text's columns as the generation padded them."""
+    return (True,) * prompt_positions(trace) + facts_of(trace).is_token(row, step)
 
 
 def query_labels(trace: Trace, step: int, row: int = 0, layer: int | None = None) -> list[str]:
@@ -225,4 +266,4 @@ def real_query_rows(trace: Trace, step: int, batch: int, n: int, layer: int | No
     facts = trace.generation
     if facts is None or (layer is not None and own_stream(trace, step, layer) is not None):
         return torch.ones(n, dtype=torch.bool)
-    return torch.tensor(facts.is_token(batch, step)[-n:], dtype=torch.bool)
+    return torch.tensor(position_is_token(trace, batch, step)[-n:], dtype=torch.bool)

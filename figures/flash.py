@@ -20,7 +20,14 @@ import plotly.graph_objects as go
 import torch
 
 from gpt_shape_tracer.figures.attention import score_bias, score_bias_name
-from gpt_shape_tracer.figures.common import attention_layers, key_labels, kv_head, query_labels, score_scale
+from gpt_shape_tracer.figures.common import (
+    attention_layers,
+    key_labels,
+    kv_head,
+    position_is_token,
+    query_labels,
+    score_scale,
+)
 from gpt_shape_tracer.figures.heatmap import grid, heatmap, style_axes
 from gpt_shape_tracer.figures.palette import ACCENT, MASKED, NEUTRAL
 from gpt_shape_tracer.figures.pitfalls import sink_logits
@@ -245,7 +252,7 @@ def default_query_block(trace: Trace, step: int, batch: int, block: int) -> int:
     n = trace.record(act_name("q", attention_layers(trace)[0]), step).shape[2]
     if facts is None:
         return (n - 1) // block
-    real = facts.is_token(batch, step)[-n:]
+    real = position_is_token(trace, batch, step)[-n:]
     last = max((i for i, r in enumerate(real) if r), default=n - 1)
     return last // block
 
@@ -353,7 +360,7 @@ def padding_rows_note(trace: Trace, step: int, batch: int, run: FlashRun) -> str
     facts = trace.generation
     if facts is None:
         return ""
-    real = facts.is_token(batch, step)[-run.n:][run.rows[0]:run.rows[1]]
+    real = position_is_token(trace, batch, step)[-run.n:][run.rows[0]:run.rows[1]]
     padding = sum(not r for r in real)
     if not padding:
         return ""

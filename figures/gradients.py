@@ -78,11 +78,15 @@ def gradient_norms_figure(result: HeadGradients) -> go.Figure:
     return fig
 
 
-def scope_sentence(facts, step: int) -> str:
+def scope_sentence(facts, step: int, prompt: int = 0) -> str:
     """Which positions the gradients cover at ``step``: the backward pass runs a fresh forward of every position
-    the step saw, without the cache, so a cached decode step's one query row is the last of t rows here."""
+    the step saw, without the cache, so a cached decode step's one query row is the last of t rows here. ``prompt``:
+    the learned positions the model runs before the text (CPM-Ant), which every forward computes too."""
     forward = facts.step(step).forward
     t = facts.width(step)
+    if prompt and forward.n == t:
+        return (f"Step {step} computed the model's {prompt} learned prompt positions and all its {t} token positions "
+                f"itself, and so does the backward pass here: the heatmaps show its {prompt + t} query rows.")
     if forward.n == t:
         return (f"Step {step} computed all its {t} positions itself, and so does the backward pass here: the heatmaps "
                 f"show its {t} query rows.")

@@ -10,9 +10,12 @@ import plotly.graph_objects as go
 import torch
 
 from gpt_shape_tracer.figures.common import (
+    bidirectional,
     facts_of,
     gen_step,
     key_labels,
+    position_is_token,
+    prompt_sentence,
     query_labels,
     scores_formula,
     shape_text,
@@ -62,6 +65,10 @@ class MaskFacts:
     stream: str = ""
     keys_seen: tuple[int, int] = (0, 0)
     cached_steps: bool = True  # False: the model has no cached step (BLT, traced without a cache)
+    # a mask that is not causal (CPM-Ant: every position of a forward sees every other, its learned prompt positions
+    # first): what its rows and columns are ("" for a causal model); its −∞ cells are counted with the keys each query
+    # row sees (``keys_seen``), and no cell's cause is read from its place
+    bidirectional: str = ""
     # padding key columns a real query after them may still see (XLM's causal mask leaves padding keys open: it
     # zeroes their hidden states instead), read from M
     padding_open: tuple[int, ...] = ()
@@ -77,6 +84,8 @@ class MaskFacts:
                     f"{self.stream} {self.masked} of {self.n * self.t} entries are −∞ and the rest are 0: each query "
                     + (f"row sees {fewest} key(s)" if fewest == most else f"row sees between {fewest} and {most} keys")
                     + ", as this block's own mask says (the model builds it; no cause is read from a cell's place).")
+        if self.bidirectional and self.counted:
+            return bidirectional_sentence(self)
         if self.compressed_masked >= 0:
             return compressed_mask_sentence(self.n, self.t, self.compressed_masked, self.compressed_entries)
         if not self.counted:
@@ -168,18 +177,25 @@ def mask_facts(trace: Trace, step: int, layer: int = 0, batch: int = 0) -> MaskF
     config = trace.config
     window = getattr(config, "sliding_window", None) if config is not None else None
     stream = stream_sentence(trace, step, layer)
-    if stream is not None:  # BLT's cross-attention, its patches: rows and columns of its own streams
+    # CPM-Ant: no causal mask, every position of a forward seeing every other (its learned prompt positions first)
+    open_mask = "" if stream is not None or not bidirectional(trace) else (
+        prompt_sentence(trace, step) or "This model's mask lets every position of a forward see every other.")
+    if stream is not None or open_mask:  # BLT's cross-attention, its patches: rows and columns of its own streams
         own = MaskFacts(shape=rec.shape, n=n, t=t, batch=batch, counted=False, masked=-1, future=0, padding_key=0,
                         window=0, unexplained=0, padding_columns=(), padding_rows=(), use_cache=facts.info.use_cache,
-                        decode=False, sliding_window=None, padding_side=facts.info.padding_side, stream=stream,
-                        cached_steps=False)
+                        decode=False, sliding_window=None, padding_side=facts.info.padding_side, stream=stream or "",
+                        cached_steps=False, bidirectional=open_mask)
         if mask is None:
             return own
         values = mask[min(batch, mask.shape[0] - 1), 0]  # [n, t]
-        seen = torch.isfinite(values).sum(-1)
+        # CPM-Ant: a row that sees no key holds the smallest finite number (read so from its −∞ row, whose weights
+        # the model sets to 0 after the softmax): it sees none
+        lowest = torch.finfo(values.dtype).min / 2 if values.is_floating_point() and open_mask else -math.inf
+        seen = (torch.isfinite(values) & (values > lowest)).sum(-1)
         return replace(own, counted=True, masked=int(torch.isinf(values).sum()),
+                       smallest=int((torch.isfinite(values) & (values <= lowest)).sum()),
                        keys_seen=(int(seen.min()), int(seen.max())))
-    real = facts.is_token(batch, step)  # the t key columns this step saw
+    real = position_is_token(trace, batch, step)  # the t key columns this step saw
     compressed = len(real) != t  # columns that are not the positions 0 … t−1 (compressed attention: a window's
     # rows, then compressed entries; model/sources/_hf_compressed.py): no cause can be read from a column's position
     if compressed:
@@ -243,6 +259,23 @@ def _window_in(block: torch.Tensor, eligible: torch.Tensor, back: torch.Tensor) 
         return None
     w = int(back[hidden].min())
     return w if bool((hidden == ((back >= w) & eligible)).all()) else None
+
+
+def bidirectional_sentence(facts: MaskFacts) -> str:
+    """What M says at a model whose mask is not causal (CPM-Ant), from its counted cells: the keys each query row sees,
+    the ones after it included, and why a cached step cannot keep a row of it."""
+    fewest, most = facts.keys_seen
+    sees = (f"every query row sees all {facts.t} keys" if fewest == most == facts.t else
+            f"each query row sees {fewest} key(s)" if fewest == most else
+            f"each query row sees between {fewest} and {most} keys")
+    smallest = (f", {facts.smallest} hold the smallest finite number instead (rows that see no key: their weights "
+                "are set to 0 after the softmax)" if facts.smallest else "")
+    return (f"M has shape {shape_text(facts.shape)}: n = {facts.n} query row(s) × t = {facts.t} key column(s). "
+            f"{facts.bidirectional}\n\n{facts.masked} of {facts.n * facts.t} entries are −∞{smallest} and the rest "
+            f"are 0: {sees}, those after it included, as the model's own mask says (it builds it; no cell is hidden "
+            "for coming after its query).\n\nWithout a cache every step recomputes every row, and a new token changes "
+            "the rows of the positions before it too, since they see it: there is no row a cached step could keep "
+            "as it was.")
 
 
 def compressed_mask_sentence(n: int, t: int, masked: int, entries: int) -> str:

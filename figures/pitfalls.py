@@ -13,9 +13,11 @@ import torch
 
 from gpt_shape_tracer.figures.attention import score_bias, score_bias_name
 from gpt_shape_tracer.figures.common import (
+    bidirectional,
     key_labels,
     kv_head,
     own_stream,
+    position_is_token,
     query_labels,
     real_query_rows,
     score_scale,
@@ -149,22 +151,24 @@ def pitfall_sentence(trace: Trace, step: int, layer: int, head: int, batch: int 
         real = torch.ones_like(real)
     first = (f"Without {scaling} the scores are larger and the softmax far peakier (a larger max weight, a lower "
              "entropy).")
-    if own_stream(trace, step, layer) is not None:  # BLT's cross-attention, its patches: no key is "after" a query
+    # BLT's cross-attention, its patches: no key is "after" a query; CPM-Ant: every position sees every other
+    streams = own_stream(trace, step, layer) is not None
+    if streams or bidirectional(trace):
         hidden = int((forbidden & real[:, None]).sum())
         after = float(table.set_index("variant").loc["mask after the softmax", "row sum"])
+        why = ("its rows and columns are positions of its own streams, not of the text" if streams else
+               "this model's mask is not causal, a query seeing the keys after it too")
+        after_sentence = (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum {after:.3f})."
+                          if after < 1 - 1e-9 else "Masking after the softmax leaves the row sums at 1 here.")
         return first + (f" Without M, weight leaks onto the {hidden:,} (query, key) pairs this block's mask hides "
-                        "(its rows and columns are positions of its own streams, not of the text: which key a query "
-                        "may read is its mask's rule, not causality). " if hidden else
-                        " This block's mask hides no (query, key) pair at this step, so leaving it out changes "
-                        "nothing. ") + (f"Masking after the softmax leaves rows that no longer sum to 1 (mean row sum "
-                                        f"{after:.3f})." if after < 1 - 1e-9 else
-                                        "Masking after the softmax leaves the row sums at 1 here.")
+                        f"({why}: which key a query may read is its mask's rule, not causality). " if hidden else
+                        f" This block's mask hides no (query, key) pair at this step ({why}), so leaving it out "
+                        "changes nothing. ") + after_sentence
     query_col = torch.arange(t - n_rows, t)[:, None]  # each query row's own column
     later = torch.arange(t)[None, :] > query_col
     forbidden = forbidden & real[:, None]  # a padding row's output is never read: its leaks matter to no one
-    facts = trace.generation
-    real_keys = (torch.tensor(facts.is_token(batch, step)[:t], dtype=torch.bool) if facts is not None
-                 else torch.ones(t, dtype=torch.bool))[None, :]
+    real_keys = (torch.tensor(position_is_token(trace, batch, step)[:t], dtype=torch.bool)
+                 if trace.generation is not None else torch.ones(t, dtype=torch.bool))[None, :]
     future = int((forbidden & later).sum())
     padding = int((forbidden & ~later & ~real_keys).sum())
     window = int((forbidden & ~later & real_keys).sum())  # an earlier real key hidden: a sliding window

@@ -16,7 +16,14 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from gpt_shape_tracer.figures import attention, cache, flow, mask, tokens
-from gpt_shape_tracer.figures.common import attention_layers, facts_of, no_attention
+from gpt_shape_tracer.figures.common import (
+    attention_layers,
+    bidirectional,
+    facts_of,
+    no_attention,
+    positions,
+    prompt_sentence,
+)
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.tracer import Trace, pattern_digest
 
@@ -54,7 +61,8 @@ def report_html(trace: Trace, step: int | None = None, heads: tuple[tuple[int, i
             or pattern_digest(trace, trace.record(first, step)) is not None else None
         sections.append(("Every head at once", grid.figure if grid is not None else None, grid.note if grid else
                          "The attention patterns of this step were not kept (capture shapes, or evicted)."))
-        sections.append(("The causal mask M", mask.mask_figure(trace, step, attending[0], batch),
+        sections.append(("The mask M" if bidirectional(trace) else "The causal mask M",  # CPM-Ant's is not causal
+                         mask.mask_figure(trace, step, attending[0], batch),
                          mask.mask_facts(trace, step, attending[0], batch).explanation()))
     else:  # a state-space model (Mamba): said once, instead of an empty grid and mask
         sections.append(("Every head at once and the causal mask M", None, "No layer of this model has softmax "
@@ -63,9 +71,11 @@ def report_html(trace: Trace, step: int | None = None, heads: tuple[tuple[int, i
     if facts.step(step).sampling is not None:
         sections.append(("The next token", tokens.next_token_figure(trace, step, batch),
                          facts.info.sampling.describe()))
-    forward = facts.step(step).forward
-    header = (f"<h1>Step {step} of {trace.n_steps}</h1>{_who(trace)}<p>n = {forward.n} new position(s), "
-              f"t = {forward.t} key position(s); capture {trace.capture}.</p>")
+    n, t = positions(trace, step)  # CPM-Ant's learned prompt positions included
+    prompt = prompt_sentence(trace, step)
+    header = (f"<h1>Step {step} of {trace.n_steps}</h1>{_who(trace)}<p>n = {n} new position(s), "
+              f"t = {t} key position(s); capture {trace.capture}.</p>"
+              + (f"<p>{html.escape(prompt)}</p>" if prompt else ""))
     return _page(f"step {step}", header, sections, "<h2>Every hook point of this step</h2>" + trace.html_table(step))
 
 
@@ -101,7 +111,8 @@ def run_report_html(trace: Trace, heads: tuple[tuple[int, int], ...] = ((0, 0),)
         chosen = step_facts.sampling
         picks = ", ".join(f"<code>{html.escape(label)}</code> (p = {p:.3f})"
                           for label, p in zip(chosen.labels, chosen.probs)) if chosen is not None else "none"
-        rows.append(f"<tr><td>{s}</td><td>{step_facts.forward.n}</td><td>{step_facts.forward.t}</td>"
+        n, t = positions(trace, s)
+        rows.append(f"<tr><td>{s}</td><td>{n}</td><td>{t}</td>"
                     f"<td>{step_facts.forward.cache_after if facts.info.use_cache else 0}</td><td>{picks}</td>"
                     f"<td>{trace.steps[s].seconds * 1000:.1f}</td></tr>")
     table = ("<table><tr><th>step</th><th>n</th><th>t</th><th>cached after</th><th>chosen (per sequence)</th>"

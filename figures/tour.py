@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt_shape_tracer.figures.common import facts_of
+from gpt_shape_tracer.figures.common import bidirectional, facts_of, position_is_token, prompt_positions
 from gpt_shape_tracer.figures.engine import memory_at
 from gpt_shape_tracer.model.analysis import HEAD_ROLES
 from gpt_shape_tracer.model.gpt import act_name
@@ -76,7 +76,7 @@ def weight_on_previous_key(trace: Trace, step: int, layer: int, head: int,
     if pattern is None:
         return None
     n, t = pattern.shape[-2:]
-    real = facts_of(trace).is_token(batch, step)  # the t key positions: a token, or padding
+    real = position_is_token(trace, batch, step)  # the t key positions: a token, or padding
     rows = [i for i in range(n) if real[t - n + i]]
     if not rows or t - n + rows[-1] < 1 or not real[t - n + rows[-1] - 1]:
         return None
@@ -114,6 +114,8 @@ class TourContext:
     engine: EngineRun | None = None  # the Engine tab's run on view (None: none was run or opened yet)
     engine_refused: str = ""  # why the sidebar's model cannot run the engine ("" when it can)
     no_cache_reason: str = ""  # why the model keeps no KV cache, where it keeps none (its no_cache_reason)
+    prompt_positions: int = 0  # learned positions the model runs before the text (CPM-Ant), which have no logits
+    bidirectional: bool = False  # its mask lets every position of a forward see every other (CPM-Ant)
 
 
 def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: bool, caches: bool,
@@ -137,7 +139,8 @@ def tour_context(trace: Trace, scores: Mapping[str, torch.Tensor] | None, live: 
         previous=previous, induction=induction,
         previous_weight=weight_on_previous_key(trace, 0, previous.layer, previous.head) if previous else None,
         prefill_padding=tuple(i for i, real in enumerate(facts.is_token(0, 0)) if not real),
-        engine=engine, engine_refused=engine_refused, no_cache_reason=no_cache_reason)
+        engine=engine, engine_refused=engine_refused, no_cache_reason=no_cache_reason,
+        prompt_positions=prompt_positions(trace), bidirectional=bidirectional(trace))
 
 
 @dataclass(frozen=True)
@@ -162,9 +165,14 @@ def _shape(*dims: object) -> str:
     return "[" + ", ".join(map(str, dims)) + "]"
 
 
-def mask_look(n: int, padding: tuple[int, ...]) -> str:
+def mask_look(n: int, padding: tuple[int, ...], prompt: int = 0, both_ways: bool = False) -> str:
     """The mask stop's sentence at a prefill of ``n`` positions whose sequence 0 has ``padding`` positions: with
-    padding, the keys a query may weigh are not all of 0 … i."""
+    padding, the keys a query may weigh are not all of 0 … i. A model whose mask is not causal (``both_ways``,
+    CPM-Ant, its ``prompt`` learned positions before the text) has no such triangle."""
+    if both_ways:
+        first = f" (its {prompt} learned prompt positions first)" if prompt else ""
+        return (f"At the prefill M is {prompt + n} × {prompt + n}{first}, and this model's mask is not causal: no cell "
+                "is −∞ for coming after its query, so query i weighs the keys after it too.")
     text = f"At the prefill M is {n} × {n}: every cell above the diagonal is −∞, so query i weighs "
     if not padding:
         return text + "only keys 0 … i, and the scores after + M are −∞ there too."
@@ -188,12 +196,15 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
     head_note = f" {prev.sentence()}" if prev else ""
     stops: list[Stop] = []
 
-    B, n0, d = ctx.batch_size, ctx.prefill_n, ctx.d_model
+    B, n0, d, P = ctx.batch_size, ctx.prefill_n, ctx.d_model, ctx.prompt_positions
+    stream = (f"{_shape('B', 'n', 'd')} = {_shape(B, n0, d)}" if not P else  # CPM-Ant: its prompt positions first
+              f"{_shape('B', 'P + n', 'd')} = {_shape(B, P + n0, d)} (its {P} learned prompt positions, then the "
+              "tokens)")
     stops.append(Stop(
         "shapes", "The shape flow", "Shapes",
-        f"Follow the residual stream {_shape('B', 'n', 'd')} = {_shape(B, n0, d)} through one block at step 0: "
+        f"Follow the residual stream {stream} through one block at step 0: "
         f"attention and the MLP each give back the same shape, so blocks stack, and only the logits leave as "
-        f"{_shape('B', 'n', 'V')} = {_shape(B, n0, ctx.vocab)}.", step=0))
+        f"{_shape('B', 'n', 'V')} = {_shape(B, n0, ctx.vocab)}" + (", the tokens' only." if P else "."), step=0))
 
     stops.append(Stop(
         "stages", "The attention stages", "Attention",
@@ -204,7 +215,8 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
         skipped="" if ctx.values else no_values))
 
     stops.append(Stop(
-        "mask", "The causal mask", "Causal mask", mask_look(n0, ctx.prefill_padding), step=0, head=prev_head))
+        "mask", "The causal mask", "Causal mask", mask_look(n0, ctx.prefill_padding, P, ctx.bidirectional), step=0,
+        head=prev_head))
 
     if prev is not None and ctx.previous_weight is not None:
         row, weight = ctx.previous_weight
@@ -227,6 +239,11 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
         step_look = (f"At step {last} the model fed n = {ctx.last_n} new position(s) and attended over t = "
                      f"{ctx.last_t} keys: Q is {_shape('B', 'H', ctx.last_n, 'd_head')}, {rows} against the whole "
                      "cache.")
+    elif ctx.bidirectional:  # CPM-Ant: every position sees the new token, so no earlier row stays as it was
+        step_look = (f"At step {last} the model keeps no KV cache, so it fed all n = {ctx.last_n} tokens again"
+                     + (f" after its {P} learned prompt positions" if P else "")
+                     + f" and attended over {P + ctx.last_t} keys: every row recomputed, and the earlier rows changed "
+                     "too, since every position sees the new token.")
     else:
         step_look = (f"At step {last} the KV cache is off, so the model fed all n = {ctx.last_n} positions again "
                      f"and attended over t = {ctx.last_t} keys: every row recomputed, only the last one new.")

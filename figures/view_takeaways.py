@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from gpt_shape_tracer.figures.common import facts_of, inert, shape_text
+from gpt_shape_tracer.figures.common import facts_of, inert, prompt_positions, shape_text
 from gpt_shape_tracer.figures.mask import OWN_KEY, MaskFacts, compressed_mask_sentence
 from gpt_shape_tracer.figures.worked import Worked
 from gpt_shape_tracer.tracer import PatchingResult, Trace
@@ -42,10 +42,18 @@ def shapes_takeaway(trace: Trace, step: int) -> Takeaway:
     B, n, t = facts.batch_size, forward.n, forward.t
     records = trace.filter(step=step)
     largest = max(records, key=lambda r: r.nbytes, default=None)
-    sentence = (f"Step {step} runs n = {n} new position{'s' if n != 1 else ''} of each of B = {B} "
-                f"sequence{'s' if B != 1 else ''} through {config.n_layer} blocks: every block takes and gives back "
-                f"[B, n, d] = {shape_text((B, n, config.d_model))}, its attention weighs t = {t} key positions, "
-                f"and the logits are [B, n, V] = {shape_text((B, n, config.vocab_size))}.")
+    P = prompt_positions(trace)
+    if P:  # CPM-Ant: its learned prompt positions run through every block before the tokens, and have no logits
+        sentence = (f"Step {step} runs the model's P = {P} learned prompt positions and n = {n} token position"
+                    f"{'s' if n != 1 else ''} of each of B = {B} sequence{'s' if B != 1 else ''} through "
+                    f"{config.n_layer} blocks: every block takes and gives back [B, P + n, d] = "
+                    f"{shape_text((B, P + n, config.d_model))}, its attention weighs P + t = {P + t} key positions, "
+                    f"and the logits are the tokens' only, [B, n, V] = {shape_text((B, n, config.vocab_size))}.")
+    else:
+        sentence = (f"Step {step} runs n = {n} new position{'s' if n != 1 else ''} of each of B = {B} "
+                    f"sequence{'s' if B != 1 else ''} through {config.n_layer} blocks: every block takes and gives "
+                    f"back [B, n, d] = {shape_text((B, n, config.d_model))}, its attention weighs t = {t} key "
+                    f"positions, and the logits are [B, n, V] = {shape_text((B, n, config.vocab_size))}.")
     metrics: list[tuple[str, str]] = [("records at this step", f"{len(records):,}"),
                                       ("their size", size_text(sum(r.nbytes for r in records)))]
     if largest is not None:  # its name in the sentence: as a metric's value it was cut short at 1600 px
@@ -65,6 +73,13 @@ def mask_takeaway(facts: MaskFacts) -> Takeaway:
     if not facts.counted:
         return Takeaway(f"M is {shape_text(facts.shape)} at this step; its values were not kept, so its cells are "
                         "not counted.", (("query rows n", str(facts.n)), ("key columns t", str(facts.t))))
+    if facts.bidirectional:  # CPM-Ant: no causal mask, every position of a forward seeing every other
+        fewest, most = facts.keys_seen
+        seen = str(fewest) if fewest == most else f"{fewest}–{most}"
+        return Takeaway(f"{facts.masked} of the {cells} scores are −∞: this model's mask is not causal, each query row "
+                        f"seeing {'all ' if fewest == most == facts.t else ''}{seen} key(s), those after it included.",
+                        (("−∞ cells", f"{facts.masked} of {cells}"), ("keys each row sees", seen)),
+                        facts.explanation())
     if facts.stream:  # BLT's cross-attention, its patches: rows and columns of its own streams, no cause by place
         fewest, most = facts.keys_seen
         seen = str(fewest) if fewest == most else f"{fewest}–{most}"

@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = frame[["name", "shape", "axes", "dtype", "summary"]].copy()
     shown["shape"] = ["[" + ", ".join(map(str, s)) + "]" for s in shown["shape"]]
     forward = gen.facts.step(step).forward
+    prompt = getattr(model.config, "prompt_positions", 0)  # CPM-Ant: every forward runs them before the tokens
     plan = getattr(model, "tensor_parallel", None)
     parallel = None
     if plan is not None:
@@ -371,14 +372,16 @@ def main(argv: list[str] | None = None) -> int:
             "out": str(out) if out is not None else None, "steps": gen.n_steps, "stopped": gen.stopped or None,
             "records": len(gen.trace.records), "bytes_kept": gen.trace.bytes_kept,
             "texts": [gen.text(row) for row in range(gen.batch_size)],
-            "shown_step": {"step": step, "n": forward.n, "t": forward.t,
+            "shown_step": {"step": step, "n": forward.n, "t": forward.t, "prompt_positions": prompt,
                            "records": [{"name": r.name, "shape": list(r.shape), "axes": list(r.axes or ()),
                                         "dtype": r.dtype} for r in gen.trace.filter(
                                             step=step, kind=None if args.all_records else "hook")]},
             **({"tensor_parallel": parallel} if parallel is not None else {}),
         }, ensure_ascii=False))
         return 0
-    print(f"step {step}: n = {forward.n}, t = {forward.t}")
+    print(f"step {step}: n = {forward.n}, t = {forward.t}" + (f", after the model's {prompt} learned prompt positions "
+                                                              f"(its records hold P + n = {prompt + forward.n} rows)"
+                                                              if prompt else ""))
     print(_table(shown, wide=args.wide, pd=pd))
     if parallel is not None:
         print(parallel["sentence"])

@@ -13,8 +13,12 @@ from gpt_shape_tracer.figures import pitfalls as pitfall_views
 from gpt_shape_tracer.figures import rope as rope_views
 from gpt_shape_tracer.figures.common import (
     attention_layers,
+    bidirectional,
     facts_of,
     key_labels,
+    positions,
+    prompt_positions,
+    prompt_sentence,
     query_labels,
     scores_formula,
     stream_sentence,
@@ -76,6 +80,9 @@ def attention_tab(trace: Trace, step: int) -> None:
     origins = getattr(trace.live_model, "block_origins", None)  # HRM, LongCat-Flash: several blocks per layer
     if origins is not None and layer < len(origins) and origins[layer] is not None:
         st.caption(f"{origins[layer]}.")
+    prompt = prompt_sentence(trace, step)  # CPM-Ant: learned prompt positions before the text, no causal mask
+    if prompt is not None:
+        st.caption(prompt)
     st.latex(attn_views.attention_latex(trace, step, layer))
     usual = scores_formula(trace, trace.record(act_name("q", layer), step).shape[-1]) == "QKᵀ/√d_k"
     bias_note = (f" B is {attn_views.score_bias_kind(trace)}, added to the scores before M (a stage of its own below)."
@@ -267,7 +274,10 @@ def zoom_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> 
     if st.toggle("long-context statistics of this layer (entropy, sinks, distance, top keys)", key="zoom_stats",
                  persist_state="page"):
         stats = head_statistics(trace, name, step, batch=batch)
-        st.caption(long_views.statistics_sentence(stats, n, t))
+        st.caption(long_views.statistics_sentence(stats, n, t)
+                   + (" This model's queries weigh the keys after them too (its mask is not causal); the distances "
+                      "count back from each query only, so that weight is in no bucket of the distance plot."
+                      if bidirectional(trace) else ""))
         st.dataframe(long_views.statistics_frame(stats).round(4), hide_index=True, key="zoom_stats_table")
         chart(long_views.distance_figure(stats), key="zoom_distance")
 
@@ -346,11 +356,11 @@ def head_gradients(trace: Trace, gen, step: int, layer: int, head: int, batch: i
                       + (" — with a soft-cap S = c·tanh(s·QKᵀ/c) + M, G_S is first multiplied element by element by "
                          "the cap's derivative 1 − tanh²(s·QKᵀ/c)" if result.softcap else "")
                       + ". Each is computed here from its formula and compared with autograd's on the same forward. "
-                      + grad_views.scope_sentence(gen.facts, step)))
+                      + grad_views.scope_sentence(gen.facts, step, prompt_positions(trace))))
     if level == "error":
         st.error(text)
     if step > 0 and gen.facts.step(step).forward.n < gen.facts.width(step):
-        st.caption(grad_views.scope_sentence(gen.facts, step))
+        st.caption(grad_views.scope_sentence(gen.facts, step, prompt_positions(trace)))
     H, G = trace.config.n_head, trace.config.n_kv_head or trace.config.n_head
     if G < H:
         st.caption(f"K and V serve {H // G} query heads each here, so G_K and G_V are the sums over those heads, as "
@@ -411,7 +421,7 @@ def flash_section(trace: Trace, step: int, layer: int, head: int, batch: int) ->
     block = cols[0].selectbox("tile size (keys per tile, rows per query block)", list(flash_views.BLOCK_SIZES),
                               index=1, key="flash_block", persist_state="page")
     n = trace.record(act_name("q", layer), step).shape[2]
-    first = facts_of(trace).step(step).forward.t - n  # this step's query rows are the last n columns
+    first = positions(trace, step)[1] - n  # this step's query rows are the last n columns
     blocks = -(-n // block)
     default = flash_views.default_query_block(trace, step, batch, block)  # the last real row's block
     query_block = cols[1].selectbox(  # keyed by the size: the blocks differ

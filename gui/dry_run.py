@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
+from gpt_shape_tracer.figures.common import positions
 from gpt_shape_tracer.figures.flow import shape_flow_figure
 from gpt_shape_tracer.gui.common import chart, plain
 from gpt_shape_tracer.model import GPT, HFDecoder, ModelLoadError
@@ -155,9 +156,9 @@ def describe_parameters(by_dtype: dict[str, int]) -> str:
 def growth_frame(result: DryRun) -> pd.DataFrame:
     rows = []
     facts = result.trace.generation.steps if result.trace.generation else ()
-    for s, (costs, fact) in enumerate(zip(result.costs, facts)):
-        forward = fact.forward
-        rows.append({"step": s, "n": forward.n, "t": forward.t,
+    for s, (costs, _) in enumerate(zip(result.costs, facts)):
+        n, t = positions(result.trace, s)  # CPM-Ant: with its learned prompt positions, which every step runs
+        rows.append({"step": s, "n": n, "t": t,
                      "KV cache bytes": kv_cache_bytes(result.trace, s), "multiply-adds": costs.macs,
                      "weight bytes read": costs.weight_bytes, "peak activation bytes": costs.peak_activation_bytes})
     return pd.DataFrame(rows)

@@ -9,7 +9,7 @@ import time
 import streamlit as st
 
 from gpt_shape_tracer.figures import tokens as token_views
-from gpt_shape_tracer.figures.common import facts_of
+from gpt_shape_tracer.figures.common import facts_of, positions, prompt_positions
 from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
 from gpt_shape_tracer.gui.common import current_model, state
 from gpt_shape_tracer.gui.server import reserve_memory
@@ -177,11 +177,15 @@ def header(trace: Trace) -> int:
         st.markdown(prefix + token_views.generated_text_html(trace, row, upto_step=step), unsafe_allow_html=True)
     st.markdown(token_views.text_legend(), unsafe_allow_html=True)
     cols = st.columns(5)
-    cols[0].metric("new positions n", forward.n)
-    cols[1].metric("key positions t", forward.t)
+    n, t = positions(trace, step)  # CPM-Ant: its learned prompt positions run before the text in every forward
+    prompt = prompt_positions(trace)
+    with_prompt = (f"the model's {prompt} learned prompt positions included: every forward runs them before the "
+                   "text") if prompt else None
+    cols[0].metric("new positions n", n, help=with_prompt)
+    cols[1].metric("key positions t", t, help=with_prompt)
     cols[2].metric("cached after step", forward.cache_after if facts.info.use_cache else 0,
                    help="0 when the KV cache is off")
-    cols[3].metric("query rows computed", f"{forward.n} of {forward.t}")
+    cols[3].metric("query rows computed", f"{n} of {t}")
     cols[4].metric("traced forward time", f"{trace.steps[step].seconds * 1000:.1f} ms",
                    help="wall time of the traced forward on this (shared) machine: an estimate")
     banners(trace, step)

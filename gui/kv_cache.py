@@ -10,7 +10,7 @@ from gpt_shape_tracer.figures import cache_classes as class_views
 from gpt_shape_tracer.figures import cache_precision as precision_views
 from gpt_shape_tracer.figures import common as common_views
 from gpt_shape_tracer.figures import compressed_cache as compressed_views
-from gpt_shape_tracer.figures.common import attention_layers, facts_of
+from gpt_shape_tracer.figures.common import attention_layers, facts_of, positions
 from gpt_shape_tracer.gui.common import (
     chart,
     layer_head_batch,
@@ -69,11 +69,10 @@ def cache_tab(trace: Trace, step: int) -> None:
         elif growth.open and trace.config is not None:
             q = trace.record(act_name("q", attention_layers(trace)[0]), step)
             itemsize = q.nbytes // max(1, q.numel)  # the model's dtype: 4 B in float32, 2 in bfloat16
-            forward = facts_of(trace).step(step).forward
-            figure, sentence = cache_views.growth_figure(trace.config, forward.t, itemsize, forward.n,
+            n, t = positions(trace, step)  # with CPM-Ant's learned prompt positions, which every step runs too
+            figure, sentence = cache_views.growth_figure(trace.config, t, itemsize, n,
                                                          cache_views.window_layers(trace, step))
-            line, metrics = cache_views.growth_takeaway(trace.config, forward.t, itemsize, forward.n,
-                                                        facts_of(trace).batch_size)
+            line, metrics = cache_views.growth_takeaway(trace.config, t, itemsize, n, facts_of(trace).batch_size)
             takeaway(line, metrics, details=(
                 "Counted from this model's widths for a full forward of n positions (no cache), n from 1 to its n_ctx, "
                 "both axes logarithmic: the time of attention is O(n²·d), of everything else O(n·d²); its memory "
@@ -256,7 +255,8 @@ def cache_this_step(trace: Trace, step: int) -> None:
     elif gen is not None and not latest:
         st.caption("This step was not compared with a recompute; go to the latest step to measure it.")
     elif gen is not None:
-        st.caption("Press the button to redo this step both ways and compare.")
+        if caches(gen.model):  # no button for a model that keeps no cache (said above)
+            st.caption("Press the button to redo this step both ways and compare.")
     else:
         st.caption("The file holds no comparison for this step.")
     st.caption("The query rows and multiply-adds of every step are under **Over the steps**.")

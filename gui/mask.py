@@ -21,7 +21,8 @@ def mask_tab(trace: Trace, step: int) -> None:
     facts = mask_views.mask_facts(trace, step, layer, batch)
     said = mask_takeaway(facts)
     takeaway(said.sentence, said.metrics, plain_paragraphs(said.details or ""),
-             details_label="What this block's mask holds" if facts.stream else  # BLT: no cause by a cell's place
+             # BLT, CPM-Ant: no cause by a cell's place
+             details_label="What this block's mask holds" if facts.stream or facts.bidirectional else
              "Every −∞ cell by its cause, and why a cached step needs (almost) no mask")
     if not values_kept(trace, step, act_name("mask", layer), "mask and score heatmaps"):
         return

@@ -65,12 +65,15 @@ def ablation_section(trace: Trace, step: int, model, gen: TracedGeneration | Non
                                                          on_prompt=text == "the prompt"))
     res = app.live.ablations.get(wanted)  # kept per (step, heads, how, text): returning to them brings it back
     if res is None:
-        st.caption("Pick heads, then re-run: the step runs again from the same cache with them switched off, and "
-                   "the loss on a text is measured with and without. Nothing in the generation changes.")
+        again = ("the step runs again from the same cache" if gen.cache is not None else
+                 "the step runs again (every position: this generation keeps no cache)")
+        st.caption(f"Pick heads, then re-run: {again} with them switched off, and the loss on a text is measured with "
+                   "and without. Nothing in the generation changes.")
         return
     said = ablation_takeaway(res.loss_before, res.loss_after, tuple(res.described), res.loss_text, len(res.moved),
                              len(res.changes))
-    takeaway(said.sentence, said.metrics, f"Re-ran step {res.step} from the same cache with: "
+    takeaway(said.sentence, said.metrics, f"Re-ran step {res.step} "
+             + ("from the same cache" if gen.cache is not None else "over every position") + " with: "
              + "; ".join(plain(d) for d in res.described) + f". Loss measured on {plain(res.loss_text)}. Below: how "
              "the next token's candidates moved, and how far each head's pattern moved.")
     frame = whatif_views.next_token_change(res.replay.original[0], res.replay.logits[0], gen.tokenizer.token_label)

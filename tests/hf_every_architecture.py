@@ -386,15 +386,15 @@ def check(model_type: str, directory: Path) -> Result:
     note = getattr(model, "reference_note", None)
     if getattr(model, "no_cache_reason", None):  # traced without a cache: every step a full forward over the text so
         # far, compared with transformers' full forward on the same text (its last row). OpenAI GPT: its forward takes
-        # no cache ("no cache"); BLT: transformers' own cached forward fails on its config, and the model says so in
-        # its reference_note ("follows uncached")
+        # no cache ("no cache"); BLT: transformers' own cached forward fails on its config, CPM-Ant: it differs from its
+        # full forward (a prefix LM), and the model says so in its reference_note ("follows uncached")
         with torch.no_grad():
             ours = [model(tokens[:, :PROMPT])] + [model(tokens[:, :i + 1])[:, -1:]
                                                   for i in range(PROMPT, PROMPT + DECODE_STEPS)]
         uncached = [float((a.float() - b.float()).abs().max()) for a, b in zip(ours, _uncached_logits(directory,
                                                                                                       tokens))]
         equal = max(uncached) <= TOLERANCE
-        if getattr(model, "stacks", None):
+        if getattr(model, "stacks", None) or note:  # BLT; CPM-Ant, whose own cached path (a prefix LM) differs
             return Result(model_type, "follows uncached" if equal and note else "differs", uncached=uncached,
                           note=note)
         return Result(model_type, "no cache" if equal else "differs", uncached=uncached, note=note)

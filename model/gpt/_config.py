@@ -125,6 +125,14 @@ class GPTConfig:
     # sublayer's output); None where nothing was measured (the meta device, a trace saved before). Our own GPT's
     # blocks are always plain sums, whatever this says (``residual_sums``).
     plain_residual: bool | None = None
+    # family "hf", CPM-Ant: learned positions the model's forward puts before the text (ids past its vocabulary,
+    # embedded as tokens are), in every forward: each record over positions holds them first, P + n rows for n tokens
+    # (the logits only the n tokens'); 0 for every other model
+    prompt_positions: int = 0
+    # family "hf": the model's mask lets every position of a forward see every other (CPM-Ant), where a causal mask
+    # lets query i see keys 0 … i only; read from the load's probe, so False on the meta device (a dry run), where
+    # no mask has values
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from ModelIdentity.config / JSON
@@ -164,7 +172,12 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.plain_residual is not None and not isinstance(self.plain_residual, bool):
             raise ValueError(f"GPTConfig.plain_residual must be True, False or None, got {self.plain_residual!r}")
-        for name in ("tie_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias", "attn_sinks"):
+        if isinstance(self.prompt_positions, bool) or not isinstance(self.prompt_positions, int) or \
+                not 0 <= self.prompt_positions <= MAX_POSITIONS:
+            raise ValueError(f"GPTConfig.prompt_positions must be a whole number from 0 to {MAX_POSITIONS}, got "
+                             f"{self.prompt_positions!r}")
+        for name in ("tie_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "norm_bias", "attn_sinks",
+                     "bidirectional"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):

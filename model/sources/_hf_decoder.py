@@ -72,7 +72,9 @@ same hook names (``model/sources/_hf_own_attention.py``; ``OwnAttention`` watche
 the model then runs transformers' eager path, mask included; ``hook_score_bias`` holds a bias such as ALiBi.
 
 A forward that takes no cache (OpenAI GPT) runs without one, every step a full forward; XLM's own ``cache=``, which
-wants the whole text, is ours too (``model/sources/_hf_own_cache.py``).
+wants the whole text, is ours too; CPM-Ant, whose forward puts learned prompt positions before the text and whose mask
+lets every position see every other, runs without one too, every record over positions holding its P prompt positions
+first (``GPTConfig.prompt_positions``, ``GPTConfig.bidirectional``; ``model/sources/_hf_own_cache.py``).
 
 Refused, with a ``RefusalReason``: own-code attention that does not read as one softmax attention, linear-attention
 and state-space layers our cache cannot hold beside K and V, several attention calls per layer (but differential
@@ -114,11 +116,16 @@ from gpt_shape_tracer.model.sources._hf_cache import HeldHidden, StateCache, _ca
 from gpt_shape_tracer.model.sources._hf_compressed import CompressedCache, add_hooks, compressed_config, record_held
 from gpt_shape_tracer.model.sources._hf_indexer import indexer_of, watch_indexer
 from gpt_shape_tracer.model.sources._hf_own_attention import OwnAttention
-from gpt_shape_tracer.model.sources._hf_own_cache import no_cache_reason, takes_whole_text, whole_text
+from gpt_shape_tracer.model.sources._hf_own_cache import (
+    no_cache_reason,
+    padding_refusal,
+    prompt_positions,
+    prompt_reason,
+    takes_whole_text,
+    whole_text,
+)
 from gpt_shape_tracer.model.sources._hf_probe import (
     _NAMES_FINAL_NORM,
-    _NAMES_MLP,
-    _NAMES_MLP_NORM,
     _NAMES_OUT,
     _accelerate_hooks,
     _Call,
@@ -134,6 +141,9 @@ from gpt_shape_tracer.model.sources._hf_probe import (
     cache_keyword,
     mixer_name,
     mixer_of,
+    mlp_norm_of,
+    mlp_of,
+    sees_ahead,
 )
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, _special_cache_layers, refusal_by_config
 from gpt_shape_tracer.model.sources._hf_residual import _RESIDUAL_POINTS, _plain_residual
@@ -286,10 +296,17 @@ class HFDecoder(nn.Module):
         first = next((L for L, attn in enumerate(attns) if attn is not None), None)
         self.architecture = _guess_architecture(hf, layers[first or 0], attns[first] if first is not None else None,
                                                 model_type)
+        # CPM-Ant: learned prompt positions before the text in every forward, every position seeing every other; traced
+        # without a cache, each step a full forward of the whole text (model/sources/_hf_own_cache.py)
+        first_call = probed[first] if first is not None else None
+        self.prompt_positions = prompt_positions(first_call)
+        self.bidirectional = first_call is not None and bool(self.prompt_positions) and sees_ahead(first_call.mask)
+        if self.prompt_positions:
+            self.no_cache_reason = prompt_reason(model_type, self.prompt_positions, self.bidirectional)
         if first is not None and own[first]:  # the scale its ops apply (XGLM scales its queries: 1)
             self.architecture = replace(self.architecture, scale=cast(_Call, probed[first]).own.scale)
         arch = self.architecture
-        mlp_norms = [None if arch.parallel_block else _child(layer, _NAMES_MLP_NORM) for layer in layers]
+        mlp_norms = [None if arch.parallel_block else mlp_norm_of(layer) for layer in layers]
         self._latent = [latent_widths(attn) if attn is not None else None for attn in attns]  # (d_c, d_R) or None
         # gpt-oss (a sinks parameter), Inkling 2 (sink logits projected per position, handed over as sinks=)
         self._sinks = [isinstance(getattr(attn, "sinks", None), torch.Tensor) or (call is not None and call.sinks)
@@ -397,7 +414,7 @@ class HFDecoder(nn.Module):
                     with_kwargs=True))
                 self._handles.append(mixer.register_forward_hook(gated(
                     lambda m, a, out, h=hooks: _replace_first(out, h.hook_mixer_out(_first(out))))))
-            mlp = _child(layer, _NAMES_MLP) if sub is None else None
+            mlp = mlp_of(layer) if sub is None else None
             if mlp is not None:
                 self._handles.append(mlp.register_forward_hook(gated(
                     lambda m, a, out, h=hooks: _replace_first(out, h.hook_mlp_out(_first(out))))))
@@ -486,7 +503,8 @@ class HFDecoder(nn.Module):
         width = int(cfg.hidden_size) if hasattr(cfg, "hidden_size") else several.stacks_width(self.hf)
         H, G, d_head, d_v = first.seen if first is not None else (1, 1, width, width)
         latent = next((widths for widths in self._latent if widths is not None), None)
-        d_ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None)
+        d_ff = next((getattr(cfg, name) for name in ("intermediate_size", "n_inner", "ffn_dim", "dim_ff")  # CPM-Ant:
+                     if getattr(cfg, name, None)), None)  # dim_ff
         if isinstance(d_ff, (list, tuple)):  # one width per layer (Gemma 3n): one number only where they agree
             d_ff = d_ff[0] if len(set(d_ff)) == 1 else None
         n_ctx = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048)
@@ -511,6 +529,7 @@ class HFDecoder(nn.Module):
             indexer_key_dim=_indexer_key_dim(cfg) if self._indexed else None,
             block_paths=tuple(b.path for b in self.stacks) if self.stacks is not None else (),
             cross_blocks=tuple(L for L, b in enumerate(self.stacks or ()) if b.cross),
+            prompt_positions=self.prompt_positions, bidirectional=self.bidirectional,
         )
 
     # -- what our GPT offers too ----------------------------------------------------------------------
@@ -590,6 +609,8 @@ class HFDecoder(nn.Module):
         past = cache.length if cache is not None else 0
         if padding_mask is not None:
             padding_mask = padding_mask.to(device=tokens.device, dtype=torch.bool)
+            if self.prompt_positions and (padding_mask.is_meta or not bool(padding_mask.all())):
+                raise HFDecoderError(padding_refusal(self.architecture.model_type))  # CPM-Ant reads no mask
         positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
         if self._mems is not None:  # XLNet's mems keep no padding mask

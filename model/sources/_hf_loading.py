@@ -110,7 +110,8 @@ def guard_against_transformers(model: HFDecoder) -> None:
     n = min(n, model.config.n_ctx - 1)
     tokens = (torch.arange(n + 1, device=model.input_device) * 7 + 3)[None] % model.config.vocab_size  # [1, n+1]
     tolerance = logit_tolerance(next(hf.parameters()).dtype)
-    if model.stacks is not None:  # BLT: traced without a cache (model/sources/_hf_stacks.py)
+    if model.stacks is not None or model.prompt_positions:  # BLT, CPM-Ant: traced without a cache
+        # (model/sources/_hf_stacks.py, model/sources/_hf_own_cache.py)
         model.reference_note = _uncached_guard(model, tokens, n, tolerance)
         return
     with torch.no_grad():
@@ -166,7 +167,10 @@ def _uncached_guard(model: HFDecoder, tokens: torch.Tensor, n: int, tolerance: f
             uncached = hf(input_ids=tokens, use_cache=False).logits[0, -1].float()
             try:
                 past = hf(input_ids=tokens[:, :n], use_cache=True).past_key_values
-                cached: torch.Tensor | None = hf(input_ids=tokens[:, n:], past_key_values=past,
+                # CPM-Ant's forward slices the cached positions off the whole text itself (its generate() hands it
+                # every id so far); any other is handed the new token only
+                fed = tokens if model.prompt_positions else tokens[:, n:]
+                cached: torch.Tensor | None = hf(input_ids=fed, past_key_values=past,
                                                  use_cache=True).logits[0, -1].float()
                 failure = ""
             except Exception as e:  # noqa: BLE001 (transformers' own cached path failing is what the note says)

@@ -69,6 +69,7 @@ _WHERE = {"where"}
 _SHIFT = {"__getitem__", "index_select", "narrow", "gather", "take_along_dim"}
 _FLOOR = {"max", "maximum", "clamp", "clamp_min", "fmax"}  # with a very negative second operand: a floor, not a stage
 _HIDDEN = -1e4  # a mask value at or below this hides a key: exp(−10⁴) is 0 in float32 and float64
+PROBE_TOKENS = 2  # the tokens the probe feeds: the attention's rows beyond them are positions the model adds itself
 
 
 def _name(func: Any) -> str:
@@ -578,7 +579,7 @@ def probe(hf: nn.Module, lists: dict[int, nn.ModuleList], model_type: str, devic
         found.append(Found(where, module, reading))
         return None
 
-    tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    tokens = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
     try:
         with torch.no_grad(), _Watch(on_attention, stack):
             hf(input_ids=tokens, attention_mask=torch.ones_like(tokens), use_cache=False)

@@ -9,6 +9,13 @@
   cached elements"); its positions and hidden-state mask are read from the whole width too. ``whole_text`` widens
   what ``HFDecoder.forward`` passes: placeholder ids (never embedded: sliced off before the embedding) for the
   cached positions, and the mask and positions of every key.
+* Learned prompt positions before the text (CPM-Ant): its forward puts ``prompt_length`` positions of its own before
+  the tokens — ids past its vocabulary, embedded as tokens are — and its mask lets every position of a forward see
+  every other. Its generate() runs it as a prefix LM (the prompt's positions see one another, each generated token
+  those before it), so a cached step differs from a full forward of the same text, and its cache holds P + n rows.
+  Traced without a cache, every step a full forward of the whole text as transformers' uncached forward computes it:
+  every record over positions holds the P prompt positions first (P + n rows for n tokens; the logits are the n
+  tokens' only), which ``GPTConfig.prompt_positions`` and ``GPTConfig.bidirectional`` tell the views.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from gpt_shape_tracer.model.sources._hf_own_attention import PROBE_TOKENS
 
 
 def no_cache_reason(hf: nn.Module, model_type: str, keyword: str) -> str | None:
@@ -50,3 +59,30 @@ def whole_text(tokens: torch.Tensor, past: int, attention_mask: torch.Tensor | N
     if position_ids is not None:
         position_ids = torch.cat([position_ids.new_zeros(B, past), position_ids.expand(B, n)], dim=1)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}
+
+
+def prompt_positions(call: Any) -> int:
+    """Positions the model's attention ran over in the probe beyond the tokens the probe fed it — learned positions its
+    forward puts before the text (CPM-Ant's prompt) — read from an attention computed in the family's own code (its
+    query rows and key columns alike); 0 for every other attention. ``call``: the probe's ``_Call``, or None."""
+    own = getattr(call, "own", None) if call is not None else None
+    if own is None:
+        return 0
+    n, t = (int(x) for x in own.pattern.shape[-2:])
+    return t - PROBE_TOKENS if n == t > PROBE_TOKENS else 0
+
+
+def prompt_reason(model_type: str, prompt: int, bidirectional: bool) -> str:
+    """Why a model that puts ``prompt`` learned positions before the text is traced without a KV cache."""
+    sees = (" and lets every position of a forward see every other (bidirectional)" if bidirectional else "")
+    return (f"this model's forward ({model_type}) puts {prompt} learned prompt positions before the text{sees}, and "
+            "transformers' generate() runs it with a cache as a prefix LM whose steps differ from a full forward of "
+            "the same text, so it is traced without a KV cache (every step a full forward of the whole text, as "
+            "transformers' uncached forward computes it)")
+
+
+def padding_refusal(model_type: str) -> str:
+    """Why a padded batch of such a model is refused: its forward takes no attention mask."""
+    return (f"{model_type}'s forward takes no attention mask: it reads token id 0 as padding and counts a sequence's "
+            "real tokens from its ids, so a batch padded to one width would not run each sequence as it runs alone; "
+            "generate from one prompt at a time (or from prompts of one length)")

@@ -17,6 +17,7 @@ from torch import nn
 from gpt_shape_tracer.model.sources._hf_attention import _probing, differential_lambda
 from gpt_shape_tracer.model.sources._hf_own_attention import Found
 from gpt_shape_tracer.model.sources._hf_own_attention import probe as own_attention_probe
+from gpt_shape_tracer.model.sources._hf_own_cache import prompt_positions
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError
 from gpt_shape_tracer.model.sources._hf_stacks import stack_blocks
 from gpt_shape_tracer.model.sources._hf_variants import call_blocks, own_cache_state
@@ -38,6 +39,29 @@ def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
         if isinstance(found, nn.Module):
             return found
     return None
+
+
+def mlp_of(layer: nn.Module) -> nn.Module | None:
+    """The layer's MLP: its child under an MLP name — or, where that child is a sublayer block of its own holding only
+    the norm in front of the MLP, the MLP under an MLP name and a dropout (CPM-Ant's ``CpmAntFFNBlock``, which adds the
+    MLP's output to its input itself), that inner MLP, whose output is what the block adds to the stream."""
+    mlp = _child(layer, _NAMES_MLP)
+    inner = _child(mlp, _NAMES_MLP[:-1]) if mlp is not None else None  # not fc2: a linear layer is no MLP block
+    if mlp is None or inner is None:
+        return mlp
+    kinds = ["norm" if "norm" in type(m).__name__.lower() else "dropout" if isinstance(m, nn.Dropout) else
+             "mlp" if m is inner else "other" for m in mlp.children()]
+    return inner if "norm" in kinds and "other" not in kinds else mlp
+
+
+def mlp_norm_of(layer: nn.Module) -> nn.Module | None:
+    """The norm in front of the layer's MLP, whose input is the stream between attention and MLP (``hook_resid_mid``):
+    the layer's child under a norm name, or the norm inside the layer's MLP block (``mlp_of``: CPM-Ant's)."""
+    norm = _child(layer, _NAMES_MLP_NORM)
+    block = _child(layer, _NAMES_MLP)
+    if norm is not None or block is None or mlp_of(layer) is block:
+        return norm
+    return next((m for m in block.children() if "norm" in type(m).__name__.lower()), None)
 
 
 @dataclass(frozen=True)
@@ -375,14 +399,24 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     if len(shared) < sum(1 for cs in per_layer if cs):  # one attention module run inside several layers (Zamba)
         raise HFDecoderError(f"{model_type}: one attention module is shared by several layers (a shared block); the "
                              "trace holds one attention module per layer", reason="several attentions per layer")
-    first = next(cs for cs in per_layer if cs)[0].mask
-    if first is not None and first.device.type != "meta" and first.shape[-1] >= 2 and first.shape[-2] >= 2:
-        hidden = first[0, 0] <= torch.finfo(first.dtype).min / 2 if first.is_floating_point() else ~first[0, 0]
-        if not bool(hidden[0, 1]):  # the first position sees the second: not causal
-            raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, "
-                                 "an encoder): only causal decoders, whose position i sees positions ≤ i, are "
-                                 "traced", reason="encoder")
+    first = next(cs for cs in per_layer if cs)[0]
+    # CPM-Ant, whose forward puts learned prompt positions before the text and lets every position see every other, is
+    # traced whole, every step a full forward (model/sources/_hf_own_cache.py); any other bidirectional model is an
+    # encoder
+    if sees_ahead(first.mask) and not prompt_positions(first):
+        raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, an "
+                             "encoder): only causal decoders, whose position i sees positions ≤ i, are traced",
+                             reason="encoder")
     return layers, [cs[0] if cs else None for cs in per_layer], writers
+
+
+def sees_ahead(mask: torch.Tensor | None) -> bool:
+    """Whether a probe's mask ``[B|1, 1, n, t]`` (additive, or boolean: True where seen) lets its first position see
+    the second: attention that is not causal (False where there are no values or fewer than two positions)."""
+    if mask is None or mask.device.type == "meta" or mask.shape[-1] < 2 or mask.shape[-2] < 2:
+        return False
+    hidden = mask[0, 0] <= torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else ~mask[0, 0].bool()
+    return not bool(hidden[0, 1])
 
 
 def _kv_shared(probed: list[_Call | None]) -> tuple[tuple[int, int], ...]:
@@ -455,7 +489,7 @@ def mixer_of(layer: nn.Module, writer: nn.Module | None = None) -> nn.Module:
     (Nemotron-H's MoE-only blocks)."""
     if writer is not None:
         return writer
-    mlp = _child(layer, _NAMES_MLP)
+    mlp = _child(layer, _NAMES_MLP)  # the whole MLP block: none of it is the mixer
     skipped = {id(m) for m in mlp.modules()} if mlp is not None else set()
     children = [m for m in layer.children() if id(m) not in skipped
                 and not any(w in type(m).__name__.lower() for w in ("norm", "dropout"))]
@@ -509,11 +543,12 @@ def _guess_architecture(hf: nn.Module, layer: nn.Module, attn: nn.Module | None,
     norms = [type(m).__name__.lower() for m in layer.modules() if "norm" in type(m).__name__.lower()]
     rms = any("rms" in n for n in norms) or (bool(norms) and not any("layernorm" in n and "rms" not in n
                                                                      for n in norms))
-    mlp = _child(layer, _NAMES_MLP)
+    mlp = mlp_of(layer)
     if mlp is not None and any(k in type(mlp).__name__.lower() for k in ("moe", "sparse", "expert")):
         mlp_kind = "moe"
-    elif mlp is not None and (hasattr(mlp, "gate_proj") or hasattr(mlp, "gate_up_proj")):
-        mlp_kind = "swiglu"
+    elif mlp is not None and (hasattr(mlp, "gate_proj") or hasattr(mlp, "gate_up_proj") or any(
+            "gated" in type(m).__name__.lower() and "norm" not in type(m).__name__.lower() for m in mlp.modules())):
+        mlp_kind = "swiglu"  # a gated MLP, three matrices (CPM-Ant's CpmAntDenseGatedACT: GELU(x·W_0) ⊙ x·W_1)
     else:
         mlp_kind = "gelu"
     parallel = (model_type in PARALLEL_BLOCKS or bool(getattr(cfg, "use_parallel_residual", False))

@@ -62,15 +62,6 @@ def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
         return HFDecoderError(f"{model_type} is configured as an encoder (is_decoder = false): every position "
                               "attends to every other; configured with is_decoder = true it is a causal decoder",
                               reason="encoder")
-    prompt = getattr(config, "prompt_length", None)
-    if model_type == "cpmant" and isinstance(prompt, int):  # what transformers' modeling_cpmant.py does
-        return HFDecoderError(
-            f"{model_type}: its mask makes every position of a forward context, seen by every other (position 0 sees "
-            "position 1), so the logits at a position depend on the tokens after it and its generate() runs as a "
-            "prefix LM (the prompt's positions see one another, each generated token those before it), its cached "
-            f"steps differing from a full forward of the same text; and it puts {prompt} learned prompt positions "
-            f"before the text, which its cache holds too ({prompt} + n rows for n tokens). The traced KV cache holds "
-            "one row per token of the text", reason="encoder")
     if getattr(config, "causal", None) is False:  # XLM's masked LM; XLMConfig(causal=True) is its causal LM
         return HFDecoderError(f"{model_type} is configured as a masked LM (causal = false): every position attends to "
                               "every other; configured with causal = true it is a causal decoder", reason="encoder")

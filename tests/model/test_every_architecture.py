@@ -53,6 +53,8 @@ REPRESENTATIVE = [
     # layers agree on)
     "openai-gpt",  # its forward takes no cache: every step a full forward, compared with transformers' full forward
     "xlm",  # its own cache= handed the whole text (built as its causal LM)
+    "cpmant",  # learned prompt positions before the text, a mask that is not causal: traced without a cache, its own
+    # cached path (a prefix LM) differing
     "bloom", "mamba", "rwkv", "falcon_h1", "hrm_text", "prophetnet", "bart", "xlnet",
 ]
 
@@ -103,7 +105,7 @@ def _reason_is_true(result: Result, directory: Path) -> bool:
     if reason == "encoder-decoder":
         return bool(getattr(config, "is_encoder_decoder", False))  # add_cross_attention alone is no encoder
     if reason == "encoder":  # a BERT-style type configured so, or transformers' own weights show it: position 0
-        # attends to position 1 (XLM with causal = false, CPM-Ant, whose every position is context)
+        # attends to position 1 (XLM with causal = false)
         return (result.model_type in ENCODERS and not getattr(config, "is_decoder", False)) or \
             _first_sees_second(directory)
     if reason == "attention outside the interface":

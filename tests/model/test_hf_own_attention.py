@@ -1,7 +1,8 @@
 """Attention computed in a family's own code (model/sources/_hf_own_attention.py): the 17 causal-LM types of
 transformers whose attention modules compute the softmax themselves instead of calling transformers' attention
-function (OpenAI GPT, which keeps no cache, in tests/model/test_hf_reach_more.py). Each is a tiny random-weight
-directory built from its own config class (tests/hf_every_architecture.py).
+function (OpenAI GPT, which keeps no cache, in tests/model/test_hf_reach_more.py; CPM-Ant, traced without one, in
+tests/model/test_hf_cpmant.py). Each is a tiny random-weight directory built from its own config class
+(tests/hf_every_architecture.py).
 
 Traced types: logits equal to transformers' eager forward at the prefill and 3 cached steps; the recorded pattern
 equal to one recomputed here from the recorded Q, K, scale, bias and mask, and to the weights transformers' own eager
@@ -27,7 +28,6 @@ TRACED = ["bloom", "mpt", "codegen", "xglm", "gpt_neox_japanese", "trocr", "mvp"
           "megatron-bert", "xlm"]  # XLM built causal (its CLM); OpenAI GPT (no cache): test_hf_reach_more.py
 # the reason each refused type's ops (or its forward's signature) show, and words its message must hold
 REFUSED = {
-    "cpmant": ("encoder", "position 0 sees position 1"),  # every position is context: bidirectional
     "prophetnet": ("several attentions per layer", "2 softmax attentions"),
 }
 WITH_BIAS = {"bloom", "mpt"}  # ALiBi: a bias beside the mask

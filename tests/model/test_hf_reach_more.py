@@ -1,4 +1,4 @@
-"""Three causal LMs that were refused, traced as they really run (model/sources/_hf_own_cache.py), or refused for the
+"""Two causal LMs that were refused, traced as they really run (model/sources/_hf_own_cache.py), or refused for the
 reason transformers' own forward shows:
 
 * OpenAI GPT keeps no cache (its forward takes none): every step a full forward over the text so far, equal to
@@ -7,8 +7,7 @@ reason transformers' own forward shows:
 * XLM built as its causal LM (XLMConfig(causal=True), what its CLM checkpoints set) is traced with its own cache
   (``cache=``, handed the whole text); built as its masked LM (causal = false) it is refused as bidirectional. Its
   causal mask does not hide padding keys, and the mask view says so from M.
-* CPM-Ant is refused: every position of a forward sees every other, its cached steps differ from its full forward,
-  and it prepends learned prompt positions its cache holds — each checked here on transformers' own model.
+(CPM-Ant, once refused here, is traced without a cache: tests/model/test_hf_cpmant.py.)
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt_shape_tracer.model import ModelLoadError, load_hf
+from gpt_shape_tracer.model import load_hf
 from gpt_shape_tracer.model.sources import BUNDLED_DIR, HFDecoder, HFDecoderError
 from gpt_shape_tracer.tracer import TracedGeneration
-from tests.hf_every_architecture import DECODE_STEPS, PROMPT, TOLERANCE, build, check, tiny_config
+from tests.hf_every_architecture import DECODE_STEPS, TOLERANCE, build, check, tiny_config
 from tests.model.test_hf_own_attention import recomputed_pattern
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -216,32 +215,6 @@ def test_xlm_padding_keys_stay_open_and_the_mask_view_says_so(xlm):
         said = facts.explanation()
         assert "−∞ for every real query" not in said
         assert f"leaves column(s) {', '.join(map(str, padding))} open to the real queries" in said
-
-
-# -- CPM-Ant -----------------------------------------------------------------------------------------------------
-def test_cpmant_is_refused_for_what_transformers_own_model_does(tmp_path):
-    """Each clause of its refusal, checked on transformers' own model: position 0 weighs position 1 (its mask makes
-    every position context), a cached step differs from the full forward of the same text, and after n tokens its
-    cache holds prompt_length + n rows."""
-    from transformers import CpmAntForCausalLM
-
-    directory = build("cpmant", tmp_path / "cpmant")
-    with pytest.raises(ModelLoadError) as refused:
-        load_hf(directory)
-    message, reason = str(refused.value), getattr(refused.value, "reason", None)
-    hf = CpmAntForCausalLM.from_pretrained(directory, local_files_only=True).eval()
-    prompt = hf.config.prompt_length
-    assert reason == "encoder" and "position 0 sees position 1" in message
-    assert f"{prompt} learned prompt positions" in message and f"({prompt} + n rows for n tokens)" in message
-    ids = torch.randint(1, 200, (1, PROMPT + 1), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        weights = hf(input_ids=ids[:, :2], output_attentions=True, use_cache=False).attentions
-        assert bool((weights[0][..., 0, 1] > 0).any())
-        full = hf(input_ids=ids, use_cache=False).logits[0, -1]
-        past = hf(input_ids=ids[:, :PROMPT], use_cache=True).past_key_values
-        assert past.get_seq_length() == prompt + PROMPT
-        cached = hf(input_ids=ids, past_key_values=past, use_cache=True).logits[0, -1]  # it slices the cached part
-    assert float((cached - full).abs().max()) > 1e-3
 
 
 def test_a_dry_run_of_openai_gpt_is_full_forwards_and_says_why(tmp_path):

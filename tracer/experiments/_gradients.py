@@ -121,8 +121,11 @@ def gradient_trace(generation: TracedGeneration, step: int, loss: str = GRADIENT
     unreached = [path for path in points if path not in got]
     if got:
         t = generation.facts.width(step)
+        prompt = getattr(model.config, "prompt_positions", 0)  # CPM-Ant: its learned prompt positions run too
         log.add_note(0, f"∂L/∂x at every hook point the backward pass reaches: L = {loss} = {value:.6g}, over the "
-                        f"{t} positions of generation step {step}, recomputed without the KV cache."
+                        f"{t} positions of generation step {step}"
+                        + (f" (after the model's {prompt} learned prompt positions)" if prompt else "")
+                        + ", recomputed without the KV cache."
                         + (f" No gradient reaches {', '.join(unreached)}: values the model reads but does not go "
                            "on to use (a copy is used instead)." if unreached else ""))
     log.end_step(seconds)

@@ -142,7 +142,8 @@ def direct_logit_attribution(trace: Trace, step: int, row: int = 0, token: int |
     if not isinstance(model, GPT):
         raise ValueError("direct logit attribution freezes the final norm's scale at a position, which needs the "
                          "norm written out as ours are; this model's final norm is transformers' code"
-                         + ("" if getattr(model.config, "block_paths", ()) else " (the logit lens works on it)"))
+                         + ("" if getattr(model.config, "block_paths", ()) or getattr(model, "ln_final", 1) is None
+                            else " (the logit lens works on it)"))  # a final norm not found: the lens says so
     step, row = _step_and_row(trace, step, row)
     facts = trace.generation
     if token is not None:

@@ -112,7 +112,8 @@ def activation_patching(model: Decoder, clean: Sequence[int], corrupted: Sequenc
     """Patch the clean run's activations into the corrupted run, one (layer, position) of the residual
     stream (``kind="resid_pre"``) or one (layer, head) of the head outputs (``kind="z"``, all positions)
     at a time, and measure how much of the clean answer's logit difference each restores (1 = all of it).
-    The answers are each run's own top token at the last position."""
+    The answers are each run's own top token at the last position. A model's learned prompt positions (CPM-Ant),
+    the same in both runs, are not patched: position j is token j of the prompts."""
     if len(clean) != len(corrupted) or len(clean) < 1:
         raise ValueError(f"the clean and corrupted prompts must have the same number of tokens, got "
                          f"{len(clean)} and {len(corrupted)}")
@@ -131,6 +132,7 @@ def activation_patching(model: Decoder, clean: Sequence[int], corrupted: Sequenc
     clean_diff, corrupt_diff = diff(clean_logits), diff(corrupt_logits)
     span = clean_diff - corrupt_diff
     width = len(clean) if kind == "resid_pre" else config.n_head
+    P = getattr(config, "prompt_positions", 0)  # CPM-Ant: its learned prompt positions are rows before the tokens
     restored = torch.zeros(config.n_layer, width)
     total = config.n_layer * width
     for layer in range(config.n_layer):
@@ -140,7 +142,7 @@ def activation_patching(model: Decoder, clean: Sequence[int], corrupted: Sequenc
             continue
         for j in range(width):
             if kind == "resid_pre":
-                iv = patch(name, tr.trace, positions=[j])
+                iv = patch(name, tr.trace, positions=[P + j])  # token j's row
             else:
                 iv = patch(name, tr.trace, head=j)
             check([iv], model)
@@ -218,6 +220,7 @@ def head_scores(model: Decoder, first_token: int = 0, length: int = 50, seed: in
         pattern = tr.trace.get(act_name("pattern", layer), 0)
         if pattern is None:
             raise ValueError(f"the probe's attention pattern of layer {layer} was not kept (over the budget)")
-        for role, scores in role_scores(pattern.double(), length).items():  # [B, H, n, n] -> [H] per role
+        P = getattr(config, "prompt_positions", 0)  # CPM-Ant's learned prompt positions: none is a token of the probe
+        for role, scores in role_scores(pattern[..., P:, P:].double(), length).items():  # [B, H, n, n] -> [H]
             out[role].append(scores)
     return {role: torch.stack(rows).float() for role, rows in out.items()}

@@ -508,6 +508,8 @@ def _restore_generation(log: TraceLog, generation: dict, identity: ModelIdentity
         raise TraceFileError("more positions than the model's n_ctx", "generation.info.n_ctx")
     log.begin_generation(info)
     shapes_at = _attention_shapes(log)
+    prompt = identity.config.get("prompt_positions", 0)  # CPM-Ant: its attention runs over P more positions
+    prompt = prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else 0
     for i, step in enumerate(generation["steps"]):
         where = f"generation.steps[{i}]"
         f = step.forward
@@ -520,8 +522,10 @@ def _restore_generation(log: TraceLog, generation: dict, identity: ModelIdentity
             raise TraceFileError(f"the cache holds {f.cache_before} → {f.cache_after} positions, but n = {f.n} and "
                                  f"t = {f.t} {'with' if info.use_cache else 'without'} a cache make that "
                                  f"{cache_before} → {cache_after}", where + ".forward")
-        if i in shapes_at and shapes_at[i] != (batch, f.n, f.t):
-            raise TraceFileError(f"says [B, n, t] = [{batch}, {f.n}, {f.t}] but its attention records are "
+        if i in shapes_at and shapes_at[i] != (batch, f.n + prompt, f.t + prompt):
+            raise TraceFileError(f"says [B, n, t] = [{batch}, {f.n}, {f.t}]" + (f" after {prompt} prompt positions"
+                                                                               if prompt else "")
+                                 + " but its attention records are "
                                  f"{list(shapes_at[i])}", where)
         choice = step.sampling
         if choice is not None and not (len(choice.tokens) == len(choice.labels) == len(choice.probs) == batch
