@@ -239,7 +239,10 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
                  if weights is not None and weights.share is not None else "")
     # six or seven panels (a sink: gpt-oss, Inkling 2): a panel is ~150 px wide at 1600 px, and its one-line title
     # ran over its neighbours' (seen in a screenshot): each title and shapes line wraps at the words to fit
-    width = 132 // len(stages) if len(stages) > 5 else None
+    # five with a sentence for a shapes line (Bloom's "ALiBi: a fixed slope per head …"): at 1280 px it ran into
+    # its neighbours' lines (seen in a screenshot), so it wraps at the words too
+    width = 132 // len(stages) if len(stages) > 5 else (
+        30 if len(stages) == 5 and any(len(s.shapes) > 60 for s in stages) else None)
     titles = [f"<b>{words_wrapped(s.title, width)}</b><br><span style='font-size:10px'>"
               f"{shapes_line(s.shapes, width, wrap)}"
               f"{clip_line if s.hook == 'pattern' else ''}</span>"

@@ -685,7 +685,8 @@ def test_a_score_bias_shows_as_its_own_stage(url, visit, tmp_path, model_type, s
     (a learned score bias and a sink per head), each loaded from a tiny directory, two Steps, Attention → Stages:
     the figure draws B as a stage of its own (and Inkling 2's sink logit), and the page states the bias sentence
     that figures.attention.score_bias_sentence writes for one (layer, head) of the same generation traced here.
-    At 1600 × 1000 (SAVE_SCREENSHOTS=own_code_alibi,score_bias_sinks writes them)."""
+    At 1600 × 1000 (SAVE_SCREENSHOTS=own_code_alibi,score_bias_sinks writes them; and 1280 × 800 with
+    own_code_alibi_1280,score_bias_sinks_1280)."""
 
     from gpt_shape_tracer.figures.attention import score_bias_sentence
     from tests.model.test_hf_variants import _build
@@ -694,33 +695,37 @@ def test_a_score_bias_shows_as_its_own_stage(url, visit, tmp_path, model_type, s
     gen = traced_here(directory)
     expected = _sentences_of_every_head(gen.trace, 1, score_bias_sentence)
     assert expected
-    with visit(1600, 1000) as page:
-        errors, outside = watch(page, url)
-        open_directory_and_step(page, url, PROMPT, directory, model_type)
-        open_tab(page, "Attention")
-        open_tab(page, "Stages")
-        page.get_by_text("adds a bias B to the scores").first.wait_for(timeout=60_000)
-        titles = [a.get("text", "") for layout in page.evaluate(
-            "() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => d.layout)")
-            for a in (layout or {}).get("annotations", [])]
-        assert any("B, the score bias" in t for t in titles), titles
-        if model_type == "inkling2_text":
-            assert any("s_h" in t for t in titles), titles
-        shown = _page_text(page)
-        assert sum(s in shown for s in expected) == 1, (expected, shown[:2000])
-        if saving(shot):
-            page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{shot}.png"))
-        assert not errors, errors
-        assert not outside, outside
+    # 1280 × 800 only when its screenshot is asked for: the page is the same, and each visit loads the model anew
+    sizes = [(1600, 1000, shot)] + ([(1280, 800, f"{shot}_1280")] if saving(f"{shot}_1280") else [])
+    for width, height, name in sizes:
+        with visit(width, height) as page:
+            errors, outside = watch(page, url)
+            open_directory_and_step(page, url, PROMPT, directory, model_type)
+            open_tab(page, "Attention")
+            open_tab(page, "Stages")
+            page.get_by_text("adds a bias B to the scores").first.wait_for(timeout=60_000)
+            titles = [a.get("text", "") for layout in page.evaluate(
+                "() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => d.layout)")
+                for a in (layout or {}).get("annotations", [])]
+            assert any("B, the score bias" in t for t in titles), titles
+            if model_type == "inkling2_text":
+                assert any("s_h" in t for t in titles), titles
+            shown = _page_text(page)
+            assert sum(s in shown for s in expected) == 1, (expected, shown[:2000])
+            if saving(name):
+                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+                page.wait_for_timeout(300)
+                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            assert not errors, errors
+            assert not outside, outside
 
 
 def test_a_recurrent_model_shows_the_state_it_keeps_beside_k_and_v(url, visit, tmp_path):
     """RecurrentGemma (recurrent blocks beside local attention) loaded from a tiny directory, two Steps, KV cache →
     This step: the page states what its recurrent layers keep beside K and V — the sentence
     figures.cache.state_sentence writes from the same generation traced here (layers, shapes, bytes) — and draws
-    no K rows for a recurrent layer. At 1600 × 1000 (SAVE_SCREENSHOTS=recurrent_state writes it)."""
+    no K rows for a recurrent layer. At 1600 × 1000 (SAVE_SCREENSHOTS=recurrent_state writes it; and 1280 × 800
+    with recurrent_state_1280)."""
 
     from gpt_shape_tracer.figures.cache import state_sentence
     from tests.model.test_hf_variants import _build
@@ -729,16 +734,19 @@ def test_a_recurrent_model_shows_the_state_it_keeps_beside_k_and_v(url, visit, t
     gen = traced_here(directory)
     expected = state_sentence(gen.trace, 1)
     assert expected is not None
-    with visit(1600, 1000) as page:
-        errors, outside = watch(page, url)
-        open_directory_and_step(page, url, PROMPT, directory, "recurrent_gemma")
-        open_tab(page, "KV cache")
-        open_tab(page, "This step")
-        page.get_by_text("mixer's state in the cache").first.wait_for(timeout=60_000)
-        assert " ".join(expected.split()) in _page_text(page)
-        if saving("recurrent_state"):
-            page.get_by_text("mixer's state in the cache").first.scroll_into_view_if_needed()
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "recurrent_state.png"))
-        assert not errors, errors
-        assert not outside, outside
+    sizes = [(1600, 1000, "recurrent_state")] + (
+        [(1280, 800, "recurrent_state_1280")] if saving("recurrent_state_1280") else [])
+    for width, height, name in sizes:
+        with visit(width, height) as page:
+            errors, outside = watch(page, url)
+            open_directory_and_step(page, url, PROMPT, directory, "recurrent_gemma")
+            open_tab(page, "KV cache")
+            open_tab(page, "This step")
+            page.get_by_text("mixer's state in the cache").first.wait_for(timeout=60_000)
+            assert " ".join(expected.split()) in _page_text(page)
+            if saving(name):
+                page.get_by_text("mixer's state in the cache").first.scroll_into_view_if_needed()
+                page.wait_for_timeout(300)
+                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            assert not errors, errors
+            assert not outside, outside
