@@ -105,6 +105,9 @@ class ValueStore:
         # index → (summary, step, bytes): pooled digests of evicted values, charged to the same budget
         self._digests: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._preferred: set[int] = set()  # evicted only when nothing else is left (a fused layer's Q, K, V, O)
+        # the kept values not preferred, oldest first (a dict as an ordered set): the next to evict is its first, found
+        # at once — a scan of _entries past the preferred ones was quadratic once every fused layer prefers four
+        self._plain: dict[int, None] = {}
         self._nbytes = 0
         self._peak_nbytes = 0
         self._evicted = 0
@@ -163,6 +166,8 @@ class ValueStore:
             self._nbytes += size
             self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
         self._entries[index] = (tensor, step, key, version_of(tensor))
+        if index not in self._preferred:
+            self._plain[index] = None
         return ""
 
     def replace(self, index: int, tensor: torch.Tensor) -> None:
@@ -180,10 +185,12 @@ class ValueStore:
         it (a fused layer's Q, K, V and O), so the budget holds those first."""
         if index in self._entries:
             self._preferred.add(index)
+            self._plain.pop(index, None)
 
     def drop(self, index: int, *, note: str | None, stats: bool = True) -> None:
         """Forget a value; ``note`` (if any) tells the owner why, and whether its stats can still be taken."""
         self._preferred.discard(index)
+        self._plain.pop(index, None)
         entry = self._entries.pop(index, None)
         if entry is None:
             return
@@ -205,11 +212,8 @@ class ValueStore:
         """Drop the oldest kept value, or the oldest summary when it belongs to an earlier step. Value by value
         rather than whole steps: a decode step needs a few MB, and making room by dropping the whole prefill
         would cost the statistics of all of it and leave nothing of it to look at."""
-        preferred = self._preferred
-        oldest_value = next(((i, e) for i, e in self._entries.items() if i not in preferred), None) if preferred \
-            else None
-        if oldest_value is None:
-            oldest_value = next(iter(self._entries.items()), None)
+        plain = next(iter(self._plain), None)
+        oldest_value = (plain, self._entries[plain]) if plain is not None else next(iter(self._entries.items()), None)
         oldest_digest = next(iter(self._digests.items()), None)
         if oldest_digest is not None and (oldest_value is None or oldest_digest[1][1] < oldest_value[1][1]):
             self.drop_digest(oldest_digest[0])
