@@ -27,7 +27,7 @@ once per step when any token picks it, and copy none. Which experts the router p
 copy is counted as reading the k experts of one token (every token on the same k experts: ``weight_bytes``), and
 ``spread_bytes`` more when the step's S = tokens·k choices hit min(E, S) different experts (the most they can).
 Checked
-against the profiler's allocator events on the real run (tests/tracer/test_costs.py): within 1.2 % for our GPT, Llama,
+against the profiler's allocator events on the real run (tests/tracer/test_costs.py): within 1.5 % for our GPT, Llama,
 Qwen3, Mixtral and DeepSeek-V3, prefill and decode (docs/benchmarks.md).
 """
 
