@@ -269,6 +269,9 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+N_CTX = 1024  # GPT-2 small's positions: a prefill and its decode steps fit in them
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 1024])
@@ -312,7 +315,10 @@ def main() -> None:
                 result["runs"].append(run)
                 report(run)
                 save(args.name, result)
-                if args.decode_steps:
+                if args.decode_steps and n + args.decode_steps > N_CTX:
+                    print(f"{n} tokens: no decode cases ({n} + {args.decode_steps} steps is past GPT-2's {N_CTX} "
+                          "positions)")
+                elif args.decode_steps:
                     before = load()
                     cases, timed = decode_cases(source, tokens, args.decode_steps, missing)
                     interleaved(cases, args.repeats)
