@@ -278,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         tree = Path(tmp) / "tree"
-        shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", "mutants",
-                                                                      ".ruff_cache", ".mypy_cache", "results"))
+        # symlinks kept as links: gpt_shape_tracer/model -> ../model must reach the copy being mutated, not a duplicate
+        skipped = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", "mutants", ".ruff_cache", ".mypy_cache",
+                                         "results")
+        shutil.copytree(ROOT, tree, symlinks=True, ignore=skipped)
         for tests in [] if args.no_baseline else sorted({m.tests for m in chosen}):  # unmutated: all pass
             outcome, seconds = run_tests(tree, tests, args.timeout)
             print(f"baseline {' '.join(tests)}: {outcome} ({seconds:.0f} s)", flush=True)
