@@ -104,9 +104,9 @@ class ValueStore:
         self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
         # index → (summary, step, bytes): pooled digests of evicted values, charged to the same budget
         self._digests: dict[int, tuple[torch.Tensor, int, int]] = {}
-        self._preferred: set[int] = set()  # evicted only when nothing else is left (a fused layer's Q, K, V, O)
-        # the kept values not preferred, oldest first (a dict as an ordered set): the next to evict is its first, found
-        # at once — a scan of _entries past the preferred ones was quadratic once every fused layer prefers four
+        # the kept values not preferred, oldest first (a dict as an ordered set): the next to evict is its first,
+        # found at once. A preferred value (a fused layer's Q, K, V, O) is kept and not in it: evicted only when
+        # nothing else is left
         self._plain: dict[int, None] = {}
         self._nbytes = 0
         self._peak_nbytes = 0
@@ -166,8 +166,7 @@ class ValueStore:
             self._nbytes += size
             self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
         self._entries[index] = (tensor, step, key, version_of(tensor))
-        if index not in self._preferred:
-            self._plain[index] = None
+        self._plain[index] = None  # a new value (or one just dropped and put back) is not preferred
         return ""
 
     def replace(self, index: int, tensor: torch.Tensor) -> None:
@@ -184,12 +183,10 @@ class ValueStore:
         """Evict ``index`` only after every value not so preferred: a derived attention record is recomputed from
         it (a fused layer's Q, K, V and O), so the budget holds those first."""
         if index in self._entries:
-            self._preferred.add(index)
             self._plain.pop(index, None)
 
     def drop(self, index: int, *, note: str | None, stats: bool = True) -> None:
         """Forget a value; ``note`` (if any) tells the owner why, and whether its stats can still be taken."""
-        self._preferred.discard(index)
         self._plain.pop(index, None)
         entry = self._entries.pop(index, None)
         if entry is None:
