@@ -46,6 +46,22 @@ def saving(name: str) -> bool:
     return f"assets/screenshots/{name}.png" in PAGES and (wanted == "1" or name in wanted.split(","))
 
 
+def screenshot(page, name: str, anchor=None, settle_ms: int = 300) -> None:
+    """Write assets/screenshots/``name``.png if SAVE_SCREENSHOTS asks for it: ``anchor`` (a locator) scrolled into
+    view first, then a pause for fonts and canvases to settle."""
+    if saving(name):
+        if anchor is not None:
+            anchor.scroll_into_view_if_needed()
+        page.wait_for_timeout(settle_ms)
+        page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+
+
+def sizes(name: str) -> list[tuple[int, int, str]]:
+    """The widths a test visits: 1600 × 1000 always, 1280 × 800 (screenshot ``name``_1280) only when that screenshot
+    is asked for — the page is the same, and each visit loads the model anew."""
+    return [(1600, 1000, name)] + ([(1280, 800, f"{name}_1280")] if saving(f"{name}_1280") else [])
+
+
 @pytest.fixture(scope="module")
 def shared_page(browser):
     context = app_context(browser)
@@ -304,14 +320,10 @@ def test_the_llama_model_shows_its_key_value_groups_and_rope(url, visit):
         grid = [t for t in plotly_data(page)[0] if t["type"] == "heatmap"]
         assert len(grid) == 1 and grid[0]["rows"] and grid[0]["cols"]  # one heatmap, the heads tiled into it
         assert page.locator(".js-plotly-plot").first.get_by_text("K/V head 1").count() >= 1
-        if saving("llama_all_heads"):
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "llama_all_heads.png"))
+        screenshot(page, "llama_all_heads")
         open_tab(page, "RoPE")
         assert len(plotly_data(page)) >= 1
-        if saving("llama_rope"):
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "llama_rope.png"))
+        screenshot(page, "llama_rope")
         assert not errors, errors
         assert not outside, outside
 
@@ -415,16 +427,12 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
         open_directory_and_step(page, url, PROMPT, directory, "gemma2")  # the page names the model and its family
         open_tab(page, "Shapes")
         page.get_by_text("soft-cap").first.wait_for(state="attached", timeout=60_000)
-        if saving("gemma2_shapes"):
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "gemma2_shapes.png"))
+        screenshot(page, "gemma2_shapes")
         open_tab(page, "Attention")
         open_tab(page, "Stages")
         stages = values(plotly_data(page)[0])
         assert len(stages) == 5 and all((s["rows"], s["cols"]) == (1, n0 + 1) for s in stages)
-        if saving("gemma2_attention"):
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "gemma2_attention.png"))
+        screenshot(page, "gemma2_attention")
         open_tab(page, "KV cache")
         page.get_by_text(f"[1, 2, {n0 + 1}, 16]").first.wait_for(state="attached", timeout=60_000)
         for tab in ("Causal mask", "Next token", "What if", "Compare runs", "Inspector", "Export"):
@@ -459,10 +467,7 @@ def test_a_latent_attention_model_deepseek_v3_shows_its_cached_latent(url, visit
         page.get_by_text("c_KV of layer 0, one for all heads").first.wait_for(state="attached", timeout=60_000)
         drawn = [(t["rows"], t["cols"]) for chart in plotly_data(page) for t in values(chart)]
         assert (n0 + 1, d_c) in drawn, drawn  # the latent's t positions × d_c
-        if saving("deepseek_v3_kv_cache"):
-            page.get_by_text("c_KV of layer 0, one for all heads").first.scroll_into_view_if_needed()
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(ROOT / "assets" / "screenshots" / "deepseek_v3_kv_cache.png"))
+        screenshot(page, "deepseek_v3_kv_cache", page.get_by_text("c_KV of layer 0, one for all heads").first)
         open_tab(page, "Shapes")  # the other tabs are a family's common views, visited for other models above
         assert not errors, errors
         assert not outside, outside
@@ -495,9 +500,7 @@ def test_config_only_opens_llama_405b_with_its_shape_flow_and_costs(url, visit):
             page.get_by_text("blocks 1 … 125 record the same shapes").first.wait_for(state="attached")
             flow = page.locator(".js-plotly-plot").first.text_content() or ""
             assert "[1, 128, 64, 64]" in flow and "[1, 8, 64, 128]" in flow, flow[:500]  # H = 128, G = 8
-            if saving(f"dry_run_405b_{width}"):
-                page.wait_for_timeout(500)
-                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"dry_run_405b_{width}.png"))
+            screenshot(page, f"dry_run_405b_{width}", settle_ms=500)
             open_tab(page, "Costs")
             page.get_by_text("multiply-adds in").first.wait_for(state="attached")
             open_tab(page, "Where it would run")
@@ -527,10 +530,7 @@ def test_the_decoding_tab_draws_every_beam_candidate_and_every_draft_as_the_runs
             eos = 1  # the bundled tokenizer declares one end-of-sequence id: transformers keeps max(2, 1 + 1)·k
             assert markers == max(2, 1 + eos) * 4 * forwards and 1 <= forwards <= 8
             assert len(values(reorder)) == 2 and any(t["type"] == "scatter" for t in tree)
-            if saving(name):  # the tree, under the takeaway
-                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
-                page.wait_for_timeout(300)
-                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            screenshot(page, name, page.locator(".js-plotly-plot").first)  # the tree, under the takeaway
             # speculative decoding by prompt lookup: every drafted token and each step's bonus token drawn
             before = runs_finished(page)
             page.get_by_text("speculative decoding", exact=True).click()
@@ -544,10 +544,7 @@ def test_the_decoding_tab_draws_every_beam_candidate_and_every_draft_as_the_runs
                 ".filter(t => t.mode === 'markers').reduce((n, t) => n + t.x.length, 0)")
             assert cells == drafted + steps  # each draft, and one token of the main model's own per step
             shot = f"speculative{name.removeprefix('beams')}"
-            if saving(shot):
-                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
-                page.wait_for_timeout(300)
-                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{shot}.png"))
+            screenshot(page, shot, page.locator(".js-plotly-plot").first)
             assert not errors, errors
             assert not outside, outside
 
@@ -574,10 +571,7 @@ def test_transformers_cache_classes_show_what_a_sliding_cache_keeps_and_drops(ur
             page.get_by_text("sliding").nth(2).wait_for(timeout=60_000)
             chart = plotly_data(page)
             assert chart and any(t["type"] == "heatmap" for t in chart[0])
-            if saving(name):
-                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
-                page.wait_for_timeout(300)
-                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            screenshot(page, name, page.locator(".js-plotly-plot").first)
             assert not errors, errors
             assert not outside, outside
 
@@ -625,9 +619,7 @@ def test_an_indexed_attention_model_shows_which_keys_its_indexer_chose(url, visi
     gen = traced_here(directory)
     expected = indexer_step(gen.trace, 1, 0, 0)
     assert expected is not None and expected.seen > expected.chosen  # keys really were skipped
-    # 1280 × 800 only when its screenshot is asked for: the page is the same, and each visit loads the model anew
-    sizes = [(1600, 1000, "indexed")] + ([(1280, 800, "indexed_1280")] if saving("indexed_1280") else [])
-    for width, height, name in sizes:
+    for width, height, name in sizes("indexed"):
         with visit(width, height) as page:
             errors, outside = watch(page, url)
             open_directory_and_step(page, url, PROMPT, directory, "hy_v4")
@@ -637,10 +629,7 @@ def test_an_indexed_attention_model_shows_which_keys_its_indexer_chose(url, visi
             chosen = page.evaluate(CHOICE_PANEL)  # the choice panel's cells, as the browser holds them
             assert chosen is not None
             assert chosen.count(1) == expected.chosen and chosen.count(0) == expected.seen - expected.chosen
-            if saving(name):
-                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
-                page.wait_for_timeout(300)
-                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            screenshot(page, name, page.locator(".js-plotly-plot").first)
             assert not errors, errors
             assert not outside, outside
 
@@ -652,8 +641,7 @@ def test_a_differential_attention_model_shows_both_softmaxes_and_what_it_applies
     from tests.model.test_hf_differential import build_diffllama
 
     directory = build_diffllama(tmp_path / "diffllama")
-    sizes = [(1600, 1000, "differential")] + ([(1280, 800, "differential_1280")] if saving("differential_1280") else [])
-    for width, height, name in sizes:
+    for width, height, name in sizes("differential"):
         with visit(width, height) as page:
             errors, outside = watch(page, url)
             open_directory_and_step(page, url, PROMPT, directory, "diffllama")
@@ -662,10 +650,7 @@ def test_a_differential_attention_model_shows_both_softmaxes_and_what_it_applies
             page.get_by_text("subtracts λ =").first.wait_for(timeout=60_000)
             panels = [t for t in plotly_data(page)[0] if t["type"] == "heatmap" and not t["skip"]]
             assert len(panels) == 3
-            if saving(name):
-                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
-                page.wait_for_timeout(300)
-                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            screenshot(page, name, page.locator(".js-plotly-plot").first)
             assert not errors, errors
             assert not outside, outside
 
@@ -695,9 +680,7 @@ def test_a_score_bias_shows_as_its_own_stage(url, visit, tmp_path, model_type, s
     gen = traced_here(directory)
     expected = _sentences_of_every_head(gen.trace, 1, score_bias_sentence)
     assert expected
-    # 1280 × 800 only when its screenshot is asked for: the page is the same, and each visit loads the model anew
-    sizes = [(1600, 1000, shot)] + ([(1280, 800, f"{shot}_1280")] if saving(f"{shot}_1280") else [])
-    for width, height, name in sizes:
+    for width, height, name in sizes(shot):
         with visit(width, height) as page:
             errors, outside = watch(page, url)
             open_directory_and_step(page, url, PROMPT, directory, model_type)
@@ -712,10 +695,7 @@ def test_a_score_bias_shows_as_its_own_stage(url, visit, tmp_path, model_type, s
                 assert any("s_h" in t for t in titles), titles
             shown = _page_text(page)
             assert sum(s in shown for s in expected) == 1, (expected, shown[:2000])
-            if saving(name):
-                page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
-                page.wait_for_timeout(300)
-                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            screenshot(page, name, page.locator(".js-plotly-plot").first)
             assert not errors, errors
             assert not outside, outside
 
@@ -734,9 +714,7 @@ def test_a_recurrent_model_shows_the_state_it_keeps_beside_k_and_v(url, visit, t
     gen = traced_here(directory)
     expected = state_sentence(gen.trace, 1)
     assert expected is not None
-    sizes = [(1600, 1000, "recurrent_state")] + (
-        [(1280, 800, "recurrent_state_1280")] if saving("recurrent_state_1280") else [])
-    for width, height, name in sizes:
+    for width, height, name in sizes("recurrent_state"):
         with visit(width, height) as page:
             errors, outside = watch(page, url)
             open_directory_and_step(page, url, PROMPT, directory, "recurrent_gemma")
@@ -744,9 +722,6 @@ def test_a_recurrent_model_shows_the_state_it_keeps_beside_k_and_v(url, visit, t
             open_tab(page, "This step")
             page.get_by_text("mixer's state in the cache").first.wait_for(timeout=60_000)
             assert " ".join(expected.split()) in _page_text(page)
-            if saving(name):
-                page.get_by_text("mixer's state in the cache").first.scroll_into_view_if_needed()
-                page.wait_for_timeout(300)
-                page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
+            screenshot(page, name, page.get_by_text("mixer's state in the cache").first)
             assert not errors, errors
             assert not outside, outside
