@@ -31,6 +31,18 @@ def choose_directory(at, directory: Path) -> None:
     at.sidebar.text_input(key="model_dir").set_value(str(directory))
 
 
+def opened_and_stepped(directory: Path, steps: int = 2):
+    """A new page that opens ``directory`` from the sidebar as a person does (choose, Load, Reset) and Steps
+    ``steps`` times; the AppTest."""
+    at = new_app()
+    choose_directory(at, directory)
+    press(at, "load_model")
+    press_reset(at)
+    for _ in range(steps):
+        press(at, "step_button")
+    return at
+
+
 def every_tab_without_error(at) -> None:
     for tab in TABS:
         show_tab(at, tab)

@@ -208,16 +208,11 @@ def test_the_app_traces_blt_with_the_cache_off_and_names_each_blocks_list(direct
     from html import unescape
 
     from gpt_shape_tracer.model import load_hf
-    from tests.app.test_app import new_app, press, press_reset, run, show_tab
-    from tests.app.test_app_architectures import choose_directory, every_tab_without_error
+    from tests.app.test_app import run, show_tab
+    from tests.app.test_app_architectures import every_tab_without_error, opened_and_stepped
 
     config = load_hf(directory)[0].config
-    at = new_app()
-    choose_directory(at, directory)
-    press(at, "load_model")
-    press_reset(at)
-    press(at, "step_button")
-    press(at, "step_button")
+    at = opened_and_stepped(directory)
     gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and not gen.use_cache
     assert any("lists of layers" in c.value and "traced without a cache" in c.value

@@ -237,15 +237,10 @@ def test_the_app_traces_cpmant_without_a_cache_and_its_mask_tab_says_what_its_ma
     """The real app (AppTest): loaded from its directory and stepped with the KV cache toggle left on, CPM-Ant runs
     without a cache and the sidebar says why; every tab renders without an error; the Causal mask tab's takeaway is
     counted from its mask and says it is not causal; the header counts the prompt positions in n and t."""
-    from tests.app.test_app import new_app, page_text, press, press_reset, show_tab
-    from tests.app.test_app_architectures import choose_directory, every_tab_without_error
+    from tests.app.test_app import page_text, show_tab
+    from tests.app.test_app_architectures import every_tab_without_error, opened_and_stepped
 
-    at = new_app()
-    choose_directory(at, directory)
-    press(at, "load_model")
-    press_reset(at)
-    press(at, "step_button")
-    press(at, "step_button")
+    at = opened_and_stepped(directory)
     gen = at.session_state["app"].live.generation
     P = gen.model.config.prompt_positions
     assert gen.n_steps == 2 and not gen.use_cache

@@ -105,15 +105,10 @@ def test_a_differential_head_output_is_not_split_per_head(directory):
 def test_every_tab_renders_for_a_differential_model(directory):
     """DiffLlama in the real app (AppTest): loaded, two steps, every tab and every What-if view rendered at layer 0
     without an error (its H heads' softmax drawn as any model's; per-head outputs refused in words, not failing)."""
-    from tests.app.test_app import TABS, new_app, press, press_reset, show_tab
-    from tests.app.test_app_architectures import choose_directory
+    from tests.app.test_app import TABS, show_tab
+    from tests.app.test_app_architectures import opened_and_stepped
 
-    at = new_app()
-    choose_directory(at, directory)
-    press(at, "load_model")
-    press_reset(at)
-    press(at, "step_button")
-    press(at, "step_button")
+    at = opened_and_stepped(directory)
     gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and gen.model.identity.family == "hf:diffllama"
     for tab in TABS:

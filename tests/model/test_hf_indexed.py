@@ -241,16 +241,11 @@ def test_the_app_shows_the_indexers_choice(root):
     says what the indexer chose at this step — the same numbers as the records — and draws it; the Causal mask
     view attributes the skipped keys to the indexer, none to an unknown reason."""
     from gpt_shape_tracer.figures.mask import mask_facts
-    from tests.app.test_app import charts, new_app, press, press_reset, show_tab
-    from tests.app.test_app_architectures import choose_directory
+    from tests.app.test_app import charts, show_tab
+    from tests.app.test_app_architectures import opened_and_stepped
 
     directory = build_indexed("hy_v4", root / "app-hy_v4")
-    at = new_app()
-    choose_directory(at, directory)
-    press(at, "load_model")
-    press_reset(at)
-    press(at, "step_button")
-    press(at, "step_button")
+    at = opened_and_stepped(directory)
     show_tab(at, "Attention", ("attn_view", "Indexer"))
     assert not at.error, [e.value for e in at.error]
     trace = at.session_state["app"].live.generation.trace

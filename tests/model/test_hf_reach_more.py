@@ -129,16 +129,11 @@ def test_the_app_says_openai_gpt_keeps_no_cache():
     or is a module of yours; the sidebar says the switch changes nothing; beam search is refused with the reason."""
     from html import unescape
 
-    from tests.app.test_app import new_app, page_text, press, press_reset, run, show_tab
-    from tests.app.test_app_architectures import choose_directory
+    from tests.app.test_app import page_text, run, show_tab
+    from tests.app.test_app_architectures import opened_and_stepped
 
     directory = with_tokenizer("openai-gpt", Path(tempfile.mkdtemp(prefix="app-gpt-")))
-    at = new_app()
-    choose_directory(at, directory)
-    press(at, "load_model")
-    press_reset(at)
-    press(at, "step_button")
-    press(at, "step_button")
+    at = opened_and_stepped(directory)
     show_tab(at, "KV cache")
     assert not at.error, [e.value for e in at.error]
     gen = at.session_state["app"].live.generation

@@ -296,17 +296,12 @@ def test_the_app_runs_every_tab_and_its_kv_cache_tab_says_what_is_kept(tmp_path,
     """The real app (AppTest): the directory loaded, two steps, every tab without error; the KV cache tab's
     sentence is the one counted from this run's records (hidden states, not K and V)."""
     from gpt_shape_tracer.figures import cache
-    from tests.app.test_app import new_app, page_text, press, press_reset, show_tab
-    from tests.app.test_app_architectures import choose_directory, every_tab_without_error
+    from tests.app.test_app import page_text, show_tab
+    from tests.app.test_app_architectures import every_tab_without_error, opened_and_stepped
     from tests.model.test_hf_state_space import build_state_space
 
     directory = build_state_space(model_type, tmp_path / model_type)
-    at = new_app()
-    choose_directory(at, directory)
-    press(at, "load_model")
-    press_reset(at)
-    press(at, "step_button")
-    press(at, "step_button")
+    at = opened_and_stepped(directory)
     every_tab_without_error(at)
     show_tab(at, "KV cache")
     assert not at.error, [e.value for e in at.error]

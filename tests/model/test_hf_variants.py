@@ -338,15 +338,10 @@ def test_the_app_shows_inkling_2s_bias_and_sink_stages(directories):
     Attention tab's Stages draw the bias and the sink as stages of their own and say what the bias adds, the sentence
     the function writes from the app's own trace."""
     from gpt_shape_tracer.figures.attention import score_bias_sentence
-    from tests.app.test_app import TABS, charts, new_app, page_text, press, press_reset, show_tab
-    from tests.app.test_app_architectures import choose_directory
+    from tests.app.test_app import TABS, charts, page_text, show_tab
+    from tests.app.test_app_architectures import opened_and_stepped
 
-    at = new_app()
-    choose_directory(at, directories["inkling2_text"])
-    press(at, "load_model")
-    press_reset(at)
-    press(at, "step_button")
-    press(at, "step_button")
+    at = opened_and_stepped(directories["inkling2_text"])
     gen = at.session_state["app"].live.generation
     assert gen.n_steps == 2 and gen.model.identity.family == "hf:inkling2_text"
     for tab in TABS:
