@@ -69,6 +69,20 @@ class _LayerBuffer:
     def capacity(self) -> int:
         return self.keys.shape[2]
 
+    @classmethod
+    def gathered(cls, buf: _LayerBuffer, rows: torch.Tensor, length: int) -> _LayerBuffer:
+        """A new buffer whose batch row i holds ``buf``'s row ``rows[i]``: one gather of the first ``length``
+        positions and the room after them (at most ``MIN_CAPACITY`` rows, so a reorder each step — beam search —
+        keeps no more than a step's growth of unused rows: every old buffer a trace kept a view of is charged
+        to its budget whole)."""
+        capacity = min(buf.capacity, length + MIN_CAPACITY)
+        moved = cls.__new__(cls)
+        moved.keys = buf.keys[:, :, :capacity].index_select(0, rows)  # [B,G,capacity,d_k], contiguous
+        moved.values = buf.values[:, :, :capacity].index_select(0, rows)
+        moved._k_write = moved.keys.data
+        moved._v_write = moved.values.data
+        return moved
+
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         end = start + k.shape[2]
         self._k_write[:, :, start:end] = k
@@ -217,10 +231,7 @@ class KVCache:
         for layer, buf in enumerate(self._buffers):
             if buf is None:
                 continue
-            index = rows.to(buf.keys.device)
-            moved = _LayerBuffer(buf.keys, buf.values, buf.capacity)
-            moved.write(0, buf.keys[index, :, : self._length], buf.values[index, :, : self._length])
-            self._buffers[layer] = moved
+            self._buffers[layer] = _LayerBuffer.gathered(buf, rows.to(buf.keys.device), self._length)
         if self.key_is_token is not None:
             self.key_is_token = self.key_is_token[rows.to(self.key_is_token.device)]
         if self.position_history is not None:

@@ -530,8 +530,11 @@ def additive_mask(
     return mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)  # [B|1, 1, n, t]
 
 
-def check_tokens(config: GPTConfig, tokens: torch.Tensor, cache: KVCache | None) -> None:
-    """Refuse token ids the model cannot run: not ``[B, n]`` integers, none, past n_ctx, outside [0, V)."""
+def check_tokens(config: GPTConfig, tokens: torch.Tensor, cache: KVCache | None, logits_to_keep: int = 0) -> None:
+    """Refuse token ids the model cannot run: not ``[B, n]`` integers, none, past n_ctx, outside [0, V); and a
+    ``logits_to_keep`` that is not a whole number ≥ 0."""
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be a whole number ≥ 0 (0: every position), got {logits_to_keep!r}")
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [B, n] token ids, got shape {list(tokens.shape)}")
     if tokens.dtype not in (torch.int64, torch.int32):
@@ -633,6 +636,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         *,
         padding_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits ``[B, n, V]`` for token ids ``[B, n]``.
 
@@ -641,8 +645,10 @@ class GPT(nn.Module):
         real token, False = padding) marks padding among the new tokens; the
         cache remembers it, and positions count real tokens only, as Hugging
         Face does with ``position_ids = attention_mask.cumsum(-1) − 1``.
+        ``logits_to_keep`` k > 0: the last k positions only are unembedded,
+        ``[B, k, V]`` (transformers' argument of that name: ``generate()`` reads the last position only).
         """
-        check_tokens(self.config, tokens, cache)
+        check_tokens(self.config, tokens, cache, logits_to_keep)
         B, n = tokens.shape
         past = cache.length if cache is not None else 0
         if padding_mask is not None:
@@ -666,7 +672,10 @@ class GPT(nn.Module):
         with transaction(cache, n, key_is_token):
             for block in self.blocks:
                 x = block(x, mask, cache, rope)
-            logits = self.hook_logits(self.unembed_residual(x))  # [B,n,d] -> [B,n,V]
+            x = self.ln_final(x)
+            if logits_to_keep:
+                x = x[:, -logits_to_keep:]  # [B,n,d] -> [B,k,d]: the positions whose logits are read
+            logits = self.hook_logits(self.unembed_normed(x))  # [B,n|k,d] -> [B,n|k,V]
         return logits
 
     @property
@@ -677,7 +686,10 @@ class GPT(nn.Module):
     def unembed_residual(self, x: torch.Tensor) -> torch.Tensor:
         """Logits z = norm_f(x)·W_U for a residual stream ``[..., d]`` — how the forward ends, and what the
         logit lens applies to the residual stream after any block."""
-        x = self.ln_final(x)
+        return self.unembed_normed(self.ln_final(x))
+
+    def unembed_normed(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits z = x·W_U for the final norm's output ``[..., d]``."""
         if self.config.tie_embeddings:
             return F.linear(x, self.embed.weight)  # [..., d] @ W_Eᵀ [d, V] -> [..., V]
         return self.unembed(x)  # [..., d] @ W_U [d, V] -> [..., V]

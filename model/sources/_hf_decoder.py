@@ -84,6 +84,7 @@ after loading, a model whose cached decode step is not transformers' own forward
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -328,6 +329,8 @@ class HFDecoder(nn.Module):
         # MiniMax: its forward accepts only its own cache class, whose linear-attention state our view keeps in the
         # state layers transformers' shared cache describes for the config (one per layer without attention)
         self._cache_keyword = cache_keyword(hf)
+        # most families unembed only the positions asked (transformers' logits_to_keep); the rest are cut after
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(hf.forward).parameters
         self._own_cache = own_cache if own_cache is not None and _keeps_linear_state(own_cache) and all(
             template is not None for template, attn in zip(self._state_templates, attns) if attn is None) else None
         if own_cache is not None and any(attn is None for attn in attns) and self._own_cache is None:
@@ -599,11 +602,13 @@ class HFDecoder(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *,
-                padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, n, V]`` for token ids ``[B, n]``, as ``GPT.forward`` (positions count real tokens)."""
+                padding_mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits ``[B, n, V]`` for token ids ``[B, n]``, as ``GPT.forward`` (positions count real tokens;
+        ``logits_to_keep`` k > 0: the last k positions' ``[B, k, V]``, handed to a family that takes the argument,
+        else its logits cut to them)."""
         if cache is not None and self.no_cache_reason is not None:
             self.new_cache()  # raises, saying why
-        check_tokens(self.config, tokens, cache)
+        check_tokens(self.config, tokens, cache, logits_to_keep)
         tokens = tokens.to(self.input_device)
         B, n = tokens.shape
         past = cache.length if cache is not None else 0
@@ -632,12 +637,15 @@ class HFDecoder(nn.Module):
                       "position_ids": None if own else positions.expand(B, n)}
             if self._whole_text:  # XLM: the ids, mask and positions of every position so far
                 inputs = whole_text(tokens, past, attention_mask, inputs["position_ids"])
+            if logits_to_keep and self._takes_logits_to_keep:
+                inputs["logits_to_keep"] = logits_to_keep
             out = self.hf(**inputs, **{self._cache_keyword: self._passed(cache)},
                           use_cache=cache is not None, return_dict=True)
             if calls is not None:  # a dry run's first forward: the routing check __init__ left to it
                 self._routed(self.blocks, calls)
                 self._routing_unchecked = False
-            logits = self.hook_logits(out.logits)
+            logits = out.logits if not logits_to_keep else out.logits[:, -logits_to_keep:]  # [B,n|k,V]
+            logits = self.hook_logits(logits)
             if isinstance(cache, StateCache) and self._held is not None:  # the state back into the cache
                 self._held.kept(cache, out)
             if isinstance(cache, StateCache) and self._carried:  # RWKV: the state it handed back, kept for the next

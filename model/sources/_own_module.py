@@ -186,20 +186,21 @@ class OwnDecoder(nn.Module):
                              "(turn the cache off)")
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *,
-                padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, n, V]``: the module's own forward, its SDPA calls routed through our hook points."""
+                padding_mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits ``[B, n, V]``: the module's own forward, its SDPA calls routed through our hook points
+        (``logits_to_keep`` k > 0: its logits cut to the last k positions, ``[B, k, V]``)."""
         if cache is not None:
             self.new_cache()  # raises, saying why
         if padding_mask is not None and not bool(padding_mask.all()):
             raise OwnModuleError("your module's forward takes no padding mask: give one prompt, or prompts of "
                                  "equal length")
-        check_tokens(self.config, tokens, None)
+        check_tokens(self.config, tokens, None, logits_to_keep)
         with _Routed(self):
             logits = _logits_of(self.inner(tokens))
         if _routing.call != len(self.blocks):
             raise OwnModuleError(f"this forward made {_routing.call} attention calls, the probe {len(self.blocks)}: "
                                  "a module whose number of layers changes between calls cannot be traced")
-        return self.hook_logits(logits)
+        return self.hook_logits(logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
 def load_factory(spec: str) -> tuple[nn.Module, Any]:

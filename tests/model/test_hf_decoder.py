@@ -73,6 +73,23 @@ def test_the_families_we_reimplemented_give_the_same_logits_through_transformers
         assert (ours(ids) - theirs(ids)).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_logits_to_keep_unembeds_the_last_positions_as_transformers_does(directories, model_type):
+    ours, tok = load_hf(directories[model_type], implementation="ours")
+    theirs, _ = load_hf(directories[model_type], implementation="transformers")
+    ids = torch.tensor([tok.encode("Once upon a time there was a dog")])
+    with torch.no_grad():
+        want = reference(directories[model_type])(input_ids=ids, logits_to_keep=2).logits  # [1, 2, V]
+        for model in (ours, theirs):
+            got = model(ids, logits_to_keep=2)
+            assert got.shape == want.shape == (1, 2, model.config.vocab_size)
+            assert (got - want).abs().max() <= 1e-4
+            assert (got - model(ids)[:, -2:]).abs().max() <= 1e-5  # the same numbers as every position's last two
+            for bad in (-1, 1.5, True):
+                with pytest.raises(ValueError, match="logits_to_keep must be a whole number ≥ 0"):
+                    model(ids, logits_to_keep=bad)
+
+
 def test_what_an_architecture_adds_is_its_own_stage(directories):
     gemma2, _ = load_hf(directories["gemma2"])
     assert hasattr(gemma2.blocks[0].attn, "hook_softcapped")  # c·tanh(s/c) between the scale and the mask

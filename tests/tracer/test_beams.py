@@ -112,7 +112,11 @@ def test_the_trace_holds_one_step_per_forward_with_every_beam_as_a_row(pair):
     trace = search.trace
     assert trace.n_steps == 3
     names = [name for name in trace.names(0) if name.endswith("hook_logits")]
-    assert names and trace.record(names[0], 0).shape[0] == 6  # B·k rows: each prompt repeated k times (the prefill)
+    prefill = trace.record(names[0], 0)
+    # B·k rows: each prompt repeated k times; the last position's logits only, as generate() unembeds them
+    assert names and prefill.shape[:2] == (6, 1)
+    embedded = [name for name in trace.names(0) if name.endswith("hook_embed")]
+    assert trace.record(embedded[0], 0).shape[:2] == (6, search.prompt_width)  # while every position ran
     assert trace.record(names[0], 2).shape[:2] == (6, 1)  # then one new token per beam
 
 

@@ -171,6 +171,9 @@ def test_the_cropped_caches_hold_the_accepted_tokens_as_a_fresh_run_would(pair):
             assert s.verify_fed == len(s.draft_tokens) + 1 and s.verify_logits.shape == (s.verify_fed, 1024)
             assert s.choices == tuple(s.verify_logits.argmax(-1).tolist())
     assert seen_crop and any(s.draft_cropped for s in run.steps)
+    first = run.steps[0]  # the prefill verifies too: the logits of its last token and the drafts only
+    logits = run.trace.record("hook_logits", first.verify_step)
+    assert logits.shape[1] == len(first.draft_tokens) + 1 < run.trace.record("hook_embed", first.verify_step).shape[1]
 
 
 def test_kv_cache_crop_keeps_the_first_rows_and_leaves_earlier_views_as_they_were():

@@ -220,8 +220,10 @@ class BeamSearch:
             tokens, mask = self._running[:, :, self.cur_len - 1].reshape(B * k, 1), None
         rows_before = self.cache.length
         with self.tracer.active():
-            logits = self.model(tokens.to(device), self.cache,
-                                padding_mask=mask.to(device) if mask is not None else None)  # [B·k, n, V]
+            # the last position's logits only, as generate() asks (logits_to_keep=1): at the prefill the other
+            # n − 1 positions' [B·k, n − 1, V] would be unembedded for nothing
+            logits = self.model(tokens.to(device), self.cache, logits_to_keep=1,
+                                padding_mask=mask.to(device) if mask is not None else None)  # [B·k, 1, V]
         log_probs = torch.log_softmax(logits[:, -1, :].float(), dim=-1)  # [B·k, V], as generate(): float32
         V = log_probs.shape[-1]
         accumulated = (log_probs.view(B, k, V) + self._running_scores[:, :, None]).view(B, k * V)

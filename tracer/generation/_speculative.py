@@ -262,7 +262,8 @@ class SpeculativeDecoding:
             forwards.append(self._draft_forwards)
             fed.append(len(feed))
             with self.draft_tracer.active():
-                logits = self.assistant(torch.tensor([feed], device=device), self.draft_cache)[:, -1, :]
+                logits = self.assistant(torch.tensor([feed], device=device), self.draft_cache,
+                                        logits_to_keep=1)[:, -1, :]  # the last position's only, as generate()
             self._draft_forwards += 1
             scores = logits.to("cpu", torch.float32)  # [1, V]
             token = int(scores.argmax(dim=-1))
@@ -292,7 +293,10 @@ class SpeculativeDecoding:
         feed = self.ids[rows_before:] + drafts  # the prefill: the prompt; then the last token, then the drafts
         verify_step = self._main_forwards
         with self.tracer.active():
-            logits = self.model(torch.tensor([feed], device=input_device_of(self.model)), self.cache)
+            # the logits of the last accepted token and the drafts only, as _assisted_decoding asks
+            # (logits_to_keep = n + 1): at the prefill, not the prompt's other positions
+            logits = self.model(torch.tensor([feed], device=input_device_of(self.model)), self.cache,
+                                logits_to_keep=n + 1)
         self._main_forwards += 1
         rows_verified = self.cache.length
         new_logits = logits[:, -n - 1:].to("cpu", torch.float32)  # [1, n + 1, V]
