@@ -2,10 +2,11 @@
 ``generate(prompt_lookup_num_tokens=…)``, in one run: ``python bench/bench_speculative.py [--repeats 3]
 [--new 32] [--device cpu] [--threads 1]``.
 
-The main model: the bundled story-gpt (4 layers, d = 128) deepened to 8 layers, built in Python: its own 4 layers,
-then 4 random ones whose output projections are scaled by 0.6 — so the assistant, story-gpt itself, agrees with
-it often but not always, as a real draft model does. Both are saved once and loaded by ours (our GPT) and by
-transformers (SDPA). Ours records values for the main model's
+Two main models, each built once in Python, saved, and loaded by ours (our GPT) and by transformers (SDPA): *deep*,
+the bundled story-gpt (4 layers, d = 128) deepened to 8 layers — its own 4 layers, then 4 random ones whose output
+projections are scaled by 0.6, so the assistant, story-gpt itself, agrees with it often but not always, as a real
+draft model does; and *wide*, GPT-2 small's shape (d = 768, 12 layers) with story-gpt's vocabulary, random
+weights — a main forward that costs what a real one does, which the assistant agrees with only by chance. Ours records values for the main model's
 verify forwards (the assistant's: shapes). A short (16-token) and a long (192-token) prompt. Prints the medians,
 ours / transformers, the acceptance, whether the tokens are equal, with the machine and its load average.
 """
@@ -49,6 +50,23 @@ def main_directory() -> Path:
     return target
 
 
+def wide_directory() -> Path:
+    """A wider main model: GPT-2 small's shape (d = 768, 12 layers, 12 heads) with story-gpt's vocabulary and
+    tokenizer, random weights, built once — the scale where a main forward costs what a real one does; the
+    assistant agrees with it only by chance."""
+    target = Path(tempfile.gettempdir()) / "speculative-main-gpt2-wide"
+    if (target / "model.safetensors").exists():
+        return target
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    small = GPT2LMHeadModel.from_pretrained(BUNDLED_DIR)
+    torch.manual_seed(0)
+    config = GPT2Config(**{**small.config.to_dict(), "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None})
+    GPT2LMHeadModel(config).eval().save_pretrained(target)
+    (target / "tokenizer.json").write_bytes((BUNDLED_DIR / "tokenizer.json").read_bytes())
+    return target
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -59,15 +77,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    directory = main_directory()
-    ours, tok = load_model(str(directory), device=args.device)
-    drafter, _ = load_model(str(BUNDLED_DIR), device=args.device)
-    theirs = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval().to(args.device)
+    drafter, tok = load_model(str(BUNDLED_DIR), device=args.device)
     their_drafter = AutoModelForCausalLM.from_pretrained(BUNDLED_DIR, attn_implementation="sdpa").eval().to(
         args.device)
     base = "Once upon a time, there was a little girl named Lily. She had a red ball and a small blue boat. "
     results = {}
-    for label, n in (("short", 16), ("long", 192)):
+    mains = {"deep": main_directory, "wide": wide_directory}
+    for (main_label, build), (label, n) in [(m, p) for m in mains.items() for p in (("short", 16), ("long", 192))]:
+        directory = build()
+        ours, _ = load_model(str(directory), device=args.device)
+        theirs = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval().to(args.device)
+        label = f"{label}, {main_label} main"
         prompt = tok.decode(tok.encode(base * 20)[:n])
         ids = tok.encode(prompt)
         for source in ("assistant", "prompt lookup"):
