@@ -6,9 +6,10 @@ Two main models, each built once in Python, saved, and loaded by ours (our GPT) 
 the bundled story-gpt (4 layers, d = 128) deepened to 8 layers — its own 4 layers, then 4 random ones whose output
 projections are scaled by 0.6, so the assistant, story-gpt itself, agrees with it often but not always, as a real
 draft model does; and *wide*, GPT-2 small's shape (d = 768, 12 layers) with story-gpt's vocabulary, random
-weights — a main forward that costs what a real one does, which the assistant agrees with only by chance. Ours records values for the main model's
-verify forwards (the assistant's: shapes). A short (16-token) and a long (192-token) prompt. Prints the medians,
-ours / transformers, the acceptance, whether the tokens are equal, with the machine and its load average.
+weights — a main forward that costs what a real one does, which the assistant agrees with only by chance. Ours
+records values for the main model's verify forwards (the assistant's: shapes). A short (16-token) and a long
+(192-token) prompt. Prints the medians, ours / transformers, the acceptance, whether the tokens are equal, with the
+machine and its load average.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def main() -> None:
         for source in ("assistant", "prompt lookup"):
             holder: dict = {}
 
-            def ours_run(prompt=prompt, source=source, holder=holder):
+            def ours_run(prompt=prompt, source=source, holder=holder, ours=ours):
                 run = SpeculativeDecoding(ours, tok, prompt, max_new_tokens=args.new, eos_ids=(),
                                           assistant=drafter if source == "assistant" else None,
                                           prompt_lookup=None if source == "assistant" else 4,
@@ -104,7 +105,7 @@ def main() -> None:
                 holder["drafted"] = sum(len(s.draft_tokens) for s in run.steps)
                 run.close()
 
-            def theirs_run(ids=ids, source=source, holder=holder):
+            def theirs_run(ids=ids, source=source, holder=holder, theirs=theirs):
                 extra = {"assistant_model": their_drafter, "num_assistant_tokens": 4} if source == "assistant" else \
                     {"prompt_lookup_num_tokens": 4}
                 with torch.no_grad():

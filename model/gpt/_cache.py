@@ -55,12 +55,16 @@ MIN_CAPACITY = 32
 class _LayerBuffer:
     __slots__ = ("keys", "values", "_k_write", "_v_write")
 
-    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, capacity: int) -> None:
+    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, capacity: int, *,
+                 filled: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         # K and V may differ in width (and head count): latent attention (DeepSeek-V2/V3) caches its compressed
         # latent [B,1,t,r] and its rotated key [B,1,t,d_rope] in the two slots
         (B, G, _, d_k), (_, G_v, _, d_v) = like_k.shape, like_v.shape
-        self.keys = torch.empty(B, G, capacity, d_k, dtype=like_k.dtype, device=like_k.device)
-        self.values = torch.empty(B, G_v, capacity, d_v, dtype=like_v.dtype, device=like_v.device)
+        if filled is not None:  # buffers made elsewhere (a reorder's gather), used as they are
+            self.keys, self.values = filled
+        else:
+            self.keys = torch.empty(B, G, capacity, d_k, dtype=like_k.dtype, device=like_k.device)
+            self.values = torch.empty(B, G_v, capacity, d_v, dtype=like_v.dtype, device=like_v.device)
         # .data: the same storage, a separate version counter (see the module docstring)
         self._k_write = self.keys.data
         self._v_write = self.values.data
@@ -76,12 +80,8 @@ class _LayerBuffer:
         keeps no more than a step's growth of unused rows: every old buffer a trace kept a view of is charged
         to its budget whole)."""
         capacity = min(buf.capacity, length + MIN_CAPACITY)
-        moved = cls.__new__(cls)
-        moved.keys = buf.keys[:, :, :capacity].index_select(0, rows)  # [B,G,capacity,d_k], contiguous
-        moved.values = buf.values[:, :, :capacity].index_select(0, rows)
-        moved._k_write = moved.keys.data
-        moved._v_write = moved.values.data
-        return moved
+        keys = buf.keys[:, :, :capacity].index_select(0, rows)  # [B,G,capacity,d_k], contiguous
+        return cls(keys, buf.values, capacity, filled=(keys, buf.values[:, :, :capacity].index_select(0, rows)))
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         end = start + k.shape[2]

@@ -637,9 +637,8 @@ class HFDecoder(nn.Module):
                       "position_ids": None if own else positions.expand(B, n)}
             if self._whole_text:  # XLM: the ids, mask and positions of every position so far
                 inputs = whole_text(tokens, past, attention_mask, inputs["position_ids"])
-            if logits_to_keep and self._takes_logits_to_keep:
-                inputs["logits_to_keep"] = logits_to_keep
-            out = self.hf(**inputs, **{self._cache_keyword: self._passed(cache)},
+            kept = {"logits_to_keep": logits_to_keep} if logits_to_keep and self._takes_logits_to_keep else {}
+            out = self.hf(**inputs, **kept, **{self._cache_keyword: self._passed(cache)},
                           use_cache=cache is not None, return_dict=True)
             if calls is not None:  # a dry run's first forward: the routing check __init__ left to it
                 self._routed(self.blocks, calls)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpt_shape_tracer.model import load_model
+from gpt_shape_tracer.model.gpt import MIN_CAPACITY, KVCache
 from gpt_shape_tracer.tracer import BeamSearch, BeamSearchError
 from tests.hf_architectures import build
 from tests.tolerance import close_across_cpus
@@ -103,6 +104,32 @@ def test_the_reordered_cache_holds_each_beams_own_history(pair):
         assert close_across_cpus(search.cache.keys[1][beam], fresh.keys[1][0])
         assert close_across_cpus(search.cache.values[0][beam], fresh.values[0][0])
     assert search.cache.length == width + 3
+
+
+def test_kv_cache_reorder_gathers_rows_into_a_new_buffer_with_bounded_spare_rows():
+    """Row i becomes row rows[i], views handed out before stay as they were, and the new buffer keeps at most
+    MIN_CAPACITY unused rows (a beam search reorders every step: each old buffer a trace keeps is charged whole)."""
+    cache = KVCache(n_layer=2, batch_size=3)
+    k, v = torch.randn(3, 2, 200, 4), torch.randn(3, 2, 200, 4)
+    for layer in range(2):
+        cache.append(layer, k, v)
+    cache.commit(200, None)
+    new = torch.randn(3, 2, 1, 4)
+    for layer in range(2):  # grows the buffer to 400 rows
+        cache.append(layer, new, new)
+    cache.commit(1, None)
+    before = cache.keys[0]
+    rows = torch.tensor([2, 2, 0])
+    cache.reorder(rows)
+    whole_k, whole_v = torch.cat([k, new], dim=2), torch.cat([v, new], dim=2)
+    assert torch.equal(cache.keys[1], whole_k[rows]) and torch.equal(cache.values[0], whole_v[rows])
+    assert torch.equal(before, whole_k)  # the view from before the reorder: its buffer was not written
+    spare = cache.keys[0].untyped_storage().nbytes() // (3 * 2 * 4 * 4) - 201
+    assert spare == MIN_CAPACITY  # not the 199 spare rows of the grown buffer
+    for layer in range(2):  # the next step writes into the spare rows, in place
+        cache.append(layer, new, new)
+    cache.commit(1, None)
+    assert torch.equal(cache.keys[0][:, :, 201:], new) and torch.equal(cache.keys[0][:, :, :201], whole_k[rows])
 
 
 def test_the_trace_holds_one_step_per_forward_with_every_beam_as_a_row(pair):
