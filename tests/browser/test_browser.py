@@ -56,10 +56,12 @@ def screenshot(page, name: str, anchor=None, settle_ms: int = 300) -> None:
         page.screenshot(path=str(ROOT / "assets" / "screenshots" / f"{name}.png"))
 
 
-def sizes(name: str) -> list[tuple[int, int, str]]:
-    """The widths a test visits: 1600 × 1000 always, 1280 × 800 (screenshot ``name``_1280) only when that screenshot
-    is asked for — the page is the same, and each visit loads the model anew."""
-    return [(1600, 1000, name)] + ([(1280, 800, f"{name}_1280")] if saving(f"{name}_1280") else [])
+def sizes(name: str, *also: str) -> list[tuple[int, int, str]]:
+    """The widths a test visits: 1600 × 1000 always, 1280 × 800 (screenshot ``name``_1280) only when that screenshot,
+    or one of the others the visit takes (``also``), is asked for — the page is the same, and each visit loads the
+    model anew."""
+    wanted = any(saving(f"{shot}_1280") for shot in (name, *also))
+    return [(1600, 1000, name)] + ([(1280, 800, f"{name}_1280")] if wanted else [])
 
 
 @pytest.fixture(scope="module")
@@ -512,8 +514,8 @@ def test_config_only_opens_llama_405b_with_its_shape_flow_and_costs(url, visit):
 def test_the_decoding_tab_draws_every_beam_candidate_and_every_draft_as_the_runs_made_them(url, visit):
     """Step once, open Beam search, run k = 4 beams: the tree holds 2k candidates per forward (the page's own
     "forwards" metric), the reorder's two heatmaps are there, and nothing outside the app is asked for. At 1600 ×
-    1000 and 1280 × 800 (SAVE_SCREENSHOTS=beams,beams_1280)."""
-    for width, height, name in ((1600, 1000, "beams"), (1280, 800, "beams_1280")):
+    1000, and 1280 × 800 when its screenshot is asked (SAVE_SCREENSHOTS=beams,beams_1280)."""
+    for width, height, name in sizes("beams", "speculative"):
         with visit(width, height) as page:
             errors, outside = watch(page, url)
             open_app(page, url)
@@ -557,7 +559,7 @@ def test_transformers_cache_classes_show_what_a_sliding_cache_keeps_and_drops(ur
     from tests.hf_architectures import build
 
     directory = build("gemma2", tmp_path / "gemma2", BUNDLED_DIR / "tokenizer.json")
-    for width, height, name in ((1600, 1000, "cache_classes"), (1280, 800, "cache_classes_1280")):
+    for width, height, name in sizes("cache_classes"):
         with visit(width, height) as page:
             errors, outside = watch(page, url)
             open_directory_and_step(page, url, PROMPT, directory, "gemma2", steps=1)
