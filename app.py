@@ -25,7 +25,7 @@ from gpt_shape_tracer.gui.kv_cache import cache_tab
 from gpt_shape_tracer.gui.mask import mask_tab
 from gpt_shape_tracer.gui.next_token import next_token_tab
 from gpt_shape_tracer.gui.runs import finish_restoring, follow_the_address, recent_runs, save_run, save_view
-from gpt_shape_tracer.gui.server import admitted, freed_memory_reused
+from gpt_shape_tracer.gui.server import admitted, freed_memory_reused, imports_frozen
 from gpt_shape_tracer.gui.shapes import shapes_tab
 from gpt_shape_tracer.gui.sidebar import advance, reset, sidebar
 from gpt_shape_tracer.gui.tour import tour_bar
@@ -44,6 +44,7 @@ st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide
 st.markdown("<style>.block-container {padding-top: 2.2rem;} h1 {font-size: 1.9rem !important;}</style>",
             unsafe_allow_html=True)
 freed_memory_reused()
+imports_frozen()  # every module above imported: their objects out of the garbage collector's full walks
 
 
 def main() -> None:

@@ -47,6 +47,22 @@ from gpt_shape_tracer.model.gpt._identity import ModelIdentity, PendingIdentity,
 from gpt_shape_tracer.model.gpt._long_attention import MaskSpec, choose_path, fused_attention
 
 
+def init_normal(weight: torch.Tensor, std: float) -> None:
+    """Draw ``weight`` from N(0, std²) in place — except on the meta device, where a loader builds the model only to
+    assign the checkpoint's weights: there is nothing to draw, and PyTorch runs a meta tensor's ``normal_`` through
+    its Python reference implementation, whose first call imports ``torch._dynamo`` (about 1 s of a bundled model's
+    first load, and some 100,000 objects more for the garbage collector to walk)."""
+    if not weight.is_meta:
+        nn.init.normal_(weight, std=std)
+
+
+def embedding(rows: int, width: int, std: float) -> nn.Embedding:
+    """An ``nn.Embedding`` drawn from N(0, std²) (``init_normal``: nothing drawn on the meta device)."""
+    table = nn.Embedding(rows, width, _weight=torch.empty(rows, width))  # _weight: torch's own N(0, 1) not drawn
+    init_normal(table.weight, std)
+    return table
+
+
 class Projection(nn.Module):
     """``y = x·W + b`` with ``W`` stored ``[d_in, d_out]``, for every family.
 
@@ -65,7 +81,7 @@ class Projection(nn.Module):
         self.d_in, self.d_out = d_in, d_out
         self.weight = nn.Parameter(torch.empty(d_in, d_out))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
-        nn.init.normal_(self.weight, std=0.02)
+        init_normal(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_shape = x.shape[:-1] + (self.d_out,)
@@ -594,11 +610,9 @@ class GPT(nn.Module):
             raise ValueError(f"family {config.family!r} describes a model run by its own code "
                              "(model.sources: HFDecoder, OwnDecoder); it cannot be built here")
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)  # W_E: [V, d]
-        nn.init.normal_(self.embed.weight, std=0.02)
+        self.embed = embedding(config.vocab_size, config.d_model, std=0.02)  # W_E: [V, d]
         if config.positions == "learned":
-            self.pos_embed = nn.Embedding(config.n_ctx, config.d_model)  # W_pos: [n_ctx, d]
-            nn.init.normal_(self.pos_embed.weight, std=0.01)
+            self.pos_embed = embedding(config.n_ctx, config.d_model, std=0.01)  # W_pos: [n_ctx, d]
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.ln_final = norm(config)
         if not config.tie_embeddings:

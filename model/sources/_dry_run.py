@@ -24,10 +24,8 @@ dry-run trace holds at most ``MAX_DRY_RECORDS``; a config transformers refuses g
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -255,34 +253,9 @@ def _build_ours(raw: dict, cfg: Path, target: torch.dtype, headers: dict) -> GPT
         if config.tie_embeddings and "lm_head.weight" in canonical:
             config = dataclasses.replace(config, tie_embeddings=False)  # what the weights would make it
         check_weights(canonical, config, cfg)
-    with torch.device("meta"), _no_meta_init():
-        model = GPT(config)
+    with torch.device("meta"):
+        model = GPT(config)  # nothing drawn on the meta device (model.gpt.init_normal)
     return model.to(target).eval().requires_grad_(False)
-
-
-@contextlib.contextmanager
-def _no_meta_init():
-    """``nn.init.normal_`` skipped for meta tensors while the model is built: it draws no numbers there, yet each
-    call costs milliseconds in PyTorch's meta kernels (3.4 of the 4.5 s a 405B build took). Any other tensor — a
-    model another thread builds meanwhile — goes to the real function."""
-    with _INIT_LOCK:  # one build at a time swaps the function: each restores what it found
-        yield from _swapped_init()
-
-
-_INIT_LOCK = threading.Lock()
-
-
-def _swapped_init():
-    real = nn.init.normal_
-
-    def normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return tensor if tensor.is_meta else real(tensor, *args, **kwargs)
-
-    nn.init.normal_ = normal_
-    try:
-        yield
-    finally:
-        nn.init.normal_ = real
 
 
 def _build_transformers(raw: dict, cfg: Path, target: torch.dtype, headers: dict, ranks: int = 1) -> HFDecoder:

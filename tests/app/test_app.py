@@ -4,6 +4,7 @@ that every sentence it shows holds for the step it is about."""
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import re
 import tomllib
@@ -134,6 +135,8 @@ def test_first_page_invites_a_step_and_offers_the_worked_example():
     assert "Row q0 of A (the first query)" in page_text(at) and "Row 1" not in page_text(at)
     server_mb = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())["server"]["maxUploadSize"]
     assert server_mb == 1024 and any("up to 1 GiB" in u.label for u in at.get("file_uploader"))
+    # the server's process froze its imports' objects out of the garbage collector's full walks (gui/server.py)
+    assert gc.get_freeze_count() > 100_000
 
 
 def test_three_steps_show_the_right_shapes(stepped):

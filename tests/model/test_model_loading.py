@@ -558,3 +558,26 @@ def test_a_tied_config_over_a_distinct_lm_head_loads_as_transformers_does(tmp_pa
     with torch.no_grad():
         assert (ours(ids) - theirs(ids).logits).abs().max() <= 1e-4
     assert not ours.config.tie_embeddings
+
+
+def test_a_model_built_to_be_loaded_draws_nothing_and_one_built_in_python_draws_its_weights():
+    """model.gpt.init_normal: on the meta device (where a loader builds the model to assign the checkpoint's
+    weights) nothing is drawn — a meta tensor's normal_ would import torch._dynamo, a second of a first load — and
+    the bundled model loads without it; built in Python, W_E is drawn from N(0, 0.02²) and W_pos from N(0, 0.01²)."""
+    import subprocess
+    import sys
+
+    from gpt_shape_tracer.model.gpt import GPT, GPTConfig
+
+    probe = ("import sys\n"
+             "from gpt_shape_tracer.model import load_model\n"
+             "from gpt_shape_tracer.model.sources import BUNDLED_DIR\n"
+             "load_model(str(BUNDLED_DIR))\n"
+             "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split()[-1] == "False", done.stdout
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=4096, n_ctx=1024, d_model=64, n_layer=1, n_head=2))
+    assert abs(float(model.embed.weight.std()) - 0.02) < 0.001 and abs(float(model.embed.weight.mean())) < 0.001
+    assert abs(float(model.pos_embed.weight.std()) - 0.01) < 0.0005

@@ -331,6 +331,33 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     assert out["default"][1] > 100 and out["reuse"][1] < out["default"][1] / 4, out
 
 
+def test_the_imports_are_frozen_out_of_full_collections_and_later_garbage_is_still_collected():
+    """gpt_shape_tracer.session.memory.freeze_imports(): the garbage there is is collected first, every object the
+    imports made is left out of later collections (so a full collection walks the few made since), and a cycle
+    made afterwards is collected as ever. In a process of its own (the freeze holds for the whole process)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import gc, weakref\n"
+        "import torch, plotly.graph_objects\n"
+        "from gpt_shape_tracer.session.memory import freeze_imports\n"
+        "class Node: pass\n"
+        "a = Node(); a.me = a; earlier = weakref.ref(a); del a\n"
+        "frozen = freeze_imports()\n"
+        "print(earlier() is None, frozen, len(gc.get_objects()))\n"
+        "b = Node(); b.me = b; later = weakref.ref(b); del b\n"
+        "gc.collect()\n"
+        "print(later() is None)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True)
+    first, second = done.stdout.splitlines()
+    collected_before, frozen, tracked = first.split()
+    assert collected_before == "True" and second == "True", done.stdout
+    assert int(frozen) > 100_000 and int(tracked) < int(frozen) // 20, done.stdout
+
+
 def one_rounding_step(archive: bytes, steps: int = 1) -> bytes:
     """The trace file ``archive`` with every finite floating value moved ``steps`` rounding steps of its own dtype
     away from zero (the next representable number: the bit pattern + steps), each stored number once."""
