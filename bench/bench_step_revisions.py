@@ -36,7 +36,7 @@ def export(rev: str, where: Path) -> Path:
 
 
 def steps_of(checkout: Path, tabs: list[str], steps: int, runs_dir: Path) -> dict[str, list[dict]]:
-    from tests.browser import chromium_page, click, open_app, open_tab, set_prompt, streamlit_server
+    from tests.app_in_browser import chromium_page, click, open_app, open_tab, set_prompt, streamlit_server
 
     out: dict[str, list[dict]] = {}
     env = {"GPT_SHAPE_TRACER_RUNS_DIR": str(runs_dir)}
