@@ -207,9 +207,12 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 0, after: int | None
 
 
 def open_app(page, url: str) -> None:
-    """Load the app as a new session and wait until its first run has finished and the page is idle."""
+    """Load the app as a new session and wait until its first run has finished, the page is idle and the
+    sidebar's Step button is drawn: the page fetches each kind of widget's code when it first draws one, and on a
+    loaded machine the run can finish before they arrive (a page seen with the sidebar's headers and no widgets)."""
     page.goto(url, wait_until="domcontentloaded")
     wait_idle(page, after=0)
+    page.get_by_role("button", name="Step", exact=True).wait_for(timeout=60_000)
 
 
 def wait_for_a_run(page, before: int) -> None:
