@@ -254,7 +254,7 @@ def _build_ours(raw: dict, cfg: Path, target: torch.dtype, headers: dict) -> GPT
             config = dataclasses.replace(config, tie_embeddings=False)  # what the weights would make it
         check_weights(canonical, config, cfg)
     with torch.device("meta"):
-        model = GPT(config)  # nothing drawn on the meta device (model.gpt.init_normal)
+        model = GPT(config)  # nothing drawn on the meta device (init_normal in model/gpt/_gpt.py)
     return model.to(target).eval().requires_grad_(False)
 
 

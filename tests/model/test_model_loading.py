@@ -561,7 +561,7 @@ def test_a_tied_config_over_a_distinct_lm_head_loads_as_transformers_does(tmp_pa
 
 
 def test_a_model_built_to_be_loaded_draws_nothing_and_one_built_in_python_draws_its_weights():
-    """model.gpt.init_normal: on the meta device (where a loader builds the model to assign the checkpoint's
+    """init_normal (model/gpt/_gpt.py): on the meta device (where a loader builds the model to assign the checkpoint's
     weights) nothing is drawn — a meta tensor's normal_ would import torch._dynamo, a second of a first load — and
     the bundled model loads without it; built in Python, W_E is drawn from N(0, 0.02²) and W_pos from N(0, 0.01²)."""
     import subprocess
