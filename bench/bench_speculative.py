@@ -81,6 +81,12 @@ def main() -> None:
     drafter, tok = load_model(str(BUNDLED_DIR), device=args.device)
     their_drafter = AutoModelForCausalLM.from_pretrained(BUNDLED_DIR, attn_implementation="sdpa").eval().to(
         args.device)
+    # the drafting settings where transformers reads them, the assistant's generation config (as
+    # tests/tracer/test_speculative.py sets them); ours gets the same, so both sides run the same forwards
+    drafting = {"num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.4}
+    for key, value in drafting.items():
+        setattr(their_drafter.generation_config, key, value)
     base = "Once upon a time, there was a little girl named Lily. She had a red ball and a small blue boat. "
     results = {}
     mains = {"deep": main_directory, "wide": wide_directory}
@@ -88,6 +94,8 @@ def main() -> None:
         directory = build()
         ours, _ = load_model(str(directory), device=args.device)
         theirs = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval().to(args.device)
+        main_calls = [0]
+        theirs.register_forward_pre_hook(lambda *_, calls=main_calls: calls.__setitem__(0, calls[0] + 1))
         label = f"{label}, {main_label} main"
         prompt = tok.decode(tok.encode(base * 20)[:n])
         ids = tok.encode(prompt)
@@ -98,20 +106,23 @@ def main() -> None:
                 run = SpeculativeDecoding(ours, tok, prompt, max_new_tokens=args.new, eos_ids=(),
                                           assistant=drafter if source == "assistant" else None,
                                           prompt_lookup=None if source == "assistant" else 4,
-                                          num_assistant_tokens=4, budget_bytes=2 * 2**30)
+                                          num_assistant_tokens=4, schedule="constant", confidence_threshold=0.4,
+                                          budget_bytes=2 * 2**30)
                 run.run()
+                holder["our forwards"] = run.main_forwards
                 holder["ours"] = tuple(run.generated)
                 holder["accepted"] = sum(s.accepted for s in run.steps)
                 holder["drafted"] = sum(len(s.draft_tokens) for s in run.steps)
                 run.close()
 
-            def theirs_run(ids=ids, source=source, holder=holder, theirs=theirs):
-                extra = {"assistant_model": their_drafter, "num_assistant_tokens": 4} if source == "assistant" else \
-                    {"prompt_lookup_num_tokens": 4}
+            def theirs_run(ids=ids, source=source, holder=holder, theirs=theirs, main_calls=main_calls):
+                extra = {"assistant_model": their_drafter} if source == "assistant" else {"prompt_lookup_num_tokens": 4}
+                main_calls[0] = 0
                 with torch.no_grad():
                     out = theirs.generate(torch.tensor([ids], device=args.device), max_new_tokens=args.new,
                                           do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
                 holder["theirs"] = tuple(out[0, len(ids):].tolist())
+                holder["their forwards"] = main_calls[0]
 
             load_before = os.getloadavg()
             times = interleaved({"ours, values": ours_run, "transformers": theirs_run}, args.repeats)
@@ -120,10 +131,13 @@ def main() -> None:
             same = holder["ours"] == holder["theirs"]
             results[f"{label}, {source}"] = {"prompt_tokens": len(ids), "seconds": seconds, "ratio": ratio,
                                              "same_tokens": same, "accepted": holder["accepted"],
-                                             "drafted": holder["drafted"], "load": [load_before, os.getloadavg()]}
+                                             "drafted": holder["drafted"], "load": [load_before, os.getloadavg()],
+                                             "main_forwards": {"ours": holder["our forwards"],
+                                                               "transformers": holder["their forwards"]}}
             print(f"{label} ({len(ids)} tokens), {source}, {args.new} new: transformers {seconds['transformers']:.2f}"
                   f" s; ours traced with values x{ratio:.2f}; {holder['accepted']}/{holder['drafted']} drafts "
-                  f"accepted; same tokens: {same}; load {load_before[0]:.1f} → {os.getloadavg()[0]:.1f}", flush=True)
+                  f"accepted; same tokens: {same}; main forwards {holder['our forwards']} / "
+                  f"{holder['their forwards']}; load {load_before[0]:.1f} → {os.getloadavg()[0]:.1f}", flush=True)
     save(f"speculative-{args.device.split(':')[0]}", {"machine": machine(), "device": args.device,
                                                        "new_tokens": args.new, "results": results})
 
