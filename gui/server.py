@@ -24,8 +24,8 @@ def freed_memory_reused() -> bool:
     return reuse_freed_memory()
 
 
-@st.cache_resource(show_spinner=False)  # a spinner drawn by the page's first run (a collection under load can take
-def imports_frozen() -> int:  # its 0.5 s) left the sidebar's prompt and buttons undrawn, one load in two
+@st.cache_resource(show_spinner=False)  # the server's own housekeeping: nothing for the page to show
+def imports_frozen() -> int:
     """Once per server process, after the app's imports: the objects they made left out of every later full garbage
     collection, each a 0.2 s pause of the Step that triggered it (session/memory.py)."""
     return freeze_imports()

@@ -55,19 +55,20 @@ MIN_CAPACITY = 32
 class _LayerBuffer:
     __slots__ = ("keys", "values", "_k_write", "_v_write")
 
-    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, capacity: int, *,
-                 filled: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        # K and V may differ in width (and head count): latent attention (DeepSeek-V2/V3) caches its compressed
-        # latent [B,1,t,r] and its rotated key [B,1,t,d_rope] in the two slots
-        (B, G, _, d_k), (_, G_v, _, d_v) = like_k.shape, like_v.shape
-        if filled is not None:  # buffers made elsewhere (a reorder's gather), used as they are
-            self.keys, self.values = filled
-        else:
-            self.keys = torch.empty(B, G, capacity, d_k, dtype=like_k.dtype, device=like_k.device)
-            self.values = torch.empty(B, G_v, capacity, d_v, dtype=like_v.dtype, device=like_v.device)
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
         # .data: the same storage, a separate version counter (see the module docstring)
         self._k_write = self.keys.data
         self._v_write = self.values.data
+
+    @classmethod
+    def empty(cls, like_k: torch.Tensor, like_v: torch.Tensor, capacity: int) -> _LayerBuffer:
+        """Room for ``capacity`` positions of rows shaped as ``like_k`` / ``like_v``."""
+        # K and V may differ in width (and head count): latent attention (DeepSeek-V2/V3) caches its compressed
+        # latent [B,1,t,r] and its rotated key [B,1,t,d_rope] in the two slots
+        (B, G, _, d_k), (_, G_v, _, d_v) = like_k.shape, like_v.shape
+        return cls(torch.empty(B, G, capacity, d_k, dtype=like_k.dtype, device=like_k.device),
+                   torch.empty(B, G_v, capacity, d_v, dtype=like_v.dtype, device=like_v.device))
 
     @property
     def capacity(self) -> int:
@@ -80,8 +81,8 @@ class _LayerBuffer:
         keeps no more than a step's growth of unused rows: every old buffer a trace kept a view of is charged
         to its budget whole)."""
         capacity = min(buf.capacity, length + MIN_CAPACITY)
-        keys = buf.keys[:, :, :capacity].index_select(0, rows)  # [B,G,capacity,d_k], contiguous
-        return cls(keys, buf.values, capacity, filled=(keys, buf.values[:, :, :capacity].index_select(0, rows)))
+        return cls(buf.keys[:, :, :capacity].index_select(0, rows),  # [B,G,capacity,d_k], contiguous
+                   buf.values[:, :, :capacity].index_select(0, rows))
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         end = start + k.shape[2]
@@ -178,7 +179,7 @@ class KVCache:
         end = start + k.shape[2]
         buf = self._buffers[layer]
         if buf is None or end > buf.capacity:
-            grown = _LayerBuffer(k, v, max(MIN_CAPACITY, end, 2 * (buf.capacity if buf else 0)))
+            grown = _LayerBuffer.empty(k, v, max(MIN_CAPACITY, end, 2 * (buf.capacity if buf else 0)))
             if buf is not None and start:
                 grown.write(0, buf.keys[:, :, :start], buf.values[:, :, :start])
             self._buffers[layer] = buf = grown
@@ -211,7 +212,7 @@ class KVCache:
             for layer, buf in enumerate(self._buffers):
                 if buf is None:  # a layer without attention (a hybrid model's state layer) holds no rows
                     continue
-                own = _LayerBuffer(buf.keys, buf.values, buf.capacity)
+                own = _LayerBuffer.empty(buf.keys, buf.values, buf.capacity)
                 own.write(0, buf.keys[:, :, :length], buf.values[:, :, :length])
                 twin._buffers[layer] = own
         twin._length = length
@@ -251,7 +252,7 @@ class KVCache:
         for layer, buf in enumerate(self._buffers):
             if buf is None:
                 continue
-            kept = _LayerBuffer(buf.keys, buf.values, buf.capacity)
+            kept = _LayerBuffer.empty(buf.keys, buf.values, buf.capacity)
             kept.write(0, buf.keys[:, :, :length], buf.values[:, :, :length])
             self._buffers[layer] = kept
         self._length = length
