@@ -4,7 +4,7 @@ Checks each revision out into a temporary git worktree (NEW defaults to the
 working tree itself) and runs its own ``bench/bench_tracer.py`` alternately,
 ``--rounds`` times each, so machine drift hits both alike. Every run reports
 traced/untraced ratios measured inside one process; the table prints the median
-ratio per revision, capture level and phase, and writes
+ratio per revision, capture level and phase (the decode step's mean and median), and writes
 ``bench/results/compare_revisions.json``.
 """
 
@@ -22,6 +22,8 @@ from pathlib import Path
 from common import machine, save
 
 ROOT = Path(__file__).resolve().parent.parent
+# decode: the mean step, a full garbage collection that falls on a step included; decode_median_step: without it
+PHASES = ("prefill", "decode", "decode_median_step")
 
 
 def checkout(rev: str, where: Path) -> Path:
@@ -62,17 +64,17 @@ def main() -> None:
     for name, results in runs.items():
         table[name] = {
             mode: {phase: round(statistics.median(res["ratio"][mode][phase] for res in results), 3)
-                   for phase in ("prefill", "decode")}
+                   for phase in PHASES}
             for mode in ("shapes", "values", "ops")
         }
         table[name]["untraced_ms"] = {k: round(statistics.median(res["untraced_ms"][k] for res in results), 2)
                                       for k in ("prefill", "decode_per_step")}
     path = save("compare_revisions", {"machine": machine(), "rounds": args.rounds, "repeats": args.repeats,
                                       "revisions": list(trees), "median_ratios": table})
-    print(f"{'':>14}" + "".join(f"{name[:22]:>24}" for name in trees))
+    print(f"{'':>28}" + "".join(f"{name[:22]:>24}" for name in trees))
     for mode in ("shapes", "values", "ops"):
-        for phase in ("prefill", "decode"):
-            print(f"{mode + ' ' + phase:>14}" + "".join(f"{'×' + format(table[n][mode][phase], '.3f'):>24}"
+        for phase in PHASES:
+            print(f"{mode + ' ' + phase:>28}" + "".join(f"{'×' + format(table[n][mode][phase], '.3f'):>24}"
                                                           for n in trees))
     print(f"wrote {path}")
 

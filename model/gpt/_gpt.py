@@ -336,10 +336,15 @@ class PathNote:
 
 
 def attention_points(hooks: nn.Module) -> list[tuple[str, HookPoint]]:
-    """The ``[B,H,n,t]`` hook points of an attention module (the mask's ``[B|1,1,n,t]`` too), by stage."""
-    names = (("qk", "hook_qk"), ("scores", "hook_attn_scores"), ("softcapped", "hook_softcapped"),
-             ("mask", "hook_mask"), ("masked_scores", "hook_masked_scores"), ("pattern", "hook_pattern"))
-    return [(stage, point) for stage, name in names if isinstance(point := getattr(hooks, name, None), HookPoint)]
+    """The ``[B,H,n,t]`` hook points of an attention module (the mask's ``[B|1,1,n,t]`` too), by stage. Found once per
+    module and kept on it: a module's hook points are made with it, and a traced decode step asks every layer."""
+    found = hooks.__dict__.get("_attention_points")
+    if found is None:
+        names = (("qk", "hook_qk"), ("scores", "hook_attn_scores"), ("softcapped", "hook_softcapped"),
+                 ("mask", "hook_mask"), ("masked_scores", "hook_masked_scores"), ("pattern", "hook_pattern"))
+        found = [(stage, point) for stage, name in names if isinstance(point := getattr(hooks, name, None), HookPoint)]
+        hooks.__dict__["_attention_points"] = found
+    return found
 
 
 def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec,
@@ -351,7 +356,8 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskS
     B, H, n, _ = q.shape
     points = attention_points(hooks) if hooks is not None else []
     written = [name for name, p in points if p.written]
-    path = choose_path(bool(written), B * H * n * spec.t, any(p.listened for _, p in points))
+    heard = [p.listened for _, p in points]  # asked once: each answer looks up the taps' listener
+    path = choose_path(bool(written), B * H * n * spec.t, any(heard))
     if path == "eager":
         mask = spec.full_additive(q.dtype, q.device)
         z, _ = attention(q, k, v, mask, cast(AttentionHooks | None, hooks), scale=spec.scale, softcap=spec.softcap)
@@ -362,10 +368,12 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskS
                                         f"(an intervention on the {'/'.join(written)} needs the whole n × t tensor)"))
         return z
     z = fused_attention(q, k, v, spec)
-    for stage, point in points:
-        if point.listened:
-            shape = (spec.batch, 1, n, spec.t) if stage == "mask" else (B, H, n, spec.t)
-            point.tell(DerivedAttention(stage, shape, q.dtype, spec, str(q.device)))
+    if any(heard):
+        full, device = (B, H, n, spec.t), str(q.device)
+        for (stage, point), listened in zip(points, heard):
+            if listened:
+                shape = (spec.batch, 1, n, spec.t) if stage == "mask" else full
+                point.tell(DerivedAttention(stage, shape, q.dtype, spec, device))
     return z
 
 

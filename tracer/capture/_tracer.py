@@ -110,6 +110,7 @@ class Tracer:
         self._hooks: hooks.InstalledHooks | None = None
         self._finalizer: weakref.finalize | None = None
         self._stack: list[tuple[int, int, Any, Any]] = []
+        self._inplace: frozenset[int] = frozenset()  # the model's in-place modules (InstalledHooks.inplace)
         self._calls: dict[int, int] = {}
         self._last_exited: tuple | None = None
         self._failed_op: tuple[str, tuple, int] | None = None
@@ -130,6 +131,7 @@ class Tracer:
             installed = hooks.acquire(self.model)
             self._finalizer = weakref.finalize(self, hooks.release, id(self.model))
             self._hooks = installed
+            self._inplace = installed.inplace
             self._log.set_modules(installed.modules, flagged=flagged_modules(installed.modules))
             if isinstance(getattr(self.model, "config", None), GPTConfig):
                 self._log.set_model(identity_of(self.model))
@@ -190,7 +192,7 @@ class Tracer:
         call = calls.get(index, 0)
         calls[index] = call + 1
         stack.append((index, call, args, kwargs))
-        if self.keeps_values and getattr(module, "inplace", False) is True:
+        if self.keeps_values and index in self._inplace:
             for a in args:
                 if isinstance(a, torch.Tensor):
                     self._log.protect(a)
