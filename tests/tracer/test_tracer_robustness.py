@@ -295,6 +295,26 @@ def test_the_store_says_when_it_holds_no_view_of_a_storage_any_more():
     assert 3 in store and store.get(3) is copy  # … and its copy is kept in its place
 
 
+def test_a_kept_value_leaves_no_container_for_full_collections_to_walk():
+    """Python's full garbage collection walks every tracked object, and how often it runs grows with how many a
+    process keeps: the store's own bookkeeping of a kept value is untracked once the collector has seen it (only
+    the tensor itself, its storage's object and the set of a storage's views stay tracked)."""
+    from gpt_shape_tracer.tracer.storage._store import ValueStore
+
+    values = [torch.zeros(4) + i for i in range(2000)]  # made, and their storages' objects, before counting
+    for v in values:
+        v.untyped_storage()
+    store = ValueStore(budget_bytes=2**20)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i, v in enumerate(values):
+        store.put(i, 0, v)
+    gc.collect()
+    added = len(gc.get_objects()) - before
+    assert len(store) == len(values)
+    assert added <= len(values) * 1.05, f"{added} tracked objects for {len(values)} kept values"  # one set each
+
+
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
     """gpt_shape_tracer.session.memory.reuse_freed_memory(): a third forward-like pass (48 and 12 MiB tensors made and
     freed in turn, two alive at a time) takes the memory the earlier ones freed, where glibc's default hands it

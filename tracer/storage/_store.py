@@ -99,8 +99,12 @@ class ValueStore:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be a whole number ≥ 0, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
-        # index → (tensor, step, storage key, version when kept); dicts keep insertion order
-        self._entries: dict[int, tuple[torch.Tensor, int, tuple[int, int], int]] = {}
+        # index → tensor, and index → (step, storage key, version when kept); dicts keep insertion order. Two dicts,
+        # not one of (tensor, …) tuples: a tuple of ints alone is untracked by Python's garbage collector once it
+        # has seen it, and one holding a tensor is walked by every full collection for as long as the value is
+        # kept (a values trace of 160 GPT-2-small steps held 17,000 of them: a 0.11 s full collection per run)
+        self._entries: dict[int, torch.Tensor] = {}
+        self._kept: dict[int, tuple[int, tuple[int, int], int]] = {}
         self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
         # index → (summary, step, bytes): pooled digests of evicted values, charged to the same budget
         self._digests: dict[int, tuple[torch.Tensor, int, int]] = {}
@@ -135,17 +139,18 @@ class ValueStore:
         return self._verified(index)
 
     def get(self, index: int) -> torch.Tensor | None:
-        return self._entries[index][0] if self._verified(index) else None
+        return self._entries[index] if self._verified(index) else None
 
     def items(self) -> Iterator[tuple[int, torch.Tensor]]:
         for index in [i for i in list(self._entries) if self._verified(i)]:  # a copy: _verified drops a mutated one
-            yield index, self._entries[index][0]
+            yield index, self._entries[index]
 
     def _verified(self, index: int) -> bool:
-        entry = self._entries.get(index)
-        if entry is None:
+        tensor = self._entries.get(index)
+        if tensor is None:
             return False
-        if entry[3] != NO_VERSION and version_of(entry[0]) != entry[3]:
+        version = self._kept[index][2]
+        if version != NO_VERSION and version_of(tensor) != version:
             self.drop(index, note=MUTATED, stats=False)
             return False
         return True
@@ -165,17 +170,18 @@ class ValueStore:
             self._storages[key] = {index}
             self._nbytes += size
             self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
-        self._entries[index] = (tensor, step, key, version_of(tensor))
+        self._entries[index] = tensor
+        self._kept[index] = (step, key, version_of(tensor))
         self._plain[index] = None  # a new value (or one just dropped and put back) is not preferred
         return ""
 
     def replace(self, index: int, tensor: torch.Tensor) -> None:
         """Swap a kept value for a private copy (before an in-place op changes the original)."""
-        entry = self._entries.get(index)
-        if entry is None:
+        kept = self._kept.get(index)
+        if kept is None:
             return
         self.drop(index, note=None)
-        reason = self.put(index, entry[1], tensor)
+        reason = self.put(index, kept[0], tensor)
         if reason and self._on_evict is not None:
             self._on_evict(index, tensor, reason, True)
 
@@ -188,10 +194,10 @@ class ValueStore:
     def drop(self, index: int, *, note: str | None, stats: bool = True) -> None:
         """Forget a value; ``note`` (if any) tells the owner why, and whether its stats can still be taken."""
         self._plain.pop(index, None)
-        entry = self._entries.pop(index, None)
-        if entry is None:
+        tensor = self._entries.pop(index, None)
+        if tensor is None:
             return
-        tensor, _, key, version = entry
+        _, key, version = self._kept.pop(index)
         if stats and version != NO_VERSION and version_of(tensor) != version:
             note, stats = MUTATED, False  # its statistics would describe the wrong values
         viewers = self._storages[key]
@@ -210,9 +216,9 @@ class ValueStore:
         rather than whole steps: a decode step needs a few MB, and making room by dropping the whole prefill
         would cost the statistics of all of it and leave nothing of it to look at."""
         plain = next(iter(self._plain), None)
-        oldest_value = (plain, self._entries[plain]) if plain is not None else next(iter(self._entries.items()), None)
+        oldest_value = (plain, self._kept[plain]) if plain is not None else next(iter(self._kept.items()), None)
         oldest_digest = next(iter(self._digests.items()), None)
-        if oldest_digest is not None and (oldest_value is None or oldest_digest[1][1] < oldest_value[1][1]):
+        if oldest_digest is not None and (oldest_value is None or oldest_digest[1][1] < oldest_value[1][0]):
             self.drop_digest(oldest_digest[0])
             return
         assert oldest_value is not None  # called only while something is held
@@ -252,7 +258,7 @@ class ValueStore:
         viewers = self._storages.get(storage_key(tensor))
         if not viewers:
             return []
-        return sorted(i for i in viewers if overlaps(tensor, self._entries[i][0]))
+        return sorted(i for i in viewers if overlaps(tensor, self._entries[i]))
 
     def steps_held(self) -> list[int]:
-        return sorted({e[1] for e in self._entries.values()})
+        return sorted({kept[0] for kept in self._kept.values()})
