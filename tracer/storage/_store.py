@@ -102,7 +102,7 @@ class ValueStore:
         # index → tensor, and index → (step, storage key, version when kept); dicts keep insertion order. Two dicts,
         # not one of (tensor, …) tuples: a tuple of ints alone is untracked by Python's garbage collector once it
         # has seen it, and one holding a tensor is walked by every full collection for as long as the value is
-        # kept (a values trace of 160 GPT-2-small steps held 17,000 of them: a 0.11 s full collection per run)
+        # kept (160 GPT-2-small steps of a values trace held 17,900: 0.10–0.15 s collections in 5 of 8 runs, now 3)
         self._entries: dict[int, torch.Tensor] = {}
         self._kept: dict[int, tuple[int, tuple[int, int], int]] = {}
         self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
