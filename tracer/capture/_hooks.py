@@ -100,19 +100,21 @@ class InstalledHooks:
     def __init__(self, model: nn.Module) -> None:
         self.model_id = id(model)
         self.modules = module_table(model)
-        # modules that overwrite their input (``inplace=True``: ReLU, Dropout, …), read once here: on a module
-        # without the attribute ``getattr`` goes through nn.Module's failing lookup, ~1.5 µs per call of a step
-        self.inplace = frozenset(i for i, (_, module) in enumerate(model.named_modules())
-                                 if getattr(module, "inplace", False) is True)
         self._handles: list[Any] = []
         self.users = 0
+        # modules that overwrite their input (``inplace=True``: ReLU, Dropout, …), read once here: on a module
+        # without the attribute ``getattr`` goes through nn.Module's failing lookup, ~1.5 µs per call of a step
+        inplace: set[int] = set()
         for index, (_, module) in enumerate(model.named_modules()):
             # a hook point is an identity: nothing runs inside it, so its value is all there is to record
             if isinstance(module, HookPoint):
                 self._handles.append(module.add_tap(self._tap(index)))
                 continue
+            if getattr(module, "inplace", False) is True:
+                inplace.add(index)
             self._handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(index), with_kwargs=True))
+        self.inplace = frozenset(inplace)
 
     def _pre(self, index: int):
         model_id = self.model_id
