@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -270,14 +271,34 @@ def _measured_activation_peaks(model, tok, prompt: str, steps: int) -> list[int]
         for h in handles:
             h.remove()
     for p in prof:
-        events = sorted((e for e in p.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns())
         live = peak = 0
-        for e in events:  # nbytes: + for an allocation, − for a free
-            live += e.nbytes()
+        held: set[int] = set()
+        for ptr, nbytes in _allocations(p):  # nbytes: + for an allocation, − for a free
+            if nbytes > 0:
+                held.add(ptr)
+            elif ptr in held:
+                held.discard(ptr)
+            else:  # a block allocated before the step (in an earlier window the profiler watched), freed in it
+                continue
+            live += nbytes
             peak = max(peak, live)
         peaks.append(peak)
     return peaks
+
+
+def _allocations(p: profile) -> list[tuple[int, int]]:
+    """The window's allocations and frees in time order, as (address, bytes). The allocator also reports the
+    freeing of a block it saw allocated in an earlier window of any profiler in the process — a cache buffer of the
+    previous step, or a tensor of an earlier test that a garbage collection frees mid-step; those are not the
+    step's activations, and only the address tells them apart."""
+    found: list[tuple[int, int, int]] = []
+    stack = list(p.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            found.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    return [(ptr, nbytes) for _, ptr, nbytes in sorted(found)]
 
 
 @pytest.mark.parametrize("source", ["story-gpt", "story-llama", "qwen3", "mixtral", "deepseek_v3"])
