@@ -25,6 +25,7 @@ from gpt_shape_tracer.model.gpt import (
 from gpt_shape_tracer.model.sources._common import check_expert_counts
 from gpt_shape_tracer.model.sources._hf_attention import ATTENTION, _register
 from gpt_shape_tracer.model.sources._hf_decoder import HFDecoder
+from gpt_shape_tracer.model.sources._hf_own_attention import unwatched
 from gpt_shape_tracer.model.sources._hf_own_cache import takes_whole_text
 from gpt_shape_tracer.model.sources._hf_probe import cache_keyword
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, refusal_by_config
@@ -144,7 +145,10 @@ def guard_against_transformers(model: HFDecoder) -> None:
             f"{name}: a decode step after {n} tokens differs from transformers' own forward on the same tokens by "
             f"{to_uncached:.3g} (without a cache) and {to_cached:.3g} (with its cache), beyond {tolerance:g}: the "
             "trace would not show what this model computes", reason="differs from transformers")
-    if to_cached > tolerance:
+    generated = _generate_note(model, tokens, ours, tolerance)
+    if generated is not None:
+        model.reference_note = generated
+    elif to_cached > tolerance:
         model.reference_note = (
             f"transformers' own cached forward of {name} differs from its uncached forward (by {to_cached:.3g} in the "
             f"logits of a decode step after {n} tokens); the trace follows the uncached forward (within "
@@ -154,6 +158,32 @@ def guard_against_transformers(model: HFDecoder) -> None:
             f"transformers' own uncached forward of {name} differs from its cached forward (by {to_uncached:.3g} in "
             f"the logits of a decode step after {n} tokens); the trace follows the cached forward (within "
             f"{to_cached:.1g}), what its generate() runs")
+
+
+def _generate_note(model: HFDecoder, tokens: torch.Tensor, ours: torch.Tensor, tolerance: float) -> str | None:
+    """Where transformers' generate() hands the forward more than the text — XLNet's dummy token, ``perm_mask`` and
+    ``target_mapping``, a two-stream prediction (Yang et al. 2019) — the next-token logits it computes, against the
+    trace's (the forward's logits at the text's last token): ``None`` where they agree or the forward takes no
+    such inputs, else the sentence saying by how much they differ and which token each picks greedily."""
+    import inspect
+
+    hf, name = model.hf, model.architecture.model_type
+    if "target_mapping" not in inspect.signature(hf.forward).parameters:
+        return None
+    with torch.no_grad(), _transformers_eager(hf), unwatched():
+        fed = hf.prepare_inputs_for_generation(tokens, use_mems=False)
+        theirs = hf(**fed).logits[0, -1].float()  # [V]
+    gap = float((theirs - ours).abs().max())
+    if gap <= tolerance:
+        return None
+    mine, its = int(ours.argmax()), int(theirs.argmax())
+    picks = (f"both pick token {its} greedily" if mine == its else
+             f"generate() picks token {its} greedily where the trace picks {mine}")
+    return (f"transformers' generate() of {name} predicts each next token another way than its forward over the text "
+            f"that the trace follows: it appends a dummy token no position attends to and reads that position's "
+            f"query stream (perm_mask, target_mapping: the two-stream attention of Yang et al. 2019), which the trace "
+            f"does not lay out; after {tokens.shape[1]} tokens its next-token logits differ from the trace's by "
+            f"{gap:.3g} and {picks}")
 
 
 def _uncached_guard(model: HFDecoder, tokens: torch.Tensor, n: int, tolerance: float) -> str:

@@ -44,6 +44,9 @@ segment term beside its content term), weights made without a softmax, several s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -606,6 +609,22 @@ def probe(hf: nn.Module, lists: dict[int, nn.ModuleList], model_type: str, devic
 
 
 # -- the hooks of a traced model ------------------------------------------------------------------------------
+# a context variable, not a module flag: another session's thread tracing an own-code model at the same time keeps
+# its watch
+_UNWATCHED: ContextVar[bool] = ContextVar("unwatched", default=False)
+
+
+@contextmanager
+def unwatched() -> Iterator[None]:
+    """transformers' forward run beside the trace in this thread (the load guard's reference for generate(), which
+    hands XLNet a second attention stream): the family's own attention modules run as written, recording nothing."""
+    token = _UNWATCHED.set(True)
+    try:
+        yield
+    finally:
+        _UNWATCHED.reset(token)
+
+
 class OwnAttention:
     """One layer's attention module computed in its own code, its forward watched (``_Watch``) and its one softmax
     attention recorded through the layer's hook points (``_AttentionHooks``) at every forward."""
@@ -630,7 +649,9 @@ class OwnAttention:
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         batch = int(hidden.shape[0]) if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2 else 1
-        self._seen = 0
+        self._seen, self._watch = 0, None
+        if _UNWATCHED.get():
+            return
         self._watch = _Watch(self._record, batch=batch)
         self._watch.__enter__()
 

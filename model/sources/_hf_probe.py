@@ -7,6 +7,7 @@ output multiplies V in its own code (``_hf_own_attention.probe``) —, which lay
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -404,6 +405,12 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     # traced whole, every step a full forward (model/sources/_hf_own_cache.py); any other bidirectional model is an
     # encoder
     if sees_ahead(first.mask) and not prompt_positions(first):
+        if "target_mapping" in inspect.signature(hf.forward).parameters:  # XLNet's attn_type "bi"
+            raise HFDecoderError(
+                f"{model_type}: its attention mask lets position 0 see position 1 (XLNet's bidirectional attn_type "
+                "\"bi\", a permutation LM: its generate() predicts each next token through the query stream of a "
+                "dummy token, the two-stream attention of Yang et al. 2019, which the trace does not lay out); its "
+                "causal attn_type \"uni\" is traced", reason="encoder")
         raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, an "
                              "encoder): only causal decoders, whose position i sees positions ≤ i, are traced",
                              reason="encoder")

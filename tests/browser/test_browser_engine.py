@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.app_in_browser import ROOT, chromium, chromium_page, click, open_app, streamlit_server, wait_settled
+from tests.app_in_browser import ROOT, chromium_page, click, open_app, wait_settled
 
 REQUESTS = ["Once upon a time, there was a little girl named Lily.", "Once upon a time, there was a little girl who",
             "The cat sat on the mat."]
@@ -68,56 +68,55 @@ def shown_step(page) -> int:
     return int(engine_slider(page).evaluate("el => el.value"))
 
 
-def test_three_requests_stepped_through_and_the_pool_grid_read_back(expected):
-    with streamlit_server() as url, chromium() as browser:
-        # 1280 × 800 when its screenshot is asked: the page is the same, and each visit runs the engine anew
-        for width, height, name in ((1600, 1000, "engine-1600"),) + (((1280, 800, "engine-1280"),) if saving() else ()):
-            with chromium_page(width, height, browser) as page:
-                errors: list[str] = []
-                page.on("pageerror", lambda e: errors.append(str(e)))  # noqa: B023 - read in this iteration
-                open_app(page, url)
-                page.get_by_role("tab", name="Engine", exact=True).click()  # before a Step: tabs without reruns
-                page.get_by_label("Requests (one prompt per line)").fill("\n".join(REQUESTS))
-                page.get_by_label("Arrival step of each request", exact=False).fill(", ".join(map(str, ARRIVALS)))
-                box = page.get_by_label("new tokens per request")
-                box.fill(str(NEW))
-                click(page, "Run the engine")
-                page.get_by_text("engine steps on a pool of").first.wait_for(timeout=120_000)
-                takeaway = page.get_by_text("engine steps on a pool of").first.inner_text()
-                assert f"3 requests in {len(expected.steps)} engine steps" in takeaway
-                seen = set()
-                for _ in range(4):
-                    step = shown_step(page)
-                    seen.add(step)
-                    s = expected.steps[step]
-                    column = page.evaluate(POOL_COLUMN, step)
-                    held = sum(1 for z in column if z is not None and z >= 1)
-                    assert held == s.pages_in_use == int(metric(page, "held after this step").split()[0])
-                    assert sum(1 for z in column if z == 0) == len(s.cached)
-                    assert int(metric(page, "shared after it").split()[0]) == len(s.shared)
-                    assert int(metric(page, "free after it").split()[0]) == s.pages_free
-                    if saving() and len(seen) == 1:  # the busiest step: the run opens there
-                        page.get_by_text(f"Engine step {step} ran").first.scroll_into_view_if_needed()
-                        page.mouse.wheel(0, -120)
-                        page.wait_for_timeout(400)
-                        page.screenshot(path=str(ROOT / "docs" / "images" / f"{name}.png"))
-                    if step == len(expected.steps) - 1:
-                        break
-                    engine_slider(page).focus()
-                    engine_slider(page).press("ArrowRight")
-                    wait_settled(page)
-                    assert shown_step(page) == step + 1
-                assert len(seen) >= 2
-                assert any(s.shared for s in expected.steps)
-                if width == 1600:  # a reload: the run comes back from the runs folder (?engine= in the address)
-                    assert "engine=" in page.url
-                    page.reload(wait_until="domcontentloaded")
-                    wait_settled(page)
-                    page.get_by_text("Reopened engine run").first.wait_for(timeout=60_000)
-                    step = shown_step(page)
-                    s = expected.steps[step]
-                    column = page.evaluate(POOL_COLUMN, step)
-                    assert sum(1 for z in column if z is not None and z >= 1) == s.pages_in_use
-                    assert int(metric(page, "held after this step").split()[0]) == s.pages_in_use
-                    assert page.get_by_text("engine steps on a pool of").first.inner_text() == takeaway
-                assert not errors, errors
+def test_three_requests_stepped_through_and_the_pool_grid_read_back(expected, url, browser):
+    # 1280 × 800 when its screenshot is asked: the page is the same, and each visit runs the engine anew
+    for width, height, name in ((1600, 1000, "engine-1600"),) + (((1280, 800, "engine-1280"),) if saving() else ()):
+        with chromium_page(width, height, browser) as page:
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))  # noqa: B023 - read in this iteration
+            open_app(page, url)
+            page.get_by_role("tab", name="Engine", exact=True).click()  # before a Step: tabs without reruns
+            page.get_by_label("Requests (one prompt per line)").fill("\n".join(REQUESTS))
+            page.get_by_label("Arrival step of each request", exact=False).fill(", ".join(map(str, ARRIVALS)))
+            box = page.get_by_label("new tokens per request")
+            box.fill(str(NEW))
+            click(page, "Run the engine")
+            page.get_by_text("engine steps on a pool of").first.wait_for(timeout=120_000)
+            takeaway = page.get_by_text("engine steps on a pool of").first.inner_text()
+            assert f"3 requests in {len(expected.steps)} engine steps" in takeaway
+            seen = set()
+            for _ in range(4):
+                step = shown_step(page)
+                seen.add(step)
+                s = expected.steps[step]
+                column = page.evaluate(POOL_COLUMN, step)
+                held = sum(1 for z in column if z is not None and z >= 1)
+                assert held == s.pages_in_use == int(metric(page, "held after this step").split()[0])
+                assert sum(1 for z in column if z == 0) == len(s.cached)
+                assert int(metric(page, "shared after it").split()[0]) == len(s.shared)
+                assert int(metric(page, "free after it").split()[0]) == s.pages_free
+                if saving() and len(seen) == 1:  # the busiest step: the run opens there
+                    page.get_by_text(f"Engine step {step} ran").first.scroll_into_view_if_needed()
+                    page.mouse.wheel(0, -120)
+                    page.wait_for_timeout(400)
+                    page.screenshot(path=str(ROOT / "docs" / "images" / f"{name}.png"))
+                if step == len(expected.steps) - 1:
+                    break
+                engine_slider(page).focus()
+                engine_slider(page).press("ArrowRight")
+                wait_settled(page)
+                assert shown_step(page) == step + 1
+            assert len(seen) >= 2
+            assert any(s.shared for s in expected.steps)
+            if width == 1600:  # a reload: the run comes back from the runs folder (?engine= in the address)
+                assert "engine=" in page.url
+                page.reload(wait_until="domcontentloaded")
+                wait_settled(page)
+                page.get_by_text("Reopened engine run").first.wait_for(timeout=60_000)
+                step = shown_step(page)
+                s = expected.steps[step]
+                column = page.evaluate(POOL_COLUMN, step)
+                assert sum(1 for z in column if z is not None and z >= 1) == s.pages_in_use
+                assert int(metric(page, "held after this step").split()[0]) == s.pages_in_use
+                assert page.get_by_text("engine steps on a pool of").first.inner_text() == takeaway
+            assert not errors, errors

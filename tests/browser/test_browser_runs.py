@@ -1,8 +1,9 @@
 """Nothing lost, in a real headless Chromium (issue 41 item 1): a reload and a restarted server give back the run;
 200 arrow keys pressed fast on the step slider leave the page alive and on the right step; Reset asks.
 
-Each server here keeps its runs in the test's own folder (``GPT_SHAPE_TRACER_RUNS_DIR``), so a second server
-started on the same folder is the first one restarted. ``SAVE_SCREENSHOTS=runs`` also writes the screenshots
+A test that restarts a server starts its own, its runs in the test's own folder (``GPT_SHAPE_TRACER_RUNS_DIR``), so a
+second server started on the same folder is the first one restarted; the others use the shared server
+(tests/browser/conftest.py) and read its runs folder. ``SAVE_SCREENSHOTS=runs`` also writes the screenshots
 docs/runs.md shows (docs/images/).
 """
 
@@ -191,47 +192,44 @@ def expected_after(start: int, last: int, keys: list[str]) -> int:
     return step
 
 
-def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_right_step(page, tmp_path):
-    runs = tmp_path / "runs"
-    with streamlit_server(env=server_env(runs)) as url:
-        open_app(page, url)
-        page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).fill("24")
-        page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).press("Enter")
-        wait_idle(page)
-        click(page, "Run N")
-        wait_settled(page)
-        assert steps_shown(page) == 24
-        run_id = address_run(page)
-        t_last = int(metric_value(page, "key positions t"))  # t at step 23; the cache is on: t grows by 1 a step
-        keys = (["ArrowLeft"] * 15 + ["ArrowRight"] * 10) * 8  # 200 keys, net 40 steps back, past the start
-        target = expected_after(23, 23, keys)
-        slider = page.get_by_role("slider").first
-        slider.focus()
-        for key in keys:
-            page.keyboard.press(key)  # no wait between keys: as fast as the browser takes them
-        wait_settled(page, quiet_s=3.0)
-        alive(page)
-        assert slider_value(page) == target
-        assert int(metric_value(page, "key positions t")) == t_last - (23 - target)  # the page shows that step
-        assert saved(runs, run_id, step=target)["step"] == target  # the server drew (and wrote) the step shown
-        click(page, "Step")  # and it still answers
-        alive(page)
-        assert steps_shown(page) == 25
+def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_right_step(page, url, server_runs):
+    open_app(page, url)
+    page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).fill("24")
+    page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).press("Enter")
+    wait_idle(page)
+    click(page, "Run N")
+    wait_settled(page)
+    assert steps_shown(page) == 24
+    run_id = address_run(page)
+    t_last = int(metric_value(page, "key positions t"))  # t at step 23; the cache is on: t grows by 1 a step
+    keys = (["ArrowLeft"] * 15 + ["ArrowRight"] * 10) * 8  # 200 keys, net 40 steps back, past the start
+    target = expected_after(23, 23, keys)
+    slider = page.get_by_role("slider").first
+    slider.focus()
+    for key in keys:
+        page.keyboard.press(key)  # no wait between keys: as fast as the browser takes them
+    wait_settled(page, quiet_s=3.0)
+    alive(page)
+    assert slider_value(page) == target
+    assert int(metric_value(page, "key positions t")) == t_last - (23 - target)  # the page shows that step
+    assert saved(server_runs, run_id, step=target)["step"] == target  # the server drew (and wrote) the step shown
+    click(page, "Step")  # and it still answers
+    alive(page)
+    assert steps_shown(page) == 25
 
 
-def test_reset_asks_before_it_discards_a_generation(page, tmp_path):
-    with streamlit_server(env=server_env(tmp_path / "runs")) as url:
-        open_app(page, url)
-        click(page, "Step")
-        click(page, "Step")
-        click(page, "Reset")
-        question = page.get_by_text("Reset discards this page's generation (2 steps)")
-        assert question.count() == 1 and steps_shown(page) == 2  # asked; nothing discarded
-        screenshot(page, "reset-question", 1600, 1000, "Discard")
-        screenshot(page, "reset-question", 1280, 800, "Discard")
-        click(page, "Cancel")
-        assert steps_shown(page) == 2 and page.get_by_role("button", name="Discard").count() == 0
-        click(page, "Reset")
-        click(page, "Discard")
-        assert steps_shown(page) == 0
-        assert "run=" not in page.url
+def test_reset_asks_before_it_discards_a_generation(page, url):
+    open_app(page, url)
+    click(page, "Step")
+    click(page, "Step")
+    click(page, "Reset")
+    question = page.get_by_text("Reset discards this page's generation (2 steps)")
+    assert question.count() == 1 and steps_shown(page) == 2  # asked; nothing discarded
+    screenshot(page, "reset-question", 1600, 1000, "Discard")
+    screenshot(page, "reset-question", 1280, 800, "Discard")
+    click(page, "Cancel")
+    assert steps_shown(page) == 2 and page.get_by_role("button", name="Discard").count() == 0
+    click(page, "Reset")
+    click(page, "Discard")
+    assert steps_shown(page) == 0
+    assert "run=" not in page.url

@@ -89,7 +89,8 @@ def saving() -> bool:
 
 @pytest.mark.parametrize("model", ["story-gpt", "story-llama"])
 def test_the_tour_walks_every_stop_on_a_bundled_model(url, browser, model):
-    sizes = [(1600, 1000), (1280, 800)] if model == "story-gpt" else [(1600, 1000)]
+    # 1280 × 800 when its screenshot is asked (the page at that width is tested in tests/browser/test_browser.py)
+    sizes = [(1600, 1000), (1280, 800)] if model == "story-gpt" and saving() else [(1600, 1000)]
     errors: list[str] = []
     for width, height in sizes:
         with chromium_page(width, height, browser) as page:
