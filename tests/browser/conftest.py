@@ -1,4 +1,4 @@
-"""Fixtures the browser tests share: one Chromium and one served app for the whole run (each test opens a new
+"""Fixtures the browser tests share: one Chromium and one served app for every browser test (each test opens a new
 session of it), the server's runs kept in a folder of the run's own."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 from tests.app_in_browser import chromium, streamlit_server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_runs(tmp_path_factory) -> Path:
     """The runs folder of the shared server (``GPT_SHAPE_TRACER_RUNS_DIR``): a test reads what it wrote there."""
     return tmp_path_factory.mktemp("runs")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def url(server_runs):
     # one server for every browser test: each start costs about 6 s (the app's imports, its first page). Every
     # test opens a new session, and a closed one is counted until the server forgets it (30 s after it
@@ -27,7 +27,7 @@ def url(server_runs):
         yield address
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser():
     with chromium() as b:
         yield b

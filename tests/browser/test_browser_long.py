@@ -22,7 +22,6 @@ import torch
 
 from tests.app_in_browser import (
     STATE,
-    chromium,
     chromium_page,
     clipped_labels,
     load_directory,
@@ -279,10 +278,11 @@ def directory(tmp_path_factory):
 
 
 @pytest.mark.timeout(3600)  # minutes of prefill and passes over QKᵀ; longer on a loaded machine
-def test_the_app_at_32k_tokens_overview_box_zoom_row_and_statistics(directory):
+def test_the_app_at_32k_tokens_overview_box_zoom_row_and_statistics(directory, browser):
     shots = ROOT / "assets" / "screenshots"
     shots.mkdir(parents=True, exist_ok=True)
-    with streamlit_server() as url, chromium() as browser, chromium_page(1600, 1000, browser) as page:
+    # the package's Chromium (tests/browser/conftest.py): a second Playwright cannot start while its loop runs
+    with streamlit_server() as url, chromium_page(1600, 1000, browser) as page:
         seconds = drive(page, url, directory, N, shots)
         print("seconds:", {k: round(v, 1) for k, v in seconds.items()})
         page.set_viewport_size({"width": 1280, "height": 800})  # the same views at the smaller size
