@@ -246,7 +246,7 @@ MUTANTS = (
 def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, float]:
     """("passed" | "failed" | "timeout", seconds) of ``pytest -x`` over ``tests`` in ``tree``."""
     started = time.perf_counter()
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *tests]
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "0", *tests]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     try:
         done = subprocess.run(command, cwd=tree, capture_output=True, timeout=timeout, env=env)

@@ -182,8 +182,8 @@ def _generate_note(model: HFDecoder, tokens: torch.Tensor, ours: torch.Tensor, t
     return (f"transformers' generate() of {name} predicts each next token another way than its forward over the text "
             f"that the trace follows: it appends a dummy token no position attends to and reads that position's "
             f"query stream (perm_mask, target_mapping: the two-stream attention of Yang et al. 2019), which the trace "
-            f"does not lay out; after {tokens.shape[1]} tokens its next-token logits differ from the trace's by "
-            f"{gap:.3g} and {picks}")
+            f"does not lay out; on the {tokens.shape[1]} tokens the load checks it with, its next-token logits differ "
+            f"from the trace's by {gap:.3g} and {picks}")
 
 
 def _uncached_guard(model: HFDecoder, tokens: torch.Tensor, n: int, tolerance: float) -> str:

@@ -97,7 +97,8 @@ def test_the_model_says_how_far_generate_s_two_stream_prediction_is_from_the_tra
     picked, scores = int(out.sequences[0, -1]), out.scores[0][0]
     gap = float((scores - forward).abs().max())
     assert gap > 1e-3 and note is not None, note  # the two predictions really differ on this model
-    assert f"after {n + 1} tokens its next-token logits differ from the trace's by {gap:.3g}" in note, note
+    said = f"on the {n + 1} tokens the load checks it with, its next-token logits differ from the trace's by {gap:.3g}"
+    assert said in note, note
     mine = int(forward.argmax())
     said = (f"both pick token {picked} greedily" if mine == picked else
             f"generate() picks token {picked} greedily where the trace picks {mine}")
