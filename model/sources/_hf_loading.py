@@ -147,7 +147,11 @@ def guard_against_transformers(model: HFDecoder) -> None:
             "trace would not show what this model computes", reason="differs from transformers")
     generated = _generate_note(model, tokens, ours, tolerance)
     if generated is not None:
-        model.reference_note = generated
+        follows = "uncached" if to_uncached <= tolerance else "cached"
+        model.reference_note = generated if max(to_cached, to_uncached) <= tolerance else (
+            f"{generated}; beside that, transformers' own cached and uncached forwards of {name} differ (by "
+            f"{max(to_cached, to_uncached):.3g} in the logits of a decode step after {n} tokens) and the trace "
+            f"follows the {follows} one (within {min(to_cached, to_uncached):.1g})")
     elif to_cached > tolerance:
         model.reference_note = (
             f"transformers' own cached forward of {name} differs from its uncached forward (by {to_cached:.3g} in the "
@@ -161,29 +165,51 @@ def guard_against_transformers(model: HFDecoder) -> None:
 
 
 def _generate_note(model: HFDecoder, tokens: torch.Tensor, ours: torch.Tensor, tolerance: float) -> str | None:
-    """Where transformers' generate() hands the forward more than the text — XLNet's dummy token, ``perm_mask`` and
-    ``target_mapping``, a two-stream prediction (Yang et al. 2019) — the next-token logits it computes, against the
-    trace's (the forward's logits at the text's last token): ``None`` where they agree or the forward takes no
-    such inputs, else the sentence saying by how much they differ and which token each picks greedily."""
-    import inspect
+    """Where transformers' generate() hands the forward more than the text — its family's own
+    ``prepare_inputs_for_generation``: XLNet appends a dummy token and predicts it through a query stream
+    (``perm_mask``, ``target_mapping``: two-stream attention, Yang et al. 2019), XLM appends its mask token — the
+    next-token logits generate() computes, against the trace's (the forward's logits at the text's last token).
+    ``None`` where they agree, where the family prepares no inputs of its own, or where its preparation needs more
+    than the text; else the sentence saying what generate() adds, by how much the logits differ and which token each
+    picks greedily."""
+
+    from transformers.generation.utils import GenerationMixin
 
     hf, name = model.hf, model.architecture.model_type
-    if "target_mapping" not in inspect.signature(hf.forward).parameters:
+    own = getattr(type(hf), "prepare_inputs_for_generation", None)
+    if own is None or own is GenerationMixin.prepare_inputs_for_generation:
         return None
-    with torch.no_grad(), _transformers_eager(hf), unwatched():
-        fed = hf.prepare_inputs_for_generation(tokens, use_mems=False)
-        theirs = hf(**fed).logits[0, -1].float()  # [V]
+    try:
+        with torch.no_grad(), _transformers_eager(hf), unwatched():
+            fed = {k: v for k, v in hf.prepare_inputs_for_generation(tokens, use_cache=False, use_mems=False).items()
+                   if v is not None}
+            theirs = hf(**fed).logits[0, -1].float()  # [V]
+    except Exception:  # noqa: BLE001 (a preparation that needs a cache or more: nothing measured, nothing said)
+        return None
     gap = float((theirs - ours).abs().max())
     if gap <= tolerance:
         return None
+    ids = fed.get("input_ids")
+    added = [int(i) for i in ids[0, tokens.shape[1]:]] if isinstance(ids, torch.Tensor) and ids.shape[1] > \
+        tokens.shape[1] and torch.equal(ids[:, :tokens.shape[1]], tokens) else []
+    mask_id = getattr(hf.config, "mask_token_id", None)
+    what = []
+    if added:
+        which = " (the config's mask_token_id)" if mask_id is not None and added == [mask_id] else ""
+        what.append(f"appends token {', '.join(map(str, added))}{which} to the text and reads the logits there")
+    if "target_mapping" in fed:
+        what.append("predicts that position through XLNet's query stream (perm_mask, target_mapping: the two-stream "
+                    "attention of Yang et al. 2019), which the trace does not lay out")
+    extra = sorted(set(fed) - {"input_ids", "perm_mask", "target_mapping", "use_cache", "use_mems", "attention_mask"})
+    if extra:
+        what.append(f"hands the forward {', '.join(extra)}")
     mine, its = int(ours.argmax()), int(theirs.argmax())
     picks = (f"both pick token {its} greedily" if mine == its else
              f"generate() picks token {its} greedily where the trace picks {mine}")
     return (f"transformers' generate() of {name} predicts each next token another way than its forward over the text "
-            f"that the trace follows: it appends a dummy token no position attends to and reads that position's "
-            f"query stream (perm_mask, target_mapping: the two-stream attention of Yang et al. 2019), which the trace "
-            f"does not lay out; on the {tokens.shape[1]} tokens the load checks it with, its next-token logits differ "
-            f"from the trace's by {gap:.3g} and {picks}")
+            f"that the trace follows: it {'; it '.join(what) or 'prepares inputs of its own'}; on the "
+            f"{tokens.shape[1]} tokens the load checks it with, its next-token logits differ from the trace's by "
+            f"{gap:.3g} and {picks}")
 
 
 def _uncached_guard(model: HFDecoder, tokens: torch.Tensor, n: int, tolerance: float) -> str:

@@ -224,3 +224,44 @@ def test_a_dry_run_of_openai_gpt_is_full_forwards_and_says_why(tmp_path):
     facts = result.trace.generation
     assert facts is not None and not facts.info.use_cache
     assert all(facts.step(s).forward.n == facts.step(s).forward.t for s in range(result.trace.n_steps))
+
+
+@pytest.mark.parametrize("model_type", ["xlnet", "xlm"])
+def test_the_model_says_how_far_generate_s_own_inputs_take_its_prediction_from_the_traced_forward(model_type, tmp_path):
+    """XLNet's and XLM's generate() do not read the forward's logits at the last token: their own
+    prepare_inputs_for_generation appends a token (XLNet's dummy, read through its query stream; XLM's mask token)
+    and reads the logits there. The loaded model's reference_note (shown above the views) states what is appended, the
+    gap in the next-token logits and which token each picks; checked against transformers' generate() itself (its
+    first greedy token and the scores it picked it by) on the load check's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from gpt_shape_tracer.model.sources._hf_loading import GUARD_PROMPT
+
+    directory = build(model_type, tmp_path / model_type)
+    model, _ = load_hf(directory)
+    note = model.reference_note
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, attn_implementation="eager").eval()
+    n = GUARD_PROMPT
+    tokens = (torch.arange(n + 1) * 7 + 3)[None] % hf.config.vocab_size
+    with torch.no_grad():
+        out = hf.generate(tokens, max_new_tokens=1, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                          use_cache=False, pad_token_id=0)
+        forward = hf(input_ids=tokens).logits[0, -1]  # the forward's logits at the last token, which the trace equals
+    picked, scores = int(out.sequences[0, -1]), out.scores[0][0]
+    gap = float((scores - forward).abs().max())
+    assert gap > 1e-3 and note is not None, note  # the two predictions really differ on these models
+    appended = 0 if model_type == "xlnet" else hf.config.mask_token_id  # XLNet: a token of zeros
+    assert f"it appends token {appended}" in note, note
+    assert ("query stream" in note) == (model_type == "xlnet"), note
+    said = f"on the {n + 1} tokens the load checks it with, its next-token logits differ from the trace's by {gap:.3g}"
+    assert said in note, note
+    mine = int(forward.argmax())
+    said = (f"both pick token {picked} greedily" if mine == picked else
+            f"generate() picks token {picked} greedily where the trace picks {mine}")
+    assert note.endswith(said), note
+
+
+def test_a_family_whose_generate_reads_the_forward_s_last_logits_has_no_such_note(tmp_path):
+    """CTRL prepares its own inputs for generate() too, but they are the text: the logits agree, and nothing is said."""
+    model, _ = load_hf(build("ctrl", tmp_path / "ctrl"))
+    assert model.reference_note is None
