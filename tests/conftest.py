@@ -17,7 +17,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under mutation testing (mutmut forks a child per mutant from a parent that already ran torch) one thread:
 # OpenMP's thread pool does not survive fork, and the children would hang.
-torch.set_num_threads(1 if "MUTANT_UNDER_TEST" in os.environ else 2)
+# Under pytest-xdist (two workers, pyproject.toml) one thread each: two workers of two threads on 2 cores spin
+# against each other.
+torch.set_num_threads(1 if "MUTANT_UNDER_TEST" in os.environ or "PYTEST_XDIST_WORKER" in os.environ else 2)
 
 # CI runs the same examples every time (a red run must be reproducible); to draw new ones, run
 # `pytest --hypothesis-profile=explore tests/tracer/test_bad_input.py` and turn what it finds into @example lines.

@@ -202,7 +202,9 @@ def test_the_cli_traces_an_offloaded_model_to_a_file_that_loads(directory, tmp_p
     done = subprocess.run([sys.executable, "-m", "gpt_shape_tracer", "trace", "--prompt", PROMPTS[0], "--steps", "2",
                            "--model-dir", str(directory), "--max-memory", str(third_of_the_weights(directory)),
                            "--out", str(out), "--json"], capture_output=True, text=True,
-                          cwd=Path(__file__).parents[2], env={**os.environ, "PYTHONPATH": "."})
+                          cwd=Path(__file__).parents[2],
+                          # as many threads as this process (a pytest-xdist worker runs one): compared bit for bit
+                          env={**os.environ, "PYTHONPATH": ".", "OMP_NUM_THREADS": str(torch.get_num_threads())})
     assert done.returncode == 0, done.stderr
     in_memory, tok = load_hf(directory, implementation="transformers")
     gen = TracedGeneration(in_memory, tok, [PROMPTS[0]], temperature=0)
