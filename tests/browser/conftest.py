@@ -1,5 +1,5 @@
 """Fixtures the browser tests share: one Chromium and one served app for every browser test (each test opens a new
-session of it), the server's runs kept in a folder of the run's own."""
+session of it), the server's runs kept in a folder of the package's own."""
 
 from __future__ import annotations
 
