@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import replace
 
 import streamlit as st
@@ -328,7 +329,8 @@ class RunWrite:
                 _pending_records.pop(self.record.run_id, None)
 
     def write(self) -> None:
-        """Write the run as the generation holds it now (the caller holds the session's ``run_lock``)."""
+        """Write the run as the generation holds it now (the caller holds the session's ``run_lock``): the steps
+        written before are not written again (``RunStore.save_steps``)."""
         app, gen, run_id = self.app, self.generation, self.record.run_id
         done = (id(gen), gen.n_steps)
         if _written.get(run_id) == done:
@@ -338,19 +340,27 @@ class RunWrite:
             step, view = app.saved_view
         record = replace(self.record, n_steps=gen.n_steps, step=min(step, gen.n_steps - 1), view=view,
                          updated=time.time())
+        before = _trace_written.get(run_id)
         try:
-            self.store.save(record, gen.trace)
+            files = self.store.save_steps(record, gen.trace, before[1] if before and before[0]() is gen else None)
         except Exception as e:  # noqa: BLE001 - a thread's failure is said on the page's next rerun, never lost
             _run_write_failed[run_id] = f"{type(e).__name__}: {e}"
+            _trace_written.pop(run_id, None)
             if app.run_id == run_id:
                 app.saved_steps = 0  # the next Step writes the whole run again
             return
         _written[run_id] = done
+        if files is not None:
+            _trace_written[run_id] = (weakref.ref(gen), files)
+        else:
+            _trace_written.pop(run_id, None)
 
 
 _run_writes: dict[str, list[RunWrite]] = {}  # generation run id → its writes not yet finished (this process's)
 _pending_records: dict[str, RunRecord] = {}  # …and the record of the newest, listed in Recent runs meanwhile
 _written: dict[str, tuple[int, int]] = {}  # run id → (its generation's id(), steps) last written
+# run id → (its generation, weakly, and what the run's trace files hold): the next write adds only what is new
+_trace_written: dict[str, tuple[weakref.ref, object]] = {}
 _run_write_failed: dict[str, str] = {}  # run id → why its write failed, said on its page's next rerun
 
 

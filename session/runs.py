@@ -45,6 +45,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -64,6 +65,10 @@ MiB = 2**20
 CHECKOUT = Path(__file__).resolve().parent.parent  # the folder holding app.py: runs never go in here
 RUN_FILE = "run.json"
 TRACE_FILE = "trace.zip"
+# the steps a run's trace gained after trace.zip was written, one part per write (tracer.files.save_trace_part):
+# trace-from-000005.zip holds step 5 on
+TRACE_PART = re.compile(r"trace-from-(\d{6})\.zip")
+MAX_TRACE_PARTS = 16  # then the whole trace is written again (each part read back costs ~20 ms on a restore)
 ENGINE_FILE = "engine.zip"  # an engine run's (kind "engine")
 KINDS = ("generation", "engine")
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{22}")  # secrets.token_urlsafe(16): 16 bytes as 22 base64url characters
@@ -316,6 +321,8 @@ class RunStore:
         self._folder()
         folder.mkdir(exist_ok=True, mode=0o700)
         if trace is not None:
+            for _, name in reversed(self._parts(record.run_id)):  # parts of the trace written before this one
+                (folder / name).unlink(missing_ok=True)
             if trace.log.bytes_kept <= self.settings.budget_bytes:
                 self._write_private(folder, TRACE_FILE, lambda p: save_trace(trace, p))
             else:
@@ -328,6 +335,50 @@ class RunStore:
             self._write_private(folder, ENGINE_FILE, lambda p: save_engine_run(engine, p))
         self._write_private(folder, RUN_FILE, lambda p: p.write_text(record.to_json(), encoding="utf-8"))
         return self.prune(keep=record.run_id)
+
+    def save_steps(self, record: RunRecord, trace, after=None):
+        """Write a generation's run after a step: the steps its trace gained since ``after`` (what this store wrote
+        of the same trace last, a ``tracer.files.TraceWritten``) as a part beside ``trace.zip`` while the files
+        still hold the trace's beginning, within ``MAX_TRACE_PARTS`` and the budget; else the whole trace, every
+        part removed first (so that no part is ever read after a first file it does not continue). Then the
+        record, then the folder bounded. Returns what the run's trace files hold now (None: the trace was over the
+        whole budget and is not written). Writing a step costs the same at the fortieth step as at the first
+        (measured in docs/benchmarks.md), where the whole trace grew with the run."""
+        from gpt_shape_tracer.tracer.files import save_trace_part
+
+        folder = self.run_dir(record.run_id)
+        self._folder()
+        folder.mkdir(exist_ok=True, mode=0o700)
+        answer: list = []  # what save_trace_part says the files hold
+        with _run_lock(record.run_id):  # two pages stepping one run in this server: their writes one at a time
+            parts = self._parts(record.run_id)
+            if (after is not None and after.continued_by(trace) and after.parts == 1 + len(parts)
+                    and after.parts < MAX_TRACE_PARTS and (folder / TRACE_FILE).is_file()
+                    and after.value_bytes + trace.log.bytes_kept <= self.settings.budget_bytes):
+                if len(trace.log.steps) > after.steps or trace.log.n_records > after.records:
+                    name = f"trace-from-{after.steps:06d}.zip"
+                    self._write_private(folder, name, lambda p: answer.append(save_trace_part(trace, p, after)))
+                else:
+                    answer.append(after)
+            else:
+                for _, name in reversed(parts):  # the last first: a write stopped half-way leaves a chain that reads
+                    (folder / name).unlink(missing_ok=True)
+                if trace.log.bytes_kept <= self.settings.budget_bytes:
+                    self._write_private(folder, TRACE_FILE, lambda p: answer.append(save_trace_part(trace, p)))
+                else:
+                    (folder / TRACE_FILE).unlink(missing_ok=True)
+                    record = replace(record, trace_saved=False)
+            self._write_private(folder, RUN_FILE, lambda p: p.write_text(record.to_json(), encoding="utf-8"))
+        self.prune(keep=record.run_id)
+        return answer[0] if answer else None
+
+    def _parts(self, run_id: str) -> list[tuple[int, str]]:
+        """The run's trace parts on disk, (first step, file name), in order of their first step."""
+        folder = self._own_folder(run_id)
+        if not folder.is_dir():
+            return []
+        found = [(int(m.group(1)), p.name) for p in folder.iterdir() if (m := TRACE_PART.fullmatch(p.name))]
+        return sorted(found)
 
     def update_view(self, run_id: str, step: int, view: str, widgets: Mapping[str, Scalar] | None = None) -> bool:
         """Rewrite where the person is looking (a small file: the sliders, the pickers and the tabs call this),
@@ -384,15 +435,26 @@ class RunStore:
         return RunRecord.from_json(data, run_id)
 
     def trace(self, run_id: str):
-        """The run's trace (``tracer.load_trace``: every field checked), or None when none was written; a
-        ``RunError`` when its file is not a regular file, a ``TraceFileError`` when it is damaged."""
-        from gpt_shape_tracer.tracer import load_trace
+        """The run's trace — ``trace.zip`` and the parts written after it (``tracer.files.load_trace_parts``:
+        every field checked, each part continuing the files before it) — or None when none was written; a
+        ``RunError`` when a file is not a regular file, a ``TraceFileError`` when one is damaged."""
+        from gpt_shape_tracer.tracer.files import load_trace_parts
 
-        f = self._open_regular(run_id, TRACE_FILE)
-        if f is None:
-            return None
-        with f:  # read through the file opened (a link or FIFO put in its place since is refused above)
-            return load_trace(self._own_folder(run_id) / TRACE_FILE)
+        names = [TRACE_FILE] + [name for _, name in self._parts(run_id)]
+        opened: list[tuple[str, BinaryIO]] = []
+        try:
+            for name in names:
+                f = self._open_regular(run_id, name)
+                if f is None:
+                    if name == TRACE_FILE:
+                        return None
+                    continue  # removed since it was listed: the chain then reads short, and says so
+                opened.append((name, f))
+            # read once each was opened as a regular file (a link or FIFO named so is refused above)
+            return load_trace_parts([self._own_folder(run_id) / name for name, _ in opened])
+        finally:
+            for _, f in opened:
+                f.close()
 
     def engine(self, run_id: str):
         """The engine run's ``EngineRun`` (``tracer.load_engine_run``: every field and the run's own consistency
@@ -465,6 +527,13 @@ class RunStore:
 
     def delete(self, run_id: str) -> None:
         shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
+
+
+_run_locks: dict[str, threading.Lock] = {}
+_run_locks_lock = threading.Lock()
+def _run_lock(run_id: str) -> threading.Lock:
+    with _run_locks_lock:
+        return _run_locks.setdefault(run_id, threading.Lock())
 
 
 def without_values(run, budget_bytes: int):

@@ -104,6 +104,44 @@ def test_the_folder_keeps_the_newest_runs_within_its_count_and_bytes(store, smal
     assert len(small.recent()) == 2  # bytes bound it now: two runs fit, not three
 
 
+def test_a_run_written_after_each_step_writes_each_step_once(store, bundled):
+    """A Step's write adds a part holding that step (tracer.files.save_trace_part) instead of the whole trace again;
+    the run reads back as the trace, record by record; a whole write, or a write of another generation, removes
+    the parts; after MAX_TRACE_PARTS files the whole trace is written again."""
+    from gpt_shape_tracer.session.runs import MAX_TRACE_PARTS
+
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, "Tom had a kite.", temperature=0.8, seed=2)
+    run_id, after = new_run_id(), None
+    folder = store.run_dir(run_id)
+    for _ in range(4):
+        gen.run(1)
+        after = store.save_steps(record(run_id, n_steps=gen.n_steps, step=0), gen.trace, after)
+    parts = ["trace-from-000001.zip", "trace-from-000002.zip", "trace-from-000003.zip"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted([RUN_FILE, TRACE_FILE, *parts])
+    assert all(stat.S_IMODE((folder / name).stat().st_mode) == 0o600 for name in parts)
+    assert load_trace(folder / TRACE_FILE).n_steps == 1  # the first write's, never rewritten
+    back = store.trace(run_id)
+    assert tokens_of(back) == tokens_of(gen.trace) and back.n_steps == 4
+    assert back.to_frame().equals(gen.trace.to_frame())
+    assert store.save_steps(record(run_id, n_steps=4, step=0), gen.trace, after) == after  # nothing new: nothing
+    assert sorted(p.name for p in folder.iterdir()) == sorted([RUN_FILE, TRACE_FILE, *parts])
+    # another generation under the same id (a second page on the address) writes its trace whole, parts gone
+    other = TracedGeneration(model, tok, "Lily said,", temperature=0)
+    other.run(2)
+    whole = store.save_steps(record(run_id, n_steps=2, step=0), other.trace, after)
+    assert whole.parts == 1 and sorted(p.name for p in folder.iterdir()) == [RUN_FILE, TRACE_FILE]
+    assert tokens_of(store.trace(run_id)) == tokens_of(other.trace)
+    for _ in range(MAX_TRACE_PARTS + 1):
+        other.run(1)
+        whole = store.save_steps(record(run_id, n_steps=other.n_steps, step=0), other.trace, whole)
+    assert whole.parts == 2  # the sixteenth file was the whole trace, then one part after it
+    assert len(list(folder.glob("trace-from-*.zip"))) == 1
+    assert tokens_of(store.trace(run_id)) == tokens_of(other.trace)
+    store.save(record(run_id, n_steps=other.n_steps, step=0), other.trace)  # a whole write: no part left beside it
+    assert sorted(p.name for p in folder.iterdir()) == [RUN_FILE, TRACE_FILE]
+
+
 def test_a_trace_larger_than_the_whole_budget_is_not_written(tmp_path, small_trace):
     tiny = RunStore(RunsSettings(tmp_path / "runs", keep=3, budget_bytes=1024))
     run_id = new_run_id()
@@ -259,6 +297,26 @@ def test_a_reload_restores_the_run_its_step_model_and_view():
     press(again, "step_button")  # Step continues the restored run, under the same id
     assert app.live.generation.n_steps == 5 and address_run(again) == run_id
     assert runs_store().record(run_id).n_steps == 5
+
+
+def test_each_step_of_the_page_is_written_once_and_a_reload_reads_the_parts():
+    from gpt_shape_tracer.gui.runs import runs_written
+
+    at = app_at()
+    for _ in range(3):
+        press(at, "step_button")
+        assert runs_written(60)  # each Step's write done before the next (Steps in a row would be written once)
+    run_id = address_run(at)
+    folder = runs_store().run_dir(run_id)
+    assert sorted(p.name for p in folder.glob("trace*.zip")) == [
+        "trace-from-000001.zip", "trace-from-000002.zip", TRACE_FILE]
+    assert load_trace(folder / TRACE_FILE).n_steps == 1  # written at the first Step, never again
+    again = reload(at)
+    assert any("every token equals the trace written then" in s.value for s in again.success)
+    press(again, "step_button")  # the restored run is a new generation: its first write is whole
+    assert runs_written(60)
+    assert sorted(p.name for p in folder.glob("trace*.zip")) == [TRACE_FILE]
+    assert tokens_of(load_trace(folder / TRACE_FILE)) == tokens_of(again.session_state["app"].live.generation.trace)
 
 
 def test_reset_asks_first_and_cancel_discards_nothing():

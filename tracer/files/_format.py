@@ -192,7 +192,9 @@ def _schemas(limits: Limits, version: int = VERSION) -> Obj:
         "steps": ListOf(step, limits.steps),
         "model": Maybe(identity), "generation": Maybe(generation), "error": Maybe(error),
         "counts": Obj({"records": Int(0, limits.records), "ops": Int(0, limits.ops), "storages": count}),
-    })
+        # a part of a trace written in parts (save_trace_part): where the files before it end
+        "continues": Obj({"steps": Int(1, limits.steps), "records": Int(1, limits.records), "ops": Int(0, limits.ops)}),
+    }, optional=frozenset({"continues"}))
 
 
 _CONFIG_BOUNDS = {"vocab_size": 2**24, "n_ctx": 1 << 20, "d_model": 1 << 16, "n_layer": 1024, "n_head": 1024,

@@ -10,6 +10,7 @@ import math
 import os
 import struct
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -266,6 +267,76 @@ def _storages_from(data: bytearray, expected: int, limits: Limits) -> list[torch
 # -- loading: all of it --------------------------------------------------------------------------------
 def load_trace(path: str | Path | bytes, *, limits: Limits = LIMITS) -> Trace:
     """Read a trace written by ``save_trace`` (directory, .zip file, or .zip bytes), validating it whole."""
+    manifest, records, ops, flats, version = _read_file(path, limits)
+    if manifest.get("continues") is not None:
+        c = manifest["continues"]
+        raise TraceFileError(f"this file is a part of a trace written in parts: it continues one from step "
+                             f"{c['steps']}; read it with the files before it (tracer.files.load_trace_parts)")
+    return _build(manifest, records, ops, flats, limits, version)
+
+
+def load_trace_parts(paths: Sequence[str | Path], *, limits: Limits = LIMITS) -> Trace:
+    """Read a trace written in parts (``save_trace_part``): the first file, then each part in order, each checked
+    as ``load_trace`` checks a file, each continuing exactly where the files before it end (steps, records, ops),
+    all of one model, capture and generation — and then the whole checked again as one trace."""
+    if not paths:
+        raise TraceFileError("no trace files given")
+    parts = [_read_file(p, limits) for p in paths]
+    manifest, records, ops, flats, version = parts[0]
+    if manifest.get("continues") is not None:
+        raise TraceFileError(f"{Path(paths[0]).name}: the first file continues another (from step "
+                             f"{manifest['continues']['steps']}); its first part is missing")
+    manifest = {**manifest, "steps": list(manifest["steps"]), "counts": dict(manifest["counts"])}
+    if manifest["generation"] is not None:
+        manifest["generation"] = {**manifest["generation"], "steps": list(manifest["generation"]["steps"]),
+                                  "comparisons": list(manifest["generation"]["comparisons"])}
+    tables, op_tables, all_flats = [records], [ops] if ops is not None else [], list(flats)
+    for path, (part, part_records, part_ops, part_flats, part_version) in zip(paths[1:], parts[1:]):
+        where = Path(path).name
+        counts = manifest["counts"]
+        expected = {"steps": len(manifest["steps"]), "records": counts["records"], "ops": counts["ops"]}
+        if part.get("continues") != expected:
+            raise TraceFileError(f"it continues {part.get('continues') or 'nothing (a whole trace)'}, but the files "
+                                 f"before it end at {expected}", where)
+        end = manifest["steps"][-1].end_record if manifest["steps"] else 0
+        if manifest["error"] is not None or end != counts["records"]:
+            raise TraceFileError("the files before it end in a failed step: nothing continues them", where)
+        for key in ("capture", "budget_bytes", "modules", "model"):
+            if part[key] != manifest[key]:
+                raise TraceFileError(f"its {key} differs from the first file's: not a part of the same trace", where)
+        if (part["generation"] is None) != (manifest["generation"] is None) or (
+                part["generation"] is not None and part["generation"]["info"] != manifest["generation"]["info"]):
+            raise TraceFileError("its generation differs from the first file's: not a part of the same trace", where)
+        shift = len(all_flats)
+        part_records = part_records.copy()
+        for column in ("storage", "digest_storage"):
+            # each part numbers its own storages: they follow those of the files before it
+            part_records[column] = [int(v) + shift if int(v) >= 0 else int(v) for v in part_records[column]]
+        tables.append(part_records)
+        if part_ops is not None:
+            op_tables.append(part_ops)
+        all_flats += part_flats
+        manifest["steps"] += part["steps"]
+        if manifest["generation"] is not None:
+            manifest["generation"]["steps"] += part["generation"]["steps"]
+            manifest["generation"]["comparisons"] += part["generation"]["comparisons"]
+        manifest["error"] = part["error"]
+        manifest["budget_bytes"] = max(manifest["budget_bytes"], part["budget_bytes"])
+        counts["records"] += part["counts"]["records"]
+        counts["ops"] += part["counts"]["ops"]
+        counts["storages"] += part["counts"]["storages"]
+        if part_version != version:
+            raise TraceFileError(f"format version {part_version}, the first file's {version}", where)
+    merged_records = pd.concat(tables, ignore_index=True) if len(tables) > 1 else records
+    merged_ops = (pd.concat(op_tables, ignore_index=True) if len(op_tables) > 1 else ops) if op_tables else None
+    return _build(manifest, merged_records, merged_ops, all_flats, limits, version)
+
+
+def _read_file(path: str | Path | bytes, limits: Limits) -> tuple[dict, pd.DataFrame, pd.DataFrame | None,
+                                                                   list[torch.Tensor], int]:
+    """One trace file read and checked on its own: its manifest against the schema, its tables against the
+    manifest's counts, its values' header. A part (``continues``) holds steps and records numbered on from the
+    files before it."""
     if not isinstance(path, (str, Path, bytes, bytearray, os.PathLike)):
         raise TraceFileError(f"load_trace takes a path or the bytes of a .zip, not {type(path).__name__}")
     if isinstance(path, os.PathLike) and not isinstance(path, Path):
@@ -287,9 +358,10 @@ def load_trace(path: str | Path | bytes, *, limits: Limits = LIMITS) -> Trace:
                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     manifest = _schemas(limits, version)(raw, "")
     counts = manifest["counts"]
+    after = manifest.get("continues") or {"steps": 0, "records": 0, "ops": 0}
     # the steps' record ranges against the counted records, before the table is decoded: a file of a few hundred
     # KiB declaring a million records in one step once inflated its whole table (+1.2 GiB) to be refused after
-    _check_steps(manifest["steps"], counts["records"], limits)
+    _check_steps(manifest["steps"], counts["records"], limits, after["steps"], after["records"])
     columns = _RECORD_COLUMNS + (("data_ptr",) if version == 2 else ("tensor_id",))
     records = _read_table(files[RECORDS], RECORDS, counts["records"], limits, columns)
     ops = _read_table(files[OPS], OPS, counts["ops"], limits, _OP_COLUMNS) if OPS in files else None
@@ -298,7 +370,7 @@ def load_trace(path: str | Path | bytes, *, limits: Limits = LIMITS) -> Trace:
     flats = _storages_from(files[VALUES], counts["storages"], limits) if VALUES in files else []
     if not flats and counts["storages"]:
         raise TraceFileError(f"the manifest counts {counts['storages']} storages but the trace has no {VALUES}")
-    return _build(manifest, records, ops, flats, limits, version)
+    return manifest, records, ops, flats, version
 
 
 def _build(manifest: dict, records: pd.DataFrame, ops: pd.DataFrame | None, flats: list[torch.Tensor],
@@ -409,15 +481,18 @@ def _restore_derived(log: TraceLog, index: int, text: object) -> None:
         raise TraceFileError(str(e)[:300], where) from None
 
 
-def _check_steps(steps: tuple[StepRecord, ...], n: int, limits: Limits) -> None:
-    expected = 0
-    for i, s in enumerate(steps):
+def _check_steps(steps: tuple[StepRecord, ...], n: int, limits: Limits, first_step: int = 0,
+                 first_record: int = 0) -> None:
+    """The steps' record ranges: ``n`` records numbered from ``first_record``, steps from ``first_step`` (a part
+    continues the files before it)."""
+    expected, n = first_record, first_record + n
+    for i, s in enumerate(steps, start=first_step):
         if s.step != i:
-            raise TraceFileError(f"step numbers must run 0, 1, 2, … without gaps; found {s.step} at position {i}",
-                                 f"steps[{i}]")
+            raise TraceFileError(f"step numbers must run {first_step}, {first_step + 1}, … without gaps; found "
+                                 f"{s.step} at position {i - first_step}", f"steps[{i - first_step}]")
         if s.first_record != expected or not s.first_record <= s.end_record <= n:
             raise TraceFileError(f"records [{s.first_record}, {s.end_record}) do not continue where step {i - 1} "
-                                 f"ended ({expected}) within {n} records", f"steps[{i}]")
+                                 f"ended ({expected}) within {n} records", f"steps[{i - first_step}]")
         if s.end_record - s.first_record > limits.records_per_step:
             raise TraceFileError(f"{s.end_record - s.first_record} records, over the limit of "
                                  f"{limits.records_per_step} per step", f"steps[{i}]")

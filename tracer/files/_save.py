@@ -10,7 +10,7 @@ import math
 import struct
 import tempfile
 import zipfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -50,14 +50,15 @@ class _OnDisk:
         return value.reshape(-1)
 
 
-def _storages(trace: Trace) -> tuple[list[torch.Tensor | _OnDisk], dict[int, tuple[int, int, tuple[int, ...]]],
-                                     dict[int, tuple[int, list[int]]]]:
-    """Each kept storage once, as a flat tensor over the span its views use (a value on disk: read when it is
-    written); per record index ``(storage number, offset in it, strides)``; and per digested record
-    ``(storage number, shape)``."""
+def _storages(trace: Trace, first_record: int = 0) -> tuple[
+        list[torch.Tensor | _OnDisk], dict[int, tuple[int, int, tuple[int, ...]]], dict[int, tuple[int, list[int]]]]:
+    """Each kept storage of the records from ``first_record`` on once, as a flat tensor over the span its views use
+    (a value on disk: read when it is written); per record index ``(storage number, offset in it, strides)``; and
+    per digested record ``(storage number, shape)``."""
     groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for index, value in trace.log.kept_values():
-        groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
+        if index >= first_record:
+            groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
     flats: list[torch.Tensor | _OnDisk] = []
     views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
     for members in groups.values():
@@ -71,10 +72,12 @@ def _storages(trace: Trace) -> tuple[list[torch.Tensor | _OnDisk], dict[int, tup
         for index, value in members:
             views[index] = (number, int(value.storage_offset()) - lo, tuple(value.stride()))
     for index, dtype, shape in trace.log.spilled():
+        if index < first_record:
+            continue
         views[index] = (len(flats), 0, torch.empty(shape, device="meta").stride())  # spilled contiguous
         flats.append(_OnDisk(trace, index, dtype, shape))
     digests: dict[int, tuple[int, list[int]]] = {}
-    for index in range(trace.log.n_records):
+    for index in range(first_record, trace.log.n_records):
         digest = trace.log.digest(index)
         if digest is not None:
             digests[index] = (len(flats), list(digest.shape))
@@ -90,9 +93,15 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, end
 
 
-def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tuple]) -> pd.DataFrame:
+def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tuple], first_step: int = 0
+                   ) -> pd.DataFrame:
     log = trace.log
-    frame = trace.to_frame(stats=True, recompute=False)  # a derived stage: its statistics if a reader took them
+    if first_step:  # a part: its steps' records (and a failed attempt's after them), a frame per step
+        tail = int(log.n_records > (log.steps[-1].end_record if log.steps else 0))
+        frame = pd.concat([trace.to_frame(s, stats=True, recompute=False)
+                           for s in range(first_step, len(log.steps) + tail)], ignore_index=True)
+    else:
+        frame = trace.to_frame(stats=True, recompute=False)  # a derived stage: its statistics if a reader took them
     raws = [log.raw(i) for i in frame["index"]]
     frame["module_index"] = [r.module for r in raws]
     # which records are one tensor (a module's output and the next one's input): a number per tensor, not its
@@ -117,24 +126,30 @@ def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tup
     return frame
 
 
-def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int) -> dict:
+def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int, after: TraceWritten | None = None
+              ) -> dict:
     log = trace.log
     facts = trace.generation
+    first = after.steps if after is not None else 0
     generation = None
     if facts is not None:
         info = asdict(facts.info)
         info.pop("model")
-        generation = {"info": info, "steps": [asdict(s) for s in facts.steps],
-                      "comparisons": [asdict(c) for c in sorted(facts.comparisons.values(), key=lambda c: c.step)]}
-    return {
+        generation = {"info": info, "steps": [asdict(s) for s in facts.steps[first:]],
+                      "comparisons": [asdict(c) for c in sorted(facts.comparisons.values(), key=lambda c: c.step)
+                                      if c.step >= first]}
+    manifest = {
         "format": FORMAT, "version": VERSION, "capture": log.capture, "budget_bytes": log.budget_bytes,
         "modules": [asdict(m) for m in log.modules],
-        "steps": [asdict(s) for s in log.steps],
+        "steps": [asdict(s) for s in log.steps[first:]],
         "model": asdict(log.model) if log.model is not None else None,
         "generation": generation,
         "error": asdict(log.error) if log.error is not None else None,
         "counts": {"records": n_records, "ops": n_ops, "storages": n_storages},
     }
+    if after is not None:
+        manifest["continues"] = {"steps": after.steps, "records": after.records, "ops": after.ops}
+    return manifest
 
 
 def _safetensors_header(flats: list[torch.Tensor | _OnDisk]) -> bytes:
@@ -166,36 +181,50 @@ def _parquet(frame: pd.DataFrame) -> bytes:
     return buf.getvalue()
 
 
-def _members(trace: Trace) -> list[tuple[str, Any]]:
+def _members(trace: Trace, after: TraceWritten | None = None) -> tuple[list[tuple[str, Any]], TraceWritten]:
     """(member name, bytes or a writer of a file object), in archive order — once every member is known to be
     within what ``load_trace`` reads back (``_check_loadable``): nothing is written for a trace that would not
-    load."""
-    flats, views, digests = _storages(trace)
-    records = _records_table(trace, views, digests)
-    ops = trace.ops_frame()
+    load. With ``after``, the members of a part holding what the trace added since (``save_trace_part``). Also
+    what the files hold once these members are written."""
+    log = trace.log
+    if after is not None and not after.continued_by(trace):
+        raise TraceFileError("the trace no longer begins with the steps written before: write it whole")
+    first_step, first_record, first_op = (after.steps, after.records, after.ops) if after is not None else (0, 0, 0)
+    flats, views, digests = _storages(trace, first_record)
+    records = _records_table(trace, views, digests, first_step)
+    ops = trace.ops_frame().iloc[first_op:].reset_index(drop=True)
     ops["input_shapes"] = [[list(s) for s in shapes] for shapes in ops["input_shapes"]]
     ops["output_shapes"] = [[list(s) for s in shapes] for shapes in ops["output_shapes"]]
-    raw_ops = trace.log.ops
+    raw_ops = log.ops[first_op:]
     ops["module_index"] = [op.module for op in raw_ops]
     ops["first_record"] = [op.first_record for op in raw_ops]
-    manifest = _manifest(trace, len(records), len(ops), len(flats))
+    manifest = _manifest(trace, len(records), len(ops), len(flats), after)
     members = [(MANIFEST, json.dumps(_plain(manifest), indent=1, allow_nan=False).encode("utf-8")),
                (RECORDS, _parquet(records)), (OPS, _parquet(ops))]
-    _check_loadable(trace, dict(members), len(records), len(ops), flats)
-    return [*members, (VALUES, lambda out: _write_safetensors(out, flats))]
+    value_bytes = _check_loadable(trace, dict(members), len(records), len(ops), flats, after)
+    written = TraceWritten(
+        steps=len(log.steps), records=log.n_records, ops=len(log.ops),
+        value_bytes=value_bytes + (after.value_bytes if after is not None else 0),
+        parts=after.parts + 1 if after is not None else 1, epoch=log.epoch, comparisons=frozenset(log.comparisons),
+        ends_in_failure=log.n_records > (log.steps[-1].end_record if log.steps else 0) or log.error is not None)
+    return [*members, (VALUES, lambda out: _write_safetensors(out, flats))], written
 
 
 def _check_loadable(trace: Trace, data: dict[str, bytes], n_records: int, n_ops: int,
-                    flats: list[torch.Tensor | _OnDisk]) -> None:
+                    flats: list[torch.Tensor | _OnDisk], after: TraceWritten | None = None) -> int:
     """The reader's limits (``LIMITS``, what ``load_trace`` uses unless told otherwise), checked by the writer
     with the same numbers the reader will compute: a trace that ``load_trace`` would refuse is refused here,
-    before anything is written, saying which limit and by how much."""
+    before anything is written, saying which limit and by how much. A part is checked with the parts before it
+    (``after``), as ``load_trace_parts`` reads them together. Returns the bytes of its values."""
     limits = LIMITS
-    per_step = max((s.end_record - s.first_record for s in trace.log.steps), default=0)
+    before = after or TraceWritten(0, 0, 0, 0, 0, 0, frozenset(), False)
+    per_step = max((s.end_record - s.first_record for s in trace.log.steps[before.steps:]), default=0)
     value_bytes = sum(f.numel() * f.element_size() for f in flats)
-    checks = [("records", n_records, limits.records), ("records in one step", per_step, limits.records_per_step),
-              ("ops", n_ops, limits.ops), ("modules", len(trace.log.modules), limits.modules),
-              ("steps", len(trace.log.steps), limits.steps), ("values bytes", value_bytes, limits.value_bytes),
+    checks = [("records", before.records + n_records, limits.records),
+              ("records in one step", per_step, limits.records_per_step),
+              ("ops", before.ops + n_ops, limits.ops), ("modules", len(trace.log.modules), limits.modules),
+              ("steps", len(trace.log.steps), limits.steps),
+              ("values bytes", before.value_bytes + value_bytes, limits.value_bytes),
               (f"{MANIFEST} bytes", len(data[MANIFEST]), limits.manifest_bytes),
               (f"{VALUES} header bytes", len(_safetensors_header(flats)), limits.manifest_bytes)]
     for name in (RECORDS, OPS):
@@ -208,6 +237,7 @@ def _check_loadable(trace: Trace, data: dict[str, bytes], n_records: int, n_ops:
             raise TraceFileError(f"this trace cannot be saved as one that loads back: {number} {what}, over the "
                                  f"limit of {limit} (tracer.files.Limits) by {number - limit}; nothing was written "
                                  "(trace fewer steps, a lower capture level, or a smaller spill)")
+    return value_bytes
 
 
 def _plain(value: Any) -> Any:
@@ -228,7 +258,7 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
     path = Path(path)
     if str(path) in ("", "."):
         raise ValueError("give a file or directory name to save the trace to")
-    members = _members(trace)  # checked before the file is created
+    members, _ = _members(trace)  # checked before the file is created
     if path.suffix == ".zip":
         path.parent.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(path, "w") as zf:
@@ -253,7 +283,7 @@ def _write_zip(zf: zipfile.ZipFile, members: list[tuple[str, Any]]) -> None:
 
 def write_archive(trace: Trace, out: IO[bytes]) -> None:
     """The ``.zip`` archive into an open binary file (nothing written to it if the trace would not load back)."""
-    members = _members(trace)
+    members, _ = _members(trace)
     with zipfile.ZipFile(out, "w") as zf:
         _write_zip(zf, members)
 
@@ -265,3 +295,44 @@ def archive_bytes(trace: Trace) -> bytes:
         write_archive(trace, f)
         f.seek(0)
         return f.read()
+
+
+# -- a trace written in parts ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceWritten:
+    """What a trace's files hold once written in parts (``save_trace_part``): steps, records, ops and value bytes
+    in all, how many files, and what the log was then — its epoch (bumped whenever records are discarded) and the
+    steps it held comparisons for. A next part continues them only while the trace still begins with exactly
+    what they hold (``continued_by``)."""
+
+    steps: int
+    records: int
+    ops: int
+    value_bytes: int
+    parts: int
+    epoch: int
+    comparisons: frozenset[int]
+    ends_in_failure: bool  # the last part holds a failed attempt's records (the next step discards them)
+
+    def continued_by(self, trace: Trace) -> bool:
+        """Whether a part holding only what ``trace`` added since continues these files: nothing was discarded,
+        the last part ended with a step, and no comparison was added to a step written already."""
+        log = trace.log
+        return (log.epoch == self.epoch and not self.ends_in_failure and log.step_in_progress is None
+                and len(log.steps) >= self.steps and log.n_records >= self.records and len(log.ops) >= self.ops
+                and frozenset(s for s in log.comparisons if s < self.steps) == self.comparisons)
+
+
+def save_trace_part(trace: Trace, path: str | Path, after: TraceWritten | None = None) -> TraceWritten:
+    """Write to the ``.zip`` ``path`` the whole trace (``after`` None: a file ``load_trace`` reads), or, after the
+    files ``after`` describes, a *part*: the steps, records, ops and values the trace added since, with a
+    manifest saying where it continues (``continues``). ``load_trace_parts`` reads the first file and its parts
+    back as one trace. A run written after every step writes each step once instead of the whole trace again.
+    Returns what the files hold now (pass it to the next part)."""
+    path = Path(path)
+    if path.suffix != ".zip":
+        raise ValueError(f"a trace part is one .zip file; got {str(path)[:200]!r}")
+    members, written = _members(trace, after)
+    with zipfile.ZipFile(path, "w") as zf:
+        _write_zip(zf, members)
+    return written
