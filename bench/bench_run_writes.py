@@ -1,0 +1,72 @@
+"""What the runs folder's write after a Step costs as the run grows: ``python bench/bench_run_writes.py [--steps 40]``.
+
+The app writes a generation's run after every Step (gui/runs.py ``RunWrite``, session/runs.py ``RunStore``); a Step
+clicked while that write runs waits for it. Here, in one process, a bundled story-gpt generation (values captured,
+greedy) is stepped to ``--steps`` steps, and after each step both ways are timed on the same trace: the whole trace
+written again (``save_trace``, what every write did before) and the part holding only that step
+(``save_trace_part`` after the files so far, what ``RunStore.save_steps`` writes). Then the run is read back both
+ways (``load_trace`` of the whole file against ``load_trace_parts`` of the first file and its parts) — a restore
+reads it once. Prints the times at 1, 5, 10, 20 and 40 steps with the load average; writes
+``bench/results/run_writes.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import machine, save
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    from gpt_shape_tracer.model import load_bundled
+    from gpt_shape_tracer.tracer import TracedGeneration, load_trace, save_trace
+    from gpt_shape_tracer.tracer.files import load_trace_parts, save_trace_part
+
+    model, tok = load_bundled()
+    gen = TracedGeneration(model, tok, "Once upon a time, there was a little girl", temperature=0.0,
+                           stop_at_eos=False)
+    folder = Path(tempfile.mkdtemp(prefix="bench-run-writes-"))
+    load_before = os.getloadavg()
+    after, paths, rows = None, [], []
+    for k in range(1, args.steps + 1):
+        gen.step()
+        path = folder / ("trace.zip" if after is None else f"trace-from-{after.steps:06d}.zip")
+        started = time.perf_counter()
+        after = save_trace_part(gen.trace, path, after)
+        part_s = time.perf_counter() - started
+        paths.append(path)
+        started = time.perf_counter()
+        save_trace(gen.trace, folder / "whole.zip")
+        whole_s = time.perf_counter() - started
+        rows.append({"steps": k, "part_s": part_s, "whole_s": whole_s, "part_bytes": path.stat().st_size,
+                     "whole_bytes": (folder / "whole.zip").stat().st_size})
+    reads = {"parts": [], "whole": []}
+    for _ in range(3):
+        started = time.perf_counter()
+        load_trace_parts(paths)
+        reads["parts"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        load_trace(folder / "whole.zip")
+        reads["whole"].append(time.perf_counter() - started)
+    result = {"machine": machine(), "load_before": load_before, "load_after": os.getloadavg(), "rows": rows,
+              "read_s": reads}
+    for row in rows:
+        if row["steps"] in (1, 5, 10, 20, 40):
+            print(f"{row['steps']:3d} steps: the whole trace {row['whole_s'] * 1000:6.1f} ms "
+                  f"({row['whole_bytes']:,} B); the step's part {row['part_s'] * 1000:5.1f} ms ({row['part_bytes']:,} B)")
+    print(f"read back: {len(paths)} files {statistics.median(reads['parts']):.3f} s, the whole file "
+          f"{statistics.median(reads['whole']):.3f} s (median of 3)")
+    print(f"load {load_before} → {result['load_after']}")
+    print(f"wrote {save('run_writes', result)}")
+
+
+if __name__ == "__main__":
+    main()
