@@ -107,9 +107,17 @@ def attention_source(trace: Trace, name_or_record: str | TensorRecord, step: int
     if q is None or k is None:
         raise RegionError(f"{rec.name} is recomputed from {parent}'s Q and K, and the trace no longer holds "
                           f"{'Q' if q is None else 'K'} at step {rec.step} (shapes only, or past the values budget)")
-    # contiguous: a kept K is often a view of the KV cache's buffer (strided by its capacity), a loaded one is not,
-    # and a matmul over other strides may round differently — the same numbers live and from a file, to the bit
-    return AttentionSource(stage, spec, q.contiguous(), k.contiguous(), get("hook_v_all"), get("hook_z"))
+    return AttentionSource(stage, spec, _contiguous_aligned(q), _contiguous_aligned(k), get("hook_v_all"),
+                           get("hook_z"))
+
+
+def _contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and at a 64-byte-aligned address. A kept K is often a view of the KV cache's buffer (strided
+    by its capacity), a loaded one is not; and a loaded value sits wherever its file's bytes put it (a trace read
+    from parts: 40 bytes past a 64-byte boundary, measured). A matmul over other strides or another alignment may
+    round differently (by up to 4e-6 in a score, measured): so the same numbers live and from a file, to the bit."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
 def _whole(value: object, what: str, low: int, high: int | None = None) -> int:
