@@ -61,7 +61,8 @@ def main() -> None:
     for row in rows:
         if row["steps"] in (1, 5, 10, 20, 40):
             print(f"{row['steps']:3d} steps: the whole trace {row['whole_s'] * 1000:6.1f} ms "
-                  f"({row['whole_bytes']:,} B); the step's part {row['part_s'] * 1000:5.1f} ms ({row['part_bytes']:,} B)")
+                  f"({row['whole_bytes']:,} B); the step's part {row['part_s'] * 1000:5.1f} ms "
+                  f"({row['part_bytes']:,} B)")
     print(f"read back: {len(paths)} files {statistics.median(reads['parts']):.3f} s, the whole file "
           f"{statistics.median(reads['whole']):.3f} s (median of 3)")
     print(f"load {load_before} → {result['load_after']}")

@@ -30,7 +30,7 @@ from gpt_shape_tracer.session.runs import (
     new_run_id,
     owner_tag,
 )
-from gpt_shape_tracer.tracer import TracedGeneration, load_trace
+from gpt_shape_tracer.tracer import TracedGeneration, TraceFileError, load_trace
 from tests.app.test_app import APP, page_text, press, run, show_tab
 
 
@@ -138,6 +138,11 @@ def test_a_run_written_after_each_step_writes_each_step_once(store, bundled):
     assert whole.parts == 2  # the sixteenth file was the whole trace, then one part after it
     assert len(list(folder.glob("trace-from-*.zip"))) == 1
     assert tokens_of(store.trace(run_id)) == tokens_of(other.trace)
+    (part,) = folder.glob("trace-from-*.zip")
+    assert part.name == f"trace-from-{other.n_steps - 1:06d}.zip"  # the last step's, after the whole trace
+    part.write_bytes(part.read_bytes()[:-200])  # damaged: the reader names the file
+    with pytest.raises(TraceFileError, match=f"^{part.name}: not a readable trace archive"):
+        store.trace(run_id)
     store.save(record(run_id, n_steps=other.n_steps, step=0), other.trace)  # a whole write: no part left beside it
     assert sorted(p.name for p in folder.iterdir()) == [RUN_FILE, TRACE_FILE]
 

@@ -167,3 +167,28 @@ def test_a_derived_stage_is_the_same_wherever_its_q_and_k_sit_in_memory(bundled)
                 assert torch.equal(trace.value(r), live[r.index]), (offset, r.name)
         finally:
             del trace.get
+
+
+def test_a_part_that_names_a_storage_it_does_not_hold_is_refused(bundled, tmp_path):
+    """Each part numbers its own storages; one that names a storage past its own (which, read together, would be
+    the next part's) is refused, naming the file."""
+    import io
+    import zipfile
+
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, "Lily had a red kite.", temperature=0)
+    paths, _ = written_in_parts(gen, 3, tmp_path)
+    with zipfile.ZipFile(paths[1]) as zf:
+        members = {info.filename: zf.read(info) for info in zf.infolist()}
+    frame = pd.read_parquet(io.BytesIO(members["records.parquet"]))
+    kept = frame["storage"] >= 0
+    frame.loc[kept.idxmax(), "storage"] = frame["storage"].max() + 1  # the first storage of the next part
+    buf = io.BytesIO()
+    frame.to_parquet(buf, index=False)
+    members["records.parquet"] = buf.getvalue()
+    with zipfile.ZipFile(paths[1], "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    with pytest.raises(TraceFileError, match=r"^trace-from-000001.zip records.parquet: column storage has values "
+                                             r"outside \[-1, \d+\]"):
+        load_trace_parts(paths)

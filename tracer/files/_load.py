@@ -281,7 +281,12 @@ def load_trace_parts(paths: Sequence[str | Path], *, limits: Limits = LIMITS) ->
     all of one model, capture and generation — and then the whole checked again as one trace."""
     if not paths:
         raise TraceFileError("no trace files given")
-    parts = [_read_file(p, limits) for p in paths]
+    parts = []
+    for path in paths:
+        try:
+            parts.append(_read_file(path, limits))
+        except TraceFileError as e:  # which of the files: each says the same things about itself
+            raise TraceFileError(str(e), Path(path).name) from None
     manifest, records, ops, flats, version = parts[0]
     if manifest.get("continues") is not None:
         raise TraceFileError(f"{Path(paths[0]).name}: the first file continues another (from step "
@@ -290,6 +295,8 @@ def load_trace_parts(paths: Sequence[str | Path], *, limits: Limits = LIMITS) ->
     if manifest["generation"] is not None:
         manifest["generation"] = {**manifest["generation"], "steps": list(manifest["generation"]["steps"]),
                                   "comparisons": list(manifest["generation"]["comparisons"])}
+    for column in ("storage", "digest_storage"):  # the first file's storages are its own too
+        _ints(records, column, f"{Path(paths[0]).name} {RECORDS}", -1, len(flats) - 1)
     tables, op_tables, all_flats = [records], [ops] if ops is not None else [], list(flats)
     for path, (part, part_records, part_ops, part_flats, part_version) in zip(paths[1:], parts[1:]):
         where = Path(path).name
@@ -310,8 +317,9 @@ def load_trace_parts(paths: Sequence[str | Path], *, limits: Limits = LIMITS) ->
         shift = len(all_flats)
         part_records = part_records.copy()
         for column in ("storage", "digest_storage"):
-            # each part numbers its own storages: they follow those of the files before it
-            part_records[column] = [int(v) + shift if int(v) >= 0 else int(v) for v in part_records[column]]
+            # each part numbers its own storages (checked within them): they follow those of the files before it
+            numbers = _ints(part_records, column, f"{where} {RECORDS}", -1, len(part_flats) - 1)
+            part_records[column] = np.where(numbers >= 0, numbers + shift, numbers)
         tables.append(part_records)
         if part_ops is not None:
             op_tables.append(part_ops)
