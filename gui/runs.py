@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import replace
 
 import streamlit as st
@@ -340,27 +339,19 @@ class RunWrite:
             step, view = app.saved_view
         record = replace(self.record, n_steps=gen.n_steps, step=min(step, gen.n_steps - 1), view=view,
                          updated=time.time())
-        before = _trace_written.get(run_id)
         try:
-            files = self.store.save_steps(record, gen.trace, before[1] if before and before[0]() is gen else None)
+            self.store.save_steps(record, gen.trace)
         except Exception as e:  # noqa: BLE001 - a thread's failure is said on the page's next rerun, never lost
             _run_write_failed[run_id] = f"{type(e).__name__}: {e}"
-            _trace_written.pop(run_id, None)
             if app.run_id == run_id:
                 app.saved_steps = 0  # the next Step writes the whole run again
             return
         _written[run_id] = done
-        if files is not None:
-            _trace_written[run_id] = (weakref.ref(gen), files)
-        else:
-            _trace_written.pop(run_id, None)
 
 
 _run_writes: dict[str, list[RunWrite]] = {}  # generation run id → its writes not yet finished (this process's)
 _pending_records: dict[str, RunRecord] = {}  # …and the record of the newest, listed in Recent runs meanwhile
 _written: dict[str, tuple[int, int]] = {}  # run id → (its generation's id(), steps) last written
-# run id → (its generation, weakly, and what the run's trace files hold): the next write adds only what is new
-_trace_written: dict[str, tuple[weakref.ref, object]] = {}
 _run_write_failed: dict[str, str] = {}  # run id → why its write failed, said on its page's next rerun
 
 

@@ -47,13 +47,17 @@ import stat
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gpt_shape_tracer.session import ModelChoice, SettingsError
 from gpt_shape_tracer.session.server_limits import whole_from_env
+
+if TYPE_CHECKING:  # the tracer (and torch) is imported only when a trace is written or read
+    from gpt_shape_tracer.tracer import TraceWritten
 
 RUNS_DIR_ENV = "GPT_SHAPE_TRACER_RUNS_DIR"
 KEEP_RUNS_ENV = "GPT_SHAPE_TRACER_KEEP_RUNS"
@@ -321,6 +325,7 @@ class RunStore:
         self._folder()
         folder.mkdir(exist_ok=True, mode=0o700)
         if trace is not None:
+            _chains.pop(str(folder), None)  # what save_steps wrote last is no longer what the folder holds
             for _, name in reversed(self._parts(record.run_id)):  # parts of the trace written before this one
                 (folder / name).unlink(missing_ok=True)
             if trace.log.bytes_kept <= self.settings.budget_bytes:
@@ -336,26 +341,31 @@ class RunStore:
         self._write_private(folder, RUN_FILE, lambda p: p.write_text(record.to_json(), encoding="utf-8"))
         return self.prune(keep=record.run_id)
 
-    def save_steps(self, record: RunRecord, trace, after=None):
-        """Write a generation's run after a step: the steps its trace gained since ``after`` (what this store wrote
-        of the same trace last, a ``tracer.files.TraceWritten``) as a part beside ``trace.zip`` while the files
-        still hold the trace's beginning, within ``MAX_TRACE_PARTS`` and the budget; else the whole trace, every
-        part removed first (so that no part is ever read after a first file it does not continue). Then the
-        record, then the folder bounded. Returns what the run's trace files hold now (None: the trace was over the
-        whole budget and is not written). Writing a step costs the same at the fortieth step as at the first
-        (measured in docs/benchmarks.md), where the whole trace grew with the run."""
-        from gpt_shape_tracer.tracer.files import save_trace_part
+    def save_steps(self, record: RunRecord, trace):
+        """Write a generation's run after a step: the steps its trace gained since this store last wrote the same
+        trace under this run id, as a part beside ``trace.zip`` (``tracer.save_trace_part``), while the files on
+        disk are those writes and still hold the trace's beginning, within ``MAX_TRACE_PARTS`` and the budget;
+        else the whole trace, every part removed first (so that no part is ever read after a first file it does
+        not continue). Then the record, then the folder bounded. What was written last is kept per run under the
+        run's lock, with the trace's log (weakly), so two pages stepping one run write one at a time and each
+        continues only its own files. Returns what the run's trace files hold now (None: the trace was over the
+        whole budget and is not written)."""
+        from gpt_shape_tracer.tracer import save_trace_part
 
         folder = self.run_dir(record.run_id)
         self._folder()
         folder.mkdir(exist_ok=True, mode=0o700)
-        answer: list = []  # what save_trace_part says the files hold
-        with _run_lock(record.run_id):  # two pages stepping one run in this server: their writes one at a time
+        log = trace.log
+        chain = str(folder)
+        with _run_lock(chain):
+            last = _chains.pop(chain, None)
+            after = last[1] if last is not None and last[0]() is log else None
             parts = self._parts(record.run_id)
+            answer: list = []  # what save_trace_part says the files hold
             if (after is not None and after.continued_by(trace) and after.parts == 1 + len(parts)
                     and after.parts < MAX_TRACE_PARTS and (folder / TRACE_FILE).is_file()
-                    and after.value_bytes + trace.log.bytes_kept <= self.settings.budget_bytes):
-                if len(trace.log.steps) > after.steps or trace.log.n_records > after.records:
+                    and after.value_bytes + log.bytes_kept <= self.settings.budget_bytes):
+                if len(log.steps) > after.steps or log.n_records > after.records:
                     name = f"trace-from-{after.steps:06d}.zip"
                     self._write_private(folder, name, lambda p: answer.append(save_trace_part(trace, p, after)))
                 else:
@@ -363,11 +373,13 @@ class RunStore:
             else:
                 for _, name in reversed(parts):  # the last first: a write stopped half-way leaves a chain that reads
                     (folder / name).unlink(missing_ok=True)
-                if trace.log.bytes_kept <= self.settings.budget_bytes:
+                if log.bytes_kept <= self.settings.budget_bytes:
                     self._write_private(folder, TRACE_FILE, lambda p: answer.append(save_trace_part(trace, p)))
                 else:
                     (folder / TRACE_FILE).unlink(missing_ok=True)
                     record = replace(record, trace_saved=False)
+            if answer:
+                _chains[chain] = (weakref.ref(log), answer[0])
             self._write_private(folder, RUN_FILE, lambda p: p.write_text(record.to_json(), encoding="utf-8"))
         self.prune(keep=record.run_id)
         return answer[0] if answer else None
@@ -438,23 +450,22 @@ class RunStore:
         """The run's trace — ``trace.zip`` and the parts written after it (``tracer.files.load_trace_parts``:
         every field checked, each part continuing the files before it) — or None when none was written; a
         ``RunError`` when a file is not a regular file, a ``TraceFileError`` when one is damaged."""
-        from gpt_shape_tracer.tracer.files import load_trace_parts
+        from gpt_shape_tracer.tracer import TraceFileError, load_trace_parts
 
-        names = [TRACE_FILE] + [name for _, name in self._parts(run_id)]
-        opened: list[tuple[str, BinaryIO]] = []
-        try:
-            for name in names:
-                f = self._open_regular(run_id, name)
-                if f is None:
-                    if name == TRACE_FILE:
-                        return None
-                    continue  # removed since it was listed: the chain then reads short, and says so
-                opened.append((name, f))
-            # read once each was opened as a regular file (a link or FIFO named so is refused above)
-            return load_trace_parts([self._own_folder(run_id) / name for name, _ in opened])
-        finally:
-            for _, f in opened:
-                f.close()
+        parts = self._parts(run_id)
+        if len(parts) >= MAX_TRACE_PARTS:  # this store writes the whole trace again before that many
+            raise TraceFileError(f"{len(parts)} trace parts beside {TRACE_FILE}; this app writes at most "
+                                 f"{MAX_TRACE_PARTS - 1}: not read")
+        names = []
+        for name in [TRACE_FILE] + [name for _, name in parts]:
+            f = self._open_regular(run_id, name)  # a link or a FIFO in a part's place is refused here
+            if f is None:
+                if name == TRACE_FILE:
+                    return None
+                continue  # removed since it was listed: the chain then reads short, and says so
+            f.close()
+            names.append(name)
+        return load_trace_parts([self._own_folder(run_id) / name for name in names])
 
     def engine(self, run_id: str):
         """The engine run's ``EngineRun`` (``tracer.load_engine_run``: every field and the run's own consistency
@@ -526,11 +537,14 @@ class RunStore:
         return changed > time.time() - WRITING_S
 
     def delete(self, run_id: str) -> None:
+        _chains.pop(str(self.run_dir(run_id)), None)
         shutil.rmtree(self.run_dir(run_id), ignore_errors=True)
 
 
-_run_locks: dict[str, threading.Lock] = {}
+_run_locks: dict[str, threading.Lock] = {}  # a run's folder → the lock its writes take (this process's)
 _run_locks_lock = threading.Lock()
+# a run's folder → (the log of the trace save_steps wrote last there, weakly; what the files hold of it)
+_chains: dict[str, tuple[weakref.ref, TraceWritten]] = {}
 def _run_lock(run_id: str) -> threading.Lock:
     with _run_locks_lock:
         return _run_locks.setdefault(run_id, threading.Lock())

@@ -9,7 +9,8 @@ the command line (``gpt-shape-tracer trace``) is another.
   meta device (config only, no weights); ``tracer.costs`` counts what every op costs and where it would run;
 * ``trace_engine`` steps through transformers' continuous batching (a paged KV cache: pages, block tables, shared
   prefixes, preemption) and records an ``EngineRun``; ``engine_sizing`` says what pool fits (``tracer.engine``);
-* ``save_trace`` / ``load_trace`` write and check files (``tracer.files``);
+* ``save_trace`` / ``load_trace`` write and check files (``tracer.files``; ``save_trace_part`` /
+  ``load_trace_parts``: one written a step at a time);
 * ``ablate`` / ``patch`` change a forward (``tracer.capture``); ``logit_lens``,
   ``direct_logit_attribution``, ``diff_traces`` and the other experiments of ``tracer.experiments``
   answer "what if".
@@ -81,7 +82,17 @@ from gpt_shape_tracer.tracer.experiments import (
     replay_diff,
     text_loss,
 )
-from gpt_shape_tracer.tracer.files import LIMITS, Limits, TraceFileError, archive_bytes, load_trace, save_trace
+from gpt_shape_tracer.tracer.files import (
+    LIMITS,
+    Limits,
+    TraceFileError,
+    TraceWritten,
+    archive_bytes,
+    load_trace,
+    load_trace_parts,
+    save_trace,
+    save_trace_part,
+)
 from gpt_shape_tracer.tracer.generation import (
     MAX_BATCH,
     MAX_RUN_STEPS,
@@ -171,8 +182,10 @@ __all__ = [
     "aligned_values", "archive_bytes", "diff_steps", "diff_traces", "direct_logit_attribution", "dry_run",
     "head_scores",
     "hooks_installed",
-    "load_trace", "logit_lens", "no_cyclic_collection", "patch", "prepare_dry_run", "pattern_changes", "replay",
-    "replay_diff", "save_trace",
+    "load_trace", "load_trace_parts", "logit_lens", "no_cyclic_collection", "patch", "prepare_dry_run",
+    "pattern_changes", "replay",
+    "replay_diff", "save_trace", "save_trace_part",
+    "TraceWritten",
     "summarize",
     "tensor_stats", "text_loss", "value_blocks",
     "EngineError", "EngineRun", "EngineStep", "MAX_POOL_BYTES", "EngineSizing", "engine_sizing", "engine_sizing_table",

@@ -105,18 +105,18 @@ def test_the_folder_keeps_the_newest_runs_within_its_count_and_bytes(store, smal
 
 
 def test_a_run_written_after_each_step_writes_each_step_once(store, bundled):
-    """A Step's write adds a part holding that step (tracer.files.save_trace_part) instead of the whole trace again;
+    """A Step's write adds a part holding that step (tracer.save_trace_part) instead of the whole trace again;
     the run reads back as the trace, record by record; a whole write, or a write of another generation, removes
     the parts; after MAX_TRACE_PARTS files the whole trace is written again."""
     from gpt_shape_tracer.session.runs import MAX_TRACE_PARTS
 
     model, tok = bundled
     gen = TracedGeneration(model, tok, "Tom had a kite.", temperature=0.8, seed=2)
-    run_id, after = new_run_id(), None
+    run_id = new_run_id()
     folder = store.run_dir(run_id)
     for _ in range(4):
         gen.run(1)
-        after = store.save_steps(record(run_id, n_steps=gen.n_steps, step=0), gen.trace, after)
+        after = store.save_steps(record(run_id, n_steps=gen.n_steps, step=0), gen.trace)
     parts = ["trace-from-000001.zip", "trace-from-000002.zip", "trace-from-000003.zip"]
     assert sorted(p.name for p in folder.iterdir()) == sorted([RUN_FILE, TRACE_FILE, *parts])
     assert all(stat.S_IMODE((folder / name).stat().st_mode) == 0o600 for name in parts)
@@ -124,22 +124,25 @@ def test_a_run_written_after_each_step_writes_each_step_once(store, bundled):
     back = store.trace(run_id)
     assert tokens_of(back) == tokens_of(gen.trace) and back.n_steps == 4
     assert back.to_frame().equals(gen.trace.to_frame())
-    assert store.save_steps(record(run_id, n_steps=4, step=0), gen.trace, after) == after  # nothing new: nothing
+    assert store.save_steps(record(run_id, n_steps=4, step=0), gen.trace) == after  # nothing new: nothing
     assert sorted(p.name for p in folder.iterdir()) == sorted([RUN_FILE, TRACE_FILE, *parts])
-    # another generation under the same id (a second page on the address) writes its trace whole, parts gone
+    # another generation under the same id (a second page on the address) writes its trace whole, parts gone;
+    # and the first page's next write, whose files these no longer are, writes its own whole again
     other = TracedGeneration(model, tok, "Lily said,", temperature=0)
     other.run(2)
-    whole = store.save_steps(record(run_id, n_steps=2, step=0), other.trace, after)
+    whole = store.save_steps(record(run_id, n_steps=2, step=0), other.trace)
     assert whole.parts == 1 and sorted(p.name for p in folder.iterdir()) == [RUN_FILE, TRACE_FILE]
     assert tokens_of(store.trace(run_id)) == tokens_of(other.trace)
-    for _ in range(MAX_TRACE_PARTS + 1):
+    gen.run(1)
+    assert store.save_steps(record(run_id, n_steps=5, step=0), gen.trace).parts == 1
+    assert tokens_of(store.trace(run_id)) == tokens_of(gen.trace)
+    for _ in range(MAX_TRACE_PARTS + 2):  # the first write whole (the files are gen's), then 15 parts, ...
         other.run(1)
-        whole = store.save_steps(record(run_id, n_steps=other.n_steps, step=0), other.trace, whole)
-    assert whole.parts == 2  # the sixteenth file was the whole trace, then one part after it
-    assert len(list(folder.glob("trace-from-*.zip"))) == 1
-    assert tokens_of(store.trace(run_id)) == tokens_of(other.trace)
+        whole = store.save_steps(record(run_id, n_steps=other.n_steps, step=0), other.trace)
+    assert whole.parts == 2  # ... then the whole trace instead of a sixteenth part, then one part after it
     (part,) = folder.glob("trace-from-*.zip")
     assert part.name == f"trace-from-{other.n_steps - 1:06d}.zip"  # the last step's, after the whole trace
+    assert tokens_of(store.trace(run_id)) == tokens_of(other.trace)
     part.write_bytes(part.read_bytes()[:-200])  # damaged: the reader names the file
     with pytest.raises(TraceFileError, match=f"^{part.name}: not a readable trace archive"):
         store.trace(run_id)

@@ -193,7 +193,13 @@ def _schemas(limits: Limits, version: int = VERSION) -> Obj:
         "model": Maybe(identity), "generation": Maybe(generation), "error": Maybe(error),
         "counts": Obj({"records": Int(0, limits.records), "ops": Int(0, limits.ops), "storages": count}),
         # a part of a trace written in parts (save_trace_part): where the files before it end
-        "continues": Obj({"steps": Int(1, limits.steps), "records": Int(1, limits.records), "ops": Int(0, limits.ops)}),
+        "continues": Obj({"steps": Int(1, limits.steps), "records": Int(1, limits.records), "ops": Int(0, limits.ops),
+                          "storages": count,
+                          # [this file's (empty) storage standing for an earlier one joined, the earlier storage's
+                          # number over the files, its length joined, [[slab storage, offset, shape, strides], …]]
+                          "extends": ListOf(TupleOf((count, count, count, ListOf(TupleOf(
+                              (count, count, shape, ListOf(count, limits.tensor_dims))), limits.records))),
+                              limits.records)}),
     }, optional=frozenset({"continues"}))
 
 

@@ -286,25 +286,32 @@ def load_trace_parts(paths: Sequence[str | Path], *, limits: Limits = LIMITS) ->
         try:
             parts.append(_read_file(path, limits))
         except TraceFileError as e:  # which of the files: each says the same things about itself
-            raise TraceFileError(str(e), Path(path).name) from None
+            raise TraceFileError(str(e), _file_name(path)) from None
     manifest, records, ops, flats, version = parts[0]
     if manifest.get("continues") is not None:
-        raise TraceFileError(f"{Path(paths[0]).name}: the first file continues another (from step "
+        raise TraceFileError(f"{_file_name(paths[0])}: the first file continues another (from step "
                              f"{manifest['continues']['steps']}); its first part is missing")
     manifest = {**manifest, "steps": list(manifest["steps"]), "counts": dict(manifest["counts"])}
     if manifest["generation"] is not None:
         manifest["generation"] = {**manifest["generation"], "steps": list(manifest["generation"]["steps"]),
                                   "comparisons": list(manifest["generation"]["comparisons"])}
     for column in ("storage", "digest_storage"):  # the first file's storages are its own too
-        _ints(records, column, f"{Path(paths[0]).name} {RECORDS}", -1, len(flats) - 1)
+        _ints(records, column, f"{_file_name(paths[0])} {RECORDS}", -1, len(flats) - 1)
     tables, op_tables, all_flats = [records], [ops] if ops is not None else [], list(flats)
+    value_bytes = sum(f.numel() * f.element_size() for f in flats)
+    # a storage later parts add to → per part, its slabs (storage number over the files, offset, shape, strides)
+    joins: dict[int, list[list[tuple]]] = {}
+    length: dict[int, int] = {}  # … and its length joined
+    stands_for: dict[int, int] = {}  # a part's empty storage → the earlier storage it stands for, joined
     for path, (part, part_records, part_ops, part_flats, part_version) in zip(paths[1:], parts[1:]):
-        where = Path(path).name
+        where = _file_name(path)
         counts = manifest["counts"]
-        expected = {"steps": len(manifest["steps"]), "records": counts["records"], "ops": counts["ops"]}
-        if part.get("continues") != expected:
-            raise TraceFileError(f"it continues {part.get('continues') or 'nothing (a whole trace)'}, but the files "
-                                 f"before it end at {expected}", where)
+        expected = {"steps": len(manifest["steps"]), "records": counts["records"], "ops": counts["ops"],
+                    "storages": len(all_flats)}
+        said = part.get("continues")
+        if said is None or {k: said[k] for k in expected} != expected:
+            raise TraceFileError(f"it continues {said or 'nothing (a whole trace)'}, but the files before it end at "
+                                 f"{expected}", where)
         end = manifest["steps"][-1].end_record if manifest["steps"] else 0
         if manifest["error"] is not None or end != counts["records"]:
             raise TraceFileError("the files before it end in a failed step: nothing continues them", where)
@@ -314,7 +321,31 @@ def load_trace_parts(paths: Sequence[str | Path], *, limits: Limits = LIMITS) ->
         if (part["generation"] is None) != (manifest["generation"] is None) or (
                 part["generation"] is not None and part["generation"]["info"] != manifest["generation"]["info"]):
             raise TraceFileError("its generation differs from the first file's: not a part of the same trace", where)
+        if part_version != version:
+            raise TraceFileError(f"format version {part_version}, the first file's {version}", where)
         shift = len(all_flats)
+        standing = set()
+        for own, earlier, joined_length, patches in said["extends"]:
+            if own >= len(part_flats) or part_flats[own].numel() or own in standing or earlier >= shift \
+                    or earlier in stands_for:
+                raise TraceFileError(f"extends storage {earlier} with its storage {own}: one of them is not there, "
+                                     "holds numbers, or is named twice", where)
+            base = all_flats[earlier]
+            if joined_length < length.get(earlier, base.numel()) or part_flats[own].dtype != base.dtype:
+                raise TraceFileError(f"storage {earlier} joined would be shorter than it is, or of another dtype",
+                                     where)
+            for slab, offset, shape, strides in patches:
+                if slab >= len(part_flats) or slab in standing or part_flats[slab].dtype != base.dtype \
+                        or part_flats[slab].numel() != math.prod(shape) or len(shape) != len(strides) or (
+                        math.prod(shape) and offset + sum((n - 1) * st for n, st in zip(shape, strides))
+                        >= joined_length):
+                    raise TraceFileError(f"a slab of storage {earlier} ({list(shape)} at {offset}) does not fit "
+                                         f"its {joined_length} elements, or its storage {slab} does not hold it", where)
+            standing.add(own)
+            stands_for[shift + own] = earlier
+            length[earlier] = joined_length
+            joins.setdefault(earlier, []).append([(shift + slab, offset, tuple(shape), tuple(strides))
+                                                  for slab, offset, shape, strides in patches])
         part_records = part_records.copy()
         for column in ("storage", "digest_storage"):
             # each part numbers its own storages (checked within them): they follow those of the files before it
@@ -324,20 +355,35 @@ def load_trace_parts(paths: Sequence[str | Path], *, limits: Limits = LIMITS) ->
         if part_ops is not None:
             op_tables.append(part_ops)
         all_flats += part_flats
+        value_bytes += sum(f.numel() * f.element_size() for f in part_flats)
+        if value_bytes > limits.value_bytes:
+            raise TraceFileError(f"the files hold more than {limits.value_bytes} bytes of values together: refused",
+                                 where)
         manifest["steps"] += part["steps"]
         if manifest["generation"] is not None:
             manifest["generation"]["steps"] += part["generation"]["steps"]
             manifest["generation"]["comparisons"] += part["generation"]["comparisons"]
         manifest["error"] = part["error"]
-        manifest["budget_bytes"] = max(manifest["budget_bytes"], part["budget_bytes"])
         counts["records"] += part["counts"]["records"]
         counts["ops"] += part["counts"]["ops"]
         counts["storages"] += part["counts"]["storages"]
-        if part_version != version:
-            raise TraceFileError(f"format version {part_version}, the first file's {version}", where)
+    for earlier, parts_slabs in joins.items():  # a storage and what the parts added to it, one tensor
+        base = all_flats[earlier]
+        whole = torch.zeros(length[earlier], dtype=base.dtype)
+        whole[:base.numel()] = base
+        for slabs in parts_slabs:
+            for number, offset, shape, strides in slabs:
+                torch.as_strided(whole, shape, strides, offset).copy_(all_flats[number].view(shape))
+        all_flats[earlier] = whole
+    for number, earlier in stands_for.items():
+        all_flats[number] = all_flats[earlier]
     merged_records = pd.concat(tables, ignore_index=True) if len(tables) > 1 else records
     merged_ops = (pd.concat(op_tables, ignore_index=True) if len(op_tables) > 1 else ops) if op_tables else None
     return _build(manifest, merged_records, merged_ops, all_flats, limits, version)
+
+
+def _file_name(path: object) -> str:
+    return Path(path).name if isinstance(path, (str, os.PathLike)) else type(path).__name__
 
 
 def _read_file(path: str | Path | bytes, limits: Limits) -> tuple[dict, pd.DataFrame, pd.DataFrame | None,

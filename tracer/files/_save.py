@@ -10,7 +10,7 @@ import math
 import struct
 import tempfile
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -50,25 +50,64 @@ class _OnDisk:
         return value.reshape(-1)
 
 
-def _storages(trace: Trace, first_record: int = 0) -> tuple[
-        list[torch.Tensor | _OnDisk], dict[int, tuple[int, int, tuple[int, ...]]], dict[int, tuple[int, list[int]]]]:
-    """Each kept storage of the records from ``first_record`` on once, as a flat tensor over the span its views use
-    (a value on disk: read when it is written); per record index ``(storage number, offset in it, strides)``; and
-    per digested record ``(storage number, shape)``."""
+def _storages(trace: Trace, after: TraceWritten | None = None) -> tuple[
+        list[torch.Tensor | _OnDisk], dict[int, tuple[int, int, tuple[int, ...]]], dict[int, tuple[int, list[int]]],
+        list[list], dict[tuple, tuple[int, int, int]]]:
+    """Each kept storage of the records from ``after.records`` on (all, for a whole trace) once, as a flat tensor
+    over the span its views use (a value on disk: read when it is written); per record index ``(storage number,
+    offset in it, strides)``; per digested record ``(storage number, shape)``.
+
+    For a part, a storage the files before it hold already — the KV cache's buffer, whose prefix each step's K and
+    V view, one position longer each step — is not written again: where every new view of it is an earlier kept
+    view grown along one axis (or lies inside one), only the grown slabs are written, and ``extends`` lists
+    ``[a storage of no elements standing for the earlier one joined, the earlier storage's number counted over all
+    the files, its length joined, [[slab storage, offset, shape, strides], …]]``; the reader copies each slab
+    into the earlier storage at its place. (The slabs are not the span's tail: the buffer's unused rows of every
+    head lie inside the span written before.) A new view of any other kind writes its storage's span whole. Also,
+    per live storage, what the files hold of it (``TraceWritten.spans``)."""
+    first_record = after.records if after is not None else 0
+    before = after.storages if after is not None else 0
+    written = after.spans if after is not None else {}
+    log = trace.log
     groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
-    for index, value in trace.log.kept_values():
-        if index >= first_record:
-            groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
+    for index, value in log.kept_values(first_record):
+        groups.setdefault((storage_key(value), value.dtype), []).append((index, value))
+    # the earlier records' views still kept, by storage: the same storage as when the files took it (a freed one's
+    # address may come back for another), its numbers unchanged (a value changed in place is dropped when read)
+    earlier = {key: held for key in groups if key in written
+               and (held := [v for v in log.kept_views(key[0], first_record) if v.dtype == key[1]])}
+    # what the files hold of each storage they wrote, carried on unchecked: a part adds to one only where an earlier
+    # record still keeps a view of it (``earlier``), which proves it is the storage the files took
+    spans = dict(written)
     flats: list[torch.Tensor | _OnDisk] = []
     views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
-    for members in groups.values():
-        spans = [_span(v) for _, v in members]
-        lo = min(s[0] for s in spans)
-        hi = max(s[1] for s in spans)
+    extends: list[list] = []
+    for key, members in groups.items():
+        lo = min(_span(v)[0] for _, v in members)
+        hi = max(_span(v)[1] for _, v in members)
         base = members[0][1]
-        flat = torch.as_strided(base, (hi - lo,), (1,), lo) if hi > lo else base.new_empty(0)
-        number = len(flats)
-        flats.append(flat)
+        slabs = None
+        if key in earlier and lo >= spans[key][1]:
+            _, held_from, held_to = spans[key]
+            # the earlier views whose numbers the files hold in that storage (one written whole since holds
+            # only its own span)
+            within = [o for o in earlier[key] if held_from <= _span(o)[0] and _span(o)[1] <= held_to]
+            slabs = _grown_slabs([v for _, v in members], within)
+        if slabs is not None:
+            root, lo, held_to = spans[key]
+            hi = max(hi, held_to)
+            number = len(flats)
+            flats.append(base.new_empty(0))  # stands for the earlier storage, joined
+            patches = []
+            for slab in slabs:
+                patches.append([len(flats), int(slab.storage_offset()) - lo, list(slab.shape), list(slab.stride())])
+                flats.append(slab.contiguous().reshape(-1))
+            extends.append([number, root, hi - lo, patches])
+            spans[key] = (root, lo, hi)
+        else:
+            number = len(flats)
+            flats.append(torch.as_strided(base, (hi - lo,), (1,), lo) if hi > lo else base.new_empty(0))
+            spans[key] = (before + number, lo, hi)
         for index, value in members:
             views[index] = (number, int(value.storage_offset()) - lo, tuple(value.stride()))
     for index, dtype, shape in trace.log.spilled():
@@ -82,7 +121,52 @@ def _storages(trace: Trace, first_record: int = 0) -> tuple[
         if digest is not None:
             digests[index] = (len(flats), list(digest.shape))
             flats.append(digest.contiguous().reshape(-1))
-    return flats, views, digests
+    return flats, views, digests, extends, spans
+
+
+def _grown_slabs(new: list[torch.Tensor], old: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The elements of the views ``new`` that none of the views ``old`` (of the same storage) holds, as strided
+    slabs of the storage — when each new view is an old one grown along one axis (same offset and strides), or
+    lies inside an old one or inside such a grown view; None otherwise (the caller writes the span whole)."""
+    grown: list[torch.Tensor] = []  # the new views that grew, whole: later members may lie inside them
+    slabs: dict[tuple, torch.Tensor] = {}
+    for v in sorted(new, key=lambda t: -t.numel()):
+        if any(_inside(v, w) for w in (*old, *grown)):
+            continue
+        best = None
+        for o in old:
+            if o.stride() != v.stride() or o.storage_offset() != v.storage_offset() or o.dim() != v.dim():
+                continue
+            differ = [d for d in range(v.dim()) if o.shape[d] != v.shape[d]]
+            if len(differ) == 1 and o.shape[differ[0]] < v.shape[differ[0]] and (
+                    best is None or o.numel() > best[0].numel()):
+                best = (o, differ[0])
+        if best is None:
+            return None
+        o, axis = best
+        slab = v.narrow(axis, o.shape[axis], v.shape[axis] - o.shape[axis])
+        slabs.setdefault((int(slab.storage_offset()), tuple(slab.shape), slab.stride()), slab)
+        grown.append(v)
+    return list(slabs.values())
+
+
+def _inside(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether every element the view ``a`` reads is one the view ``b`` reads (the same strides, ``a``'s box within
+    ``b``'s: the offset between them spelt in ``b``'s strides, largest first, with nothing left over)."""
+    if a.stride() != b.stride() or a.dim() != b.dim() or a.numel() == 0:
+        return a.numel() == 0
+    delta = int(a.storage_offset()) - int(b.storage_offset())
+    if delta < 0:
+        return False
+    for d in sorted(range(b.dim()), key=lambda d: -b.stride()[d]):
+        step = b.stride()[d]
+        at = delta // step if step else 0
+        if step and b.shape[d] > 1:
+            at = min(at, b.shape[d] - 1)
+        delta -= at * step
+        if at + a.shape[d] > b.shape[d]:
+            return False
+    return delta == 0
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -126,8 +210,8 @@ def _records_table(trace: Trace, views: dict[int, tuple], digests: dict[int, tup
     return frame
 
 
-def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int, after: TraceWritten | None = None
-              ) -> dict:
+def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int, after: TraceWritten | None = None,
+              extends: list[list[int]] | None = None) -> dict:
     log = trace.log
     facts = trace.generation
     first = after.steps if after is not None else 0
@@ -148,7 +232,8 @@ def _manifest(trace: Trace, n_records: int, n_ops: int, n_storages: int, after: 
         "counts": {"records": n_records, "ops": n_ops, "storages": n_storages},
     }
     if after is not None:
-        manifest["continues"] = {"steps": after.steps, "records": after.records, "ops": after.ops}
+        manifest["continues"] = {"steps": after.steps, "records": after.records, "ops": after.ops,
+                                 "storages": after.storages, "extends": extends or []}
     return manifest
 
 
@@ -189,8 +274,10 @@ def _members(trace: Trace, after: TraceWritten | None = None) -> tuple[list[tupl
     log = trace.log
     if after is not None and not after.continued_by(trace):
         raise TraceFileError("the trace no longer begins with the steps written before: write it whole")
-    first_step, first_record, first_op = (after.steps, after.records, after.ops) if after is not None else (0, 0, 0)
-    flats, views, digests = _storages(trace, first_record)
+    if after is not None and len(log.steps) == after.steps and log.n_records == after.records:
+        raise TraceFileError("nothing to write: the trace has added nothing since the files written before")
+    first_step, first_op = (after.steps, after.ops) if after is not None else (0, 0)
+    flats, views, digests, extends, spans = _storages(trace, after)
     records = _records_table(trace, views, digests, first_step)
     ops = trace.ops_frame().iloc[first_op:].reset_index(drop=True)
     ops["input_shapes"] = [[list(s) for s in shapes] for shapes in ops["input_shapes"]]
@@ -198,15 +285,17 @@ def _members(trace: Trace, after: TraceWritten | None = None) -> tuple[list[tupl
     raw_ops = log.ops[first_op:]
     ops["module_index"] = [op.module for op in raw_ops]
     ops["first_record"] = [op.first_record for op in raw_ops]
-    manifest = _manifest(trace, len(records), len(ops), len(flats), after)
+    manifest = _manifest(trace, len(records), len(ops), len(flats), after, extends)
     members = [(MANIFEST, json.dumps(_plain(manifest), indent=1, allow_nan=False).encode("utf-8")),
                (RECORDS, _parquet(records)), (OPS, _parquet(ops))]
     value_bytes = _check_loadable(trace, dict(members), len(records), len(ops), flats, after)
     written = TraceWritten(
         steps=len(log.steps), records=log.n_records, ops=len(log.ops),
         value_bytes=value_bytes + (after.value_bytes if after is not None else 0),
-        parts=after.parts + 1 if after is not None else 1, epoch=log.epoch, comparisons=frozenset(log.comparisons),
-        ends_in_failure=log.n_records > (log.steps[-1].end_record if log.steps else 0) or log.error is not None)
+        parts=after.parts + 1 if after is not None else 1, epoch=log.epoch,
+        comparisons=frozenset(log.comparisons.items()),
+        ends_in_failure=log.n_records > (log.steps[-1].end_record if log.steps else 0) or log.error is not None,
+        storages=(after.storages if after is not None else 0) + len(flats), spans=spans)
     return [*members, (VALUES, lambda out: _write_safetensors(out, flats))], written
 
 
@@ -217,7 +306,7 @@ def _check_loadable(trace: Trace, data: dict[str, bytes], n_records: int, n_ops:
     before anything is written, saying which limit and by how much. A part is checked with the parts before it
     (``after``), as ``load_trace_parts`` reads them together. Returns the bytes of its values."""
     limits = LIMITS
-    before = after or TraceWritten(0, 0, 0, 0, 0, 0, frozenset(), False)
+    before = after or TraceWritten(0, 0, 0, 0, 0, 0, frozenset(), False, 0, {})
     per_step = max((s.end_record - s.first_record for s in trace.log.steps[before.steps:]), default=0)
     value_bytes = sum(f.numel() * f.element_size() for f in flats)
     checks = [("records", before.records + n_records, limits.records),
@@ -311,16 +400,21 @@ class TraceWritten:
     value_bytes: int
     parts: int
     epoch: int
-    comparisons: frozenset[int]
+    comparisons: frozenset  # (step, RecomputeComparison) pairs: a step measured again is another pair
     ends_in_failure: bool  # the last part holds a failed attempt's records (the next step discards them)
+    storages: int  # the values' storages the files hold (a part extending one adds a number, not a storage)
+    # per live storage (its key and dtype) a part may extend: (its number over the files, first, end element)
+    spans: dict = field(repr=False)
 
     def continued_by(self, trace: Trace) -> bool:
-        """Whether a part holding only what ``trace`` added since continues these files: nothing was discarded,
-        the last part ended with a step, and no comparison was added to a step written already."""
+        """Whether a part holding only what ``trace`` added since continues these files: they hold a step,
+        nothing was discarded since, the last part ended with a step, and no comparison was added to (or made
+        again for) a step written already."""
         log = trace.log
-        return (log.epoch == self.epoch and not self.ends_in_failure and log.step_in_progress is None
-                and len(log.steps) >= self.steps and log.n_records >= self.records and len(log.ops) >= self.ops
-                and frozenset(s for s in log.comparisons if s < self.steps) == self.comparisons)
+        return (self.steps > 0 and log.epoch == self.epoch and not self.ends_in_failure
+                and log.step_in_progress is None and len(log.steps) >= self.steps and log.n_records >= self.records
+                and len(log.ops) >= self.ops
+                and frozenset((s, c) for s, c in log.comparisons.items() if s < self.steps) == self.comparisons)
 
 
 def save_trace_part(trace: Trace, path: str | Path, after: TraceWritten | None = None) -> TraceWritten:

@@ -293,11 +293,22 @@ class TraceLog:
         """Whether ``value(index)`` would return a tensor (without reading a spilled one back)."""
         return self._values.get(index) is not None or (self._spill is not None and index in self._spill)
 
-    def kept_values(self) -> list[tuple[int, torch.Tensor]]:
-        """Every value held in memory (those spilled to disk: ``spilled``)."""
+    def kept_values(self, first: int = 0) -> list[tuple[int, torch.Tensor]]:
+        """Every value held in memory (those spilled to disk: ``spilled``); of the records from ``first`` on."""
         if self._copying:
             self._wait_for_copies()
-        return list(self._values.items())
+        if not first:
+            return list(self._values.items())
+        get = self._values.get
+        return [(i, v) for i in range(first, len(self._raw)) if (v := get(i)) is not None]
+
+    def kept_views(self, storage: tuple[int, int], before: int) -> list[torch.Tensor]:
+        """The values still held of the records before ``before`` that view the storage ``storage``
+        (``storage_key``), each checked unchanged since it was kept."""
+        if self._copying:
+            self._wait_for_copies()
+        get = self._values.get
+        return [v for i in self._values.viewers(storage) if i < before and (v := get(i)) is not None]
 
     def spilled(self) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
         """(record, dtype, shape) of every value kept on disk; ``value(index)`` reads one back."""

@@ -145,6 +145,10 @@ class ValueStore:
         for index in [i for i in list(self._entries) if self._verified(i)]:  # a copy: _verified drops a mutated one
             yield index, self._entries[index]
 
+    def viewers(self, key: tuple[int, int]) -> list[int]:
+        """The records whose kept values view the storage ``key`` (``storage_key``), in order (unverified)."""
+        return sorted(self._storages.get(key, ()))
+
     def _verified(self, index: int) -> bool:
         tensor = self._entries.get(index)
         if tensor is None:
