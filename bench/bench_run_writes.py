@@ -4,7 +4,8 @@ The app writes a generation's run after every Step (gui/runs.py ``RunWrite``, se
 clicked while that write runs waits for it. Here, in one process, a bundled story-gpt generation (values captured,
 greedy) is stepped to ``--steps`` steps, and after each step both ways are timed on the same trace: the whole trace
 written again (``save_trace``, what every write did before) and the part holding only that step
-(``save_trace_part`` after the files so far, what ``RunStore.save_steps`` writes). Then the run is read back both
+(``save_trace_part`` after the files so far, what ``RunStore.save_steps`` writes) — each 5 times at the run lengths
+printed, the median (the same write again reads the trace and changes nothing). Then the run is read back both
 ways (``load_trace`` of the whole file against ``load_trace_parts`` of the first file and its parts) — a restore
 reads it once. Prints the times at 1, 5, 10, 20 and 40 steps with the load average; writes
 ``bench/results/run_writes.json``.
@@ -20,6 +21,9 @@ import time
 from pathlib import Path
 
 from common import machine, save
+
+SHOWN = (1, 5, 10, 20, 40)  # the run lengths printed, each write timed REPEATS times there (the median)
+REPEATS = 5
 
 
 def main() -> None:
@@ -39,14 +43,18 @@ def main() -> None:
     for k in range(1, args.steps + 1):
         gen.step()
         path = folder / ("trace.zip" if after is None else f"trace-from-{after.steps:06d}.zip")
-        started = time.perf_counter()
-        after = save_trace_part(gen.trace, path, after)
-        part_s = time.perf_counter() - started
+        part_s, whole_s = [], []
+        for _ in range(REPEATS if k in SHOWN else 1):  # the same write again: it reads the trace, changes nothing
+            started = time.perf_counter()
+            written = save_trace_part(gen.trace, path, after)
+            part_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            save_trace(gen.trace, folder / "whole.zip")
+            whole_s.append(time.perf_counter() - started)
+        after = written
         paths.append(path)
-        started = time.perf_counter()
-        save_trace(gen.trace, folder / "whole.zip")
-        whole_s = time.perf_counter() - started
-        rows.append({"steps": k, "part_s": part_s, "whole_s": whole_s, "part_bytes": path.stat().st_size,
+        rows.append({"steps": k, "part_s": statistics.median(part_s), "whole_s": statistics.median(whole_s),
+                     "part_samples": part_s, "whole_samples": whole_s, "part_bytes": path.stat().st_size,
                      "whole_bytes": (folder / "whole.zip").stat().st_size})
     reads = {"parts": [], "whole": []}
     for _ in range(3):
@@ -59,7 +67,7 @@ def main() -> None:
     result = {"machine": machine(), "load_before": load_before, "load_after": os.getloadavg(), "rows": rows,
               "read_s": reads}
     for row in rows:
-        if row["steps"] in (1, 5, 10, 20, 40):
+        if row["steps"] in SHOWN:
             print(f"{row['steps']:3d} steps: the whole trace {row['whole_s'] * 1000:6.1f} ms "
                   f"({row['whole_bytes']:,} B); the step's part {row['part_s'] * 1000:5.1f} ms "
                   f"({row['part_bytes']:,} B)")
