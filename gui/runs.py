@@ -209,6 +209,16 @@ def tokens_of(trace) -> tuple:
     return facts.info.prompt_tokens, tuple(s.sampling.tokens if s.sampling else None for s in facts.steps)
 
 
+def written_tokens_agree(written, trace) -> bool:
+    """Whether the written trace's tokens are the live one's: the prompts, and each step both hold. A server stopped
+    between a run's files leaves them a step or more apart — the trace written without its last steps (while its
+    parts were replaced), or with a step more than the run's record (written before it) — not other tokens."""
+    if written.generation is None or trace.generation is None:
+        return tokens_of(written) == tokens_of(trace)
+    (prompts, steps), (live_prompts, live_steps) = tokens_of(written), tokens_of(trace)
+    return prompts == live_prompts and all(a == b for a, b in zip(steps, live_steps))
+
+
 def finish_restoring(app: AppState) -> None:
     """After the owed steps of a restored run: back to its step and view, its tokens checked against the trace
     written at the time."""
@@ -234,7 +244,7 @@ def finish_restoring(app: AppState) -> None:
         open_written_trace(app, record, store, f"running it again stopped after {done} of its {record.n_steps} "
                                                "steps")
         return
-    if written is not None and tokens_of(written) != tokens_of(gen.trace):
+    if written is not None and not written_tokens_agree(written, gen.trace):
         app.reset(keep_engine=True)
         app.run_id = record.run_id
         open_written_trace(app, record, store, "run again, it chose other tokens than it did then (other weights "
@@ -242,7 +252,10 @@ def finish_restoring(app: AppState) -> None:
         return
     st.session_state["pending_step_view"] = record.step
     app.saved_steps = record.n_steps  # the run folder holds these steps already
-    checked = ("; every token equals the trace written then" if written is not None else
+    short = written is not None and written.n_steps < record.n_steps
+    checked = ((f"; its trace file holds only the first {written.n_steps} (the server stopped while it wrote the "
+                "rest), and every token of those equals the trace written then") if short else
+               "; every token equals the trace written then" if written is not None else
                f"; its trace file is damaged ({plain(damaged)}), so nothing was compared" if damaged is not None else
                "; its trace was larger than the runs folder's budget and was not written, so nothing was compared")
     app.notices.append(("success", f"Restored run “{plain(record.title)}”: its {record.n_steps} step(s) were run "

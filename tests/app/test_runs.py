@@ -327,6 +327,23 @@ def test_each_step_of_the_page_is_written_once_and_a_reload_reads_the_parts():
     assert tokens_of(load_trace(folder / TRACE_FILE)) == tokens_of(again.session_state["app"].live.generation.trace)
 
 
+def test_a_trace_file_missing_its_last_steps_is_compared_on_the_steps_it_holds():
+    """A server stopped while it wrote a run's trace again (its parts removed, the whole trace not yet in place)
+    leaves a trace file with fewer steps than the run's record: the restore says so, and compares those."""
+    from gpt_shape_tracer.gui.runs import runs_written
+
+    at = app_at()
+    for _ in range(3):
+        press(at, "step_button")
+        assert runs_written(60)
+    folder = runs_store().run_dir(address_run(at))
+    (folder / "trace-from-000002.zip").unlink()
+    again = reload(at)
+    assert again.session_state["app"].live.generation.n_steps == 3
+    assert any("its trace file holds only the first 2" in s.value and "every token of those equals" in s.value
+               for s in again.success), [s.value for s in again.success]
+
+
 def test_reset_asks_first_and_cancel_discards_nothing():
     at = app_at()
     press(at, "step_button")
