@@ -252,9 +252,9 @@ def finish_restoring(app: AppState) -> None:
         return
     st.session_state["pending_step_view"] = record.step
     app.saved_steps = record.n_steps  # the run folder holds these steps already
-    short = written is not None and written.n_steps < record.n_steps
-    checked = ((f"; its trace file holds only the first {written.n_steps} (the server stopped while it wrote the "
-                "rest), and every token of those equals the trace written then") if short else
+    held = written.n_steps if written is not None else record.n_steps
+    checked = ((f"; its trace file holds only the first {held} (the server stopped while it wrote the "
+                "rest), and every token of those equals the trace written then") if held < record.n_steps else
                "; every token equals the trace written then" if written is not None else
                f"; its trace file is damaged ({plain(damaged)}), so nothing was compared" if damaged is not None else
                "; its trace was larger than the runs folder's budget and was not written, so nothing was compared")
