@@ -123,3 +123,57 @@ def test_a_file_of_format_version_2_still_loads(bundled):
     assert kept
     for r in kept:  # written on another machine: equal up to that CPU's float32 rounding (tests/tolerance.py)
         assert_close_across_cpus(again.trace.get(r.name, 1), old.value(r), r.name)
+
+
+def test_a_trace_written_in_parts_read_with_the_document_alone(bundled, tmp_path):
+    """The section "A trace written in parts", followed by hand: the storages numbered over the files, a part's
+    empty storage standing for an earlier one grown, its slabs copied into their views — every value of every
+    step then equals the trace's own, the KV cache's K of the last step included."""
+    from gpt_shape_tracer.tracer import save_trace_part
+
+    model, tok = bundled
+    gen = TracedGeneration(model, tok, ["Tom had a big red kite.", "Lily ran"], temperature=0)  # left padding
+    after, paths = None, []
+    for _ in range(4):
+        gen.run(1)
+        paths.append(tmp_path / f"{len(paths)}.zip")
+        after = save_trace_part(gen.trace, paths[-1], after)
+    storages: list[torch.Tensor] = []  # over the files, in file order
+    rows: list[dict] = []
+    stands: dict[int, int] = {}  # an empty storage → the one it stands for, grown
+    for path in paths:
+        with zipfile.ZipFile(path) as archive:
+            manifest = json.loads(archive.read("manifest.json"))
+            part_rows = pq.read_table(io.BytesIO(archive.read("records.parquet"))).to_pylist()
+            tensors = load_safetensors(archive.read("values.safetensors"))
+        shift = len(storages)
+        said = manifest.get("continues")
+        assert (said is None) == (path == paths[0])
+        if said is not None:
+            assert said["storages"] == shift and said["records"] == len(rows)
+            assert part_rows[0]["index"] == len(rows) and manifest["steps"][0]["step"] == said["steps"]
+        storages += [tensors[f"s{k}"].clone() for k in range(len(tensors))]
+        for own, earlier, length, slabs in (said or {}).get("extends", []):
+            assert tensors[f"s{own}"].numel() == 0
+            grown = torch.zeros(length, dtype=storages[earlier].dtype)
+            grown[:storages[earlier].numel()] = storages[earlier]
+            for slab, offset, shape, strides in slabs:
+                torch.as_strided(grown, shape, strides, offset).copy_(tensors[f"s{slab}"].view(shape))
+            storages[earlier] = grown
+            stands[shift + own] = earlier
+        for r in part_rows:
+            for column in ("storage", "digest_storage"):
+                if r[column] >= 0:
+                    r[column] += shift
+        rows += part_rows
+    assert stands, "the KV cache's buffer was extended, not written again"
+    checked = 0
+    for r in rows:
+        if r["storage"] < 0:
+            continue
+        flat = storages[stands.get(r["storage"], r["storage"])]
+        value = torch.as_strided(flat, r["shape"], r["strides"], r["storage_offset"])
+        assert torch.equal(value, gen.trace.get(r["name"], r["step"])), (r["step"], r["name"])
+        checked += 1
+    assert checked > 100 and any(r["name"].endswith("hook_k_all") and r["step"] == 3 and r["storage"] in stands
+                                 for r in rows)
