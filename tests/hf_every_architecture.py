@@ -76,9 +76,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # rope_parameters defaults to {}, which the model indexes by layer type
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-    # XLNet's default attention is bidirectional (attn_type "bi": every position sees every other, refused as an
-    # encoder); "uni" is its causal attention, the configuration that makes it a causal LM (as is_decoder for BERT)
-    "xlnet": {"attn_type": "uni"},
+    # XLNet keeps its checkpoints' attn_type "bi" (every position of the text sees every other: traced without a
+    # cache, every step a full forward); its causal "uni" is tested in tests/model/test_hf_reach_relative.py
     # axial position embeddings: the factors of the width must sum to hidden_size, those of the length multiply to
     # the longest sequence
     "reformer": {"axial_pos_embds_dim": [16, 48], "axial_pos_shape": [8, 16]},
@@ -298,12 +297,15 @@ def tiny_config(model_type: str) -> Any:
     return config
 
 
-def build(model_type: str, directory: Path, seed: int = 0) -> Path:
-    """Save a random-weight causal LM of ``model_type`` into ``directory``."""
+def build(model_type: str, directory: Path, seed: int = 0, **changes: Any) -> Path:
+    """Save a random-weight causal LM of ``model_type`` into ``directory`` (``changes``: config values set over the
+    tiny config's)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = tiny_config(model_type)
+    for key, value in changes.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     # the class transformers maps the type to (what AutoModelForCausalLM.from_config picks, also where the config
     # is the causal LM's own rather than the one registered for the type)

@@ -120,6 +120,7 @@ from gpt_shape_tracer.model.sources._hf_own_attention import OwnAttention
 from gpt_shape_tracer.model.sources._hf_own_cache import (
     no_cache_reason,
     padding_refusal,
+    permutation_reason,
     prompt_positions,
     prompt_reason,
     takes_whole_text,
@@ -144,6 +145,7 @@ from gpt_shape_tracer.model.sources._hf_probe import (
     mixer_of,
     mlp_norm_of,
     mlp_of,
+    permutation_lm,
     sees_ahead,
 )
 from gpt_shape_tracer.model.sources._hf_refusals import HFDecoderError, _special_cache_layers, refusal_by_config
@@ -301,9 +303,12 @@ class HFDecoder(nn.Module):
         # without a cache, each step a full forward of the whole text (model/sources/_hf_own_cache.py)
         first_call = probed[first] if first is not None else None
         self.prompt_positions = prompt_positions(first_call)
-        self.bidirectional = first_call is not None and bool(self.prompt_positions) and sees_ahead(first_call.mask)
+        self.bidirectional = first_call is not None and (bool(self.prompt_positions) or permutation_lm(hf)) \
+            and sees_ahead(first_call.mask)
         if self.prompt_positions:
             self.no_cache_reason = prompt_reason(model_type, self.prompt_positions, self.bidirectional)
+        elif self.bidirectional:  # XLNet's attn_type "bi"
+            self.no_cache_reason = permutation_reason(model_type)
         if first is not None and own[first]:  # the scale its ops apply (XGLM scales its queries: 1)
             self.architecture = replace(self.architecture, scale=cast(_Call, probed[first]).own.scale)
         arch = self.architecture
@@ -618,10 +623,14 @@ class HFDecoder(nn.Module):
                 raise HFDecoderError(padding_refusal(self.architecture.model_type))  # CPM-Ant reads no mask
         positions, key_is_token = positions_and_keys(B, n, past, padding_mask, cache, tokens.device)
         attention_mask = key_is_token.long() if key_is_token is not None else None
-        if self._mems is not None:  # XLNet's mems keep no padding mask
-            self._mems.check(key_is_token)
+        if self._mems is not None and cache is not None:  # XLNet's mems keep no padding mask (a full forward
+            self._mems.check(key_is_token)  # keeps none: its mask holds every key)
         if attention_mask is None and cache is None and tokens.is_meta:  # a dry run without a cache: as in the
             attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)  # routing check
+        elif attention_mask is None and self.bidirectional and not self.prompt_positions:
+            # XLNet's attn_type "bi" applies no mask unless given one: given one hiding nothing, its own code applies
+            # (and the trace records) the mask it means — every position seeing every other — the logits unchanged
+            attention_mask = torch.ones(B, n, dtype=torch.long, device=tokens.device)
         if self._own_code:  # its attention reads the mask transformers' eager path builds; our mask function may
             # leave it unbuilt (a fused path), which such a family would read as no mask at all
             _eager_masks(self.hf)

@@ -72,6 +72,15 @@ def prompt_positions(call: Any) -> int:
     return t - PROBE_TOKENS if n == t > PROBE_TOKENS else 0
 
 
+def permutation_reason(model_type: str) -> str:
+    """Why a permutation LM whose forward lets every position see every other (XLNet's attn_type "bi") is traced
+    without a KV cache."""
+    return (f"this model's forward ({model_type}) lets every position of the text see every other (XLNet's "
+            "attn_type \"bi\", a permutation language model), so a cached step, whose earlier positions could not "
+            "see the new token, would differ from a full forward of the same text: it is traced without a KV cache "
+            "(every step a full forward of the whole text, as transformers' uncached forward computes it)")
+
+
 def prompt_reason(model_type: str, prompt: int, bidirectional: bool) -> str:
     """Why a model that puts ``prompt`` learned positions before the text is traced without a KV cache."""
     sees = (" and lets every position of a forward see every other (bidirectional)" if bidirectional else "")

@@ -404,17 +404,24 @@ def _find_attention(hf: nn.Module, model_type: str) -> tuple[nn.ModuleList, list
     # CPM-Ant, whose forward puts learned prompt positions before the text and lets every position see every other, is
     # traced whole, every step a full forward (model/sources/_hf_own_cache.py); any other bidirectional model is an
     # encoder
-    if sees_ahead(first.mask) and not prompt_positions(first):
-        if "target_mapping" in inspect.signature(hf.forward).parameters:  # XLNet's attn_type "bi"
-            raise HFDecoderError(
-                f"{model_type}: its attention mask lets position 0 see position 1 (XLNet's bidirectional attn_type "
-                "\"bi\", a permutation LM: its generate() predicts each next token through the query stream of a "
-                "dummy token, the two-stream attention of Yang et al. 2019, which the trace does not lay out); its "
-                "causal attn_type \"uni\" is traced", reason="encoder")
+    # XLNet's attn_type "bi" (its checkpoints'): a permutation LM whose forward over the text lets every position
+    # see every other; traced like CPM-Ant, every step a full forward (HFDecoder.bidirectional)
+    if sees_ahead(first.mask) and not prompt_positions(first) and not permutation_lm(hf):
         raise HFDecoderError(f"{model_type}: its attention mask lets position 0 see position 1 (bidirectional, an "
                              "encoder): only causal decoders, whose position i sees positions ≤ i, are traced",
                              reason="encoder")
     return layers, [cs[0] if cs else None for cs in per_layer], writers
+
+
+def permutation_lm(hf: nn.Module) -> bool:
+    """Whether the forward is a permutation language model's (XLNet: it takes ``perm_mask`` and ``target_mapping``,
+    the two-stream attention of Yang et al. 2019), whose forward over a text may let every position see every
+    other (attn_type "bi")."""
+    try:
+        names = inspect.signature(hf.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "target_mapping" in names and "perm_mask" in names
 
 
 def sees_ahead(mask: torch.Tensor | None) -> bool:

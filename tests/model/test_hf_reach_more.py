@@ -258,7 +258,11 @@ def test_the_model_says_how_far_generate_s_own_inputs_take_its_prediction_from_t
     mine = int(forward.argmax())
     said = (f"both pick token {picked} greedily" if mine == picked else
             f"generate() picks token {picked} greedily where the trace picks {mine}")
-    assert note.endswith(said), note
+    assert said in note, note
+    if model_type == "xlnet":  # its checkpoints' attn_type "bi": traced without a cache, its mems path differing
+        assert note.endswith("and the trace follows the uncached one (within 0)"), note
+    else:
+        assert note.endswith(said), note
 
 
 def test_a_family_whose_generate_reads_the_forward_s_last_logits_has_no_such_note(tmp_path):

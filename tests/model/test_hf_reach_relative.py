@@ -5,7 +5,7 @@ positions: recorded as the score bias B, times the scale) — and what it keeps 
 hidden states (its ``mems``), not K and V: the cache holds them (``hook_mems``) and every step computes K and V
 again from them.
 
-Built as the sweep builds it (tests/hf_every_architecture.py: attn_type "uni", XLNet's causal attention). Checked
+Built as the sweep builds it (tests/hf_every_architecture.py) with attn_type "uni", XLNet's causal attention. Checked
 against transformers' own eager forward (logits, ``output_attentions``, the mems it returns), against the pattern
 recomputed from the recorded tensors, against the position term recomputed from XLNet's own parameters, and the
 cache view's sentence against the records."""
@@ -20,7 +20,7 @@ import torch
 
 from gpt_shape_tracer.model import load_hf
 from gpt_shape_tracer.model.sources import HFDecoder
-from tests.hf_every_architecture import DECODE_STEPS, PROMPT, TOLERANCE, build, check, tiny_config
+from tests.hf_every_architecture import DECODE_STEPS, PROMPT, TOLERANCE, build, check
 from tests.model.test_hf_own_attention import recomputed_pattern, recorded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def xlnet() -> Path:
-    return build("xlnet", Path(tempfile.mkdtemp(prefix="hf-xlnet-")) / "xlnet")
+    """XLNet's causal attn_type "uni" (its checkpoints' "bi", which the sweep builds, is tested below)."""
+    return build("xlnet", Path(tempfile.mkdtemp(prefix="hf-xlnet-")) / "xlnet", attn_type="uni")
 
 
 def _ids() -> torch.Tensor:
@@ -57,23 +58,44 @@ def _theirs(directory: Path, ids: torch.Tensor) -> tuple[list[torch.Tensor], lis
     return logits, mems_after, weights
 
 
-def test_the_default_bidirectional_xlnet_is_refused_as_an_encoder(tmp_path):
-    """XLNet's default attn_type "bi" lets every position see every other: refused as an encoder, and
-    transformers' own weights show position 0 attending to position 1."""
-    from transformers import XLNetConfig, XLNetLMHeadModel
+def test_the_default_bidirectional_xlnet_is_traced_without_a_cache_every_step_transformers_forward(tmp_path):
+    """XLNet's checkpoints' attn_type "bi" lets every position of the text see every other (a permutation LM): traced
+    as CPM-Ant is, without a cache, every step a full forward of the whole text equal to transformers' own; the
+    recorded pattern is transformers' attention weights, row 0 attending to the positions after it; the mask view
+    says the mask is not causal; the model says why there is no cache and what its generate() does instead."""
+    from transformers import AutoModelForCausalLM
 
-    from gpt_shape_tracer.model import ModelLoadError
+    from gpt_shape_tracer.figures.mask import mask_facts
+    from gpt_shape_tracer.figures.view_takeaways import mask_takeaway
+    from gpt_shape_tracer.tracer import TracedGeneration
     from tests.model.test_every_architecture import _first_sees_second
+    from tests.model.test_hf_reach_more import with_tokenizer
 
-    values = tiny_config("xlnet").to_dict()
-    values["attn_type"] = "bi"
-    torch.manual_seed(0)
-    XLNetLMHeadModel(XLNetConfig(**values)).eval().save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError) as raised:
-        load_hf(tmp_path)
-    assert getattr(raised.value, "reason", None) == "encoder", str(raised.value)
-    assert "query stream of a dummy token" in str(raised.value) and 'attn_type "uni" is traced' in str(raised.value)
-    assert _first_sees_second(tmp_path)
+    directory = with_tokenizer("xlnet", tmp_path)  # the sweep's config (attn_type "bi"), the bundled tokenizer
+    assert _first_sees_second(directory)
+    model, tok = load_hf(directory)
+    assert model.config.bidirectional and 'attn_type "bi"' in model.no_cache_reason
+    assert model.reference_note is not None and "query stream" in model.reference_note
+    with pytest.raises(Exception, match="every step recomputes all positions"):
+        model.new_cache(1)
+    hf = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, attn_implementation="eager").eval()
+    gen = TracedGeneration(model, tok, ["Lily had a red kite.", "Tom"], temperature=0, use_cache=False)  # padded
+    gen.run(DECODE_STEPS)
+    facts = gen.facts
+    for step in range(gen.n_steps):
+        ids = torch.tensor([facts.columns(b, step) for b in range(2)])
+        mask = torch.tensor([[int(c) for c in facts.is_token(b, step)] for b in range(2)])
+        assert not bool(mask.all())  # "Tom" is left-padded
+        with torch.no_grad():
+            out = hf(input_ids=ids, attention_mask=mask, use_mems=False, output_attentions=True)
+        ours = gen.trace.get("hook_logits", step)
+        real = mask.bool()
+        assert ours.shape == out.logits.shape and float((ours - out.logits)[real].abs().max()) <= TOLERANCE, step
+        pattern = gen.trace.get("blocks.0.attn.hook_pattern", step)
+        torch.testing.assert_close(pattern[1], out.attentions[0][1], rtol=0, atol=1e-6)  # the unpadded prompt
+        assert float(pattern[1, :, 0, 1:].sum()) > 0  # position 0 attends to the positions after it
+    said = mask_takeaway(mask_facts(gen.trace, gen.n_steps - 1, 0)).sentence
+    assert "not causal" in said, said
 
 
 def test_logits_equal_transformers_at_the_prefill_and_cached_steps(xlnet):
@@ -332,3 +354,19 @@ def test_the_mask_view_names_the_lsh_layers_own_key_cause(tmp_path):
         assert lsh.own == own and lsh.masked == lsh.future + own
         assert f"{own} {OWN_KEY}" in lsh.explanation()
         assert OWN_KEY in mask_takeaway(lsh).sentence and OWN_KEY not in mask_takeaway(local).sentence
+
+
+def test_the_app_runs_the_bidirectional_xlnet_without_a_cache_every_tab(tmp_path):
+    """The real app (AppTest) on XLNet's checkpoints' attn_type "bi": loaded, stepped without a cache (the sidebar's
+    cache off, the reason said), every tab without an error; the mask tab says the mask is not causal."""
+    from tests.app.test_app import page_text, show_tab
+    from tests.app.test_app_architectures import every_tab_without_error, opened_and_stepped
+    from tests.model.test_hf_reach_more import with_tokenizer
+
+    at = opened_and_stepped(with_tokenizer("xlnet", tmp_path))
+    app = at.session_state["app"]
+    assert app.live.generation is not None and not app.live.generation.use_cache
+    every_tab_without_error(at)
+    show_tab(at, "Causal mask")
+    assert not at.error, [e.value for e in at.error]
+    assert "not causal" in page_text(at)

@@ -25,12 +25,14 @@ STATE_SPACE = ("mamba", "mamba2", "falcon_mamba")
 
 
 def build_state_space(model_type: str, directory: Path, seed: int = 0) -> Path:
-    """As tests/hf_every_architecture.build, with the bundled tokenizer's vocabulary (so that the app can run it)."""
+    """As tests/hf_every_architecture.build, with the bundled tokenizer's vocabulary (so that the app can run it);
+    XLNet with its causal attn_type "uni", whose cache is its mems (its checkpoints' "bi" keeps none)."""
     import transformers
 
     import tests.hf_every_architecture as every
 
-    values = {**tiny_config(model_type).to_dict(), "vocab_size": 1024}
+    values = {**tiny_config(model_type).to_dict(), "vocab_size": 1024,
+              **({"attn_type": "uni"} if model_type == "xlnet" else {})}
     original = every.tiny_config
     every.tiny_config = lambda _: transformers.CONFIG_MAPPING[model_type](**values)  # type: ignore[assignment]
     try:
