@@ -358,6 +358,9 @@ class RunStore:
         log = trace.log
         chain = str(folder)
         with _run_lock(chain):
+            for folder_name, (held, _) in list(_chains.items()):  # runs whose generation is gone: nothing to continue
+                if held() is None:
+                    _chains.pop(folder_name, None)
             last = _chains.pop(chain, None)
             after = last[1] if last is not None and last[0]() is log else None
             parts = self._parts(record.run_id)

@@ -76,8 +76,9 @@ def _storages(trace: Trace, after: TraceWritten | None = None) -> tuple[
     # address may come back for another), its numbers unchanged (a value changed in place is dropped when read)
     earlier = {key: held for key in groups if key in written
                and (held := [v for v in log.kept_views(key[0], first_record) if v.dtype == key[1]])}
-    # what the files hold of each storage they wrote, carried on unchecked: a part adds to one only where an earlier
-    # record still keeps a view of it (``earlier``), which proves it is the storage the files took
+    # what the files hold of the storages the last write's newest step viewed, carried on unchecked: a part adds to
+    # one only where an earlier record still keeps a view of it (``earlier``), which proves it is the storage the
+    # files took
     spans = dict(written)
     flats: list[torch.Tensor | _OnDisk] = []
     views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
@@ -121,7 +122,11 @@ def _storages(trace: Trace, after: TraceWritten | None = None) -> tuple[
         if digest is not None:
             digests[index] = (len(flats), list(digest.shape))
             flats.append(digest.contiguous().reshape(-1))
-    return flats, views, digests, extends, spans
+    # carried on to the next part: the storages the last step viewed (the KV cache's buffers among them), not every
+    # storage ever written — what is kept per run stays one step's size however long the run
+    last = log.steps[-1].first_record if log.steps else 0
+    recent = {key for key, members in groups.items() if max(i for i, _ in members) >= last}
+    return flats, views, digests, extends, {key: span for key, span in spans.items() if key in recent}
 
 
 def _grown_slabs(new: list[torch.Tensor], old: list[torch.Tensor]) -> list[torch.Tensor] | None:
