@@ -319,20 +319,14 @@ class RunStore:
         engine run's ``EngineRun``: whole when its values fit the budget, else without them), then bound the
         folder. The record goes last: a run is listed only once its files are all in place. Returns the ids of
         the runs removed to keep within its bounds."""
-        from gpt_shape_tracer.tracer import save_engine_run, save_trace
+        from gpt_shape_tracer.tracer import save_engine_run
 
         folder = self.run_dir(record.run_id)
         self._folder()
         folder.mkdir(exist_ok=True, mode=0o700)
         if trace is not None:
-            _chains.pop(str(folder), None)  # what save_steps wrote last is no longer what the folder holds
-            for _, name in reversed(self._parts(record.run_id)):  # parts of the trace written before this one
-                (folder / name).unlink(missing_ok=True)
-            if trace.log.bytes_kept <= self.settings.budget_bytes:
-                self._write_private(folder, TRACE_FILE, lambda p: save_trace(trace, p))
-            else:
-                (folder / TRACE_FILE).unlink(missing_ok=True)
-                record = replace(record, trace_saved=False)
+            with _run_lock(str(folder)):
+                record, _ = self._write_whole(folder, record, trace)
         if engine is not None:
             if engine.bytes_kept > self.settings.budget_bytes:
                 engine = without_values(engine, self.settings.budget_bytes)
@@ -363,29 +357,40 @@ class RunStore:
                     _chains.pop(folder_name, None)
             last = _chains.pop(chain, None)
             after = last[1] if last is not None and last[0]() is log else None
-            parts = self._parts(record.run_id)
-            answer: list = []  # what save_trace_part says the files hold
-            if (after is not None and after.continued_by(trace) and after.parts == 1 + len(parts)
+            written: TraceWritten | None
+            if (after is not None and after.continued_by(trace) and after.parts == 1 + len(self._parts(record.run_id))
                     and after.parts < MAX_TRACE_PARTS and (folder / TRACE_FILE).is_file()
                     and after.value_bytes + log.bytes_kept <= self.settings.budget_bytes):
-                if len(log.steps) > after.steps or log.n_records > after.records:
+                answer: list = []  # what save_trace_part says the files hold
+                if not after.holds_all_of(trace):
                     name = f"trace-from-{after.steps:06d}.zip"
                     self._write_private(folder, name, lambda p: answer.append(save_trace_part(trace, p, after)))
-                else:
-                    answer.append(after)
+                written = answer[0] if answer else after
+                _chains[chain] = (weakref.ref(log), written)
             else:
-                for _, name in reversed(parts):  # the last first: a write stopped half-way leaves a chain that reads
-                    (folder / name).unlink(missing_ok=True)
-                if log.bytes_kept <= self.settings.budget_bytes:
-                    self._write_private(folder, TRACE_FILE, lambda p: answer.append(save_trace_part(trace, p)))
-                else:
-                    (folder / TRACE_FILE).unlink(missing_ok=True)
-                    record = replace(record, trace_saved=False)
-            if answer:
-                _chains[chain] = (weakref.ref(log), answer[0])
+                record, written = self._write_whole(folder, record, trace)
             self._write_private(folder, RUN_FILE, lambda p: p.write_text(record.to_json(), encoding="utf-8"))
         self.prune(keep=record.run_id)
-        return answer[0] if answer else None
+        return written
+
+    def _write_whole(self, folder: Path, record: RunRecord, trace) -> tuple[RunRecord, TraceWritten | None]:
+        """The whole trace as ``trace.zip`` (the caller holds the run's lock), every part removed first, the last
+        first, so that a write stopped half-way leaves a chain that reads; over the folder's whole budget, none
+        (the record says so). What the files hold is kept for ``save_steps`` to continue. Returns the record and
+        what the files hold (None: nothing written)."""
+        from gpt_shape_tracer.tracer import save_trace_part
+
+        chain = str(folder)
+        _chains.pop(chain, None)
+        for _, name in reversed(self._parts(record.run_id)):
+            (folder / name).unlink(missing_ok=True)
+        if trace.log.bytes_kept > self.settings.budget_bytes:
+            (folder / TRACE_FILE).unlink(missing_ok=True)
+            return replace(record, trace_saved=False), None
+        answer: list = []  # what save_trace_part says the file holds
+        self._write_private(folder, TRACE_FILE, lambda p: answer.append(save_trace_part(trace, p)))
+        _chains[chain] = (weakref.ref(trace.log), answer[0])
+        return record, answer[0]
 
     def _parts(self, run_id: str) -> list[tuple[int, str]]:
         """The run's trace parts on disk, (first step, file name), in order of their first step."""
@@ -548,9 +553,11 @@ _run_locks: dict[str, threading.Lock] = {}  # a run's folder → the lock its wr
 _run_locks_lock = threading.Lock()
 # a run's folder → (the log of the trace save_steps wrote last there, weakly; what the files hold of it)
 _chains: dict[str, tuple[weakref.ref, TraceWritten]] = {}
-def _run_lock(run_id: str) -> threading.Lock:
+
+
+def _run_lock(folder: str) -> threading.Lock:
     with _run_locks_lock:
-        return _run_locks.setdefault(run_id, threading.Lock())
+        return _run_locks.setdefault(folder, threading.Lock())
 
 
 def without_values(run, budget_bytes: int):

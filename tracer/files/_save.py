@@ -84,15 +84,16 @@ def _storages(trace: Trace, after: TraceWritten | None = None) -> tuple[
     views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
     extends: list[list] = []
     for key, members in groups.items():
-        lo = min(_span(v)[0] for _, v in members)
-        hi = max(_span(v)[1] for _, v in members)
+        member_spans = [_span(v) for _, v in members]
+        lo = min(s[0] for s in member_spans)
+        hi = max(s[1] for s in member_spans)
         base = members[0][1]
         slabs = None
         if key in earlier and lo >= spans[key][1]:
             _, held_from, held_to = spans[key]
             # the earlier views whose numbers the files hold in that storage (one written whole since holds
             # only its own span)
-            within = [o for o in earlier[key] if held_from <= _span(o)[0] and _span(o)[1] <= held_to]
+            within = [o for o in earlier[key] if held_from <= (o_span := _span(o))[0] and o_span[1] <= held_to]
             slabs = _grown_slabs([v for _, v in members], within)
         if slabs is not None:
             root, lo, held_to = spans[key]
@@ -279,7 +280,7 @@ def _members(trace: Trace, after: TraceWritten | None = None) -> tuple[list[tupl
     log = trace.log
     if after is not None and not after.continued_by(trace):
         raise TraceFileError("the trace no longer begins with the steps written before: write it whole")
-    if after is not None and len(log.steps) == after.steps and log.n_records == after.records:
+    if after is not None and after.holds_all_of(trace):
         raise TraceFileError("nothing to write: the trace has added nothing since the files written before")
     first_step, first_op = (after.steps, after.ops) if after is not None else (0, 0)
     flats, views, digests, extends, spans = _storages(trace, after)
@@ -410,6 +411,10 @@ class TraceWritten:
     storages: int  # the values' storages the files hold (a part extending one adds a number, not a storage)
     # per live storage (its key and dtype) a part may extend: (its number over the files, first, end element)
     spans: dict = field(repr=False)
+
+    def holds_all_of(self, trace: Trace) -> bool:
+        """Whether the trace has added nothing since: no step, no record (a failed attempt's) to write."""
+        return len(trace.log.steps) == self.steps and trace.log.n_records == self.records
 
     def continued_by(self, trace: Trace) -> bool:
         """Whether a part holding only what ``trace`` added since continues these files: they hold a step,
