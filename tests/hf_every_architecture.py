@@ -7,6 +7,7 @@ Nothing is hand-picked: the list is transformers' own, and the shrinking knows s
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import tempfile
@@ -47,6 +48,8 @@ _SIZES: dict[str, int] = {
     "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_seq_len": 128, "seq_length": 128,
     # indexed (sparse) attention: a top-k below the sweep's 8 tokens, so that the indexer really skips keys
     "index_topk": 4, "index_n_heads": 2, "index_head_dim": 16,
+    # a draft model's (Gemma 4's assistant): the width of the model it drafts for, its vocabulary's clusters
+    "backbone_hidden_size": _WIDTH, "num_centroids": 16, "centroid_intermediate_top_k": 4,
 }
 # sizes some config classes leave None by default although their model reads them as numbers (DeepSeek-family
 # experts, Qwen4-exp's token indexer): filled, only where None, with tiny values
@@ -97,6 +100,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                      "swa_num_key_value_heads": 2, "swa_head_dim": 16, "log_scaling_n_floor": 4},
     "inkling2_text": {"sliding_window_size": 4, "rel_extent": 6, "swa_num_attention_heads": 4,
                       "swa_num_key_value_heads": 2, "swa_head_dim": 16, "log_scaling_n_floor": 4},
+    # Gemma 4's assistant (a drafter for multi-token prediction) validates that its text layers take no per-layer
+    # inputs, which the Gemma 4 text config's default gives them
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
     # XLMConfig's default (causal = false) is XLM's masked LM, bidirectional; causal = true is its causal LM, as the
     # CLM checkpoints (xlm-clm-enfr-1024, xlm-clm-ende-1024) set it
     "xlm": {"causal": True},
@@ -180,7 +186,7 @@ def _kv_sharing_layers(values: dict[str, Any], depth: int | None, picked: list[i
     as their real checkpoints do): for each kept layer, the first sharing layer of the same kind, kept after them —
     so that the tiny model has a layer producing each kind's K, V and one reading them. Empty without sharing."""
     shared = values.get("num_kv_shared_layers")
-    if not (_is_int(shared) and shared > 0 and depth and shared < depth):
+    if not (_is_int(shared) and shared > 0 and depth and shared < depth):  # none, or every layer (a drafter: below)
         return []
     first = depth - shared
     kinds = next((values[k] for k in _KIND_LISTS if _is_per_layer(k, values.get(k), depth)), None)
@@ -242,6 +248,8 @@ def _shrunk(values: dict[str, Any], layers_before: int | None) -> dict[str, Any]
             if key in out:
                 out[key] = len(picked)
         out["num_kv_shared_layers"] = len(readers)
+    elif _is_int(values.get("num_kv_shared_layers")) and depth and values["num_kv_shared_layers"] >= depth:
+        out["num_kv_shared_layers"] = len(picked)  # a drafter (Gemma 4's assistant): every layer reads shared K, V
     elif _is_int(values.get("num_kv_shared_layers")):
         out["num_kv_shared_layers"] = 0
     nope, rope = values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim")
@@ -314,9 +322,26 @@ def build(model_type: str, directory: Path, seed: int = 0, **changes: Any) -> Pa
         for p in model.parameters():
             if p.dim() == 1 and p.is_floating_point():
                 p.add_(torch.randn_like(p) * 0.1)
-        model(input_ids=torch.arange(PROMPT)[None] % 200)  # transformers' own forward runs on this config
+        if "shared_kv_states" in inspect.signature(model.forward).parameters:  # a drafter, run as generate() does
+            model(**_drafter_inputs(model))
+        else:
+            model(input_ids=torch.arange(PROMPT)[None] % 200)  # transformers' own forward runs on this config
     model.save_pretrained(directory)
     return directory
+
+
+def _drafter_inputs(model: Any) -> dict[str, Any]:
+    """What transformers' drafting hands a drafter (Gemma 4's assistant) for one token after PROMPT tokens: the
+    token's embedding beside the main model's hidden state, and per layer kind the main model's keys and values
+    ``[1, kv heads, PROMPT, d_head]`` (random here, shaped as its layers read them)."""
+    kinds = {}
+    for m in model.modules():
+        if getattr(m, "is_kv_shared_layer", False) and m.layer_type not in kinds:
+            heads = m.q_proj.out_features // m.head_dim
+            kinds[m.layer_type] = tuple(torch.randn(1, heads // m.num_key_value_groups, PROMPT, m.head_dim)
+                                        for _ in range(2))
+    return {"inputs_embeds": torch.randn(1, 1, 2 * model.config.backbone_hidden_size), "shared_kv_states": kinds,
+            "position_ids": torch.tensor([[PROMPT - 1]])}
 
 
 @dataclass
@@ -415,13 +440,33 @@ def check(model_type: str, directory: Path) -> Result:
     return Result(model_type, outcome, deltas=deltas, uncached=uncached, note=note)
 
 
+def unbuilt(model_type: str, directory: Path, error: Exception) -> Result:
+    """A type whose model transformers could not build: refused where its config alone is refused by ``load_hf``
+    (before anything is built, as a user's directory of that type would be), transformers' failure named beside;
+    else "not built", with the failure."""
+    from gpt_shape_tracer.model.sources import ModelLoadError, load_hf
+
+    failure = f"{type(error).__name__}: {str(error)[:200]}"
+    try:
+        tiny_config(model_type).save_pretrained(directory)
+        load_hf(directory)
+    except ModelLoadError as e:
+        if e.reason and e.reason != "cannot load":
+            where, _, why = str(e).partition(": ")
+            return Result(model_type, "refused", str(e.reason), f"{where}: transformers itself builds no model from "
+                          f"this config ({failure}); and {why}")
+    except Exception:  # noqa: BLE001 (the config itself fails: reported as not built below)
+        pass
+    return Result(model_type, "not built", type(error).__name__, str(error)[:300])
+
+
 def run(model_type: str) -> Result:
     """Build and check one type; any exception is a crash (or 'not built' when building it failed)."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             build(model_type, Path(tmp))
         except Exception as e:  # noqa: BLE001 (the sweep reports, it does not stop)
-            return Result(model_type, "not built", type(e).__name__, str(e)[:300])
+            return unbuilt(model_type, Path(tmp), e)
         try:
             return check(model_type, Path(tmp))
         except Exception as e:  # noqa: BLE001
@@ -486,6 +531,8 @@ REASON_WORDS = {
     "encoder-decoder": "a separate encoder feeds the decoder through cross-attention",
     "encoder": "bidirectional self-attention: not a causal decoder",
     "cannot load": "transformers itself fails on the directory or its forward",
+    "drafter": "a draft model for another model's speculative decoding (Gemma 4's assistant): no layer computes keys "
+               "or values, each attends over the main model's, and its input is the main model's hidden state",
     "weights missing": "the config builds more layers than the weights hold",
     "alibi": "a per-head linear bias added to the scores (ALiBi)",
 }
@@ -537,7 +584,7 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
     ]
     for r in results:
         shown = r.deltas or (r.uncached if r.outcome == "no cache" else [])  # no cache: its full forwards' deltas
-        detail = " ".join(f"{d:.1e}" for d in shown) if shown else r.message.split(": ", 1)[-1][:220]
+        detail = " ".join(f"{d:.1e}" for d in shown) if shown else r.message.split(": ", 1)[-1][:420]
         if r.note:
             detail += f" — {r.note}"
         detail = detail.replace("|", "\\|").replace("\n", " ")

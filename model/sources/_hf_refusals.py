@@ -26,6 +26,7 @@ RefusalReason = Literal[
     "compressed attention",  # the family's own cache layers keep compressed keys/values (DeepSeek-V4)
     "differs from transformers",  # the guard: our cached step is not transformers' own forward
     "cannot load",  # transformers itself cannot build or run it from this directory
+    "drafter",  # no layer computes keys or values: it attends over another model's (Gemma 4's MTP assistant)
     "weights missing",  # the config builds more layers than the weights hold
 ]
 REFUSAL_REASONS: tuple[str, ...] = RefusalReason.__args__  # type: ignore[attr-defined]
@@ -68,12 +69,29 @@ def refusal_by_config(config: Any, model_type: str) -> HFDecoderError | None:
     if getattr(config, "alibi", False):
         return HFDecoderError(f"{model_type} adds ALiBi position biases to the attention scores, which the traced "
                               "attention does not model", reason="alibi")
+    drafter = _drafter_layers(config)
+    if drafter:
+        return HFDecoderError(
+            f"{model_type} is a draft model for another model's speculative decoding (multi-token prediction): none of "
+            f"its {drafter} layers computes keys or values — each attends over the keys and values the main model "
+            "hands it (shared_kv_states), and its input is the main model's hidden state beside a token's embedding — "
+            "so transformers runs it only as the assistant of that model's generate(), never on token ids alone; "
+            "load the model it drafts for, whose own layers compute those keys and values", reason="drafter")
     _, own = _special_cache_layers(config)  # indexed layers are traced: their indexer keys live in KVCache
     if own:
         return HFDecoderError(
             f"{model_type}: its layers keep a cache of the family's own kind ({', '.join(own[:4])}: compressed keys "
             "and values), not the K and V per position the traced KV cache keeps", reason="compressed attention")
     return None
+
+
+def _drafter_layers(config: Any) -> int:
+    """The number of layers of a model whose every layer reads the keys and values another model computed (its
+    config's ``num_kv_shared_layers`` covering all of them: Gemma 4's assistant); 0 for any other model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, shared = getattr(text, "num_hidden_layers", None), getattr(text, "num_kv_shared_layers", None)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (layers, shared))
+    return int(layers) if ok and layers and shared >= layers else 0
 
 
 def _special_cache_layers(config: Any) -> tuple[list[int], list[str]]:

@@ -113,3 +113,29 @@ def test_a_reading_layer_attends_over_its_source_layers_k_and_v(directory, tmp_p
     assert sentence.startswith("2 layers ×") and "KV sharing: layer 2 reads 0's, 3 reads 1's" in sentence
     again = load_trace(save_trace(trace, tmp_path / "shared.gst"))
     assert again.config is not None and again.config.kv_shared == ((2, 0), (3, 1))
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_assistant", "gemma4_unified_assistant"])
+def test_a_drafter_reading_every_k_and_v_from_its_main_model_is_refused_by_its_config(model_type, tmp_path):
+    """Gemma 4's assistant (multi-token prediction): every layer attends over the keys and values the main model
+    hands it (its config demands num_kv_shared_layers = num_hidden_layers), its forward takes no token ids. A
+    directory of it is refused before anything is built, saying what it is and what to load; transformers itself
+    builds no model from that config (its layers look for a layer of theirs computing the K/V they reuse) — the day
+    it does, this test fails, and the drafter should be traced beside its main model."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from gpt_shape_tracer.model.sources import ModelLoadError
+
+    config = tiny_config(model_type)
+    text = config.get_text_config()
+    assert text.num_kv_shared_layers == text.num_hidden_layers == 2
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as refused:
+        load_hf(tmp_path)
+    assert refused.value.reason == "drafter"
+    message = str(refused.value)
+    assert "none of its 2 layers computes keys or values" in message and "shared_kv_states" in message, message
+    assert "load the model it drafts for" in message, message
+    with pytest.raises(ValueError, match="layer types producing a cache"):
+        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)
