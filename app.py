@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import streamlit as st
 
+from gpt_shape_tracer.figures.common import MASK_TAB_NAMES, bidirectional, mask_tab_name
 from gpt_shape_tracer.gui.attention import attention_tab
 from gpt_shape_tracer.gui.beams import decoding_tab
 from gpt_shape_tracer.gui.common import remembered_tabs, state
@@ -39,6 +40,7 @@ PANELS: dict[str, Callable[[Trace, int], None]] = {
     "Next token": next_token_tab, "Decoding": decoding_tab, "What if": whatif_tab, "Compare runs": compare_tab,
     "Worked example": worked_tab, "Inspector": inspector_tab, "Engine": engine_tab, "Export": export_tab}
 TABS = list(PANELS)
+MASK_TAB = "Causal mask"  # drawn as mask_tab_name(…): "Attention mask" for a model whose mask is not causal
 
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")
 st.markdown("<style>.block-container {padding-top: 2.2rem;} h1 {font-size: 1.9rem !important;}</style>",
@@ -97,7 +99,8 @@ def run(app: AppState) -> None:
         return
     save_view(app, header(trace))  # the step slider: each tab reads the step it set (viewed_step)
     tour_bar(trace)  # the guided tour: its stop opens the tabs below (gui/tour.py)
-    tabs = remembered_tabs(TABS, "view")  # Reset → Step returns to the same view
+    mask = mask_tab_name(bidirectional(trace))  # "Causal mask", or "Attention mask" where M is not causal
+    tabs = remembered_tabs([mask if name == MASK_TAB else name for name in TABS], "view", MASK_TAB_NAMES)
     for tab, name in zip(tabs, TABS):
         with tab:
             if tab.open:

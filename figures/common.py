@@ -104,6 +104,16 @@ def bidirectional(trace: Trace) -> bool:
     return bool(getattr(trace.config, "bidirectional", False))
 
 
+# the mask tab's names: what M is for the model on view (one tab; the name follows the model)
+MASK_TAB_NAMES = ("Causal mask", "Attention mask")
+
+
+def mask_tab_name(sees_ahead: bool) -> str:
+    """"Causal mask" where query i sees keys 0 … i at most; "Attention mask" where the model's mask lets every
+    position of a forward see every other (CPM-Ant, XLNet's attn_type "bi"): there it is no causal mask."""
+    return MASK_TAB_NAMES[1] if sees_ahead else MASK_TAB_NAMES[0]
+
+
 def prompt_sentence(trace: Trace, step: int) -> str | None:
     """What the rows and columns of a model with learned prompt positions are (None for any other model)."""
     P = prompt_positions(trace)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt_shape_tracer.figures.common import bidirectional, facts_of, position_is_token, prompt_positions
+from gpt_shape_tracer.figures.common import bidirectional, facts_of, mask_tab_name, position_is_token, prompt_positions
 from gpt_shape_tracer.figures.engine import memory_at
 from gpt_shape_tracer.model.analysis import HEAD_ROLES
 from gpt_shape_tracer.model.gpt import act_name
@@ -215,7 +215,8 @@ def tour_stops(ctx: TourContext) -> tuple[Stop, ...]:
         skipped="" if ctx.values else no_values))
 
     stops.append(Stop(
-        "mask", "The causal mask", "Causal mask", mask_look(n0, ctx.prefill_padding, P, ctx.bidirectional), step=0,
+        "mask", "The " + mask_tab_name(ctx.bidirectional).lower(), mask_tab_name(ctx.bidirectional),
+        mask_look(n0, ctx.prefill_padding, P, ctx.bidirectional), step=0,
         head=prev_head))
 
     if prev is not None and ctx.previous_weight is not None:

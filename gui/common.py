@@ -43,11 +43,16 @@ def chart(fig, key: str, **kwargs):
     return st.plotly_chart(fig, key=key, theme=None, **kwargs)
 
 
-def remembered_tabs(names: list[str], key: str) -> list:
+def remembered_tabs(names: list[str], key: str, same: tuple[str, ...] = ()) -> list:
     """``st.tabs`` that reopens where the person left it. Streamlit forgets a widget's state on a rerun that does
     not draw it (a sub-tab inside another open tab, every tab after Reset), so the open tab is kept in the app
-    state and given back before the tabs are drawn again."""
+    state and given back before the tabs are drawn again. ``same``: names of one tab whose name follows the model
+    (the mask tab's): the one opened under another of them opens under the name drawn now."""
     app = state()
+    drawn_as = next((name for name in names if name in same), None)
+    for held in (app.open_tabs, st.session_state):
+        if drawn_as is not None and held.get(key) in same and held.get(key) != drawn_as:
+            held[key] = drawn_as
     if key not in st.session_state and app.open_tabs.get(key) in names:
         st.session_state[key] = app.open_tabs[key]
     drawn = st.tabs(names, key=key, on_change="rerun")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from gpt_shape_tracer.figures.common import MASK_TAB_NAMES
 from gpt_shape_tracer.figures.tour import Stop, shown_stops, skipped_sentence, tour_context, tour_stops
 from gpt_shape_tracer.gui.common import live_model_for, plain, state
 from gpt_shape_tracer.session import caches, no_cache_reason
@@ -93,7 +94,7 @@ def go(index: int, stop: Stop) -> None:
             app.pending_head = (layer, head)  # applied by the Attention tab's pickers
             if stop.query is not None and stop.step is not None:
                 app.live.query_picks[(stop.step, 0)] = stop.query  # the query picker's remembered pick (sequence 0)
-        elif stop.tab == "Causal mask":
+        elif stop.tab in MASK_TAB_NAMES:
             st.session_state["mask_layer"], st.session_state["mask_head"] = layer, head
     if stop.engine_step is not None:
         st.session_state["engine_step"] = stop.engine_step  # the Engine tab's slider (gui/engine.py)

@@ -410,6 +410,7 @@ def test_shapes_capture_says_what_is_missing_instead_of_drawing_empty_charts():
     assert any("Capture is **shapes**" in i.value for i in at.info) and not charts(at)
     assert f"[1, 4, 1, 32] @ [1, 4, 32, {n0 + 1}] → [1, 4, 1, {n0 + 1}]" in page_text(at)
     show_tab(at, "Causal mask")
+    assert "Causal mask" in [t.label for t in at.tabs] and "Attention mask" not in [t.label for t in at.tabs]
     text = page_text(at)
     assert "-1" not in text and "not counted" in text and not charts(at)
     show_tab(at, "KV cache")

@@ -157,6 +157,7 @@ def test_no_live_model_skips_gradients_and_names_no_head():
     assert "not loaded" in stops["gradients"].skipped
     assert all(s.head is None for s in stops.values())
     assert "clearest" not in stops["stages"].look
+    assert (stops["mask"].title, stops["mask"].tab) == ("The causal mask", "Causal mask")  # a causal model's
 
 
 def test_a_module_of_your_own_has_no_cache_stops():
@@ -238,7 +239,7 @@ def test_the_tour_in_the_app_opens_each_stops_view_step_and_head(engine_run):
         if stop.step is not None:
             assert state["step_view"] == stop.step
         if stop.head is not None:
-            prefix = {"Attention": "attn", "Causal mask": "mask"}[stop.tab]
+            prefix = {"Attention": "attn", "Causal mask": "mask", "Attention mask": "mask"}[stop.tab]
             assert (state[f"{prefix}_layer"], state[f"{prefix}_head"]) == stop.head
         if stop.query is not None:
             assert state["app"].live.query_picks[(stop.step, 0)] == stop.query

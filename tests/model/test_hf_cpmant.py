@@ -176,6 +176,7 @@ def test_the_mask_views_say_this_mask_is_not_causal_counting_what_it_hides(loade
                                                       no_cache_reason=model.no_cache_reason))}
     n0 = len(generation.facts.columns(0, 0))
     assert "not causal" in stops["mask"].look and not any(words in stops["mask"].look for words in causal)
+    assert (stops["mask"].title, stops["mask"].tab) == ("The attention mask", "Attention mask")
     assert f"[B, P + n, d] = [1, {P + n0}, {model.config.d_model}]" in stops["shapes"].look
     assert "the earlier rows changed too" in stops["step"].look and "only the last one new" not in stops["step"].look
     gen = TracedGeneration(model, tok, WITH_PAD_ID, temperature=0, use_cache=False)
@@ -235,8 +236,8 @@ def test_the_head_scores_and_patching_read_token_positions_after_the_prompt_posi
 
 def test_the_app_traces_cpmant_without_a_cache_and_its_mask_tab_says_what_its_mask_does(directory):
     """The real app (AppTest): loaded from its directory and stepped with the KV cache toggle left on, CPM-Ant runs
-    without a cache and the sidebar says why; every tab renders without an error; the Causal mask tab's takeaway is
-    counted from its mask and says it is not causal; the header counts the prompt positions in n and t."""
+    without a cache and the sidebar says why; every tab renders without an error; the mask tab is named "Attention mask", not "Causal
+    mask", and its takeaway is counted from its mask and says it is not causal; the header counts the prompt positions in n and t."""
     from tests.app.test_app import page_text, show_tab
     from tests.app.test_app_architectures import every_tab_without_error, opened_and_stepped
 
@@ -247,7 +248,9 @@ def test_the_app_traces_cpmant_without_a_cache_and_its_mask_tab_says_what_its_ma
     assert any("32 learned prompt positions" in c.value and "whichever way this switch is set" in c.value
                for c in at.sidebar.caption)
     every_tab_without_error(at)
-    show_tab(at, "Causal mask")
+    show_tab(at, "Causal mask")  # the tab opened under the name a causal model's has: drawn as this model's
+    assert "Attention mask" in [t.label for t in at.tabs] and "Causal mask" not in [t.label for t in at.tabs]
+    assert at.session_state["view"] == "Attention mask"
     mask = gen.trace.get(act_name("mask", 0), 1)[0, 0]
     text = page_text(at)
     assert f"{int(torch.isinf(mask).sum())} of the {mask.numel()} scores are −∞: this model's mask is not causal" \

@@ -367,6 +367,8 @@ def test_the_app_runs_the_bidirectional_xlnet_without_a_cache_every_tab(tmp_path
     app = at.session_state["app"]
     assert app.live.generation is not None and not app.live.generation.use_cache
     every_tab_without_error(at)
-    show_tab(at, "Causal mask")
+    show_tab(at, "Attention mask")
     assert not at.error, [e.value for e in at.error]
     assert "not causal" in page_text(at)
+    labels = [t.label for t in at.tabs]
+    assert "Attention mask" in labels and "Causal mask" not in labels, labels
