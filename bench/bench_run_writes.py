@@ -1,4 +1,5 @@
-"""What the runs folder's write after a Step costs as the run grows: ``python bench/bench_run_writes.py [--steps 40]``.
+"""What the runs folder's write after a Step costs as the run grows: ``python bench/bench_run_writes.py [--steps 40]
+[--model story|gpt2-small] [--prompt-tokens N]``.
 
 The app writes a generation's run after every Step (gui/runs.py ``RunWrite``, session/runs.py ``RunStore``); a Step
 clicked while that write runs waits for it. Here, in one process, a bundled story-gpt generation (values captured,
@@ -8,7 +9,11 @@ written again (``save_trace``, what every write did before) and the part holding
 printed, the median (the same write again reads the trace and changes nothing). Then the run is read back both
 ways (``load_trace`` of the whole file against ``load_trace_parts`` of the first file and its parts) — a restore
 reads it once. Prints the times at 1, 5, 10, 20 and 40 steps with the load average; writes
-``bench/results/run_writes.json``.
+``bench/results/run_writes.json`` (``run_writes-<model>-<N>.json`` with the options).
+
+``--model gpt2-small``: a GPT-2-small-shaped model (124M, random weights built in Python by transformers and loaded
+from its directory, ``common.gpt2_small_dir``) instead of the bundled story model; ``--prompt-tokens N``: a prompt of
+N tokens (the story sentence repeated) instead of the short one — the first write then holds the prefill's values.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, save
+from common import gpt2_small_dir, machine, save
 
 SHOWN = (1, 5, 10, 20, 40)  # the run lengths printed, each write timed REPEATS times there (the median)
 REPEATS = 5
@@ -29,14 +34,21 @@ REPEATS = 5
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--model", choices=("story", "gpt2-small"), default="story")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="0: the short prompt")
     args = ap.parse_args()
-    from gpt_shape_tracer.model import load_bundled
+    from gpt_shape_tracer.model import load_bundled, load_model
     from gpt_shape_tracer.tracer import TracedGeneration, load_trace, save_trace
     from gpt_shape_tracer.tracer.files import load_trace_parts, save_trace_part
 
-    model, tok = load_bundled()
-    gen = TracedGeneration(model, tok, "Once upon a time, there was a little girl", temperature=0.0,
-                           stop_at_eos=False)
+    model, tok = load_bundled() if args.model == "story" else load_model(str(gpt2_small_dir()))
+    prompt = "Once upon a time, there was a little girl"
+    if args.prompt_tokens:
+        text = prompt
+        while len(tok.encode(text)) < args.prompt_tokens:
+            text += " " + prompt
+        prompt = tok.decode(tok.encode(text)[:args.prompt_tokens])
+    gen = TracedGeneration(model, tok, prompt, temperature=0.0, stop_at_eos=False)
     folder = Path(tempfile.mkdtemp(prefix="bench-run-writes-"))
     load_before = os.getloadavg()
     after, paths, rows = None, [], []
@@ -64,8 +76,8 @@ def main() -> None:
         started = time.perf_counter()
         load_trace(folder / "whole.zip")
         reads["whole"].append(time.perf_counter() - started)
-    result = {"machine": machine(), "load_before": load_before, "load_after": os.getloadavg(), "rows": rows,
-              "read_s": reads}
+    result = {"machine": machine(), "model": args.model, "prompt_tokens": len(gen.facts.columns(0, 0)),
+              "load_before": load_before, "load_after": os.getloadavg(), "rows": rows, "read_s": reads}
     for row in rows:
         if row["steps"] in SHOWN:
             print(f"{row['steps']:3d} steps: the whole trace {row['whole_s'] * 1000:6.1f} ms "
@@ -74,7 +86,10 @@ def main() -> None:
     print(f"read back: {len(paths)} files {statistics.median(reads['parts']):.3f} s, the whole file "
           f"{statistics.median(reads['whole']):.3f} s (median of 3)")
     print(f"load {load_before} → {result['load_after']}")
-    print(f"wrote {save('run_writes', result)}")
+    name = "run_writes" if args.model == "story" and not args.prompt_tokens else \
+        f"run_writes-{args.model}-{args.prompt_tokens or 'short'}"
+    print(f"{args.model}, a prompt of {result['prompt_tokens']} tokens")
+    print(f"wrote {save(name, result)}")
 
 
 if __name__ == "__main__":
