@@ -136,12 +136,20 @@ def main() -> None:
                         for tab, phases in app(url, args.tabs, args.steps).items():
                             seen[f"app, {tab}"] += phases
             print(f"round {r + 1} done", flush=True)
-    medians = {name: {k: statistics.median(p[k] for p in phases) for k in phases[0]} for name, phases in seen.items()}
+    # the totals of every click; the phases of the clicks whose running phase the page's observer saw (it can miss a
+    # short one: then the start is not known, and the click's phases are left out of the phase medians)
+    medians = {}
+    for name, phases in seen.items():
+        seen_whole = [p for p in phases if p["running"] > 0 and p["to_start"] >= 0]
+        medians[name] = {"total": statistics.median(p["total"] for p in phases),
+                         **{k: statistics.median(p[k] for p in seen_whole)
+                            for k in ("to_start", "running", "to_drawn")},
+                         "phases_missed": len(phases) - len(seen_whole)}
     result = {"machine": machine(), "load_before": load_before, "load_after": os.getloadavg(), "rounds": args.rounds,
               "steps": args.steps, "medians_s": medians, "samples": seen}
     for name, m in medians.items():
         print(f"{name:22s} Step {m['total']:.3f} s (script start {m['to_start']:.3f} + running {m['running']:.3f} + "
-              f"to drawn {m['to_drawn']:.3f})")
+              f"to drawn {m['to_drawn']:.3f}; {m['phases_missed']} click(s) without their phases)")
     print(f"load {load_before} → {result['load_after']}")
     print(f"wrote {save('step_floor', result)}")
 

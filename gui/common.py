@@ -10,6 +10,7 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from gpt_shape_tracer.figures.common import facts_of, layer_labels, no_attention
 from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
+from gpt_shape_tracer.figures.svg import diagram_svg
 from gpt_shape_tracer.model import ModelLoadError
 from gpt_shape_tracer.session import (
     AppState,
@@ -43,6 +44,13 @@ def chart(fig, key: str, **kwargs):
     return st.plotly_chart(fig, key=key, theme=None, **kwargs)
 
 
+def diagram(fig, key: str) -> None:
+    """A boxes-and-arrows figure (``figures.flow``'s shape flow and reshape) drawn as SVG (``figures.svg``): the
+    browser draws it without plotly's redraw of a changed figure, 0.05–0.09 s of a Step here. Through
+    ``st.markdown``, in an HTML block markdown leaves as it is: ``st.html``'s sanitiser drops an SVG."""
+    st.markdown(f"<div class='diagram'>{diagram_svg(fig, key)}</div>", unsafe_allow_html=True)
+
+
 def remembered_tabs(names: list[str], key: str, same: tuple[str, ...] = ()) -> list:
     """``st.tabs`` that reopens where the person left it. Streamlit forgets a widget's state on a rerun that does
     not draw it (a sub-tab inside another open tab, every tab after Reset), so the open tab is kept in the app
@@ -55,6 +63,10 @@ def remembered_tabs(names: list[str], key: str, same: tuple[str, ...] = ()) -> l
             held[key] = drawn_as
     if key not in st.session_state and app.open_tabs.get(key) in names:
         st.session_state[key] = app.open_tabs[key]
+    elif st.session_state.get(key) in names:
+        # set again: Streamlit names the tabs' widget by its labels, so when a name changes (the mask tab's, from
+        # one trace to the next) the open tab is kept only if it is handed to the new widget
+        st.session_state[key] = st.session_state[key]
     drawn = st.tabs(names, key=key, on_change="rerun")
     opened = st.session_state.get(key)
     if isinstance(opened, str):

@@ -13,7 +13,7 @@ import streamlit as st
 
 from gpt_shape_tracer.figures.common import positions
 from gpt_shape_tracer.figures.flow import shape_flow_figure
-from gpt_shape_tracer.gui.common import chart, plain
+from gpt_shape_tracer.gui.common import diagram, plain
 from gpt_shape_tracer.model import GPT, HFDecoder, ModelLoadError
 from gpt_shape_tracer.model.sources import parameters_by_dtype, shapes_available
 from gpt_shape_tracer.session import ModelChoice, load, no_cache_reason
@@ -113,7 +113,7 @@ def dry_run_page() -> None:
         n_layer = result.model.config.n_layer
         layer = st.number_input("Layer", value=0, min_value=0, max_value=n_layer - 1, key="dry_layer",
                                 help="the shape flow of one block (every block has the same shapes)")
-        chart(shape_flow_figure(trace, step, int(layer)), key="dry_flow")
+        diagram(shape_flow_figure(trace, step, int(layer)), key="dry-flow")
         frame = trace.to_frame(step=step, kind="hook", stats=False)
         shown = frame[["name", "shape", "axes", "dtype", "summary"]].copy()
         shown["shape"] = ["[" + ", ".join(map(str, s)) + "]" for s in shown["shape"]]

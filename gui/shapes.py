@@ -7,7 +7,7 @@ import streamlit as st
 from gpt_shape_tracer.figures import flow as flow_views
 from gpt_shape_tracer.figures.common import layer_labels, no_attention
 from gpt_shape_tracer.figures.view_takeaways import shapes_takeaway
-from gpt_shape_tracer.gui.common import chart, n_layer_head, plain, state
+from gpt_shape_tracer.gui.common import diagram, n_layer_head, plain, state
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.tracer import TENSOR_KINDS, Trace
 
@@ -45,7 +45,7 @@ def shapes_tab(trace: Trace, step: int) -> None:
     layer = st.selectbox("block shown in the flow", list(range(n_layer)), key="flow_layer", persist_state="page",
                          # BLT: its list of layers; strings only, a widget kept between reruns must not hold the trace
                          format_func=layer_labels(trace, n_layer).__getitem__)
-    chart(flow_views.shape_flow_figure(trace, step, layer), key="flow_chart")
+    diagram(flow_views.shape_flow_figure(trace, step, layer), key="flow")
     st.subheader("The multi-head reshape, op by op")
     without = no_attention(trace, layer)
     if without is not None:  # a hybrid model's state layer: no heads to split or merge
@@ -54,7 +54,7 @@ def shapes_tab(trace: Trace, step: int) -> None:
         st.caption("How Q is split into heads and the heads' outputs merged back; green boxes are views (the same "
                    "numbers, new shape and strides), orange ones new memory"
                    + (", grey ones not measured (values not kept)." if flow_views.recorded_flow(trace) else "."))
-        chart(flow_views.reshape_figure(trace, step, layer), key="reshape_chart")
+        diagram(flow_views.reshape_figure(trace, step, layer), key="reshape")
     st.subheader("Every record of this step")
     cols = st.columns([1, 2, 1, 2])
     layer_filter = cols[0].selectbox("layer", ["all"] + list(range(n_layer)), key="table_layer", persist_state="page")

@@ -584,7 +584,7 @@ def markdown(results: list[Result], machine: str, seconds: float) -> str:
     ]
     for r in results:
         shown = r.deltas or (r.uncached if r.outcome == "no cache" else [])  # no cache: its full forwards' deltas
-        detail = " ".join(f"{d:.1e}" for d in shown) if shown else r.message.split(": ", 1)[-1][:420]
+        detail = " ".join(f"{d:.1e}" for d in shown) if shown else r.message.split(": ", 1)[-1][:320]
         if r.note:
             detail += f" — {r.note}"
         detail = detail.replace("|", "\\|").replace("\n", " ")

@@ -99,10 +99,33 @@ def show_tab(at: AppTest, name: str, sub: tuple[str, str] | None = None) -> AppT
     return run(at)
 
 
+DIAGRAM = "<div class='diagram'>"  # gui.common.diagram: a figure drawn as SVG, shown through st.markdown
+
+
+def diagrams(at: AppTest) -> list[str]:
+    """The page's SVG drawings (``figures.svg``), in the page's order."""
+    return [str(m.value)[len(DIAGRAM):-len("</div>")] for m in at.markdown if str(m.value).startswith(DIAGRAM)]
+
+
+def diagram_text(svg: str) -> str:
+    """Every label a drawing writes, line by line as a reader sees them (a tspan with its own y starts a line)."""
+    import xml.etree.ElementTree as ET
+
+    lines: list[str] = []
+    for text in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}text"):
+        for span in text.iter("{http://www.w3.org/2000/svg}tspan"):
+            if "y" in span.attrib:
+                lines.append("")
+            lines[-1] += span.text or ""
+    return " ".join(lines)
+
+
 def page_text(at: AppTest) -> str:
-    """Everything the page says, as a person reads it (character references decoded)."""
+    """Everything the page says, as a person reads it (character references decoded; a drawing by its labels)."""
     parts = [*at.markdown, *at.caption, *at.info, *at.warning, *at.error, *at.success, *at.latex]
-    return unescape(" | ".join(str(p.value) for p in parts))
+    said = [diagram_text(str(p.value)[len(DIAGRAM):-len("</div>")]) if str(p.value).startswith(DIAGRAM)
+            else str(p.value) for p in parts]
+    return unescape(" | ".join(said))
 
 
 def frame_with(at: AppTest, column: str):
@@ -146,8 +169,7 @@ def test_three_steps_show_the_right_shapes(stepped):
     assert metric(at, "key positions t") == str(n0 + 2)
     assert metric(at, "cached after step") == str(n0 + 2)
     assert at.slider(key="step_view").value == 2
-    flow = charts(at)[0]  # the Shapes tab is open first
-    texts = drawn_text(flow)
+    texts = diagram_text(diagrams(at)[0])  # the Shapes tab is open first: its shape flow, drawn as SVG
     assert f"[1, 4, {n0 + 2}, 32]" in texts and "[B, H, t, d_head]" in texts and "[1, 1, 1024]" in texts
     assert "W_QKV [128, 384]" in texts and "GELU (tanh form)" in texts and "O = A·V" in texts
     table = at.dataframe(key="records_table").value
@@ -426,7 +448,7 @@ def test_cache_off_recomputes_everything_and_draws_no_cache():
     n0 = prompt_tokens(at)
     assert metric(at, "new positions n") == str(n0 + 1)
     assert metric(at, "cached after step") == "0"
-    flow = drawn_text(charts(at)[0])
+    flow = diagram_text(diagrams(at)[0])
     assert "K (all t rows, recomputed)" in flow and "cache ++ new" not in flow
     show_tab(at, "KV cache")
     assert any("untraced cached re-run" in s.value for s in at.success)

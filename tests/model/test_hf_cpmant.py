@@ -236,8 +236,9 @@ def test_the_head_scores_and_patching_read_token_positions_after_the_prompt_posi
 
 def test_the_app_traces_cpmant_without_a_cache_and_its_mask_tab_says_what_its_mask_does(directory):
     """The real app (AppTest): loaded from its directory and stepped with the KV cache toggle left on, CPM-Ant runs
-    without a cache and the sidebar says why; every tab renders without an error; the mask tab is named "Attention mask", not "Causal
-    mask", and its takeaway is counted from its mask and says it is not causal; the header counts the prompt positions in n and t."""
+    without a cache and the sidebar says why; every tab renders without an error; the mask tab is named "Attention
+    mask", not "Causal mask", and its takeaway is counted from its mask and says it is not causal; the header counts
+    the prompt positions in n and t."""
     from tests.app.test_app import page_text, show_tab
     from tests.app.test_app_architectures import every_tab_without_error, opened_and_stepped
 
@@ -261,3 +262,34 @@ def test_the_app_traces_cpmant_without_a_cache_and_its_mask_tab_says_what_its_ma
     show_tab(at, "KV cache")
     assert "there is no cached path to compare it with" in page_text(at)
     assert "Press the button to redo this step" not in page_text(at)
+
+
+def test_the_open_tab_stays_open_when_the_mask_tab_changes_its_name(directory):
+    """A live GPT generation on the Attention tab, then a CPM-Ant trace file opened, then the live generation again:
+    the mask tab is renamed each time ("Causal mask" ↔ "Attention mask") and the tab the person had open stays open
+    (Streamlit names the tabs' widget by its labels: without handing the open tab over, it fell back to Shapes)."""
+    from tests.app.test_app import new_app, press, run, show_tab
+    from tests.app.test_app_architectures import opened_and_stepped
+    from tests.tracer.test_tracer_io import archive_bytes
+
+    cpm = opened_and_stepped(directory)
+    data = archive_bytes(cpm.session_state["app"].live.generation.trace)
+    at = new_app()
+    press(at, "step_button")
+    show_tab(at, "Export")
+    at.file_uploader(key="upload_trace").upload("cpmant.zip", data, "application/zip")
+    run(at)
+    assert at.session_state["app"].viewing_file
+    masks = [t.label for t in at.tabs if "mask" in t.label]
+    assert masks == ["Attention mask"] and at.session_state["view"] == "Export", (masks, at.session_state["view"])
+    show_tab(at, "Attention")
+    at.button(key="show_live").click()
+    run(at)
+    assert not at.session_state["app"].viewing_file
+    assert [t.label for t in at.tabs if "mask" in t.label] == ["Causal mask"]
+    assert at.session_state["view"] == "Attention"
+    at.button(key="show_file").click()
+    run(at)
+    assert at.session_state["view"] == "Attention"
+    show_tab(at, "Causal mask")  # asked by the other name: opened under this trace's
+    assert at.session_state["view"] == "Attention mask"
