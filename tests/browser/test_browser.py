@@ -154,6 +154,11 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
         texts = page.locator('[data-testid="stMarkdownContainer"]').all_inner_texts()
         assert any(x.startswith(PROMPT) and len(x) > len(PROMPT) for x in texts)  # the prompt and new tokens
         open_tab(page, "Shapes")
+        flow = page.locator("div.diagram svg").first  # the shape flow, drawn as SVG (figures/svg.py)
+        assert f"[1, 4, 1, {t}]" in (flow.text_content() or "")  # this step's pattern shape, in its box
+        hovers = flow.locator("title").all_text_contents()  # each box's record, as the browser's tooltip
+        assert any(h.startswith("blocks.0.attn.hook_pattern") for h in hovers), hovers[:5]
+        assert page.locator("div.diagram svg marker").count() >= 2  # the arrowheads, defined in each drawing
         shot("shapes")
 
         open_tab(page, "Attention")
