@@ -3,15 +3,21 @@ written from the same plotly figure the report and the notebook show, for a page
 
 plotly redraws a figure whose data changed in 0.05–0.09 s of the browser's main thread on the machine
 ``docs/benchmarks.md`` names (the shape flow alone on an empty page: a Step 0.21 s against 0.12 s without it; the
-same figure as this SVG 0.13 s): the Shapes tab paid that twice a Step. The browser draws an SVG of the same boxes,
+same figure as this SVG 0.14 s): the Shapes tab paid that twice a Step. The browser draws an SVG of the same boxes,
 arrows and labels without any script.
 
 What is drawn, and nothing else (anything else raises ``ValueError``: such a figure stays a plotly chart): the
-layout's rectangles and paths (``shapes``), scatter traces of lines with an arrowhead marker at a segment's end
-(``plot.arrow_trace``), of text (``plot.text_trace``: plotly's ``<b>``, ``<i>``, ``<br>`` and
-``<span style='color:…'>``), and of invisible markers carrying a hover (``hovertemplate`` over ``customdata``),
-which become each point's ``<title>`` — the browser's own tooltip. Axes are hidden in these figures; their ranges
-place everything (a reversed y range draws downwards, as plotly does).
+layout's rectangles and paths in data coordinates (``shapes``), scatter traces of lines with an arrowhead marker at a
+segment's end (``plot.arrow_trace``), of text centred at, above or below its point (``plot.text_trace``: plotly's
+``<b>``, ``<i>``, ``<br>`` and ``<span style='color:…'>``), and of invisible markers carrying a hover
+(``hovertemplate`` over ``customdata``), which become each point's ``<title>`` — the browser's own tooltip. Axes are
+hidden in these figures; their ranges place everything (a reversed y range draws downwards, as plotly does). A
+figure with annotations, a title, hidden traces or a dash plotly does not name is refused.
+
+The text of a label can come from the model (a module's name, its class): it is shown through ``st.markdown``, so
+every character markdown or HTML would read is written as a character reference, control characters as spaces
+(a raw line break would end the HTML block markdown leaves alone), and a colour is drawn only where it reads as
+one (``#rrggbb``, a name, ``rgb(…)``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ WIDTH = 1000  # the drawing's own width in px; the page scales it to the column 
 LINE = 1.25  # a label's line height, in font sizes (plotly's own spacing of <br> lines)
 _TAG = re.compile(r"(<br>|<b>|</b>|<i>|</i>|<span style='color:[^']*'>|</span>)")
 _COLOR = re.compile(r"<span style='color:([^']*)'>")
+_CSS_COLOUR = re.compile(r"#[0-9a-fA-F]{3,8}|[a-zA-Z]{3,20}|rgba?\([0-9.,% ]{5,40}\)")
+_POSITIONS = ("middle center", "bottom center", "top center")
+
+
+def _colour(value: Any, default: str) -> str:
+    """``value`` where it reads as a CSS colour, else ``default``: nothing else reaches an attribute."""
+    return value if isinstance(value, str) and _CSS_COLOUR.fullmatch(value) else default
 _HOVER = re.compile(r"%\{customdata\[(\d+)\]\}")
 
 
@@ -46,9 +59,9 @@ def _spans(text: str) -> list[list[tuple[str, bool, bool, str | None]]]:
             if colours:
                 colours.pop()
         elif (colour := _COLOR.fullmatch(part)) is not None:
-            colours.append(colour.group(1))
+            colours.append(_colour(colour.group(1), ""))  # "" : not a colour, the label's own drawn
         elif part:
-            lines[-1].append((html.unescape(part), bold, italic, colours[-1] if colours else None))
+            lines[-1].append((html.unescape(part), bold, italic, (colours[-1] or None) if colours else None))
     return lines
 
 
@@ -60,7 +73,8 @@ def label_lines(text: str) -> list[str]:
 # characters markdown or Streamlit's markdown would read (emphasis, math, links, emoji short codes, code), written
 # as character references: the drawing is shown through st.markdown, whose HTML sanitiser would drop an SVG from
 # st.html, inside an HTML block that markdown leaves alone — this keeps a label the same even outside one
-_MARKDOWN = str.maketrans({c: f"&#{ord(c)};" for c in "$:*_`~[]\\#|<>&\"'\n"})
+_MARKDOWN = str.maketrans({**{c: f"&#{ord(c)};" for c in "$:*_`~[]\\#|<>&\"'!()\n"},
+                           **{chr(c): " " for c in [*range(32), 127, 0x85, 0x2028, 0x2029] if c != 10}})
 
 
 def _words(text: str) -> str:
@@ -106,17 +120,22 @@ _DASHES = {"dot": "3,3", "dash": "9,9", "longdash": "15,15", "dashdot": "9,3,3,3
 
 
 def _stroke(line: dict, default: str) -> str:
-    dash = _DASHES.get(str(line.get("dash") or ""), "")
-    return (f'stroke="{html.escape(str(line.get("color", default)))}" stroke-width="{line.get("width", 1)}"'
+    named = line.get("dash") or "solid"
+    if named != "solid" and named not in _DASHES:
+        raise ValueError(f"a dash this drawing does not know: {named!r}")
+    dash = _DASHES.get(named, "")
+    return (f'stroke="{_colour(line.get("color"), default)}" stroke-width="{_number(line.get("width", 1)):g}"'
             + (f' stroke-dasharray="{dash}"' if dash else ""))
 
 
 def _shape(shape: dict, at: _Place) -> str:
     stroke = _stroke(shape.get("line") or {}, "#444")
+    if shape.get("xref", "x") != "x" or shape.get("yref", "y") != "y":
+        raise ValueError("a shape placed outside the data's coordinates (xref/yref): this drawing places by the axes")
     if shape.get("type") == "rect":
         x0, x1 = sorted((at.x(_number(shape["x0"])), at.x(_number(shape["x1"]))))
         y0, y1 = sorted((at.y(_number(shape["y0"])), at.y(_number(shape["y1"]))))
-        fill = html.escape(str(shape.get("fillcolor") or "none"))
+        fill = _colour(shape.get("fillcolor"), "none")
         return f'<rect x="{_f(x0)}" y="{_f(y0)}" width="{_f(x1 - x0)}" height="{_f(y1 - y0)}" fill="{fill}" {stroke}/>'
     if shape.get("type") == "path":
         return f'<path d="{_path(str(shape["path"]), at)}" fill="none" {stroke}/>'
@@ -130,7 +149,7 @@ def _arrows(trace: dict, at: _Place, heads: dict[str, str], key: str) -> list[st
     sizes = (trace.get("marker") or {}).get("size")
     sizes = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes or 0] * len(xs)
     line = trace.get("line") or {}
-    colour = html.escape(str(line.get("color", "#888")))
+    colour = _colour(line.get("color"), "#888")
     marker_id = heads.setdefault(colour, f"{key}-arrow-{len(heads)}")
     out: list[str] = []
     points: list[tuple[float, float, float]] = []
@@ -149,8 +168,10 @@ def _arrows(trace: dict, at: _Place, heads: dict[str, str], key: str) -> list[st
 
 def _texts(trace: dict, at: _Place) -> list[str]:
     font = trace.get("textfont") or {}
-    size, colour = float(font.get("size", 12)), str(font.get("color", "#1a1a1a"))
+    size, colour = float(font.get("size", 12)), _colour(font.get("color"), "#1a1a1a")
     position = str(trace.get("textposition") or "middle center")
+    if position not in _POSITIONS:
+        raise ValueError(f"text placed {position!r}: this drawing centres a label at, above or below its point")
     out = []
     for x, y, text in zip(trace.get("x") or [], trace.get("y") or [], trace.get("text") or []):
         if x is None or y is None or not text:
@@ -169,9 +190,9 @@ def _texts(trace: dict, at: _Place) -> list[str]:
             for j, (words, bold, italic, run_colour) in enumerate(runs):
                 where = f' x="{cx}" y="{_f(first + i * step)}"' if j == 0 else ""
                 style = (' font-weight="bold"' if bold else "") + (' font-style="italic"' if italic else "") + (
-                    f' fill="{html.escape(run_colour)}"' if run_colour else "")
+                    f' fill="{run_colour}"' if run_colour else "")
                 tspans.append(f"<tspan{where}{style}>{_words(words)}</tspan>")
-        out.append(f'<text text-anchor="middle" font-size="{size:g}" fill="{html.escape(colour)}">'
+        out.append(f'<text text-anchor="middle" font-size="{size:g}" fill="{colour}">'
                    + "".join(tspans) + "</text>")
     return out
 
@@ -194,9 +215,14 @@ def diagram_svg(fig: go.Figure, key: str, width: int = WIDTH) -> str:
     ``ValueError`` for anything else it holds."""
     spec = fig.to_plotly_json()
     layout = spec["layout"]
+    key = re.sub(r"[^a-z0-9-]", "-", key.lower())
     for trace in spec["data"]:
         if trace.get("type", "scatter") != "scatter":
             raise ValueError(f"a {trace.get('type')} trace: this drawing knows scatter lines, text and hover points")
+        if trace.get("visible", True) is not True:
+            raise ValueError("a hidden trace: this drawing draws every trace it is given")
+    if layout.get("annotations") or (layout.get("title") or {}).get("text"):
+        raise ValueError("annotations or a title: this drawing writes labels from text traces only")
     if not all(isinstance(layout.get(k), dict) and "range" in layout[k] for k in ("xaxis", "yaxis")) or \
             "height" not in layout:
         raise ValueError("a diagram is drawn at its layout's height over its axes' ranges: this figure sets none")
@@ -218,8 +244,8 @@ def diagram_svg(fig: go.Figure, key: str, width: int = WIDTH) -> str:
             hovers += _hovers(trace, at)
         else:
             raise ValueError(f"a scatter trace of mode {mode!r} this drawing does not know")
-    background = html.escape(str(layout.get("plot_bgcolor") or "white"))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height:g}" width="100%" '
+    background = _colour(layout.get("plot_bgcolor"), "white")
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height:g}" width="100%" '
             f'style="max-width: {width}px; height: auto; display: block" font-family="\'Source Sans Pro\', '
             f'\'Source Sans 3\', sans-serif" role="img">'
             + "<defs>" + "".join(f'<marker id="{name}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
@@ -227,3 +253,5 @@ def diagram_svg(fig: go.Figure, key: str, width: int = WIDTH) -> str:
                                  "</marker>" for colour, name in heads.items()) + "</defs>"
             f'<rect x="0" y="0" width="{width}" height="{height:g}" fill="{background}"/>'
             + "".join(below) + "".join(body) + "".join(above) + "".join(hovers) + "</svg>")
+    # one line: a line break would end the HTML block st.markdown shows it in (every text's breaks are references)
+    return svg.replace("\r", " ").replace("\n", " ")

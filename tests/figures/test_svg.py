@@ -4,6 +4,7 @@ box, path, arrowhead and hover — at the places the figures' axis ranges give, 
 from __future__ import annotations
 
 import html
+import re
 import xml.etree.ElementTree as ET
 
 import plotly.graph_objects as go
@@ -52,6 +53,9 @@ def test_the_drawing_holds_every_label_box_path_arrow_and_hover_of_the_figure(tr
     root = _parsed(diagram_svg(fig, which))
     labels = [str(t) for trace_ in spec["data"] if trace_.get("mode") == "text" for t in trace_["text"] if t]
     assert _texts(root) == [label_lines(t) for t in labels]
+    # the same, read from the markup without the drawing's own parser: plotly's <br> lines, tags dropped
+    assert _texts(root) == [[html.unescape(re.sub(r"<[^>]+>", "", line)) for line in t.split("<br>")]
+                            for t in labels]
     assert any("[" in line for lines in _texts(root) for line in lines)  # the live shapes are among them
     shapes = spec["layout"]["shapes"]
     rects = [s for s in shapes if s["type"] == "rect"]
@@ -123,3 +127,63 @@ def test_markup_and_characters_markdown_reads_are_drawn_as_written():
 def test_a_figure_it_cannot_draw_is_refused():
     with pytest.raises(ValueError, match="heatmap"):
         diagram_svg(go.Figure(go.Heatmap(z=[[1, 2]])), "h")
+
+
+def _label(text: str, colour: str = "#1a1a1a", position: str = "middle center") -> go.Figure:
+    fig = go.Figure([text_trace([1.0], [1.0], [text], color=colour, position=position)])
+    fig.update_layout(height=200, xaxis={"range": [0, 2]}, yaxis={"range": [0, 2]})
+    return fig
+
+
+def test_a_label_from_the_model_cannot_end_the_markdown_block_or_set_an_attribute():
+    """A module's name reaches a label unescaped (the recorded flow names modules): a carriage return, a line
+    separator or a colour written with line breaks would end the HTML block st.markdown leaves alone, the rest of
+    the drawing read as markdown (links, images fetched). The drawing stays one line, its text the label's, and a
+    colour that is no colour is not drawn."""
+    for said in ("x\r\r- www.example.com http://example.com/a", "x\u2028\u2028![i](http://example.com/i.png)",
+                 "x\n\n[click](javascript:alert(1))", "</text><script>alert(1)</script>", '"><img src=x onerror=1>'):
+        svg = diagram_svg(_label(html.escape(said, quote=False)), "t")
+        assert "\n" not in svg and "\r" not in svg and "\u2028" not in svg
+        drawn_part = svg.split("<text", 1)[1]  # (the svg element's own xmlns names an http address)
+        assert not any(raw in drawn_part for raw in ("<script", "<img", "](", "http:"))
+        assert {e.tag.removeprefix(SVG) for e in _parsed(svg).iter()} == {"svg", "defs", "rect", "text", "tspan"}
+        assert all(set(e.attrib) <= {"x", "y", "text-anchor", "font-size", "fill"}
+                   for e in _parsed(svg).iter() if e.tag in (f"{SVG}text", f"{SVG}tspan"))
+        drawn = " ".join(_texts(_parsed(svg))[0])
+        assert drawn == re.sub(r"[\r\u2028]", " ", said), (drawn, said)
+    svg = diagram_svg(_label("<span style='color:\n\n![](//x)'>x</span> <span style='color:#6b5b95'>W</span>"), "t")
+    spans = list(_parsed(svg).iter(f"{SVG}tspan"))
+    assert [s.get("fill") for s in spans] == [None, None, "#6b5b95"] and "\n" not in svg and "//x" not in svg
+
+
+def test_dashes_and_text_below_its_point_are_drawn_as_plotly_draws_them():
+    fig = _label("<b>box</b><br>under", position="bottom center")
+    fig.update_layout(shapes=[{"type": "path", "path": "M 0.5 0.5 L 1.5 0.5", "line": {"dash": "dash"}},
+                              {"type": "rect", "x0": 0.2, "x1": 0.4, "y0": 0.2, "y1": 0.4}])
+    root = _parsed(diagram_svg(fig, "t"))
+    dashed = [p for p in root.iter(f"{SVG}path") if p.get("stroke-dasharray")]
+    assert [p.get("stroke-dasharray") for p in dashed] == ["9,9"]  # plotly's "dash"
+    assert root.find(f"{SVG}rect[@width]") is not None
+    first = float(root.find(f"{SVG}text").find(f"{SVG}tspan").get("y"))
+    assert first > _px(fig.to_plotly_json()["layout"], 1.0, "y")  # below the point, y growing downwards
+    centred = float(_parsed(diagram_svg(_label("a<br>b"), "t")).find(f"{SVG}text").find(f"{SVG}tspan").get("y"))
+    assert centred < _px(fig.to_plotly_json()["layout"], 1.0, "y")  # two lines centred: the first above it
+
+
+@pytest.mark.parametrize("change", ["annotation", "title", "hidden", "paper", "dash", "position"])
+def test_what_it_does_not_draw_is_refused(change):
+    fig = _label("x")
+    if change == "annotation":
+        fig.add_annotation(x=1, y=1, text="said")
+    elif change == "title":
+        fig.update_layout(title="a title")
+    elif change == "hidden":
+        fig.data[0].visible = False
+    elif change == "paper":
+        fig.update_layout(shapes=[{"type": "rect", "xref": "paper", "x0": 0, "x1": 1, "y0": 0, "y1": 1}])
+    elif change == "dash":
+        fig.update_layout(shapes=[{"type": "path", "path": "M 0 0 L 1 1", "line": {"dash": "5px,2px"}}])
+    else:
+        fig = _label("x", position="middle right")
+    with pytest.raises(ValueError):
+        diagram_svg(fig, "t")
