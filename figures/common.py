@@ -104,6 +104,18 @@ def bidirectional(trace: Trace) -> bool:
     return bool(getattr(trace.config, "bidirectional", False))
 
 
+def size_names(trace: Trace, step: int) -> tuple[str, str]:
+    """The header's names for n and t at ``step``: "new positions n" where the step's n positions are new; with
+    learned prompt positions (CPM-Ant) "positions P + n" and "key positions P + t", as the Shapes takeaway writes
+    them; after the prefill without a cache "positions n, all fed again" (only the newest of them is new)."""
+    if prompt_positions(trace):
+        return "positions P + n", "key positions P + t"
+    facts = trace.generation
+    if step > 0 and facts is not None and not facts.info.use_cache and positions(trace, step)[0] > 1:
+        return "positions n, all fed again", "key positions t"
+    return "new positions n", "key positions t"
+
+
 # the mask tab's names: what M is for the model on view (one tab; the name follows the model)
 MASK_TAB_NAMES = ("Causal mask", "Attention mask")
 

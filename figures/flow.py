@@ -137,8 +137,9 @@ def _nodes(layer: int, n_layer: int, config, use_cache: bool) -> tuple[list[Flow
         FlowNode(f"{norm}₁(x)", h("ln1"), 1.0, 3, "attention", w.get("norm", "")),
         FlowNode("X·W_QKV", h("qkv"), 1.0, 4, "attention", w.get("qkv", "")),
         FlowNode("Q", h("q"), -0.3, 5, "attention"),
-        FlowNode(f"K (new, {kv} heads)", h("k"), 1.0, 5, "attention"),
-        FlowNode(f"V (new, {kv} heads)", h("v"), 2.3, 5, "attention"),
+        # without the cache every position is fed again: K and V of all of them, none of them "new"
+        FlowNode(f"K ({'new' if use_cache else 'every position'}, {kv} heads)", h("k"), 1.0, 5, "attention"),
+        FlowNode(f"V ({'new' if use_cache else 'every position'}, {kv} heads)", h("v"), 2.3, 5, "attention"),
     ]
     chain += [("resid_pre", "ln1"), ("ln1", "qkv"), ("qkv", "q"), ("qkv", "k"), ("qkv", "v")]
     q_src, k_src = "q", "k"
@@ -193,6 +194,8 @@ def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode]
     from gpt_shape_tracer.model.gpt import spec_for
 
     config = trace.config
+    facts = trace.generation
+    cached = facts.info.use_cache if facts is not None else True  # no cache (its own, or the switch): no "new"
     records = trace.filter(step=step)
     hooks = [r for r in records if r.kind == "hook" and r.name.startswith(f"blocks.{layer}.")]
     # the outputs of the model's own modules inside block `layer` (a record's layer is its path's first number)
@@ -218,6 +221,9 @@ def _recorded_nodes(trace: Trace, step: int, layer: int) -> tuple[list[FlowNode]
             label, group = residual_label(r.name.rsplit("hook_", 1)[1], plain, mixer, parallel), "residual"
         elif spec is not None:
             label = spec.meaning.replace("block L", f"block {layer}")
+            if not cached:  # the table's meanings speak of a cache; without one every position is recomputed
+                label = label.replace(": cache ++ new", ", recomputed").replace("of the new positions",
+                                                                               "of every position")
             group = ("input" if r.name == "hook_embed" else "output" if r.name == "hook_logits"
                      else "residual" if "resid" in r.name else "attention" if r.index <= attn_end else "mlp")
         else:
@@ -416,12 +422,28 @@ def reshape_ops(trace: Trace, step: int, layer: int = 0) -> list[ReshapeOp]:
     merge = shares(merged, z)
     measured = " (measured: it shares X·W_QKV's storage)" if split == "same" else ""
     copy_bytes = B * n * H * dh * itemsize
-    # O.transpose(1, 2) is already contiguous when n = 1 or H = 1: then .contiguous() returns it as it is
-    needs_copy = merge == "new" if merge is not None else not (n == 1 or H == 1)
+    # O.transpose(1, 2) is contiguous whenever n = 1 or H = 1, and also wherever the attention kernel wrote O with
+    # each position's heads side by side (a fused kernel may): then .contiguous() returns it as it is. Only the
+    # kept tensors say which; without them, only n = 1 or H = 1 is sure
+    sure = f"with n = {n}" if n == 1 else "with H = 1" if H == 1 else None
+    why = sure or ("the attention kernel wrote O with each position's heads side by side" if merge == "same" else None)
+    needs_copy = merge == "new" if merge is not None else (False if sure else None)
     measured_merge = " (measured: a new storage)" if merge == "new" else (
         " (measured: the same storage as O)" if merge == "same" else "")
-    copied = (f"copies {copy_bytes:,} bytes into new memory{measured_merge}" if needs_copy else
-              f"no copy: with n = {n} the transposed O is already contiguous{measured_merge}")
+    if needs_copy:
+        transposed = "a view, no longer contiguous: each position's heads are not side by side in memory"
+        copied = f"copies {copy_bytes:,} bytes into new memory{measured_merge}"
+        viewed = "a view of the copy: each row the H heads' outputs side by side"
+    elif needs_copy is None:  # values not kept and n, H > 1: the kernel's layout of O is not known
+        transposed = ("a view: contiguous only where the attention kernel wrote O with each position's heads side "
+                      "by side")
+        copied = (f"copies {copy_bytes:,} bytes where the transposed O is not contiguous, else returns it as it is "
+                  "(not measured: values not kept)")
+        viewed = "a view of what .contiguous() returned: each row the H heads' outputs side by side"
+    else:
+        transposed = f"a view, and still contiguous: {why}"
+        copied = f"no copy: the transposed O is already contiguous — {why}{measured_merge}"
+        viewed = "a view of O itself (nothing was copied): each row the H heads' outputs side by side"
     strides = f"strides {tuple(q.stride())}" if q is not None else "strides not kept"
     qkv_width = (H + 2 * G) * dh
     return [
@@ -433,11 +455,9 @@ def reshape_ops(trace: Trace, step: int, layer: int = 0) -> list[ReshapeOp]:
         ReshapeOp("q.transpose(1, 2)", q_r.shape, "[B, H, n, d_head]",
                   f"a view: only the strides swap ({strides}); the matmuls now batch over heads"),
         ReshapeOp("o = attention(q, k, v)", z_r.shape, "[B, H, n, d_head]", "a new tensor (A·V)"),
-        ReshapeOp("o.transpose(1, 2)", (B, n, H, dh), "[B, n, H, d_head]",
-                  "a view, no longer contiguous: heads are not side by side in memory"),
+        ReshapeOp("o.transpose(1, 2)", (B, n, H, dh), "[B, n, H, d_head]", transposed),
         ReshapeOp(".contiguous()", (B, n, H, dh), "[B, n, H, d_head]", copied),
-        ReshapeOp(f".view(B, n, {H * dh})", merged_r.shape, "[B, n, H·d_head]",
-                  "a view of the copy: each row the H heads' outputs side by side"),
+        ReshapeOp(f".view(B, n, {H * dh})", merged_r.shape, "[B, n, H·d_head]", viewed),
     ]
 
 

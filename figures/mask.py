@@ -133,8 +133,8 @@ class MaskFacts:
                 "above the diagonal are −∞"
                 + (f" (and {self.own} on it: each row's own key, {OWN_KEY.removeprefix('because the key is ')})"
                    if self.own else "")
-                + (f", and so are the {self.padding_key} cells of padding keys at or before their query: row i of "
-                   f"sequence {self.batch} weighs only its real keys up to i." if self.padding_key else "."))
+                + (f", and so are the {self.padding_key} cells of padding keys at or before their query: each real "
+                   f"row i of sequence {self.batch} weighs only its real keys up to i." if self.padding_key else "."))
             if not self.use_cache and self.cached_steps:
                 lines.append("Without the cache every step recomputes all rows; only the last row is new, and its "
                              "causal part is all zeros — exactly the one row a cached step computes.")

@@ -50,7 +50,11 @@ def shapes_takeaway(trace: Trace, step: int) -> Takeaway:
                     f"{shape_text((B, P + n, config.d_model))}, its attention weighs P + t = {P + t} key positions, "
                     f"and the logits are the tokens' only, [B, n, V] = {shape_text((B, n, config.vocab_size))}.")
     else:
-        sentence = (f"Step {step} runs n = {n} new position{'s' if n != 1 else ''} of each of B = {B} "
+        # without a cache a step after the prefill feeds every position again: only the newest of them is new
+        again = step > 0 and not facts.info.use_cache and n > 1
+        fed = (f"n = {n} positions (no cache: the newest and, again, the {n - 1} before it)" if again
+               else f"n = {n} new position{'s' if n != 1 else ''}")
+        sentence = (f"Step {step} runs {fed} of each of B = {B} "
                     f"sequence{'s' if B != 1 else ''} through {config.n_layer} blocks: every block takes and gives "
                     f"back [B, n, d] = {shape_text((B, n, config.d_model))}, its attention weighs t = {t} key "
                     f"positions, and the logits are [B, n, V] = {shape_text((B, n, config.vocab_size))}.")
@@ -107,8 +111,8 @@ def mask_takeaway(facts: MaskFacts) -> Takeaway:
     elif facts.future:
         sentence = (f"{facts.future} of the {cells} scores are −∞ because the key comes after the query: row i "
                     "weighs keys up to its own position only")
-        sentence += (f"; {facts.padding_key} more are −∞ because the key is padding, so a padded sequence's row i "
-                     "weighs only its real keys up to i" if facts.padding_key else "")
+        sentence += (f"; {facts.padding_key} more are −∞ because the key is padding, so each real row i of a padded "
+                     "sequence weighs only its real keys up to i" if facts.padding_key else "")
         sentence += f"; {facts.own} more are −∞ {OWN_KEY}." if facts.own else "."
     else:
         sentence = f"No score of these {cells} is hidden for coming after its query."

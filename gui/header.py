@@ -9,7 +9,7 @@ import time
 import streamlit as st
 
 from gpt_shape_tracer.figures import tokens as token_views
-from gpt_shape_tracer.figures.common import facts_of, positions, prompt_positions
+from gpt_shape_tracer.figures.common import facts_of, positions, prompt_positions, size_names
 from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
 from gpt_shape_tracer.gui.common import current_model, state
 from gpt_shape_tracer.gui.server import reserve_memory
@@ -181,8 +181,9 @@ def header(trace: Trace) -> int:
     prompt = prompt_positions(trace)
     with_prompt = (f"the model's {prompt} learned prompt positions included: every forward runs them before the "
                    "text") if prompt else None
-    cols[0].metric("new positions n", n, help=with_prompt)
-    cols[1].metric("key positions t", t, help=with_prompt)
+    n_label, t_label = size_names(trace, step)
+    cols[0].metric(n_label, n, help=with_prompt)
+    cols[1].metric(t_label, t, help=with_prompt)
     cols[2].metric("cached after step", forward.cache_after if facts.info.use_cache else 0,
                    help="0 when the KV cache is off")
     cols[3].metric("query rows computed", f"{n} of {t}")

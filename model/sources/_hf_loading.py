@@ -96,6 +96,11 @@ def _transformers_eager(hf: nn.Module):
         hf.set_attn_implementation(before if isinstance(before, str) else ATTENTION)  # type: ignore[operator]
 
 
+def _within(gap: float) -> str:
+    """How closely the trace follows a reference, in words: "exactly" for no difference at all."""
+    return "exactly" if gap == 0 else f"within {gap:.1g}"
+
+
 def guard_against_transformers(model: HFDecoder) -> None:
     """No silent difference: one decode step with our cache, compared with transformers' own forward on the same
     tokens — without a cache (what the model computes) and with its own cache (what its generate() runs).
@@ -158,12 +163,12 @@ def guard_against_transformers(model: HFDecoder) -> None:
         model.reference_note = generated if not apart else (
             f"{generated}; beside that, transformers' own cached and uncached forwards of {name} differ (by "
             f"{max(to_cached, to_uncached):.3g} in the logits of a decode step after {n} tokens) and the trace "
-            f"follows the {follows} one (within {min(to_cached, to_uncached):.1g})")
+            f"follows the {follows} one ({_within(min(to_cached, to_uncached))})")
     elif to_cached > tolerance:
         model.reference_note = (
             f"transformers' own cached forward of {name} differs from its uncached forward (by {to_cached:.3g} in the "
-            f"logits of a decode step after {n} tokens); the trace follows the uncached forward (within "
-            f"{to_uncached:.1g}), what the model computes for the whole text")
+            f"logits of a decode step after {n} tokens); the trace follows the uncached forward "
+            f"({_within(to_uncached)}), what the model computes for the whole text")
     elif to_uncached > tolerance:
         model.reference_note = (
             f"transformers' own uncached forward of {name} differs from its cached forward (by {to_uncached:.3g} in "
@@ -248,7 +253,7 @@ def _uncached_guard(model: HFDecoder, tokens: torch.Tensor, n: int, tolerance: f
            f"transformers' own cached forward of {name} differs from its uncached forward (by "
            f"{float((cached - uncached).abs().max()):.3g} in the logits of a decode step after {n} tokens)")
     return (f"{own}; the trace runs it without a cache, every step recomputing the whole text, and follows the "
-            f"uncached forward (within {to_uncached:.1g})")
+            f"uncached forward ({_within(to_uncached)})")
 
 
 def load_hf_decoder(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,

@@ -446,7 +446,9 @@ def test_cache_off_recomputes_everything_and_draws_no_cache():
     for _ in range(2):
         press(at, "step_button")
     n0 = prompt_tokens(at)
-    assert metric(at, "new positions n") == str(n0 + 1)
+    assert metric(at, "positions n, all fed again") == str(n0 + 1)  # only the newest of them is new
+    assert not any(m.label == "new positions n" for m in at.metric)
+    assert "(no cache: the newest and, again, the" in page_text(at)  # the Shapes takeaway says the same
     assert metric(at, "cached after step") == "0"
     flow = diagram_text(diagrams(at)[0])
     assert "K (all t rows, recomputed)" in flow and "cache ++ new" not in flow

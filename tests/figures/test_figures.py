@@ -433,6 +433,10 @@ def test_with_the_cache_off_the_flow_draws_no_cache(bundled):
     g.run(2)
     labels = set(node_labels(g.trace, 1))
     assert "K (all t rows, recomputed)" in labels and not any("cache" in label for label in labels)
+    assert "K (every position, H heads)" in labels and not any("new" in label for label in labels)
+    cached = TracedGeneration(model, tok, "Tom had a kite.", temperature=0)
+    cached.run(2)
+    assert "K (new, H heads)" in set(node_labels(cached.trace, 1))
 
 
 def test_the_reshape_says_what_moves_memory_as_measured(gen):
@@ -450,6 +454,13 @@ def test_the_reshape_says_what_moves_memory_as_measured(gen):
         assert merged_0.untyped_storage().data_ptr() != z_0.untyped_storage().data_ptr()
     assert gen.trace.get("blocks.1.attn.hook_z", 2).transpose(1, 2).is_contiguous()  # …and a decode step's need not
     assert decode[6].memory.startswith("no copy") and "same storage as O" in decode[6].memory
+    for ops, z in ((prefill, z_0), (decode, gen.trace.get("blocks.1.attn.hook_z", 2))):
+        # the transpose, the copy and the view say one thing: contiguous ⇔ no copy ⇔ a view of O itself
+        contiguous = z.transpose(1, 2).is_contiguous()
+        assert ("no longer contiguous" in ops[5].memory) == (not contiguous), ops[5].memory
+        assert ops[6].memory.startswith("no copy") == contiguous
+        assert ops[7].memory.startswith("a view of O itself" if contiguous else "a view of the copy")
+    assert "with n = 1" in decode[5].memory and f"with n = {n0}" not in prefill[6].memory
     assert "shares X·W_QKV's storage" in prefill[1].memory
     assert [op.shape for op in prefill[:4]] == [(1, n0, 384), (1, n0, 128), (1, n0, 4, 32), (1, 4, n0, 32)]
 

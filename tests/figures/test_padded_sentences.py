@@ -146,3 +146,20 @@ def test_the_stages_takeaway_rounds_its_weight_once(padded):
             columns = trace.generation.is_token(batch, step)[a.shape[1] - a.shape[0]:]  # the query rows' positions
             real = [r for r in range(a.shape[0]) if columns[r]]
             assert shown == f"{float(a[real[-1]].max()):.3f}"
+
+
+def test_the_padding_sentence_speaks_of_the_real_rows_only(padded):
+    """"…because the key is padding, so each real row i … weighs only its real keys up to i": true of every real
+    query row of the padded sequence at the prefill (its finite keys are the real ones up to it), while a padding
+    row still sees its own (padding) key — which is why the sentence names the real rows (it said "row i")."""
+    trace = padded.trace
+    said = mask_takeaway(mask_facts(trace, 0, 0, batch=0)).sentence
+    assert "so each real row i of a padded sequence weighs only its real keys up to i" in said, said
+    explained = mask_facts(trace, 0, 0, batch=0).explanation()
+    assert "each real row i of sequence 0 weighs only its real keys up to i" in explained, explained
+    _, hidden = block(trace, 0, 0)
+    pads = padding_keys(trace, 0, 0)
+    real = [i for i in range(hidden.shape[0]) if i not in pads]
+    for i in real:
+        assert [j for j in range(hidden.shape[1]) if not hidden[i, j]] == [j for j in real if j <= i]
+    assert pads and any(not hidden[i, i] for i in pads)  # a padding row sees its own key: "row i" was not true

@@ -259,6 +259,7 @@ def test_the_app_traces_cpmant_without_a_cache_and_its_mask_tab_says_what_its_ma
     assert "comes after the query" not in text and "j ≤ i" not in text
     n = len(gen.facts.columns(0, 1))
     assert [m.value for m in at.metric][:2] == [str(P + n), str(P + n)]
+    assert [m.label for m in at.metric][:2] == ["positions P + n", "key positions P + t"]  # as the takeaway writes
     show_tab(at, "KV cache")
     assert "there is no cached path to compare it with" in page_text(at)
     assert "Press the button to redo this step" not in page_text(at)
@@ -293,3 +294,16 @@ def test_the_open_tab_stays_open_when_the_mask_tab_changes_its_name(directory):
     assert at.session_state["view"] == "Attention"
     show_tab(at, "Causal mask")  # asked by the other name: opened under this trace's
     assert at.session_state["view"] == "Attention mask"
+
+
+def test_the_flow_speaks_of_no_cache_for_a_model_traced_without_one(generation):
+    """CPM-Ant runs every step as a full forward, no cache: its recorded flow's boxes say K and V of every
+    position, recomputed — not "cache ++ new" nor "the new positions" (the hook table's words for a cached model).
+    A box's label is cut at 34 characters: the words are checked where they stand, at its start."""
+    from gpt_shape_tracer.figures.flow import flow_nodes
+
+    assert not generation.use_cache
+    labels = [node.label for node in flow_nodes(generation.trace, generation.n_steps - 1, 0)[0]]
+    assert "all keys K, recomputed" in labels and "all values V, recomputed" in labels, labels
+    assert any(label.startswith("keys of every position") for label in labels), labels
+    assert not any("cache ++ new" in label or "new positions" in label for label in labels), labels

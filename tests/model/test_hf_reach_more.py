@@ -260,7 +260,7 @@ def test_the_model_says_how_far_generate_s_own_inputs_take_its_prediction_from_t
             f"generate() picks token {picked} greedily where the trace picks {mine}")
     assert said in note, note
     if model_type == "xlnet":  # its checkpoints' attn_type "bi": traced without a cache, its mems path differing
-        assert note.endswith("and the trace follows the uncached one (within 0)"), note
+        assert note.endswith("and the trace follows the uncached one (exactly)"), note
     else:
         assert note.endswith(said), note
 
