@@ -477,8 +477,8 @@ def recent_runs() -> None:
                                   "your runs.")
     records = store.recent(RECENT_SHOWN, owner=owner_tag(owner_of_page(app)))
     pending = _pending_records.get(app.run_id) if app.run_id is not None else None
-    if pending is not None and pending.run_id not in {r.run_id for r in records}:  # its first write is under way
-        records = [pending, *records][:RECENT_SHOWN]
+    if pending is not None:  # its write is under way: listed as the page holds it, not as the folder held it before
+        records = [pending, *(r for r in records if r.run_id != pending.run_id)][:RECENT_SHOWN]
     if not records:
         sb.caption("None yet: each generation is kept here, under the run id in the page's address, from its "
                    "first Step.")

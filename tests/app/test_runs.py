@@ -512,3 +512,35 @@ def test_a_single_user_server_lists_every_run(monkeypatch):
     bob = app_at()
     assert address_run(alice) in listed(bob)
     assert "every run of this server" in bob.sidebar.header[-1].help
+
+
+def test_recent_runs_lists_the_run_as_the_page_holds_it_while_its_write_is_under_way(monkeypatch):
+    """After a Step, the run's write runs in a thread: until it ends the folder still holds the run's previous
+    record. Recent runs lists the run as the page holds it (3 steps), not as the folder held it (2) — a browser
+    review saw "2 steps" beside a slider of 3. The write is held here until the list has been drawn."""
+    import threading
+
+    from gpt_shape_tracer.gui.runs import runs_written
+
+    at = app_at()
+    press(at, "step_button")
+    press(at, "step_button")
+    run_id = address_run(at)
+    assert runs_store().record(run_id).n_steps == 2
+    held, save = threading.Event(), RunStore.save_steps
+
+    def held_save(self, record, trace):
+        assert held.wait(60)
+        return save(self, record, trace)
+
+    monkeypatch.setattr(RunStore, "save_steps", held_save)
+    at.sidebar.button(key="step_button").click()
+    at.run()  # not run(): it would wait for the write
+    try:
+        labels = [b.label for b in at.sidebar.button if b.key == f"open_run_{run_id}"]
+        assert len(labels) == 1 and " · 3 steps · " in labels[0], labels
+        assert runs_store().record(run_id).n_steps == 2  # the folder: the write has not ended
+    finally:
+        held.set()
+        assert runs_written(60)
+    assert runs_store().record(run_id).n_steps == 3
