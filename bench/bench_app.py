@@ -125,11 +125,40 @@ PHASES = """() => { const p = window.__phase, now = performance.now();
           running: (p.done - p.running) / 1000, to_drawn: (now - p.done) / 1000}; }"""
 
 
+def timed_steps(page, steps: int) -> list[dict]:
+    """``steps`` clicks on Step, each timed in the three phases above (``WATCH`` before the click, ``PHASES`` after)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.app_in_browser import click
+
+    seen = []
+    for _ in range(steps):
+        page.evaluate(WATCH)
+        click(page, "Step")
+        seen.append(page.evaluate(PHASES))
+    return seen
+
+
+def stepped_tabs(page, url: str, tabs: list[str], steps: int) -> dict[str, list[dict]]:
+    """The app at ``url`` opened, ``PROMPT`` Stepped once (the prefill), then on each tab one untimed Step (the tab's
+    first draw is not a Step's) and ``steps`` timed ones (``timed_steps``)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.app_in_browser import click, open_app, open_tab, set_prompt
+
+    open_app(page, url)
+    set_prompt(page, PROMPT)
+    click(page, "Step")
+    out = {}
+    for tab in tabs:
+        open_tab(page, tab)
+        click(page, "Step")
+        out[tab] = timed_steps(page, steps)
+    return out
+
+
 def browser_timings(steps: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from tests.app_in_browser import (
         chromium_page,
-        click,
         load_directory,
         open_app,
         open_tab,
@@ -141,14 +170,10 @@ def browser_timings(steps: int) -> dict:
 
     phases: dict[str, dict[str, float]] = {}
 
-    def clicks(page, name: str, label: str, times: int = steps) -> list[float]:
-        """Click ``times`` times; the totals, from the pointerdown to the last chart drawn (no padding). The
+    def clicks(page, label: str, times: int = steps) -> list[float]:
+        """Click Step ``times`` times; the totals, from the pointerdown to the last chart drawn (no padding). The
         median of each phase goes to ``phases[label]``."""
-        seen = []
-        for _ in range(times):
-            page.evaluate(WATCH)
-            click(page, name)
-            seen.append(page.evaluate(PHASES))
+        seen = timed_steps(page, times)
         phases[label] = {k: statistics.median(t[k] for t in seen) for k in seen[0]}
         return [t["total"] for t in seen]
 
@@ -162,19 +187,19 @@ def browser_timings(steps: int) -> dict:
                     before = runs_finished(page)
                     page.get_by_label("Weights").get_by_text(source).click()
                     wait_idle(page, after=before)  # choosing the model is a rerun of its own
-                out[f"{label}_prefill_s"] = clicks(page, "Step", f"{label} prefill", times=1)[0]
+                out[f"{label}_prefill_s"] = clicks(page, f"{label} prefill", times=1)[0]
                 out[f"{label}_step_s"] = {}
                 for tab in TABS:
                     open_tab(page, tab)
-                    out[f"{label}_step_s"][tab] = clicks(page, "Step", f"{label} / {tab}")
+                    out[f"{label}_step_s"][tab] = clicks(page, f"{label} / {tab}")
         with chromium_page(1600, 1000) as page:
             open_app(page, url)
             set_prompt(page, PROMPT)
             load_directory(page, gpt2_small_dir())
             # the tabs appear with the first step: this one draws Shapes
-            out["gpt2_prefill_shapes_s"] = clicks(page, "Step", "gpt2 prefill / Shapes", times=1)[0]
+            out["gpt2_prefill_shapes_s"] = clicks(page, "gpt2 prefill / Shapes", times=1)[0]
             open_tab(page, "Attention")
-            out["gpt2_decode_attention_s"] = clicks(page, "Step", "gpt2 decode / Attention")
+            out["gpt2_decode_attention_s"] = clicks(page, "gpt2 decode / Attention")
             # the Inspector on the largest record of a step, [1, 1, 50257] after a decode step: from the Enter
             # that picks it in the record box to its heatmap and histogram drawn
             open_tab(page, "Inspector")

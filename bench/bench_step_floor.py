@@ -21,7 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_app import PHASES, PROMPT, WATCH
+from bench_app import stepped_tabs, timed_steps
 from common import machine, save
 
 FLOOR_PAGE = '''
@@ -74,17 +74,6 @@ st.fragment(view)() if FRAGMENT else view()
 '''
 
 
-def clicks(page, steps: int) -> list[dict]:
-    from tests.app_in_browser import click
-
-    seen = []
-    for _ in range(steps):
-        page.evaluate(WATCH)
-        click(page, "Step")
-        seen.append(page.evaluate(PHASES))
-    return seen
-
-
 def floor(url: str, rerun: str, steps: int) -> list[dict]:
     from tests.app_in_browser import chromium_page, click, wait_idle
 
@@ -92,22 +81,14 @@ def floor(url: str, rerun: str, steps: int) -> list[dict]:
         page.goto(f"{url}/?rerun={rerun}")
         wait_idle(page)
         click(page, "Step")  # its first rerun is not a Step's
-        return clicks(page, steps)
+        return timed_steps(page, steps)
 
 
 def app(url: str, tabs: list[str], steps: int) -> dict[str, list[dict]]:
-    from tests.app_in_browser import chromium_page, click, open_app, open_tab, set_prompt
+    from tests.app_in_browser import chromium_page
 
-    out = {}
     with chromium_page(1600, 1000) as page:
-        open_app(page, url)
-        set_prompt(page, PROMPT)
-        click(page, "Step")
-        for tab in tabs:
-            open_tab(page, tab)
-            click(page, "Step")  # the tab's first draw is not a Step's
-            out[tab] = clicks(page, steps)
-    return out
+        return stepped_tabs(page, url, tabs, steps)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import tempfile
 from io import BytesIO
 from pathlib import Path
 
-from bench_app import PHASES, PROMPT, WATCH
+from bench_app import stepped_tabs
 from common import ROOT, machine, save
 
 
@@ -36,24 +36,11 @@ def export(rev: str, where: Path) -> Path:
 
 
 def steps_of(checkout: Path, tabs: list[str], steps: int, runs_dir: Path) -> dict[str, list[dict]]:
-    from tests.app_in_browser import chromium_page, click, open_app, open_tab, set_prompt, streamlit_server
+    from tests.app_in_browser import chromium_page, streamlit_server
 
-    out: dict[str, list[dict]] = {}
     env = {"GPT_SHAPE_TRACER_RUNS_DIR": str(runs_dir)}
     with streamlit_server(env=env, checkout=checkout) as url, chromium_page(1600, 1000) as page:
-        open_app(page, url)
-        set_prompt(page, PROMPT)
-        click(page, "Step")
-        for tab in tabs:
-            open_tab(page, tab)
-            click(page, "Step")  # the tab's first draw is not a Step's
-            seen = []
-            for _ in range(steps):
-                page.evaluate(WATCH)
-                click(page, "Step")
-                seen.append(page.evaluate(PHASES))
-            out[tab] = seen
-    return out
+        return stepped_tabs(page, url, tabs, steps)
 
 
 APPTEST = """

@@ -13,7 +13,7 @@ import argparse
 import collections
 import statistics
 
-from bench_app import PHASES, PROMPT, WATCH
+from bench_app import PROMPT, timed_steps
 from common import machine, save
 
 
@@ -32,11 +32,7 @@ def profile(tabs: list[str], steps: int) -> dict:
             cdp.send("Profiler.enable")
             cdp.send("Profiler.setSamplingInterval", {"interval": 500})  # µs
             cdp.send("Profiler.start")
-            phases = []
-            for _ in range(steps):
-                page.evaluate(WATCH)
-                click(page, "Step")
-                phases.append(page.evaluate(PHASES))
+            phases = timed_steps(page, steps)
             result = cdp.send("Profiler.stop")["profile"]
             cdp.detach()
             nodes = {n["id"]: n["callFrame"] for n in result["nodes"]}
