@@ -40,7 +40,7 @@ PANELS: dict[str, Callable[[Trace, int], None]] = {
     "Next token": next_token_tab, "Decoding": decoding_tab, "What if": whatif_tab, "Compare runs": compare_tab,
     "Worked example": worked_tab, "Inspector": inspector_tab, "Engine": engine_tab, "Export": export_tab}
 TABS = list(PANELS)
-MASK_TAB = "Causal mask"  # drawn as mask_tab_name(…): "Attention mask" for a model whose mask is not causal
+MASK_TAB = MASK_TAB_NAMES[0]  # drawn as mask_tab_name(…): "Attention mask" for a model whose mask is not causal
 
 st.set_page_config(page_title="GPT shape tracer", page_icon="🔎", layout="wide")
 st.markdown("<style>.block-container {padding-top: 2.2rem;} h1 {font-size: 1.9rem !important;}</style>",

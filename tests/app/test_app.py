@@ -102,9 +102,14 @@ def show_tab(at: AppTest, name: str, sub: tuple[str, str] | None = None) -> AppT
 DIAGRAM = "<div class='diagram'>"  # gui.common.diagram: a figure drawn as SVG, shown through st.markdown
 
 
+def _drawing(markdown: str) -> str | None:
+    """The SVG a markdown element holds when it is a drawing (``gui.common.diagram``), else None."""
+    return markdown[len(DIAGRAM):-len("</div>")] if markdown.startswith(DIAGRAM) else None
+
+
 def diagrams(at: AppTest) -> list[str]:
     """The page's SVG drawings (``figures.svg``), in the page's order."""
-    return [str(m.value)[len(DIAGRAM):-len("</div>")] for m in at.markdown if str(m.value).startswith(DIAGRAM)]
+    return [svg for m in at.markdown if (svg := _drawing(str(m.value))) is not None]
 
 
 def diagram_text(svg: str) -> str:
@@ -123,8 +128,7 @@ def diagram_text(svg: str) -> str:
 def page_text(at: AppTest) -> str:
     """Everything the page says, as a person reads it (character references decoded; a drawing by its labels)."""
     parts = [*at.markdown, *at.caption, *at.info, *at.warning, *at.error, *at.success, *at.latex]
-    said = [diagram_text(str(p.value)[len(DIAGRAM):-len("</div>")]) if str(p.value).startswith(DIAGRAM)
-            else str(p.value) for p in parts]
+    said = [str(p.value) if (svg := _drawing(str(p.value))) is None else diagram_text(svg) for p in parts]
     return unescape(" | ".join(said))
 
 
