@@ -110,10 +110,15 @@ def size_names(trace: Trace, step: int) -> tuple[str, str]:
     them; after the prefill without a cache "positions n, all fed again" (only the newest of them is new)."""
     if prompt_positions(trace):
         return "positions P + n", "key positions P + t"
-    facts = trace.generation
-    if step > 0 and facts is not None and not facts.info.use_cache and positions(trace, step)[0] > 1:
+    if fed_again(trace, step):
         return "positions n, all fed again", "key positions t"
     return "new positions n", "key positions t"
+
+
+def fed_again(trace: Trace, step: int) -> bool:
+    """Whether ``step`` fed earlier positions again beside the new one: a step after the prefill without a cache."""
+    facts = trace.generation
+    return step > 0 and facts is not None and not facts.info.use_cache and facts.step(step).forward.n > 1
 
 
 # the mask tab's names: what M is for the model on view (one tab; the name follows the model)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from gpt_shape_tracer.figures.common import facts_of, inert, prompt_positions, shape_text
+from gpt_shape_tracer.figures.common import facts_of, fed_again, inert, prompt_positions, shape_text
 from gpt_shape_tracer.figures.mask import OWN_KEY, MaskFacts, compressed_mask_sentence
 from gpt_shape_tracer.figures.worked import Worked
 from gpt_shape_tracer.tracer import PatchingResult, Trace
@@ -51,8 +51,7 @@ def shapes_takeaway(trace: Trace, step: int) -> Takeaway:
                     f"and the logits are the tokens' only, [B, n, V] = {shape_text((B, n, config.vocab_size))}.")
     else:
         # without a cache a step after the prefill feeds every position again: only the newest of them is new
-        again = step > 0 and not facts.info.use_cache and n > 1
-        fed = (f"n = {n} positions (no cache: the newest and, again, the {n - 1} before it)" if again
+        fed = (f"n = {n} positions (no cache: the newest and, again, the {n - 1} before it)" if fed_again(trace, step)
                else f"n = {n} new position{'s' if n != 1 else ''}")
         sentence = (f"Step {step} runs {fed} of each of B = {B} "
                     f"sequence{'s' if B != 1 else ''} through {config.n_layer} blocks: every block takes and gives "
