@@ -41,6 +41,7 @@ from gpt_shape_tracer.gui.common import (
     explain_missing_values,
     layer_head_batch,
     live_model_for,
+    panels,
     plain,
     remembered_tabs,
     said_no_attention,
@@ -120,8 +121,8 @@ def attention_tab(trace: Trace, step: int) -> None:
                                         "shrinks by the same factor")
                 # hover: a cell's query row and key column drawn across its panel (the other panels and O = A·V
                 # cannot follow the pointer: Streamlit sends no hover events, gui/hover.py)
-                chart(crosshair(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared)),
-                      key="stages_chart")
+                panels(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
+                       key="stages_chart")
             sink = pitfall_views.sink_sentence(trace, step, layer, head, batch)
             if sink is not None:
                 st.caption(sink)

@@ -4,12 +4,14 @@ admission and memory ledger: gui/server.py; the header, step slider and banners 
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from gpt_shape_tracer.figures.common import facts_of, layer_labels, no_attention
 from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
+from gpt_shape_tracer.figures.panels import panels_spec
 from gpt_shape_tracer.figures.svg import diagram_svg
 from gpt_shape_tracer.model import ModelLoadError
 from gpt_shape_tracer.session import (
@@ -49,6 +51,23 @@ def diagram(fig, key: str) -> None:
     browser draws it without plotly's redraw of a changed figure, 0.05–0.09 s of a Step here. Through
     ``st.markdown``, in an HTML block markdown leaves as it is: ``st.html``'s sanitiser drops an SVG."""
     st.markdown(f"<div class='diagram'>{diagram_svg(fig, key)}</div>", unsafe_allow_html=True)
+
+
+# The canvas that draws heatmap panels (gui/panels.js): registered once per process, mounted once per page and
+# handed a new spec on each rerun. Its code is this package's own files, never anything a user or a model supplies.
+_PANELS = st.components.v2.component(
+    "gpt_shape_tracer.panels", css=(Path(__file__).parent / "panels.css").read_text(encoding="utf-8"),
+    js=(Path(__file__).parent / "panels.js").read_text(encoding="utf-8"))
+
+
+PANELS_KEY = "panels-"  # every canvas's key starts so: the page's tests find them by it (st-key-panels-…)
+
+
+def panels(fig, key: str) -> None:
+    """A figure of heatmaps side by side (the attention Stages) drawn on a canvas (``figures.panels``): the browser
+    redraws it in about 0.01 s, where Streamlit mounts a changed plotly chart afresh and plots it twice (0.1 s of a
+    Step here). Hover shows a cell's row, column and value and draws its row and column across the panel."""
+    _PANELS(data=panels_spec(fig), key=f"{PANELS_KEY}{key}")
 
 
 def remembered_tabs(names: list[str], key: str, same: tuple[str, ...] = ()) -> list:

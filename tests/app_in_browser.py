@@ -200,6 +200,7 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 0, after: int | None
             " <= document.querySelectorAll('.js-plotly-plot').length",
             timeout=timeout * 1000,
         )
+        page.wait_for_function(f"() => ({PANELS})().every(p => p && p.dataset.drawn)", timeout=timeout * 1000)
     except Exception as e:
         raise AssertionError(f"the page did not become idle (after run {after}): {page_state(page)}") from e
     if settle_ms:
@@ -301,6 +302,22 @@ def wait_settled(page, quiet_s: float = 2.5, timeout: float = 120.0) -> None:
     raise AssertionError(f"the page did not settle: {page_state(page)}")
 
 
+# every heatmap-panels canvas (gui/panels.js) on the page, found by its element's key (gui.common.PANELS_KEY): the
+# drawing inside its component's shadow root, or null while the component's code is still loading or has not drawn
+PANELS = ("() => Array.from(document.querySelectorAll('[class*=\"st-key-panels-\"]')).map(c => {"
+          " const host = c.querySelector('[data-testid^=\"stBidiComponent\"]');"
+          " return host ? (host.shadowRoot || host).querySelector('.panels') : null; })")
+
+
+def panels_data(page) -> list:
+    """Every heatmap-panels canvas's panels as the page drew them: rows and columns of each (as ``plotly_data``
+    gives a heatmap's), the spec it drew (``spec``) and the labels it found reaching past its edge (``clipped``)."""
+    return page.evaluate(f"() => ({PANELS})().filter(Boolean).map(p => ({{"
+                         "spec: p.__spec, clipped: JSON.parse(p.dataset.clipped || '[]'), "
+                         "panels: p.__spec.panels.map(q => "
+                         "({rows: q.z.length, cols: q.z.length ? q.z[0].length : 0}))}))")
+
+
 def plotly_data(page) -> list:
     """The data arrays of every plotly chart on the page, as the browser holds them (a numpy array arrives
     packed, ``{dtype, bdata, shape}``, and plotly.js keeps that object with the decoded ``_inputArray``)."""
@@ -318,8 +335,10 @@ def plotly_data(page) -> list:
 
 def clipped_labels(page) -> list[str]:
     """Tick labels and axis titles of the page's plotly charts that stick out of their chart (a margin too
-    narrow for them), as "text (how many pixels out)"."""
+    narrow for them), and the labels and titles of its heatmap-panels canvases that reach past their edge, as
+    "text (how many pixels out)"."""
     return page.evaluate("""() => {
+        const PANELS = """ + PANELS + """;
         const out = [];
         for (const chart of document.querySelectorAll('.js-plotly-plot')) {
             const box = chart.getBoundingClientRect();
@@ -327,6 +346,16 @@ def clipped_labels(page) -> list[str]:
                                                    + ' .g-y2title text, .cbtitle text, .colorbar .tick text')) {
                 const r = t.getBoundingClientRect();
                 if (r.width === 0) continue;
+                const over = Math.max(box.left - r.left, r.right - box.right, box.top - r.top, r.bottom - box.bottom);
+                if (over > 1) out.push(`${t.textContent} (${Math.round(over)} px out)`);
+            }
+        }
+        for (const p of (PANELS)()) {  // a canvas of heatmap panels: the labels it drew past its edge, its titles
+            if (!p) continue;
+            for (const label of JSON.parse(p.dataset.clipped || '[]')) out.push(label);
+            const box = p.getBoundingClientRect();
+            for (const t of p.querySelectorAll('.panels-text > div')) {
+                const r = t.getBoundingClientRect();
                 const over = Math.max(box.left - r.left, r.right - box.right, box.top - r.top, r.bottom - box.bottom);
                 if (over > 1) out.push(`${t.textContent} (${Math.round(over)} px out)`);
             }

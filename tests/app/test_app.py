@@ -57,6 +57,12 @@ def charts(at: AppTest) -> list[dict]:
     return [unpack(json.loads(c.proto.spec)) for c in at.get("plotly_chart")]
 
 
+def panels(at: AppTest) -> list[dict]:
+    """Each heatmap-panels canvas's spec (gui/panels.js draws it: the attention Stages), as the page is sent it."""
+    return [json.loads(e.proto.json) for e in at.get("bidi_component")
+            if e.proto.component_name == "gpt_shape_tracer.panels"]
+
+
 def unpack(obj):
     """Plotly packs a numpy array as ``{"dtype", "bdata", "shape"}``; decode it as the browser would, a NaN
     becoming None (both are a gap to plotly.js)."""
@@ -195,7 +201,7 @@ def test_every_tab_renders_at_every_step_and_never_cites_a_document_the_user_lac
             text = page_text(at)
             assert not re.search(r"\bseeds?\b(?! =| \d)", text, flags=re.I), (tab, text[:300])
             if tab == "Attention":
-                stages = heatmaps(charts(at)[0])
+                stages = panels(at)[0]["panels"]
                 assert len(stages) == 4 and all(len(h["z"]) == n and len(h["z"][0]) == t for h in stages)
                 assert "O = A\\,V" in text and "(QKᵀ + M)/√d_k" in text
             if tab == "Causal mask":
@@ -241,20 +247,20 @@ def test_the_memory_formula_follows_the_step(stepped):
 def test_attention_selectors_redraw_without_stepping(stepped):
     at = show_tab(stepped, "Attention")
     before = gen_of(at).n_steps
-    first = heatmaps(charts(at)[0])[3]["z"]
+    first = panels(at)[0]["panels"][3]["z"]
     at.selectbox(key="attn_layer").set_value(3)
     at.selectbox(key="attn_head").set_value(2)
     run(at)
-    after = heatmaps(charts(at)[0])[3]["z"]
+    after = panels(at)[0]["panels"][3]["z"]
     assert after != first
     pattern = gen_of(at).trace.get("blocks.3.attn.hook_pattern", 2)[0, 2]
     assert np.allclose(after[0], pattern[0].tolist(), rtol=1e-4)
     assert gen_of(at).n_steps == before  # switching a selector never runs the model
     at.toggle(key="attn_shared").set_value(True)
     run(at)
-    maps = heatmaps(charts(at)[0])
-    assert maps[0]["zmax"] == maps[1]["zmax"] == maps[2]["zmax"]
-    assert crosshaired(charts(at)[0])  # hover: the cell's query row and key column, on every stage
+    maps = panels(at)[0]["panels"]
+    assert maps[0]["zmax"] == maps[1]["zmax"] == maps[2]["zmax"] and maps[3]["zmax"] != maps[0]["zmax"]
+    # hover (a cell's row and column drawn across its panel) is the canvas's own: tests/browser/test_panels_browser.py
 
 
 def crosshaired(spec: dict) -> bool:
@@ -611,7 +617,7 @@ def test_export_and_load_a_trace_back_labelled_with_its_own_model(stepped, hf_di
     assert "story" not in model_line and "2 layers × 2 heads" in model_line and "from the file" in model_line
     assert "Step again" not in page_text(at) and "the file holds this one step" in page_text(at)
     show_tab(at, "Attention")
-    assert len(heatmaps(charts(at)[0])) == 4
+    assert len(panels(at)[0]["panels"]) == 4
     data = archive_bytes(gen_of(at).trace)
     assert load_trace(data).n_steps == 3
 

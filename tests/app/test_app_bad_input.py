@@ -17,7 +17,7 @@ from streamlit.testing.v1 import AppTest
 
 from gpt_shape_tracer.session import DEFAULT_MODEL
 from gpt_shape_tracer.tracer.files import archive_bytes
-from tests.app.test_app import charts, heatmaps, metric, new_app, press, press_reset, run, show_tab
+from tests.app.test_app import charts, heatmaps, metric, new_app, panels, press, press_reset, run, show_tab
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def assert_kept(at: AppTest, steps: int) -> None:
     gen = at.session_state["app"].live.generation
     assert gen.n_steps == steps
     show_tab(at, "Attention")
-    assert len(heatmaps(charts(at)[0])) == 4
+    assert len(panels(at)[0]["panels"]) == 4
 
 
 @pytest.mark.parametrize(

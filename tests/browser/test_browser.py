@@ -26,6 +26,7 @@ from tests.app_in_browser import (
     open_app,
     open_directory_and_step,
     open_tab,
+    panels_data,
     plotly_data,
     runs_finished,
     set_prompt,
@@ -138,7 +139,7 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
             page.screenshot(path=str(out / f"{name}.png"))
         if name == "attention" and saving("front"):  # 1600 px wide, from the title down to the stages' heatmaps
             top = page.get_by_role("heading", name="GPT shape tracer").bounding_box()["y"] - 24
-            chart = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
+            chart = page.locator(".panels").first.bounding_box()
             page.screenshot(path=str(out / "front.png"), clip={"x": 0, "y": top, "width": 1600,
                                                                "height": chart["y"] + chart["height"] + 16 - top})
 
@@ -163,7 +164,7 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
 
         open_tab(page, "Attention")
         open_tab(page, "Stages")
-        stages = values(plotly_data(page)[0])
+        stages = panels_data(page)[0]["panels"]  # drawn on a canvas (gui/panels.js), its titles as text
         assert len(stages) == 4 and all((s["rows"], s["cols"]) == (1, t) for s in stages)
         assert page.get_by_text(f"[1, 4, 1, 32] @ [1, 4, 32, {t}] → [1, 4, 1, {t}]").count() >= 1
         shot("attention")
@@ -437,7 +438,7 @@ def test_a_transformers_run_gemma2_opens_from_a_directory_and_every_tab_draws(ur
         screenshot(page, "gemma2_shapes")
         open_tab(page, "Attention")
         open_tab(page, "Stages")
-        stages = values(plotly_data(page)[0])
+        stages = panels_data(page)[0]["panels"]
         assert len(stages) == 5 and all((s["rows"], s["cols"]) == (1, n0 + 1) for s in stages)
         screenshot(page, "gemma2_attention")
         open_tab(page, "KV cache")
@@ -465,7 +466,7 @@ def test_a_latent_attention_model_deepseek_v3_shows_its_cached_latent(url, visit
         open_directory_and_step(page, url, PROMPT, directory, "deepseek_v3")
         open_tab(page, "Attention")
         open_tab(page, "Stages")
-        assert values(plotly_data(page)[0])  # the stages' heat maps are drawn
+        assert panels_data(page)[0]["panels"]  # the stages' heat maps are drawn
         open_tab(page, "KV cache")
         page.get_by_text("multi-head latent attention").first.wait_for(state="attached", timeout=60_000)
         before = runs_finished(page)
@@ -694,15 +695,14 @@ def test_a_score_bias_shows_as_its_own_stage(url, visit, tmp_path, model_type, s
             open_tab(page, "Attention")
             open_tab(page, "Stages")
             page.get_by_text("adds a bias B to the scores").first.wait_for(timeout=60_000)
-            titles = [a.get("text", "") for layout in page.evaluate(
-                "() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => d.layout)")
-                for a in (layout or {}).get("annotations", [])]
+            titles = ["".join(r["t"] for line in note["lines"] for r in line)  # the stages' titles, as drawn
+                      for drawn in panels_data(page) for note in drawn["spec"]["notes"]]
             assert any("B, the score bias" in t for t in titles), titles
             if model_type == "inkling2_text":
                 assert any("s_h" in t for t in titles), titles
             shown = _page_text(page)
             assert sum(s in shown for s in expected) == 1, (expected, shown[:2000])
-            screenshot(page, name, page.locator(".js-plotly-plot").first)
+            screenshot(page, name, page.locator(".panels").first)
             assert not errors, errors
             assert not outside, outside
 

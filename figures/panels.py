@@ -1,0 +1,248 @@
+"""Heatmap panels drawn on a canvas: the drawing spec of a figure of heatmaps side by side (the attention Stages),
+written from the same plotly figure the report and the notebook show, for a page that redraws it on every Step.
+
+Why: Streamlit 1.67 mounts a plotly chart afresh whenever its figure changes and plots it twice (once before its
+column's width is measured, hidden, once after), and the Stages figure's four heatmaps with their tick labels,
+colour bars and titles cost the browser's main thread about 0.1 s a Step on the machine ``docs/benchmarks.md`` names.
+The same panels drawn on a canvas by ``gui/panels.js`` (one component that stays mounted and redraws) cost 0.01 s.
+
+What is drawn, and nothing else (anything else raises ``ValueError``: such a figure stays a plotly chart): heatmap
+traces on category axes, one per panel, a reversed y axis (row 0 on top), each with its colour scale (plotly's limits:
+``zmin``/``zmax``, else the data's, made symmetric about ``zmid``), colour bar, cell numbers (``texttemplate``
+"%{text}"), and hover "row … column … value"; a grey layer under a panel's missing cells (``heatmap.masked_layer``);
+the axes' tick labels, titles and ``tickangle``; the figure's title and its annotations (the panels' titles, a
+"not formed" note), written in plotly's markup (``<b>``, ``<i>``, ``<br>``, ``<span style='font-size:…'>``,
+``<span style='color:…'>``), which becomes runs of plain text: the page writes every label as text, never as HTML.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import re
+from typing import Any
+
+import numpy as np
+import plotly.colors
+import plotly.graph_objects as go
+
+from gpt_shape_tracer.figures.plot import AXIS, FONT, TEMPLATE
+
+FONT_SIZE = float(FONT["size"])  # type: ignore[arg-type]
+MUTED = str(AXIS["tickfont"]["color"])  # type: ignore[index]  # tick labels' colour, as the template's axes
+HOVER = "row %{y}<br>column %{x}<br>%{z:.4g}<extra></extra>"  # the one hover figures.heatmap writes
+_TAG = re.compile(r"(<br>|<b>|</b>|<i>|</i>|<span style='[^']*'>|</span>)")
+_SIZE = re.compile(r"font-size:\s*(\d+(?:\.\d+)?)px")
+_COLOUR = re.compile(r"color:\s*(#[0-9a-fA-F]{3,8}|[a-zA-Z]{3,20}|rgba?\([0-9.,% ]{5,40}\))")
+
+
+def runs(text: str) -> list[list[dict]]:
+    """Plotly's label markup as lines of runs ``{"t": text, "b": bold, "i": italic, "s": size px or None,
+    "c": colour or None}``; bold, italic, size and colour carry over a ``<br>`` as plotly's do. A tag outside
+    that subset raises ``ValueError``."""
+    lines: list[list[dict]] = [[]]
+    bold = italic = False
+    spans: list[tuple[float | None, str | None]] = []
+    for part in _TAG.split(str(text)):
+        if part == "<br>":
+            lines.append([])
+        elif part in ("<b>", "</b>"):
+            bold = part == "<b>"
+        elif part in ("<i>", "</i>"):
+            italic = part == "<i>"
+        elif part == "</span>":
+            if spans:
+                spans.pop()
+        elif part.startswith("<span style="):
+            found_size, found_colour = _SIZE.search(part), _COLOUR.search(part)
+            inherited = spans[-1] if spans else (None, None)
+            spans.append((float(found_size.group(1)) if found_size else inherited[0],
+                          found_colour.group(1) if found_colour else inherited[1]))
+        elif part:
+            if re.search(r"<[a-zA-Z/]", part):
+                raise ValueError(f"markup this drawing does not write: {part!r}")
+            size, colour = spans[-1] if spans else (None, None)
+            lines[-1].append({"t": html.unescape(part), "b": bold, "i": italic, "s": size, "c": colour})
+    return lines
+
+
+def _colours(scale: Any) -> list[list]:
+    """A trace's colour scale as ``[[position, "rgb(r, g, b)"], …]`` (a named scale resolved as plotly does)."""
+    stops = plotly.colors.get_colorscale(scale) if isinstance(scale, str) else [list(s) for s in scale]
+    out = []
+    for position, colour in stops:
+        if isinstance(colour, str) and colour.startswith("#"):
+            colour = "rgb({}, {}, {})".format(*plotly.colors.hex_to_rgb(colour))
+        out.append([float(position), str(colour)])
+    return out
+
+
+def limits(z: np.ndarray, zmin: float | None, zmax: float | None, zmid: float | None) -> tuple[float, float]:
+    """The values at the two ends of a heatmap's colour scale, as plotly sets them: ``zmin``/``zmax`` where given,
+    else the finite data's; with ``zmid`` and neither given, widened to be symmetric about it; equal ends ±0.5."""
+    finite = z[np.isfinite(z)]
+    lo = float(zmin) if zmin is not None else (float(finite.min()) if finite.size else 0.0)
+    hi = float(zmax) if zmax is not None else (float(finite.max()) if finite.size else 1.0)
+    if zmid is not None and zmin is None and zmax is None:
+        half = max(hi - zmid, zmid - lo)
+        lo, hi = zmid - half, zmid + half
+    if lo == hi:
+        lo, hi = lo - 0.5, hi + 0.5
+    return lo, hi
+
+
+def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
+    """The ticks plotly puts on a colour bar of ``nticks = most`` over [lo, hi]: a spacing of 2, 5 or 10 × 10^k, the
+    first above (hi − lo) / most in those units (plotly's ``autoTicks`` and ``roundUp``, which goes to the next value
+    even from an equal one: 0 … 1 gets 0, 0.5, 1), every multiple of it within the range."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
+        return [lo]
+    rough = (hi - lo) / max(1, most)
+    base = 10 ** math.floor(math.log(rough) / math.log(10))
+    step = base * next((m for m in (2, 5) if m > rough / base), 10)
+    first = math.ceil(lo / step - 1e-9)
+    return [round(k * step, 12) for k in range(first, math.floor(hi / step + 1e-9) + 1)]
+
+
+def tick_label(value: float, ticks: list[float]) -> str:
+    """A colour bar tick's label as plotly writes it: the decimals of the ticks' spacing, trailing zeros dropped, a
+    minus sign (−) before a negative value."""
+    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else 1.0
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    text = f"{abs(value):.{decimals}f}"
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return ("−" if value < 0 and float(text) != 0 else "") + text
+
+
+def _array(value: Any) -> Any:
+    """plotly's JSON form of a numpy array (a base64 typed array: ``{"dtype", "bdata", "shape"}``) as the array."""
+    if isinstance(value, dict) and "bdata" in value:
+        out = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
+        shape = value.get("shape")
+        return out.reshape([int(v) for v in str(shape).split(",")]) if shape else out
+    return value
+
+
+def _labels(values: Any) -> list[str]:
+    values = _array(values)
+    return [str(v) for v in (values.tolist() if isinstance(values, np.ndarray) else list(values))]
+
+
+def _matrix(z: Any) -> np.ndarray:
+    z = _array(z)
+    return np.asarray(z, dtype=np.float64).reshape(len(z), -1) if len(z) else np.zeros((0, 0))
+
+
+def _axis(layout: dict, name: str) -> dict:
+    axis = layout.get(name) or {}
+    if axis.get("type") != "category":
+        raise ValueError(f"{name} is not a category axis: this drawing places cells by their labels")
+    return axis
+
+
+def _bar(trace: dict, lo: float, hi: float, layout: dict) -> dict | None:
+    if trace.get("showscale") is False:
+        return None
+    bar = trace.get("colorbar") or {}
+    title = (bar.get("title") or {}).get("text") or ""
+    if bar.get("tickvals") is not None:
+        ticks = [float(v) for v in bar["tickvals"]]
+        labels = [str(v) for v in bar.get("ticktext") or ticks]
+    else:
+        ticks = nice_ticks(lo, hi, int(bar.get("nticks") or 5))
+        labels = [tick_label(v, ticks) for v in ticks]
+    slack = 1e-9 * abs(hi - lo)
+    inside = [(v, label) for v, label in zip(ticks, labels) if lo - slack <= v <= hi + slack]
+    return {"x": float(bar.get("x", 1.02)), "len": float(bar.get("len", 1.0)),
+            "thickness": float(bar.get("thickness", 30)), "title": runs(title), "ticks": [v for v, _ in inside],
+            "labels": [label for _, label in inside], "size": _size(bar.get("tickfont"))}
+
+
+def _size(font: dict | None) -> float:
+    """A font's size, the template's where it sets none."""
+    return float((font or {}).get("size") or FONT_SIZE)
+
+
+def panels_spec(fig: go.Figure) -> dict:
+    """``fig`` (heatmaps side by side, from ``figures.heatmap``) as the JSON-ready spec ``gui/panels.js`` draws.
+    Raises ``ValueError`` for anything it holds that the drawing does not draw."""
+    spec = fig.to_plotly_json()
+    layout = spec["layout"]
+    if "height" not in layout:
+        raise ValueError("a panels drawing is drawn at its layout's height: this figure sets none")
+    masked: dict[str, str] = {}
+    values: list[dict] = []
+    for trace in spec["data"]:
+        if trace.get("type") != "heatmap":
+            raise ValueError(f"a {trace.get('type')} trace: this drawing draws heatmaps")
+        if trace.get("visible", True) is not True:
+            raise ValueError("a hidden trace: this drawing draws every trace it is given")
+        if trace.get("hoverinfo") == "skip" and trace.get("showscale") is False:  # heatmap.masked_layer
+            masked[trace.get("xaxis", "x")] = _colours(trace["colorscale"])[0][1]
+        else:
+            values.append(trace)
+    panels = []
+    for trace in values:
+        xname, yname = trace.get("xaxis", "x"), trace.get("yaxis", "y")
+        xaxis, yaxis = _axis(layout, "xaxis" + xname[1:]), _axis(layout, "yaxis" + yname[1:])
+        if yaxis.get("autorange") != "reversed":
+            raise ValueError("a y axis not reversed: this drawing puts the first row on top")
+        if trace.get("hovertemplate", HOVER) != HOVER or trace.get("coloraxis"):
+            raise ValueError("a hover or a shared colour axis this drawing does not write")
+        z = _matrix(trace["z"])
+        xs, ys = _labels(trace["x"]), _labels(trace["y"])
+        if z.shape != (len(ys), len(xs)):
+            raise ValueError(f"a heatmap of {z.shape} cells with {len(ys)} × {len(xs)} labels")
+        lo, hi = limits(z, trace.get("zmin"), trace.get("zmax"), trace.get("zmid"))
+        column = {label: i for i, label in enumerate(xs)}
+        row = {label: i for i, label in enumerate(ys)}
+        text = trace.get("text") if trace.get("texttemplate") == "%{text}" else None
+        panels.append({
+            "domain": [float(v) for v in xaxis.get("domain", (0, 1))],
+            "ydomain": [float(v) for v in yaxis.get("domain", (0, 1))],
+            "z": [[v if math.isfinite(v) else None for v in r] for r in z.tolist()],
+            "x": xs, "y": ys,
+            "xticks": [column[str(v)] for v in xaxis.get("tickvals", xs) if str(v) in column],
+            "xticktext": _labels(xaxis.get("ticktext", xaxis.get("tickvals", xs))),
+            "yticks": ([row[str(v)] for v in yaxis.get("tickvals", ys) if str(v) in row]
+                       if yaxis.get("showticklabels", True) else []),
+            "yticktext": _labels(yaxis.get("ticktext", yaxis.get("tickvals", ys))),
+            "tickangle": float(xaxis.get("tickangle", 0) or 0),
+            "xtitle": ((xaxis.get("title") or {}).get("text") or ""),
+            "ytitle": ((yaxis.get("title") or {}).get("text") or ""),
+            "colours": _colours(trace["colorscale"]), "zmin": lo, "zmax": hi,
+            "text": [[str(v) for v in r] for r in text] if text is not None else None,
+            "text_size": _size(trace.get("textfont")),
+            "masked": masked.get(xname),
+            "bar": _bar(trace, lo, hi, layout),
+        })
+    # each panel's name, for the hover that reads a cell in every panel: its title's first line (a subplot title sits
+    # centred over its panel's domain, above it)
+    for panel in panels:
+        middle = sum(panel["domain"]) / 2
+        for note in layout.get("annotations") or ():
+            if abs(float(note.get("x", -1)) - middle) < 1e-6 and note.get("yanchor") == "bottom":
+                panel["name"] = "".join(run["t"] for run in runs(note.get("text", ""))[0]).strip()
+                break
+        else:
+            panel["name"] = ""
+    title = layout.get("title") or {}
+    notes = []
+    for note in layout.get("annotations") or ():
+        if note.get("xref") != "paper" or note.get("yref") != "paper" or note.get("showarrow", True):
+            raise ValueError("an annotation not placed on the page without an arrow: this drawing does not write it")
+        notes.append({"x": float(note["x"]), "y": float(note["y"]), "xanchor": note.get("xanchor", "center"),
+                      "yanchor": note.get("yanchor", "middle"), "lines": runs(note.get("text", "")),
+                      "size": _size(note.get("font"))})
+    margin = layout.get("margin") or {}
+    return {
+        "height": float(layout["height"]),
+        "margin": {k: float(margin.get(k, 80 if k != "t" else 100)) for k in ("l", "r", "t", "b")},
+        "font": FONT["family"], "colour": FONT["color"], "muted": MUTED,
+        "background": layout.get("plot_bgcolor") or "white",
+        "title": {"lines": runs(title.get("text") or ""), "y": float(title.get("y", 1.0)),
+                  "size": float((title.get("font") or {}).get("size") or TEMPLATE.layout.title.font.size)},
+        "panels": panels, "notes": notes,
+    }

@@ -1,0 +1,160 @@
+"""figures/panels.py: the attention Stages drawn on a canvas hold what their plotly figure holds — every cell's value
+(a gap where plotly leaves one), every label and tick, the colour limits plotly sets, each title's lines — and a
+figure it cannot draw is refused. The colour limits and colour bar ticks are checked against plotly.js itself in
+tests/browser/test_panels_browser.py."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from gpt_shape_tracer.figures import attention
+from gpt_shape_tracer.figures.panels import limits, nice_ticks, panels_spec, runs, tick_label
+from gpt_shape_tracer.tracer import TracedGeneration
+
+PROMPT = "Tom had a big red kite. One day, Tom went to the park."
+TAG = re.compile(r"<[^>]+>")
+
+
+def _generation(name: str, prompt, steps: int = 3, **options) -> TracedGeneration:
+    from gpt_shape_tracer.model import load_bundled
+
+    model, tok = load_bundled(name)
+    gen = TracedGeneration(model, tok, prompt, temperature=0.0, **options)
+    gen.run(steps)
+    return gen
+
+
+@pytest.fixture(scope="module", params=["story-gpt", "story-llama"])
+def traces(request):
+    """The settings the Stages view meets: a prefill and decode steps with the cache, without it, a left-padded
+    batch of two, a prompt short enough for numbers in the cells, a shapes capture (no values)."""
+    return {
+        "cached": _generation(request.param, PROMPT).trace,
+        "uncached": _generation(request.param, PROMPT, use_cache=False).trace,
+        "padded": _generation(request.param, [PROMPT, "Tom had"]).trace,
+        "short": _generation(request.param, "Tom had a", steps=2).trace,
+        "shapes": _generation(request.param, PROMPT, capture="shapes").trace,
+    }
+
+
+def _figures(trace):
+    last = len(trace.steps) - 1
+    for step in (0, last):
+        for layer, head in ((0, 0), (1, 2)):
+            for shared in (False, True):
+                for batch in range(trace.record(f"blocks.{layer}.attn.hook_q", step).shape[0]):
+                    yield (step, layer, head, shared, batch), attention.attention_stages_figure(
+                        trace, step, layer, head, batch, shared)
+
+
+def _values(fig: go.Figure) -> list:
+    return [t for t in fig.data if not (t.hoverinfo == "skip" and t.showscale is False)]
+
+
+def _lines(text: str) -> list[str]:
+    return [TAG.sub("", line) for line in text.split("<br>")]
+
+
+def test_every_cell_label_tick_and_title_of_the_figure_is_in_the_drawing(traces):
+    seen_masked = seen_numbers = seen_notes = 0
+    for setting, trace in traces.items():
+        for where, fig in _figures(trace):
+            spec = panels_spec(fig)
+            values = _values(fig)
+            assert len(spec["panels"]) == len(values), (setting, where)
+            layout = fig.layout
+            for panel, trace_ in zip(spec["panels"], values):
+                z = np.asarray(trace_.z, dtype=np.float64)
+                drawn = np.array([[math.nan if v is None else v for v in row] for row in panel["z"]], dtype=np.float64)
+                np.testing.assert_array_equal(drawn, z)  # NaN where plotly leaves a gap
+                assert panel["x"] == [str(v) for v in trace_.x] and panel["y"] == [str(v) for v in trace_.y]
+                xaxis = layout["xaxis" + trace_.xaxis[1:]]
+                yaxis = layout["yaxis" + trace_.yaxis[1:]]
+                assert [panel["x"][j] for j in panel["xticks"]] == [str(v) for v in xaxis.tickvals]
+                assert panel["xticktext"] == [str(v) for v in xaxis.ticktext]
+                shown = yaxis.showticklabels is not False
+                assert [panel["y"][i] for i in panel["yticks"]] == ([str(v) for v in yaxis.tickvals] if shown else [])
+                assert panel["domain"] == list(xaxis.domain) and panel["tickangle"] == xaxis.tickangle
+                under = [t for t in fig.data if t.hoverinfo == "skip" and t.xaxis == trace_.xaxis]
+                assert (panel["masked"] is not None) == bool(under), (setting, where)
+                seen_masked += bool(under)
+                if trace_.zmin is not None:
+                    assert (panel["zmin"], panel["zmax"]) == (trace_.zmin, trace_.zmax)
+                else:  # symmetric about 0, reaching the largest magnitude drawn
+                    finite = np.abs(z[np.isfinite(z)])
+                    assert panel["zmin"] == -panel["zmax"] and panel["zmax"] == pytest.approx(float(finite.max()))
+                if trace_.texttemplate:
+                    assert panel["text"] == [[str(v) for v in row] for row in trace_.text]
+                    seen_numbers += 1
+                else:
+                    assert panel["text"] is None
+                if trace_.showscale is False:
+                    assert panel["bar"] is None
+                else:
+                    bar = panel["bar"]
+                    assert all(panel["zmin"] - 1e-9 <= v <= panel["zmax"] + 1e-9 for v in bar["ticks"])
+                    if trace_.colorbar.tickvals is not None:
+                        assert bar["labels"] == list(trace_.colorbar.ticktext)
+                    assert ["".join(r["t"] for r in line) for line in bar["title"]] == _lines(
+                        trace_.colorbar.title.text)
+            notes = layout.annotations
+            # each panel named by its title's first line (subplot titles come first among the annotations)
+            assert [p["name"] for p in spec["panels"]] == [_lines(a.text)[0].strip() for a in notes[:len(values)]]
+            assert [["".join(r["t"] for r in line) for line in n["lines"]] for n in spec["notes"]] == [
+                _lines(a.text) for a in notes]
+            seen_notes += any(a.text.startswith(("not formed", "values not kept")) for a in notes)
+            assert ["".join(r["t"] for r in line) for line in spec["title"]["lines"]] == _lines(layout.title.text)
+            assert spec["height"] == layout.height
+    assert seen_masked and seen_numbers and seen_notes  # the matrix reached a gap, numbers and a panel with no values
+
+
+def test_markup_becomes_runs_of_plain_text():
+    lines = runs("<b>QKᵀ</b><br><span style='font-size:10px'>[1, 4] &amp; <i>n</i></span><br>")
+    assert lines == [[{"t": "QKᵀ", "b": True, "i": False, "s": None, "c": None}],
+                     [{"t": "[1, 4] & ", "b": False, "i": False, "s": 10.0, "c": None},
+                      {"t": "n", "b": False, "i": True, "s": 10.0, "c": None}],
+                     []]
+    assert runs("<span style='color:#ff0000'>red <span style='font-size:9px'>small</span></span>")[0] == [
+        {"t": "red ", "b": False, "i": False, "s": None, "c": "#ff0000"},
+        {"t": "small", "b": False, "i": False, "s": 9.0, "c": "#ff0000"}]
+    with pytest.raises(ValueError, match="markup"):
+        runs("a <a href='x'>link</a>")
+
+
+def test_colour_limits_and_ticks_follow_plotly():
+    z = np.array([[1.0, -3.0, np.nan], [2.0, 0.5, -np.inf]])
+    assert limits(z, None, None, 0.0) == (-3.0, 3.0)
+    assert limits(z, None, None, None) == (-3.0, 2.0)
+    assert limits(z, 0.0, 1.0, None) == (0.0, 1.0)
+    assert limits(np.full((1, 1), 2.0), None, None, None) == (1.5, 2.5)
+    assert nice_ticks(0.0, 1.0) == [0.0, 0.5, 1.0]
+    assert nice_ticks(-12.36, 12.36) == [-10.0, -5.0, 0.0, 5.0, 10.0]
+    assert [tick_label(v, [-50.0, 0.0, 50.0]) for v in (-50.0, 0.0, 50.0)] == ["−50", "0", "50"]
+    assert [tick_label(v, [0.0, 0.0005]) for v in (0.0, 0.0005)] == ["0", "0.0005"]
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda f: f.add_trace(go.Scatter(x=[0], y=[0])), "scatter"),
+    (lambda f: f.update_yaxes(autorange=True), "reversed"),
+    (lambda f: f.update_xaxes(type="linear"), "category"),
+    (lambda f: f.update_traces(hovertemplate="%{z}"), "hover"),
+    (lambda f: f.add_annotation(text="look", x=0, y=0, xref="x", yref="y"), "annotation"),
+])
+def test_a_figure_it_cannot_draw_is_refused(change, reason):
+    from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
+
+    fig = go.Figure()
+    g = grid(torch.arange(6, dtype=torch.float32).reshape(2, 3), ["a", "b", "c"], ["p", "q"])
+    add(fig, g, "signed")
+    style_axes(fig, g)
+    fig.update_layout(height=300)
+    panels_spec(fig)  # drawn as it is
+    change(fig)
+    with pytest.raises(ValueError, match=reason):
+        panels_spec(fig)
