@@ -160,9 +160,13 @@ function draw(view) {
     g.font = font(12);
     const angle = p.tickangle * Math.PI / 180;
     let below = 0;
+    let last = -Infinity;  // where the last label drawn stands: one closer than a line of text would overlap it
     p.xticks.forEach((j, k) => {
       const label = p.xticktext[k] ?? p.x[j];
       const w = g.measureText(label).width;
+      const at = x0 + (j + 0.5) * cw;
+      if (at - last < (angle ? 13 / Math.abs(Math.sin(angle)) : w + 6)) return;  // hover still names every column
+      last = at;
       g.save();
       g.translate(x0 + (j + 0.5) * cw, y1 + TICK_GAP);
       if (angle) {
