@@ -260,9 +260,9 @@ function drawBar(view, g, p, x, middle, length, font) {
     keep(view, bar.labels[k], x + bar.thickness + 2, y, 0, 0, w, bar.size);
   });
   const box = document.createElement("div");
-  writeLines(box, bar.title, bar.size + 2, view.spec.colour, view.spec.font);
+  writeLines(box, bar.title, bar.size + 1, view.spec.colour, view.spec.font);
   box.style.left = x + "px";
-  box.style.top = topY - 2 + "px";
+  box.style.top = topY - 6 + "px";  // above the top tick's label, which is centred on the bar's end
   box.style.transform = "translate(0, -100%)";
   box.style.textAlign = "left";
   view.text.appendChild(box);

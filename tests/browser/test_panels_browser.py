@@ -150,6 +150,11 @@ def figures():
         for step, layer, head, batch, shared in ((0, 0, 0, 0, False), (0, 1, 2, 1, True), (2, 2, 1, 0, False),
                                                  (2, 3, 3, 1, True)):
             out.append(attention_stages_figure(gen.trace, step, layer, head, batch, shared))
+    model, tok = load_bundled("story-gpt")  # 192 tokens: a decode row's weights on a clipped colour scale (≥ …)
+    gen = TracedGeneration(model, tok, " ".join([PROMPT] * 12), temperature=0.0)
+    gen.run(2)
+    out += [attention_stages_figure(gen.trace, 1, 0, 0), attention_stages_figure(gen.trace, 0, 3, 2)]
+    assert "clipped" in out[-2].data[-1].colorbar.title.text
     return out
 
 

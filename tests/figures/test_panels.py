@@ -40,6 +40,8 @@ def traces(request):
         "padded": _generation(request.param, [PROMPT, "Tom had"]).trace,
         "short": _generation(request.param, "Tom had a", steps=2).trace,
         "shapes": _generation(request.param, PROMPT, capture="shapes").trace,
+        # 192 tokens: the prefill's panels pooled into blocks, a decode row's weights on a clipped colour scale
+        "long": _generation(request.param, " ".join([PROMPT] * 12), steps=2).trace,
     }
 
 
@@ -62,7 +64,7 @@ def _lines(text: str) -> list[str]:
 
 
 def test_every_cell_label_tick_and_title_of_the_figure_is_in_the_drawing(traces):
-    seen_masked = seen_numbers = seen_notes = 0
+    seen_masked = seen_numbers = seen_notes = seen_clipped = 0
     for setting, trace in traces.items():
         for where, fig in _figures(trace):
             spec = panels_spec(fig)
@@ -101,6 +103,7 @@ def test_every_cell_label_tick_and_title_of_the_figure_is_in_the_drawing(traces)
                     assert all(panel["zmin"] - 1e-9 <= v <= panel["zmax"] + 1e-9 for v in bar["ticks"])
                     if trace_.colorbar.tickvals is not None:
                         assert bar["labels"] == list(trace_.colorbar.ticktext)
+                        seen_clipped += 1
                     assert ["".join(r["t"] for r in line) for line in bar["title"]] == _lines(
                         trace_.colorbar.title.text)
             notes = layout.annotations
@@ -111,7 +114,8 @@ def test_every_cell_label_tick_and_title_of_the_figure_is_in_the_drawing(traces)
             seen_notes += any(a.text.startswith(("not formed", "values not kept")) for a in notes)
             assert ["".join(r["t"] for r in line) for line in spec["title"]["lines"]] == _lines(layout.title.text)
             assert spec["height"] == layout.height
-    assert seen_masked and seen_numbers and seen_notes  # the matrix reached a gap, numbers and a panel with no values
+    # the matrix reached a gap, numbers, a panel with no values and a clipped colour scale
+    assert seen_masked and seen_numbers and seen_notes and seen_clipped
 
 
 def test_markup_becomes_runs_of_plain_text():
