@@ -233,11 +233,12 @@ def finite_flag(t: torch.Tensor) -> int:
     return s if isinstance(s, int) else _flag_of(float(s))
 
 
-@torch.no_grad()
 def flag_sum(t: torch.Tensor) -> torch.Tensor | int:
     """The one reduction ``finite_flag`` reads, left where ``t`` is (a 0-d tensor, no host read), or the flag
     itself when no reduction is needed: ``UNKNOWN`` for a meta tensor (a dry run: a shape and a dtype, no
-    values), ``CLEAN`` for integers and empty tensors."""
+    values), ``CLEAN`` for integers and empty tensors. Summed from ``t.detach()``, so no autograd graph is built
+    without ``torch.no_grad``, whose context costs more than the sum of a decode step's [1, 1, d] (the tracer's
+    hot path calls this for every residual-stream record of a shapes trace)."""
     if t.is_meta:
         return Finite.UNKNOWN
     x = t.detach()
