@@ -44,7 +44,7 @@ function writeLines(box, lines, size, colour, family, weight = "400") {
       if (run.c) span.style.color = run.c;
       row.appendChild(span);
     }
-    if (!line.length) row.innerHTML = "&nbsp;";
+    if (!line.length) row.textContent = "\u00a0";  // an empty line keeps its height
     row.style.lineHeight = "1.25";
     box.appendChild(row);
   }
