@@ -74,19 +74,25 @@ def _colours(scale: Any) -> list[list]:
     for position, colour in stops:
         if isinstance(colour, str) and colour.startswith("#"):
             colour = "rgb({}, {}, {})".format(*plotly.colors.hex_to_rgb(colour))
-        out.append([float(position), str(colour)])
+        if not (isinstance(colour, str) and re.fullmatch(r"rgba?\(\s*[0-9.]+\s*,\s*[0-9.]+\s*,\s*[0-9.]+.*\)", colour)):
+            raise ValueError(f"a colour this drawing does not read: {colour!r} (it reads #rrggbb and rgb(…))")
+        out.append([float(position), colour])
     return out
 
 
-def limits(z: np.ndarray, zmin: float | None, zmax: float | None, zmid: float | None) -> tuple[float, float]:
-    """The values at the two ends of a heatmap's colour scale, as plotly sets them: ``zmin``/``zmax`` where given,
-    else the finite data's; with ``zmid`` and neither given, widened to be symmetric about it; equal ends ±0.5."""
-    finite = z[np.isfinite(z)]
-    lo = float(zmin) if zmin is not None else (float(finite.min()) if finite.size else 0.0)
-    hi = float(zmax) if zmax is not None else (float(finite.max()) if finite.size else 1.0)
-    if zmid is not None and zmin is None and zmax is None:
-        half = max(hi - zmid, zmid - lo)
-        lo, hi = zmid - half, zmid + half
+def limits(z: np.ndarray, zmin: float | None, zmax: float | None, zmid: float | None,
+           zauto: bool | None = None) -> tuple[float, float]:
+    """The values at the two ends of a heatmap's colour scale, as plotly sets them: ``zmin`` and ``zmax`` where both
+    are given (and ``zauto`` is not True), else the finite data's — made symmetric about ``zmid`` where given; equal
+    ends ±0.5."""
+    if zmin is not None and zmax is not None and zauto is not True:
+        lo, hi = float(zmin), float(zmax)
+    else:
+        finite = z[np.isfinite(z)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        if zmid is not None:
+            half = max(hi - zmid, zmid - lo)
+            lo, hi = zmid - half, zmid + half
     if lo == hi:
         lo, hi = lo - 0.5, hi + 0.5
     return lo, hi
@@ -105,15 +111,54 @@ def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
     return [round(k * step, 12) for k in range(first, math.floor(hi / step + 1e-9) + 1)]
 
 
-def tick_label(value: float, ticks: list[float]) -> str:
-    """A colour bar tick's label as plotly writes it: the decimals of the ticks' spacing, trailing zeros dropped, a
-    minus sign (−) before a negative value."""
+SI_PREFIXES = ("f", "p", "n", "μ", "m", "", "k", "M", "G", "T")
+SUPERSCRIPT = str.maketrans("0123456789−", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
+
+
+def _js_string(v: float) -> str:
+    """``String(v)`` in JavaScript for the mantissas plotly writes (Python's shortest repr, without its ``.0``)."""
+    text = repr(float(v))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def tick_label(value: float, ticks: list[float], lo: float, hi: float) -> str:
+    """A colour bar tick's label as plotly.js writes it (``numFormat`` with its default exponent format "B"): rounded
+    to two digits past the spacing's largest, a common power of ten taken out when the range's largest end is past
+    10³ or below 10⁻³ — an SI prefix (k, M, B for 10⁹, T; m, μ, n, p, f), ×10ⁿ beyond them —, a minus sign (−)."""
     step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else 1.0
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
-    text = f"{abs(value):.{decimals}f}"
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return ("−" if value < 0 and float(text) != 0 else "") + text
+    tick_round = 2 - math.floor(math.log(step) / math.log(10) + 0.01)
+    biggest = max(abs(lo), abs(hi))
+    range_exp = math.floor(math.log(biggest) / math.log(10) + 0.01) if biggest > 0 else 0
+    beyond = range_exp > 14 or range_exp < -15
+    # (range_exp - 1) / 3 is never halfway between two integers, so Python's round is JavaScript's Math.round here
+    exponent = (3 * round((range_exp - 1) / 3) if not beyond else range_exp) if abs(range_exp) > 3 else 0
+    negative = value < 0
+    v = abs(value)
+    e = 10 ** -tick_round / 2
+    if v < e:
+        return "0"
+    v += e
+    if exponent:
+        v *= 10 ** -exponent
+        tick_round += exponent
+    if tick_round == 0:
+        text = str(math.floor(v))
+    elif tick_round < 0:
+        text = str(math.floor(v + 0.5))  # Math.round
+        text = text[:len(text) + tick_round] + "0" * -tick_round
+    else:
+        text = _js_string(v)
+        dot = text.find(".") + 1
+        if dot:
+            text = re.sub(r"\.?0+$", "", text[:dot + tick_round])
+    if exponent:
+        if beyond:  # past the SI prefixes: plotly writes a power of ten
+            text += "×10" + (f"−{-exponent}" if exponent < 0 else str(exponent)).translate(SUPERSCRIPT)
+        elif exponent == 9:
+            text += "B"
+        else:
+            text += SI_PREFIXES[exponent // 3 + 5]
+    return ("−" if negative else "") + text
 
 
 def _array(value: Any) -> Any:
@@ -126,13 +171,23 @@ def _array(value: Any) -> Any:
 
 
 def _labels(values: Any) -> list[str]:
+    """Axis labels as a reader sees them: ``heatmap.grid`` escapes a token's <, > and & for plotly's markup, which
+    plotly shows as the characters; the canvas writes text, so it is handed the characters."""
     values = _array(values)
-    return [str(v) for v in (values.tolist() if isinstance(values, np.ndarray) else list(values))]
+    return [html.unescape(str(v)) for v in (values.tolist() if isinstance(values, np.ndarray) else list(values))]
 
 
 def _matrix(z: Any) -> np.ndarray:
     z = _array(z)
     return np.asarray(z, dtype=np.float64).reshape(len(z), -1) if len(z) else np.zeros((0, 0))
+
+
+def _ticks(letter: str, axis: dict, labels: list[str], where: dict, shown: bool) -> dict:
+    """An axis's ticks as (cell index, label) pairs: the tick values that name a cell, each with its own text."""
+    values = list(_array(axis.get("tickvals", list(where))))
+    texts = _labels(axis.get("ticktext", values))
+    pairs = [(where[v], t) for v, t in zip(values, texts) if v in where] if shown else []
+    return {f"{letter}ticks": [i for i, _ in pairs], f"{letter}ticktext": [t for _, t in pairs]}
 
 
 def _axis(layout: dict, name: str) -> dict:
@@ -152,7 +207,7 @@ def _bar(trace: dict, lo: float, hi: float, layout: dict) -> dict | None:
         labels = [str(v) for v in bar.get("ticktext") or ticks]
     else:
         ticks = nice_ticks(lo, hi, int(bar.get("nticks") or 5))
-        labels = [tick_label(v, ticks) for v in ticks]
+        labels = [tick_label(v, ticks, lo, hi) for v in ticks]
     slack = 1e-9 * abs(hi - lo)
     inside = [(v, label) for v, label in zip(ticks, labels) if lo - slack <= v <= hi + slack]
     return {"x": float(bar.get("x", 1.02)), "len": float(bar.get("len", 1.0)),
@@ -195,20 +250,16 @@ def panels_spec(fig: go.Figure) -> dict:
         xs, ys = _labels(trace["x"]), _labels(trace["y"])
         if z.shape != (len(ys), len(xs)):
             raise ValueError(f"a heatmap of {z.shape} cells with {len(ys)} × {len(xs)} labels")
-        lo, hi = limits(z, trace.get("zmin"), trace.get("zmax"), trace.get("zmid"))
-        column = {label: i for i, label in enumerate(xs)}
-        row = {label: i for i, label in enumerate(ys)}
+        lo, hi = limits(z, trace.get("zmin"), trace.get("zmax"), trace.get("zmid"), trace.get("zauto"))
+        column = {label: i for i, label in enumerate(_array(trace["x"]))}
+        row = {label: i for i, label in enumerate(_array(trace["y"]))}
         text = trace.get("text") if trace.get("texttemplate") == "%{text}" else None
         panels.append({
             "domain": [float(v) for v in xaxis.get("domain", (0, 1))],
             "ydomain": [float(v) for v in yaxis.get("domain", (0, 1))],
             "z": [[v if math.isfinite(v) else None for v in r] for r in z.tolist()],
             "x": xs, "y": ys,
-            "xticks": [column[str(v)] for v in xaxis.get("tickvals", xs) if str(v) in column],
-            "xticktext": _labels(xaxis.get("ticktext", xaxis.get("tickvals", xs))),
-            "yticks": ([row[str(v)] for v in yaxis.get("tickvals", ys) if str(v) in row]
-                       if yaxis.get("showticklabels", True) else []),
-            "yticktext": _labels(yaxis.get("ticktext", yaxis.get("tickvals", ys))),
+            **_ticks("x", xaxis, xs, column, True), **_ticks("y", yaxis, ys, row, yaxis.get("showticklabels", True)),
             "tickangle": float(xaxis.get("tickangle", 0) or 0),
             "xtitle": ((xaxis.get("title") or {}).get("text") or ""),
             "ytitle": ((yaxis.get("title") or {}).get("text") or ""),
@@ -221,9 +272,10 @@ def panels_spec(fig: go.Figure) -> dict:
     # each panel's name, for the hover that reads a cell in every panel: its title's first line (a subplot title sits
     # centred over its panel's domain, above it)
     for panel in panels:
-        middle = sum(panel["domain"]) / 2
+        middle, top = sum(panel["domain"]) / 2, panel["ydomain"][1]
         for note in layout.get("annotations") or ():
-            if abs(float(note.get("x", -1)) - middle) < 1e-6 and note.get("yanchor") == "bottom":
+            if abs(float(note.get("x", -1)) - middle) < 1e-6 and abs(float(note.get("y", -1)) - top) < 1e-6 \
+                    and note.get("yanchor") == "bottom":
                 panel["name"] = "".join(run["t"] for run in runs(note.get("text", ""))[0]).strip()
                 break
         else:

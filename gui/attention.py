@@ -119,8 +119,9 @@ def attention_tab(trace: Trace, step: int) -> None:
                                    "one colour scale for QKᵀ, ÷√d_k and + M", key="attn_shared", persist_state="page",
                                    help="With one scale, the scaling shows as what it does: every score "
                                         "shrinks by the same factor")
-                # hover: a cell's query row and key column drawn across its panel (the other panels and O = A·V
-                # cannot follow the pointer: Streamlit sends no hover events, gui/hover.py)
+                # drawn on the canvas of gui/panels.js: hover reads a cell in every stage of the same cells and draws
+                # its query row and key column across them (O = A·V, a plotly chart, cannot follow: Streamlit sends
+                # no hover events to the app)
                 panels(attn_views.attention_stages_figure(trace, step, layer, head, batch, shared),
                        key="stages_chart")
             sink = pitfall_views.sink_sentence(trace, step, layer, head, batch)

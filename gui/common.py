@@ -3,6 +3,8 @@ admission and memory ledger: gui/server.py; the header, step slider and banners 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import weakref
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from gpt_shape_tracer.figures.common import facts_of, layer_labels, no_attention
 from gpt_shape_tracer.figures.common import inert as plain  # everything the app did not write passes through this
 from gpt_shape_tracer.figures.panels import panels_spec
 from gpt_shape_tracer.figures.svg import diagram_svg
+from gpt_shape_tracer.gui.hover import crosshair
 from gpt_shape_tracer.model import ModelLoadError
 from gpt_shape_tracer.session import (
     AppState,
@@ -66,8 +69,16 @@ PANELS_KEY = "panels-"  # every canvas's key starts so: the page's tests find th
 def panels(fig, key: str) -> None:
     """A figure of heatmaps side by side (the attention Stages) drawn on a canvas (``figures.panels``): the browser
     redraws it in about 0.01 s, where Streamlit mounts a changed plotly chart afresh and plots it twice (0.1 s of a
-    Step here). Hover shows a cell's row, column and value and draws its row and column across the panel."""
-    _PANELS(data=panels_spec(fig), key=f"{PANELS_KEY}{key}")
+    Step here). Hover names a cell's row and column, reads it in every panel of the same cells and draws its row
+    and column across them. A figure the canvas does not draw is shown as the plotly chart it is."""
+    try:
+        spec = panels_spec(fig)
+    except ValueError:
+        chart(crosshair(fig), key=key)
+        return
+    # names this drawing: the page's tests wait until the canvas says it drew the spec it was handed
+    spec["revision"] = hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
+    _PANELS(data=spec, key=f"{PANELS_KEY}{key}")
 
 
 def remembered_tabs(names: list[str], key: str, same: tuple[str, ...] = ()) -> list:

@@ -79,8 +79,11 @@ function makeView(parent) {
   root.append(canvas, overlay, text, tip);
   parent.appendChild(root);
   const view = { root, canvas, overlay, text, tip, spec: null, boxes: [], drawn: 0 };
-  root.addEventListener("mousemove", (event) => hover(view, event));
-  root.addEventListener("mouseleave", () => unhover(view));
+  root.addEventListener("mousemove", (event) => {
+    view.pointer = { clientX: event.clientX, clientY: event.clientY };
+    hover(view, view.pointer);
+  });
+  root.addEventListener("mouseleave", () => { view.pointer = null; unhover(view); });
   view.resize = new ResizeObserver(() => { if (view.spec && view.root.clientWidth !== view.width) draw(view); });
   view.resize.observe(root);
   return view;
@@ -100,6 +103,7 @@ function sized(canvas, width, height) {
 
 function draw(view) {
   const spec = view.spec;
+  unhover(view);  // what the pointer showed belongs to the drawing before (hovered again below, where it rests)
   const width = Math.max(200, view.root.clientWidth || 900);
   const height = spec.height;
   view.width = width;
@@ -150,7 +154,8 @@ function draw(view) {
           const v = p.z[i][j];
           if (v === null || !p.text[i][j]) continue;
           const c = colour(v);
-          g.fillStyle = (0.299 * c[0] + 0.587 * c[1] + 0.114 * c[2]) > 140 ? "#444" : "white";
+          // plotly's contrast: dark text on a light cell (brightness, 0 … 255, at least 128), white on a dark one
+          g.fillStyle = (0.299 * c[0] + 0.587 * c[1] + 0.114 * c[2]) >= 128 ? "#444" : "white";
           g.fillText(p.text[i][j], x0 + (j + 0.5) * cw, y0 + (i + 0.5) * rh);
         }
       }
@@ -239,8 +244,11 @@ function draw(view) {
   view.root.setAttribute("role", "img");
   view.root.setAttribute("aria-label", [said(spec.title.lines), ...spec.notes.map((n) => said(n.lines))].join("; "));
   view.drawn += 1;
+  view.root.__spec = spec;
   view.root.dataset.clipped = JSON.stringify(view.clipped);
+  view.root.dataset.revision = spec.revision;  // written once the drawing is done: a page's tests wait for it
   view.root.dataset.drawn = String(view.drawn);
+  if (view.pointer) hover(view, view.pointer);
 }
 
 function drawBar(view, g, p, x, middle, length, font) {
@@ -327,6 +335,8 @@ export default function (component) {
   let view = parentElement.__panelsView;
   if (!view) view = parentElement.__panelsView = makeView(parentElement);
   view.spec = data;
-  view.root.__spec = data;
+  view.root.__handed = data.revision;  // the drawing is this spec's once dataset.revision says so
   draw(view);
+  // Streamlit runs the cleanup the last call returned when the element goes away
+  return () => { view.resize.disconnect(); delete parentElement.__panelsView; };
 }

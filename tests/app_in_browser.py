@@ -200,7 +200,9 @@ def wait_idle(page, timeout: float = 90.0, settle_ms: int = 0, after: int | None
             " <= document.querySelectorAll('.js-plotly-plot').length",
             timeout=timeout * 1000,
         )
-        page.wait_for_function(f"() => ({PANELS})().every(p => p && p.dataset.drawn)", timeout=timeout * 1000)
+        # every canvas has drawn the spec it was last handed (a drawing that threw never says so)
+        page.wait_for_function(f"() => ({PANELS})().every(p => p && p.dataset.revision === p.__handed)",
+                               timeout=timeout * 1000)
     except Exception as e:
         raise AssertionError(f"the page did not become idle (after run {after}): {page_state(page)}") from e
     if settle_ms:
@@ -303,7 +305,7 @@ def wait_settled(page, quiet_s: float = 2.5, timeout: float = 120.0) -> None:
 
 
 # every heatmap-panels canvas (gui/panels.js) on the page, found by its element's key (gui.common.PANELS_KEY): the
-# drawing inside its component's shadow root, or null while the component's code is still loading or has not drawn
+# drawing inside its component's shadow root, or null while the component's code is still loading
 PANELS = ("() => Array.from(document.querySelectorAll('[class*=\"st-key-panels-\"]')).map(c => {"
           " const host = c.querySelector('[data-testid^=\"stBidiComponent\"]');"
           " return host ? (host.shadowRoot || host).querySelector('.panels') : null; })")
@@ -312,7 +314,7 @@ PANELS = ("() => Array.from(document.querySelectorAll('[class*=\"st-key-panels-\
 def panels_data(page) -> list:
     """Every heatmap-panels canvas's panels as the page drew them: rows and columns of each (as ``plotly_data``
     gives a heatmap's), the spec it drew (``spec``) and the labels it found reaching past its edge (``clipped``)."""
-    return page.evaluate(f"() => ({PANELS})().filter(Boolean).map(p => ({{"
+    return page.evaluate(f"() => ({PANELS})().filter(p => p && p.__spec).map(p => ({{"
                          "spec: p.__spec, clipped: JSON.parse(p.dataset.clipped || '[]'), "
                          "panels: p.__spec.panels.map(q => "
                          "({rows: q.z.length, cols: q.z.length ? q.z[0].length : 0}))}))")

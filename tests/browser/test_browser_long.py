@@ -88,7 +88,8 @@ def wait_rerun(page, before: int, timeout: float) -> None:
         page.wait_for_function(
             "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"]').length"
             " <= document.querySelectorAll('.js-plotly-plot').length", timeout=timeout * 1000)
-        page.wait_for_function(f"() => ({PANELS})().every(p => p && p.dataset.drawn)", timeout=timeout * 1000)
+        page.wait_for_function(f"() => ({PANELS})().every(p => p && p.dataset.revision === p.__handed)",
+                               timeout=timeout * 1000)
     except Exception as e:
         raise AssertionError(f"no rerun finished in {timeout} s: {page_state(page)}") from e
 

@@ -1,8 +1,9 @@
 """The attention Stages drawn on a canvas (gui/panels.js), in a real Chromium: each cell in the colour plotly's own
 colour scale gives its value, a masked cell grey and silent, hover writing the cell's row and column and its value in
-every stage and drawing its row and column across every panel, no label cut off at either width; and the colour limits and colour bar ticks of
-figures/panels.py equal to those plotly.js itself computes for the same figures (plotly.min.js, as the plotly package
-ships it, plotted offline in a blank page)."""
+every stage and drawing its row and column across every panel, read again when the drawing changes under a resting
+pointer, no label cut off at either width; and the colour limits and colour-bar ticks of figures/panels.py equal to
+those plotly.js itself computes for the same figures (plotly.min.js, as the plotly package ships it, plotted offline
+in a blank page), at the app's settings and on scales from 10⁻³ to 10³⁸."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import plotly
 import plotly.colors
 import pytest
+import torch
 
 from gpt_shape_tracer.figures.attention import attention_stages_figure
 from gpt_shape_tracer.figures.palette import MASKED
@@ -108,16 +110,36 @@ def test_the_stages_canvas_colours_hovers_and_fits(url, browser):
                 xm, ym = _cell_point(page, m, 0, j)
                 assert _pixel(page, "1", xm - 3, ym)[3] > 0 and _pixel(page, "1", xm, ym - 3)[3] > 0, m
                 assert _pixel(page, "1", xm - 3, ym - 3)[3] == 0, m
+        # the pointer resting on a cell while another head is picked (with the keyboard): what it shows is read again
+        # from the new drawing, not left from the one before
+        j = len(spec["panels"][0]["x"]) - 1
+        page.mouse.move(*_cell_point(page, 0, 0, j))
+        page.wait_for_function(f"() => {_root(page)}.dataset.hovered === '0,0,{j}'")
+        old = _tip(page)
+        revision = page.evaluate(f"() => {_root(page)}.dataset.revision")
+        head = page.locator('[data-testid="stSelectbox"]').filter(has_text="head").locator("input")
+        head.focus()
+        page.keyboard.press("ArrowDown")
+        page.keyboard.type("2")
+        page.keyboard.press("Enter")
+        wait_idle(page)
+        page.wait_for_function(f"() => {_root(page)}.dataset.revision !== '{revision}'")
+        spec = panels_data(page)[0]["spec"]
+        assert page.evaluate(f"() => {_root(page)}.dataset.hovered") == f"0,0,{j}"
+        lines = _tip(page).split("\n")
+        assert lines != old.split("\n"), lines
+        assert float(lines[2].rpartition(": ")[2].replace("−", "-")) == pytest.approx(
+            spec["panels"][0]["z"][0][j], rel=1e-3)
         page.mouse.move(5, 5)
         page.wait_for_function(f"() => {_root(page)}.dataset.hovered === ''")
         assert _tip(page) == ""
 
         # the prefill: M's panel holds −∞ above the diagonal, drawn grey, with nothing to hover
-        before = int(page.evaluate(f"() => {_root(page)}.dataset.drawn"))
+        revision = page.evaluate(f"() => {_root(page)}.dataset.revision")
         page.get_by_role("slider").first.focus()
         page.keyboard.press("Home")
         wait_idle(page)
-        page.wait_for_function(f"() => Number({_root(page)}.dataset.drawn) > {before}")
+        page.wait_for_function(f"() => {_root(page)}.dataset.revision !== '{revision}'")
         spec = panels_data(page)[0]["spec"]
         masked = spec["panels"][2]
         assert masked["z"][0][1] is None and masked["masked"] == "rgb({}, {}, {})".format(
@@ -150,6 +172,17 @@ def figures():
         for step, layer, head, batch, shared in ((0, 0, 0, 0, False), (0, 1, 2, 1, True), (2, 2, 1, 0, False),
                                                  (2, 3, 3, 1, True)):
             out.append(attention_stages_figure(gen.trace, step, layer, head, batch, shared))
+    from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
+    from gpt_shape_tracer.figures.plot import figure
+
+    for top in (5e-4, 4e4, 2e9, 3.4e38, 0.00249):  # colour bars past 10³ and below 10⁻³: SI prefixes, ×10ⁿ
+        fig = figure()
+        g = grid((torch.linspace(-1, 1, 12, dtype=torch.float64) * top).float().reshape(3, 4), ["a", "b", "c", "d"],
+                 ["p", "q", "r"])
+        add(fig, g, "signed", colorbar="score")
+        style_axes(fig, g)
+        fig.update_layout(height=300)
+        out.append(fig)
     model, tok = load_bundled("story-gpt")  # 192 tokens: a decode row's weights on a clipped colour scale (≥ …)
     gen = TracedGeneration(model, tok, " ".join([PROMPT] * 12), temperature=0.0)
     gen.run(2)
@@ -173,4 +206,7 @@ def test_colour_limits_and_colour_bar_ticks_equal_plotly_js(browser, figures):
                                    json.loads(fig.to_json()))
             ours = [v for p in spec["panels"] for v in (p["zmin"], p["zmax"])]
             assert ours == pytest.approx([v for pair in theirs["limits"] for v in pair], rel=1e-6)
-            assert [p["bar"]["labels"] for p in spec["panels"] if p["bar"]] == theirs["ticks"]
+            # plotly writes ×10ⁿ's exponent as a superscript element: its text is the digits
+            plain = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789−")
+            assert [[label.translate(plain) for label in p["bar"]["labels"]] for p in spec["panels"] if p["bar"]] \
+                == [[label.replace("\u200b", "") for label in bar] for bar in theirs["ticks"]]

@@ -5,6 +5,7 @@ tests/browser/test_panels_browser.py."""
 
 from __future__ import annotations
 
+import html
 import math
 import re
 
@@ -39,6 +40,7 @@ def traces(request):
         "uncached": _generation(request.param, PROMPT, use_cache=False).trace,
         "padded": _generation(request.param, [PROMPT, "Tom had"]).trace,
         "short": _generation(request.param, "Tom had a", steps=2).trace,
+        "marks": _generation(request.param, "Tom & Lily <3 the park.", steps=2).trace,  # <, & in the labels
         "shapes": _generation(request.param, PROMPT, capture="shapes").trace,
         # 192 tokens: the prefill's panels pooled into blocks, a decode row's weights on a clipped colour scale
         "long": _generation(request.param, " ".join([PROMPT] * 12), steps=2).trace,
@@ -64,7 +66,7 @@ def _lines(text: str) -> list[str]:
 
 
 def test_every_cell_label_tick_and_title_of_the_figure_is_in_the_drawing(traces):
-    seen_masked = seen_numbers = seen_notes = seen_clipped = 0
+    seen_masked = seen_numbers = seen_notes = seen_clipped = seen_marks = 0
     for setting, trace in traces.items():
         for where, fig in _figures(trace):
             spec = panels_spec(fig)
@@ -75,13 +77,17 @@ def test_every_cell_label_tick_and_title_of_the_figure_is_in_the_drawing(traces)
                 z = np.asarray(trace_.z, dtype=np.float64)
                 drawn = np.array([[math.nan if v is None else v for v in row] for row in panel["z"]], dtype=np.float64)
                 np.testing.assert_array_equal(drawn, z)  # NaN where plotly leaves a gap
-                assert panel["x"] == [str(v) for v in trace_.x] and panel["y"] == [str(v) for v in trace_.y]
+                # the labels as plotly shows them: grid() escapes <, > and & for plotly's markup, the canvas writes text
+                assert panel["x"] == [html.unescape(str(v)) for v in trace_.x]
+                assert panel["y"] == [html.unescape(str(v)) for v in trace_.y]
+                seen_marks += any("&" in v or "<" in v for v in panel["x"])
                 xaxis = layout["xaxis" + trace_.xaxis[1:]]
                 yaxis = layout["yaxis" + trace_.yaxis[1:]]
-                assert [panel["x"][j] for j in panel["xticks"]] == [str(v) for v in xaxis.tickvals]
-                assert panel["xticktext"] == [str(v) for v in xaxis.ticktext]
+                assert [panel["x"][j] for j in panel["xticks"]] == [html.unescape(str(v)) for v in xaxis.tickvals]
+                assert panel["xticktext"] == [html.unescape(str(v)) for v in xaxis.ticktext]
                 shown = yaxis.showticklabels is not False
-                assert [panel["y"][i] for i in panel["yticks"]] == ([str(v) for v in yaxis.tickvals] if shown else [])
+                assert [panel["y"][i] for i in panel["yticks"]] == (
+                    [html.unescape(str(v)) for v in yaxis.tickvals] if shown else [])
                 assert panel["domain"] == list(xaxis.domain) and panel["tickangle"] == xaxis.tickangle
                 under = [t for t in fig.data if t.hoverinfo == "skip" and t.xaxis == trace_.xaxis]
                 assert (panel["masked"] is not None) == bool(under), (setting, where)
@@ -115,7 +121,7 @@ def test_every_cell_label_tick_and_title_of_the_figure_is_in_the_drawing(traces)
             assert ["".join(r["t"] for r in line) for line in spec["title"]["lines"]] == _lines(layout.title.text)
             assert spec["height"] == layout.height
     # the matrix reached a gap, numbers, a panel with no values and a clipped colour scale
-    assert seen_masked and seen_numbers and seen_notes and seen_clipped
+    assert seen_masked and seen_numbers and seen_notes and seen_clipped and seen_marks
 
 
 def test_markup_becomes_runs_of_plain_text():
@@ -136,11 +142,22 @@ def test_colour_limits_and_ticks_follow_plotly():
     assert limits(z, None, None, 0.0) == (-3.0, 3.0)
     assert limits(z, None, None, None) == (-3.0, 2.0)
     assert limits(z, 0.0, 1.0, None) == (0.0, 1.0)
+    assert limits(z, 0.0, None, None) == (-3.0, 2.0)  # one end given: plotly takes both from the data (zauto)
+    assert limits(z, 0.0, 1.0, None, zauto=True) == (-3.0, 2.0)
     assert limits(np.full((1, 1), 2.0), None, None, None) == (1.5, 2.5)
     assert nice_ticks(0.0, 1.0) == [0.0, 0.5, 1.0]
     assert nice_ticks(-12.36, 12.36) == [-10.0, -5.0, 0.0, 5.0, 10.0]
-    assert [tick_label(v, [-50.0, 0.0, 50.0]) for v in (-50.0, 0.0, 50.0)] == ["−50", "0", "50"]
-    assert [tick_label(v, [0.0, 0.0005]) for v in (0.0, 0.0005)] == ["0", "0.0005"]
+    def labels(lo, hi):
+        ticks = nice_ticks(lo, hi)
+        return [tick_label(v, ticks, lo, hi) for v in ticks]
+
+    # as plotly.js writes them (tests/browser/test_panels_browser.py compares more ranges with plotly.js itself)
+    assert labels(-79.04, 79.04) == ["−50", "0", "50"]
+    assert labels(0.0, 0.00249) == ["0", "0.0005", "0.001", "0.0015", "0.002"]
+    assert labels(-5e-4, 5e-4) == ["−500μ", "0", "500μ"]
+    assert labels(-4e4, 4e4) == ["−40k", "−20k", "0", "20k", "40k"]
+    assert labels(0.0, 2e9) == ["0", "0.5B", "1B", "1.5B", "2B"]
+    assert labels(-3.4e38, 3.4e38) == ["−2×10³⁸", "0", "2×10³⁸"]
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -149,6 +166,7 @@ def test_colour_limits_and_ticks_follow_plotly():
     (lambda f: f.update_xaxes(type="linear"), "category"),
     (lambda f: f.update_traces(hovertemplate="%{z}"), "hover"),
     (lambda f: f.add_annotation(text="look", x=0, y=0, xref="x", yref="y"), "annotation"),
+    (lambda f: f.update_traces(colorscale=[[0, "red"], [1, "blue"]]), "colour"),
 ])
 def test_a_figure_it_cannot_draw_is_refused(change, reason):
     from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
