@@ -39,7 +39,7 @@ from gpt_shape_tracer.figures.heatmap import (
 from gpt_shape_tracer.figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
 from gpt_shape_tracer.figures.plot import figure, fitted, subplots
 from gpt_shape_tracer.model.gpt import act_name
-from gpt_shape_tracer.tracer import RegionError, Trace, attention_region, is_derived, pattern_digest
+from gpt_shape_tracer.tracer import RegionError, Trace, attention_region, can_recompute, is_derived, pattern_digest
 
 STAGES = ("qk", "attn_scores", "masked_scores", "pattern")
 GRID_CELLS = 120_000  # the all-heads grid sends at most this many numbers (pooling each head to fit)
@@ -217,6 +217,16 @@ def shapes_line(shapes: str, width: int | None, wrap: bool) -> str:
     return shapes.replace(" → ", "<br>→ ").replace(" (", "<br>(") if wrap else shapes
 
 
+def missing_stage_note(trace: Trace, name: str, step: int) -> str:
+    """What a Stages panel with no matrix says: a fused layer's stage that the app's Zoom can recompute (its Q and K
+    kept), one it cannot (a shapes trace, or Q and K not kept), or a value not kept."""
+    if can_recompute(trace, name, step):
+        return "not formed:<br>the fused kernel ran<br>(the app's Zoom<br>recomputes any region)"
+    if is_derived(trace, name, step):
+        return "not formed:<br>the fused kernel ran,<br>and its Q and K<br>were not kept"
+    return "values not kept"
+
+
 @fitted
 def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batch: int = 0,
                             shared_scale: bool = False) -> go.Figure:
@@ -261,10 +271,8 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
             # placed on the page (paper) at the middle of the panel's own domain: refs to an axis with no trace
             # were drawn over the last panel in the browser (seen in a screenshot at 32k tokens)
             left, right = fig.layout[f"xaxis{i if i > 1 else ''}"].domain
-            derived = is_derived(trace, stage_name(stage.hook, layer), step)
-            fig.add_annotation(text="not formed:<br>the fused kernel ran<br>(Zoom recomputes<br>any region)" if derived
-                               else "values not kept", showarrow=False, x=(left + right) / 2, y=0.5,
-                               xref="paper", yref="paper")
+            fig.add_annotation(text=missing_stage_note(trace, stage_name(stage.hook, layer), step), showarrow=False,
+                               x=(left + right) / 2, y=0.5, xref="paper", yref="paper")
             continue
         g = grids[stage.hook]
         name = STAGE_NAMES.get(stage.hook, stage.hook)

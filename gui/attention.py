@@ -59,7 +59,7 @@ from gpt_shape_tracer.tracer import (
     Trace,
     archive_bytes,
     attention_gradients,
-    attention_source,
+    can_recompute,
     check_output,
     gradient_trace,
     head_scores,
@@ -227,14 +227,7 @@ def indexer_section(trace: Trace, step: int, layer: int, batch: int, indexed: li
 
 def recomputable(trace: Trace, step: int, layer: int) -> bool:
     """Whether this layer's pattern is derived (the fused kernel ran) and its Q and K are kept."""
-    name = act_name("pattern", layer)
-    if not is_derived(trace, name, step):
-        return False
-    try:
-        attention_source(trace, name, step)
-    except RegionError:
-        return False
-    return True
+    return can_recompute(trace, act_name("pattern", layer), step)
 
 
 def zoom_section(trace: Trace, step: int, layer: int, head: int, batch: int) -> None:

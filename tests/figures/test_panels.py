@@ -180,3 +180,19 @@ def test_a_figure_it_cannot_draw_is_refused(change, reason):
     change(fig)
     with pytest.raises(ValueError, match=reason):
         panels_spec(fig)
+
+
+def test_a_panel_with_no_matrix_says_why(traces):
+    """A shapes trace keeps no values: its fused layers' stages were never formed and cannot be recomputed (no Q and K
+    kept), and the panel says that — not that the app's Zoom would recompute them, which it cannot."""
+    from gpt_shape_tracer.tracer import can_recompute, is_derived
+
+    trace = traces["shapes"]
+    fig = attention.attention_stages_figure(trace, 1, 0, 0)
+    notes = [a.text for a in fig.layout.annotations if not a.text.startswith("<b>")]
+    assert len(notes) == 4 and is_derived(trace, "blocks.0.attn.hook_pattern", 1)
+    assert not can_recompute(trace, "blocks.0.attn.hook_pattern", 1)
+    assert all("Q and K<br>were not kept" in n and "Zoom" not in n for n in notes), notes
+    assert can_recompute(traces["cached"], "blocks.0.attn.hook_pattern", 1)  # values kept: Zoom can, the panels draw
+    assert not [a for a in attention.attention_stages_figure(traces["cached"], 1, 0, 0).layout.annotations
+                if not a.text.startswith("<b>")]

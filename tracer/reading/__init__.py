@@ -13,6 +13,7 @@ from gpt_shape_tracer.tracer.reading._regions import (
     attention_overview,
     attention_region,
     attention_source,
+    can_recompute,
     check_output,
     head_statistics,
     is_derived,
@@ -24,5 +25,5 @@ from gpt_shape_tracer.tracer.reading._trace import Trace
 Trace.derived_reader = _derived  # Trace reads derived stages through it (see Trace.derived_reader)
 
 __all__ = ["GenerationFacts", "HeadStatistics", "Overview", "RegionError", "Trace", "attention_overview",
-           "attention_region", "attention_source", "check_output", "head_statistics", "is_derived", "pattern_digest",
-           "query_row"]
+           "attention_region", "attention_source", "can_recompute", "check_output", "head_statistics", "is_derived",
+           "pattern_digest", "query_row"]

@@ -88,6 +88,18 @@ def is_derived(trace: Trace, name_or_record: str | TensorRecord, step: int | Non
     return trace.log.derived(_record(trace, name_or_record, step).index) is not None
 
 
+def can_recompute(trace: Trace, name_or_record: str | TensorRecord, step: int | None = None) -> bool:
+    """Whether a record is derived (the fused kernel ran) and the Q and K its regions are recomputed from are kept:
+    then any region of it can be read (``attention_region``), at any length."""
+    if not is_derived(trace, name_or_record, step):
+        return False
+    try:
+        attention_source(trace, name_or_record, step)
+    except RegionError:
+        return False
+    return True
+
+
 def attention_source(trace: Trace, name_or_record: str | TensorRecord, step: int | None = None) -> AttentionSource:
     rec = _record(trace, name_or_record, step)
     derived = trace.log.derived(rec.index)
