@@ -80,7 +80,8 @@ def test_the_wheel_installs_one_name(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"gpt_shape_tracer", wheel.name.split("-py3")[0] + ".dist-info"}
     for inside in ("model/gpt/_gpt.py", "tracer/__init__.py", "figures/attention.py", "session/__init__.py",
-                   "gui/sidebar.py", "app.py", "model/bundled/story-gpt/model.safetensors", "py.typed"):
+                   "gui/sidebar.py", "gui/panels.js", "gui/panels.css", "app.py",
+                   "model/bundled/story-gpt/model.safetensors", "py.typed"):
         assert f"gpt_shape_tracer/{inside}" in names, inside
     # every module of the rooms (a package pyproject.toml forgot to list would be missing from the wheel alone)
     rooms = [p for room in ("model", "tracer", "figures", "gui", "session") for p in (ROOT / room).rglob("*.py")]
