@@ -227,6 +227,8 @@ def panels_spec(fig: go.Figure) -> dict:
     layout = spec["layout"]
     if "height" not in layout:
         raise ValueError("a panels drawing is drawn at its layout's height: this figure sets none")
+    if layout.get("shapes") or layout.get("images"):
+        raise ValueError("layout shapes or images: this drawing draws heatmaps, their labels and annotations only")
     masked: dict[str, str] = {}
     values: list[dict] = []
     for trace in spec["data"]:

@@ -167,6 +167,7 @@ def test_colour_limits_and_ticks_follow_plotly():
     (lambda f: f.update_traces(hovertemplate="%{z}"), "hover"),
     (lambda f: f.add_annotation(text="look", x=0, y=0, xref="x", yref="y"), "annotation"),
     (lambda f: f.update_traces(colorscale=[[0, "red"], [1, "blue"]]), "colour"),
+    (lambda f: f.add_shape(type="rect", x0=0, x1=1, y0=0, y1=1), "shapes"),  # History's outlined row, say
 ])
 def test_a_figure_it_cannot_draw_is_refused(change, reason):
     from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
