@@ -304,7 +304,7 @@ def test_the_app_opens_such_a_model_and_draws_its_attention():
     from transformers import BloomConfig, BloomForCausalLM
 
     from gpt_shape_tracer.model.sources import BUNDLED_DIR
-    from tests.app.test_app import charts, new_app, page_text, press, press_reset, show_tab
+    from tests.app.test_app import new_app, page_text, panels, press, press_reset, show_tab
     from tests.app.test_app_architectures import choose_directory, every_tab_without_error
     from tests.hf_every_architecture import tiny_config
 
@@ -325,9 +325,9 @@ def test_the_app_opens_such_a_model_and_draws_its_attention():
     assert any("bloom (hf:bloom)" in unescape(c.value) for c in at.caption)
     gen = at.session_state["app"].live.generation
     pattern = gen.trace.get("blocks.0.attn.hook_pattern", 1)  # [1, H, 1, t]: layer 0 at the step shown
-    figure = charts(at)[0]
-    assert figure["layout"]["title"]["text"] == "layer 0, head 0, step 1"
-    softmaxed = torch.tensor(figure["data"][-1]["z"], dtype=torch.float64)  # the last panel: the softmax
+    drawn = panels(at)[0]  # the Stages, drawn on the canvas (gui/panels.js)
+    assert ["".join(r["t"] for r in line) for line in drawn["title"]["lines"]] == ["layer 0, head 0, step 1"]
+    softmaxed = torch.tensor(drawn["panels"][-1]["z"], dtype=torch.float64)  # the last panel: the softmax
     torch.testing.assert_close(softmaxed, pattern[0, 0].double(), atol=1e-6, rtol=0)
     share = f"{float(pattern[0, 0, -1].max()):.3f}"  # the Stages takeaway's own rounding, as its metric's
     assert f"puts {share} of its weight on key {int(pattern[0, 0, -1].argmax())}" in page_text(at)

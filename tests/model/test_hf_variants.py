@@ -338,7 +338,7 @@ def test_the_app_shows_inkling_2s_bias_and_sink_stages(directories):
     Attention tab's Stages draw the bias and the sink as stages of their own and say what the bias adds, the sentence
     the function writes from the app's own trace."""
     from gpt_shape_tracer.figures.attention import score_bias_sentence
-    from tests.app.test_app import TABS, charts, page_text, show_tab
+    from tests.app.test_app import TABS, page_text, panels, show_tab
     from tests.app.test_app_architectures import opened_and_stepped
 
     at = opened_and_stepped(directories["inkling2_text"])
@@ -348,7 +348,8 @@ def test_the_app_shows_inkling_2s_bias_and_sink_stages(directories):
         show_tab(at, tab)
         assert not at.error, (tab, [e.value for e in at.error])
     show_tab(at, "Attention")
-    titles = [a.get("text", "") for c in charts(at) for a in c.get("layout", {}).get("annotations", [])]
+    titles = ["".join(r["t"] for line in note["lines"] for r in line) for drawn in panels(at)
+              for note in drawn["notes"]]  # the Stages' panel titles, drawn on the canvas (gui/panels.js)
     assert any("B, the score bias" in t for t in titles) and any("s_h" in t for t in titles), titles
     layer, head, batch = (at.session_state.get(k, 0) or 0 for k in ("attn_layer", "attn_head", "attn_batch"))
     sentence = score_bias_sentence(gen.trace, gen.n_steps - 1, layer, head, batch)
