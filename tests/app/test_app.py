@@ -439,7 +439,7 @@ def test_shapes_capture_says_what_is_missing_instead_of_drawing_empty_charts():
         press(at, "step_button")
     n0 = prompt_tokens(at)
     show_tab(at, "Attention")
-    assert any("Capture is **shapes**" in i.value for i in at.info) and not charts(at)
+    assert any("Capture is **shapes**" in i.value for i in at.info) and not charts(at) and not panels(at)
     assert f"[1, 4, 1, 32] @ [1, 4, 32, {n0 + 1}] → [1, 4, 1, {n0 + 1}]" in page_text(at)
     show_tab(at, "Causal mask")
     assert "Causal mask" in [t.label for t in at.tabs] and "Attention mask" not in [t.label for t in at.tabs]
