@@ -273,23 +273,27 @@ def panels_spec(fig: go.Figure) -> dict:
         })
     # each panel's name, for the hover that reads a cell in every panel: its title's first line (a subplot title sits
     # centred over its panel's domain, above it)
+    # A panel's title wraps at its words within its panel's width (wide_as, a fraction of the plot's width): a shapes
+    # line of four panels ran into the colour bar title beside the panel at 1280 px
+    titles: dict[int, float] = {}
     for panel in panels:
         middle, top = sum(panel["domain"]) / 2, panel["ydomain"][1]
-        for note in layout.get("annotations") or ():
+        for k, note in enumerate(layout.get("annotations") or ()):
             if abs(float(note.get("x", -1)) - middle) < 1e-6 and abs(float(note.get("y", -1)) - top) < 1e-6 \
                     and note.get("yanchor") == "bottom":
                 panel["name"] = "".join(run["t"] for run in runs(note.get("text", ""))[0]).strip()
+                titles[k] = panel["domain"][1] - panel["domain"][0]
                 break
         else:
             panel["name"] = ""
     title = layout.get("title") or {}
     notes = []
-    for note in layout.get("annotations") or ():
+    for k, note in enumerate(layout.get("annotations") or ()):
         if note.get("xref") != "paper" or note.get("yref") != "paper" or note.get("showarrow", True):
             raise ValueError("an annotation not placed on the page without an arrow: this drawing does not write it")
         notes.append({"x": float(note["x"]), "y": float(note["y"]), "xanchor": note.get("xanchor", "center"),
                       "yanchor": note.get("yanchor", "middle"), "lines": runs(note.get("text", "")),
-                      "size": _size(note.get("font"))})
+                      "size": _size(note.get("font")), "wide_as": titles.get(k)})
     margin = layout.get("margin") or {}
     return {
         "height": float(layout["height"]),

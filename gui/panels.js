@@ -224,6 +224,10 @@ function draw(view) {
   for (const note of spec.notes) {
     const box = document.createElement("div");
     writeLines(box, note.lines, note.size, spec.colour, spec.font);
+    if (note.wide_as) {  // a panel's title: its lines wrap at the words within the panel's width
+      box.style.whiteSpace = "normal";
+      box.style.width = note.wide_as * pw + "px";
+    }
     box.style.left = left + note.x * pw + "px";
     box.style.top = top + (1 - note.y) * ph + "px";
     const dx = { left: "0", center: "-50%", right: "-100%" }[note.xanchor] || "-50%";

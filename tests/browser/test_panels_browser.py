@@ -66,6 +66,22 @@ def _tip(page) -> str:
                          " return t.style.display === 'none' ? '' : t.innerText; }")
 
 
+def _overlaps(page) -> list[str]:
+    """Pairs of the drawing's titles (the figure's, the panels', the colour bars') whose boxes overlap."""
+    return page.evaluate(f"""() => {{
+        const boxes = [...{_root(page)}.querySelectorAll('.panels-text > div')].map(d => [d.textContent,
+                                                                                    d.getBoundingClientRect()]);
+        const out = [];
+        for (let a = 0; a < boxes.length; a++) for (let b = a + 1; b < boxes.length; b++) {{
+            const [s, p] = boxes[a], [t, q] = boxes[b];
+            const w = Math.min(p.right, q.right) - Math.max(p.left, q.left);
+            const h = Math.min(p.bottom, q.bottom) - Math.max(p.top, q.top);
+            if (w > 1 && h > 1) out.push(`${{s}} / ${{t}}`);
+        }}
+        return out;
+    }}""")
+
+
 def _expected_colour(panel: dict, value: float) -> list[int]:
     """The colour plotly's own colour-scale sampling gives ``value`` on the panel's scale and limits."""
     f = min(1.0, max(0.0, (value - panel["zmin"]) / (panel["zmax"] - panel["zmin"])))
@@ -86,7 +102,7 @@ def test_the_stages_canvas_colours_hovers_and_fits(url, browser):
         drawn = panels_data(page)[0]
         spec = drawn["spec"]
         assert [(p["rows"], p["cols"]) for p in drawn["panels"]] == [(1, len(spec["panels"][0]["x"]))] * 4
-        assert drawn["clipped"] == []
+        assert drawn["clipped"] == [] and _overlaps(page) == []
         page.locator(".panels").first.scroll_into_view_if_needed()
         # a decode step: one query row; the cell of the last key, in each panel
         for k, panel in enumerate(spec["panels"]):
@@ -157,6 +173,7 @@ def test_the_stages_canvas_colours_hovers_and_fits(url, browser):
         page.wait_for_function(f"() => {root}.clientWidth < {width} && "
                                f"{root}.querySelector('canvas').style.width === {root}.clientWidth + 'px'")
         assert panels_data(page)[0]["clipped"] == []
+        assert _overlaps(page) == []  # a panel's title wraps within its panel: it ran into a colour bar's title here
         assert not errors, errors
 
 
