@@ -190,6 +190,21 @@ def _ticks(letter: str, axis: dict, labels: list[str], where: dict, shown: bool)
     return {f"{letter}ticks": [i for i, _ in pairs], f"{letter}ticktext": [t for _, t in pairs]}
 
 
+def _outline(shape: dict, traces: list[dict]) -> dict:
+    """A rectangle outlined over a panel's cells (History's step row, the KV cache's new row), in cell units: a
+    category axis puts cell j at j, so [j − 0.5, j + 0.5] is its extent. Anything else raises ``ValueError``."""
+    xref, yref = shape.get("xref", "x"), shape.get("yref", "y")
+    panel = next((k for k, t in enumerate(traces) if t.get("xaxis", "x") == xref and t.get("yaxis", "y") == yref), None)
+    fill = shape.get("fillcolor")
+    line = shape.get("line") or {}
+    if shape.get("type") != "rect" or panel is None or (fill and fill not in ("rgba(0,0,0,0)", "transparent")) \
+            or line.get("dash", "solid") != "solid" or shape.get("layer") == "below":
+        raise ValueError("a shape other than an outlined rectangle over a panel's cells: this drawing does not draw it")
+    return {"panel": panel, "x0": float(shape["x0"]), "x1": float(shape["x1"]), "y0": float(shape["y0"]),
+            "y1": float(shape["y1"]), "colour": _colours([[0, line.get("color") or "#444"]])[0][1],
+            "width": float(line.get("width", 2))}
+
+
 def _axis(layout: dict, name: str) -> dict:
     axis = layout.get(name) or {}
     if axis.get("type") != "category":
@@ -227,8 +242,8 @@ def panels_spec(fig: go.Figure) -> dict:
     layout = spec["layout"]
     if "height" not in layout:
         raise ValueError("a panels drawing is drawn at its layout's height: this figure sets none")
-    if layout.get("shapes") or layout.get("images"):
-        raise ValueError("layout shapes or images: this drawing draws heatmaps, their labels and annotations only")
+    if layout.get("images"):
+        raise ValueError("layout images: this drawing draws heatmaps, their labels, outlines and annotations only")
     masked: dict[str, str] = {}
     values: list[dict] = []
     for trace in spec["data"]:
@@ -286,6 +301,7 @@ def panels_spec(fig: go.Figure) -> dict:
                 break
         else:
             panel["name"] = ""
+    outlines = [_outline(shape, values) for shape in layout.get("shapes") or ()]
     title = layout.get("title") or {}
     notes = []
     for k, note in enumerate(layout.get("annotations") or ()):
@@ -302,5 +318,5 @@ def panels_spec(fig: go.Figure) -> dict:
         "background": layout.get("plot_bgcolor") or "white",
         "title": {"lines": runs(title.get("text") or ""), "y": float(title.get("y", 1.0)),
                   "size": float((title.get("font") or {}).get("size") or TEMPLATE.layout.title.font.size)},
-        "panels": panels, "notes": notes,
+        "panels": panels, "notes": notes, "outlines": outlines,
     }

@@ -171,8 +171,8 @@ def attention_tab(trace: Trace, step: int) -> None:
             if facts_of(trace).info.use_cache and step > 0 and pattern_kept:
                 st.caption("With the cache a decode step computes one query row; stacking the rows of steps 0…s "
                            "rebuilds the lower-triangular pattern token by token (this step's row outlined).")
-                chart(attn_views.attention_history_figure(trace, layer, head, step, batch),
-                      key="history_chart")
+                panels(attn_views.attention_history_figure(trace, layer, head, step, batch),
+                       key="history_chart")
             else:
                 st.info("The history stacks the one row each cached decode step computes; it needs the KV cache on, "
                         "a step after the prefill, and kept values.")

@@ -14,6 +14,7 @@ from gpt_shape_tracer.figures.common import attention_layers, facts_of, position
 from gpt_shape_tracer.gui.common import (
     chart,
     layer_head_batch,
+    panels,
     plain,
     remembered_tabs,
     said_no_attention,
@@ -201,7 +202,7 @@ def key_heatmap(trace: Trace, step: int, layer: int, head: int, batch: int, colu
     which = which if which in tensors else "K"
     kv = 0 if which in ("c_KV", "k_R") else common_views.kv_head(trace, layer, head, step)
     if values_kept(trace, step, act_name(cache_views.HEATMAP_HOOKS[which], layer), f"{which} values"):
-        chart(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
+        panels(cache_views.key_heatmap_figure(trace, step, layer, kv, batch, which), key="kv_chart")
 
 
 def cache_this_step(trace: Trace, step: int) -> None:

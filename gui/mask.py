@@ -6,7 +6,7 @@ import streamlit as st
 
 from gpt_shape_tracer.figures import mask as mask_views
 from gpt_shape_tracer.figures.view_takeaways import mask_takeaway
-from gpt_shape_tracer.gui.common import chart, layer_head_batch, plain, said_no_attention, values_kept
+from gpt_shape_tracer.gui.common import chart, layer_head_batch, panels, plain, said_no_attention, values_kept
 from gpt_shape_tracer.gui.hover import crosshair
 from gpt_shape_tracer.gui.takeaway import takeaway
 from gpt_shape_tracer.model.gpt import act_name
@@ -28,7 +28,7 @@ def mask_tab(trace: Trace, step: int) -> None:
         return
     st.caption("Hover a cell: the lines through it mark its query row and its key column.")
     chart(crosshair(mask_views.mask_figure(trace, step, layer, batch)), key="mask_chart")
-    chart(crosshair(mask_views.scores_before_after_figure(trace, step, layer, head, batch)), key="before_after_chart")
+    panels(mask_views.scores_before_after_figure(trace, step, layer, head, batch), key="before_after_chart")
 
 
 def plain_paragraphs(text: str) -> str:

@@ -221,6 +221,14 @@ function draw(view) {
     }
     if (p.bar) drawBar(view, g, p, left + p.bar.x * pw, top + ph / 2, p.bar.len * ph, font);
   }
+  for (const o of spec.outlines || []) {  // a rectangle over a panel's cells, in cell units (cell j spans j ± 0.5)
+    const b = view.boxes[o.panel];
+    if (!b || !b.rows || !b.cols) continue;
+    const cw = (b.x1 - b.x0) / b.cols, rh = (b.y1 - b.y0) / b.rows;
+    g.strokeStyle = o.colour;
+    g.lineWidth = o.width;
+    g.strokeRect(b.x0 + (o.x0 + 0.5) * cw, b.y0 + (o.y0 + 0.5) * rh, (o.x1 - o.x0) * cw, (o.y1 - o.y0) * rh);
+  }
   for (const note of spec.notes) {
     const box = document.createElement("div");
     writeLines(box, note.lines, note.size, spec.colour, spec.font);

@@ -312,8 +312,10 @@ def test_the_attention_subviews(stepped):
     assert "previous-token 1.00" in texts and any(t.startswith("induction 0.8") for t in texts)
     at = show_tab(at, "Attention", ("attn_view", "History"))
     n0 = prompt_tokens(at)
-    history = heatmaps(charts(at)[0])[0]
+    (history,) = panels(at)[0]["panels"]  # drawn on the canvas, this step's row outlined
     assert len(history["z"]) == n0 + 2 and len(history["z"][0]) == n0 + 2
+    assert panels(at)[0]["outlines"] == [{"panel": 0, "x0": -0.5, "x1": n0 + 1.5, "y0": n0 + 0.5, "y1": n0 + 1.5,
+                                          "colour": "rgb(245, 133, 24)", "width": 2.0}]
 
 
 def test_the_zoom_reads_one_head_at_any_length(stepped):
@@ -387,7 +389,8 @@ def test_kv_cache_tab_reports_the_recompute_check(stepped):
     at.selectbox(key="kv_layer").set_value(1)
     run(at)
     v = gen_of(at).trace.get("blocks.1.attn.hook_v_all", 2)[0, 0]
-    assert len(heatmaps(charts(at)[0])[0]["z"]) == v.shape[0]
+    drawn = np.array(panels(at)[0]["panels"][0]["z"], dtype=np.float64)  # the canvas: positions × d_head
+    assert drawn.shape == tuple(v.shape) and np.allclose(drawn, v.numpy(), rtol=1e-5, atol=1e-6)
     at.button(key="measure_recompute").click()
     run(at)
     evidence = frame_with(at, "cached path")

@@ -179,11 +179,11 @@ def test_type_step_three_times_and_look_at_every_tab(url, visit):
                 assert page.get_by_role("button", name="Download the gradients trace of step 2").count() == 1
             shot(name)
         open_tab(page, "History")
-        history = values(plotly_data(page)[0])[0]
+        history = panels_data(page)[0]["panels"][0]  # on the canvas, as the Stages
         assert (history["rows"], history["cols"]) == (t, t)
 
         open_tab(page, "KV cache")
-        kv = values(plotly_data(page)[0])[0]  # one head's keys: t positions × d_head
+        kv = panels_data(page)[0]["panels"][0]  # one head's keys: t positions × d_head, on the canvas
         assert kv["rows"] == t and kv["cols"] == 32
         assert page.get_by_text("Only the new row was needed").count() == 1
         shot("kv_cache")
@@ -473,8 +473,8 @@ def test_a_latent_attention_model_deepseek_v3_shows_its_cached_latent(url, visit
         page.get_by_label("tensor").get_by_text("c_KV", exact=True).click()
         wait_idle(page, after=before)
         page.get_by_text("c_KV of layer 0, one for all heads").first.wait_for(state="attached", timeout=60_000)
-        drawn = [(t["rows"], t["cols"]) for chart in plotly_data(page) for t in values(chart)]
-        assert (n0 + 1, d_c) in drawn, drawn  # the latent's t positions × d_c
+        drawn = [(p["rows"], p["cols"]) for canvas in panels_data(page) for p in canvas["panels"]]
+        assert (n0 + 1, d_c) in drawn, drawn  # the latent's t positions × d_c, on the canvas
         screenshot(page, "deepseek_v3_kv_cache", page.get_by_text("c_KV of layer 0, one for all heads").first)
         open_tab(page, "Shapes")  # the other tabs are a family's common views, visited for other models above
         assert not errors, errors

@@ -167,7 +167,9 @@ def test_colour_limits_and_ticks_follow_plotly():
     (lambda f: f.update_traces(hovertemplate="%{z}"), "hover"),
     (lambda f: f.add_annotation(text="look", x=0, y=0, xref="x", yref="y"), "annotation"),
     (lambda f: f.update_traces(colorscale=[[0, "red"], [1, "blue"]]), "colour"),
-    (lambda f: f.add_shape(type="rect", x0=0, x1=1, y0=0, y1=1), "shapes"),  # History's outlined row, say
+    (lambda f: f.add_shape(type="circle", x0=0, x1=1, y0=0, y1=1), "outlined rectangle"),
+    (lambda f: f.add_shape(type="rect", x0=0, x1=1, y0=0, y1=1, fillcolor="red"), "outlined rectangle"),
+    (lambda f: f.add_layout_image(source="x.png", x=0, y=0), "images"),
 ])
 def test_a_figure_it_cannot_draw_is_refused(change, reason):
     from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
@@ -197,3 +199,20 @@ def test_a_panel_with_no_matrix_says_why(traces):
     assert can_recompute(traces["cached"], "blocks.0.attn.hook_pattern", 1)  # values kept: Zoom can, the panels draw
     assert not [a for a in attention.attention_stages_figure(traces["cached"], 1, 0, 0).layout.annotations
                 if not a.text.startswith("<b>")]
+
+
+def test_history_and_the_kv_cache_heatmap_keep_their_outlined_row(traces):
+    """The History (this step's row outlined) and the KV cache tab's keys of one head (the row this step added
+    outlined) are drawn on the canvas too: each outline in cell units, over its panel, in its own colour and width."""
+    from gpt_shape_tracer.figures import cache, mask
+
+    trace = traces["cached"]
+    figures = (attention.attention_history_figure(trace, 1, 2, 2, 0), cache.key_heatmap_figure(trace, 2, 1, 0, 0, "V"))
+    for fig in figures:
+        spec = panels_spec(fig)
+        (shape,) = fig.layout.shapes
+        assert spec["outlines"] == [{"panel": 0, "x0": shape.x0, "x1": shape.x1, "y0": shape.y0, "y1": shape.y1,
+                                     "colour": "rgb(245, 133, 24)", "width": shape.line.width}]
+        assert len(spec["panels"]) == 1 and spec["panels"][0]["z"]
+    before_after = panels_spec(mask.scores_before_after_figure(trace, 0, 1, 0, 0))
+    assert [p["name"] for p in before_after["panels"]] == ["before: QKᵀ/√d_k", "after: QKᵀ/√d_k + M  (−∞ grey)"]
