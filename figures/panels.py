@@ -27,44 +27,17 @@ import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
 
-from gpt_shape_tracer.figures.plot import AXIS, FONT, TEMPLATE
+from gpt_shape_tracer.figures.plot import AXIS, FONT, TEMPLATE, markup_runs
 
 FONT_SIZE = float(FONT["size"])  # type: ignore[arg-type]
 MUTED = str(AXIS["tickfont"]["color"])  # type: ignore[index]  # tick labels' colour, as the template's axes
 HOVER = "row %{y}<br>column %{x}<br>%{z:.4g}<extra></extra>"  # the one hover figures.heatmap writes
-_TAG = re.compile(r"(<br>|<b>|</b>|<i>|</i>|<span style='[^']*'>|</span>)")
-_SIZE = re.compile(r"font-size:\s*(\d+(?:\.\d+)?)px")
-_COLOUR = re.compile(r"color:\s*(#[0-9a-fA-F]{3,8}|[a-zA-Z]{3,20}|rgba?\([0-9.,% ]{5,40}\))")
 
 
 def runs(text: str) -> list[list[dict]]:
-    """Plotly's label markup as lines of runs ``{"t": text, "b": bold, "i": italic, "s": size px or None,
-    "c": colour or None}``; bold, italic, size and colour carry over a ``<br>`` as plotly's do. A tag outside
-    that subset raises ``ValueError``."""
-    lines: list[list[dict]] = [[]]
-    bold = italic = False
-    spans: list[tuple[float | None, str | None]] = []
-    for part in _TAG.split(str(text)):
-        if part == "<br>":
-            lines.append([])
-        elif part in ("<b>", "</b>"):
-            bold = part == "<b>"
-        elif part in ("<i>", "</i>"):
-            italic = part == "<i>"
-        elif part == "</span>":
-            if spans:
-                spans.pop()
-        elif part.startswith("<span style="):
-            found_size, found_colour = _SIZE.search(part), _COLOUR.search(part)
-            inherited = spans[-1] if spans else (None, None)
-            spans.append((float(found_size.group(1)) if found_size else inherited[0],
-                          found_colour.group(1) if found_colour else inherited[1]))
-        elif part:
-            if re.search(r"<[a-zA-Z/]", part):
-                raise ValueError(f"markup this drawing does not write: {part!r}")
-            size, colour = spans[-1] if spans else (None, None)
-            lines[-1].append({"t": html.unescape(part), "b": bold, "i": italic, "s": size, "c": colour})
-    return lines
+    """Plotly's label markup as lines of runs (``plot.markup_runs``); a tag outside its subset raises
+    ``ValueError``: the canvas writes text, never markup."""
+    return markup_runs(text, strict=True)
 
 
 def _colours(scale: Any) -> list[list]:

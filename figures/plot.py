@@ -11,6 +11,7 @@ normalise (an axis title given as text becomes ``{"text": …}``, the only form 
 from __future__ import annotations
 
 import functools
+import html
 import math
 import os
 import re
@@ -53,6 +54,47 @@ def figure(data=None, **kwargs) -> go.Figure:
 def subplots(**kwargs) -> go.Figure:
     """``make_subplots(**kwargs)`` on a figure from ``figure()``."""
     return make_subplots(figure=figure(), **kwargs)
+
+
+# -- plotly's label markup, read by the drawings that stand in for plotly (figures/svg.py, figures/panels.py) --------
+MARKUP = re.compile(r"(<br>|<b>|</b>|<i>|</i>|<span style='[^']*'>|</span>)")
+CSS_COLOUR = re.compile(r"#[0-9a-fA-F]{3,8}|[a-zA-Z]{3,20}|rgba?\([0-9.,% ]{5,40}\)")
+_PX = re.compile(r"(\d+(?:\.\d+)?)px")
+
+
+def markup_runs(text: str, strict: bool = False) -> list[list[dict]]:
+    """Plotly's label markup (<br>, <b>, <i>, <span style='color:…; font-size:…px'>) as lines of runs
+    ``{"t": text, "b": bold, "i": italic, "s": size px or None, "c": colour or None}``; bold, italic, size and colour
+    carry over a ``<br>`` as plotly's do. A span's colour that does not read as one (#rrggbb, a name, rgb(…)) is
+    None: the label's own is drawn. Any other tag stays text, or raises ``ValueError`` where ``strict``."""
+    lines: list[list[dict]] = [[]]
+    bold = italic = False
+    spans: list[tuple[float | None, str | None]] = []
+    for part in MARKUP.split(str(text)):
+        if part == "<br>":
+            lines.append([])
+        elif part in ("<b>", "</b>"):
+            bold = part == "<b>"
+        elif part in ("<i>", "</i>"):
+            italic = part == "<i>"
+        elif part == "</span>":
+            if spans:
+                spans.pop()
+        elif part.startswith("<span style='"):
+            size, colour = spans[-1] if spans else (None, None)
+            for prop, _, value in (p.partition(":") for p in part[len("<span style='"):-2].split(";")):
+                value = value.strip()
+                if prop.strip() == "color":
+                    colour = value if CSS_COLOUR.fullmatch(value) else None
+                elif prop.strip() == "font-size" and (px := _PX.fullmatch(value)) is not None:
+                    size = float(px.group(1))
+            spans.append((size, colour))
+        elif part:
+            if strict and re.search(r"<[a-zA-Z/]", part):
+                raise ValueError(f"markup this drawing does not write: {part!r}")
+            size, colour = spans[-1] if spans else (None, None)
+            lines[-1].append({"t": html.unescape(part), "b": bold, "i": italic, "s": size, "c": colour})
+    return lines
 
 
 # Text and arrows as traces, not layout annotations: plotly lays out and measures each annotation on its own,

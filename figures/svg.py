@@ -22,53 +22,28 @@ one (``#rrggbb``, a name, ``rgb(…)``).
 
 from __future__ import annotations
 
-import html
 import re
 from typing import Any
 
 import plotly.graph_objects as go
 
+from gpt_shape_tracer.figures.plot import CSS_COLOUR, markup_runs
+
 WIDTH = 900  # the drawing's own width in px; the page scales it to the column (viewBox), never above this: at 900 its
 # 10 px labels stay 9 px or more in the 820 px column of a 1280 px window
 LINE = 1.25  # a label's line height, in font sizes (plotly's own spacing of <br> lines)
-_TAG = re.compile(r"(<br>|<b>|</b>|<i>|</i>|<span style='color:[^']*'>|</span>)")
-_COLOR = re.compile(r"<span style='color:([^']*)'>")
-_CSS_COLOUR = re.compile(r"#[0-9a-fA-F]{3,8}|[a-zA-Z]{3,20}|rgba?\([0-9.,% ]{5,40}\)")
 _POSITIONS = ("middle center", "bottom center", "top center")
 
 
 def _colour(value: Any, default: str) -> str:
     """``value`` where it reads as a CSS colour, else ``default``: nothing else reaches an attribute."""
-    return value if isinstance(value, str) and _CSS_COLOUR.fullmatch(value) else default
+    return value if isinstance(value, str) and CSS_COLOUR.fullmatch(value) else default
 _HOVER = re.compile(r"%\{customdata\[(\d+)\]\}")
-
-
-def _spans(text: str) -> list[list[tuple[str, bool, bool, str | None]]]:
-    """Plotly's label markup as lines of (text, bold, italic, colour) runs; bold, italic and colour carry over a
-    <br> as plotly's do."""
-    lines: list[list[tuple[str, bool, bool, str | None]]] = [[]]
-    bold = italic = False
-    colours: list[str] = []
-    for part in _TAG.split(text):
-        if part == "<br>":
-            lines.append([])
-        elif part in ("<b>", "</b>"):
-            bold = part == "<b>"
-        elif part in ("<i>", "</i>"):
-            italic = part == "<i>"
-        elif part == "</span>":
-            if colours:
-                colours.pop()
-        elif (colour := _COLOR.fullmatch(part)) is not None:
-            colours.append(_colour(colour.group(1), ""))  # "" : not a colour, the label's own drawn
-        elif part:
-            lines[-1].append((html.unescape(part), bold, italic, (colours[-1] or None) if colours else None))
-    return lines
 
 
 def label_lines(text: str) -> list[str]:
     """A label's lines as a reader sees them (markup dropped)."""
-    return ["".join(run[0] for run in line) for line in _spans(text)]
+    return ["".join(run["t"] for run in line) for line in markup_runs(text)]
 
 
 # characters markdown or Streamlit's markdown would read (emphasis, math, links, emoji short codes, code), written
@@ -177,7 +152,7 @@ def _texts(trace: dict, at: _Place) -> list[str]:
     for x, y, text in zip(trace.get("x") or [], trace.get("y") or [], trace.get("text") or []):
         if x is None or y is None or not text:
             continue
-        lines = _spans(str(text))
+        lines = markup_runs(str(text))
         step = size * LINE
         if position.startswith("bottom"):  # below the point, as plotly places it
             first = at.y(float(y)) + size
@@ -188,11 +163,11 @@ def _texts(trace: dict, at: _Place) -> list[str]:
         cx = _f(at.x(float(x)))
         tspans = []
         for i, runs in enumerate(lines):
-            for j, (words, bold, italic, run_colour) in enumerate(runs):
+            for j, run in enumerate(runs):
                 where = f' x="{cx}" y="{_f(first + i * step)}"' if j == 0 else ""
-                style = (' font-weight="bold"' if bold else "") + (' font-style="italic"' if italic else "") + (
-                    f' fill="{run_colour}"' if run_colour else "")
-                tspans.append(f"<tspan{where}{style}>{_words(words)}</tspan>")
+                style = (' font-weight="bold"' if run["b"] else "") + (' font-style="italic"' if run["i"] else "") + (
+                    f' fill="{run["c"]}"' if run["c"] else "")  # the run's font size is the label's here
+                tspans.append(f"<tspan{where}{style}>{_words(run['t'])}</tspan>")
         out.append(f'<text text-anchor="middle" font-size="{size:g}" fill="{colour}">'
                    + "".join(tspans) + "</text>")
     return out
