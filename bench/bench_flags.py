@@ -1,7 +1,8 @@
 """NaN/∞ flags batched per step against a host read per record, on the CPU: ``python bench/bench_flags.py``.
 
-The shapes capture flags the residual stream and the logits of every step with one reduction each; the tracer now
-reads those reductions to the host together when the step ends, where it read each one as it was recorded. On a
+The shapes capture flags the residual stream and the logits of every step; the tracer now holds the small ones until
+a flag is read (or too many are held) and reads them together, one reduction per shape, where it read each one as
+it was recorded. On a
 GPU a read per record waits for the device; on the CPU there is nothing to wait for, and this measures that the
 batching costs the CPU path nothing. A bundled model (story-gpt), a prefill then cached decode steps, each
 configuration in turn within every repeat (untraced, batched, read per record), timed in this process's CPU time
@@ -23,7 +24,7 @@ from common import machine, median, save
 
 from gpt_shape_tracer.model import load_bundled
 from gpt_shape_tracer.tracer import Tracer
-from gpt_shape_tracer.tracer.storage._stats import finite_flag, flag_sum, flags_of_sums
+from gpt_shape_tracer.tracer.storage._stats import finite_flag, flags_of_tensors
 
 MODES = ("untraced", "batched", "read per record")
 
@@ -60,7 +61,7 @@ def flags_alone(repeats: int = 400, records: int = 26) -> dict[str, dict[str, fl
             for mode in tuple(took) if r % 2 == 0 else tuple(reversed(took)):
                 started = time.perf_counter()
                 if mode == "batched":
-                    flags_of_sums([flag_sum(x) for x in xs])
+                    flags_of_tensors(xs)
                 else:
                     [finite_flag(x) for x in xs]
                 took[mode].append(time.perf_counter() - started)

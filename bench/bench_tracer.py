@@ -8,8 +8,8 @@ the bytes of values kept per decode step. Targets: shapes ≤ 1.05×, values ≤
 capture is timed against their own plain forward at n = 128 in the same run.
 
 ``shapes/read`` is the shapes capture with each flagged record's NaN/∞ flag read to the host as it is recorded
-(what the tracer did before it batched them per step): batched against it, in the same run, says what the batching
-costs or saves on the CPU, where a read waits for nothing.
+(what the tracer did before it batched them): held until read and read together against it, in the same run, says
+what that costs or saves on the CPU, where a read waits for nothing.
 
 ``--lengths 128,1024``: prefills only, at each length, untraced / shapes / values, each traced run twice — as the
 tracer runs now (attention fused, its n × t stages derived and recomputed when read) and with
@@ -31,7 +31,7 @@ from gpt_shape_tracer.model import load_hf_gpt2
 from gpt_shape_tracer.model.gpt import attention_path
 from gpt_shape_tracer.session.memory import reuse_freed_memory
 from gpt_shape_tracer.tracer import Tracer
-from gpt_shape_tracer.tracer.storage._stats import finite_flag, flag_sum
+from gpt_shape_tracer.tracer.storage._stats import FLAG_LATER_ELEMENTS, finite_flag, flag_range
 
 MODES = (None, "shapes", "shapes/read", "values", "ops")
 READ_PER_RECORD = "shapes/read"  # the shapes capture, each flag read to the host as its record is added
@@ -39,13 +39,15 @@ READ_PER_RECORD = "shapes/read"  # the shapes capture, each flag read to the hos
 
 @contextlib.contextmanager
 def flags_read_per_record(on: bool):
-    """The log's reduction per flagged record replaced by the whole flag, read at once (one host read each)."""
+    """Each flagged record's check read as it is recorded (one reduction and one host read each), instead of held
+    until read and read together."""
     if on:
-        tracer_log.flag_sum = finite_flag  # an int: the log stores it as it comes
+        tracer_log.FLAG_LATER_ELEMENTS = -1  # none held: every check taken as its record is added
+        tracer_log.flag_range = finite_flag  # an int: the log stores it as it comes
     try:
         yield
     finally:
-        tracer_log.flag_sum = flag_sum
+        tracer_log.FLAG_LATER_ELEMENTS, tracer_log.flag_range = FLAG_LATER_ELEMENTS, flag_range
 
 
 def run_once(model, prompt, feed, mode):

@@ -31,7 +31,7 @@ from gpt_shape_tracer.model.gpt._gpt import (
     rope_inv_freq,
     run_attention,
 )
-from gpt_shape_tracer.model.gpt._hook_point import HookPoint
+from gpt_shape_tracer.model.gpt._hook_point import HookPoint, TappedModule
 from gpt_shape_tracer.model.gpt._hook_table import (
     HF_ROWS,
     HOOKS,
@@ -89,7 +89,7 @@ __all__ = [
     "run_attention",
     "ACTIVATIONS", "EXTERNAL_FAMILIES", "FAMILIES", "GPT", "HF_FAMILY", "HF_ROWS", "HOOKS", "MIN_CAPACITY",
     "MODULE_FAMILY", "STORAGES", "AttentionHooks", "BackgroundDigest", "DigestAbandoned", "GPTConfig", "HookPoint",
-    "HookSpec", "IdentityUnavailable", "MAX_VOCAB", "MAX_WIDTH",
+    "HookSpec", "IdentityUnavailable", "MAX_VOCAB", "MAX_WIDTH", "TappedModule",
     "KVCache", "ModelIdentity", "PendingIdentity", "RopeScaling", "act_name",
     "additive_mask", "apply_rope", "attention", "block_attention", "check_tokens", "computed_identity", "dims_of",
     "files_digest", "hooks_for", "identity_of", "markdown_table", "parameters_digest", "positions_and_keys",

@@ -42,7 +42,7 @@ from torch import nn
 
 from gpt_shape_tracer.model.gpt._cache import KVCache, transaction
 from gpt_shape_tracer.model.gpt._config import EXTERNAL_FAMILIES, GPTConfig
-from gpt_shape_tracer.model.gpt._hook_point import HookPoint
+from gpt_shape_tracer.model.gpt._hook_point import HookPoint, TappedModule
 from gpt_shape_tracer.model.gpt._identity import ModelIdentity, PendingIdentity, computed_identity
 from gpt_shape_tracer.model.gpt._long_attention import MaskSpec, choose_path, fused_attention
 
@@ -56,14 +56,22 @@ def init_normal(weight: torch.Tensor, std: float) -> None:
         nn.init.normal_(weight, std=std)
 
 
+class Embedding(TappedModule, nn.Embedding):
+    """``nn.Embedding``, read by a tracer through taps (``TappedModule``)."""
+
+
+class GELU(TappedModule, nn.GELU):
+    """``nn.GELU``, read by a tracer through taps (``TappedModule``)."""
+
+
 def embedding(rows: int, width: int, std: float) -> nn.Embedding:
     """An ``nn.Embedding`` drawn from N(0, std²) (``init_normal``: nothing drawn on the meta device)."""
-    table = nn.Embedding(rows, width, _weight=torch.empty(rows, width))  # _weight: torch's own N(0, 1) not drawn
+    table = Embedding(rows, width, _weight=torch.empty(rows, width))  # _weight: torch's own N(0, 1) not drawn
     init_normal(table.weight, std)
     return table
 
 
-class Projection(nn.Module):
+class Projection(TappedModule):
     """``y = x·W + b`` with ``W`` stored ``[d_in, d_out]``, for every family.
 
     That is the row-vector convention above and the layout of Hugging Face
@@ -94,7 +102,7 @@ class Projection(nn.Module):
         return f"W: [{self.d_in}, {self.d_out}]" + ("" if self.bias is not None else ", no bias")
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(TappedModule):
     """LayerNorm(x) = γ ⊙ (x − μ) / √(σ² + ε) + β over the last dimension (Ba et al. 2016, arXiv:1607.06450).
 
     ``bias=False`` drops β (nanoGPT's ``bias=False`` models): ``self.bias`` is then None."""
@@ -117,7 +125,7 @@ class LayerNorm(nn.Module):
         return (lambda c: self.weight * (c - c.mean(dim=-1, keepdim=True)) / sigma), self.bias
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(TappedModule):
     """RMSNorm(x) = γ ⊙ x / √(mean(x²) + ε) (Zhang & Sennrich 2019, arXiv:1910.07467): LayerNorm without the mean and β.
 
     The order of operations is Hugging Face's ``LlamaRMSNorm``, so a bf16 model
@@ -377,7 +385,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskS
     return z
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(TappedModule):
     """X·W_QKV → split → view [B,n,H|G,d_head] → transpose [B,H|G,n,d_head] → (RoPE) →
     attention → merge heads [B,n,H·d_head] → ·W_O.
 
@@ -445,7 +453,7 @@ class MultiHeadAttention(nn.Module):
         return torch.einsum("bhnk,hkd->bhnd", z, w_o)  # [B,H,n,d_head] @ [H,d_head,d] -> [B,H,n,d]
 
 
-class MLP(nn.Module):
+class MLP(TappedModule):
     """FFN(x) = GELU(x·W_1 + b_1)·W_2 + b_2 (Vaswani et al. 2017, eq. 2, with GPT-2's GELU for the ReLU).
 
     GELU in GPT-2's tanh form by default; ``config.activation = "gelu"`` is the exact (erf) form
@@ -454,7 +462,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = Projection(config.d_model, config.d_ff, config.mlp_bias)  # W_1: [d, 4d]
-        self.act = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        self.act = GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         self.c_proj = Projection(config.d_ff, config.d_model, config.mlp_bias)  # W_2: [4d, d]
         self.hook_pre = HookPoint()  # [B, n, 4d], before GELU
         self.hook_post = HookPoint()  # [B, n, 4d], after GELU
@@ -465,7 +473,7 @@ class MLP(nn.Module):
         return self.c_proj(post)  # [B,n,4d] -> [B,n,d]
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(TappedModule):
     """SwiGLU: FFN(x) = (SiLU(x·W_gate) ⊙ (x·W_up))·W_down (Llama, Mistral, Qwen2).
 
     ``c_fc`` holds W_gate and W_up side by side, ``[d, 2·d_ff]`` (gate_proj and
@@ -488,7 +496,7 @@ class GatedMLP(nn.Module):
         return self.c_proj(post)  # [B,n,d_ff] -> [B,n,d]
 
 
-class Block(nn.Module):
+class Block(TappedModule):
     """Pre-norm block (GPT-2's, Radford et al. 2019): x + Attn(norm(x)), then + FFN(norm(·))."""
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
@@ -606,7 +614,7 @@ def positions_and_keys(
     return positions, key_is_token
 
 
-class GPT(nn.Module):
+class GPT(TappedModule):
     """A decoder-only transformer: token embeddings (+ learned positions, or RoPE inside attention),
     pre-norm blocks, a final norm and the unembedding (tied to W_E, or its own W_U).
 

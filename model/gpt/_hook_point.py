@@ -1,5 +1,6 @@
 """``HookPoint``: the identity module every intermediate passes through, so that a forward hook sees it under a
-stable name (its module path, ``blocks.0.attn.hook_q``), and the taps the tracer adds to it.
+stable name (its module path, ``blocks.0.attn.hook_q``), and the taps the tracer adds to it; ``TappedModule``: the
+base of our GPT's other modules, which a tracer reads through taps too (on entry and on return).
 """
 
 from __future__ import annotations
@@ -10,14 +11,24 @@ from torch.nn.modules import module as _torch_module
 
 
 def _global_module_hooks() -> bool:
-    """Whether hooks registered for every module (the public ``register_module_forward_hook``) exist.
+    """Whether hooks registered for every module (the public ``register_module_forward_hook`` and its
+    backward kin) exist.
 
-    torch keeps them in private module globals; reading those lets a hook point with no hooks of any
+    torch keeps them in private module globals; reading those lets a module with no hooks of any
     kind skip ``nn.Module.__call__`` (``bench/bench_model.py`` prints what that saves per forward).
     If a torch release renames them, ``getattr`` answers True and every call takes the full, correct
-    path; ``tests/model/test_model_hooks.py`` pins that a global hook still sees every hook point."""
+    path; ``tests/model/test_model_hooks.py`` pins that a global hook still sees every module."""
     return bool(getattr(_torch_module, "_global_forward_hooks", True)
-                or getattr(_torch_module, "_global_forward_pre_hooks", True))
+                or getattr(_torch_module, "_global_forward_pre_hooks", True)
+                or getattr(_torch_module, "_global_backward_hooks", True)
+                or getattr(_torch_module, "_global_backward_pre_hooks", True))
+
+
+def _torch_runs_more(module: nn.Module) -> bool:
+    """Whether ``nn.Module.__call__`` would do more than call ``forward``: a hook of any kind on this module or on
+    every module, or an in-place ``module.compile()``."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or module._compiled_call_impl is not None) or _global_module_hooks()
 
 
 def _always() -> bool:
@@ -25,11 +36,11 @@ def _always() -> bool:
 
 
 class TapHandle:
-    """Returned by ``HookPoint.add_tap``; ``remove()`` takes the tap off again (idempotent)."""
+    """Returned by ``add_tap``; ``remove()`` takes the tap off again (idempotent)."""
 
     __slots__ = ("_point", "_tap")
 
-    def __init__(self, point: HookPoint, tap) -> None:
+    def __init__(self, point: HookPoint | TappedModule, tap) -> None:
         self._point, self._tap = point, tap
 
     def remove(self) -> None:
@@ -81,8 +92,41 @@ class HookPoint(nn.Module):
         return bool(self._forward_hooks or self._forward_pre_hooks) or _global_module_hooks()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._forward_hooks or self._forward_pre_hooks or _global_module_hooks():
+        if _torch_runs_more(self):
             x = super().__call__(x)  # identity, then the forward hooks, which may replace x
         for tap in self._taps:
             tap(x)
         return x
+
+
+class TappedModule(nn.Module):
+    """A module of our GPT that a tracer reads through taps instead of forward hooks.
+
+    A tap (``add_tap(tap)``) is an object with ``enter(module, args, kwargs)``, called before the module runs (before
+    any forward pre-hook on it: the arguments it was called with), and ``leave(module, output)``, called after it
+    returned (after any forward hook on it: the output the model goes on to use); neither changes anything. Without
+    taps and without torch hooks of any kind, the call goes straight to ``forward``: ``nn.Module.__call__``'s
+    checks and a forward hook pair cost 2–3 µs per module call, 125 calls in a GPT-2 small forward (a tracer read
+    them with hooks until ``bench/bench_tracer.py`` said a decode step paid that for every module)."""
+
+    _taps: tuple = ()
+
+    def add_tap(self, tap) -> TapHandle:
+        """Call ``tap.enter`` and ``tap.leave`` around every call of this module, until the handle is removed."""
+        self._taps = (*self._taps, tap)
+        return TapHandle(self, tap)
+
+    def remove_tap(self, tap) -> None:
+        self._taps = tuple(t for t in self._taps if t is not tap)
+
+    def __call__(self, *args, **kwargs):
+        taps = self._taps
+        for tap in taps:
+            tap.enter(self, args, kwargs)
+        if _torch_runs_more(self) or torch.jit.is_tracing():
+            out = super().__call__(*args, **kwargs)
+        else:
+            out = self.forward(*args, **kwargs)
+        for tap in taps:
+            tap.leave(self, out)
+        return out

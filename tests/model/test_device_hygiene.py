@@ -308,24 +308,28 @@ def _reference_flag(t: torch.Tensor) -> int:
 
 
 def test_flags_read_together_are_each_tensors_own():
-    """Flags batched per (device, dtype) come back in order, each its own tensor's, for every dtype mixed."""
-    from gpt_shape_tracer.tracer.storage._stats import flag_sum, flags_of_sums
+    """Flags read together — tensors of one shape stacked into one reduction, others reduced one by one, all read
+    in one transfer per device — come back in order, each its own tensor's, for every dtype mixed; a finite
+    tensor whose sum would overflow is clean (its flag comes from its smallest and largest elements)."""
+    from gpt_shape_tracer.tracer.storage._stats import flag_range, flags_of_ranges, flags_of_tensors
 
     tensors = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64):
         clean = torch.randn(3, 5).to(dtype)
-        masked, bad, plus = clean.clone(), clean.clone(), clean.clone()
+        masked, bad, plus, all_masked = clean.clone(), clean.clone(), clean.clone(), torch.full_like(clean, -math.inf)
         masked[0, 1] = -math.inf
         bad[2, 2] = math.nan
         plus[1, 0] = math.inf
-        tensors += [clean, masked, bad, plus]
-    tensors += [torch.arange(4), torch.empty(0)]
-    sums = [flag_sum(t) for t in tensors]
-    pending = [s for s in sums if isinstance(s, torch.Tensor)]
-    read = iter(flags_of_sums(pending))
-    got = [s if isinstance(s, int) else next(read) for s in sums]
-    assert got == [_reference_flag(t) for t in tensors]
-    assert {Finite.CLEAN, Finite.NEG_INF, Finite.BAD} <= set(got)
+        tensors += [clean, masked, bad, plus, all_masked, clean[:, :2], masked.T]
+    tensors += [torch.arange(4), torch.empty(0), torch.full((4,), 3e38), torch.full((2,), 6e4, dtype=torch.float16)]
+    expected = [_reference_flag(t) for t in tensors]
+    assert flags_of_tensors(tensors) == expected
+    ranges = [flag_range(t) for t in tensors]
+    pending = [r for r in ranges if not isinstance(r, int)]
+    read = iter(flags_of_ranges(pending))
+    assert [r if isinstance(r, int) else next(read) for r in ranges] == expected
+    assert {Finite.CLEAN, Finite.NEG_INF, Finite.BAD} <= set(expected)
+    assert flags_of_tensors([torch.empty(2, device="meta")]) == [Finite.UNKNOWN]
 
 
 def test_a_shapes_trace_flags_what_a_values_trace_measures():

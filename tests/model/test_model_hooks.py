@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from gpt_shape_tracer.model import GPT, GPTConfig, HookPoint, additive_mask
-from gpt_shape_tracer.model.gpt import HOOKS, PathNote, act_name, dims_of, hooks_for, markdown_table, resolve, spec_for
+from gpt_shape_tracer.model.gpt import (
+    HOOKS,
+    PathNote,
+    TappedModule,
+    act_name,
+    dims_of,
+    hooks_for,
+    markdown_table,
+    resolve,
+    spec_for,
+)
 
 CONFIG = GPTConfig(vocab_size=97, n_ctx=32, d_model=48, n_layer=2, n_head=3)
 # grouped-query Llama: 6 query heads share 2 key/value heads, head_dim ≠ d/H, a sliding window, untied W_U
@@ -263,20 +273,72 @@ def test_config_properties_and_round_trip():
 
 
 def test_a_global_module_hook_sees_every_hook_point():
-    """Hook points skip nn.Module.__call__ when nothing hooks them, reading torch's private record of
-    global hooks; a hook registered through the public API must still see every one of them."""
+    """Hook points and our other modules skip nn.Module.__call__ when nothing hooks them, reading torch's private
+    record of global hooks; a hook registered through the public API must still see every one of them (every
+    module but the ModuleList, which is never called)."""
     model = GPT(CONFIG).eval()
     seen: list[str] = []
     names = {id(m): n for n, m in model.named_modules()}
-    handle = torch.nn.modules.module.register_module_forward_hook(
-        lambda m, i, o: seen.append(names.get(id(m), "?")) if isinstance(m, HookPoint) else None)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(names.get(id(m), "?")))
     try:
         with torch.no_grad():
             model(torch.randint(0, 97, (1, 4)))
     finally:
         handle.remove()
-    every = {n for n, m in model.named_modules() if isinstance(m, HookPoint)}
+    every = {n for n, m in model.named_modules() if not isinstance(m, torch.nn.ModuleList)}
     assert set(seen) == every
+    assert any(isinstance(m, TappedModule) for m in model.modules())
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the root's input, token ids, needs no grad
+@pytest.mark.parametrize("name", ["blocks.0.hook_resid_mid", "blocks.0.mlp", "blocks.1.attn.c_proj"])
+def test_a_backward_hook_on_a_hook_point_or_a_module_fires(name):
+    """The straight path past nn.Module.__call__ is taken only when torch would run nothing else: a full backward
+    hook (or a global one) takes the full path, so it fires, with the gradient autograd computes."""
+    model = GPT(CONFIG)
+    grads: list[torch.Tensor] = []
+    handle = model.get_submodule(name).register_full_backward_hook(lambda m, gin, gout: grads.append(gout[0]))
+    model(torch.randint(0, 97, (1, 4))).sum().backward()
+    handle.remove()
+    assert len(grads) == 1 and grads[0] is not None and grads[0].abs().sum() > 0
+    seen: list[str] = []
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda m, gin, gout: seen.append("x"))
+    try:
+        model(torch.randint(0, 97, (1, 4))).sum().backward()
+    finally:
+        handle.remove()
+    assert len(seen) > len(list(model.modules())) // 2
+
+
+def test_a_module_tap_sees_its_arguments_and_the_output_after_forward_hooks():
+    """A tracer reads our modules through taps: ``enter`` with the arguments the module was called with,
+    ``leave`` with the output the model goes on to use (after a forward hook replaced it); removed, it sees nothing."""
+    model = GPT(CONFIG).eval()
+    mlp = model.get_submodule("blocks.0.mlp")
+    calls: list[tuple] = []
+
+    class Tap:
+        def enter(self, module, args, kwargs):
+            calls.append(("enter", module, args[0].clone()))
+
+        def leave(self, module, output):
+            calls.append(("leave", module, output.clone()))
+
+    hook = mlp.register_forward_hook(lambda m, i, o: o * 0 + 7)
+    handle = mlp.add_tap(Tap())
+    after: list[torch.Tensor] = []
+    model.blocks[0].hook_mlp_out.add_tap(after.append)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 4)))
+    assert [c[0] for c in calls] == ["enter", "leave"] and calls[0][1] is mlp
+    assert calls[0][2].shape == (1, 4, CONFIG.d_model)
+    assert torch.equal(calls[1][2], torch.full((1, 4, CONFIG.d_model), 7.0)) and torch.equal(after[0], calls[1][2])
+    handle.remove()
+    handle.remove()
+    hook.remove()
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 4)))
+    assert len(calls) == 2
 
 
 def test_taps_see_the_value_after_forward_hooks_and_can_be_removed():

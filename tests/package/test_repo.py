@@ -239,8 +239,16 @@ ALLOWED_PRIVATE = {
     "_schema": "an aten op's schema, which torch's OpOverload gives only so: whether the op aliases or writes an "
                "argument, read before its meta output is cached (model/sources/_meta_ops.py)",
     "_version": "the in-place version counter that catches a kept value changed later (tracer/storage/_store.py)",
-    "_global_forward_hooks": "lets an unhooked hook point skip nn.Module.__call__ (model/gpt/_gpt.py; a test pins it)",
+    "_global_forward_hooks": "lets an unhooked hook point or module of our GPT skip nn.Module.__call__ "
+                             "(model/gpt/_hook_point.py; tests/model/test_model_hooks.py pins it)",
     "_global_forward_pre_hooks": "as above",
+    "_global_backward_hooks": "as above",
+    "_global_backward_pre_hooks": "as above",
+    "_forward_hooks": "as above: what nn.Module.__call__ itself reads to decide whether to do more than call forward",
+    "_forward_pre_hooks": "as above",
+    "_backward_hooks": "as above",
+    "_backward_pre_hooks": "as above",
+    "_compiled_call_impl": "as above: an in-place module.compile() takes the full path (and so does a torch.jit.trace)",
     "_attn": "GPT-J's and GPT-Neo's own eager attention step, which model/sources/_hf_families.py overrides and "
              "calls through super()",
     "_attn_implementation": "transformers' config field naming the attention function: Falcon's module keeps a "

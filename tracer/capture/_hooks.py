@@ -7,11 +7,13 @@
   tensors; with none active it returns at once. So two traces running at the
   same time in two threads on one model never see each other's tensors, and
   neither waits for the other.
-* **Taps on hook points.** Our GPT's ``HookPoint`` modules (268 in GPT-2 small)
-  are read through their public tap (``HookPoint.add_tap``) instead of forward
-  hooks: PyTorch's hook dispatch alone cost 7% of a GPT-2-small decode step
-  when every module had a hook. A tap runs after any forward hook on that hook
-  point, so it records the value the model goes on to use.
+* **Taps, not hooks, on our GPT.** Its ``HookPoint`` modules (268 in GPT-2 small)
+  and its other modules (``TappedModule``: 125) are read through their public taps
+  (``add_tap``) instead of forward hooks: PyTorch's hook dispatch alone cost 7% of a
+  GPT-2-small decode step when every module had a hook. A tap on a hook point, and a
+  module tap's ``leave``, run after any forward hook there, so they record the value
+  the model goes on to use; a module tap's ``enter`` sees the arguments the module was
+  called with. Any other module gets a forward pre-hook and a forward hook.
 * **Release never blocks.** A tracer that is garbage-collected releases its
   claim from a finalizer, which can run at any allocation — even inside
   ``acquire`` on this very thread — so a release that finds the lock taken is
@@ -25,7 +27,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from gpt_shape_tracer.model.gpt import HookPoint
+from gpt_shape_tracer.model.gpt import HookPoint, TappedModule
 from gpt_shape_tracer.tracer.storage.records import ModuleInfo
 
 
@@ -94,8 +96,32 @@ class _Tap:
         return active is not None and active.get(self.model_id) is not None
 
 
+class _ModuleTap:
+    """A ``TappedModule``'s tap: hands its calls to the listener active on this thread for the model, if any."""
+
+    __slots__ = ("index", "model_id")
+
+    def __init__(self, model_id: int, index: int) -> None:
+        self.model_id, self.index = model_id, index
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        active = getattr(_thread, "active", None)
+        if active:
+            listener = active.get(self.model_id)
+            if listener is not None:
+                listener.on_enter(self.index, module, args, kwargs)
+
+    def leave(self, module: nn.Module, output: Any) -> None:
+        active = getattr(_thread, "active", None)
+        if active:
+            listener = active.get(self.model_id)
+            if listener is not None:
+                listener.on_exit(self.index, module, output)
+
+
 class InstalledHooks:
-    """One pre-hook and one forward hook on every module of one model, a tap on every hook point."""
+    """A tap on every hook point and ``TappedModule`` of one model; one pre-hook and one forward hook on every other
+    module."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model_id = id(model)
@@ -109,6 +135,9 @@ class InstalledHooks:
             # a hook point is an identity: nothing runs inside it, so its value is all there is to record
             if isinstance(module, HookPoint):
                 self._handles.append(module.add_tap(self._tap(index)))
+                continue
+            if isinstance(module, TappedModule):
+                self._handles.append(module.add_tap(_ModuleTap(self.model_id, index)))
                 continue
             if getattr(module, "inplace", False) is True:
                 inplace.add(index)

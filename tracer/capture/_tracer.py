@@ -192,16 +192,19 @@ class Tracer:
         call = calls.get(index, 0)
         calls[index] = call + 1
         stack.append((index, call, args, kwargs))
-        if self.keeps_values and index in self._inplace:
+        inplace = index in self._inplace
+        if inplace and self.keeps_values:
             for a in args:
                 if isinstance(a, torch.Tensor):
                     self._log.protect(a)
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
             self._record(index, "input", "[0]", call, args[0])
-            return
-        self._record_all(index, "input", call, args, "")
-        if kwargs:
-            self._record_all(index, "input", call, kwargs, "")
+        else:
+            self._record_all(index, "input", call, args, "")
+            if kwargs:
+                self._record_all(index, "input", call, kwargs, "")
+        if inplace:  # the module writes its input: NaN/∞ checks held until read are read now, as recorded
+            self._log.read_held_flags()
 
     def on_hook_point(self, index: int, value: Any) -> None:
         if not self._stack:

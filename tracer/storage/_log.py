@@ -32,10 +32,14 @@ from gpt_shape_tracer.tracer.storage._host import start_host_copy, wait_for_host
 from gpt_shape_tracer.tracer.storage._spill import SpillFile
 from gpt_shape_tracer.tracer.storage._stats import (
     DRY_RUN,
+    FLAG_LATER_ELEMENTS,
+    FLAGS_HELD_ELEMENTS,
+    FLAGS_HELD_RECORDS,
     WHOLE_UP_TO,
     dtype_name,
-    flag_sum,
-    flags_of_sums,
+    flag_range,
+    flags_of_ranges,
+    flags_of_tensors,
     tensor_stats,
 )
 from gpt_shape_tracer.tracer.storage._store import (
@@ -63,6 +67,8 @@ from gpt_shape_tracer.tracer.storage.records import (
 
 DERIVED_NOTE = ("derived: the fused attention never held it; any region is recomputed exactly from this layer's Q "
                 "and K and the mask description (tracer.attention_region)")
+WRITTEN_BEFORE_CHECK = ("NaN/∞ not checked: the model wrote this tensor in place before its step ended, and the check "
+                        "waits for the step's end (this record's later steps are checked as they are recorded)")
 DERIVED_SOURCES = ("hook_q", "hook_rot_q", "hook_k_all", "hook_v_all")  # what a derived record is recomputed from
 DIGESTED = "hook_pattern"  # attention weights: when evicted, a pooled summary per head stays
 DIGEST_SIDE = 128  # the summary's most rows and columns per head
@@ -149,6 +155,9 @@ class TraceLog:
         self._flag_modules: frozenset[int] = frozenset()
         self._model: ModelIdentity | None = None
         self._raw: list[tuple] = []
+        # every shape recorded, once: a decode step's 456 records have a few dozen shapes, and a record holding a
+        # shared tuple leaves one object fewer for Python's cyclic collector to walk (3 young collections a step)
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._ops: list[tuple] = []
         self._notes: dict[int, str] = {}
         self._stats: dict[int, TensorStats] = {}
@@ -157,10 +166,16 @@ class TraceLog:
         self._stats_by_view: dict[tuple, TensorStats] = {}
         self._views_of_storage: dict[tuple[int, int], list[tuple]] = {}
         self._flags: dict[int, int] = {}
-        # the step in progress's NaN/∞ reductions, (record, 0-d sum on the record's device), read to the host
-        # together when the step ends (_settle_flags): one transfer per step, where a read per record would
-        # make a GPU wait for every record of every layer
-        self._flag_sums: list[tuple[int, torch.Tensor]] = []
+        # NaN/∞ checks not read yet (_settle_flags), all read to the host together when a flag or note is asked
+        # for, or when more are held than FLAGS_HELD_*: a read per record would make a GPU wait for every
+        # record of every layer. A small tensor waits itself, with its version (checked with the others in one
+        # reduction per shape: a decode step's residual stream); a large one leaves its (min, max) on its device
+        self._flag_later: list[tuple[int, torch.Tensor, int]] = []
+        self._flag_later_elements = 0
+        self._held_from = 0  # the first of the step in progress's held checks
+        self._flag_ranges: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
+        # modules whose small flagged tensor was written in place before its step ended: checked as recorded
+        self._flag_at_once: set[int] = set()
         # devices with copies of kept values still landing in host memory (tracer/storage/_host.py): waited for
         # once, when the step ends or something reads a kept value first — not once per record
         self._copying: set[torch.device] = set()
@@ -336,6 +351,8 @@ class TraceLog:
             self._spill.close()
 
     def note(self, index: int) -> str:
+        if self._flag_later:  # a held check may add a note (WRITTEN_BEFORE_CHECK)
+            self._settle_flags()
         note = self._notes.get(index, "")
         if not note and self._raw[index][DEVICE] == "meta":
             return DRY_RUN
@@ -382,7 +399,7 @@ class TraceLog:
         flag = self._flags.get(index)
         if flag is not None:
             return flag
-        if self._flag_sums:  # asked for during its step (a reader of the step in progress): read them now
+        if self._flag_later or self._flag_ranges:  # asked for during its step (a reader of it): read them now
             self._settle_flags()
             if index in self._flags:
                 return self._flags[index]
@@ -417,6 +434,7 @@ class TraceLog:
         self._current = step
         self._error = None
         self._exception = None
+        self._held_from = len(self._flag_later)
         return step
 
     def add_record(self, module: int, kind: str, slot: str, call: int, t: torch.Tensor) -> None:
@@ -427,14 +445,19 @@ class TraceLog:
         if t.layout is not torch.strided or t.is_nested:
             self._add_unusual(index, step, module, kind, slot, call, t)
             return
-        raw.append((index, step, module, kind, slot, call, tuple(t.shape), dtype_name(t.dtype),
+        shape = tuple(t.shape)
+        raw.append((index, step, module, kind, slot, call, self._shapes.setdefault(shape, shape), dtype_name(t.dtype),
                     "cpu" if t.is_cpu else t.device.type, t.data_ptr() or _meta_address(t)))
         if module in self._flag_modules:
-            flag = flag_sum(t)
-            if isinstance(flag, int):
-                self._flags[index] = flag
+            n = t.numel()
+            if n <= FLAG_LATER_ELEMENTS and module not in self._flag_at_once:
+                try:
+                    self._flag_later.append((index, t, t._version))
+                    self._flag_later_elements += n
+                except RuntimeError:  # an inference tensor has no version counter: checked now
+                    self._flag_now(index, t)
             else:
-                self._flag_sums.append((index, flag))
+                self._flag_now(index, t)
         if self._keep_values:
             value = t.detach() if t.requires_grad else t
             # a value off the host is copied to it, a host one only when asked or when it has no version counter
@@ -452,6 +475,13 @@ class TraceLog:
             if reason:  # larger than the whole budget: summarised now, like an evicted value
                 self._evicted(index, value, reason, True)
                 self._released(storage_key(value))
+
+    def _flag_now(self, index: int, t: torch.Tensor) -> None:
+        flag = flag_range(t)
+        if isinstance(flag, int):
+            self._flags[index] = flag
+        else:
+            self._flag_ranges.append((index, flag))
 
     def add_derived(self, module: int, call: int, stage: str, shape: tuple[int, ...], dtype: torch.dtype,
                     spec: MaskSpec, device: str = "cpu") -> None:
@@ -526,11 +556,22 @@ class TraceLog:
             if value is not None:
                 store.replace(index, value.clone())
 
+    def read_held_flags(self) -> None:
+        """A module is about to write its input in place: the NaN/∞ checks held until read are read now, from the
+        numbers as they were recorded."""
+        if self._flag_later:
+            self._settle_flags()
+
     def end_step(self, seconds: float, interventions: tuple[InterventionRecord, ...] = ()) -> StepRecord:
         """The forward of the step in progress returned: the step is complete."""
         step = self._require_step()
         self._wait_for_copies()
-        self._settle_flags()
+        later = self._flag_later
+        if self._flag_later_elements > FLAGS_HELD_ELEMENTS or len(later) + len(self._flag_ranges) > FLAGS_HELD_RECORDS \
+                or any(t._version != version for _, t, version in later[self._held_from:]):
+            # read now when too many are held, or when the step wrote one of its own in place (that record is then
+            # not checked, and its module is checked as recorded from the next step on); else held until read
+            self._settle_flags()
         first = self._steps[-1].end_record if self._steps else 0
         record = StepRecord(step=step, first_record=first, end_record=len(self._raw), seconds=seconds,
                             interventions=tuple(interventions))
@@ -556,7 +597,9 @@ class TraceLog:
         cut = self._steps[step].first_record if step < len(self._steps) else (
             self._steps[-1].end_record if self._steps and step >= len(self._steps) else 0)
         cut = min(cut, len(self._raw))
-        self._flag_sums = [(index, s) for index, s in self._flag_sums if index < cut]
+        self._flag_later = [entry for entry in self._flag_later if entry[0] < cut]
+        self._flag_later_elements = sum(entry[1].numel() for entry in self._flag_later)
+        self._flag_ranges = [entry for entry in self._flag_ranges if entry[0] < cut]
         self._epoch += 1
         for index in range(cut, len(self._raw)):
             self._values.drop(index, note=None)
@@ -581,9 +624,21 @@ class TraceLog:
 
     def _settle_flags(self) -> None:
         """The NaN/∞ flags of the records whose reductions wait on their device, read to the host at once."""
-        if self._flag_sums:
-            pending, self._flag_sums = self._flag_sums, []
-            self._flags.update(zip((index for index, _ in pending), flags_of_sums([s for _, s in pending])))
+        if self._flag_later:
+            later, self._flag_later, self._flag_later_elements = self._flag_later, [], 0
+            unchanged = []
+            for index, t, version in later:
+                if t._version == version:
+                    unchanged.append((index, t))
+                else:  # its numbers are not the recorded ones any more: not checked, and its module checked
+                    self._flags[index] = Finite.UNKNOWN  # as recorded from now on (one such write is enough)
+                    old = self._notes.get(index)
+                    self._notes[index] = f"{old}; {WRITTEN_BEFORE_CHECK}" if old else WRITTEN_BEFORE_CHECK
+                    self._flag_at_once.add(self._raw[index][MODULE])
+            self._flags.update(zip((i for i, _ in unchanged), flags_of_tensors([t for _, t in unchanged])))
+        if self._flag_ranges:
+            ranges, self._flag_ranges = self._flag_ranges, []
+            self._flags.update(zip((i for i, _ in ranges), flags_of_ranges([r for _, r in ranges])))
 
     def _require_step(self) -> int:
         if self._current is None:

@@ -223,46 +223,96 @@ def _exact_stats(x: torch.Tensor) -> TensorStats:
     return TensorStats(float(lo), float(hi), float(mean), float(std), nan, pos_inf, neg_inf)
 
 
+# a flagged tensor of at most this many elements is held until its flag is read, and checked then with the others
+# held, one reduction per shape (``flags_of_tensors``): a decode step's residual stream and logits. A larger one is
+# reduced as it is recorded (``flag_range``), so that a long prefill does not hold its residual stream
+FLAG_LATER_ELEMENTS = 1 << 16
+# held until read, at most this many elements (16 MiB of complex128, 4 MiB of float32: a dozen GPT-2 decode steps)
+# or this many records: then read together when a step ends
+FLAGS_HELD_ELEMENTS = 1 << 20
+FLAGS_HELD_RECORDS = 4096
+
+
 @torch.no_grad()
 def finite_flag(t: torch.Tensor) -> int:
-    """``Finite.CLEAN`` / ``NEG_INF`` / ``BAD`` with one reduction: Σx is finite exactly when every
-    element is (barring an overflow of the sum, which is then reported as BAD — the statistics,
-    taken when a value is kept, settle it). One host read: a step batches its flags instead
-    (``flag_sum`` per record on the tensor's device, ``flags_of_sums`` once per step)."""
-    s = flag_sum(t)
-    return s if isinstance(s, int) else _flag_of(float(s))
+    """``Finite.CLEAN`` / ``NEG_INF`` / ``BAD`` of one tensor, read at once: its smallest and largest elements
+    say it (NaN carries through both; +∞ is the largest, −∞ the smallest). A step batches its flags instead
+    (``flag_range`` or ``flags_of_tensors``, read together by ``flags_of_ranges``)."""
+    r = flag_range(t)
+    return r if isinstance(r, int) else flags_of_ranges([r])[0]
 
 
-def flag_sum(t: torch.Tensor) -> torch.Tensor | int:
-    """The one reduction ``finite_flag`` reads, left where ``t`` is (a 0-d tensor, no host read), or the flag
-    itself when no reduction is needed: ``UNKNOWN`` for a meta tensor (a dry run: a shape and a dtype, no
-    values), ``CLEAN`` for integers and empty tensors. Summed from ``t.detach()``, so no autograd graph is built
-    without ``torch.no_grad``, whose context costs more than the sum of a decode step's [1, 1, d] (the tracer's
-    hot path calls this for every residual-stream record of a shapes trace)."""
+def flag_range(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | int:
+    """``(min, max)`` of ``t``, two 0-d tensors left where ``t`` is (no host read), or the flag itself when no
+    reduction is needed: ``UNKNOWN`` for a meta tensor (a dry run: a shape and a dtype, no values), ``CLEAN``
+    for integers and empty tensors. Taken from ``t.detach()``: no autograd graph without ``torch.no_grad``,
+    whose context costs more than the reduction of a decode step's ``[1, 1, d]``."""
+    x = _flaggable(t)
+    return x if isinstance(x, int) else torch.aminmax(x)
+
+
+def _flaggable(t: torch.Tensor) -> torch.Tensor | int:
     if t.is_meta:
         return Finite.UNKNOWN
     x = t.detach()
     if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:
         return Finite.CLEAN
-    return (torch.view_as_real(x) if x.is_complex() else x).sum()
+    return torch.view_as_real(x) if x.is_complex() else x
 
 
 @torch.no_grad()
-def flags_of_sums(sums: Sequence[torch.Tensor]) -> list[int]:
-    """The flags of ``flag_sum``'s reductions, in order, read to the host together: one stack and one transfer
-    per (device, dtype) among them — per step, not per record (on a GPU each read waits for the device)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, s in enumerate(sums):
-        groups.setdefault((s.device, s.dtype), []).append(i)
-    flags = [Finite.UNKNOWN] * len(sums)
+def flags_of_tensors(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The flags of many tensors, in order. Those of one device, dtype and shape (a decode step's residual
+    stream: [1, 1, d] each) are stacked and reduced in one call, ``aminmax`` along each one's elements; all are
+    read to the host together — where a reduction per record cost a dispatch per record."""
+    flags: list[int] = [Finite.UNKNOWN] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], list[tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        x = _flaggable(t)
+        if isinstance(x, int):
+            flags[i] = x
+        else:
+            groups.setdefault((x.device, x.dtype, tuple(x.shape)), []).append((i, x))
+    order: list[int] = []
+    ranges: list[tuple[torch.Tensor, torch.Tensor]] = []
     for members in groups.values():
-        for i, total in zip(members, torch.stack([sums[i] for i in members]).tolist()):
-            flags[i] = _flag_of(total)
+        order += (i for i, _ in members)
+        if len(members) == 1:
+            ranges.append(torch.aminmax(members[0][1]))
+        else:  # [k, …] -> [k, numel]: each row one tensor
+            ranges.append(torch.aminmax(torch.stack([x for _, x in members]).view(len(members), -1), dim=1))
+    for i, flag in zip(order, flags_of_ranges(ranges)):
+        flags[i] = flag
     return flags
 
 
-def _flag_of(total: float) -> int:
-    return Finite.CLEAN if math.isfinite(total) else Finite.NEG_INF if total == -math.inf else Finite.BAD
+@torch.no_grad()
+def flags_of_ranges(ranges: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """The flags of ``(min, max)`` pairs (0-d, or ``[k]`` for k tensors), in order, read to the host together:
+    one concatenation and one transfer per device among them — per step, not per record (on a GPU each read
+    waits for the device)."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, (lo, _) in enumerate(ranges):
+        groups.setdefault(lo.device, []).append(i)
+    flags: list[list[int]] = [[] for _ in ranges]
+    for members in groups.values():
+        # lows then highs of every member, one vector (cat promotes mixed dtypes; a wider one holds any narrower)
+        sizes = [ranges[i][0].numel() for i in members]
+        parts = [ranges[i][0].reshape(-1) for i in members] + [ranges[i][1].reshape(-1) for i in members]
+        read = torch.cat(parts).tolist()
+        half, at = len(read) // 2, 0
+        for i, k in zip(members, sizes):
+            flags[i] = [_flag_of(lo, hi) for lo, hi in zip(read[at : at + k], read[half + at : half + at + k])]
+            at += k
+    return [f for fl in flags for f in fl]
+
+
+def _flag_of(lo: float, hi: float) -> int:
+    """From a tensor's smallest and largest elements: NaN makes both NaN, +∞ is the largest, −∞ the smallest."""
+    if math.isnan(hi) or hi == math.inf:
+        return Finite.BAD
+    return Finite.NEG_INF if lo == -math.inf else Finite.CLEAN
+
 
 
 def _fmt(v: float) -> str:

@@ -112,6 +112,9 @@ class ValueStore:
         # found at once. A preferred value (a fused layer's Q, K, V, O) is kept and not in it: evicted only when
         # nothing else is left
         self._plain: dict[int, None] = {}
+        # the last value put and its storage key: a module's input is most often the tensor recorded just before
+        # (the previous module's output, a hook point's value), and asking a tensor for its storage makes an object
+        self._last_put: tuple[torch.Tensor, tuple[int, int]] | None = None
         self._nbytes = 0
         self._peak_nbytes = 0
         self._evicted = 0
@@ -161,7 +164,9 @@ class ValueStore:
 
     def put(self, index: int, step: int, tensor: torch.Tensor) -> str:
         """Keep ``tensor`` for record ``index``; returns "" if kept, else why not."""
-        key = storage_key(tensor)
+        last = self._last_put
+        key = last[1] if last is not None and last[0] is tensor else storage_key(tensor)
+        self._last_put = (tensor, key)
         viewers = self._storages.get(key)
         if viewers is not None:
             viewers.add(index)
@@ -201,6 +206,8 @@ class ValueStore:
         tensor = self._entries.pop(index, None)
         if tensor is None:
             return
+        if self._last_put is not None and self._last_put[0] is tensor:
+            self._last_put = None  # not held past its value
         _, key, version = self._kept.pop(index)
         if stats and version != NO_VERSION and version_of(tensor) != version:
             note, stats = MUTATED, False  # its statistics would describe the wrong values
