@@ -1,8 +1,9 @@
 """The process-wide hook registry: one set of hooks per model, shared by every tracer, routed per thread.
 
 * **Hooks are per model, routing is per thread.** A model shared between
-  browser sessions gets one pre-hook and one forward hook per module (and one
-  tap per hook point), installed once and reference-counted. Each hook looks up
+  browser sessions gets one tap per hook point and per module of our GPT, or one
+  pre-hook and one forward hook per module of any other model, installed once
+  and reference-counted. Each hook looks up
   the listener active *on the calling thread* for that model and hands it the
   tensors; with none active it returns at once. So two traces running at the
   same time in two threads on one model never see each other's tensors, and

@@ -18,9 +18,12 @@
   recorded — started there, ``non_blocking`` on CUDA, and waited for once when the step ends, never once
   per record (``tracer.storage._host``).
 * **NaN and ±∞ are flagged at every capture level.** With values, from the
-  statistics of each value; with shapes only, one reduction per residual-stream
-  hook point and the logits (a bad value shows there in the block where it
-  first appears), or per module output for models without hook points.
+  statistics of each value; with shapes only, from the smallest and largest
+  element of each residual-stream hook point and the logits (a bad value shows
+  there in the block where it first appears), or of every module's tensors for
+  models without hook points. A small tensor's check waits until a flag is read
+  (or too many wait), then all are read together; one the model writes in place
+  before that is marked not checked, with a note (``tracer.storage._log``).
 
 The hook machinery is in ``tracer.capture._hooks``, op capture in ``tracer.capture._ops``,
 failure reports in ``tracer.capture._forensics``, the storage in ``tracer.storage``.
