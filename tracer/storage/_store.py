@@ -99,12 +99,15 @@ class ValueStore:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be a whole number ≥ 0, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
-        # index → tensor, and index → (step, storage key, version when kept); dicts keep insertion order. Two dicts,
-        # not one of (tensor, …) tuples: a tuple of ints alone is untracked by Python's garbage collector once it
-        # has seen it, and one holding a tensor is walked by every full collection for as long as the value is
-        # kept (160 GPT-2-small steps of a values trace held 17,900: 0.10–0.15 s collections in 5 of 8 runs, now 3)
+        # index → tensor, and index → step, storage key and version when kept, one dict each; dicts keep insertion
+        # order. Not one dict of (tensor, …) tuples: one holding a tensor is walked by every full collection for as
+        # long as the value is kept (160 GPT-2-small steps of a values trace held 17,900: 0.10–0.15 s collections in
+        # 5 of 8 runs, then 3); and not (step, key, version) tuples either: each is one more object for the young
+        # collections to walk (456 a GPT-2-small decode step, a quarter of what the step left them)
         self._entries: dict[int, torch.Tensor] = {}
-        self._kept: dict[int, tuple[int, tuple[int, int], int]] = {}
+        self._kept_step: dict[int, int] = {}
+        self._kept_key: dict[int, tuple[int, int]] = {}
+        self._kept_version: dict[int, int] = {}
         self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
         # index → (summary, step, bytes): pooled digests of evicted values, charged to the same budget
         self._digests: dict[int, tuple[torch.Tensor, int, int]] = {}
@@ -156,7 +159,7 @@ class ValueStore:
         tensor = self._entries.get(index)
         if tensor is None:
             return False
-        version = self._kept[index][2]
+        version = self._kept_version[index]
         if version != NO_VERSION and version_of(tensor) != version:
             self.drop(index, note=MUTATED, stats=False)
             return False
@@ -169,6 +172,7 @@ class ValueStore:
         self._last_put = (tensor, key)
         viewers = self._storages.get(key)
         if viewers is not None:
+            key = self._kept_key[next(iter(viewers))]  # the equal key already held: one object fewer kept
             viewers.add(index)
         else:
             size = key[1]
@@ -180,17 +184,19 @@ class ValueStore:
             self._nbytes += size
             self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
         self._entries[index] = tensor
-        self._kept[index] = (step, key, version_of(tensor))
+        self._kept_step[index] = step
+        self._kept_key[index] = key
+        self._kept_version[index] = version_of(tensor)
         self._plain[index] = None  # a new value (or one just dropped and put back) is not preferred
         return ""
 
     def replace(self, index: int, tensor: torch.Tensor) -> None:
         """Swap a kept value for a private copy (before an in-place op changes the original)."""
-        kept = self._kept.get(index)
-        if kept is None:
+        step = self._kept_step.get(index)
+        if step is None:
             return
         self.drop(index, note=None)
-        reason = self.put(index, kept[0], tensor)
+        reason = self.put(index, step, tensor)
         if reason and self._on_evict is not None:
             self._on_evict(index, tensor, reason, True)
 
@@ -208,7 +214,8 @@ class ValueStore:
             return
         if self._last_put is not None and self._last_put[0] is tensor:
             self._last_put = None  # not held past its value
-        _, key, version = self._kept.pop(index)
+        del self._kept_step[index]
+        key, version = self._kept_key.pop(index), self._kept_version.pop(index)
         if stats and version != NO_VERSION and version_of(tensor) != version:
             note, stats = MUTATED, False  # its statistics would describe the wrong values
         viewers = self._storages[key]
@@ -227,9 +234,10 @@ class ValueStore:
         rather than whole steps: a decode step needs a few MB, and making room by dropping the whole prefill
         would cost the statistics of all of it and leave nothing of it to look at."""
         plain = next(iter(self._plain), None)
-        oldest_value = (plain, self._kept[plain]) if plain is not None else next(iter(self._kept.items()), None)
+        oldest_value = (plain, self._kept_step[plain]) if plain is not None else next(iter(self._kept_step.items()),
+                                                                                       None)
         oldest_digest = next(iter(self._digests.items()), None)
-        if oldest_digest is not None and (oldest_value is None or oldest_digest[1][1] < oldest_value[1][0]):
+        if oldest_digest is not None and (oldest_value is None or oldest_digest[1][1] < oldest_value[1]):
             self.drop_digest(oldest_digest[0])
             return
         assert oldest_value is not None  # called only while something is held
@@ -272,4 +280,4 @@ class ValueStore:
         return sorted(i for i in viewers if overlaps(tensor, self._entries[i]))
 
     def steps_held(self) -> list[int]:
-        return sorted({kept[0] for kept in self._kept.values()})
+        return sorted(set(self._kept_step.values()))
