@@ -38,7 +38,7 @@ def test_a_tensor_written_in_place_before_its_flag_is_read_is_not_called_clean()
     # the Linear's output was finite when recorded and NaN when its step ended: not checked, and said so; from
     # the next step on, that module's tensors are checked as they are recorded
     assert first["0:out"] == first["1:in[0]"] == Finite.UNKNOWN
-    assert "wrote this tensor in place" in trace.value_note(trace.record("0:out", 0))
+    assert "written in place after it was recorded" in trace.value_note(trace.record("0:out", 0))
     assert second["0:out"] == second["1:in[0]"] == Finite.CLEAN
     assert first["1:out"] == second["1:out"] == first["model:out"] == Finite.BAD
 
@@ -89,5 +89,38 @@ def test_a_tensor_the_caller_writes_before_reading_its_flag_is_not_called_clean(
     out.fill_(math.nan)
     rec = tr.trace.record("model:out", 0)
     assert tr.trace.finite_flag(rec) == Finite.UNKNOWN
-    assert "wrote this tensor in place" in tr.trace.value_note(rec)
+    assert "written in place after it was recorded" in tr.trace.value_note(rec)
     assert tr.trace.finite_flag(tr.trace.record("model:in[0]", 0)) == Finite.CLEAN
+
+
+class PoisonsFromItsSecondCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.mul_(math.nan) if self.calls > 1 else x
+
+
+def test_a_write_after_checks_were_read_mid_step_is_still_found_when_the_step_ends():
+    """A reader asks for an earlier step's flag in the middle of a step (all held checks are read then); a tensor
+    recorded after that and written in place before the step ends is found when the step ends, so the next step
+    checks that module's tensors as they are recorded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), PoisonsFromItsSecondCall())
+    steps = []
+
+    def reader(module, args, output):
+        if len(steps) == 1:  # in the second step, before the Linear's output is recorded
+            tr.trace.finite_flag(tr.trace.record("model:in[0]", 0))
+
+    model[0].register_forward_hook(reader)
+    with torch.no_grad(), Tracer(model, capture="shapes") as tr:
+        for _ in range(3):
+            model(torch.randn(2, 4))
+            steps.append(None)
+    flags = [_flags(tr.trace, step) for step in range(3)]
+    assert flags[0]["0:out"] == Finite.CLEAN and flags[1]["0:out"] == Finite.UNKNOWN
+    assert flags[1]["1:out"] == flags[2]["1:out"] == Finite.BAD
+    assert flags[2]["0:out"] == Finite.CLEAN  # checked as recorded, before the write

@@ -67,8 +67,9 @@ from gpt_shape_tracer.tracer.storage.records import (
 
 DERIVED_NOTE = ("derived: the fused attention never held it; any region is recomputed exactly from this layer's Q "
                 "and K and the mask description (tracer.attention_region)")
-WRITTEN_BEFORE_CHECK = ("NaN/∞ not checked: the model wrote this tensor in place before its step ended, and the check "
-                        "waits for the step's end (this record's later steps are checked as they are recorded)")
+WRITTEN_BEFORE_CHECK = ("NaN/∞ not checked: this tensor was written in place after it was recorded and before its "
+                        "check was read (a small tensor's check waits until a flag is asked for); this module's "
+                        "tensors are checked as they are recorded from then on")
 DERIVED_SOURCES = ("hook_q", "hook_rot_q", "hook_k_all", "hook_v_all")  # what a derived record is recomputed from
 DIGESTED = "hook_pattern"  # attention weights: when evicted, a pooled summary per head stays
 DIGEST_SIDE = 128  # the summary's most rows and columns per head
@@ -599,6 +600,7 @@ class TraceLog:
         cut = min(cut, len(self._raw))
         self._flag_later = [entry for entry in self._flag_later if entry[0] < cut]
         self._flag_later_elements = sum(entry[1].numel() for entry in self._flag_later)
+        self._held_from = min(self._held_from, len(self._flag_later))
         self._flag_ranges = [entry for entry in self._flag_ranges if entry[0] < cut]
         self._epoch += 1
         for index in range(cut, len(self._raw)):
@@ -625,7 +627,7 @@ class TraceLog:
     def _settle_flags(self) -> None:
         """The NaN/∞ flags of the records whose reductions wait on their device, read to the host at once."""
         if self._flag_later:
-            later, self._flag_later, self._flag_later_elements = self._flag_later, [], 0
+            later, self._flag_later, self._flag_later_elements, self._held_from = self._flag_later, [], 0, 0
             unchanged = []
             for index, t, version in later:
                 if t._version == version:
