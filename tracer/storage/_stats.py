@@ -314,7 +314,6 @@ def _flag_of(lo: float, hi: float) -> int:
     return Finite.NEG_INF if lo == -math.inf else Finite.CLEAN
 
 
-
 def _fmt(v: float) -> str:
     if math.isnan(v):
         return "nan"
