@@ -10,25 +10,25 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 
-def _global_module_hooks() -> bool:
-    """Whether hooks registered for every module (the public ``register_module_forward_hook`` and its
-    backward kin) exist.
+def _global_forward_hooks() -> bool:
+    """Whether forward hooks registered for every module (the public ``register_module_forward_hook``) exist: they
+    may replace any module's output.
 
-    torch keeps them in private module globals; reading those lets a module with no hooks of any
-    kind skip ``nn.Module.__call__`` (``bench/bench_model.py`` prints what that saves per forward).
+    torch keeps them, and their backward kin, in private module globals; reading those lets a module with no hooks
+    of any kind skip ``nn.Module.__call__`` (``bench/bench_model.py`` prints what that saves per forward).
     If a torch release renames them, ``getattr`` answers True and every call takes the full, correct
     path; ``tests/model/test_model_hooks.py`` pins that a global hook still sees every module."""
     return bool(getattr(_torch_module, "_global_forward_hooks", True)
-                or getattr(_torch_module, "_global_forward_pre_hooks", True)
-                or getattr(_torch_module, "_global_backward_hooks", True)
-                or getattr(_torch_module, "_global_backward_pre_hooks", True))
+                or getattr(_torch_module, "_global_forward_pre_hooks", True))
 
 
 def _torch_runs_more(module: nn.Module) -> bool:
     """Whether ``nn.Module.__call__`` would do more than call ``forward``: a hook of any kind on this module or on
     every module, or an in-place ``module.compile()``."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or module._compiled_call_impl is not None) or _global_module_hooks()
+                or module._backward_pre_hooks or module._compiled_call_impl is not None) or _global_forward_hooks() \
+        or bool(getattr(_torch_module, "_global_backward_hooks", True)
+                or getattr(_torch_module, "_global_backward_pre_hooks", True))
 
 
 def _always() -> bool:
@@ -89,7 +89,7 @@ class HookPoint(nn.Module):
     @property
     def written(self) -> bool:
         """Whether forward hooks (which may replace the value) sit on this point, or on every module."""
-        return bool(self._forward_hooks or self._forward_pre_hooks) or _global_module_hooks()
+        return bool(self._forward_hooks or self._forward_pre_hooks) or _global_forward_hooks()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if _torch_runs_more(self):

@@ -98,7 +98,9 @@ class _Tap:
 
 
 class _ModuleTap:
-    """A ``TappedModule``'s tap: hands its calls to the listener active on this thread for the model, if any."""
+    """A module's tap: hands its calls to the listener active on this thread for the model, if any. A
+    ``TappedModule`` calls ``enter`` and ``leave`` itself; any other module has ``enter`` as its forward pre-hook
+    and ``hooked`` as its forward hook."""
 
     __slots__ = ("index", "model_id")
 
@@ -119,6 +121,10 @@ class _ModuleTap:
             if listener is not None:
                 listener.on_exit(self.index, module, output)
 
+    def hooked(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """``leave``, as a forward hook registered ``with_kwargs`` calls it."""
+        self.leave(module, output)
+
 
 class InstalledHooks:
     """A tap on every hook point and ``TappedModule`` of one model; one pre-hook and one forward hook on every other
@@ -137,38 +143,15 @@ class InstalledHooks:
             if isinstance(module, HookPoint):
                 self._handles.append(module.add_tap(self._tap(index)))
                 continue
+            tap = _ModuleTap(self.model_id, index)
             if isinstance(module, TappedModule):
-                self._handles.append(module.add_tap(_ModuleTap(self.model_id, index)))
+                self._handles.append(module.add_tap(tap))
                 continue
             if getattr(module, "inplace", False) is True:
                 inplace.add(index)
-            self._handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post(index), with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(tap.enter, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(tap.hooked, with_kwargs=True))
         self.inplace = frozenset(inplace)
-
-    def _pre(self, index: int):
-        model_id = self.model_id
-
-        def pre_hook(module, args, kwargs):
-            active = getattr(_thread, "active", None)
-            if active:
-                listener = active.get(model_id)
-                if listener is not None:
-                    listener.on_enter(index, module, args, kwargs)
-
-        return pre_hook
-
-    def _post(self, index: int):
-        model_id = self.model_id
-
-        def post_hook(module, args, kwargs, output):
-            active = getattr(_thread, "active", None)
-            if active:
-                listener = active.get(model_id)
-                if listener is not None:
-                    listener.on_exit(index, module, output)
-
-        return post_hook
 
     def _tap(self, index: int) -> _Tap:
         return _Tap(self.model_id, index)
