@@ -198,7 +198,7 @@ def counted_host_copies(monkeypatch) -> Iterator[list[str]]:
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_a_step_waits_for_its_value_copies_once_not_per_record(monkeypatch, style):
-    """The values capture's copies to the host: one started per kept record, one wait per step — the same for a
+    """The values capture's copies to the host: one started per kept tensor, one wait per step — the same for a
     2-layer and a 4-layer model, prefill and decode — where a blocking copy per record (the tracer before) is a wait
     per record. On the CPU the copies are those of ``copy="all"`` (on a GPU: every kept value), through the same
     code; they hold exactly the values a trace keeping the model's own tensors holds."""
@@ -224,9 +224,11 @@ def test_a_step_waits_for_its_value_copies_once_not_per_record(monkeypatch, styl
         referenced.run(2)
         log, reference = copied.trace.log, referenced.trace.log
         assert log.n_records == reference.n_records
-        # the records whose value the log holds (a derived attention stage has none to copy: it is recomputed from
-        # the kept Q and K when read)
-        kept[n_layer] = [sum(log.has_value(r.index) for r in copied.trace.filter(step=s)) for s in range(2)]
+        # the values the log holds (a derived attention stage has none to copy: it is recomputed from the kept Q and
+        # K when read), one copy per tensor: a module's output and the next module's input, one tensor, one copy
+        held = [[log.value(r.index) for r in copied.trace.filter(step=s) if log.has_value(r.index)] for s in range(2)]
+        kept[n_layer] = [len({id(v) for v in values}) for values in held]
+        assert all(k < len(values) for k, values in zip(kept[n_layer], held))
         for index in range(log.n_records):
             value, expected = log.value(index), reference.value(index)
             assert (value is None) == (expected is None), index
@@ -235,7 +237,7 @@ def test_a_step_waits_for_its_value_copies_once_not_per_record(monkeypatch, styl
                 assert torch.equal(value, expected), index
     assert kept[4][0] > kept[2][0] and kept[4][1] > kept[2][1]  # twice the layers: more records to copy
     for n_layer in (2, 4):
-        assert [s["copy"] for s in per_step[n_layer]] == kept[n_layer]  # every record's value copied, …
+        assert [s["copy"] for s in per_step[n_layer]] == kept[n_layer]  # every value copied once, …
     assert [s["wait"] for s in per_step[2]] == [s["wait"] for s in per_step[4]] == [1, 1]  # … and waited for once
 
 

@@ -45,6 +45,7 @@ from gpt_shape_tracer.tracer.storage._stats import (
 from gpt_shape_tracer.tracer.storage._store import (
     DEFAULT_BUDGET_BYTES,
     MUTATED,
+    NO_VERSION,
     ValueStore,
     storage_key,
     version_of,
@@ -159,6 +160,13 @@ class TraceLog:
         # every shape recorded, once: a decode step's 456 records have a few dozen shapes, and a record holding a
         # shared tuple leaves one object fewer for Python's cyclic collector to walk (3 young collections a step)
         self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+        # the tensor recorded last, its version then, and its description (shape, dtype, device, address): a
+        # hook point's value is most often recorded again at once as the next module's input (281 of a GPT-2-small
+        # decode step's 516 records), and its description is then read once. Held only within a step
+        self._last_tensor: torch.Tensor | None = None
+        self._last_version = NO_VERSION
+        self._last_tail: tuple = ()
+        self._last_value: torch.Tensor | None = None  # what was kept of it: the tensor, or its copy on the host
         self._ops: list[tuple] = []
         self._notes: dict[int, str] = {}
         self._stats: dict[int, TensorStats] = {}
@@ -190,6 +198,9 @@ class TraceLog:
         self._comparisons: dict[int, RecomputeComparison] = {}
         # records of a fused attention's [B,H,n,t] stages: (stage, mask description), values recomputed on demand
         self._derived: dict[int, tuple[str, MaskSpec]] = {}
+        # the (stage, mask description) pairs of the last mask description seen, shared by every layer's records:
+        # one pair a stage instead of one a record, each a tuple the cyclic collector walks while the trace lives
+        self._derived_pairs: dict[str, tuple[str, MaskSpec]] = {}
         self._prefer_next: set[int] = set()  # the module whose next record the budget prefers (a fused layer's O)
         self._module_index: dict[str, int] = {}  # module path → index into modules
         self._epoch = 0  # bumped whenever records are discarded: readers' caches of them are stale
@@ -443,12 +454,31 @@ class TraceLog:
         raw = self._raw
         index = len(raw)
         step = self._current
-        if t.layout is not torch.strided or t.is_nested:
-            self._add_unusual(index, step, module, kind, slot, call, t)
-            return
-        shape = tuple(t.shape)
-        raw.append((index, step, module, kind, slot, call, self._shapes.setdefault(shape, shape), dtype_name(t.dtype),
-                    "cpu" if t.is_cpu else t.device.type, t.data_ptr() or _meta_address(t)))
+        if t is self._last_tensor and t._version == self._last_version:  # unchanged: resize_ and set_ bump it
+            tail, value = self._last_tail, self._last_value
+        else:
+            if t.layout is not torch.strided or t.is_nested:
+                self._add_unusual(index, step, module, kind, slot, call, t)
+                return
+            shape = tuple(t.shape)
+            tail = (self._shapes.setdefault(shape, shape), dtype_name(t.dtype), "cpu" if t.is_cpu else t.device.type,
+                    t.data_ptr() or _meta_address(t))
+            value = None
+            if self._keep_values:
+                value = t.detach() if t.requires_grad else t
+                # a value off the host is copied to it, a host one only when asked or when it has no version counter
+                # (inference tensors); either copy may still be landing: waited for once, at the step's end
+                if not value.is_cpu or self._copy_all or value.is_inference():
+                    if not self._copying:
+                        self._copies_from = index
+                    self._copying.add(value.device)
+                    value = start_host_copy(value)
+            try:
+                self._last_version = t._version
+                self._last_tensor, self._last_tail, self._last_value = t, tail, value
+            except RuntimeError:  # an inference tensor has no version counter: described (and copied) every time
+                self._last_tensor = self._last_value = None
+        raw.append((index, step, module, kind, slot, call, *tail))
         if module in self._flag_modules:
             n = t.numel()
             if n <= FLAG_LATER_ELEMENTS and module not in self._flag_at_once:
@@ -459,15 +489,7 @@ class TraceLog:
                     self._flag_now(index, t)
             else:
                 self._flag_now(index, t)
-        if self._keep_values:
-            value = t.detach() if t.requires_grad else t
-            # a value off the host is copied to it, a host one only when asked or when it has no version counter
-            # (inference tensors); either copy may still be landing: waited for once, at the step's end
-            if not value.is_cpu or self._copy_all or value.is_inference():
-                if not self._copying:
-                    self._copies_from = index
-                self._copying.add(value.device)
-                value = start_host_copy(value)
+        if value is not None:
             assert step is not None  # records arrive inside a step: the tracer begins one when the model is called
             reason = self._values.put(index, step, value)
             if self._prefer_next and module in self._prefer_next:  # the O of a fused layer
@@ -489,8 +511,13 @@ class TraceLog:
         """Record an attention stage the fused kernel never materialised: its shape and dtype, no value (the
         readers recompute any region of it from the layer's Q and K), no statistics."""
         index = len(self._raw)
-        self._raw.append((index, self._current, module, "hook", "", call, tuple(shape), dtype_name(dtype), device, 0))
-        self._derived[index] = (stage, spec)
+        shape = tuple(shape)
+        self._raw.append((index, self._current, module, "hook", "", call, self._shapes.setdefault(shape, shape),
+                          dtype_name(dtype), device, 0))
+        pair = self._derived_pairs.get(stage)
+        if pair is None or pair[1] is not spec:
+            pair = self._derived_pairs[stage] = (stage, spec)
+        self._derived[index] = pair
         if device != "meta":  # a dry run's record has nothing to recompute from: it says it is a dry run's
             self._notes[index] = DERIVED_NOTE
         if stage == "pattern" and self._keep_values:  # the budget holds what the derived records are made from
@@ -578,6 +605,7 @@ class TraceLog:
                             interventions=tuple(interventions))
         self._steps.append(record)
         self._current = None
+        self._last_tensor = self._last_value = None
         return record
 
     def fail_step(self, error: TraceErrorInfo | None, exception: BaseException | None) -> None:
@@ -587,6 +615,7 @@ class TraceLog:
         self._wait_for_copies()
         self._settle_flags()  # the records of a failed step are kept for forensics, their flags too
         self._current = None
+        self._last_tensor = self._last_value = None
         self._error = error
         self._exception = exception
 
@@ -595,6 +624,7 @@ class TraceLog:
         self._wait_for_copies()  # what stays may be among the copies still landing
         if self._current is not None and self._current >= step:
             self._current = None
+        self._last_tensor = self._last_value = None
         cut = self._steps[step].first_record if step < len(self._steps) else (
             self._steps[-1].end_record if self._steps and step >= len(self._steps) else 0)
         cut = min(cut, len(self._raw))

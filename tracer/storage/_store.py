@@ -108,7 +108,10 @@ class ValueStore:
         self._kept_step: dict[int, int] = {}
         self._kept_key: dict[int, tuple[int, int]] = {}
         self._kept_version: dict[int, int] = {}
-        self._storages: dict[tuple[int, int], set[int]] = {}  # storage → the kept values viewing it
+        # storage → the kept values viewing it, as a dict used as a set: a dict of ints is not tracked by Python's
+        # cyclic collector, a set always is (127 a GPT-2-small decode step, each walked by every full collection
+        # for as long as the values are kept)
+        self._storages: dict[tuple[int, int], dict[int, None]] = {}
         # index → (summary, step, bytes): pooled digests of evicted values, charged to the same budget
         self._digests: dict[int, tuple[torch.Tensor, int, int]] = {}
         # the kept values not preferred, oldest first (a dict as an ordered set): the next to evict is its first,
@@ -173,14 +176,14 @@ class ValueStore:
         viewers = self._storages.get(key)
         if viewers is not None:
             key = self._kept_key[next(iter(viewers))]  # the equal key already held: one object fewer kept
-            viewers.add(index)
+            viewers[index] = None
         else:
             size = key[1]
             if size > self.budget_bytes:
                 return f"not kept: its storage ({size} B) is larger than the whole budget ({self.budget_bytes} B)"
             while self._nbytes + size > self.budget_bytes and (self._entries or self._digests):
                 self._evict_oldest()
-            self._storages[key] = {index}
+            self._storages[key] = {index: None}
             self._nbytes += size
             self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
         self._entries[index] = tensor
@@ -219,7 +222,7 @@ class ValueStore:
         if stats and version != NO_VERSION and version_of(tensor) != version:
             note, stats = MUTATED, False  # its statistics would describe the wrong values
         viewers = self._storages[key]
-        viewers.discard(index)
+        viewers.pop(index, None)
         released = not viewers
         if released:
             del self._storages[key]
