@@ -218,6 +218,29 @@ def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_righ
     assert steps_shown(page) == 25
 
 
+def test_a_recent_run_clicked_opens_with_its_steps(page, url):
+    """Recent runs are drawn by the page's view (a fragment, rerun alone by a Step): a click on one asks the page's
+    full run, which opens the run the address then names — its steps, its text, its id in the address."""
+    open_app(page, url)
+    set_prompt(page, "Ada drew a red fox.")
+    click(page, "Step")
+    click(page, "Step")
+    first = address_run(page)
+    click(page, "Reset")
+    click(page, "Discard")
+    set_prompt(page, "Sam baked a small cake.")
+    click(page, "Step")
+    assert address_run(page) != first and steps_shown(page) == 1
+    entry = page.locator('[data-testid="stSidebar"]').get_by_role("button").filter(has_text="Ada drew a red fox. · 2 steps")
+    before = runs_finished(page)
+    entry.click()
+    wait_settled(page)
+    assert runs_finished(page) > before
+    assert address_run(page) == first and steps_shown(page) == 2
+    main = page.locator('[data-testid="stMain"] [data-testid="stMarkdownContainer"]')
+    assert main.filter(has_text="Ada drew a red fox.").count() and not main.filter(has_text="Sam baked").count()
+
+
 def test_reset_asks_before_it_discards_a_generation(page, url):
     open_app(page, url)
     click(page, "Step")
