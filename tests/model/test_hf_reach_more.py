@@ -126,13 +126,17 @@ def test_openai_gpt_refuses_a_cache_with_the_reason_and_the_app_settings_turn_it
 def test_the_app_says_openai_gpt_keeps_no_cache():
     """The real app (AppTest) on an OpenAI GPT directory: Load, Step twice, the KV cache tab — its warning and the
     comparison's place say the model keeps no cache (its forward takes none), and nothing says it was switched off
-    or is a module of yours; the sidebar says the switch changes nothing; beam search is refused with the reason."""
+    or is a module of yours; the sidebar says the switch changes nothing (from the Load on, before any Step); beam
+    search is refused with the reason."""
     from html import unescape
 
     from tests.app.test_app import page_text, run, show_tab
     from tests.app.test_app_architectures import opened_and_stepped
 
     directory = with_tokenizer("openai-gpt", Path(tempfile.mkdtemp(prefix="app-gpt-")))
+    # the sidebar says so from the Load on, before any Step: a Step reruns the page's view alone, not the sidebar
+    at = opened_and_stepped(directory, steps=0)
+    assert any("whichever way this switch is set" in c.value for c in at.sidebar.caption)
     at = opened_and_stepped(directory)
     show_tab(at, "KV cache")
     assert not at.error, [e.value for e in at.error]
