@@ -231,7 +231,8 @@ def test_a_recent_run_clicked_opens_with_its_steps(page, url):
     set_prompt(page, "Sam baked a small cake.")
     click(page, "Step")
     assert address_run(page) != first and steps_shown(page) == 1
-    entry = page.locator('[data-testid="stSidebar"]').get_by_role("button").filter(has_text="Ada drew a red fox. · 2 steps")
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    entry = sidebar.get_by_role("button").filter(has_text="Ada drew a red fox. · 2 steps")
     before = runs_finished(page)
     entry.click()
     wait_settled(page)
