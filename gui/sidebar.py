@@ -64,9 +64,8 @@ def sidebar() -> tuple[str | None, dict[str, object], DeltaGenerator]:
     (``step_button``), so that a Step reruns the view alone and not the sidebar (app.py). Step is not an action:
     its click is counted by its callback (``owe_a_step``), and whichever run comes next makes the steps owed."""
     sb = st.sidebar
-    values: dict[str, object] = {}
-    values["prompt"] = sb.text_area("Prompt (one line per sequence: several lines make a batch)",
-                                    value=DEFAULTS.prompt, key="prompt", height=96)
+    sb.text_area("Prompt (one line per sequence: several lines make a batch)", value=DEFAULTS.prompt, key="prompt",
+                 height=96)
     buttons = sb.columns(3)
     step_slot = buttons[0].empty()
     st.session_state[DRAWN_BY_THE_RUN] = False  # the view draws the button, unless this run does (step_button)
@@ -125,20 +124,19 @@ def sidebar() -> tuple[str | None, dict[str, object], DeltaGenerator]:
         choose_model(bundled, "")
 
     sb.header("Sampling")
-    values["decoding"] = sb.radio("Decoding", DECODINGS, index=DECODINGS.index(DEFAULTS.decoding), key="decoding",
-                                  horizontal=True)
-    sampling_off = values["decoding"] == "greedy"
-    values["temperature"] = sb.number_input(
+    decoding = sb.radio("Decoding", DECODINGS, index=DECODINGS.index(DEFAULTS.decoding), key="decoding",
+                        horizontal=True)
+    sampling_off = decoding == "greedy"
+    sb.number_input(
         "temperature τ", value=DEFAULTS.temperature, step=0.1, key="temperature", disabled=sampling_off,
         help="softmax(z/τ) over the logits z: τ < 1 sharpens, τ > 1 flattens; 0 < τ ≤ 100")
     cols = sb.columns(2)
-    values["top_k"] = cols[0].number_input("top-k (0 = off)", value=DEFAULTS.top_k, step=1, key="top_k",
-                                           disabled=sampling_off)
-    values["top_p"] = cols[1].number_input("top-p", value=DEFAULTS.top_p, step=0.05, key="top_p",
-                                           disabled=sampling_off, help="in (0, 1]")
-    values["seed"] = sb.text_input("seed", value=DEFAULTS.seed, key="seed", disabled=sampling_off)
+    cols[0].number_input("top-k (0 = off)", value=DEFAULTS.top_k, step=1, key="top_k", disabled=sampling_off)
+    cols[1].number_input("top-p", value=DEFAULTS.top_p, step=0.05, key="top_p", disabled=sampling_off,
+                         help="in (0, 1]")
+    sb.text_input("seed", value=DEFAULTS.seed, key="seed", disabled=sampling_off)
     sb.header("Tracing")
-    values["use_cache"] = sb.toggle(
+    sb.toggle(
         "KV cache", value=DEFAULTS.use_cache, key="use_cache",
         help="On: a decode step computes one new row. Off: every step recomputes all positions.")
     # the model the steps run: the generation's, or before its first Step the sidebar's choice (a Step reruns the
@@ -150,26 +148,25 @@ def sidebar() -> tuple[str | None, dict[str, object], DeltaGenerator]:
     elif stepped is not None and (reason := no_cache_reason(stepped)) is not None:  # OpenAI GPT keeps none
         sb.caption(f"{reason[:1].upper()}{reason[1:]}: every step recomputes all positions, whichever way this "
                    "switch is set.")
-    values["chat"] = sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
-                               help="Wrap each prompt in the model's chat template as a user message, as "
-                                    "transformers' apply_chat_template(add_generation_prompt=True) does")
+    sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
+              help="Wrap each prompt in the model's chat template as a user message, as "
+                   "transformers' apply_chat_template(add_generation_prompt=True) does")
     declared = _end_of_sequence_ids(loaded)
-    values["stop_at_eos"] = sb.toggle(
+    sb.toggle(
         "stop at EOS", value=DEFAULTS.stop_at_eos, key="stop_at_eos", disabled=not declared,
         help=f"Stop once every sequence has chosen an end-of-sequence token: this model declares "
              f"{', '.join(map(str, declared))} (the bundled models: <|endoftext|>, which ends each of their stories)"
         if declared else "This model's files declare no end-of-sequence token, so generation never stops on a token "
                          "and this switch would change nothing")
-    values["capture"] = sb.selectbox(
+    sb.selectbox(
         "Capture", CAPTURES, index=CAPTURES.index(DEFAULTS.capture), key="capture",
         help="shapes: shape/dtype only (NaN/∞ checked on the residual stream and logits) · values: + "
              "tensors (within the budget) · ops: + every torch op")
     cols = sb.columns(2)
-    values["padding_side"] = cols[0].selectbox("Padding", PADDINGS, index=PADDINGS.index(DEFAULTS.padding_side),
-                                               key="padding_side")
-    values["budget_mb"] = cols[1].number_input("Budget (MB)", value=DEFAULTS.budget_mb, min_value=1,
-                                               max_value=MAX_BUDGET_MB, key="budget_mb")
-    values["spill_mb"] = sb.number_input(
+    cols[0].selectbox("Padding", PADDINGS, index=PADDINGS.index(DEFAULTS.padding_side), key="padding_side")
+    cols[1].number_input("Budget (MB)", value=DEFAULTS.budget_mb, min_value=1, max_value=MAX_BUDGET_MB,
+                         key="budget_mb")
+    sb.number_input(
         "Keep every value on disk (MB, 0 = off)", value=DEFAULTS.spill_mb, min_value=0, max_value=MAX_SPILL_MB,
         step=256, key="spill_mb",
         help="Values past the budget go to a private temporary file (deleted with the session) instead of being "
