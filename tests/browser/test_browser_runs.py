@@ -219,8 +219,8 @@ def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_righ
 
 
 def test_a_recent_run_clicked_opens_with_its_steps(page, url):
-    """Recent runs are drawn by the page's view (a fragment, rerun alone by a Step): a click on one asks the page's
-    full run, which opens the run the address then names — its steps, its text, its id in the address."""
+    """A click on a Recent runs entry opens that run in the page — its steps, its text, its id in the address — after
+    Reset started another."""
     open_app(page, url)
     set_prompt(page, "Ada drew a red fox.")
     click(page, "Step")
