@@ -130,14 +130,15 @@ def test_the_app_says_openai_gpt_keeps_no_cache():
     search is refused with the reason."""
     from html import unescape
 
-    from tests.app.test_app import page_text, run, show_tab
+    from tests.app.test_app import page_text, press, run, show_tab
     from tests.app.test_app_architectures import opened_and_stepped
 
     directory = with_tokenizer("openai-gpt", Path(tempfile.mkdtemp(prefix="app-gpt-")))
     # the sidebar says so from the Load on, before any Step (it read the generation's model, made by the first Step)
     at = opened_and_stepped(directory, steps=0)
     assert any("whichever way this switch is set" in c.value for c in at.sidebar.caption)
-    at = opened_and_stepped(directory)
+    for _ in range(2):  # the same page, Stepped as opened_and_stepped does
+        press(at, "step_button")
     show_tab(at, "KV cache")
     assert not at.error, [e.value for e in at.error]
     gen = at.session_state["app"].live.generation

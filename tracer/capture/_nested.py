@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 MAX_TENSORS = 256  # per argument list or output: beyond this a call's tensors are not recorded one by one
-_SLOTS = tuple(f"[{i}]" for i in range(16))  # the slots of a call's first arguments, made once (a Block's 4 a call)
 
 
 def flatten_tensors(obj: Any, prefix: str = "", out: list | None = None, depth: int = 0, limit: int = MAX_TENSORS
@@ -23,7 +22,7 @@ def flatten_tensors(obj: Any, prefix: str = "", out: list | None = None, depth: 
             for i, item in enumerate(obj):
                 if len(out) >= limit:
                     break
-                flatten_tensors(item, _SLOTS[i] if not prefix and i < 16 else f"{prefix}[{i}]", out, depth + 1, limit)
+                flatten_tensors(item, f"{prefix}[{i}]", out, depth + 1, limit)
         elif isinstance(obj, dict):
             for key, item in obj.items():
                 if len(out) >= limit:
