@@ -25,14 +25,30 @@ from gpt_shape_tracer.gui.inspector import inspector_tab
 from gpt_shape_tracer.gui.kv_cache import cache_tab
 from gpt_shape_tracer.gui.mask import mask_tab
 from gpt_shape_tracer.gui.next_token import next_token_tab
-from gpt_shape_tracer.gui.runs import finish_restoring, follow_the_address, recent_runs, save_run, save_view
+from gpt_shape_tracer.gui.runs import (
+    finish_restoring,
+    follow_the_address,
+    opening_a_run,
+    recent_runs,
+    report_failed_write,
+    save_run,
+    save_view,
+)
 from gpt_shape_tracer.gui.server import admitted, freed_memory_reused, imports_frozen
 from gpt_shape_tracer.gui.shapes import shapes_tab
-from gpt_shape_tracer.gui.sidebar import advance, reset, sidebar
+from gpt_shape_tracer.gui.sidebar import (
+    advance,
+    read_settings,
+    reset,
+    sidebar,
+    sidebar_values,
+    step_button,
+)
+from gpt_shape_tracer.gui.start import before_the_first_step
 from gpt_shape_tracer.gui.tour import tour_bar
 from gpt_shape_tracer.gui.whatif import whatif_tab
 from gpt_shape_tracer.gui.worked import worked_tab
-from gpt_shape_tracer.session import DEFAULT_RUN_N, AppState, SettingsError, settings_from
+from gpt_shape_tracer.session import DEFAULT_RUN_N, AppState
 from gpt_shape_tracer.tracer import Trace
 
 PANELS: dict[str, Callable[[Trace, int], None]] = {
@@ -59,52 +75,64 @@ def main() -> None:
 
 def run(app: AppState) -> None:
     follow_the_address()  # a run id in the address this session does not hold: restore it (gui/runs.py)
-    action, values = sidebar()
+    action, values, step_slot = sidebar()
+    foot = st.sidebar.container()  # the sidebar's foot: Recent runs, drawn by the view (their list follows a Step)
     st.title("GPT shape tracer")
     if st.session_state.get("source") == DRY_LABEL:  # config only: its own page (gui/dry_run.py)
+        step_button(step_slot)
         dry_run_page()
         return
-    try:  # the widgets' values, read once: every use below sees the same settings or the same refusal
-        settings, refused = settings_from(values), None
-    except SettingsError as e:
-        settings, refused = None, e
+    settings, refused = read_settings(values)
     if action == "reset":
         app.steps_owed = 0
         reset(refused)
     elif action == "run":
         app.steps_owed = 0  # Run N goes on from wherever the Steps clicked before it had got
+        step_button(step_slot, by_the_run=True)  # a Step clicked during the run stops it (gui/sidebar.py)
         advance(st.session_state.get("run_n", DEFAULT_RUN_N), settings, refused)
     elif app.steps_owed:
-        # a Step is owed from its click (its callback counts it) until it has run: a click that interrupts the
-        # run before its step (any click: Streamlit stops the old run at its next call) leaves it owed
+        # a Step is owed from its click (its callback counts it) until it has run: a click that interrupts the run
+        # before its step (a click outside the view: Streamlit stops the old run at its next call) leaves it owed
         advance(app.steps_owed, settings, refused, owed=True)
-    finish_restoring(app)
-    save_run(app, values)  # the run's record and trace, when it has new steps
-    recent_runs()  # at the foot of the sidebar, drawn after the action it may reflect
-    if not status(settings, refused):
-        return
-    trace = app.viewed_trace
-    if trace is None:
-        st.info("Press **Step** (top of the sidebar) to run the prompt: step 0 runs the whole prompt (the "
-                "prefill), every further step one new token.")
-        # the Engine runs the model, not a generation; an engine run on the page (one reopened by a reload) opens it
-        tabs = st.tabs(["Worked example", "Engine", "Export"],
-                       default="Engine" if app.engine.view is not None else None)
-        with tabs[0]:
-            worked_tab()
-        with tabs[1]:
-            engine_tab()
-        with tabs[2]:
-            export_tab(None)
-        return
-    save_view(app, header(trace))  # the step slider: each tab reads the step it set (viewed_step)
-    tour_bar(trace)  # the guided tour: its stop opens the tabs below (gui/tour.py)
-    mask = mask_tab_name(bidirectional(trace))  # "Causal mask", or "Attention mask" where M is not causal
-    tabs = remembered_tabs([mask if name == MASK_TAB else name for name in TABS], "view", MASK_TAB_NAMES)
-    for tab, name in zip(tabs, TABS):
-        with tab:
-            if tab.open:
-                panel(name)
+    view(step_slot, foot)
+
+
+@st.fragment
+def view(step_slot, foot) -> None:
+    """What a Step changes: the Step button (in the sidebar), the Step made, the run written, Recent runs (the
+    sidebar's foot), the header and the tabs. A fragment: a Step, the step slider or a tab reruns this alone, not the
+    sidebar it does not change (a page redraws every element a rerun draws: ~0.05 s a Step, bench_step_floor.py);
+    a full run runs it too. A full run opens a run from Recent runs (follow_the_address) and makes several Steps
+    owed, with a Stop button that stops them (a click in a fragment waits for a run to end). Given only containers
+    (a fragment's arguments live as long as the session)."""
+    app = state()
+    with app.run_lock:  # a fragment run can start beside a full run that is still stopping
+        if opening_a_run() or app.steps_owed > 1:  # made by a full run: a run opened, or steps with a Stop button
+            st.rerun()
+        step_button(step_slot)
+        values = sidebar_values()
+        settings, refused = read_settings(values)
+        if app.steps_owed:  # one Step, clicked: made by this rerun of the view alone
+            advance(app.steps_owed, settings, refused, owed=True)
+        finish_restoring(app)
+        save_run(app, values)  # the run's record and trace, when it has new steps
+        report_failed_write(app)  # a write of an earlier Step that failed in its thread
+        with foot:
+            recent_runs()  # at the foot of the sidebar, drawn after the action it may reflect
+        if not status(settings, refused):
+            return
+        trace = app.viewed_trace
+        if trace is None:
+            before_the_first_step(app)
+            return
+        save_view(app, header(trace))  # the step slider: each tab reads the step it set (viewed_step)
+        tour_bar(trace)  # the guided tour: its stop opens the tabs below (gui/tour.py)
+        mask = mask_tab_name(bidirectional(trace))  # "Causal mask", or "Attention mask" where M is not causal
+        tabs = remembered_tabs([mask if name == MASK_TAB else name for name in TABS], "view", MASK_TAB_NAMES)
+        for tab, name in zip(tabs, TABS):
+            with tab:
+                if tab.open:
+                    panel(name)
 
 
 @st.fragment

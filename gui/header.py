@@ -163,7 +163,7 @@ def header(trace: Trace) -> int:
     if "pending_step_view" in st.session_state:
         st.session_state["step_view"] = st.session_state.pop("pending_step_view")
     if n_steps > 1:
-        st.session_state["step_view"] = viewed_step(trace)
+        place_the_slider(state(), trace)
         step = st.slider("Step (time travel: every view shows this step)", 0, n_steps - 1, key="step_view",
                          on_change=slider_moved)
     else:
@@ -205,13 +205,27 @@ def settle_the_slider(app: AppState) -> None:
     """Coalesce a burst of step-slider changes into one drawn rerun, for the last value. Each arrow key is a
     value the browser sends, and each starts a rerun that draws every chart of the open tab; 200 keys pressed
     fast made 200 reruns in flight, and the page died (issue 41). Here a rerun that starts within
-    ``SLIDER_SETTLE_S`` of a slider change waits until the slider has been still that long before it draws:
-    a newer change meanwhile stops this rerun at its next Streamlit call (Streamlit merges the queued changes
-    into one rerun, which waits in turn), so only the rerun for the last value draws the tabs."""
+    ``SLIDER_SETTLE_S`` of a slider change waits until the slider has been still that long before it draws.
+    The slider is in the page's view (app.py, a fragment), whose run Streamlit lets finish: the changes that
+    come meanwhile are merged into one rerun, for the newest value, which waits in turn; the older run draws
+    without moving the browser's slider (``place_the_slider``). In a full run of the page a newer change stops
+    this one at its next Streamlit call, the ``placeholder.empty()`` below."""
     placeholder = st.empty()
     while (wait := SLIDER_SETTLE_S - (time.monotonic() - app.slider_moved_at)) > 0:
         time.sleep(min(wait, 0.05))
         placeholder.empty()  # a Streamlit call: where a newer rerun stops this one
+
+
+def place_the_slider(app: AppState, trace: Trace) -> None:
+    """Set the slider's value only where it must move — a new step count (its range changed), a value out of range,
+    none yet, or a step asked for (``pending_step_view``, applied above). A value set here is pushed to the browser's
+    slider; set on every rerun, a rerun of the page's view for an older value of a burst of arrow keys (Streamlit
+    lets a fragment's run finish before the next) would put the browser's slider back to that value mid-burst."""
+    last = trace.n_steps - 1
+    wanted = viewed_step(trace)
+    if st.session_state.get("step_view") != wanted or app.slider_last != last:
+        st.session_state["step_view"] = wanted
+    app.slider_last = last
 
 
 def viewed_step(trace: Trace) -> int:

@@ -105,10 +105,16 @@ def follow_the_address() -> None:
     follow_engine(app)
 
 
-def follow_generation(app: AppState) -> None:
+def report_failed_write(app: AppState) -> None:
+    """A write of this session's run that failed in its thread (``RunWrite``), said once, on the next rerun: of the
+    page or of its view (a Step reruns the view alone)."""
     why = _run_write_failed.pop(app.run_id, None) if app.run_id is not None else None
     if why is not None:
         app.notices.append(("warning", f"This run could not be written to the runs folder: {plain(why)}"))
+
+
+def follow_generation(app: AppState) -> None:
+    report_failed_write(app)
     wanted = st.query_params.get(PARAM)
     if wanted == app.run_id:
         return
@@ -436,15 +442,27 @@ def forget_run() -> None:
             del st.query_params[param]
 
 
+OPENING = "opening_run"  # session_state: a Recent runs button was clicked, and the page is to open what it names
+
+
 def open_run(run_id: str) -> None:
-    """A Recent runs button's callback: the address names the run, which this rerun then opens."""
+    """A Recent runs button's callback: the address names the run, which the page's next full run opens (the
+    button is drawn by the page's view, whose rerun alone does not: it asks for one, ``opening_a_run``)."""
     st.query_params[PARAM] = run_id
+    st.session_state[OPENING] = True
 
 
 def open_engine_run(run_id: str) -> None:
     """…for an engine run: the address's ?engine= names it, and the Engine tab opens."""
     st.query_params[ENGINE_PARAM] = run_id
     st.session_state["view"] = state().open_tabs["view"] = "Engine"
+    st.session_state[OPENING] = True
+
+
+def opening_a_run() -> bool:
+    """Whether a Recent runs button asked for the page's full run, which opens the run the address names now (once:
+    asking clears it)."""
+    return bool(st.session_state.pop(OPENING, False))
 
 
 def ago(seconds: float) -> str:
@@ -466,7 +484,7 @@ def recent_runs() -> None:
     if store is None:
         return
     app = state()
-    sb = st.sidebar
+    sb = st.container()  # the sidebar's foot, where the caller draws it (the view's own container there)
     whose = ("every run of this server (GPT_SHAPE_TRACER_LIST_ALL_RUNS is on: a server for one person)"
              if store.settings.list_all else
              "only the runs made under this page's address (its owner=… part): another person's runs are not "

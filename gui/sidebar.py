@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
 
 from gpt_shape_tracer.gui.common import current_model, loaded_model, plain, state
 from gpt_shape_tracer.gui.dry_run import LABEL as DRY_LABEL
@@ -17,6 +18,7 @@ from gpt_shape_tracer.session import (
     MAX_BUDGET_MB,
     MAX_SPILL_MB,
     MAX_WEIGHTS_GIB,
+    SETTING_KEYS,
     ModelChoice,
     Settings,
     SettingsError,
@@ -28,6 +30,7 @@ from gpt_shape_tracer.session import (
     no_cache_reason,
     parse_run_steps,
     run_steps,
+    settings_from,
 )
 from gpt_shape_tracer.tracer import FORWARD_CAPTURES, MAX_RUN_STEPS, PADDING_SIDES
 
@@ -39,6 +42,7 @@ DECODINGS = ["greedy", "sample"]
 # str, as the settings' fields are (settings_from checks the widgets' values)
 CAPTURES: list[str] = list(FORWARD_CAPTURES)  # gradients: a backward pass, from Attention → Gradients
 PADDINGS: list[str] = list(PADDING_SIDES)
+DRAWN_BY_THE_RUN = "step_button_drawn_by_the_run"  # session_state: this full run drew Step, before a Run N
 
 
 def _loaded() -> tuple | None:
@@ -54,16 +58,17 @@ def _end_of_sequence_ids(loaded: tuple | None) -> tuple[int, ...]:
     return tuple(getattr(loaded[1], "eos_ids", ()) or ()) if loaded is not None else ()
 
 
-def sidebar() -> tuple[str | None, dict[str, object]]:
-    """Draws the sidebar; returns the action pressed ("run", "reset") or None, and the settings' widget values
-    by key (``session.settings_from`` reads them). Step is not an action: its click is counted by its callback
-    (``owe_a_step``), and whichever run comes next makes the steps owed."""
+def sidebar() -> tuple[str | None, dict[str, object], DeltaGenerator]:
+    """Draws the sidebar; returns the action pressed ("run", "reset") or None, the settings' widget values by key
+    (``sidebar_values``) and the Step button's place, left empty: the page's view draws the button there
+    (``step_button``), so that a Step reruns the view alone and not the sidebar (app.py). Step is not an action:
+    its click is counted by its callback (``owe_a_step``), and whichever run comes next makes the steps owed."""
     sb = st.sidebar
-    values: dict[str, object] = {}
-    values["prompt"] = sb.text_area("Prompt (one line per sequence: several lines make a batch)",
-                                    value=DEFAULTS.prompt, key="prompt", height=96)
+    sb.text_area("Prompt (one line per sequence: several lines make a batch)", value=DEFAULTS.prompt, key="prompt",
+                 height=96)
     buttons = sb.columns(3)
-    buttons[0].button("Step", type="primary", key="step_button", width="stretch", on_click=owe_a_step)
+    step_slot = buttons[0].empty()
+    st.session_state[DRAWN_BY_THE_RUN] = False  # the view draws the button, unless this run does (step_button)
     run = buttons[1].button("Run N", key="run_button", width="stretch")
     buttons[2].button("Reset", key="reset_button", width="stretch", on_click=ask_reset)
     reset = reset_confirmation(sb)
@@ -119,23 +124,23 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
         choose_model(bundled, "")
 
     sb.header("Sampling")
-    values["decoding"] = sb.radio("Decoding", DECODINGS, index=DECODINGS.index(DEFAULTS.decoding), key="decoding",
-                                  horizontal=True)
-    sampling_off = values["decoding"] == "greedy"
-    values["temperature"] = sb.number_input(
+    decoding = sb.radio("Decoding", DECODINGS, index=DECODINGS.index(DEFAULTS.decoding), key="decoding",
+                        horizontal=True)
+    sampling_off = decoding == "greedy"
+    sb.number_input(
         "temperature τ", value=DEFAULTS.temperature, step=0.1, key="temperature", disabled=sampling_off,
         help="softmax(z/τ) over the logits z: τ < 1 sharpens, τ > 1 flattens; 0 < τ ≤ 100")
     cols = sb.columns(2)
-    values["top_k"] = cols[0].number_input("top-k (0 = off)", value=DEFAULTS.top_k, step=1, key="top_k",
-                                           disabled=sampling_off)
-    values["top_p"] = cols[1].number_input("top-p", value=DEFAULTS.top_p, step=0.05, key="top_p",
-                                           disabled=sampling_off, help="in (0, 1]")
-    values["seed"] = sb.text_input("seed", value=DEFAULTS.seed, key="seed", disabled=sampling_off)
+    cols[0].number_input("top-k (0 = off)", value=DEFAULTS.top_k, step=1, key="top_k", disabled=sampling_off)
+    cols[1].number_input("top-p", value=DEFAULTS.top_p, step=0.05, key="top_p", disabled=sampling_off,
+                         help="in (0, 1]")
+    sb.text_input("seed", value=DEFAULTS.seed, key="seed", disabled=sampling_off)
     sb.header("Tracing")
-    values["use_cache"] = sb.toggle(
+    sb.toggle(
         "KV cache", value=DEFAULTS.use_cache, key="use_cache",
         help="On: a decode step computes one new row. Off: every step recomputes all positions.")
-    # the model the steps run: the generation's, or before its first Step the sidebar's choice (said from the Load on)
+    # the model the steps run: the generation's, or before its first Step the sidebar's choice (a Step reruns the
+    # page's view alone, not this sidebar: what it says must hold before and after)
     live, loaded = state().live_generation, _loaded()
     stepped = live.model if live is not None else (loaded[0] if loaded is not None else None)
     if state().model.kind == "factory":
@@ -143,33 +148,61 @@ def sidebar() -> tuple[str | None, dict[str, object]]:
     elif stepped is not None and (reason := no_cache_reason(stepped)) is not None:  # OpenAI GPT keeps none
         sb.caption(f"{reason[:1].upper()}{reason[1:]}: every step recomputes all positions, whichever way this "
                    "switch is set.")
-    values["chat"] = sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
-                               help="Wrap each prompt in the model's chat template as a user message, as "
-                                    "transformers' apply_chat_template(add_generation_prompt=True) does")
+    sb.toggle("chat template", value=DEFAULTS.chat, key="chat",
+              help="Wrap each prompt in the model's chat template as a user message, as "
+                   "transformers' apply_chat_template(add_generation_prompt=True) does")
     declared = _end_of_sequence_ids(loaded)
-    values["stop_at_eos"] = sb.toggle(
+    sb.toggle(
         "stop at EOS", value=DEFAULTS.stop_at_eos, key="stop_at_eos", disabled=not declared,
         help=f"Stop once every sequence has chosen an end-of-sequence token: this model declares "
              f"{', '.join(map(str, declared))} (the bundled models: <|endoftext|>, which ends each of their stories)"
         if declared else "This model's files declare no end-of-sequence token, so generation never stops on a token "
                          "and this switch would change nothing")
-    values["capture"] = sb.selectbox(
+    sb.selectbox(
         "Capture", CAPTURES, index=CAPTURES.index(DEFAULTS.capture), key="capture",
         help="shapes: shape/dtype only (NaN/∞ checked on the residual stream and logits) · values: + "
              "tensors (within the budget) · ops: + every torch op")
     cols = sb.columns(2)
-    values["padding_side"] = cols[0].selectbox("Padding", PADDINGS, index=PADDINGS.index(DEFAULTS.padding_side),
-                                               key="padding_side")
-    values["budget_mb"] = cols[1].number_input("Budget (MB)", value=DEFAULTS.budget_mb, min_value=1,
-                                               max_value=MAX_BUDGET_MB, key="budget_mb")
-    values["spill_mb"] = sb.number_input(
+    cols[0].selectbox("Padding", PADDINGS, index=PADDINGS.index(DEFAULTS.padding_side), key="padding_side")
+    cols[1].number_input("Budget (MB)", value=DEFAULTS.budget_mb, min_value=1, max_value=MAX_BUDGET_MB,
+                         key="budget_mb")
+    sb.number_input(
         "Keep every value on disk (MB, 0 = off)", value=DEFAULTS.spill_mb, min_value=0, max_value=MAX_SPILL_MB,
         step=256, key="spill_mb",
         help="Values past the budget go to a private temporary file (deleted with the session) instead of being "
              "summarised, up to this many MB, and every view reads them back: real numbers at every step")
+    values = sidebar_values()
     if reset:
-        return "reset", values
-    return ("run" if run else None), values
+        return "reset", values, step_slot
+    return ("run" if run else None), values, step_slot
+
+
+def sidebar_values() -> dict[str, object]:
+    """The settings' widget values by key, as the widgets hold them (``session.settings_from`` reads them): what the
+    sidebar drew, read again by a rerun of the view alone, which does not draw it."""
+    held = st.session_state
+    return {key: held[key] for key in SETTING_KEYS if key in held}
+
+
+def read_settings(values: dict[str, object]) -> tuple[Settings | None, SettingsError | None]:
+    """The settings of the widgets' values, or why they are refused: read once per run, so that every use in it
+    sees the same settings or the same refusal."""
+    try:
+        return settings_from(values), None
+    except SettingsError as e:
+        return None, e
+
+
+def step_button(slot: DeltaGenerator, *, by_the_run: bool = False) -> None:
+    """The Step button, in its place in the sidebar (``sidebar``'s third value), drawn by the page's view (a click
+    reruns the view alone). ``by_the_run``: drawn by the full run itself, before a Run N — Streamlit does not stop a
+    run for a click in a fragment, and a Step clicked while N steps run stops them after the step in progress
+    (``advance``); the view then leaves it as it is."""
+    if by_the_run:
+        st.session_state[DRAWN_BY_THE_RUN] = True
+    elif st.session_state.get(DRAWN_BY_THE_RUN):
+        return
+    slot.button("Step", type="primary", key="step_button", width="stretch", on_click=owe_a_step)
 
 
 def device_choice(sb) -> str:

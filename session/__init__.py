@@ -524,6 +524,7 @@ class AppState:
     saved_view: tuple[int, str] | None = None  # (step, tab) last written to its record
     saved_steps: int = 0  # steps of the generation last written
     slider_moved_at: float = 0.0  # time.monotonic() of the step slider's last change (gui/header.py)
+    slider_last: int = -1  # the step slider's last step when it was last drawn (gui/header.py place_the_slider)
     restoring: Any = None  # gpt_shape_tracer.session.runs.RunRecord whose steps are being run again
     runs_refused: bool = False  # the runs folder's settings were refused (said once)
     confirm_reset: bool = False  # Reset was pressed with a generation to discard: the sidebar asks first

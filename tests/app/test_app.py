@@ -189,6 +189,26 @@ def test_three_steps_show_the_right_shapes(stepped):
     assert list(table["#"]) == list(range(len(table)))  # numbered within the step, not across the trace
 
 
+def test_a_rerun_sets_the_step_slider_only_where_it_must_move():
+    """The page's view is a fragment, and Streamlit lets a fragment's run finish before the next: a rerun for an older
+    value of a burst of arrow keys draws after the browser's slider has gone on. A value the server sets is pushed to
+    the browser's slider, so a rerun sets none unless the slider must move — to a new step, or to a range that
+    changed."""
+    at = new_app()
+    for _ in range(3):
+        press(at, "step_button")
+    slider = at.slider(key="step_view")
+    assert slider.value == 2 and slider.proto.set_value  # the Step moved it to the new step
+    slider.set_value(1)
+    run(at)
+    slider = at.slider(key="step_view")
+    assert slider.value == 1 and not slider.proto.set_value  # the person's own value: left to the browser
+    show_tab(at, "KV cache")  # a rerun for another reason: the same
+    assert at.slider(key="step_view").value == 1 and not at.slider(key="step_view").proto.set_value
+    press(at, "step_button")
+    assert at.slider(key="step_view").value == 3 and at.slider(key="step_view").proto.set_value
+
+
 def test_every_tab_renders_at_every_step_and_never_cites_a_document_the_user_lacks(stepped):
     at = stepped
     n0 = prompt_tokens(at)

@@ -126,15 +126,19 @@ def test_layers_point_one_way_around_the_gui():
     assert not bad, bad
 
 
-def test_the_settings_widgets_are_read_once_with_their_defaults_declared_once():
-    """The sidebar hands every setting's widget value to session.settings_from; no page module reads a setting's
-    key again from the session state (with a copy of its default)."""
+def test_the_settings_widgets_are_read_once_with_their_defaults_declared_once(monkeypatch):
+    """The sidebar draws a widget for every setting and hands their values to session.settings_from, read by one
+    function (``sidebar_values``, which a rerun of the page's view alone reads them with too): every setting's key
+    and no other; no page module reads a setting's key again from the session state (with a copy of its default)."""
+    from gpt_shape_tracer.gui import sidebar as sidebar_module
+
     sidebar = _tree(ROOT / "gui" / "sidebar.py")
-    handed = {n.slice.value for n in ast.walk(sidebar) if isinstance(n, ast.Subscript)
-              and isinstance(n.value, ast.Name) and n.value.id == "values" and isinstance(n.slice, ast.Constant)}
     keys = {k.value.value for k in ast.walk(sidebar) if isinstance(k, ast.keyword) and k.arg == "key"
             and isinstance(k.value, ast.Constant)}
-    assert handed == set(SETTING_KEYS) and set(SETTING_KEYS) <= keys
+    assert set(SETTING_KEYS) <= keys
+    held = {key: f"the widget's {key}" for key in (*SETTING_KEYS, "run_n", "source", "model_dir")}
+    monkeypatch.setattr(sidebar_module.st, "session_state", held)
+    assert sidebar_module.sidebar_values() == {key: held[key] for key in SETTING_KEYS}
     bad = []
     for path in PAGE:
         for node in ast.walk(_tree(path)):

@@ -408,6 +408,42 @@ def test_a_click_while_a_run_is_going_waits_for_the_step_in_progress(url, visit,
         other_context.close()
 
 
+# what the sidebar's elements are (their first child's data-testid) each time Streamlit marks one stale: it does so
+# when a rerun that will draw the element again has started, so a rerun of the view alone (a fragment) marks only
+# what the view draws in the sidebar
+WATCH_SIDEBAR = """() => { window.__staleKinds = [];
+  const sidebar = document.querySelector('[data-testid="stSidebar"]');
+  new MutationObserver(changes => { for (const c of changes) if (c.target.getAttribute('data-stale') === 'true')
+      window.__staleKinds.push(c.target.firstElementChild?.getAttribute('data-testid') || '?'); })
+    .observe(sidebar, {attributes: true, subtree: true, attributeFilter: ['data-stale']}); }"""
+SETTINGS_WIDGETS = {"stTextArea", "stRadio", "stNumberInput", "stSelectbox", "stCheckbox", "stTextInput"}
+
+
+def test_a_step_reruns_the_view_and_leaves_the_sidebar_as_it_is(url, visit):
+    """A Step reruns the page's view alone (app.py ``view``, a fragment), not the sidebar's widgets: none of them is
+    marked for redrawing, while what the view draws into the sidebar is (Recent runs, drawn after the step is made,
+    are marked every time: the watch sees the Steps' reruns) and follows each Step. Before the view was a fragment,
+    a Step marked the sidebar's settings too (the whole page reran). A sidebar widget drawn at the start of a full
+    run may be redrawn before the page ever shows it stale, so a full run is not asked to show its marks."""
+    with visit(1600, 1000) as page:
+        open_app(page, url)
+        set_prompt(page, "Ben saw a big dog.")
+        click(page, "Step")
+        page.evaluate(WATCH_SIDEBAR)
+        for n in (2, 3):
+            click(page, "Step")
+            assert steps_shown(page) == n
+            sidebar = page.locator('[data-testid="stSidebar"]')
+            assert sidebar.get_by_role("button").filter(has_text=f"Ben saw a big dog. · {n} steps").count() == 1
+        marked = set(page.evaluate("() => window.__staleKinds"))
+        assert marked and not marked & SETTINGS_WIDGETS, marked  # the Step button and Recent runs only
+        before = runs_finished(page)
+        page.get_by_label("Decoding").get_by_text("sample", exact=True).click()  # a sidebar widget: the whole page
+        wait_idle(page, after=before)
+        click(page, "Step")  # and a Step after a full run is the view's again
+        assert steps_shown(page) == 4
+
+
 def test_a_foreign_host_header_cannot_open_the_websocket(url):
     """DNS rebinding: a page at evil.example whose name resolves to 127.0.0.1 sends Host: evil.example."""
     port = url.rsplit(":", 1)[1].strip("/")

@@ -218,9 +218,36 @@ def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_righ
     assert steps_shown(page) == 25
 
 
+def test_arrow_keys_paced_across_several_reruns_land_on_the_right_step(page, url):
+    """Keys pressed in groups, paced so that reruns for older values finish and draw while keys still come: a rerun of
+    the page's view is not stopped by a newer value (Streamlit lets a fragment's run finish), and one that set the
+    slider's value would put the browser's slider back mid-burst, losing the keys pressed since."""
+    open_app(page, url)
+    page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).fill("16")
+    page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).press("Enter")
+    wait_idle(page)
+    click(page, "Run N")
+    wait_settled(page)
+    assert steps_shown(page) == 16
+    t_last = int(metric_value(page, "key positions t"))
+    keys = (["ArrowLeft"] * 2 + ["ArrowRight"]) * 10  # net 10 back, never at an end (where lost keys could hide)
+    target = expected_after(15, 15, keys)
+    assert target == 5
+    slider = page.get_by_role("slider").first
+    slider.focus()
+    for i, key in enumerate(keys):
+        page.keyboard.press(key)
+        if i % 2:
+            page.wait_for_timeout(250)  # about a settle's length: reruns start, wait, draw while keys still come
+    wait_settled(page, quiet_s=3.0)
+    alive(page)
+    assert slider_value(page) == target
+    assert int(metric_value(page, "key positions t")) == t_last - (15 - target)
+
+
 def test_a_recent_run_clicked_opens_with_its_steps(page, url):
-    """A click on a Recent runs entry opens that run in the page — its steps, its text, its id in the address — after
-    Reset started another."""
+    """Recent runs are drawn by the page's view (a fragment, rerun alone by a Step): a click on one asks the page's
+    full run, which opens the run the address then names — its steps, its text, its id in the address."""
     open_app(page, url)
     set_prompt(page, "Ada drew a red fox.")
     click(page, "Step")

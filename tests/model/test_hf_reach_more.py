@@ -134,7 +134,7 @@ def test_the_app_says_openai_gpt_keeps_no_cache():
     from tests.app.test_app_architectures import opened_and_stepped
 
     directory = with_tokenizer("openai-gpt", Path(tempfile.mkdtemp(prefix="app-gpt-")))
-    # the sidebar says so from the Load on, before any Step (it read the generation's model, made by the first Step)
+    # the sidebar says so from the Load on, before any Step: a Step reruns the page's view alone, not the sidebar
     at = opened_and_stepped(directory, steps=0)
     assert any("whichever way this switch is set" in c.value for c in at.sidebar.caption)
     for _ in range(2):  # the same page, Stepped as opened_and_stepped does
