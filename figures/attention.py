@@ -37,7 +37,7 @@ from gpt_shape_tracer.figures.heatmap import (
     weight_top,
 )
 from gpt_shape_tracer.figures.palette import ACCENT, AMOUNT, amount_legend, amount_span
-from gpt_shape_tracer.figures.plot import figure, fitted, subplots
+from gpt_shape_tracer.figures.plot import figure, fitted, merged, set_layout, subplots
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.tracer import RegionError, Trace, attention_region, can_recompute, is_derived, pattern_digest
 
@@ -313,12 +313,13 @@ def attention_stages_figure(trace: Trace, step: int, layer: int, head: int, batc
     total = height + extra + (20 if wrap else 0) + (15 if clip_line else 0) + 15 * len(note_lines)
     # plotly sets a title of several lines with its first line above "top" by the lines after it: the first line
     # ran under the toggle above the chart (seen in a screenshot of Inkling 2's stages), so it starts that much lower
-    fig.update_layout(height=total, margin={"t": margin_top, "l": 10, "r": margin_right, "b": 10},
-                      title={"text": f"layer {layer}, head {head}, step {step}" + " —" * bool(note_lines)
-                                     + "".join(f"{NOTE_LINE[0]}{ln}{NOTE_LINE[1]}" for ln in note_lines),
-                             "y": 1 - (5 + 15 * len(note_lines)) / total, "yref": "container", "yanchor": "top"},
-                      title_font_size=13)
-    fig.update_annotations(font_size=12)
+    set_layout(fig, {"height": total, "margin": {"t": margin_top, "l": 10, "r": margin_right, "b": 10},
+                     "title": {"text": f"layer {layer}, head {head}, step {step}" + " —" * bool(note_lines)
+                                       + "".join(f"{NOTE_LINE[0]}{ln}{NOTE_LINE[1]}" for ln in note_lines),
+                               "y": 1 - (5 + 15 * len(note_lines)) / total, "yref": "container", "yanchor": "top",
+                               "font": {"size": 13}},
+                     "annotations": [merged(a.to_plotly_json(), {"font": {"size": 12}})
+                                     for a in fig.layout.annotations]})
     return fig
 
 

@@ -31,6 +31,7 @@ import torch
 
 from gpt_shape_tracer.figures.common import safe_text
 from gpt_shape_tracer.figures.palette import AMOUNT, MASKED, SIGNED
+from gpt_shape_tracer.figures.plot import set_layout
 
 MAX_SIDE = 256
 NUMBERS_UP_TO = 12
@@ -365,12 +366,12 @@ def style_axes(fig: go.Figure, g: Grid, x_title: str = "key position (t)", y_tit
     """Category axes with the grid's labels (thinned to ``max_ticks``), rows top to bottom, masked grey."""
     sx = max(1, math.ceil(len(g.x) / max_ticks))
     sy = max(1, math.ceil(len(g.y) / max_ticks))
-    # one layout update naming the subplot's two axes: update_xaxes(row=, col=) searches every axis of the
-    # figure for each call, which was most of a four-panel figure's build time
+    # one layout change naming the subplot's two axes: update_xaxes(row=, col=) searches every axis of the
+    # figure for each call, and update_layout checks every key path (set_layout)
     cell = fig.get_subplot(row, col) if row is not None else None
     x_name = cell.xaxis.plotly_name if cell is not None else "xaxis"
     y_name = cell.yaxis.plotly_name if cell is not None else "yaxis"
-    fig.update_layout({
+    set_layout(fig, {
         x_name: {"type": "category", "tickvals": g.x[::sx], "ticktext": g.x[::sx], "tickangle": -60,
                  "showgrid": False, "title": {"text": x_title}},
         y_name: {"type": "category", "tickvals": g.y[::sy], "ticktext": g.y[::sy], "autorange": "reversed",

@@ -51,6 +51,30 @@ def figure(data=None, **kwargs) -> go.Figure:
     return fig
 
 
+def set_layout(fig: go.Figure, changes: dict) -> go.Figure:
+    """``fig.update_layout(changes)``, done by assigning each top-level property its merged value. plotly's
+    ``update_layout`` runs as a batched relayout that parses every key path and checks it against the figure's
+    property tree: 3–6 ms a call on a four-panel figure, most of the attention Stages figure's 41 ms build; an
+    assignment is ~0.4 ms. A dict is merged into the property's current value key by key, nested dicts too, as
+    ``update_layout`` merges; anything else (lists included) replaces it. Takes no ``title_font_size``-style
+    shorthands: nested dicts only."""
+    layout = fig.layout
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            current = layout[key]
+            value = merged(current.to_plotly_json() if current is not None else {}, value)
+        layout[key] = value
+    return fig
+
+
+def merged(old: dict, new: dict) -> dict:
+    """``new`` merged into ``old`` key by key, nested dicts too (as plotly's updates merge); a new dict."""
+    out = dict(old)
+    for key, value in new.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def subplots(**kwargs) -> go.Figure:
     """``make_subplots(**kwargs)`` on a figure from ``figure()``."""
     return make_subplots(figure=figure(), **kwargs)
@@ -236,8 +260,7 @@ def fit_margins(fig: go.Figure, pad: int = 6) -> go.Figure:
         title = _label_px(((bar.get("title") or {}).get("text")) or "", 12) + 2 * bar.get("xpad", 10)
         need["r"] = max(need["r"], (x - 1) * PLOT_PX + max(labels, title))
     fitted_margin = {k: max(margin[k], math.ceil(need[k]) + pad) if need[k] else margin[k] for k in margin}
-    fig.update_layout(margin={**fitted_margin, **({} if legend else {"autoexpand": False})})
-    return fig
+    return set_layout(fig, {"margin": {**fitted_margin, **({} if legend else {"autoexpand": False})}})
 
 
 def fitted(builder):
