@@ -22,7 +22,7 @@ from gpt_shape_tracer.figures.common import (
 )
 from gpt_shape_tracer.figures.heatmap import add, grid, style_axes
 from gpt_shape_tracer.figures.palette import ACCENT, NEUTRAL
-from gpt_shape_tracer.figures.plot import figure, fitted, subplots
+from gpt_shape_tracer.figures.plot import figure, fitted, set_layout, subplots
 from gpt_shape_tracer.model.gpt import act_name
 from gpt_shape_tracer.tracer import CachePrecisionRun, RecomputeComparison, TensorRecord, Trace
 
@@ -312,11 +312,11 @@ def key_heatmap_figure(trace: Trace, step: int, layer: int, head: int, batch: in
     what = f"{rows} added at step {step}" if use_cache else f"all {t} rows recomputed at step {step}, no cache"
     whose = f"{which} of layer {layer}" + (", one for all heads" if which in ("c_KV", "k_R")
                                           else f", key/value head {head}")
-    fig.update_layout(title_text=f"{whose}: {shape_text(tuple(m.shape))} = "
-                                 f"[t, {width}] — {what} (outlined)" + (f" — {g.caption()}" if g.pooled else ""),
-                      title_font_size=13, height=max(300, min(900, 120 + 16 * cells)),
-                      margin={"t": 50, "l": 10, "r": 10, "b": 10})
-    return fig
+    return set_layout(fig, {"title": {"text": f"{whose}: {shape_text(tuple(m.shape))} = [t, {width}] — {what} "
+                                              "(outlined)" + (f" — {g.caption()}" if g.pooled else ""),
+                                      "font": {"size": 13}},
+                            "height": max(300, min(900, 120 + 16 * cells)),
+                            "margin": {"t": 50, "l": 10, "r": 10, "b": 10}})
 
 
 def rows_computed(trace: Trace) -> pd.DataFrame:

@@ -12,7 +12,7 @@ from typing import TypedDict
 import plotly.graph_objects as go
 
 from gpt_shape_tracer.figures.common import safe_text, shape_text
-from gpt_shape_tracer.figures.plot import arrow_trace, figure, fitted, text_trace
+from gpt_shape_tracer.figures.plot import arrow_trace, figure, fitted, set_layout, text_trace
 from gpt_shape_tracer.model.gpt import act_name, residual_sums
 from gpt_shape_tracer.tracer import Trace
 
@@ -383,12 +383,10 @@ def shape_flow_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
                    hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra></extra>", showlegend=False),
     ])
     bottom = max(n.y for n in nodes) + (1 if recorded_flow(trace) else 0)
-    fig.update_layout(shapes=shapes)
-    fig.update_xaxes(visible=False, range=[-1.6, 6.3])
-    fig.update_yaxes(visible=False, range=[bottom + 0.6, -0.6])
-    fig.update_layout(height=int(80 * (bottom + 1.2)), margin={"t": 10, "l": 0, "r": 0, "b": 0},
-                      plot_bgcolor="white", dragmode=False)
-    return fig
+    return set_layout(fig, {"shapes": shapes, "xaxis": {"visible": False, "range": [-1.6, 6.3]},
+                            "yaxis": {"visible": False, "range": [bottom + 0.6, -0.6]},
+                            "height": int(80 * (bottom + 1.2)), "margin": {"t": 10, "l": 0, "r": 0, "b": 0},
+                            "plot_bgcolor": "white", "dragmode": False})
 
 
 # -- the multi-head reshape, op by op -------------------------------------------------------------------
@@ -520,11 +518,10 @@ def reshape_figure(trace: Trace, step: int, layer: int = 0) -> go.Figure:
                    color="#444", position="bottom center"),
         arrow_trace([(x - 0.67, 0, x - 0.58, 0) for x in xs[1:]]),
     ])
-    fig.update_layout(shapes=shapes, height=250, margin={"t": 10, "l": 0, "r": 0, "b": 0},
-                      plot_bgcolor="white", dragmode=False)
-    fig.update_xaxes(visible=False, range=[-0.7, (len(ops) - 1) * 1.25 + 0.7])
-    fig.update_yaxes(visible=False, range=[-1.9, 0.6])
-    return fig
+    return set_layout(fig, {"shapes": shapes, "height": 250, "margin": {"t": 10, "l": 0, "r": 0, "b": 0},
+                            "plot_bgcolor": "white", "dragmode": False,
+                            "xaxis": {"visible": False, "range": [-0.7, (len(ops) - 1) * 1.25 + 0.7]},
+                            "yaxis": {"visible": False, "range": [-1.9, 0.6]}})
 
 
 def _wrap(text: str, width: int) -> list[str]:

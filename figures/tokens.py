@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 
 from gpt_shape_tracer.figures.common import choice_at, facts_of, inert, is_greedy, safe_text
 from gpt_shape_tracer.figures.palette import ACCENT, NEUTRAL, amount_legend, amount_span
-from gpt_shape_tracer.figures.plot import figure, fitted
+from gpt_shape_tracer.figures.plot import figure, fitted, set_layout
 from gpt_shape_tracer.model.sampling import STAGES
 from gpt_shape_tracer.tracer import Trace
 
@@ -70,15 +70,14 @@ def next_token_figure(trace: Trace, step: int, row: int = 0, log_scale: bool = F
                  f"({chosen_id}) is not among the {len(ids)} candidates recorded")
     if log_scale and ys:
         low, high = math.log10(min(ys)), math.log10(max(ys))
-        fig.update_yaxes(type="log", range=[low - 0.5, high + 0.6])  # headroom for the labels and the arrow
+        y_axis = {"type": "log", "range": [low - 0.5, high + 0.6]}  # headroom for the labels and the arrow
     else:  # headroom for the labels above the bars, but no tick above what a probability can be
         top = 1.2 * max(ys) if ys and max(ys) > 0 else 1.0
-        ticks = [round(0.2 * i, 1) for i in range(6) if 0.2 * i <= top] if top > 0.5 else None
-        fig.update_yaxes(range=[0, top], tickvals=ticks)
-    fig.update_layout(title_text=title, title_font_size=13, height=380,
-                      yaxis_title_text="probability" + (" (log scale)" if log_scale else ""),
-                      xaxis_tickangle=-45, margin={"t": 50, "l": 10, "r": 10, "b": 10})
-    return fig
+        y_axis = {"range": [0, top], "tickvals": [round(0.2 * i, 1) for i in range(6) if 0.2 * i <= top]
+                  if top > 0.5 else None}
+    y_axis["title"] = {"text": "probability" + (" (log scale)" if log_scale else "")}
+    return set_layout(fig, {"title": {"text": title, "font": {"size": 13}}, "height": 380, "yaxis": y_axis,
+                            "xaxis": {"tickangle": -45}, "margin": {"t": 50, "l": 10, "r": 10, "b": 10}})
 
 
 @fitted
