@@ -68,10 +68,14 @@ def set_layout(fig: go.Figure, changes: dict) -> go.Figure:
 
 
 def merged(old: dict, new: dict) -> dict:
-    """``new`` merged into ``old`` key by key, nested dicts too (as plotly's updates merge); a new dict."""
+    """``new`` merged into ``old`` key by key, nested dicts too (as plotly's updates merge); a new dict. A value of
+    None takes the key out, as an update's None unsets a property (an unchecked figure would keep it as null)."""
     out = dict(old)
     for key, value in new.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 

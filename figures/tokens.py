@@ -68,14 +68,14 @@ def next_token_figure(trace: Trace, step: int, row: int = 0, log_scale: bool = F
     else:
         title = (f"step {step}: next-token probabilities; the chosen token {safe_text(info.labels[row])} "
                  f"({chosen_id}) is not among the {len(ids)} candidates recorded")
+    y_axis: dict[str, object] = {"title": {"text": "probability" + (" (log scale)" if log_scale else "")}}
     if log_scale and ys:
         low, high = math.log10(min(ys)), math.log10(max(ys))
-        y_axis = {"type": "log", "range": [low - 0.5, high + 0.6]}  # headroom for the labels and the arrow
+        y_axis |= {"type": "log", "range": [low - 0.5, high + 0.6]}  # headroom for the labels and the arrow
     else:  # headroom for the labels above the bars, but no tick above what a probability can be
         top = 1.2 * max(ys) if ys and max(ys) > 0 else 1.0
-        y_axis = {"range": [0, top], "tickvals": [round(0.2 * i, 1) for i in range(6) if 0.2 * i <= top]
-                  if top > 0.5 else None}
-    y_axis["title"] = {"text": "probability" + (" (log scale)" if log_scale else "")}
+        y_axis |= {"range": [0, top], "tickvals": [round(0.2 * i, 1) for i in range(6) if 0.2 * i <= top]
+                   if top > 0.5 else None}
     return set_layout(fig, {"title": {"text": title, "font": {"size": 13}}, "height": 380, "yaxis": y_axis,
                             "xaxis": {"tickangle": -45}, "margin": {"t": 50, "l": 10, "r": 10, "b": 10}})
 
