@@ -54,10 +54,10 @@ def figure(data=None, **kwargs) -> go.Figure:
 def set_layout(fig: go.Figure, changes: dict) -> go.Figure:
     """``fig.update_layout(changes)``, done by assigning each top-level property its merged value. plotly's
     ``update_layout`` runs as a batched relayout that parses every key path and checks it against the figure's
-    property tree: 3–6 ms a call on a four-panel figure, most of the attention Stages figure's 41 ms build; an
-    assignment is ~0.4 ms. A dict is merged into the property's current value key by key, nested dicts too, as
-    ``update_layout`` merges; anything else (lists included) replaces it. Takes no ``title_font_size``-style
-    shorthands: nested dicts only."""
+    property tree: 3–6 ms a call on a four-panel figure, 26.6 ms of the attention Stages figure's 41 ms build; an
+    assigned property ~0.15 ms (a four-panel figure's 12 axis properties: 1.7 ms, against 15–25 ms updated). A dict
+    is merged into the property's current value key by key, nested dicts too, as ``update_layout`` merges (``merged``);
+    anything else (lists included) replaces it. Takes no ``title_font_size``-style shorthands: nested dicts only."""
     layout = fig.layout
     for key, value in changes.items():
         if isinstance(value, dict):
