@@ -192,14 +192,20 @@ def expected_after(start: int, last: int, keys: list[str]) -> int:
     return step
 
 
-def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_right_step(page, url, server_runs):
-    open_app(page, url)
-    page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).fill("24")
-    page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).press("Enter")
+def ran_n(page, n: int) -> None:
+    """Run N with ``n`` typed into its box; returns once the page shows the ``n`` steps."""
+    box = page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True)
+    box.fill(str(n))
+    box.press("Enter")
     wait_idle(page)
     click(page, "Run N")
     wait_settled(page)
-    assert steps_shown(page) == 24
+    assert steps_shown(page) == n
+
+
+def test_200_fast_arrow_keys_on_the_step_slider_leave_the_page_alive_on_the_right_step(page, url, server_runs):
+    open_app(page, url)
+    ran_n(page, 24)
     run_id = address_run(page)
     t_last = int(metric_value(page, "key positions t"))  # t at step 23; the cache is on: t grows by 1 a step
     keys = (["ArrowLeft"] * 15 + ["ArrowRight"] * 10) * 8  # 200 keys, net 40 steps back, past the start
@@ -223,12 +229,7 @@ def test_arrow_keys_paced_across_several_reruns_land_on_the_right_step(page, url
     the page's view is not stopped by a newer value (Streamlit lets a fragment's run finish), and one that set the
     slider's value would put the browser's slider back mid-burst, losing the keys pressed since."""
     open_app(page, url)
-    page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).fill("16")
-    page.get_by_label(f"N for Run N (1…{MAX_RUN_STEPS})", exact=True).press("Enter")
-    wait_idle(page)
-    click(page, "Run N")
-    wait_settled(page)
-    assert steps_shown(page) == 16
+    ran_n(page, 16)
     t_last = int(metric_value(page, "key positions t"))
     keys = (["ArrowLeft"] * 2 + ["ArrowRight"]) * 10  # net 10 back, never at an end (where lost keys could hide)
     target = expected_after(15, 15, keys)
