@@ -476,6 +476,27 @@ def test_a_failed_step_whose_values_were_not_kept_is_discarded_and_retried(gpt):
 
 
 @pytest.mark.parametrize("capture", ["shapes", "values", "ops"])
+def test_a_failure_caught_inside_the_traced_block_leaves_the_next_block_free_to_trace(gpt, capture):
+    """A notebook cell catches a forward's error inside ``tr.active()`` and the next cell traces again: the
+    failed step is closed when its block ends (its records kept, as a failure's are, until the next step), not
+    left open for the next block's first forward to trip over ("step 0 is still in progress")."""
+    tokens = torch.randint(0, gpt.config.vocab_size, (1, 5))
+    tr = Tracer(gpt, capture=capture)
+    with torch.no_grad():
+        with tr.active():
+            with pytest.raises(ValueError, match="token ids must lie in"):
+                gpt(torch.tensor([[1, gpt.config.vocab_size + 5]]))  # a token id past the vocabulary
+        assert tr.trace.n_steps == 0 and tr.trace.log.n_records > 0  # the failed attempt's records, kept
+        with tr.active():
+            gpt(tokens)
+    tr.close()
+    with torch.no_grad(), Tracer(gpt, capture=capture) as clean:
+        gpt(tokens)
+    assert tr.trace.n_steps == 1
+    assert [(r.name, r.shape) for r in tr.trace.records] == [(r.name, r.shape) for r in clean.trace.records]
+
+
+@pytest.mark.parametrize("capture", ["shapes", "values", "ops"])
 def test_a_finished_trace_goes_with_its_last_reference_not_at_the_next_collection(gpt, capture):
     """A notebook traces cell after cell: each finished trace (up to the budget of values) must be freed when
     nothing refers to it, not wait for the cyclic collector (which left several budgets alive at once)."""

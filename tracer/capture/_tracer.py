@@ -163,8 +163,9 @@ class Tracer:
         finally:
             self._applied = None
             hooks.deactivate(self.model)
+            if self._stack:  # a forward raised and was caught inside the block: its step closed as failed
+                self._abort_step()
             self._stop_ops()
-            self._stack.clear()
 
     def __enter__(self) -> Tracer:
         self._ctx = self.active()
