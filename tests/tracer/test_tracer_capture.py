@@ -483,9 +483,8 @@ def test_a_failure_caught_inside_the_traced_block_leaves_the_next_block_free_to_
     tokens = torch.randint(0, gpt.config.vocab_size, (1, 5))
     tr = Tracer(gpt, capture=capture)
     with torch.no_grad():
-        with tr.active():
-            with pytest.raises(ValueError, match="token ids must lie in"):
-                gpt(torch.tensor([[1, gpt.config.vocab_size + 5]]))  # a token id past the vocabulary
+        with tr.active(), pytest.raises(ValueError, match="token ids must lie in"):
+            gpt(torch.tensor([[1, gpt.config.vocab_size + 5]]))  # a token id past the vocabulary
         assert tr.trace.n_steps == 0 and tr.trace.log.n_records > 0  # the failed attempt's records, kept
         with tr.active():
             gpt(tokens)
