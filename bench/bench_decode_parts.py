@@ -8,7 +8,8 @@ without a tracer:
 * ``none``: no tracer installed (the model as it is);
 * ``inactive``: a tracer installed and none active on this thread — what the taps and hooks cost on their own;
 * ``null``: a tracer active whose three entry points do nothing — the routing to a listener;
-* ``norecord``: the tracer's own bookkeeping (steps, the module stack, call counts) but no record added;
+* ``norecord``: the tracer's own bookkeeping (steps, the module stack, a module's call counts) but no record
+  added (a hook point's tensor or fused stage goes straight to the log, which counts its calls: left out too);
 * ``noflags``: records added, the NaN/∞ checks left out;
 * ``shapes``: ``Tracer(capture="shapes")`` as it is.
 
@@ -51,8 +52,10 @@ def tracers(model) -> dict[str, Tracer]:
         tr = Tracer(model, capture="shapes", budget_bytes=8 * 2**30).install()
         if setting == "null":
             tr.on_enter = tr.on_exit = tr.on_hook_point = _nothing  # type: ignore[method-assign]
+            tr.record_hook = tr.record_derived = _nothing
         elif setting == "norecord":
             tr._record = _nothing  # noqa: SLF001 - the bench takes the record out to time the rest
+            tr.record_hook = tr.record_derived = _nothing  # a hook point's value goes straight to the log
         made[setting] = tr
     _no_flags(made["noflags"])
     return made

@@ -114,7 +114,7 @@ class Tracer:
         self._finalizer: weakref.finalize | None = None
         self._stack: list[tuple[int, int, Any, Any]] = []
         self._inplace: frozenset[int] = frozenset()  # the model's in-place modules (InstalledHooks.inplace)
-        self._calls: dict[int, int] = {}
+        self._calls: dict[int, int] = self._log.calls  # the step's calls of each module (TraceLog.calls)
         self._last_exited: tuple | None = None
         self._failed_op: tuple[str, tuple, int] | None = None
         self._step_started = 0.0
@@ -126,6 +126,11 @@ class Tracer:
             self.on_enter = self._flagged(self.on_enter)  # type: ignore[method-assign]
             self.on_exit = self._flagged(self.on_exit)  # type: ignore[method-assign]
             self.on_hook_point = self._flagged(self.on_hook_point)  # type: ignore[method-assign]
+        # a hook point's plain tensor or fused stage, handed straight to the log (it counts the call and checks a
+        # step is in progress); at "ops" level through the wrapped method, so the op recorder skips the log's
+        # tensor calls
+        self.record_hook = self.on_hook_point if capture == "ops" else self._log.add_record
+        self.record_derived = self.on_hook_point if capture == "ops" else self._log.add_derived
 
     # -- lifetime ------------------------------------------------------------------------------
     def install(self) -> Tracer:
@@ -202,7 +207,7 @@ class Tracer:
                 if isinstance(a, torch.Tensor):
                     self._log.protect(a)
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
-            self._record(index, "input", "[0]", call, args[0])
+            self._record(index, args[0], "input", "[0]", call)
         else:
             self._record_all(index, "input", call, args, "")
             if kwargs:
@@ -217,9 +222,9 @@ class Tracer:
         call = calls.get(index, 0)
         calls[index] = call + 1
         if type(value) is torch.Tensor:
-            self._record(index, "hook", "", call, value)
+            self._record(index, value, "hook", "", call)
         elif type(value) is DerivedAttention:  # a fused attention's [B,H,n,t] record: no value, recomputed on demand
-            self._log.add_derived(index, call, value.stage, value.shape, value.dtype, value.spec, value.device)
+            self._log.add_derived(index, value, call)
         elif type(value) is PathNote:  # said after the eager attention recorded this hook point's value
             calls[index] = call  # not a call of the hook point
             self._log.note_latest(index, value.text)
@@ -233,7 +238,7 @@ class Tracer:
         entry = stack.pop()
         self._last_exited = entry
         if type(output) is torch.Tensor:
-            self._record(index, "output", "", entry[1], output)
+            self._record(index, output, "output", "", entry[1])
         else:
             self._record_all(index, "output", entry[1], output, "")
         if not stack:
@@ -242,7 +247,7 @@ class Tracer:
     def _record_all(self, index: int, kind: str, call: int, obj: Any, prefix: str) -> None:
         items = flatten_tensors(obj, prefix, limit=MAX_TENSORS + 1)
         for slot, t in items[:MAX_TENSORS]:
-            self._record(index, kind, slot, call, t)
+            self._record(index, t, kind, slot, call)
         if len(items) > MAX_TENSORS:
             self._log.add_note(self._log.n_records - 1, f"more tensors followed in this {kind} and were not "
                                                         f"recorded: at most {MAX_TENSORS} per call")
@@ -282,7 +287,7 @@ class Tracer:
         step = self._log.begin_step()
         if self._applied is not None:
             self._applied.set_step(step)
-        self._calls = {}
+        self._calls = self._log.calls
         self._failed_op = None
         self._last_exited = None
         if self.capture == "ops":

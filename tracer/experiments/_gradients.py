@@ -117,7 +117,7 @@ def gradient_trace(generation: TracedGeneration, step: int, loss: str = GRADIENT
     index_of = {info.path: i for i, info in enumerate(modules)}
     log.begin_step()
     for path in got:  # in the order the forward reached them, as a values trace lists them
-        log.add_record(index_of[path], "grad", "", 0, got[path])
+        log.add_record(index_of[path], got[path], "grad", "", 0)
     unreached = [path for path in points if path not in got]
     if got:
         t = generation.facts.width(step)

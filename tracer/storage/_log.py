@@ -27,10 +27,11 @@ from typing import Any, NamedTuple
 import torch
 
 from gpt_shape_tracer.model.gpt import ATTENTION_STAGES as STAGES
-from gpt_shape_tracer.model.gpt import MaskSpec
+from gpt_shape_tracer.model.gpt import DerivedAttention, MaskSpec
 from gpt_shape_tracer.tracer.storage._host import start_host_copy, wait_for_host_copies
 from gpt_shape_tracer.tracer.storage._spill import SpillFile
 from gpt_shape_tracer.tracer.storage._stats import (
+    _DTYPE_NAMES,
     DRY_RUN,
     FLAG_LATER_ELEMENTS,
     FLAGS_HELD_ELEMENTS,
@@ -66,6 +67,7 @@ from gpt_shape_tracer.tracer.storage.records import (
     TraceErrorInfo,
 )
 
+_STRIDED = torch.strided  # read once: a module attribute lookup per record otherwise
 DERIVED_NOTE = ("derived: the fused attention never held it; any region is recomputed exactly from this layer's Q "
                 "and K and the mask description (tracer.attention_region)")
 WRITTEN_BEFORE_CHECK = ("NaN/∞ not checked: this tensor was written in place after it was recorded and before its "
@@ -165,6 +167,7 @@ class TraceLog:
         # decode step's 516 records), and its description is then read once. Held only within a step
         self._last_tensor: torch.Tensor | None = None
         self._last_version = NO_VERSION
+        self._last_kept_version = NO_VERSION  # the kept value's version (a copy's own, when it was copied)
         self._last_tail: tuple = ()
         self._last_value: torch.Tensor | None = None  # what was kept of it: the tensor, or its copy on the host
         self._ops: list[tuple] = []
@@ -191,6 +194,9 @@ class TraceLog:
         self._copies_from = 0  # the first record whose copy may still be landing (those before it have landed)
         self._steps: list[StepRecord] = []
         self._current: int | None = None
+        # calls of each module so far in the step in progress (a record's ``call``): a hook point's counted by
+        # ``add_record``, a module's by the tracer as it is entered
+        self.calls: dict[int, int] = {}
         self._error: TraceErrorInfo | None = None
         self._exception: BaseException | None = None
         self._generation: GenerationInfo | None = None
@@ -444,54 +450,76 @@ class TraceLog:
                 op[0] >= step for op in self._ops[-1:]):
             self.discard_from(step)
         self._current = step
+        self.calls = {}
         self._error = None
         self._exception = None
         self._held_from = len(self._flag_later)
         return step
 
-    def add_record(self, module: int, kind: str, slot: str, call: int, t: torch.Tensor) -> None:
-        """Record one tensor of the step in progress (the tracer's hot path: kept short on purpose)."""
+    def add_record(self, module: int, t: torch.Tensor, kind: str = "hook", slot: str = "", call: int = -1) -> None:
+        """Record one tensor of the step in progress (the tracer's hot path: kept short on purpose). Without a
+        ``call``, a hook point's value: counted here, and dropped outside a step (a hook point called on its own).
+        A hook point's tap hands its tensor straight here (``tracer.capture._hooks``): a Python call fewer for
+        most of a decode step's records, each ~1 µs between the model's matrix products."""
+        step = self._current
+        if call < 0:
+            if step is None:
+                return
+            calls = self.calls
+            call = calls.get(module, 0)
+            calls[module] = call + 1
         raw = self._raw
         index = len(raw)
-        step = self._current
-        if t is self._last_tensor and t._version == self._last_version:  # unchanged: resize_ and set_ bump it
-            tail, value = self._last_tail, self._last_value
+        # each of the tensor's properties read once: each read is a call into torch (~0.1 µs), and a decode step
+        # makes ~500 records between matrix products that have just cleared the caches
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version counter: described (and copied) every time
+            version = NO_VERSION
+        if t is self._last_tensor and version == self._last_version:  # unchanged: resize_ and set_ bump it
+            tail, value, kept_version = self._last_tail, self._last_value, self._last_kept_version
         else:
-            if t.layout is not torch.strided or t.is_nested:
+            if t.layout is not _STRIDED or t.is_nested:
                 self._add_unusual(index, step, module, kind, slot, call, t)
                 return
-            shape = tuple(t.shape)
-            tail = (self._shapes.setdefault(shape, shape), dtype_name(t.dtype), "cpu" if t.is_cpu else t.device.type,
+            size = t.shape  # a torch.Size hashes and compares as the tuple it holds
+            shape = self._shapes.get(size)
+            if shape is None:
+                shape = tuple(size)
+                self._shapes[shape] = shape
+            dtype = t.dtype
+            cpu = t.is_cpu
+            tail = (shape, _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "cpu" if cpu else t.device.type,
                     t.data_ptr() or _meta_address(t))
             value = None
+            kept_version = version
             if self._keep_values:
-                value = t.detach() if t.requires_grad else t
+                value = t.detach() if t.requires_grad else t  # a detached tensor shares the version counter
                 # a value off the host is copied to it, a host one only when asked or when it has no version counter
                 # (inference tensors); either copy may still be landing: waited for once, at the step's end
-                if not value.is_cpu or self._copy_all or value.is_inference():
+                if not cpu or self._copy_all or version == NO_VERSION:
                     if not self._copying:
                         self._copies_from = index
                     self._copying.add(value.device)
                     value = start_host_copy(value)
-            try:
-                self._last_version = t._version
-                self._last_tensor, self._last_tail, self._last_value = t, tail, value
-            except RuntimeError:  # an inference tensor has no version counter: described (and copied) every time
+                    kept_version = version_of(value)
+            if version == NO_VERSION:
                 self._last_tensor = self._last_value = None
-        raw.append((index, step, module, kind, slot, call, *tail))
+            else:
+                self._last_version, self._last_kept_version = version, kept_version
+                self._last_tensor, self._last_tail, self._last_value = t, tail, value
+        # the tail's four fields by index: ``*tail`` would build and grow a list first, then copy it to the tuple
+        raw.append((index, step, module, kind, slot, call, tail[0], tail[1], tail[2], tail[3]))
         if module in self._flag_modules:
             n = t.numel()
-            if n <= FLAG_LATER_ELEMENTS and module not in self._flag_at_once:
-                try:
-                    self._flag_later.append((index, t, t._version))
-                    self._flag_later_elements += n
-                except RuntimeError:  # an inference tensor has no version counter: checked now
-                    self._flag_now(index, t)
-            else:
+            if n <= FLAG_LATER_ELEMENTS and module not in self._flag_at_once and version != NO_VERSION:
+                self._flag_later.append((index, t, version))
+                self._flag_later_elements += n
+            else:  # a large tensor, a module written in place before, or no version counter: checked now
                 self._flag_now(index, t)
         if value is not None:
             assert step is not None  # records arrive inside a step: the tracer begins one when the model is called
-            reason = self._values.put(index, step, value)
+            reason = self._values.put(index, step, value, kept_version)
             if self._prefer_next and module in self._prefer_next:  # the O of a fused layer
                 self._values.prefer(index)
                 self._prefer_next = set()
@@ -506,14 +534,22 @@ class TraceLog:
         else:
             self._flag_ranges.append((index, flag))
 
-    def add_derived(self, module: int, call: int, stage: str, shape: tuple[int, ...], dtype: torch.dtype,
-                    spec: MaskSpec, device: str = "cpu") -> None:
-        """Record an attention stage the fused kernel never materialised: its shape and dtype, no value (the
-        readers recompute any region of it from the layer's Q and K), no statistics."""
+    def add_derived(self, module: int, told: DerivedAttention, call: int = -1) -> None:
+        """Record an attention stage the fused kernel never materialised (what it ``told`` the hook point): its
+        shape and dtype, no value (the readers recompute any region of it from the layer's Q and K), no
+        statistics. Without a ``call``, counted here as ``add_record`` counts a hook point's (the tap hands it
+        straight here)."""
+        if call < 0:
+            if self._current is None:
+                return
+            calls = self.calls
+            call = calls.get(module, 0)
+            calls[module] = call + 1
+        stage, shape, dtype, spec, device = told
         index = len(self._raw)
         shape = tuple(shape)
         self._raw.append((index, self._current, module, "hook", "", call, self._shapes.setdefault(shape, shape),
-                          dtype_name(dtype), device, 0))
+                          _DTYPE_NAMES.get(dtype) or dtype_name(dtype), device, 0))
         pair = self._derived_pairs.get(stage)
         if pair is None or pair[1] is not spec:
             pair = self._derived_pairs[stage] = (stage, spec)

@@ -168,8 +168,9 @@ class ValueStore:
             return False
         return True
 
-    def put(self, index: int, step: int, tensor: torch.Tensor) -> str:
-        """Keep ``tensor`` for record ``index``; returns "" if kept, else why not."""
+    def put(self, index: int, step: int, tensor: torch.Tensor, version: int | None = None) -> str:
+        """Keep ``tensor`` for record ``index``; returns "" if kept, else why not. ``version``: its version counter
+        as the caller read it (read here when not given)."""
         last = self._last_put
         key = last[1] if last is not None and last[0] is tensor else storage_key(tensor)
         self._last_put = (tensor, key)
@@ -189,7 +190,7 @@ class ValueStore:
         self._entries[index] = tensor
         self._kept_step[index] = step
         self._kept_key[index] = key
-        self._kept_version[index] = version_of(tensor)
+        self._kept_version[index] = version_of(tensor) if version is None else version
         self._plain[index] = None  # a new value (or one just dropped and put back) is not preferred
         return ""
 
