@@ -549,7 +549,7 @@ class TraceLog:
         index = len(self._raw)
         shape = tuple(shape)
         self._raw.append((index, self._current, module, "hook", "", call, self._shapes.setdefault(shape, shape),
-                          _DTYPE_NAMES.get(dtype) or dtype_name(dtype), device, 0))
+                          dtype_name(dtype), device, 0))
         pair = self._derived_pairs.get(stage)
         if pair is None or pair[1] is not spec:
             pair = self._derived_pairs[stage] = (stage, spec)
