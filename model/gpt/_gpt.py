@@ -42,7 +42,7 @@ from torch import nn
 
 from gpt_shape_tracer.model.gpt._cache import KVCache, transaction
 from gpt_shape_tracer.model.gpt._config import EXTERNAL_FAMILIES, GPTConfig
-from gpt_shape_tracer.model.gpt._hook_point import HookPoint, TappedModule
+from gpt_shape_tracer.model.gpt._hook_point import HookPoint, TappedModule, listened_each, tell_each
 from gpt_shape_tracer.model.gpt._identity import ModelIdentity, PendingIdentity, computed_identity
 from gpt_shape_tracer.model.gpt._long_attention import MaskSpec, choose_path, fused_attention
 
@@ -364,7 +364,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskS
     B, H, n, _ = q.shape
     points = attention_points(hooks) if hooks is not None else []
     written = [name for name, p in points if p.written]
-    heard = [p.listened for _, p in points]  # asked once: each answer looks up the taps' listener
+    heard = listened_each([p for _, p in points])  # asked once, a tracer's taps once for all the points
     path = choose_path(bool(written), B * H * n * spec.t, any(heard))
     if path == "eager":
         mask = spec.full_additive(q.dtype, q.device)
@@ -378,10 +378,10 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskS
     z = fused_attention(q, k, v, spec)
     if any(heard):
         full, device = (B, H, n, spec.t), q.device.type  # as every record names its device: "cpu", "cuda", "meta"
-        for (stage, point), listened in zip(points, heard):
-            if listened:
-                shape = (spec.batch, 1, n, spec.t) if stage == "mask" else full
-                point.tell(DerivedAttention(stage, shape, q.dtype, spec, device))
+        mask_shape, dtype, new = (spec.batch, 1, n, spec.t), q.dtype, tuple.__new__  # a named tuple's own __new__
+        # is a Python function: tuple's, called directly, builds the same object without a Python call a stage
+        tell_each([(point, new(DerivedAttention, (stage, mask_shape if stage == "mask" else full, dtype, spec, device)))
+                   for (stage, point), listened in zip(points, heard) if listened])
     return z
 
 

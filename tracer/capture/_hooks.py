@@ -85,16 +85,46 @@ def module_table(model: nn.Module) -> list[ModuleInfo]:
                        isinstance(module, HookPoint)) for path, module in model.named_modules()]
 
 
+class _TapGroup:
+    """The hook point taps of one model, as ``HookPoint``'s ``listened_each`` and ``tell_each`` see them: they all
+    answer "listening" alike (a listener is active on this thread for the model, or not), so the question is asked
+    once for a fused attention's n × t points, and their derived stages are heard in one call."""
+
+    __slots__ = ("model_id",)
+
+    def __init__(self, model_id: int) -> None:
+        self.model_id = model_id
+
+    def listening(self) -> bool:
+        active = getattr(_thread, "active", None)
+        return active is not None and active.get(self.model_id) is not None
+
+    def hear(self, told: list[tuple[_Tap, Any]]) -> None:
+        """Each ``(tap, what)`` as the tap would have heard it, in order."""
+        active = getattr(_thread, "active", None)
+        if active:
+            listener = active.get(self.model_id)
+            if listener is not None:
+                derived = listener.record_derived
+                for tap, what in told:
+                    if type(what) is DerivedAttention:
+                        derived(tap.index, what)
+                    elif type(what) is _Tensor:
+                        listener.record_hook(tap.index, what)
+                    else:
+                        listener.on_hook_point(tap.index, what)
+
+
 class _Tap:
     """A hook point's tap: hands the value to the listener active on this thread for the model, if any. It says
     whether it reads now (``listening``, ``HookPoint.listened``): with no listener active an attention layer
     need not make its n × t stages real tensors (an untraced forward of a model a tracer is installed on runs
-    fused, as one with no tracer installed does)."""
+    fused, as one with no tracer installed does). Its ``group`` is the model's ``_TapGroup``."""
 
-    __slots__ = ("index", "model_id")
+    __slots__ = ("group", "index", "model_id")
 
-    def __init__(self, model_id: int, index: int) -> None:
-        self.model_id, self.index = model_id, index
+    def __init__(self, group: _TapGroup, index: int) -> None:
+        self.group, self.model_id, self.index = group, group.model_id, index
 
     def __call__(self, value: Any) -> None:
         active = getattr(_thread, "active", None)
@@ -151,6 +181,7 @@ class InstalledHooks:
         self.model_id = id(model)
         self.modules = module_table(model)
         self._handles: list[Any] = []
+        self._group = _TapGroup(self.model_id)
         self.users = 0
         # modules that overwrite their input (``inplace=True``: ReLU, Dropout, …), read once here: on a module
         # without the attribute ``getattr`` goes through nn.Module's failing lookup, ~1.5 µs per call of a step
@@ -171,7 +202,7 @@ class InstalledHooks:
         self.inplace = frozenset(inplace)
 
     def _tap(self, index: int) -> _Tap:
-        return _Tap(self.model_id, index)
+        return _Tap(self._group, index)
 
     def remove(self) -> None:
         for handle in self._handles:

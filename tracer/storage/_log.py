@@ -209,6 +209,7 @@ class TraceLog:
         self._derived_pairs: dict[str, tuple[str, MaskSpec]] = {}
         self._prefer_next: set[int] = set()  # the module whose next record the budget prefers (a fused layer's O)
         self._module_index: dict[str, int] = {}  # module path → index into modules
+        self._derived_sources: dict[int, tuple[frozenset[int], int, int | None]] = {}  # pattern → _sources_of
         self._epoch = 0  # bumped whenever records are discarded: readers' caches of them are stale
 
     # -- read side (everything public is read-only) --------------------------------------------
@@ -433,6 +434,7 @@ class TraceLog:
             raise ValueError("this trace was recorded on a model with different modules")
         self._modules = modules
         self._module_index = {info.path: i for i, info in enumerate(modules)}
+        self._derived_sources = {}
         self._flag_modules = frozenset(flagged) if not self._keep_values else frozenset()
 
     def set_model(self, identity: ModelIdentity | None) -> None:
@@ -557,13 +559,14 @@ class TraceLog:
         if device != "meta":  # a dry run's record has nothing to recompute from: it says it is a dry run's
             self._notes[index] = DERIVED_NOTE
         if stage == "pattern" and self._keep_values:  # the budget holds what the derived records are made from
-            parent = self._modules[module].path.rsplit(".", 1)[0]
-            where = self._module_index
-            sources = {where[f"{parent}.{hook}"] for hook in DERIVED_SOURCES if f"{parent}.{hook}" in where}
+            found = self._derived_sources.get(module)
+            if found is None:
+                found = self._derived_sources[module] = self._sources_of(module)
+            source_modules, own, z = found
+            sources = set(source_modules)
             first = self._steps[-1].end_record if self._steps else 0
             # back to the attention module's own entry (its input record), not to the step's start: a decode step
             # of 12 layers scanned ~1,800 records a step for 36 sources
-            own = where.get(parent, -1)
             raw = self._raw
             for i in range(index - 1, first - 1, -1):
                 m = raw[i][MODULE]
@@ -574,8 +577,15 @@ class TraceLog:
                         break
                 elif m == own and raw[i][3] == "input":
                     break
-            z = where.get(f"{parent}.hook_z")
             self._prefer_next = {z} if z is not None else set()
+
+    def _sources_of(self, pattern: int) -> tuple[frozenset[int], int, int | None]:
+        """For the pattern hook point ``pattern``: the modules of the records its layer's derived records are made
+        from, the attention module's own index (-1: none) and its ``hook_z``'s (None: none). Found once per layer."""
+        parent = self._modules[pattern].path.rsplit(".", 1)[0]
+        where = self._module_index
+        sources = frozenset(where[f"{parent}.{hook}"] for hook in DERIVED_SOURCES if f"{parent}.{hook}" in where)
+        return sources, where.get(parent, -1), where.get(f"{parent}.hook_z")
 
     def _add_unusual(self, index: int, step: int | None, module: int, kind: str, slot: str, call: int,
                      t: torch.Tensor) -> None:

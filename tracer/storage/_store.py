@@ -114,13 +114,16 @@ class ValueStore:
         self._storages: dict[tuple[int, int], dict[int, None]] = {}
         # index → (summary, step, bytes): pooled digests of evicted values, charged to the same budget
         self._digests: dict[int, tuple[torch.Tensor, int, int]] = {}
-        # the kept values not preferred, oldest first (a dict as an ordered set): the next to evict is its first,
-        # found at once. A preferred value (a fused layer's Q, K, V, O) is kept and not in it: evicted only when
-        # nothing else is left
-        self._plain: dict[int, None] = {}
-        # the last value put and its storage key: a module's input is most often the tensor recorded just before
-        # (the previous module's output, a hook point's value), and asking a tensor for its storage makes an object
-        self._last_put: tuple[torch.Tensor, tuple[int, int]] | None = None
+        # the preferred values (a fused layer's Q, K, V, O), moved here from ``_entries`` by ``prefer``: evicted only
+        # when nothing else is left, so the next value to evict is ``_entries``' first, found at once. Two dicts
+        # rather than an ordered set of the plain ones beside ``_entries``: a decode step puts ~450 values and
+        # prefers ~50, and each put paid that set's insert
+        self._preferred: dict[int, torch.Tensor] = {}
+        # the last value put and its storage key (the key already held for its storage): a module's input is most
+        # often the tensor recorded just before (the previous module's output, a hook point's value), and asking a
+        # tensor for its storage makes an object. Cleared when that value is dropped, so a held one is still kept
+        self._last_tensor: torch.Tensor | None = None
+        self._last_key: tuple[int, int] = (0, 0)
         self._nbytes = 0
         self._peak_nbytes = 0
         self._evicted = 0
@@ -142,56 +145,67 @@ class ValueStore:
         return self._evicted
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._kept_step)
 
     def __contains__(self, index: int) -> bool:
-        return self._verified(index)
+        return self._verified(index) is not None
 
     def get(self, index: int) -> torch.Tensor | None:
-        return self._entries[index] if self._verified(index) else None
+        return self._verified(index)
 
     def items(self) -> Iterator[tuple[int, torch.Tensor]]:
-        for index in [i for i in list(self._entries) if self._verified(i)]:  # a copy: _verified drops a mutated one
-            yield index, self._entries[index]
+        for index in list(self._kept_step):  # a copy, oldest first: _verified drops a mutated one
+            tensor = self._verified(index)
+            if tensor is not None:
+                yield index, tensor
 
     def viewers(self, key: tuple[int, int]) -> list[int]:
         """The records whose kept values view the storage ``key`` (``storage_key``), in order (unverified)."""
         return sorted(self._storages.get(key, ()))
 
-    def _verified(self, index: int) -> bool:
+    def _verified(self, index: int) -> torch.Tensor | None:
+        """The kept value of ``index`` if it is unchanged since it was kept (a changed one is dropped)."""
         tensor = self._entries.get(index)
         if tensor is None:
-            return False
+            tensor = self._preferred.get(index)
+            if tensor is None:
+                return None
         version = self._kept_version[index]
         if version != NO_VERSION and version_of(tensor) != version:
             self.drop(index, note=MUTATED, stats=False)
-            return False
-        return True
+            return None
+        return tensor
 
     def put(self, index: int, step: int, tensor: torch.Tensor, version: int | None = None) -> str:
         """Keep ``tensor`` for record ``index``; returns "" if kept, else why not. ``version``: its version counter
-        as the caller read it (read here when not given)."""
-        last = self._last_put
-        key = last[1] if last is not None and last[0] is tensor else storage_key(tensor)
-        self._last_put = (tensor, key)
-        viewers = self._storages.get(key)
-        if viewers is not None:
-            key = self._kept_key[next(iter(viewers))]  # the equal key already held: one object fewer kept
-            viewers[index] = None
+        as the caller read it (read here when not given). The tracer's hot path at "values": ~450 calls a GPT-2-small
+        decode step, so ``storage_key`` is written out here and the last value's key reused."""
+        if tensor is self._last_tensor:  # still kept (a dropped one is forgotten), so its storage is held
+            key = self._last_key
+            self._storages[key][index] = None
         else:
-            size = key[1]
-            if size > self.budget_bytes:
-                return f"not kept: its storage ({size} B) is larger than the whole budget ({self.budget_bytes} B)"
-            while self._nbytes + size > self.budget_bytes and (self._entries or self._digests):
-                self._evict_oldest()
-            self._storages[key] = {index: None}
-            self._nbytes += size
-            self._peak_nbytes = max(self._peak_nbytes, self._nbytes)
-        self._entries[index] = tensor
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            key = (ptr, storage.nbytes()) if ptr else (id(storage), 0)
+            viewers = self._storages.get(key)
+            if viewers is not None:
+                key = self._kept_key[next(iter(viewers))]  # the equal key already held: one object fewer kept
+                viewers[index] = None
+            else:
+                size = key[1]
+                if size > self.budget_bytes:
+                    return f"not kept: its storage ({size} B) is larger than the whole budget ({self.budget_bytes} B)"
+                while self._nbytes + size > self.budget_bytes and (self._kept_step or self._digests):
+                    self._evict_oldest()
+                self._storages[key] = {index: None}
+                self._nbytes += size
+                if self._nbytes > self._peak_nbytes:
+                    self._peak_nbytes = self._nbytes
+            self._last_tensor, self._last_key = tensor, key
+        self._entries[index] = tensor  # a new value (or one just dropped and put back) is not preferred
         self._kept_step[index] = step
         self._kept_key[index] = key
         self._kept_version[index] = version_of(tensor) if version is None else version
-        self._plain[index] = None  # a new value (or one just dropped and put back) is not preferred
         return ""
 
     def replace(self, index: int, tensor: torch.Tensor) -> None:
@@ -207,17 +221,19 @@ class ValueStore:
     def prefer(self, index: int) -> None:
         """Evict ``index`` only after every value not so preferred: a derived attention record is recomputed from
         it (a fused layer's Q, K, V and O), so the budget holds those first."""
-        if index in self._entries:
-            self._plain.pop(index, None)
+        tensor = self._entries.pop(index, None)
+        if tensor is not None:
+            self._preferred[index] = tensor
 
     def drop(self, index: int, *, note: str | None, stats: bool = True) -> None:
         """Forget a value; ``note`` (if any) tells the owner why, and whether its stats can still be taken."""
-        self._plain.pop(index, None)
         tensor = self._entries.pop(index, None)
         if tensor is None:
-            return
-        if self._last_put is not None and self._last_put[0] is tensor:
-            self._last_put = None  # not held past its value
+            tensor = self._preferred.pop(index, None)
+            if tensor is None:
+                return
+        if tensor is self._last_tensor:
+            self._last_tensor = None  # not held past its value
         del self._kept_step[index]
         key, version = self._kept_key.pop(index), self._kept_version.pop(index)
         if stats and version != NO_VERSION and version_of(tensor) != version:
@@ -237,16 +253,17 @@ class ValueStore:
         """Drop the oldest kept value, or the oldest summary when it belongs to an earlier step. Value by value
         rather than whole steps: a decode step needs a few MB, and making room by dropping the whole prefill
         would cost the statistics of all of it and leave nothing of it to look at."""
-        plain = next(iter(self._plain), None)
-        oldest_value = (plain, self._kept_step[plain]) if plain is not None else next(iter(self._kept_step.items()),
-                                                                                       None)
+        # the oldest value not preferred; with none left, the oldest of all (every one kept is then preferred)
+        oldest = next(iter(self._entries), None)
+        if oldest is None:
+            oldest = next(iter(self._kept_step), None)
         oldest_digest = next(iter(self._digests.items()), None)
-        if oldest_digest is not None and (oldest_value is None or oldest_digest[1][1] < oldest_value[1]):
+        if oldest_digest is not None and (oldest is None or oldest_digest[1][1] < self._kept_step[oldest]):
             self.drop_digest(oldest_digest[0])
             return
-        assert oldest_value is not None  # called only while something is held
+        assert oldest is not None  # called only while something is held
         self._evicted += 1
-        self.drop(oldest_value[0], note=f"evicted: over the {self.budget_bytes} B budget")
+        self.drop(oldest, note=f"evicted: over the {self.budget_bytes} B budget")
 
     # -- summaries of evicted values, under the same budget ---------------------------------------------
     def put_digest(self, index: int, step: int, summary: torch.Tensor) -> bool:
@@ -256,7 +273,7 @@ class ValueStore:
         if size > self.budget_bytes:
             return False
         self.drop_digest(index)
-        while self._nbytes + size > self.budget_bytes and (self._entries or self._digests):
+        while self._nbytes + size > self.budget_bytes and (self._kept_step or self._digests):
             self._evict_oldest()
         self._digests[index] = (summary, step, size)
         self._nbytes += size
@@ -281,7 +298,8 @@ class ValueStore:
         viewers = self._storages.get(storage_key(tensor))
         if not viewers:
             return []
-        return sorted(i for i in viewers if overlaps(tensor, self._entries[i]))
+        entries, preferred = self._entries, self._preferred
+        return sorted(i for i in viewers if overlaps(tensor, entries[i] if i in entries else preferred[i]))
 
     def steps_held(self) -> list[int]:
         return sorted(set(self._kept_step.values()))
