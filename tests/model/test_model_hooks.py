@@ -408,3 +408,78 @@ def test_grouped_attention_without_a_batch_axis_and_in_bf16():
     scores = (qb @ kb.repeat_interleave(2, dim=0).transpose(-2, -1)) / 8 ** 0.5
     assert wb.dtype == torch.bfloat16
     assert torch.equal(wb, torch.softmax(scores.float(), dim=-1).to(torch.bfloat16))
+
+
+def test_a_fused_attention_tells_each_stage_to_plain_taps_and_to_a_group_at_once_in_order():
+    """A fused layer's n × t hook points are asked whether they are listened and told their derived stages
+    together: a tap of a group (a tracer's) is answered and told through its group — one question and one call
+    per layer — while a plain tap still hears each stage at its own point, after whatever was told before it."""
+    from gpt_shape_tracer.model.gpt import DerivedAttention
+    from gpt_shape_tracer.model.gpt._gpt import attention_points
+
+    model = GPT(CONFIG).eval()
+    events: list[tuple] = []
+
+    class Group:
+        def listening(self) -> bool:
+            events.append(("asked",))
+            return True
+
+        def hear(self, told) -> None:
+            events.append(("heard", [(tap.name, what.stage) for tap, what in told]))
+
+    class GroupTap:
+        def __init__(self, group: Group, name: str) -> None:
+            self.group, self.name = group, name
+
+        def __call__(self, value) -> None:  # what a tap without the group's help would hear
+            events.append(("alone", self.name))
+
+    group = Group()
+    attn = model.blocks[0].attn
+    points = attention_points(attn)
+    for stage, point in points:
+        point.add_tap(GroupTap(group, stage))
+    pattern = attn.hook_pattern
+    pattern.add_tap(lambda value: events.append(("plain", type(value) is DerivedAttention and value.stage)))
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 5)))
+    layer = [e for e in events if e != ("asked",)]
+    stages = [stage for stage, _ in points]
+    assert len(stages) == 5 and events.count(("asked",)) == 1  # once for the layer's five points
+    # the group hears every stage (its taps never one by one) before the plain tap on the pattern hears its own
+    assert layer == [("heard", [(s, s) for s in stages]), ("plain", "pattern")]  # the other blocks have no taps
+
+
+def test_listened_each_asks_each_group_once_and_each_plain_tap_itself():
+    from gpt_shape_tracer.model.gpt._hook_point import listened_each
+
+    asked: list[str] = []
+
+    class Group:
+        def __init__(self, answer: bool) -> None:
+            self.answer = answer
+
+        def listening(self) -> bool:
+            asked.append("group")
+            return self.answer
+
+    class Tap:
+        def __init__(self, group=None, answer=None) -> None:
+            self.group = group
+            if answer is not None:
+                self.listening = lambda: asked.append("tap") or answer
+
+        def __call__(self, value) -> None: ...
+
+    quiet, loud = Group(False), Group(True)
+    a, b, c, d = HookPoint(), HookPoint(), HookPoint(), HookPoint()
+    a.add_tap(Tap(quiet))
+    b.add_tap(Tap(quiet))
+    b.add_tap(Tap(answer=True))  # a tap with its own listening(): listened
+    c.add_tap(Tap(quiet))
+    c.add_tap(Tap(loud))
+    d.add_tap(lambda value: None)  # a plain function: always listening
+    assert listened_each([a, b, c, d, HookPoint()]) == [False, True, True, True, False]
+    assert asked == ["group", "tap", "group"]  # quiet asked once for three points, loud once
+    assert [p.listened for p in (a, b, c, d)] == [False, True, True, True]

@@ -295,6 +295,37 @@ def test_the_store_says_when_it_holds_no_view_of_a_storage_any_more():
     assert 3 in store and store.get(3) is copy  # … and its copy is kept in its place
 
 
+def test_the_store_evicts_preferred_values_last_and_counts_a_storage_once_however_it_is_put():
+    """A preferred value (a fused layer's Q, K, V, O: what its derived records are recomputed from) is evicted only
+    once no other value is left, oldest first either way; the same tensor put twice in a row, or a view of a held
+    storage, counts its storage once; everything kept is listed oldest first, preferred or not."""
+    from gpt_shape_tracer.tracer.storage._store import ValueStore
+
+    store = ValueStore(budget_bytes=4 * 1024)  # four 1 KiB storages
+    q, k, x, y = (torch.zeros(256) + i for i in range(4))
+    store.put(0, 0, q)
+    store.put(1, 0, q)  # the same tensor again (a module's input after a hook point's value)
+    store.put(2, 0, q[:64])  # a view of it
+    store.put(3, 0, k)
+    store.put(4, 0, x)
+    store.prefer(0)
+    store.prefer(3)
+    assert store.nbytes == 3 * 1024
+    assert [i for i, _ in store.items()] == [0, 1, 2, 3, 4]
+    store.put(5, 1, y)  # fits: four storages
+    store.put(6, 1, torch.zeros(256))  # room: the oldest plain value's storage (q's, still viewed by 0) is not freed
+    assert 4 not in store and 1 not in store and 2 not in store and 0 in store and 3 in store
+    assert [i for i, _ in store.items()] == [0, 3, 5, 6] and store.nbytes == 4 * 1024
+    store.put(7, 1, torch.zeros(512))  # 2 KiB: both plain ones go (5, 6), the preferred stay
+    assert [i for i, _ in store.items()] == [0, 3, 7] and store.nbytes == 4 * 1024
+    store.put(8, 2, torch.zeros(768))  # 3 KiB: the plain 7 goes, then, still short, the oldest preferred (0)
+    assert [i for i, _ in store.items()] == [3, 8] and store.nbytes == 4 * 1024
+    store.drop(3, note=None)
+    store.put(9, 2, k)  # put again after its drop: counted afresh
+    assert store.get(9) is k and store.nbytes == 4 * 1024 and store.peak_nbytes == 4 * 1024
+    assert store.evicted_count == 7  # 1, 2, 4 (only then is a storage freed), then 5, 6, then 7 and 0
+
+
 def test_a_kept_value_leaves_no_container_for_full_collections_to_walk():
     """Python's full garbage collection walks every tracked object, and how often it runs grows with how many a
     process keeps: the store's own bookkeeping of a kept value is untracked once the collector has seen it (only
