@@ -17,7 +17,9 @@
   called with. Any other module gets a forward pre-hook and a forward hook. A hook point's
   plain tensor goes to the listener's ``record_hook``, a fused attention's stage to its
   ``record_derived`` — a tracer points both straight at its log — and anything else to
-  ``on_hook_point``: most of a decode step's records pass through one Python call fewer.
+  ``on_hook_point``: most of a decode step's records pass through one Python call fewer. A model's hook point
+  taps are one group (``_TapGroup``): a fused attention asks the group once whether its five n × t points are
+  listened, and tells it their derived stages in one call (``HookPoint``'s ``listened_each``, ``tell_each``).
 * **Release never blocks.** A tracer that is garbage-collected releases its
   claim from a finalizer, which can run at any allocation — even inside
   ``acquire`` on this very thread — so a release that finds the lock taken is
