@@ -705,16 +705,17 @@ class TraceLog:
         """The NaN/∞ flags of the records whose reductions wait on their device, read to the host at once."""
         if self._flag_later:
             later, self._flag_later, self._flag_later_elements, self._held_from = self._flag_later, [], 0, 0
-            unchanged = []
+            indices, tensors = [], []
             for index, t, version in later:
                 if t._version == version:
-                    unchanged.append((index, t))
+                    indices.append(index)
+                    tensors.append(t)
                 else:  # its numbers are not the recorded ones any more: not checked, and its module checked
                     self._flags[index] = Finite.UNKNOWN  # as recorded from now on (one such write is enough)
                     old = self._notes.get(index)
                     self._notes[index] = f"{old}; {WRITTEN_BEFORE_CHECK}" if old else WRITTEN_BEFORE_CHECK
                     self._flag_at_once.add(self._raw[index][MODULE])
-            self._flags.update(zip((i for i, _ in unchanged), flags_of_tensors([t for _, t in unchanged])))
+            self._flags.update(zip(indices, flags_of_tensors(tensors)))
         if self._flag_ranges:
             ranges, self._flag_ranges = self._flag_ranges, []
             self._flags.update(zip((i for i, _ in ranges), flags_of_ranges([r for _, r in ranges])))

@@ -264,23 +264,35 @@ def _flaggable(t: torch.Tensor) -> torch.Tensor | int:
 def flags_of_tensors(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The flags of many tensors, in order. Those of one device, dtype and shape (a decode step's residual
     stream: [1, 1, d] each) are stacked and reduced together, min and max along each one's elements; all are
-    read to the host together — where a reduction per record cost a dispatch per record."""
+    read to the host together — where a reduction per record cost a dispatch per record. Each tensor is asked
+    for its device, dtype and shape only: what else decides its flag (a meta tensor, an integer or empty one) is
+    the same for its whole group, asked of the group's first (the held checks of 14 GPT-2 decode steps, 518
+    tensors, took 2.4 ms asked one by one)."""
     flags: list[int] = [Finite.UNKNOWN] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], list[tuple[int, torch.Tensor]]] = {}
+    groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
     for i, t in enumerate(tensors):
-        x = _flaggable(t)
-        if isinstance(x, int):
-            flags[i] = x
+        key = (t.device, t.dtype, t.shape)
+        members = groups.get(key)
+        if members is None:
+            groups[key] = [i]
         else:
-            groups.setdefault((x.device, x.dtype, tuple(x.shape)), []).append((i, x))
+            members.append(i)
     order: list[int] = []
     ranges: list[tuple[torch.Tensor, torch.Tensor]] = []
     for members in groups.values():
-        order += (i for i, _ in members)
+        first = _flaggable(tensors[members[0]])
+        if isinstance(first, int):  # the same answer for every member: same device, dtype and shape
+            for i in members:
+                flags[i] = first
+            continue
+        order += members
         if len(members) == 1:
-            ranges.append(torch.aminmax(members[0][1]))
-        else:  # [k, …] -> [k, numel]: each row one tensor
-            ranges.append(_row_ranges(torch.stack([x for _, x in members]).view(len(members), -1)))
+            ranges.append(torch.aminmax(first))
+        else:  # [k, …] -> [k, numel]: each row one tensor (a stack, so no autograd graph: no_grad here)
+            stacked = torch.stack([tensors[i] for i in members])
+            if stacked.is_complex():
+                stacked = torch.view_as_real(stacked)
+            ranges.append(_row_ranges(stacked.view(len(members), -1)))
     for i, flag in zip(order, flags_of_ranges(ranges)):
         flags[i] = flag
     return flags
@@ -305,22 +317,19 @@ def flags_of_ranges(ranges: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list
         groups.setdefault(lo.device, []).append(i)
     flags: list[list[int]] = [[] for _ in ranges]
     for members in groups.values():
-        # lows then highs of every member, one vector (cat promotes mixed dtypes; a wider one holds any narrower)
+        # the lows of every member one vector, the highs another (cat promotes mixed dtypes; a wider one holds any
+        # narrower), and each one's flag worked out there: NaN makes both ends NaN, +∞ is the largest, −∞ the
+        # smallest (a Python call per flag cost a held step's 500-odd checks 0.2 ms)
         sizes = [ranges[i][0].numel() for i in members]
-        parts = [ranges[i][0].reshape(-1) for i in members] + [ranges[i][1].reshape(-1) for i in members]
-        read = torch.cat(parts).tolist()
-        half, at = len(read) // 2, 0
+        lows = torch.cat([ranges[i][0].reshape(-1) for i in members])
+        highs = torch.cat([ranges[i][1].reshape(-1) for i in members])
+        read = torch.where(highs.isnan() | (highs == math.inf), Finite.BAD,
+                           torch.where(lows == -math.inf, Finite.NEG_INF, Finite.CLEAN)).tolist()
+        at = 0
         for i, k in zip(members, sizes):
-            flags[i] = [_flag_of(lo, hi) for lo, hi in zip(read[at : at + k], read[half + at : half + at + k])]
+            flags[i] = read[at : at + k]
             at += k
     return [f for fl in flags for f in fl]
-
-
-def _flag_of(lo: float, hi: float) -> int:
-    """From a tensor's smallest and largest elements: NaN makes both NaN, +∞ is the largest, −∞ the smallest."""
-    if math.isnan(hi) or hi == math.inf:
-        return Finite.BAD
-    return Finite.NEG_INF if lo == -math.inf else Finite.CLEAN
 
 
 def _fmt(v: float) -> str:
