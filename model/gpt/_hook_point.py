@@ -63,15 +63,15 @@ class HookPoint(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._taps: tuple = ()
+        self.taps: tuple = ()  # in the order added; read them here, change them through add_tap / remove_tap
 
     def add_tap(self, tap) -> TapHandle:
         """Call ``tap(tensor)`` on every value passing this point, until the handle is removed."""
-        self._taps = (*self._taps, tap)
+        self.taps = (*self.taps, tap)
         return TapHandle(self, tap)
 
     def remove_tap(self, tap) -> None:
-        self._taps = tuple(t for t in self._taps if t is not tap)
+        self.taps = tuple(t for t in self.taps if t is not tap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -79,7 +79,7 @@ class HookPoint(nn.Module):
     def tell(self, what: object) -> None:
         """Hand the taps a description instead of a tensor: a fused attention announces its ``[B,H,n,t]``
         records this way (``DerivedAttention``), and a tracer records them as derived (no value)."""
-        for tap in self._taps:
+        for tap in self.taps:
             tap(what)
 
     @property
@@ -97,7 +97,7 @@ class HookPoint(nn.Module):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if _torch_runs_more(self):
             x = super().__call__(x)  # identity, then the forward hooks, which may replace x
-        for tap in self._taps:
+        for tap in self.taps:
             tap(x)
         return x
 
@@ -113,7 +113,7 @@ def listened_each(points: Sequence[HookPoint]) -> list[bool]:
     heard = []
     for point in points:
         yes = False
-        for tap in point._taps:
+        for tap in point.taps:
             group = getattr(tap, "group", None)
             if group is None:
                 yes = getattr(tap, "listening", _always)()
@@ -134,7 +134,7 @@ def tell_each(told: Sequence[tuple[HookPoint, object]]) -> None:
     group is called in its place, after everything told before it has been heard."""
     together: dict[Any, list[tuple[Any, object]]] = {}
     for point, what in told:
-        for tap in point._taps:
+        for tap in point.taps:
             group = getattr(tap, "group", None)
             if group is None:
                 _hear(together)
@@ -165,18 +165,18 @@ class TappedModule(nn.Module):
     checks and a forward hook pair cost 2–3 µs per module call, 125 calls in a GPT-2 small forward (a tracer read
     them with hooks until ``bench/bench_tracer.py`` said a decode step paid that for every module)."""
 
-    _taps: tuple = ()
+    taps: tuple = ()  # in the order added; read them here, change them through add_tap / remove_tap
 
     def add_tap(self, tap) -> TapHandle:
         """Call ``tap.enter`` and ``tap.leave`` around every call of this module, until the handle is removed."""
-        self._taps = (*self._taps, tap)
+        self.taps = (*self.taps, tap)
         return TapHandle(self, tap)
 
     def remove_tap(self, tap) -> None:
-        self._taps = tuple(t for t in self._taps if t is not tap)
+        self.taps = tuple(t for t in self.taps if t is not tap)
 
     def __call__(self, *args, **kwargs):
-        taps = self._taps
+        taps = self.taps
         for tap in taps:
             tap.enter(self, args, kwargs)
         if _torch_runs_more(self) or torch.jit.is_tracing():

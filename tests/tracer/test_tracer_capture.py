@@ -22,7 +22,7 @@ def gpt():
 
 
 def no_hooks_left(model: nn.Module) -> bool:
-    return all(not m._forward_hooks and not m._forward_pre_hooks and not getattr(m, "_taps", ())
+    return all(not m._forward_hooks and not m._forward_pre_hooks and not getattr(m, "taps", ())
                for m in model.modules())
 
 

@@ -300,4 +300,4 @@ def test_head_scores_stop_the_probe_after_the_last_pattern_and_score_what_a_full
         want = torch.stack([role_scores(tr.trace.get(act_name("pattern", L), 0).double(), length)[role]
                             for L in range(model.config.n_layer)]).float()
         assert torch.equal(scores[role], want), role
-    assert not any(getattr(m, "_taps", ()) for m in model.modules())  # the probe's stop is gone
+    assert not any(getattr(m, "taps", ()) for m in model.modules())  # the probe's stop is gone
