@@ -289,9 +289,8 @@ def flags_of_tensors(tensors: Sequence[torch.Tensor]) -> list[int]:
         if len(members) == 1:
             ranges.append(torch.aminmax(first))
         else:  # [k, …] -> [k, numel]: each row one tensor (a stack, so no autograd graph: no_grad here)
-            stacked = torch.stack([tensors[i] for i in members])
-            if stacked.is_complex():
-                stacked = torch.view_as_real(stacked)
+            stacked = _flaggable(torch.stack([tensors[i] for i in members]))
+            assert not isinstance(stacked, int)  # the first member's device, dtype and shape: flaggable as it is
             ranges.append(_row_ranges(stacked.view(len(members), -1)))
     for i, flag in zip(order, flags_of_ranges(ranges)):
         flags[i] = flag

@@ -163,13 +163,16 @@ class ValueStore:
         """The records whose kept values view the storage ``key`` (``storage_key``), in order (unverified)."""
         return sorted(self._storages.get(key, ()))
 
+    def _held(self, index: int) -> torch.Tensor | None:
+        """The value kept for ``index``, preferred or not, unchecked."""
+        tensor = self._entries.get(index)
+        return tensor if tensor is not None else self._preferred.get(index)
+
     def _verified(self, index: int) -> torch.Tensor | None:
         """The kept value of ``index`` if it is unchanged since it was kept (a changed one is dropped)."""
-        tensor = self._entries.get(index)
+        tensor = self._held(index)
         if tensor is None:
-            tensor = self._preferred.get(index)
-            if tensor is None:
-                return None
+            return None
         version = self._kept_version[index]
         if version != NO_VERSION and version_of(tensor) != version:
             self.drop(index, note=MUTATED, stats=False)
@@ -179,14 +182,12 @@ class ValueStore:
     def put(self, index: int, step: int, tensor: torch.Tensor, version: int | None = None) -> str:
         """Keep ``tensor`` for record ``index``; returns "" if kept, else why not. ``version``: its version counter
         as the caller read it (read here when not given). The tracer's hot path at "values": ~450 calls a GPT-2-small
-        decode step, so ``storage_key`` is written out here and the last value's key reused."""
+        decode step, so the last value's key is reused."""
         if tensor is self._last_tensor:  # still kept (a dropped one is forgotten), so its storage is held
             key = self._last_key
             self._storages[key][index] = None
         else:
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
-            key = (ptr, storage.nbytes()) if ptr else (id(storage), 0)
+            key = storage_key(tensor)
             viewers = self._storages.get(key)
             if viewers is not None:
                 key = self._kept_key[next(iter(viewers))]  # the equal key already held: one object fewer kept
@@ -298,8 +299,13 @@ class ValueStore:
         viewers = self._storages.get(storage_key(tensor))
         if not viewers:
             return []
-        entries, preferred = self._entries, self._preferred
-        return sorted(i for i in viewers if overlaps(tensor, entries[i] if i in entries else preferred[i]))
+        found = []
+        for i in viewers:
+            held = self._held(i)
+            assert held is not None  # a storage's viewers are exactly the values kept of it
+            if overlaps(tensor, held):
+                found.append(i)
+        return sorted(found)
 
     def steps_held(self) -> list[int]:
         return sorted(set(self._kept_step.values()))
