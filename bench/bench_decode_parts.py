@@ -52,10 +52,11 @@ def tracers(model) -> dict[str, Tracer]:
         tr = Tracer(model, capture="shapes", budget_bytes=8 * 2**30).install()
         if setting == "null":
             tr.on_enter = tr.on_exit = tr.on_hook_point = _nothing  # type: ignore[method-assign]
-            tr.record_hook = tr.record_derived = _nothing
+            tr.record_hook = tr.record_derived = tr.record_derived_each = _nothing
         elif setting == "norecord":
             tr._record = _nothing  # noqa: SLF001 - the bench takes the record out to time the rest
-            tr.record_hook = tr.record_derived = _nothing  # a hook point's value goes straight to the log
+            # a hook point's value and a fused layer's stages go straight to the log
+            tr.record_hook = tr.record_derived = tr.record_derived_each = _nothing
         made[setting] = tr
     _no_flags(made["noflags"])
     return made

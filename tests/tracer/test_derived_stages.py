@@ -11,6 +11,7 @@ import math
 import tempfile
 from pathlib import Path
 
+import pandas
 import pytest
 import torch
 
@@ -98,6 +99,47 @@ def test_our_gpt_derived_stages_equal_the_materialised_ones_record_by_record(fam
     with tempfile.TemporaryDirectory() as d:
         save_trace(traces["auto"], Path(d) / "t")
         assert_same_records(traces["eager"], load_trace(Path(d) / "t"))
+
+
+@pytest.mark.parametrize("capture", ["shapes", "values", "ops"])
+def test_a_fused_layers_stages_reach_the_tracer_in_one_call_and_are_recorded_as_one_by_one(capture):
+    """A fused layer's five derived stages reach a tracer in one call (``record_derived_each``, from its taps'
+    group), and leave the records, call numbers, notes, values and flags that telling each stage on its own
+    (``record_derived``) leaves: a batch of two with padding, a prefill and cached steps."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.for_family("llama", vocab_size=64, n_ctx=64, d_model=32, n_layer=2, n_head=4,
+                                     n_kv_head=2)).eval()
+    tokens = torch.randint(0, 64, (2, 12))
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[1, :3] = False
+    heard: dict[str, list] = {"together": [], "one by one": []}
+    traces = {}
+    for way in heard:
+        tracer = Tracer(model, capture=capture)
+        each = tracer.record_derived_each
+        if way == "together":
+            tracer.record_derived_each = lambda told, each=each: (heard["together"].append(
+                [stage.stage for _, stage in told]), each(told))[-1]
+        else:  # the same stages handed over one at a time, as a tap outside the group would
+            tracer.record_derived_each = lambda told, one=tracer.record_derived: [
+                (heard["one by one"].append(stage.stage), one(index, stage)) for index, stage in told]
+        cache = model.new_cache(2)
+        with torch.no_grad(), tracer:
+            model(tokens[:, :9], cache, padding_mask=padding[:, :9])
+            for i in range(9, 12):
+                model(tokens[:, i:i + 1], cache)  # the cache remembers the prompt's padding
+        traces[way] = tracer.trace
+    stages = ["qk", "scores", "mask", "masked_scores", "pattern"]
+    assert heard["together"] == [stages] * (4 * 2)  # one call a layer, four steps of two layers
+    assert heard["one by one"] == stages * (4 * 2)
+    a, b = traces["together"], traces["one by one"]
+    frame_a, frame_b = a.to_frame(stats=capture != "shapes"), b.to_frame(stats=capture != "shapes")
+    assert len(frame_a) > 0
+    pandas.testing.assert_frame_equal(frame_a, frame_b)  # every column: names, calls, shapes, notes, flags, stats
+    for ra, rb in zip(a.records, b.records, strict=True):
+        va, vb = a.value(ra), b.value(rb)
+        assert (va is None) == (vb is None) and (va is None or torch.equal(va, vb)), ra.name
+    assert sum(is_derived(a, r) for r in a.records) == 5 * 4 * 2
 
 
 def test_the_table_reads_a_derived_trace_as_an_eager_one():

@@ -517,3 +517,31 @@ def test_a_finished_trace_goes_with_its_last_reference_not_at_the_next_collectio
             assert value() is None  # the kept value went too
     finally:
         gc.enable()
+
+
+def test_a_module_output_takes_the_axes_of_the_hook_point_beside_it_not_of_a_later_tensor_at_its_address():
+    """A module's output has no axes of its own: it takes those of the hook point that saw the same tensor (the same
+    address and shape). The allocator hands a freed tensor's memory to a later tensor within a step, so an address
+    and a shape can come back on another one: with V = d_qkv, a layer's W_QKV output was labelled [B, n, V], from
+    the logits that later took its memory (in the traces after the first, in a shapes capture: nothing kept)."""
+    torch.manual_seed(0)
+    config = GPTConfig.for_family("llama", vocab_size=64, n_ctx=64, d_model=32, n_layer=2, n_head=4, n_kv_head=2)
+    assert config.vocab_size == (config.n_head + 2 * config.n_kv_heads) * config.d_head  # both [B, n, 64]
+    model = GPT(config).eval()
+    tokens = torch.randint(0, 64, (2, 12))
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[1, :3] = False
+    want = {"c_attn:out": ("B", "n", "d_qkv"), "c_attn:in[0]": ("B", "n", "d"), "unembed:out": ("B", "n", "V")}
+    for _ in range(4):
+        cache = model.new_cache(2)
+        with torch.no_grad(), Tracer(model, capture="shapes") as tracer:  # no value kept: memory is reused
+            model(tokens[:, :9], cache, padding_mask=padding[:, :9])
+            for i in range(9, 12):
+                model(tokens[:, i:i + 1], cache)
+        seen = 0
+        for record in tracer.trace.records:
+            for suffix, axes in want.items():
+                if record.name.endswith(suffix):
+                    assert record.axes == axes, (record.step, record.name)
+                    seen += 1
+        assert seen == 4 * (2 * 2 + 1)  # four steps: two layers' W_QKV in and out, the unembedding's output

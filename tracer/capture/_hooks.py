@@ -39,13 +39,16 @@ from gpt_shape_tracer.tracer.storage.records import ModuleInfo
 
 
 class Listener(Protocol):
-    """What a tracer offers the hooks (the five calls they make)."""
+    """What a tracer offers the hooks (the six calls they make)."""
 
     def record_hook(self, index: int, value: torch.Tensor) -> None:
         """A hook point's value that is a plain tensor (``on_hook_point`` gets any other value)."""
 
     def record_derived(self, index: int, value: DerivedAttention) -> None:
         """A fused attention's stage told to its hook point."""
+
+    def record_derived_each(self, told: list[tuple[int, DerivedAttention]]) -> None:
+        """A fused attention's stages told to their hook points together, ``(index, stage)`` in order."""
 
     def on_enter(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None: ...
 
@@ -102,11 +105,20 @@ class _TapGroup:
         return active is not None and active.get(self.model_id) is not None
 
     def hear(self, told: list[tuple[_Tap, Any]]) -> None:
-        """Each ``(tap, what)`` as the tap would have heard it, in order."""
+        """Each ``(tap, what)`` as the tap would have heard it, in order: a fused layer's stages (all derived) in
+        one call to the listener."""
         active = getattr(_thread, "active", None)
         if active:
             listener = active.get(self.model_id)
             if listener is not None:
+                stages = []
+                for tap, what in told:
+                    if type(what) is not DerivedAttention:
+                        break
+                    stages.append((tap.index, what))
+                else:
+                    listener.record_derived_each(stages)
+                    return
                 derived = listener.record_derived
                 for tap, what in told:
                     if type(what) is DerivedAttention:

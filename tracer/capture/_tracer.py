@@ -131,6 +131,9 @@ class Tracer:
         # tensor calls
         self.record_hook = self.on_hook_point if capture == "ops" else self._log.add_record
         self.record_derived = self.on_hook_point if capture == "ops" else self._log.add_derived
+        # (at "ops" level through _flagged, which holds this tracer weakly: a bound method kept on it would be a cycle)
+        self.record_derived_each = self._flagged(self._each_on_hook_point) if capture == "ops" \
+            else self._log.add_derived_each
 
     # -- lifetime ------------------------------------------------------------------------------
     def install(self) -> Tracer:
@@ -230,6 +233,10 @@ class Tracer:
             self._log.note_latest(index, value.text)
         else:
             self._record_all(index, "hook", call, value, "")
+
+    def _each_on_hook_point(self, told: list[tuple[int, Any]]) -> None:
+        for index, value in told:
+            self.on_hook_point(index, value)
 
     def on_exit(self, index: int, module: nn.Module, output: Any) -> None:
         stack = self._stack

@@ -185,11 +185,17 @@ class Trace:
         resolver = AxisResolver(self.config)
         axes = [resolver.axes(n, tuple(r.shape)) if r.kind in HOOK_VALUED or n.endswith("in[0]") else (None, "")
                 for r, n in zip(raws, names)]
-        # a module's input or output is usually the very tensor a hook point saw: it has that tensor's axes
-        by_tensor = {(r.data_ptr, tuple(r.shape)): a for r, a in zip(raws, axes) if a[0] is not None and r.data_ptr}
-        for raw, name, (rec_axes, note) in zip(raws, names, axes):
-            if rec_axes is None:
-                rec_axes, note = by_tensor.get((raw.data_ptr, tuple(raw.shape)), (None, ""))
+        # a module's input or output is usually the very tensor a hook point beside it saw: it has that tensor's
+        # axes. The nearest such record, not any: the allocator hands a freed tensor's memory to a later one within
+        # a step, so the same address and shape further on may be another tensor (a layer's [B,n,d_qkv] and the
+        # logits' [B,n,V] where V = d_qkv)
+        by_tensor: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for i, (r, a) in enumerate(zip(raws, axes)):
+            if a[0] is not None and r.data_ptr:
+                by_tensor.setdefault((r.data_ptr, tuple(r.shape)), []).append(i)
+        for i, (raw, name, (rec_axes, note)) in enumerate(zip(raws, names, axes)):
+            if rec_axes is None and (near := by_tensor.get((raw.data_ptr, tuple(raw.shape)))):
+                rec_axes, note = axes[min(near, key=lambda j: abs(j - i))]
             info = modules[raw.module]
             rec = TensorRecord(
                 index=raw.number, step=raw.step, name=name, module=info.path, module_type=info.type, kind=raw.kind,

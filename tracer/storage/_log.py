@@ -542,43 +542,57 @@ class TraceLog:
         shape and dtype, no value (the readers recompute any region of it from the layer's Q and K), no
         statistics. Without a ``call``, counted here as ``add_record`` counts a hook point's (the tap hands it
         straight here)."""
-        if call < 0:
-            if self._current is None:
-                return
-            calls = self.calls
-            call = calls.get(module, 0)
-            calls[module] = call + 1
-        stage, shape, dtype, spec, device = told
-        index = len(self._raw)
-        shape = tuple(shape)
-        self._raw.append((index, self._current, module, "hook", "", call, self._shapes.setdefault(shape, shape),
-                          dtype_name(dtype), device, 0))
-        pair = self._derived_pairs.get(stage)
-        if pair is None or pair[1] is not spec:
-            pair = self._derived_pairs[stage] = (stage, spec)
-        self._derived[index] = pair
-        if device != "meta":  # a dry run's record has nothing to recompute from: it says it is a dry run's
-            self._notes[index] = DERIVED_NOTE
-        if stage == "pattern" and self._keep_values:  # the budget holds what the derived records are made from
-            found = self._derived_sources.get(module)
-            if found is None:
-                found = self._derived_sources[module] = self._sources_of(module)
-            source_modules, own, z = found
-            sources = set(source_modules)
-            first = self._steps[-1].end_record if self._steps else 0
-            # back to the attention module's own entry (its input record), not to the step's start: a decode step
-            # of 12 layers scanned ~1,800 records a step for 36 sources
-            raw = self._raw
-            for i in range(index - 1, first - 1, -1):
-                m = raw[i][MODULE]
-                if m in sources:
-                    sources.discard(m)
-                    self._values.prefer(i)
-                    if not sources:
-                        break
-                elif m == own and raw[i][3] == "input":
+        self.add_derived_each(((module, told),), call)
+
+    def add_derived_each(self, told: Sequence[tuple[int, DerivedAttention]], call: int = -1) -> None:
+        """``add_derived`` for each ``(module, stage)`` in order: a fused layer's five stages in one call (its taps'
+        group hears them together), one loop over locals instead of a call per stage (docs/benchmarks.md, sixteenth
+        stop)."""
+        step = self._current
+        if call < 0 and step is None:
+            return
+        calls, raw, shapes, pairs = self.calls, self._raw, self._shapes, self._derived_pairs
+        for module, (stage, shape, dtype, spec, device) in told:
+            if call < 0:
+                made = calls.get(module, 0)
+                calls[module] = made + 1
+            else:
+                made = call
+            index = len(raw)
+            shape = tuple(shape)
+            raw.append((index, step, module, "hook", "", made, shapes.setdefault(shape, shape),
+                        _DTYPE_NAMES.get(dtype) or dtype_name(dtype), device, 0))
+            pair = pairs.get(stage)
+            if pair is None or pair[1] is not spec:
+                pair = pairs[stage] = (stage, spec)
+            self._derived[index] = pair
+            if device != "meta":  # a dry run's record has nothing to recompute from: it says it is a dry run's
+                self._notes[index] = DERIVED_NOTE
+            if stage == "pattern" and self._keep_values:  # the budget holds what the derived records are made from
+                self._prefer_sources(index, module)
+
+    def _prefer_sources(self, index: int, pattern: int) -> None:
+        """Keep the records a layer's derived ones are recomputed from (its Q, K, V and O) last under the budget:
+        ``index`` is the pattern hook point's record, ``pattern`` its module."""
+        found = self._derived_sources.get(pattern)
+        if found is None:
+            found = self._derived_sources[pattern] = self._sources_of(pattern)
+        source_modules, own, z = found
+        sources = set(source_modules)
+        first = self._steps[-1].end_record if self._steps else 0
+        # back to the attention module's own entry (its input record), not to the step's start: a decode step
+        # of 12 layers scanned ~1,800 records a step for 36 sources
+        raw = self._raw
+        for i in range(index - 1, first - 1, -1):
+            m = raw[i][MODULE]
+            if m in sources:
+                sources.discard(m)
+                self._values.prefer(i)
+                if not sources:
                     break
-            self._prefer_next = {z} if z is not None else set()
+            elif m == own and raw[i][3] == "input":
+                break
+        self._prefer_next = {z} if z is not None else set()
 
     def _sources_of(self, pattern: int) -> tuple[frozenset[int], int, int | None]:
         """For the pattern hook point ``pattern``: the modules of the records its layer's derived records are made
