@@ -8,6 +8,7 @@ change after a record exists (the budget evicts, statistics are lazy).
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import fnmatch
 import math
@@ -195,7 +196,9 @@ class Trace:
                 by_tensor.setdefault((r.data_ptr, tuple(r.shape)), []).append(i)
         for i, (raw, name, (rec_axes, note)) in enumerate(zip(raws, names, axes)):
             if rec_axes is None and (near := by_tensor.get((raw.data_ptr, tuple(raw.shape)))):
-                rec_axes, note = axes[min(near, key=lambda j: abs(j - i))]
+                at = bisect.bisect(near, i)  # near is in record order: the closest is just before or at ``at``
+                j = near[at - 1] if at == len(near) or (at > 0 and i - near[at - 1] <= near[at] - i) else near[at]
+                rec_axes, note = axes[j]
             info = modules[raw.module]
             rec = TensorRecord(
                 index=raw.number, step=raw.step, name=name, module=info.path, module_type=info.type, kind=raw.kind,
