@@ -39,7 +39,7 @@ import gpt_shape_tracer.tracer.storage._log as tracer_log
 from gpt_shape_tracer.model import load_hf_gpt2
 from gpt_shape_tracer.model.gpt import attention_path
 from gpt_shape_tracer.session.memory import reuse_freed_memory
-from gpt_shape_tracer.tracer import Tracer
+from gpt_shape_tracer.tracer import Tracer, hooks_installed
 from gpt_shape_tracer.tracer.storage._stats import FLAG_LATER_ELEMENTS, finite_flag, flag_range
 
 MODES = (None, "shapes", "shapes/read", "values", "ops")
@@ -92,7 +92,10 @@ def _run_once(model, prompt, feed, capture):
 
 def plain_twin(model):
     """A second module tree over the same parameter and buffer tensors (one copy of the weights in memory): the
-    untraced side of a pair, on which no tracer ever puts its taps."""
+    untraced side of a pair, on which no tracer ever puts its taps. Made while none is on ``model`` either: a copy
+    would carry its taps along, routing the twin's forwards to the model's tracer."""
+    if hooks_installed(model):
+        raise RuntimeError("a tracer is installed on the model: close it before making its twin")
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     return copy.deepcopy(model, shared)
 
