@@ -98,7 +98,8 @@ class RawRecord(NamedTuple):
     data_ptr: int  # where the first element lived: equal pointers within a step mean one tensor
 
 
-STEP, MODULE, DEVICE, DATA_PTR = (RawRecord._fields.index(f) for f in ("step", "module", "device", "data_ptr"))
+STEP, MODULE, KIND, DEVICE, DATA_PTR = (RawRecord._fields.index(f)
+                                        for f in ("step", "module", "kind", "device", "data_ptr"))
 
 
 def _meta_address(t: torch.Tensor) -> int:
@@ -590,7 +591,7 @@ class TraceLog:
                 self._values.prefer(i)
                 if not sources:
                     break
-            elif m == own and raw[i][3] == "input":
+            elif m == own and raw[i][KIND] == "input":
                 break
         self._prefer_next = {z} if z is not None else set()
 
